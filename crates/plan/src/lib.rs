@@ -1,1 +1,33 @@
-//! ferrotron-plan
+//! ferrotron-plan: exact memory planning for LLM training.
+//!
+//! From an HF `config.json`, a recipe and a parallel layout, build the named buffers each rank
+//! holds and the order they live in over two optimizer steps (`MemoryPlan`), then read peaks,
+//! breakdowns and timelines off it. See docs/FORMULAS.md for every formula and its source.
+
+pub mod activations;
+pub mod buffers;
+pub mod convention;
+pub mod error;
+pub mod hardware;
+pub mod inventory;
+pub mod layout;
+pub mod memory;
+pub mod model;
+pub mod planner;
+pub mod presets;
+pub mod recipe;
+pub mod schedule;
+pub mod states;
+pub mod timeline;
+pub mod verdict;
+pub mod report;
+
+pub use convention::Convention;
+pub use error::{PlanError, Result};
+pub use layout::{Layout, Offload, PpSchedule};
+pub use memory::{Breakdown, Category, MemoryPlan};
+pub use model::ModelSpec;
+pub use planner::{plan, ModelSource, PlanInput, PlanResult, RankPlan};
+pub use recipe::{DType, Optimizer, Precision, Recipe, Recompute};
+
+pub const GIB: f64 = (1u64 << 30) as f64;

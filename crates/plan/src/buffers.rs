@@ -1,0 +1,83 @@
+//! Communication and staging buffers of one rank, by parallel dimension.
+
+use crate::activations::Dims;
+use crate::inventory::{Placement, Tensor};
+use crate::layout::{Layout, Offload};
+use crate::memory::Category;
+use crate::model::ModelSpec;
+use crate::recipe::{DType, Precision, Recipe};
+
+/// A buffer and when it first appears (then it stays: these are reused workspaces).
+pub struct CommBuf {
+    pub name: &'static str,
+    pub dtype: DType,
+    pub numel: u64,
+    pub category: Category,
+    /// Allocated at the first forward (else at the first backward).
+    pub from_forward: bool,
+}
+
+/// Elements of the largest "unit" a ZeRO-3 implementation gathers at once on this stage: one
+/// transformer layer, or the embedding, or the head (per tensor-parallel rank).
+pub fn largest_unit(tensors: &[Tensor], tp: u64, on_stage: impl Fn(Placement) -> bool) -> u64 {
+    let mut units: std::collections::BTreeMap<String, u64> = Default::default();
+    for t in tensors.iter().filter(|t| on_stage(t.placement)) {
+        let key = format!("{:?}", t.placement);
+        *units.entry(key).or_default() += t.numel_tp(tp);
+    }
+    units.values().copied().max().unwrap_or(0)
+}
+
+pub fn comm_buffers(
+    m: Option<&ModelSpec>,
+    r: &Recipe,
+    l: &Layout,
+    unit: u64,
+    bucket_bytes: u64,
+) -> Vec<CommBuf> {
+    let st = r.precision.storage();
+    let mut out = Vec::new();
+    let mut add = |name, dtype: DType, numel: u64, category, from_forward| {
+        if numel > 0 {
+            out.push(CommBuf { name, dtype, numel, category, from_forward });
+        }
+    };
+    let cb = Category::CommBuffers;
+    // ZeRO-3 and parameter offload gather one unit at a time and prefetch the next
+    // (Rajbhandari et al. 2020 §5.3; DeepSpeed's prefetch), and hold one unit of full
+    // gradients before its reduce-scatter.
+    if l.zero >= 3 || l.offload == Offload::Params {
+        add("zero3.gathered_params", st, 2 * unit, cb, true);
+        add("zero3.unsharded_grads", st, unit, cb, false);
+    }
+    // ZeRO-2 reduce-scatters gradients bucket by bucket; two buckets in flight overlap
+    // communication with the backward (PyTorch DDP's default bucket_cap_mb = 25).
+    if l.zero == 2 && l.dense_replicas() > 1 {
+        add("zero2.grad_buckets", DType::U8, 2 * bucket_bytes, cb, false);
+    }
+    let Some(m) = m else { return out };
+    let d = Dims::new(r, l);
+    let n = d.n();
+    // Sequence parallelism all-gathers the sequence-sharded norm output before the
+    // column-parallel GEMMs (Korthikanti et al. 2022 §4.2.2).
+    if d.sp {
+        add("sp.allgather", st, n * m.hidden, cb, true);
+    }
+    // Pipeline point-to-point: one send and one receive buffer of the boundary activation.
+    if l.pp > 1 {
+        add("pp.send_recv", st, 2 * n * m.hidden / d.seq_shard(), cb, true);
+    }
+    // Ring attention receives the next K and V chunk while computing on the current one.
+    if l.cp > 1 {
+        add("cp.kv_ring", st, 2 * 2 * n * m.kv_dim() / l.tp, cb, true);
+    }
+    // Expert parallelism: all-to-all dispatch and combine buffers of the routed tokens.
+    if let (Some(moe), true) = (m.moe, l.ep > 1) {
+        add("ep.all_to_all", st, 2 * n * moe.top_k * m.hidden, cb, true);
+    }
+    // fp8: the current layer's weights cast to fp8 for its GEMMs (per-tensor scaling).
+    if r.precision == Precision::Fp8 {
+        add("fp8.weight_cast", DType::F8, unit, Category::Workspace, true);
+    }
+    out
+}

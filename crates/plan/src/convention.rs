@@ -1,0 +1,62 @@
+//! Accounting conventions. Tools disagree about what a training step holds; the planner
+//! reproduces each published accounting and says which one a figure uses.
+
+use crate::error::PlanError;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::str::FromStr;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Convention {
+    /// ferrotron's own engine: a named inventory of every buffer the trainer allocates
+    /// (flash attention, chunked fp32 cross-entropy, lazy gradients and optimizer states).
+    Ferrotron,
+    /// Korthikanti et al. 2022 (arXiv 2205.05198), Table 2 activations and Megatron's
+    /// 18 B/param model states (bf16 params, fp32 main grads, fp32 master, Adam).
+    Megatron,
+    /// Rajbhandari et al. 2020 (ZeRO, arXiv 1910.02054) §3.1/§5: (2 + 2 + K)Ψ with K = 12.
+    ZeroPaper,
+    /// The Ultra-Scale Playbook (Tazi et al., Hugging Face 2025): 16 B/param (20 with fp32
+    /// gradient accumulation) and L·s·b·h·(34 + 5·a·s/h) activations.
+    Playbook,
+}
+
+impl Convention {
+    pub fn describe(self) -> &'static str {
+        match self {
+            Convention::Ferrotron => "ferrotron engine (named buffer inventory, flash attention, chunked CE)",
+            Convention::Megatron => "Megatron / Korthikanti et al. 2022, Table 2 (16-bit activations; 18 B/param states)",
+            Convention::ZeroPaper => "ZeRO paper, Rajbhandari et al. 2020: (2+2+K)Ψ, K = 12; activations as the playbook",
+            Convention::Playbook => "Ultra-Scale Playbook: 16/20 B/param; L·s·b·h·(34 + 5as/h) activations",
+        }
+    }
+}
+
+impl FromStr for Convention {
+    type Err = PlanError;
+    fn from_str(s: &str) -> Result<Self, PlanError> {
+        match s {
+            "ferrotron" => Ok(Convention::Ferrotron),
+            "megatron" => Ok(Convention::Megatron),
+            "zero-paper" => Ok(Convention::ZeroPaper),
+            "playbook" => Ok(Convention::Playbook),
+            _ => Err(PlanError::setting(
+                "convention",
+                s,
+                "expected one of ferrotron, megatron, zero-paper, playbook",
+            )),
+        }
+    }
+}
+
+impl fmt::Display for Convention {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Convention::Ferrotron => "ferrotron",
+            Convention::Megatron => "megatron",
+            Convention::ZeroPaper => "zero-paper",
+            Convention::Playbook => "playbook",
+        })
+    }
+}

@@ -1,0 +1,241 @@
+//! The parallel layout: a grid of dp × pp × cp × ep × tp ranks, ZeRO stage, schedule, offload.
+
+use crate::error::{PlanError, Result};
+use crate::model::ModelSpec;
+use crate::recipe::Recipe;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::str::FromStr;
+
+/// Pipeline schedules: all-forward-all-backward (GPipe, Huang et al. 2019), 1F1B (PipeDream-Flush,
+/// Narayanan et al. 2021) and interleaved 1F1B with `v` model chunks per stage (ibid.).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PpSchedule {
+    Afab,
+    #[serde(rename = "1f1b")]
+    OneFOneB,
+    Interleaved,
+}
+
+/// What lives in host memory instead of the accelerator (ZeRO-Offload, Ren et al. 2021;
+/// ZeRO-Infinity, Rajbhandari et al. 2021).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Offload {
+    None,
+    /// fp32 master weights and optimizer states on the host; the update runs there.
+    Optimizer,
+    /// Additionally parameters and gradients, streamed per layer like ZeRO-3.
+    Params,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Layout {
+    pub dp: u64,
+    pub tp: u64,
+    pub pp: u64,
+    pub cp: u64,
+    pub ep: u64,
+    pub zero: u8,
+    /// Sequence parallelism (Korthikanti et al. 2022 §4.2.2): shard the norm/dropout regions
+    /// of the activations along the sequence over the tp group.
+    pub sp: bool,
+    pub pp_schedule: PpSchedule,
+    /// Model chunks per pipeline stage (only with the interleaved schedule).
+    pub pp_virtual: u64,
+    pub offload: Offload,
+}
+
+impl Default for Layout {
+    fn default() -> Self {
+        Layout {
+            dp: 1,
+            tp: 1,
+            pp: 1,
+            cp: 1,
+            ep: 1,
+            zero: 0,
+            sp: false,
+            pp_schedule: PpSchedule::OneFOneB,
+            pp_virtual: 1,
+            offload: Offload::None,
+        }
+    }
+}
+
+impl Layout {
+    /// Total ranks: dp × pp × cp × ep × tp.
+    pub fn world(&self) -> u64 {
+        self.dp * self.pp * self.cp * self.ep * self.tp
+    }
+
+    /// Ranks that hold replicas of a dense (non-expert) parameter and process different data:
+    /// dp × cp × ep. ZeRO shards dense states over this group (as Megatron's distributed
+    /// optimizer shards over the data-parallel × context-parallel group).
+    pub fn dense_replicas(&self) -> u64 {
+        self.dp * self.cp * self.ep
+    }
+
+    /// Ranks that hold replicas of one expert: dp × cp (the ep ranks hold different experts).
+    pub fn expert_replicas(&self) -> u64 {
+        self.dp * self.cp
+    }
+
+    /// Sequences consumed per optimizer step across the whole job.
+    pub fn global_batch(&self, r: &Recipe) -> u64 {
+        r.mbs * r.grad_acc * self.dp * self.ep
+    }
+
+    /// Checks the layout against the model and recipe; each error names the field and the fix.
+    pub fn validate(&self, m: Option<&ModelSpec>, r: &Recipe) -> Result<()> {
+        for (field, v) in [
+            ("dp", self.dp),
+            ("tp", self.tp),
+            ("pp", self.pp),
+            ("cp", self.cp),
+            ("ep", self.ep),
+            ("pp_virtual", self.pp_virtual),
+        ] {
+            if v == 0 {
+                return Err(PlanError::setting(field, v, "must be a positive integer"));
+            }
+        }
+        if self.zero > 3 {
+            return Err(PlanError::setting(
+                "zero",
+                self.zero,
+                "ZeRO stages are 0, 1, 2 or 3",
+            ));
+        }
+        if self.pp_virtual > 1 && self.pp_schedule != PpSchedule::Interleaved {
+            return Err(PlanError::setting(
+                "pp_virtual",
+                self.pp_virtual,
+                "virtual stages need --pp-schedule interleaved",
+            ));
+        }
+        if self.zero >= 2 && self.pp > 1 {
+            // DeepSpeed rejects this pairing: gradients are sharded while micro-batches of the
+            // pipeline keep accumulating them.
+            return Err(PlanError::setting(
+                "zero",
+                self.zero,
+                "ZeRO-2/3 cannot be combined with pipeline parallelism (pp > 1); use --zero 1",
+            ));
+        }
+        if r.seq % self.cp != 0 {
+            return Err(PlanError::setting(
+                "cp",
+                self.cp,
+                format!("must divide seq {}", r.seq),
+            ));
+        }
+        let Some(m) = m else { return Ok(()) };
+        if m.heads % self.tp != 0 {
+            return Err(PlanError::setting(
+                "tp",
+                self.tp,
+                format!("must divide the {} attention heads", m.heads),
+            ));
+        }
+        if m.kv_heads % self.tp != 0 {
+            return Err(PlanError::setting(
+                "tp",
+                self.tp,
+                format!("must divide the {} key/value heads", m.kv_heads),
+            ));
+        }
+        if m.layers % (self.pp * self.pp_virtual) != 0 {
+            return Err(PlanError::setting(
+                "pp",
+                self.pp,
+                format!(
+                    "pp × pp_virtual = {} must divide the {} layers",
+                    self.pp * self.pp_virtual,
+                    m.layers
+                ),
+            ));
+        }
+        match m.moe {
+            None if self.ep > 1 => {
+                return Err(PlanError::setting(
+                    "ep",
+                    self.ep,
+                    "expert parallelism needs a mixture-of-experts model (e.g. mixtral)",
+                ))
+            }
+            Some(moe) if moe.num_experts % self.ep != 0 => {
+                return Err(PlanError::setting(
+                    "ep",
+                    self.ep,
+                    format!("must divide the {} experts", moe.num_experts),
+                ))
+            }
+            _ => {}
+        }
+        if r.seq > m.max_positions {
+            return Err(PlanError::setting(
+                "seq",
+                r.seq,
+                format!(
+                    "exceeds the model's max_position_embeddings {}",
+                    m.max_positions
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl FromStr for PpSchedule {
+    type Err = PlanError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "afab" => Ok(PpSchedule::Afab),
+            "1f1b" => Ok(PpSchedule::OneFOneB),
+            "interleaved" => Ok(PpSchedule::Interleaved),
+            _ => Err(PlanError::setting(
+                "pp_schedule",
+                s,
+                "expected one of afab, 1f1b, interleaved",
+            )),
+        }
+    }
+}
+
+impl fmt::Display for PpSchedule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            PpSchedule::Afab => "afab",
+            PpSchedule::OneFOneB => "1f1b",
+            PpSchedule::Interleaved => "interleaved",
+        })
+    }
+}
+
+impl FromStr for Offload {
+    type Err = PlanError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "none" => Ok(Offload::None),
+            "optimizer" => Ok(Offload::Optimizer),
+            "params" => Ok(Offload::Params),
+            _ => Err(PlanError::setting(
+                "offload",
+                s,
+                "expected one of none, optimizer, params",
+            )),
+        }
+    }
+}
+
+impl fmt::Display for Offload {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Offload::None => "none",
+            Offload::Optimizer => "optimizer",
+            Offload::Params => "params",
+        })
+    }
+}

@@ -1,0 +1,284 @@
+//! `plan()`: from (model, recipe, layout, convention) to one `MemoryPlan` per kind of rank
+//! (pipeline stage), swept into peaks, breakdowns and a timeline.
+
+use crate::activations::{edge_acts, layer_acts, Act};
+use crate::buffers::{comm_buffers, largest_unit};
+use crate::convention::Convention;
+use crate::error::{PlanError, Result};
+use crate::hardware::Overhead;
+use crate::inventory::{count, inventory, ParamCount, Placement, Tensor};
+use crate::layout::{Layout, PpSchedule};
+use crate::memory::{BufId, Breakdown, MemoryPlan, Phase, Sweep};
+use crate::model::ModelSpec;
+use crate::recipe::Recipe;
+use crate::schedule::{order, simulated_micro_batches, Work};
+use crate::states::{add_states, RankElems};
+use serde::Serialize;
+
+/// The model: a full architecture, or a bare parameter count (model states only).
+#[derive(Debug, Clone, PartialEq)]
+pub enum ModelSource {
+    Spec(ModelSpec),
+    Params(u64),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlanInput {
+    pub model: ModelSource,
+    pub recipe: Recipe,
+    pub layout: Layout,
+    pub convention: Convention,
+    pub overhead: Overhead,
+    /// ZeRO-2 gradient bucket size in bytes.
+    pub bucket_bytes: u64,
+}
+
+/// One kind of rank (a pipeline stage; all ranks are alike without pipelining).
+#[derive(Debug, Clone, Serialize)]
+pub struct RankPlan {
+    pub name: String,
+    pub stage: u64,
+    pub plan: MemoryPlan,
+    pub sweep: Sweep,
+    /// Live memory by component at the peak instant.
+    pub at_peak: Breakdown,
+    /// Runtime context plus fragmentation margin at the peak.
+    pub overhead: u64,
+    /// Allocated peak plus overhead.
+    pub peak: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PlanResult {
+    pub params: ParamCount,
+    #[serde(skip)]
+    pub tensors: Vec<Tensor>,
+    pub ranks: Vec<RankPlan>,
+    /// Index into `ranks` of the rank with the highest peak.
+    pub most_loaded: usize,
+}
+
+impl PlanResult {
+    pub fn worst(&self) -> &RankPlan {
+        &self.ranks[self.most_loaded]
+    }
+}
+
+pub fn plan(input: &PlanInput) -> Result<PlanResult> {
+    let (r, l) = (&input.recipe, &input.layout);
+    r.validate()?;
+    let spec = match &input.model {
+        ModelSource::Spec(m) => Some(m),
+        ModelSource::Params(0) => {
+            return Err(PlanError::setting("params", 0, "must be a positive parameter count"))
+        }
+        ModelSource::Params(_) => None,
+    };
+    l.validate(spec, r)?;
+    if l.pp_schedule == PpSchedule::Interleaved && r.grad_acc % l.pp != 0 {
+        return Err(PlanError::setting(
+            "grad_acc",
+            r.grad_acc,
+            format!("the interleaved schedule needs micro-batches in multiples of pp = {}", l.pp),
+        ));
+    }
+    let (tensors, params) = match &input.model {
+        ModelSource::Spec(m) => {
+            let t = inventory(m);
+            let c = count(m, &t);
+            (t, c)
+        }
+        ModelSource::Params(n) => (
+            Vec::new(),
+            ParamCount { total: *n, active: *n, matmul_active: *n },
+        ),
+    };
+    let ranks: Vec<RankPlan> = (0..l.pp)
+        .map(|stage| rank_plan(input, spec, &tensors, stage))
+        .collect();
+    let most_loaded = (0..ranks.len())
+        .max_by_key(|&i| (ranks[i].peak, std::cmp::Reverse(i)))
+        .unwrap_or(0);
+    Ok(PlanResult { params, tensors, ranks, most_loaded })
+}
+
+/// Which pipeline stage a tensor lives on. Model chunk g (of p·v) holds layers
+/// [g·L/(pv), (g+1)·L/(pv)) and sits on stage g mod p.
+fn stage_of(p: Placement, m: &ModelSpec, l: &Layout) -> u64 {
+    let chunks = l.pp * l.pp_virtual;
+    match p {
+        Placement::Embedding => 0,
+        Placement::Head => l.pp - 1,
+        Placement::Layer(i) => (i / (m.layers / chunks)) % l.pp,
+    }
+}
+
+fn rank_elems(spec: Option<&ModelSpec>, tensors: &[Tensor], l: &Layout, stage: u64, n: u64) -> RankElems {
+    let Some(m) = spec else {
+        // A bare count is sharded uniformly: Ψ/(t·p).
+        return RankElems { dense: n.div_ceil(l.tp * l.pp), expert: 0 };
+    };
+    let mut e = RankElems::default();
+    let local_experts = m.moe.map_or(0, |moe| moe.num_experts / l.ep);
+    for t in tensors.iter().filter(|t| stage_of(t.placement, m, l) == stage) {
+        match t.expert {
+            Some(x) if x >= local_experts => {}
+            Some(_) => e.expert += t.numel_tp(l.tp),
+            None => e.dense += t.numel_tp(l.tp),
+        }
+    }
+    // Tied embeddings under pipelining: the last stage keeps its own copy of the embedding
+    // matrix as the LM head and all-reduces its gradient with stage 0 (Megatron-LM).
+    if m.tie_embeddings && l.pp > 1 && stage == l.pp - 1 {
+        e.dense += m.vocab.div_ceil(l.tp) * m.hidden;
+    }
+    e
+}
+
+fn add_acts(plan: &mut MemoryPlan, prefix: &str, acts: &[Act]) -> Vec<BufId> {
+    acts.iter()
+        .filter(|a| a.numel > 0)
+        .map(|a| plan.add(format!("{prefix}{}", a.name), a.dtype, a.numel, a.category))
+        .collect()
+}
+
+fn rank_plan(input: &PlanInput, spec: Option<&ModelSpec>, tensors: &[Tensor], stage: u64) -> RankPlan {
+    let (r, l, conv) = (&input.recipe, &input.layout, input.convention);
+    let total = match input.model {
+        ModelSource::Params(n) => n,
+        _ => 0,
+    };
+    let mut plan = MemoryPlan::default();
+    let states = add_states(&mut plan, rank_elems(spec, tensors, l, stage, total), r, l, conv);
+    plan.alloc(&states.at_init);
+    plan.mark(1, Phase::Init, "model init");
+
+    let unit = spec.map_or(0, |m| {
+        largest_unit(tensors, l.tp, |p| stage_of(p, m, l) == stage)
+    });
+    let comm = comm_buffers(spec, r, l, unit, input.bucket_bytes);
+    let mut comm_fwd = Vec::new();
+    let mut comm_bwd = Vec::new();
+    for c in &comm {
+        let id = plan.add(format!("comm.{}", c.name), c.dtype, c.numel, c.category);
+        if c.from_forward { comm_fwd.push(id) } else { comm_bwd.push(id) }
+    }
+
+    // Activation buffers (only with an architecture).
+    let chunks = l.pp * l.pp_virtual;
+    let per_chunk = spec.map_or(0, |m| m.layers / chunks);
+    let mut layer_ids: Vec<Vec<BufId>> = Vec::new();
+    let (mut recompute_ids, mut emb, mut head, mut loss_tr, mut scratch) =
+        (vec![], vec![], vec![], vec![], vec![]);
+    if let Some(m) = spec {
+        let la = layer_acts(m, r, l, conv);
+        for i in 0..m.layers {
+            let ids = if stage_of(Placement::Layer(i), m, l) == stage {
+                add_acts(&mut plan, &format!("act.layers.{i}."), &la.saved)
+            } else {
+                vec![]
+            };
+            layer_ids.push(ids);
+        }
+        recompute_ids = add_acts(&mut plan, "recompute.", &la.recompute);
+        let edge = edge_acts(m, r, l, conv);
+        if stage == 0 {
+            emb = add_acts(&mut plan, "act.", &edge.embedding);
+        }
+        if stage == l.pp - 1 {
+            head = add_acts(&mut plan, "act.", &edge.head);
+            loss_tr = add_acts(&mut plan, "act.", &edge.loss_transient);
+        }
+        scratch = add_acts(&mut plan, "scratch.", &edge.backward_scratch);
+    }
+
+    let m_sim = {
+        let s = simulated_micro_batches(l, stage, r.grad_acc);
+        if l.pp_schedule == PpSchedule::Interleaved {
+            s.div_ceil(l.pp).saturating_mul(l.pp).min(r.grad_acc)
+        } else {
+            s
+        }
+    };
+    let work = order(l, stage, m_sim);
+    let mut grads_allocated = false;
+    let mut comm_fwd_allocated = false;
+    for step in 1..=2u32 {
+        for w in &work {
+            match *w {
+                Work::F { mb, chunk } => {
+                    if !comm_fwd_allocated {
+                        plan.alloc(&comm_fwd);
+                        comm_fwd_allocated = true;
+                    }
+                    let g = chunk * l.pp + stage;
+                    if g == 0 {
+                        plan.alloc(&emb);
+                    }
+                    for i in g * per_chunk..(g + 1) * per_chunk {
+                        plan.alloc(&layer_ids[i as usize]);
+                        plan.mark(step, Phase::Forward, format!("step {step} mb {mb} forward layer {i}"));
+                    }
+                    if g == chunks - 1 && !head.is_empty() {
+                        plan.alloc(&head);
+                        plan.mark(step, Phase::Forward, format!("step {step} mb {mb} forward final norm"));
+                    }
+                    if spec.is_none() {
+                        plan.mark(step, Phase::Forward, format!("step {step} mb {mb} forward"));
+                    }
+                }
+                Work::B { mb, chunk } => {
+                    if !grads_allocated {
+                        // Gradients appear lazily at the first backward (as in PyTorch and llm.c).
+                        plan.alloc(&states.at_first_backward);
+                        plan.alloc(&comm_bwd);
+                        plan.mark(step, Phase::Backward, "gradients allocated");
+                        grads_allocated = true;
+                    }
+                    let g = chunk * l.pp + stage;
+                    plan.alloc(&scratch);
+                    if g == chunks - 1 && spec.is_some() {
+                        plan.alloc(&loss_tr);
+                        plan.mark(step, Phase::Loss, format!("step {step} mb {mb} loss"));
+                        plan.free(&loss_tr);
+                        plan.free(&head);
+                    }
+                    for i in (g * per_chunk..(g + 1) * per_chunk).rev() {
+                        plan.alloc(&recompute_ids);
+                        plan.mark(step, Phase::Backward, format!("step {step} mb {mb} backward layer {i}"));
+                        plan.free(&recompute_ids);
+                        plan.free(&layer_ids[i as usize]);
+                    }
+                    if g == 0 {
+                        plan.free(&emb);
+                    }
+                    plan.free(&scratch);
+                    if spec.is_none() {
+                        plan.mark(step, Phase::Backward, format!("step {step} mb {mb} backward"));
+                    }
+                }
+            }
+        }
+        if step == 1 {
+            // Optimizer states are created by the first optimizer step (torch.optim is lazy).
+            plan.alloc(&states.at_first_optimizer);
+        }
+        plan.mark(step, Phase::Optimizer, format!("step {step} optimizer"));
+    }
+    let sweep = plan.sweep();
+    let overhead = input.overhead.bytes(sweep.peak);
+    let name = if l.pp == 1 {
+        "every rank".to_string()
+    } else {
+        format!("pipeline stage {stage}")
+    };
+    RankPlan {
+        name,
+        stage,
+        at_peak: sweep.at_peak,
+        peak: sweep.peak + overhead,
+        overhead,
+        plan,
+        sweep,
+    }
+}

@@ -1,0 +1,63 @@
+//! Built-in model presets: real HF `config.json` files shipped in `presets/`, embedded in the
+//! binary so `--model llama-3-8b` works from any directory without network access.
+
+use crate::error::{PlanError, Result};
+use crate::model::ModelSpec;
+
+macro_rules! presets {
+    ($($name:literal),* $(,)?) => {
+        /// (name, config.json text) for every built-in preset.
+        pub const PRESETS: &[(&str, &str)] = &[
+            $(($name, include_str!(concat!("../presets/", $name, ".json"))),)*
+        ];
+    };
+}
+
+presets!(
+    "gpt2",
+    "gpt2-medium",
+    "gpt2-large",
+    "gpt2-xl",
+    "llama-2-7b",
+    "llama-2-13b",
+    "llama-2-70b",
+    "llama-3-8b",
+    "llama-3-70b",
+    "llama-3.1-405b",
+    "llama-3.2-1b",
+    "llama-3.2-3b",
+    "mistral-7b",
+    "mixtral-8x7b",
+    "mixtral-8x22b",
+    "smollm-135m",
+    "smollm-360m",
+    "smollm-1.7b",
+    "qwen2.5-0.5b",
+    "qwen2.5-1.5b",
+    "qwen2.5-3b",
+    "qwen2.5-7b",
+    "qwen2.5-14b",
+    "qwen2.5-32b",
+    "qwen2.5-72b",
+    "megatron-22b",
+    "megatron-175b",
+    "megatron-530b",
+    "megatron-1t",
+    "ferrotron-12m",
+);
+
+pub fn preset_names() -> impl Iterator<Item = &'static str> {
+    PRESETS.iter().map(|(n, _)| *n)
+}
+
+pub fn preset_json(name: &str) -> Option<&'static str> {
+    PRESETS.iter().find(|(n, _)| *n == name).map(|(_, j)| *j)
+}
+
+/// Loads a preset by name.
+pub fn preset(name: &str) -> Result<ModelSpec> {
+    let text = preset_json(name).ok_or_else(|| PlanError::UnknownPreset(name.to_string()))?;
+    let mut spec = ModelSpec::from_json_str(text, name)?;
+    spec.name = name.to_string();
+    Ok(spec)
+}
