@@ -5,7 +5,11 @@ mod plan_cmd;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "ferrotron", version, about = "Where does the memory go? An LLM training planner and trainer.")]
+#[command(
+    name = "ferrotron",
+    version,
+    about = "Where does the memory go? An LLM training planner and trainer."
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,

@@ -61,8 +61,8 @@ pub struct PlanArgs {
     /// ZeRO stage 0..3.
     #[arg(long, allow_negative_numbers = true)]
     pub zero: Option<u64>,
-    /// Sequence parallelism (with tp > 1).
-    #[arg(long)]
+    /// Sequence parallelism (with tp > 1); `--sp` alone means true.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub sp: Option<bool>,
     /// afab | 1f1b | interleaved [default: 1f1b].
     #[arg(long, allow_negative_numbers = true)]
@@ -114,12 +114,13 @@ macro_rules! merge {
 
 impl PlanArgs {
     fn merged(mut self) -> Result<Self> {
-        let Some(path) = self.config.clone() else { return Ok(self) };
+        let Some(path) = self.config.clone() else {
+            return Ok(self);
+        };
         let text = std::fs::read_to_string(&path)
             .with_context(|| format!("cannot read --config {}", path.display()))?;
-        let mut file: PlanArgs = toml::from_str(&text).map_err(|e| {
-            anyhow::anyhow!("{}: {}", path.display(), e.message().trim())
-        })?;
+        let mut file: PlanArgs = toml::from_str(&text)
+            .map_err(|e| anyhow::anyhow!("{}: {}", path.display(), e.message().trim()))?;
         merge!(self, file; model, params, seq, mbs, grad_acc, gbs, precision, optimizer, recompute,
             dp, tp, pp, cp, ep, zero, sp, pp_schedule, pp_virtual, offload, gpu, convention,
             overhead_gib, fragmentation, ce_chunk, bucket_mb, html);
@@ -127,7 +128,10 @@ impl PlanArgs {
     }
 }
 
-fn parse<T: std::str::FromStr<Err = ferrotron_plan::PlanError>>(v: &Option<String>, default: T) -> Result<T> {
+fn parse<T: std::str::FromStr<Err = ferrotron_plan::PlanError>>(
+    v: &Option<String>,
+    default: T,
+) -> Result<T> {
     match v {
         None => Ok(default),
         Some(s) => Ok(s.parse()?),
@@ -136,7 +140,11 @@ fn parse<T: std::str::FromStr<Err = ferrotron_plan::PlanError>>(v: &Option<Strin
 
 /// Parses a parameter count such as `7.5e9` or `7000000000` exactly.
 fn parse_params(s: &str) -> Result<u64> {
-    let bad = || anyhow::anyhow!("params = {s}: expected a positive parameter count such as 7.5e9 or 125000000");
+    let bad = || {
+        anyhow::anyhow!(
+            "params = {s}: expected a positive parameter count such as 7.5e9 or 125000000"
+        )
+    };
     if let Ok(n) = s.parse::<u64>() {
         return if n > 0 { Ok(n) } else { Err(bad()) };
     }
@@ -158,7 +166,10 @@ fn load_model(name: &str) -> Result<ModelSpec> {
     if path.is_file() {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read model config {}", path.display()))?;
-        return Ok(ModelSpec::from_json_str(&text, &path.display().to_string())?);
+        return Ok(ModelSpec::from_json_str(
+            &text,
+            &path.display().to_string(),
+        )?);
     }
     bail!(
         "model = {name}: neither a built-in preset nor a config.json file (run `ferrotron plan --list-presets`)"
@@ -232,9 +243,20 @@ pub fn input_from(a: &PlanArgs) -> Result<(PlanInput, ferrotron_plan::hardware::
     overhead.validate()?;
     let convention: Convention = parse(&a.convention, Convention::Ferrotron)?;
     let gpu = gpu(a.gpu.as_deref().unwrap_or("h100"))?;
-    let bucket_bytes = a.bucket_mb.unwrap_or(25).checked_mul(1 << 20).context("bucket_mb too large")?;
+    let bucket_bytes = a
+        .bucket_mb
+        .unwrap_or(25)
+        .checked_mul(1 << 20)
+        .context("bucket_mb too large")?;
     Ok((
-        PlanInput { model, recipe, layout, convention, overhead, bucket_bytes },
+        PlanInput {
+            model,
+            recipe,
+            layout,
+            convention,
+            overhead,
+            bucket_bytes,
+        },
         gpu,
     ))
 }

@@ -4,12 +4,19 @@ use serde_json::Value;
 use std::process::{Command, Output};
 
 fn ferrotron(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ferrotron")).args(args).output().unwrap()
+    Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .args(args)
+        .output()
+        .unwrap()
 }
 
 fn ok(args: &[&str]) -> String {
     let out = ferrotron(args);
-    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8(out.stdout).unwrap()
 }
 
@@ -23,15 +30,36 @@ fn fails(args: &[&str]) -> String {
 }
 
 const ACCEPTANCE: &[&str] = &[
-    "plan", "--model", "llama-3-8b", "--seq", "4096", "--mbs", "1", "--precision", "bf16",
-    "--recompute", "selective", "--dp", "8", "--zero", "1", "--gpu", "h100",
+    "plan",
+    "--model",
+    "llama-3-8b",
+    "--seq",
+    "4096",
+    "--mbs",
+    "1",
+    "--precision",
+    "bf16",
+    "--recompute",
+    "selective",
+    "--dp",
+    "8",
+    "--zero",
+    "1",
+    "--gpu",
+    "h100",
 ];
 
 #[test]
 fn acceptance_command_prints_the_table() {
     let out = ok(ACCEPTANCE);
-    for needle in ["8,030,261,248", "= model states", "of which layers", "step 2: backward peak",
-                   "Step 2 peaks", "Verdict: fits on h100"] {
+    for needle in [
+        "8,030,261,248",
+        "= model states",
+        "of which layers",
+        "step 2: backward peak",
+        "Step 2 peaks",
+        "Verdict: fits on h100",
+    ] {
         assert!(out.contains(needle), "missing {needle:?} in\n{out}");
     }
 }
@@ -45,23 +73,47 @@ fn json_has_the_stable_keys_and_consistent_sums() {
     assert_eq!(v["params"]["active"], 8_030_261_248u64);
     let r = &v["per_rank"];
     let get = |k: &str| r[k].as_u64().unwrap_or_else(|| panic!("per_rank.{k}"));
-    assert_eq!(get("model_states"), get("params") + get("grads") + get("master") + get("optimizer"));
-    assert_eq!(get("peak"), get("model_states") + get("activations") + get("buffers") + get("overhead"));
+    assert_eq!(
+        get("model_states"),
+        get("params") + get("grads") + get("master") + get("optimizer")
+    );
+    assert_eq!(
+        get("peak"),
+        get("model_states") + get("activations") + get("buffers") + get("overhead")
+    );
     assert!(get("activations_layers") <= get("activations"));
     assert_eq!(v["ranks"][0]["name"], "every rank");
     assert!(v["fits"].as_bool().unwrap());
-    let phases: Vec<&str> = v["timeline"].as_array().unwrap().iter()
-        .map(|p| p["phase"].as_str().unwrap()).collect();
+    let phases: Vec<&str> = v["timeline"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["phase"].as_str().unwrap())
+        .collect();
     assert_eq!(phases.first(), Some(&"model init"));
     assert_eq!(phases.last(), Some(&"steady state"));
-    let max = v["timeline"].as_array().unwrap().iter().map(|p| p["bytes"].as_u64().unwrap()).max();
+    let max = v["timeline"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["bytes"].as_u64().unwrap())
+        .max();
     assert_eq!(max, Some(get("peak")));
 }
 
 #[test]
 fn does_not_fit_suggests_the_cheapest_change() {
     let v: Value = serde_json::from_str(&ok(&[
-        "plan", "--model", "llama-3-70b", "--seq", "4096", "--dp", "8", "--gpu", "h100", "--json",
+        "plan",
+        "--model",
+        "llama-3-70b",
+        "--seq",
+        "4096",
+        "--dp",
+        "8",
+        "--gpu",
+        "h100",
+        "--json",
     ]))
     .unwrap();
     assert_eq!(v["fits"], false);
@@ -74,9 +126,22 @@ fn does_not_fit_suggests_the_cheapest_change() {
 fn toml_config_mirrors_flags_and_flags_win() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = dir.path().join("plan.toml");
-    std::fs::write(&cfg, "model = \"llama-3-8b\"\nseq = 2048\ndp = 8\nzero = 3\nprecision = \"bf16\"\n").unwrap();
-    let base: Value = serde_json::from_str(&ok(&["plan", "--config", cfg.to_str().unwrap(), "--json"])).unwrap();
-    let over: Value = serde_json::from_str(&ok(&["plan", "--config", cfg.to_str().unwrap(), "--zero", "1", "--json"])).unwrap();
+    std::fs::write(
+        &cfg,
+        "model = \"llama-3-8b\"\nseq = 2048\ndp = 8\nzero = 3\nprecision = \"bf16\"\n",
+    )
+    .unwrap();
+    let base: Value =
+        serde_json::from_str(&ok(&["plan", "--config", cfg.to_str().unwrap(), "--json"])).unwrap();
+    let over: Value = serde_json::from_str(&ok(&[
+        "plan",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--zero",
+        "1",
+        "--json",
+    ]))
+    .unwrap();
     assert!(base["per_rank"]["params"].as_u64() < over["per_rank"]["params"].as_u64());
     std::fs::write(&cfg, "model = \"llama-3-8b\"\nsequence = 2048\n").unwrap();
     let err = fails(&["plan", "--config", cfg.to_str().unwrap()]);
@@ -87,9 +152,22 @@ fn toml_config_mirrors_flags_and_flags_win() {
 fn html_report_has_every_figure() {
     let dir = tempfile::tempdir().unwrap();
     let page = dir.path().join("plan.html");
-    ok(&["plan", "--model", "llama-3.2-1b", "--seq", "2048", "--html", page.to_str().unwrap()]);
+    ok(&[
+        "plan",
+        "--model",
+        "llama-3.2-1b",
+        "--seq",
+        "2048",
+        "--html",
+        page.to_str().unwrap(),
+    ]);
     let html = std::fs::read_to_string(&page).unwrap();
-    for id in ["id=\"components\"", "id=\"timeline\"", "id=\"activations-vs-seq\"", "id=\"verdict\""] {
+    for id in [
+        "id=\"components\"",
+        "id=\"timeline\"",
+        "id=\"activations-vs-seq\"",
+        "id=\"verdict\"",
+    ] {
         assert!(html.contains(id), "missing {id}");
     }
     assert_eq!(html.matches("<svg").count(), 3);
@@ -98,13 +176,28 @@ fn html_report_has_every_figure() {
 
 #[test]
 fn params_mode_and_presets() {
-    let out = ok(&["plan", "--params", "7.5e9", "--dp", "64", "--zero", "3", "--convention", "zero-paper",
-                   "--overhead-gib", "0", "--fragmentation", "0", "--json"]);
+    let out = ok(&[
+        "plan",
+        "--params",
+        "7.5e9",
+        "--dp",
+        "64",
+        "--zero",
+        "3",
+        "--convention",
+        "zero-paper",
+        "--overhead-gib",
+        "0",
+        "--fragmentation",
+        "0",
+        "--json",
+    ]);
     let v: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["per_rank"]["model_states"], 1_875_000_000u64);
     let list = ok(&["plan", "--list-presets"]);
     assert_eq!(list.lines().count(), ferrotron_plan::presets::PRESETS.len());
-    assert!(ok(&["plan", "--model", "qwen2.5-7b", "--inventory"]).contains("model.layers.0.self_attn.q_proj.bias"));
+    assert!(ok(&["plan", "--model", "qwen2.5-7b", "--inventory"])
+        .contains("model.layers.0.self_attn.q_proj.bias"));
 }
 
 #[test]
@@ -113,26 +206,70 @@ fn bad_input_gives_one_clear_line() {
     let bad = dir.path().join("config.json");
     std::fs::write(&bad, r#"{"model_type": "t5", "d_model": 512}"#).unwrap();
     let cases: Vec<(Vec<&str>, &str)> = vec![
-        (vec!["--model", bad.to_str().unwrap()], "model_type `t5` is not supported"),
-        (vec!["--model", "llama-9b"], "model = llama-9b: neither a built-in preset nor a config.json file"),
-        (vec!["--model", "llama-3-8b", "--tp", "3"], "tp = 3: must divide the 32 attention heads"),
-        (vec!["--model", "llama-3-8b", "--pp", "3"], "pp = 3: pp × pp_virtual = 3 must divide the 32 layers"),
-        (vec!["--model", "llama-3-8b", "--zero", "4"], "zero = 4: ZeRO stages are 0, 1, 2 or 3"),
-        (vec!["--model", "llama-3-8b", "--seq", "-5"], "invalid value '-5' for '--seq"),
-        (vec!["--model", "llama-3-8b", "--mbs", "two"], "invalid value 'two' for '--mbs"),
-        (vec!["--model", "llama-3-8b", "--precision", "fp4"], "precision = fp4: expected one of fp32, bf16, bf16-fp32grads, fp16, fp8"),
-        (vec!["--model", "llama-3-8b", "--gpu", "tpu"], "gpu = tpu: unknown GPU"),
-        (vec!["--model", "llama-3-8b", "--gbs", "7", "--dp", "2"], "gbs = 7: must be a positive multiple of mbs·dp·ep = 2"),
-        (vec!["--params", "-3"], "params = -3: expected a positive parameter count"),
-        (vec!["--params", "1.5"], "params = 1.5: expected a positive parameter count"),
-        (vec!["--model", "llama-3-8b", "--fragmentation", "2"], "fragmentation = 2: must be a fraction in [0, 1)"),
+        (
+            vec!["--model", bad.to_str().unwrap()],
+            "model_type `t5` is not supported",
+        ),
+        (
+            vec!["--model", "llama-9b"],
+            "model = llama-9b: neither a built-in preset nor a config.json file",
+        ),
+        (
+            vec!["--model", "llama-3-8b", "--tp", "3"],
+            "tp = 3: must divide the 32 attention heads",
+        ),
+        (
+            vec!["--model", "llama-3-8b", "--pp", "3"],
+            "pp = 3: pp × pp_virtual = 3 must divide the 32 layers",
+        ),
+        (
+            vec!["--model", "llama-3-8b", "--zero", "4"],
+            "zero = 4: ZeRO stages are 0, 1, 2 or 3",
+        ),
+        (
+            vec!["--model", "llama-3-8b", "--seq", "-5"],
+            "invalid value '-5' for '--seq",
+        ),
+        (
+            vec!["--model", "llama-3-8b", "--mbs", "two"],
+            "invalid value 'two' for '--mbs",
+        ),
+        (
+            vec!["--model", "llama-3-8b", "--precision", "fp4"],
+            "precision = fp4: expected one of fp32, bf16, bf16-fp32grads, fp16, fp8",
+        ),
+        (
+            vec!["--model", "llama-3-8b", "--gpu", "tpu"],
+            "gpu = tpu: unknown GPU",
+        ),
+        (
+            vec!["--model", "llama-3-8b", "--gbs", "7", "--dp", "2"],
+            "gbs = 7: must be a positive multiple of mbs·dp·ep = 2",
+        ),
+        (
+            vec!["--params", "-3"],
+            "params = -3: expected a positive parameter count",
+        ),
+        (
+            vec!["--params", "1.5"],
+            "params = 1.5: expected a positive parameter count",
+        ),
+        (
+            vec!["--model", "llama-3-8b", "--fragmentation", "2"],
+            "fragmentation = 2: must be a fraction in [0, 1)",
+        ),
         (vec![], "no model: pass --model"),
     ];
     for (mut args, want) in cases {
         args.insert(0, "plan");
         let err = fails(&args);
         assert!(err.contains(want), "{args:?}: got {err:?}, want {want:?}");
-        let lines = err.lines().filter(|l| !l.trim().is_empty() && !l.starts_with("Usage") && !l.starts_with("For more")).count();
+        let lines = err
+            .lines()
+            .filter(|l| {
+                !l.trim().is_empty() && !l.starts_with("Usage") && !l.starts_with("For more")
+            })
+            .count();
         assert!(lines <= 2, "{args:?}: {err}");
     }
 }

@@ -190,7 +190,11 @@ fn llama_layer(m: &ModelSpec, r: &Recipe, l: &Layout, d: &Dims) -> LayerActs {
             all.push(act("swiglu", gemm_in, routed * f));
         }
     }
-    split_policy(all, r.recompute, &["ln1_out", "ln2_out", "swiglu", "expert_in"])
+    split_policy(
+        all,
+        r.recompute,
+        &["ln1_out", "ln2_out", "swiglu", "expert_in"],
+    )
 }
 
 /// GPT-2 block as the ferrotron engine would hold it (LayerNorm saves mean and rstd).
@@ -264,14 +268,44 @@ pub fn edge_acts(m: &ModelSpec, r: &Recipe, l: &Layout, conv: Convention) -> Edg
             }
             EdgeActs {
                 embedding: vec![
-                    Act { name: "tokens", dtype: DType::U32, numel: n, category: other },
-                    Act { name: "targets", dtype: DType::U32, numel: n, category: other },
+                    Act {
+                        name: "tokens",
+                        dtype: DType::U32,
+                        numel: n,
+                        category: other,
+                    },
+                    Act {
+                        name: "targets",
+                        dtype: DType::U32,
+                        numel: n,
+                        category: other,
+                    },
                 ],
                 head: vec![
-                    Act { name: "final_norm.input", dtype: st, numel: n * c / ss, category: other },
-                    Act { name: "final_norm.rstd", dtype: DType::F32, numel: n / ss, category: other },
-                    Act { name: "final_norm.out", dtype: st, numel: n * c, category: other },
-                    Act { name: "losses", dtype: DType::F32, numel: n, category: other },
+                    Act {
+                        name: "final_norm.input",
+                        dtype: st,
+                        numel: n * c / ss,
+                        category: other,
+                    },
+                    Act {
+                        name: "final_norm.rstd",
+                        dtype: DType::F32,
+                        numel: n / ss,
+                        category: other,
+                    },
+                    Act {
+                        name: "final_norm.out",
+                        dtype: st,
+                        numel: n * c,
+                        category: other,
+                    },
+                    Act {
+                        name: "losses",
+                        dtype: DType::F32,
+                        numel: n,
+                        category: other,
+                    },
                 ],
                 loss_transient: vec![Act {
                     name: "logits_chunk",

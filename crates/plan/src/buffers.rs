@@ -39,7 +39,13 @@ pub fn comm_buffers(
     let mut out = Vec::new();
     let mut add = |name, dtype: DType, numel: u64, category, from_forward| {
         if numel > 0 {
-            out.push(CommBuf { name, dtype, numel, category, from_forward });
+            out.push(CommBuf {
+                name,
+                dtype,
+                numel,
+                category,
+                from_forward,
+            });
         }
     };
     let cb = Category::CommBuffers;
@@ -65,7 +71,13 @@ pub fn comm_buffers(
     }
     // Pipeline point-to-point: one send and one receive buffer of the boundary activation.
     if l.pp > 1 {
-        add("pp.send_recv", st, 2 * n * m.hidden / d.seq_shard(), cb, true);
+        add(
+            "pp.send_recv",
+            st,
+            2 * n * m.hidden / d.seq_shard(),
+            cb,
+            true,
+        );
     }
     // Ring attention receives the next K and V chunk while computing on the current one.
     if l.cp > 1 {
@@ -77,7 +89,13 @@ pub fn comm_buffers(
     }
     // fp8: the current layer's weights cast to fp8 for its GEMMs (per-tensor scaling).
     if r.precision == Precision::Fp8 {
-        add("fp8.weight_cast", DType::F8, unit, Category::Workspace, true);
+        add(
+            "fp8.weight_cast",
+            DType::F8,
+            unit,
+            Category::Workspace,
+            true,
+        );
     }
     out
 }

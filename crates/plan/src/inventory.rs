@@ -63,7 +63,10 @@ struct Builder {
 
 impl Builder {
     fn push(&mut self, name: String, shape: &[u64], placement: Placement, tp: TpSplit) {
-        let matmul = shape.len() == 2 && !name.ends_with("embed_tokens.weight") && !name.ends_with("wte.weight") && !name.ends_with("wpe.weight");
+        let matmul = shape.len() == 2
+            && !name.ends_with("embed_tokens.weight")
+            && !name.ends_with("wte.weight")
+            && !name.ends_with("wpe.weight");
         self.tensors.push(Tensor {
             name,
             shape: shape.to_vec(),
@@ -95,7 +98,12 @@ pub fn inventory(m: &ModelSpec) -> Vec<Tensor> {
 fn llama_family(m: &ModelSpec, b: &mut Builder) {
     let (c, f, v) = (m.hidden, m.intermediate, m.vocab);
     let (q, kv) = (m.q_dim(), m.kv_dim());
-    b.push("model.embed_tokens.weight".into(), &[v, c], Placement::Embedding, COL);
+    b.push(
+        "model.embed_tokens.weight".into(),
+        &[v, c],
+        Placement::Embedding,
+        COL,
+    );
     for i in 0..m.layers {
         let p = Placement::Layer(i);
         let at = format!("model.layers.{i}.self_attn");
@@ -134,11 +142,18 @@ fn llama_family(m: &ModelSpec, b: &mut Builder) {
                 // MixtralSparseMoeBlock: a router `gate` and experts with w1 (gate), w3 (up),
                 // w2 (down), no biases.
                 let moe_name = format!("model.layers.{i}.block_sparse_moe");
-                b.push(format!("{moe_name}.gate.weight"), &[moe.num_experts, c], p, REP);
+                b.push(
+                    format!("{moe_name}.gate.weight"),
+                    &[moe.num_experts, c],
+                    p,
+                    REP,
+                );
                 for e in 0..moe.num_experts {
-                    for (w, shape, split) in
-                        [("w1", [f, c], COL), ("w2", [c, f], ROW), ("w3", [f, c], COL)]
-                    {
+                    for (w, shape, split) in [
+                        ("w1", [f, c], COL),
+                        ("w2", [c, f], ROW),
+                        ("w3", [f, c], COL),
+                    ] {
                         b.push(
                             format!("{moe_name}.experts.{e}.{w}.weight"),
                             &shape,
@@ -150,7 +165,12 @@ fn llama_family(m: &ModelSpec, b: &mut Builder) {
                 }
             }
         }
-        b.push(format!("model.layers.{i}.input_layernorm.weight"), &[c], p, REP);
+        b.push(
+            format!("model.layers.{i}.input_layernorm.weight"),
+            &[c],
+            p,
+            REP,
+        );
         b.push(
             format!("model.layers.{i}.post_attention_layernorm.weight"),
             &[c],
@@ -166,7 +186,12 @@ fn llama_family(m: &ModelSpec, b: &mut Builder) {
 
 fn gpt2(m: &ModelSpec, b: &mut Builder) {
     let (c, f, v) = (m.hidden, m.intermediate, m.vocab);
-    b.push("transformer.wte.weight".into(), &[v, c], Placement::Embedding, COL);
+    b.push(
+        "transformer.wte.weight".into(),
+        &[v, c],
+        Placement::Embedding,
+        COL,
+    );
     b.push(
         "transformer.wpe.weight".into(),
         &[m.max_positions, c],
@@ -181,7 +206,12 @@ fn gpt2(m: &ModelSpec, b: &mut Builder) {
         b.push(format!("{h}.ln_1.weight"), &[c], p, REP);
         b.push(format!("{h}.ln_1.bias"), &[c], p, REP);
         b.push(format!("{h}.attn.c_attn.weight"), &[c, 3 * c], p, col);
-        b.push(format!("{h}.attn.c_attn.bias"), &[3 * c], p, TpSplit::Dim(0));
+        b.push(
+            format!("{h}.attn.c_attn.bias"),
+            &[3 * c],
+            p,
+            TpSplit::Dim(0),
+        );
         b.push(format!("{h}.attn.c_proj.weight"), &[c, c], p, row);
         b.push(format!("{h}.attn.c_proj.bias"), &[c], p, REP);
         b.push(format!("{h}.ln_2.weight"), &[c], p, REP);
@@ -212,13 +242,19 @@ pub fn count(m: &ModelSpec, tensors: &[Tensor]) -> ParamCount {
     let (expert, expert_matmul): (u64, u64) = tensors
         .iter()
         .filter(|t| t.expert.is_some())
-        .fold((0, 0), |(a, b), t| (a + t.numel(), b + t.numel() * t.matmul as u64));
+        .fold((0, 0), |(a, b), t| {
+            (a + t.numel(), b + t.numel() * t.matmul as u64)
+        });
     let inactive_fraction = |x: u64| match m.moe {
         Some(moe) => x / moe.num_experts * (moe.num_experts - moe.top_k),
         None => 0,
     };
     let matmul: u64 = tensors.iter().filter(|t| t.matmul).map(Tensor::numel).sum();
-    let tied_head = if m.tie_embeddings { m.vocab * m.hidden } else { 0 };
+    let tied_head = if m.tie_embeddings {
+        m.vocab * m.hidden
+    } else {
+        0
+    };
     ParamCount {
         total,
         active: total - inactive_fraction(expert),

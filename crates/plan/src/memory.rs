@@ -59,7 +59,11 @@ pub enum Op {
     Alloc(BufId),
     Free(BufId),
     /// A named point of the step (`step` is 1 or 2), where the trainer samples live bytes.
-    Mark { step: u32, phase: Phase, label: String },
+    Mark {
+        step: u32,
+        phase: Phase,
+        label: String,
+    },
 }
 
 /// Coarse phases, used to group marks into the timeline the issue asks for.
@@ -148,7 +152,13 @@ pub struct Sweep {
 }
 
 impl MemoryPlan {
-    pub fn add(&mut self, name: impl Into<String>, dtype: DType, numel: u64, category: Category) -> BufId {
+    pub fn add(
+        &mut self,
+        name: impl Into<String>,
+        dtype: DType,
+        numel: u64,
+        category: Category,
+    ) -> BufId {
         self.buffers.push(Buffer {
             name: name.into(),
             dtype,

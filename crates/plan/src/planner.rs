@@ -8,7 +8,7 @@ use crate::error::{PlanError, Result};
 use crate::hardware::Overhead;
 use crate::inventory::{count, inventory, ParamCount, Placement, Tensor};
 use crate::layout::{Layout, PpSchedule};
-use crate::memory::{BufId, Breakdown, MemoryPlan, Phase, Sweep};
+use crate::memory::{Breakdown, BufId, MemoryPlan, Phase, Sweep};
 use crate::model::ModelSpec;
 use crate::recipe::Recipe;
 use crate::schedule::{order, simulated_micro_batches, Work};
@@ -70,7 +70,11 @@ pub fn plan(input: &PlanInput) -> Result<PlanResult> {
     let spec = match &input.model {
         ModelSource::Spec(m) => Some(m),
         ModelSource::Params(0) => {
-            return Err(PlanError::setting("params", 0, "must be a positive parameter count"))
+            return Err(PlanError::setting(
+                "params",
+                0,
+                "must be a positive parameter count",
+            ))
         }
         ModelSource::Params(_) => None,
     };
@@ -79,7 +83,10 @@ pub fn plan(input: &PlanInput) -> Result<PlanResult> {
         return Err(PlanError::setting(
             "grad_acc",
             r.grad_acc,
-            format!("the interleaved schedule needs micro-batches in multiples of pp = {}", l.pp),
+            format!(
+                "the interleaved schedule needs micro-batches in multiples of pp = {}",
+                l.pp
+            ),
         ));
     }
     let (tensors, params) = match &input.model {
@@ -90,7 +97,11 @@ pub fn plan(input: &PlanInput) -> Result<PlanResult> {
         }
         ModelSource::Params(n) => (
             Vec::new(),
-            ParamCount { total: *n, active: *n, matmul_active: *n },
+            ParamCount {
+                total: *n,
+                active: *n,
+                matmul_active: *n,
+            },
         ),
     };
     let ranks: Vec<RankPlan> = (0..l.pp)
@@ -99,7 +110,12 @@ pub fn plan(input: &PlanInput) -> Result<PlanResult> {
     let most_loaded = (0..ranks.len())
         .max_by_key(|&i| (ranks[i].peak, std::cmp::Reverse(i)))
         .unwrap_or(0);
-    Ok(PlanResult { params, tensors, ranks, most_loaded })
+    Ok(PlanResult {
+        params,
+        tensors,
+        ranks,
+        most_loaded,
+    })
 }
 
 /// Which pipeline stage a tensor lives on. Model chunk g (of p·v) holds layers
@@ -113,14 +129,26 @@ fn stage_of(p: Placement, m: &ModelSpec, l: &Layout) -> u64 {
     }
 }
 
-fn rank_elems(spec: Option<&ModelSpec>, tensors: &[Tensor], l: &Layout, stage: u64, n: u64) -> RankElems {
+fn rank_elems(
+    spec: Option<&ModelSpec>,
+    tensors: &[Tensor],
+    l: &Layout,
+    stage: u64,
+    n: u64,
+) -> RankElems {
     let Some(m) = spec else {
         // A bare count is sharded uniformly: Ψ/(t·p).
-        return RankElems { dense: n.div_ceil(l.tp * l.pp), expert: 0 };
+        return RankElems {
+            dense: n.div_ceil(l.tp * l.pp),
+            expert: 0,
+        };
     };
     let mut e = RankElems::default();
     let local_experts = m.moe.map_or(0, |moe| moe.num_experts / l.ep);
-    for t in tensors.iter().filter(|t| stage_of(t.placement, m, l) == stage) {
+    for t in tensors
+        .iter()
+        .filter(|t| stage_of(t.placement, m, l) == stage)
+    {
         match t.expert {
             Some(x) if x >= local_experts => {}
             Some(_) => e.expert += t.numel_tp(l.tp),
@@ -142,14 +170,25 @@ fn add_acts(plan: &mut MemoryPlan, prefix: &str, acts: &[Act]) -> Vec<BufId> {
         .collect()
 }
 
-fn rank_plan(input: &PlanInput, spec: Option<&ModelSpec>, tensors: &[Tensor], stage: u64) -> RankPlan {
+fn rank_plan(
+    input: &PlanInput,
+    spec: Option<&ModelSpec>,
+    tensors: &[Tensor],
+    stage: u64,
+) -> RankPlan {
     let (r, l, conv) = (&input.recipe, &input.layout, input.convention);
     let total = match input.model {
         ModelSource::Params(n) => n,
         _ => 0,
     };
     let mut plan = MemoryPlan::default();
-    let states = add_states(&mut plan, rank_elems(spec, tensors, l, stage, total), r, l, conv);
+    let states = add_states(
+        &mut plan,
+        rank_elems(spec, tensors, l, stage, total),
+        r,
+        l,
+        conv,
+    );
     plan.alloc(&states.at_init);
     plan.mark(1, Phase::Init, "model init");
 
@@ -161,7 +200,11 @@ fn rank_plan(input: &PlanInput, spec: Option<&ModelSpec>, tensors: &[Tensor], st
     let mut comm_bwd = Vec::new();
     for c in &comm {
         let id = plan.add(format!("comm.{}", c.name), c.dtype, c.numel, c.category);
-        if c.from_forward { comm_fwd.push(id) } else { comm_bwd.push(id) }
+        if c.from_forward {
+            comm_fwd.push(id)
+        } else {
+            comm_bwd.push(id)
+        }
     }
 
     // Activation buffers (only with an architecture).
@@ -217,11 +260,19 @@ fn rank_plan(input: &PlanInput, spec: Option<&ModelSpec>, tensors: &[Tensor], st
                     }
                     for i in g * per_chunk..(g + 1) * per_chunk {
                         plan.alloc(&layer_ids[i as usize]);
-                        plan.mark(step, Phase::Forward, format!("step {step} mb {mb} forward layer {i}"));
+                        plan.mark(
+                            step,
+                            Phase::Forward,
+                            format!("step {step} mb {mb} forward layer {i}"),
+                        );
                     }
                     if g == chunks - 1 && !head.is_empty() {
                         plan.alloc(&head);
-                        plan.mark(step, Phase::Forward, format!("step {step} mb {mb} forward final norm"));
+                        plan.mark(
+                            step,
+                            Phase::Forward,
+                            format!("step {step} mb {mb} forward final norm"),
+                        );
                     }
                     if spec.is_none() {
                         plan.mark(step, Phase::Forward, format!("step {step} mb {mb} forward"));
@@ -245,7 +296,11 @@ fn rank_plan(input: &PlanInput, spec: Option<&ModelSpec>, tensors: &[Tensor], st
                     }
                     for i in (g * per_chunk..(g + 1) * per_chunk).rev() {
                         plan.alloc(&recompute_ids);
-                        plan.mark(step, Phase::Backward, format!("step {step} mb {mb} backward layer {i}"));
+                        plan.mark(
+                            step,
+                            Phase::Backward,
+                            format!("step {step} mb {mb} backward layer {i}"),
+                        );
                         plan.free(&recompute_ids);
                         plan.free(&layer_ids[i as usize]);
                     }
@@ -254,7 +309,11 @@ fn rank_plan(input: &PlanInput, spec: Option<&ModelSpec>, tensors: &[Tensor], st
                     }
                     plan.free(&scratch);
                     if spec.is_none() {
-                        plan.mark(step, Phase::Backward, format!("step {step} mb {mb} backward"));
+                        plan.mark(
+                            step,
+                            Phase::Backward,
+                            format!("step {step} mb {mb} backward"),
+                        );
                     }
                 }
             }

@@ -44,12 +44,18 @@ pub fn order(l: &Layout, stage: u64, m: u64) -> Vec<Work> {
     let fwd = |k: u64| {
         let group = k / (p * v);
         let chunk = (k / p) % v;
-        Work::F { mb: group * p + k % p, chunk }
+        Work::F {
+            mb: group * p + k % p,
+            chunk,
+        }
     };
     let bwd = |k: u64| {
         let group = k / (p * v);
         let chunk = v - 1 - (k / p) % v;
-        Work::B { mb: group * p + k % p, chunk }
+        Work::B {
+            mb: group * p + k % p,
+            chunk,
+        }
     };
     if v == 1 {
         // Plain schedules: micro-batch k, chunk 0.

@@ -44,41 +44,90 @@ pub fn add_states(
     let mut out = StateBuffers::default();
     let on_host_opt = l.offload != Offload::None;
     let on_host_params = l.offload == Offload::Params;
-    let mut place = |plan: &mut MemoryPlan, list: u8, name: &str, dt: DType, n: u64, c, host: bool| {
-        if n == 0 {
-            return;
-        }
-        if host {
-            plan.host_bytes += n * dt.bytes();
-            return;
-        }
-        let id = plan.add(name, dt, n, c);
-        match list {
-            0 => out.at_init.push(id),
-            1 => out.at_first_backward.push(id),
-            _ => out.at_first_optimizer.push(id),
-        }
-    };
+    let mut place =
+        |plan: &mut MemoryPlan, list: u8, name: &str, dt: DType, n: u64, c, host: bool| {
+            if n == 0 {
+                return;
+            }
+            if host {
+                plan.host_bytes += n * dt.bytes();
+                return;
+            }
+            let id = plan.add(name, dt, n, c);
+            match list {
+                0 => out.at_init.push(id),
+                1 => out.at_first_backward.push(id),
+                _ => out.at_first_optimizer.push(id),
+            }
+        };
     let params_n = shard(elems, l, l.zero >= 3);
     let grads_n = shard(elems, l, l.zero >= 2);
     let opt_n = shard(elems, l, l.zero >= 1);
-    place(plan, 0, "params", p.storage(), params_n, Category::Params, on_host_params);
+    place(
+        plan,
+        0,
+        "params",
+        p.storage(),
+        params_n,
+        Category::Params,
+        on_host_params,
+    );
     if p.has_master() {
-        place(plan, 0, "master", DType::F32, opt_n, Category::Master, on_host_opt);
+        place(
+            plan,
+            0,
+            "master",
+            DType::F32,
+            opt_n,
+            Category::Master,
+            on_host_opt,
+        );
     }
     if conv == Convention::Megatron {
         // Megatron accumulates gradients straight into an fp32 `main_grad` per parameter
         // (no 16-bit gradient copy): 2 + 4 + 4 + 8 = 18 B/param with Adam.
-        place(plan, 1, "grads.main_fp32", DType::F32, grads_n, Category::Grads, on_host_params);
+        place(
+            plan,
+            1,
+            "grads.main_fp32",
+            DType::F32,
+            grads_n,
+            Category::Grads,
+            on_host_params,
+        );
     } else {
-        place(plan, 1, "grads", p.storage(), grads_n, Category::Grads, on_host_params);
+        place(
+            plan,
+            1,
+            "grads",
+            p.storage(),
+            grads_n,
+            Category::Grads,
+            on_host_params,
+        );
         if p.fp32_grad_acc() {
-            place(plan, 1, "grads.fp32_accumulator", DType::F32, grads_n, Category::Grads, on_host_params);
+            place(
+                plan,
+                1,
+                "grads.fp32_accumulator",
+                DType::F32,
+                grads_n,
+                Category::Grads,
+                on_host_params,
+            );
         }
     }
     for k in 0..r.optimizer.states_per_param() {
         let name = ["optim.exp_avg", "optim.exp_avg_sq"][k as usize];
-        place(plan, 2, name, DType::F32, opt_n, Category::Optimizer, on_host_opt);
+        place(
+            plan,
+            2,
+            name,
+            DType::F32,
+            opt_n,
+            Category::Optimizer,
+            on_host_opt,
+        );
     }
     out
 }

@@ -18,7 +18,10 @@ pub fn coarse(sweep: &Sweep, overhead: &Overhead) -> Vec<TimelinePoint> {
     let with = |b: u64| b + overhead.bytes(b);
     let mut out = Vec::new();
     let point = |out: &mut Vec<TimelinePoint>, phase: String, b: u64| {
-        out.push(TimelinePoint { phase, bytes: with(b) });
+        out.push(TimelinePoint {
+            phase,
+            bytes: with(b),
+        });
     };
     if let Some(m) = sweep.marks.iter().find(|m| m.phase == Phase::Init) {
         point(&mut out, "model init".into(), m.live);
@@ -34,12 +37,20 @@ pub fn coarse(sweep: &Sweep, overhead: &Overhead) -> Vec<TimelinePoint> {
                 .iter()
                 .filter(move |m| m.step == step && ph.contains(&m.phase))
         }
-        let fwd = in_step(sweep, step, &[Phase::Forward]).map(|m| m.max_since_previous).max();
+        let fwd = in_step(sweep, step, &[Phase::Forward])
+            .map(|m| m.max_since_previous)
+            .max();
         if let Some(b) = fwd {
             point(&mut out, format!("step {step}: forward peak"), b);
         }
-        if let Some(m) = in_step(sweep, step, &[Phase::Backward]).find(|m| m.label == "gradients allocated") {
-            point(&mut out, format!("step {step}: gradient buffers allocated"), m.live);
+        if let Some(m) =
+            in_step(sweep, step, &[Phase::Backward]).find(|m| m.label == "gradients allocated")
+        {
+            point(
+                &mut out,
+                format!("step {step}: gradient buffers allocated"),
+                m.live,
+            );
         }
         let bwd = in_step(sweep, step, &[Phase::Loss, Phase::Backward])
             .map(|m| m.max_since_previous)
@@ -58,7 +69,11 @@ pub fn coarse(sweep: &Sweep, overhead: &Overhead) -> Vec<TimelinePoint> {
 }
 
 /// Why step 2 peaks higher than step 1, in numbers from this plan.
-pub fn step2_explanation(points: &[TimelinePoint], optimizer_bytes: u64, grad_bytes: u64) -> String {
+pub fn step2_explanation(
+    points: &[TimelinePoint],
+    optimizer_bytes: u64,
+    grad_bytes: u64,
+) -> String {
     let get = |name: &str| points.iter().find(|p| p.phase == name).map(|p| p.bytes);
     let (Some(s1), Some(s2)) = (get("step 1: backward peak"), get("step 2: backward peak")) else {
         return String::new();

@@ -43,23 +43,41 @@ fn candidates(x: &PlanInput) -> Vec<Change> {
     };
     let replicas = l.dense_replicas();
     if l.zero < 1 && replicas > 1 {
-        push("--zero 1".into(), "shards fp32 master weights and optimizer states over the data-parallel ranks", &|y| y.layout.zero = 1);
+        push(
+            "--zero 1".into(),
+            "shards fp32 master weights and optimizer states over the data-parallel ranks",
+            &|y| y.layout.zero = 1,
+        );
     }
     if r.recompute == Recompute::None {
-        push("--recompute selective".into(), "drops the cheap, large activations and recomputes them", &|y| y.recipe.recompute = Recompute::Selective);
+        push(
+            "--recompute selective".into(),
+            "drops the cheap, large activations and recomputes them",
+            &|y| y.recipe.recompute = Recompute::Selective,
+        );
     }
     if l.zero < 2 && replicas > 1 && l.pp == 1 {
-        push("--zero 2".into(), "also shards gradients", &|y| y.layout.zero = 2);
+        push("--zero 2".into(), "also shards gradients", &|y| {
+            y.layout.zero = 2
+        });
     }
     if r.mbs > 1 {
         let (mbs, ga) = (r.mbs / 2, r.grad_acc * 2);
-        push(format!("--mbs {mbs} --grad-acc {ga}"), "halves activations, same global batch", &move |y| {
-            y.recipe.mbs = mbs;
-            y.recipe.grad_acc = ga;
-        });
+        push(
+            format!("--mbs {mbs} --grad-acc {ga}"),
+            "halves activations, same global batch",
+            &move |y| {
+                y.recipe.mbs = mbs;
+                y.recipe.grad_acc = ga;
+            },
+        );
     }
     if r.recompute != Recompute::Full {
-        push("--recompute full".into(), "keeps only each layer's input (about +33% compute)", &|y| y.recipe.recompute = Recompute::Full);
+        push(
+            "--recompute full".into(),
+            "keeps only each layer's input (about +33% compute)",
+            &|y| y.recipe.recompute = Recompute::Full,
+        );
     }
     if let ModelSource::Spec(m) = &x.model {
         let tp = l.tp * 2;
@@ -69,15 +87,23 @@ fn candidates(x: &PlanInput) -> Vec<Change> {
             } else {
                 (format!("--tp {tp} (2x the GPUs)"), l.dp)
             };
-            push(flags, "splits weights and activations over more tensor-parallel ranks", &move |y| {
-                y.layout.tp = tp;
-                y.layout.dp = dp;
-                y.layout.sp = true;
-            });
+            push(
+                flags,
+                "splits weights and activations over more tensor-parallel ranks",
+                &move |y| {
+                    y.layout.tp = tp;
+                    y.layout.dp = dp;
+                    y.layout.sp = true;
+                },
+            );
         }
     }
     if l.zero < 3 && replicas > 1 && l.pp == 1 {
-        push("--zero 3".into(), "also shards the parameters (gathered layer by layer)", &|y| y.layout.zero = 3);
+        push(
+            "--zero 3".into(),
+            "also shards the parameters (gathered layer by layer)",
+            &|y| y.layout.zero = 3,
+        );
     }
     if let ModelSource::Spec(m) = &x.model {
         let pp = l.pp * 2;
@@ -87,17 +113,27 @@ fn candidates(x: &PlanInput) -> Vec<Change> {
             } else {
                 (format!("--pp {pp} (2x the GPUs)"), l.dp)
             };
-            push(flags, "splits the layers over more pipeline stages", &move |y| {
-                y.layout.pp = pp;
-                y.layout.dp = dp;
-                if y.layout.pp_schedule == PpSchedule::Interleaved && y.recipe.grad_acc % pp != 0 {
-                    y.recipe.grad_acc = y.recipe.grad_acc.div_ceil(pp) * pp;
-                }
-            });
+            push(
+                flags,
+                "splits the layers over more pipeline stages",
+                &move |y| {
+                    y.layout.pp = pp;
+                    y.layout.dp = dp;
+                    if y.layout.pp_schedule == PpSchedule::Interleaved
+                        && y.recipe.grad_acc % pp != 0
+                    {
+                        y.recipe.grad_acc = y.recipe.grad_acc.div_ceil(pp) * pp;
+                    }
+                },
+            );
         }
     }
     if l.offload == Offload::None {
-        push("--offload optimizer".into(), "moves master weights and optimizer states to host memory", &|y| y.layout.offload = Offload::Optimizer);
+        push(
+            "--offload optimizer".into(),
+            "moves master weights and optimizer states to host memory",
+            &|y| y.layout.offload = Offload::Optimizer,
+        );
     }
     out
 }
@@ -112,7 +148,11 @@ fn cheapest_fix(x: &PlanInput, capacity: u64) -> Option<Suggestion> {
     for (flags, why, y) in candidates(x) {
         if let Some(p) = peak_of(&y) {
             if p <= capacity {
-                return Some(Suggestion { flags, why, peak: p });
+                return Some(Suggestion {
+                    flags,
+                    why,
+                    peak: p,
+                });
             }
         }
     }
@@ -144,6 +184,10 @@ pub fn verdict(x: &PlanInput, peak: u64, gpu: &Gpu) -> Result<Verdict> {
         peak,
         fits,
         free: gpu.capacity as i64 - peak as i64,
-        suggestion: if fits { None } else { cheapest_fix(x, gpu.capacity) },
+        suggestion: if fits {
+            None
+        } else {
+            cheapest_fix(x, gpu.capacity)
+        },
     })
 }

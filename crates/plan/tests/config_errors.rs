@@ -13,7 +13,9 @@ fn llama() -> Value {
 }
 
 fn err(v: Value) -> String {
-    ModelSpec::from_json_value(&v, "config.json").unwrap_err().to_string()
+    ModelSpec::from_json_value(&v, "config.json")
+        .unwrap_err()
+        .to_string()
 }
 
 #[test]
@@ -30,7 +32,10 @@ fn unknown_model_type() {
 fn missing_field() {
     let mut v = llama();
     v.as_object_mut().unwrap().remove("hidden_size");
-    assert_eq!(err(v), "config.json: field `hidden_size` is missing (expected a positive integer)");
+    assert_eq!(
+        err(v),
+        "config.json: field `hidden_size` is missing (expected a positive integer)"
+    );
 }
 
 #[test]
@@ -43,10 +48,16 @@ fn mistyped_fields() {
     );
     let mut v = llama();
     v["vocab_size"] = json!(-5);
-    assert_eq!(err(v), "config.json: field `vocab_size` is -5 (expected a positive integer)");
+    assert_eq!(
+        err(v),
+        "config.json: field `vocab_size` is -5 (expected a positive integer)"
+    );
     let mut v = llama();
     v["tie_word_embeddings"] = json!(1);
-    assert_eq!(err(v), "config.json: field `tie_word_embeddings` is 1 (expected true or false)");
+    assert_eq!(
+        err(v),
+        "config.json: field `tie_word_embeddings` is 1 (expected true or false)"
+    );
 }
 
 #[test]
@@ -54,46 +65,104 @@ fn heads_must_divide_hidden() {
     let mut v = llama();
     v["num_attention_heads"] = json!(7);
     v["num_key_value_heads"] = json!(7);
-    assert!(err(v).contains("field `num_attention_heads` is 7, which does not divide hidden_size 256"));
+    assert!(
+        err(v).contains("field `num_attention_heads` is 7, which does not divide hidden_size 256")
+    );
 }
 
 #[test]
 fn kv_heads_must_divide_heads() {
     let mut v = llama();
     v["num_key_value_heads"] = json!(3);
-    assert!(err(v).contains("field `num_key_value_heads` is 3, which does not divide the 8 attention heads"));
+    assert!(err(v)
+        .contains("field `num_key_value_heads` is 3, which does not divide the 8 attention heads"));
 }
 
 #[test]
 fn not_json() {
-    let e = ModelSpec::from_json_str("{ not json", "cfg.json").unwrap_err().to_string();
-    assert!(e.starts_with("cfg.json: field `(file)` is not valid JSON"), "{e}");
+    let e = ModelSpec::from_json_str("{ not json", "cfg.json")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with("cfg.json: field `(file)` is not valid JSON"),
+        "{e}"
+    );
 }
 
 fn layout_err(layout: Layout) -> String {
-    plan(&input("llama-3-8b", Recipe::default(), layout, Convention::Ferrotron))
-        .unwrap_err()
-        .to_string()
+    plan(&input(
+        "llama-3-8b",
+        Recipe::default(),
+        layout,
+        Convention::Ferrotron,
+    ))
+    .unwrap_err()
+    .to_string()
 }
 
 #[test]
 fn layout_errors_name_the_field() {
-    assert_eq!(layout_err(Layout { tp: 3, ..Layout::default() }), "tp = 3: must divide the 32 attention heads");
-    assert_eq!(layout_err(Layout { tp: 16, ..Layout::default() }), "tp = 16: must divide the 8 key/value heads");
-    assert_eq!(layout_err(Layout { pp: 5, ..Layout::default() }), "pp = 5: pp × pp_virtual = 5 must divide the 32 layers");
-    assert_eq!(layout_err(Layout { zero: 4, ..Layout::default() }), "zero = 4: ZeRO stages are 0, 1, 2 or 3");
     assert_eq!(
-        layout_err(Layout { ep: 2, ..Layout::default() }),
+        layout_err(Layout {
+            tp: 3,
+            ..Layout::default()
+        }),
+        "tp = 3: must divide the 32 attention heads"
+    );
+    assert_eq!(
+        layout_err(Layout {
+            tp: 16,
+            ..Layout::default()
+        }),
+        "tp = 16: must divide the 8 key/value heads"
+    );
+    assert_eq!(
+        layout_err(Layout {
+            pp: 5,
+            ..Layout::default()
+        }),
+        "pp = 5: pp × pp_virtual = 5 must divide the 32 layers"
+    );
+    assert_eq!(
+        layout_err(Layout {
+            zero: 4,
+            ..Layout::default()
+        }),
+        "zero = 4: ZeRO stages are 0, 1, 2 or 3"
+    );
+    assert_eq!(
+        layout_err(Layout {
+            ep: 2,
+            ..Layout::default()
+        }),
         "ep = 2: expert parallelism needs a mixture-of-experts model (e.g. mixtral)"
     );
-    assert_eq!(layout_err(Layout { dp: 0, ..Layout::default() }), "dp = 0: must be a positive integer");
+    assert_eq!(
+        layout_err(Layout {
+            dp: 0,
+            ..Layout::default()
+        }),
+        "dp = 0: must be a positive integer"
+    );
 }
 
 #[test]
 fn seq_beyond_the_model_is_rejected() {
-    let r = Recipe { seq: 16384, ..Recipe::default() };
-    let e = plan(&input("llama-3-8b", r, Layout::default(), Convention::Ferrotron)).unwrap_err();
-    assert_eq!(e.to_string(), "seq = 16384: exceeds the model's max_position_embeddings 8192");
+    let r = Recipe {
+        seq: 16384,
+        ..Recipe::default()
+    };
+    let e = plan(&input(
+        "llama-3-8b",
+        r,
+        Layout::default(),
+        Convention::Ferrotron,
+    ))
+    .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "seq = 16384: exceeds the model's max_position_embeddings 8192"
+    );
 }
 
 fn any_json() -> impl Strategy<Value = Value> {
@@ -102,7 +171,8 @@ fn any_json() -> impl Strategy<Value = Value> {
         any::<bool>().prop_map(Value::from),
         any::<i64>().prop_map(Value::from),
         any::<u64>().prop_map(Value::from),
-        any::<f64>().prop_map(|f| serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number)),
+        any::<f64>()
+            .prop_map(|f| serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number)),
         "[a-z0-9]{0,8}".prop_map(Value::from),
         Just(json!([1, 2])),
         Just(json!({"a": 1})),
@@ -111,10 +181,27 @@ fn any_json() -> impl Strategy<Value = Value> {
 }
 
 const FIELDS: &[&str] = &[
-    "model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-    "num_hidden_layers", "vocab_size", "max_position_embeddings", "tie_word_embeddings",
-    "attention_bias", "mlp_bias", "rope_theta", "rms_norm_eps", "head_dim", "num_local_experts",
-    "num_experts_per_tok", "n_embd", "n_head", "n_layer", "n_inner", "n_positions",
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_hidden_layers",
+    "vocab_size",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "attention_bias",
+    "mlp_bias",
+    "rope_theta",
+    "rms_norm_eps",
+    "head_dim",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "n_embd",
+    "n_head",
+    "n_layer",
+    "n_inner",
+    "n_positions",
 ];
 
 proptest! {

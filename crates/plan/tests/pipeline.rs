@@ -6,10 +6,37 @@ use ferrotron_plan::activations::{korthikanti_layer, Dims};
 use ferrotron_plan::*;
 
 fn megatron_175b(schedule: PpSchedule, v: u64, grad_acc: u64) -> (PlanResult, u64) {
-    let recipe = Recipe { seq: 2048, mbs: 1, grad_acc, recompute: Recompute::Selective, ..Recipe::default() };
-    let layout = Layout { tp: 8, pp: 8, sp: true, pp_schedule: schedule, pp_virtual: v, ..Layout::default() };
-    let per_layer = korthikanti_layer(12288, 96, &Dims::new(&recipe, &layout), Recompute::Selective);
-    (plan(&input("megatron-175b", recipe, layout, Convention::Megatron)).unwrap(), per_layer)
+    let recipe = Recipe {
+        seq: 2048,
+        mbs: 1,
+        grad_acc,
+        recompute: Recompute::Selective,
+        ..Recipe::default()
+    };
+    let layout = Layout {
+        tp: 8,
+        pp: 8,
+        sp: true,
+        pp_schedule: schedule,
+        pp_virtual: v,
+        ..Layout::default()
+    };
+    let per_layer = korthikanti_layer(
+        12288,
+        96,
+        &Dims::new(&recipe, &layout),
+        Recompute::Selective,
+    );
+    (
+        plan(&input(
+            "megatron-175b",
+            recipe,
+            layout,
+            Convention::Megatron,
+        ))
+        .unwrap(),
+        per_layer,
+    )
 }
 
 #[test]
@@ -17,7 +44,11 @@ fn one_f_one_b_first_stage_holds_p_micro_batches() {
     let (r, per_layer) = megatron_175b(PpSchedule::OneFOneB, 1, 64);
     // Stage s holds p − s micro-batches of L/p = 12 layers.
     for (s, rank) in r.ranks.iter().enumerate() {
-        assert_eq!(rank.at_peak.layer_activations, (8 - s as u64) * 12 * per_layer, "stage {s}");
+        assert_eq!(
+            rank.at_peak.layer_activations,
+            (8 - s as u64) * 12 * per_layer,
+            "stage {s}"
+        );
     }
     assert_eq!(r.most_loaded, 0);
     assert_eq!(r.worst().name, "pipeline stage 0");
@@ -46,8 +77,14 @@ fn few_micro_batches_cap_what_1f1b_holds() {
 
 #[test]
 fn tied_embedding_is_copied_to_the_last_stage() {
-    let recipe = Recipe { seq: 1024, ..Recipe::default() };
-    let layout = Layout { pp: 2, ..Layout::default() };
+    let recipe = Recipe {
+        seq: 1024,
+        ..Recipe::default()
+    };
+    let layout = Layout {
+        pp: 2,
+        ..Layout::default()
+    };
     let r = plan(&input("gpt2", recipe, layout, Convention::Ferrotron)).unwrap();
     let params = |i: usize| r.ranks[i].plan.find("params").unwrap().numel;
     // Each stage has 6 blocks; stage 0 adds wte + wpe, stage 1 ln_f + its own wte copy.

@@ -19,7 +19,10 @@ fn input(model: ModelSource, recipe: Recipe, layout: Layout, convention: Convent
 }
 
 fn params_plan(n: u64, precision: Precision, layout: Layout, conv: Convention) -> PlanResult {
-    let recipe = Recipe { precision, ..Recipe::default() };
+    let recipe = Recipe {
+        precision,
+        ..Recipe::default()
+    };
     plan(&input(ModelSource::Params(n), recipe, layout, conv)).unwrap()
 }
 
@@ -66,9 +69,18 @@ fn playbook_bytes_per_param() {
         let n = n as u64;
         for p in [Precision::Fp32, Precision::Bf16] {
             let r = params_plan(n, p, Layout::default(), Convention::Playbook);
-            assert_eq!(r.worst().at_peak.model_states() as f64 / GB, gb16, "{n} {p}");
+            assert_eq!(
+                r.worst().at_peak.model_states() as f64 / GB,
+                gb16,
+                "{n} {p}"
+            );
         }
-        let r = params_plan(n, Precision::Bf16Fp32grads, Layout::default(), Convention::Playbook);
+        let r = params_plan(
+            n,
+            Precision::Bf16Fp32grads,
+            Layout::default(),
+            Convention::Playbook,
+        );
         assert_eq!(r.worst().at_peak.model_states() as f64 / GB, gb20, "{n}");
     }
 }
@@ -76,10 +88,22 @@ fn playbook_bytes_per_param() {
 #[test]
 fn zero_paper_table() {
     let check = |dp: u64, zero: u8, want_gb: f64| {
-        let layout = Layout { dp, zero, ..Layout::default() };
-        let r = params_plan(7_500_000_000, Precision::Bf16, layout, Convention::ZeroPaper);
+        let layout = Layout {
+            dp,
+            zero,
+            ..Layout::default()
+        };
+        let r = params_plan(
+            7_500_000_000,
+            Precision::Bf16,
+            layout,
+            Convention::ZeroPaper,
+        );
         let got = r.worst().at_peak.model_states() as f64 / GB;
-        assert!((got - want_gb).abs() < 0.005, "Nd {dp} ZeRO-{zero}: {got} GB, paper {want_gb}");
+        assert!(
+            (got - want_gb).abs() < 0.005,
+            "Nd {dp} ZeRO-{zero}: {got} GB, paper {want_gb}"
+        );
     };
     check(64, 0, 120.0);
     check(64, 1, 31.41);
@@ -91,8 +115,17 @@ fn zero_paper_table() {
 }
 
 fn korthikanti_22b(recompute: Recompute, sp: bool) -> PlanResult {
-    let recipe = Recipe { seq: 2048, mbs: 4, recompute, ..Recipe::default() };
-    let layout = Layout { tp: 8, sp, ..Layout::default() };
+    let recipe = Recipe {
+        seq: 2048,
+        mbs: 4,
+        recompute,
+        ..Recipe::default()
+    };
+    let layout = Layout {
+        tp: 8,
+        sp,
+        ..Layout::default()
+    };
     plan(&input(
         ModelSource::Spec(preset("megatron-22b").unwrap()),
         recipe,
@@ -113,16 +146,31 @@ fn korthikanti_figure1_22b_activations() {
 #[test]
 fn korthikanti_22b_model_states() {
     let (h, l) = (6144u64, 48u64);
-    let layout = Layout { tp: 8, ..Layout::default() };
-    let r = params_plan(12 * h * h * l, Precision::Bf16, layout, Convention::Megatron);
+    let layout = Layout {
+        tp: 8,
+        ..Layout::default()
+    };
+    let r = params_plan(
+        12 * h * h * l,
+        Precision::Bf16,
+        layout,
+        Convention::Megatron,
+    );
     assert_eq!(r.worst().at_peak.model_states() as f64 / GIB, 45.5625);
 }
 
 #[test]
 fn megatron_distributed_optimizer_is_6_plus_12_over_d() {
-    let layout = Layout { dp: 8, zero: 1, ..Layout::default() };
+    let layout = Layout {
+        dp: 8,
+        zero: 1,
+        ..Layout::default()
+    };
     let r = params_plan(8_000_000_000, Precision::Bf16, layout, Convention::Megatron);
-    assert_eq!(r.worst().at_peak.model_states(), 8_000_000_000 * 6 + 8_000_000_000 * 12 / 8);
+    assert_eq!(
+        r.worst().at_peak.model_states(),
+        8_000_000_000 * 6 + 8_000_000_000 * 12 / 8
+    );
 }
 
 fn playbook_acts(seq: u64, recompute: Recompute) -> f64 {
@@ -130,8 +178,19 @@ fn playbook_acts(seq: u64, recompute: Recompute) -> f64 {
         "num_attention_heads":32,"num_hidden_layers":32,"vocab_size":128256,
         "max_position_embeddings":8192}"#;
     let m = ModelSpec::from_json_str(text, "playbook-8b").unwrap();
-    let recipe = Recipe { seq, mbs: 1, recompute, ..Recipe::default() };
-    let r = plan(&input(ModelSource::Spec(m), recipe, Layout::default(), Convention::Playbook)).unwrap();
+    let recipe = Recipe {
+        seq,
+        mbs: 1,
+        recompute,
+        ..Recipe::default()
+    };
+    let r = plan(&input(
+        ModelSource::Spec(m),
+        recipe,
+        Layout::default(),
+        Convention::Playbook,
+    ))
+    .unwrap();
     r.worst().at_peak.activations() as f64 / GIB
 }
 

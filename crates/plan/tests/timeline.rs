@@ -10,7 +10,11 @@ fn llama_8b(recipe: Recipe, layout: Layout) -> PlanResult {
 }
 
 fn at(points: &[ferrotron_plan::timeline::TimelinePoint], phase: &str) -> u64 {
-    points.iter().find(|p| p.phase == phase).unwrap_or_else(|| panic!("no {phase}")).bytes
+    points
+        .iter()
+        .find(|p| p.phase == phase)
+        .unwrap_or_else(|| panic!("no {phase}"))
+        .bytes
 }
 
 #[test]
@@ -19,7 +23,10 @@ fn step_two_peaks_higher_by_exactly_the_optimizer_states() {
     let w = r.worst();
     let t = coarse(&w.sweep, &ferrotron_plan::hardware::Overhead::NONE);
     let opt = w.plan.find("optim.exp_avg").unwrap().bytes() * 2;
-    assert_eq!(at(&t, "step 2: backward peak") - at(&t, "step 1: backward peak"), opt);
+    assert_eq!(
+        at(&t, "step 2: backward peak") - at(&t, "step 1: backward peak"),
+        opt
+    );
     // Init holds bf16 params and fp32 master: 6 bytes per parameter.
     assert_eq!(at(&t, "model init"), 6 * 8_030_261_248);
     // Steady state: + bf16 grads + Adam = 16 bytes per parameter.
@@ -31,10 +38,20 @@ fn step_two_peaks_higher_by_exactly_the_optimizer_states() {
 #[test]
 fn recompute_policies_order_activation_memory() {
     let acts = |rc| {
-        let r = llama_8b(Recipe { recompute: rc, ..Recipe::default() }, Layout::default());
+        let r = llama_8b(
+            Recipe {
+                recompute: rc,
+                ..Recipe::default()
+            },
+            Layout::default(),
+        );
         r.worst().at_peak.layer_activations
     };
-    let (none, sel, full) = (acts(Recompute::None), acts(Recompute::Selective), acts(Recompute::Full));
+    let (none, sel, full) = (
+        acts(Recompute::None),
+        acts(Recompute::Selective),
+        acts(Recompute::Full),
+    );
     assert!(none > sel && sel > full, "{none} {sel} {full}");
     // Full keeps one bf16 [s, h] input per layer.
     assert_eq!(full, 32 * 4096 * 4096 * 2);
@@ -43,7 +60,11 @@ fn recompute_policies_order_activation_memory() {
 #[test]
 fn zero_stages_shard_what_the_paper_says() {
     let states = |zero| {
-        let l = Layout { dp: 8, zero, ..Layout::default() };
+        let l = Layout {
+            dp: 8,
+            zero,
+            ..Layout::default()
+        };
         let r = llama_8b(Recipe::default(), l);
         let b = r.worst().at_peak;
         (b.params, b.grads, b.master + b.optimizer)
@@ -52,12 +73,22 @@ fn zero_stages_shard_what_the_paper_says() {
     assert_eq!(states(0), (2 * n, 2 * n, 12 * n));
     assert_eq!(states(1), (2 * n, 2 * n, 12 * n.div_ceil(8)));
     assert_eq!(states(2), (2 * n, 2 * n.div_ceil(8), 12 * n.div_ceil(8)));
-    assert_eq!(states(3), (2 * n.div_ceil(8), 2 * n.div_ceil(8), 12 * n.div_ceil(8)));
+    assert_eq!(
+        states(3),
+        (2 * n.div_ceil(8), 2 * n.div_ceil(8), 12 * n.div_ceil(8))
+    );
 }
 
 #[test]
 fn zero3_gathers_a_layer_and_prefetches_the_next() {
-    let r = llama_8b(Recipe::default(), Layout { dp: 8, zero: 3, ..Layout::default() });
+    let r = llama_8b(
+        Recipe::default(),
+        Layout {
+            dp: 8,
+            zero: 3,
+            ..Layout::default()
+        },
+    );
     let g = r.worst().plan.find("comm.zero3.gathered_params").unwrap();
     // The largest unit is the head: the 128256 × 4096 LM head plus the final norm (untied),
     // one gathered and one prefetched, in bf16.
@@ -66,7 +97,13 @@ fn zero3_gathers_a_layer_and_prefetches_the_next() {
 
 #[test]
 fn offloading_moves_states_to_the_host() {
-    let r = llama_8b(Recipe::default(), Layout { offload: Offload::Optimizer, ..Layout::default() });
+    let r = llama_8b(
+        Recipe::default(),
+        Layout {
+            offload: Offload::Optimizer,
+            ..Layout::default()
+        },
+    );
     let w = r.worst();
     assert_eq!(w.at_peak.master + w.at_peak.optimizer, 0);
     assert_eq!(w.plan.host_bytes, 12 * 8_030_261_248);
@@ -75,20 +112,43 @@ fn offloading_moves_states_to_the_host() {
 #[test]
 fn fp32_grad_accumulator_adds_four_bytes_per_param() {
     let ms = |p| {
-        let r = llama_8b(Recipe { precision: p, ..Recipe::default() }, Layout::default());
+        let r = llama_8b(
+            Recipe {
+                precision: p,
+                ..Recipe::default()
+            },
+            Layout::default(),
+        );
         r.worst().at_peak.model_states()
     };
-    assert_eq!(ms(Precision::Bf16Fp32grads) - ms(Precision::Bf16), 4 * 8_030_261_248);
+    assert_eq!(
+        ms(Precision::Bf16Fp32grads) - ms(Precision::Bf16),
+        4 * 8_030_261_248
+    );
     assert_eq!(ms(Precision::Fp32), 16 * 8_030_261_248);
 }
 
 #[test]
 fn tensor_and_sequence_parallelism_shard_activations() {
     let layer = |tp, sp| {
-        let r = llama_8b(Recipe::default(), Layout { tp, sp, ..Layout::default() });
+        let r = llama_8b(
+            Recipe::default(),
+            Layout {
+                tp,
+                sp,
+                ..Layout::default()
+            },
+        );
         r.worst().at_peak.layer_activations
     };
     let one = layer(1, false);
-    assert!(layer(8, false) > one / 8, "without SP the norm regions stay replicated");
-    assert_eq!(layer(8, true), one / 8, "with SP every saved tensor is split");
+    assert!(
+        layer(8, false) > one / 8,
+        "without SP the norm regions stay replicated"
+    );
+    assert_eq!(
+        layer(8, true),
+        one / 8,
+        "with SP every saved tensor is split"
+    );
 }

@@ -19,10 +19,24 @@ pub fn to_html(rep: &Report) -> String {
     let w = rep.worst();
     if let Some(v) = &rep.verdict {
         let msg = if v.fits {
-            format!("Fits on {} with {} GiB free (peak {} GiB).", v.gpu, gib(v.free as u64), gib(v.peak))
+            format!(
+                "Fits on {} with {} GiB free (peak {} GiB).",
+                v.gpu,
+                gib(v.free as u64),
+                gib(v.peak)
+            )
         } else {
-            let fix = v.suggestion.as_ref().map_or("none found".to_string(), |s| s.flags.clone());
-            format!("Does not fit on {}: peak {} GiB over {} GiB. Cheapest fix: {}", v.gpu, gib(v.peak), gib(v.capacity), fix)
+            let fix = v
+                .suggestion
+                .as_ref()
+                .map_or("none found".to_string(), |s| s.flags.clone());
+            format!(
+                "Does not fit on {}: peak {} GiB over {} GiB. Cheapest fix: {}",
+                v.gpu,
+                gib(v.peak),
+                gib(v.capacity),
+                fix
+            )
         };
         let _ = write!(o, "<p id=\"verdict\"><b>{}</b></p>", esc(&msg));
     }
@@ -39,15 +53,21 @@ pub fn to_html(rep: &Report) -> String {
         ("comm buffers", |r| r.comm_buffers),
         ("overhead", |r| r.overhead),
     ];
-    let series: Vec<(&str, Vec<u64>)> =
-        comps.iter().map(|(l, g)| (*l, rep.ranks.iter().map(g).collect())).collect();
+    let series: Vec<(&str, Vec<u64>)> = comps
+        .iter()
+        .map(|(l, g)| (*l, rep.ranks.iter().map(g).collect()))
+        .collect();
     let _ = write!(
         o,
         "<figure id=\"components\">{}<figcaption>Peak memory per rank kind, by component.</figcaption></figure>",
         stacked_bars("Memory per rank at peak", &groups, &series)
     );
 
-    let points: Vec<(String, u64)> = rep.timeline.iter().map(|p| (p.phase.clone(), p.bytes)).collect();
+    let points: Vec<(String, u64)> = rep
+        .timeline
+        .iter()
+        .map(|p| (p.phase.clone(), p.bytes))
+        .collect();
     let cap = rep.verdict.as_ref().map(|v| (v.gpu.as_str(), v.capacity));
     let _ = write!(
         o,
@@ -58,7 +78,11 @@ pub fn to_html(rep: &Report) -> String {
     );
 
     if !rep.activations_vs_seq.is_empty() {
-        let xs: Vec<String> = rep.activations_vs_seq.iter().map(|p| p.seq.to_string()).collect();
+        let xs: Vec<String> = rep
+            .activations_vs_seq
+            .iter()
+            .map(|p| p.seq.to_string())
+            .collect();
         let s = &rep.activations_vs_seq;
         let series = [
             ("no recompute", s.iter().map(|p| p.none).collect()),
@@ -71,6 +95,10 @@ pub fn to_html(rep: &Report) -> String {
             lines("Activations vs sequence length", &xs, &series)
         );
     }
-    let _ = write!(o, "<h2>Details</h2><pre>{}</pre></body></html>", esc(&render(rep)));
+    let _ = write!(
+        o,
+        "<h2>Details</h2><pre>{}</pre></body></html>",
+        esc(&render(rep))
+    );
     o
 }

@@ -137,7 +137,9 @@ fn settings(x: &PlanInput) -> Vec<(String, String)> {
 /// Activation memory vs sequence length for the three recompute policies (the playbook's
 /// figure), at powers of two from 512 up to the model's maximum (at most 32k).
 fn activations_vs_seq(x: &PlanInput) -> Vec<SeqPoint> {
-    let ModelSource::Spec(m) = &x.model else { return vec![] };
+    let ModelSource::Spec(m) = &x.model else {
+        return vec![];
+    };
     let mut out = Vec::new();
     let mut seq = 512;
     while seq <= m.max_positions.min(32_768) {
@@ -148,17 +150,29 @@ fn activations_vs_seq(x: &PlanInput) -> Vec<SeqPoint> {
             y.recipe.grad_acc = y.recipe.grad_acc.min(y.layout.pp * 2).max(1);
             plan(&y).map(|p| p.worst().at_peak.activations()).ok()
         };
-        if let (Some(none), Some(selective), Some(full)) =
-            (at(Recompute::None), at(Recompute::Selective), at(Recompute::Full))
-        {
-            out.push(SeqPoint { seq, none, selective, full });
+        if let (Some(none), Some(selective), Some(full)) = (
+            at(Recompute::None),
+            at(Recompute::Selective),
+            at(Recompute::Full),
+        ) {
+            out.push(SeqPoint {
+                seq,
+                none,
+                selective,
+                full,
+            });
         }
         seq *= 2;
     }
     out
 }
 
-pub fn build(x: &PlanInput, result: &PlanResult, gpu: Option<&Gpu>, with_seq_sweep: bool) -> Result<Report> {
+pub fn build(
+    x: &PlanInput,
+    result: &PlanResult,
+    gpu: Option<&Gpu>,
+    with_seq_sweep: bool,
+) -> Result<Report> {
     let worst = result.worst();
     let timeline = coarse(&worst.sweep, &x.overhead);
     let opt_bytes = worst.at_peak.optimizer;

@@ -7,7 +7,10 @@ pub const PALETTE: [&str; 8] = [
 ];
 
 pub fn esc(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
 }
 
 fn gib(b: f64) -> f64 {
@@ -53,7 +56,12 @@ impl Frame {
             w = self.w,
             h = self.h
         );
-        let _ = write!(o, r#"<text x="{}" y="16" font-size="14" font-weight="bold">{}</text>"#, self.left, esc(title));
+        let _ = write!(
+            o,
+            r#"<text x="{}" y="16" font-size="14" font-weight="bold">{}</text>"#,
+            self.left,
+            esc(title)
+        );
         let _ = write!(
             o,
             r#"<text x="12" y="{}" transform="rotate(-90 12 {})" text-anchor="middle">{}</text>"#,
@@ -85,7 +93,14 @@ fn trim(v: f64) -> String {
 
 /// One stacked bar per group; `series` are (label, bytes per group).
 pub fn stacked_bars(title: &str, groups: &[String], series: &[(&str, Vec<u64>)]) -> String {
-    let f = Frame { w: 760.0, h: 360.0, left: 60.0, bottom: 60.0, top: 30.0, right: 190.0 };
+    let f = Frame {
+        w: 760.0,
+        h: 360.0,
+        left: 60.0,
+        bottom: 60.0,
+        top: 30.0,
+        right: 190.0,
+    };
     let totals: Vec<f64> = (0..groups.len())
         .map(|g| series.iter().map(|(_, v)| gib(v[g] as f64)).sum())
         .collect();
@@ -145,8 +160,20 @@ fn legend<'a>(o: &mut String, f: &Frame, labels: impl Iterator<Item = &'a str>) 
 
 /// Vertical bars with a label under each, and an optional horizontal capacity line.
 pub fn bars(title: &str, points: &[(String, u64)], line: Option<(&str, u64)>) -> String {
-    let f = Frame { w: 760.0, h: 380.0, left: 60.0, bottom: 120.0, top: 30.0, right: 20.0 };
-    let top = points.iter().map(|p| p.1).max().unwrap_or(0).max(line.map_or(0, |l| l.1));
+    let f = Frame {
+        w: 760.0,
+        h: 380.0,
+        left: 60.0,
+        bottom: 120.0,
+        top: 30.0,
+        right: 20.0,
+    };
+    let top = points
+        .iter()
+        .map(|p| p.1)
+        .max()
+        .unwrap_or(0)
+        .max(line.map_or(0, |l| l.1));
     let (vmax, step) = axis(gib(top as f64));
     let mut o = String::new();
     f.open(&mut o, title, "GiB", vmax, step);
@@ -186,15 +213,32 @@ pub fn bars(title: &str, points: &[(String, u64)], line: Option<(&str, u64)>) ->
 
 /// Lines over a shared x axis (x labels as given); `series` are (label, bytes per x).
 pub fn lines(title: &str, xs: &[String], series: &[(&str, Vec<u64>)]) -> String {
-    let f = Frame { w: 760.0, h: 360.0, left: 60.0, bottom: 50.0, top: 30.0, right: 150.0 };
-    let top = series.iter().flat_map(|(_, v)| v.iter().copied()).max().unwrap_or(0);
+    let f = Frame {
+        w: 760.0,
+        h: 360.0,
+        left: 60.0,
+        bottom: 50.0,
+        top: 30.0,
+        right: 150.0,
+    };
+    let top = series
+        .iter()
+        .flat_map(|(_, v)| v.iter().copied())
+        .max()
+        .unwrap_or(0);
     let (vmax, step) = axis(gib(top as f64));
     let mut o = String::new();
     f.open(&mut o, title, "GiB", vmax, step);
     let n = xs.len().max(2) as f64 - 1.0;
     let x_at = |i: usize| f.left + f.plot_w() * i as f64 / n;
     for (i, x) in xs.iter().enumerate() {
-        let _ = write!(o, r#"<text x="{}" y="{}" text-anchor="middle">{}</text>"#, x_at(i), f.h - f.bottom + 16.0, esc(x));
+        let _ = write!(
+            o,
+            r#"<text x="{}" y="{}" text-anchor="middle">{}</text>"#,
+            x_at(i),
+            f.h - f.bottom + 16.0,
+            esc(x)
+        );
     }
     for (k, (label, v)) in series.iter().enumerate() {
         let pts: Vec<String> = v

@@ -45,10 +45,17 @@ pub fn render(rep: &Report) -> String {
         let _ = writeln!(o, "  {k:<11} {v}");
     }
     let cols = shown(rep);
-    let _ = writeln!(o, "\nMemory per rank, GiB (2^30 bytes), at each rank's peak:");
+    let _ = writeln!(
+        o,
+        "\nMemory per rank, GiB (2^30 bytes), at each rank's peak:"
+    );
     let _ = write!(o, "  {:<28}", "");
     for &i in &cols {
-        let mark = if i == rep.most_loaded && rep.ranks.len() > 1 { " *" } else { "" };
+        let mark = if i == rep.most_loaded && rep.ranks.len() > 1 {
+            " *"
+        } else {
+            ""
+        };
         let _ = write!(o, "{:>22}", format!("{}{mark}", rep.ranks[i].name));
     }
     let _ = writeln!(o);
@@ -81,8 +88,18 @@ pub fn render(rep: &Report) -> String {
     let _ = writeln!(o, "  peak reached at: {} ({})", w.peak_at, w.name);
     let _ = writeln!(o, "  {}", rep.overhead_note);
 
-    let _ = writeln!(o, "\nTimeline of {} over the first two steps (GiB):", w.name);
-    let max = rep.timeline.iter().map(|p| p.bytes).max().unwrap_or(1).max(1);
+    let _ = writeln!(
+        o,
+        "\nTimeline of {} over the first two steps (GiB):",
+        w.name
+    );
+    let max = rep
+        .timeline
+        .iter()
+        .map(|p| p.bytes)
+        .max()
+        .unwrap_or(1)
+        .max(1);
     for p in &rep.timeline {
         let bar = "█".repeat(((p.bytes as f64 / max as f64) * 40.0).round() as usize);
         let _ = writeln!(o, "  {:<36}{:>9}  {bar}", p.phase, gib(p.bytes));
