@@ -1,1 +1,9 @@
-//! ferrotron-engine
+//! ferrotron-engine: kernels (one trait, CPU backend now) and the Llama model
+//! (forward + backward, llm.c style named activation buffers).
+
+pub mod kernels;
+pub mod model;
+pub mod peak;
+
+pub use kernels::{CpuKernels, Kernels};
+pub use peak::measure_matmul_peak_gflops;

@@ -42,17 +42,22 @@ pub struct LayerActs {
     pub recompute: Vec<Act>,
 }
 
-/// Activations outside the transformer layers, per micro-batch.
+/// Activations outside the transformer layers, per micro-batch, in the order the engine
+/// allocates them.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct EdgeActs {
+    /// Allocated once at init and kept (batch token buffers, RoPE tables).
+    pub persistent: Vec<Act>,
     /// Held from the forward of the first stage's embedding to its backward.
     pub embedding: Vec<Act>,
-    /// Held from the final norm's forward to its backward (last stage).
+    /// Held from the final norm's forward into the backward (last stage).
     pub head: Vec<Act>,
-    /// Materialised only during the loss computation (chunked logits).
+    /// Materialised only while the loss is computed at the end of the forward (chunked logits).
     pub loss_transient: Vec<Act>,
-    /// Activation gradients live during one micro-batch's backward (Workspace).
-    pub backward_scratch: Vec<Act>,
+    /// Activation gradients allocated first in a micro-batch's backward, before `head` is freed.
+    pub scratch_first: Vec<Act>,
+    /// The remaining activation gradients, allocated once `head` is freed, reused by every layer.
+    pub scratch_rest: Vec<Act>,
 }
 
 /// Shape facts shared by every formula: tokens of one micro-batch on one rank.
@@ -118,7 +123,7 @@ pub fn layer_acts(m: &ModelSpec, r: &Recipe, l: &Layout, conv: Convention) -> La
     match conv {
         Convention::Ferrotron => match m.family {
             Family::Gpt2 => gpt2_layer(m, r, &d),
-            _ => llama_layer(m, r, l, &d),
+            _ => llama_layer(m, r, &d),
         },
         _ => {
             let held = korthikanti_layer(m.hidden, m.heads, &d, r.recompute);
@@ -144,7 +149,7 @@ pub fn layer_acts(m: &ModelSpec, r: &Recipe, l: &Layout, conv: Convention) -> La
 ///   input/resid_mid and rstd; the SwiGLU product, recomputed from gate and up) and keep the
 ///   expensive matmul and attention outputs;
 /// - full: keep only each layer's input; replay the layer's forward in its backward.
-fn llama_layer(m: &ModelSpec, r: &Recipe, l: &Layout, d: &Dims) -> LayerActs {
+fn llama_layer(m: &ModelSpec, r: &Recipe, d: &Dims) -> LayerActs {
     let st = r.precision.storage();
     // fp8: GEMM inputs are saved as fp8 casts (one byte) for the weight-gradient GEMMs.
     let gemm_in = if r.precision == Precision::Fp8 {
@@ -180,7 +185,6 @@ fn llama_layer(m: &ModelSpec, r: &Recipe, l: &Layout, d: &Dims) -> LayerActs {
             let (e, k) = (moe.num_experts, moe.top_k);
             let f = m.intermediate.div_ceil(t);
             let routed = n * k;
-            let _ = l;
             all.push(act("router_logits", DType::F32, n * e / ss));
             all.push(act("router_weights", DType::F32, n * k / ss));
             all.push(act("router_index", DType::U32, n * k / ss));
@@ -248,84 +252,103 @@ pub fn edge_acts(m: &ModelSpec, r: &Recipe, l: &Layout, conv: Convention) -> Edg
                 numel,
                 category: Category::Workspace,
             };
-            let mut scratch = vec![
-                ws("grad.resid", st, n * c / ss),
-                ws("grad.ln_out", st, n * c),
-                ws("grad.q", st, n * m.q_dim() / t),
-                ws("grad.k", st, n * m.kv_dim() / t),
-                ws("grad.v", st, n * m.kv_dim() / t),
-                ws("grad.attn_out", st, n * m.q_dim() / t),
+            let mut rest = vec![
+                ws("grad.act.ln_out", st, n * c),
+                ws("grad.act.q", st, n * m.q_dim() / t),
+                ws("grad.act.k", st, n * m.kv_dim() / t),
+                ws("grad.act.v", st, n * m.kv_dim() / t),
+                ws("grad.act.attn_out", st, n * m.q_dim() / t),
             ];
             let f = m.intermediate.div_ceil(t);
             let routed = n * m.moe.map_or(1, |moe| moe.top_k);
             if m.family == Family::Gpt2 {
-                scratch.push(ws("grad.fc", st, n * f));
-                scratch.push(ws("grad.gelu", st, n * f));
+                rest.push(ws("grad.act.fc", st, n * f));
+                rest.push(ws("grad.act.gelu", st, n * f));
             } else {
-                scratch.push(ws("grad.gate", st, routed * f));
-                scratch.push(ws("grad.up", st, routed * f));
-                scratch.push(ws("grad.swiglu", st, routed * f));
+                rest.push(ws("grad.act.gate", st, routed * f));
+                rest.push(ws("grad.act.up", st, routed * f));
+                rest.push(ws("grad.act.swiglu", st, routed * f));
             }
+            let half = m.head_dim / 2;
             EdgeActs {
-                embedding: vec![
+                // The trainer's batch buffers and the engine's RoPE cos/sin tables.
+                persistent: vec![
                     Act {
-                        name: "tokens",
+                        name: "data.tokens",
                         dtype: DType::U32,
                         numel: n,
                         category: other,
                     },
                     Act {
-                        name: "targets",
+                        name: "data.targets",
                         dtype: DType::U32,
                         numel: n,
                         category: other,
+                    },
+                    Act {
+                        name: "rope.cos",
+                        dtype: DType::F32,
+                        numel: m.max_positions * half,
+                        category: Category::Workspace,
+                    },
+                    Act {
+                        name: "rope.sin",
+                        dtype: DType::F32,
+                        numel: m.max_positions * half,
+                        category: Category::Workspace,
                     },
                 ],
+                embedding: vec![],
                 head: vec![
                     Act {
-                        name: "final_norm.input",
+                        name: "act.final_norm.input",
                         dtype: st,
                         numel: n * c / ss,
                         category: other,
                     },
                     Act {
-                        name: "final_norm.rstd",
+                        name: "act.final_norm.rstd",
                         dtype: DType::F32,
                         numel: n / ss,
                         category: other,
                     },
                     Act {
-                        name: "final_norm.out",
+                        name: "act.final_norm.out",
                         dtype: st,
                         numel: n * c,
                         category: other,
                     },
+                ],
+                // The LM head runs chunk by chunk at the end of the forward: logits, loss and
+                // their gradient in place, then dW_head and d(final norm out) (as llm.c).
+                loss_transient: vec![
                     Act {
-                        name: "losses",
+                        name: "act.logits_chunk",
+                        dtype: DType::F32,
+                        numel: chunk * v,
+                        category: other,
+                    },
+                    Act {
+                        name: "act.losses",
                         dtype: DType::F32,
                         numel: n,
                         category: other,
                     },
                 ],
-                loss_transient: vec![Act {
-                    name: "logits_chunk",
-                    dtype: DType::F32,
-                    numel: chunk * v,
-                    category: other,
-                }],
-                backward_scratch: scratch,
+                scratch_first: vec![ws("grad.act.resid", st, n * c / ss)],
+                scratch_rest: rest,
             }
         }
         Convention::Megatron => {
             let sbh = d.s * d.b * c;
             EdgeActs {
                 // §4.3: the embedding dropout mask, one byte per element (÷t with SP).
-                embedding: vec![bytes("embedding_dropout_mask", sbh / ss, other)],
+                embedding: vec![bytes("act.embedding_dropout_mask", sbh / ss, other)],
                 // §4.3: final layer norm + output projection input 4sbh/t, fp32 logits for
                 // the cross-entropy 4sbv/t: together 4sbh/t·(1 + v/h).
                 head: vec![
-                    bytes("output_norm_and_proj", 4 * sbh / t, other),
-                    bytes("logits_fp32", 4 * d.s * d.b * m.vocab / t, other),
+                    bytes("act.output_norm_and_proj", 4 * sbh / t, other),
+                    bytes("act.logits_fp32", 4 * d.s * d.b * m.vocab / t, other),
                 ],
                 ..EdgeActs::default()
             }
@@ -333,7 +356,11 @@ pub fn edge_acts(m: &ModelSpec, r: &Recipe, l: &Layout, conv: Convention) -> Edg
         // The playbook's charts add the embedding dropout mask, s·b·h bytes, to the layers
         // (9.25390625 GiB = 9.25 GiB of layers + 4 MiB for h 4096, s 1024, b 1).
         Convention::Playbook | Convention::ZeroPaper => EdgeActs {
-            embedding: vec![bytes("embedding_dropout_mask", d.s * d.b * c / ss, other)],
+            embedding: vec![bytes(
+                "act.embedding_dropout_mask",
+                d.s * d.b * c / ss,
+                other,
+            )],
             ..EdgeActs::default()
         },
     }

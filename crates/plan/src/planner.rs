@@ -163,6 +163,17 @@ fn rank_elems(
     e
 }
 
+/// Buffer ids of the activations outside the layers (see `activations::EdgeActs`).
+#[derive(Default)]
+struct EdgeIds {
+    persistent: Vec<BufId>,
+    embedding: Vec<BufId>,
+    head: Vec<BufId>,
+    loss: Vec<BufId>,
+    scratch_first: Vec<BufId>,
+    scratch_rest: Vec<BufId>,
+}
+
 fn add_acts(plan: &mut MemoryPlan, prefix: &str, acts: &[Act]) -> Vec<BufId> {
     acts.iter()
         .filter(|a| a.numel > 0)
@@ -190,7 +201,6 @@ fn rank_plan(
         conv,
     );
     plan.alloc(&states.at_init);
-    plan.mark(1, Phase::Init, "model init");
 
     let unit = spec.map_or(0, |m| {
         largest_unit(tensors, l.tp, |p| stage_of(p, m, l) == stage)
@@ -207,33 +217,47 @@ fn rank_plan(
         }
     }
 
-    // Activation buffers (only with an architecture).
+    // Activation buffers (only with an architecture). A layer's `input` is split off: the
+    // engine allocates it as the previous layer's output, at the end of that layer.
     let chunks = l.pp * l.pp_virtual;
     let per_chunk = spec.map_or(0, |m| m.layers / chunks);
-    let mut layer_ids: Vec<Vec<BufId>> = Vec::new();
-    let (mut recompute_ids, mut emb, mut head, mut loss_tr, mut scratch) =
-        (vec![], vec![], vec![], vec![], vec![]);
+    let mut inputs: Vec<Vec<BufId>> = Vec::new();
+    let mut rests: Vec<Vec<BufId>> = Vec::new();
+    let mut recompute_ids = vec![];
+    let mut e = EdgeIds::default();
     if let Some(m) = spec {
         let la = layer_acts(m, r, l, conv);
         for i in 0..m.layers {
-            let ids = if stage_of(Placement::Layer(i), m, l) == stage {
-                add_acts(&mut plan, &format!("act.layers.{i}."), &la.saved)
+            let here = stage_of(Placement::Layer(i), m, l) == stage;
+            let prefix = format!("act.layers.{i}.");
+            let (input, rest): (Vec<Act>, Vec<Act>) =
+                la.saved.iter().cloned().partition(|a| a.name == "input");
+            inputs.push(if here {
+                add_acts(&mut plan, &prefix, &input)
             } else {
                 vec![]
-            };
-            layer_ids.push(ids);
+            });
+            rests.push(if here {
+                add_acts(&mut plan, &prefix, &rest)
+            } else {
+                vec![]
+            });
         }
         recompute_ids = add_acts(&mut plan, "recompute.", &la.recompute);
         let edge = edge_acts(m, r, l, conv);
+        e.persistent = add_acts(&mut plan, "", &edge.persistent);
         if stage == 0 {
-            emb = add_acts(&mut plan, "act.", &edge.embedding);
+            e.embedding = add_acts(&mut plan, "", &edge.embedding);
         }
         if stage == l.pp - 1 {
-            head = add_acts(&mut plan, "act.", &edge.head);
-            loss_tr = add_acts(&mut plan, "act.", &edge.loss_transient);
+            e.head = add_acts(&mut plan, "", &edge.head);
+            e.loss = add_acts(&mut plan, "", &edge.loss_transient);
         }
-        scratch = add_acts(&mut plan, "scratch.", &edge.backward_scratch);
+        e.scratch_first = add_acts(&mut plan, "", &edge.scratch_first);
+        e.scratch_rest = add_acts(&mut plan, "", &edge.scratch_rest);
     }
+    plan.alloc(&e.persistent);
+    plan.mark(1, Phase::Init, "model init");
 
     let m_sim = {
         let s = simulated_micro_batches(l, stage, r.grad_acc);
@@ -244,8 +268,17 @@ fn rank_plan(
         }
     };
     let work = order(l, stage, m_sim);
+    // ferrotron's engine fuses the LM head's backward into the end of the forward (llm.c
+    // style), so its gradients exist before the first forward; elsewhere they appear lazily at
+    // the first backward, as in PyTorch.
+    let grads_before_forward = conv == Convention::Ferrotron;
     let mut grads_allocated = false;
     let mut comm_fwd_allocated = false;
+    let alloc_grads = |plan: &mut MemoryPlan, step: u32, phase: Phase| {
+        plan.alloc(&states.at_first_backward);
+        plan.alloc(&comm_bwd);
+        plan.mark(step, phase, "gradients allocated");
+    };
     for step in 1..=2u32 {
         for w in &work {
             match *w {
@@ -254,25 +287,34 @@ fn rank_plan(
                         plan.alloc(&comm_fwd);
                         comm_fwd_allocated = true;
                     }
-                    let g = chunk * l.pp + stage;
-                    if g == 0 {
-                        plan.alloc(&emb);
+                    if grads_before_forward && !grads_allocated {
+                        alloc_grads(&mut plan, step, Phase::Forward);
+                        grads_allocated = true;
                     }
-                    for i in g * per_chunk..(g + 1) * per_chunk {
-                        plan.alloc(&layer_ids[i as usize]);
+                    let g = chunk * l.pp + stage;
+                    let layers = g * per_chunk..(g + 1) * per_chunk;
+                    if g == 0 {
+                        plan.alloc(&e.embedding);
+                    }
+                    if let Some(first) = inputs.get(layers.start as usize) {
+                        plan.alloc(first);
+                    }
+                    for i in layers.clone() {
+                        plan.alloc(&rests[i as usize]);
+                        if i + 1 < layers.end {
+                            plan.alloc(&inputs[i as usize + 1]);
+                        }
                         plan.mark(
                             step,
                             Phase::Forward,
                             format!("step {step} mb {mb} forward layer {i}"),
                         );
                     }
-                    if g == chunks - 1 && !head.is_empty() {
-                        plan.alloc(&head);
-                        plan.mark(
-                            step,
-                            Phase::Forward,
-                            format!("step {step} mb {mb} forward final norm"),
-                        );
+                    if g == chunks - 1 && spec.is_some() {
+                        plan.alloc(&e.head);
+                        plan.alloc(&e.loss);
+                        plan.mark(step, Phase::Loss, format!("step {step} mb {mb} loss"));
+                        plan.free(&e.loss);
                     }
                     if spec.is_none() {
                         plan.mark(step, Phase::Forward, format!("step {step} mb {mb} forward"));
@@ -280,34 +322,31 @@ fn rank_plan(
                 }
                 Work::B { mb, chunk } => {
                     if !grads_allocated {
-                        // Gradients appear lazily at the first backward (as in PyTorch and llm.c).
-                        plan.alloc(&states.at_first_backward);
-                        plan.alloc(&comm_bwd);
-                        plan.mark(step, Phase::Backward, "gradients allocated");
+                        alloc_grads(&mut plan, step, Phase::Backward);
                         grads_allocated = true;
                     }
                     let g = chunk * l.pp + stage;
-                    plan.alloc(&scratch);
-                    if g == chunks - 1 && spec.is_some() {
-                        plan.alloc(&loss_tr);
-                        plan.mark(step, Phase::Loss, format!("step {step} mb {mb} loss"));
-                        plan.free(&loss_tr);
-                        plan.free(&head);
+                    plan.alloc(&e.scratch_first);
+                    if g == chunks - 1 {
+                        plan.free(&e.head);
                     }
+                    plan.alloc(&e.scratch_rest);
                     for i in (g * per_chunk..(g + 1) * per_chunk).rev() {
                         plan.alloc(&recompute_ids);
+                        plan.free(&recompute_ids);
+                        plan.free(&rests[i as usize]);
+                        plan.free(&inputs[i as usize]);
                         plan.mark(
                             step,
                             Phase::Backward,
                             format!("step {step} mb {mb} backward layer {i}"),
                         );
-                        plan.free(&recompute_ids);
-                        plan.free(&layer_ids[i as usize]);
                     }
                     if g == 0 {
-                        plan.free(&emb);
+                        plan.free(&e.embedding);
                     }
-                    plan.free(&scratch);
+                    plan.free(&e.scratch_rest);
+                    plan.free(&e.scratch_first);
                     if spec.is_none() {
                         plan.mark(
                             step,

@@ -37,22 +37,33 @@ pub fn coarse(sweep: &Sweep, overhead: &Overhead) -> Vec<TimelinePoint> {
                 .iter()
                 .filter(move |m| m.step == step && ph.contains(&m.phase))
         }
-        let fwd = in_step(sweep, step, &[Phase::Forward])
+        // Gradients appear before the first forward (ferrotron's fused LM head) or at the
+        // first backward (PyTorch); the point goes where it happens.
+        let grads = in_step(sweep, step, &[Phase::Forward, Phase::Backward])
+            .find(|m| m.label == "gradients allocated")
+            .map(|m| (m.phase, m.live));
+        let grads_point = |out: &mut Vec<TimelinePoint>| {
+            if let Some((_, live)) = grads {
+                point(
+                    out,
+                    format!("step {step}: gradient buffers allocated"),
+                    live,
+                );
+            }
+        };
+        if matches!(grads, Some((Phase::Forward, _))) {
+            grads_point(&mut out);
+        }
+        let fwd = in_step(sweep, step, &[Phase::Forward, Phase::Loss])
             .map(|m| m.max_since_previous)
             .max();
         if let Some(b) = fwd {
             point(&mut out, format!("step {step}: forward peak"), b);
         }
-        if let Some(m) =
-            in_step(sweep, step, &[Phase::Backward]).find(|m| m.label == "gradients allocated")
-        {
-            point(
-                &mut out,
-                format!("step {step}: gradient buffers allocated"),
-                m.live,
-            );
+        if matches!(grads, Some((Phase::Backward, _))) {
+            grads_point(&mut out);
         }
-        let bwd = in_step(sweep, step, &[Phase::Loss, Phase::Backward])
+        let bwd = in_step(sweep, step, &[Phase::Backward])
             .map(|m| m.max_since_previous)
             .max();
         if let Some(b) = bwd {

@@ -1,0 +1,75 @@
+//! AdamW exactly as `torch.optim.AdamW` (single-tensor path), Loshchilov & Hutter 2019, Alg. 2
+//! with Kingma & Ba 2015 bias correction:
+//! `p ← p·(1 − lr·wd)`; `m ← lerp(m, g, 1−β1)`; `v ← β2·v + (1−β2)·g²`;
+//! `p ← p − (lr / (1−β1ᵗ)) · m / (sqrt(v)/sqrt(1−β2ᵗ) + eps)`.
+
+use super::swiglu::CHUNK;
+use crate::dispatch_fma;
+use crate::kernels::AdamWParams;
+use rayon::prelude::*;
+
+pub fn step(h: AdamWParams, params: &mut [f32], grads: &[f32], m: &mut [f32], v: &mut [f32]) {
+    let n = params.len();
+    assert!(
+        grads.len() == n && m.len() == n && v.len() == n,
+        "adamw lens"
+    );
+    assert!(h.step >= 1, "adamw step is 1-based");
+    let t = h.step.min(i32::MAX as u64) as i32;
+    // torch computes the corrections as Python floats (f64), then uses them as scalars.
+    let bc1 = 1.0 - h.beta1.powi(t);
+    let bc2 = 1.0 - h.beta2.powi(t);
+    let step_size = (h.lr / bc1) as f32;
+    let bc2_sqrt = bc2.sqrt() as f32;
+    let decay = (1.0 - h.lr * h.weight_decay) as f32;
+    let w = (1.0 - h.beta1) as f32;
+    let (b2, one_m_b2) = (h.beta2 as f32, (1.0 - h.beta2) as f32);
+    let eps = h.eps as f32;
+    let c = Consts {
+        decay,
+        w,
+        b2,
+        one_m_b2,
+        eps,
+        step_size,
+        bc2_sqrt,
+    };
+    params
+        .par_chunks_mut(CHUNK)
+        .zip(grads.par_chunks(CHUNK))
+        .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
+        .for_each(|((p, g), (m, v))| chunk(c, p, g, m, v));
+}
+
+#[derive(Clone, Copy)]
+struct Consts {
+    decay: f32,
+    w: f32,
+    b2: f32,
+    one_m_b2: f32,
+    eps: f32,
+    step_size: f32,
+    bc2_sqrt: f32,
+}
+
+#[inline(always)]
+fn chunk_generic<const F: bool>(c: Consts, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+    let n = p.len();
+    let (g, m, v) = (&g[..n], &mut m[..n], &mut v[..n]);
+    for i in 0..n {
+        let gi = g[i];
+        let pi = p[i] * c.decay;
+        // torch lerp: weight < 0.5 ? self + w·(end − self) : end − (end − self)·(1 − w)
+        let mi = if c.w < 0.5 {
+            m[i] + c.w * (gi - m[i])
+        } else {
+            gi - (gi - m[i]) * (1.0 - c.w)
+        };
+        let vi = v[i] * c.b2 + c.one_m_b2 * gi * gi;
+        let denom = vi.sqrt() / c.bc2_sqrt + c.eps;
+        m[i] = mi;
+        v[i] = vi;
+        p[i] = pi - c.step_size * (mi / denom);
+    }
+}
+dispatch_fma!(fn chunk => chunk_generic(c: Consts, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]));

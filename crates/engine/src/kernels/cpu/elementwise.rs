@@ -1,0 +1,70 @@
+//! Elementwise helpers: residual adds, copies, scaling, squared norms, dtype casts.
+
+use super::simd::sum_sq;
+use super::swiglu::CHUNK;
+use crate::dispatch_fma;
+use half::bf16;
+use rayon::prelude::*;
+
+pub fn add(a: &[f32], b: &[f32], out: &mut [f32]) {
+    assert!(a.len() == out.len() && b.len() == out.len(), "add lens");
+    out.par_chunks_mut(CHUNK)
+        .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
+        .for_each(|(o, (a, b))| {
+            for ((o, a), b) in o.iter_mut().zip(a).zip(b) {
+                *o = a + b;
+            }
+        });
+}
+
+pub fn add_inplace(acc: &mut [f32], x: &[f32]) {
+    assert_eq!(acc.len(), x.len(), "add_inplace lens");
+    acc.par_chunks_mut(CHUNK)
+        .zip(x.par_chunks(CHUNK))
+        .for_each(|(a, x)| {
+            a.iter_mut().zip(x).for_each(|(a, x)| *a += x);
+        });
+}
+
+pub fn copy(src: &[f32], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len(), "copy lens");
+    dst.par_chunks_mut(CHUNK)
+        .zip(src.par_chunks(CHUNK))
+        .for_each(|(d, s)| d.copy_from_slice(s));
+}
+
+pub fn scale(x: &mut [f32], s: f32) {
+    x.par_chunks_mut(CHUNK)
+        .for_each(|x| x.iter_mut().for_each(|v| *v *= s));
+}
+
+#[inline(always)]
+fn sum_sq_generic<const F: bool>(x: &[f32]) -> f32 {
+    sum_sq::<F>(x)
+}
+dispatch_fma!(fn sum_sq_chunk => sum_sq_generic(x: &[f32]) -> f32);
+
+/// Σ x²: f32 lanes within a 16k chunk (relative error ~1e-7·√chunk), f64 across chunks.
+pub fn sum_squares(x: &[f32]) -> f64 {
+    x.par_chunks(CHUNK).map(|c| sum_sq_chunk(c) as f64).sum()
+}
+
+pub fn f32_to_bf16(src: &[f32], dst: &mut [bf16]) {
+    assert_eq!(src.len(), dst.len(), "cast lens");
+    dst.par_chunks_mut(CHUNK)
+        .zip(src.par_chunks(CHUNK))
+        .for_each(|(d, s)| {
+            d.iter_mut()
+                .zip(s)
+                .for_each(|(d, s)| *d = bf16::from_f32(*s));
+        });
+}
+
+pub fn bf16_to_f32(src: &[bf16], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len(), "cast lens");
+    dst.par_chunks_mut(CHUNK)
+        .zip(src.par_chunks(CHUNK))
+        .for_each(|(d, s)| {
+            d.iter_mut().zip(s).for_each(|(d, s)| *d = s.to_f32());
+        });
+}

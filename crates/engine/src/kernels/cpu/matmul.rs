@@ -1,0 +1,208 @@
+//! Linear layers on the `gemm` crate (BLIS-style packed sgemm, runtime AVX2/AVX-512 dispatch).
+//!
+//! Weights are `[out, in]` row-major (PyTorch `nn.Linear`), so every product below is expressed
+//! with strides and no transpose is ever materialised. `gemm::gemm` computes
+//! `dst = alpha·dst + beta·lhs·rhs` (`alpha` ignored when `read_dst = false`).
+
+use super::simd::SendPtr;
+use crate::kernels::{Accum, MatmulShape};
+use gemm::Parallelism;
+use rayon::prelude::*;
+
+/// Column-major-agnostic strided sgemm: `dst[m,n] (=|+=) lhs[m,k]·rhs[k,n]`, strides in elements
+/// as `(row stride, col stride)`.
+#[allow(clippy::too_many_arguments)]
+pub fn sgemm(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [f32],
+    dst_strides: (usize, usize),
+    lhs: &[f32],
+    lhs_strides: (usize, usize),
+    rhs: &[f32],
+    rhs_strides: (usize, usize),
+    accumulate: bool,
+    parallel: bool,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    // Bounds: the furthest element each operand is addressed at must lie inside its slice,
+    // which makes the raw-pointer call below memory safe.
+    let last = |r: usize, c: usize, s: (usize, usize)| (r - 1) * s.0 + (c - 1) * s.1;
+    assert!(last(m, n, dst_strides) < dst.len(), "sgemm: dst too small");
+    // SAFETY: bounds checked above; dst does not alias lhs/rhs (distinct borrows).
+    unsafe {
+        sgemm_raw(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            dst_strides,
+            lhs,
+            lhs_strides,
+            rhs,
+            rhs_strides,
+            accumulate,
+            parallel,
+        )
+    }
+}
+
+/// [`sgemm`] writing through a raw pointer, for strided destinations whose span interleaves
+/// rows owned by other threads (attention tiles), where a `&mut [f32]` would alias.
+///
+/// # Safety
+/// Every `dst` element `(r, c)` for `r < m`, `c < n` at `r·rs + c·cs` must be valid for writes
+/// and not accessed concurrently; lhs/rhs must be in bounds (asserted).
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn sgemm_raw(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_strides: (usize, usize),
+    lhs: &[f32],
+    lhs_strides: (usize, usize),
+    rhs: &[f32],
+    rhs_strides: (usize, usize),
+    accumulate: bool,
+    parallel: bool,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    let last = |r: usize, c: usize, s: (usize, usize)| (r - 1) * s.0 + (c - 1) * s.1;
+    if k > 0 {
+        assert!(last(m, k, lhs_strides) < lhs.len(), "sgemm: lhs too small");
+        assert!(last(k, n, rhs_strides) < rhs.len(), "sgemm: rhs too small");
+    }
+    let par = if parallel {
+        Parallelism::Rayon(0)
+    } else {
+        Parallelism::None
+    };
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        dst_strides.1 as isize,
+        dst_strides.0 as isize,
+        accumulate,
+        lhs.as_ptr(),
+        lhs_strides.1 as isize,
+        lhs_strides.0 as isize,
+        rhs.as_ptr(),
+        rhs_strides.1 as isize,
+        rhs_strides.0 as isize,
+        1.0f32,
+        1.0f32,
+        false,
+        false,
+        false,
+        par,
+    );
+}
+
+/// `y (=|+=) x·Wᵀ + bias`.
+pub fn forward(
+    s: MatmulShape,
+    x: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    y: &mut [f32],
+    y_accum: Accum,
+) {
+    let MatmulShape {
+        n,
+        in_features: k,
+        out_features: o,
+    } = s;
+    assert_eq!(x.len(), n * k, "matmul x len");
+    assert_eq!(w.len(), o * k, "matmul w len");
+    assert_eq!(y.len(), n * o, "matmul y len");
+    let mut accumulate = y_accum == Accum::Add;
+    if let Some(b) = bias {
+        assert_eq!(b.len(), o, "matmul bias len");
+        // Seed y with the bias (or add it to the residual), then let gemm accumulate.
+        y.par_chunks_mut(o).for_each(|row| {
+            if accumulate {
+                row.iter_mut().zip(b).for_each(|(r, bi)| *r += bi);
+            } else {
+                row.copy_from_slice(b);
+            }
+        });
+        accumulate = true;
+    }
+    // y[n,o] = x[n,k] · Wᵀ[k,o];  Wᵀ[i][j] = W[j*k + i] → strides (1, k).
+    sgemm(n, o, k, y, (o, 1), x, (k, 1), w, (1, k), accumulate, true);
+}
+
+/// `dx (=|+=) dy·W`.
+pub fn backward_input(s: MatmulShape, dy: &[f32], w: &[f32], dx: &mut [f32], dx_accum: Accum) {
+    let MatmulShape {
+        n,
+        in_features: k,
+        out_features: o,
+    } = s;
+    assert_eq!(dy.len(), n * o, "matmul dy len");
+    assert_eq!(w.len(), o * k, "matmul w len");
+    assert_eq!(dx.len(), n * k, "matmul dx len");
+    // dx[n,k] = dy[n,o] · W[o,k]
+    sgemm(
+        n,
+        k,
+        o,
+        dx,
+        (k, 1),
+        dy,
+        (o, 1),
+        w,
+        (k, 1),
+        dx_accum == Accum::Add,
+        true,
+    );
+}
+
+/// `dW += dyᵀ·x`, `dbias += Σ dy`.
+pub fn backward_weight(
+    s: MatmulShape,
+    dy: &[f32],
+    x: &[f32],
+    dw: &mut [f32],
+    dbias: Option<&mut [f32]>,
+) {
+    let MatmulShape {
+        n,
+        in_features: k,
+        out_features: o,
+    } = s;
+    assert_eq!(dy.len(), n * o, "matmul dy len");
+    assert_eq!(x.len(), n * k, "matmul x len");
+    assert_eq!(dw.len(), o * k, "matmul dw len");
+    // dW[o,k] += dyᵀ[o,n] · x[n,k];  dyᵀ[i][j] = dy[j*o + i] → strides (1, o).
+    sgemm(o, k, n, dw, (k, 1), dy, (1, o), x, (k, 1), true, true);
+    if let Some(db) = dbias {
+        assert_eq!(db.len(), o, "matmul dbias len");
+        bias_backward(dy, o, db);
+    }
+}
+
+/// `db[j] += Σ_rows dy[r, j]`, parallel over column blocks (no partial-sum buffers needed).
+fn bias_backward(dy: &[f32], o: usize, db: &mut [f32]) {
+    const BLOCK: usize = 64;
+    let rows = dy.len() / o;
+    let p = SendPtr(db.as_mut_ptr());
+    (0..o.div_ceil(BLOCK)).into_par_iter().for_each(|blk| {
+        let c0 = blk * BLOCK;
+        let c1 = (c0 + BLOCK).min(o);
+        // SAFETY: column blocks are disjoint.
+        let dbb = unsafe { p.slice_mut(c0, c1 - c0) };
+        for r in 0..rows {
+            let row = &dy[r * o + c0..r * o + c1];
+            dbb.iter_mut().zip(row).for_each(|(d, g)| *d += g);
+        }
+    });
+}

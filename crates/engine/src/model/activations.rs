@@ -1,0 +1,83 @@
+//! The activation buffers a training step keeps between forward and backward, by plan name
+//! (`act.layers.{i}.<field>`, `act.final_norm.*`, `grad.act.*`).
+
+/// `B` sequences of `T` tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchShape {
+    pub b: usize,
+    pub t: usize,
+}
+
+impl BatchShape {
+    pub fn n(&self) -> usize {
+        self.b * self.t
+    }
+}
+
+/// Sum of per-token losses and how many tokens had a (non-ignored) target.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LossSum {
+    pub sum: f64,
+    pub count: usize,
+}
+
+impl LossSum {
+    /// Mean loss over the counted targets (what `F.cross_entropy` reports).
+    pub fn mean(&self) -> f64 {
+        if self.count == 0 {
+            0.0
+        } else {
+            self.sum / self.count as f64
+        }
+    }
+}
+
+/// Saved activations of one decoder layer (sizes in the module docs of the plan).
+#[derive(Debug)]
+pub struct LayerActs {
+    /// Residual stream entering the layer `[N, C]`.
+    pub input: Vec<f32>,
+    pub ln1_rstd: Vec<f32>,
+    pub ln1_out: Vec<f32>,
+    /// Post-RoPE `[N, H·D]`.
+    pub q: Vec<f32>,
+    /// Post-RoPE `[N, KV·D]`.
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    /// `[B, H, T]`.
+    pub attn_lse: Vec<f32>,
+    pub attn_out: Vec<f32>,
+    pub resid_mid: Vec<f32>,
+    pub ln2_rstd: Vec<f32>,
+    pub ln2_out: Vec<f32>,
+    pub gate: Vec<f32>,
+    pub up: Vec<f32>,
+    pub swiglu: Vec<f32>,
+}
+
+/// Everything the training forward leaves for the backward.
+#[derive(Debug)]
+pub struct Activations {
+    pub batch: BatchShape,
+    /// Layer activations, layer 0 first; the backward pops from the end.
+    pub layers: Vec<LayerActs>,
+    /// `act.final_norm.input` `[N, C]`: the last layer's output.
+    pub final_input: Vec<f32>,
+    /// `act.final_norm.rstd` `[N]`.
+    pub final_rstd: Vec<f32>,
+    /// `act.final_norm.out` `[N, C]`, holding d(loss)/d(final_norm.out) after the fused head.
+    pub final_out_grad: Vec<f32>,
+}
+
+/// Backward scratch, shared by all layers (`grad.act.*`).
+pub(crate) struct GradScratch {
+    pub(crate) resid: Vec<f32>,
+    pub(crate) ln_out: Vec<f32>,
+    pub(crate) q: Vec<f32>,
+    pub(crate) k: Vec<f32>,
+    pub(crate) v: Vec<f32>,
+    pub(crate) attn_out: Vec<f32>,
+    pub(crate) gate: Vec<f32>,
+    pub(crate) up: Vec<f32>,
+    pub(crate) swiglu: Vec<f32>,
+}

@@ -1,0 +1,812 @@
+//! Llama-family decoder (HF `LlamaForCausalLM` / `Qwen2ForCausalLM` semantics), forward and
+//! backward written out top to bottom, llm.c style.
+//!
+//! Per layer, with N = B·T tokens:
+//! ```text
+//! x ─ rmsnorm(ln1) ─ q,k,v proj (+bias) ─ RoPE(q,k) ─ causal GQA attention ─ o_proj ─(+x)─ resid_mid
+//! resid_mid ─ rmsnorm(ln2) ─ gate,up proj ─ silu(gate)·up ─ down_proj ─(+resid_mid)─ next x
+//! ```
+//! then `model.norm` and the LM head. Activations are the named buffers of the memory plan
+//! (`act.layers.{i}.<name>`, `act.final_norm.*`, `act.logits_chunk`, `act.losses`, and the
+//! backward scratch `grad.act.*`), requested from a [`BufferPool`] when first written and
+//! returned as soon as the backward has consumed them.
+//!
+//! The LM head is fused llm.c style: during the training forward each chunk of
+//! `ce_chunk_tokens` rows goes matmul → softmax/cross-entropy (gradient written in place into
+//! the logits chunk) → `dW_lm += dlogitsᵀ·h` → `dh = dlogits·W_lm`, and `dh` overwrites the
+//! chunk of `act.final_norm.out` it came from (that chunk is dead once `dW_lm` has used it).
+//! So full-batch logits never exist and the head matmul is not recomputed in the backward;
+//! the price is that the training forward already accumulates into the LM-head gradient and
+//! needs the global number of target tokens up front.
+
+use super::activations::{Activations, BatchShape, GradScratch, LayerActs, LossSum};
+use super::buffers::{BufName, BufferPool};
+use super::config::LlamaConfig;
+use super::params::{LayerIdx, ParamTable};
+use crate::kernels::{
+    Accum, AttnShape, CeShape, Kernels, MatmulShape, NormShape, RopeShape, RopeTable,
+};
+use std::ops::Range;
+
+/// Default rows per LM-head / cross-entropy chunk.
+pub const DEFAULT_CE_CHUNK_TOKENS: usize = 1024;
+
+/// A Llama-family model: configuration, tensor table and RoPE tables. Parameters, gradients
+/// and activations live outside, so one `Llama` serves any number of replicas / micro-batches.
+#[derive(Clone, Debug)]
+pub struct Llama {
+    pub config: LlamaConfig,
+    pub params: ParamTable,
+    pub rope: RopeTable,
+    /// Rows per LM-head chunk (`act.logits_chunk` is `[min(N, ce_chunk_tokens), V]`).
+    pub ce_chunk_tokens: usize,
+}
+
+/// Mutable views of two disjoint ranges of one buffer (a weight grad and its bias grad).
+fn two_mut(buf: &mut [f32], a: Range<usize>, b: Range<usize>) -> (&mut [f32], &mut [f32]) {
+    assert!(a.end <= b.start || b.end <= a.start, "ranges overlap");
+    if a.start < b.start {
+        let (lo, hi) = buf.split_at_mut(b.start);
+        (&mut lo[a], &mut hi[..b.end - b.start])
+    } else {
+        let (lo, hi) = buf.split_at_mut(a.start);
+        (&mut hi[..a.end - a.start], &mut lo[b])
+    }
+}
+
+/// `matmul_backward_weight` with an optional bias grad living in the same flat buffer.
+fn weight_grad(
+    k: &dyn Kernels,
+    s: MatmulShape,
+    dy: &[f32],
+    x: &[f32],
+    grads: &mut [f32],
+    w: &Range<usize>,
+    b: &Option<Range<usize>>,
+) {
+    match b {
+        Some(b) => {
+            let (dw, db) = two_mut(grads, w.clone(), b.clone());
+            k.matmul_backward_weight(s, dy, x, dw, Some(db));
+        }
+        None => k.matmul_backward_weight(s, dy, x, &mut grads[w.clone()], None),
+    }
+}
+
+fn opt<'a>(params: &'a [f32], r: &Option<Range<usize>>) -> Option<&'a [f32]> {
+    r.as_ref().map(|r| &params[r.clone()])
+}
+
+impl Llama {
+    pub fn new(config: LlamaConfig) -> Self {
+        config.validate().expect("invalid LlamaConfig");
+        let params = ParamTable::new(&config);
+        let rope = RopeTable::new(config.head_dim, config.max_pos, config.rope_theta);
+        Llama {
+            config,
+            params,
+            rope,
+            ce_chunk_tokens: DEFAULT_CE_CHUNK_TOKENS,
+        }
+    }
+
+    pub fn with_ce_chunk_tokens(mut self, rows: usize) -> Self {
+        assert!(rows > 0, "ce_chunk_tokens must be positive");
+        self.ce_chunk_tokens = rows;
+        self
+    }
+
+    /// Number of parameters (length of the flat parameter and gradient buffers).
+    pub fn num_params(&self) -> usize {
+        self.params.total
+    }
+
+    /// Every buffer name and element count the model requests for a batch, in first-use
+    /// order: per-layer activations, the head buffers, then the backward scratch.
+    pub fn activation_inventory(&self, batch: BatchShape) -> Vec<(String, usize)> {
+        let (n, c) = (batch.n(), self.config.hidden);
+        let (qd, kvd, f) = (
+            self.config.q_dim(),
+            self.config.kv_dim(),
+            self.config.intermediate,
+        );
+        let hl = batch.b * self.config.heads * batch.t;
+        let mut v = Vec::new();
+        for i in 0..self.config.layers {
+            for (name, len) in [
+                ("input", n * c),
+                ("ln1_rstd", n),
+                ("ln1_out", n * c),
+                ("q", n * qd),
+                ("k", n * kvd),
+                ("v", n * kvd),
+                ("attn_lse", hl),
+                ("attn_out", n * qd),
+                ("resid_mid", n * c),
+                ("ln2_rstd", n),
+                ("ln2_out", n * c),
+                ("gate", n * f),
+                ("up", n * f),
+                ("swiglu", n * f),
+            ] {
+                v.push((BufName::layer(i, name).to_string(), len));
+            }
+        }
+        let chunk = n.min(self.ce_chunk_tokens);
+        for (name, len) in [
+            ("act.final_norm.input", n * c),
+            ("act.final_norm.rstd", n),
+            ("act.final_norm.out", n * c),
+            ("act.logits_chunk", chunk * self.config.vocab),
+            ("act.losses", n),
+            ("grad.act.resid", n * c),
+            ("grad.act.ln_out", n * c),
+            ("grad.act.q", n * qd),
+            ("grad.act.k", n * kvd),
+            ("grad.act.v", n * kvd),
+            ("grad.act.attn_out", n * qd),
+            ("grad.act.gate", n * f),
+            ("grad.act.up", n * f),
+            ("grad.act.swiglu", n * f),
+        ] {
+            v.push((name.to_string(), len));
+        }
+        v
+    }
+
+    fn check_batch(&self, params: &[f32], batch: BatchShape, tokens: &[u32]) {
+        assert_eq!(params.len(), self.params.total, "params buffer length");
+        assert_eq!(tokens.len(), batch.n(), "tokens must hold B·T ids");
+        assert!(
+            batch.t <= self.config.max_pos,
+            "sequence length {} exceeds max_position_embeddings {}",
+            batch.t,
+            self.config.max_pos
+        );
+    }
+
+    fn norm(&self, n: usize) -> NormShape {
+        NormShape {
+            n,
+            c: self.config.hidden,
+            eps: self.config.rms_eps,
+        }
+    }
+
+    /// Embedding lookup into `act.layers.0.input`.
+    fn embed(
+        &self,
+        k: &dyn Kernels,
+        pool: &mut dyn BufferPool,
+        params: &[f32],
+        tokens: &[u32],
+    ) -> Vec<f32> {
+        let c = self.config.hidden;
+        let mut x = pool.alloc(BufName::layer(0, "input"), tokens.len() * c);
+        k.embedding_forward(tokens, &params[self.params.embed.clone()], c, &mut x);
+        x
+    }
+
+    /// Name of the buffer that receives layer `i`'s output.
+    fn output_name(&self, i: usize) -> BufName {
+        if i + 1 < self.config.layers {
+            BufName::layer(i + 1, "input")
+        } else {
+            BufName::global("act.final_norm.input")
+        }
+    }
+
+    /// One decoder layer; returns its saved activations and its output (the next residual).
+    fn layer_forward(
+        &self,
+        k: &dyn Kernels,
+        pool: &mut dyn BufferPool,
+        params: &[f32],
+        i: usize,
+        batch: BatchShape,
+        input: Vec<f32>,
+    ) -> (LayerActs, Vec<f32>) {
+        let cfg = &self.config;
+        let li: &LayerIdx = &self.params.layers[i];
+        let (n, c, f) = (batch.n(), cfg.hidden, cfg.intermediate);
+        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+        let name = |s| BufName::layer(i, s);
+        let p = |r: &Range<usize>| &params[r.clone()];
+        let lin = |inf, outf| MatmulShape {
+            n,
+            in_features: inf,
+            out_features: outf,
+        };
+
+        // ---- attention block ----
+        let mut ln1_rstd = pool.alloc(name("ln1_rstd"), n);
+        let mut ln1_out = pool.alloc(name("ln1_out"), n * c);
+        k.rmsnorm_forward(
+            self.norm(n),
+            &input,
+            p(&li.ln1),
+            &mut ln1_out,
+            &mut ln1_rstd,
+        );
+        let mut q = pool.alloc(name("q"), n * qd);
+        k.matmul_forward(
+            lin(c, qd),
+            &ln1_out,
+            p(&li.wq),
+            opt(params, &li.bq),
+            &mut q,
+            Accum::Overwrite,
+        );
+        let mut kk = pool.alloc(name("k"), n * kvd);
+        k.matmul_forward(
+            lin(c, kvd),
+            &ln1_out,
+            p(&li.wk),
+            opt(params, &li.bk),
+            &mut kk,
+            Accum::Overwrite,
+        );
+        let mut v = pool.alloc(name("v"), n * kvd);
+        k.matmul_forward(
+            lin(c, kvd),
+            &ln1_out,
+            p(&li.wv),
+            opt(params, &li.bv),
+            &mut v,
+            Accum::Overwrite,
+        );
+        let rs = |heads| RopeShape {
+            b: batch.b,
+            t: batch.t,
+            heads,
+            head_dim: cfg.head_dim,
+        };
+        k.rope_forward(rs(cfg.heads), &self.rope, &mut q);
+        k.rope_forward(rs(cfg.kv_heads), &self.rope, &mut kk);
+        let ashape = self.attn_shape(batch);
+        let mut attn_lse = pool.alloc(name("attn_lse"), ashape.lse_len());
+        let mut attn_out = pool.alloc(name("attn_out"), n * qd);
+        k.attention_forward(ashape, &q, &kk, &v, &mut attn_out, &mut attn_lse);
+        // resid_mid = input + attn_out·Woᵀ (residual add fused into the gemm's accumulate).
+        let mut resid_mid = pool.alloc(name("resid_mid"), n * c);
+        k.copy(&input, &mut resid_mid);
+        k.matmul_forward(
+            lin(qd, c),
+            &attn_out,
+            p(&li.wo),
+            None,
+            &mut resid_mid,
+            Accum::Add,
+        );
+
+        // ---- MLP block ----
+        let mut ln2_rstd = pool.alloc(name("ln2_rstd"), n);
+        let mut ln2_out = pool.alloc(name("ln2_out"), n * c);
+        k.rmsnorm_forward(
+            self.norm(n),
+            &resid_mid,
+            p(&li.ln2),
+            &mut ln2_out,
+            &mut ln2_rstd,
+        );
+        let mut gate = pool.alloc(name("gate"), n * f);
+        k.matmul_forward(
+            lin(c, f),
+            &ln2_out,
+            p(&li.wg),
+            None,
+            &mut gate,
+            Accum::Overwrite,
+        );
+        let mut up = pool.alloc(name("up"), n * f);
+        k.matmul_forward(
+            lin(c, f),
+            &ln2_out,
+            p(&li.wu),
+            None,
+            &mut up,
+            Accum::Overwrite,
+        );
+        let mut swiglu = pool.alloc(name("swiglu"), n * f);
+        k.swiglu_forward(&gate, &up, &mut swiglu);
+        let mut out = pool.alloc(self.output_name(i), n * c);
+        k.copy(&resid_mid, &mut out);
+        k.matmul_forward(lin(f, c), &swiglu, p(&li.wd), None, &mut out, Accum::Add);
+
+        let acts = LayerActs {
+            input,
+            ln1_rstd,
+            ln1_out,
+            q,
+            k: kk,
+            v,
+            attn_lse,
+            attn_out,
+            resid_mid,
+            ln2_rstd,
+            ln2_out,
+            gate,
+            up,
+            swiglu,
+        };
+        (acts, out)
+    }
+
+    fn attn_shape(&self, batch: BatchShape) -> AttnShape {
+        AttnShape {
+            b: batch.b,
+            t: batch.t,
+            heads: self.config.heads,
+            kv_heads: self.config.kv_heads,
+            head_dim: self.config.head_dim,
+        }
+    }
+
+    /// Returns every buffer of a layer to the pool (used by the no-grad forwards).
+    fn free_layer(pool: &mut dyn BufferPool, i: usize, a: LayerActs) {
+        let n = |s| BufName::layer(i, s);
+        pool.free(n("input"), a.input);
+        pool.free(n("ln1_rstd"), a.ln1_rstd);
+        pool.free(n("ln1_out"), a.ln1_out);
+        pool.free(n("q"), a.q);
+        pool.free(n("k"), a.k);
+        pool.free(n("v"), a.v);
+        pool.free(n("attn_lse"), a.attn_lse);
+        pool.free(n("attn_out"), a.attn_out);
+        pool.free(n("resid_mid"), a.resid_mid);
+        pool.free(n("ln2_rstd"), a.ln2_rstd);
+        pool.free(n("ln2_out"), a.ln2_out);
+        pool.free(n("gate"), a.gate);
+        pool.free(n("up"), a.up);
+        pool.free(n("swiglu"), a.swiglu);
+    }
+
+    /// Final norm + chunked LM head + cross-entropy. With `grad = Some((grads, scale))` the
+    /// head's backward is fused in (see module docs) and `out` ends up holding its gradient.
+    #[allow(clippy::too_many_arguments)]
+    fn head(
+        &self,
+        k: &dyn Kernels,
+        pool: &mut dyn BufferPool,
+        params: &[f32],
+        final_input: &[f32],
+        targets: &[u32],
+        mut grad: Option<(&mut [f32], f32)>,
+    ) -> (Vec<f32>, Vec<f32>, LossSum) {
+        let (c, vocab) = (self.config.hidden, self.config.vocab);
+        let n = targets.len();
+        let mut rstd = pool.alloc(BufName::global("act.final_norm.rstd"), n);
+        let mut out = pool.alloc(BufName::global("act.final_norm.out"), n * c);
+        k.rmsnorm_forward(
+            self.norm(n),
+            final_input,
+            &params[self.params.norm.clone()],
+            &mut out,
+            &mut rstd,
+        );
+        let w_lm = &params[self.params.lm_head.clone()];
+        let chunk = n.min(self.ce_chunk_tokens);
+        let mut logits = pool.alloc(BufName::global("act.logits_chunk"), chunk * vocab);
+        let mut losses = pool.alloc(BufName::global("act.losses"), n);
+        let mut total = 0.0f64;
+        let mut r0 = 0;
+        while r0 < n {
+            let rows = chunk.min(n - r0);
+            let s = MatmulShape {
+                n: rows,
+                in_features: c,
+                out_features: vocab,
+            };
+            let h = &mut out[r0 * c..(r0 + rows) * c];
+            let lg = &mut logits[..rows * vocab];
+            k.matmul_forward(s, h, w_lm, None, lg, Accum::Overwrite);
+            let ce = CeShape { rows, vocab };
+            let scale = grad.as_ref().map(|g| g.1);
+            total += k.cross_entropy(
+                ce,
+                lg,
+                &targets[r0..r0 + rows],
+                &mut losses[r0..r0 + rows],
+                scale,
+            );
+            if let Some((grads, _)) = grad.as_mut() {
+                k.matmul_backward_weight(s, lg, h, &mut grads[self.params.lm_head.clone()], None);
+                k.matmul_backward_input(s, lg, w_lm, h, Accum::Overwrite);
+            }
+            r0 += rows;
+        }
+        pool.free(BufName::global("act.logits_chunk"), logits);
+        pool.free(BufName::global("act.losses"), losses);
+        let count = targets.iter().filter(|&&t| (t as usize) < vocab).count();
+        (rstd, out, LossSum { sum: total, count })
+    }
+
+    /// Training forward for one micro-batch: runs every layer keeping its activations, then the
+    /// fused LM head, which already accumulates `d lm_head.weight` into `grads`. The loss is
+    /// normalised by `num_target_tokens`, the number of non-ignored targets in the whole global
+    /// batch (all micro-batches of the step), so that summing micro-batch gradients gives the
+    /// gradient of the global mean loss. Returns the activations for [`Llama::backward`] and
+    /// this micro-batch's loss sum.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_train(
+        &self,
+        k: &dyn Kernels,
+        pool: &mut dyn BufferPool,
+        params: &[f32],
+        grads: &mut [f32],
+        batch: BatchShape,
+        tokens: &[u32],
+        targets: &[u32],
+        num_target_tokens: usize,
+    ) -> (Activations, LossSum) {
+        self.check_batch(params, batch, tokens);
+        assert_eq!(targets.len(), batch.n(), "targets must hold B·T ids");
+        assert_eq!(grads.len(), self.params.total, "grads buffer length");
+        let scale = if num_target_tokens == 0 {
+            0.0
+        } else {
+            1.0 / num_target_tokens as f32
+        };
+        let mut x = self.embed(k, pool, params, tokens);
+        let mut layers = Vec::with_capacity(self.config.layers);
+        for i in 0..self.config.layers {
+            let (acts, out) = self.layer_forward(k, pool, params, i, batch, x);
+            layers.push(acts);
+            x = out;
+        }
+        let (final_rstd, final_out_grad, loss) =
+            self.head(k, pool, params, &x, targets, Some((grads, scale)));
+        let acts = Activations {
+            batch,
+            layers,
+            final_input: x,
+            final_rstd,
+            final_out_grad,
+        };
+        (acts, loss)
+    }
+
+    /// Backward for the micro-batch whose [`Activations`] `forward_train` returned:
+    /// accumulates into `grads` and returns every activation to the pool as it is consumed.
+    pub fn backward(
+        &self,
+        k: &dyn Kernels,
+        pool: &mut dyn BufferPool,
+        params: &[f32],
+        grads: &mut [f32],
+        acts: Activations,
+        tokens: &[u32],
+    ) {
+        let Activations {
+            batch,
+            mut layers,
+            final_input,
+            final_rstd,
+            final_out_grad,
+        } = acts;
+        assert_eq!(tokens.len(), batch.n(), "tokens must hold B·T ids");
+        assert_eq!(grads.len(), self.params.total, "grads buffer length");
+        let cfg = &self.config;
+        let (n, c, f) = (batch.n(), cfg.hidden, cfg.intermediate);
+        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+        let g = |s| BufName::global(s);
+        // Final norm first, so the final_norm buffers are gone before the other scratch
+        // buffers arrive: d(last layer output) = rmsnorm'(d final_norm.out).
+        let mut resid = pool.alloc(g("grad.act.resid"), n * c);
+        k.rmsnorm_backward(
+            self.norm(n),
+            &final_out_grad,
+            &final_input,
+            &params[self.params.norm.clone()],
+            &final_rstd,
+            &mut resid,
+            Accum::Overwrite,
+            &mut grads[self.params.norm.clone()],
+        );
+        pool.free(g("act.final_norm.out"), final_out_grad);
+        pool.free(g("act.final_norm.rstd"), final_rstd);
+        pool.free(g("act.final_norm.input"), final_input);
+        let mut sc = GradScratch {
+            resid,
+            ln_out: pool.alloc(g("grad.act.ln_out"), n * c),
+            q: pool.alloc(g("grad.act.q"), n * qd),
+            k: pool.alloc(g("grad.act.k"), n * kvd),
+            v: pool.alloc(g("grad.act.v"), n * kvd),
+            attn_out: pool.alloc(g("grad.act.attn_out"), n * qd),
+            gate: pool.alloc(g("grad.act.gate"), n * f),
+            up: pool.alloc(g("grad.act.up"), n * f),
+            swiglu: pool.alloc(g("grad.act.swiglu"), n * f),
+        };
+        while let Some(a) = layers.pop() {
+            let i = layers.len();
+            self.layer_backward(k, pool, params, grads, i, batch, a, &mut sc);
+        }
+        k.embedding_backward(tokens, &sc.resid, c, &mut grads[self.params.embed.clone()]);
+        pool.free(g("grad.act.resid"), sc.resid);
+        pool.free(g("grad.act.ln_out"), sc.ln_out);
+        pool.free(g("grad.act.q"), sc.q);
+        pool.free(g("grad.act.k"), sc.k);
+        pool.free(g("grad.act.v"), sc.v);
+        pool.free(g("grad.act.attn_out"), sc.attn_out);
+        pool.free(g("grad.act.gate"), sc.gate);
+        pool.free(g("grad.act.up"), sc.up);
+        pool.free(g("grad.act.swiglu"), sc.swiglu);
+    }
+
+    /// Backward of one layer. On entry `sc.resid` = d(layer output); on exit d(layer input).
+    #[allow(clippy::too_many_arguments)]
+    fn layer_backward(
+        &self,
+        k: &dyn Kernels,
+        pool: &mut dyn BufferPool,
+        params: &[f32],
+        grads: &mut [f32],
+        i: usize,
+        batch: BatchShape,
+        a: LayerActs,
+        sc: &mut GradScratch,
+    ) {
+        let cfg = &self.config;
+        let li: &LayerIdx = &self.params.layers[i];
+        let (n, c, f) = (batch.n(), cfg.hidden, cfg.intermediate);
+        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+        let name = |s| BufName::layer(i, s);
+        let p = |r: &Range<usize>| &params[r.clone()];
+        let lin = |inf, outf| MatmulShape {
+            n,
+            in_features: inf,
+            out_features: outf,
+        };
+
+        // ---- MLP block: out = resid_mid + down(silu(gate)·up) ----
+        k.matmul_backward_weight(
+            lin(f, c),
+            &sc.resid,
+            &a.swiglu,
+            &mut grads[li.wd.clone()],
+            None,
+        );
+        k.matmul_backward_input(
+            lin(f, c),
+            &sc.resid,
+            p(&li.wd),
+            &mut sc.swiglu,
+            Accum::Overwrite,
+        );
+        pool.free(name("swiglu"), a.swiglu);
+        k.swiglu_backward(&sc.swiglu, &a.gate, &a.up, &mut sc.gate, &mut sc.up);
+        pool.free(name("gate"), a.gate);
+        pool.free(name("up"), a.up);
+        k.matmul_backward_weight(
+            lin(c, f),
+            &sc.gate,
+            &a.ln2_out,
+            &mut grads[li.wg.clone()],
+            None,
+        );
+        k.matmul_backward_weight(
+            lin(c, f),
+            &sc.up,
+            &a.ln2_out,
+            &mut grads[li.wu.clone()],
+            None,
+        );
+        pool.free(name("ln2_out"), a.ln2_out);
+        k.matmul_backward_input(
+            lin(c, f),
+            &sc.gate,
+            p(&li.wg),
+            &mut sc.ln_out,
+            Accum::Overwrite,
+        );
+        k.matmul_backward_input(lin(c, f), &sc.up, p(&li.wu), &mut sc.ln_out, Accum::Add);
+        // resid_mid feeds both ln2 and the skip connection: d resid_mid = d out + ln2'(d ln2_out).
+        k.rmsnorm_backward(
+            self.norm(n),
+            &sc.ln_out,
+            &a.resid_mid,
+            p(&li.ln2),
+            &a.ln2_rstd,
+            &mut sc.resid,
+            Accum::Add,
+            &mut grads[li.ln2.clone()],
+        );
+        pool.free(name("resid_mid"), a.resid_mid);
+        pool.free(name("ln2_rstd"), a.ln2_rstd);
+
+        // ---- attention block: resid_mid = input + o_proj(attn(q, k, v)) ----
+        k.matmul_backward_weight(
+            lin(qd, c),
+            &sc.resid,
+            &a.attn_out,
+            &mut grads[li.wo.clone()],
+            None,
+        );
+        k.matmul_backward_input(
+            lin(qd, c),
+            &sc.resid,
+            p(&li.wo),
+            &mut sc.attn_out,
+            Accum::Overwrite,
+        );
+        k.attention_backward(
+            self.attn_shape(batch),
+            &a.q,
+            &a.k,
+            &a.v,
+            &a.attn_out,
+            &a.attn_lse,
+            &sc.attn_out,
+            &mut sc.q,
+            &mut sc.k,
+            &mut sc.v,
+        );
+        pool.free(name("attn_out"), a.attn_out);
+        pool.free(name("attn_lse"), a.attn_lse);
+        pool.free(name("q"), a.q);
+        pool.free(name("k"), a.k);
+        pool.free(name("v"), a.v);
+        let rs = |heads| RopeShape {
+            b: batch.b,
+            t: batch.t,
+            heads,
+            head_dim: cfg.head_dim,
+        };
+        k.rope_backward(rs(cfg.heads), &self.rope, &mut sc.q);
+        k.rope_backward(rs(cfg.kv_heads), &self.rope, &mut sc.k);
+        weight_grad(k, lin(c, qd), &sc.q, &a.ln1_out, grads, &li.wq, &li.bq);
+        weight_grad(k, lin(c, kvd), &sc.k, &a.ln1_out, grads, &li.wk, &li.bk);
+        weight_grad(k, lin(c, kvd), &sc.v, &a.ln1_out, grads, &li.wv, &li.bv);
+        pool.free(name("ln1_out"), a.ln1_out);
+        k.matmul_backward_input(
+            lin(c, qd),
+            &sc.q,
+            p(&li.wq),
+            &mut sc.ln_out,
+            Accum::Overwrite,
+        );
+        k.matmul_backward_input(lin(c, kvd), &sc.k, p(&li.wk), &mut sc.ln_out, Accum::Add);
+        k.matmul_backward_input(lin(c, kvd), &sc.v, p(&li.wv), &mut sc.ln_out, Accum::Add);
+        k.rmsnorm_backward(
+            self.norm(n),
+            &sc.ln_out,
+            &a.input,
+            p(&li.ln1),
+            &a.ln1_rstd,
+            &mut sc.resid,
+            Accum::Add,
+            &mut grads[li.ln1.clone()],
+        );
+        pool.free(name("input"), a.input);
+        pool.free(name("ln1_rstd"), a.ln1_rstd);
+    }
+
+    /// Evaluation forward (no gradients): loss sum over the batch; layer activations are
+    /// returned to the pool as soon as the next layer's input exists.
+    pub fn forward_eval(
+        &self,
+        k: &dyn Kernels,
+        pool: &mut dyn BufferPool,
+        params: &[f32],
+        batch: BatchShape,
+        tokens: &[u32],
+        targets: &[u32],
+    ) -> LossSum {
+        self.check_batch(params, batch, tokens);
+        assert_eq!(targets.len(), batch.n(), "targets must hold B·T ids");
+        let x = self.trunk_no_grad(k, pool, params, batch, tokens);
+        let (rstd, out, loss) = self.head(k, pool, params, &x, targets, None);
+        pool.free(BufName::global("act.final_norm.out"), out);
+        pool.free(BufName::global("act.final_norm.rstd"), rstd);
+        pool.free(BufName::global("act.final_norm.input"), x);
+        loss
+    }
+
+    /// Inference forward for sampling: writes the logits of the last position of each of the
+    /// B sequences into `logits` `[B, V]`. No KV cache: the whole prefix is recomputed.
+    pub fn forward_logits_last(
+        &self,
+        k: &dyn Kernels,
+        pool: &mut dyn BufferPool,
+        params: &[f32],
+        batch: BatchShape,
+        tokens: &[u32],
+        logits: &mut [f32],
+    ) {
+        self.check_batch(params, batch, tokens);
+        let (c, vocab, b) = (self.config.hidden, self.config.vocab, batch.b);
+        assert_eq!(logits.len(), b * vocab, "logits must be [B, V]");
+        let x = self.trunk_no_grad(k, pool, params, batch, tokens);
+        let mut last = pool.alloc(BufName::global("act.last_hidden"), b * c);
+        for s in 0..b {
+            let row = (s * batch.t + batch.t - 1) * c;
+            last[s * c..(s + 1) * c].copy_from_slice(&x[row..row + c]);
+        }
+        pool.free(BufName::global("act.final_norm.input"), x);
+        let mut rstd = pool.alloc(BufName::global("act.final_norm.rstd"), b);
+        let mut out = pool.alloc(BufName::global("act.final_norm.out"), b * c);
+        k.rmsnorm_forward(
+            self.norm(b),
+            &last,
+            &params[self.params.norm.clone()],
+            &mut out,
+            &mut rstd,
+        );
+        let s = MatmulShape {
+            n: b,
+            in_features: c,
+            out_features: vocab,
+        };
+        k.matmul_forward(
+            s,
+            &out,
+            &params[self.params.lm_head.clone()],
+            None,
+            logits,
+            Accum::Overwrite,
+        );
+        pool.free(BufName::global("act.last_hidden"), last);
+        pool.free(BufName::global("act.final_norm.rstd"), rstd);
+        pool.free(BufName::global("act.final_norm.out"), out);
+    }
+
+    /// Inference forward returning the logits of every position, `[N, V]` (tests, eval tools;
+    /// holds full-batch logits, so not for large batches).
+    pub fn forward_logits(
+        &self,
+        k: &dyn Kernels,
+        pool: &mut dyn BufferPool,
+        params: &[f32],
+        batch: BatchShape,
+        tokens: &[u32],
+        logits: &mut [f32],
+    ) {
+        self.check_batch(params, batch, tokens);
+        let (n, c, vocab) = (batch.n(), self.config.hidden, self.config.vocab);
+        assert_eq!(logits.len(), n * vocab, "logits must be [B·T, V]");
+        let x = self.trunk_no_grad(k, pool, params, batch, tokens);
+        let mut rstd = pool.alloc(BufName::global("act.final_norm.rstd"), n);
+        let mut out = pool.alloc(BufName::global("act.final_norm.out"), n * c);
+        k.rmsnorm_forward(
+            self.norm(n),
+            &x,
+            &params[self.params.norm.clone()],
+            &mut out,
+            &mut rstd,
+        );
+        let s = MatmulShape {
+            n,
+            in_features: c,
+            out_features: vocab,
+        };
+        k.matmul_forward(
+            s,
+            &out,
+            &params[self.params.lm_head.clone()],
+            None,
+            logits,
+            Accum::Overwrite,
+        );
+        pool.free(BufName::global("act.final_norm.input"), x);
+        pool.free(BufName::global("act.final_norm.rstd"), rstd);
+        pool.free(BufName::global("act.final_norm.out"), out);
+    }
+
+    /// Embedding + all layers without keeping activations; returns `act.final_norm.input`.
+    fn trunk_no_grad(
+        &self,
+        k: &dyn Kernels,
+        pool: &mut dyn BufferPool,
+        params: &[f32],
+        batch: BatchShape,
+        tokens: &[u32],
+    ) -> Vec<f32> {
+        let mut x = self.embed(k, pool, params, tokens);
+        for i in 0..self.config.layers {
+            let (acts, out) = self.layer_forward(k, pool, params, i, batch, x);
+            Self::free_layer(pool, i, acts);
+            x = out;
+        }
+        x
+    }
+}

@@ -1,0 +1,218 @@
+//! Model-level invariants that do not need fixtures: gradient accumulation equivalence,
+//! LM-head chunking invariance, buffer-pool accounting against the activation inventory.
+
+mod common;
+
+use common::{rel_err, to64, Rng};
+use ferrotron_engine::kernels::{CpuKernels, IGNORE_INDEX};
+use ferrotron_engine::model::{BatchShape, BufferPool, HeapPool, Llama, LlamaConfig};
+use std::collections::HashMap;
+
+fn cfg(tie: bool, bias: bool) -> LlamaConfig {
+    LlamaConfig {
+        hidden: 64,
+        intermediate: 96,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+        layers: 2,
+        vocab: 80,
+        rope_theta: 10000.0,
+        rms_eps: 1e-5,
+        tie_embeddings: tie,
+        qkv_bias: bias,
+        max_pos: 64,
+    }
+}
+
+fn data(rng: &mut Rng, n: usize, vocab: u32) -> (Vec<u32>, Vec<u32>) {
+    let tokens: Vec<u32> = (0..n).map(|_| rng.below(vocab)).collect();
+    let mut targets: Vec<u32> = (0..n).map(|_| rng.below(vocab)).collect();
+    targets[1] = IGNORE_INDEX;
+    targets[n - 2] = IGNORE_INDEX;
+    (tokens, targets)
+}
+
+/// Gradients of the global mean loss, computed over `micro` micro-batches of `b / micro`.
+fn grads_accumulated(
+    model: &Llama,
+    params: &[f32],
+    tokens: &[u32],
+    targets: &[u32],
+    b: usize,
+    t: usize,
+    micro: usize,
+) -> (Vec<f32>, f64) {
+    let k = CpuKernels;
+    let mut pool = HeapPool::new();
+    let mut grads = vec![0.0f32; model.num_params()];
+    let nt = targets.iter().filter(|&&x| x != IGNORE_INDEX).count();
+    let mbs = b / micro;
+    let mut loss = 0.0;
+    for m in 0..micro {
+        let r = m * mbs * t..(m + 1) * mbs * t;
+        let batch = BatchShape { b: mbs, t };
+        let (acts, l) = model.forward_train(
+            &k,
+            &mut pool,
+            params,
+            &mut grads,
+            batch,
+            &tokens[r.clone()],
+            &targets[r.clone()],
+            nt,
+        );
+        model.backward(&k, &mut pool, params, &mut grads, acts, &tokens[r]);
+        loss += l.sum;
+    }
+    assert_eq!(pool.live_bytes, 0);
+    (grads, loss / nt as f64)
+}
+
+#[test]
+fn gradient_accumulation_matches_full_batch() {
+    let model = Llama::new(cfg(false, true));
+    let params = model.params.init(7, 0.1);
+    let (b, t) = (4, 24);
+    let (tokens, targets) = data(&mut Rng::new(3), b * t, 80);
+    let (full, loss_full) = grads_accumulated(&model, &params, &tokens, &targets, b, t, 1);
+    assert!(full.iter().any(|&g| g != 0.0));
+    for micro in [2, 4] {
+        let (acc, loss) = grads_accumulated(&model, &params, &tokens, &targets, b, t, micro);
+        assert!(
+            (loss - loss_full).abs() < 1e-6 * loss_full,
+            "loss {loss} vs {loss_full}"
+        );
+        // Per tensor, relative to the tensor's max magnitude: 1e-5 (f32 summation order only).
+        for e in &model.params.entries {
+            let err = rel_err(&acc[e.range()], &to64(&full[e.range()]));
+            assert!(
+                err < 1e-5,
+                "{} x{micro}: {} rel err {err:.2e}",
+                micro,
+                e.name
+            );
+        }
+    }
+}
+
+#[test]
+fn lm_head_chunking_does_not_change_results() {
+    let base = Llama::new(cfg(true, false));
+    let params = base.params.init(11, 0.1);
+    let (b, t) = (2, 20);
+    let (tokens, targets) = data(&mut Rng::new(4), b * t, 80);
+    let (g_big, l_big) = grads_accumulated(&base, &params, &tokens, &targets, b, t, 1);
+    let small = base.clone().with_ce_chunk_tokens(7); // 40 rows = 5 chunks of 7 + 5
+    let (g_small, l_small) = grads_accumulated(&small, &params, &tokens, &targets, b, t, 1);
+    assert!((l_big - l_small).abs() < 1e-6 * l_big);
+    let err = rel_err(&g_small, &to64(&g_big));
+    assert!(err < 1e-5, "chunked head grads rel err {err:.2e}");
+}
+
+#[test]
+fn pool_sees_exactly_the_inventory() {
+    let model = Llama::new(cfg(false, true)).with_ce_chunk_tokens(16);
+    let params = model.params.init(1, 0.02);
+    let batch = BatchShape { b: 2, t: 12 };
+    let (tokens, targets) = data(&mut Rng::new(5), batch.n(), 80);
+    let k = CpuKernels;
+    let mut pool = HeapPool::recording();
+    let mut grads = vec![0.0; model.num_params()];
+    let (acts, _) = model.forward_train(
+        &k, &mut pool, &params, &mut grads, batch, &tokens, &targets, 20,
+    );
+    model.backward(&k, &mut pool, &params, &mut grads, acts, &tokens);
+    assert_eq!(pool.live_bytes, 0, "everything freed");
+    let events = pool.events.take().unwrap();
+    let inventory: HashMap<String, usize> = model.activation_inventory(batch).into_iter().collect();
+    let mut seen: HashMap<String, (usize, i32)> = HashMap::new();
+    for e in &events {
+        let name = e.name.to_string();
+        let want = inventory
+            .get(&name)
+            .unwrap_or_else(|| panic!("{name} not in inventory"));
+        assert_eq!(e.bytes as usize, want * 4, "{name} size");
+        let s = seen.entry(name).or_insert((0, 0));
+        s.0 += e.alloc as usize;
+        s.1 += if e.alloc { 1 } else { -1 };
+    }
+    for (name, _) in inventory.iter() {
+        let (allocs, balance) = seen
+            .get(name)
+            .copied()
+            .unwrap_or_else(|| panic!("{name} never allocated"));
+        assert_eq!(allocs, 1, "{name} allocated once per step");
+        assert_eq!(balance, 0, "{name} freed");
+    }
+    // Peak: either the end of the forward (all layers + head buffers) or the backward once the
+    // scratch exists (all layers + final-norm input/rstd/out + grad.act.resid, or all layers +
+    // all grad.act.* after the final-norm buffers are freed).
+    let sum = |names: &[&str]| -> usize { names.iter().map(|n| inventory[*n]).sum() };
+    let layers: usize = inventory
+        .iter()
+        .filter(|(n, _)| n.starts_with("act.layers."))
+        .map(|(_, v)| v)
+        .sum();
+    let finals = sum(&[
+        "act.final_norm.input",
+        "act.final_norm.rstd",
+        "act.final_norm.out",
+    ]);
+    let scratch: usize = inventory
+        .iter()
+        .filter(|(n, _)| n.starts_with("grad.act."))
+        .map(|(_, v)| v)
+        .sum();
+    let want = [
+        layers + finals + sum(&["act.logits_chunk", "act.losses"]),
+        layers + finals + sum(&["grad.act.resid"]),
+        layers + scratch,
+    ]
+    .into_iter()
+    .max()
+    .unwrap();
+    assert_eq!(pool.peak_bytes as usize, want * 4);
+}
+
+/// A pool that hands out NaN-filled buffers: proves no kernel reads a buffer before writing it.
+struct PoisonPool;
+impl BufferPool for PoisonPool {
+    fn alloc(&mut self, _: ferrotron_engine::model::BufName, len: usize) -> Vec<f32> {
+        vec![f32::NAN; len]
+    }
+    fn free(&mut self, _: ferrotron_engine::model::BufName, _: Vec<f32>) {}
+}
+
+#[test]
+fn buffers_are_written_before_read() {
+    let model = Llama::new(cfg(false, true)).with_ce_chunk_tokens(10);
+    let params = model.params.init(2, 0.05);
+    let batch = BatchShape { b: 2, t: 9 };
+    let (tokens, targets) = data(&mut Rng::new(6), batch.n(), 80);
+    let k = CpuKernels;
+    let mut grads = vec![0.0; model.num_params()];
+    let (acts, loss) = model.forward_train(
+        &k,
+        &mut PoisonPool,
+        &params,
+        &mut grads,
+        batch,
+        &tokens,
+        &targets,
+        16,
+    );
+    model.backward(&k, &mut PoisonPool, &params, &mut grads, acts, &tokens);
+    assert!(loss.sum.is_finite());
+    assert!(
+        grads.iter().all(|g| g.is_finite()),
+        "NaN leaked from an unwritten buffer"
+    );
+    let eval = model.forward_eval(&k, &mut PoisonPool, &params, batch, &tokens, &targets);
+    assert!(
+        (eval.sum - loss.sum).abs() < 1e-4 * loss.sum.abs(),
+        "eval {} vs train {}",
+        eval.sum,
+        loss.sum
+    );
+}
