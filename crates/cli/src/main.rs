@@ -1,6 +1,14 @@
 //! The `ferrotron` command line.
 
 mod plan_cmd;
+mod search_cmd;
+mod serve_cmd;
+mod train_cmd;
+
+/// Every allocation is counted, so each training run can compare its measured memory with
+/// the plan's prediction.
+#[global_allocator]
+static ALLOC: ferrotron_train::alloc::Tracking = ferrotron_train::alloc::Tracking;
 
 use clap::{Parser, Subcommand};
 
@@ -17,14 +25,26 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Predict per-rank memory, a timeline and a fit verdict for a training setup.
-    Plan(plan_cmd::PlanArgs),
+    /// Predict per-rank memory, step time and a fit verdict (`plan search`: rank layouts).
+    Plan(plan_cmd::PlanCmd),
+    /// Serve the interactive planner page and its JSON API (loopback by default).
+    Serve(serve_cmd::ServeArgs),
+    /// Train a Llama-family model on one rank (CPU), from its memory plan.
+    Train(Box<ferrotron_train::config::TrainArgs>),
+    /// Tokenize text files into token shards.
+    Data(train_cmd::DataArgs),
+    /// Generate text from a checkpoint.
+    Sample(train_cmd::SampleArgs),
 }
 
 fn main() {
     let cli = Cli::parse();
     let result = match cli.cmd {
-        Cmd::Plan(args) => plan_cmd::run(args),
+        Cmd::Plan(args) => plan_cmd::dispatch(args),
+        Cmd::Serve(args) => serve_cmd::run(args),
+        Cmd::Train(args) => train_cmd::train(*args),
+        Cmd::Data(args) => train_cmd::data(args),
+        Cmd::Sample(args) => train_cmd::sample(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -1,16 +1,38 @@
 //! `ferrotron plan`: flags, an optional TOML file mirroring them, and the output formats.
 
 use anyhow::{bail, Context, Result};
-use clap::Args;
-use ferrotron_plan::hardware::{gpu, Overhead};
+use clap::{Args, Subcommand};
+use ferrotron_plan::api::{Resolved, Settings};
+use ferrotron_plan::cluster::{gpus, networks, ClusterFile};
 use ferrotron_plan::presets::{preset, preset_names};
-use ferrotron_plan::report::{build, html::to_html, json::to_json, table::render};
-use ferrotron_plan::{
-    inventory, plan, Convention, Layout, ModelSource, ModelSpec, Offload, Optimizer, PlanInput,
-    PpSchedule, Precision, Recipe, Recompute,
-};
+use ferrotron_plan::report::{build_with_time, html::to_html, json::to_json, table::render};
+use ferrotron_plan::{inventory, plan, ModelSource, ModelSpec};
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
+
+/// `ferrotron plan [FLAGS]` or `ferrotron plan search [FLAGS]`.
+#[derive(Args, Debug)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
+pub struct PlanCmd {
+    #[command(subcommand)]
+    pub sub: Option<PlanSub>,
+    #[command(flatten)]
+    pub args: Box<PlanArgs>,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum PlanSub {
+    /// Search the layouts of N GPUs that fit, ranked by predicted tokens/s.
+    Search(Box<crate::search_cmd::SearchArgs>),
+}
+
+/// Runs `ferrotron plan` or one of its subcommands.
+pub fn dispatch(cmd: PlanCmd) -> Result<()> {
+    match cmd.sub {
+        Some(PlanSub::Search(a)) => crate::search_cmd::run(*a),
+        None => run(*cmd.args),
+    }
+}
 
 /// Every flag is optional here so that a TOML file (`--config`) can supply it; flags given on
 /// the command line win. TOML keys are the flag names with `_` for `-` (e.g. `grad_acc = 8`).
@@ -73,9 +95,22 @@ pub struct PlanArgs {
     /// none | optimizer | params.
     #[arg(long, allow_negative_numbers = true)]
     pub offload: Option<String>,
-    /// GPU kind for the verdict (h100, h200, a100-40, a100-80, b200, mi300x, l40s, rtx4090).
+    /// GPU kind for the verdict and the time model (h100, h200, a100-40, a100-80, b200, mi300x,
+    /// h100-pcie, l40s, rtx4090) [default: h100].
     #[arg(long, allow_negative_numbers = true)]
     pub gpu: Option<String>,
+    /// GPUs per node: groups that fit in a node use its links, larger ones the network
+    /// [default: 8].
+    #[arg(long, allow_negative_numbers = true)]
+    pub gpus_per_node: Option<u64>,
+    /// Cluster file (TOML): GPU kind or a custom GPU, GPUs per node, link bandwidths and
+    /// latencies (see configs/cluster-example.toml). --gpu and --gpus-per-node win over it.
+    #[arg(long)]
+    pub cluster: Option<PathBuf>,
+    /// FLOPs convention for MFU: ferrotron | torchtitan | nanotron | megatron | 6n
+    /// [default: ferrotron].
+    #[arg(long, allow_negative_numbers = true)]
+    pub flops_convention: Option<String>,
     /// ferrotron | megatron | zero-paper | playbook [default: ferrotron].
     #[arg(long, allow_negative_numbers = true)]
     pub convention: Option<String>,
@@ -88,7 +123,8 @@ pub struct PlanArgs {
     /// Rows of logits the chunked cross-entropy materialises at once [default: 1024].
     #[arg(long, allow_negative_numbers = true)]
     pub ce_chunk: Option<u64>,
-    /// ZeRO-2 gradient bucket size in MiB [default: 25].
+    /// Gradient bucket size in MiB: ZeRO-2 bucket buffers, and one latency per bucket in the
+    /// data-parallel reduction time [default: 25].
     #[arg(long, allow_negative_numbers = true)]
     pub bucket_mb: Option<u64>,
     /// Print JSON instead of the table.
@@ -106,6 +142,10 @@ pub struct PlanArgs {
     #[arg(long)]
     #[serde(skip)]
     pub list_presets: bool,
+    /// List the built-in GPU kinds and networks with their specs.
+    #[arg(long)]
+    #[serde(skip)]
+    pub list_gpus: bool,
 }
 
 macro_rules! merge {
@@ -122,40 +162,15 @@ impl PlanArgs {
         let mut file: PlanArgs = toml::from_str(&text)
             .map_err(|e| anyhow::anyhow!("{}: {}", path.display(), e.message().trim()))?;
         merge!(self, file; model, params, seq, mbs, grad_acc, gbs, precision, optimizer, recompute,
-            dp, tp, pp, cp, ep, zero, sp, pp_schedule, pp_virtual, offload, gpu, convention,
-            overhead_gib, fragmentation, ce_chunk, bucket_mb, html);
+            dp, tp, pp, cp, ep, zero, sp, pp_schedule, pp_virtual, offload, gpu, gpus_per_node,
+            cluster, flops_convention, convention, overhead_gib, fragmentation, ce_chunk,
+            bucket_mb, html);
         Ok(self)
     }
 }
 
-fn parse<T: std::str::FromStr<Err = ferrotron_plan::PlanError>>(
-    v: &Option<String>,
-    default: T,
-) -> Result<T> {
-    match v {
-        None => Ok(default),
-        Some(s) => Ok(s.parse()?),
-    }
-}
-
-/// Parses a parameter count such as `7.5e9` or `7000000000` exactly.
-fn parse_params(s: &str) -> Result<u64> {
-    let bad = || {
-        anyhow::anyhow!(
-            "params = {s}: expected a positive parameter count such as 7.5e9 or 125000000"
-        )
-    };
-    if let Ok(n) = s.parse::<u64>() {
-        return if n > 0 { Ok(n) } else { Err(bad()) };
-    }
-    let x: f64 = s.parse().map_err(|_| bad())?;
-    if !(x >= 1.0 && x < 9.0e18 && x.fract() == 0.0) {
-        return Err(bad());
-    }
-    Ok(x as u64)
-}
-
-fn load_model(name: &str) -> Result<ModelSpec> {
+/// Loads `--model`: a built-in preset, a config.json file, or a directory holding one.
+pub fn load_model(name: &str) -> Result<ModelSpec> {
     if preset_names().any(|n| n == name) {
         return Ok(preset(name)?);
     }
@@ -176,89 +191,54 @@ fn load_model(name: &str) -> Result<ModelSpec> {
     )
 }
 
-/// Turns the merged flags into a planner input (and the GPU to judge against).
-pub fn input_from(a: &PlanArgs) -> Result<(PlanInput, ferrotron_plan::hardware::Gpu)> {
-    let model = match (&a.model, &a.params) {
-        (Some(_), Some(_)) => bail!("give either --model or --params, not both"),
-        (None, None) => bail!("no model: pass --model PRESET_OR_CONFIG_JSON or --params N"),
-        (Some(m), None) => ModelSource::Spec(load_model(m)?),
-        (None, Some(p)) => ModelSource::Params(parse_params(p)?),
-    };
-    let max_pos = match &model {
-        ModelSource::Spec(m) => m.max_positions,
-        ModelSource::Params(_) => u64::MAX,
-    };
-    let zero = a.zero.unwrap_or(0);
-    if zero > 3 {
-        bail!("zero = {zero}: ZeRO stages are 0, 1, 2 or 3");
+/// Reads a cluster file (TOML).
+pub fn load_cluster(path: &Path) -> Result<ClusterFile> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read --cluster {}", path.display()))?;
+    toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {}", path.display(), e.message().trim()))
+}
+
+/// Turns the merged flags into a planner input, its cluster and FLOPs convention.
+pub fn input_from(a: &PlanArgs) -> Result<Resolved> {
+    if a.model.is_some() && a.params.is_some() {
+        bail!("give either --model or --params, not both");
     }
-    let layout = Layout {
-        dp: a.dp.unwrap_or(1),
-        tp: a.tp.unwrap_or(1),
-        pp: a.pp.unwrap_or(1),
-        cp: a.cp.unwrap_or(1),
-        ep: a.ep.unwrap_or(1),
-        zero: zero as u8,
-        sp: a.sp.unwrap_or(false),
-        pp_schedule: parse(&a.pp_schedule, PpSchedule::OneFOneB)?,
-        pp_virtual: a.pp_virtual.unwrap_or(1),
-        offload: parse(&a.offload, Offload::None)?,
+    let model = match &a.model {
+        Some(m) => Some(ModelSource::Spec(load_model(m)?)),
+        None => None,
     };
-    let mbs = a.mbs.unwrap_or(1);
-    let grad_acc = match (a.gbs, a.grad_acc) {
-        (None, ga) => ga.unwrap_or(1),
-        (Some(gbs), ga) => {
-            let per_step = mbs * layout.dp * layout.ep;
-            if per_step == 0 || gbs == 0 || gbs % per_step != 0 {
-                bail!("gbs = {gbs}: must be a positive multiple of mbs·dp·ep = {per_step}");
-            }
-            let derived = gbs / per_step;
-            if let Some(g) = ga {
-                if g != derived {
-                    bail!("grad_acc = {g} contradicts gbs = {gbs} (which implies grad_acc = {derived}); give one of them");
-                }
-            }
-            derived
-        }
+    let settings = Settings {
+        model: None,
+        config: None,
+        params: a.params.clone(),
+        seq: a.seq,
+        mbs: a.mbs,
+        grad_acc: a.grad_acc,
+        gbs: a.gbs,
+        precision: a.precision.clone(),
+        optimizer: a.optimizer.clone(),
+        recompute: a.recompute.clone(),
+        dp: a.dp,
+        tp: a.tp,
+        pp: a.pp,
+        cp: a.cp,
+        ep: a.ep,
+        zero: a.zero,
+        sp: a.sp,
+        pp_schedule: a.pp_schedule.clone(),
+        pp_virtual: a.pp_virtual,
+        offload: a.offload.clone(),
+        gpu: a.gpu.clone(),
+        gpus_per_node: a.gpus_per_node,
+        cluster: a.cluster.as_deref().map(load_cluster).transpose()?,
+        flops_convention: a.flops_convention.clone(),
+        convention: a.convention.clone(),
+        overhead_gib: a.overhead_gib,
+        fragmentation: a.fragmentation,
+        ce_chunk: a.ce_chunk,
+        bucket_mb: a.bucket_mb,
     };
-    let recipe = Recipe {
-        seq: a.seq.unwrap_or(4096.min(max_pos)),
-        mbs,
-        grad_acc,
-        precision: parse(&a.precision, Precision::Bf16)?,
-        optimizer: parse(&a.optimizer, Optimizer::Adamw)?,
-        recompute: parse(&a.recompute, Recompute::None)?,
-        ce_chunk_tokens: a.ce_chunk.unwrap_or(1024),
-    };
-    let overhead = Overhead {
-        context_bytes: {
-            let g = a.overhead_gib.unwrap_or(1.0);
-            if !(0.0..=1024.0).contains(&g) {
-                bail!("overhead_gib = {g}: expected GiB between 0 and 1024");
-            }
-            (g * (1u64 << 30) as f64) as u64
-        },
-        fragmentation: a.fragmentation.unwrap_or(0.05),
-    };
-    overhead.validate()?;
-    let convention: Convention = parse(&a.convention, Convention::Ferrotron)?;
-    let gpu = gpu(a.gpu.as_deref().unwrap_or("h100"))?;
-    let bucket_bytes = a
-        .bucket_mb
-        .unwrap_or(25)
-        .checked_mul(1 << 20)
-        .context("bucket_mb too large")?;
-    Ok((
-        PlanInput {
-            model,
-            recipe,
-            layout,
-            convention,
-            overhead,
-            bucket_bytes,
-        },
-        gpu,
-    ))
+    Ok(settings.resolve(model)?)
 }
 
 /// Writes `text` to `path` atomically: a temp file beside it, then a rename.
@@ -269,7 +249,42 @@ fn write_atomic(path: &Path, text: &str) -> Result<()> {
     Ok(())
 }
 
+fn list_gpus() {
+    println!(
+        "{:<10} {:>9} {:>9} {:>9} {:>8} {:>9} {:>7} {:>6}  note",
+        "gpu", "GiB", "bf16 TF", "fp8 TF", "fp32 TF", "HBM GB/s", "link", "MAMF"
+    );
+    for g in gpus() {
+        println!(
+            "{:<10} {:>9.1} {:>9.1} {:>9.1} {:>8.1} {:>9.0} {:>7.0} {:>5.1}%  {}",
+            g.name,
+            g.capacity as f64 / (1u64 << 30) as f64,
+            g.bf16_flops / 1e12,
+            g.fp8_flops / 1e12,
+            g.fp32_flops / 1e12,
+            g.hbm_bw / 1e9,
+            g.link_bw / 1e9,
+            g.mamf_bf16 * 100.0,
+            g.note
+        );
+    }
+    println!("\nnetworks (per GPU, per direction):");
+    for n in networks() {
+        println!(
+            "  {:<10} {:>6.1} GB/s  {:.1} us/hop  {}",
+            n.name,
+            n.bw / 1e9,
+            n.latency * 1e6,
+            n.note
+        );
+    }
+}
+
 pub fn run(args: PlanArgs) -> Result<()> {
+    if args.list_gpus {
+        list_gpus();
+        return Ok(());
+    }
     if args.list_presets {
         for name in preset_names() {
             let m = preset(name)?;
@@ -279,7 +294,11 @@ pub fn run(args: PlanArgs) -> Result<()> {
         return Ok(());
     }
     let args = args.merged()?;
-    let (input, gpu) = input_from(&args)?;
+    let Resolved {
+        input,
+        cluster,
+        flops,
+    } = input_from(&args)?;
     let result = plan(&input)?;
     if args.inventory {
         for t in &result.tensors {
@@ -288,7 +307,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         println!("total {}", result.params.total);
         return Ok(());
     }
-    let report = build(&input, &result, Some(&gpu), args.html.is_some())?;
+    let report = build_with_time(&input, &result, &cluster, flops, args.html.is_some())?;
     if let Some(path) = &args.html {
         write_atomic(path, &to_html(&report))?;
     }

@@ -1,82 +1,14 @@
-//! Accelerator capacities for the fit verdict, and the non-tensor memory overhead model.
+//! The non-tensor memory overhead model, and (re-exported from `cluster.rs`) the GPU kinds whose
+//! capacity the fit verdict uses.
 
 use crate::error::{PlanError, Result};
 use serde::Serialize;
 
 const GIB: u64 = 1 << 30;
-const MIB: u64 = 1 << 20;
 
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct Gpu {
-    pub name: &'static str,
-    /// Memory the device reports as total (nvidia-smi "MiB" figures where known).
-    pub capacity: u64,
-    pub note: &'static str,
-}
-
-/// Device memory. NVIDIA figures are the totals nvidia-smi reports (e.g. H100 SXM 80 GB:
-/// 81559 MiB), which is what a process can see; others are the vendor's capacity.
-pub const GPUS: &[Gpu] = &[
-    Gpu {
-        name: "a100-40",
-        capacity: 40_960 * MIB,
-        note: "A100 40 GB (nvidia-smi 40960 MiB)",
-    },
-    Gpu {
-        name: "a100-80",
-        capacity: 81_920 * MIB,
-        note: "A100 80 GB (nvidia-smi 81920 MiB)",
-    },
-    Gpu {
-        name: "h100",
-        capacity: 81_559 * MIB,
-        note: "H100 SXM 80 GB (nvidia-smi 81559 MiB)",
-    },
-    Gpu {
-        name: "h100-pcie",
-        capacity: 81_559 * MIB,
-        note: "H100 PCIe 80 GB (nvidia-smi 81559 MiB)",
-    },
-    Gpu {
-        name: "h200",
-        capacity: 143_771 * MIB,
-        note: "H200 141 GB (nvidia-smi 143771 MiB)",
-    },
-    Gpu {
-        name: "b200",
-        capacity: 180 * GIB,
-        note: "B200 (vendor capacity 180 GiB usable, 192 GB HBM3e)",
-    },
-    Gpu {
-        name: "mi300x",
-        capacity: 192 * GIB,
-        note: "MI300X 192 GB HBM3 (vendor capacity)",
-    },
-    Gpu {
-        name: "l40s",
-        capacity: 46_068 * MIB,
-        note: "L40S 48 GB (nvidia-smi 46068 MiB)",
-    },
-    Gpu {
-        name: "rtx4090",
-        capacity: 24_564 * MIB,
-        note: "RTX 4090 24 GB (nvidia-smi 24564 MiB)",
-    },
-];
-
-pub fn gpu(name: &str) -> Result<Gpu> {
-    GPUS.iter()
-        .copied()
-        .find(|g| g.name == name)
-        .ok_or_else(|| {
-            let names: Vec<&str> = GPUS.iter().map(|g| g.name).collect();
-            PlanError::setting(
-                "gpu",
-                name,
-                format!("unknown GPU; expected one of {}", names.join(", ")),
-            )
-        })
-}
+/// The GPU table lives in `cluster.rs` (one table for capacity, FLOPS, bandwidth and links);
+/// re-exported here for the memory verdict.
+pub use crate::cluster::{gpu, gpu_names, gpus, Gpu};
 
 /// Memory a process uses beyond its tensors: the runtime context (CUDA context, cuBLAS and
 /// NCCL workspaces) and the caching allocator's fragmentation, as a fraction of the allocated

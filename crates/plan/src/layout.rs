@@ -124,7 +124,7 @@ impl Layout {
                 "ZeRO-2/3 cannot be combined with pipeline parallelism (pp > 1); use --zero 1",
             ));
         }
-        if r.seq % self.cp != 0 {
+        if !r.seq.is_multiple_of(self.cp) {
             return Err(PlanError::setting(
                 "cp",
                 self.cp,

@@ -5,7 +5,10 @@
 //! breakdowns and timelines off it. See docs/FORMULAS.md for every formula and its source.
 
 pub mod activations;
+pub mod api;
 pub mod buffers;
+pub mod cluster;
+pub mod comm;
 pub mod convention;
 pub mod error;
 pub mod flops;
@@ -19,16 +22,20 @@ pub mod presets;
 pub mod recipe;
 pub mod report;
 pub mod schedule;
+pub mod search;
 pub mod states;
+pub mod time;
 pub mod timeline;
 pub mod verdict;
 
+pub use cluster::Cluster;
 pub use convention::Convention;
 pub use error::{PlanError, Result};
+pub use flops::FlopsConvention;
 pub use layout::{Layout, Offload, PpSchedule};
 pub use memory::{Breakdown, Category, MemoryPlan};
 pub use model::ModelSpec;
-pub use planner::{plan, ModelSource, PlanInput, PlanResult, RankPlan};
+pub use planner::{plan, plan_extremes, ModelSource, PlanInput, PlanResult, RankPlan};
 pub use recipe::{DType, Optimizer, Precision, Recipe, Recompute};
 
 pub const GIB: f64 = (1u64 << 30) as f64;

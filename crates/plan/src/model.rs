@@ -140,6 +140,28 @@ impl<'a> Fields<'a> {
     }
 }
 
+/// RoPE base: top-level `rope_theta` (transformers 4.x), or `rope_parameters.rope_theta`
+/// (transformers 5.x writes it there); 10000 when neither is present (LlamaConfig default).
+fn rope_theta(f: &Fields) -> Result<f64> {
+    if f.present("rope_theta").is_some() {
+        return f.float_or("rope_theta", 10_000.0);
+    }
+    match f.present("rope_parameters") {
+        Some(Value::Object(obj)) => {
+            let inner = Fields {
+                source: f.source,
+                obj,
+            };
+            inner.float_or("rope_theta", 10_000.0)
+        }
+        Some(v) => Err(f.err(
+            "rope_parameters",
+            format!("is {} (expected an object)", describe(v)),
+        )),
+        None => Ok(10_000.0),
+    }
+}
+
 impl ModelSpec {
     /// Parses the text of an HF `config.json`. `source` names it in error messages.
     pub fn from_json_str(text: &str, source: &str) -> Result<Self> {
@@ -232,7 +254,7 @@ impl ModelSpec {
             qkv_bias: model_type == "qwen2" || attention_bias,
             o_bias: attention_bias,
             mlp_bias: f.boolean_or("mlp_bias", false)?,
-            rope_theta: f.float_or("rope_theta", 10_000.0)?,
+            rope_theta: rope_theta(f)?,
             norm_eps: f.float_or("rms_norm_eps", 1e-6)?,
             moe,
         })
@@ -277,7 +299,7 @@ impl ModelSpec {
         } else {
             "num_key_value_heads"
         };
-        if self.kv_heads > self.heads || self.heads % self.kv_heads != 0 {
+        if self.kv_heads > self.heads || !self.heads.is_multiple_of(self.kv_heads) {
             return Err(f.err(
                 kv_field,
                 format!(

@@ -65,6 +65,18 @@ impl PlanResult {
 }
 
 pub fn plan(input: &PlanInput) -> Result<PlanResult> {
+    plan_impl(input, false)
+}
+
+/// As `plan`, but simulates only the first and the last pipeline stage. The most loaded rank is
+/// always one of them (a middle stage holds the same number of layers as stage 0 without the
+/// embedding, the same buffers, and no more micro-batches in flight), so `worst()` is the same;
+/// the layout search uses this to rank thousands of layouts quickly.
+pub fn plan_extremes(input: &PlanInput) -> Result<PlanResult> {
+    plan_impl(input, true)
+}
+
+fn plan_impl(input: &PlanInput, extremes: bool) -> Result<PlanResult> {
     let (r, l) = (&input.recipe, &input.layout);
     r.validate()?;
     let spec = match &input.model {
@@ -104,7 +116,13 @@ pub fn plan(input: &PlanInput) -> Result<PlanResult> {
             },
         ),
     };
-    let ranks: Vec<RankPlan> = (0..l.pp)
+    let stages: Vec<u64> = if extremes && l.pp > 2 {
+        vec![0, l.pp - 1]
+    } else {
+        (0..l.pp).collect()
+    };
+    let ranks: Vec<RankPlan> = stages
+        .into_iter()
         .map(|stage| rank_plan(input, spec, &tensors, stage))
         .collect();
     let most_loaded = (0..ranks.len())
@@ -120,7 +138,7 @@ pub fn plan(input: &PlanInput) -> Result<PlanResult> {
 
 /// Which pipeline stage a tensor lives on. Model chunk g (of p·v) holds layers
 /// [g·L/(pv), (g+1)·L/(pv)) and sits on stage g mod p.
-fn stage_of(p: Placement, m: &ModelSpec, l: &Layout) -> u64 {
+pub(crate) fn stage_of(p: Placement, m: &ModelSpec, l: &Layout) -> u64 {
     let chunks = l.pp * l.pp_virtual;
     match p {
         Placement::Embedding => 0,
@@ -129,7 +147,7 @@ fn stage_of(p: Placement, m: &ModelSpec, l: &Layout) -> u64 {
     }
 }
 
-fn rank_elems(
+pub(crate) fn rank_elems(
     spec: Option<&ModelSpec>,
     tensors: &[Tensor],
     l: &Layout,

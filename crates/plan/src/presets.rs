@@ -61,3 +61,30 @@ pub fn preset(name: &str) -> Result<ModelSpec> {
     spec.name = name.to_string();
     Ok(spec)
 }
+
+/// Resolves `--model`: a preset name, a config.json file, or a directory holding one.
+pub fn resolve(name_or_path: &str) -> Result<ModelSpec> {
+    if preset_json(name_or_path).is_some() {
+        return preset(name_or_path);
+    }
+    let path = std::path::Path::new(name_or_path);
+    let file = if path.is_dir() {
+        path.join("config.json")
+    } else {
+        path.to_path_buf()
+    };
+    if !file.is_file() {
+        return Err(PlanError::setting(
+            "model",
+            name_or_path,
+            "neither a built-in preset nor a config.json file (run `ferrotron plan --list-presets`)",
+        ));
+    }
+    let source = file.display().to_string();
+    let text = std::fs::read_to_string(&file).map_err(|e| PlanError::Config {
+        source_name: source.clone(),
+        field: "(file)".into(),
+        problem: format!("cannot be read: {e}"),
+    })?;
+    ModelSpec::from_json_str(&text, &source)
+}

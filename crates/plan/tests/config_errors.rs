@@ -238,3 +238,21 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn rope_theta_is_read_from_rope_parameters_too() {
+    let mut v = llama();
+    v["rope_parameters"] = json!({"rope_theta": 500000.0, "rope_type": "default"});
+    assert_eq!(
+        ModelSpec::from_json_value(&v, "c").unwrap().rope_theta,
+        500000.0
+    );
+    v["rope_theta"] = json!(1e6);
+    assert_eq!(ModelSpec::from_json_value(&v, "c").unwrap().rope_theta, 1e6);
+    let mut v = llama();
+    v["rope_parameters"] = json!(3);
+    assert_eq!(
+        err(v),
+        "config.json: field `rope_parameters` is 3 (expected an object)"
+    );
+}

@@ -1,1 +1,14 @@
-//! ferrotron-train
+//! ferrotron-train: the single-rank trainer (data, loop, checkpoints, sampling, metrics).
+
+pub mod alloc;
+pub mod checkpoint;
+pub mod config;
+pub mod data;
+pub mod lr;
+pub mod metrics;
+pub mod pool;
+pub mod run;
+pub mod sample;
+pub mod setup;
+pub mod trainer;
+pub mod workspace;

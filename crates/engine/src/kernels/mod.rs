@@ -287,6 +287,10 @@ pub trait Kernels: Send + Sync {
     /// `Σ x²` accumulated in f64 (global grad norm = sqrt of the sum over all shards).
     fn sum_squares(&self, x: &[f32]) -> f64;
 
+    /// Creates the backend's per-thread runtime state (library caches, workspaces) up front,
+    /// so that it is part of a process's fixed baseline rather than appearing mid-step.
+    fn warm_up(&self) {}
+
     // ---- loss ----
     /// Per row: `loss = logsumexp(logits) − logits[target]` written to `losses` (0 for ignored
     /// rows); returns their sum (f64). If `dlogits_scale` is `Some(s)`, overwrites `logits`

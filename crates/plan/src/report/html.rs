@@ -95,10 +95,71 @@ pub fn to_html(rep: &Report) -> String {
             lines("Activations vs sequence length", &xs, &series)
         );
     }
+    if let Some(t) = &rep.time {
+        o.push_str(&time_section(t));
+    }
     let _ = write!(
         o,
         "<h2>Details</h2><pre>{}</pre></body></html>",
         esc(&render(rep))
     );
+    o
+}
+
+/// The step-time breakdown as an HTML table with CSS bars (no SVG, no scripts).
+fn time_section(t: &crate::time::TimeReport) -> String {
+    use super::table::secs;
+    let mut o = String::new();
+    let _ = write!(
+        o,
+        "<section id=\"time\"><h2>Step time</h2><p><b>{}</b> per step on {} × {}: <b>{:.0}</b> tokens/s, MFU <b>{:.1}%</b> ({} FLOPs), HFU {:.1}%.</p><table>",
+        esc(&secs(t.step_s)),
+        t.gpus,
+        esc(&t.gpu),
+        t.tokens_per_s,
+        t.mfu * 100.0,
+        esc(t.flops_convention.name()),
+        t.hfu * 100.0
+    );
+    let b = &t.breakdown;
+    for (i, (label, s)) in [
+        ("compute", b.compute_s),
+        ("recompute", b.recompute_s),
+        ("exposed communication", b.exposed_comm_s),
+        ("pipeline bubble", b.bubble_s),
+        ("optimizer step", b.optimizer_s),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let pct = if t.step_s > 0.0 {
+            s / t.step_s * 100.0
+        } else {
+            0.0
+        };
+        let _ = write!(
+            o,
+            "<tr><td>{}</td><td style=\"text-align:right\">{}</td><td style=\"width:400px\"><div style=\"background:{};width:{:.1}%;height:12px\"></div></td><td>{:.1}%</td></tr>",
+            label,
+            esc(&secs(s)),
+            super::svg::PALETTE[i],
+            pct,
+            pct
+        );
+    }
+    o.push_str("</table><table><tr><th>dim</th><th>group</th><th>bytes/step</th><th>time</th><th>exposed</th><th>what</th></tr>");
+    for (d, c) in &t.comm {
+        let _ = write!(
+            o,
+            "<tr><td>{}</td><td>{}</td><td>{:.3} GB</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            d.name(),
+            c.group,
+            c.bytes / 1e9,
+            esc(&secs(c.s)),
+            esc(&secs(c.exposed_s)),
+            esc(&c.what)
+        );
+    }
+    o.push_str("</table></section>");
     o
 }

@@ -5,7 +5,9 @@ pub mod json;
 mod svg;
 pub mod table;
 
+use crate::cluster::Cluster;
 use crate::error::Result;
+use crate::flops::FlopsConvention;
 use crate::hardware::Gpu;
 use crate::memory::Breakdown;
 use crate::planner::{plan, ModelSource, PlanInput, PlanResult, RankPlan};
@@ -82,6 +84,8 @@ pub struct Report {
     pub verdict: Option<Verdict>,
     pub overhead_note: String,
     pub activations_vs_seq: Vec<SeqPoint>,
+    /// Step time, throughput and communication (only with an architecture and a cluster).
+    pub time: Option<crate::time::TimeReport>,
 }
 
 impl Report {
@@ -199,5 +203,19 @@ pub fn build(
             x.overhead.fragmentation * 100.0
         ),
         activations_vs_seq: if with_seq_sweep { activations_vs_seq(x) } else { vec![] },
+        time: None,
     })
+}
+
+/// `build`, plus the step-time model on `cluster` (its GPU also gives the verdict's capacity).
+pub fn build_with_time(
+    x: &PlanInput,
+    result: &PlanResult,
+    cluster: &Cluster,
+    flops: FlopsConvention,
+    with_seq_sweep: bool,
+) -> Result<Report> {
+    let mut rep = build(x, result, Some(&cluster.gpu), with_seq_sweep)?;
+    rep.time = crate::time::estimate(x, cluster, flops)?;
+    Ok(rep)
 }

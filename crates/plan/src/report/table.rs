@@ -11,7 +11,7 @@ fn commas(n: u64) -> String {
     let s = n.to_string();
     let mut out = String::new();
     for (i, ch) in s.chars().enumerate() {
-        if i > 0 && (s.len() - i) % 3 == 0 {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
             out.push(',');
         }
         out.push(ch);
@@ -107,6 +107,9 @@ pub fn render(rep: &Report) -> String {
     if !rep.step2_explanation.is_empty() {
         let _ = writeln!(o, "  {}", rep.step2_explanation);
     }
+    if let Some(t) = &rep.time {
+        o.push_str(&render_time(t));
+    }
     if let Some(v) = &rep.verdict {
         let _ = writeln!(o);
         if v.fits {
@@ -141,6 +144,107 @@ pub fn render(rep: &Report) -> String {
                 }
             }
         }
+    }
+    o
+}
+
+/// Seconds with a sensible number of digits.
+pub fn secs(s: f64) -> String {
+    if s >= 100.0 {
+        format!("{s:.1} s")
+    } else if s >= 1.0 {
+        format!("{s:.3} s")
+    } else {
+        format!("{:.2} ms", s * 1e3)
+    }
+}
+
+fn bytes_si(b: f64) -> String {
+    if b >= 1e9 {
+        format!("{:.2} GB", b / 1e9)
+    } else {
+        format!("{:.1} MB", b / 1e6)
+    }
+}
+
+/// The step-time section: throughput, utilisation, the breakdown and communication per dimension.
+pub fn render_time(t: &crate::time::TimeReport) -> String {
+    let mut o = String::new();
+    let _ = writeln!(o, "\nStep time on {} × {} ({}):", t.gpus, t.gpu, t.cluster);
+    let _ = writeln!(
+        o,
+        "  step {}, {} tokens/s ({} tokens per step)",
+        secs(t.step_s),
+        commas(t.tokens_per_s.round() as u64),
+        commas(t.tokens_per_step)
+    );
+    let _ = writeln!(
+        o,
+        "  MFU {:.1}% ({} FLOPs convention), HFU {:.1}% (recomputation included), peak {:.0} TFLOP/s per GPU",
+        t.mfu * 100.0,
+        t.flops_convention,
+        t.hfu * 100.0,
+        t.efficiency.peak_flops / 1e12
+    );
+    let b = &t.breakdown;
+    let parts = [
+        ("compute (forward + backward)", b.compute_s),
+        ("recompute", b.recompute_s),
+        ("exposed communication", b.exposed_comm_s),
+        ("pipeline bubble", b.bubble_s),
+        ("optimizer step", b.optimizer_s),
+    ];
+    for (label, s) in parts {
+        let pct = if t.step_s > 0.0 {
+            s / t.step_s * 100.0
+        } else {
+            0.0
+        };
+        let bar = "█".repeat((pct / 2.5).round() as usize);
+        let _ = writeln!(o, "  {label:<30}{:>12} {pct:>5.1}%  {bar}", secs(s));
+    }
+    let d = &t.compute_detail;
+    let _ = writeln!(
+        o,
+        "  compute by kernel: matmuls {}, attention {}, memory-bound {} (slowest stage: {})",
+        secs(d.matmul_s),
+        secs(d.attention_s),
+        secs(d.memory_bound_s),
+        t.slowest_stage
+    );
+    let _ = writeln!(
+        o,
+        "\n  Communication per rank per step:  {:<5}{:>6}{:>12}{:>12}{:>12}  where",
+        "dim", "group", "bytes", "time", "exposed"
+    );
+    for (dim, c) in &t.comm {
+        if c.group <= 1 && c.bytes == 0.0 {
+            continue;
+        }
+        let _ = writeln!(
+            o,
+            "  {:<34}{:<5}{:>6}{:>12}{:>12}{:>12}  {}",
+            "",
+            dim.name(),
+            c.group,
+            bytes_si(c.bytes),
+            secs(c.s),
+            secs(c.exposed_s),
+            if c.crosses_nodes {
+                "crosses nodes"
+            } else {
+                "within a node"
+            }
+        );
+    }
+    let flops: Vec<String> = t
+        .flops_per_token
+        .iter()
+        .map(|(c, f)| format!("{c} {:.3e}", f))
+        .collect();
+    let _ = writeln!(o, "  model FLOPs per token: {}", flops.join(", "));
+    for n in &t.notes {
+        let _ = writeln!(o, "  {n}");
     }
     o
 }

@@ -80,9 +80,8 @@ pub fn cross_entropy(
         .par_chunks_mut(s.vocab)
         .zip(targets.par_iter())
         .zip(losses.par_iter_mut())
-        .map(|((z, &t), l)| {
-            row(z, t, l, dlogits_scale);
-            *l as f64
-        })
-        .sum()
+        .for_each(|((z, &t), l)| row(z, t, l, dlogits_scale));
+    // Summed in row order, not by rayon's adaptive split, so the loss is bit-reproducible
+    // (a resumed run must match an uninterrupted one exactly).
+    losses.iter().map(|&l| l as f64).sum()
 }

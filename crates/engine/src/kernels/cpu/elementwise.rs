@@ -46,7 +46,14 @@ dispatch_fma!(fn sum_sq_chunk => sum_sq_generic(x: &[f32]) -> f32);
 
 /// Σ x²: f32 lanes within a 16k chunk (relative error ~1e-7·√chunk), f64 across chunks.
 pub fn sum_squares(x: &[f32]) -> f64 {
-    x.par_chunks(CHUNK).map(|c| sum_sq_chunk(c) as f64).sum()
+    // Per-chunk partials in parallel, then a sum in chunk order: rayon's own `sum` associates
+    // by its adaptive split, which would make the gradient norm (and so clipping) vary in the
+    // last bits from run to run and break bit-identical resume.
+    let parts: Vec<f64> = x
+        .par_chunks(CHUNK)
+        .map(|c| sum_sq_chunk(c) as f64)
+        .collect();
+    parts.iter().sum()
 }
 
 pub fn f32_to_bf16(src: &[f32], dst: &mut [bf16]) {

@@ -9,6 +9,9 @@ use crate::kernels::{Accum, MatmulShape};
 use gemm::Parallelism;
 use rayon::prelude::*;
 
+/// Largest operand (k × n or m × k floats) handed to one gemm call: 1 Mi floats, 4 MiB.
+pub const MAX_PACKED_RHS: usize = 1 << 20;
+
 /// Column-major-agnostic strided sgemm: `dst[m,n] (=|+=) lhs[m,k]·rhs[k,n]`, strides in elements
 /// as `(row stride, col stride)`.
 #[allow(clippy::too_many_arguments)]
@@ -77,6 +80,54 @@ pub unsafe fn sgemm_raw(
     if k > 0 {
         assert!(last(m, k, lhs_strides) < lhs.len(), "sgemm: lhs too small");
         assert!(last(k, n, rhs_strides) < rhs.len(), "sgemm: rhs too small");
+    }
+    // The gemm crate allocates its packing buffers on every call, sized by the operands it
+    // packs: 16 MiB for the 8192-row LM-head weight gradient. That memory is outside the memory
+    // plan, so large products are split into row, then column, blocks whose packed operands
+    // stay under MAX_PACKED_RHS floats; the blocks write disjoint parts of dst.
+    let block = (MAX_PACKED_RHS / k.max(1)).max(64) / 64 * 64;
+    if m > block {
+        // Same for the packed left-hand side (m × k), e.g. the LM head's weight gradient.
+        let mut r0 = 0;
+        while r0 < m {
+            let mb = block.min(m - r0);
+            sgemm_raw(
+                mb,
+                n,
+                k,
+                dst.add(r0 * dst_strides.0),
+                dst_strides,
+                &lhs[r0 * lhs_strides.0..],
+                lhs_strides,
+                rhs,
+                rhs_strides,
+                accumulate,
+                parallel,
+            );
+            r0 += mb;
+        }
+        return;
+    }
+    if n > block {
+        let mut c0 = 0;
+        while c0 < n {
+            let nb = block.min(n - c0);
+            sgemm_raw(
+                m,
+                nb,
+                k,
+                dst.add(c0 * dst_strides.1),
+                dst_strides,
+                lhs,
+                lhs_strides,
+                &rhs[c0 * rhs_strides.1..],
+                rhs_strides,
+                accumulate,
+                parallel,
+            );
+            c0 += nb;
+        }
+        return;
     }
     let par = if parallel {
         Parallelism::Rayon(0)

@@ -21,7 +21,37 @@ use half::bf16;
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CpuKernels;
 
+/// The gemm crate keeps a per-thread L2 packing slab (about 1 MiB) created on a thread's first
+/// product; running one small product on every pool thread and the caller creates them all.
+fn warm_up_gemm() {
+    let run = || {
+        let (m, n, k) = (256, 256, 256);
+        let (x, w) = (vec![0.5f32; m * k], vec![0.25f32; n * k]);
+        let mut y = vec![0.0f32; m * n];
+        matmul::sgemm(
+            m,
+            n,
+            k,
+            &mut y,
+            (n, 1),
+            &x,
+            (k, 1),
+            &w,
+            (1, k),
+            false,
+            false,
+        );
+        std::hint::black_box(&y);
+    };
+    rayon::broadcast(|_| run());
+    run();
+}
+
 impl Kernels for CpuKernels {
+    fn warm_up(&self) {
+        warm_up_gemm();
+    }
+
     fn matmul_forward(
         &self,
         s: MatmulShape,

@@ -1,0 +1,71 @@
+//! `ferrotron train`, `ferrotron data` and `ferrotron sample`.
+
+use anyhow::Result;
+use clap::Args;
+use ferrotron_train::config::TrainArgs;
+use ferrotron_train::run;
+use ferrotron_train::sample::SampleOptions;
+use std::path::PathBuf;
+
+#[derive(Args, Debug)]
+pub struct DataArgs {
+    /// Text files, or directories of .txt files.
+    #[arg(long, num_args = 1.., required = true)]
+    pub input: Vec<PathBuf>,
+    /// Output directory for train_*.tok / val_*.tok shards.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// HF tokenizer.json [default: the bundled BPE tokenizer].
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Fraction of tokens held out for validation.
+    #[arg(long, default_value_t = 0.05, allow_negative_numbers = true)]
+    pub val_fraction: f64,
+}
+
+#[derive(Args, Debug)]
+pub struct SampleArgs {
+    /// Checkpoint directory written by `ferrotron train --checkpoint-dir`.
+    #[arg(long)]
+    pub checkpoint: PathBuf,
+    #[arg(long, default_value = "ROMEO:")]
+    pub prompt: String,
+    /// Tokens to generate.
+    #[arg(long, default_value_t = 200)]
+    pub tokens: usize,
+    /// 0 means greedy.
+    #[arg(long, default_value_t = 0.8, allow_negative_numbers = true)]
+    pub temperature: f32,
+    /// Sample among the k most likely tokens (0: all).
+    #[arg(long, default_value_t = 40)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+pub fn train(args: TrainArgs) -> Result<()> {
+    run::run(args).map(|_| ())
+}
+
+pub fn data(a: DataArgs) -> Result<()> {
+    run::data(&a.input, &a.out, a.tokenizer.as_deref(), a.val_fraction)
+}
+
+pub fn sample(a: SampleArgs) -> Result<()> {
+    if !(a.temperature.is_finite() && a.temperature >= 0.0) {
+        anyhow::bail!(
+            "temperature = {}: must be a non-negative number (0 is greedy)",
+            a.temperature
+        );
+    }
+    let o = SampleOptions {
+        tokens: a.tokens,
+        temperature: a.temperature,
+        top_k: a.top_k,
+        seed: a.seed,
+        context: usize::MAX,
+    };
+    let text = run::sample_from(&a.checkpoint, &a.prompt, &o)?;
+    println!("{}{}", a.prompt, text);
+    Ok(())
+}

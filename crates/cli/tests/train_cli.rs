@@ -1,0 +1,150 @@
+//! `ferrotron data`, `train` and `sample` end to end through the binary.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn ferrotron(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn tiny_model(dir: &Path) -> String {
+    let p = dir.join("config.json");
+    std::fs::write(
+        &p,
+        r#"{"model_type":"llama","hidden_size":64,"intermediate_size":160,"num_attention_heads":4,
+            "num_key_value_heads":2,"num_hidden_layers":2,"vocab_size":8192,
+            "max_position_embeddings":128,"tie_word_embeddings":true}"#,
+    )
+    .unwrap();
+    p.to_string_lossy().into()
+}
+
+#[test]
+fn data_train_checkpoint_sample() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    // A slice of the bundled corpus as the user's own text.
+    let corpus = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../data/corpus/shakespeare.txt"
+    ))
+    .unwrap();
+    std::fs::write(d.join("mine.txt"), &corpus[..300_000]).unwrap();
+    let shards = d.join("shards");
+    let o = ferrotron(&[
+        "data",
+        "--input",
+        d.join("mine.txt").to_str().unwrap(),
+        "--out",
+        shards.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(shards.join("train_0000.tok").is_file() && shards.join("val_0000.tok").is_file());
+
+    let model = tiny_model(d);
+    let ck = d.join("ck");
+    let o = ferrotron(&[
+        "train",
+        "--model",
+        &model,
+        "--data",
+        shards.to_str().unwrap(),
+        "--seq",
+        "32",
+        "--mbs",
+        "4",
+        "--steps",
+        "3",
+        "--eval-interval",
+        "3",
+        "--out-dir",
+        d.join("run").to_str().unwrap(),
+        "--checkpoint-dir",
+        ck.to_str().unwrap(),
+        "--peak-gflops",
+        "100",
+    ]);
+    let out = text(&o);
+    assert!(o.status.success(), "{out}");
+    for needle in [
+        "effective config:",
+        "memory plan peak",
+        "step     3/3",
+        "val ",
+        "peak memory planned",
+    ] {
+        assert!(out.contains(needle), "missing {needle:?} in {out}");
+    }
+    let o = ferrotron(&[
+        "sample",
+        "--checkpoint",
+        ck.to_str().unwrap(),
+        "--prompt",
+        "JULIET:",
+        "--tokens",
+        "8",
+        "--seed",
+        "3",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let s = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(
+        s.starts_with("JULIET:") && s.len() > "JULIET:".len(),
+        "{s:?}"
+    );
+}
+
+#[test]
+fn bad_train_input_exits_nonzero_with_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec!["train", "--steps", "0"],
+            "error: steps = 0: must be a positive integer",
+        ),
+        (
+            vec!["train", "--steps", "-3"],
+            "invalid value '-3' for '--steps",
+        ),
+        (
+            vec!["train", "--lr", "abc"],
+            "invalid value 'abc' for '--lr",
+        ),
+        (
+            vec!["train", "--model", "llama-9b"],
+            "model = llama-9b: neither a built-in preset nor a config.json file",
+        ),
+        (
+            vec!["sample", "--checkpoint", "/nonexistent/ck"],
+            "not a ferrotron checkpoint directory",
+        ),
+        (
+            vec![
+                "data",
+                "--input",
+                "/nonexistent.txt",
+                "--out",
+                dir.path().to_str().unwrap(),
+            ],
+            "/nonexistent.txt",
+        ),
+    ];
+    for (args, want) in cases {
+        let o = ferrotron(&args);
+        let err = String::from_utf8_lossy(&o.stderr).to_string();
+        assert!(!o.status.success(), "{args:?} should fail");
+        assert!(err.contains(want), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}

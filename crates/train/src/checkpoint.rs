@@ -1,0 +1,261 @@
+//! Checkpoints: one directory holding the weights (safetensors, HF tensor names, loadable by
+//! transformers), the optimizer state, the trainer state (step, data position, config), the
+//! model's config.json and the tokenizer, written atomically (temp directory + rename).
+
+use crate::config::TrainConfig;
+use crate::data::LoaderState;
+use crate::trainer::{AdamState, Trainer};
+use anyhow::{bail, Context, Result};
+use ferrotron_engine::model::ParamTable;
+use ferrotron_plan::ModelSpec;
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+pub const FORMAT: &str = "ferrotron-checkpoint-1";
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TrainerState {
+    pub format: String,
+    /// Optimizer steps completed.
+    pub step: u64,
+    pub config: TrainConfig,
+    pub loader: LoaderState,
+    pub params: u64,
+    pub tokenizer: String,
+}
+
+/// The model's HF config.json (what transformers and `--model DIR` read back).
+pub fn hf_config(spec: &ModelSpec) -> serde_json::Value {
+    let arch = if spec.model_type == "qwen2" {
+        "Qwen2ForCausalLM"
+    } else {
+        "LlamaForCausalLM"
+    };
+    serde_json::json!({
+        "architectures": [arch],
+        "model_type": spec.model_type,
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "head_dim": spec.head_dim,
+        "num_hidden_layers": spec.layers,
+        "vocab_size": spec.vocab,
+        "max_position_embeddings": spec.max_positions,
+        "rms_norm_eps": spec.norm_eps,
+        "rope_theta": spec.rope_theta,
+        "tie_word_embeddings": spec.tie_embeddings,
+        "attention_bias": false,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+    })
+}
+
+fn f32_bytes(x: &[f32]) -> Vec<u8> {
+    x.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+fn read_f32(bytes: &[u8], out: &mut [f32]) {
+    for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+        *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+    }
+}
+
+fn write_safetensors(path: &Path, tensors: Vec<(String, Vec<usize>, Vec<u8>)>) -> Result<()> {
+    let views: Vec<(String, TensorView)> = tensors
+        .iter()
+        .map(|(n, shape, data)| Ok((n.clone(), TensorView::new(Dtype::F32, shape.clone(), data)?)))
+        .collect::<std::result::Result<_, safetensors::SafeTensorError>>()?;
+    safetensors::serialize_to_file(views, &None, path)
+        .with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// Writes `DIR` atomically: everything goes to a temp directory beside it, renamed into place.
+pub fn save(dir: &Path, t: &Trainer, tokenizer_json: &str, tokenizer_name: &str) -> Result<()> {
+    let parent = dir
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent)
+        .with_context(|| format!("cannot create {}", parent.display()))?;
+    let name = dir
+        .file_name()
+        .context("checkpoint dir has no name")?
+        .to_string_lossy()
+        .to_string();
+    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    let table = &t.model.params;
+    let weights = table
+        .entries
+        .iter()
+        .map(|e| {
+            (
+                e.name.clone(),
+                e.shape.clone(),
+                f32_bytes(&t.params[e.range()]),
+            )
+        })
+        .collect();
+    write_safetensors(&tmp.join("model.safetensors"), weights)?;
+    if let Some(opt) = &t.opt {
+        let n = t.params.len();
+        write_safetensors(
+            &tmp.join("optimizer.safetensors"),
+            vec![
+                ("exp_avg".into(), vec![n], f32_bytes(&opt.m)),
+                ("exp_avg_sq".into(), vec![n], f32_bytes(&opt.v)),
+            ],
+        )?;
+    }
+    let state = TrainerState {
+        format: FORMAT.into(),
+        step: t.step,
+        config: t.cfg.clone(),
+        loader: t.loader.state(),
+        params: t.params.len() as u64,
+        tokenizer: tokenizer_name.into(),
+    };
+    std::fs::write(
+        tmp.join("trainer_state.json"),
+        serde_json::to_string_pretty(&state)?,
+    )?;
+    std::fs::write(
+        tmp.join("config.json"),
+        serde_json::to_string_pretty(&hf_config(&t.spec))?,
+    )?;
+    std::fs::write(tmp.join("tokenizer.json"), tokenizer_json)?;
+    let old = parent.join(format!(".{name}.old-{}", std::process::id()));
+    if dir.exists() {
+        std::fs::rename(dir, &old).with_context(|| format!("cannot move old {}", dir.display()))?;
+    }
+    std::fs::rename(&tmp, dir).with_context(|| format!("cannot rename into {}", dir.display()))?;
+    let _ = std::fs::remove_dir_all(&old);
+    Ok(())
+}
+
+/// A checkpoint read back and checked.
+pub struct Loaded {
+    pub dir: PathBuf,
+    pub state: TrainerState,
+    pub spec: ModelSpec,
+}
+
+fn bad(dir: &Path, what: impl std::fmt::Display) -> anyhow::Error {
+    anyhow::anyhow!("checkpoint {}: {what}", dir.display())
+}
+
+/// Reads the trainer state and model config of `dir`.
+pub fn open(dir: &Path) -> Result<Loaded> {
+    let state_path = dir.join("trainer_state.json");
+    let text = std::fs::read_to_string(&state_path).map_err(|_| {
+        bad(
+            dir,
+            "no trainer_state.json (not a ferrotron checkpoint directory)",
+        )
+    })?;
+    let state: TrainerState = serde_json::from_str(&text)
+        .map_err(|e| bad(dir, format!("trainer_state.json is invalid: {e}")))?;
+    if state.format != FORMAT {
+        bail!(bad(
+            dir,
+            format!("format `{}` is not `{FORMAT}`", state.format)
+        ));
+    }
+    let spec = ferrotron_plan::presets::resolve(&dir.join("config.json").to_string_lossy())
+        .map_err(|e| bad(dir, e))?;
+    Ok(Loaded {
+        dir: dir.to_path_buf(),
+        state,
+        spec,
+    })
+}
+
+fn load_tensors(path: &Path) -> Result<Vec<u8>> {
+    std::fs::read(path).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))
+}
+
+/// Copies the weights of `dir` into `params`, checking every name and shape against `table`.
+pub fn load_weights(dir: &Path, table: &ParamTable, params: &mut [f32]) -> Result<()> {
+    let path = dir.join("model.safetensors");
+    let bytes = load_tensors(&path)?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| {
+        bad(
+            dir,
+            format!("model.safetensors is not valid safetensors ({e})"),
+        )
+    })?;
+    if st.len() != table.entries.len() {
+        bail!(bad(
+            dir,
+            format!(
+                "model.safetensors has {} tensors, the model has {}",
+                st.len(),
+                table.entries.len()
+            )
+        ));
+    }
+    for e in &table.entries {
+        let v = st.tensor(&e.name).map_err(|_| {
+            bad(
+                dir,
+                format!(
+                    "model.safetensors lacks `{}` (a checkpoint of another model?)",
+                    e.name
+                ),
+            )
+        })?;
+        if v.dtype() != Dtype::F32 || v.shape() != e.shape.as_slice() {
+            bail!(bad(
+                dir,
+                format!(
+                    "`{}` is {:?} {:?}, the model expects F32 {:?}",
+                    e.name,
+                    v.dtype(),
+                    v.shape(),
+                    e.shape
+                )
+            ));
+        }
+        read_f32(v.data(), &mut params[e.range()]);
+    }
+    Ok(())
+}
+
+/// The AdamW moments of `dir`, if it has them.
+pub fn load_optimizer(dir: &Path, n: usize) -> Result<Option<AdamState>> {
+    let path = dir.join("optimizer.safetensors");
+    if !path.exists() {
+        return Ok(None);
+    }
+    let bytes = load_tensors(&path)?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| {
+        bad(
+            dir,
+            format!("optimizer.safetensors is not valid safetensors ({e})"),
+        )
+    })?;
+    let take = |name: &str| -> Result<Vec<f32>> {
+        let v = st
+            .tensor(name)
+            .map_err(|_| bad(dir, format!("optimizer.safetensors lacks `{name}`")))?;
+        if v.dtype() != Dtype::F32 || v.shape() != [n] {
+            bail!(bad(
+                dir,
+                format!(
+                    "optimizer `{name}` has shape {:?}, expected [{n}]",
+                    v.shape()
+                )
+            ));
+        }
+        let mut out = vec![0.0; n];
+        read_f32(v.data(), &mut out);
+        Ok(out)
+    };
+    Ok(Some(AdamState {
+        m: take("exp_avg")?,
+        v: take("exp_avg_sq")?,
+    }))
+}

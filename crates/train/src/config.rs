@@ -1,0 +1,249 @@
+//! `ferrotron train` settings: command-line flags, mirrored one to one by a TOML file
+//! (`--config run.toml`, keys are the flag names with `_` for `-`); flags win over the file.
+
+use clap::Args;
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+/// Flags as given (all optional so that a TOML file can fill them).
+#[derive(Args, Deserialize, Default, Debug, Clone)]
+#[serde(deny_unknown_fields)]
+pub struct TrainArgs {
+    /// TOML file with any of these settings.
+    #[arg(long)]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    /// Model: a preset name or an HF config.json (Llama family) [default: ferrotron-12m].
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Directory of token shards made by `ferrotron data` [default: the bundled corpus,
+    /// tokenized into OUT_DIR/data on first use].
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// HF tokenizer.json [default: the bundled BPE tokenizer].
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    #[arg(long, allow_negative_numbers = true)]
+    pub seq: Option<u64>,
+    #[arg(long, allow_negative_numbers = true)]
+    pub mbs: Option<u64>,
+    #[arg(long, allow_negative_numbers = true)]
+    pub grad_acc: Option<u64>,
+    /// Optimizer steps to train (with --resume: the total to reach).
+    #[arg(long, allow_negative_numbers = true)]
+    pub steps: Option<u64>,
+    #[arg(long, allow_negative_numbers = true)]
+    pub lr: Option<f64>,
+    #[arg(long, allow_negative_numbers = true)]
+    pub min_lr_ratio: Option<f64>,
+    #[arg(long, allow_negative_numbers = true)]
+    pub warmup: Option<u64>,
+    /// Length of the cosine schedule [default: --steps]; set it to stop early and resume later
+    /// on the same schedule.
+    #[arg(long, allow_negative_numbers = true)]
+    pub decay_steps: Option<u64>,
+    #[arg(long, allow_negative_numbers = true)]
+    pub weight_decay: Option<f64>,
+    #[arg(long, allow_negative_numbers = true)]
+    pub beta1: Option<f64>,
+    #[arg(long, allow_negative_numbers = true)]
+    pub beta2: Option<f64>,
+    #[arg(long, allow_negative_numbers = true)]
+    pub eps: Option<f64>,
+    /// Global gradient-norm clip (0 disables).
+    #[arg(long, allow_negative_numbers = true)]
+    pub clip: Option<f64>,
+    #[arg(long, allow_negative_numbers = true)]
+    pub seed: Option<u64>,
+    /// Worker threads [default: all cores].
+    #[arg(long, allow_negative_numbers = true)]
+    pub threads: Option<u64>,
+    /// Evaluate the validation loss every N steps (0: never).
+    #[arg(long, allow_negative_numbers = true)]
+    pub eval_interval: Option<u64>,
+    #[arg(long, allow_negative_numbers = true)]
+    pub eval_batches: Option<u64>,
+    /// Output directory (metrics, checkpoints by default) [default: runs/default].
+    #[arg(long)]
+    pub out_dir: Option<PathBuf>,
+    #[arg(long)]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Write a checkpoint every N steps (0: only at the end when a checkpoint dir is set).
+    #[arg(long, allow_negative_numbers = true)]
+    pub checkpoint_interval: Option<u64>,
+    /// Continue from a checkpoint directory up to --steps.
+    #[arg(long)]
+    #[serde(skip)]
+    pub resume: Option<PathBuf>,
+    /// JSON lines, one per step [default: OUT_DIR/metrics.jsonl].
+    #[arg(long)]
+    pub metrics: Option<PathBuf>,
+    /// Rows of logits materialised at once by the chunked cross-entropy.
+    #[arg(long, allow_negative_numbers = true)]
+    pub ce_chunk: Option<u64>,
+    /// Peak matmul GFLOP/s of this machine for MFU [default: measured once, cached].
+    #[arg(long, allow_negative_numbers = true)]
+    pub peak_gflops: Option<f64>,
+    /// Tokens to sample at the end of training (0: none).
+    #[arg(long, allow_negative_numbers = true)]
+    pub sample_tokens: Option<u64>,
+    /// Hide the progress line.
+    #[arg(long)]
+    #[serde(skip)]
+    pub quiet: bool,
+}
+
+/// The effective configuration, printed at start and saved next to checkpoints.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainConfig {
+    pub model: String,
+    pub data: Option<PathBuf>,
+    pub tokenizer: Option<PathBuf>,
+    pub seq: u64,
+    pub mbs: u64,
+    pub grad_acc: u64,
+    pub steps: u64,
+    pub lr: f64,
+    pub min_lr_ratio: f64,
+    pub warmup: u64,
+    pub decay_steps: u64,
+    pub weight_decay: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub clip: f64,
+    pub seed: u64,
+    pub threads: u64,
+    pub eval_interval: u64,
+    pub eval_batches: u64,
+    pub out_dir: PathBuf,
+    pub checkpoint_dir: Option<PathBuf>,
+    pub checkpoint_interval: u64,
+    pub metrics: PathBuf,
+    pub ce_chunk: u64,
+    pub sample_tokens: u64,
+}
+
+/// A bad setting: names the field, the value and the fix.
+#[derive(Debug, thiserror::Error)]
+#[error("{field} = {value}: {problem}")]
+pub struct ConfigError {
+    pub field: &'static str,
+    pub value: String,
+    pub problem: String,
+}
+
+fn bad(field: &'static str, value: impl ToString, problem: &str) -> ConfigError {
+    ConfigError {
+        field,
+        value: value.to_string(),
+        problem: problem.to_string(),
+    }
+}
+
+macro_rules! merge {
+    ($cli:ident, $file:ident; $($f:ident),*) => { $( if $cli.$f.is_none() { $cli.$f = $file.$f.take(); } )* };
+}
+
+impl TrainArgs {
+    /// Fills unset flags from the TOML file named by `--config`, if any.
+    pub fn merged(mut self) -> Result<Self, String> {
+        let Some(path) = self.config.clone() else {
+            return Ok(self);
+        };
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| format!("cannot read --config {}: {e}", path.display()))?;
+        let mut file: TrainArgs = toml::from_str(&text)
+            .map_err(|e| format!("{}: {}", path.display(), e.message().trim()))?;
+        merge!(self, file; model, data, tokenizer, seq, mbs, grad_acc, steps, lr, min_lr_ratio,
+            warmup, decay_steps, weight_decay, beta1, beta2, eps, clip, seed, threads, eval_interval,
+            eval_batches, out_dir, checkpoint_dir, checkpoint_interval, metrics, ce_chunk,
+            peak_gflops, sample_tokens);
+        Ok(self)
+    }
+
+    /// The effective configuration with defaults, validated.
+    pub fn resolve(&self) -> Result<TrainConfig, ConfigError> {
+        let out_dir = self
+            .out_dir
+            .clone()
+            .unwrap_or_else(|| PathBuf::from("runs/default"));
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get() as u64);
+        let c = TrainConfig {
+            model: self.model.clone().unwrap_or_else(|| "ferrotron-12m".into()),
+            data: self.data.clone(),
+            tokenizer: self.tokenizer.clone(),
+            seq: self.seq.unwrap_or(256),
+            mbs: self.mbs.unwrap_or(8),
+            grad_acc: self.grad_acc.unwrap_or(1),
+            steps: self.steps.unwrap_or(150),
+            lr: self.lr.unwrap_or(3e-3),
+            min_lr_ratio: self.min_lr_ratio.unwrap_or(0.1),
+            warmup: self.warmup.unwrap_or(15),
+            decay_steps: self.decay_steps.or(self.steps).unwrap_or(150),
+            weight_decay: self.weight_decay.unwrap_or(0.1),
+            beta1: self.beta1.unwrap_or(0.9),
+            beta2: self.beta2.unwrap_or(0.95),
+            eps: self.eps.unwrap_or(1e-8),
+            clip: self.clip.unwrap_or(1.0),
+            seed: self.seed.unwrap_or(1337),
+            threads: self.threads.unwrap_or(cores),
+            eval_interval: self.eval_interval.unwrap_or(25),
+            eval_batches: self.eval_batches.unwrap_or(4),
+            metrics: self
+                .metrics
+                .clone()
+                .unwrap_or_else(|| out_dir.join("metrics.jsonl")),
+            checkpoint_dir: self.checkpoint_dir.clone(),
+            checkpoint_interval: self.checkpoint_interval.unwrap_or(0),
+            out_dir,
+            ce_chunk: self.ce_chunk.unwrap_or(1024),
+            sample_tokens: self.sample_tokens.unwrap_or(0),
+        };
+        for (field, v) in [
+            ("seq", c.seq),
+            ("mbs", c.mbs),
+            ("grad_acc", c.grad_acc),
+            ("steps", c.steps),
+            ("threads", c.threads),
+            ("ce_chunk", c.ce_chunk),
+        ] {
+            if v == 0 {
+                return Err(bad(field, v, "must be a positive integer"));
+            }
+        }
+        if c.eval_interval > 0 && c.eval_batches == 0 {
+            return Err(bad(
+                "eval_batches",
+                0,
+                "must be positive when eval_interval > 0",
+            ));
+        }
+        let positive = [("lr", c.lr), ("eps", c.eps)];
+        for (field, v) in positive {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(bad(field, v, "must be a positive number"));
+            }
+        }
+        for (field, v) in [
+            ("beta1", c.beta1),
+            ("beta2", c.beta2),
+            ("min_lr_ratio", c.min_lr_ratio),
+        ] {
+            if !(0.0..=1.0).contains(&v) {
+                return Err(bad(field, v, "must be in [0, 1]"));
+            }
+        }
+        for (field, v) in [("weight_decay", c.weight_decay), ("clip", c.clip)] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(bad(field, v, "must be a non-negative number (0 disables)"));
+            }
+        }
+        if let Some(p) = self.peak_gflops {
+            if !(p.is_finite() && p > 0.0) {
+                return Err(bad("peak_gflops", p, "must be a positive number"));
+            }
+        }
+        Ok(c)
+    }
+}

@@ -1,0 +1,93 @@
+//! Per-step metrics as JSON lines, and the machine's matmul peak for MFU.
+
+use serde::{Deserialize, Serialize};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepMetrics {
+    pub step: u64,
+    pub loss: f64,
+    pub lr: f64,
+    pub grad_norm: f64,
+    pub tokens_per_s: f64,
+    pub mfu: f64,
+    pub hfu: f64,
+    pub step_ms: f64,
+    /// Live heap bytes of the training state at its highest during this step, over the
+    /// process baseline taken before the model was built.
+    pub mem_peak_measured: u64,
+    pub mem_peak_planned: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f64>,
+}
+
+pub struct MetricsWriter {
+    file: std::io::BufWriter<std::fs::File>,
+}
+
+impl MetricsWriter {
+    /// Appends when `append` (a resumed run continues its file), else truncates.
+    pub fn open(path: &Path, append: bool) -> anyhow::Result<Self> {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)?;
+        }
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .append(append)
+            .truncate(!append)
+            .open(path)
+            .map_err(|e| anyhow::anyhow!("metrics = {}: cannot open: {e}", path.display()))?;
+        Ok(MetricsWriter {
+            file: std::io::BufWriter::new(file),
+        })
+    }
+
+    pub fn write(&mut self, m: &StepMetrics) -> anyhow::Result<()> {
+        serde_json::to_writer(&mut self.file, m)?;
+        self.file.write_all(b"\n")?;
+        self.file.flush()?;
+        Ok(())
+    }
+}
+
+fn cache_path(threads: usize) -> Option<PathBuf> {
+    let home = std::env::var_os("HOME")?;
+    Some(PathBuf::from(home).join(format!(
+        ".cache/ferrotron/matmul_peak_{threads}threads.json"
+    )))
+}
+
+/// The f32 matmul peak (GFLOP/s) of this machine with the current thread pool: measured once
+/// (about a second) and cached in ~/.cache/ferrotron.
+pub fn matmul_peak_gflops() -> f64 {
+    let threads = rayon::current_num_threads();
+    let cached = cache_path(threads)
+        .and_then(|p| std::fs::read_to_string(p).ok())
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .and_then(|v| v["gflops"].as_f64())
+        .filter(|g| *g > 0.0);
+    if let Some(g) = cached {
+        return g;
+    }
+    let g = ferrotron_engine::measure_matmul_peak_gflops();
+    if let Some(p) = cache_path(threads) {
+        if let Some(d) = p.parent() {
+            let _ = std::fs::create_dir_all(d);
+        }
+        let _ = std::fs::write(
+            p,
+            serde_json::json!({"gflops": g, "threads": threads}).to_string(),
+        );
+    }
+    g
+}
+
+/// Peak resident set size of this process in bytes (VmHWM), where /proc exists.
+pub fn peak_rss() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}

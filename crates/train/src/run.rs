@@ -1,0 +1,299 @@
+//! `ferrotron train`: the whole run, from flags to a trained (and optionally sampled) model.
+
+use crate::checkpoint;
+use crate::config::{TrainArgs, TrainConfig};
+use crate::data::{Loader, LoaderConfig, Tokenizer, ValLoader};
+use crate::metrics::{matmul_peak_gflops, peak_rss, MetricsWriter, StepMetrics};
+use crate::sample::{generate, SampleOptions};
+use crate::setup;
+use crate::trainer::Trainer;
+use anyhow::{bail, Context, Result};
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::time::Instant;
+
+const MIB: f64 = (1u64 << 20) as f64;
+
+/// What a finished run reports (also used by tests).
+#[derive(Debug, Clone)]
+pub struct RunSummary {
+    pub steps: Vec<StepMetrics>,
+    pub planned_peak: u64,
+    pub measured_peak: u64,
+    pub sample: Option<String>,
+}
+
+/// Settings a resumed run may change; everything else comes from the checkpoint.
+fn resume_config(args: &TrainArgs, saved: &TrainConfig) -> Result<TrainConfig> {
+    let mut c = saved.clone();
+    if let Some(m) = &args.model {
+        if m != &saved.model {
+            // Names may differ while the architecture is the same; compare what matters.
+            let a = ferrotron_plan::presets::resolve(m).map_err(|e| anyhow::anyhow!("{e}"))?;
+            let b = ferrotron_plan::presets::resolve(&saved.model)
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+            if setup::llama_config(&a)? != setup::llama_config(&b)? {
+                bail!(
+                    "model = {m}: the checkpoint was trained as `{}`, a different architecture",
+                    saved.model
+                );
+            }
+        }
+    }
+    for (flag, given, saved_v) in [
+        ("seq", args.seq, saved.seq),
+        ("mbs", args.mbs, saved.mbs),
+        ("grad_acc", args.grad_acc, saved.grad_acc),
+        ("seed", args.seed, saved.seed),
+    ] {
+        if let Some(g) = given {
+            if g != saved_v {
+                bail!("{flag} = {g}: the checkpoint was trained with {flag} = {saved_v}; a resumed run keeps it");
+            }
+        }
+    }
+    if let Some(s) = args.steps {
+        c.steps = s;
+    }
+    if let Some(v) = args.threads {
+        c.threads = v;
+    }
+    if let Some(v) = args.eval_interval {
+        c.eval_interval = v;
+    }
+    if let Some(v) = &args.out_dir {
+        c.out_dir = v.clone();
+        c.metrics = v.join("metrics.jsonl");
+    }
+    if let Some(v) = &args.metrics {
+        c.metrics = v.clone();
+    }
+    if let Some(v) = &args.checkpoint_dir {
+        c.checkpoint_dir = Some(v.clone());
+    }
+    if let Some(v) = args.checkpoint_interval {
+        c.checkpoint_interval = v;
+    }
+    if let Some(v) = args.sample_tokens {
+        c.sample_tokens = v;
+    }
+    Ok(c)
+}
+
+fn print_config(c: &TrainConfig) {
+    eprintln!("effective config:");
+    if let Ok(serde_json::Value::Object(map)) = serde_json::to_value(c) {
+        for (k, v) in map {
+            eprintln!("  {k:<20} {v}");
+        }
+    }
+}
+
+fn fmt_eta(secs: f64) -> String {
+    let s = secs.max(0.0) as u64;
+    format!("{}m{:02}s", s / 60, s % 60)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+pub fn run(args: TrainArgs) -> Result<RunSummary> {
+    let resume = args.resume.clone();
+    let quiet = args.quiet;
+    let args = args.merged().map_err(anyhow::Error::msg)?;
+    let loaded = resume.as_deref().map(checkpoint::open).transpose()?;
+    let cfg = match &loaded {
+        Some(l) => resume_config(&args, &l.state.config)?,
+        None => args.resolve()?,
+    };
+    if let Some(l) = &loaded {
+        if l.state.step >= cfg.steps {
+            bail!(
+                "steps = {}: the checkpoint is already at step {}; pass a larger --steps to continue",
+                cfg.steps,
+                l.state.step
+            );
+        }
+    }
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(cfg.threads as usize)
+        .build_global()
+        .ok();
+    print_config(&cfg);
+
+    let tok = match &loaded {
+        Some(l) => Tokenizer::from_file(l.dir.join("tokenizer.json"))?,
+        None => Tokenizer::load(cfg.tokenizer.as_deref())?,
+    };
+    let (spec, llama) = setup::model(&cfg, &tok)?;
+    if let Some(l) = &loaded {
+        if setup::llama_config(&l.spec)? != llama {
+            bail!(
+                "checkpoint {}: its config.json does not match model {}",
+                l.dir.display(),
+                cfg.model
+            );
+        }
+    }
+    let (train, val) = setup::datasets(&cfg, &tok, spec.vocab as u32)?;
+    let lcfg = LoaderConfig::new(cfg.mbs as usize, cfg.seq as usize, cfg.seed);
+    let loader = match &loaded {
+        Some(l) => Loader::from_state(train, &l.state.loader)?,
+        None => Loader::new(train, lcfg.clone())?,
+    };
+    let val = match (val, cfg.eval_interval) {
+        (Some(v), i) if i > 0 => Some(ValLoader::new(v, lcfg, Some(cfg.eval_batches as usize))?),
+        _ => None,
+    };
+    let mut metrics = MetricsWriter::open(&cfg.metrics, loaded.is_some())?;
+    let peak_gflops = args.peak_gflops.unwrap_or_else(matmul_peak_gflops);
+    let tokenizer_json = tok
+        .inner()
+        .to_string(false)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut t = Trainer::new(cfg.clone(), spec, llama, loader, val, peak_gflops)?;
+    if let Some(l) = &loaded {
+        checkpoint::load_weights(&l.dir, &t.model.params, &mut t.params)?;
+        t.opt = checkpoint::load_optimizer(&l.dir, t.params.len())?;
+        t.step = l.state.step;
+        eprintln!("resumed from {} at step {}", l.dir.display(), t.step);
+    }
+    let w = t.plan.sweep.at_peak;
+    eprintln!(
+        "model {}: {} parameters; memory plan peak {:.1} MiB (params {:.1}, grads {:.1}, adam {:.1}, activations {:.1}, workspace {:.1}, gemm workspace {:.1}); matmul peak {:.1} GFLOP/s",
+        cfg.model,
+        t.params.len(),
+        t.planned_peak() as f64 / MIB,
+        w.params as f64 / MIB,
+        w.grads as f64 / MIB,
+        w.optimizer as f64 / MIB,
+        w.activations() as f64 / MIB,
+        w.workspace as f64 / MIB,
+        t.kernel_workspace() as f64 / MIB,
+        peak_gflops
+    );
+
+    let tty = std::io::stderr().is_terminal() && !quiet;
+    let started = Instant::now();
+    let first_step = t.step;
+    let mut steps = Vec::new();
+    while t.step < cfg.steps {
+        let mut out = t.train_step()?;
+        if !out.metrics.loss.is_finite() {
+            bail!(
+                "loss became {} at step {}: lower --lr or raise --warmup",
+                out.metrics.loss,
+                t.step
+            );
+        }
+        let last = t.step == cfg.steps;
+        if cfg.eval_interval > 0 && (t.step % cfg.eval_interval == 0 || last) {
+            out.metrics.val_loss = t.evaluate()?;
+        }
+        metrics.write(&out.metrics)?;
+        let m = &out.metrics;
+        let done = (t.step - first_step) as f64;
+        let eta = started.elapsed().as_secs_f64() / done * (cfg.steps - t.step) as f64;
+        let val = m
+            .val_loss
+            .map_or(String::new(), |v| format!(" | val {v:.4}"));
+        let line = format!(
+            "step {:>5}/{} | loss {:.4}{val} | lr {:.2e} | {:.0} tok/s | MFU {:.1}% | mem {:.1}/{:.1} MiB | ETA {}",
+            t.step,
+            cfg.steps,
+            m.loss,
+            m.lr,
+            m.tokens_per_s,
+            m.mfu * 100.0,
+            m.mem_peak_measured as f64 / MIB,
+            m.mem_peak_planned as f64 / MIB,
+            fmt_eta(eta)
+        );
+        if tty {
+            eprint!("\r{line}\x1b[K");
+            if m.val_loss.is_some() {
+                eprintln!();
+            }
+        } else if !quiet
+            && (m.val_loss.is_some() || t.step % 10 == 0 || t.step == first_step + 1 || last)
+        {
+            eprintln!("{line}");
+        }
+        if let Some(dir) = &cfg.checkpoint_dir {
+            if (cfg.checkpoint_interval > 0 && t.step % cfg.checkpoint_interval == 0) || last {
+                checkpoint::save(dir, &t, &tokenizer_json, tok.name())
+                    .with_context(|| format!("writing checkpoint {}", dir.display()))?;
+            }
+        }
+        steps.push(out.metrics);
+    }
+    if tty {
+        eprintln!();
+    }
+    let measured = steps.iter().map(|m| m.mem_peak_measured).max().unwrap_or(0);
+    let planned = steps.iter().map(|m| m.mem_peak_planned).max().unwrap_or(0);
+    let timed: Vec<&StepMetrics> = steps.iter().skip(1).collect();
+    eprintln!(
+        "done: {} steps in {:.1}s | median {:.0} tok/s, MFU {:.1}% | peak memory planned {:.2} MiB, measured {:.2} MiB ({:+.2}%) over a baseline of {:.1} MiB | peak RSS {:.1} MiB",
+        steps.len(),
+        started.elapsed().as_secs_f64(),
+        median(timed.iter().map(|m| m.tokens_per_s).collect()),
+        median(timed.iter().map(|m| m.mfu * 100.0).collect()),
+        planned as f64 / MIB,
+        measured as f64 / MIB,
+        (measured as f64 / planned.max(1) as f64 - 1.0) * 100.0,
+        t.baseline as f64 / MIB,
+        peak_rss().unwrap_or(0) as f64 / MIB
+    );
+    let sample = if cfg.sample_tokens > 0 {
+        let o = SampleOptions {
+            tokens: cfg.sample_tokens as usize,
+            temperature: 0.8,
+            top_k: 40,
+            seed: cfg.seed,
+            context: cfg.seq as usize,
+        };
+        let text = generate(&t.model, &t.params, &tok, "ROMEO:", &o)?;
+        eprintln!("sample (temperature 0.8, top-k 40):\nROMEO:{text}");
+        Some(text)
+    } else {
+        None
+    };
+    Ok(RunSummary {
+        steps,
+        planned_peak: planned,
+        measured_peak: measured,
+        sample,
+    })
+}
+
+/// `ferrotron data`: text files to token shards.
+pub fn data(
+    inputs: &[PathBuf],
+    out: &std::path::Path,
+    tokenizer: Option<&std::path::Path>,
+    val_fraction: f64,
+) -> Result<()> {
+    if inputs.is_empty() {
+        bail!("no input files: pass text files or directories of .txt files");
+    }
+    let tok = Tokenizer::load(tokenizer)?;
+    let summary = crate::data::build_shards(inputs, &tok, out, val_fraction)?;
+    print!("{summary}");
+    Ok(())
+}
+
+/// `ferrotron sample`: continue a prompt from a checkpoint.
+pub fn sample_from(dir: &std::path::Path, prompt: &str, o: &SampleOptions) -> Result<String> {
+    let l = checkpoint::open(dir)?;
+    let tok = Tokenizer::from_file(dir.join("tokenizer.json"))?;
+    let model = ferrotron_engine::model::Llama::new(setup::llama_config(&l.spec)?);
+    let mut params = vec![0.0; model.num_params()];
+    checkpoint::load_weights(dir, &model.params, &mut params)?;
+    generate(&model, &params, &tok, prompt, o)
+}

@@ -1,0 +1,196 @@
+//! From a resolved config to the pieces a run needs: the model (checked against its memory
+//! plan), the tokenizer and the data.
+
+use crate::config::TrainConfig;
+use crate::data::{build_shards_with, find_shards, BuildOptions, Split, TokenDataset, Tokenizer};
+use anyhow::{bail, Context, Result};
+use ferrotron_engine::model::{BatchShape, Llama, LlamaConfig};
+use ferrotron_plan::hardware::Overhead;
+use ferrotron_plan::model::Family;
+use ferrotron_plan::presets::resolve;
+use ferrotron_plan::{
+    plan, Convention, Layout, ModelSource, ModelSpec, Optimizer, PlanInput, Precision, RankPlan,
+    Recipe, Recompute,
+};
+use std::path::{Path, PathBuf};
+
+/// The bundled public-domain corpus (see data/corpus/README.md), embedded so the default run
+/// works from any directory.
+pub const BUNDLED_CORPUS: &[u8] = include_bytes!(concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../../data/corpus/shakespeare.txt"
+));
+
+/// The engine's config for a planner `ModelSpec`: one config reader for the whole project.
+pub fn llama_config(spec: &ModelSpec) -> Result<LlamaConfig> {
+    if spec.family != Family::Llama {
+        bail!(
+            "model = {}: ferrotron train supports Llama-family models (llama, mistral, qwen2); this is {}",
+            spec.name,
+            spec.model_type
+        );
+    }
+    if spec.o_bias || spec.mlp_bias {
+        bail!(
+            "model = {}: attention_bias/mlp_bias on o_proj or the MLP are not supported by the engine (q/k/v biases are)",
+            spec.name
+        );
+    }
+    let cfg = LlamaConfig {
+        hidden: spec.hidden as usize,
+        intermediate: spec.intermediate as usize,
+        heads: spec.heads as usize,
+        kv_heads: spec.kv_heads as usize,
+        head_dim: spec.head_dim as usize,
+        layers: spec.layers as usize,
+        vocab: spec.vocab as usize,
+        rope_theta: spec.rope_theta as f32,
+        rms_eps: spec.norm_eps as f32,
+        tie_embeddings: spec.tie_embeddings,
+        qkv_bias: spec.qkv_bias,
+        max_pos: spec.max_positions as usize,
+    };
+    cfg.validate()
+        .map_err(|e| anyhow::anyhow!("model = {}: {e}", spec.name))?;
+    Ok(cfg)
+}
+
+/// The planner input describing this trainer's own run: one rank, fp32, AdamW, no recompute.
+/// The overhead term is the kernel library's measured workspace (`workspace::measure`); a CPU
+/// process has no device context and no caching allocator to budget for.
+pub fn plan_input(spec: &ModelSpec, c: &TrainConfig, kernel_workspace: u64) -> PlanInput {
+    PlanInput {
+        model: ModelSource::Spec(spec.clone()),
+        recipe: Recipe {
+            seq: c.seq,
+            mbs: c.mbs,
+            grad_acc: c.grad_acc,
+            precision: Precision::Fp32,
+            optimizer: Optimizer::Adamw,
+            recompute: Recompute::None,
+            ce_chunk_tokens: c.ce_chunk,
+        },
+        layout: Layout::default(),
+        convention: Convention::Ferrotron,
+        overhead: Overhead {
+            context_bytes: kernel_workspace,
+            ..Overhead::NONE
+        },
+        bucket_bytes: 0,
+    }
+}
+
+/// Builds the memory plan and checks that the engine allocates exactly its buffers: every
+/// activation and scratch buffer of the model, by name and size, and the flat parameter buffer.
+pub fn checked_plan(
+    spec: &ModelSpec,
+    model: &Llama,
+    c: &TrainConfig,
+    kernel_workspace: u64,
+) -> Result<RankPlan> {
+    let input = plan_input(spec, c, kernel_workspace);
+    let result = plan(&input).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let rank = result
+        .ranks
+        .into_iter()
+        .next()
+        .context("the plan has no rank")?;
+    let batch = BatchShape {
+        b: c.mbs as usize,
+        t: c.seq as usize,
+    };
+    let mut expected: Vec<(String, usize)> = model.activation_inventory(batch);
+    expected.push(("params".into(), model.num_params()));
+    for (name, len) in expected {
+        let Some(b) = rank.plan.find(&name) else {
+            bail!("internal: the engine allocates `{name}` but the memory plan has no such buffer");
+        };
+        if b.numel != len as u64 || b.dtype.bytes() != 4 {
+            bail!(
+                "internal: `{name}` is {len} f32 in the engine but {} × {} bytes in the plan",
+                b.numel,
+                b.dtype.bytes()
+            );
+        }
+    }
+    Ok(rank)
+}
+
+/// Train and validation token data: `--data DIR` of shards, or the bundled corpus tokenized into
+/// OUT_DIR/data on first use (reused afterwards when the tokenizer is the same).
+pub fn datasets(
+    c: &TrainConfig,
+    tok: &Tokenizer,
+    model_vocab: u32,
+) -> Result<(TokenDataset, Option<TokenDataset>)> {
+    let dir: PathBuf = match &c.data {
+        Some(d) => d.clone(),
+        None => bundled_shards(&c.out_dir, tok)?,
+    };
+    let train_paths = find_shards(&dir, Split::Train)?;
+    if train_paths.is_empty() {
+        bail!(
+            "data = {}: no train shards found (make them with `ferrotron data`)",
+            dir.display()
+        );
+    }
+    let train = TokenDataset::open_for_model(&train_paths, model_vocab)?;
+    let val_paths = find_shards(&dir, Split::Val)?;
+    let val = if val_paths.is_empty() {
+        None
+    } else {
+        Some(TokenDataset::open_for_model(&val_paths, model_vocab)?)
+    };
+    Ok((train, val))
+}
+
+fn bundled_shards(out_dir: &Path, tok: &Tokenizer) -> Result<PathBuf> {
+    let dir = out_dir.join("data");
+    let stamp = dir.join("tokenizer.name");
+    let ready = std::fs::read_to_string(&stamp).is_ok_and(|s| s == tok.name())
+        && !find_shards(&dir, Split::Train)
+            .unwrap_or_default()
+            .is_empty();
+    if ready {
+        return Ok(dir);
+    }
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let text = dir.join("corpus.txt");
+    std::fs::write(&text, BUNDLED_CORPUS)
+        .with_context(|| format!("cannot write {}", text.display()))?;
+    let summary = build_shards_with(&[&text], tok, &dir, &BuildOptions::default())?;
+    std::fs::remove_file(&text).ok();
+    std::fs::write(&stamp, tok.name())?;
+    eprintln!(
+        "tokenized the bundled corpus: {} train + {} val tokens -> {}",
+        summary.train_tokens,
+        summary.val_tokens,
+        dir.display()
+    );
+    Ok(dir)
+}
+
+/// Resolves `--model` and checks it against the tokenizer and sequence length.
+pub fn model(c: &TrainConfig, tok: &Tokenizer) -> Result<(ModelSpec, LlamaConfig)> {
+    let spec = resolve(&c.model).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let cfg = llama_config(&spec)?;
+    if tok.vocab_size() as u64 > spec.vocab {
+        bail!(
+            "tokenizer {} has {} tokens but model {} has vocab_size {}: use a model with vocab_size >= {} or another tokenizer",
+            tok.name(),
+            tok.vocab_size(),
+            spec.name,
+            spec.vocab,
+            tok.vocab_size()
+        );
+    }
+    if c.seq > spec.max_positions {
+        bail!(
+            "seq = {}: longer than model {}'s max_position_embeddings {}",
+            c.seq,
+            spec.name,
+            spec.max_positions
+        );
+    }
+    Ok((spec, cfg))
+}

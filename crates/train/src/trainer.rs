@@ -1,0 +1,262 @@
+//! The training loop of one rank: micro-batches with gradient accumulation, global-norm
+//! clipping, AdamW with a warm-up + cosine schedule, validation, and the measured memory of
+//! every step against the plan.
+
+use crate::alloc;
+use crate::config::TrainConfig;
+use crate::data::{Loader, ValLoader};
+use crate::lr::LrSchedule;
+use crate::metrics::StepMetrics;
+use crate::pool::PlanPool;
+use crate::setup::checked_plan;
+use crate::workspace;
+use anyhow::Result;
+use ferrotron_engine::kernels::{AdamWParams, CpuKernels, Kernels};
+use ferrotron_engine::model::{BatchShape, Llama, LlamaConfig, LossSum};
+use ferrotron_plan::flops::model_flops_per_token;
+use ferrotron_plan::memory::Phase;
+use ferrotron_plan::{ModelSpec, RankPlan};
+use std::ops::Range;
+use std::time::Instant;
+
+/// AdamW's two moments, allocated by the first optimizer step (as torch.optim does).
+pub struct AdamState {
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
+pub struct Trainer {
+    pub cfg: TrainConfig,
+    pub spec: ModelSpec,
+    pub model: Llama,
+    kernels: CpuKernels,
+    pub params: Vec<f32>,
+    pub grads: Option<Vec<f32>>,
+    pub opt: Option<AdamState>,
+    /// Optimizer steps completed.
+    pub step: u64,
+    pub loader: Loader,
+    pub val: Option<ValLoader>,
+    tokens: Vec<u32>,
+    targets: Vec<u32>,
+    pool: PlanPool,
+    pub schedule: LrSchedule,
+    /// Parameter ranges and whether weight decay applies (matrices yes; norms, biases no).
+    decay: Vec<(Range<usize>, bool)>,
+    pub plan: RankPlan,
+    /// Planned peak of a step without and with optimizer states present (steps 1 and 2).
+    planned_peak: [u64; 2],
+    pub flops_per_token: f64,
+    /// FLOP/s the machine reaches on matmuls (the MFU denominator).
+    pub peak_flops: f64,
+    /// Live heap bytes before the model existed: the tokenizer, data index and runtime, which
+    /// the plan does not model. Measured peaks are reported above it.
+    pub baseline: u64,
+}
+
+/// What one optimizer step did.
+pub struct StepOutput {
+    pub metrics: StepMetrics,
+    pub tokens: u64,
+}
+
+/// Planned peak of steps 1 and 2, each with the plan's overhead (the kernel workspace).
+fn step_peaks(plan: &RankPlan) -> [u64; 2] {
+    let mut out = [plan.overhead; 2];
+    for m in &plan.sweep.marks {
+        if m.phase != Phase::Init {
+            let i = (m.step as usize - 1).min(1);
+            out[i] = out[i].max(m.max_since_previous + plan.overhead);
+        }
+    }
+    out
+}
+
+impl Trainer {
+    /// Builds the model and its parameters. Call after the data and tokenizer exist, so that
+    /// they fall into the baseline and everything allocated here on is in the plan.
+    pub fn new(
+        cfg: TrainConfig,
+        spec: ModelSpec,
+        llama: LlamaConfig,
+        loader: Loader,
+        val: Option<ValLoader>,
+        peak_gflops: f64,
+    ) -> Result<Self> {
+        // Per-thread kernel state (gemm's packing slabs) is a fixed cost of the process, like
+        // the thread pool: create it now so it falls into the baseline.
+        CpuKernels.warm_up();
+        let n = (cfg.mbs * cfg.seq) as usize;
+        let kernel_workspace = workspace::measure(&CpuKernels, &llama, n, cfg.ce_chunk as usize);
+        let baseline = alloc::live();
+        let model = Llama::new(llama).with_ce_chunk_tokens(cfg.ce_chunk as usize);
+        let plan = checked_plan(&spec, &model, &cfg, kernel_workspace)?;
+        // Initialisation of HF Llama: N(0, 0.02²) matrices, unit norms, zero biases.
+        let params = model.params.init(cfg.seed, 0.02);
+        let decay = model
+            .params
+            .entries
+            .iter()
+            .map(|e| (e.range(), e.is_matrix()))
+            .collect();
+        let schedule = LrSchedule {
+            max_lr: cfg.lr,
+            min_lr_ratio: cfg.min_lr_ratio,
+            warmup_steps: cfg.warmup,
+            total_steps: cfg.decay_steps,
+        };
+        let flops_per_token = model_flops_per_token(&spec, cfg.seq);
+        Ok(Trainer {
+            planned_peak: step_peaks(&plan),
+            plan,
+            tokens: vec![0; n],
+            targets: vec![0; n],
+            kernels: CpuKernels,
+            grads: None,
+            opt: None,
+            step: 0,
+            pool: PlanPool::default(),
+            decay,
+            schedule,
+            flops_per_token,
+            peak_flops: peak_gflops * 1e9,
+            baseline,
+            params,
+            model,
+            spec,
+            loader,
+            val,
+            cfg,
+        })
+    }
+
+    fn batch(&self) -> BatchShape {
+        BatchShape {
+            b: self.cfg.mbs as usize,
+            t: self.cfg.seq as usize,
+        }
+    }
+
+    /// One optimizer step over `grad_acc` micro-batches.
+    pub fn train_step(&mut self) -> Result<StepOutput> {
+        alloc::reset_peak();
+        let planned = self.planned_peak[self.opt.is_some() as usize];
+        let t0 = Instant::now();
+        let batch = self.batch();
+        let k = &self.kernels;
+        // Gradients appear before the first forward: the fused LM head accumulates into them.
+        let grads = self
+            .grads
+            .get_or_insert_with(|| vec![0.0; self.params.len()]);
+        grads.fill(0.0);
+        // The loader never pads, so every position has a target: the loss of each micro-batch
+        // is normalised by the target count of the whole step, and summing micro-batch
+        // gradients gives the gradient of the global mean loss.
+        let num_targets = (self.cfg.grad_acc * self.cfg.mbs * self.cfg.seq) as usize;
+        let mut loss = LossSum::default();
+        for _ in 0..self.cfg.grad_acc {
+            self.loader.next_into(&mut self.tokens, &mut self.targets)?;
+            let (acts, l) = self.model.forward_train(
+                k,
+                &mut self.pool,
+                &self.params,
+                grads,
+                batch,
+                &self.tokens,
+                &self.targets,
+                num_targets,
+            );
+            self.model
+                .backward(k, &mut self.pool, &self.params, grads, acts, &self.tokens);
+            loss.sum += l.sum;
+            loss.count += l.count;
+        }
+        // Global-norm clipping as torch.nn.utils.clip_grad_norm_: scale by
+        // max_norm / (norm + 1e-6) when that is below 1.
+        let grad_norm = k.sum_squares(grads).sqrt();
+        if self.cfg.clip > 0.0 {
+            let coef = self.cfg.clip / (grad_norm + 1e-6);
+            if coef < 1.0 {
+                k.scale(grads, coef as f32);
+            }
+        }
+        let lr = self.schedule.at(self.step);
+        let n = self.params.len();
+        let opt = self.opt.get_or_insert_with(|| AdamState {
+            m: vec![0.0; n],
+            v: vec![0.0; n],
+        });
+        for (r, decay) in &self.decay {
+            let h = AdamWParams {
+                lr,
+                beta1: self.cfg.beta1,
+                beta2: self.cfg.beta2,
+                eps: self.cfg.eps,
+                weight_decay: if *decay { self.cfg.weight_decay } else { 0.0 },
+                step: self.step + 1,
+            };
+            k.adamw_step(
+                h,
+                &mut self.params[r.clone()],
+                &grads[r.clone()],
+                &mut opt.m[r.clone()],
+                &mut opt.v[r.clone()],
+            );
+        }
+        self.step += 1;
+        let secs = t0.elapsed().as_secs_f64();
+        let tokens = num_targets as u64;
+        let tps = tokens as f64 / secs;
+        let mfu = tps * self.flops_per_token / self.peak_flops;
+        Ok(StepOutput {
+            tokens,
+            metrics: StepMetrics {
+                step: self.step,
+                loss: loss.mean(),
+                lr,
+                grad_norm,
+                tokens_per_s: tps,
+                mfu,
+                // No recomputation yet, so hardware FLOPs equal model FLOPs.
+                hfu: mfu,
+                step_ms: secs * 1e3,
+                mem_peak_measured: alloc::peak().saturating_sub(self.baseline),
+                mem_peak_planned: planned,
+                val_loss: None,
+            },
+        })
+    }
+
+    /// Mean validation loss over the fixed validation batches.
+    pub fn evaluate(&mut self) -> Result<Option<f64>> {
+        let Some(val) = &self.val else {
+            return Ok(None);
+        };
+        let batch = self.batch();
+        let mut loss = LossSum::default();
+        for i in 0..val.num_batches() {
+            val.batch_into(i, &mut self.tokens, &mut self.targets)?;
+            let l = self.model.forward_eval(
+                &self.kernels,
+                &mut self.pool,
+                &self.params,
+                batch,
+                &self.tokens,
+                &self.targets,
+            );
+            loss.sum += l.sum;
+            loss.count += l.count;
+        }
+        Ok(Some(loss.mean()))
+    }
+
+    /// Kernel workspace included in the plan (see `workspace`).
+    pub fn kernel_workspace(&self) -> u64 {
+        self.plan.overhead
+    }
+
+    /// Planned peak bytes of a step with optimizer states present (the steady-state step).
+    pub fn planned_peak(&self) -> u64 {
+        self.planned_peak[1]
+    }
+}

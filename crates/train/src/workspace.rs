@@ -1,0 +1,55 @@
+//! The kernel library's own workspace. The gemm crate allocates packing buffers inside every
+//! product (one per thread of a parallel product), much as cuBLAS needs a workspace on a GPU.
+//! It is real memory at the step's peak, so the plan includes it: measured once at startup by
+//! running this model's matmul shapes under the tracking allocator.
+
+use crate::alloc;
+use ferrotron_engine::kernels::{Accum, Kernels, MatmulShape};
+use ferrotron_engine::model::LlamaConfig;
+
+/// The (rows, in, out) of every linear layer of a training step with `n` tokens per
+/// micro-batch and LM-head chunks of `chunk` rows.
+fn shapes(c: &LlamaConfig, n: usize, chunk: usize) -> Vec<MatmulShape> {
+    let (h, f) = (c.hidden, c.intermediate);
+    [
+        (n, h, c.q_dim()),
+        (n, h, c.kv_dim()),
+        (n, c.q_dim(), h),
+        (n, h, f),
+        (n, f, h),
+        (chunk.min(n), h, c.vocab),
+    ]
+    .into_iter()
+    .map(|(n, in_features, out_features)| MatmulShape {
+        n,
+        in_features,
+        out_features,
+    })
+    .collect()
+}
+
+/// Largest transient allocation any forward or backward product of the model makes, in bytes;
+/// 0 when the tracking allocator is not installed (nothing can be measured).
+pub fn measure(k: &dyn Kernels, c: &LlamaConfig, n: usize, chunk: usize) -> u64 {
+    if !alloc::installed() {
+        return 0;
+    }
+    let mut worst = 0;
+    for s in shapes(c, n, chunk) {
+        let x = vec![0.01f32; s.n * s.in_features];
+        let w = vec![0.01f32; s.out_features * s.in_features];
+        let mut y = vec![0.0f32; s.n * s.out_features];
+        let mut dx = vec![0.0f32; s.n * s.in_features];
+        let mut dw = vec![0.0f32; s.out_features * s.in_features];
+        let mut during = |f: &mut dyn FnMut()| {
+            let live = alloc::live();
+            alloc::reset_peak();
+            f();
+            worst = worst.max(alloc::peak().saturating_sub(live));
+        };
+        during(&mut || k.matmul_forward(s, &x, &w, None, &mut y, Accum::Overwrite));
+        during(&mut || k.matmul_backward_input(s, &y, &w, &mut dx, Accum::Overwrite));
+        during(&mut || k.matmul_backward_weight(s, &y, &x, &mut dw, None));
+    }
+    worst
+}

@@ -1,0 +1,58 @@
+// Shared by the trainer's integration tests: the bundled corpus tokenized once per test binary,
+// and a tiny Llama config that trains in a fraction of a second per step.
+#![allow(dead_code)]
+
+use ferrotron_train::config::TrainArgs;
+use ferrotron_train::data::{build_shards, Tokenizer};
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+pub fn tmp(name: &str) -> PathBuf {
+    let p = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&p);
+    std::fs::create_dir_all(&p).unwrap();
+    p
+}
+
+/// Token shards of the bundled corpus (built once per test binary).
+pub fn shards() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = tmp("shards");
+        let corpus =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/corpus/shakespeare.txt");
+        build_shards(&[corpus], &Tokenizer::bundled().unwrap(), &dir, 0.05).unwrap();
+        dir
+    })
+}
+
+/// A 2-layer GQA Llama with the bundled tokenizer's vocabulary.
+pub fn tiny_model(dir: &Path, vocab: u64, max_pos: u64) -> PathBuf {
+    let cfg = serde_json::json!({
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 160,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+        "vocab_size": vocab, "max_position_embeddings": max_pos, "tie_word_embeddings": true,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0
+    });
+    let p = dir.join("config.json");
+    std::fs::write(&p, cfg.to_string()).unwrap();
+    p
+}
+
+/// Flags of a short, quiet run of the tiny model.
+pub fn tiny_args(out: &Path, steps: u64) -> TrainArgs {
+    let model = tiny_model(out, 8192, 128);
+    TrainArgs {
+        model: Some(model.to_string_lossy().into()),
+        data: Some(shards().to_path_buf()),
+        seq: Some(32),
+        mbs: Some(4),
+        steps: Some(steps),
+        warmup: Some(2),
+        eval_interval: Some(0),
+        out_dir: Some(out.to_path_buf()),
+        peak_gflops: Some(100.0),
+        quiet: true,
+        ..TrainArgs::default()
+    }
+}

@@ -1,0 +1,55 @@
+//! Planned vs measured peak memory of real training steps (the only test in this binary, so no
+//! other test's allocations are counted).
+//!
+//! Measured = the process's peak live heap bytes during a step minus the baseline taken before
+//! the model existed (tokenizer, data index, thread pool: fixed costs of the process that the
+//! plan does not model). What remains outside the plan is the gemm crate's kernel workspace
+//! (per-thread L2 slabs and per-call packing buffers, bounded by `MAX_PACKED_RHS`).
+
+mod common;
+use ferrotron_train::alloc::{installed, Tracking};
+use ferrotron_train::config::TrainArgs;
+use ferrotron_train::run::run;
+
+#[global_allocator]
+static A: Tracking = Tracking;
+
+#[test]
+fn default_model_planned_vs_measured_within_one_percent() {
+    assert!(
+        installed(),
+        "the tracking allocator must be the global allocator here"
+    );
+    let out = common::tmp("memory");
+    let args = TrainArgs {
+        data: Some(common::shards().to_path_buf()),
+        steps: Some(2),
+        eval_interval: Some(0),
+        out_dir: Some(out.clone()),
+        peak_gflops: Some(100.0),
+        quiet: true,
+        ..TrainArgs::default()
+    };
+    let s = run(args).unwrap();
+    for m in &s.steps {
+        let ratio = m.mem_peak_measured as f64 / m.mem_peak_planned as f64;
+        assert!(
+            (ratio - 1.0).abs() < 0.01,
+            "step {}: measured {} planned {} ({ratio})",
+            m.step,
+            m.mem_peak_measured,
+            m.mem_peak_planned
+        );
+    }
+    // Step 2 holds the Adam states that step 1 created, in the plan and in the process.
+    let (a, b) = (&s.steps[0], &s.steps[1]);
+    assert!(b.mem_peak_planned > a.mem_peak_planned);
+    // The default model (ferrotron-12m) has 12,587,904 parameters: two fp32 moments each.
+    let adam = 2 * 4 * 12_587_904u64;
+    assert_eq!(b.mem_peak_planned - a.mem_peak_planned, adam);
+    let grew = b.mem_peak_measured as f64 - a.mem_peak_measured as f64;
+    assert!(
+        (grew / adam as f64 - 1.0).abs() < 0.01,
+        "measured growth {grew} vs Adam {adam}"
+    );
+}
