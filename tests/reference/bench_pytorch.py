@@ -42,7 +42,7 @@ import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 CONFIGS = {
-    # (a) ~12M-matmul-param Llama (15.7M params incl. untied embeddings)
+    # (a) ~12M Llama (12.6M params, tied embeddings: the ferrotron-12m preset)
     "small": dict(
         vocab_size=8192,
         hidden_size=384,
@@ -50,7 +50,7 @@ CONFIGS = {
         num_hidden_layers=6,
         num_attention_heads=6,
         num_key_value_heads=2,
-        tie_word_embeddings=False,
+        tie_word_embeddings=True,
         seq=256,
         mbs=8,
     ),

@@ -1,33 +1,8 @@
 //! `ferrotron plan` end to end: output formats, config files, and bad input.
 
+mod common;
+use common::{fails, ok};
 use serde_json::Value;
-use std::process::{Command, Output};
-
-fn ferrotron(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ferrotron"))
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-fn ok(args: &[&str]) -> String {
-    let out = ferrotron(args);
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
-
-/// Runs a command that must fail; returns its stderr, which must be one line, no panic.
-fn fails(args: &[&str]) -> String {
-    let out = ferrotron(args);
-    assert!(!out.status.success(), "{args:?} should fail");
-    let err = String::from_utf8(out.stderr).unwrap();
-    assert!(!err.contains("panicked"), "{err}");
-    err
-}
 
 const ACCEPTANCE: &[&str] = &[
     "plan",

@@ -1,37 +1,8 @@
 //! `ferrotron plan` with the time model, clusters and FLOPs conventions; `ferrotron plan search`.
 
+mod common;
+use common::{fails, ok};
 use serde_json::Value;
-use std::process::{Command, Output};
-
-fn ferrotron(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ferrotron"))
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-fn ok(args: &[&str]) -> String {
-    let out = ferrotron(args);
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
-
-fn fails(args: &[&str]) -> String {
-    let out = ferrotron(args);
-    assert!(!out.status.success(), "{args:?} should fail");
-    let err = String::from_utf8(out.stderr).unwrap();
-    assert!(!err.contains("panicked"), "{err}");
-    let lines = err
-        .lines()
-        .filter(|l| !l.trim().is_empty() && !l.starts_with("Usage") && !l.starts_with("For more"))
-        .count();
-    assert!(lines <= 2, "{args:?}: {err}");
-    err
-}
 
 const BASE: &[&str] = &[
     "plan",

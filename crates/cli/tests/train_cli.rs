@@ -1,14 +1,9 @@
 //! `ferrotron data`, `train` and `sample` end to end through the binary.
 
+mod common;
+use common::ferrotron;
 use std::path::Path;
-use std::process::{Command, Output};
-
-fn ferrotron(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ferrotron"))
-        .args(args)
-        .output()
-        .unwrap()
-}
+use std::process::Output;
 
 fn text(o: &Output) -> String {
     format!(

@@ -93,8 +93,8 @@ pub fn step2_explanation(
     format!(
         "Step 2 peaks {:.2} GiB above step 1 ({:.2} vs {:.2} GiB): the optimizer states \
          ({:.2} GiB) are created lazily by the first optimizer step, so they are live during \
-         step 2's forward and backward but not step 1's; the gradients ({:.2} GiB) appear at \
-         step 1's first backward and are kept (zeroed, not freed), so step 2's forward also \
+         step 2's forward and backward but not step 1's; the gradients ({:.2} GiB) appear \
+         during step 1 and are kept (zeroed, not freed) between steps, so step 2's forward also \
          starts from a higher floor.",
         gib(s2.saturating_sub(s1)),
         gib(s2),

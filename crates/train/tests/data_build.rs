@@ -1,5 +1,7 @@
 //! build_shards: documents and EOS, the validation split, shard naming, summary, errors.
 
+mod common;
+use common::TempDir;
 use std::fs;
 use std::path::{Path, PathBuf};
 
@@ -7,30 +9,6 @@ use ferrotron_train::data::{
     build_shards, build_shards_with, chunk_document, find_shards, split_documents, BuildOptions,
     Shard, Split, Summary, Tokenizer, SUMMARY_FILE,
 };
-
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> Self {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos();
-        let p =
-            std::env::temp_dir().join(format!("ferrotron-{tag}-{}-{nanos}", std::process::id()));
-        fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = fs::remove_dir_all(&self.0);
-    }
-}
 
 #[test]
 fn split_documents_rules() {

@@ -1,5 +1,7 @@
 //! Loader: window layout, determinism from the seed, exact save/restore, ranks, validation.
 
+mod common;
+use common::TempDir;
 use std::collections::HashSet;
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -8,30 +10,6 @@ use ferrotron_train::data::{
     epoch_order, write_shard, Batch, Loader, LoaderConfig, LoaderState, SplitMix64, TokenDataset,
     ValLoader,
 };
-
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> Self {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos();
-        let p =
-            std::env::temp_dir().join(format!("ferrotron-{tag}-{}-{nanos}", std::process::id()));
-        fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = fs::remove_dir_all(&self.0);
-    }
-}
 
 /// Shards whose token at global position p is p (vocab 1<<20, so u32 tokens), with the given
 /// lengths; returns their paths.

@@ -1,36 +1,13 @@
 //! Token shard format: round trips, atomic writes, and one test per bad-file case, each
 //! asserting its one-line message.
 
+mod common;
+use common::TempDir;
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use ferrotron_train::data::shard::HEADER_LEN;
 use ferrotron_train::data::{write_shard, DataError, Fnv1a64, Shard, ShardWriter, TokenDtype};
-
-/// A fresh empty directory under the system temp dir, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> Self {
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos();
-        let p =
-            std::env::temp_dir().join(format!("ferrotron-{tag}-{}-{nanos}", std::process::id()));
-        fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = fs::remove_dir_all(&self.0);
-    }
-}
 
 fn err_msg(path: &Path) -> String {
     match Shard::open(path) {

@@ -77,3 +77,37 @@ pub fn post_json(addr: &str, path: &str, v: &serde_json::Value) -> (u16, serde_j
     let v = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"));
     (status, v)
 }
+
+/// Runs the binary with `args`.
+pub fn ferrotron(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// Runs a command that must succeed; returns its stdout.
+pub fn ok(args: &[&str]) -> String {
+    let out = ferrotron(args);
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// Runs a command that must fail with one clear error (no panic, at most two meaningful
+/// lines: clap adds a usage line); returns its stderr.
+pub fn fails(args: &[&str]) -> String {
+    let out = ferrotron(args);
+    assert!(!out.status.success(), "{args:?} should fail");
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(!err.contains("panicked"), "{err}");
+    let lines = err
+        .lines()
+        .filter(|l| !l.trim().is_empty() && !l.starts_with("Usage") && !l.starts_with("For more"))
+        .count();
+    assert!(lines <= 2, "{args:?}: {err}");
+    err
+}
