@@ -1,6 +1,7 @@
 //! The `ferrotron` command line.
 
 mod plan_cmd;
+mod report_cmd;
 mod search_cmd;
 mod serve_cmd;
 mod train_cmd;
@@ -35,6 +36,8 @@ enum Cmd {
     Data(train_cmd::DataArgs),
     /// Generate text from a checkpoint.
     Sample(train_cmd::SampleArgs),
+    /// Write an HTML report (loss, throughput, memory timeline) of a training run directory.
+    Report(report_cmd::ReportArgs),
 }
 
 fn main() {
@@ -45,6 +48,7 @@ fn main() {
         Cmd::Train(args) => train_cmd::train(*args),
         Cmd::Data(args) => train_cmd::data(args),
         Cmd::Sample(args) => train_cmd::sample(args),
+        Cmd::Report(args) => report_cmd::run(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -87,6 +87,20 @@ pub struct TrainArgs {
     /// Tokens to sample at the end of training (0: none).
     #[arg(long, allow_negative_numbers = true)]
     pub sample_tokens: Option<u64>,
+    /// Measured vs planned live bytes at every phase boundary of the first steps, as JSON
+    /// [default: OUT_DIR/memory_timeline.json; not recorded on --resume].
+    #[arg(long)]
+    pub memory_timeline: Option<PathBuf>,
+    /// Steps the memory timeline covers (0: none).
+    #[arg(long, allow_negative_numbers = true)]
+    pub memory_timeline_steps: Option<u64>,
+    /// Chrome trace (Perfetto, chrome://tracing) of every kernel call and phase of the first
+    /// steps [default: none].
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Steps the trace covers.
+    #[arg(long, allow_negative_numbers = true)]
+    pub trace_steps: Option<u64>,
     /// Hide the progress line.
     #[arg(long)]
     #[serde(skip)]
@@ -122,6 +136,23 @@ pub struct TrainConfig {
     pub metrics: PathBuf,
     pub ce_chunk: u64,
     pub sample_tokens: u64,
+    // Observability settings postdate the first checkpoints: defaults let those load.
+    #[serde(default)]
+    pub memory_timeline: Option<PathBuf>,
+    #[serde(default = "default_timeline_steps")]
+    pub memory_timeline_steps: u64,
+    #[serde(default)]
+    pub trace: Option<PathBuf>,
+    #[serde(default = "default_trace_steps")]
+    pub trace_steps: u64,
+}
+
+fn default_timeline_steps() -> u64 {
+    2
+}
+
+fn default_trace_steps() -> u64 {
+    3
 }
 
 /// A bad setting: names the field, the value and the fix.
@@ -158,7 +189,8 @@ impl TrainArgs {
         merge!(self, file; model, data, tokenizer, seq, mbs, grad_acc, steps, lr, min_lr_ratio,
             warmup, decay_steps, weight_decay, beta1, beta2, eps, clip, seed, threads, eval_interval,
             eval_batches, out_dir, checkpoint_dir, checkpoint_interval, metrics, ce_chunk,
-            peak_gflops, sample_tokens);
+            peak_gflops, sample_tokens, memory_timeline, memory_timeline_steps, trace,
+            trace_steps);
         Ok(self)
     }
 
@@ -168,6 +200,10 @@ impl TrainArgs {
             .out_dir
             .clone()
             .unwrap_or_else(|| PathBuf::from("runs/default"));
+        let timeline = self
+            .memory_timeline
+            .clone()
+            .unwrap_or_else(|| out_dir.join("memory_timeline.json"));
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get() as u64);
         let c = TrainConfig {
             model: self.model.clone().unwrap_or_else(|| "ferrotron-12m".into()),
@@ -199,6 +235,12 @@ impl TrainArgs {
             out_dir,
             ce_chunk: self.ce_chunk.unwrap_or(1024),
             sample_tokens: self.sample_tokens.unwrap_or(0),
+            memory_timeline: Some(timeline),
+            memory_timeline_steps: self
+                .memory_timeline_steps
+                .unwrap_or_else(default_timeline_steps),
+            trace: self.trace.clone(),
+            trace_steps: self.trace_steps.unwrap_or_else(default_trace_steps),
         };
         for (field, v) in [
             ("seq", c.seq),

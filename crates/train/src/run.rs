@@ -6,6 +6,8 @@ use crate::data::{Loader, LoaderConfig, Tokenizer, ValLoader};
 use crate::metrics::{matmul_peak_gflops, peak_rss, MetricsWriter, StepMetrics};
 use crate::sample::{generate, SampleOptions};
 use crate::setup;
+use crate::timeline;
+use crate::trace;
 use crate::trainer::Trainer;
 use anyhow::{bail, Context, Result};
 use std::io::IsTerminal;
@@ -64,6 +66,14 @@ fn resume_config(args: &TrainArgs, saved: &TrainConfig) -> Result<TrainConfig> {
     if let Some(v) = &args.out_dir {
         c.out_dir = v.clone();
         c.metrics = v.join("metrics.jsonl");
+    }
+    // The memory timeline compares steps 1 and 2 with the plan: a resumed run has neither.
+    c.memory_timeline = None;
+    if let Some(v) = &args.trace {
+        c.trace = Some(v.clone());
+    }
+    if let Some(v) = args.trace_steps {
+        c.trace_steps = v;
     }
     if let Some(v) = &args.metrics {
         c.metrics = v.clone();
@@ -163,6 +173,10 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         t.step = l.state.step;
         eprintln!("resumed from {} at step {}", l.dir.display(), t.step);
     }
+    if loaded.is_some() {
+        t.disable_timeline();
+    }
+    write_plan(&cfg, &t)?;
     let w = t.plan.sweep.at_peak;
     eprintln!(
         "model {}: {} parameters; memory plan peak {:.1} MiB (params {:.1}, grads {:.1}, adam {:.1}, activations {:.1}, workspace {:.1}, gemm workspace {:.1}); matmul peak {:.1} GFLOP/s",
@@ -231,7 +245,9 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
             }
         }
         steps.push(out.metrics);
+        finish_observability(&cfg, &mut t, false)?;
     }
+    finish_observability(&cfg, &mut t, true)?;
     if tty {
         eprintln!();
     }
@@ -270,6 +286,49 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         measured_peak: measured,
         sample,
     })
+}
+
+/// The memory plan of this run, for `ferrotron report` (written at start, so a run that fails
+/// still leaves it).
+fn write_plan(cfg: &TrainConfig, t: &Trainer) -> Result<()> {
+    let p = cfg.out_dir.join("plan.json");
+    std::fs::create_dir_all(&cfg.out_dir)
+        .with_context(|| format!("out_dir = {}: cannot create", cfg.out_dir.display()))?;
+    let v = serde_json::json!({
+        "model": cfg.model,
+        "params": t.params.len(),
+        "planned_peak_steps": [t.planned_peak_step(1), t.planned_peak_step(2)],
+        "rank": t.plan,
+    });
+    std::fs::write(&p, serde_json::to_string(&v)?)
+        .with_context(|| format!("cannot write {}", p.display()))
+}
+
+/// Writes the memory timeline once its steps are recorded and the trace once its steps are done
+/// (or whatever there is at the end of the run, `end`), so both exist early in a long run.
+fn finish_observability(cfg: &TrainConfig, t: &mut Trainer, end: bool) -> Result<()> {
+    if let Some(path) = &cfg.memory_timeline {
+        if t.timeline_complete() || end {
+            if let Some(samples) = t.timeline_samples().filter(|s| !s.is_empty()) {
+                let file = timeline::build(&cfg.model, &t.plan, t.baseline, samples)?;
+                timeline::write(path, &file)?;
+                eprintln!(
+                    "memory timeline: {} points, measured vs planned within {:.2}% -> {}",
+                    file.points.len(),
+                    file.max_abs_deviation * 100.0,
+                    path.display()
+                );
+            }
+            t.disable_timeline();
+        }
+    }
+    if let Some(path) = &cfg.trace {
+        if let Some(events) = t.finish_trace(end) {
+            trace::write_chrome(path, &events)?;
+            eprintln!("trace: {} events -> {}", events.len(), path.display());
+        }
+    }
+    Ok(())
 }
 
 /// `ferrotron data`: text files to token shards.

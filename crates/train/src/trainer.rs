@@ -7,8 +7,9 @@ use crate::config::TrainConfig;
 use crate::data::{Loader, ValLoader};
 use crate::lr::LrSchedule;
 use crate::metrics::StepMetrics;
-use crate::pool::PlanPool;
+use crate::pool::{PlanPool, Point, Running, Sample, Timeline};
 use crate::setup::checked_plan;
+use crate::trace::{Event, Tracing};
 use crate::workspace;
 use anyhow::Result;
 use ferrotron_engine::kernels::{AdamWParams, CpuKernels, Kernels};
@@ -29,7 +30,8 @@ pub struct Trainer {
     pub cfg: TrainConfig,
     pub spec: ModelSpec,
     pub model: Llama,
-    kernels: CpuKernels,
+    /// The CPU backend, behind a tracer that records only while `--trace` asks.
+    kernels: Tracing<CpuKernels>,
     pub params: Vec<f32>,
     pub grads: Option<Vec<f32>>,
     pub opt: Option<AdamState>,
@@ -52,6 +54,8 @@ pub struct Trainer {
     /// Live heap bytes before the model existed: the tokenizer, data index and runtime, which
     /// the plan does not model. Measured peaks are reported above it.
     pub baseline: u64,
+    /// Steps still to trace (`--trace-steps`, counted from this run's first step).
+    trace_left: u64,
 }
 
 /// What one optimizer step did.
@@ -72,6 +76,17 @@ fn step_peaks(plan: &RankPlan) -> [u64; 2] {
     out
 }
 
+/// Expected events of `steps` traced steps, with any evaluation: about 50 kernel calls per layer
+/// per micro-batch forward and backward, four per LM-head chunk, one AdamW call per tensor.
+fn trace_capacity(cfg: &TrainConfig, c: &LlamaConfig, steps: u64) -> usize {
+    let n = (cfg.mbs * cfg.seq) as usize;
+    let chunks = n.div_ceil(cfg.ce_chunk.max(1) as usize);
+    let per_mb = 64 * c.layers + 8 * chunks + 32;
+    let tensors = 16 * c.layers + 8;
+    let eval = cfg.eval_batches as usize * (32 * c.layers + 4 * chunks + 8);
+    steps as usize * (cfg.grad_acc as usize * per_mb + tensors + 16 + eval)
+}
+
 impl Trainer {
     /// Builds the model and its parameters. Call after the data and tokenizer exist, so that
     /// they fall into the baseline and everything allocated here on is in the plan.
@@ -88,7 +103,26 @@ impl Trainer {
         CpuKernels.warm_up();
         let n = (cfg.mbs * cfg.seq) as usize;
         let kernel_workspace = workspace::measure(&CpuKernels, &llama, n, cfg.ce_chunk as usize);
+        // Observability buffers are outside the plan: reserve them before the baseline, so the
+        // measured bytes stay comparable with the plan.
+        let kernels = Tracing::new(CpuKernels);
+        let trace_left = if cfg.trace.is_some() {
+            cfg.trace_steps
+        } else {
+            0
+        };
+        if trace_left > 0 {
+            kernels.start(trace_capacity(&cfg, &llama, trace_left));
+            kernels.stop();
+        }
+        // Without the tracking allocator there is nothing to sample.
+        let mut timeline =
+            (cfg.memory_timeline.is_some() && cfg.memory_timeline_steps > 0 && alloc::installed())
+                .then(|| Timeline::new(0, llama.layers, cfg.memory_timeline_steps, cfg.grad_acc));
         let baseline = alloc::live();
+        if let Some(t) = &mut timeline {
+            t.set_baseline(baseline);
+        }
         let model = Llama::new(llama).with_ce_chunk_tokens(cfg.ce_chunk as usize);
         let plan = checked_plan(&spec, &model, &cfg, kernel_workspace)?;
         // Initialisation of HF Llama: N(0, 0.02²) matrices, unit norms, zero biases.
@@ -106,16 +140,20 @@ impl Trainer {
             total_steps: cfg.decay_steps,
         };
         let flops_per_token = model_flops_per_token(&spec, cfg.seq);
-        Ok(Trainer {
+        let mut t = Trainer {
             planned_peak: step_peaks(&plan),
             plan,
             tokens: vec![0; n],
             targets: vec![0; n],
-            kernels: CpuKernels,
+            kernels,
             grads: None,
             opt: None,
             step: 0,
-            pool: PlanPool::default(),
+            pool: PlanPool {
+                timeline,
+                ..PlanPool::default()
+            },
+            trace_left,
             decay,
             schedule,
             flops_per_token,
@@ -127,7 +165,9 @@ impl Trainer {
             loader,
             val,
             cfg,
-        })
+        };
+        t.pool.sample(1, Point::Init);
+        Ok(t)
     }
 
     fn batch(&self) -> BatchShape {
@@ -140,22 +180,35 @@ impl Trainer {
     /// One optimizer step over `grad_acc` micro-batches.
     pub fn train_step(&mut self) -> Result<StepOutput> {
         alloc::reset_peak();
+        if self.trace_left > 0 {
+            self.trace_left -= 1;
+            self.kernels.start(0);
+        } else {
+            self.kernels.stop();
+        }
         let planned = self.planned_peak[self.opt.is_some() as usize];
         let t0 = Instant::now();
+        let step = self.step + 1;
         let batch = self.batch();
         let k = &self.kernels;
         // Gradients appear before the first forward: the fused LM head accumulates into them.
+        let fresh = self.grads.is_none();
         let grads = self
             .grads
             .get_or_insert_with(|| vec![0.0; self.params.len()]);
+        if fresh {
+            self.pool.sample(step, Point::Grads);
+        }
         grads.fill(0.0);
         // The loader never pads, so every position has a target: the loss of each micro-batch
         // is normalised by the target count of the whole step, and summing micro-batch
         // gradients gives the gradient of the global mean loss.
         let num_targets = (self.cfg.grad_acc * self.cfg.mbs * self.cfg.seq) as usize;
         let mut loss = LossSum::default();
-        for _ in 0..self.cfg.grad_acc {
+        for mb in 0..self.cfg.grad_acc {
             self.loader.next_into(&mut self.tokens, &mut self.targets)?;
+            let tf = Instant::now();
+            self.pool.enter(step, mb, Running::Forward);
             let (acts, l) = self.model.forward_train(
                 k,
                 &mut self.pool,
@@ -166,13 +219,19 @@ impl Trainer {
                 &self.targets,
                 num_targets,
             );
+            k.phase("forward", tf, step, mb);
+            let tb = Instant::now();
+            self.pool.enter(step, mb, Running::Backward);
             self.model
                 .backward(k, &mut self.pool, &self.params, grads, acts, &self.tokens);
+            self.pool.enter(step, mb, Running::Idle);
+            k.phase("backward", tb, step, mb);
             loss.sum += l.sum;
             loss.count += l.count;
         }
         // Global-norm clipping as torch.nn.utils.clip_grad_norm_: scale by
         // max_norm / (norm + 1e-6) when that is below 1.
+        let to = Instant::now();
         let grad_norm = k.sum_squares(grads).sqrt();
         if self.cfg.clip > 0.0 {
             let coef = self.cfg.clip / (grad_norm + 1e-6);
@@ -203,6 +262,9 @@ impl Trainer {
                 &mut opt.v[r.clone()],
             );
         }
+        k.phase("optimizer", to, step, 0);
+        self.pool.sample(step, Point::Optimizer);
+        k.phase("step", t0, step, 0);
         self.step += 1;
         let secs = t0.elapsed().as_secs_f64();
         let tokens = num_targets as u64;
@@ -233,6 +295,7 @@ impl Trainer {
             return Ok(None);
         };
         let batch = self.batch();
+        let te = Instant::now();
         let mut loss = LossSum::default();
         for i in 0..val.num_batches() {
             val.batch_into(i, &mut self.tokens, &mut self.targets)?;
@@ -247,12 +310,48 @@ impl Trainer {
             loss.sum += l.sum;
             loss.count += l.count;
         }
+        self.kernels.phase("eval", te, self.step, 0);
         Ok(Some(loss.mean()))
+    }
+
+    /// The memory timeline's samples so far (`None` when it is off).
+    pub fn timeline_samples(&self) -> Option<&[Sample]> {
+        self.pool.timeline.as_ref().map(|t| t.samples())
+    }
+
+    /// Whether the timeline has recorded all its steps.
+    pub fn timeline_complete(&self) -> bool {
+        self.pool
+            .timeline
+            .as_ref()
+            .is_some_and(|t| !t.records(self.step + 1))
+    }
+
+    /// Stops recording the memory timeline (a resumed run has no step 1 to compare).
+    pub fn disable_timeline(&mut self) {
+        self.pool.timeline = None;
+    }
+
+    /// The trace once its steps (and any evaluation after the last of them) are done, or now
+    /// with `force`; `None` when there is nothing (more) to write.
+    pub fn finish_trace(&mut self, force: bool) -> Option<Vec<Event>> {
+        if self.kernels.is_on() && (self.trace_left == 0 || force) {
+            self.kernels.stop();
+            self.trace_left = 0;
+            Some(self.kernels.take())
+        } else {
+            None
+        }
     }
 
     /// Kernel workspace included in the plan (see `workspace`).
     pub fn kernel_workspace(&self) -> u64 {
         self.plan.overhead
+    }
+
+    /// Planned peak bytes of step 1 (no optimizer states yet) or any later step.
+    pub fn planned_peak_step(&self, step: u64) -> u64 {
+        self.planned_peak[(step > 1) as usize]
     }
 
     /// Planned peak bytes of a step with optimizer states present (the steady-state step).

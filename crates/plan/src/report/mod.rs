@@ -2,7 +2,7 @@
 
 pub mod html;
 pub mod json;
-mod svg;
+pub mod svg;
 pub mod table;
 
 use crate::cluster::Cluster;

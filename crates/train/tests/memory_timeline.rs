@@ -1,0 +1,93 @@
+//! The measured memory timeline against the plan, point by point (the only test in this binary:
+//! the tracking allocator counts every thread, so another test running alongside would show up
+//! in the samples).
+
+mod common;
+use ferrotron_train::alloc::{installed, Tracking};
+use ferrotron_train::config::TrainArgs;
+use ferrotron_train::run::run;
+use ferrotron_train::timeline::TimelineFile;
+
+#[global_allocator]
+static A: Tracking = Tracking;
+
+#[test]
+fn default_model_timeline_matches_plan_at_every_mark() {
+    assert!(installed(), "the tracking allocator must be installed here");
+    let out = common::tmp("timeline");
+    let args = TrainArgs {
+        data: Some(common::shards().to_path_buf()),
+        steps: Some(3),
+        eval_interval: Some(0),
+        out_dir: Some(out.clone()),
+        peak_gflops: Some(100.0),
+        quiet: true,
+        ..TrainArgs::default()
+    };
+    run(args).unwrap();
+    // Written by default into OUT_DIR, for the first 2 steps.
+    let text = std::fs::read_to_string(out.join("memory_timeline.json")).unwrap();
+    let t: TimelineFile = serde_json::from_str(&text).unwrap();
+    for p in &t.points {
+        eprintln!(
+            "{:<40} measured {:>11} planned {:>11} {:+.4}%",
+            p.label,
+            p.measured,
+            p.planned,
+            p.deviation * 100.0
+        );
+    }
+    // ferrotron-12m has 6 layers; one micro-batch: init, gradients, then per step 6 forward
+    // marks, the loss, 6 backward marks and the optimizer.
+    assert_eq!(t.points.len(), 1 + 1 + 2 * 14, "{:#?}", t.points);
+    let labels: Vec<&str> = t.points.iter().map(|p| p.label.as_str()).collect();
+    for want in [
+        "model init",
+        "gradients allocated",
+        "step 1 mb 0 forward layer 0",
+        "step 1 mb 0 forward layer 5",
+        "step 1 mb 0 loss",
+        "step 1 mb 0 backward layer 5",
+        "step 1 mb 0 backward layer 0",
+        "step 1 optimizer",
+        "step 2 mb 0 forward layer 0",
+        "step 2 optimizer",
+    ] {
+        assert!(labels.contains(&want), "no point `{want}` in {labels:?}");
+    }
+    for p in &t.points {
+        assert!(
+            p.deviation.abs() < 0.01,
+            "{}: measured {} planned {} ({:+.3}%)",
+            p.label,
+            p.measured,
+            p.planned,
+            p.deviation * 100.0
+        );
+    }
+    assert!(t.max_abs_deviation < 0.01);
+    // Step 2 carries the Adam states the first optimizer step created: 2 × 4 bytes per
+    // parameter (12,587,904 of them), at the same point of the step, in plan and measurement.
+    let at = |l: &str| t.points.iter().find(|p| p.label == l).unwrap();
+    let adam = 2 * 4 * 12_587_904u64;
+    for (a, b) in [
+        ("step 1 mb 0 forward layer 3", "step 2 mb 0 forward layer 3"),
+        ("step 1 mb 0 loss", "step 2 mb 0 loss"),
+    ] {
+        let (a, b) = (at(a), at(b));
+        assert_eq!(b.planned - a.planned, adam);
+        let grew = b.measured as f64 - a.measured as f64;
+        assert!((grew / adam as f64 - 1.0).abs() < 0.01, "{grew} vs {adam}");
+    }
+    // The forward grows live memory layer by layer and the backward releases it.
+    assert!(
+        at("step 1 mb 0 forward layer 5").measured > at("step 1 mb 0 forward layer 0").measured
+    );
+    assert!(
+        at("step 1 mb 0 backward layer 0").measured < at("step 1 mb 0 backward layer 5").measured
+    );
+    // plan.json is written at start for `ferrotron report`.
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("plan.json")).unwrap()).unwrap();
+    assert!(plan["rank"]["sweep"]["marks"].as_array().unwrap().len() > 20);
+}
