@@ -8,7 +8,8 @@ use std::time::Instant;
 fn main() {
     let k = CpuKernels;
     for &(b, t, h, kv, d) in &[
-        (4usize, 256usize, 8usize, 4usize, 64usize),
+        (8usize, 256usize, 6usize, 2usize, 64usize),
+        (4, 256, 8, 4, 64),
         (1, 1024, 8, 4, 64),
         (2, 512, 12, 12, 64),
     ] {

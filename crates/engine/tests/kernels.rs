@@ -34,7 +34,13 @@ fn matmul_ref(x: &[f64], w: &[f64], b: Option<&[f64]>, n: usize, i: usize, o: us
 #[test]
 fn matmul_forward_matches_naive() {
     let mut rng = Rng::new(1);
-    for &(n, i, o, bias) in &[(7, 5, 3, false), (33, 64, 48, true), (130, 96, 200, true)] {
+    // The last shape is wide enough to be cut into column blocks (see `sgemm_raw`).
+    for &(n, i, o, bias) in &[
+        (7, 5, 3, false),
+        (33, 64, 48, true),
+        (130, 96, 200, true),
+        (40, 600, 2000, true),
+    ] {
         let s = MatmulShape {
             n,
             in_features: i,
@@ -151,6 +157,49 @@ fn matmul_backward_large_matches_naive() {
     assert_close("dx", &dx, &gx, 1e-5);
     assert_close("dW", &dw, &gw, 1e-5);
     assert_close("dbias", &db, &gb, 1e-5);
+}
+
+/// Reductions longer than `MAX_DEPTH` (the LM head's input gradient reduces over the
+/// vocabulary, the weight gradient over the tokens) are cut into depth chunks accumulated in
+/// order; products tall enough to need row blocks too. Both accumulate modes.
+#[test]
+fn matmul_long_reductions_match_naive() {
+    use ferrotron_engine::kernels::cpu::matmul::MAX_DEPTH;
+    let mut rng = Rng::new(11);
+    let (n, i, o) = (2 * MAX_DEPTH + 77, 9, 2 * MAX_DEPTH + 301);
+    let s = MatmulShape {
+        n,
+        in_features: i,
+        out_features: o,
+    };
+    let x = rng.vec(n * i, 1.0);
+    let w = rng.vec(o * i, 1.0);
+    let dy = rng.vec(n * o, 1.0);
+    let dx0 = rng.vec(n * i, 1.0);
+    let dw0 = rng.vec(o * i, 1.0);
+    let (x64, w64, dy64) = (to64(&x), to64(&w), to64(&dy));
+    let mut gx = vec![0.0; n * i];
+    let mut gw = vec![0.0; o * i];
+    for r in 0..n {
+        for c in 0..o {
+            let g = dy64[r * o + c];
+            for k in 0..i {
+                gx[r * i + k] += g * w64[c * i + k];
+                gw[c * i + k] += g * x64[r * i + k];
+            }
+        }
+    }
+    let mut dx = dx0.clone();
+    K.matmul_backward_input(s, &dy, &w, &mut dx, Accum::Overwrite);
+    assert_close("dx overwrite", &dx, &gx, 1e-5);
+    let mut dx = dx0.clone();
+    K.matmul_backward_input(s, &dy, &w, &mut dx, Accum::Add);
+    let gx_add: Vec<f64> = gx.iter().zip(&dx0).map(|(g, d)| g + *d as f64).collect();
+    assert_close("dx add", &dx, &gx_add, 1e-5);
+    let mut dw = dw0.clone();
+    K.matmul_backward_weight(s, &dy, &x, &mut dw, None);
+    let gw_add: Vec<f64> = gw.iter().zip(&dw0).map(|(g, d)| g + *d as f64).collect();
+    assert_close("dW", &dw, &gw_add, 1e-5);
 }
 
 // ---------------------------------------------------------------- rmsnorm

@@ -12,6 +12,9 @@ use rayon::prelude::*;
 /// Largest operand (k × n or m × k floats) handed to one gemm call: 1 Mi floats, 4 MiB.
 pub const MAX_PACKED_RHS: usize = 1 << 20;
 
+/// Longest reduction handed to one gemm call (see [`sgemm_raw`]).
+pub const MAX_DEPTH: usize = 2048;
+
 /// Column-major-agnostic strided sgemm: `dst[m,n] (=|+=) lhs[m,k]·rhs[k,n]`, strides in elements
 /// as `(row stride, col stride)`.
 #[allow(clippy::too_many_arguments)]
@@ -85,6 +88,33 @@ pub unsafe fn sgemm_raw(
     // packs: 16 MiB for the 8192-row LM-head weight gradient. That memory is outside the memory
     // plan, so large products are split into row, then column, blocks whose packed operands
     // stay under MAX_PACKED_RHS floats; the blocks write disjoint parts of dst.
+    // A long reduction (the LM head's input gradient reduces over the vocabulary) is first cut
+    // into equal depth chunks of at most MAX_DEPTH, accumulated into dst one after the other
+    // (fixed order, so deterministic). Otherwise the row blocking below would leave thin
+    // 64–128-row products that re-pack the whole right-hand side for every block.
+    if k > MAX_DEPTH {
+        let parts = k.div_ceil(MAX_DEPTH);
+        let kb = k.div_ceil(parts);
+        let mut k0 = 0;
+        while k0 < k {
+            let kl = kb.min(k - k0);
+            sgemm_raw(
+                m,
+                n,
+                kl,
+                dst,
+                dst_strides,
+                &lhs[k0 * lhs_strides.1..],
+                lhs_strides,
+                &rhs[k0 * rhs_strides.0..],
+                rhs_strides,
+                accumulate || k0 > 0,
+                parallel,
+            );
+            k0 += kl;
+        }
+        return;
+    }
     let block = (MAX_PACKED_RHS / k.max(1)).max(64) / 64 * 64;
     if m > block {
         // Same for the packed left-hand side (m × k), e.g. the LM head's weight gradient.
