@@ -13,10 +13,14 @@
 //!   activation gradients take an explicit [`Accum`] flag.
 
 pub mod cpu;
+pub mod event_log;
+pub mod observe;
 pub mod profile;
 
 pub use cpu::CpuKernels;
-pub use profile::{OpTime, Profiled};
+pub use event_log::{Event, EventLog, Tracing};
+pub use observe::{Observed, OpObserver};
+pub use profile::{OpTime, OpTotals, Profiled};
 
 /// Whether an op overwrites its output or adds into it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,10 +1,7 @@
-//! A [`Kernels`] wrapper that times every op (wall clock, per op name). For benchmarks and
-//! traces; the timing overhead is one `Instant::now()` pair per call.
+//! Per-op wall-time totals of a backend (benchmarks: `examples/train_step.rs`). The timing
+//! overhead is one `Instant::now()` pair per call.
 
-use super::{
-    Accum, AdamWParams, AttnShape, CeShape, Kernels, MatmulShape, NormShape, RopeShape, RopeTable,
-};
-use half::bf16;
+use super::observe::{Observed, OpObserver};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -15,35 +12,14 @@ pub struct OpTime {
     pub time: Duration,
 }
 
-/// Wraps a backend and records per-op wall time.
+/// Per-op totals in first-call order.
 #[derive(Debug, Default)]
-pub struct Profiled<K> {
-    pub inner: K,
-    times: Mutex<Vec<(&'static str, OpTime)>>,
-}
+pub struct OpTotals(Mutex<Vec<(&'static str, OpTime)>>);
 
-impl<K: Kernels> Profiled<K> {
-    pub fn new(inner: K) -> Self {
-        Profiled {
-            inner,
-            times: Mutex::new(Vec::new()),
-        }
-    }
-
-    /// Per-op totals in first-call order.
-    pub fn report(&self) -> Vec<(&'static str, OpTime)> {
-        self.times.lock().unwrap().clone()
-    }
-
-    pub fn reset(&self) {
-        self.times.lock().unwrap().clear();
-    }
-
-    fn time<R>(&self, op: &'static str, f: impl FnOnce() -> R) -> R {
-        let t0 = Instant::now();
-        let r = f();
-        let dt = t0.elapsed();
-        let mut t = self.times.lock().unwrap();
+impl OpObserver for OpTotals {
+    fn record(&self, op: &'static str, start: Instant, end: Instant) {
+        let dt = end.saturating_duration_since(start);
+        let mut t = self.0.lock().unwrap();
         match t.iter_mut().find(|(n, _)| *n == op) {
             Some((_, o)) => {
                 o.calls += 1;
@@ -51,162 +27,26 @@ impl<K: Kernels> Profiled<K> {
             }
             None => t.push((op, OpTime { calls: 1, time: dt })),
         }
-        r
     }
 }
 
-impl<K: Kernels> Kernels for Profiled<K> {
-    fn matmul_forward(
-        &self,
-        s: MatmulShape,
-        x: &[f32],
-        w: &[f32],
-        bias: Option<&[f32]>,
-        y: &mut [f32],
-        a: Accum,
-    ) {
-        self.time("matmul_forward", || {
-            self.inner.matmul_forward(s, x, w, bias, y, a)
-        })
+/// A backend that records per-op wall time.
+pub type Profiled<K> = Observed<K, OpTotals>;
+
+impl<K> Observed<K, OpTotals> {
+    pub fn new(inner: K) -> Self {
+        Observed {
+            inner,
+            observer: OpTotals::default(),
+        }
     }
-    fn matmul_backward_weight(
-        &self,
-        s: MatmulShape,
-        dy: &[f32],
-        x: &[f32],
-        dw: &mut [f32],
-        db: Option<&mut [f32]>,
-    ) {
-        self.time("matmul_backward_weight", || {
-            self.inner.matmul_backward_weight(s, dy, x, dw, db)
-        })
+
+    /// Per-op totals in first-call order.
+    pub fn report(&self) -> Vec<(&'static str, OpTime)> {
+        self.observer.0.lock().unwrap().clone()
     }
-    fn matmul_backward_input(
-        &self,
-        s: MatmulShape,
-        dy: &[f32],
-        w: &[f32],
-        dx: &mut [f32],
-        a: Accum,
-    ) {
-        self.time("matmul_backward_input", || {
-            self.inner.matmul_backward_input(s, dy, w, dx, a)
-        })
-    }
-    fn rmsnorm_forward(
-        &self,
-        s: NormShape,
-        x: &[f32],
-        w: &[f32],
-        out: &mut [f32],
-        rstd: &mut [f32],
-    ) {
-        self.time("rmsnorm_forward", || {
-            self.inner.rmsnorm_forward(s, x, w, out, rstd)
-        })
-    }
-    fn rmsnorm_backward(
-        &self,
-        s: NormShape,
-        dy: &[f32],
-        x: &[f32],
-        w: &[f32],
-        rstd: &[f32],
-        dx: &mut [f32],
-        a: Accum,
-        dw: &mut [f32],
-    ) {
-        self.time("rmsnorm_backward", || {
-            self.inner.rmsnorm_backward(s, dy, x, w, rstd, dx, a, dw)
-        })
-    }
-    fn rope_forward(&self, s: RopeShape, t: &RopeTable, x: &mut [f32]) {
-        self.time("rope_forward", || self.inner.rope_forward(s, t, x))
-    }
-    fn rope_backward(&self, s: RopeShape, t: &RopeTable, dx: &mut [f32]) {
-        self.time("rope_backward", || self.inner.rope_backward(s, t, dx))
-    }
-    fn attention_forward(
-        &self,
-        s: AttnShape,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        o: &mut [f32],
-        lse: &mut [f32],
-    ) {
-        self.time("attention_forward", || {
-            self.inner.attention_forward(s, q, k, v, o, lse)
-        })
-    }
-    fn attention_backward(
-        &self,
-        s: AttnShape,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        o: &[f32],
-        lse: &[f32],
-        d_o: &[f32],
-        dq: &mut [f32],
-        dk: &mut [f32],
-        dv: &mut [f32],
-    ) {
-        self.time("attention_backward", || {
-            self.inner
-                .attention_backward(s, q, k, v, o, lse, d_o, dq, dk, dv)
-        })
-    }
-    fn swiglu_forward(&self, g: &[f32], u: &[f32], h: &mut [f32]) {
-        self.time("swiglu_forward", || self.inner.swiglu_forward(g, u, h))
-    }
-    fn swiglu_backward(&self, dh: &[f32], g: &[f32], u: &[f32], dg: &mut [f32], du: &mut [f32]) {
-        self.time("swiglu_backward", || {
-            self.inner.swiglu_backward(dh, g, u, dg, du)
-        })
-    }
-    fn embedding_forward(&self, t: &[u32], wte: &[f32], c: usize, out: &mut [f32]) {
-        self.time("embedding_forward", || {
-            self.inner.embedding_forward(t, wte, c, out)
-        })
-    }
-    fn embedding_backward(&self, t: &[u32], dout: &[f32], c: usize, dwte: &mut [f32]) {
-        self.time("embedding_backward", || {
-            self.inner.embedding_backward(t, dout, c, dwte)
-        })
-    }
-    fn add(&self, a: &[f32], b: &[f32], out: &mut [f32]) {
-        self.time("add", || self.inner.add(a, b, out))
-    }
-    fn add_inplace(&self, acc: &mut [f32], x: &[f32]) {
-        self.time("add_inplace", || self.inner.add_inplace(acc, x))
-    }
-    fn copy(&self, src: &[f32], dst: &mut [f32]) {
-        self.time("copy", || self.inner.copy(src, dst))
-    }
-    fn scale(&self, x: &mut [f32], s: f32) {
-        self.time("scale", || self.inner.scale(x, s))
-    }
-    fn sum_squares(&self, x: &[f32]) -> f64 {
-        self.time("sum_squares", || self.inner.sum_squares(x))
-    }
-    fn cross_entropy(
-        &self,
-        s: CeShape,
-        z: &mut [f32],
-        t: &[u32],
-        l: &mut [f32],
-        sc: Option<f32>,
-    ) -> f64 {
-        self.time("cross_entropy", || self.inner.cross_entropy(s, z, t, l, sc))
-    }
-    fn adamw_step(&self, h: AdamWParams, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
-        self.time("adamw_step", || self.inner.adamw_step(h, p, g, m, v))
-    }
-    fn cast_f32_to_bf16(&self, src: &[f32], dst: &mut [bf16]) {
-        self.time("cast_f32_to_bf16", || self.inner.cast_f32_to_bf16(src, dst))
-    }
-    fn cast_bf16_to_f32(&self, src: &[bf16], dst: &mut [f32]) {
-        self.time("cast_bf16_to_f32", || self.inner.cast_bf16_to_f32(src, dst))
+
+    pub fn reset(&self) {
+        self.observer.0.lock().unwrap().clear();
     }
 }

@@ -1,0 +1,129 @@
+//! An event log of op calls and phases, for Chrome traces (`ferrotron train --trace`). Events
+//! are memory outside the memory plan, so nothing is recorded unless the log is started: the
+//! check is one relaxed atomic load per op call. Room for the expected events is reserved up
+//! front; the log only grows if that estimate is short.
+
+use super::observe::{Observed, OpObserver};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::Relaxed};
+use std::sync::Mutex;
+use std::time::Instant;
+
+/// One complete ("X") event.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Event {
+    pub name: &'static str,
+    /// "kernel" or "phase".
+    pub cat: &'static str,
+    /// Nanoseconds since the log was created.
+    pub start_ns: u64,
+    pub dur_ns: u64,
+    pub tid: u32,
+    /// Step (1-based) and micro-batch of a phase; 0 where they do not apply.
+    pub step: u64,
+    pub mb: u64,
+}
+
+static NEXT_TID: AtomicU32 = AtomicU32::new(1);
+
+thread_local! {
+    /// Small, stable thread ids (the OS ids are long and mean nothing in a trace).
+    static TID: u32 = NEXT_TID.fetch_add(1, Relaxed);
+}
+
+fn tid() -> u32 {
+    TID.with(|t| *t)
+}
+
+/// The recorder behind [`Tracing`].
+#[derive(Debug)]
+pub struct EventLog {
+    on: AtomicBool,
+    t0: Instant,
+    events: Mutex<Vec<Event>>,
+}
+
+impl Default for EventLog {
+    fn default() -> Self {
+        EventLog {
+            on: AtomicBool::new(false),
+            t0: Instant::now(),
+            events: Mutex::new(Vec::new()),
+        }
+    }
+}
+
+impl EventLog {
+    fn ns(&self, t: Instant) -> u64 {
+        t.saturating_duration_since(self.t0).as_nanos() as u64
+    }
+
+    fn push(
+        &self,
+        name: &'static str,
+        cat: &'static str,
+        start: Instant,
+        end: Instant,
+        step: u64,
+        mb: u64,
+    ) {
+        let e = Event {
+            name,
+            cat,
+            start_ns: self.ns(start),
+            dur_ns: end.saturating_duration_since(start).as_nanos() as u64,
+            tid: tid(),
+            step,
+            mb,
+        };
+        self.events.lock().unwrap().push(e);
+    }
+}
+
+impl OpObserver for EventLog {
+    fn active(&self) -> bool {
+        self.on.load(Relaxed)
+    }
+    fn record(&self, op: &'static str, start: Instant, end: Instant) {
+        self.push(op, "kernel", start, end, 0, 0);
+    }
+}
+
+/// A backend that can record a trace of its op calls and of the caller's phases.
+pub type Tracing<K> = Observed<K, EventLog>;
+
+impl<K> Observed<K, EventLog> {
+    /// Off, with nothing reserved.
+    pub fn new(inner: K) -> Self {
+        Observed {
+            inner,
+            observer: EventLog::default(),
+        }
+    }
+
+    /// Starts recording, with room for `capacity` events.
+    pub fn start(&self, capacity: usize) {
+        self.observer.events.lock().unwrap().reserve(capacity);
+        self.observer.on.store(true, Relaxed);
+    }
+
+    pub fn stop(&self) {
+        self.observer.on.store(false, Relaxed);
+    }
+
+    pub fn is_on(&self) -> bool {
+        self.observer.active()
+    }
+
+    /// Takes the recorded events.
+    pub fn take(&self) -> Vec<Event> {
+        std::mem::take(&mut *self.observer.events.lock().unwrap())
+    }
+
+    /// Records a phase that began at `start` and ends now (no-op when off).
+    pub fn phase(&self, name: &'static str, start: Instant, step: u64, mb: u64) {
+        if self.is_on() {
+            self.observer
+                .push(name, "phase", start, Instant::now(), step, mb);
+        }
+    }
+}
