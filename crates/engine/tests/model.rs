@@ -5,7 +5,7 @@ mod common;
 
 use common::{rel_err, to64, Rng};
 use ferrotron_engine::kernels::{CpuKernels, IGNORE_INDEX};
-use ferrotron_engine::model::{BatchShape, BufferPool, HeapPool, Llama, LlamaConfig};
+use ferrotron_engine::model::{BatchShape, BufferPool, HeapPool, Llama, LlamaConfig, Recompute};
 use std::collections::HashMap;
 
 fn cfg(tie: bool, bias: bool) -> LlamaConfig {
@@ -110,9 +110,62 @@ fn lm_head_chunking_does_not_change_results() {
     assert!(err < 1e-5, "chunked head grads rel err {err:.2e}");
 }
 
+/// Recomputation rebuilds dropped activations with the forward's own kernels on the same
+/// inputs, so every policy gives the same losses and gradients, bit for bit, step after step
+/// (a few plain SGD steps, two micro-batches each).
+#[test]
+fn recompute_policies_give_bit_identical_gradients() {
+    for (tie, bias) in [(false, true), (true, false)] {
+        let base = Llama::new(cfg(tie, bias)).with_ce_chunk_tokens(16);
+        let (b, t) = (4, 20);
+        let (tokens, targets) = data(&mut Rng::new(21), b * t, 80);
+        let run = |rc: Recompute| {
+            let model = base.clone().with_recompute(rc);
+            let mut params = model.params.init(13, 0.1);
+            let mut out = Vec::new();
+            for _ in 0..3 {
+                let (g, loss) = grads_accumulated(&model, &params, &tokens, &targets, b, t, 2);
+                for (p, g) in params.iter_mut().zip(&g) {
+                    *p -= 0.5 * g;
+                }
+                out.push((g, loss));
+            }
+            out
+        };
+        let none = run(Recompute::None);
+        assert!(none[0].0.iter().any(|&g| g != 0.0));
+        assert!(none[2].1 < none[0].1, "SGD lowers the loss");
+        for rc in [Recompute::Selective, Recompute::Full] {
+            for (step, ((g, l), (g0, l0))) in run(rc).iter().zip(&none).enumerate() {
+                assert_eq!(
+                    l.to_bits(),
+                    l0.to_bits(),
+                    "{rc} step {step}: loss {l} vs {l0}"
+                );
+                let same = g.iter().zip(g0).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{rc} step {step}: gradients differ");
+            }
+        }
+    }
+}
+
 #[test]
 fn pool_sees_exactly_the_inventory() {
-    let model = Llama::new(cfg(false, true)).with_ce_chunk_tokens(16);
+    let mut peaks = Vec::new();
+    for rc in [Recompute::None, Recompute::Selective, Recompute::Full] {
+        peaks.push(pool_sees_exactly_the_inventory_with(rc));
+    }
+    // Each policy keeps less than the one before it.
+    assert!(peaks[0] > peaks[1] && peaks[1] > peaks[2], "{peaks:?}");
+}
+
+/// One training step under `rc`: every buffer is in the inventory with its size, allocated once
+/// (a `recompute.*` buffer once per layer in the forward and once in the backward) and freed.
+/// Returns the pool's peak bytes.
+fn pool_sees_exactly_the_inventory_with(rc: Recompute) -> u64 {
+    let model = Llama::new(cfg(false, true))
+        .with_ce_chunk_tokens(16)
+        .with_recompute(rc);
     let params = model.params.init(1, 0.02);
     let batch = BatchShape { b: 2, t: 12 };
     let (tokens, targets) = data(&mut Rng::new(5), batch.n(), 80);
@@ -142,8 +195,21 @@ fn pool_sees_exactly_the_inventory() {
             .get(name)
             .copied()
             .unwrap_or_else(|| panic!("{name} never allocated"));
-        assert_eq!(allocs, 1, "{name} allocated once per step");
+        let want = if name.starts_with("recompute.") {
+            2 * model.config.layers
+        } else {
+            1
+        };
+        assert_eq!(allocs, want, "{name} allocations per step under {rc}");
         assert_eq!(balance, 0, "{name} freed");
+    }
+    let workspace = inventory
+        .keys()
+        .filter(|n| n.starts_with("recompute."))
+        .count();
+    assert_eq!(workspace, [0, 3, 13][rc as usize], "{rc}");
+    if rc != Recompute::None {
+        return pool.peak_bytes;
     }
     // Peak: either the end of the forward (all layers + head buffers) or the backward once the
     // scratch exists (all layers + final-norm input/rstd/out + grad.act.resid, or all layers +
@@ -173,6 +239,7 @@ fn pool_sees_exactly_the_inventory() {
     .max()
     .unwrap();
     assert_eq!(pool.peak_bytes as usize, want * 4);
+    pool.peak_bytes
 }
 
 /// A pool that hands out NaN-filled buffers: proves no kernel reads a buffer before writing it.
@@ -186,7 +253,15 @@ impl BufferPool for PoisonPool {
 
 #[test]
 fn buffers_are_written_before_read() {
-    let model = Llama::new(cfg(false, true)).with_ce_chunk_tokens(10);
+    for rc in [Recompute::None, Recompute::Selective, Recompute::Full] {
+        written_before_read(rc);
+    }
+}
+
+fn written_before_read(rc: Recompute) {
+    let model = Llama::new(cfg(false, true))
+        .with_ce_chunk_tokens(10)
+        .with_recompute(rc);
     let params = model.params.init(2, 0.05);
     let batch = BatchShape { b: 2, t: 9 };
     let (tokens, targets) = data(&mut Rng::new(6), batch.n(), 80);

@@ -186,6 +186,9 @@ pub(crate) fn rank_elems(
 struct EdgeIds {
     persistent: Vec<BufId>,
     embedding: Vec<BufId>,
+    /// The last layer's output (ferrotron: `act.final_norm.input`), part of `head`.
+    final_input: Vec<BufId>,
+    /// The rest of `head`.
     head: Vec<BufId>,
     loss: Vec<BufId>,
     scratch_first: Vec<BufId>,
@@ -242,6 +245,10 @@ fn rank_plan(
     let mut inputs: Vec<Vec<BufId>> = Vec::new();
     let mut rests: Vec<Vec<BufId>> = Vec::new();
     let mut recompute_ids = vec![];
+    // What a layer's forward holds transiently: under the ferrotron convention the tensors the
+    // policy drops are computed into the same `recompute.*` workspace during the forward and
+    // freed once the layer's output exists (the formula conventions count only what is kept).
+    let mut forward_transient = vec![];
     let mut e = EdgeIds::default();
     if let Some(m) = spec {
         let la = layer_acts(m, r, l, conv);
@@ -262,13 +269,24 @@ fn rank_plan(
             });
         }
         recompute_ids = add_acts(&mut plan, "recompute.", &la.recompute);
+        if conv == Convention::Ferrotron {
+            forward_transient = recompute_ids.clone();
+        }
         let edge = edge_acts(m, r, l, conv);
         e.persistent = add_acts(&mut plan, "", &edge.persistent);
         if stage == 0 {
             e.embedding = add_acts(&mut plan, "", &edge.embedding);
         }
         if stage == l.pp - 1 {
-            e.head = add_acts(&mut plan, "", &edge.head);
+            // The engine writes the last layer's output straight into the final norm's input,
+            // so that buffer appears with the layer, before the layer's forward mark.
+            let (fin, head): (Vec<Act>, Vec<Act>) = edge
+                .head
+                .iter()
+                .cloned()
+                .partition(|a| a.name == "act.final_norm.input");
+            e.final_input = add_acts(&mut plan, "", &fin);
+            e.head = add_acts(&mut plan, "", &head);
             e.loss = add_acts(&mut plan, "", &edge.loss_transient);
         }
         e.scratch_first = add_acts(&mut plan, "", &edge.scratch_first);
@@ -319,16 +337,23 @@ fn rank_plan(
                     }
                     for i in layers.clone() {
                         plan.alloc(&rests[i as usize]);
+                        plan.alloc(&forward_transient);
                         if i + 1 < layers.end {
                             plan.alloc(&inputs[i as usize + 1]);
+                        } else if g == chunks - 1 {
+                            plan.alloc(&e.final_input);
                         }
                         plan.mark(
                             step,
                             Phase::Forward,
                             format!("step {step} mb {mb} forward layer {i}"),
                         );
+                        plan.free(&forward_transient);
                     }
                     if g == chunks - 1 && spec.is_some() {
+                        if layers.is_empty() {
+                            plan.alloc(&e.final_input);
+                        }
                         plan.alloc(&e.head);
                         plan.alloc(&e.loss);
                         plan.mark(step, Phase::Loss, format!("step {step} mb {mb} loss"));
@@ -347,6 +372,7 @@ fn rank_plan(
                     plan.alloc(&e.scratch_first);
                     if g == chunks - 1 {
                         plan.free(&e.head);
+                        plan.free(&e.final_input);
                     }
                     plan.alloc(&e.scratch_rest);
                     for i in (g * per_chunk..(g + 1) * per_chunk).rev() {

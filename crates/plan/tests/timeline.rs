@@ -168,3 +168,48 @@ fn tensor_and_sequence_parallelism_shard_activations() {
         "with SP every saved tensor is split"
     );
 }
+
+/// The ferrotron engine's recompute program: each layer's forward holds the dropped tensors in
+/// the `recompute.*` workspace until its output exists (the last layer's output is
+/// `act.final_norm.input`), and each layer's backward rebuilds them.
+#[test]
+fn ferrotron_recompute_workspace_lives_in_forward_and_backward() {
+    for rc in [Recompute::None, Recompute::Selective, Recompute::Full] {
+        let recipe = Recipe {
+            seq: 256,
+            mbs: 8,
+            precision: Precision::Fp32,
+            recompute: rc,
+            ..Recipe::default()
+        };
+        let r = plan(&input(
+            "ferrotron-12m",
+            recipe,
+            Layout::default(),
+            Convention::Ferrotron,
+        ))
+        .unwrap();
+        let w = r.worst();
+        let live = |label: &str| {
+            w.sweep
+                .marks
+                .iter()
+                .find(|m| m.label == label)
+                .unwrap_or_else(|| panic!("no mark {label}"))
+                .live
+        };
+        let bytes = |name: &str| w.plan.find(name).map_or(0, |b| b.bytes());
+        let n_c = 8 * 256 * 384 * 4;
+        assert_eq!(bytes("act.final_norm.input"), n_c);
+        let workspace: u64 = ["ln1_out", "ln2_out", "swiglu", "q", "gate", "ln1_rstd"]
+            .iter()
+            .map(|f| bytes(&format!("recompute.{f}")))
+            .sum();
+        assert_eq!(workspace > 0, rc != Recompute::None);
+        // Layer 5's forward adds its kept tensors and its output, like every other layer,
+        // plus the workspace, which is gone again by the next mark.
+        let step4 = live("step 1 mb 0 forward layer 4") - live("step 1 mb 0 forward layer 3");
+        let step5 = live("step 1 mb 0 forward layer 5") - live("step 1 mb 0 forward layer 4");
+        assert_eq!(step4, step5, "{rc}");
+    }
+}

@@ -2,6 +2,7 @@
 //! (`--config run.toml`, keys are the flag names with `_` for `-`); flags win over the file.
 
 use clap::Args;
+use ferrotron_plan::Recompute;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -81,6 +82,11 @@ pub struct TrainArgs {
     /// Rows of logits materialised at once by the chunked cross-entropy.
     #[arg(long, allow_negative_numbers = true)]
     pub ce_chunk: Option<u64>,
+    /// Activation recomputation: none, selective (rebuild both RMSNorm outputs and the SwiGLU
+    /// product in the backward) or full (keep each layer's input, replay its forward)
+    /// [default: none].
+    #[arg(long)]
+    pub recompute: Option<String>,
     /// Peak matmul GFLOP/s of this machine for MFU [default: measured once, cached].
     #[arg(long, allow_negative_numbers = true)]
     pub peak_gflops: Option<f64>,
@@ -135,6 +141,8 @@ pub struct TrainConfig {
     pub checkpoint_interval: u64,
     pub metrics: PathBuf,
     pub ce_chunk: u64,
+    #[serde(default = "default_recompute")]
+    pub recompute: Recompute,
     pub sample_tokens: u64,
     // Observability settings postdate the first checkpoints: defaults let those load.
     #[serde(default)]
@@ -145,6 +153,10 @@ pub struct TrainConfig {
     pub trace: Option<PathBuf>,
     #[serde(default = "default_trace_steps")]
     pub trace_steps: u64,
+}
+
+fn default_recompute() -> Recompute {
+    Recompute::None
 }
 
 fn default_timeline_steps() -> u64 {
@@ -188,7 +200,7 @@ impl TrainArgs {
             .map_err(|e| format!("{}: {}", path.display(), e.message().trim()))?;
         merge!(self, file; model, data, tokenizer, seq, mbs, grad_acc, steps, lr, min_lr_ratio,
             warmup, decay_steps, weight_decay, beta1, beta2, eps, clip, seed, threads, eval_interval,
-            eval_batches, out_dir, checkpoint_dir, checkpoint_interval, metrics, ce_chunk,
+            eval_batches, out_dir, checkpoint_dir, checkpoint_interval, metrics, ce_chunk, recompute,
             peak_gflops, sample_tokens, memory_timeline, memory_timeline_steps, trace,
             trace_steps);
         Ok(self)
@@ -205,6 +217,12 @@ impl TrainArgs {
             .clone()
             .unwrap_or_else(|| out_dir.join("memory_timeline.json"));
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get() as u64);
+        let recompute = match &self.recompute {
+            None => default_recompute(),
+            Some(r) => r
+                .parse()
+                .map_err(|_| bad("recompute", r, "expected one of none, selective, full"))?,
+        };
         let c = TrainConfig {
             model: self.model.clone().unwrap_or_else(|| "ferrotron-12m".into()),
             data: self.data.clone(),
@@ -234,6 +252,7 @@ impl TrainArgs {
             checkpoint_interval: self.checkpoint_interval.unwrap_or(0),
             out_dir,
             ce_chunk: self.ce_chunk.unwrap_or(1024),
+            recompute,
             sample_tokens: self.sample_tokens.unwrap_or(0),
             memory_timeline: Some(timeline),
             memory_timeline_steps: self

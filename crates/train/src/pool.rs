@@ -3,9 +3,11 @@
 //!
 //! It also finds the phase boundaries of a step for the measured memory timeline. The engine
 //! does not announce them, so they are read off its alloc/free events exactly where the planner
-//! (`ferrotron_plan::planner::rank_plan`) places its marks: a layer's forward ends when the next
-//! layer's input exists, the loss when the LM head's transient buffers go, a layer's backward
-//! when its last saved buffer is freed.
+//! (`ferrotron_plan::planner::rank_plan`) places its marks: a layer's forward ends when its
+//! output exists (the next layer's input, or the final norm's input for the last layer), with
+//! the layer's `recompute.*` workspace still live; the loss when the LM head's transient buffers
+//! go; a layer's backward when its last saved buffer is freed (its `input`, after every
+//! `recompute.*` buffer of that backward).
 
 use crate::alloc;
 use ferrotron_engine::model::{BufName, BufferPool};
@@ -139,9 +141,8 @@ impl PlanPool {
             return;
         }
         match (name.layer, name.name) {
-            // The last layer's output is the head's `act.final_norm.input`, which the plan
-            // allocates after the layer's mark: sample before it exists.
-            (None, "act.final_norm.input") if before && t.layers > 0 => {
+            // The last layer's output is the head's `act.final_norm.input`.
+            (None, "act.final_norm.input") if !before && t.layers > 0 => {
                 t.push(
                     Point::Forward {
                         layer: t.layers as u32 - 1,

@@ -87,6 +87,12 @@ fn resume_config(args: &TrainArgs, saved: &TrainConfig) -> Result<TrainConfig> {
     if let Some(v) = args.sample_tokens {
         c.sample_tokens = v;
     }
+    // Recomputation changes memory and time, not the numbers: a resumed run may change it.
+    if let Some(v) = &args.recompute {
+        c.recompute = v.parse().map_err(|_| {
+            anyhow::anyhow!("recompute = {v}: expected one of none, selective, full")
+        })?;
+    }
     Ok(c)
 }
 

@@ -55,7 +55,33 @@ pub fn llama_config(spec: &ModelSpec) -> Result<LlamaConfig> {
     Ok(cfg)
 }
 
-/// The planner input describing this trainer's own run: one rank, fp32, AdamW, no recompute.
+/// The engine's recompute policy for the planner's (the same definitions, see
+/// `ferrotron_engine::model::recompute`).
+pub fn engine_recompute(r: Recompute) -> ferrotron_engine::model::Recompute {
+    match r {
+        Recompute::None => ferrotron_engine::model::Recompute::None,
+        Recompute::Selective => ferrotron_engine::model::Recompute::Selective,
+        Recompute::Full => ferrotron_engine::model::Recompute::Full,
+    }
+}
+
+/// Matmul FLOPs per token that recomputation adds to a training step (for HFU). Convention:
+/// full replays each layer's forward, i.e. the forward FLOPs of the layers (the model's forward
+/// FLOPs without the LM head's 2·V·h, which the fused head never replays); selective rebuilds
+/// only elementwise tensors (two RMSNorms and the SwiGLU product), counted as 0 like every
+/// non-matmul operation in the FLOP convention of `ferrotron_plan::flops`.
+pub fn recompute_flops_per_token(spec: &ModelSpec, seq: u64, r: Recompute) -> f64 {
+    match r {
+        Recompute::None | Recompute::Selective => 0.0,
+        Recompute::Full => {
+            ferrotron_plan::flops::forward_flops_per_token(spec, seq)
+                - 2.0 * (spec.vocab * spec.hidden) as f64
+        }
+    }
+}
+
+/// The planner input describing this trainer's own run: one rank, fp32, AdamW, the run's
+/// recompute policy.
 /// The overhead term is the kernel library's measured workspace (`workspace::measure`); a CPU
 /// process has no device context and no caching allocator to budget for.
 pub fn plan_input(spec: &ModelSpec, c: &TrainConfig, kernel_workspace: u64) -> PlanInput {
@@ -67,7 +93,7 @@ pub fn plan_input(spec: &ModelSpec, c: &TrainConfig, kernel_workspace: u64) -> P
             grad_acc: c.grad_acc,
             precision: Precision::Fp32,
             optimizer: Optimizer::Adamw,
-            recompute: Recompute::None,
+            recompute: c.recompute,
             ce_chunk_tokens: c.ce_chunk,
         },
         layout: Layout::default(),

@@ -8,7 +8,7 @@ use crate::data::{Loader, ValLoader};
 use crate::lr::LrSchedule;
 use crate::metrics::StepMetrics;
 use crate::pool::{PlanPool, Point, Running, Sample, Timeline};
-use crate::setup::checked_plan;
+use crate::setup::{checked_plan, engine_recompute, recompute_flops_per_token};
 use crate::trace::{Event, Tracing};
 use crate::workspace;
 use anyhow::Result;
@@ -49,6 +49,8 @@ pub struct Trainer {
     /// Planned peak of a step without and with optimizer states present (steps 1 and 2).
     planned_peak: [u64; 2],
     pub flops_per_token: f64,
+    /// Hardware FLOPs per token: model FLOPs plus what recomputation replays (HFU).
+    pub hw_flops_per_token: f64,
     /// FLOP/s the machine reaches on matmuls (the MFU denominator).
     pub peak_flops: f64,
     /// Live heap bytes before the model existed: the tokenizer, data index and runtime, which
@@ -123,7 +125,9 @@ impl Trainer {
         if let Some(t) = &mut timeline {
             t.set_baseline(baseline);
         }
-        let model = Llama::new(llama).with_ce_chunk_tokens(cfg.ce_chunk as usize);
+        let model = Llama::new(llama)
+            .with_ce_chunk_tokens(cfg.ce_chunk as usize)
+            .with_recompute(engine_recompute(cfg.recompute));
         let plan = checked_plan(&spec, &model, &cfg, kernel_workspace)?;
         // Initialisation of HF Llama: N(0, 0.02²) matrices, unit norms, zero biases.
         let params = model.params.init(cfg.seed, 0.02);
@@ -140,6 +144,8 @@ impl Trainer {
             total_steps: cfg.decay_steps,
         };
         let flops_per_token = model_flops_per_token(&spec, cfg.seq);
+        let hw_flops_per_token =
+            flops_per_token + recompute_flops_per_token(&spec, cfg.seq, cfg.recompute);
         let mut t = Trainer {
             planned_peak: step_peaks(&plan),
             plan,
@@ -157,6 +163,7 @@ impl Trainer {
             decay,
             schedule,
             flops_per_token,
+            hw_flops_per_token,
             peak_flops: peak_gflops * 1e9,
             baseline,
             params,
@@ -279,8 +286,8 @@ impl Trainer {
                 grad_norm,
                 tokens_per_s: tps,
                 mfu,
-                // No recomputation yet, so hardware FLOPs equal model FLOPs.
-                hfu: mfu,
+                // HFU counts the recomputed FLOPs, MFU does not.
+                hfu: tps * self.hw_flops_per_token / self.peak_flops,
                 step_ms: secs * 1e3,
                 mem_peak_measured: alloc::peak().saturating_sub(self.baseline),
                 mem_peak_planned: planned,

@@ -1,5 +1,5 @@
-//! Planned vs measured peak memory of real training steps (the only test in this binary, so no
-//! other test's allocations are counted).
+//! Planned vs measured peak memory of real training steps, for each recompute policy (the only
+//! test in this binary, so no other test's allocations are counted).
 //!
 //! Measured = the process's peak live heap bytes during a step minus the baseline taken before
 //! the model existed (tokenizer, data index, thread pool: fixed costs of the process that the
@@ -14,28 +14,49 @@ use ferrotron_train::run::run;
 #[global_allocator]
 static A: Tracking = Tracking;
 
+/// Every recompute policy, one after the other (one test: the allocator counts all threads).
 #[test]
 fn default_model_planned_vs_measured_within_one_percent() {
     assert!(
         installed(),
         "the tracking allocator must be the global allocator here"
     );
-    let out = common::tmp("memory");
+    let mut peaks = Vec::new();
+    for rc in ["none", "selective", "full"] {
+        peaks.push(policy(rc));
+    }
+    // Each policy keeps less than the one before it: planned and measured.
+    for w in peaks.windows(2) {
+        assert!(w[0].0 > w[1].0 && w[0].1 > w[1].1, "{peaks:?}");
+    }
+}
+
+/// Runs 2 steps under `rc`; returns the (planned, measured) peak of step 2.
+fn policy(rc: &str) -> (u64, u64) {
+    let out = common::tmp(&format!("memory-{rc}"));
     let args = TrainArgs {
         data: Some(common::shards().to_path_buf()),
         steps: Some(2),
         eval_interval: Some(0),
         out_dir: Some(out.clone()),
         peak_gflops: Some(100.0),
+        recompute: Some(rc.into()),
         quiet: true,
         ..TrainArgs::default()
     };
     let s = run(args).unwrap();
     for m in &s.steps {
         let ratio = m.mem_peak_measured as f64 / m.mem_peak_planned as f64;
+        eprintln!(
+            "{rc} step {}: planned {} measured {} ({:+.3}%)",
+            m.step,
+            m.mem_peak_planned,
+            m.mem_peak_measured,
+            (ratio - 1.0) * 100.0
+        );
         assert!(
             (ratio - 1.0).abs() < 0.01,
-            "step {}: measured {} planned {} ({ratio})",
+            "{rc} step {}: measured {} planned {} ({ratio})",
             m.step,
             m.mem_peak_measured,
             m.mem_peak_planned
@@ -50,6 +71,7 @@ fn default_model_planned_vs_measured_within_one_percent() {
     let grew = b.mem_peak_measured as f64 - a.mem_peak_measured as f64;
     assert!(
         (grew / adam as f64 - 1.0).abs() < 0.01,
-        "measured growth {grew} vs Adam {adam}"
+        "{rc}: measured growth {grew} vs Adam {adam}"
     );
+    (b.mem_peak_planned, b.mem_peak_measured)
 }

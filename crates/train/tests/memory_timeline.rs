@@ -11,26 +11,27 @@ use ferrotron_train::timeline::TimelineFile;
 #[global_allocator]
 static A: Tracking = Tracking;
 
-#[test]
-fn default_model_timeline_matches_plan_at_every_mark() {
-    assert!(installed(), "the tracking allocator must be installed here");
-    let out = common::tmp("timeline");
+/// Trains the default model `steps` steps under recompute policy `rc`; returns the timeline
+/// (written by default into OUT_DIR, for the first 2 steps) and OUT_DIR, after checking every
+/// point against the plan.
+fn timeline(rc: &str, steps: u64) -> (TimelineFile, std::path::PathBuf) {
+    let out = common::tmp(&format!("timeline-{rc}"));
     let args = TrainArgs {
         data: Some(common::shards().to_path_buf()),
-        steps: Some(3),
+        steps: Some(steps),
         eval_interval: Some(0),
         out_dir: Some(out.clone()),
         peak_gflops: Some(100.0),
+        recompute: Some(rc.into()),
         quiet: true,
         ..TrainArgs::default()
     };
     run(args).unwrap();
-    // Written by default into OUT_DIR, for the first 2 steps.
     let text = std::fs::read_to_string(out.join("memory_timeline.json")).unwrap();
     let t: TimelineFile = serde_json::from_str(&text).unwrap();
     for p in &t.points {
         eprintln!(
-            "{:<40} measured {:>11} planned {:>11} {:+.4}%",
+            "{rc:<9} {:<40} measured {:>11} planned {:>11} {:+.4}%",
             p.label,
             p.measured,
             p.planned,
@@ -39,7 +40,26 @@ fn default_model_timeline_matches_plan_at_every_mark() {
     }
     // ferrotron-12m has 6 layers; one micro-batch: init, gradients, then per step 6 forward
     // marks, the loss, 6 backward marks and the optimizer.
-    assert_eq!(t.points.len(), 1 + 1 + 2 * 14, "{:#?}", t.points);
+    assert_eq!(t.points.len(), 1 + 1 + 2 * 14, "{rc}: {:#?}", t.points);
+    for p in &t.points {
+        assert!(
+            p.deviation.abs() < 0.01,
+            "{rc} {}: measured {} planned {} ({:+.3}%)",
+            p.label,
+            p.measured,
+            p.planned,
+            p.deviation * 100.0
+        );
+    }
+    assert!(t.max_abs_deviation < 0.01);
+    (t, out)
+}
+
+/// Every recompute policy in one test (the tracking allocator counts all threads).
+#[test]
+fn default_model_timeline_matches_plan_at_every_mark() {
+    assert!(installed(), "the tracking allocator must be installed here");
+    let (t, out) = timeline("none", 3);
     let labels: Vec<&str> = t.points.iter().map(|p| p.label.as_str()).collect();
     for want in [
         "model init",
@@ -55,17 +75,6 @@ fn default_model_timeline_matches_plan_at_every_mark() {
     ] {
         assert!(labels.contains(&want), "no point `{want}` in {labels:?}");
     }
-    for p in &t.points {
-        assert!(
-            p.deviation.abs() < 0.01,
-            "{}: measured {} planned {} ({:+.3}%)",
-            p.label,
-            p.measured,
-            p.planned,
-            p.deviation * 100.0
-        );
-    }
-    assert!(t.max_abs_deviation < 0.01);
     // Step 2 carries the Adam states the first optimizer step created: 2 × 4 bytes per
     // parameter (12,587,904 of them), at the same point of the step, in plan and measurement.
     let at = |l: &str| t.points.iter().find(|p| p.label == l).unwrap();
@@ -90,4 +99,20 @@ fn default_model_timeline_matches_plan_at_every_mark() {
     let plan: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("plan.json")).unwrap()).unwrap();
     assert!(plan["rank"]["sweep"]["marks"].as_array().unwrap().len() > 20);
+
+    // Selective and full recomputation: the same points, each within 1% of the plan, and at
+    // the end of the forward each policy holds less than the one before it.
+    let end = |t: &TimelineFile| {
+        let p = t
+            .points
+            .iter()
+            .find(|p| p.label == "step 2 mb 0 forward layer 5")
+            .unwrap();
+        (p.planned, p.measured)
+    };
+    let (sel, _) = timeline("selective", 2);
+    let (full, _) = timeline("full", 2);
+    let (a, b, c) = (end(&t), end(&sel), end(&full));
+    assert!(a.0 > b.0 && b.0 > c.0, "planned {a:?} {b:?} {c:?}");
+    assert!(a.1 > b.1 && b.1 > c.1, "measured {a:?} {b:?} {c:?}");
 }

@@ -72,6 +72,34 @@ fn gradient_accumulation_equals_one_big_batch() {
 }
 
 #[test]
+fn recompute_policies_train_bit_identically() {
+    // Recomputation changes memory and time, not the numbers: same losses and gradient norms,
+    // bit for bit. HFU counts the replayed forward of full recomputation; MFU does not.
+    let run_rc = |rc: &str| {
+        let out = tmp(&format!("rc-{rc}"));
+        let mut a = tiny_args(&out, 4);
+        a.recompute = Some(rc.into());
+        run(a).unwrap().steps
+    };
+    let none = run_rc("none");
+    for rc in ["selective", "full"] {
+        let s = run_rc(rc);
+        for (x, y) in none.iter().zip(&s) {
+            assert_eq!(x.loss.to_bits(), y.loss.to_bits(), "{rc} step {}", x.step);
+            assert_eq!(x.grad_norm.to_bits(), y.grad_norm.to_bits(), "{rc}");
+            if rc == "full" {
+                let r = y.hfu / y.mfu;
+                // The layers' forward: a third of the model FLOPs less the LM head's share
+                // (most of this tiny model's FLOPs).
+                assert!(r > 1.01 && r < 4.0 / 3.0, "hfu/mfu {r}");
+            } else {
+                assert_eq!(y.hfu, y.mfu);
+            }
+        }
+    }
+}
+
+#[test]
 fn resume_is_bit_identical() {
     let (straight, split) = (tmp("straight"), tmp("split"));
     let full = losses(tiny_args(&straight, 20));
@@ -158,6 +186,13 @@ fn bad_input_is_one_clear_error() {
     let mut a = tiny_args(&out, 1);
     a.steps = Some(0);
     assert_eq!(error(a), "steps = 0: must be a positive integer");
+    // An unknown recompute policy.
+    let mut a = tiny_args(&out, 1);
+    a.recompute = Some("some".into());
+    assert_eq!(
+        error(a),
+        "recompute = some: expected one of none, selective, full"
+    );
     // Not a model this engine trains.
     let mut a = tiny_args(&out, 1);
     a.model = Some("gpt2".into());

@@ -32,8 +32,9 @@ impl LossSum {
     }
 }
 
-/// Saved activations of one decoder layer (sizes in the module docs of the plan).
-#[derive(Debug)]
+/// Activations of one decoder layer (sizes in the module docs of the plan). Between forward and
+/// backward a tensor the recompute policy drops is an empty `Vec` (no allocation).
+#[derive(Debug, Default)]
 pub struct LayerActs {
     /// Residual stream entering the layer `[N, C]`.
     pub input: Vec<f32>,
@@ -53,6 +54,29 @@ pub struct LayerActs {
     pub gate: Vec<f32>,
     pub up: Vec<f32>,
     pub swiglu: Vec<f32>,
+}
+
+impl LayerActs {
+    /// The tensor named `field` (one of [`super::recompute::LAYER_FIELDS`]).
+    pub fn field_mut(&mut self, field: &str) -> &mut Vec<f32> {
+        match field {
+            "input" => &mut self.input,
+            "ln1_rstd" => &mut self.ln1_rstd,
+            "ln1_out" => &mut self.ln1_out,
+            "q" => &mut self.q,
+            "k" => &mut self.k,
+            "v" => &mut self.v,
+            "attn_lse" => &mut self.attn_lse,
+            "attn_out" => &mut self.attn_out,
+            "resid_mid" => &mut self.resid_mid,
+            "ln2_rstd" => &mut self.ln2_rstd,
+            "ln2_out" => &mut self.ln2_out,
+            "gate" => &mut self.gate,
+            "up" => &mut self.up,
+            "swiglu" => &mut self.swiglu,
+            _ => panic!("no layer tensor `{field}`"),
+        }
+    }
 }
 
 /// Everything the training forward leaves for the backward.

@@ -9,7 +9,9 @@
 //! then `model.norm` and the LM head. Activations are the named buffers of the memory plan
 //! (`act.layers.{i}.<name>`, `act.final_norm.*`, `act.logits_chunk`, `act.losses`, and the
 //! backward scratch `grad.act.*`), requested from a [`BufferPool`] when first written and
-//! returned as soon as the backward has consumed them.
+//! returned as soon as the backward has consumed them. Under a recompute policy
+//! ([`super::recompute`]) the tensors it drops live in the shared `recompute.*` workspace: during
+//! the forward until the layer's output exists, and again during the layer's backward, rebuilt.
 //!
 //! The LM head is fused llm.c style: during the training forward each chunk of
 //! `ce_chunk_tokens` rows goes matmul → softmax/cross-entropy (gradient written in place into
@@ -23,6 +25,7 @@ use super::activations::{Activations, BatchShape, GradScratch, LayerActs, LossSu
 use super::buffers::{BufName, BufferPool};
 use super::config::LlamaConfig;
 use super::params::{LayerIdx, ParamTable};
+use super::recompute::{workspace_name, Recompute, LAYER_FIELDS};
 use crate::kernels::{
     Accum, AttnShape, CeShape, Kernels, MatmulShape, NormShape, RopeShape, RopeTable,
 };
@@ -40,6 +43,8 @@ pub struct Llama {
     pub rope: RopeTable,
     /// Rows per LM-head chunk (`act.logits_chunk` is `[min(N, ce_chunk_tokens), V]`).
     pub ce_chunk_tokens: usize,
+    /// Which layer activations the training forward keeps (see [`super::recompute`]).
+    pub recompute: Recompute,
 }
 
 /// Mutable views of two disjoint ranges of one buffer (a weight grad and its bias grad).
@@ -87,6 +92,37 @@ impl Llama {
             params,
             rope,
             ce_chunk_tokens: DEFAULT_CE_CHUNK_TOKENS,
+            recompute: Recompute::None,
+        }
+    }
+
+    pub fn with_recompute(mut self, recompute: Recompute) -> Self {
+        self.recompute = recompute;
+        self
+    }
+
+    /// Buffer of layer `i`'s tensor `field`: `act.layers.{i}.<field>` when the policy keeps it,
+    /// else the shared workspace `recompute.<field>`.
+    fn slot(&self, i: usize, field: &'static str) -> BufName {
+        if self.recompute.keeps(field) {
+            BufName::layer(i, field)
+        } else {
+            BufName::global(workspace_name(field))
+        }
+    }
+
+    /// Elements of layer tensor `field` for a batch.
+    fn field_len(&self, field: &str, batch: BatchShape) -> usize {
+        let cfg = &self.config;
+        let (n, c, f) = (batch.n(), cfg.hidden, cfg.intermediate);
+        match field {
+            "input" | "ln1_out" | "resid_mid" | "ln2_out" => n * c,
+            "ln1_rstd" | "ln2_rstd" => n,
+            "q" | "attn_out" => n * cfg.q_dim(),
+            "k" | "v" => n * cfg.kv_dim(),
+            "attn_lse" => batch.b * cfg.heads * batch.t,
+            "gate" | "up" | "swiglu" => n * f,
+            _ => panic!("no layer tensor `{field}`"),
         }
     }
 
@@ -101,8 +137,9 @@ impl Llama {
         self.params.total
     }
 
-    /// Every buffer name and element count the model requests for a batch, in first-use
-    /// order: per-layer activations, the head buffers, then the backward scratch.
+    /// Every buffer name and element count the model requests for a batch: the per-layer
+    /// activations the recompute policy keeps, the `recompute.*` workspace of the ones it drops
+    /// (one set for all layers), the head buffers, then the backward scratch.
     pub fn activation_inventory(&self, batch: BatchShape) -> Vec<(String, usize)> {
         let (n, c) = (batch.n(), self.config.hidden);
         let (qd, kvd, f) = (
@@ -110,27 +147,20 @@ impl Llama {
             self.config.kv_dim(),
             self.config.intermediate,
         );
-        let hl = batch.b * self.config.heads * batch.t;
         let mut v = Vec::new();
         for i in 0..self.config.layers {
-            for (name, len) in [
-                ("input", n * c),
-                ("ln1_rstd", n),
-                ("ln1_out", n * c),
-                ("q", n * qd),
-                ("k", n * kvd),
-                ("v", n * kvd),
-                ("attn_lse", hl),
-                ("attn_out", n * qd),
-                ("resid_mid", n * c),
-                ("ln2_rstd", n),
-                ("ln2_out", n * c),
-                ("gate", n * f),
-                ("up", n * f),
-                ("swiglu", n * f),
-            ] {
-                v.push((BufName::layer(i, name).to_string(), len));
+            for name in LAYER_FIELDS.into_iter().filter(|f| self.recompute.keeps(f)) {
+                v.push((
+                    BufName::layer(i, name).to_string(),
+                    self.field_len(name, batch),
+                ));
             }
+        }
+        for name in self.recompute.dropped() {
+            v.push((
+                workspace_name(name).to_string(),
+                self.field_len(name, batch),
+            ));
         }
         let chunk = n.min(self.ce_chunk_tokens);
         for (name, len) in [
@@ -196,7 +226,8 @@ impl Llama {
         }
     }
 
-    /// One decoder layer; returns its saved activations and its output (the next residual).
+    /// One decoder layer; returns its saved activations (the dropped ones already returned to
+    /// the pool) and its output (the next residual).
     fn layer_forward(
         &self,
         k: &dyn Kernels,
@@ -206,11 +237,34 @@ impl Llama {
         batch: BatchShape,
         input: Vec<f32>,
     ) -> (LayerActs, Vec<f32>) {
+        let (mut acts, out) = self.layer_body(k, pool, params, i, batch, input, true);
+        // The workspace of the dropped tensors goes once the output exists.
+        for field in self.recompute.dropped() {
+            let buf = std::mem::take(acts.field_mut(field));
+            pool.free(self.slot(i, field), buf);
+        }
+        (acts, out.expect("layer output"))
+    }
+
+    /// The layer's forward computation. Every tensor goes to its [`Llama::slot`]. With
+    /// `output = false` (the replay of full recomputation) the output projection into the
+    /// residual stream is skipped: the backward needs every tensor but the output.
+    #[allow(clippy::too_many_arguments)]
+    fn layer_body(
+        &self,
+        k: &dyn Kernels,
+        pool: &mut dyn BufferPool,
+        params: &[f32],
+        i: usize,
+        batch: BatchShape,
+        input: Vec<f32>,
+        output: bool,
+    ) -> (LayerActs, Option<Vec<f32>>) {
         let cfg = &self.config;
         let li: &LayerIdx = &self.params.layers[i];
         let (n, c, f) = (batch.n(), cfg.hidden, cfg.intermediate);
         let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
-        let name = |s| BufName::layer(i, s);
+        let name = |s| self.slot(i, s);
         let p = |r: &Range<usize>| &params[r.clone()];
         let lin = |inf, outf| MatmulShape {
             n,
@@ -309,9 +363,12 @@ impl Llama {
         );
         let mut swiglu = pool.alloc(name("swiglu"), n * f);
         k.swiglu_forward(&gate, &up, &mut swiglu);
-        let mut out = pool.alloc(self.output_name(i), n * c);
-        k.copy(&resid_mid, &mut out);
-        k.matmul_forward(lin(f, c), &swiglu, p(&li.wd), None, &mut out, Accum::Add);
+        let out = output.then(|| {
+            let mut out = pool.alloc(self.output_name(i), n * c);
+            k.copy(&resid_mid, &mut out);
+            k.matmul_forward(lin(f, c), &swiglu, p(&li.wd), None, &mut out, Accum::Add);
+            out
+        });
 
         let acts = LayerActs {
             input,
@@ -342,23 +399,59 @@ impl Llama {
         }
     }
 
-    /// Returns every buffer of a layer to the pool (used by the no-grad forwards).
-    fn free_layer(pool: &mut dyn BufferPool, i: usize, a: LayerActs) {
-        let n = |s| BufName::layer(i, s);
-        pool.free(n("input"), a.input);
-        pool.free(n("ln1_rstd"), a.ln1_rstd);
-        pool.free(n("ln1_out"), a.ln1_out);
-        pool.free(n("q"), a.q);
-        pool.free(n("k"), a.k);
-        pool.free(n("v"), a.v);
-        pool.free(n("attn_lse"), a.attn_lse);
-        pool.free(n("attn_out"), a.attn_out);
-        pool.free(n("resid_mid"), a.resid_mid);
-        pool.free(n("ln2_rstd"), a.ln2_rstd);
-        pool.free(n("ln2_out"), a.ln2_out);
-        pool.free(n("gate"), a.gate);
-        pool.free(n("up"), a.up);
-        pool.free(n("swiglu"), a.swiglu);
+    /// Returns every kept buffer of a layer to the pool (used by the no-grad forwards).
+    fn free_layer(&self, pool: &mut dyn BufferPool, i: usize, mut a: LayerActs) {
+        for field in LAYER_FIELDS.into_iter().filter(|f| self.recompute.keeps(f)) {
+            let buf = std::mem::take(a.field_mut(field));
+            pool.free(BufName::layer(i, field), buf);
+        }
+    }
+
+    /// Rebuilds the tensors the policy dropped from layer `i`'s activations, into the
+    /// `recompute.*` workspace, at the start of the layer's backward (allocated in
+    /// [`LAYER_FIELDS`] order, as the plan does). Same kernels on the same inputs as the
+    /// forward, so the same bits.
+    fn rebuild(
+        &self,
+        k: &dyn Kernels,
+        pool: &mut dyn BufferPool,
+        params: &[f32],
+        i: usize,
+        batch: BatchShape,
+        a: LayerActs,
+    ) -> LayerActs {
+        match self.recompute {
+            Recompute::None => a,
+            Recompute::Full => self.layer_body(k, pool, params, i, batch, a.input, false).0,
+            Recompute::Selective => {
+                let mut a = a;
+                let li: &LayerIdx = &self.params.layers[i];
+                let n = batch.n();
+                let (c, f) = (self.config.hidden, self.config.intermediate);
+                let p = |r: &Range<usize>| &params[r.clone()];
+                // The norm kernel recomputes rstd along with the output; it rewrites the kept
+                // rstd with the same value (same input, same reduction order).
+                a.ln1_out = pool.alloc(self.slot(i, "ln1_out"), n * c);
+                k.rmsnorm_forward(
+                    self.norm(n),
+                    &a.input,
+                    p(&li.ln1),
+                    &mut a.ln1_out,
+                    &mut a.ln1_rstd,
+                );
+                a.ln2_out = pool.alloc(self.slot(i, "ln2_out"), n * c);
+                k.rmsnorm_forward(
+                    self.norm(n),
+                    &a.resid_mid,
+                    p(&li.ln2),
+                    &mut a.ln2_out,
+                    &mut a.ln2_rstd,
+                );
+                a.swiglu = pool.alloc(self.slot(i, "swiglu"), n * f);
+                k.swiglu_forward(&a.gate, &a.up, &mut a.swiglu);
+                a
+            }
+        }
     }
 
     /// Final norm + chunked LM head + cross-entropy. With `grad = Some((grads, scale))` the
@@ -519,6 +612,7 @@ impl Llama {
         };
         while let Some(a) = layers.pop() {
             let i = layers.len();
+            let a = self.rebuild(k, pool, params, i, batch, a);
             self.layer_backward(k, pool, params, grads, i, batch, a, &mut sc);
         }
         k.embedding_backward(tokens, &sc.resid, c, &mut grads[self.params.embed.clone()]);
@@ -533,7 +627,10 @@ impl Llama {
         pool.free(g("grad.act.swiglu"), sc.swiglu);
     }
 
-    /// Backward of one layer. On entry `sc.resid` = d(layer output); on exit d(layer input).
+    /// Backward of one layer (every tensor present: [`Llama::rebuild`] ran). On entry
+    /// `sc.resid` = d(layer output); on exit d(layer input). Each buffer goes back to the pool
+    /// once consumed; `input` goes last, so every `recompute.*` buffer is gone when the
+    /// layer's last saved buffer is (the plan's backward mark).
     #[allow(clippy::too_many_arguments)]
     fn layer_backward(
         &self,
@@ -550,7 +647,7 @@ impl Llama {
         let li: &LayerIdx = &self.params.layers[i];
         let (n, c, f) = (batch.n(), cfg.hidden, cfg.intermediate);
         let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
-        let name = |s| BufName::layer(i, s);
+        let name = |s| self.slot(i, s);
         let p = |r: &Range<usize>| &params[r.clone()];
         let lin = |inf, outf| MatmulShape {
             n,
@@ -677,8 +774,8 @@ impl Llama {
             Accum::Add,
             &mut grads[li.ln1.clone()],
         );
-        pool.free(name("input"), a.input);
         pool.free(name("ln1_rstd"), a.ln1_rstd);
+        pool.free(name("input"), a.input);
     }
 
     /// Evaluation forward (no gradients): loss sum over the batch; layer activations are
@@ -804,7 +901,7 @@ impl Llama {
         let mut x = self.embed(k, pool, params, tokens);
         for i in 0..self.config.layers {
             let (acts, out) = self.layer_forward(k, pool, params, i, batch, x);
-            Self::free_layer(pool, i, acts);
+            self.free_layer(pool, i, acts);
             x = out;
         }
         x

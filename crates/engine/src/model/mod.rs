@@ -5,9 +5,11 @@ pub mod buffers;
 pub mod config;
 pub mod llama;
 pub mod params;
+pub mod recompute;
 
 pub use activations::{Activations, BatchShape, LayerActs, LossSum};
 pub use buffers::{BufName, BufferPool, HeapPool, PoolEvent};
 pub use config::{LlamaConfig, ModelError};
 pub use llama::{Llama, DEFAULT_CE_CHUNK_TOKENS};
 pub use params::{LayerIdx, ParamTable, TensorEntry};
+pub use recompute::Recompute;
