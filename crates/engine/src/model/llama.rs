@@ -820,31 +820,8 @@ impl Llama {
             last[s * c..(s + 1) * c].copy_from_slice(&x[row..row + c]);
         }
         pool.free(BufName::global("act.final_norm.input"), x);
-        let mut rstd = pool.alloc(BufName::global("act.final_norm.rstd"), b);
-        let mut out = pool.alloc(BufName::global("act.final_norm.out"), b * c);
-        k.rmsnorm_forward(
-            self.norm(b),
-            &last,
-            &params[self.params.norm.clone()],
-            &mut out,
-            &mut rstd,
-        );
-        let s = MatmulShape {
-            n: b,
-            in_features: c,
-            out_features: vocab,
-        };
-        k.matmul_forward(
-            s,
-            &out,
-            &params[self.params.lm_head.clone()],
-            None,
-            logits,
-            Accum::Overwrite,
-        );
+        self.logits_of(k, pool, params, &last, logits);
         pool.free(BufName::global("act.last_hidden"), last);
-        pool.free(BufName::global("act.final_norm.rstd"), rstd);
-        pool.free(BufName::global("act.final_norm.out"), out);
     }
 
     /// Inference forward returning the logits of every position, `[N, V]` (tests, eval tools;
@@ -859,22 +836,40 @@ impl Llama {
         logits: &mut [f32],
     ) {
         self.check_batch(params, batch, tokens);
-        let (n, c, vocab) = (batch.n(), self.config.hidden, self.config.vocab);
-        assert_eq!(logits.len(), n * vocab, "logits must be [B·T, V]");
+        assert_eq!(
+            logits.len(),
+            batch.n() * self.config.vocab,
+            "logits must be [B·T, V]"
+        );
         let x = self.trunk_no_grad(k, pool, params, batch, tokens);
-        let mut rstd = pool.alloc(BufName::global("act.final_norm.rstd"), n);
-        let mut out = pool.alloc(BufName::global("act.final_norm.out"), n * c);
+        self.logits_of(k, pool, params, &x, logits);
+        pool.free(BufName::global("act.final_norm.input"), x);
+    }
+
+    /// Final norm and LM head over `hidden` rows `[rows, C]` into `logits` `[rows, V]`.
+    fn logits_of(
+        &self,
+        k: &dyn Kernels,
+        pool: &mut dyn BufferPool,
+        params: &[f32],
+        hidden: &[f32],
+        logits: &mut [f32],
+    ) {
+        let c = self.config.hidden;
+        let rows = hidden.len() / c;
+        let mut rstd = pool.alloc(BufName::global("act.final_norm.rstd"), rows);
+        let mut out = pool.alloc(BufName::global("act.final_norm.out"), rows * c);
         k.rmsnorm_forward(
-            self.norm(n),
-            &x,
+            self.norm(rows),
+            hidden,
             &params[self.params.norm.clone()],
             &mut out,
             &mut rstd,
         );
         let s = MatmulShape {
-            n,
+            n: rows,
             in_features: c,
-            out_features: vocab,
+            out_features: self.config.vocab,
         };
         k.matmul_forward(
             s,
@@ -884,7 +879,6 @@ impl Llama {
             logits,
             Accum::Overwrite,
         );
-        pool.free(BufName::global("act.final_norm.input"), x);
         pool.free(BufName::global("act.final_norm.rstd"), rstd);
         pool.free(BufName::global("act.final_norm.out"), out);
     }
