@@ -16,6 +16,7 @@ mod common;
 use common::rel_err;
 use ferrotron_engine::kernels::{AdamWParams, CpuKernels, Kernels, IGNORE_INDEX};
 use ferrotron_engine::model::{BatchShape, HeapPool, Llama, LlamaConfig};
+use ferrotron_plan::ModelSpec;
 use safetensors::{Dtype, SafeTensors};
 use std::path::{Path, PathBuf};
 
@@ -94,8 +95,14 @@ struct Fixture {
 
 fn load(name: &str) -> Fixture {
     let dir = fixture_dir(name);
-    let cfg =
-        LlamaConfig::from_hf_json(&String::from_utf8(read(&dir, "config.json")).unwrap()).unwrap();
+    let cfg = LlamaConfig::from_spec(
+        &ModelSpec::from_json_str(
+            &String::from_utf8(read(&dir, "config.json")).unwrap(),
+            "config.json",
+        )
+        .unwrap(),
+    )
+    .unwrap();
     // Small chunks so the fused LM head runs several chunks, including a ragged last one.
     let model = Llama::new(cfg).with_ce_chunk_tokens(12);
     let params = load_params(&model, &read(&dir, "params.safetensors"));

@@ -194,11 +194,7 @@ fn llama_layer(m: &ModelSpec, r: &Recipe, d: &Dims) -> LayerActs {
             all.push(act("swiglu", gemm_in, routed * f));
         }
     }
-    split_policy(
-        all,
-        r.recompute,
-        &["ln1_out", "ln2_out", "swiglu", "expert_in"],
-    )
+    split_policy(all, r.recompute)
 }
 
 /// GPT-2 block as the ferrotron engine would hold it (LayerNorm saves mean and rstd).
@@ -219,17 +215,13 @@ fn gpt2_layer(m: &ModelSpec, r: &Recipe, d: &Dims) -> LayerActs {
         act("fc", st, n * f),
         act("gelu", st, n * f),
     ];
-    split_policy(all, r.recompute, &["ln1_out", "ln2_out", "gelu"])
+    split_policy(all, r.recompute)
 }
 
 /// Splits a layer's full inventory into saved and recomputed parts for a policy.
-fn split_policy(all: Vec<Act>, rc: Recompute, cheap: &[&str]) -> LayerActs {
-    let keep = |a: &Act| match rc {
-        Recompute::None => true,
-        Recompute::Selective => !cheap.contains(&a.name),
-        Recompute::Full => a.name == "input",
-    };
-    let (saved, mut recompute): (Vec<Act>, Vec<Act>) = all.into_iter().partition(keep);
+fn split_policy(all: Vec<Act>, rc: Recompute) -> LayerActs {
+    let (saved, mut recompute): (Vec<Act>, Vec<Act>) =
+        all.into_iter().partition(|a| rc.keeps(a.name));
     for a in &mut recompute {
         a.category = Category::Workspace;
     }

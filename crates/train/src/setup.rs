@@ -6,7 +6,6 @@ use crate::data::{build_shards_with, find_shards, BuildOptions, Split, TokenData
 use anyhow::{bail, Context, Result};
 use ferrotron_engine::model::{BatchShape, Llama, LlamaConfig};
 use ferrotron_plan::hardware::Overhead;
-use ferrotron_plan::model::Family;
 use ferrotron_plan::presets::resolve;
 use ferrotron_plan::{
     plan, Convention, Layout, ModelSource, ModelSpec, Optimizer, PlanInput, Precision, RankPlan,
@@ -21,48 +20,9 @@ pub const BUNDLED_CORPUS: &[u8] = include_bytes!(concat!(
     "/../../data/corpus/shakespeare.txt"
 ));
 
-/// The engine's config for a planner `ModelSpec`: one config reader for the whole project.
+/// The engine's config for `spec`, or why the engine cannot train it.
 pub fn llama_config(spec: &ModelSpec) -> Result<LlamaConfig> {
-    if spec.family != Family::Llama {
-        bail!(
-            "model = {}: ferrotron train supports Llama-family models (llama, mistral, qwen2); this is {}",
-            spec.name,
-            spec.model_type
-        );
-    }
-    if spec.o_bias || spec.mlp_bias {
-        bail!(
-            "model = {}: attention_bias/mlp_bias on o_proj or the MLP are not supported by the engine (q/k/v biases are)",
-            spec.name
-        );
-    }
-    let cfg = LlamaConfig {
-        hidden: spec.hidden as usize,
-        intermediate: spec.intermediate as usize,
-        heads: spec.heads as usize,
-        kv_heads: spec.kv_heads as usize,
-        head_dim: spec.head_dim as usize,
-        layers: spec.layers as usize,
-        vocab: spec.vocab as usize,
-        rope_theta: spec.rope_theta as f32,
-        rms_eps: spec.norm_eps as f32,
-        tie_embeddings: spec.tie_embeddings,
-        qkv_bias: spec.qkv_bias,
-        max_pos: spec.max_positions as usize,
-    };
-    cfg.validate()
-        .map_err(|e| anyhow::anyhow!("model = {}: {e}", spec.name))?;
-    Ok(cfg)
-}
-
-/// The engine's recompute policy for the planner's (the same definitions, see
-/// `ferrotron_engine::model::recompute`).
-pub fn engine_recompute(r: Recompute) -> ferrotron_engine::model::Recompute {
-    match r {
-        Recompute::None => ferrotron_engine::model::Recompute::None,
-        Recompute::Selective => ferrotron_engine::model::Recompute::Selective,
-        Recompute::Full => ferrotron_engine::model::Recompute::Full,
-    }
+    LlamaConfig::from_spec(spec).map_err(|e| anyhow::anyhow!("{e}"))
 }
 
 /// Matmul FLOPs per token that recomputation adds to a training step (for HFU). Convention:

@@ -8,7 +8,7 @@ use crate::data::{Loader, ValLoader};
 use crate::lr::LrSchedule;
 use crate::metrics::StepMetrics;
 use crate::pool::{PlanPool, Point, Running, Sample, Timeline};
-use crate::setup::{checked_plan, engine_recompute, recompute_flops_per_token};
+use crate::setup::{checked_plan, recompute_flops_per_token};
 use crate::trace::{Event, Tracing};
 use crate::workspace;
 use anyhow::Result;
@@ -127,7 +127,7 @@ impl Trainer {
         }
         let model = Llama::new(llama)
             .with_ce_chunk_tokens(cfg.ce_chunk as usize)
-            .with_recompute(engine_recompute(cfg.recompute));
+            .with_recompute(cfg.recompute);
         let plan = checked_plan(&spec, &model, &cfg, kernel_workspace)?;
         // Initialisation of HF Llama: N(0, 0.02²) matrices, unit norms, zero biases.
         let params = model.params.init(cfg.seed, 0.02);

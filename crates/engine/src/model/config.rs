@@ -1,7 +1,7 @@
 //! Llama-family model configuration (Llama 2/3, Qwen2 with q/k/v bias, tied or untied heads).
 
+use ferrotron_plan::model::{Family, ModelSpec};
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
 
 /// Errors from model construction and parameter handling.
 #[derive(Debug, thiserror::Error)]
@@ -12,8 +12,8 @@ pub enum ModelError {
         value: String,
         fix: &'static str,
     },
-    #[error("config.json is not valid JSON: {0}")]
-    Json(#[from] serde_json::Error),
+    #[error("{0}")]
+    Unsupported(String),
     #[error("{what}: expected {expected} elements, got {got}")]
     Size {
         what: String,
@@ -22,8 +22,8 @@ pub enum ModelError {
     },
 }
 
-/// Architecture hyper-parameters. Field names follow the brief; [`LlamaConfig::from_hf_json`]
-/// maps HF `config.json` names onto them.
+/// Architecture hyper-parameters, made from the planner's `ModelSpec` by
+/// [`LlamaConfig::from_spec`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LlamaConfig {
     /// Model width C (`hidden_size`).
@@ -48,62 +48,33 @@ pub struct LlamaConfig {
 }
 
 impl LlamaConfig {
-    /// Parses an HF `config.json` (Llama, Mistral, Qwen2 model types).
-    pub fn from_hf_json(text: &str) -> Result<Self, ModelError> {
-        let v: Value = serde_json::from_str(text)?;
-        let req = |field: &'static str| -> Result<usize, ModelError> {
-            v.get(field)
-                .and_then(Value::as_u64)
-                .map(|x| x as usize)
-                .ok_or(ModelError::Config {
-                    field,
-                    value: v.get(field).map_or("missing".into(), |x| x.to_string()),
-                    fix: "set it to a positive integer in config.json",
-                })
-        };
-        let hidden = req("hidden_size")?;
-        let heads = req("num_attention_heads")?;
-        let kv_heads = v
-            .get("num_key_value_heads")
-            .and_then(Value::as_u64)
-            .map_or(heads, |x| x as usize);
-        let head_dim = v
-            .get("head_dim")
-            .and_then(Value::as_u64)
-            .map_or(hidden / heads.max(1), |x| x as usize);
-        // transformers ≥ 5 nests rope_theta under rope_parameters; older files keep it top level.
-        let rope_theta = v
-            .get("rope_theta")
-            .or_else(|| v.get("rope_parameters").and_then(|r| r.get("rope_theta")))
-            .and_then(Value::as_f64)
-            .unwrap_or(10000.0) as f32;
-        let model_type = v
-            .get("model_type")
-            .and_then(Value::as_str)
-            .unwrap_or("llama");
-        let qkv_bias = v
-            .get("attention_bias")
-            .and_then(Value::as_bool)
-            .unwrap_or(model_type == "qwen2");
+    /// The engine's config for a planner `ModelSpec` (the project's one HF config.json reader).
+    pub fn from_spec(spec: &ModelSpec) -> Result<Self, ModelError> {
+        if spec.family != Family::Llama {
+            return Err(ModelError::Unsupported(format!(
+                "model = {}: ferrotron train supports Llama-family models (llama, mistral, qwen2); this is {}",
+                spec.name, spec.model_type
+            )));
+        }
+        if spec.o_bias || spec.mlp_bias {
+            return Err(ModelError::Unsupported(format!(
+                "model = {}: attention_bias/mlp_bias on o_proj or the MLP are not supported by the engine (q/k/v biases are)",
+                spec.name
+            )));
+        }
         let cfg = LlamaConfig {
-            hidden,
-            intermediate: req("intermediate_size")?,
-            heads,
-            kv_heads,
-            head_dim,
-            layers: req("num_hidden_layers")?,
-            vocab: req("vocab_size")?,
-            rope_theta,
-            rms_eps: v
-                .get("rms_norm_eps")
-                .and_then(Value::as_f64)
-                .unwrap_or(1e-6) as f32,
-            tie_embeddings: v
-                .get("tie_word_embeddings")
-                .and_then(Value::as_bool)
-                .unwrap_or(false),
-            qkv_bias,
-            max_pos: req("max_position_embeddings")?,
+            hidden: spec.hidden as usize,
+            intermediate: spec.intermediate as usize,
+            heads: spec.heads as usize,
+            kv_heads: spec.kv_heads as usize,
+            head_dim: spec.head_dim as usize,
+            layers: spec.layers as usize,
+            vocab: spec.vocab as usize,
+            rope_theta: spec.rope_theta as f32,
+            rms_eps: spec.norm_eps as f32,
+            tie_embeddings: spec.tie_embeddings,
+            qkv_bias: spec.qkv_bias,
+            max_pos: spec.max_positions as usize,
         };
         cfg.validate()?;
         Ok(cfg)

@@ -25,7 +25,7 @@ use super::activations::{Activations, BatchShape, GradScratch, LayerActs, LossSu
 use super::buffers::{BufName, BufferPool};
 use super::config::LlamaConfig;
 use super::params::{LayerIdx, ParamTable};
-use super::recompute::{workspace_name, Recompute, LAYER_FIELDS};
+use super::recompute::{dropped, workspace_name, Recompute, LAYER_FIELDS};
 use crate::kernels::{
     Accum, AttnShape, CeShape, Kernels, MatmulShape, NormShape, RopeShape, RopeTable,
 };
@@ -156,7 +156,7 @@ impl Llama {
                 ));
             }
         }
-        for name in self.recompute.dropped() {
+        for name in dropped(self.recompute) {
             v.push((
                 workspace_name(name).to_string(),
                 self.field_len(name, batch),
@@ -239,7 +239,7 @@ impl Llama {
     ) -> (LayerActs, Vec<f32>) {
         let (mut acts, out) = self.layer_body(k, pool, params, i, batch, input, true);
         // The workspace of the dropped tensors goes once the output exists.
-        for field in self.recompute.dropped() {
+        for field in dropped(self.recompute) {
             let buf = std::mem::take(acts.field_mut(field));
             pool.free(self.slot(i, field), buf);
         }

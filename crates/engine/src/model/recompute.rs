@@ -16,17 +16,7 @@
 //! these buffers serves every layer, one layer at a time. Rebuilding uses the forward's kernels
 //! on the same inputs in the same order, so it reproduces the forward's values bit for bit.
 
-use std::fmt;
-use std::str::FromStr;
-
-/// Recomputation policy of the training forward/backward.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum Recompute {
-    #[default]
-    None,
-    Selective,
-    Full,
-}
+pub use ferrotron_plan::Recompute;
 
 /// A layer's activations in the order the forward allocates them.
 pub const LAYER_FIELDS: [&str; 14] = [
@@ -46,51 +36,9 @@ pub const LAYER_FIELDS: [&str; 14] = [
     "swiglu",
 ];
 
-/// Dropped by the selective policy.
-pub const SELECTIVE_DROPS: [&str; 3] = ["ln1_out", "ln2_out", "swiglu"];
-
-impl Recompute {
-    /// Whether the training forward keeps layer tensor `field` for the backward.
-    pub fn keeps(self, field: &str) -> bool {
-        match self {
-            Recompute::None => true,
-            Recompute::Selective => !SELECTIVE_DROPS.contains(&field),
-            Recompute::Full => field == "input",
-        }
-    }
-
-    /// The dropped tensors, in allocation order (the `recompute.*` workspace).
-    pub fn dropped(self) -> impl Iterator<Item = &'static str> {
-        LAYER_FIELDS.into_iter().filter(move |f| !self.keeps(f))
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Recompute::None => "none",
-            Recompute::Selective => "selective",
-            Recompute::Full => "full",
-        }
-    }
-}
-
-impl fmt::Display for Recompute {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for Recompute {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "none" => Ok(Recompute::None),
-            "selective" => Ok(Recompute::Selective),
-            "full" => Ok(Recompute::Full),
-            _ => Err(format!(
-                "recompute = {s}: expected one of none, selective, full"
-            )),
-        }
-    }
+/// The tensors `rc` drops, in allocation order (the `recompute.*` workspace).
+pub fn dropped(rc: Recompute) -> impl Iterator<Item = &'static str> {
+    LAYER_FIELDS.into_iter().filter(move |f| !rc.keeps(f))
 }
 
 /// The workspace buffer name of a dropped layer tensor.

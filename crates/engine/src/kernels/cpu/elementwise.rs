@@ -46,13 +46,17 @@ dispatch_fma!(fn sum_sq_chunk => sum_sq_generic(x: &[f32]) -> f32);
 
 /// Σ x²: f32 lanes within a 16k chunk (relative error ~1e-7·√chunk), f64 across chunks.
 pub fn sum_squares(x: &[f32]) -> f64 {
-    // Per-chunk partials in parallel, then a sum in chunk order: rayon's own `sum` associates
-    // by its adaptive split, which would make the gradient norm (and so clipping) vary in the
-    // last bits from run to run and break bit-identical resume.
-    let parts: Vec<f64> = x
-        .par_chunks(CHUNK)
-        .map(|c| sum_sq_chunk(c) as f64)
-        .collect();
+    // A fixed number of blocks summed in parallel into a stack array, then added in block
+    // order: rayon's own `sum` associates by its adaptive split, which would make the gradient
+    // norm (and so clipping) vary in the last bits between runs and break bit-identical
+    // resume; collecting into a Vec would allocate outside the memory plan on every step.
+    const BLOCKS: usize = 64;
+    let block = x.len().div_ceil(BLOCKS).max(1);
+    let mut parts = [0.0f64; BLOCKS];
+    parts
+        .par_iter_mut()
+        .zip(x.par_chunks(block))
+        .for_each(|(p, c)| *p = c.chunks(CHUNK).map(|c| sum_sq_chunk(c) as f64).sum());
     parts.iter().sum()
 }
 
