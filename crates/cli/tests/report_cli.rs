@@ -2,20 +2,8 @@
 //! output directory, and `--trace` writes a Chrome trace; all end to end through the binary.
 
 mod common;
-use common::{fails, ok};
+use common::{fails, ok, tiny_model};
 use std::path::Path;
-
-fn tiny_model(dir: &Path) -> String {
-    let p = dir.join("config.json");
-    std::fs::write(
-        &p,
-        r#"{"model_type":"llama","hidden_size":64,"intermediate_size":160,"num_attention_heads":4,
-            "num_key_value_heads":2,"num_hidden_layers":2,"vocab_size":8192,
-            "max_position_embeddings":128,"tie_word_embeddings":true}"#,
-    )
-    .unwrap();
-    p.to_string_lossy().into()
-}
 
 /// Shards of a slice of the bundled corpus, and a 6-step run of a tiny model into `run/` with
 /// evaluation every 3 steps and a trace of the first 3.

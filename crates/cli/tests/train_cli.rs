@@ -1,8 +1,7 @@
 //! `ferrotron data`, `train` and `sample` end to end through the binary.
 
 mod common;
-use common::ferrotron;
-use std::path::Path;
+use common::{ferrotron, tiny_model};
 use std::process::Output;
 
 fn text(o: &Output) -> String {
@@ -11,18 +10,6 @@ fn text(o: &Output) -> String {
         String::from_utf8_lossy(&o.stdout),
         String::from_utf8_lossy(&o.stderr)
     )
-}
-
-fn tiny_model(dir: &Path) -> String {
-    let p = dir.join("config.json");
-    std::fs::write(
-        &p,
-        r#"{"model_type":"llama","hidden_size":64,"intermediate_size":160,"num_attention_heads":4,
-            "num_key_value_heads":2,"num_hidden_layers":2,"vocab_size":8192,
-            "max_position_embeddings":128,"tie_word_embeddings":true}"#,
-    )
-    .unwrap();
-    p.to_string_lossy().into()
 }
 
 #[test]

@@ -8,7 +8,6 @@
 
 mod common;
 use ferrotron_train::alloc::{installed, Tracking};
-use ferrotron_train::config::TrainArgs;
 use ferrotron_train::run::run;
 
 #[global_allocator]
@@ -34,16 +33,7 @@ fn default_model_planned_vs_measured_within_one_percent() {
 /// Runs 2 steps under `rc`; returns the (planned, measured) peak of step 2.
 fn policy(rc: &str) -> (u64, u64) {
     let out = common::tmp(&format!("memory-{rc}"));
-    let args = TrainArgs {
-        data: Some(common::shards().to_path_buf()),
-        steps: Some(2),
-        eval_interval: Some(0),
-        out_dir: Some(out.clone()),
-        peak_gflops: Some(100.0),
-        recompute: Some(rc.into()),
-        quiet: true,
-        ..TrainArgs::default()
-    };
+    let args = common::default_model_args(&out, 2, rc);
     let s = run(args).unwrap();
     for m in &s.steps {
         let ratio = m.mem_peak_measured as f64 / m.mem_peak_planned as f64;

@@ -4,7 +4,6 @@
 
 mod common;
 use ferrotron_train::alloc::{installed, Tracking};
-use ferrotron_train::config::TrainArgs;
 use ferrotron_train::run::run;
 use ferrotron_train::timeline::TimelineFile;
 
@@ -16,16 +15,7 @@ static A: Tracking = Tracking;
 /// point against the plan.
 fn timeline(rc: &str, steps: u64) -> (TimelineFile, std::path::PathBuf) {
     let out = common::tmp(&format!("timeline-{rc}"));
-    let args = TrainArgs {
-        data: Some(common::shards().to_path_buf()),
-        steps: Some(steps),
-        eval_interval: Some(0),
-        out_dir: Some(out.clone()),
-        peak_gflops: Some(100.0),
-        recompute: Some(rc.into()),
-        quiet: true,
-        ..TrainArgs::default()
-    };
+    let args = common::default_model_args(&out, steps, rc);
     run(args).unwrap();
     let text = std::fs::read_to_string(out.join("memory_timeline.json")).unwrap();
     let t: TimelineFile = serde_json::from_str(&text).unwrap();

@@ -111,3 +111,16 @@ pub fn fails(args: &[&str]) -> String {
     assert!(lines <= 2, "{args:?}: {err}");
     err
 }
+
+/// A 2-layer GQA Llama config.json in `dir` with the bundled tokenizer's vocabulary; its path.
+pub fn tiny_model(dir: &std::path::Path) -> String {
+    let p = dir.join("config.json");
+    std::fs::write(
+        &p,
+        r#"{"model_type":"llama","hidden_size":64,"intermediate_size":160,"num_attention_heads":4,
+            "num_key_value_heads":2,"num_hidden_layers":2,"vocab_size":8192,
+            "max_position_embeddings":128,"tie_word_embeddings":true}"#,
+    )
+    .unwrap();
+    p.to_string_lossy().into()
+}

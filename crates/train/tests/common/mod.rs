@@ -39,6 +39,21 @@ pub fn tiny_model(dir: &Path, vocab: u64, max_pos: u64) -> PathBuf {
     p
 }
 
+/// Flags of a short, quiet run of the default model (ferrotron-12m) on the bundled corpus,
+/// without evaluation, under recompute policy `rc`.
+pub fn default_model_args(out: &Path, steps: u64, rc: &str) -> TrainArgs {
+    TrainArgs {
+        data: Some(shards().to_path_buf()),
+        steps: Some(steps),
+        eval_interval: Some(0),
+        out_dir: Some(out.to_path_buf()),
+        peak_gflops: Some(100.0),
+        recompute: Some(rc.into()),
+        quiet: true,
+        ..TrainArgs::default()
+    }
+}
+
 /// Flags of a short, quiet run of the tiny model.
 pub fn tiny_args(out: &Path, steps: u64) -> TrainArgs {
     let model = tiny_model(out, 8192, 128);
