@@ -6,7 +6,7 @@ use ferrotron_engine::kernels::{AttnShape, CpuKernels, Kernels};
 use std::time::Instant;
 
 fn main() {
-    let k = CpuKernels;
+    let k: &dyn Kernels = &CpuKernels::PLAIN;
     for &(b, t, h, kv, d) in &[
         (8usize, 256usize, 6usize, 2usize, 64usize),
         (4, 256, 8, 4, 64),

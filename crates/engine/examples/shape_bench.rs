@@ -17,7 +17,7 @@ fn best(reps: usize, mut f: impl FnMut()) -> f64 {
 
 fn main() {
     let reps: usize = std::env::args().nth(1).map_or(5, |s| s.parse().unwrap());
-    let k = CpuKernels;
+    let k: &dyn Kernels = &CpuKernels::PLAIN;
     let shapes = [
         ("q      2048x384->384", 2048, 384, 384),
         ("kv     2048x384->128", 2048, 384, 128),

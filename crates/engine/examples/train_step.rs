@@ -8,7 +8,7 @@
 //! dense = 6·N_matmul·tokens (q,k,v,o,gate,up,down per layer + lm_head, counted even if tied),
 //! attention = 12·L·(H·D)·T²·B (full T×T, PaLM convention); "causal" halves the attention term.
 
-use ferrotron_engine::kernels::{AdamWParams, CpuKernels, Kernels, Profiled};
+use ferrotron_engine::kernels::{AdamWParams, CpuKernels, Kernels, Profiled, NO_PARAMS};
 use ferrotron_engine::model::{BatchShape, HeapPool, Llama, LlamaConfig};
 use std::time::Instant;
 
@@ -62,7 +62,8 @@ fn main() {
     );
     let peak0 = ferrotron_engine::measure_matmul_peak_gflops();
 
-    let k = Profiled::new(CpuKernels);
+    let k = Profiled::new(CpuKernels::PLAIN);
+    let kd: &dyn Kernels = &k;
     let mut params = model.params.init(1, 0.02);
     let (mut grads, mut m, mut vv) = (vec![0.0f32; np], vec![0.0f32; np], vec![0.0f32; np]);
     let tokens: Vec<u32> = (0..n).map(|i| ((i * 7919) % v) as u32).collect();
@@ -77,22 +78,23 @@ fn main() {
         let t0 = Instant::now();
         grads.fill(0.0);
         let (acts, loss) = model.forward_train(
-            &k, &mut pool, &params, &mut grads, batch, &tokens, &targets, n,
+            kd, &mut pool, &params, &mut grads, batch, &tokens, &targets, n,
         );
         let t_fwd = t0.elapsed().as_secs_f64();
-        model.backward(&k, &mut pool, &params, &mut grads, acts, &tokens);
+        model.backward(kd, &mut pool, &params, &mut grads, acts, &tokens);
         let t_bwd = t0.elapsed().as_secs_f64() - t_fwd;
-        let norm = k.sum_squares(&grads).sqrt();
-        k.scale(&mut grads, (1.0 / (norm + 1e-6)).min(1.0) as f32);
+        let norm = kd.sum_squares(&grads).sqrt();
+        kd.scale(&mut grads, (1.0 / (norm + 1e-6)).min(1.0) as f32);
         let h = AdamWParams {
             lr: 1e-3,
             beta1: 0.9,
             beta2: 0.95,
             eps: 1e-8,
             weight_decay: 0.1,
+            grad_scale: 1.0,
             step: step as u64 + 1,
         };
-        k.adamw_step(h, &mut params, &grads, &mut m, &mut vv);
+        kd.adamw_step(h, &mut params, &grads, &mut m, &mut vv, NO_PARAMS);
         let dt = t0.elapsed().as_secs_f64();
         if step > 0 {
             times.push(dt);

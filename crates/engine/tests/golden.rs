@@ -14,7 +14,7 @@
 mod common;
 
 use common::rel_err;
-use ferrotron_engine::kernels::{AdamWParams, CpuKernels, Kernels, IGNORE_INDEX};
+use ferrotron_engine::kernels::{AdamWParams, CpuKernels, Kernels, IGNORE_INDEX, NO_PARAMS};
 use ferrotron_engine::model::{BatchShape, HeapPool, Llama, LlamaConfig};
 use ferrotron_plan::ModelSpec;
 use safetensors::{Dtype, SafeTensors};
@@ -133,7 +133,7 @@ fn num_targets(f: &Fixture) -> usize {
 
 fn check_forward_backward(name: &str) {
     let f = load(name);
-    let k = CpuKernels;
+    let k: &dyn Kernels = &CpuKernels::PLAIN;
     let mut pool = HeapPool::new();
     let io_bytes = read(&f.dir, "io.safetensors");
     let io = SafeTensors::deserialize(&io_bytes).unwrap();
@@ -142,7 +142,7 @@ fn check_forward_backward(name: &str) {
     let (_, want_logits) = f32s(&io, "logits");
     let mut logits = vec![0.0; f.batch.n() * f.model.config.vocab];
     f.model
-        .forward_logits(&k, &mut pool, &f.params, f.batch, &f.tokens, &mut logits);
+        .forward_logits(k, &mut pool, &f.params, f.batch, &f.tokens, &mut logits);
     let e = rel_err(&logits, &common::to64(&want_logits));
     assert!(e < 1e-5, "{name}: logits rel err {e:.2e}");
 
@@ -150,7 +150,7 @@ fn check_forward_backward(name: &str) {
     let v = f.model.config.vocab;
     let mut last = vec![0.0; f.batch.b * v];
     f.model
-        .forward_logits_last(&k, &mut pool, &f.params, f.batch, &f.tokens, &mut last);
+        .forward_logits_last(k, &mut pool, &f.params, f.batch, &f.tokens, &mut last);
     for b in 0..f.batch.b {
         let row = (b * f.batch.t + f.batch.t - 1) * v;
         let e = rel_err(
@@ -165,7 +165,7 @@ fn check_forward_backward(name: &str) {
     let mut grads = vec![0.0f32; f.model.num_params()];
     let nt = num_targets(&f);
     let (acts, loss) = f.model.forward_train(
-        &k, &mut pool, &f.params, &mut grads, f.batch, &f.tokens, &f.targets, nt,
+        k, &mut pool, &f.params, &mut grads, f.batch, &f.tokens, &f.targets, nt,
     );
     assert_eq!(loss.count, nt);
     let rel = (loss.mean() - want_loss[0] as f64).abs() / want_loss[0] as f64;
@@ -193,7 +193,7 @@ fn check_forward_backward(name: &str) {
 
     // Backward: every parameter gradient.
     f.model
-        .backward(&k, &mut pool, &f.params, &mut grads, acts, &f.tokens);
+        .backward(k, &mut pool, &f.params, &mut grads, acts, &f.tokens);
     assert_eq!(pool.live_bytes, 0, "all activations returned to the pool");
     let gb = read(&f.dir, "grads.safetensors");
     let want_grads = load_params(&f.model, &gb);
@@ -215,7 +215,7 @@ fn check_forward_backward(name: &str) {
 
 fn check_adamw_trajectory(name: &str) {
     let f = load(name);
-    let k = CpuKernels;
+    let k: &dyn Kernels = &CpuKernels::PLAIN;
     let mut pool = HeapPool::new();
     let j: serde_json::Value =
         serde_json::from_slice(&read(&f.dir, "adamw.json")).expect("adamw.json");
@@ -247,10 +247,10 @@ fn check_adamw_trajectory(name: &str) {
     for step in 1..=steps {
         grads.fill(0.0);
         let (acts, loss) = f.model.forward_train(
-            &k, &mut pool, &params, &mut grads, f.batch, &f.tokens, &f.targets, nt,
+            k, &mut pool, &params, &mut grads, f.batch, &f.tokens, &f.targets, nt,
         );
         f.model
-            .backward(&k, &mut pool, &params, &mut grads, acts, &f.tokens);
+            .backward(k, &mut pool, &params, &mut grads, acts, &f.tokens);
         let norm = k.sum_squares(&grads).sqrt();
         // torch.nn.utils.clip_grad_norm_: coef = min(1, max_norm / (norm + 1e-6)), always applied.
         let coef = (max_norm / (norm + 1e-6)).min(1.0);
@@ -277,9 +277,10 @@ fn check_adamw_trajectory(name: &str) {
             beta2: betas[1].as_f64().unwrap(),
             eps: num("eps"),
             weight_decay: num("weight_decay"),
+            grad_scale: 1.0,
             step,
         };
-        k.adamw_step(h, &mut params, &grads, &mut m, &mut v);
+        k.adamw_step(h, &mut params, &grads, &mut m, &mut v, NO_PARAMS);
     }
     let pb = read(&f.dir, &format!("params_after_{steps}.safetensors"));
     let want = load_params(&f.model, &pb);

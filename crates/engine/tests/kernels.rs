@@ -10,10 +10,10 @@ mod common;
 use common::*;
 use ferrotron_engine::kernels::{
     Accum, AdamWParams, AttnShape, CeShape, CpuKernels, Kernels, MatmulShape, NormShape, RopeShape,
-    RopeTable, IGNORE_INDEX,
+    RopeTable, IGNORE_INDEX, NO_PARAMS,
 };
 
-const K: CpuKernels = CpuKernels;
+const K: &dyn Kernels = &CpuKernels::PLAIN;
 
 // ---------------------------------------------------------------- matmul
 
@@ -631,9 +631,8 @@ fn elementwise_ops() {
         "sum_squares {ss} vs {want_ss}"
     );
     let mut bf = vec![half::bf16::ZERO; n];
-    K.cast_f32_to_bf16(&a, &mut bf);
-    let mut back = vec![0.0; n];
-    K.cast_bf16_to_f32(&bf, &mut back);
+    Kernels::<half::bf16>::round_params(&CpuKernels::PLAIN, &a, &mut bf);
+    let back: Vec<f32> = bf.iter().map(|x| x.to_f32()).collect();
     // bf16 keeps 8 significant bits: round-to-nearest error ≤ half an ulp ≤ 2^-8 relative.
     for (x, y) in a.iter().zip(&back) {
         assert!(
@@ -731,6 +730,7 @@ fn adamw_matches_torch_formula() {
         beta2: 0.95,
         eps: 1e-8,
         weight_decay: 0.1,
+        grad_scale: 1.0,
         step: 0,
     };
     let mut p = rng.vec(n, 1.0);
@@ -739,7 +739,7 @@ fn adamw_matches_torch_formula() {
     for step in 1..=5u64 {
         let g = rng.vec(n, 0.1);
         let h = AdamWParams { step, ..h0 };
-        K.adamw_step(h, &mut p, &g, &mut m, &mut v);
+        K.adamw_step(h, &mut p, &g, &mut m, &mut v, NO_PARAMS);
         // torch.optim.AdamW (Loshchilov & Hutter 2019), in f64.
         let (bc1, bc2) = (
             1.0 - h.beta1.powi(step as i32),

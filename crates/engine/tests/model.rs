@@ -4,7 +4,7 @@
 mod common;
 
 use common::{rel_err, to64, Rng};
-use ferrotron_engine::kernels::{CpuKernels, IGNORE_INDEX};
+use ferrotron_engine::kernels::{CpuKernels, Kernels, IGNORE_INDEX};
 use ferrotron_engine::model::{BatchShape, BufferPool, HeapPool, Llama, LlamaConfig, Recompute};
 use std::collections::HashMap;
 
@@ -43,7 +43,7 @@ fn grads_accumulated(
     t: usize,
     micro: usize,
 ) -> (Vec<f32>, f64) {
-    let k = CpuKernels;
+    let k: &dyn Kernels = &CpuKernels::PLAIN;
     let mut pool = HeapPool::new();
     let mut grads = vec![0.0f32; model.num_params()];
     let nt = targets.iter().filter(|&&x| x != IGNORE_INDEX).count();
@@ -53,7 +53,7 @@ fn grads_accumulated(
         let r = m * mbs * t..(m + 1) * mbs * t;
         let batch = BatchShape { b: mbs, t };
         let (acts, l) = model.forward_train(
-            &k,
+            k,
             &mut pool,
             params,
             &mut grads,
@@ -62,7 +62,7 @@ fn grads_accumulated(
             &targets[r.clone()],
             nt,
         );
-        model.backward(&k, &mut pool, params, &mut grads, acts, &tokens[r]);
+        model.backward(k, &mut pool, params, &mut grads, acts, &tokens[r]);
         loss += l.sum;
     }
     assert_eq!(pool.live_bytes, 0);
@@ -169,16 +169,20 @@ fn pool_sees_exactly_the_inventory_with(rc: Recompute) -> u64 {
     let params = model.params.init(1, 0.02);
     let batch = BatchShape { b: 2, t: 12 };
     let (tokens, targets) = data(&mut Rng::new(5), batch.n(), 80);
-    let k = CpuKernels;
+    let k: &dyn Kernels = &CpuKernels::PLAIN;
     let mut pool = HeapPool::recording();
     let mut grads = vec![0.0; model.num_params()];
     let (acts, _) = model.forward_train(
-        &k, &mut pool, &params, &mut grads, batch, &tokens, &targets, 20,
+        k, &mut pool, &params, &mut grads, batch, &tokens, &targets, 20,
     );
-    model.backward(&k, &mut pool, &params, &mut grads, acts, &tokens);
+    model.backward(k, &mut pool, &params, &mut grads, acts, &tokens);
     assert_eq!(pool.live_bytes, 0, "everything freed");
     let events = pool.events.take().unwrap();
-    let inventory: HashMap<String, usize> = model.activation_inventory(batch).into_iter().collect();
+    let inventory: HashMap<String, usize> = model
+        .activation_inventory(batch, ferrotron_plan::DType::F32)
+        .into_iter()
+        .map(|(name, len, _)| (name, len))
+        .collect();
     let mut seen: HashMap<String, (usize, i32)> = HashMap::new();
     for e in &events {
         let name = e.name.to_string();
@@ -245,10 +249,11 @@ fn pool_sees_exactly_the_inventory_with(rc: Recompute) -> u64 {
 /// A pool that hands out NaN-filled buffers: proves no kernel reads a buffer before writing it.
 struct PoisonPool;
 impl BufferPool for PoisonPool {
-    fn alloc(&mut self, _: ferrotron_engine::model::BufName, len: usize) -> Vec<f32> {
-        vec![f32::NAN; len]
+    fn did_alloc(&mut self, _: ferrotron_engine::model::BufName, _: u64) {}
+    fn did_free(&mut self, _: ferrotron_engine::model::BufName, _: u64) {}
+    fn poison(&self) -> bool {
+        true
     }
-    fn free(&mut self, _: ferrotron_engine::model::BufName, _: Vec<f32>) {}
 }
 
 #[test]
@@ -265,10 +270,10 @@ fn written_before_read(rc: Recompute) {
     let params = model.params.init(2, 0.05);
     let batch = BatchShape { b: 2, t: 9 };
     let (tokens, targets) = data(&mut Rng::new(6), batch.n(), 80);
-    let k = CpuKernels;
+    let k: &dyn Kernels = &CpuKernels::PLAIN;
     let mut grads = vec![0.0; model.num_params()];
     let (acts, loss) = model.forward_train(
-        &k,
+        k,
         &mut PoisonPool,
         &params,
         &mut grads,
@@ -277,13 +282,13 @@ fn written_before_read(rc: Recompute) {
         &targets,
         16,
     );
-    model.backward(&k, &mut PoisonPool, &params, &mut grads, acts, &tokens);
+    model.backward(k, &mut PoisonPool, &params, &mut grads, acts, &tokens);
     assert!(loss.sum.is_finite());
     assert!(
         grads.iter().all(|g| g.is_finite()),
         "NaN leaked from an unwritten buffer"
     );
-    let eval = model.forward_eval(&k, &mut PoisonPool, &params, batch, &tokens, &targets);
+    let eval = model.forward_eval(k, &mut PoisonPool, &params, batch, &tokens, &targets);
     assert!(
         (eval.sum - loss.sum).abs() < 1e-4 * loss.sum.abs(),
         "eval {} vs train {}",

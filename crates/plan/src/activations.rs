@@ -5,7 +5,7 @@ use crate::convention::Convention;
 use crate::layout::Layout;
 use crate::memory::Category;
 use crate::model::{Family, ModelSpec};
-use crate::recipe::{DType, Precision, Recipe, Recompute};
+use crate::recipe::{DType, Recipe, Recompute};
 
 /// One activation tensor (or, for formula conventions, one aggregate in bytes as `U8`).
 #[derive(Debug, Clone, PartialEq)]
@@ -151,12 +151,10 @@ pub fn layer_acts(m: &ModelSpec, r: &Recipe, l: &Layout, conv: Convention) -> La
 /// - full: keep only each layer's input; replay the layer's forward in its backward.
 fn llama_layer(m: &ModelSpec, r: &Recipe, d: &Dims) -> LayerActs {
     let st = r.precision.storage();
-    // fp8: GEMM inputs are saved as fp8 casts (one byte) for the weight-gradient GEMMs.
-    let gemm_in = if r.precision == Precision::Fp8 {
-        DType::F8
-    } else {
-        st
-    };
+    // fp8: the CPU engine quantises GEMM inputs on the fly from their bf16 storage (inside its
+    // GEMM workspace), so activations stay bf16: fp8 changes the numerics, not the memory.
+    // A GPU engine that saves the fp8 casts for the weight-gradient GEMMs would use F8 here.
+    let gemm_in = st;
     let (n, t, ss) = (d.n(), d.t, d.seq_shard());
     let c = m.hidden;
     let mut all = vec![

@@ -1,6 +1,7 @@
 //! Communication and staging buffers of one rank, by parallel dimension.
 
 use crate::activations::Dims;
+use crate::convention::Convention;
 use crate::inventory::{Placement, Tensor};
 use crate::layout::{Layout, Offload};
 use crate::memory::Category;
@@ -34,6 +35,7 @@ pub fn comm_buffers(
     l: &Layout,
     unit: u64,
     bucket_bytes: u64,
+    conv: Convention,
 ) -> Vec<CommBuf> {
     let st = r.precision.storage();
     let mut out = Vec::new();
@@ -87,8 +89,9 @@ pub fn comm_buffers(
     if let (Some(moe), true) = (m.moe, l.ep > 1) {
         add("ep.all_to_all", st, 2 * n * moe.top_k * m.hidden, cb, true);
     }
-    // fp8: the current layer's weights cast to fp8 for its GEMMs (per-tensor scaling).
-    if r.precision == Precision::Fp8 {
+    // fp8: the current layer's weights cast to fp8 for its GEMMs (per-tensor scaling). The
+    // ferrotron engine quantises inside its GEMM workspace instead (measured, in the overhead).
+    if r.precision == Precision::Fp8 && conv != Convention::Ferrotron {
         add(
             "fp8.weight_cast",
             DType::F8,

@@ -226,7 +226,7 @@ fn rank_plan(
     let unit = spec.map_or(0, |m| {
         largest_unit(tensors, l.tp, |p| stage_of(p, m, l) == stage)
     });
-    let comm = comm_buffers(spec, r, l, unit, input.bucket_bytes);
+    let comm = comm_buffers(spec, r, l, unit, input.bucket_bytes, conv);
     let mut comm_fwd = Vec::new();
     let mut comm_bwd = Vec::new();
     for c in &comm {

@@ -95,6 +95,19 @@ pub fn add_states(
             Category::Grads,
             on_host_params,
         );
+    } else if conv == Convention::Ferrotron && p.fp32_grad_acc() {
+        // ferrotron's engine accumulates gradients straight into fp32 (each weight-gradient
+        // GEMM rounds into f32 once), so there is no 16-bit copy: 2 + 4 + 4 + 8 = 18 B/param,
+        // against 16 for bf16 gradients.
+        place(
+            plan,
+            1,
+            "grads",
+            DType::F32,
+            grads_n,
+            Category::Grads,
+            on_host_params,
+        );
     } else {
         place(
             plan,
@@ -105,6 +118,7 @@ pub fn add_states(
             Category::Grads,
             on_host_params,
         );
+        // The playbook's recipe: 16-bit gradients plus an fp32 accumulator (20 B/param).
         if p.fp32_grad_acc() {
             place(
                 plan,

@@ -4,10 +4,12 @@
 
 use crate::config::TrainConfig;
 use crate::data::LoaderState;
+use crate::loss_scale::DynamicLossScaler;
 use crate::trainer::{AdamState, Trainer};
+use crate::weights::Flat;
 use anyhow::{bail, Context, Result};
 use ferrotron_engine::model::ParamTable;
-use ferrotron_plan::ModelSpec;
+use ferrotron_plan::{DType, ModelSpec};
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -23,6 +25,9 @@ pub struct TrainerState {
     pub loader: LoaderState,
     pub params: u64,
     pub tokenizer: String,
+    /// fp16's loss scaler (scale and its run of good steps), so a resumed run continues it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scaler: Option<DynamicLossScaler>,
 }
 
 /// The model's HF config.json (what transformers and `--model DIR` read back).
@@ -62,10 +67,23 @@ fn read_f32(bytes: &[u8], out: &mut [f32]) {
     }
 }
 
-fn write_safetensors(path: &Path, tensors: Vec<(String, Vec<usize>, Vec<u8>)>) -> Result<()> {
+fn safetensors_dtype(d: DType) -> Dtype {
+    match d {
+        DType::Bf16 => Dtype::BF16,
+        DType::F16 => Dtype::F16,
+        _ => Dtype::F32,
+    }
+}
+
+fn write_safetensors(
+    path: &Path,
+    dtype: DType,
+    tensors: Vec<(String, Vec<usize>, Vec<u8>)>,
+) -> Result<()> {
+    let dt = safetensors_dtype(dtype);
     let views: Vec<(String, TensorView)> = tensors
         .iter()
-        .map(|(n, shape, data)| Ok((n.clone(), TensorView::new(Dtype::F32, shape.clone(), data)?)))
+        .map(|(n, shape, data)| Ok((n.clone(), TensorView::new(dt, shape.clone(), data)?)))
         .collect::<std::result::Result<_, safetensors::SafeTensorError>>()?;
     safetensors::serialize_to_file(views, &None, path)
         .with_context(|| format!("cannot write {}", path.display()))
@@ -95,20 +113,23 @@ pub fn save(dir: &Path, t: &Trainer, tokenizer_json: &str, tokenizer_name: &str)
             (
                 e.name.clone(),
                 e.shape.clone(),
-                f32_bytes(&t.params[e.range()]),
+                t.params.le_bytes(e.range()),
             )
         })
         .collect();
-    write_safetensors(&tmp.join("model.safetensors"), weights)?;
+    // The weights in their storage type (a bf16 model is a bf16 checkpoint, as on the Hub);
+    // the fp32 master copy, when there is one, goes with the optimizer state.
+    write_safetensors(&tmp.join("model.safetensors"), t.params.dtype(), weights)?;
     if let Some(opt) = &t.opt {
         let n = t.params.len();
-        write_safetensors(
-            &tmp.join("optimizer.safetensors"),
-            vec![
-                ("exp_avg".into(), vec![n], f32_bytes(&opt.m)),
-                ("exp_avg_sq".into(), vec![n], f32_bytes(&opt.v)),
-            ],
-        )?;
+        let mut tensors = vec![
+            ("exp_avg".into(), vec![n], f32_bytes(&opt.m)),
+            ("exp_avg_sq".into(), vec![n], f32_bytes(&opt.v)),
+        ];
+        if let Some(master) = &t.master {
+            tensors.push(("master".into(), vec![n], f32_bytes(master)));
+        }
+        write_safetensors(&tmp.join("optimizer.safetensors"), DType::F32, tensors)?;
     }
     let state = TrainerState {
         format: FORMAT.into(),
@@ -117,6 +138,7 @@ pub fn save(dir: &Path, t: &Trainer, tokenizer_json: &str, tokenizer_name: &str)
         loader: t.loader.state(),
         params: t.params.len() as u64,
         tokenizer: tokenizer_name.into(),
+        loss_scaler: t.scaler.clone(),
     };
     std::fs::write(
         tmp.join("trainer_state.json"),
@@ -177,8 +199,10 @@ fn load_tensors(path: &Path) -> Result<Vec<u8>> {
     std::fs::read(path).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))
 }
 
-/// Copies the weights of `dir` into `params`, checking every name and shape against `table`.
-pub fn load_weights(dir: &Path, table: &ParamTable, params: &mut [f32]) -> Result<()> {
+/// The weights of `dir`, checking every name and shape against `table`; all tensors must share
+/// one dtype (F32, BF16 or F16), and it must be `expect` when given (a resumed run keeps its
+/// precision).
+pub fn load_weights(dir: &Path, table: &ParamTable, expect: Option<DType>) -> Result<Flat> {
     let path = dir.join("model.safetensors");
     let bytes = load_tensors(&path)?;
     let st = SafeTensors::deserialize(&bytes).map_err(|e| {
@@ -197,6 +221,7 @@ pub fn load_weights(dir: &Path, table: &ParamTable, params: &mut [f32]) -> Resul
             )
         ));
     }
+    let mut params: Option<Flat> = None;
     for e in &table.entries {
         let v = st.tensor(&e.name).map_err(|_| {
             bad(
@@ -207,25 +232,45 @@ pub fn load_weights(dir: &Path, table: &ParamTable, params: &mut [f32]) -> Resul
                 ),
             )
         })?;
-        if v.dtype() != Dtype::F32 || v.shape() != e.shape.as_slice() {
+        let dtype = match v.dtype() {
+            Dtype::F32 => DType::F32,
+            Dtype::BF16 => DType::Bf16,
+            Dtype::F16 => DType::F16,
+            other => bail!(bad(
+                dir,
+                format!(
+                    "`{}` is {other:?}; weights must be F32, BF16 or F16",
+                    e.name
+                )
+            )),
+        };
+        let want = expect.or(params.as_ref().map(Flat::dtype)).unwrap_or(dtype);
+        if dtype != want || v.shape() != e.shape.as_slice() {
             bail!(bad(
                 dir,
                 format!(
-                    "`{}` is {:?} {:?}, the model expects F32 {:?}",
+                    "`{}` is {:?} {:?}, the model expects {:?} {:?}",
                     e.name,
                     v.dtype(),
                     v.shape(),
+                    safetensors_dtype(want),
                     e.shape
                 )
             ));
         }
-        read_f32(v.data(), &mut params[e.range()]);
+        params
+            .get_or_insert_with(|| Flat::zeros(dtype, table.total))
+            .read_le_bytes(e.offset, v.data());
     }
-    Ok(())
+    params.ok_or_else(|| bad(dir, "model.safetensors has no tensors"))
 }
 
-/// The AdamW moments of `dir`, if it has them.
-pub fn load_optimizer(dir: &Path, n: usize) -> Result<Option<AdamState>> {
+/// The AdamW moments of `dir`, if it has them, and the fp32 master weights when `master`.
+pub fn load_optimizer(
+    dir: &Path,
+    n: usize,
+    master: bool,
+) -> Result<Option<(AdamState, Option<Vec<f32>>)>> {
     let path = dir.join("optimizer.safetensors");
     if !path.exists() {
         return Ok(None);
@@ -254,8 +299,10 @@ pub fn load_optimizer(dir: &Path, n: usize) -> Result<Option<AdamState>> {
         read_f32(v.data(), &mut out);
         Ok(out)
     };
-    Ok(Some(AdamState {
+    let state = AdamState {
         m: take("exp_avg")?,
         v: take("exp_avg_sq")?,
-    }))
+    };
+    let master = if master { Some(take("master")?) } else { None };
+    Ok(Some((state, master)))
 }

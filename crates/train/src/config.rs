@@ -1,8 +1,9 @@
 //! `ferrotron train` settings: command-line flags, mirrored one to one by a TOML file
 //! (`--config run.toml`, keys are the flag names with `_` for `-`); flags win over the file.
 
+use crate::loss_scale::LossScaleConfig;
 use clap::Args;
-use ferrotron_plan::Recompute;
+use ferrotron_plan::{Precision, Recompute};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -87,6 +88,24 @@ pub struct TrainArgs {
     /// [default: none].
     #[arg(long)]
     pub recompute: Option<String>,
+    /// Precision: fp32, bf16 (bf16 weights, activations and gradients, fp32 master weights
+    /// and Adam states), fp16 (as bf16, with dynamic loss scaling) or fp8 (bf16 storage, layer
+    /// GEMM inputs quantised to e4m3/e5m2 with per-tensor current scaling) [default: fp32].
+    #[arg(long)]
+    pub precision: Option<String>,
+    /// With bf16: accumulate gradients in fp32 (18 instead of 16 bytes per parameter).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub fp32_grad_acc: Option<bool>,
+    /// With 16-bit precisions: round the updated master weights into the 16-bit weights
+    /// stochastically (seeded, reproducible) instead of to nearest.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub stochastic_rounding: Option<bool>,
+    /// fp16: the loss scaler's initial scale [default: 65536].
+    #[arg(long, allow_negative_numbers = true)]
+    pub loss_scale_init: Option<f32>,
+    /// fp16: finite steps before the loss scale doubles [default: 2000].
+    #[arg(long, allow_negative_numbers = true)]
+    pub loss_scale_growth_interval: Option<u64>,
     /// Peak matmul GFLOP/s of this machine for MFU [default: measured once, cached].
     #[arg(long, allow_negative_numbers = true)]
     pub peak_gflops: Option<f64>,
@@ -143,6 +162,13 @@ pub struct TrainConfig {
     pub ce_chunk: u64,
     #[serde(default = "default_recompute")]
     pub recompute: Recompute,
+    // Mixed precision postdates the first checkpoints: they were fp32.
+    #[serde(default = "default_precision")]
+    pub precision: Precision,
+    #[serde(default)]
+    pub stochastic_rounding: bool,
+    #[serde(default)]
+    pub loss_scale: LossScaleConfig,
     pub sample_tokens: u64,
     // Observability settings postdate the first checkpoints: defaults let those load.
     #[serde(default)]
@@ -153,6 +179,10 @@ pub struct TrainConfig {
     pub trace: Option<PathBuf>,
     #[serde(default = "default_trace_steps")]
     pub trace_steps: u64,
+}
+
+fn default_precision() -> Precision {
+    Precision::Fp32
 }
 
 fn default_recompute() -> Recompute {
@@ -168,12 +198,45 @@ fn default_trace_steps() -> u64 {
 }
 
 /// A bad setting: names the field, the value and the fix.
+impl TrainArgs {
+    /// `--precision` with `--fp32-grad-acc` folded in (the planner's `bf16-fp32grads`).
+    fn precision(&self) -> Result<Precision, ConfigError> {
+        let choices = "expected one of fp32, bf16, fp16, fp8";
+        let p = match self.precision.as_deref() {
+            None => Precision::Fp32,
+            Some(s) => match s.parse::<Precision>() {
+                Ok(p) => p,
+                Err(_) => return Err(bad("precision", s, choices)),
+            },
+        };
+        match (self.fp32_grad_acc.unwrap_or(false), p) {
+            (false, p) => Ok(p),
+            (true, Precision::Bf16 | Precision::Bf16Fp32grads) => Ok(Precision::Bf16Fp32grads),
+            (true, p) => Err(bad(
+                "fp32_grad_acc",
+                true,
+                &format!("applies to --precision bf16 only, not {p}"),
+            )),
+        }
+    }
+}
+
+/// One bad setting: `field = value: problem` (or just `problem` when it names the field itself).
 #[derive(Debug, thiserror::Error)]
-#[error("{field} = {value}: {problem}")]
 pub struct ConfigError {
     pub field: &'static str,
     pub value: String,
     pub problem: String,
+}
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.value.is_empty() {
+            f.write_str(&self.problem)
+        } else {
+            write!(f, "{} = {}: {}", self.field, self.value, self.problem)
+        }
+    }
 }
 
 fn bad(field: &'static str, value: impl ToString, problem: &str) -> ConfigError {
@@ -201,6 +264,8 @@ impl TrainArgs {
         merge!(self, file; model, data, tokenizer, seq, mbs, grad_acc, steps, lr, min_lr_ratio,
             warmup, decay_steps, weight_decay, beta1, beta2, eps, clip, seed, threads, eval_interval,
             eval_batches, out_dir, checkpoint_dir, checkpoint_interval, metrics, ce_chunk, recompute,
+            precision, fp32_grad_acc, stochastic_rounding, loss_scale_init,
+            loss_scale_growth_interval,
             peak_gflops, sample_tokens, memory_timeline, memory_timeline_steps, trace,
             trace_steps);
         Ok(self)
@@ -223,6 +288,27 @@ impl TrainArgs {
                 .parse()
                 .map_err(|_| bad("recompute", r, "expected one of none, selective, full"))?,
         };
+        let precision = self.precision()?;
+        let mut loss_scale = LossScaleConfig::default();
+        if let Some(v) = self.loss_scale_init {
+            loss_scale.init_scale = v;
+        }
+        if let Some(v) = self.loss_scale_growth_interval {
+            loss_scale.growth_interval = v;
+        }
+        loss_scale.validate().map_err(|e| ConfigError {
+            field: "loss_scale",
+            value: String::new(),
+            problem: e,
+        })?;
+        let stochastic_rounding = self.stochastic_rounding.unwrap_or(false);
+        if stochastic_rounding && precision == Precision::Fp32 {
+            return Err(bad(
+                "stochastic_rounding",
+                true,
+                "only applies to 16-bit weights: add --precision bf16 (or fp16, fp8)",
+            ));
+        }
         let c = TrainConfig {
             model: self.model.clone().unwrap_or_else(|| "ferrotron-12m".into()),
             data: self.data.clone(),
@@ -253,6 +339,9 @@ impl TrainArgs {
             out_dir,
             ce_chunk: self.ce_chunk.unwrap_or(1024),
             recompute,
+            precision,
+            stochastic_rounding,
+            loss_scale,
             sample_tokens: self.sample_tokens.unwrap_or(0),
             memory_timeline: Some(timeline),
             memory_timeline_steps: self

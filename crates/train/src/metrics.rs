@@ -20,6 +20,12 @@ pub struct StepMetrics {
     pub mem_peak_planned: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f64>,
+    /// fp16: the loss scale this step ran with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f32>,
+    /// fp16: the gradients overflowed and the optimizer step was skipped.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub skipped: bool,
 }
 
 pub struct MetricsWriter {

@@ -187,27 +187,25 @@ impl PlanPool {
 }
 
 impl BufferPool for PlanPool {
-    fn alloc(&mut self, name: BufName, len: usize) -> Vec<f32> {
+    fn will_alloc(&mut self, name: BufName, _bytes: u64) {
         if let Some(t) = &mut self.timeline {
             Self::on_alloc(t, name, true);
         }
-        self.live += 4 * len as u64;
+    }
+    fn did_alloc(&mut self, name: BufName, bytes: u64) {
+        self.live += bytes;
         self.peak = self.peak.max(self.live);
-        // Every buffer is fully written before it is read (the engine's contract, tested with
-        // NaN-filled buffers), but zeroed memory keeps a bug deterministic.
-        let buf = vec![0.0; len];
         if let Some(t) = &mut self.timeline {
             Self::on_alloc(t, name, false);
         }
-        buf
     }
-
-    fn free(&mut self, name: BufName, buf: Vec<f32>) {
+    fn will_free(&mut self, name: BufName, _bytes: u64) {
         if let Some(t) = &mut self.timeline {
             Self::on_free(t, name, true);
         }
-        self.live -= 4 * buf.len() as u64;
-        drop(buf);
+    }
+    fn did_free(&mut self, name: BufName, bytes: u64) {
+        self.live -= bytes;
         if let Some(t) = &mut self.timeline {
             Self::on_free(t, name, false);
         }

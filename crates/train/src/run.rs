@@ -174,8 +174,18 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let mut t = Trainer::new(cfg.clone(), spec, llama, loader, val, peak_gflops)?;
     if let Some(l) = &loaded {
-        checkpoint::load_weights(&l.dir, &t.model.params, &mut t.params)?;
-        t.opt = checkpoint::load_optimizer(&l.dir, t.params.len())?;
+        t.params = checkpoint::load_weights(&l.dir, &t.model.params, Some(t.params.dtype()))?;
+        if let Some((opt, master)) =
+            checkpoint::load_optimizer(&l.dir, t.params.len(), t.master.is_some())?
+        {
+            t.opt = Some(opt);
+            if master.is_some() {
+                t.master = master;
+            }
+        }
+        if t.scaler.is_some() {
+            t.scaler = l.state.loss_scaler.clone().or(t.scaler.take());
+        }
         t.step = l.state.step;
         eprintln!("resumed from {} at step {}", l.dir.display(), t.step);
     }
@@ -216,6 +226,15 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
             out.metrics.val_loss = t.evaluate()?;
         }
         metrics.write(&out.metrics)?;
+        if let (Some(u), false) = (out.overflow, quiet) {
+            eprintln!(
+                "{}step {}: fp16 gradients overflowed at loss scale {}: step skipped, scale -> {}",
+                if tty { "\n" } else { "" },
+                t.step,
+                u.old_scale,
+                u.new_scale
+            );
+        }
         let m = &out.metrics;
         let done = (t.step - first_step) as f64;
         let eta = started.elapsed().as_secs_f64() / done * (cfg.steps - t.step) as f64;
@@ -280,7 +299,8 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
             seed: cfg.seed,
             context: cfg.seq as usize,
         };
-        let text = generate(&t.model, &t.params, &tok, "ROMEO:", &o)?;
+        let weights = t.params.to_f32(0..t.params.len());
+        let text = generate(&t.model, &weights, &tok, "ROMEO:", &o)?;
         eprintln!("sample (temperature 0.8, top-k 40):\nROMEO:{text}");
         Some(text)
     } else {
@@ -358,7 +378,7 @@ pub fn sample_from(dir: &std::path::Path, prompt: &str, o: &SampleOptions) -> Re
     let l = checkpoint::open(dir)?;
     let tok = Tokenizer::from_file(dir.join("tokenizer.json"))?;
     let model = ferrotron_engine::model::Llama::new(setup::llama_config(&l.spec)?);
-    let mut params = vec![0.0; model.num_params()];
-    checkpoint::load_weights(dir, &model.params, &mut params)?;
-    generate(&model, &params, &tok, prompt, o)
+    // Sampling computes in f32 whatever the checkpoint's storage type.
+    let weights = checkpoint::load_weights(dir, &model.params, None)?;
+    generate(&model, &weights.to_f32(0..weights.len()), &tok, prompt, o)
 }

@@ -80,7 +80,14 @@ pub fn generate(
             b: 1,
             t: window.len(),
         };
-        model.forward_logits_last(&CpuKernels, &mut pool, params, batch, window, &mut logits);
+        model.forward_logits_last(
+            &CpuKernels::PLAIN,
+            &mut pool,
+            params,
+            batch,
+            window,
+            &mut logits,
+        );
         let next = pick(&mut logits, o, &mut rng);
         if Some(next) == tok.eos_id() {
             break;

@@ -8,7 +8,7 @@ use ferrotron_engine::model::{BatchShape, Llama, LlamaConfig};
 use ferrotron_plan::hardware::Overhead;
 use ferrotron_plan::presets::resolve;
 use ferrotron_plan::{
-    plan, Convention, Layout, ModelSource, ModelSpec, Optimizer, PlanInput, Precision, RankPlan,
+    plan, Convention, DType, Layout, ModelSource, ModelSpec, Optimizer, PlanInput, RankPlan,
     Recipe, Recompute,
 };
 use std::path::{Path, PathBuf};
@@ -51,7 +51,7 @@ pub fn plan_input(spec: &ModelSpec, c: &TrainConfig, kernel_workspace: u64) -> P
             seq: c.seq,
             mbs: c.mbs,
             grad_acc: c.grad_acc,
-            precision: Precision::Fp32,
+            precision: c.precision,
             optimizer: Optimizer::Adamw,
             recompute: c.recompute,
             ce_chunk_tokens: c.ce_chunk,
@@ -85,17 +85,27 @@ pub fn checked_plan(
         b: c.mbs as usize,
         t: c.seq as usize,
     };
-    let mut expected: Vec<(String, usize)> = model.activation_inventory(batch);
-    expected.push(("params".into(), model.num_params()));
-    for (name, len) in expected {
+    let p = c.precision;
+    let mut expected = model.activation_inventory(batch, p.storage());
+    expected.push(("params".into(), model.num_params(), p.storage()));
+    let grads = if p.fp32_grad_acc() {
+        DType::F32
+    } else {
+        p.storage()
+    };
+    expected.push(("grads".into(), model.num_params(), grads));
+    if p.has_master() {
+        expected.push(("master".into(), model.num_params(), DType::F32));
+    }
+    for (name, len, dtype) in expected {
         let Some(b) = rank.plan.find(&name) else {
             bail!("internal: the engine allocates `{name}` but the memory plan has no such buffer");
         };
-        if b.numel != len as u64 || b.dtype.bytes() != 4 {
+        if b.numel != len as u64 || b.dtype != dtype {
             bail!(
-                "internal: `{name}` is {len} f32 in the engine but {} × {} bytes in the plan",
+                "internal: `{name}` is {len} × {dtype:?} in the engine but {} × {:?} in the plan",
                 b.numel,
-                b.dtype.bytes()
+                b.dtype
             );
         }
     }

@@ -5,17 +5,22 @@
 use crate::alloc;
 use crate::config::TrainConfig;
 use crate::data::{Loader, ValLoader};
+use crate::loss_scale::{DynamicLossScaler, ScaleUpdate};
 use crate::lr::LrSchedule;
 use crate::metrics::StepMetrics;
 use crate::pool::{PlanPool, Point, Running, Sample, Timeline};
 use crate::setup::{checked_plan, recompute_flops_per_token};
 use crate::trace::{Event, Tracing};
+use crate::weights::Flat;
+use crate::with_flat_types;
 use crate::workspace;
 use anyhow::Result;
-use ferrotron_engine::kernels::{AdamWParams, CpuKernels, Kernels};
+use ferrotron_engine::kernels::{AdamWParams, CpuKernels, Kernels, Rounding};
 use ferrotron_engine::model::{BatchShape, Llama, LlamaConfig, LossSum};
+use ferrotron_engine::Elem;
 use ferrotron_plan::flops::model_flops_per_token;
 use ferrotron_plan::memory::Phase;
+use ferrotron_plan::Precision;
 use ferrotron_plan::{ModelSpec, RankPlan};
 use std::ops::Range;
 use std::time::Instant;
@@ -32,9 +37,16 @@ pub struct Trainer {
     pub model: Llama,
     /// The CPU backend, behind a tracer that records only while `--trace` asks.
     kernels: Tracing<CpuKernels>,
-    pub params: Vec<f32>,
-    pub grads: Option<Vec<f32>>,
+    /// The weights in their storage type (f32, bf16, f16).
+    pub params: Flat,
+    /// fp32 master weights (mixed precision only): the optimizer updates these and rounds
+    /// them into `params`.
+    pub master: Option<Vec<f32>>,
+    /// Gradients (storage type, or f32 with `--fp32-grad-acc`), created by the first step.
+    pub grads: Option<Flat>,
     pub opt: Option<AdamState>,
+    /// fp16's dynamic loss scaler.
+    pub scaler: Option<DynamicLossScaler>,
     /// Optimizer steps completed.
     pub step: u64,
     pub loader: Loader,
@@ -64,16 +76,45 @@ pub struct Trainer {
 pub struct StepOutput {
     pub metrics: StepMetrics,
     pub tokens: u64,
+    /// The loss scaler's decision (fp16), when the step overflowed: skipped, scale backed off.
+    pub overflow: Option<ScaleUpdate>,
 }
 
-/// Planned peak of steps 1 and 2, each with the plan's overhead (the kernel workspace).
+/// Storage types of the weights and of the gradients for a precision.
+fn storage_types(p: Precision) -> (ferrotron_plan::DType, ferrotron_plan::DType) {
+    let st = p.storage();
+    let grads = if p.fp32_grad_acc() {
+        ferrotron_plan::DType::F32
+    } else {
+        st
+    };
+    (st, grads)
+}
+
+/// The kernel workspace of a precision's types (see `workspace`).
+fn measure_workspace(k: &CpuKernels, p: Precision, c: &LlamaConfig, n: usize, chunk: usize) -> u64 {
+    use half::{bf16, f16};
+    match p {
+        Precision::Fp32 => workspace::measure::<f32, f32>(k, c, n, chunk),
+        Precision::Bf16 | Precision::Fp8 => workspace::measure::<bf16, bf16>(k, c, n, chunk),
+        Precision::Bf16Fp32grads => workspace::measure::<bf16, f32>(k, c, n, chunk),
+        Precision::Fp16 => workspace::measure::<f16, f16>(k, c, n, chunk),
+    }
+}
+
+/// Planned peak of steps 1 and 2. The plan's overhead is the kernel workspace, live only while
+/// a product runs: it counts in the forward and backward phases, not at the optimizer step
+/// (where step 1 allocates the Adam states and no GEMM runs).
 fn step_peaks(plan: &RankPlan) -> [u64; 2] {
     let mut out = [plan.overhead; 2];
     for m in &plan.sweep.marks {
-        if m.phase != Phase::Init {
-            let i = (m.step as usize - 1).min(1);
-            out[i] = out[i].max(m.max_since_previous + plan.overhead);
-        }
+        let i = (m.step as usize).saturating_sub(1).min(1);
+        let peak = match m.phase {
+            Phase::Init => continue,
+            Phase::Optimizer => m.live,
+            _ => m.max_since_previous + plan.overhead,
+        };
+        out[i] = out[i].max(peak);
     }
     out
 }
@@ -102,12 +143,18 @@ impl Trainer {
     ) -> Result<Self> {
         // Per-thread kernel state (gemm's packing slabs) is a fixed cost of the process, like
         // the thread pool: create it now so it falls into the baseline.
-        CpuKernels.warm_up();
+        let cpu = if cfg.precision == Precision::Fp8 {
+            CpuKernels::FP8
+        } else {
+            CpuKernels::PLAIN
+        };
+        Kernels::<f32>::warm_up(&cpu);
         let n = (cfg.mbs * cfg.seq) as usize;
-        let kernel_workspace = workspace::measure(&CpuKernels, &llama, n, cfg.ce_chunk as usize);
+        let kernel_workspace =
+            measure_workspace(&cpu, cfg.precision, &llama, n, cfg.ce_chunk as usize);
         // Observability buffers are outside the plan: reserve them before the baseline, so the
         // measured bytes stay comparable with the plan.
-        let kernels = Tracing::new(CpuKernels);
+        let kernels = Tracing::new(cpu);
         let trace_left = if cfg.trace.is_some() {
             cfg.trace_steps
         } else {
@@ -129,8 +176,17 @@ impl Trainer {
             .with_ce_chunk_tokens(cfg.ce_chunk as usize)
             .with_recompute(cfg.recompute);
         let plan = checked_plan(&spec, &model, &cfg, kernel_workspace)?;
-        // Initialisation of HF Llama: N(0, 0.02²) matrices, unit norms, zero biases.
-        let params = model.params.init(cfg.seed, 0.02);
+        // Initialisation of HF Llama: N(0, 0.02²) matrices, unit norms, zero biases; under mixed
+        // precision that is the fp32 master copy, and the weights are it rounded.
+        let init = model.params.init(cfg.seed, 0.02);
+        let (storage, _) = storage_types(cfg.precision);
+        let (params, master) = if cfg.precision.has_master() {
+            (Flat::from_f32(storage, &init), Some(init))
+        } else {
+            (Flat::F32(init), None)
+        };
+        let scaler =
+            (cfg.precision == Precision::Fp16).then(|| DynamicLossScaler::new(cfg.loss_scale));
         let decay = model
             .params
             .entries
@@ -153,6 +209,8 @@ impl Trainer {
             targets: vec![0; n],
             kernels,
             grads: None,
+            master,
+            scaler,
             opt: None,
             step: 0,
             pool: PlanPool {
@@ -196,89 +254,31 @@ impl Trainer {
         let planned = self.planned_peak[self.opt.is_some() as usize];
         let t0 = Instant::now();
         let step = self.step + 1;
-        let batch = self.batch();
-        let k = &self.kernels;
         // Gradients appear before the first forward: the fused LM head accumulates into them.
-        let fresh = self.grads.is_none();
-        let grads = self
-            .grads
-            .get_or_insert_with(|| vec![0.0; self.params.len()]);
-        if fresh {
+        if self.grads.is_none() {
+            let (_, gt) = storage_types(self.cfg.precision);
+            self.grads = Some(Flat::zeros(gt, self.params.len()));
             self.pool.sample(step, Point::Grads);
         }
-        grads.fill(0.0);
-        // The loader never pads, so every position has a target: the loss of each micro-batch
-        // is normalised by the target count of the whole step, and summing micro-batch
-        // gradients gives the gradient of the global mean loss.
-        let num_targets = (self.cfg.grad_acc * self.cfg.mbs * self.cfg.seq) as usize;
-        let mut loss = LossSum::default();
-        for mb in 0..self.cfg.grad_acc {
-            self.loader.next_into(&mut self.tokens, &mut self.targets)?;
-            let tf = Instant::now();
-            self.pool.enter(step, mb, Running::Forward);
-            let (acts, l) = self.model.forward_train(
-                k,
-                &mut self.pool,
-                &self.params,
-                grads,
-                batch,
-                &self.tokens,
-                &self.targets,
-                num_targets,
-            );
-            k.phase("forward", tf, step, mb);
-            let tb = Instant::now();
-            self.pool.enter(step, mb, Running::Backward);
-            self.model
-                .backward(k, &mut self.pool, &self.params, grads, acts, &self.tokens);
-            self.pool.enter(step, mb, Running::Idle);
-            k.phase("backward", tb, step, mb);
-            loss.sum += l.sum;
-            loss.count += l.count;
-        }
-        // Global-norm clipping as torch.nn.utils.clip_grad_norm_: scale by
-        // max_norm / (norm + 1e-6) when that is below 1.
-        let to = Instant::now();
-        let grad_norm = k.sum_squares(grads).sqrt();
-        if self.cfg.clip > 0.0 {
-            let coef = self.cfg.clip / (grad_norm + 1e-6);
-            if coef < 1.0 {
-                k.scale(grads, coef as f32);
-            }
-        }
-        let lr = self.schedule.at(self.step);
-        let n = self.params.len();
-        let opt = self.opt.get_or_insert_with(|| AdamState {
-            m: vec![0.0; n],
-            v: vec![0.0; n],
-        });
-        for (r, decay) in &self.decay {
-            let h = AdamWParams {
-                lr,
-                beta1: self.cfg.beta1,
-                beta2: self.cfg.beta2,
-                eps: self.cfg.eps,
-                weight_decay: if *decay { self.cfg.weight_decay } else { 0.0 },
-                step: self.step + 1,
-            };
-            k.adamw_step(
-                h,
-                &mut self.params[r.clone()],
-                &grads[r.clone()],
-                &mut opt.m[r.clone()],
-                &mut opt.v[r.clone()],
-            );
-        }
-        k.phase("optimizer", to, step, 0);
-        self.pool.sample(step, Point::Optimizer);
+        let ran_with = self.scaler.as_ref().map(|s| s.scale);
+        // The typed buffers leave `self` for the step (moving a Vec moves no memory).
+        let mut params = std::mem::replace(&mut self.params, Flat::F32(Vec::new()));
+        let mut grads = self.grads.take().expect("gradients exist");
+        grads.fill_zero();
+        let r = with_flat_types!(&mut params, &mut grads, |p, g| self.step_typed(step, p, g));
+        self.params = params;
+        self.grads = Some(grads);
+        let (loss, grad_norm, lr, overflow) = r?;
+        let k = &self.kernels;
         k.phase("step", t0, step, 0);
         self.step += 1;
         let secs = t0.elapsed().as_secs_f64();
-        let tokens = num_targets as u64;
+        let tokens = self.cfg.grad_acc * self.cfg.mbs * self.cfg.seq;
         let tps = tokens as f64 / secs;
         let mfu = tps * self.flops_per_token / self.peak_flops;
         Ok(StepOutput {
             tokens,
+            overflow,
             metrics: StepMetrics {
                 step: self.step,
                 loss: loss.mean(),
@@ -292,8 +292,122 @@ impl Trainer {
                 mem_peak_measured: alloc::peak().saturating_sub(self.baseline),
                 mem_peak_planned: planned,
                 val_loss: None,
+                loss_scale: ran_with,
+                skipped: overflow.is_some(),
             },
         })
+    }
+
+    /// The step on typed weights and gradients: forward and backward of every micro-batch,
+    /// the overflow check (fp16), clipping and AdamW. Returns the loss, the (unscaled)
+    /// gradient norm, the learning rate and, for a skipped step, the loss scaler's decision.
+    fn step_typed<S: Elem, G: Elem>(
+        &mut self,
+        step: u64,
+        params: &mut [S],
+        grads: &mut [G],
+    ) -> Result<(LossSum, f64, f64, Option<ScaleUpdate>)> {
+        let batch = self.batch();
+        let k: &dyn Kernels<S, G> = &self.kernels;
+        let loss_scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
+        // The loader never pads, so every position has a target: the loss of each micro-batch
+        // is normalised by the target count of the whole step, and summing micro-batch
+        // gradients gives the gradient of the global mean loss.
+        let num_targets = (self.cfg.grad_acc * self.cfg.mbs * self.cfg.seq) as usize;
+        let mut loss = LossSum::default();
+        for mb in 0..self.cfg.grad_acc {
+            self.loader.next_into(&mut self.tokens, &mut self.targets)?;
+            let tf = Instant::now();
+            self.pool.enter(step, mb, Running::Forward);
+            let (acts, l) = self.model.forward_train_scaled(
+                k,
+                &mut self.pool,
+                params,
+                grads,
+                batch,
+                &self.tokens,
+                &self.targets,
+                num_targets,
+                loss_scale,
+            );
+            self.kernels.phase("forward", tf, step, mb);
+            let tb = Instant::now();
+            self.pool.enter(step, mb, Running::Backward);
+            self.model
+                .backward(k, &mut self.pool, params, grads, acts, &self.tokens);
+            self.pool.enter(step, mb, Running::Idle);
+            self.kernels.phase("backward", tb, step, mb);
+            loss.sum += l.sum;
+            loss.count += l.count;
+        }
+        let to = Instant::now();
+        let lr = self.schedule.at(self.step);
+        let n = params.len();
+        // Adam's moments exist from the first optimizer step on, taken or skipped.
+        let opt = self.opt.get_or_insert_with(|| AdamState {
+            m: vec![0.0; n],
+            v: vec![0.0; n],
+        });
+        // Σg² of the scaled gradients: inf or NaN exactly when some gradient is (the check
+        // torch's GradScaler makes before unscaling).
+        let sum_sq = k.sum_squares(grads);
+        let unscale = 1.0 / loss_scale as f64;
+        let grad_norm = sum_sq.sqrt() * unscale;
+        if let Some(scaler) = &mut self.scaler {
+            let u = scaler.update(sum_sq.is_finite());
+            if !u.step_taken {
+                self.kernels.phase("optimizer", to, step, 0);
+                self.pool.sample(step, Point::Optimizer);
+                return Ok((loss, grad_norm, lr, Some(u)));
+            }
+        }
+        // Global-norm clipping as torch.nn.utils.clip_grad_norm_: scale by
+        // max_norm / (norm + 1e-6) when that is below 1, folded with the unscaling into the
+        // factor AdamW applies as it reads each gradient.
+        let mut grad_scale = unscale;
+        if self.cfg.clip > 0.0 {
+            let coef = self.cfg.clip / (grad_norm + 1e-6);
+            if coef < 1.0 {
+                grad_scale *= coef;
+            }
+        }
+        let rounding = if self.cfg.stochastic_rounding {
+            Rounding::Stochastic {
+                seed: self.cfg.seed,
+            }
+        } else {
+            Rounding::Nearest
+        };
+        for (r, decay) in &self.decay {
+            let h = AdamWParams {
+                lr,
+                beta1: self.cfg.beta1,
+                beta2: self.cfg.beta2,
+                eps: self.cfg.eps,
+                weight_decay: if *decay { self.cfg.weight_decay } else { 0.0 },
+                step: self.step + 1,
+                grad_scale: grad_scale as f32,
+            };
+            let (m, v) = (&mut opt.m[r.clone()], &mut opt.v[r.clone()]);
+            match &mut self.master {
+                Some(master) => k.adamw_step(
+                    h,
+                    &mut master[r.clone()],
+                    &grads[r.clone()],
+                    m,
+                    v,
+                    Some((&mut params[r.clone()], rounding)),
+                ),
+                None => {
+                    let w = S::as_f32_mut(&mut params[r.clone()])
+                        .expect("without master weights the weights are f32");
+                    k.adamw_step(h, w, &grads[r.clone()], m, v, None)
+                }
+            }
+        }
+        self.kernels.phase("optimizer", to, step, 0);
+        self.pool.sample(step, Point::Optimizer);
+        Ok((loss, grad_norm, lr, None))
     }
 
     /// Mean validation loss over the fixed validation batches.
@@ -306,14 +420,13 @@ impl Trainer {
         let mut loss = LossSum::default();
         for i in 0..val.num_batches() {
             val.batch_into(i, &mut self.tokens, &mut self.targets)?;
-            let l = self.model.forward_eval(
-                &self.kernels,
-                &mut self.pool,
-                &self.params,
-                batch,
-                &self.tokens,
-                &self.targets,
-            );
+            let (k, pool) = (&self.kernels, &mut self.pool);
+            let (tokens, targets) = (&self.tokens, &self.targets);
+            let l = match &self.params {
+                Flat::F32(p) => self.model.forward_eval(k, pool, p, batch, tokens, targets),
+                Flat::Bf16(p) => self.model.forward_eval(k, pool, p, batch, tokens, targets),
+                Flat::F16(p) => self.model.forward_eval(k, pool, p, batch, tokens, targets),
+            };
             loss.sum += l.sum;
             loss.count += l.count;
         }

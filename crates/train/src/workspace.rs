@@ -4,8 +4,9 @@
 //! running this model's matmul shapes under the tracking allocator.
 
 use crate::alloc;
-use ferrotron_engine::kernels::{Accum, Kernels, MatmulShape};
+use ferrotron_engine::kernels::{Accum, CpuKernels, Kernels, MatmulShape};
 use ferrotron_engine::model::LlamaConfig;
+use ferrotron_engine::Elem;
 
 /// The (rows, in, out) of every linear layer of a training step with `n` tokens per
 /// micro-batch and LM-head chunks of `chunk` rows.
@@ -28,28 +29,40 @@ fn shapes(c: &LlamaConfig, n: usize, chunk: usize) -> Vec<MatmulShape> {
     .collect()
 }
 
-/// Largest transient allocation any forward or backward product of the model makes, in bytes;
-/// 0 when the tracking allocator is not installed (nothing can be measured).
-pub fn measure(k: &dyn Kernels, c: &LlamaConfig, n: usize, chunk: usize) -> u64 {
+/// Largest transient allocation any forward or backward product of the model makes with
+/// activations stored as `S` and gradients as `G`, in bytes; 0 when the tracking allocator is
+/// not installed (nothing can be measured). 16-bit and fp8 products stage their operands in f32
+/// scratch (`staged_gemm`), which this includes.
+pub fn measure<S: Elem, G: Elem>(k: &CpuKernels, c: &LlamaConfig, n: usize, chunk: usize) -> u64 {
     if !alloc::installed() {
         return 0;
     }
+    let k: &dyn Kernels<S, G> = k;
     let mut worst = 0;
+    let mut during = |f: &mut dyn FnMut()| {
+        let live = alloc::live();
+        alloc::reset_peak();
+        f();
+        worst = worst.max(alloc::peak().saturating_sub(live));
+    };
+    let v = |len: usize| vec![S::from_f32(0.01); len];
     for s in shapes(c, n, chunk) {
-        let x = vec![0.01f32; s.n * s.in_features];
-        let w = vec![0.01f32; s.out_features * s.in_features];
-        let mut y = vec![0.0f32; s.n * s.out_features];
-        let mut dx = vec![0.0f32; s.n * s.in_features];
-        let mut dw = vec![0.0f32; s.out_features * s.in_features];
-        let mut during = |f: &mut dyn FnMut()| {
-            let live = alloc::live();
-            alloc::reset_peak();
-            f();
-            worst = worst.max(alloc::peak().saturating_sub(live));
-        };
+        let (x, w) = (v(s.n * s.in_features), v(s.out_features * s.in_features));
+        let mut y = v(s.n * s.out_features);
+        let mut dx = v(s.n * s.in_features);
+        let mut dw = vec![G::default(); s.out_features * s.in_features];
         during(&mut || k.matmul_forward(s, &x, &w, None, &mut y, Accum::Overwrite));
         during(&mut || k.matmul_backward_input(s, &y, &w, &mut dx, Accum::Overwrite));
         during(&mut || k.matmul_backward_weight(s, &y, &x, &mut dw, None));
     }
+    // The LM head, with its f32 logits.
+    let s = shapes(c, n, chunk).pop().expect("the LM head shape");
+    let (x, w) = (v(s.n * s.in_features), v(s.out_features * s.in_features));
+    let mut logits = vec![0.01f32; s.n * s.out_features];
+    let mut dx = v(s.n * s.in_features);
+    let mut dw = vec![G::default(); s.out_features * s.in_features];
+    during(&mut || k.head_forward(s, &x, &w, &mut logits));
+    during(&mut || k.head_backward_input(s, &logits, &w, &mut dx));
+    during(&mut || k.head_backward_weight(s, &logits, &x, &mut dw));
     worst
 }

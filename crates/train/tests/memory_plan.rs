@@ -13,27 +13,32 @@ use ferrotron_train::run::run;
 #[global_allocator]
 static A: Tracking = Tracking;
 
-/// Every recompute policy, one after the other (one test: the allocator counts all threads).
+/// Every precision × recompute policy, one after the other (one test: the allocator counts
+/// all threads).
 #[test]
 fn default_model_planned_vs_measured_within_one_percent() {
     assert!(
         installed(),
         "the tracking allocator must be the global allocator here"
     );
-    let mut peaks = Vec::new();
-    for rc in ["none", "selective", "full"] {
-        peaks.push(policy(rc));
-    }
-    // Each policy keeps less than the one before it: planned and measured.
-    for w in peaks.windows(2) {
-        assert!(w[0].0 > w[1].0 && w[0].1 > w[1].1, "{peaks:?}");
+    for precision in ["fp32", "bf16", "fp16", "fp8"] {
+        let mut peaks = Vec::new();
+        for rc in ["none", "selective", "full"] {
+            peaks.push(policy(precision, rc));
+        }
+        // Each policy keeps less than the one before it: planned and measured.
+        for w in peaks.windows(2) {
+            assert!(w[0].0 > w[1].0 && w[0].1 > w[1].1, "{precision}: {peaks:?}");
+        }
     }
 }
 
-/// Runs 2 steps under `rc`; returns the (planned, measured) peak of step 2.
-fn policy(rc: &str) -> (u64, u64) {
-    let out = common::tmp(&format!("memory-{rc}"));
-    let args = common::default_model_args(&out, 2, rc);
+/// Runs 2 steps under `precision` and `rc`; returns the (planned, measured) peak of step 2.
+fn policy(precision: &str, rc: &str) -> (u64, u64) {
+    let out = common::tmp(&format!("memory-{precision}-{rc}"));
+    let mut args = common::default_model_args(&out, 2, rc);
+    args.precision = Some(precision.into());
+    let rc = format!("{precision} {rc}");
     let s = run(args).unwrap();
     for m in &s.steps {
         let ratio = m.mem_peak_measured as f64 / m.mem_peak_planned as f64;
@@ -56,12 +61,15 @@ fn policy(rc: &str) -> (u64, u64) {
     let (a, b) = (&s.steps[0], &s.steps[1]);
     assert!(b.mem_peak_planned > a.mem_peak_planned);
     // The default model (ferrotron-12m) has 12,587,904 parameters: two fp32 moments each.
+    // Where step 1's peak is inside its forward/backward, step 2's is exactly that much higher;
+    // where it is step 1's optimizer step (small activations: bf16 with full recompute), less.
     let adam = 2 * 4 * 12_587_904u64;
-    assert_eq!(b.mem_peak_planned - a.mem_peak_planned, adam);
+    let planned_growth = b.mem_peak_planned - a.mem_peak_planned;
+    assert!(planned_growth <= adam, "{rc}: {planned_growth} > Adam {adam}");
     let grew = b.mem_peak_measured as f64 - a.mem_peak_measured as f64;
     assert!(
-        (grew / adam as f64 - 1.0).abs() < 0.01,
-        "{rc}: measured growth {grew} vs Adam {adam}"
+        (grew - planned_growth as f64).abs() < 0.01 * adam as f64,
+        "{rc}: measured growth {grew} vs planned {planned_growth}"
     );
     (b.mem_peak_planned, b.mem_peak_measured)
 }

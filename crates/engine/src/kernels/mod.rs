@@ -1,9 +1,9 @@
 //! The kernel interface: every op the model needs, forward and backward.
 //!
 //! The model (`crate::model`) calls only this trait, so a CUDA backend can implement the same
-//! trait later without touching the model code. Math is f32 on host slices for now; each op
-//! takes a small shape struct so that adding dtypes/strides later extends a struct instead of
-//! every signature.
+//! trait later without touching the model code. Math is f32 on host slices; tensors are stored
+//! as the trait's element types (f32, bf16, f16; see [`crate::dtype`]); each op takes a small
+//! shape struct so that adding strides later extends a struct instead of every signature.
 //!
 //! Layout conventions (HF Llama / PyTorch):
 //! - Linear weights are `[out_features, in_features]` row-major (`nn.Linear`), so `y = x·Wᵀ + b`.
@@ -17,6 +17,7 @@ pub mod event_log;
 pub mod observe;
 pub mod profile;
 
+pub use crate::dtype::Elem;
 pub use cpu::CpuKernels;
 pub use event_log::{Event, EventLog, Tracing};
 pub use observe::{Observed, OpObserver};
@@ -104,6 +105,9 @@ pub struct AdamWParams {
     pub weight_decay: f64,
     /// 1-based step count used for bias correction.
     pub step: u64,
+    /// Multiplies every gradient as it is read: 1/loss scale times the clipping coefficient
+    /// (1 for plain training), so 16-bit gradients are never rescaled in place.
+    pub grad_scale: f32,
 }
 
 /// Precomputed RoPE cos/sin tables `[max_pos, head_dim/2]` (HF `rotate_half` convention:
@@ -150,19 +154,35 @@ impl RopeTable {
     }
 }
 
-/// Every op of a Llama-family training step. All slices are dense, row-major, f32.
+/// How a kernel rounds f32 results into 16-bit parameter storage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Rounding {
+    /// Round to nearest, ties to even.
+    #[default]
+    Nearest,
+    /// Stochastic rounding; element `i` of optimizer step `t` uses the counter-based noise
+    /// `numerics::rounding::noise(seed, t, i)`, so the result does not depend on threading and
+    /// a resumed run reproduces it.
+    Stochastic { seed: u64 },
+}
+
+/// Every op of a Llama-family training step, for activations stored as `S` and parameter
+/// gradients stored as `G` (see [`crate::dtype`]): `Kernels<f32>` is plain fp32 training,
+/// `Kernels<bf16>` bf16 mixed precision, `Kernels<bf16, f32>` bf16 with fp32 gradients. All
+/// arithmetic is f32; statistics (`rstd`, `lse`), logits and losses are always f32.
 ///
-/// Parameter gradients (`dw`, `dbias`, `dweight`, `dwte`) are always accumulated (`+=`).
-pub trait Kernels: Send + Sync {
+/// Parameter gradients (`dw`, `dbias`, `dweight`, `dwte`) are always accumulated (`+=`), each
+/// call rounding into `G` once.
+pub trait Kernels<S: Elem = f32, G: Elem = S>: Send + Sync {
     // ---- linear layers ----
     /// `y (=|+=) x·Wᵀ + bias`. `y_accum = Add` fuses a residual add (`y` holds the residual).
     fn matmul_forward(
         &self,
         s: MatmulShape,
-        x: &[f32],
-        w: &[f32],
-        bias: Option<&[f32]>,
-        y: &mut [f32],
+        x: &[S],
+        w: &[S],
+        bias: Option<&[S]>,
+        y: &mut [S],
         y_accum: Accum,
     );
     /// `dx (=|+=) dy·W`, `dW += dyᵀ·x`, `dbias += Σ_rows dy`. `dx = None` skips the input grad.
@@ -170,12 +190,12 @@ pub trait Kernels: Send + Sync {
     fn matmul_backward(
         &self,
         s: MatmulShape,
-        dy: &[f32],
-        x: &[f32],
-        w: &[f32],
-        dx: Option<(&mut [f32], Accum)>,
-        dw: &mut [f32],
-        dbias: Option<&mut [f32]>,
+        dy: &[S],
+        x: &[S],
+        w: &[S],
+        dx: Option<(&mut [S], Accum)>,
+        dw: &mut [G],
+        dbias: Option<&mut [G]>,
     ) {
         self.matmul_backward_weight(s, dy, x, dw, dbias);
         if let Some((dx, acc)) = dx {
@@ -186,62 +206,62 @@ pub trait Kernels: Send + Sync {
     fn matmul_backward_weight(
         &self,
         s: MatmulShape,
-        dy: &[f32],
-        x: &[f32],
-        dw: &mut [f32],
-        dbias: Option<&mut [f32]>,
+        dy: &[S],
+        x: &[S],
+        dw: &mut [G],
+        dbias: Option<&mut [G]>,
     );
     /// `dx (=|+=) dy·W`. Split from the weight grad so that `dx` may reuse `x`'s storage once
     /// the weight grad has consumed it (the fused LM-head does this).
     fn matmul_backward_input(
         &self,
         s: MatmulShape,
-        dy: &[f32],
-        w: &[f32],
-        dx: &mut [f32],
+        dy: &[S],
+        w: &[S],
+        dx: &mut [S],
         dx_accum: Accum,
     );
 
+    // ---- the LM head: f32 logits (and their gradient), and never fp8 GEMM inputs ----
+    /// `logits = x·Wᵀ`.
+    fn head_forward(&self, s: MatmulShape, x: &[S], w: &[S], logits: &mut [f32]);
+    /// `dW += dlogitsᵀ·x`.
+    fn head_backward_weight(&self, s: MatmulShape, dlogits: &[f32], x: &[S], dw: &mut [G]);
+    /// `dx = dlogits·W`.
+    fn head_backward_input(&self, s: MatmulShape, dlogits: &[f32], w: &[S], dx: &mut [S]);
+
     // ---- RMSNorm (Zhang & Sennrich 2019) ----
     /// `out = x · rstd · w`, `rstd = 1/sqrt(mean(x²) + eps)` saved per row.
-    fn rmsnorm_forward(
-        &self,
-        s: NormShape,
-        x: &[f32],
-        w: &[f32],
-        out: &mut [f32],
-        rstd: &mut [f32],
-    );
+    fn rmsnorm_forward(&self, s: NormShape, x: &[S], w: &[S], out: &mut [S], rstd: &mut [f32]);
     /// `dx (=|+=) rstd·(dy⊙w − x̂·mean(dy⊙w⊙x̂))`, `dw += Σ_rows dy⊙x̂`, `x̂ = x·rstd`.
     #[allow(clippy::too_many_arguments)]
     fn rmsnorm_backward(
         &self,
         s: NormShape,
-        dy: &[f32],
-        x: &[f32],
-        w: &[f32],
+        dy: &[S],
+        x: &[S],
+        w: &[S],
         rstd: &[f32],
-        dx: &mut [f32],
+        dx: &mut [S],
         dx_accum: Accum,
-        dw: &mut [f32],
+        dw: &mut [G],
     );
 
     // ---- rotary embeddings ----
     /// Rotate `x` `[B,T,heads,D]` in place; position of token t is t (each sequence from 0).
-    fn rope_forward(&self, s: RopeShape, table: &RopeTable, x: &mut [f32]);
+    fn rope_forward(&self, s: RopeShape, table: &RopeTable, x: &mut [S]);
     /// Inverse rotation (the rotation is orthogonal, so its transpose is its inverse).
-    fn rope_backward(&self, s: RopeShape, table: &RopeTable, dx: &mut [f32]);
+    fn rope_backward(&self, s: RopeShape, table: &RopeTable, dx: &mut [S]);
 
     // ---- causal GQA attention, flash style (Dao et al. 2022) ----
     /// `o = softmax(q·kᵀ/√D + causal mask)·v`, saves `lse` `[B,H,T]`; no T×T matrix is stored.
-    #[allow(clippy::too_many_arguments)]
     fn attention_forward(
         &self,
         s: AttnShape,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        o: &mut [f32],
+        q: &[S],
+        k: &[S],
+        v: &[S],
+        o: &mut [S],
         lse: &mut [f32],
     );
     /// Overwrites dq, dk, dv, recomputing probabilities from q, k and lse.
@@ -249,47 +269,43 @@ pub trait Kernels: Send + Sync {
     fn attention_backward(
         &self,
         s: AttnShape,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        o: &[f32],
+        q: &[S],
+        k: &[S],
+        v: &[S],
+        o: &[S],
         lse: &[f32],
-        d_o: &[f32],
-        dq: &mut [f32],
-        dk: &mut [f32],
-        dv: &mut [f32],
+        d_o: &[S],
+        dq: &mut [S],
+        dk: &mut [S],
+        dv: &mut [S],
     );
 
     // ---- SwiGLU (Shazeer 2020) ----
     /// `h = silu(gate) ⊙ up`.
-    fn swiglu_forward(&self, gate: &[f32], up: &[f32], h: &mut [f32]);
+    fn swiglu_forward(&self, gate: &[S], up: &[S], h: &mut [S]);
     /// Overwrites `dgate`, `dup` from `dh`.
-    fn swiglu_backward(
-        &self,
-        dh: &[f32],
-        gate: &[f32],
-        up: &[f32],
-        dgate: &mut [f32],
-        dup: &mut [f32],
-    );
+    fn swiglu_backward(&self, dh: &[S], gate: &[S], up: &[S], dgate: &mut [S], dup: &mut [S]);
 
     // ---- token embedding ----
     /// `out[n, :] = wte[tokens[n], :]`.
-    fn embedding_forward(&self, tokens: &[u32], wte: &[f32], c: usize, out: &mut [f32]);
-    /// `dwte[tokens[n], :] += dout[n, :]`.
-    fn embedding_backward(&self, tokens: &[u32], dout: &[f32], c: usize, dwte: &mut [f32]);
+    fn embedding_forward(&self, tokens: &[u32], wte: &[S], c: usize, out: &mut [S]);
+    /// `dwte[tokens[n], :] += dout[n, :]` (a token's rows are summed in f32 first).
+    fn embedding_backward(&self, tokens: &[u32], dout: &[S], c: usize, dwte: &mut [G]);
 
     // ---- elementwise ----
     /// `out = a + b`.
-    fn add(&self, a: &[f32], b: &[f32], out: &mut [f32]);
+    fn add(&self, a: &[S], b: &[S], out: &mut [S]);
     /// `acc += x`.
-    fn add_inplace(&self, acc: &mut [f32], x: &[f32]);
+    fn add_inplace(&self, acc: &mut [S], x: &[S]);
     /// `dst = src`.
-    fn copy(&self, src: &[f32], dst: &mut [f32]);
-    /// `x *= s`.
-    fn scale(&self, x: &mut [f32], s: f32);
-    /// `Σ x²` accumulated in f64 (global grad norm = sqrt of the sum over all shards).
-    fn sum_squares(&self, x: &[f32]) -> f64;
+    fn copy(&self, src: &[S], dst: &mut [S]);
+    /// `x *= s` over gradients.
+    fn scale(&self, x: &mut [G], s: f32);
+    /// `Σ x²` over gradients, accumulated in f64 (global grad norm = sqrt of the sum over all
+    /// shards); inf or NaN if any element is (the loss scaler's overflow check).
+    fn sum_squares(&self, x: &[G]) -> f64;
+    /// `dst = round(src)`: parameters from the fp32 master weights.
+    fn round_params(&self, src: &[f32], dst: &mut [S]);
 
     /// Creates the backend's per-thread runtime state (library caches, workspaces) up front,
     /// so that it is part of a process's fixed baseline rather than appearing mid-step.
@@ -309,17 +325,20 @@ pub trait Kernels: Send + Sync {
     ) -> f64;
 
     // ---- optimizer ----
-    /// One torch.optim.AdamW step over a flat slice (Loshchilov & Hutter 2019, Alg. 2).
+    /// One torch.optim.AdamW step over a flat slice (Loshchilov & Hutter 2019, Alg. 2) on the
+    /// f32 `master` weights, reading `grads · h.grad_scale`. With `params`, the updated master
+    /// weights are also rounded into the 16-bit parameters (mixed precision).
+    #[allow(clippy::too_many_arguments)]
     fn adamw_step(
         &self,
         h: AdamWParams,
-        params: &mut [f32],
-        grads: &[f32],
+        master: &mut [f32],
+        grads: &[G],
         m: &mut [f32],
         v: &mut [f32],
+        params: Option<(&mut [S], Rounding)>,
     );
-
-    // ---- casts (mixed-precision storage) ----
-    fn cast_f32_to_bf16(&self, src: &[f32], dst: &mut [half::bf16]);
-    fn cast_bf16_to_f32(&self, src: &[half::bf16], dst: &mut [f32]);
 }
+
+/// `adamw_step`'s last argument for fp32 training (the weights are the master weights).
+pub const NO_PARAMS: Option<(&mut [f32], Rounding)> = None;

@@ -5,8 +5,9 @@
 
 use super::{
     Accum, AdamWParams, AttnShape, CeShape, Kernels, MatmulShape, NormShape, RopeShape, RopeTable,
+    Rounding,
 };
-use half::bf16;
+use crate::dtype::Elem;
 use std::time::Instant;
 
 /// Receives every op call of an [`Observed`] backend.
@@ -25,7 +26,7 @@ pub struct Observed<K, O> {
     pub observer: O,
 }
 
-impl<K: Kernels, O: OpObserver> Observed<K, O> {
+impl<K, O: OpObserver> Observed<K, O> {
     fn time<R>(&self, op: &'static str, f: impl FnOnce() -> R) -> R {
         if !self.observer.active() {
             return f();
@@ -37,17 +38,17 @@ impl<K: Kernels, O: OpObserver> Observed<K, O> {
     }
 }
 
-impl<K: Kernels, O: OpObserver> Kernels for Observed<K, O> {
+impl<S: Elem, G: Elem, K: Kernels<S, G>, O: OpObserver> Kernels<S, G> for Observed<K, O> {
     fn warm_up(&self) {
         self.inner.warm_up()
     }
     fn matmul_forward(
         &self,
         s: MatmulShape,
-        x: &[f32],
-        w: &[f32],
-        bias: Option<&[f32]>,
-        y: &mut [f32],
+        x: &[S],
+        w: &[S],
+        bias: Option<&[S]>,
+        y: &mut [S],
         a: Accum,
     ) {
         self.time("matmul_forward", || {
@@ -57,35 +58,21 @@ impl<K: Kernels, O: OpObserver> Kernels for Observed<K, O> {
     fn matmul_backward_weight(
         &self,
         s: MatmulShape,
-        dy: &[f32],
-        x: &[f32],
-        dw: &mut [f32],
-        db: Option<&mut [f32]>,
+        dy: &[S],
+        x: &[S],
+        dw: &mut [G],
+        db: Option<&mut [G]>,
     ) {
         self.time("matmul_backward_weight", || {
             self.inner.matmul_backward_weight(s, dy, x, dw, db)
         })
     }
-    fn matmul_backward_input(
-        &self,
-        s: MatmulShape,
-        dy: &[f32],
-        w: &[f32],
-        dx: &mut [f32],
-        a: Accum,
-    ) {
+    fn matmul_backward_input(&self, s: MatmulShape, dy: &[S], w: &[S], dx: &mut [S], a: Accum) {
         self.time("matmul_backward_input", || {
             self.inner.matmul_backward_input(s, dy, w, dx, a)
         })
     }
-    fn rmsnorm_forward(
-        &self,
-        s: NormShape,
-        x: &[f32],
-        w: &[f32],
-        out: &mut [f32],
-        rstd: &mut [f32],
-    ) {
+    fn rmsnorm_forward(&self, s: NormShape, x: &[S], w: &[S], out: &mut [S], rstd: &mut [f32]) {
         self.time("rmsnorm_forward", || {
             self.inner.rmsnorm_forward(s, x, w, out, rstd)
         })
@@ -93,31 +80,31 @@ impl<K: Kernels, O: OpObserver> Kernels for Observed<K, O> {
     fn rmsnorm_backward(
         &self,
         s: NormShape,
-        dy: &[f32],
-        x: &[f32],
-        w: &[f32],
+        dy: &[S],
+        x: &[S],
+        w: &[S],
         rstd: &[f32],
-        dx: &mut [f32],
+        dx: &mut [S],
         a: Accum,
-        dw: &mut [f32],
+        dw: &mut [G],
     ) {
         self.time("rmsnorm_backward", || {
             self.inner.rmsnorm_backward(s, dy, x, w, rstd, dx, a, dw)
         })
     }
-    fn rope_forward(&self, s: RopeShape, t: &RopeTable, x: &mut [f32]) {
+    fn rope_forward(&self, s: RopeShape, t: &RopeTable, x: &mut [S]) {
         self.time("rope_forward", || self.inner.rope_forward(s, t, x))
     }
-    fn rope_backward(&self, s: RopeShape, t: &RopeTable, dx: &mut [f32]) {
+    fn rope_backward(&self, s: RopeShape, t: &RopeTable, dx: &mut [S]) {
         self.time("rope_backward", || self.inner.rope_backward(s, t, dx))
     }
     fn attention_forward(
         &self,
         s: AttnShape,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        o: &mut [f32],
+        q: &[S],
+        k: &[S],
+        v: &[S],
+        o: &mut [S],
         lse: &mut [f32],
     ) {
         self.time("attention_forward", || {
@@ -127,52 +114,52 @@ impl<K: Kernels, O: OpObserver> Kernels for Observed<K, O> {
     fn attention_backward(
         &self,
         s: AttnShape,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        o: &[f32],
+        q: &[S],
+        k: &[S],
+        v: &[S],
+        o: &[S],
         lse: &[f32],
-        d_o: &[f32],
-        dq: &mut [f32],
-        dk: &mut [f32],
-        dv: &mut [f32],
+        d_o: &[S],
+        dq: &mut [S],
+        dk: &mut [S],
+        dv: &mut [S],
     ) {
         self.time("attention_backward", || {
             self.inner
                 .attention_backward(s, q, k, v, o, lse, d_o, dq, dk, dv)
         })
     }
-    fn swiglu_forward(&self, g: &[f32], u: &[f32], h: &mut [f32]) {
+    fn swiglu_forward(&self, g: &[S], u: &[S], h: &mut [S]) {
         self.time("swiglu_forward", || self.inner.swiglu_forward(g, u, h))
     }
-    fn swiglu_backward(&self, dh: &[f32], g: &[f32], u: &[f32], dg: &mut [f32], du: &mut [f32]) {
+    fn swiglu_backward(&self, dh: &[S], g: &[S], u: &[S], dg: &mut [S], du: &mut [S]) {
         self.time("swiglu_backward", || {
             self.inner.swiglu_backward(dh, g, u, dg, du)
         })
     }
-    fn embedding_forward(&self, t: &[u32], wte: &[f32], c: usize, out: &mut [f32]) {
+    fn embedding_forward(&self, t: &[u32], wte: &[S], c: usize, out: &mut [S]) {
         self.time("embedding_forward", || {
             self.inner.embedding_forward(t, wte, c, out)
         })
     }
-    fn embedding_backward(&self, t: &[u32], dout: &[f32], c: usize, dwte: &mut [f32]) {
+    fn embedding_backward(&self, t: &[u32], dout: &[S], c: usize, dwte: &mut [G]) {
         self.time("embedding_backward", || {
             self.inner.embedding_backward(t, dout, c, dwte)
         })
     }
-    fn add(&self, a: &[f32], b: &[f32], out: &mut [f32]) {
+    fn add(&self, a: &[S], b: &[S], out: &mut [S]) {
         self.time("add", || self.inner.add(a, b, out))
     }
-    fn add_inplace(&self, acc: &mut [f32], x: &[f32]) {
+    fn add_inplace(&self, acc: &mut [S], x: &[S]) {
         self.time("add_inplace", || self.inner.add_inplace(acc, x))
     }
-    fn copy(&self, src: &[f32], dst: &mut [f32]) {
+    fn copy(&self, src: &[S], dst: &mut [S]) {
         self.time("copy", || self.inner.copy(src, dst))
     }
-    fn scale(&self, x: &mut [f32], s: f32) {
+    fn scale(&self, x: &mut [G], s: f32) {
         self.time("scale", || self.inner.scale(x, s))
     }
-    fn sum_squares(&self, x: &[f32]) -> f64 {
+    fn sum_squares(&self, x: &[G]) -> f64 {
         self.time("sum_squares", || self.inner.sum_squares(x))
     }
     fn cross_entropy(
@@ -185,13 +172,31 @@ impl<K: Kernels, O: OpObserver> Kernels for Observed<K, O> {
     ) -> f64 {
         self.time("cross_entropy", || self.inner.cross_entropy(s, z, t, l, sc))
     }
-    fn adamw_step(&self, h: AdamWParams, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
-        self.time("adamw_step", || self.inner.adamw_step(h, p, g, m, v))
+    fn adamw_step(
+        &self,
+        h: AdamWParams,
+        p: &mut [f32],
+        g: &[G],
+        m: &mut [f32],
+        v: &mut [f32],
+        out: Option<(&mut [S], Rounding)>,
+    ) {
+        self.time("adamw_step", || self.inner.adamw_step(h, p, g, m, v, out))
     }
-    fn cast_f32_to_bf16(&self, src: &[f32], dst: &mut [bf16]) {
-        self.time("cast_f32_to_bf16", || self.inner.cast_f32_to_bf16(src, dst))
+    fn round_params(&self, src: &[f32], dst: &mut [S]) {
+        self.time("round_params", || self.inner.round_params(src, dst))
     }
-    fn cast_bf16_to_f32(&self, src: &[bf16], dst: &mut [f32]) {
-        self.time("cast_bf16_to_f32", || self.inner.cast_bf16_to_f32(src, dst))
+    fn head_forward(&self, s: MatmulShape, x: &[S], w: &[S], logits: &mut [f32]) {
+        self.time("head_forward", || self.inner.head_forward(s, x, w, logits))
+    }
+    fn head_backward_weight(&self, s: MatmulShape, dl: &[f32], x: &[S], dw: &mut [G]) {
+        self.time("head_backward_weight", || {
+            self.inner.head_backward_weight(s, dl, x, dw)
+        })
+    }
+    fn head_backward_input(&self, s: MatmulShape, dl: &[f32], w: &[S], dx: &mut [S]) {
+        self.time("head_backward_input", || {
+            self.inner.head_backward_input(s, dl, w, dx)
+        })
     }
 }

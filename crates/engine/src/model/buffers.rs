@@ -5,6 +5,7 @@
 //! the backward has consumed it. The trainer plugs in its arena (or the tracking [`HeapPool`])
 //! and so sees exactly the live bytes the memory plan predicts.
 
+use crate::dtype::Elem;
 use std::fmt;
 
 /// A buffer name without allocating: `act.layers.{layer}.{name}` or a global `name`.
@@ -37,11 +38,46 @@ impl fmt::Display for BufName {
     }
 }
 
-/// Source of activation buffers (f32 for now). `alloc` must return exactly `len` elements;
-/// contents are unspecified (every buffer is fully written before it is read).
+/// Where activation buffers come from, as seen by whoever accounts for them. The model
+/// allocates every buffer through [`alloc`](#method.alloc) / [`free`](#method.free) on
+/// `dyn BufferPool` (any element type: f32 for statistics and logits, the storage type for the
+/// rest); the pool hears of each with its name and size in bytes, just before and just after
+/// the heap operation, so a tracking allocator read in the hooks sees the memory come and go.
+/// Contents of a new buffer are unspecified (every buffer is fully written before it is read).
 pub trait BufferPool {
-    fn alloc(&mut self, name: BufName, len: usize) -> Vec<f32>;
-    fn free(&mut self, name: BufName, buf: Vec<f32>);
+    fn will_alloc(&mut self, _name: BufName, _bytes: u64) {}
+    fn did_alloc(&mut self, name: BufName, bytes: u64);
+    fn will_free(&mut self, _name: BufName, _bytes: u64) {}
+    fn did_free(&mut self, name: BufName, bytes: u64);
+    /// Fill new buffers with NaN instead of zeros (tests that every buffer is written before it
+    /// is read).
+    fn poison(&self) -> bool {
+        false
+    }
+}
+
+impl dyn BufferPool + '_ {
+    /// A buffer of `len` elements named `name`.
+    pub fn alloc<T: Elem>(&mut self, name: BufName, len: usize) -> Vec<T> {
+        let bytes = (len * std::mem::size_of::<T>()) as u64;
+        self.will_alloc(name, bytes);
+        // Zeroed memory keeps a read-before-write bug deterministic.
+        let fill = if self.poison() {
+            T::from_f32(f32::NAN)
+        } else {
+            T::default()
+        };
+        let buf = vec![fill; len];
+        self.did_alloc(name, bytes);
+        buf
+    }
+    /// Returns `buf` (allocated as `name`).
+    pub fn free<T: Elem>(&mut self, name: BufName, buf: Vec<T>) {
+        let bytes = (buf.len() * std::mem::size_of::<T>()) as u64;
+        self.will_free(name, bytes);
+        drop(buf);
+        self.did_free(name, bytes);
+    }
 }
 
 /// One alloc/free, for memory timelines.
@@ -86,15 +122,12 @@ impl HeapPool {
 }
 
 impl BufferPool for HeapPool {
-    fn alloc(&mut self, name: BufName, len: usize) -> Vec<f32> {
-        let bytes = (len * 4) as u64;
+    fn did_alloc(&mut self, name: BufName, bytes: u64) {
         self.live_bytes += bytes;
         self.peak_bytes = self.peak_bytes.max(self.live_bytes);
         self.note(name, bytes, true);
-        vec![0.0; len]
     }
-    fn free(&mut self, name: BufName, buf: Vec<f32>) {
-        let bytes = (buf.len() * 4) as u64;
+    fn did_free(&mut self, name: BufName, bytes: u64) {
         self.live_bytes -= bytes;
         self.note(name, bytes, false);
     }

@@ -26,9 +26,11 @@ use super::buffers::{BufName, BufferPool};
 use super::config::LlamaConfig;
 use super::params::{LayerIdx, ParamTable};
 use super::recompute::{dropped, workspace_name, Recompute, LAYER_FIELDS};
+use crate::dtype::Elem;
 use crate::kernels::{
     Accum, AttnShape, CeShape, Kernels, MatmulShape, NormShape, RopeShape, RopeTable,
 };
+use ferrotron_plan::DType;
 use std::ops::Range;
 
 /// Default rows per LM-head / cross-entropy chunk.
@@ -48,7 +50,7 @@ pub struct Llama {
 }
 
 /// Mutable views of two disjoint ranges of one buffer (a weight grad and its bias grad).
-fn two_mut(buf: &mut [f32], a: Range<usize>, b: Range<usize>) -> (&mut [f32], &mut [f32]) {
+fn two_mut<T>(buf: &mut [T], a: Range<usize>, b: Range<usize>) -> (&mut [T], &mut [T]) {
     assert!(a.end <= b.start || b.end <= a.start, "ranges overlap");
     if a.start < b.start {
         let (lo, hi) = buf.split_at_mut(b.start);
@@ -60,12 +62,12 @@ fn two_mut(buf: &mut [f32], a: Range<usize>, b: Range<usize>) -> (&mut [f32], &m
 }
 
 /// `matmul_backward_weight` with an optional bias grad living in the same flat buffer.
-fn weight_grad(
-    k: &dyn Kernels,
+fn weight_grad<S: Elem, G: Elem>(
+    k: &dyn Kernels<S, G>,
     s: MatmulShape,
-    dy: &[f32],
-    x: &[f32],
-    grads: &mut [f32],
+    dy: &[S],
+    x: &[S],
+    grads: &mut [G],
     w: &Range<usize>,
     b: &Option<Range<usize>>,
 ) {
@@ -78,7 +80,7 @@ fn weight_grad(
     }
 }
 
-fn opt<'a>(params: &'a [f32], r: &Option<Range<usize>>) -> Option<&'a [f32]> {
+fn opt<'a, S>(params: &'a [S], r: &Option<Range<usize>>) -> Option<&'a [S]> {
     r.as_ref().map(|r| &params[r.clone()])
 }
 
@@ -137,22 +139,32 @@ impl Llama {
         self.params.total
     }
 
-    /// Every buffer name and element count the model requests for a batch: the per-layer
-    /// activations the recompute policy keeps, the `recompute.*` workspace of the ones it drops
-    /// (one set for all layers), the head buffers, then the backward scratch.
-    pub fn activation_inventory(&self, batch: BatchShape) -> Vec<(String, usize)> {
+    /// Every buffer the model requests for a batch with activations stored as `storage`: name,
+    /// element count and element type. The per-layer activations the recompute policy keeps,
+    /// the `recompute.*` workspace of the ones it drops (one set for all layers), the head
+    /// buffers, then the backward scratch. Statistics, logits and losses are always f32.
+    pub fn activation_inventory(
+        &self,
+        batch: BatchShape,
+        storage: DType,
+    ) -> Vec<(String, usize, DType)> {
         let (n, c) = (batch.n(), self.config.hidden);
         let (qd, kvd, f) = (
             self.config.q_dim(),
             self.config.kv_dim(),
             self.config.intermediate,
         );
+        let dtype = |name: &str| match name {
+            "ln1_rstd" | "ln2_rstd" | "attn_lse" => DType::F32,
+            _ => storage,
+        };
         let mut v = Vec::new();
         for i in 0..self.config.layers {
             for name in LAYER_FIELDS.into_iter().filter(|f| self.recompute.keeps(f)) {
                 v.push((
                     BufName::layer(i, name).to_string(),
                     self.field_len(name, batch),
+                    dtype(name),
                 ));
             }
         }
@@ -160,31 +172,33 @@ impl Llama {
             v.push((
                 workspace_name(name).to_string(),
                 self.field_len(name, batch),
+                dtype(name),
             ));
         }
         let chunk = n.min(self.ce_chunk_tokens);
-        for (name, len) in [
-            ("act.final_norm.input", n * c),
-            ("act.final_norm.rstd", n),
-            ("act.final_norm.out", n * c),
-            ("act.logits_chunk", chunk * self.config.vocab),
-            ("act.losses", n),
-            ("grad.act.resid", n * c),
-            ("grad.act.ln_out", n * c),
-            ("grad.act.q", n * qd),
-            ("grad.act.k", n * kvd),
-            ("grad.act.v", n * kvd),
-            ("grad.act.attn_out", n * qd),
-            ("grad.act.gate", n * f),
-            ("grad.act.up", n * f),
-            ("grad.act.swiglu", n * f),
+        let f32 = DType::F32;
+        for (name, len, dt) in [
+            ("act.final_norm.input", n * c, storage),
+            ("act.final_norm.rstd", n, f32),
+            ("act.final_norm.out", n * c, storage),
+            ("act.logits_chunk", chunk * self.config.vocab, f32),
+            ("act.losses", n, f32),
+            ("grad.act.resid", n * c, storage),
+            ("grad.act.ln_out", n * c, storage),
+            ("grad.act.q", n * qd, storage),
+            ("grad.act.k", n * kvd, storage),
+            ("grad.act.v", n * kvd, storage),
+            ("grad.act.attn_out", n * qd, storage),
+            ("grad.act.gate", n * f, storage),
+            ("grad.act.up", n * f, storage),
+            ("grad.act.swiglu", n * f, storage),
         ] {
-            v.push((name.to_string(), len));
+            v.push((name.to_string(), len, dt));
         }
         v
     }
 
-    fn check_batch(&self, params: &[f32], batch: BatchShape, tokens: &[u32]) {
+    fn check_batch<S>(&self, params: &[S], batch: BatchShape, tokens: &[u32]) {
         assert_eq!(params.len(), self.params.total, "params buffer length");
         assert_eq!(tokens.len(), batch.n(), "tokens must hold B·T ids");
         assert!(
@@ -204,13 +218,13 @@ impl Llama {
     }
 
     /// Embedding lookup into `act.layers.0.input`.
-    fn embed(
+    fn embed<S: Elem, G: Elem>(
         &self,
-        k: &dyn Kernels,
+        k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
-        params: &[f32],
+        params: &[S],
         tokens: &[u32],
-    ) -> Vec<f32> {
+    ) -> Vec<S> {
         let c = self.config.hidden;
         let mut x = pool.alloc(BufName::layer(0, "input"), tokens.len() * c);
         k.embedding_forward(tokens, &params[self.params.embed.clone()], c, &mut x);
@@ -228,20 +242,19 @@ impl Llama {
 
     /// One decoder layer; returns its saved activations (the dropped ones already returned to
     /// the pool) and its output (the next residual).
-    fn layer_forward(
+    fn layer_forward<S: Elem, G: Elem>(
         &self,
-        k: &dyn Kernels,
+        k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
-        params: &[f32],
+        params: &[S],
         i: usize,
         batch: BatchShape,
-        input: Vec<f32>,
-    ) -> (LayerActs, Vec<f32>) {
+        input: Vec<S>,
+    ) -> (LayerActs<S>, Vec<S>) {
         let (mut acts, out) = self.layer_body(k, pool, params, i, batch, input, true);
         // The workspace of the dropped tensors goes once the output exists.
         for field in dropped(self.recompute) {
-            let buf = std::mem::take(acts.field_mut(field));
-            pool.free(self.slot(i, field), buf);
+            acts.release(field, pool, self.slot(i, field));
         }
         (acts, out.expect("layer output"))
     }
@@ -250,16 +263,16 @@ impl Llama {
     /// `output = false` (the replay of full recomputation) the output projection into the
     /// residual stream is skipped: the backward needs every tensor but the output.
     #[allow(clippy::too_many_arguments)]
-    fn layer_body(
+    fn layer_body<S: Elem, G: Elem>(
         &self,
-        k: &dyn Kernels,
+        k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
-        params: &[f32],
+        params: &[S],
         i: usize,
         batch: BatchShape,
-        input: Vec<f32>,
+        input: Vec<S>,
         output: bool,
-    ) -> (LayerActs, Option<Vec<f32>>) {
+    ) -> (LayerActs<S>, Option<Vec<S>>) {
         let cfg = &self.config;
         let li: &LayerIdx = &self.params.layers[i];
         let (n, c, f) = (batch.n(), cfg.hidden, cfg.intermediate);
@@ -400,10 +413,9 @@ impl Llama {
     }
 
     /// Returns every kept buffer of a layer to the pool (used by the no-grad forwards).
-    fn free_layer(&self, pool: &mut dyn BufferPool, i: usize, mut a: LayerActs) {
+    fn free_layer<S: Elem>(&self, pool: &mut dyn BufferPool, i: usize, mut a: LayerActs<S>) {
         for field in LAYER_FIELDS.into_iter().filter(|f| self.recompute.keeps(f)) {
-            let buf = std::mem::take(a.field_mut(field));
-            pool.free(BufName::layer(i, field), buf);
+            a.release(field, pool, BufName::layer(i, field));
         }
     }
 
@@ -411,15 +423,15 @@ impl Llama {
     /// `recompute.*` workspace, at the start of the layer's backward (allocated in
     /// [`LAYER_FIELDS`] order, as the plan does). Same kernels on the same inputs as the
     /// forward, so the same bits.
-    fn rebuild(
+    fn rebuild<S: Elem, G: Elem>(
         &self,
-        k: &dyn Kernels,
+        k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
-        params: &[f32],
+        params: &[S],
         i: usize,
         batch: BatchShape,
-        a: LayerActs,
-    ) -> LayerActs {
+        a: LayerActs<S>,
+    ) -> LayerActs<S> {
         match self.recompute {
             Recompute::None => a,
             Recompute::Full => self.layer_body(k, pool, params, i, batch, a.input, false).0,
@@ -457,15 +469,15 @@ impl Llama {
     /// Final norm + chunked LM head + cross-entropy. With `grad = Some((grads, scale))` the
     /// head's backward is fused in (see module docs) and `out` ends up holding its gradient.
     #[allow(clippy::too_many_arguments)]
-    fn head(
+    fn head<S: Elem, G: Elem>(
         &self,
-        k: &dyn Kernels,
+        k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
-        params: &[f32],
-        final_input: &[f32],
+        params: &[S],
+        final_input: &[S],
         targets: &[u32],
-        mut grad: Option<(&mut [f32], f32)>,
-    ) -> (Vec<f32>, Vec<f32>, LossSum) {
+        mut grad: Option<(&mut [G], f32)>,
+    ) -> (Vec<f32>, Vec<S>, LossSum) {
         let (c, vocab) = (self.config.hidden, self.config.vocab);
         let n = targets.len();
         let mut rstd = pool.alloc(BufName::global("act.final_norm.rstd"), n);
@@ -492,7 +504,7 @@ impl Llama {
             };
             let h = &mut out[r0 * c..(r0 + rows) * c];
             let lg = &mut logits[..rows * vocab];
-            k.matmul_forward(s, h, w_lm, None, lg, Accum::Overwrite);
+            k.head_forward(s, h, w_lm, lg);
             let ce = CeShape { rows, vocab };
             let scale = grad.as_ref().map(|g| g.1);
             total += k.cross_entropy(
@@ -503,8 +515,8 @@ impl Llama {
                 scale,
             );
             if let Some((grads, _)) = grad.as_mut() {
-                k.matmul_backward_weight(s, lg, h, &mut grads[self.params.lm_head.clone()], None);
-                k.matmul_backward_input(s, lg, w_lm, h, Accum::Overwrite);
+                k.head_backward_weight(s, lg, h, &mut grads[self.params.lm_head.clone()]);
+                k.head_backward_input(s, lg, w_lm, h);
             }
             r0 += rows;
         }
@@ -521,24 +533,53 @@ impl Llama {
     /// gradient of the global mean loss. Returns the activations for [`Llama::backward`] and
     /// this micro-batch's loss sum.
     #[allow(clippy::too_many_arguments)]
-    pub fn forward_train(
+    pub fn forward_train<S: Elem, G: Elem>(
         &self,
-        k: &dyn Kernels,
+        k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
-        params: &[f32],
-        grads: &mut [f32],
+        params: &[S],
+        grads: &mut [G],
         batch: BatchShape,
         tokens: &[u32],
         targets: &[u32],
         num_target_tokens: usize,
-    ) -> (Activations, LossSum) {
+    ) -> (Activations<S>, LossSum) {
+        self.forward_train_scaled(
+            k,
+            pool,
+            params,
+            grads,
+            batch,
+            tokens,
+            targets,
+            num_target_tokens,
+            1.0,
+        )
+    }
+
+    /// [`Llama::forward_train`] with the loss multiplied by `loss_scale` before the backward
+    /// (fp16 loss scaling, Micikevicius et al. 2018 §3.2): every gradient comes out scaled by
+    /// it; the returned loss is not.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_train_scaled<S: Elem, G: Elem>(
+        &self,
+        k: &dyn Kernels<S, G>,
+        pool: &mut dyn BufferPool,
+        params: &[S],
+        grads: &mut [G],
+        batch: BatchShape,
+        tokens: &[u32],
+        targets: &[u32],
+        num_target_tokens: usize,
+        loss_scale: f32,
+    ) -> (Activations<S>, LossSum) {
         self.check_batch(params, batch, tokens);
         assert_eq!(targets.len(), batch.n(), "targets must hold B·T ids");
         assert_eq!(grads.len(), self.params.total, "grads buffer length");
         let scale = if num_target_tokens == 0 {
             0.0
         } else {
-            1.0 / num_target_tokens as f32
+            loss_scale / num_target_tokens as f32
         };
         let mut x = self.embed(k, pool, params, tokens);
         let mut layers = Vec::with_capacity(self.config.layers);
@@ -561,13 +602,13 @@ impl Llama {
 
     /// Backward for the micro-batch whose [`Activations`] `forward_train` returned:
     /// accumulates into `grads` and returns every activation to the pool as it is consumed.
-    pub fn backward(
+    pub fn backward<S: Elem, G: Elem>(
         &self,
-        k: &dyn Kernels,
+        k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
-        params: &[f32],
-        grads: &mut [f32],
-        acts: Activations,
+        params: &[S],
+        grads: &mut [G],
+        acts: Activations<S>,
         tokens: &[u32],
     ) {
         let Activations {
@@ -632,16 +673,16 @@ impl Llama {
     /// once consumed; `input` goes last, so every `recompute.*` buffer is gone when the
     /// layer's last saved buffer is (the plan's backward mark).
     #[allow(clippy::too_many_arguments)]
-    fn layer_backward(
+    fn layer_backward<S: Elem, G: Elem>(
         &self,
-        k: &dyn Kernels,
+        k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
-        params: &[f32],
-        grads: &mut [f32],
+        params: &[S],
+        grads: &mut [G],
         i: usize,
         batch: BatchShape,
-        a: LayerActs,
-        sc: &mut GradScratch,
+        a: LayerActs<S>,
+        sc: &mut GradScratch<S>,
     ) {
         let cfg = &self.config;
         let li: &LayerIdx = &self.params.layers[i];
@@ -780,11 +821,11 @@ impl Llama {
 
     /// Evaluation forward (no gradients): loss sum over the batch; layer activations are
     /// returned to the pool as soon as the next layer's input exists.
-    pub fn forward_eval(
+    pub fn forward_eval<S: Elem>(
         &self,
-        k: &dyn Kernels,
+        k: &dyn Kernels<S>,
         pool: &mut dyn BufferPool,
-        params: &[f32],
+        params: &[S],
         batch: BatchShape,
         tokens: &[u32],
         targets: &[u32],
@@ -801,11 +842,11 @@ impl Llama {
 
     /// Inference forward for sampling: writes the logits of the last position of each of the
     /// B sequences into `logits` `[B, V]`. No KV cache: the whole prefix is recomputed.
-    pub fn forward_logits_last(
+    pub fn forward_logits_last<S: Elem>(
         &self,
-        k: &dyn Kernels,
+        k: &dyn Kernels<S>,
         pool: &mut dyn BufferPool,
-        params: &[f32],
+        params: &[S],
         batch: BatchShape,
         tokens: &[u32],
         logits: &mut [f32],
@@ -826,11 +867,11 @@ impl Llama {
 
     /// Inference forward returning the logits of every position, `[N, V]` (tests, eval tools;
     /// holds full-batch logits, so not for large batches).
-    pub fn forward_logits(
+    pub fn forward_logits<S: Elem>(
         &self,
-        k: &dyn Kernels,
+        k: &dyn Kernels<S>,
         pool: &mut dyn BufferPool,
-        params: &[f32],
+        params: &[S],
         batch: BatchShape,
         tokens: &[u32],
         logits: &mut [f32],
@@ -847,12 +888,12 @@ impl Llama {
     }
 
     /// Final norm and LM head over `hidden` rows `[rows, C]` into `logits` `[rows, V]`.
-    fn logits_of(
+    fn logits_of<S: Elem, G: Elem>(
         &self,
-        k: &dyn Kernels,
+        k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
-        params: &[f32],
-        hidden: &[f32],
+        params: &[S],
+        hidden: &[S],
         logits: &mut [f32],
     ) {
         let c = self.config.hidden;
@@ -871,27 +912,20 @@ impl Llama {
             in_features: c,
             out_features: self.config.vocab,
         };
-        k.matmul_forward(
-            s,
-            &out,
-            &params[self.params.lm_head.clone()],
-            None,
-            logits,
-            Accum::Overwrite,
-        );
+        k.head_forward(s, &out, &params[self.params.lm_head.clone()], logits);
         pool.free(BufName::global("act.final_norm.rstd"), rstd);
         pool.free(BufName::global("act.final_norm.out"), out);
     }
 
     /// Embedding + all layers without keeping activations; returns `act.final_norm.input`.
-    fn trunk_no_grad(
+    fn trunk_no_grad<S: Elem, G: Elem>(
         &self,
-        k: &dyn Kernels,
+        k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
-        params: &[f32],
+        params: &[S],
         batch: BatchShape,
         tokens: &[u32],
-    ) -> Vec<f32> {
+    ) -> Vec<S> {
         let mut x = self.embed(k, pool, params, tokens);
         for i in 0..self.config.layers {
             let (acts, out) = self.layer_forward(k, pool, params, i, batch, x);

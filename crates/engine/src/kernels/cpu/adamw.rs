@@ -5,10 +5,21 @@
 
 use super::swiglu::CHUNK;
 use crate::dispatch_fma;
-use crate::kernels::AdamWParams;
+use crate::dtype::Elem;
+use crate::kernels::{AdamWParams, Rounding};
+use crate::numerics::rounding::noise;
 use rayon::prelude::*;
 
-pub fn step(h: AdamWParams, params: &mut [f32], grads: &[f32], m: &mut [f32], v: &mut [f32]) {
+/// One AdamW step on the f32 `params` (the master weights under mixed precision), reading
+/// `grads · h.grad_scale`; with `out`, the updated weights are also rounded into 16-bit storage.
+pub fn step<S: Elem, G: Elem>(
+    h: AdamWParams,
+    params: &mut [f32],
+    grads: &[G],
+    m: &mut [f32],
+    v: &mut [f32],
+    out: Option<(&mut [S], Rounding)>,
+) {
     let n = params.len();
     assert!(
         grads.len() == n && m.len() == n && v.len() == n,
@@ -33,12 +44,35 @@ pub fn step(h: AdamWParams, params: &mut [f32], grads: &[f32], m: &mut [f32], v:
         eps,
         step_size,
         bc2_sqrt,
+        grad_scale: h.grad_scale,
     };
+    let Some((out, rounding)) = out else {
+        params
+            .par_chunks_mut(CHUNK)
+            .zip(grads.par_chunks(CHUNK))
+            .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
+            .for_each(|((p, g), (m, v))| chunk(c, p, g, m, v));
+        return;
+    };
+    assert_eq!(out.len(), n, "adamw params out len");
     params
         .par_chunks_mut(CHUNK)
         .zip(grads.par_chunks(CHUNK))
         .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
-        .for_each(|((p, g), (m, v))| chunk(c, p, g, m, v));
+        .zip(out.par_chunks_mut(CHUNK))
+        .enumerate()
+        .for_each(|(ci, (((p, g), (m, v)), o))| {
+            chunk(c, p, g, m, v);
+            match rounding {
+                Rounding::Nearest => S::store(p, o),
+                Rounding::Stochastic { seed } => {
+                    let base = (ci * CHUNK) as u64;
+                    for (i, (o, p)) in o.iter_mut().zip(p.iter()).enumerate() {
+                        *o = S::from_f32_stochastic(*p, noise(seed, h.step, base + i as u64));
+                    }
+                }
+            }
+        });
 }
 
 #[derive(Clone, Copy)]
@@ -50,14 +84,21 @@ struct Consts {
     eps: f32,
     step_size: f32,
     bc2_sqrt: f32,
+    grad_scale: f32,
 }
 
 #[inline(always)]
-fn chunk_generic<const F: bool>(c: Consts, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+fn chunk_generic<const F: bool, G: Elem>(
+    c: Consts,
+    p: &mut [f32],
+    g: &[G],
+    m: &mut [f32],
+    v: &mut [f32],
+) {
     let n = p.len();
     let (g, m, v) = (&g[..n], &mut m[..n], &mut v[..n]);
     for i in 0..n {
-        let gi = g[i];
+        let gi = g[i].to_f32() * c.grad_scale;
         let pi = p[i] * c.decay;
         // torch lerp: weight < 0.5 ? self + w·(end − self) : end − (end − self)·(1 − w)
         let mi = if c.w < 0.5 {
@@ -72,4 +113,4 @@ fn chunk_generic<const F: bool>(c: Consts, p: &mut [f32], g: &[f32], m: &mut [f3
         p[i] = pi - c.step_size * (mi / denom);
     }
 }
-dispatch_fma!(fn chunk => chunk_generic(c: Consts, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]));
+dispatch_fma!(fn chunk<G: Elem> => chunk_generic(c: Consts, p: &mut [f32], g: &[G], m: &mut [f32], v: &mut [f32]));

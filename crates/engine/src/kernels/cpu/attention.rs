@@ -13,14 +13,16 @@
 //! `dP = dO_i V_jᵀ`, `dS = P ⊙ (dP − D_i)`, `dV_j += Pᵀ dO_i`, `dK_j += scale·dSᵀ Q_i`,
 //! `dQ_i += scale·dS K_j`.
 //!
-//! The tile products are small sgemms (`gemm` crate, single threaded, strided operands read in
-//! place). Parallelism: forward over (batch, query head); backward over (batch, kv head), so the
+//! The tile products are small sgemms (`gemm` crate, single threaded, f32 operands read in
+//! place; 16-bit q/k/v/o/dO tiles are widened into task-local tiles first, and outputs
+//! rounded on store; dQ/dK/dV accumulate in task-local f32 before their one rounding). Parallelism: forward over (batch, query head); backward over (batch, kv head), so the
 //! dK/dV rows a task accumulates into are owned by it (all query heads of a GQA group add into
 //! the same kv head) and the dQ rows of the group's heads too.
 
 use super::matmul::sgemm_raw;
 use super::simd::{dot, exp_f32, SendPtr};
 use crate::dispatch_fma;
+use crate::dtype::Elem;
 use crate::kernels::AttnShape;
 use rayon::prelude::*;
 
@@ -102,7 +104,31 @@ fn dot_generic<const F: bool>(a: &[f32], b: &[f32]) -> f32 {
 }
 dispatch_fma!(fn dot_d => dot_generic(a: &[f32], b: &[f32]) -> f32);
 
-pub fn forward(s: AttnShape, q: &[f32], k: &[f32], v: &[f32], o: &mut [f32], lse: &mut [f32]) {
+/// Rows `0..rows` (row stride `rs`, `d` wide) of `x` from element `off`, as f32: in place for
+/// f32, else widened into `buf`. Returns the tile and its row stride.
+fn rows_f32<'a, S: Elem>(
+    x: &'a [S],
+    off: usize,
+    rows: usize,
+    rs: usize,
+    d: usize,
+    buf: &'a mut Vec<f32>,
+) -> (&'a [f32], usize) {
+    if let Some(x) = S::as_f32(x) {
+        return (&x[off..], rs);
+    }
+    buf.clear();
+    buf.resize(rows * d, 0.0);
+    for (r, out) in buf.chunks_exact_mut(d).enumerate() {
+        S::load(&x[off + r * rs..off + r * rs + d], out);
+    }
+    (buf, d)
+}
+
+/// Task-local f32 tiles: scores, a second score-sized tile, and staged q/k/v (16-bit inputs).
+type Tiles = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
+
+pub fn forward<S: Elem>(s: AttnShape, q: &[S], k: &[S], v: &[S], o: &mut [S], lse: &mut [f32]) {
     check(&s);
     assert_eq!(q.len(), s.q_len(), "attention q len");
     assert_eq!(k.len(), s.kv_len(), "attention k len");
@@ -116,14 +142,23 @@ pub fn forward(s: AttnShape, q: &[f32], k: &[f32], v: &[f32], o: &mut [f32], lse
     // One task per (batch, head, query block): enough tasks to balance the causal triangle.
     let nblk = t.div_ceil(BR);
     (0..s.b * hh * nblk).into_par_iter().for_each_init(
-        || (vec![0.0f32; BR * BC], vec![0.0f32; BR * d]),
-        |(st, acc), task| {
+        || -> Tiles {
+            (
+                vec![0.0f32; BR * BC],
+                vec![0.0f32; BR * d],
+                Vec::new(),
+                Vec::new(),
+                Vec::new(),
+            )
+        },
+        |(st, acc, qb, kb, vb), task| {
             let (bh, blk) = (task / nblk, task % nblk);
             let (b, h) = (bh / hh, bh % hh);
             let kvh = h / (hh / kv);
             let i0 = blk * BR;
             let nr = BR.min(t - i0);
             let q0 = ((b * t + i0) * hh + h) * d;
+            let (qt, qst) = rows_f32(q, q0, nr, qs, d, qb);
             let mut m = [f32::NEG_INFINITY; BR];
             let mut l = [0.0f32; BR];
             acc[..nr * d].fill(0.0);
@@ -132,6 +167,8 @@ pub fn forward(s: AttnShape, q: &[f32], k: &[f32], v: &[f32], o: &mut [f32], lse
             while j0 < kend {
                 let nc = BC.min(kend - j0);
                 let k0 = ((b * t + j0) * kv + kvh) * d;
+                let (kt, kst) = rows_f32(k, k0, nc, ks, d, kb);
+                let (vt, vst) = rows_f32(v, k0, nc, ks, d, vb);
                 // S = Q_i K_jᵀ
                 unsafe {
                     sgemm_raw(
@@ -140,10 +177,10 @@ pub fn forward(s: AttnShape, q: &[f32], k: &[f32], v: &[f32], o: &mut [f32], lse
                         d,
                         st.as_mut_ptr(),
                         (BC, 1),
-                        &q[q0..],
-                        (qs, 1),
-                        &k[k0..],
-                        (1, ks),
+                        qt,
+                        (qst, 1),
+                        kt,
+                        (1, kst),
                         false,
                         false,
                     )
@@ -170,8 +207,8 @@ pub fn forward(s: AttnShape, q: &[f32], k: &[f32], v: &[f32], o: &mut [f32], lse
                         (d, 1),
                         st,
                         (BC, 1),
-                        &v[k0..],
-                        (ks, 1),
+                        vt,
+                        (vst, 1),
                         true,
                         false,
                     )
@@ -184,7 +221,7 @@ pub fn forward(s: AttnShape, q: &[f32], k: &[f32], v: &[f32], o: &mut [f32], lse
                 let orow = unsafe { op.slice_mut(((b * t + i) * hh + h) * d, d) };
                 let inv = 1.0 / l[r];
                 for (x, a) in orow.iter_mut().zip(&acc[r * d..(r + 1) * d]) {
-                    *x = a * inv;
+                    *x = S::from_f32(a * inv);
                 }
                 unsafe { *lp.ptr().add((b * hh + h) * t + i) = m[r] + l[r].ln() };
             }
@@ -193,35 +230,33 @@ pub fn forward(s: AttnShape, q: &[f32], k: &[f32], v: &[f32], o: &mut [f32], lse
 }
 
 #[allow(clippy::too_many_arguments)]
-pub fn backward(
+pub fn backward<S: Elem>(
     s: AttnShape,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    o: &[f32],
+    q: &[S],
+    k: &[S],
+    v: &[S],
+    o: &[S],
     lse: &[f32],
-    d_o: &[f32],
-    dq: &mut [f32],
-    dk: &mut [f32],
-    dv: &mut [f32],
+    d_o: &[S],
+    dq: &mut [S],
+    dk: &mut [S],
+    dv: &mut [S],
 ) {
     check(&s);
-    for (name, x, n) in [
-        ("q", q, s.q_len()),
-        ("o", o, s.q_len()),
-        ("do", d_o, s.q_len()),
-        ("k", k, s.kv_len()),
-        ("v", v, s.kv_len()),
-        ("lse", lse, s.lse_len()),
+    for (name, n, len) in [
+        ("q", q.len(), s.q_len()),
+        ("o", o.len(), s.q_len()),
+        ("do", d_o.len(), s.q_len()),
+        ("k", k.len(), s.kv_len()),
+        ("v", v.len(), s.kv_len()),
+        ("lse", lse.len(), s.lse_len()),
     ] {
-        assert_eq!(x.len(), n, "attention backward {name} len");
+        assert_eq!(n, len, "attention backward {name} len");
     }
     assert!(
         dq.len() == s.q_len() && dk.len() == s.kv_len() && dv.len() == s.kv_len(),
         "attention grad lens"
     );
-    // dQ is accumulated tile by tile; dK/dV are zeroed by their owning task.
-    dq.par_chunks_mut(1 << 14).for_each(|c| c.fill(0.0));
     let (dqp, dkp, dvp) = (
         SendPtr(dq.as_mut_ptr()),
         SendPtr(dk.as_mut_ptr()),
@@ -231,33 +266,46 @@ pub fn backward(
     let group = hh / kv;
     let (qs, ks) = (hh * d, kv * d);
     let scale = 1.0 / (d as f32).sqrt();
+    // Per task: the score tiles, f32 accumulators for its dK/dV rows ([T, D] each) and for one
+    // dQ tile, and staged q/k/v/o/dO tiles (16-bit inputs).
     (0..s.b * kv).into_par_iter().for_each_init(
-        || (vec![0.0f32; BR * BC], vec![0.0f32; BR * BC]),
-        |(st, dpt), task| {
+        || {
+            (
+                (vec![0.0f32; BR * BC], vec![0.0f32; BR * BC]),
+                (
+                    vec![0.0f32; t * d],
+                    vec![0.0f32; t * d],
+                    vec![0.0f32; BR * d],
+                ),
+                (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new()),
+            )
+        },
+        |((st, dpt), (dk_acc, dv_acc, dq_acc), (qb, kb, vb, ob, dob)), task| {
             let (b, kvh) = (task / kv, task % kv);
             let kvrow = |j: usize| ((b * t + j) * kv + kvh) * d;
-            for j in 0..t {
-                // SAFETY: the (b, ·, kvh) rows of dk/dv belong to this task.
-                unsafe { dkp.slice_mut(kvrow(j), d) }.fill(0.0);
-                unsafe { dvp.slice_mut(kvrow(j), d) }.fill(0.0);
-            }
+            dk_acc.fill(0.0);
+            dv_acc.fill(0.0);
             for h in kvh * group..(kvh + 1) * group {
                 let mut i0 = 0;
                 while i0 < t {
                     let nr = BR.min(t - i0);
                     let q0 = ((b * t + i0) * hh + h) * d;
+                    let (qt, qst) = rows_f32(q, q0, nr, qs, d, qb);
+                    let (dot, dost) = rows_f32(d_o, q0, nr, qs, d, dob);
+                    let (ot, ost) = rows_f32(o, q0, nr, qs, d, ob);
                     let mut di = [0.0f32; BR];
                     for (r, x) in di.iter_mut().enumerate().take(nr) {
-                        let off = q0 + r * qs;
-                        *x = dot_d(&d_o[off..off + d], &o[off..off + d]);
+                        *x = dot_d(&dot[r * dost..r * dost + d], &ot[r * ost..r * ost + d]);
                     }
+                    dq_acc[..nr * d].fill(0.0);
                     let kend = i0 + nr;
                     let mut j0 = 0;
                     while j0 < kend {
                         let nc = BC.min(kend - j0);
                         let k0 = kvrow(j0);
-                        // SAFETY (all sgemm_raw below): st/dpt are task-local; dk/dv rows of
-                        // (b, ·, kvh) and dq rows of (b, ·, h in group) are owned by this task.
+                        let (kt, kst) = rows_f32(k, k0, nc, ks, d, kb);
+                        let (vt, vst) = rows_f32(v, k0, nc, ks, d, vb);
+                        // SAFETY (all sgemm_raw below): every destination is task-local.
                         unsafe {
                             // S = Q_i K_jᵀ, dP = dO_i V_jᵀ
                             sgemm_raw(
@@ -266,10 +314,10 @@ pub fn backward(
                                 d,
                                 st.as_mut_ptr(),
                                 (BC, 1),
-                                &q[q0..],
-                                (qs, 1),
-                                &k[k0..],
-                                (1, ks),
+                                qt,
+                                (qst, 1),
+                                kt,
+                                (1, kst),
                                 false,
                                 false,
                             );
@@ -279,10 +327,10 @@ pub fn backward(
                                 d,
                                 dpt.as_mut_ptr(),
                                 (BC, 1),
-                                &d_o[q0..],
-                                (qs, 1),
-                                &v[k0..],
-                                (1, ks),
+                                dot,
+                                (dost, 1),
+                                vt,
+                                (1, vst),
                                 false,
                                 false,
                             );
@@ -306,12 +354,12 @@ pub fn backward(
                                 nc,
                                 d,
                                 nr,
-                                dvp.ptr().add(k0),
-                                (ks, 1),
+                                dv_acc.as_mut_ptr().add(j0 * d),
+                                (d, 1),
                                 st,
                                 (1, BC),
-                                &d_o[q0..],
-                                (qs, 1),
+                                dot,
+                                (dost, 1),
                                 true,
                                 false,
                             );
@@ -319,12 +367,12 @@ pub fn backward(
                                 nc,
                                 d,
                                 nr,
-                                dkp.ptr().add(k0),
-                                (ks, 1),
+                                dk_acc.as_mut_ptr().add(j0 * d),
+                                (d, 1),
                                 dpt,
                                 (1, BC),
-                                &q[q0..],
-                                (qs, 1),
+                                qt,
+                                (qst, 1),
                                 true,
                                 false,
                             );
@@ -332,20 +380,34 @@ pub fn backward(
                                 nr,
                                 d,
                                 nc,
-                                dqp.ptr().add(q0),
-                                (qs, 1),
+                                dq_acc.as_mut_ptr(),
+                                (d, 1),
                                 dpt,
                                 (BC, 1),
-                                &k[k0..],
-                                (ks, 1),
+                                kt,
+                                (kst, 1),
                                 true,
                                 false,
                             );
                         }
                         j0 += nc;
                     }
+                    for r in 0..nr {
+                        // SAFETY: dq row (b, i0 + r, h) belongs to this task (h in its group).
+                        let row = unsafe { dqp.slice_mut(q0 + r * qs, d) };
+                        S::store(&dq_acc[r * d..(r + 1) * d], row);
+                    }
                     i0 += nr;
                 }
+            }
+            for j in 0..t {
+                // SAFETY: the (b, ·, kvh) rows of dk/dv belong to this task.
+                S::store(&dk_acc[j * d..(j + 1) * d], unsafe {
+                    dkp.slice_mut(kvrow(j), d)
+                });
+                S::store(&dv_acc[j * d..(j + 1) * d], unsafe {
+                    dvp.slice_mut(kvrow(j), d)
+                });
             }
         },
     );

@@ -1,41 +1,43 @@
-//! Elementwise helpers: residual adds, copies, scaling, squared norms, dtype casts.
+//! Elementwise helpers: residual adds, copies, scaling, squared norms, rounding casts.
 
 use super::simd::sum_sq;
 use super::swiglu::CHUNK;
 use crate::dispatch_fma;
-use half::bf16;
+use crate::dtype::{view, Elem};
 use rayon::prelude::*;
 
-pub fn add(a: &[f32], b: &[f32], out: &mut [f32]) {
+pub fn add<S: Elem>(a: &[S], b: &[S], out: &mut [S]) {
     assert!(a.len() == out.len() && b.len() == out.len(), "add lens");
     out.par_chunks_mut(CHUNK)
         .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
         .for_each(|(o, (a, b))| {
             for ((o, a), b) in o.iter_mut().zip(a).zip(b) {
-                *o = a + b;
+                *o = S::from_f32(a.to_f32() + b.to_f32());
             }
         });
 }
 
-pub fn add_inplace(acc: &mut [f32], x: &[f32]) {
+pub fn add_inplace<S: Elem>(acc: &mut [S], x: &[S]) {
     assert_eq!(acc.len(), x.len(), "add_inplace lens");
     acc.par_chunks_mut(CHUNK)
         .zip(x.par_chunks(CHUNK))
         .for_each(|(a, x)| {
-            a.iter_mut().zip(x).for_each(|(a, x)| *a += x);
+            a.iter_mut()
+                .zip(x)
+                .for_each(|(a, x)| *a = S::from_f32(a.to_f32() + x.to_f32()));
         });
 }
 
-pub fn copy(src: &[f32], dst: &mut [f32]) {
+pub fn copy<S: Elem>(src: &[S], dst: &mut [S]) {
     assert_eq!(src.len(), dst.len(), "copy lens");
     dst.par_chunks_mut(CHUNK)
         .zip(src.par_chunks(CHUNK))
         .for_each(|(d, s)| d.copy_from_slice(s));
 }
 
-pub fn scale(x: &mut [f32], s: f32) {
+pub fn scale<G: Elem>(x: &mut [G], s: f32) {
     x.par_chunks_mut(CHUNK)
-        .for_each(|x| x.iter_mut().for_each(|v| *v *= s));
+        .for_each(|x| x.iter_mut().for_each(|v| *v = G::from_f32(v.to_f32() * s)));
 }
 
 #[inline(always)]
@@ -45,7 +47,7 @@ fn sum_sq_generic<const F: bool>(x: &[f32]) -> f32 {
 dispatch_fma!(fn sum_sq_chunk => sum_sq_generic(x: &[f32]) -> f32);
 
 /// Σ x²: f32 lanes within a 16k chunk (relative error ~1e-7·√chunk), f64 across chunks.
-pub fn sum_squares(x: &[f32]) -> f64 {
+pub fn sum_squares<G: Elem>(x: &[G]) -> f64 {
     // A fixed number of blocks summed in parallel into a stack array, then added in block
     // order: rayon's own `sum` associates by its adaptive split, which would make the gradient
     // norm (and so clipping) vary in the last bits between runs and break bit-identical
@@ -56,26 +58,20 @@ pub fn sum_squares(x: &[f32]) -> f64 {
     parts
         .par_iter_mut()
         .zip(x.par_chunks(block))
-        .for_each(|(p, c)| *p = c.chunks(CHUNK).map(|c| sum_sq_chunk(c) as f64).sum());
+        .for_each(|(p, c)| {
+            let mut scratch = Vec::new();
+            *p = c
+                .chunks(CHUNK)
+                .map(|c| sum_sq_chunk(view(c, &mut scratch)) as f64)
+                .sum()
+        });
     parts.iter().sum()
 }
 
-pub fn f32_to_bf16(src: &[f32], dst: &mut [bf16]) {
+/// `dst = round(src)`.
+pub fn round_into<S: Elem>(src: &[f32], dst: &mut [S]) {
     assert_eq!(src.len(), dst.len(), "cast lens");
     dst.par_chunks_mut(CHUNK)
         .zip(src.par_chunks(CHUNK))
-        .for_each(|(d, s)| {
-            d.iter_mut()
-                .zip(s)
-                .for_each(|(d, s)| *d = bf16::from_f32(*s));
-        });
-}
-
-pub fn bf16_to_f32(src: &[bf16], dst: &mut [f32]) {
-    assert_eq!(src.len(), dst.len(), "cast lens");
-    dst.par_chunks_mut(CHUNK)
-        .zip(src.par_chunks(CHUNK))
-        .for_each(|(d, s)| {
-            d.iter_mut().zip(s).for_each(|(d, s)| *d = s.to_f32());
-        });
+        .for_each(|(d, s)| S::store(s, d));
 }

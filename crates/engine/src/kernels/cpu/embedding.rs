@@ -1,9 +1,10 @@
 //! Token embedding: a row gather forward, a scatter-add backward.
 
 use super::simd::SendPtr;
+use crate::dtype::Elem;
 use rayon::prelude::*;
 
-pub fn forward(tokens: &[u32], wte: &[f32], c: usize, out: &mut [f32]) {
+pub fn forward<S: Elem>(tokens: &[u32], wte: &[S], c: usize, out: &mut [S]) {
     assert_eq!(out.len(), tokens.len() * c, "embedding out len");
     let vocab = wte.len() / c;
     out.par_chunks_mut(c)
@@ -17,13 +18,17 @@ pub fn forward(tokens: &[u32], wte: &[f32], c: usize, out: &mut [f32]) {
 
 /// Repeated tokens would race if parallelised over rows, so tasks own column blocks instead:
 /// every task walks all tokens and adds its `BLOCK` columns (no scratch, deterministic order).
-pub fn backward(tokens: &[u32], dout: &[f32], c: usize, dwte: &mut [f32]) {
+pub fn backward<S: Elem, G: Elem>(tokens: &[u32], dout: &[S], c: usize, dwte: &mut [G]) {
     const BLOCK: usize = 64;
     assert_eq!(dout.len(), tokens.len() * c, "embedding dout len");
     let vocab = dwte.len() / c;
     for &t in tokens {
         assert!((t as usize) < vocab, "token id {t} >= vocab {vocab}");
     }
+    if G::as_f32_mut(dwte).is_none() {
+        return backward_rounded(tokens, dout, c, dwte);
+    }
+    let dwte = G::as_f32_mut(dwte).expect("f32 gradients, checked above");
     let p = SendPtr(dwte.as_mut_ptr());
     (0..c.div_ceil(BLOCK)).into_par_iter().for_each(|blk| {
         let c0 = blk * BLOCK;
@@ -32,7 +37,44 @@ pub fn backward(tokens: &[u32], dout: &[f32], c: usize, dwte: &mut [f32]) {
             // SAFETY: column block [c0, c1) of every row is owned by this task; t < vocab.
             let dst = unsafe { p.slice_mut(t as usize * c + c0, c1 - c0) };
             let src = &dout[n * c + c0..n * c + c1];
-            dst.iter_mut().zip(src).for_each(|(d, s)| *d += s);
+            dst.iter_mut().zip(src).for_each(|(d, s)| *d += s.to_f32());
+        }
+    });
+}
+
+/// The backward into 16-bit gradients: the rows of one token are summed in f32 and added to
+/// its gradient row once, so a frequent token's gradient is rounded once per call rather than
+/// once per occurrence. Positions are visited in token order (a stable sort: deterministic).
+fn backward_rounded<S: Elem, G: Elem>(tokens: &[u32], dout: &[S], c: usize, dwte: &mut [G]) {
+    const BLOCK: usize = 64;
+    let mut order: Vec<u32> = (0..tokens.len() as u32).collect();
+    order.sort_by_key(|&n| tokens[n as usize]);
+    let p = SendPtr(dwte.as_mut_ptr());
+    (0..c.div_ceil(BLOCK)).into_par_iter().for_each(|blk| {
+        let c0 = blk * BLOCK;
+        let w = BLOCK.min(c - c0);
+        let mut acc = [0.0f32; BLOCK];
+        let mut i = 0;
+        while i < order.len() {
+            let t = tokens[order[i] as usize] as usize;
+            // SAFETY: column block [c0, c0 + w) of row t belongs to this task.
+            let dst = unsafe { p.slice_mut(t * c + c0, w) };
+            acc[..w]
+                .iter_mut()
+                .zip(dst.iter())
+                .for_each(|(a, d)| *a = d.to_f32());
+            while i < order.len() && tokens[order[i] as usize] as usize == t {
+                let n = order[i] as usize;
+                let src = &dout[n * c + c0..n * c + c0 + w];
+                acc[..w]
+                    .iter_mut()
+                    .zip(src)
+                    .for_each(|(a, s)| *a += s.to_f32());
+                i += 1;
+            }
+            dst.iter_mut()
+                .zip(&acc[..w])
+                .for_each(|(d, a)| *d = G::from_f32(*a));
         }
     });
 }

@@ -4,8 +4,10 @@
 //! with strides and no transpose is ever materialised. `gemm::gemm` computes
 //! `dst = alpha·dst + beta·lhs·rhs` (`alpha` ignored when `read_dst = false`).
 
-use super::simd::SendPtr;
+use super::staged_gemm::{gemm, Operand};
+use crate::dtype::{view, Elem};
 use crate::kernels::{Accum, MatmulShape};
+use crate::numerics::fp8::Fp8Format;
 use gemm::Parallelism;
 use rayon::prelude::*;
 
@@ -187,14 +189,28 @@ pub unsafe fn sgemm_raw(
     );
 }
 
+/// The fp8 formats of a layer's GEMM inputs (Micikevicius et al. 2022 §3): e4m3 for weights
+/// and activations, e5m2 (more range) for gradients; `None` for 16/32-bit products.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fp8Inputs {
+    pub forward: Fp8Format,
+    pub gradient: Fp8Format,
+}
+
+pub const FP8_HYBRID: Fp8Inputs = Fp8Inputs {
+    forward: Fp8Format::E4M3,
+    gradient: Fp8Format::E5M2,
+};
+
 /// `y (=|+=) x·Wᵀ + bias`.
-pub fn forward(
+pub fn forward<S: Elem, Y: Elem>(
     s: MatmulShape,
-    x: &[f32],
-    w: &[f32],
-    bias: Option<&[f32]>,
-    y: &mut [f32],
+    x: &[S],
+    w: &[S],
+    bias: Option<&[S]>,
+    y: &mut [Y],
     y_accum: Accum,
+    fp8: Option<Fp8Inputs>,
 ) {
     let MatmulShape {
         n,
@@ -204,25 +220,35 @@ pub fn forward(
     assert_eq!(x.len(), n * k, "matmul x len");
     assert_eq!(w.len(), o * k, "matmul w len");
     assert_eq!(y.len(), n * o, "matmul y len");
-    let mut accumulate = y_accum == Accum::Add;
-    if let Some(b) = bias {
+    let mut scratch = Vec::new();
+    let bias = bias.map(|b| {
         assert_eq!(b.len(), o, "matmul bias len");
-        // Seed y with the bias (or add it to the residual), then let gemm accumulate.
-        y.par_chunks_mut(o).for_each(|row| {
-            if accumulate {
-                row.iter_mut().zip(b).for_each(|(r, bi)| *r += bi);
-            } else {
-                row.copy_from_slice(b);
-            }
-        });
-        accumulate = true;
-    }
+        view(b, &mut scratch)
+    });
+    let f = fp8.map(|f| f.forward);
     // y[n,o] = x[n,k] · Wᵀ[k,o];  Wᵀ[i][j] = W[j*k + i] → strides (1, k).
-    sgemm(n, o, k, y, (o, 1), x, (k, 1), w, (1, k), accumulate, true);
+    gemm(
+        n,
+        o,
+        k,
+        y,
+        o,
+        Operand::new(x, (k, 1)).fp8(f),
+        Operand::new(w, (1, k)).fp8(f),
+        y_accum == Accum::Add,
+        bias,
+    );
 }
 
 /// `dx (=|+=) dy·W`.
-pub fn backward_input(s: MatmulShape, dy: &[f32], w: &[f32], dx: &mut [f32], dx_accum: Accum) {
+pub fn backward_input<S: Elem, Y: Elem>(
+    s: MatmulShape,
+    dy: &[Y],
+    w: &[S],
+    dx: &mut [S],
+    dx_accum: Accum,
+    fp8: Option<Fp8Inputs>,
+) {
     let MatmulShape {
         n,
         in_features: k,
@@ -232,28 +258,27 @@ pub fn backward_input(s: MatmulShape, dy: &[f32], w: &[f32], dx: &mut [f32], dx_
     assert_eq!(w.len(), o * k, "matmul w len");
     assert_eq!(dx.len(), n * k, "matmul dx len");
     // dx[n,k] = dy[n,o] · W[o,k]
-    sgemm(
+    gemm(
         n,
         k,
         o,
         dx,
-        (k, 1),
-        dy,
-        (o, 1),
-        w,
-        (k, 1),
+        k,
+        Operand::new(dy, (o, 1)).fp8(fp8.map(|f| f.gradient)),
+        Operand::new(w, (k, 1)).fp8(fp8.map(|f| f.forward)),
         dx_accum == Accum::Add,
-        true,
+        None,
     );
 }
 
 /// `dW += dyᵀ·x`, `dbias += Σ dy`.
-pub fn backward_weight(
+pub fn backward_weight<S: Elem, Y: Elem, G: Elem>(
     s: MatmulShape,
-    dy: &[f32],
-    x: &[f32],
-    dw: &mut [f32],
-    dbias: Option<&mut [f32]>,
+    dy: &[Y],
+    x: &[S],
+    dw: &mut [G],
+    dbias: Option<&mut [G]>,
+    fp8: Option<Fp8Inputs>,
 ) {
     let MatmulShape {
         n,
@@ -264,26 +289,41 @@ pub fn backward_weight(
     assert_eq!(x.len(), n * k, "matmul x len");
     assert_eq!(dw.len(), o * k, "matmul dw len");
     // dW[o,k] += dyᵀ[o,n] · x[n,k];  dyᵀ[i][j] = dy[j*o + i] → strides (1, o).
-    sgemm(o, k, n, dw, (k, 1), dy, (1, o), x, (k, 1), true, true);
+    gemm(
+        o,
+        k,
+        n,
+        dw,
+        k,
+        Operand::new(dy, (1, o)).fp8(fp8.map(|f| f.gradient)),
+        Operand::new(x, (k, 1)).fp8(fp8.map(|f| f.forward)),
+        true,
+        None,
+    );
     if let Some(db) = dbias {
         assert_eq!(db.len(), o, "matmul dbias len");
         bias_backward(dy, o, db);
     }
 }
 
-/// `db[j] += Σ_rows dy[r, j]`, parallel over column blocks (no partial-sum buffers needed).
-fn bias_backward(dy: &[f32], o: usize, db: &mut [f32]) {
+/// `db[j] += Σ_rows dy[r, j]`, parallel over column blocks (no partial-sum buffers needed),
+/// summed in f32 and rounded once.
+fn bias_backward<Y: Elem, G: Elem>(dy: &[Y], o: usize, db: &mut [G]) {
     const BLOCK: usize = 64;
     let rows = dy.len() / o;
-    let p = SendPtr(db.as_mut_ptr());
-    (0..o.div_ceil(BLOCK)).into_par_iter().for_each(|blk| {
+    db.par_chunks_mut(BLOCK).enumerate().for_each(|(blk, dbb)| {
         let c0 = blk * BLOCK;
-        let c1 = (c0 + BLOCK).min(o);
-        // SAFETY: column blocks are disjoint.
-        let dbb = unsafe { p.slice_mut(c0, c1 - c0) };
+        let mut acc = [0.0f32; BLOCK];
+        let acc = &mut acc[..dbb.len()];
+        acc.iter_mut()
+            .zip(dbb.iter())
+            .for_each(|(a, d)| *a = d.to_f32());
         for r in 0..rows {
-            let row = &dy[r * o + c0..r * o + c1];
-            dbb.iter_mut().zip(row).for_each(|(d, g)| *d += g);
+            let row = &dy[r * o + c0..r * o + c0 + acc.len()];
+            acc.iter_mut().zip(row).for_each(|(d, g)| *d += g.to_f32());
         }
+        dbb.iter_mut()
+            .zip(acc.iter())
+            .for_each(|(d, a)| *d = G::from_f32(*a));
     });
 }

@@ -10,16 +10,33 @@ pub mod matmul;
 pub mod rmsnorm;
 pub mod rope;
 pub mod simd;
+pub mod staged_gemm;
 pub mod swiglu;
 
 use super::{
     Accum, AdamWParams, AttnShape, CeShape, Kernels, MatmulShape, NormShape, RopeShape, RopeTable,
+    Rounding,
 };
-use half::bf16;
+use crate::dtype::Elem;
+pub use matmul::{Fp8Inputs, FP8_HYBRID};
 
-/// The CPU implementation of [`Kernels`]. Stateless; threads come from rayon's global pool.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct CpuKernels;
+/// The CPU implementation of [`Kernels`] for every storage type. No state but the fp8 recipe;
+/// threads come from rayon's global pool.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CpuKernels {
+    /// When set, every layer GEMM (not the LM head, not attention) quantises its inputs to
+    /// fp8 with per-tensor current scaling, accumulating in f32.
+    pub fp8: Option<Fp8Inputs>,
+}
+
+impl CpuKernels {
+    /// f32 (or 16-bit) products throughout.
+    pub const PLAIN: CpuKernels = CpuKernels { fp8: None };
+    /// fp8 layer GEMMs: e4m3 weights and activations, e5m2 gradients.
+    pub const FP8: CpuKernels = CpuKernels {
+        fp8: Some(FP8_HYBRID),
+    };
+}
 
 /// The gemm crate keeps a per-thread L2 packing slab (about 1 MiB) created on a thread's first
 /// product; running one small product on every pool thread and the caller creates them all.
@@ -47,7 +64,7 @@ fn warm_up_gemm() {
     run();
 }
 
-impl Kernels for CpuKernels {
+impl<S: Elem, G: Elem> Kernels<S, G> for CpuKernels {
     fn warm_up(&self) {
         warm_up_gemm();
     }
@@ -55,70 +72,72 @@ impl Kernels for CpuKernels {
     fn matmul_forward(
         &self,
         s: MatmulShape,
-        x: &[f32],
-        w: &[f32],
-        bias: Option<&[f32]>,
-        y: &mut [f32],
+        x: &[S],
+        w: &[S],
+        bias: Option<&[S]>,
+        y: &mut [S],
         y_accum: Accum,
     ) {
-        matmul::forward(s, x, w, bias, y, y_accum)
+        matmul::forward(s, x, w, bias, y, y_accum, self.fp8)
     }
     fn matmul_backward_weight(
         &self,
         s: MatmulShape,
-        dy: &[f32],
-        x: &[f32],
-        dw: &mut [f32],
-        dbias: Option<&mut [f32]>,
+        dy: &[S],
+        x: &[S],
+        dw: &mut [G],
+        dbias: Option<&mut [G]>,
     ) {
-        matmul::backward_weight(s, dy, x, dw, dbias)
+        matmul::backward_weight(s, dy, x, dw, dbias, self.fp8)
     }
     fn matmul_backward_input(
         &self,
         s: MatmulShape,
-        dy: &[f32],
-        w: &[f32],
-        dx: &mut [f32],
+        dy: &[S],
+        w: &[S],
+        dx: &mut [S],
         dx_accum: Accum,
     ) {
-        matmul::backward_input(s, dy, w, dx, dx_accum)
+        matmul::backward_input(s, dy, w, dx, dx_accum, self.fp8)
     }
-    fn rmsnorm_forward(
-        &self,
-        s: NormShape,
-        x: &[f32],
-        w: &[f32],
-        out: &mut [f32],
-        rstd: &mut [f32],
-    ) {
+    fn head_forward(&self, s: MatmulShape, x: &[S], w: &[S], logits: &mut [f32]) {
+        matmul::forward(s, x, w, None, logits, Accum::Overwrite, None)
+    }
+    fn head_backward_weight(&self, s: MatmulShape, dlogits: &[f32], x: &[S], dw: &mut [G]) {
+        matmul::backward_weight(s, dlogits, x, dw, None, None)
+    }
+    fn head_backward_input(&self, s: MatmulShape, dlogits: &[f32], w: &[S], dx: &mut [S]) {
+        matmul::backward_input(s, dlogits, w, dx, Accum::Overwrite, None)
+    }
+    fn rmsnorm_forward(&self, s: NormShape, x: &[S], w: &[S], out: &mut [S], rstd: &mut [f32]) {
         rmsnorm::forward(s, x, w, out, rstd)
     }
     fn rmsnorm_backward(
         &self,
         s: NormShape,
-        dy: &[f32],
-        x: &[f32],
-        w: &[f32],
+        dy: &[S],
+        x: &[S],
+        w: &[S],
         rstd: &[f32],
-        dx: &mut [f32],
+        dx: &mut [S],
         dx_accum: Accum,
-        dw: &mut [f32],
+        dw: &mut [G],
     ) {
         rmsnorm::backward(s, dy, x, w, rstd, dx, dx_accum, dw)
     }
-    fn rope_forward(&self, s: RopeShape, table: &RopeTable, x: &mut [f32]) {
+    fn rope_forward(&self, s: RopeShape, table: &RopeTable, x: &mut [S]) {
         rope::forward(s, table, x)
     }
-    fn rope_backward(&self, s: RopeShape, table: &RopeTable, dx: &mut [f32]) {
+    fn rope_backward(&self, s: RopeShape, table: &RopeTable, dx: &mut [S]) {
         rope::backward(s, table, dx)
     }
     fn attention_forward(
         &self,
         s: AttnShape,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        o: &mut [f32],
+        q: &[S],
+        k: &[S],
+        v: &[S],
+        o: &mut [S],
         lse: &mut [f32],
     ) {
         attention::forward(s, q, k, v, o, lse)
@@ -126,51 +145,47 @@ impl Kernels for CpuKernels {
     fn attention_backward(
         &self,
         s: AttnShape,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        o: &[f32],
+        q: &[S],
+        k: &[S],
+        v: &[S],
+        o: &[S],
         lse: &[f32],
-        d_o: &[f32],
-        dq: &mut [f32],
-        dk: &mut [f32],
-        dv: &mut [f32],
+        d_o: &[S],
+        dq: &mut [S],
+        dk: &mut [S],
+        dv: &mut [S],
     ) {
         attention::backward(s, q, k, v, o, lse, d_o, dq, dk, dv)
     }
-    fn swiglu_forward(&self, gate: &[f32], up: &[f32], h: &mut [f32]) {
+    fn swiglu_forward(&self, gate: &[S], up: &[S], h: &mut [S]) {
         swiglu::forward(gate, up, h)
     }
-    fn swiglu_backward(
-        &self,
-        dh: &[f32],
-        gate: &[f32],
-        up: &[f32],
-        dgate: &mut [f32],
-        dup: &mut [f32],
-    ) {
+    fn swiglu_backward(&self, dh: &[S], gate: &[S], up: &[S], dgate: &mut [S], dup: &mut [S]) {
         swiglu::backward(dh, gate, up, dgate, dup)
     }
-    fn embedding_forward(&self, tokens: &[u32], wte: &[f32], c: usize, out: &mut [f32]) {
+    fn embedding_forward(&self, tokens: &[u32], wte: &[S], c: usize, out: &mut [S]) {
         embedding::forward(tokens, wte, c, out)
     }
-    fn embedding_backward(&self, tokens: &[u32], dout: &[f32], c: usize, dwte: &mut [f32]) {
+    fn embedding_backward(&self, tokens: &[u32], dout: &[S], c: usize, dwte: &mut [G]) {
         embedding::backward(tokens, dout, c, dwte)
     }
-    fn add(&self, a: &[f32], b: &[f32], out: &mut [f32]) {
+    fn add(&self, a: &[S], b: &[S], out: &mut [S]) {
         elementwise::add(a, b, out)
     }
-    fn add_inplace(&self, acc: &mut [f32], x: &[f32]) {
+    fn add_inplace(&self, acc: &mut [S], x: &[S]) {
         elementwise::add_inplace(acc, x)
     }
-    fn copy(&self, src: &[f32], dst: &mut [f32]) {
+    fn copy(&self, src: &[S], dst: &mut [S]) {
         elementwise::copy(src, dst)
     }
-    fn scale(&self, x: &mut [f32], s: f32) {
+    fn scale(&self, x: &mut [G], s: f32) {
         elementwise::scale(x, s)
     }
-    fn sum_squares(&self, x: &[f32]) -> f64 {
+    fn sum_squares(&self, x: &[G]) -> f64 {
         elementwise::sum_squares(x)
+    }
+    fn round_params(&self, src: &[f32], dst: &mut [S]) {
+        elementwise::round_into(src, dst)
     }
     fn cross_entropy(
         &self,
@@ -185,17 +200,12 @@ impl Kernels for CpuKernels {
     fn adamw_step(
         &self,
         h: AdamWParams,
-        params: &mut [f32],
-        grads: &[f32],
+        master: &mut [f32],
+        grads: &[G],
         m: &mut [f32],
         v: &mut [f32],
+        params: Option<(&mut [S], Rounding)>,
     ) {
-        adamw::step(h, params, grads, m, v)
-    }
-    fn cast_f32_to_bf16(&self, src: &[f32], dst: &mut [bf16]) {
-        elementwise::f32_to_bf16(src, dst)
-    }
-    fn cast_bf16_to_f32(&self, src: &[bf16], dst: &mut [f32]) {
-        elementwise::bf16_to_f32(src, dst)
+        adamw::step(h, master, grads, m, v, params)
     }
 }

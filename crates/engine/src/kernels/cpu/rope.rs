@@ -3,10 +3,11 @@
 //! `y1 = x1·c − x2·s`, `y2 = x2·c + x1·s`. Backward applies the inverse rotation
 //! (`s → −s`), because the Jacobian of a rotation is the rotation itself.
 
+use crate::dtype::Elem;
 use crate::kernels::{RopeShape, RopeTable};
 use rayon::prelude::*;
 
-fn rotate(s: RopeShape, table: &RopeTable, x: &mut [f32], sign: f32) {
+fn rotate<S: Elem>(s: RopeShape, table: &RopeTable, x: &mut [S], sign: f32) {
     let d = s.head_dim;
     let half = d / 2;
     assert_eq!(
@@ -30,18 +31,18 @@ fn rotate(s: RopeShape, table: &RopeTable, x: &mut [f32], sign: f32) {
             let (x1, x2) = head.split_at_mut(half);
             for i in 0..half {
                 let (c, sn) = (cos[i], sign * sin[i]);
-                let (a, b) = (x1[i], x2[i]);
-                x1[i] = a * c - b * sn;
-                x2[i] = b * c + a * sn;
+                let (a, b) = (x1[i].to_f32(), x2[i].to_f32());
+                x1[i] = S::from_f32(a * c - b * sn);
+                x2[i] = S::from_f32(b * c + a * sn);
             }
         }
     });
 }
 
-pub fn forward(s: RopeShape, table: &RopeTable, x: &mut [f32]) {
+pub fn forward<S: Elem>(s: RopeShape, table: &RopeTable, x: &mut [S]) {
     rotate(s, table, x, 1.0);
 }
 
-pub fn backward(s: RopeShape, table: &RopeTable, dx: &mut [f32]) {
+pub fn backward<S: Elem>(s: RopeShape, table: &RopeTable, dx: &mut [S]) {
     rotate(s, table, dx, -1.0);
 }

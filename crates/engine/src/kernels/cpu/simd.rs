@@ -158,6 +158,27 @@ macro_rules! dispatch_fma {
             $generic::<false>($($arg),*)
         }
     };
+    // The same, generic over element types: `fn name<S: Elem, G: Elem> => generic(...)`
+    // calls `generic::<true, S, G>`.
+    ($(#[$meta:meta])* $vis:vis fn $name:ident < $($g:ident : $b:path),+ > => $generic:ident ( $($arg:ident : $ty:ty),* $(,)? ) $(-> $ret:ty)?) => {
+        $(#[$meta])*
+        #[allow(clippy::too_many_arguments)]
+        $vis fn $name<$($g: $b),+>($($arg: $ty),*) $(-> $ret)? {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx2,fma")]
+                #[allow(clippy::too_many_arguments)]
+                unsafe fn fast<$($g: $b),+>($($arg: $ty),*) $(-> $ret)? {
+                    $generic::<true, $($g),+>($($arg),*)
+                }
+                if $crate::kernels::cpu::simd::has_avx2_fma() {
+                    // SAFETY: the CPU supports the features `fast` was compiled for.
+                    return unsafe { fast::<$($g),+>($($arg),*) };
+                }
+            }
+            $generic::<false, $($g),+>($($arg),*)
+        }
+    };
 }
 
 /// A raw pointer that may cross rayon task boundaries; tasks write provably disjoint ranges.

@@ -4,6 +4,7 @@
 
 use super::simd::exp_f32;
 use crate::dispatch_fma;
+use crate::dtype::Elem;
 use rayon::prelude::*;
 
 /// Elements per rayon task.
@@ -15,14 +16,15 @@ fn sigmoid<const F: bool>(x: f32) -> f32 {
 }
 
 #[inline(always)]
-fn forward_chunk_generic<const F: bool>(g: &[f32], u: &[f32], h: &mut [f32]) {
+fn forward_chunk_generic<const F: bool, S: Elem>(g: &[S], u: &[S], h: &mut [S]) {
     for ((hi, gi), ui) in h.iter_mut().zip(g).zip(u) {
-        *hi = gi * sigmoid::<F>(*gi) * ui;
+        let (gi, ui) = (gi.to_f32(), ui.to_f32());
+        *hi = S::from_f32(gi * sigmoid::<F>(gi) * ui);
     }
 }
-dispatch_fma!(fn forward_chunk => forward_chunk_generic(g: &[f32], u: &[f32], h: &mut [f32]));
+dispatch_fma!(fn forward_chunk<S: Elem> => forward_chunk_generic(g: &[S], u: &[S], h: &mut [S]));
 
-pub fn forward(gate: &[f32], up: &[f32], h: &mut [f32]) {
+pub fn forward<S: Elem>(gate: &[S], up: &[S], h: &mut [S]) {
     assert!(gate.len() == h.len() && up.len() == h.len(), "swiglu lens");
     h.par_chunks_mut(CHUNK)
         .zip(gate.par_chunks(CHUNK))
@@ -31,25 +33,26 @@ pub fn forward(gate: &[f32], up: &[f32], h: &mut [f32]) {
 }
 
 #[inline(always)]
-fn backward_chunk_generic<const F: bool>(
-    dh: &[f32],
-    g: &[f32],
-    u: &[f32],
-    dg: &mut [f32],
-    du: &mut [f32],
+fn backward_chunk_generic<const F: bool, S: Elem>(
+    dh: &[S],
+    g: &[S],
+    u: &[S],
+    dg: &mut [S],
+    du: &mut [S],
 ) {
     let n = dg.len();
     let (dh, g, u, du) = (&dh[..n], &g[..n], &u[..n], &mut du[..n]);
     for i in 0..n {
-        let sg = sigmoid::<F>(g[i]);
-        let silu = g[i] * sg;
-        du[i] = dh[i] * silu;
-        dg[i] = dh[i] * u[i] * sg * (1.0 + g[i] * (1.0 - sg));
+        let (dhi, gi, ui) = (dh[i].to_f32(), g[i].to_f32(), u[i].to_f32());
+        let sg = sigmoid::<F>(gi);
+        let silu = gi * sg;
+        du[i] = S::from_f32(dhi * silu);
+        dg[i] = S::from_f32(dhi * ui * sg * (1.0 + gi * (1.0 - sg)));
     }
 }
-dispatch_fma!(fn backward_chunk => backward_chunk_generic(dh: &[f32], g: &[f32], u: &[f32], dg: &mut [f32], du: &mut [f32]));
+dispatch_fma!(fn backward_chunk<S: Elem> => backward_chunk_generic(dh: &[S], g: &[S], u: &[S], dg: &mut [S], du: &mut [S]));
 
-pub fn backward(dh: &[f32], gate: &[f32], up: &[f32], dgate: &mut [f32], dup: &mut [f32]) {
+pub fn backward<S: Elem>(dh: &[S], gate: &[S], up: &[S], dgate: &mut [S], dup: &mut [S]) {
     let n = dh.len();
     assert!(
         gate.len() == n && up.len() == n && dgate.len() == n && dup.len() == n,
