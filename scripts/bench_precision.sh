@@ -4,7 +4,7 @@
 #   bash scripts/bench_precision.sh curves [steps]  # fp32/bf16/fp16/fp8 loss curves + SVG plot
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --release -q -p ferrotron-cli
+cargo build --release -q --bin ferrotron
 bin=target/release/ferrotron
 mode=${1:-table}
 if [ "$mode" = table ]; then
