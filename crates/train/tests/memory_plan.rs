@@ -65,7 +65,10 @@ fn policy(precision: &str, rc: &str) -> (u64, u64) {
     // where it is step 1's optimizer step (small activations: bf16 with full recompute), less.
     let adam = 2 * 4 * 12_587_904u64;
     let planned_growth = b.mem_peak_planned - a.mem_peak_planned;
-    assert!(planned_growth <= adam, "{rc}: {planned_growth} > Adam {adam}");
+    assert!(
+        planned_growth <= adam,
+        "{rc}: {planned_growth} > Adam {adam}"
+    );
     let grew = b.mem_peak_measured as f64 - a.mem_peak_measured as f64;
     assert!(
         (grew - planned_growth as f64).abs() < 0.01 * adam as f64,
