@@ -18,82 +18,15 @@
 //! `--nocapture` to see it).
 
 mod common;
+use common::fixture::{f32s, load_params, read};
 
-use ferrotron_engine::kernels::{CpuKernels, Elem, Kernels, IGNORE_INDEX};
-use ferrotron_engine::model::{BatchShape, HeapPool, Llama, LlamaConfig};
-use ferrotron_plan::ModelSpec;
+use ferrotron_engine::kernels::{CpuKernels, Elem, Kernels};
+use ferrotron_engine::model::{BatchShape, HeapPool, Llama};
 use half::bf16;
-use safetensors::{Dtype, SafeTensors};
+use safetensors::SafeTensors;
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
 
 const FIXTURES: [&str; 3] = ["tiny-tied", "tiny-gqa", "tiny-qwen2"];
-
-// ---- fixture loading (as in golden.rs) ----
-
-fn fixture_dir(name: &str) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(name);
-    assert!(
-        d.join("config.json").exists() && d.join("bf16.json").exists(),
-        "golden fixture {} missing: run tests/reference/llama_reference.py and llama_autocast.py",
-        d.display()
-    );
-    d
-}
-
-fn read(dir: &Path, file: &str) -> Vec<u8> {
-    std::fs::read(dir.join(file)).unwrap_or_else(|e| panic!("{}/{file}: {e}", dir.display()))
-}
-
-fn f32s(st: &SafeTensors, name: &str) -> (Vec<usize>, Vec<f32>) {
-    let t = st
-        .tensor(name)
-        .unwrap_or_else(|e| panic!("tensor {name}: {e}"));
-    assert_eq!(t.dtype(), Dtype::F32, "{name} dtype");
-    let v = t
-        .data()
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-        .collect();
-    (t.shape().to_vec(), v)
-}
-
-fn ids(st: &SafeTensors, name: &str) -> (Vec<usize>, Vec<u32>) {
-    let t = st.tensor(name).unwrap();
-    assert_eq!(t.dtype(), Dtype::I64, "{name} dtype");
-    let v = t
-        .data()
-        .chunks_exact(8)
-        .map(|b| {
-            let x = i64::from_le_bytes(b.try_into().unwrap());
-            if x < 0 {
-                IGNORE_INDEX
-            } else {
-                x as u32
-            }
-        })
-        .collect();
-    (t.shape().to_vec(), v)
-}
-
-/// Loads a parameter file into the model's flat layout, checking names and shapes both ways.
-fn load_params(model: &Llama, bytes: &[u8]) -> Vec<f32> {
-    let st = SafeTensors::deserialize(bytes).unwrap();
-    let mut flat = vec![f32::NAN; model.num_params()];
-    for e in &model.params.entries {
-        let (shape, v) = f32s(&st, &e.name);
-        assert_eq!(shape, e.shape, "{} shape", e.name);
-        flat[e.range()].copy_from_slice(&v);
-    }
-    assert_eq!(
-        st.names().len(),
-        model.params.entries.len(),
-        "extra tensors in fixture"
-    );
-    flat
-}
 
 struct Fixture {
     name: &'static str,
@@ -112,29 +45,19 @@ struct Fixture {
 }
 
 fn load(name: &'static str) -> Fixture {
-    let dir = fixture_dir(name);
-    let cfg = LlamaConfig::from_spec(
-        &ModelSpec::from_json_str(
-            &String::from_utf8(read(&dir, "config.json")).unwrap(),
-            "config.json",
-        )
-        .unwrap(),
-    )
-    .unwrap();
-    // Small chunks so the fused LM head runs several chunks, including a ragged last one.
-    let model = Llama::new(cfg).with_ce_chunk_tokens(12);
-    let params = load_params(&model, &read(&dir, "params.safetensors"));
+    let common::fixture::Fixture {
+        model,
+        params,
+        batch,
+        tokens,
+        targets,
+        dir,
+    } = common::fixture::load(name);
     let io_bytes = read(&dir, "io.safetensors");
     let io = SafeTensors::deserialize(&io_bytes).unwrap();
-    let (shape, tokens) = ids(&io, "input_ids");
-    let (_, targets) = ids(&io, "targets");
     let (_, want_logits) = f32s(&io, "logits");
     let (_, want_loss) = f32s(&io, "loss");
     let want_grads = load_params(&model, &read(&dir, "grads.safetensors"));
-    let batch = BatchShape {
-        b: shape[0],
-        t: shape[1],
-    };
 
     let j: serde_json::Value = serde_json::from_slice(&read(&dir, "bf16.json")).expect("bf16.json");
     let ref_logits = ["autocast", "pure_bf16"]

@@ -1,6 +1,8 @@
 //! Shared test helpers: a deterministic RNG and error metrics.
 #![allow(dead_code)]
 
+pub mod fixture;
+
 /// xorshift64* — deterministic, dependency-free.
 pub struct Rng(u64);
 
