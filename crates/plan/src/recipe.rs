@@ -64,6 +64,16 @@ impl Precision {
     pub fn fp32_grad_acc(self) -> bool {
         self == Precision::Bf16Fp32grads
     }
+
+    /// Gradient storage of the ferrotron engine: fp32 under the fp32-accumulation recipe
+    /// (accumulated in place, no 16-bit copy), else the storage type.
+    pub fn engine_grads(self) -> DType {
+        if self.fp32_grad_acc() {
+            DType::F32
+        } else {
+            self.storage()
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

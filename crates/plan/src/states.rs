@@ -103,7 +103,7 @@ pub fn add_states(
             plan,
             1,
             "grads",
-            DType::F32,
+            p.engine_grads(),
             grads_n,
             Category::Grads,
             on_host_params,

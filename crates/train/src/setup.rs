@@ -88,12 +88,7 @@ pub fn checked_plan(
     let p = c.precision;
     let mut expected = model.activation_inventory(batch, p.storage());
     expected.push(("params".into(), model.num_params(), p.storage()));
-    let grads = if p.fp32_grad_acc() {
-        DType::F32
-    } else {
-        p.storage()
-    };
-    expected.push(("grads".into(), model.num_params(), grads));
+    expected.push(("grads".into(), model.num_params(), p.engine_grads()));
     if p.has_master() {
         expected.push(("master".into(), model.num_params(), DType::F32));
     }

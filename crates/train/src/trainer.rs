@@ -80,17 +80,6 @@ pub struct StepOutput {
     pub overflow: Option<ScaleUpdate>,
 }
 
-/// Storage types of the weights and of the gradients for a precision.
-fn storage_types(p: Precision) -> (ferrotron_plan::DType, ferrotron_plan::DType) {
-    let st = p.storage();
-    let grads = if p.fp32_grad_acc() {
-        ferrotron_plan::DType::F32
-    } else {
-        st
-    };
-    (st, grads)
-}
-
 /// The kernel workspace of a precision's types (see `workspace`).
 fn measure_workspace(k: &CpuKernels, p: Precision, c: &LlamaConfig, n: usize, chunk: usize) -> u64 {
     use half::{bf16, f16};
@@ -179,9 +168,8 @@ impl Trainer {
         // Initialisation of HF Llama: N(0, 0.02²) matrices, unit norms, zero biases; under mixed
         // precision that is the fp32 master copy, and the weights are it rounded.
         let init = model.params.init(cfg.seed, 0.02);
-        let (storage, _) = storage_types(cfg.precision);
         let (params, master) = if cfg.precision.has_master() {
-            (Flat::from_f32(storage, &init), Some(init))
+            (Flat::from_f32(cfg.precision.storage(), &init), Some(init))
         } else {
             (Flat::F32(init), None)
         };
@@ -256,7 +244,7 @@ impl Trainer {
         let step = self.step + 1;
         // Gradients appear before the first forward: the fused LM head accumulates into them.
         if self.grads.is_none() {
-            let (_, gt) = storage_types(self.cfg.precision);
+            let gt = self.cfg.precision.engine_grads();
             self.grads = Some(Flat::zeros(gt, self.params.len()));
             self.pool.sample(step, Point::Grads);
         }

@@ -3,7 +3,7 @@
 use super::simd::sum_sq;
 use super::swiglu::CHUNK;
 use crate::dispatch_fma;
-use crate::dtype::{view, Elem};
+use crate::dtype::Elem;
 use rayon::prelude::*;
 
 pub fn add<S: Elem>(a: &[S], b: &[S], out: &mut [S]) {
@@ -59,11 +59,19 @@ pub fn sum_squares<G: Elem>(x: &[G]) -> f64 {
         .par_iter_mut()
         .zip(x.par_chunks(block))
         .for_each(|(p, c)| {
-            let mut scratch = Vec::new();
-            *p = c
-                .chunks(CHUNK)
-                .map(|c| sum_sq_chunk(view(c, &mut scratch)) as f64)
-                .sum()
+            *p = match G::as_f32(c) {
+                Some(c) => c.chunks(CHUNK).map(|c| sum_sq_chunk(c) as f64).sum(),
+                // 16-bit gradients are widened chunk by chunk on the stack (no heap traffic
+                // outside the memory plan).
+                None => c
+                    .chunks(CHUNK)
+                    .map(|c| {
+                        let mut buf = [0.0f32; CHUNK];
+                        G::load(c, &mut buf[..c.len()]);
+                        sum_sq_chunk(&buf[..c.len()]) as f64
+                    })
+                    .sum(),
+            }
         });
     parts.iter().sum()
 }
