@@ -21,7 +21,7 @@ mod common;
 use common::fixture::{f32s, load_params, read};
 
 use ferrotron_engine::kernels::{CpuKernels, Elem, Kernels};
-use ferrotron_engine::model::{BatchShape, HeapPool, Llama};
+use ferrotron_engine::model::HeapPool;
 use half::bf16;
 use safetensors::SafeTensors;
 use std::collections::BTreeMap;
@@ -30,11 +30,8 @@ const FIXTURES: [&str; 3] = ["tiny-tied", "tiny-gqa", "tiny-qwen2"];
 
 struct Fixture {
     name: &'static str,
-    model: Llama,
-    params: Vec<f32>,
-    batch: BatchShape,
-    tokens: Vec<u32>,
-    targets: Vec<u32>,
+    /// Model, fp32 parameters and batch (the fp32 golden tests' fixture).
+    base: common::fixture::Fixture,
     want_logits: Vec<f32>,
     want_loss: f64,
     want_grads: Vec<f32>,
@@ -45,21 +42,15 @@ struct Fixture {
 }
 
 fn load(name: &'static str) -> Fixture {
-    let common::fixture::Fixture {
-        model,
-        params,
-        batch,
-        tokens,
-        targets,
-        dir,
-    } = common::fixture::load(name);
-    let io_bytes = read(&dir, "io.safetensors");
+    let base = common::fixture::load(name);
+    let (model, dir) = (&base.model, &base.dir);
+    let io_bytes = read(dir, "io.safetensors");
     let io = SafeTensors::deserialize(&io_bytes).unwrap();
     let (_, want_logits) = f32s(&io, "logits");
     let (_, want_loss) = f32s(&io, "loss");
-    let want_grads = load_params(&model, &read(&dir, "grads.safetensors"));
+    let want_grads = load_params(model, &read(dir, "grads.safetensors"));
 
-    let j: serde_json::Value = serde_json::from_slice(&read(&dir, "bf16.json")).expect("bf16.json");
+    let j: serde_json::Value = serde_json::from_slice(&read(dir, "bf16.json")).expect("bf16.json");
     let ref_logits = ["autocast", "pure_bf16"]
         .iter()
         .map(|p| j[p]["logits_rel_l2"].as_f64().expect("logits_rel_l2"))
@@ -78,24 +69,13 @@ fn load(name: &'static str) -> Fixture {
     }
     Fixture {
         name,
-        model,
-        params,
-        batch,
-        tokens,
-        targets,
+        base,
         want_logits,
         want_loss: want_loss[0] as f64,
         want_grads,
         ref_logits,
         ref_grads,
     }
-}
-
-fn num_targets(f: &Fixture) -> usize {
-    f.targets
-        .iter()
-        .filter(|&&t| (t as usize) < f.model.config.vocab)
-        .count()
 }
 
 // ---- metrics (f64) ----
@@ -135,13 +115,19 @@ struct Measured {
 /// `k` (gradients stored as `G`) for `forward_train` + `backward`, exactly as `golden.rs` does
 /// for fp32; results are widened to f32 and compared with the fp32 golden.
 fn measure<G: Elem>(f: &Fixture, klog: &dyn Kernels<bf16>, k: &dyn Kernels<bf16, G>) -> Measured {
-    let params: Vec<bf16> = f.params.iter().map(|&x| bf16::from_f32(x)).collect();
+    let params: Vec<bf16> = f.base.params.iter().map(|&x| bf16::from_f32(x)).collect();
     let mut pool = HeapPool::new();
 
-    let v = f.model.config.vocab;
-    let mut logits = vec![0.0f32; f.batch.n() * v];
-    f.model
-        .forward_logits(klog, &mut pool, &params, f.batch, &f.tokens, &mut logits);
+    let v = f.base.model.config.vocab;
+    let mut logits = vec![0.0f32; f.base.batch.n() * v];
+    f.base.model.forward_logits(
+        klog,
+        &mut pool,
+        &params,
+        f.base.batch,
+        &f.base.tokens,
+        &mut logits,
+    );
     assert!(
         logits.iter().all(|x| x.is_finite()),
         "{}: non-finite logits",
@@ -149,15 +135,23 @@ fn measure<G: Elem>(f: &Fixture, klog: &dyn Kernels<bf16>, k: &dyn Kernels<bf16,
     );
     let logits_rel_l2 = rel_l2(&logits, &f.want_logits);
 
-    let mut grads = vec![G::from_f32(0.0); f.model.num_params()];
-    let nt = num_targets(f);
-    let (acts, loss) = f.model.forward_train(
-        k, &mut pool, &params, &mut grads, f.batch, &f.tokens, &f.targets, nt,
+    let mut grads = vec![G::from_f32(0.0); f.base.model.num_params()];
+    let nt = common::fixture::num_targets(&f.base);
+    let (acts, loss) = f.base.model.forward_train(
+        k,
+        &mut pool,
+        &params,
+        &mut grads,
+        f.base.batch,
+        &f.base.tokens,
+        &f.base.targets,
+        nt,
     );
     assert_eq!(loss.count, nt);
     let loss_abs = (loss.mean() - f.want_loss).abs();
-    f.model
-        .backward(k, &mut pool, &params, &mut grads, acts, &f.tokens);
+    f.base
+        .model
+        .backward(k, &mut pool, &params, &mut grads, acts, &f.base.tokens);
     assert_eq!(pool.live_bytes, 0, "all activations returned to the pool");
     let grads: Vec<f32> = grads.iter().map(|g| g.to_f32()).collect();
     assert!(
@@ -166,6 +160,7 @@ fn measure<G: Elem>(f: &Fixture, klog: &dyn Kernels<bf16>, k: &dyn Kernels<bf16,
         f.name
     );
     let grads = f
+        .base
         .model
         .params
         .entries
