@@ -1,48 +1,68 @@
 #!/usr/bin/env python3
-"""Loss curves of runs/curves/<precision>/metrics.jsonl as one SVG, and the band statistics
-(largest |loss - fp32 loss| over a 10-step running mean) printed as a Markdown table."""
+"""Loss curves of runs/curves/<precision>/metrics.jsonl as one SVG (top: 10-step mean training
+loss; bottom: its gap to fp32 with the stated bands), and the band statistics (largest and mean
+|loss - fp32 loss| of the 10-step means, after the first 10 steps) as a Markdown table.
+    python3 scripts/plot_curves.py runs/curves docs/precision_loss_curves.svg"""
 import json, sys
 from pathlib import Path
 
 root, out = Path(sys.argv[1]), Path(sys.argv[2])
+BANDS = {"bf16": 0.1, "bf16-sr": 0.1, "fp16": 0.1, "fp8": 0.15}  # stated in docs/BENCHMARKS.md, tested short
+COLORS = {"fp32": "#222", "bf16": "#1f77b4", "bf16-sr": "#9467bd", "fp16": "#2ca02c", "fp8": "#d62728"}
 runs = {}
-for p in ["fp32", "bf16", "fp16", "fp8"]:
+for p in COLORS:
     f = root / p / "metrics.jsonl"
     if f.exists():
         runs[p] = [json.loads(l)["loss"] for l in f.open()]
 
+
 def smooth(xs, w=10):
     return [sum(xs[max(0, i - w + 1):i + 1]) / len(xs[max(0, i - w + 1):i + 1]) for i in range(len(xs))]
 
-W, H, L, B = 720, 400, 60, 40
+
+means = {p: smooth(v) for p, v in runs.items()}
+gaps = {p: [a - b for a, b in zip(s, means["fp32"])] for p, s in means.items() if p != "fp32"}
 n = max(len(v) for v in runs.values())
-lo = min(min(v) for v in runs.values()); hi = max(max(v) for v in runs.values())
-x = lambda i: L + (W - L - 20) * i / max(1, n - 1)
-y = lambda v: 20 + (H - B - 20) * (hi - v) / (hi - lo)
-colors = {"fp32": "#222", "bf16": "#1f77b4", "fp16": "#2ca02c", "fp8": "#d62728"}
-parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">',
-         f'<rect width="{W}" height="{H}" fill="white"/>',
-         f'<line x1="{L}" y1="{H-B}" x2="{W-20}" y2="{H-B}" stroke="#888"/>',
-         f'<line x1="{L}" y1="20" x2="{L}" y2="{H-B}" stroke="#888"/>',
-         f'<text x="{W/2}" y="{H-8}" text-anchor="middle">step</text>',
-         f'<text x="14" y="{H/2}" transform="rotate(-90 14 {H/2})" text-anchor="middle">training loss (10-step mean)</text>']
-for t in range(5):
-    v = lo + (hi - lo) * t / 4
-    parts.append(f'<text x="{L-6}" y="{y(v)+4:.1f}" text-anchor="end">{v:.2f}</text>')
+W, L, R = 760, 70, 110
+panels = [  # (top, height, lo, hi, y label)
+    (20, 300, min(min(v) for v in means.values()), max(max(v) for v in means.values()),
+     "training loss (10-step mean)"),
+    (370, 170, -0.16, 0.16, "gap to fp32 (nats)"),
+]
+H = 590
+x = lambda i: L + (W - L - R) * i / max(1, n - 1)
+svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">',
+       f'<rect width="{W}" height="{H}" fill="white"/>']
+for k, (top, h, lo, hi, label) in enumerate(panels):
+    y = lambda v, top=top, h=h, lo=lo, hi=hi: top + h * (hi - v) / (hi - lo)
+    svg += [f'<rect x="{L}" y="{top}" width="{W - L - R}" height="{h}" fill="none" stroke="#888"/>',
+            f'<text x="16" y="{top + h / 2}" transform="rotate(-90 16 {top + h / 2})" text-anchor="middle">{label}</text>']
+    for t in range(5):
+        v = lo + (hi - lo) * t / 4
+        svg.append(f'<text x="{L - 6}" y="{y(v) + 4:.1f}" text-anchor="end">{v:.2f}</text>')
+    if k == 0:
+        series = means.items()
+    else:
+        series = gaps.items()
+        svg.append(f'<line x1="{L}" y1="{y(0):.1f}" x2="{W - R}" y2="{y(0):.1f}" stroke="#222"/>')
+        for b, dash in [(0.1, "4 3"), (0.15, "1 3")]:
+            for v in (b, -b):
+                svg.append(f'<line x1="{L}" y1="{y(v):.1f}" x2="{W - R}" y2="{y(v):.1f}" stroke="#999" stroke-dasharray="{dash}"/>')
+            svg.append(f'<text x="{W - R + 6}" y="{y(b) + 4:.1f}" fill="#666">±{b} band</text>')
+    for p, s in series:
+        pts = " ".join(f"{x(i):.1f},{y(u):.1f}" for i, u in enumerate(s))
+        svg.append(f'<polyline fill="none" stroke="{COLORS[p]}" stroke-width="1.4" points="{pts}"/>')
 for t in range(5):
     i = (n - 1) * t // 4
-    parts.append(f'<text x="{x(i):.1f}" y="{H-B+16}" text-anchor="middle">{i+1}</text>')
-for k, (p, v) in enumerate(runs.items()):
-    s = smooth(v)
-    pts = " ".join(f"{x(i):.1f},{y(u):.1f}" for i, u in enumerate(s))
-    parts.append(f'<polyline fill="none" stroke="{colors[p]}" stroke-width="1.5" points="{pts}"/>')
-    parts.append(f'<text x="{W-120}" y="{40+16*k}" fill="{colors[p]}">{p}</text>')
-parts.append("</svg>")
-out.write_text("\n".join(parts) + "\n")
-ref = smooth(runs["fp32"])
-print("| precision | final loss (10-step mean) | max abs gap to fp32 (10-step means) | mean gap |")
-print("|---|---|---|---|")
-for p, v in runs.items():
-    s = smooth(v)
-    gaps = [abs(a - b) for a, b in zip(s, ref)][10:]
-    print(f"| {p} | {s[-1]:.4f} | {max(gaps):.4f} | {sum(gaps)/len(gaps):.4f} |")
+    svg.append(f'<text x="{x(i):.1f}" y="{H - 32}" text-anchor="middle">{i + 1}</text>')
+svg.append(f'<text x="{L + (W - L - R) / 2}" y="{H - 12}" text-anchor="middle">step</text>')
+for k, p in enumerate(runs):
+    svg.append(f'<text x="{W - R + 6}" y="{40 + 16 * k}" fill="{COLORS[p]}">{p}</text>')
+svg.append("</svg>")
+out.write_text("\n".join(svg) + "\n")
+print("| precision | final loss (10-step mean) | largest gap to fp32 | mean gap | band |")
+print("|---|---|---|---|---|")
+for p, s in means.items():
+    g = [abs(v) for v in gaps.get(p, [0.0] * len(s))][10:]
+    band = f"±{BANDS[p]}" if p in BANDS else "reference"
+    print(f"| {p} | {s[-1]:.4f} | {max(g):.4f} | {sum(g) / len(g):.4f} | {band} |")

@@ -1,61 +1,93 @@
 //! Per-shape GFLOP/s of the model's linear layers in each direction (forward, backward input,
-//! backward weight), as the kernels call them.
+//! backward weight), as the kernels call them, in f32 and with bf16 storage, and the bf16/f32
+//! ratio (the staged-GEMM overhead). Best of `reps`, f32 and bf16 interleaved so that a noisy
+//! neighbour hits both alike.
 //! `cargo run --release -p ferrotron-engine --example shape_bench -- [reps]`
+use ferrotron_engine::dtype::Elem;
 use ferrotron_engine::kernels::{Accum, CpuKernels, Kernels, MatmulShape};
+use half::bf16;
 use std::time::Instant;
 
-fn best(reps: usize, mut f: impl FnMut()) -> f64 {
-    f();
-    let mut b = f64::INFINITY;
-    for _ in 0..reps {
-        let t = Instant::now();
-        f();
-        b = b.min(t.elapsed().as_secs_f64());
+/// Seconds of one call of each direction: forward, backward input, backward weight.
+fn directions<S: Elem>(s: MatmulShape, head: bool) -> [Box<dyn FnMut() -> f64>; 3] {
+    let k = CpuKernels::PLAIN;
+    let (n, i, o) = (s.n, s.in_features, s.out_features);
+    let x = vec![S::from_f32(0.01); n * i];
+    let w = vec![S::from_f32(0.01); o * i];
+    let timed = |mut f: Box<dyn FnMut()>| -> Box<dyn FnMut() -> f64> {
+        Box::new(move || {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+    };
+    let (x1, w1, w2, x2) = (x.clone(), w.clone(), w.clone(), x);
+    if head {
+        // The LM head: f32 logits and logit gradients.
+        let mut y = vec![0.0f32; n * o];
+        let dy = vec![0.01f32; n * o];
+        let dy2 = dy.clone();
+        let (mut dx, mut dw) = (vec![S::default(); n * i], vec![S::default(); o * i]);
+        return [
+            timed(Box::new(move || {
+                Kernels::<S>::head_forward(&k, s, &x1, &w1, &mut y)
+            })),
+            timed(Box::new(move || {
+                Kernels::<S>::head_backward_input(&k, s, &dy, &w2, &mut dx)
+            })),
+            timed(Box::new(move || {
+                Kernels::<S>::head_backward_weight(&k, s, &dy2, &x2, &mut dw)
+            })),
+        ];
     }
-    b
+    let mut y = vec![S::default(); n * o];
+    let dy = vec![S::from_f32(0.01); n * o];
+    let dy2 = dy.clone();
+    let (mut dx, mut dw) = (vec![S::default(); n * i], vec![S::default(); o * i]);
+    [
+        timed(Box::new(move || {
+            Kernels::<S>::matmul_forward(&k, s, &x1, &w1, None, &mut y, Accum::Overwrite)
+        })),
+        timed(Box::new(move || {
+            Kernels::<S>::matmul_backward_input(&k, s, &dy, &w2, &mut dx, Accum::Overwrite)
+        })),
+        timed(Box::new(move || {
+            Kernels::<S>::matmul_backward_weight(&k, s, &dy2, &x2, &mut dw, None)
+        })),
+    ]
 }
 
 fn main() {
     let reps: usize = std::env::args().nth(1).map_or(5, |s| s.parse().unwrap());
-    let k: &dyn Kernels = &CpuKernels::PLAIN;
+    Kernels::<f32>::warm_up(&CpuKernels::PLAIN);
     let shapes = [
-        ("q      2048x384->384", 2048, 384, 384),
-        ("kv     2048x384->128", 2048, 384, 128),
-        ("qkv    2048x384->640", 2048, 384, 640),
-        ("o      2048x384->384", 2048, 384, 384),
-        ("gate   2048x384->1024", 2048, 384, 1024),
-        ("gateup 2048x384->2048", 2048, 384, 2048),
-        ("down   2048x1024->384", 2048, 1024, 384),
-        ("lm     1024x384->8192", 1024, 384, 8192),
+        ("q      2048x384->384", 2048, 384, 384, false),
+        ("kv     2048x384->128", 2048, 384, 128, false),
+        ("gate   2048x384->1024", 2048, 384, 1024, false),
+        ("down   2048x1024->384", 2048, 1024, 384, false),
+        ("head   2048x384->8192", 2048, 384, 8192, true),
     ];
     println!(
-        "{:>24} {:>8} {:>8} {:>8}  (GFLOP/s fwd, bwd_in, bwd_w)",
-        "shape", "fwd", "bwd_in", "bwd_w"
+        "{:>24} {:>20} {:>20} {:>20}",
+        "GFLOP/s f32 / bf16 (×)", "forward", "backward input", "backward weight"
     );
-    for (name, n, i, o) in shapes {
+    for (name, n, i, o, head) in shapes {
         let s = MatmulShape {
             n,
             in_features: i,
             out_features: o,
         };
-        let x = vec![0.01f32; n * i];
-        let w = vec![0.01f32; o * i];
-        let mut y = vec![0.0f32; n * o];
-        let mut dx = vec![0.0f32; n * i];
-        let mut dw = vec![0.0f32; o * i];
         let fl = 2.0 * (n * i * o) as f64 / 1e9;
-        let tf = best(reps, || {
-            k.matmul_forward(s, &x, &w, None, &mut y, Accum::Overwrite)
-        });
-        let ti = best(reps, || {
-            k.matmul_backward_input(s, &y, &w, &mut dx, Accum::Overwrite)
-        });
-        let tw = best(reps, || k.matmul_backward_weight(s, &y, &x, &mut dw, None));
-        println!(
-            "{name:>24} {:>8.1} {:>8.1} {:>8.1}",
-            fl / tf,
-            fl / ti,
-            fl / tw
-        );
+        let (mut a, mut b) = (directions::<f32>(s, head), directions::<bf16>(s, head));
+        let mut row = format!("{name:>24}");
+        for d in 0..3 {
+            let (mut ta, mut tb) = (a[d](), b[d]());
+            for _ in 0..reps {
+                ta = ta.min(a[d]());
+                tb = tb.min(b[d]());
+            }
+            row += &format!(" {:6.1} {:6.1} ({:.2})", fl / ta, fl / tb, ta / tb);
+        }
+        println!("{row}");
     }
 }

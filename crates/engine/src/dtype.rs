@@ -9,6 +9,7 @@
 use ferrotron_plan::DType;
 use half::{bf16, f16};
 use std::fmt::Debug;
+use std::mem::MaybeUninit;
 
 /// A storage element type.
 pub trait Elem: Copy + Default + Send + Sync + Debug + PartialEq + 'static {
@@ -29,6 +30,16 @@ pub trait Elem: Copy + Default + Send + Sync + Debug + PartialEq + 'static {
     fn load(src: &[Self], dst: &mut [f32]) {
         assert_eq!(src.len(), dst.len(), "load lens");
         dst.iter_mut().zip(src).for_each(|(d, s)| *d = s.to_f32());
+    }
+    /// `dst = widen(src)` into uninitialised memory, returned initialised (staging buffers are
+    /// not zeroed first).
+    fn load_uninit<'a>(src: &[Self], dst: &'a mut [MaybeUninit<f32>]) -> &'a mut [f32] {
+        assert_eq!(src.len(), dst.len(), "load lens");
+        dst.iter_mut().zip(src).for_each(|(d, s)| {
+            d.write(s.to_f32());
+        });
+        // SAFETY: every element was written just above; MaybeUninit<f32> has f32's layout.
+        unsafe { &mut *(dst as *mut [MaybeUninit<f32>] as *mut [f32]) }
     }
     /// `dst = round(src)`.
     fn store(src: &[f32], dst: &mut [Self]) {
@@ -130,6 +141,21 @@ impl Elem for f16 {
     fn store(src: &[f32], dst: &mut [Self]) {
         use half::slice::HalfFloatSliceExt;
         dst.convert_from_f32_slice(src);
+    }
+    fn load_uninit<'a>(src: &[Self], dst: &'a mut [MaybeUninit<f32>]) -> &'a mut [f32] {
+        use half::slice::HalfFloatSliceExt;
+        assert_eq!(src.len(), dst.len(), "load lens");
+        // Through a stack block, so the conversion keeps F16C.
+        let mut block = [0.0f32; 256];
+        for (d, s) in dst.chunks_mut(256).zip(src.chunks(256)) {
+            let b = &mut block[..s.len()];
+            s.convert_to_f32_slice(b);
+            d.iter_mut().zip(b.iter()).for_each(|(d, x)| {
+                d.write(*x);
+            });
+        }
+        // SAFETY: every element was written above; MaybeUninit<f32> has f32's layout.
+        unsafe { &mut *(dst as *mut [MaybeUninit<f32>] as *mut [f32]) }
     }
 }
 

@@ -28,7 +28,7 @@
 mod common;
 
 use common::Rng;
-use ferrotron_engine::kernels::cpu::staged_gemm::{LHS_TILE, RHS_PANEL};
+use ferrotron_engine::kernels::cpu::staged_gemm::{tiling, MAX_DEPTH as STAGED_MAX_DEPTH};
 use ferrotron_engine::kernels::{
     Accum, AdamWParams, AttnShape, CpuKernels, Elem, Kernels, MatmulShape, NormShape, RopeShape,
     RopeTable, Rounding,
@@ -42,9 +42,6 @@ use rayon::prelude::*;
 const ACC: f64 = 1.0 / (1u64 << 20) as f64;
 /// Half an ulp, relative: bf16 has 8 significant bits.
 const BF16_HALF_ULP: f64 = 1.0 / 256.0;
-/// Depth above which the staged gemm cuts the reduction into chunks (`staged_gemm::MAX_DEPTH`,
-/// private: `LHS_TILE / 64`).
-const STAGED_MAX_DEPTH: usize = LHS_TILE / 64;
 
 // ---------------------------------------------------------------- helpers
 
@@ -145,28 +142,37 @@ fn check_bound<S: Elem>(
 
 // ---------------------------------------------------------------- (a) staged matmul
 
-/// Forward / backward-input shape: out·in > RHS_PANEL (several column panels of Wᵀ in the
-/// forward, of W in the input gradient) and n > 512 rows (several row tiles).
+/// Forward / backward-input shape: too large for one staged call in every direction (the
+/// forward and the input gradient come in several tiles).
 const FWD: MatmulShape = MatmulShape {
     n: 640,
     in_features: 384,
     out_features: 3000,
 };
 /// Weight-gradient shape: a reduction over n = 9000 > STAGED_MAX_DEPTH tokens (two depth
-/// chunks of 4500), out = 640 > 512 rows, in·4500 > RHS_PANEL (two column panels).
+/// chunks of 4500), each too large for one staged call.
 const BWW: MatmulShape = MatmulShape {
     n: 9000,
     in_features: 256,
     out_features: 640,
 };
 
-// The shapes really exercise the staged path's blocking (checked at compile time).
-const _: () = {
-    assert!(FWD.out_features * FWD.in_features > RHS_PANEL);
-    assert!(FWD.n > 512 && BWW.out_features > 512);
-    assert!(BWW.n > STAGED_MAX_DEPTH && BWW.n <= 2 * STAGED_MAX_DEPTH);
-    assert!(BWW.in_features * BWW.n.div_ceil(2) > RHS_PANEL);
-};
+/// The shapes really exercise the staged path's blocking: several row tiles or column panels
+/// when everything is 16-bit, and two depth chunks in the weight gradient.
+#[test]
+fn staged_shapes_cover_the_blocking() {
+    let all = [true; 3];
+    let (n, i, o) = (FWD.n, FWD.in_features, FWD.out_features);
+    assert!(tiling(n, o, i, all).calls(n, o) > 1, "forward: one call");
+    assert!(
+        tiling(n, i, o, all).calls(n, i) > 1,
+        "backward input: one call"
+    );
+    let (n, i, o) = (BWW.n, BWW.in_features, BWW.out_features);
+    assert!(n > STAGED_MAX_DEPTH && n <= 2 * STAGED_MAX_DEPTH);
+    let t = tiling(o, i, n.div_ceil(2), all);
+    assert!(t.calls(o, i) > 1, "weight gradient chunk: one call ({t:?})");
+}
 
 fn matmul_forward_case<S: Elem>(seed: u64, with_bias_add: bool) {
     let k: &dyn Kernels<S> = &CpuKernels::PLAIN;

@@ -13,7 +13,7 @@ use crate::setup::{checked_plan, recompute_flops_per_token};
 use crate::trace::{Event, Tracing};
 use crate::weights::Flat;
 use crate::with_flat_types;
-use crate::workspace;
+use crate::workspace::{self, KernelWorkspace};
 use anyhow::Result;
 use ferrotron_engine::kernels::{AdamWParams, CpuKernels, Kernels, Rounding};
 use ferrotron_engine::model::{BatchShape, Llama, LlamaConfig, LossSum};
@@ -81,7 +81,13 @@ pub struct StepOutput {
 }
 
 /// The kernel workspace of a precision's types (see `workspace`).
-fn measure_workspace(k: &CpuKernels, p: Precision, c: &LlamaConfig, n: usize, chunk: usize) -> u64 {
+fn measure_workspace(
+    k: &CpuKernels,
+    p: Precision,
+    c: &LlamaConfig,
+    n: usize,
+    chunk: usize,
+) -> KernelWorkspace {
     use half::{bf16, f16};
     match p {
         Precision::Fp32 => workspace::measure::<f32, f32>(k, c, n, chunk),
@@ -91,17 +97,19 @@ fn measure_workspace(k: &CpuKernels, p: Precision, c: &LlamaConfig, n: usize, ch
     }
 }
 
-/// Planned peak of steps 1 and 2. The plan's overhead is the kernel workspace, live only while
-/// a product runs: it counts in the forward and backward phases, not at the optimizer step
-/// (where step 1 allocates the Adam states and no GEMM runs).
-fn step_peaks(plan: &RankPlan) -> [u64; 2] {
+/// Planned peak of steps 1 and 2. The kernel workspace is live only while a product runs: the
+/// layers' in the forward and backward phases, the LM head's in the loss phase, none at the
+/// optimizer step (where step 1 allocates the Adam states and no GEMM runs). The plan's
+/// overhead term is the larger of the two, the bound for a phase nobody tells it about.
+fn step_peaks(plan: &RankPlan, ws: KernelWorkspace) -> [u64; 2] {
     let mut out = [plan.overhead; 2];
     for m in &plan.sweep.marks {
         let i = (m.step as usize).saturating_sub(1).min(1);
         let peak = match m.phase {
             Phase::Init => continue,
             Phase::Optimizer => m.live,
-            _ => m.max_since_previous + plan.overhead,
+            Phase::Loss => m.max_since_previous + ws.head,
+            Phase::Forward | Phase::Backward => m.max_since_previous + ws.layers,
         };
         out[i] = out[i].max(peak);
     }
@@ -164,7 +172,7 @@ impl Trainer {
         let model = Llama::new(llama)
             .with_ce_chunk_tokens(cfg.ce_chunk as usize)
             .with_recompute(cfg.recompute);
-        let plan = checked_plan(&spec, &model, &cfg, kernel_workspace)?;
+        let plan = checked_plan(&spec, &model, &cfg, kernel_workspace.max())?;
         // Initialisation of HF Llama: N(0, 0.02²) matrices, unit norms, zero biases; under mixed
         // precision that is the fp32 master copy, and the weights are it rounded.
         let init = model.params.init(cfg.seed, 0.02);
@@ -191,7 +199,7 @@ impl Trainer {
         let hw_flops_per_token =
             flops_per_token + recompute_flops_per_token(&spec, cfg.seq, cfg.recompute);
         let mut t = Trainer {
-            planned_peak: step_peaks(&plan),
+            planned_peak: step_peaks(&plan, kernel_workspace),
             plan,
             tokens: vec![0; n],
             targets: vec![0; n],

@@ -29,40 +29,70 @@ fn shapes(c: &LlamaConfig, n: usize, chunk: usize) -> Vec<MatmulShape> {
     .collect()
 }
 
-/// Largest transient allocation any forward or backward product of the model makes with
-/// activations stored as `S` and gradients as `G`, in bytes; 0 when the tracking allocator is
-/// not installed (nothing can be measured). 16-bit and fp8 products stage their operands in f32
-/// scratch (`staged_gemm`), which this includes.
-pub fn measure<S: Elem, G: Elem>(k: &CpuKernels, c: &LlamaConfig, n: usize, chunk: usize) -> u64 {
+/// Largest transient allocation of the model's products, in bytes: the layers' linear
+/// products, and the LM head's (the loss phase runs only those). The plan's overhead term is
+/// the larger; the trainer's planned step peak charges each phase its own, since the two differ
+/// by a few hundred KiB to a few MiB with the shapes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KernelWorkspace {
+    pub layers: u64,
+    pub head: u64,
+}
+
+impl KernelWorkspace {
+    pub fn max(&self) -> u64 {
+        self.layers.max(self.head)
+    }
+}
+
+/// The [`KernelWorkspace`] of the model's products with activations stored as `S` and
+/// gradients as `G`; zero when the tracking allocator is not installed (nothing can be
+/// measured). 16-bit and fp8 products stage their operands in f32 scratch (`staged_gemm`),
+/// which this includes.
+pub fn measure<S: Elem, G: Elem>(
+    k: &CpuKernels,
+    c: &LlamaConfig,
+    n: usize,
+    chunk: usize,
+) -> KernelWorkspace {
     if !alloc::installed() {
-        return 0;
+        return KernelWorkspace::default();
     }
     let k: &dyn Kernels<S, G> = k;
-    let mut worst = 0;
-    let mut during = |f: &mut dyn FnMut()| {
+    let during = |worst: &mut u64, f: &mut dyn FnMut()| {
         let live = alloc::live();
         alloc::reset_peak();
         f();
-        worst = worst.max(alloc::peak().saturating_sub(live));
+        *worst = (*worst).max(alloc::peak().saturating_sub(live));
     };
     let v = |len: usize| vec![S::from_f32(0.01); len];
-    for s in shapes(c, n, chunk) {
+    let mut ws = KernelWorkspace::default();
+    let mut shapes = shapes(c, n, chunk);
+    // The LM head, with its f32 logits.
+    let s = shapes.pop().expect("the LM head shape");
+    for s in shapes {
         let (x, w) = (v(s.n * s.in_features), v(s.out_features * s.in_features));
         let mut y = v(s.n * s.out_features);
         let mut dx = v(s.n * s.in_features);
         let mut dw = vec![G::default(); s.out_features * s.in_features];
-        during(&mut || k.matmul_forward(s, &x, &w, None, &mut y, Accum::Overwrite));
-        during(&mut || k.matmul_backward_input(s, &y, &w, &mut dx, Accum::Overwrite));
-        during(&mut || k.matmul_backward_weight(s, &y, &x, &mut dw, None));
+        let l = &mut ws.layers;
+        during(l, &mut || {
+            k.matmul_forward(s, &x, &w, None, &mut y, Accum::Overwrite)
+        });
+        during(l, &mut || {
+            k.matmul_backward_input(s, &y, &w, &mut dx, Accum::Overwrite)
+        });
+        during(l, &mut || {
+            k.matmul_backward_weight(s, &y, &x, &mut dw, None)
+        });
     }
-    // The LM head, with its f32 logits.
-    let s = shapes(c, n, chunk).pop().expect("the LM head shape");
     let (x, w) = (v(s.n * s.in_features), v(s.out_features * s.in_features));
     let mut logits = vec![0.01f32; s.n * s.out_features];
     let mut dx = v(s.n * s.in_features);
     let mut dw = vec![G::default(); s.out_features * s.in_features];
-    during(&mut || k.head_forward(s, &x, &w, &mut logits));
-    during(&mut || k.head_backward_input(s, &logits, &w, &mut dx));
-    during(&mut || k.head_backward_weight(s, &logits, &x, &mut dw));
-    worst
+    let h = &mut ws.head;
+    during(h, &mut || k.head_forward(s, &x, &w, &mut logits));
+    during(h, &mut || k.head_backward_input(s, &logits, &w, &mut dx));
+    during(h, &mut || k.head_backward_weight(s, &logits, &x, &mut dw));
+    ws
 }

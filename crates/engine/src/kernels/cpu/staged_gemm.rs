@@ -6,34 +6,84 @@
 //! is read into an f32 tile once, accumulated over the whole reduction, and rounded once. Only
 //! the memory traffic is 16-bit; every product is computed exactly as in fp32.
 //!
-//! Blocking: the right operand (the weight, mostly) is staged in column panels of at most
-//! [`RHS_PANEL`] floats, each converted once; for each panel the left operand is staged in row
-//! tiles of at most [`LHS_TILE`] floats. So each weight element is widened once per call and
-//! each activation element once per panel (one panel for most layers of a small model). The
-//! scratch is allocated per call, like the gemm crate's packing buffers, always [`STAGING`]
-//! floats, and is part of the workspace the trainer measures into the memory plan.
+//! Blocking: the operands that need staging (the right one is usually the weight, the left
+//! one the activations or output gradients, the destination a 16-bit tensor) share one
+//! workspace of [`STAGING`] floats. [`tiling`] cuts the product into as few column panels ×
+//! row tiles as fit it: each gemm call re-packs its operands and forks its threads, which on
+//! the default model's shapes cost more than the widening itself, so most products of a small
+//! model are one call. Each weight element is widened once per call and each activation
+//! element once per panel. The scratch is allocated per call, like the gemm crate's packing
+//! buffers, always [`STAGING`] floats, and is part of the workspace the trainer measures into
+//! the memory plan.
 //!
 //! fp8 (Micikevicius et al. 2022): an operand may also be quantise-dequantised to e4m3 or e5m2
 //! with a per-tensor scale from its current amax (`numerics::fp8`), which is what an fp8 GEMM
 //! with f32 accumulation computes; the speed comes with a GPU backend.
 
-use super::matmul::sgemm;
+use super::matmul::{sgemm, sgemm_raw};
 use crate::dtype::Elem;
 use crate::numerics::fp8::{self, Fp8Format};
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 
-/// Largest staged right-operand panel, in floats (4 MiB).
-pub const RHS_PANEL: usize = 1 << 20;
-/// Largest staged left-operand tile, in floats (2 MiB).
-pub const LHS_TILE: usize = 1 << 19;
-/// Row cap of a left tile and column cap of a panel, which bound the f32 destination tile.
-const MAX_TILE_ROWS: usize = 512;
-const MAX_PANEL_COLS: usize = 2048;
-/// The staging workspace, in floats: every staged product allocates exactly this much (and
-/// touches what it needs), so the workspace live at any instant of a step is one constant,
-/// as a cuBLAS workspace is, and the memory plan's workspace term is exact whichever product
-/// runs at the peak.
-pub const STAGING: usize = RHS_PANEL + LHS_TILE + MAX_TILE_ROWS * MAX_PANEL_COLS;
+/// The staging workspace, in floats (10 MiB): every staged product allocates exactly this much
+/// (and touches what it needs), so the workspace live at any instant of a step is one
+/// constant, as a cuBLAS workspace is, and the memory plan's workspace term is exact whichever
+/// product runs at the peak.
+pub const STAGING: usize = 5 << 19;
+
+/// Longest reduction staged at once; a deeper one (the weight gradient over many tokens) is
+/// cut into equal depth chunks. With it a 64 × 64 tiling always fits [`STAGING`].
+pub const MAX_DEPTH: usize = 8192;
+
+/// How a staged product is cut: column panels of `cols` columns, each in row tiles of `rows`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tiling {
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl Tiling {
+    /// The number of gemm calls of an `m × n` product.
+    pub fn calls(&self, m: usize, n: usize) -> usize {
+        m.div_ceil(self.rows) * n.div_ceil(self.cols)
+    }
+}
+
+/// The tiling of `dst[m,n] = lhs[m,k]·rhs[k,n]` (`k <= MAX_DEPTH`) with the fewest gemm calls
+/// whose staged buffers fit [`STAGING`]: a staged right panel takes `k·cols` floats, a staged
+/// left tile `rows·k` and a staged destination tile `rows·cols`. `staged` says which of (lhs,
+/// rhs, dst) are staged. Rows are then evened out over the tiles.
+pub fn tiling(m: usize, n: usize, k: usize, staged: [bool; 3]) -> Tiling {
+    assert!(k <= MAX_DEPTH, "staged gemm: depth {k} > MAX_DEPTH");
+    let [sl, sr, sd] = staged.map(usize::from);
+    let mut best: Option<(usize, Tiling)> = None;
+    for panels in 1..=n.max(1) {
+        if best.is_some_and(|(calls, _)| panels >= calls) {
+            break;
+        }
+        let cols = n.div_ceil(panels);
+        let rhs = sr * k * cols;
+        let per_row = sl * k + sd * cols;
+        let rows = match (STAGING.checked_sub(rhs), per_row) {
+            (None, _) => continue,
+            (Some(_), 0) => m,
+            (Some(free), p) => (free / p).min(m),
+        };
+        if rows == 0 {
+            continue;
+        }
+        let t = Tiling {
+            rows: m.div_ceil(m.div_ceil(rows)),
+            cols,
+        };
+        let calls = t.calls(m, n);
+        if best.is_none_or(|(c, _)| calls < c) {
+            best = Some((calls, t));
+        }
+    }
+    best.expect("a 64 × 64 tiling always fits STAGING").1
+}
 
 /// One operand of `dst[m,n] (=|+=) lhs[m,k]·rhs[k,n]`: the whole slice, its (row, col) strides,
 /// and optionally the fp8 format it is quantised to.
@@ -70,14 +120,15 @@ fn amax<T: Elem>(x: &[T]) -> f32 {
 }
 
 /// Widens (and quantises) the block `rows × cols` at (`r0`, `c0`) of `op` into `buf`, keeping
-/// the operand's contiguous direction contiguous; returns the block's strides in `buf`.
-fn stage<T: Elem>(
+/// the operand's contiguous direction contiguous; returns the block and its strides. `buf` may
+/// be uninitialised: every element of the block is written before it is returned.
+fn stage<'b, T: Elem>(
     op: &Operand<T>,
     q: Option<(Fp8Format, f32)>,
     (r0, rows): (usize, usize),
     (c0, cols): (usize, usize),
-    buf: &mut [f32],
-) -> (usize, usize) {
+    buf: &'b mut [MaybeUninit<f32>],
+) -> (&'b [f32], (usize, usize)) {
     let (rs, cs) = op.strides;
     let buf = &mut buf[..rows * cols];
     // Contiguous along rows (cs == 1) or along columns (rs == 1, a transposed view).
@@ -92,17 +143,19 @@ fn stage<T: Elem>(
         .for_each(|(ci, out)| {
             for (j, line) in out.chunks_mut(inner).enumerate() {
                 let o = ci * chunk + j;
-                if strides.1 == 1 && cs == 1 {
+                let line = if strides.1 == 1 && cs == 1 {
                     let off = (r0 + o) * rs + c0;
-                    T::load(&op.data[off..off + inner], line);
+                    T::load_uninit(&op.data[off..off + inner], line)
                 } else if strides.1 == 1 {
                     for (c, x) in line.iter_mut().enumerate() {
-                        *x = op.data[(r0 + o) * rs + (c0 + c) * cs].to_f32();
+                        x.write(op.data[(r0 + o) * rs + (c0 + c) * cs].to_f32());
                     }
+                    // SAFETY: every element of `line` was written just above.
+                    unsafe { assume_init_mut(line) }
                 } else {
                     let off = (c0 + o) * cs + r0;
-                    T::load(&op.data[off..off + inner], line);
-                }
+                    T::load_uninit(&op.data[off..off + inner], line)
+                };
                 if let Some((f, s)) = q {
                     let inv = 1.0 / s;
                     for x in line.iter_mut() {
@@ -111,7 +164,8 @@ fn stage<T: Elem>(
                 }
             }
         });
-    strides
+    // SAFETY: the loop above wrote every line of `buf`.
+    (unsafe { assume_init_mut(buf) }, strides)
 }
 
 /// `dst[m,n] (=|+=) lhs[m,k]·rhs[k,n] (+ bias[n])` for any element types; `dst` is row-major
@@ -203,9 +257,6 @@ pub fn gemm<D: Elem, L: Elem, R: Elem>(
     staged(m, n, k, dst, ldd, (lhs, ql), (rhs, qr), accumulate, bias);
 }
 
-/// Longest reduction staged at once; with it the tiles below always fit [`STAGING`].
-const MAX_DEPTH: usize = LHS_TILE / 64;
-
 /// The staged product for `k <= MAX_DEPTH`, with the operands' fp8 scales already known.
 #[allow(clippy::too_many_arguments)]
 fn staged<D: Elem, L: Elem, R: Elem>(
@@ -219,34 +270,35 @@ fn staged<D: Elem, L: Elem, R: Elem>(
     accumulate: bool,
     bias: Option<&[f32]>,
 ) {
-    let kk = k.max(1);
-    let nc = n.min((RHS_PANEL / kk).max(64)).min(MAX_PANEL_COLS);
-    let tm = m.min((LHS_TILE / kk).max(64)).min(MAX_TILE_ROWS);
-    // One allocation of the full staging size (see STAGING), carved into the three tiles.
+    let staged_lhs = L::as_f32(lhs.data).is_none() || ql.is_some();
+    let staged_rhs = R::as_f32(rhs.data).is_none() || qr.is_some();
+    let staged_dst = D::as_f32_mut(dst).is_none();
+    let Tiling { rows: tm, cols: nc } = tiling(m, n, k, [staged_lhs, staged_rhs, staged_dst]);
+    // One allocation of the full staging size (see STAGING), carved into the three tiles. It
+    // is left uninitialised: staging writes every element it hands to sgemm, and zeroing up to
+    // 10 MiB per call would cost a sizable share of a small model's products.
     let mut ws: Vec<f32> = Vec::with_capacity(STAGING);
-    ws.resize(k * nc + tm * k + tm * nc, 0.0);
-    let (rbuf, rest) = ws.split_at_mut(k * nc);
-    let (lbuf, dbuf) = rest.split_at_mut(tm * k);
+    let sizes = [
+        usize::from(staged_rhs) * k * nc,
+        usize::from(staged_lhs) * tm * k,
+        usize::from(staged_dst) * tm * nc,
+    ];
+    let (rbuf, rest) = ws.spare_capacity_mut().split_at_mut(sizes[0]);
+    let (lbuf, dbuf) = rest.split_at_mut(sizes[1]);
     let mut j0 = 0;
     while j0 < n {
         let ncols = nc.min(n - j0);
         // An f32 operand that needs no quantisation is read in place.
         let (r_f32, r_str): (&[f32], (usize, usize)) = match (R::as_f32(rhs.data), qr) {
             (Some(r), None) => (&r[j0 * rhs.strides.1..], rhs.strides),
-            _ => {
-                let st = stage(&rhs, qr, (0, k), (j0, ncols), rbuf);
-                (&*rbuf, st)
-            }
+            _ => stage(&rhs, qr, (0, k), (j0, ncols), &mut *rbuf),
         };
         let mut i0 = 0;
         while i0 < m {
             let rows = tm.min(m - i0);
             let (l_f32, l_str): (&[f32], (usize, usize)) = match (L::as_f32(lhs.data), ql) {
                 (Some(l), None) => (&l[i0 * lhs.strides.0..], lhs.strides),
-                _ => {
-                    let st = stage(&lhs, ql, (i0, rows), (0, k), lbuf);
-                    (&*lbuf, st)
-                }
+                _ => stage(&lhs, ql, (i0, rows), (0, k), &mut *lbuf),
             };
             let d_off = i0 * ldd + j0;
             match D::as_f32_mut(dst) {
@@ -264,41 +316,64 @@ fn staged<D: Elem, L: Elem, R: Elem>(
                     true,
                 ),
                 None => {
-                    let dbuf = &mut dbuf[..rows * ncols];
-                    if !accumulate {
-                        dbuf.fill(0.0);
-                    }
+                    let tile = &mut dbuf[..rows * ncols];
                     let span = |r: usize| d_off + r * ldd..d_off + r * ldd + ncols;
-                    if accumulate {
-                        dbuf.par_chunks_mut(ncols)
-                            .enumerate()
-                            .for_each(|(r, t)| D::load(&dst[span(r)], t));
-                    }
-                    if let Some(b) = bias {
-                        let b = &b[j0..j0 + ncols];
-                        dbuf.par_chunks_mut(ncols)
-                            .for_each(|t| t.iter_mut().zip(b).for_each(|(x, bi)| *x += bi));
-                    }
-                    sgemm(
-                        rows,
-                        ncols,
-                        k,
-                        dbuf,
-                        (ncols, 1),
-                        l_f32,
-                        l_str,
-                        r_f32,
-                        r_str,
-                        accumulate || bias.is_some(),
-                        true,
-                    );
-                    store_rows(dbuf, ncols, dst, d_off, ldd);
+                    // The tile starts as the destination (accumulate), the bias, both, or
+                    // nothing: sgemm then overwrites it without reading.
+                    let seeded = accumulate || bias.is_some() || k == 0;
+                    tile.par_chunks_mut(ncols).enumerate().for_each(|(r, t)| {
+                        if !seeded {
+                            return;
+                        }
+                        let t = if accumulate {
+                            D::load_uninit(&dst[span(r)], t)
+                        } else {
+                            t.iter_mut().for_each(|x| {
+                                x.write(0.0);
+                            });
+                            // SAFETY: every element was written just above.
+                            unsafe { assume_init_mut(t) }
+                        };
+                        if let Some(b) = bias {
+                            t.iter_mut()
+                                .zip(&b[j0..j0 + ncols])
+                                .for_each(|(x, bi)| *x += bi);
+                        }
+                    });
+                    // SAFETY: `tile` is `rows × ncols` floats, row stride `ncols`, owned here;
+                    // the operands are in bounds (asserted inside).
+                    unsafe {
+                        sgemm_raw(
+                            rows,
+                            ncols,
+                            k,
+                            tile.as_mut_ptr().cast(),
+                            (ncols, 1),
+                            l_f32,
+                            l_str,
+                            r_f32,
+                            r_str,
+                            seeded,
+                            true,
+                        )
+                    };
+                    // SAFETY: seeded above, or written whole by sgemm (k > 0, no read).
+                    store_rows(unsafe { assume_init_mut(tile) }, ncols, dst, d_off, ldd);
                 }
             }
             i0 += rows;
         }
         j0 += ncols;
     }
+}
+
+/// `buf` as initialised floats.
+///
+/// # Safety
+/// Every element of `buf` must have been written.
+unsafe fn assume_init_mut(buf: &mut [MaybeUninit<f32>]) -> &mut [f32] {
+    // SAFETY: MaybeUninit<f32> has f32's layout; the caller guarantees initialisation.
+    unsafe { &mut *(buf as *mut [MaybeUninit<f32>] as *mut [f32]) }
 }
 
 /// Rounds the f32 tile `src` (`ncols` wide) into `dst` rows starting at `off`, stride `ldd`.
@@ -312,4 +387,51 @@ fn store_rows<D: Elem>(src: &[f32], ncols: usize, dst: &mut [D], off: usize, ldd
     span.par_chunks_mut(ldd)
         .zip(src.par_chunks(ncols))
         .for_each(|(d, s)| D::store(s, &mut d[..ncols]));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Staged floats of a tiling, as `staged()` carves them.
+    fn footprint(t: Tiling, k: usize, [sl, sr, sd]: [bool; 3]) -> usize {
+        usize::from(sr) * k * t.cols + t.rows * (usize::from(sl) * k + usize::from(sd) * t.cols)
+    }
+
+    #[test]
+    fn tiling_fits_the_workspace_and_covers_the_product() {
+        let mut seed = 0x9E37_79B9u32;
+        let mut next = |hi: usize| {
+            seed ^= seed << 13;
+            seed ^= seed >> 17;
+            seed ^= seed << 5;
+            1 + seed as usize % hi
+        };
+        for _ in 0..2000 {
+            let (m, n, k) = (next(20_000), next(20_000), next(MAX_DEPTH));
+            let staged = [next(2) == 1, next(2) == 1, next(2) == 1];
+            let t = tiling(m, n, k, staged);
+            assert!(t.rows >= 1 && t.rows <= m && t.cols >= 1 && t.cols <= n);
+            assert!(
+                footprint(t, k, staged) <= STAGING,
+                "{m}×{n}×{k} {staged:?}: {t:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn small_model_products_are_one_call() {
+        // ferrotron-12m, 2048 tokens: q/o projections, the MLP's down projection and its
+        // input gradient, all 16-bit.
+        for (m, n, k) in [(2048, 384, 384), (2048, 384, 1024), (2048, 1024, 384)] {
+            let t = tiling(m, n, k, [true; 3]);
+            assert!(t.calls(m, n) <= 2, "{m}×{n}×{k}: {t:?}");
+        }
+        assert_eq!(tiling(2048, 384, 384, [true; 3]).calls(2048, 384), 1);
+        // Nothing staged: one call whatever the size.
+        assert_eq!(
+            tiling(100_000, 50_000, 4096, [false; 3]).calls(100_000, 50_000),
+            1
+        );
+    }
 }
