@@ -1,0 +1,276 @@
+//! Per-layer and per-edge (embedding, LM head) costs of one micro-batch on one rank, and the
+//! model facts the step-time estimate precomputes.
+
+use super::cost::{Cost, Efficiency};
+use crate::convention::Convention;
+use crate::inventory::{Placement, Tensor, TpSplit};
+use crate::layout::Layout;
+use crate::model::{Family, ModelSpec};
+use crate::planner::{rank_elems, PlanInput};
+use crate::recipe::Recompute;
+use crate::states::RankElems;
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+/// Collective counts and sizes of one transformer layer for one micro-batch.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct LayerComm {
+    /// TP: bytes of one activation collective, and collectives per forward and backward.
+    pub(super) tp_bytes: f64,
+    pub(super) tp_fwd: f64,
+    pub(super) tp_bwd: f64,
+    /// CP: bytes of one ring step (this rank's K and V chunk); steps per forward.
+    pub(super) cp_bytes: f64,
+    pub(super) cp_steps: f64,
+    /// EP: bytes of one all-to-all (this rank's routed tokens); all-to-alls per forward.
+    pub(super) ep_bytes: f64,
+    pub(super) ep_fwd: f64,
+}
+
+/// Cost of one transformer layer for one micro-batch on one rank.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct LayerCost {
+    pub(super) fwd: Cost,
+    pub(super) bwd: Cost,
+    /// Extra forward work in the backward (recomputation).
+    pub(super) recompute: Cost,
+    /// Whether the recomputation replays the layer's communication (full recompute).
+    pub(super) recompute_comm: bool,
+    /// Seconds of the attention core forward and backward (what CP exchanges overlap with).
+    pub(super) attn_fwd_s: f64,
+    pub(super) attn_bwd_s: f64,
+    pub(super) comm: LayerComm,
+}
+
+/// Cost outside the layers for one micro-batch: embedding (first stage) and head (last stage).
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct EdgeCost {
+    pub(super) fwd: Cost,
+    pub(super) bwd: Cost,
+    pub(super) tp_collectives: f64,
+}
+
+/// (tp, ep, pp, v, stage): what a rank's element counts depend on.
+pub(super) type ElemsKey = (u64, u64, u64, u64, u64);
+
+/// What the step-time model needs from a plan input, precomputed once per model.
+pub struct TimeModel<'a> {
+    pub spec: &'a ModelSpec,
+    pub tensors: &'a [Tensor],
+    /// Elements per (tp, ep, pp, v, stage), computed by the planner's own `rank_elems` once
+    /// (the search asks for the same few combinations thousands of times).
+    pub(super) elems: RefCell<HashMap<ElemsKey, RankElems>>,
+}
+
+impl<'a> TimeModel<'a> {
+    pub fn new(spec: &'a ModelSpec, tensors: &'a [Tensor]) -> Self {
+        TimeModel {
+            spec,
+            tensors,
+            elems: RefCell::new(HashMap::new()),
+        }
+    }
+
+    pub(super) fn rank_elems(&self, l: &Layout, stage: u64) -> RankElems {
+        let key = (l.tp, l.ep, l.pp, l.pp_virtual, stage);
+        *self
+            .elems
+            .borrow_mut()
+            .entry(key)
+            .or_insert_with(|| rank_elems(Some(self.spec), self.tensors, l, stage, 0))
+    }
+}
+
+pub(super) fn in_out(m: &ModelSpec, t: &Tensor, tp: u64) -> (u64, u64) {
+    let (s0, s1) = (t.shape[0], t.shape[1]);
+    // nn.Linear stores [out, in]; GPT-2's Conv1D stores [in, out].
+    let gpt2 = m.family == Family::Gpt2;
+    let (mut i, mut o) = if gpt2 { (s0, s1) } else { (s1, s0) };
+    if let TpSplit::Dim(d) = t.tp {
+        let in_dim = if gpt2 { 0 } else { 1 };
+        if d == in_dim {
+            i = i.div_ceil(tp);
+        } else {
+            o = o.div_ceil(tp);
+        }
+    }
+    (i, o)
+}
+
+pub(super) fn layer_cost(tm: &TimeModel, x: &PlanInput, e: &Efficiency) -> LayerCost {
+    let (m, r, l) = (tm.spec, &x.recipe, &x.layout);
+    let st = r.precision.storage().bytes() as f64;
+    let t = l.tp;
+    let sp = l.sp && t > 1;
+    let shard = if sp { t as f64 } else { 1.0 };
+    let s_q = r.seq / l.cp;
+    let n = r.mbs * s_q;
+    let nf = n as f64;
+    let h = m.hidden as f64;
+    let a_l = m.heads.div_ceil(t);
+    let kv_l = m.kv_heads.div_ceil(t);
+    let d = m.head_dim;
+    let unfused = x.convention != Convention::Ferrotron;
+    let dropout = unfused;
+    let mut out = LayerCost::default();
+    let mut selective = Cost::default();
+
+    // Matmuls of layer 0 (all layers are alike), experts as a batch of the local ones.
+    let (e_total, k_routed) = m.moe.map_or((1, 1), |moe| (moe.num_experts, moe.top_k));
+    let local_experts = (e_total / l.ep).max(1);
+    let per_expert_tokens = (n * k_routed * l.ep).div_ceil(e_total);
+    for tensor in tm.tensors.iter().filter(|t| {
+        t.placement == Placement::Layer(0) && t.matmul && matches!(t.expert, None | Some(0))
+    }) {
+        let (k, nn) = in_out(m, tensor, t);
+        let (rows, batch) = if tensor.expert.is_some() {
+            (per_expert_tokens, local_experts)
+        } else {
+            (n, 1)
+        };
+        let (f, b) = e.gemm(rows, k, nn, batch, st);
+        out.fwd += f;
+        out.bwd += b;
+    }
+
+    // Attention core.
+    let mbs = r.mbs;
+    if unfused {
+        // Megatron-style: QKᵀ and AV as batched GEMMs over the full s × s square, a fused
+        // scale-mask-softmax and attention dropout on the materialised scores.
+        let (qk_f, qk_b) = e.gemm(s_q, d, r.seq, mbs * a_l, st);
+        let (av_f, av_b) = e.gemm(s_q, r.seq, d, mbs * a_l, st);
+        let scores = (mbs * a_l * s_q * r.seq) as f64;
+        let mut core_f = qk_f + av_f + e.mem(2.0 * st * scores);
+        let mut core_b = qk_b + av_b + e.mem(3.0 * st * scores);
+        if dropout {
+            core_f += e.mem((2.0 * st + 1.0) * scores);
+            core_b += e.mem((2.0 * st + 1.0) * scores);
+        }
+        out.fwd += core_f;
+        out.bwd += core_b;
+        out.attn_fwd_s = core_f.s();
+        out.attn_bwd_s = core_b.s();
+        selective += core_f;
+    } else {
+        // Flash attention: causal, so half the s_q × s square; the backward recomputes the
+        // scores (5 matmuls against the forward's 2: Dao 2023, FlashAttention-2, §3.1–3.2).
+        let fwd = 4.0 * nf * r.seq as f64 * (a_l * d) as f64 / 2.0;
+        out.fwd += e.attention(fwd);
+        out.bwd += e.attention(2.5 * fwd);
+        out.attn_fwd_s = e.attention(fwd).s();
+        out.attn_bwd_s = e.attention(2.5 * fwd).s();
+    }
+
+    // Elementwise kernels. Residual-stream tensors are sharded by sequence parallelism.
+    let resid = nf * h / shard;
+    let norm_f = e.mem(2.0 * st * resid);
+    let norm_b = e.mem(3.0 * st * resid);
+    let (res_f, res_b) = if dropout {
+        // Megatron's fused bias-dropout-add, with a one-byte mask.
+        (
+            e.mem((3.0 * st + 1.0) * resid),
+            e.mem((2.0 * st + 1.0) * resid),
+        )
+    } else {
+        (e.mem(3.0 * st * resid), e.mem(3.0 * st * resid))
+    };
+    let f_l = m.intermediate.div_ceil(t) as f64;
+    let routed = nf * k_routed as f64;
+    let (act_f, act_b) = if m.family == Family::Gpt2 {
+        // Fused bias-GeLU: read and write the [n, f] activation.
+        (e.mem(2.0 * st * nf * f_l), e.mem(3.0 * st * nf * f_l))
+    } else {
+        // SwiGLU: read gate and up, write the product; backward reads gate, up and the output
+        // gradient and writes both input gradients.
+        (
+            e.mem(3.0 * st * routed * f_l),
+            e.mem(5.0 * st * routed * f_l),
+        )
+    };
+    out.fwd += norm_f * 2.0 + res_f * 2.0 + act_f;
+    out.bwd += norm_b * 2.0 + res_b * 2.0 + act_b;
+    if m.family != Family::Gpt2 {
+        // RoPE on q and k.
+        let rope = e.mem(2.0 * st * nf * ((a_l + kv_l) * d) as f64);
+        out.fwd += rope;
+        out.bwd += rope;
+    }
+    if let Some(moe) = m.moe {
+        // Router softmax/top-k in fp32 and the permutations to and from expert order.
+        let router = e.mem(3.0 * 4.0 * nf * moe.num_experts as f64);
+        let permute = e.mem(2.0 * 2.0 * st * routed * h);
+        out.fwd += router + permute;
+        out.bwd += router + permute;
+        if !unfused {
+            selective += permute * 0.5;
+        }
+    }
+    if !unfused {
+        // ferrotron's selective policy drops both norm outputs and the activation product.
+        selective += norm_f * 2.0 + act_f;
+    }
+
+    out.recompute = match r.recompute {
+        Recompute::None => Cost::default(),
+        Recompute::Selective => selective,
+        Recompute::Full => out.fwd,
+    };
+    out.recompute_comm = r.recompute == Recompute::Full;
+
+    // Communication of one layer. TP: two collectives of the [n, h] activation per forward
+    // (after attention and after the MLP: all-reduces, or reduce-scatter + all-gather pairs with
+    // SP), two per backward (Shoeybi et al. 2019 §3; Korthikanti et al. 2022 §4.2.2).
+    if t > 1 {
+        out.comm.tp_bytes = nf * h * st;
+        out.comm.tp_fwd = 2.0;
+        out.comm.tp_bwd = 2.0;
+    }
+    if l.cp > 1 {
+        // Ring attention (Liu et al. 2023): cp − 1 steps, each passing this rank's K and V chunk.
+        out.comm.cp_bytes = 2.0 * nf * (kv_l * d) as f64 * st;
+        out.comm.cp_steps = (l.cp - 1) as f64;
+    }
+    if l.ep > 1 && m.moe.is_some() {
+        // Dispatch and combine all-to-alls of the n·k routed token copies (Lepikhin et al. 2021).
+        out.comm.ep_bytes = routed * h * st;
+        out.comm.ep_fwd = 2.0;
+    }
+    out
+}
+
+pub(super) fn edge_costs(tm: &TimeModel, x: &PlanInput, e: &Efficiency) -> (EdgeCost, EdgeCost) {
+    let (m, r, l) = (tm.spec, &x.recipe, &x.layout);
+    let st = r.precision.storage().bytes() as f64;
+    let t = l.tp;
+    let shard = if l.sp && t > 1 { t as f64 } else { 1.0 };
+    let n = r.mbs * r.seq / l.cp;
+    let nf = n as f64;
+    let h = m.hidden as f64;
+    let unfused = x.convention != Convention::Ferrotron;
+    // Embedding: gather rows (read + write), GPT-2 adds positions, Megatron adds dropout.
+    let mut emb_bytes = 2.0 * st * nf * h;
+    if m.family == Family::Gpt2 {
+        emb_bytes += 3.0 * st * nf * h;
+    }
+    if unfused {
+        emb_bytes += (2.0 * st + 1.0) * nf * h / shard;
+    }
+    let emb = EdgeCost {
+        fwd: e.mem(emb_bytes),
+        bwd: e.mem(2.0 * st * nf * h),
+        tp_collectives: if t > 1 { 1.0 } else { 0.0 },
+    };
+    // Head: final norm, LM head GEMM over the vocabulary shard, cross-entropy on fp32 logits
+    // (forward: read the 16-bit logits, write fp32, two fp32 passes for max and sum-exp;
+    // backward: read fp32, write the 16-bit gradient).
+    let v_l = m.vocab.div_ceil(t);
+    let (hf, hb) = e.gemm(n, m.hidden, v_l, 1, st);
+    let logits = nf * v_l as f64;
+    let head = EdgeCost {
+        fwd: e.mem(2.0 * st * nf * h / shard) + hf + e.mem((st + 12.0) * logits),
+        bwd: e.mem(3.0 * st * nf * h / shard) + hb + e.mem((4.0 + st) * logits),
+        tp_collectives: if t > 1 { 2.0 } else { 0.0 },
+    };
+    (emb, head)
+}
