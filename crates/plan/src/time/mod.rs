@@ -35,6 +35,8 @@
 mod cost;
 mod layer;
 mod report;
+mod stage;
+mod tail;
 
 pub use cost::{Cost, Efficiency, KERNEL_MIX, MEMORY_EFFICIENCY, TILE};
 pub use layer::TimeModel;
@@ -49,32 +51,9 @@ use crate::inventory::inventory;
 use crate::layout::{Offload, PpSchedule};
 use crate::planner::ModelSource;
 use crate::planner::PlanInput;
-use crate::recipe::Optimizer;
-use crate::states::RankElems;
 use layer::{edge_costs, layer_cost};
-
-/// Host offload: achievable PCIe Gen4 x16 bandwidth and host memory bandwidth (assumptions).
-const PCIE_BW: f64 = 25e9;
-const HOST_BW: f64 = 100e9;
-
-/// Per micro-batch cost of one pipeline stage.
-#[derive(Debug, Clone, Copy, Default)]
-struct StageMb {
-    compute: Cost,
-    recompute: Cost,
-    backward_s: f64,
-    tp: (f64, f64),
-    cp: (f64, f64, f64),
-    ep: (f64, f64),
-    pp: (f64, f64),
-}
-
-impl StageMb {
-    /// Seconds on the critical path per micro-batch.
-    fn total(&self) -> f64 {
-        self.compute.s() + self.recompute.s() + self.tp.1 + self.cp.2 + self.ep.1 + self.pp.1
-    }
-}
+use stage::{StageInputs, StageMb};
+use tail::{Tail, TailInputs, HOST_BW, PCIE_BW};
 
 fn link_of(c: &Cluster, gs: &[Group], d: Dim) -> (Link, &'static str) {
     let g = gs.iter().find(|g| g.dim == d).expect("all dims");
@@ -131,68 +110,23 @@ pub fn estimate_with(
     };
     let tp_one = crate::comm::time(tp_coll, lc.comm.tp_bytes, l.tp, tp_link);
     let tp_one_bytes = crate::comm::bytes_per_rank(tp_coll, lc.comm.tp_bytes, l.tp);
-    let layers_per_stage = (m.layers / l.pp) as f64;
     let v = l.pp_virtual as f64;
 
-    let stage_mb = |stage: u64| -> StageMb {
-        let mut s = StageMb::default();
-        let k = layers_per_stage;
-        s.compute = (lc.fwd + lc.bwd) * k;
-        s.recompute = lc.recompute * k;
-        s.backward_s = (lc.bwd + lc.recompute).s() * k;
-        let mut tp_count = (lc.comm.tp_fwd + lc.comm.tp_bwd) * k;
-        if lc.recompute_comm {
-            tp_count += lc.comm.tp_fwd * k;
-        }
-        if stage == 0 {
-            s.compute += emb.fwd + emb.bwd;
-            s.backward_s += emb.bwd.s();
-            tp_count += emb.tp_collectives;
-        }
-        if stage == l.pp - 1 {
-            s.compute += head.fwd + head.bwd;
-            s.backward_s += head.bwd.s();
-            tp_count += head.tp_collectives;
-        }
-        if l.tp > 1 {
-            // With SP, each "collective" above is one all-gather or one reduce-scatter pair
-            // member; an all-reduce without SP moves as much as the pair.
-            let per = if tp_coll == Collective::AllGather {
-                2.0
-            } else {
-                1.0
-            };
-            s.tp = (tp_count * tp_one_bytes * per, tp_count * tp_one * per);
-        }
-        if l.cp > 1 {
-            let step = crate::comm::time(Collective::SendRecv, lc.comm.cp_bytes, 2, cp_link);
-            let fwd = lc.comm.cp_steps * step;
-            let passes_f = if lc.recompute_comm { 2.0 } else { 1.0 };
-            let bwd = 2.0 * fwd;
-            let (attn_f, attn_b) = (lc.attn_fwd_s, lc.attn_bwd_s);
-            let exposed = passes_f * (fwd - attn_f).max(0.0) + (bwd - attn_b).max(0.0);
-            let bytes = (passes_f + 2.0) * lc.comm.cp_steps * lc.comm.cp_bytes;
-            s.cp = (bytes * k, (passes_f * fwd + bwd) * k, exposed * k);
-        }
-        if lc.comm.ep_fwd > 0.0 {
-            let one = crate::comm::time(Collective::AllToAll, lc.comm.ep_bytes, l.ep, ep_link);
-            let b1 = crate::comm::bytes_per_rank(Collective::AllToAll, lc.comm.ep_bytes, l.ep);
-            let count = lc.comm.ep_fwd * if lc.recompute_comm { 3.0 } else { 2.0 };
-            s.ep = (count * b1 * k, count * one * k);
-        }
-        if l.pp > 1 {
-            // One activation send forward and one gradient send backward per model chunk,
-            // split over the tp ranks (Narayanan et al. 2021 §4.1, scatter/gather).
-            let bytes = (r.mbs * r.seq / l.cp) as f64 * m.hidden as f64 * st / l.tp as f64;
-            let one = crate::comm::time(Collective::SendRecv, bytes, 2, pp_link);
-            s.pp = (2.0 * v * bytes, 2.0 * v * one);
-        }
-        s
+    let stages_in = StageInputs {
+        lc: &lc,
+        emb: &emb,
+        head: &head,
+        layout: l,
+        recipe: r,
+        model: m,
+        st,
+        tp: (tp_coll, tp_one, tp_one_bytes),
+        links: (cp_link, ep_link, pp_link),
     };
 
     let last = l.pp - 1;
     let stages: Vec<u64> = if l.pp == 1 { vec![0] } else { vec![0, last] };
-    let costs: Vec<(u64, StageMb)> = stages.iter().map(|&s| (s, stage_mb(s))).collect();
+    let costs: Vec<(u64, StageMb)> = stages.iter().map(|&s| (s, stages_in.stage_mb(s))).collect();
     let (slow_stage, slow) = costs
         .iter()
         .copied()
@@ -219,150 +153,22 @@ pub fn estimate_with(
         st
     };
     let param_bytes = st;
-    struct Tail {
-        dp: DimComm,
-        optimizer_s: f64,
-        host: f64,
-    }
-    let tail_of = |stage: u64, s: &StageMb| -> Tail {
-        let RankElems { dense, expert } = tm.rank_elems(l, stage);
-        let (dn, en) = (dense as f64, expert as f64);
-        let (rd, re) = (rg.size, eg.size);
-        let mut dp = DimComm {
-            group: rd,
-            crosses_nodes: rg.crosses_nodes,
-            ..DimComm::default()
-        };
-        let mut exposed = 0.0;
-        let bucket = x.bucket_bytes as f64;
-        let reduce = |dp: &mut DimComm, c: Collective, count: f64| -> f64 {
-            let before = dp.s;
-            dp.add_bucketed(c, dn * grad_bytes, rd, dp_link, count, bucket);
-            dp.add_bucketed(c, en * grad_bytes, re, ep_dp_link, count, bucket);
-            dp.s - before
-        };
-        let window = s.backward_s;
-        let last_bucket = crate::comm::time(Collective::AllReduce, bucket, rd, dp_link);
-        match l.zero {
-            0 | 1 => {
-                let c = if l.zero == 0 {
-                    Collective::AllReduce
-                } else {
-                    Collective::ReduceScatter
-                };
-                let t = reduce(&mut dp, c, 1.0);
-                if t > 0.0 {
-                    exposed += (t - window).max(last_bucket.min(t));
-                }
-                dp.what = format!(
-                    "gradient {} once per step, bucketed, overlapping the last backward",
-                    if l.zero == 0 {
-                        "all-reduce"
-                    } else {
-                        "reduce-scatter"
-                    }
-                );
-            }
-            2 => {
-                let t = reduce(&mut dp, Collective::ReduceScatter, mb);
-                if t > 0.0 {
-                    let per = t / mb;
-                    exposed += mb * (per - window).max(last_bucket.min(per));
-                }
-                dp.what = "gradient reduce-scatter in every micro-batch's backward (ZeRO-2), overlapping it".into();
-            }
-            _ => {
-                // ZeRO-3: gather the parameters for the forward and again for the backward,
-                // reduce-scatter the gradients, every micro-batch (ZeRO paper §7.2.2: 1.5× the
-                // data-parallel volume); prefetched, overlapping the micro-batch's compute.
-                let before = dp.s;
-                dp.add(
-                    Collective::AllGather,
-                    dn * param_bytes,
-                    rd,
-                    dp_link,
-                    2.0 * mb,
-                );
-                dp.add(
-                    Collective::AllGather,
-                    en * param_bytes,
-                    re,
-                    ep_dp_link,
-                    2.0 * mb,
-                );
-                dp.add(Collective::ReduceScatter, dn * grad_bytes, rd, dp_link, mb);
-                dp.add(
-                    Collective::ReduceScatter,
-                    en * grad_bytes,
-                    re,
-                    ep_dp_link,
-                    mb,
-                );
-                let per = (dp.s - before) / mb;
-                if per > 0.0 {
-                    exposed += mb * (per - (s.compute + s.recompute).s()).max(0.0);
-                }
-                dp.what = "parameter all-gathers (forward and backward) and gradient reduce-scatter every micro-batch (ZeRO-3), prefetched to overlap compute".into();
-            }
-        }
-        if l.zero == 1 || l.zero == 2 {
-            // Updated parameter shards are all-gathered after the optimizer step: exposed.
-            let before = dp.s;
-            dp.add(Collective::AllGather, dn * param_bytes, rd, dp_link, 1.0);
-            dp.add(Collective::AllGather, en * param_bytes, re, ep_dp_link, 1.0);
-            exposed += dp.s - before;
-            dp.what
-                .push_str("; parameter all-gather after the optimizer step (exposed)");
-        }
-        if rd <= 1 && re <= 1 {
-            dp.what = "no data parallelism".into();
-        }
-        dp.exposed_s = exposed;
-
-        // Optimizer: a memory-bound pass over this rank's shard.
-        let opt_elems = if l.zero >= 1 {
-            dense.div_ceil(rd) + expert.div_ceil(re)
-        } else {
-            dense + expert
-        } as f64;
-        let grad_elems = if l.zero >= 2 {
-            dense.div_ceil(rd) + expert.div_ceil(re)
-        } else {
-            dense + expert
-        } as f64;
-        let per_param = match (r.optimizer, r.precision.has_master()) {
-            // Read grad; read+write master and both moments; write 16-bit weights.
-            (Optimizer::Adamw, true) => grad_bytes + 8.0 + 16.0 + st,
-            // Read grad; read+write weights and both moments.
-            (Optimizer::Adamw, false) => grad_bytes + 8.0 + 16.0,
-            (Optimizer::Sgd, true) => grad_bytes + 8.0 + st,
-            (Optimizer::Sgd, false) => grad_bytes + 8.0,
-        };
-        let opt_bytes = opt_elems * per_param + grad_elems * grad_bytes * 2.0;
-        let (optimizer_s, host) = if l.offload == Offload::None {
-            (opt_bytes / (e.hbm_bw * e.memory), 0.0)
-        } else {
-            // The update runs on the host: gradients down and weights up over PCIe.
-            let pcie = opt_elems * (grad_bytes + st) / PCIE_BW;
-            let host_update = opt_elems * per_param / HOST_BW;
-            let per_mb_params = if l.offload == Offload::Params {
-                // Parameters stream in for every forward and backward.
-                let p = (dense + expert) as f64 * st * 2.0 / PCIE_BW;
-                mb * (p - (s.compute + s.recompute).s()).max(0.0)
-            } else {
-                0.0
-            };
-            (pcie + host_update + per_mb_params, pcie + per_mb_params)
-        };
-        Tail {
-            dp,
-            optimizer_s,
-            host,
-        }
+    let tails_in = TailInputs {
+        tm,
+        layout: l,
+        recipe: r,
+        e: &e,
+        groups: (rg, eg),
+        links: (dp_link, ep_dp_link),
+        bucket: x.bucket_bytes as f64,
+        mb,
+        grad_bytes,
+        param_bytes,
+        st,
     };
     let tails: Vec<(u64, Tail)> = costs
         .iter()
-        .map(|(st_, s)| (*st_, tail_of(*st_, s)))
+        .map(|(st_, s)| (*st_, tails_in.tail(*st_, s)))
         .collect();
     let (_, tail) = tails
         .iter()

@@ -1,0 +1,111 @@
+//! Per-micro-batch cost of one pipeline stage: its layers' compute and recomputation, the
+//! embedding (first stage) or LM head (last stage), and the TP, CP, EP and PP communication of
+//! the micro-batch (see the module docs of `time`).
+
+use super::cost::Cost;
+use super::layer::{EdgeCost, LayerCost};
+use crate::cluster::Link;
+use crate::comm::Collective;
+use crate::layout::Layout;
+use crate::model::ModelSpec;
+use crate::recipe::Recipe;
+
+/// Per micro-batch cost of one pipeline stage.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct StageMb {
+    pub(super) compute: Cost,
+    pub(super) recompute: Cost,
+    pub(super) backward_s: f64,
+    pub(super) tp: (f64, f64),
+    pub(super) cp: (f64, f64, f64),
+    pub(super) ep: (f64, f64),
+    pub(super) pp: (f64, f64),
+}
+
+impl StageMb {
+    /// Seconds on the critical path per micro-batch.
+    pub(super) fn total(&self) -> f64 {
+        self.compute.s() + self.recompute.s() + self.tp.1 + self.cp.2 + self.ep.1 + self.pp.1
+    }
+}
+
+/// What a stage's cost depends on, computed once per step estimate.
+pub(super) struct StageInputs<'a> {
+    pub(super) lc: &'a LayerCost,
+    pub(super) emb: &'a EdgeCost,
+    pub(super) head: &'a EdgeCost,
+    pub(super) layout: &'a Layout,
+    pub(super) recipe: &'a Recipe,
+    pub(super) model: &'a ModelSpec,
+    /// Bytes of a stored activation element.
+    pub(super) st: f64,
+    /// The TP collective, the time of one, and the bytes one moves per rank.
+    pub(super) tp: (Collective, f64, f64),
+    /// The CP, EP and PP links.
+    pub(super) links: (Link, Link, Link),
+}
+
+impl StageInputs<'_> {
+    /// Per micro-batch cost of pipeline stage `stage`.
+    pub(super) fn stage_mb(&self, stage: u64) -> StageMb {
+        let (lc, emb, head) = (self.lc, self.emb, self.head);
+        let (l, r, m, st) = (self.layout, self.recipe, self.model, self.st);
+        let (tp_coll, tp_one, tp_one_bytes) = self.tp;
+        let (cp_link, ep_link, pp_link) = self.links;
+        let layers_per_stage = (m.layers / l.pp) as f64;
+        let v = l.pp_virtual as f64;
+        let mut s = StageMb::default();
+        let k = layers_per_stage;
+        s.compute = (lc.fwd + lc.bwd) * k;
+        s.recompute = lc.recompute * k;
+        s.backward_s = (lc.bwd + lc.recompute).s() * k;
+        let mut tp_count = (lc.comm.tp_fwd + lc.comm.tp_bwd) * k;
+        if lc.recompute_comm {
+            tp_count += lc.comm.tp_fwd * k;
+        }
+        if stage == 0 {
+            s.compute += emb.fwd + emb.bwd;
+            s.backward_s += emb.bwd.s();
+            tp_count += emb.tp_collectives;
+        }
+        if stage == l.pp - 1 {
+            s.compute += head.fwd + head.bwd;
+            s.backward_s += head.bwd.s();
+            tp_count += head.tp_collectives;
+        }
+        if l.tp > 1 {
+            // With SP, each "collective" above is one all-gather or one reduce-scatter pair
+            // member; an all-reduce without SP moves as much as the pair.
+            let per = if tp_coll == Collective::AllGather {
+                2.0
+            } else {
+                1.0
+            };
+            s.tp = (tp_count * tp_one_bytes * per, tp_count * tp_one * per);
+        }
+        if l.cp > 1 {
+            let step = crate::comm::time(Collective::SendRecv, lc.comm.cp_bytes, 2, cp_link);
+            let fwd = lc.comm.cp_steps * step;
+            let passes_f = if lc.recompute_comm { 2.0 } else { 1.0 };
+            let bwd = 2.0 * fwd;
+            let (attn_f, attn_b) = (lc.attn_fwd_s, lc.attn_bwd_s);
+            let exposed = passes_f * (fwd - attn_f).max(0.0) + (bwd - attn_b).max(0.0);
+            let bytes = (passes_f + 2.0) * lc.comm.cp_steps * lc.comm.cp_bytes;
+            s.cp = (bytes * k, (passes_f * fwd + bwd) * k, exposed * k);
+        }
+        if lc.comm.ep_fwd > 0.0 {
+            let one = crate::comm::time(Collective::AllToAll, lc.comm.ep_bytes, l.ep, ep_link);
+            let b1 = crate::comm::bytes_per_rank(Collective::AllToAll, lc.comm.ep_bytes, l.ep);
+            let count = lc.comm.ep_fwd * if lc.recompute_comm { 3.0 } else { 2.0 };
+            s.ep = (count * b1 * k, count * one * k);
+        }
+        if l.pp > 1 {
+            // One activation send forward and one gradient send backward per model chunk,
+            // split over the tp ranks (Narayanan et al. 2021 §4.1, scatter/gather).
+            let bytes = (r.mbs * r.seq / l.cp) as f64 * m.hidden as f64 * st / l.tp as f64;
+            let one = crate::comm::time(Collective::SendRecv, bytes, 2, pp_link);
+            s.pp = (2.0 * v * bytes, 2.0 * v * one);
+        }
+        s
+    }
+}
