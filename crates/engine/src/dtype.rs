@@ -159,42 +159,6 @@ impl Elem for f16 {
     }
 }
 
-/// An f32 view of `src`: `src` itself for f32, else widened into `scratch`.
-#[inline]
-pub fn view<'a, S: Elem>(src: &'a [S], scratch: &'a mut Vec<f32>) -> &'a [f32] {
-    match S::as_f32(src) {
-        Some(s) => s,
-        None => {
-            scratch.clear();
-            scratch.resize(src.len(), 0.0);
-            S::load(src, scratch);
-            scratch
-        }
-    }
-}
-
-/// Runs `f` on an f32 view of `dst` and rounds the result back: in place for f32, else through
-/// `scratch` (filled from `dst` first when `read`, i.e. when `f` accumulates into it).
-#[inline]
-pub fn with_f32_mut<S: Elem, R>(
-    dst: &mut [S],
-    scratch: &mut Vec<f32>,
-    read: bool,
-    f: impl FnOnce(&mut [f32]) -> R,
-) -> R {
-    if let Some(d) = S::as_f32_mut(dst) {
-        return f(d);
-    }
-    scratch.clear();
-    scratch.resize(dst.len(), 0.0);
-    if read {
-        S::load(dst, scratch);
-    }
-    let r = f(scratch);
-    S::store(scratch, dst);
-    r
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -209,21 +209,24 @@ mod tests {
         }
     }
 
-    #[test]
-    fn bf16_mean_with_hashed_noise_is_within_statistical_bounds() {
-        let x = 1.0f32 + 0.3 * 2f32.powi(-7); // 30% of the way from 1 to the next bf16
-        let (lo, q) = (1.0f64, 2f64.powi(-7));
-        let n = 200_000u64;
-        let mean = (0..n)
-            .map(|i| f64::from(bf16_stochastic(x, noise(42, 7, i)).to_f32()))
-            .sum::<f64>()
-            / n as f64;
+    /// Stochastic rounding of `x` between `lo` and `lo + q` is a Bernoulli draw: the mean of
+    /// `n` roundings (`round(i)` is the i-th) lies within 5 standard errors of `x`.
+    fn assert_unbiased(x: f32, lo: f64, q: f64, n: u64, round: impl Fn(u64) -> f64) {
+        let mean = (0..n).map(round).sum::<f64>() / n as f64;
         let p = (f64::from(x) - lo) / q;
         let sigma = q * (p * (1.0 - p) / n as f64).sqrt();
         assert!(
             (mean - f64::from(x)).abs() < 5.0 * sigma,
-            "mean {mean}, x {x}, sigma {sigma}"
+            "x {x:e}: mean {mean:e}, sigma {sigma:e}"
         );
+    }
+
+    #[test]
+    fn bf16_mean_with_hashed_noise_is_within_statistical_bounds() {
+        let x = 1.0f32 + 0.3 * 2f32.powi(-7); // 30% of the way from 1 to the next bf16
+        assert_unbiased(x, 1.0, 2f64.powi(-7), 200_000, |i| {
+            f64::from(bf16_stochastic(x, noise(42, 7, i)).to_f32())
+        });
     }
 
     #[test]
@@ -337,17 +340,9 @@ mod tests {
         ] {
             let (lo, hi) = f16_neighbours(x);
             let (lo, q) = (lo.to_f64(), hi.to_f64() - lo.to_f64());
-            let n = 400_000u64;
-            let mean = (0..n)
-                .map(|i| f16_stochastic(x, noise(5, 1, i)).to_f64())
-                .sum::<f64>()
-                / n as f64;
-            let p = (f64::from(x) - lo) / q;
-            let sigma = q * (p * (1.0 - p) / n as f64).sqrt();
-            assert!(
-                (mean - f64::from(x)).abs() < 5.0 * sigma,
-                "x {x:e}: mean {mean:e}, sigma {sigma:e}"
-            );
+            assert_unbiased(x, lo, q, 400_000, |i| {
+                f16_stochastic(x, noise(5, 1, i)).to_f64()
+            });
         }
     }
 

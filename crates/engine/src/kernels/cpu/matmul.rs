@@ -5,7 +5,7 @@
 //! `dst = alpha·dst + beta·lhs·rhs` (`alpha` ignored when `read_dst = false`).
 
 use super::staged_gemm::{gemm, Operand};
-use crate::dtype::{view, Elem};
+use crate::dtype::Elem;
 use crate::kernels::{Accum, MatmulShape};
 use crate::numerics::fp8::Fp8Format;
 use gemm::Parallelism;
@@ -220,11 +220,9 @@ pub fn forward<S: Elem, Y: Elem>(
     assert_eq!(x.len(), n * k, "matmul x len");
     assert_eq!(w.len(), o * k, "matmul w len");
     assert_eq!(y.len(), n * o, "matmul y len");
-    let mut scratch = Vec::new();
-    let bias = bias.map(|b| {
+    if let Some(b) = bias {
         assert_eq!(b.len(), o, "matmul bias len");
-        view(b, &mut scratch)
-    });
+    }
     let f = fp8.map(|f| f.forward);
     // y[n,o] = x[n,k] · Wᵀ[k,o];  Wᵀ[i][j] = W[j*k + i] → strides (1, k).
     gemm(

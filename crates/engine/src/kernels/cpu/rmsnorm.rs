@@ -6,40 +6,75 @@
 
 use super::simd::{dot3, madd, sum_sq};
 use crate::dispatch_fma;
-use crate::dtype::{view, Elem};
+use crate::dtype::Elem;
 use crate::kernels::{Accum, NormShape};
 use rayon::prelude::*;
 
 /// Rows per rayon task: enough work to amortise scheduling.
 const ROWS_PER_TASK: usize = 16;
 
+/// Elements widened at a time from a 16-bit row, on the stack: the kernels read 16-bit rows
+/// without a heap buffer (nothing allocated inside the training step outside the memory plan).
+const BLOCK: usize = 256;
+
+/// `Σ a_i²`, widening `a` block by block (the SIMD reduction over the whole row for f32).
+#[inline(always)]
+fn sum_sq_any<const F: bool, S: Elem>(a: &[S]) -> f32 {
+    if let Some(a) = S::as_f32(a) {
+        return sum_sq::<F>(a);
+    }
+    let mut buf = [0.0f32; BLOCK];
+    a.chunks(BLOCK).fold(0.0, |acc, c| {
+        let b = &mut buf[..c.len()];
+        S::load(c, b);
+        acc + sum_sq::<F>(b)
+    })
+}
+
+/// `Σ a_i·b_i·c_i`, widening block by block like [`sum_sq_any`].
+#[inline(always)]
+fn dot3_any<const F: bool, S: Elem>(a: &[S], b: &[S], c: &[S]) -> f32 {
+    if let (Some(a), Some(b), Some(c)) = (S::as_f32(a), S::as_f32(b), S::as_f32(c)) {
+        return dot3::<F>(a, b, c);
+    }
+    let mut buf = [[0.0f32; BLOCK]; 3];
+    let [ba, bb, bc] = &mut buf;
+    let mut acc = 0.0;
+    for ((ca, cb), cc) in a.chunks(BLOCK).zip(b.chunks(BLOCK)).zip(c.chunks(BLOCK)) {
+        let n = ca.len();
+        S::load(ca, &mut ba[..n]);
+        S::load(cb, &mut bb[..n]);
+        S::load(cc, &mut bc[..n]);
+        acc += dot3::<F>(&ba[..n], &bb[..n], &bc[..n]);
+    }
+    acc
+}
+
 /// A block of rows; `#[inline(always)]` so the AVX2 wrapper from `dispatch_fma!` compiles it
 /// with AVX2/FMA (dispatch happens per rayon task, inside the closure).
 #[inline(always)]
 fn forward_rows_generic<const F: bool, S: Elem>(
     x: &[S],
-    w: &[f32],
+    w: &[S],
     out: &mut [S],
     rstd: &mut [f32],
     c: usize,
     eps: f32,
-    scratch: &mut Vec<f32>,
 ) {
     for ((orow, ri), xrow) in out
         .chunks_exact_mut(c)
         .zip(rstd.iter_mut())
         .zip(x.chunks_exact(c))
     {
-        let xrow = view(xrow, scratch);
-        let ms = sum_sq::<F>(xrow) / c as f32;
+        let ms = sum_sq_any::<F, S>(xrow) / c as f32;
         let rs = 1.0 / (ms + eps).sqrt();
         *ri = rs;
         for ((oi, xi), wi) in orow.iter_mut().zip(xrow).zip(w) {
-            *oi = S::from_f32(wi * (xi * rs));
+            *oi = S::from_f32(wi.to_f32() * (xi.to_f32() * rs));
         }
     }
 }
-dispatch_fma!(fn forward_rows<S: Elem> => forward_rows_generic(x: &[S], w: &[f32], out: &mut [S], rstd: &mut [f32], c: usize, eps: f32, scratch: &mut Vec<f32>));
+dispatch_fma!(fn forward_rows<S: Elem> => forward_rows_generic(x: &[S], w: &[S], out: &mut [S], rstd: &mut [f32], c: usize, eps: f32));
 
 pub fn forward<S: Elem>(s: NormShape, x: &[S], w: &[S], out: &mut [S], rstd: &mut [f32]) {
     assert_eq!(x.len(), s.n * s.c, "rmsnorm x len");
@@ -47,14 +82,10 @@ pub fn forward<S: Elem>(s: NormShape, x: &[S], w: &[S], out: &mut [S], rstd: &mu
     assert_eq!(w.len(), s.c, "rmsnorm w len");
     assert_eq!(rstd.len(), s.n, "rmsnorm rstd len");
     let c = s.c;
-    let mut wbuf = Vec::new();
-    let w = view(w, &mut wbuf);
     out.par_chunks_mut(c * ROWS_PER_TASK)
         .zip(rstd.par_chunks_mut(ROWS_PER_TASK))
         .zip(x.par_chunks(c * ROWS_PER_TASK))
-        .for_each_init(Vec::new, |scratch, ((o, r), xs)| {
-            forward_rows(xs, w, o, r, c, s.eps, scratch)
-        });
+        .for_each(|((o, r), xs)| forward_rows(xs, w, o, r, c, s.eps));
 }
 
 /// dx for a block of rows starting at `row0`.
@@ -63,28 +94,28 @@ pub fn forward<S: Elem>(s: NormShape, x: &[S], w: &[S], out: &mut [S], rstd: &mu
 fn dx_rows_generic<const F: bool, S: Elem>(
     dy: &[S],
     x: &[S],
-    w: &[f32],
+    w: &[S],
     rstd: &[f32],
     dx: &mut [S],
     add: bool,
     c: usize,
     row0: usize,
-    scratch: &mut (Vec<f32>, Vec<f32>),
 ) {
     for (r, dxrow) in dx.chunks_exact_mut(c).enumerate() {
         let row = row0 + r;
-        let xr = view(&x[row * c..(row + 1) * c], &mut scratch.0);
-        let dyr = view(&dy[row * c..(row + 1) * c], &mut scratch.1);
+        let xr = &x[row * c..(row + 1) * c];
+        let dyr = &dy[row * c..(row + 1) * c];
         let rs = rstd[row];
         // mean(g ⊙ x̂) = rstd · Σ(dy⊙w⊙x) / c
-        let mean = dot3::<F>(dyr, w, xr) * rs / c as f32;
+        let mean = dot3_any::<F, S>(dyr, w, xr) * rs / c as f32;
         for (((o, d), xi), wi) in dxrow.iter_mut().zip(dyr).zip(xr).zip(w) {
+            let (d, xi, wi) = (d.to_f32(), xi.to_f32(), wi.to_f32());
             let v = rs * (d * wi - xi * rs * mean);
             *o = S::from_f32(if add { o.to_f32() + v } else { v });
         }
     }
 }
-dispatch_fma!(fn dx_rows<S: Elem> => dx_rows_generic(dy: &[S], x: &[S], w: &[f32], rstd: &[f32], dx: &mut [S], add: bool, c: usize, row0: usize, scratch: &mut (Vec<f32>, Vec<f32>)));
+dispatch_fma!(fn dx_rows<S: Elem> => dx_rows_generic(dy: &[S], x: &[S], w: &[S], rstd: &[f32], dx: &mut [S], add: bool, c: usize, row0: usize));
 
 /// dw for the column block `[c0, c0 + dwb.len())` over all rows, summed in f32 (starting from
 /// the gradient already there) and rounded once.
@@ -141,17 +172,10 @@ pub fn backward<S: Elem, G: Elem>(
     );
     let c = s.c;
     let add = dx_accum == Accum::Add;
-    let mut wbuf = Vec::new();
-    let w = view(w, &mut wbuf);
     // Pass 1: dx, parallel over row blocks.
     dx.par_chunks_mut(c * ROWS_PER_TASK)
         .enumerate()
-        .for_each_init(
-            || (Vec::new(), Vec::new()),
-            |scratch, (blk, dxs)| {
-                dx_rows(dy, x, w, rstd, dxs, add, c, blk * ROWS_PER_TASK, scratch)
-            },
-        );
+        .for_each(|(blk, dxs)| dx_rows(dy, x, w, rstd, dxs, add, c, blk * ROWS_PER_TASK));
     // Pass 2: dw, parallel over column blocks so each task owns its dw slice (no scratch).
     dw.par_chunks_mut(COLS)
         .enumerate()

@@ -169,8 +169,9 @@ fn stage<'b, T: Elem>(
 }
 
 /// `dst[m,n] (=|+=) lhs[m,k]·rhs[k,n] (+ bias[n])` for any element types; `dst` is row-major
-/// with row stride `ldd`. Plain sgemm when everything is f32 and unquantised. The bias is added
-/// in f32 before the one rounding of a 16-bit destination.
+/// with row stride `ldd`. Plain sgemm when everything is f32 and unquantised. The bias, stored
+/// like the right operand, is widened and added in f32 before the one rounding of a 16-bit
+/// destination.
 #[allow(clippy::too_many_arguments)]
 pub fn gemm<D: Elem, L: Elem, R: Elem>(
     m: usize,
@@ -181,7 +182,7 @@ pub fn gemm<D: Elem, L: Elem, R: Elem>(
     lhs: Operand<L>,
     rhs: Operand<R>,
     mut accumulate: bool,
-    mut bias: Option<&[f32]>,
+    mut bias: Option<&[R]>,
 ) {
     if m == 0 || n == 0 {
         return;
@@ -193,9 +194,9 @@ pub fn gemm<D: Elem, L: Elem, R: Elem>(
         d.par_chunks_mut(ldd).for_each(|row| {
             let row = &mut row[..n];
             if accumulate {
-                row.iter_mut().zip(b).for_each(|(r, bi)| *r += bi);
+                row.iter_mut().zip(b).for_each(|(r, bi)| *r += bi.to_f32());
             } else {
-                row.copy_from_slice(b);
+                row.iter_mut().zip(b).for_each(|(r, bi)| *r = bi.to_f32());
             }
         });
         accumulate = true;
@@ -268,7 +269,7 @@ fn staged<D: Elem, L: Elem, R: Elem>(
     (lhs, ql): (Operand<L>, Option<(Fp8Format, f32)>),
     (rhs, qr): (Operand<R>, Option<(Fp8Format, f32)>),
     accumulate: bool,
-    bias: Option<&[f32]>,
+    bias: Option<&[R]>,
 ) {
     let staged_lhs = L::as_f32(lhs.data).is_none() || ql.is_some();
     let staged_rhs = R::as_f32(rhs.data).is_none() || qr.is_some();
@@ -337,7 +338,7 @@ fn staged<D: Elem, L: Elem, R: Elem>(
                         if let Some(b) = bias {
                             t.iter_mut()
                                 .zip(&b[j0..j0 + ncols])
-                                .for_each(|(x, bi)| *x += bi);
+                                .for_each(|(x, bi)| *x += bi.to_f32());
                         }
                     });
                     // SAFETY: `tile` is `rows × ncols` floats, row stride `ncols`, owned here;
