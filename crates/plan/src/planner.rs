@@ -46,6 +46,9 @@ pub struct RankPlan {
     pub overhead: u64,
     /// Allocated peak plus overhead.
     pub peak: u64,
+    /// Micro-batches per step the sweep simulates (its marks say `mb 0` to `mb m-1`). Later
+    /// micro-batches repeat the last simulated one: same buffers, same schedule position.
+    pub simulated_micro_batches: u64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -417,6 +420,7 @@ fn rank_plan(
     RankPlan {
         name,
         stage,
+        simulated_micro_batches: m_sim,
         at_peak: sweep.at_peak,
         peak: sweep.peak + overhead,
         overhead,

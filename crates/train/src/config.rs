@@ -31,17 +31,21 @@ pub struct TrainArgs {
     pub mbs: Option<u64>,
     #[arg(long, allow_negative_numbers = true)]
     pub grad_acc: Option<u64>,
-    /// Optimizer steps to train (with --resume: the total to reach).
+    /// Optimizer steps to train, and the length of the learning-rate schedule (with --resume:
+    /// the new total, over which the schedule then decays).
     #[arg(long, allow_negative_numbers = true)]
     pub steps: Option<u64>,
+    /// End this run after step N, keeping the schedule of --steps (a long run done in parts:
+    /// resume the checkpoint to go on).
+    #[arg(long, allow_negative_numbers = true)]
+    pub stop_after: Option<u64>,
     #[arg(long, allow_negative_numbers = true)]
     pub lr: Option<f64>,
     #[arg(long, allow_negative_numbers = true)]
     pub min_lr_ratio: Option<f64>,
     #[arg(long, allow_negative_numbers = true)]
     pub warmup: Option<u64>,
-    /// Length of the cosine schedule [default: --steps]; set it to stop early and resume later
-    /// on the same schedule.
+    /// Length of the cosine schedule [default: --steps].
     #[arg(long, allow_negative_numbers = true)]
     pub decay_steps: Option<u64>,
     #[arg(long, allow_negative_numbers = true)]
@@ -142,6 +146,10 @@ pub struct TrainConfig {
     pub mbs: u64,
     pub grad_acc: u64,
     pub steps: u64,
+    /// Step after which this run ends (`--stop-after`); a property of one run, so a checkpoint
+    /// does not carry it into the next.
+    #[serde(skip)]
+    pub stop_after: Option<u64>,
     pub lr: f64,
     pub min_lr_ratio: f64,
     pub warmup: u64,
@@ -195,6 +203,33 @@ fn default_timeline_steps() -> u64 {
 
 fn default_trace_steps() -> u64 {
     3
+}
+
+impl TrainConfig {
+    /// The step this run ends after: `--stop-after`, else `--steps`.
+    pub fn last_step(&self) -> u64 {
+        self.stop_after.unwrap_or(self.steps)
+    }
+
+    /// `--stop-after` must lie after the step the run starts from and not beyond `--steps`.
+    pub fn check_stop_after(&self, start: u64) -> Result<(), ConfigError> {
+        match self.stop_after {
+            Some(n) if n > self.steps => Err(bad(
+                "stop_after",
+                n,
+                &format!(
+                    "beyond steps = {}: raise --steps (the schedule's length) or lower --stop-after",
+                    self.steps
+                ),
+            )),
+            Some(n) if n <= start => Err(bad(
+                "stop_after",
+                n,
+                &format!("the run starts after step {start}: pass a later step"),
+            )),
+            _ => Ok(()),
+        }
+    }
 }
 
 /// A bad setting: names the field, the value and the fix.
@@ -261,7 +296,7 @@ impl TrainArgs {
             .map_err(|e| format!("cannot read --config {}: {e}", path.display()))?;
         let mut file: TrainArgs = toml::from_str(&text)
             .map_err(|e| format!("{}: {}", path.display(), e.message().trim()))?;
-        merge!(self, file; model, data, tokenizer, seq, mbs, grad_acc, steps, lr, min_lr_ratio,
+        merge!(self, file; model, data, tokenizer, seq, mbs, grad_acc, steps, stop_after, lr, min_lr_ratio,
             warmup, decay_steps, weight_decay, beta1, beta2, eps, clip, seed, threads, eval_interval,
             eval_batches, out_dir, checkpoint_dir, checkpoint_interval, metrics, ce_chunk, recompute,
             precision, fp32_grad_acc, stochastic_rounding, loss_scale_init,
@@ -317,6 +352,7 @@ impl TrainArgs {
             mbs: self.mbs.unwrap_or(8),
             grad_acc: self.grad_acc.unwrap_or(1),
             steps: self.steps.unwrap_or(150),
+            stop_after: self.stop_after,
             lr: self.lr.unwrap_or(3e-3),
             min_lr_ratio: self.min_lr_ratio.unwrap_or(0.1),
             warmup: self.warmup.unwrap_or(15),
@@ -362,6 +398,7 @@ impl TrainArgs {
                 return Err(bad(field, v, "must be a positive integer"));
             }
         }
+        c.check_stop_after(0)?;
         if c.eval_interval > 0 && c.eval_batches == 0 {
             return Err(bad(
                 "eval_batches",

@@ -13,6 +13,16 @@ pub struct LrSchedule {
 }
 
 impl LrSchedule {
+    /// The schedule a run's configuration asks for.
+    pub fn of(c: &crate::config::TrainConfig) -> Self {
+        LrSchedule {
+            max_lr: c.lr,
+            min_lr_ratio: c.min_lr_ratio,
+            warmup_steps: c.warmup,
+            total_steps: c.decay_steps,
+        }
+    }
+
     /// Learning rate for 0-based `step`.
     pub fn at(&self, step: u64) -> f64 {
         let min_lr = self.max_lr * self.min_lr_ratio;

@@ -54,9 +54,18 @@ fn resume_config(args: &TrainArgs, saved: &TrainConfig) -> Result<TrainConfig> {
             }
         }
     }
+    // `--steps` on resume is the new total and the schedule decays over it, as it would in one
+    // run of that many steps (unless the first run fixed the decay length with --decay-steps).
     if let Some(s) = args.steps {
+        if saved.decay_steps == saved.steps {
+            c.decay_steps = s;
+        }
         c.steps = s;
     }
+    if let Some(d) = args.decay_steps {
+        c.decay_steps = d;
+    }
+    c.stop_after = args.stop_after;
     if let Some(v) = args.threads {
         c.threads = v;
     }
@@ -96,6 +105,22 @@ fn resume_config(args: &TrainArgs, saved: &TrainConfig) -> Result<TrainConfig> {
     Ok(c)
 }
 
+/// Says so when a resumed run's learning-rate schedule differs from the one its first
+/// `from` steps were trained with (before that point the two agree, and the run equals one
+/// uninterrupted run of the new length).
+fn schedule_change(saved: &TrainConfig, now: &TrainConfig, from: u64) {
+    let lr = |c: &TrainConfig| crate::lr::LrSchedule::of(c);
+    let (old, new) = (lr(saved), lr(now));
+    if old != new && (0..from).any(|s| old.at(s) != new.at(s)) {
+        eprintln!(
+            "schedule changed: the learning rate now decays over {} steps (the checkpoint's first {from} steps used {}); from step {} on it follows the new schedule",
+            now.decay_steps,
+            saved.decay_steps,
+            from + 1
+        );
+    }
+}
+
 fn print_config(c: &TrainConfig) {
     eprintln!("effective config:");
     if let Ok(serde_json::Value::Object(map)) = serde_json::to_value(c) {
@@ -127,6 +152,7 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         Some(l) => resume_config(&args, &l.state.config)?,
         None => args.resolve()?,
     };
+    let last_step = cfg.last_step();
     if let Some(l) = &loaded {
         if l.state.step >= cfg.steps {
             bail!(
@@ -135,6 +161,8 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
                 l.state.step
             );
         }
+        cfg.check_stop_after(l.state.step)?;
+        schedule_change(&l.state.config, &cfg, l.state.step);
     }
     rayon::ThreadPoolBuilder::new()
         .num_threads(cfg.threads as usize)
@@ -166,7 +194,6 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         (Some(v), i) if i > 0 => Some(ValLoader::new(v, lcfg, Some(cfg.eval_batches as usize))?),
         _ => None,
     };
-    let mut metrics = MetricsWriter::open(&cfg.metrics, loaded.is_some())?;
     let peak_gflops = args.peak_gflops.unwrap_or_else(matmul_peak_gflops);
     let tokenizer_json = tok
         .inner()
@@ -192,6 +219,9 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
     if loaded.is_some() {
         t.disable_timeline();
     }
+    // Files are written only once everything has been read and checked: a refused checkpoint
+    // or config leaves the output directory as it was.
+    let mut metrics = MetricsWriter::open(&cfg.metrics, loaded.is_some())?;
     write_plan(&cfg, &t)?;
     let w = t.plan.sweep.at_peak;
     eprintln!(
@@ -212,7 +242,7 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
     let started = Instant::now();
     let first_step = t.step;
     let mut steps = Vec::new();
-    while t.step < cfg.steps {
+    while t.step < last_step {
         let mut out = t.train_step()?;
         if !out.metrics.loss.is_finite() {
             bail!(
@@ -221,7 +251,7 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
                 t.step
             );
         }
-        let last = t.step == cfg.steps;
+        let last = t.step == last_step;
         if cfg.eval_interval > 0 && (t.step % cfg.eval_interval == 0 || last) {
             out.metrics.val_loss = t.evaluate()?;
         }
@@ -237,7 +267,7 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         }
         let m = &out.metrics;
         let done = (t.step - first_step) as f64;
-        let eta = started.elapsed().as_secs_f64() / done * (cfg.steps - t.step) as f64;
+        let eta = started.elapsed().as_secs_f64() / done * (last_step - t.step) as f64;
         let val = m
             .val_loss
             .map_or(String::new(), |v| format!(" | val {v:.4}"));

@@ -31,6 +31,9 @@ pub struct TimelineFile {
     pub baseline: u64,
     /// The plan's overhead term (the kernel workspace), not part of `planned`: see `note`.
     pub kernel_workspace: u64,
+    /// Micro-batches per step the plan simulates: every micro-batch is sampled, and one from
+    /// this index on is compared with the plan's last simulated micro-batch (see `note`).
+    pub plan_micro_batches: u64,
     pub note: String,
     /// Largest |deviation| over all points.
     pub max_abs_deviation: f64,
@@ -47,10 +50,10 @@ fn phase_name(p: Phase) -> &'static str {
     }
 }
 
-/// The plan's label of a sample at plan step `s` (the plan models steps 1 and 2; every later
-/// step is a copy of step 2, with the optimizer states present).
-fn label(x: &Sample, s: u64) -> String {
-    let mb = x.mb;
+/// The plan's label of a sample at plan step `s` and micro-batch `mb` (the plan models steps 1
+/// and 2, every later step being a copy of step 2 with the optimizer states present, and its
+/// first `simulated_micro_batches` micro-batches, every later one a copy of the last).
+fn label(x: &Sample, s: u64, mb: u64) -> String {
     match x.point {
         Point::Init => "model init".into(),
         Point::Grads => "gradients allocated".into(),
@@ -77,8 +80,9 @@ pub fn build(
         .collect();
     let mut points = Vec::with_capacity(samples.len());
     let mut worst = 0f64;
+    let last_mb = plan.simulated_micro_batches.saturating_sub(1);
     for x in samples {
-        let key = label(x, x.step.min(2));
+        let key = label(x, x.step.min(2), x.mb.min(last_mb));
         let &(phase, live) = marks
             .get(key.as_str())
             .with_context(|| format!("internal: the memory plan has no mark `{key}`"))?;
@@ -86,7 +90,7 @@ pub fn build(
         let deviation = x.measured as f64 / planned.max(1) as f64 - 1.0;
         worst = worst.max(deviation.abs());
         points.push(TimelineEntry {
-            label: label(x, x.step),
+            label: label(x, x.step, x.mb),
             step: x.step,
             phase: phase_name(phase).into(),
             measured: x.measured,
@@ -98,6 +102,7 @@ pub fn build(
         model: model.into(),
         baseline,
         kernel_workspace: plan.overhead,
+        plan_micro_batches: plan.simulated_micro_batches,
         note: NOTE.into(),
         max_abs_deviation: worst,
         points,
@@ -117,4 +122,4 @@ pub fn write(path: &Path, t: &TimelineFile) -> Result<()> {
 /// only inside a matmul call, and every boundary falls between kernel calls, so it is in the
 /// plan's peaks (`mem_peak_planned`) but neither measured nor planned at a boundary: adding it
 /// here would put every point about 2 MiB (4% at init for ferrotron-12m) off.
-const NOTE: &str = "measured = live heap bytes over the baseline taken before the model was built; planned = the memory plan's live bytes at the mark of the same label (steps after 2 use step 2's marks). kernel_workspace is transient inside matmul calls, between the marks, so neither includes it; the step peaks do.";
+const NOTE: &str = "measured = live heap bytes over the baseline taken before the model was built; planned = the memory plan's live bytes at the mark of the same label (steps after 2 use step 2's marks; micro-batches from plan_micro_batches on use the last simulated micro-batch's marks, which hold the same buffers). Every micro-batch of the recorded steps is sampled. kernel_workspace is transient inside matmul calls, between the marks, so neither includes it; the step peaks do.";

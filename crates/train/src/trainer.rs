@@ -189,12 +189,7 @@ impl Trainer {
             .iter()
             .map(|e| (e.range(), e.is_matrix()))
             .collect();
-        let schedule = LrSchedule {
-            max_lr: cfg.lr,
-            min_lr_ratio: cfg.min_lr_ratio,
-            warmup_steps: cfg.warmup,
-            total_steps: cfg.decay_steps,
-        };
+        let schedule = LrSchedule::of(&cfg);
         let flops_per_token = model_flops_per_token(&spec, cfg.seq);
         let hw_flops_per_token =
             flops_per_token + recompute_flops_per_token(&spec, cfg.seq, cfg.recompute);

@@ -105,4 +105,31 @@ fn default_model_timeline_matches_plan_at_every_mark() {
     let (a, b, c) = (end(&t), end(&sel), end(&full));
     assert!(a.0 > b.0 && b.0 > c.0, "planned {a:?} {b:?} {c:?}");
     assert!(a.1 > b.1 && b.1 > c.1, "measured {a:?} {b:?} {c:?}");
+
+    // Gradient accumulation over 4 micro-batches (it used to fail at the end of the run: the
+    // plan simulates 2 micro-batches, and the timeline had no mark for the third). Every
+    // micro-batch is sampled; from the third on each is compared with the plan's second.
+    let out = common::tmp("timeline-acc");
+    let mut args = common::default_model_args(&out, 2, "none");
+    (args.seq, args.mbs, args.grad_acc) = (Some(64), Some(2), Some(4));
+    run(args).unwrap();
+    let text = std::fs::read_to_string(out.join("memory_timeline.json")).unwrap();
+    let t: TimelineFile = serde_json::from_str(&text).unwrap();
+    assert_eq!(t.plan_micro_batches, 2);
+    for step in 1..=2 {
+        for mb in 0..4 {
+            for what in ["forward layer 5", "loss", "backward layer 0"] {
+                let label = format!("step {step} mb {mb} {what}");
+                let p = t.points.iter().find(|p| p.label == label);
+                let p = p.unwrap_or_else(|| panic!("no point `{label}`"));
+                assert!(
+                    p.deviation.abs() < 0.01,
+                    "{label}: {:+.3}%",
+                    p.deviation * 100.0
+                );
+            }
+        }
+    }
+    // 2 + per step (4 micro-batches × (6 + 1 + 6) + optimizer).
+    assert_eq!(t.points.len(), 2 + 2 * (4 * 13 + 1));
 }

@@ -4,10 +4,49 @@
 mod common;
 use common::{shards, tiny_args, tiny_model, tmp};
 use ferrotron_train::config::TrainArgs;
+use ferrotron_train::metrics::StepMetrics;
 use ferrotron_train::run::run;
+use std::path::Path;
 
 fn losses(args: TrainArgs) -> Vec<f64> {
     run(args).unwrap().steps.iter().map(|m| m.loss).collect()
+}
+
+/// Flags that resume checkpoint `ck`, writing into `out` (metrics to `metrics_file`).
+fn resume_args(ck: &Path, out: &Path, steps: Option<u64>, metrics_file: &str) -> TrainArgs {
+    TrainArgs {
+        resume: Some(ck.to_path_buf()),
+        steps,
+        out_dir: Some(out.to_path_buf()),
+        metrics: Some(out.join(metrics_file)),
+        quiet: true,
+        peak_gflops: Some(100.0),
+        ..TrainArgs::default()
+    }
+}
+
+/// Every step's loss and learning rate, bit for bit, in `a` and `b`.
+fn assert_same_trajectory(what: &str, a: &[StepMetrics], b: &[StepMetrics]) {
+    assert_eq!(a.len(), b.len(), "{what}: step counts");
+    for (x, y) in a.iter().zip(b) {
+        assert_eq!(x.step, y.step, "{what}");
+        assert_eq!(
+            x.loss.to_bits(),
+            y.loss.to_bits(),
+            "{what} step {}: loss {} vs {}",
+            x.step,
+            x.loss,
+            y.loss
+        );
+        assert_eq!(
+            x.lr.to_bits(),
+            y.lr.to_bits(),
+            "{what} step {}: lr {} vs {}",
+            x.step,
+            x.lr,
+            y.lr
+        );
+    }
 }
 
 #[test]
@@ -45,29 +84,37 @@ fn loss_falls_and_validation_is_reported() {
 
 #[test]
 fn gradient_accumulation_equals_one_big_batch() {
-    // mbs 8 × 1 and mbs 4 × 2 see the same windows in the same order; the loss is normalised
-    // over the whole step's targets, so the updates, and the next losses, agree.
-    let (o1, o2) = (tmp("ga1"), tmp("ga2"));
-    let mut big = tiny_args(&o1, 4);
-    big.mbs = Some(8);
-    let mut acc = tiny_args(&o2, 4);
-    acc.mbs = Some(4);
-    acc.grad_acc = Some(2);
-    let a = run(big).unwrap().steps;
-    let b = run(acc).unwrap().steps;
-    for (x, y) in a.iter().zip(&b) {
-        assert!(
-            ((x.loss - y.loss) / x.loss).abs() < 1e-5,
-            "step {}: {} vs {}",
-            x.step,
-            x.loss,
-            y.loss
-        );
-        assert!(
-            ((x.grad_norm - y.grad_norm) / x.grad_norm).abs() < 1e-5,
-            "step {} grad norm",
-            x.step
-        );
+    // One global batch of 8 sequences split as 8×1, 4×2, 2×4 and 1×8: the micro-batches see
+    // the same windows in the same order and the loss is normalised over the whole step's
+    // targets, so the updates, and the next losses, agree (the memory timeline of such a run
+    // is checked in memory_timeline.rs).
+    let split = |mbs: u64, acc: u64| {
+        let out = tmp(&format!("ga-{mbs}x{acc}"));
+        let mut a = tiny_args(&out, 5);
+        a.mbs = Some(mbs);
+        a.grad_acc = Some(acc);
+        run(a).unwrap().steps
+    };
+    let one = split(8, 1);
+    for (mbs, acc) in [(4, 2), (2, 4), (1, 8)] {
+        let s = split(mbs, acc);
+        assert_eq!(s.len(), 5);
+        for (x, y) in one.iter().zip(&s) {
+            assert!(
+                ((x.loss - y.loss) / x.loss).abs() < 1e-5,
+                "{mbs}x{acc} step {}: {} vs {}",
+                x.step,
+                x.loss,
+                y.loss
+            );
+            assert!(
+                ((x.grad_norm - y.grad_norm) / x.grad_norm).abs() < 1e-5,
+                "{mbs}x{acc} step {} grad norm {} vs {}",
+                x.step,
+                x.grad_norm,
+                y.grad_norm
+            );
+        }
     }
 }
 
@@ -108,16 +155,7 @@ fn resume_is_bit_identical() {
     first.decay_steps = Some(20);
     first.checkpoint_dir = Some(ck.clone());
     let mut head = losses(first);
-    let mut second = TrainArgs {
-        resume: Some(ck.clone()),
-        steps: Some(20),
-        out_dir: Some(split.clone()),
-        quiet: true,
-        peak_gflops: Some(100.0),
-        ..TrainArgs::default()
-    };
-    second.metrics = Some(split.join("metrics2.jsonl"));
-    head.extend(losses(second));
+    head.extend(losses(resume_args(&ck, &split, Some(20), "metrics2.jsonl")));
     assert_eq!(head.len(), 20);
     for (i, (a, b)) in full.iter().zip(&head).enumerate() {
         assert_eq!(a.to_bits(), b.to_bits(), "step {}: {a} vs {b}", i + 1);
@@ -129,6 +167,7 @@ fn resume_is_bit_identical() {
         "trainer_state.json",
         "config.json",
         "tokenizer.json",
+        "manifest.json",
     ] {
         assert!(ck.join(f).is_file(), "{f}");
     }
@@ -143,6 +182,89 @@ fn resume_is_bit_identical() {
         })
         .count();
     assert_eq!(leftovers, 0);
+}
+
+#[test]
+fn resume_with_more_steps_decays_over_the_new_total() {
+    // `--steps 10` then `--resume --steps 20`: the schedule decays over the new total. Resumed
+    // before warm-up ends, that is one `--steps 20` run bit for bit.
+    let straight = tmp("sched-straight");
+    let warm = |out: &Path, steps| {
+        let mut a = tiny_args(out, steps);
+        a.warmup = Some(12);
+        a
+    };
+    let full = run(warm(&straight, 20)).unwrap().steps;
+    let split = tmp("sched-split");
+    let ck = split.join("ck");
+    let mut first = warm(&split, 10);
+    first.checkpoint_dir = Some(ck.clone());
+    let mut parts = run(first).unwrap().steps;
+    parts.extend(
+        run(resume_args(&ck, &split, Some(20), "m2.jsonl"))
+            .unwrap()
+            .steps,
+    );
+    assert_same_trajectory("resumed in warm-up", &full, &parts);
+
+    // Resumed after warm-up (2 steps): steps 1-10 ran on the 10-step schedule, so the losses
+    // differ, but from step 11 on the learning rate is the 20-step schedule's, decaying to its
+    // floor at step 20 (it used to stay at the peak).
+    let straight = tmp("sched-straight2");
+    let full = run(tiny_args(&straight, 20)).unwrap().steps;
+    let split = tmp("sched-split2");
+    let ck = split.join("ck");
+    let mut first = tiny_args(&split, 10);
+    first.checkpoint_dir = Some(ck.clone());
+    run(first).unwrap();
+    let rest = run(resume_args(&ck, &split, Some(20), "m2.jsonl"))
+        .unwrap()
+        .steps;
+    assert_eq!(rest.len(), 10);
+    for (x, y) in full[10..].iter().zip(&rest) {
+        assert_eq!(
+            x.lr.to_bits(),
+            y.lr.to_bits(),
+            "step {}: lr {} vs {}",
+            x.step,
+            x.lr,
+            y.lr
+        );
+    }
+    assert!(
+        rest[9].lr < 0.2 * rest[0].lr,
+        "decays: {} -> {}",
+        rest[0].lr,
+        rest[9].lr
+    );
+}
+
+#[test]
+fn stop_after_ends_a_run_early_on_its_full_schedule() {
+    // `--steps 12 --stop-after 5`, then a plain `--resume`: one 12-step run, bit for bit.
+    let full = run(tiny_args(&tmp("stop-straight"), 12)).unwrap().steps;
+    let split = tmp("stop-split");
+    let ck = split.join("ck");
+    let mut first = tiny_args(&split, 12);
+    first.stop_after = Some(5);
+    first.checkpoint_dir = Some(ck.clone());
+    let mut parts = run(first).unwrap().steps;
+    assert_eq!(parts.len(), 5, "stops after step 5");
+    parts.extend(
+        run(resume_args(&ck, &split, None, "m2.jsonl"))
+            .unwrap()
+            .steps,
+    );
+    assert_same_trajectory("stop-after then resume", &full, &parts);
+    // Out of range, for a new run and for a resumed one.
+    let mut a = tiny_args(&tmp("stop-bad"), 12);
+    a.stop_after = Some(13);
+    assert!(error(a).contains(
+        "stop_after = 13: beyond steps = 12: raise --steps (the schedule's length) or lower --stop-after"
+    ));
+    let mut r = resume_args(&ck, &split, None, "m3.jsonl");
+    r.stop_after = Some(12);
+    assert!(error(r).contains("steps = 12: the checkpoint is already at step 12"));
 }
 
 #[test]
@@ -366,32 +488,99 @@ fn bad_input_is_one_clear_error() {
 #[test]
 fn bad_checkpoints_are_refused() {
     let out = tmp("badck");
-    let ck = out.join("ck");
+    let good = out.join("good");
     let mut a = tiny_args(&out, 2);
-    a.checkpoint_dir = Some(ck.clone());
+    a.checkpoint_dir = Some(good.clone());
     run(a).unwrap();
-    let resume = |model: Option<&str>| TrainArgs {
-        resume: Some(ck.clone()),
-        steps: Some(4),
-        model: model.map(String::from),
-        out_dir: Some(out.clone()),
-        quiet: true,
-        peak_gflops: Some(100.0),
-        ..TrainArgs::default()
+    let ck = out.join("ck");
+    // A fresh copy of the good checkpoint for each case, resumed into an output directory that
+    // must stay untouched when the checkpoint is refused.
+    let case = |damage: &dyn Fn(&Path), model: Option<&str>| -> String {
+        let _ = std::fs::remove_dir_all(&ck);
+        std::fs::create_dir_all(&ck).unwrap();
+        for e in std::fs::read_dir(&good).unwrap() {
+            let e = e.unwrap();
+            std::fs::copy(e.path(), ck.join(e.file_name())).unwrap();
+        }
+        damage(&ck);
+        let fresh = out.join("fresh");
+        let _ = std::fs::remove_dir_all(&fresh);
+        let mut r = resume_args(&ck, &fresh, Some(4), "metrics.jsonl");
+        r.model = model.map(String::from);
+        let e = error(r);
+        assert!(
+            !fresh.exists(),
+            "a refused resume wrote {}",
+            fresh.display()
+        );
+        e
     };
-    // Another model's flags.
-    assert!(error(resume(Some("ferrotron-12m"))).contains("a different architecture"));
+    let keep = |_: &Path| {};
     // Already at the requested step.
-    let mut r = resume(None);
-    r.steps = Some(2);
-    assert!(error(r).contains("already at step 2"));
-    // A truncated weights file.
-    let w = ck.join("model.safetensors");
-    let bytes = std::fs::read(&w).unwrap();
-    std::fs::write(&w, &bytes[..bytes.len() / 2]).unwrap();
-    assert!(error(resume(None)).contains("model.safetensors is not valid safetensors"));
+    let r = resume_args(&good, &out.join("at"), Some(2), "m.jsonl");
+    assert!(error(r).contains("steps = 2: the checkpoint is already at step 2"));
+    // Another model's flags.
+    assert!(case(&keep, Some("ferrotron-12m")).contains("a different architecture"));
+    // One flipped bit in the weights.
+    let flip = |d: &Path| {
+        let w = d.join("model.safetensors");
+        let mut bytes = std::fs::read(&w).unwrap();
+        let i = bytes.len() - 1000;
+        bytes[i] ^= 0x10;
+        std::fs::write(&w, bytes).unwrap();
+    };
+    let e = case(&flip, None);
+    assert!(
+        e.contains("model.safetensors is corrupted: its SHA-256 does not match manifest.json"),
+        "{e}"
+    );
+    // A truncated optimizer state.
+    let truncate = |d: &Path| {
+        let o = d.join("optimizer.safetensors");
+        let bytes = std::fs::read(&o).unwrap();
+        std::fs::write(&o, &bytes[..bytes.len() / 2]).unwrap();
+    };
+    let e = case(&truncate, None);
+    assert!(
+        e.contains("optimizer.safetensors has ") && e.contains("bytes, manifest.json says"),
+        "{e}"
+    );
+    // A broken trainer state, of the same length (so only the digest can tell).
+    let broken = |d: &Path| {
+        let p = d.join("trainer_state.json");
+        let mut bytes = std::fs::read(&p).unwrap();
+        bytes[0] = b'[';
+        std::fs::write(&p, bytes).unwrap();
+    };
+    assert!(case(&broken, None).contains("trainer_state.json is corrupted"));
+    // A config.json that no longer describes the tensors: caught by the manifest, and, in a
+    // checkpoint without one (written before manifests), by the model check.
+    let other_config = |d: &Path| {
+        let p = d.join("config.json");
+        let text = std::fs::read_to_string(&p).unwrap();
+        std::fs::write(
+            &p,
+            text.replace("\"hidden_size\": 64", "\"hidden_size\": 96"),
+        )
+        .unwrap();
+    };
+    assert!(case(&other_config, None).contains("config.json "));
+    let legacy = |d: &Path| {
+        other_config(d);
+        std::fs::remove_file(d.join("manifest.json")).unwrap();
+    };
+    assert!(case(&legacy, None).contains("its config.json does not match model"));
+    // A file the manifest lists is gone.
+    let missing = |d: &Path| std::fs::remove_file(d.join("tokenizer.json")).unwrap();
+    assert!(case(&missing, None).contains("tokenizer.json is missing (listed in manifest.json)"));
+    // A damaged manifest.
+    let manifest = |d: &Path| std::fs::write(d.join("manifest.json"), "{").unwrap();
+    assert!(case(&manifest, None).contains("manifest.json is invalid"));
+    // The good checkpoint itself resumes (and so every case above failed for its damage).
+    let r = resume_args(&good, &out.join("ok"), Some(3), "metrics.jsonl");
+    assert_eq!(run(r).unwrap().steps.len(), 1);
     // Not a checkpoint at all.
-    let mut r = resume(None);
+    let mut r = resume_args(&good, &out, Some(4), "m.jsonl");
     r.resume = Some(shards().to_path_buf());
     assert!(error(r).contains("not a ferrotron checkpoint directory"));
 }

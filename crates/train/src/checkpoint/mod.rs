@@ -1,6 +1,9 @@
 //! Checkpoints: one directory holding the weights (safetensors, HF tensor names, loadable by
 //! transformers), the optimizer state, the trainer state (step, data position, config), the
-//! model's config.json and the tokenizer, written atomically (temp directory + rename).
+//! model's config.json, the tokenizer and a manifest of checksums (`manifest`), written
+//! atomically (temp directory + rename, with recovery of a save interrupted between renames).
+
+pub mod manifest;
 
 use crate::config::TrainConfig;
 use crate::data::LoaderState;
@@ -102,6 +105,7 @@ pub fn save(dir: &Path, t: &Trainer, tokenizer_json: &str, tokenizer_name: &str)
         .context("checkpoint dir has no name")?
         .to_string_lossy()
         .to_string();
+    recover(dir, true)?;
     let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
@@ -149,12 +153,79 @@ pub fn save(dir: &Path, t: &Trainer, tokenizer_json: &str, tokenizer_name: &str)
         serde_json::to_string_pretty(&hf_config(&t.spec))?,
     )?;
     std::fs::write(tmp.join("tokenizer.json"), tokenizer_json)?;
+    let mut files = vec![
+        "model.safetensors",
+        "trainer_state.json",
+        "config.json",
+        "tokenizer.json",
+    ];
+    if t.opt.is_some() {
+        files.push("optimizer.safetensors");
+    }
+    manifest::write(&tmp, &files)?;
     let old = parent.join(format!(".{name}.old-{}", std::process::id()));
     if dir.exists() {
         std::fs::rename(dir, &old).with_context(|| format!("cannot move old {}", dir.display()))?;
     }
     std::fs::rename(&tmp, dir).with_context(|| format!("cannot rename into {}", dir.display()))?;
     let _ = std::fs::remove_dir_all(&old);
+    Ok(())
+}
+
+/// Siblings of `dir` left by saves (`.NAME.tmp-PID`, `.NAME.old-PID`).
+fn leftovers(dir: &Path) -> Vec<PathBuf> {
+    let (Some(parent), Some(name)) = (dir.parent(), dir.file_name()) else {
+        return Vec::new();
+    };
+    let parent = if parent.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        parent
+    };
+    let name = name.to_string_lossy();
+    let (tmp, old) = (format!(".{name}.tmp-"), format!(".{name}.old-"));
+    std::fs::read_dir(parent)
+        .map(|rd| {
+            rd.filter_map(|e| e.ok())
+                .filter(|e| {
+                    let f = e.file_name().to_string_lossy().to_string();
+                    f.starts_with(&tmp) || f.starts_with(&old)
+                })
+                .map(|e| e.path())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Finishes a save that was killed: a save renames the current checkpoint aside
+/// (`.NAME.old-PID`) before renaming the new one in, so a kill between the two renames leaves
+/// no `dir` but a complete previous checkpoint beside it. That one is moved back (after its
+/// manifest verifies). With `clean` (the writer, about to save) every other leftover
+/// (half-written temp directories, an old copy whose replacement is in place) is removed;
+/// readers leave them, as they may belong to a save in progress.
+fn recover(dir: &Path, clean: bool) -> Result<()> {
+    let found = leftovers(dir);
+    if !dir.exists() {
+        let old = found.iter().find(|p| {
+            p.file_name()
+                .is_some_and(|f| f.to_string_lossy().contains(".old-"))
+                && manifest::present(p)
+                && manifest::verify(p).is_ok()
+        });
+        if let Some(old) = old {
+            std::fs::rename(old, dir)
+                .with_context(|| format!("cannot restore {}", old.display()))?;
+            eprintln!(
+                "checkpoint {}: restored the previous checkpoint of a save that was interrupted",
+                dir.display()
+            );
+        }
+    }
+    if clean {
+        for p in found.iter().filter(|p| p.exists()) {
+            let _ = std::fs::remove_dir_all(p);
+        }
+    }
     Ok(())
 }
 
@@ -169,8 +240,19 @@ fn bad(dir: &Path, what: impl std::fmt::Display) -> anyhow::Error {
     anyhow::anyhow!("checkpoint {}: {what}", dir.display())
 }
 
-/// Reads the trainer state and model config of `dir`.
+/// Reads the trainer state and model config of `dir`, after checking every file against the
+/// manifest (and finishing a save that was interrupted).
 pub fn open(dir: &Path) -> Result<Loaded> {
+    recover(dir, false)?;
+    if manifest::present(dir) {
+        manifest::verify(dir).map_err(|e| bad(dir, e))?;
+    } else if dir.join("trainer_state.json").is_file() {
+        eprintln!(
+            "checkpoint {}: no {} (written before checksums existed): its files are not verified",
+            dir.display(),
+            manifest::MANIFEST
+        );
+    }
     let state_path = dir.join("trainer_state.json");
     let text = std::fs::read_to_string(&state_path).map_err(|_| {
         bad(
