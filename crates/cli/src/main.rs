@@ -36,6 +36,8 @@ enum Cmd {
     Data(train_cmd::DataArgs),
     /// Generate text from a checkpoint.
     Sample(train_cmd::SampleArgs),
+    /// Mean next-token loss of a checkpoint or Hugging Face model over token sequences.
+    Eval(train_cmd::EvalArgs),
     /// Write an HTML report (loss, throughput, memory timeline) of a training run directory.
     Report(report_cmd::ReportArgs),
 }
@@ -48,6 +50,7 @@ fn main() {
         Cmd::Train(args) => train_cmd::train(*args),
         Cmd::Data(args) => train_cmd::data(args),
         Cmd::Sample(args) => train_cmd::sample(args),
+        Cmd::Eval(args) => train_cmd::eval(args),
         Cmd::Report(args) => report_cmd::run(args),
     };
     if let Err(e) = result {

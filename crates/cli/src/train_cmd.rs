@@ -43,6 +43,36 @@ pub struct SampleArgs {
     pub seed: u64,
 }
 
+#[derive(Args)]
+pub struct EvalArgs {
+    /// Model folder: a ferrotron checkpoint, or a Hugging Face model (config.json with
+    /// model.safetensors or a sharded model.safetensors.index.json) of a supported family.
+    #[arg(long)]
+    pub checkpoint: PathBuf,
+    /// JSON file holding a list of token-id sequences, e.g. [[1, 5, 9], [2, 7]].
+    #[arg(long)]
+    pub tokens: PathBuf,
+    /// Print {"loss": x, "tokens": n} instead of a sentence.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Mean next-token cross-entropy of a model folder over the given sequences.
+pub fn eval(a: EvalArgs) -> Result<()> {
+    let r = ferrotron_train::eval::eval_dir(&a.checkpoint, &a.tokens)?;
+    if a.json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!(
+            "loss {:.6} (perplexity {:.3}) over {} predicted tokens",
+            r.loss,
+            r.loss.exp(),
+            r.tokens
+        );
+    }
+    Ok(())
+}
+
 pub fn train(args: TrainArgs) -> Result<()> {
     run::run(args).map(|_| ())
 }

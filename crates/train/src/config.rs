@@ -81,6 +81,11 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip)]
     pub resume: Option<PathBuf>,
+    /// Start from the weights of a model folder (a Hugging Face model of a supported family, or
+    /// a ferrotron checkpoint) instead of a random initialisation; --model defaults to its
+    /// config.json and --tokenizer to its tokenizer.json. The optimizer starts fresh at step 0.
+    #[arg(long)]
+    pub init_from: Option<PathBuf>,
     /// JSON lines, one per step [default: OUT_DIR/metrics.jsonl].
     #[arg(long)]
     pub metrics: Option<PathBuf>,
@@ -142,6 +147,9 @@ pub struct TrainConfig {
     pub model: String,
     pub data: Option<PathBuf>,
     pub tokenizer: Option<PathBuf>,
+    /// The model folder whose weights the run started from (`--init-from`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init_from: Option<PathBuf>,
     pub seq: u64,
     pub mbs: u64,
     pub grad_acc: u64,
@@ -296,7 +304,7 @@ impl TrainArgs {
             .map_err(|e| format!("cannot read --config {}: {e}", path.display()))?;
         let mut file: TrainArgs = toml::from_str(&text)
             .map_err(|e| format!("{}: {}", path.display(), e.message().trim()))?;
-        merge!(self, file; model, data, tokenizer, seq, mbs, grad_acc, steps, stop_after, lr, min_lr_ratio,
+        merge!(self, file; model, data, tokenizer, init_from, seq, mbs, grad_acc, steps, stop_after, lr, min_lr_ratio,
             warmup, decay_steps, weight_decay, beta1, beta2, eps, clip, seed, threads, eval_interval,
             eval_batches, out_dir, checkpoint_dir, checkpoint_interval, metrics, ce_chunk, recompute,
             precision, fp32_grad_acc, stochastic_rounding, loss_scale_init,
@@ -344,10 +352,22 @@ impl TrainArgs {
                 "only applies to 16-bit weights: add --precision bf16 (or fp16, fp8)",
             ));
         }
+        // --init-from supplies the model and, when it has one, the tokenizer.
+        let from = self.init_from.as_ref();
+        let model = match (&self.model, from) {
+            (Some(m), _) => m.clone(),
+            (None, Some(d)) => d.to_string_lossy().into(),
+            (None, None) => "ferrotron-12m".into(),
+        };
+        let tokenizer = self.tokenizer.clone().or_else(|| {
+            from.map(|d| d.join("tokenizer.json"))
+                .filter(|t| t.is_file())
+        });
         let c = TrainConfig {
-            model: self.model.clone().unwrap_or_else(|| "ferrotron-12m".into()),
+            model,
             data: self.data.clone(),
-            tokenizer: self.tokenizer.clone(),
+            tokenizer,
+            init_from: self.init_from.clone(),
             seq: self.seq.unwrap_or(256),
             mbs: self.mbs.unwrap_or(8),
             grad_acc: self.grad_acc.unwrap_or(1),

@@ -4,6 +4,7 @@ pub mod alloc;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod eval;
 pub mod loss_scale;
 pub mod lr;
 pub mod metrics;

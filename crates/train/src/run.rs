@@ -147,6 +147,12 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
     let resume = args.resume.clone();
     let quiet = args.quiet;
     let args = args.merged().map_err(anyhow::Error::msg)?;
+    if let (Some(_), Some(d)) = (&resume, &args.init_from) {
+        bail!(
+            "init_from = {}: a resumed run takes its weights from the checkpoint; pass --resume or --init-from, not both",
+            d.display()
+        );
+    }
     let loaded = resume.as_deref().map(checkpoint::open).transpose()?;
     let cfg = match &loaded {
         Some(l) => resume_config(&args, &l.state.config)?,
@@ -215,6 +221,8 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         }
         t.step = l.state.step;
         eprintln!("resumed from {} at step {}", l.dir.display(), t.step);
+    } else if let Some(dir) = &cfg.init_from {
+        init_weights(&mut t, dir)?;
     }
     if loaded.is_some() {
         t.disable_timeline();
@@ -342,6 +350,32 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         measured_peak: measured,
         sample,
     })
+}
+
+/// `--init-from`: the weights of a model folder (its config.json is the run's model, checked
+/// tensor by tensor), as the fp32 master copy under mixed precision and rounded into the
+/// storage type.
+fn init_weights(t: &mut Trainer, dir: &std::path::Path) -> Result<()> {
+    checkpoint::hf::verify_if_checkpoint(dir)?;
+    let tied = t.spec.tie_embeddings;
+    let w = checkpoint::hf::load_params(
+        dir,
+        &t.model.params,
+        tied,
+        checkpoint::hf::Dtypes::Into(ferrotron_plan::DType::F32),
+    )?;
+    let w = w.to_f32(0..w.len());
+    let storage = t.params.dtype();
+    t.params = crate::weights::Flat::from_f32(storage, &w);
+    if t.master.is_some() {
+        t.master = Some(w);
+    }
+    eprintln!(
+        "initialised {} parameters from {}",
+        t.params.len(),
+        dir.display()
+    );
+    Ok(())
 }
 
 /// The memory plan of this run, for `ferrotron report` (written at start, so a run that fails

@@ -3,6 +3,7 @@
 //! model's config.json, the tokenizer and a manifest of checksums (`manifest`), written
 //! atomically (temp directory + rename, with recovery of a save interrupted between renames).
 
+pub mod hf;
 pub mod manifest;
 
 use crate::config::TrainConfig;
@@ -33,8 +34,9 @@ pub struct TrainerState {
     pub loss_scaler: Option<DynamicLossScaler>,
 }
 
-/// The model's HF config.json (what transformers and `--model DIR` read back).
-pub fn hf_config(spec: &ModelSpec) -> serde_json::Value {
+/// The model's HF config.json (what transformers and `--model DIR` read back), for weights
+/// stored as `dtype`.
+pub fn hf_config(spec: &ModelSpec, dtype: DType) -> serde_json::Value {
     let arch = if spec.model_type == "qwen2" {
         "Qwen2ForCausalLM"
     } else {
@@ -54,10 +56,21 @@ pub fn hf_config(spec: &ModelSpec) -> serde_json::Value {
         "rms_norm_eps": spec.norm_eps,
         "rope_theta": spec.rope_theta,
         "tie_word_embeddings": spec.tie_embeddings,
-        "attention_bias": false,
+        // Qwen2's q/k/v biases are implied by its model type; Llama states them.
+        "attention_bias": spec.qkv_bias && spec.model_type != "qwen2",
         "hidden_act": "silu",
-        "torch_dtype": "float32",
+        // transformers 4 reads `torch_dtype`, 5 `dtype`.
+        "torch_dtype": torch_dtype(dtype),
+        "dtype": torch_dtype(dtype),
     })
+}
+
+fn torch_dtype(d: DType) -> &'static str {
+    match d {
+        DType::Bf16 => "bfloat16",
+        DType::F16 => "float16",
+        _ => "float32",
+    }
 }
 
 fn f32_bytes(x: &[f32]) -> Vec<u8> {
@@ -150,7 +163,7 @@ pub fn save(dir: &Path, t: &Trainer, tokenizer_json: &str, tokenizer_name: &str)
     )?;
     std::fs::write(
         tmp.join("config.json"),
-        serde_json::to_string_pretty(&hf_config(&t.spec))?,
+        serde_json::to_string_pretty(&hf_config(&t.spec, t.params.dtype()))?,
     )?;
     std::fs::write(tmp.join("tokenizer.json"), tokenizer_json)?;
     let mut files = vec![
@@ -277,7 +290,7 @@ pub fn open(dir: &Path) -> Result<Loaded> {
     })
 }
 
-fn load_tensors(path: &Path) -> Result<Vec<u8>> {
+fn read_file(path: &Path) -> Result<Vec<u8>> {
     std::fs::read(path).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))
 }
 
@@ -285,66 +298,10 @@ fn load_tensors(path: &Path) -> Result<Vec<u8>> {
 /// one dtype (F32, BF16 or F16), and it must be `expect` when given (a resumed run keeps its
 /// precision).
 pub fn load_weights(dir: &Path, table: &ParamTable, expect: Option<DType>) -> Result<Flat> {
-    let path = dir.join("model.safetensors");
-    let bytes = load_tensors(&path)?;
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| {
-        bad(
-            dir,
-            format!("model.safetensors is not valid safetensors ({e})"),
-        )
-    })?;
-    if st.len() != table.entries.len() {
-        bail!(bad(
-            dir,
-            format!(
-                "model.safetensors has {} tensors, the model has {}",
-                st.len(),
-                table.entries.len()
-            )
-        ));
-    }
-    let mut params: Option<Flat> = None;
-    for e in &table.entries {
-        let v = st.tensor(&e.name).map_err(|_| {
-            bad(
-                dir,
-                format!(
-                    "model.safetensors lacks `{}` (a checkpoint of another model?)",
-                    e.name
-                ),
-            )
-        })?;
-        let dtype = match v.dtype() {
-            Dtype::F32 => DType::F32,
-            Dtype::BF16 => DType::Bf16,
-            Dtype::F16 => DType::F16,
-            other => bail!(bad(
-                dir,
-                format!(
-                    "`{}` is {other:?}; weights must be F32, BF16 or F16",
-                    e.name
-                )
-            )),
-        };
-        let want = expect.or(params.as_ref().map(Flat::dtype)).unwrap_or(dtype);
-        if dtype != want || v.shape() != e.shape.as_slice() {
-            bail!(bad(
-                dir,
-                format!(
-                    "`{}` is {:?} {:?}, the model expects {:?} {:?}",
-                    e.name,
-                    v.dtype(),
-                    v.shape(),
-                    safetensors_dtype(want),
-                    e.shape
-                )
-            ));
-        }
-        params
-            .get_or_insert_with(|| Flat::zeros(dtype, table.total))
-            .read_le_bytes(e.offset, v.data());
-    }
-    params.ok_or_else(|| bad(dir, "model.safetensors has no tensors"))
+    let rule = expect.map_or(hf::Dtypes::AsStored, hf::Dtypes::Exactly);
+    // The checkpoint's own config decides whether lm_head is tied (a tied table has none).
+    let tied = table.get("lm_head.weight").is_none();
+    hf::load_params(dir, table, tied, rule)
 }
 
 /// The AdamW moments of `dir`, if it has them, and the fp32 master weights when `master`.
@@ -357,7 +314,7 @@ pub fn load_optimizer(
     if !path.exists() {
         return Ok(None);
     }
-    let bytes = load_tensors(&path)?;
+    let bytes = read_file(&path)?;
     let st = SafeTensors::deserialize(&bytes).map_err(|e| {
         bad(
             dir,
