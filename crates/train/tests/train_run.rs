@@ -268,6 +268,33 @@ fn stop_after_ends_a_run_early_on_its_full_schedule() {
 }
 
 #[test]
+fn a_save_interrupted_between_its_renames_is_recovered() {
+    // A save moves the current checkpoint aside, then moves the new one in. Killed in between,
+    // it leaves no checkpoint directory, the previous one beside it, and maybe a half-written
+    // temp directory: resuming restores the previous checkpoint, and the next save clears the
+    // leftovers. (The kill -9 test in crates/cli drives this with real kills.)
+    let out = tmp("interrupted");
+    let ck = out.join("ck");
+    let mut a = tiny_args(&out, 3);
+    a.checkpoint_dir = Some(ck.clone());
+    let straight = run(a).unwrap().steps;
+    std::fs::rename(&ck, out.join(".ck.old-4242")).unwrap();
+    std::fs::create_dir_all(out.join(".ck.tmp-4243")).unwrap();
+    std::fs::write(out.join(".ck.tmp-4243/model.safetensors"), "half").unwrap();
+    let more = run(resume_args(&ck, &out, Some(4), "m2.jsonl"))
+        .unwrap()
+        .steps;
+    assert_eq!((more.len(), more[0].step), (1, 4));
+    assert!(more[0].loss < straight[0].loss);
+    let left: Vec<_> = std::fs::read_dir(&out)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+        .filter(|n| n.starts_with(".ck."))
+        .collect();
+    assert!(left.is_empty(), "leftovers {left:?}");
+}
+
+#[test]
 fn fp16_overflow_skips_the_step_backs_off_and_recovers() {
     // A loss scale of 2^30 overflows fp16 (max 65504) in the LM head's input gradient: the
     // step is skipped and the scale halves until the gradients are finite again; then
