@@ -25,6 +25,10 @@ pub const MAX_PACKED_RHS: usize = 1 << 20;
 /// bit-identical across machine kinds. With 2048 they were not, and a loss curve of the fp8
 /// tiny model moved from 0.114 to 0.166 nats from fp32 between the two machines.
 pub const MAX_DEPTH: usize = 512;
+const _: () = assert!(
+    MAX_DEPTH <= 512,
+    "gemm takes depths up to 512 in one block on every CPU"
+);
 
 /// Column-major-agnostic strided sgemm: `dst[m,n] (=|+=) lhs[m,k]·rhs[k,n]`, strides in elements
 /// as `(row stride, col stride)`.
