@@ -16,8 +16,14 @@ fn u(v: &Value) -> u64 {
 /// GPUs and global batch of a plan, from the settings it echoes.
 fn gpus_and_batch(v: &Value) -> (u64, u64) {
     let (l, r) = (&v["settings"]["layout"], &v["settings"]["recipe"]);
-    let gpus = ["dp", "tp", "pp", "cp", "ep"].iter().map(|k| u(&l[k])).product();
-    (gpus, u(&r["mbs"]) * u(&r["grad_acc"]) * u(&l["dp"]) * u(&l["ep"]))
+    let gpus = ["dp", "tp", "pp", "cp", "ep"]
+        .iter()
+        .map(|k| u(&l[k]))
+        .product();
+    (
+        gpus,
+        u(&r["mbs"]) * u(&r["grad_acc"]) * u(&l["dp"]) * u(&l["ep"]),
+    )
 }
 
 /// Command-line flags as settings (`--grad-acc 2` → `"grad_acc": 2`, a bare `--sp` → true), and
@@ -65,7 +71,10 @@ fn checked(request: Value) -> Value {
     let mut seen_more = false;
     for o in options {
         // The flags are exactly the settings: what the user types is what was planned.
-        assert_eq!(parse_flags(o["flags"].as_str().unwrap()), (o["set"].clone(), vec![]));
+        assert_eq!(
+            parse_flags(o["flags"].as_str().unwrap()),
+            (o["set"].clone(), vec![])
+        );
         let again = plan_json(with(&request, &o["set"]))
             .unwrap_or_else(|e| panic!("option {} is rejected by the planner: {e}", o["flags"]));
         let peak = u(&again["per_rank"]["peak"]);
@@ -83,14 +92,21 @@ fn checked(request: Value) -> Value {
         if o["adds_gpus"] == true {
             seen_more = true;
         } else {
-            assert!(!seen_more, "{} listed after an option adding GPUs", o["flags"]);
+            assert!(
+                !seen_more,
+                "{} listed after an option adding GPUs",
+                o["flags"]
+            );
         }
         // A cluster is known, so every option is timed.
         assert!(o["step_s"].as_f64().is_some_and(|s| s > 0.0), "{o}");
     }
     // The recommendation is the first option that fits.
     let first_fit = options.iter().find(|o| o["fits"] == true);
-    assert_eq!(verdict["suggestion"], first_fit.cloned().unwrap_or(Value::Null));
+    assert_eq!(
+        verdict["suggestion"],
+        first_fit.cloned().unwrap_or(Value::Null)
+    );
     v
 }
 
@@ -182,8 +198,10 @@ fn tensor_and_pipeline_parallelism_keep_the_gpu_count_and_the_batch_on_even_dp()
 
 #[test]
 fn smaller_micro_batches_keep_the_global_batch() {
-    let v = checked(json!({"model": "llama-3-8b", "seq": 4096, "mbs": 4, "grad_acc": 2,
-                           "dp": 8, "zero": 1, "gpu": "h100"}));
+    let v = checked(
+        json!({"model": "llama-3-8b", "seq": 4096, "mbs": 4, "grad_acc": 2,
+                           "dp": 8, "zero": 1, "gpu": "h100"}),
+    );
     let options = v["verdict"]["options"].as_array().unwrap();
     let halved = options
         .iter()

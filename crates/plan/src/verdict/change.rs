@@ -87,7 +87,7 @@ pub(super) fn candidates(x: &PlanInput) -> Vec<Change> {
     }
     smaller.dedup();
     for mbs in smaller {
-        if r.mbs % mbs != 0 {
+        if !r.mbs.is_multiple_of(mbs) {
             continue;
         }
         let ga = r.grad_acc.saturating_mul(r.mbs / mbs);
@@ -110,7 +110,7 @@ pub(super) fn candidates(x: &PlanInput) -> Vec<Change> {
         );
     }
     if let ModelSource::Spec(m) = &x.model {
-        let tp = l.tp * 2;
+        let tp = l.tp.saturating_mul(2);
         if m.heads % tp == 0 && m.kv_heads % tp == 0 {
             push(
                 Knob::Tp,
@@ -133,8 +133,8 @@ pub(super) fn candidates(x: &PlanInput) -> Vec<Change> {
         );
     }
     if let ModelSource::Spec(m) = &x.model {
-        let pp = l.pp * 2;
-        if m.layers % (pp * l.pp_virtual) == 0 && l.zero < 2 {
+        let pp = l.pp.saturating_mul(2);
+        if m.layers.is_multiple_of(pp.saturating_mul(l.pp_virtual)) && l.zero < 2 {
             push(
                 Knob::Pp,
                 "splits the layers over more pipeline stages".into(),
@@ -159,13 +159,13 @@ pub(super) fn candidates(x: &PlanInput) -> Vec<Change> {
         "adds data-parallel ranks and shards the optimizer states over them (ZeRO)".into(),
         "gradient reduction over the data-parallel group every step",
         &move |y| {
-            y.layout.dp *= 2;
+            y.layout.dp = y.layout.dp.saturating_mul(2);
             y.layout.zero = zero;
             // Keep the global batch: fewer micro-batches, else smaller ones; when both are
             // odd it doubles, and the option reports it.
-            if y.recipe.grad_acc % 2 == 0 {
+            if y.recipe.grad_acc.is_multiple_of(2) {
                 y.recipe.grad_acc /= 2;
-            } else if y.recipe.mbs % 2 == 0 {
+            } else if y.recipe.mbs.is_multiple_of(2) {
                 y.recipe.mbs /= 2;
             }
         },
@@ -192,7 +192,7 @@ pub(super) fn candidates(x: &PlanInput) -> Vec<Change> {
 /// After doubling tp or pp: halve dp (same GPU count) and double gradient accumulation (same
 /// global batch) when dp is even; otherwise the change adds GPUs and dp stays.
 fn trade_dp_for(y: &mut PlanInput) {
-    if y.layout.dp % 2 == 0 {
+    if y.layout.dp.is_multiple_of(2) {
         y.layout.dp /= 2;
         y.recipe.grad_acc = y.recipe.grad_acc.saturating_mul(2);
     }

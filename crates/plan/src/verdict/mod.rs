@@ -12,7 +12,7 @@ pub use timing::Timing;
 
 use crate::error::Result;
 use crate::hardware::Gpu;
-use crate::planner::PlanInput;
+use crate::planner::{ModelSource, PlanInput};
 use combine::{combinations, singles, Gpus, Tried};
 use serde::Serialize;
 use serde_json::{Map, Value};
@@ -176,6 +176,13 @@ fn group_options(
 /// The verdict for a configuration whose most loaded rank peaks at `peak` on `gpu`; with
 /// `timing`, every option gets a predicted step time.
 pub fn verdict(x: &PlanInput, peak: u64, gpu: &Gpu, timing: Option<Timing>) -> Result<Verdict> {
+    // The candidates are built from the input's settings: refuse an input the planner would.
+    x.recipe.validate()?;
+    let spec = match &x.model {
+        ModelSource::Spec(m) => Some(m),
+        ModelSource::Params(_) => None,
+    };
+    x.layout.validate(spec, &x.recipe)?;
     let capacity = gpu.capacity;
     let fits = peak <= capacity;
     let mut options = Vec::new();
