@@ -80,6 +80,11 @@ fn checked(request: Value) -> Value {
         let peak = u(&again["per_rank"]["peak"]);
         assert_eq!(u(&o["peak"]), peak, "peak of {}", o["flags"]);
         assert_eq!(o["fits"], json!(peak <= capacity), "fits of {}", o["flags"]);
+        assert!(
+            peak < u(&verdict["peak"]),
+            "{} does not lower the peak",
+            o["flags"]
+        );
         let (o_gpus, o_batch) = gpus_and_batch(&again);
         assert_eq!(u(&o["gpus"]), o_gpus, "GPUs of {}", o["flags"]);
         assert_eq!(o["adds_gpus"], json!(o_gpus > gpus), "{}", o["flags"]);

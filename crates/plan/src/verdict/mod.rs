@@ -34,7 +34,8 @@ pub struct Verdict {
     /// When it does not fit: the recommended change, the first option that fits — on the same
     /// GPUs whenever one does.
     pub suggestion: Option<Suggestion>,
-    /// When it does not fit: the options on the same GPUs, then those that add GPUs; within
+    /// When it does not fit: the changes that lower the peak (and that the planner accepts),
+    /// those on the same GPUs first, then those that add GPUs; within
     /// each, those that fit first (cheapest first: fewest GPUs, then predicted time, or the
     /// usual cost order without a time estimate), then those that do not (lowest peak first).
     pub options: Vec<Suggestion>,
@@ -140,24 +141,33 @@ fn faster(a: &Ranked, b: &Ranked) -> Ordering {
     .then(a.rank.cmp(&b.rank))
 }
 
-/// The options of one group: each single change, plus the cheapest combination that fits when
-/// no single change does.
+/// Whether `a` is `b` plus more changes: `b` then fits with no more GPUs and less changed.
+fn contains(a: &Suggestion, b: &Suggestion) -> bool {
+    b.gpus <= a.gpus && b.set.iter().all(|(k, v)| a.set.get(k) == Some(v))
+}
+
+/// The options of one group: each single change that is planned and lowers the peak, plus the
+/// cheapest combination that fits when no single change does (unless it only adds changes to
+/// an option that fits already, listed in `earlier`).
 fn group_options(
     x: &PlanInput,
+    peak: u64,
     tried: &[Tried],
     capacity: u64,
     clock: Option<&Clock>,
     group: Gpus,
+    earlier: &[Suggestion],
 ) -> Vec<Suggestion> {
     let mut out: Vec<Ranked> = tried
         .iter()
-        .filter(|t| t.peak.is_some() && Gpus::of(x, &t.input) == group)
+        .filter(|t| t.peak.is_some_and(|p| p < peak) && Gpus::of(x, &t.input) == group)
         .map(|t| describe(x, t, capacity, clock))
         .collect();
     if !out.iter().any(|r| r.s.fits) {
         let best = combinations(x, tried, capacity, group)
             .iter()
             .map(|t| describe(x, t, capacity, clock))
+            .filter(|c| !earlier.iter().any(|e| e.fits && contains(&c.s, e)))
             .min_by(|a, b| {
                 a.batch_changes.cmp(&b.batch_changes).then_with(|| {
                     match (a.s.slowdown, b.s.slowdown) {
@@ -190,7 +200,8 @@ pub fn verdict(x: &PlanInput, peak: u64, gpu: &Gpu, timing: Option<Timing>) -> R
         let clock = timing.and_then(|t| Clock::new(x, t));
         let tried = singles(x);
         for group in [Gpus::Same, Gpus::More] {
-            options.extend(group_options(x, &tried, capacity, clock.as_ref(), group));
+            let found = group_options(x, peak, &tried, capacity, clock.as_ref(), group, &options);
+            options.extend(found);
         }
     }
     Ok(Verdict {
