@@ -97,6 +97,48 @@ fn does_not_fit_suggests_the_cheapest_change() {
     assert!(s["peak"].as_u64().unwrap() <= v["verdict"]["capacity"].as_u64().unwrap());
 }
 
+/// One GPU that is too small (issue #16 item 6): the options that keep one GPU come first, and
+/// the recommended flags, typed back into the CLI, plan a configuration that fits on one GPU.
+#[test]
+fn one_gpu_verdict_recommends_a_one_gpu_fix_that_the_cli_accepts() {
+    let base = [
+        "plan",
+        "--model",
+        "gpt2-xl",
+        "--gpu",
+        "rtx4090",
+        "--precision",
+        "fp16",
+        "--seq",
+        "128",
+        "--mbs",
+        "1",
+    ];
+    let table = ok(&base);
+    let same = table.find("On the same 1 GPU:").expect(&table);
+    let more = table.find("Adding GPUs:").expect(&table);
+    assert!(same < more, "{table}");
+    let mut json_args = base.to_vec();
+    json_args.push("--json");
+    let v: Value = serde_json::from_str(&ok(&json_args)).unwrap();
+    assert_eq!(v["fits"], false);
+    let flags = v["verdict"]["suggestion"]["flags"].as_str().unwrap();
+    assert!(
+        table.contains(&format!("recommended: {flags} (")),
+        "{table}"
+    );
+    let mut again = json_args.clone();
+    again.extend(flags.split_whitespace());
+    let fixed: Value = serde_json::from_str(&ok(&again)).unwrap();
+    assert_eq!(fixed["fits"], true, "{flags}");
+    assert_eq!(fixed["ranks"].as_array().unwrap().len(), 1);
+    assert_eq!(fixed["time"]["gpus"], 1, "{flags}");
+    assert_eq!(
+        fixed["per_rank"]["peak"], v["verdict"]["suggestion"]["peak"],
+        "{flags}"
+    );
+}
+
 #[test]
 fn toml_config_mirrors_flags_and_flags_win() {
     let dir = tempfile::tempdir().unwrap();

@@ -31,7 +31,7 @@ pub fn to_html(rep: &Report) -> String {
                 .as_ref()
                 .map_or("none found".to_string(), |s| s.flags.clone());
             format!(
-                "Does not fit on {}: peak {} GiB over {} GiB. Cheapest fix: {}",
+                "Does not fit on {}: peak {} GiB over {} GiB. Recommended fix: {}",
                 v.gpu,
                 gib(v.peak),
                 gib(v.capacity),

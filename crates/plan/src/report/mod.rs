@@ -13,7 +13,7 @@ use crate::memory::Breakdown;
 use crate::planner::{plan, ModelSource, PlanInput, PlanResult, RankPlan};
 use crate::recipe::Recompute;
 use crate::timeline::{coarse, step2_explanation, TimelinePoint};
-use crate::verdict::{verdict, Verdict};
+use crate::verdict::{verdict, Timing, Verdict};
 use serde::Serialize;
 
 /// Per-rank memory by component, in bytes. `buffers` = workspace + comm buffers.
@@ -177,6 +177,17 @@ pub fn build(
     gpu: Option<&Gpu>,
     with_seq_sweep: bool,
 ) -> Result<Report> {
+    assemble(x, result, gpu, None, with_seq_sweep)
+}
+
+/// The report without the step-time section; `timing` (a cluster) times the verdict's options.
+fn assemble(
+    x: &PlanInput,
+    result: &PlanResult,
+    gpu: Option<&Gpu>,
+    timing: Option<Timing>,
+    with_seq_sweep: bool,
+) -> Result<Report> {
     let worst = result.worst();
     let timeline = coarse(&worst.sweep, &x.overhead);
     let opt_bytes = worst.at_peak.optimizer;
@@ -185,7 +196,7 @@ pub fn build(
         ModelSource::Spec(m) => m.name.clone(),
         ModelSource::Params(n) => format!("{n} parameters (model states only)"),
     };
-    let verdict = gpu.map(|g| verdict(x, worst.peak, g)).transpose()?;
+    let verdict = gpu.map(|g| verdict(x, worst.peak, g, timing)).transpose()?;
     Ok(Report {
         model,
         params_total: result.params.total,
@@ -215,7 +226,8 @@ pub fn build_with_time(
     flops: FlopsConvention,
     with_seq_sweep: bool,
 ) -> Result<Report> {
-    let mut rep = build(x, result, Some(&cluster.gpu), with_seq_sweep)?;
+    let timing = Timing { cluster, flops };
+    let mut rep = assemble(x, result, Some(&cluster.gpu), Some(timing), with_seq_sweep)?;
     rep.time = crate::time::estimate(x, cluster, flops)?;
     Ok(rep)
 }

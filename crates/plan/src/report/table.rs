@@ -1,6 +1,7 @@
 //! The default human-readable table.
 
 use super::Report;
+use crate::verdict::{Suggestion, Verdict};
 use std::fmt::Write;
 
 pub fn gib(b: u64) -> String {
@@ -111,41 +112,108 @@ pub fn render(rep: &Report) -> String {
         o.push_str(&render_time(t));
     }
     if let Some(v) = &rep.verdict {
-        let _ = writeln!(o);
-        if v.fits {
-            let _ = writeln!(
-                o,
-                "Verdict: fits on {} ({} GiB) with {} GiB free.",
-                v.gpu,
-                gib(v.capacity),
-                gib(v.free as u64)
-            );
-        } else {
-            let _ = writeln!(
-                o,
-                "Verdict: does NOT fit on {} ({} GiB): peak {} GiB, {} GiB over.",
-                v.gpu,
-                gib(v.capacity),
-                gib(v.peak),
-                gib(v.free.unsigned_abs())
-            );
-            match &v.suggestion {
-                Some(s) => {
-                    let _ = writeln!(
-                        o,
-                        "  cheapest change that fits: {} ({}), peak {} GiB",
-                        s.flags,
-                        s.why,
-                        gib(s.peak)
-                    );
-                }
-                None => {
-                    let _ = writeln!(o, "  no combination of up to three standard changes fits; add GPUs or shorten seq");
-                }
-            }
-        }
+        o.push_str(&render_verdict(v, rep.time.as_ref()));
     }
     o
+}
+
+/// The fit verdict and, when it does not fit, the options: those on the same GPUs first, then
+/// those that add GPUs, one line each with its peak, whether it fits, and its speed cost.
+pub fn render_verdict(v: &Verdict, time: Option<&crate::time::TimeReport>) -> String {
+    let mut o = String::new();
+    let _ = writeln!(o);
+    if v.fits {
+        let _ = writeln!(
+            o,
+            "Verdict: fits on {} ({} GiB) with {} GiB free.",
+            v.gpu,
+            gib(v.capacity),
+            gib(v.free as u64)
+        );
+        return o;
+    }
+    let _ = writeln!(
+        o,
+        "Verdict: does NOT fit on {} ({} GiB): peak {} GiB, {} GiB over.",
+        v.gpu,
+        gib(v.capacity),
+        gib(v.peak),
+        gib(v.free.unsigned_abs())
+    );
+    match &v.suggestion {
+        Some(s) => {
+            let _ = writeln!(
+                o,
+                "  recommended: {} ({}), peak {} GiB, {}",
+                s.flags,
+                s.why,
+                gib(s.peak),
+                cost(s)
+            );
+        }
+        None => {
+            let _ = writeln!(
+                o,
+                "  no option below fits (up to three changes combined); shorten seq or use a larger GPU"
+            );
+        }
+    }
+    let width = v.options.iter().map(|s| s.flags.len()).max().unwrap_or(0);
+    let gpus = |n: u64| format!("{n} GPU{}", if n == 1 { "" } else { "s" });
+    let same: Vec<&Suggestion> = v.options.iter().filter(|s| !s.adds_gpus).collect();
+    let more: Vec<&Suggestion> = v.options.iter().filter(|s| s.adds_gpus).collect();
+    for (title, list) in [
+        (format!("On the same {}:", gpus(v.gpus)), same),
+        ("Adding GPUs:".to_string(), more),
+    ] {
+        if list.is_empty() {
+            continue;
+        }
+        let _ = writeln!(
+            o,
+            "  {title:<w$}{:>9}  {:<4}  {:<8}  speed cost",
+            "peak GiB",
+            "fits",
+            "GPUs",
+            w = width + 2
+        );
+        for s in list {
+            let batch = if s.global_batch != v.global_batch {
+                format!(
+                    "; global batch {} → {} sequences",
+                    v.global_batch, s.global_batch
+                )
+            } else {
+                String::new()
+            };
+            let _ = writeln!(
+                o,
+                "    {:<width$}{:>9}  {:<4}  {:<8}  {}{batch}",
+                s.flags,
+                gib(s.peak),
+                if s.fits { "yes" } else { "no" },
+                gpus(s.gpus),
+                cost(s)
+            );
+        }
+    }
+    if let Some(t) = time {
+        let _ = writeln!(
+            o,
+            "  speed cost: time per token against this configuration's predicted {} step (as if it fitted)",
+            secs(t.step_s)
+        );
+    }
+    o
+}
+
+/// An option's speed cost: its predicted step time and time per token against the current
+/// configuration, or in words without a time estimate.
+fn cost(s: &Suggestion) -> String {
+    match (s.step_s, s.slowdown) {
+        (Some(step), Some(d)) => format!("{:+.1}% (step {})", d * 100.0, secs(step)),
+        _ => s.cost.clone(),
+    }
 }
 
 /// Seconds with a sensible number of digits.
