@@ -108,6 +108,30 @@ fn bad_train_input_exits_nonzero_with_one_line() {
             "model = llama-9b: neither a built-in preset nor a config.json file",
         ),
         (
+            vec!["train", "--dp", "2"],
+            "error: dp = 2: ferrotron train runs a single rank for now (the distributed trainer is the next milestone); `ferrotron plan --dp 2` predicts",
+        ),
+        (
+            vec!["train", "--tp", "2", "--sp"],
+            "error: tp = 2: ferrotron train runs a single rank for now",
+        ),
+        (
+            vec!["train", "--zero", "3"],
+            "error: zero = 3: ferrotron train runs a single rank for now",
+        ),
+        (
+            vec!["train", "--zero", "7"],
+            "zero = 7: ZeRO stages are 0, 1, 2 or 3",
+        ),
+        (
+            vec!["train", "--pp-schedule", "zigzag"],
+            "pp_schedule = zigzag: expected one of afab, 1f1b, interleaved",
+        ),
+        (
+            vec!["train", "--pp-virtual", "0"],
+            "error: pp_virtual = 0: must be a positive integer",
+        ),
+        (
             vec!["sample", "--checkpoint", "/nonexistent/ck"],
             "not a ferrotron checkpoint directory",
         ),

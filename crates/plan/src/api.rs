@@ -8,7 +8,8 @@ use crate::error::{PlanError, Result};
 use crate::flops::FlopsConvention;
 use crate::hardware::Overhead;
 use crate::inventory::{count, inventory};
-use crate::layout::{Layout, Offload, PpSchedule};
+use crate::layout::{Layout, PpSchedule};
+use crate::layout_flags::LayoutFlags;
 use crate::model::ModelSpec;
 use crate::planner::{plan, ModelSource, PlanInput};
 use crate::presets::{preset, preset_names};
@@ -77,7 +78,11 @@ pub struct Resolved {
     pub flops: FlopsConvention,
 }
 
-fn parse<T: std::str::FromStr<Err = PlanError>>(v: &Option<String>, default: T) -> Result<T> {
+/// A named setting parsed from its text, or `default` when not given.
+pub(crate) fn parse<T: std::str::FromStr<Err = PlanError>>(
+    v: &Option<String>,
+    default: T,
+) -> Result<T> {
     match v {
         None => Ok(default),
         Some(s) => s.parse(),
@@ -255,26 +260,19 @@ impl Settings {
             ModelSource::Spec(m) => m.max_positions,
             ModelSource::Params(_) => u64::MAX,
         };
-        let zero = self.zero.unwrap_or(0);
-        if zero > 3 {
-            return Err(PlanError::setting(
-                "zero",
-                zero,
-                "ZeRO stages are 0, 1, 2 or 3",
-            ));
+        let layout = LayoutFlags {
+            dp: self.dp,
+            tp: self.tp,
+            pp: self.pp,
+            cp: self.cp,
+            ep: self.ep,
+            zero: self.zero,
+            sp: self.sp,
+            pp_schedule: self.pp_schedule.clone(),
+            pp_virtual: self.pp_virtual,
+            offload: self.offload.clone(),
         }
-        let layout = Layout {
-            dp: self.dp.unwrap_or(1),
-            tp: self.tp.unwrap_or(1),
-            pp: self.pp.unwrap_or(1),
-            cp: self.cp.unwrap_or(1),
-            ep: self.ep.unwrap_or(1),
-            zero: zero as u8,
-            sp: self.sp.unwrap_or(false),
-            pp_schedule: parse(&self.pp_schedule, PpSchedule::OneFOneB)?,
-            pp_virtual: self.pp_virtual.unwrap_or(1),
-            offload: parse(&self.offload, Offload::None)?,
-        };
+        .resolve()?;
         let mbs = self.mbs.unwrap_or(1);
         let grad_acc = match (self.gbs, self.grad_acc) {
             (None, ga) => ga.unwrap_or(1),

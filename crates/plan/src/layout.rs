@@ -30,7 +30,7 @@ pub enum Offload {
     Params,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Layout {
     pub dp: u64,
     pub tp: u64,

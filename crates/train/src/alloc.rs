@@ -1,11 +1,20 @@
 //! A tracking global allocator: live and peak heap bytes of the whole process, so every run can
-//! compare the memory it actually used with the plan's prediction.
+//! compare the memory it actually used with the plan's prediction, and of each rank when
+//! several ranks run as threads of one process.
+//!
+//! Per-rank accounting: a thread tagged with [`set_rank`] (a rank's own thread, and the worker
+//! threads of that rank's thread pool, tagged by the pool's start handler) charges what it
+//! allocates and frees to that rank. The rule that makes this exact is that a rank's memory is
+//! allocated and freed by the rank's own threads, as it is when every rank owns its buffers and
+//! its pool; untagged threads (the main thread before ranks exist, I/O threads) charge only
+//! the process-wide counters.
 //!
 //! The binary (and each test that measures) installs it:
 //! `#[global_allocator] static A: ferrotron_train::alloc::Tracking = ferrotron_train::alloc::Tracking;`
 
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering::Relaxed};
 
 pub struct Tracking;
 
@@ -13,10 +22,71 @@ static LIVE: AtomicUsize = AtomicUsize::new(0);
 static PEAK: AtomicUsize = AtomicUsize::new(0);
 static INSTALLED: AtomicBool = AtomicBool::new(false);
 
+/// Ranks a process can account for separately (threads backend: one process, many ranks).
+pub const MAX_RANKS: usize = 256;
+const NO_RANK: usize = usize::MAX;
+// Signed, so a buffer freed by another rank's thread skews two counters instead of wrapping one.
+static RANK_LIVE: [AtomicI64; MAX_RANKS] = [const { AtomicI64::new(0) }; MAX_RANKS];
+static RANK_PEAK: [AtomicI64; MAX_RANKS] = [const { AtomicI64::new(0) }; MAX_RANKS];
+
+thread_local! {
+    // Const-initialised and without a destructor: reading it never allocates, so the allocator
+    // may read it.
+    static RANK: Cell<usize> = const { Cell::new(NO_RANK) };
+}
+
+fn rank_slot() -> Option<usize> {
+    RANK.try_with(Cell::get).ok().filter(|&r| r < MAX_RANKS)
+}
+
 #[inline]
 fn grew(n: usize) {
     let now = LIVE.fetch_add(n, Relaxed) + n;
     PEAK.fetch_max(now, Relaxed);
+    if let Some(r) = rank_slot() {
+        let now = RANK_LIVE[r].fetch_add(n as i64, Relaxed) + n as i64;
+        RANK_PEAK[r].fetch_max(now, Relaxed);
+    }
+}
+
+#[inline]
+fn shrank(n: usize) {
+    LIVE.fetch_sub(n, Relaxed);
+    if let Some(r) = rank_slot() {
+        RANK_LIVE[r].fetch_sub(n as i64, Relaxed);
+    }
+}
+
+/// Charges what this thread allocates from now on to `rank` (`None`: to no rank).
+pub fn set_rank(rank: Option<usize>) {
+    let r = rank.filter(|&r| r < MAX_RANKS).unwrap_or(NO_RANK);
+    RANK.with(|c| c.set(r));
+}
+
+/// The rank this thread charges, if any.
+pub fn current_rank() -> Option<usize> {
+    rank_slot()
+}
+
+/// Live heap bytes of `rank` (allocated minus freed by its threads).
+pub fn rank_live(rank: usize) -> u64 {
+    RANK_LIVE
+        .get(rank)
+        .map_or(0, |c| c.load(Relaxed).max(0) as u64)
+}
+
+/// Highest live bytes of `rank` since its last `reset_rank_peak`.
+pub fn rank_peak(rank: usize) -> u64 {
+    RANK_PEAK
+        .get(rank)
+        .map_or(0, |c| c.load(Relaxed).max(0) as u64)
+}
+
+/// Starts a new peak window of `rank` at its current live bytes.
+pub fn reset_rank_peak(rank: usize) {
+    if let (Some(p), Some(l)) = (RANK_PEAK.get(rank), RANK_LIVE.get(rank)) {
+        p.store(l.load(Relaxed), Relaxed);
+    }
 }
 
 // SAFETY: every call forwards to the system allocator unchanged; only counters are added.
@@ -37,7 +107,7 @@ unsafe impl GlobalAlloc for Tracking {
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         System.dealloc(ptr, layout);
-        LIVE.fetch_sub(layout.size(), Relaxed);
+        shrank(layout.size());
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         let p = System.realloc(ptr, layout, new_size);
@@ -45,7 +115,7 @@ unsafe impl GlobalAlloc for Tracking {
             if new_size >= layout.size() {
                 grew(new_size - layout.size());
             } else {
-                LIVE.fetch_sub(layout.size() - new_size, Relaxed);
+                shrank(layout.size() - new_size);
             }
         }
         p

@@ -3,7 +3,7 @@
 
 use crate::loss_scale::LossScaleConfig;
 use clap::Args;
-use ferrotron_plan::{Precision, Recompute};
+use ferrotron_plan::{Layout, LayoutFlags, Offload, Precision, Recompute};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -139,6 +139,15 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip)]
     pub quiet: bool,
+    /// The parallel layout, the same flags as `ferrotron plan` (one rank until the distributed
+    /// trainer lands).
+    #[command(flatten)]
+    #[serde(skip)]
+    pub layout: LayoutFlags,
+    /// The layout in a TOML file: its `[parallel]` table (keys as the flags).
+    #[arg(skip)]
+    #[serde(default)]
+    pub parallel: Option<LayoutFlags>,
 }
 
 /// The effective configuration, printed at start and saved next to checkpoints.
@@ -186,6 +195,9 @@ pub struct TrainConfig {
     #[serde(default)]
     pub loss_scale: LossScaleConfig,
     pub sample_tokens: u64,
+    /// The parallel layout (the planner's); one rank until the distributed trainer lands.
+    #[serde(default)]
+    pub parallel: Layout,
     // Observability settings postdate the first checkpoints: defaults let those load.
     #[serde(default)]
     pub memory_timeline: Option<PathBuf>,
@@ -290,6 +302,54 @@ fn bad(field: &'static str, value: impl ToString, problem: &str) -> ConfigError 
     }
 }
 
+/// The layout of the flags, refused unless it is one rank: the trainer runs one process on one
+/// device until the distributed trainer lands. The planner already predicts every layout, so
+/// the message points there.
+pub(crate) fn single_rank(flags: &LayoutFlags) -> Result<Layout, ConfigError> {
+    let l = flags.resolve().map_err(|e| ConfigError {
+        field: "parallel",
+        value: String::new(),
+        problem: e.to_string(),
+    })?;
+    let not_yet = |field: &'static str, v: String| {
+        let problem = format!(
+            "ferrotron train runs a single rank for now (the distributed trainer is the next milestone); `ferrotron plan --{} {v}` predicts this layout's memory and time",
+            field.replace('_', "-")
+        );
+        Err(bad(field, v, &problem))
+    };
+    for (field, v) in [
+        ("dp", l.dp),
+        ("tp", l.tp),
+        ("pp", l.pp),
+        ("cp", l.cp),
+        ("ep", l.ep),
+    ] {
+        if v == 0 {
+            return Err(bad(field, v, "must be a positive integer"));
+        }
+        if v > 1 {
+            return not_yet(field, v.to_string());
+        }
+    }
+    if l.pp_virtual == 0 {
+        return Err(bad("pp_virtual", 0, "must be a positive integer"));
+    }
+    if l.zero > 0 {
+        return not_yet("zero", l.zero.to_string());
+    }
+    if l.sp {
+        return not_yet("sp", "true".into());
+    }
+    if l.pp_virtual != 1 {
+        return not_yet("pp_virtual", l.pp_virtual.to_string());
+    }
+    if l.offload != Offload::None {
+        return not_yet("offload", l.offload.to_string());
+    }
+    Ok(l)
+}
+
 macro_rules! merge {
     ($cli:ident, $file:ident; $($f:ident),*) => { $( if $cli.$f.is_none() { $cli.$f = $file.$f.take(); } )* };
 }
@@ -311,6 +371,7 @@ impl TrainArgs {
             loss_scale_growth_interval,
             peak_gflops, sample_tokens, memory_timeline, memory_timeline_steps, trace,
             trace_steps);
+        self.layout = self.layout.or(file.parallel.take().unwrap_or_default());
         Ok(self)
     }
 
@@ -344,6 +405,7 @@ impl TrainArgs {
             value: String::new(),
             problem: e,
         })?;
+        let parallel = single_rank(&self.layout)?;
         let stochastic_rounding = self.stochastic_rounding.unwrap_or(false);
         if stochastic_rounding && precision == Precision::Fp32 {
             return Err(bad(
@@ -399,6 +461,7 @@ impl TrainArgs {
             stochastic_rounding,
             loss_scale,
             sample_tokens: self.sample_tokens.unwrap_or(0),
+            parallel,
             memory_timeline: Some(timeline),
             memory_timeline_steps: self
                 .memory_timeline_steps

@@ -66,6 +66,10 @@ fn resume_config(args: &TrainArgs, saved: &TrainConfig) -> Result<TrainConfig> {
         c.decay_steps = d;
     }
     c.stop_after = args.stop_after;
+    // The layout stays the checkpoint's; a different one is refused as in a new run.
+    if args.layout != ferrotron_plan::LayoutFlags::default() {
+        c.parallel = crate::config::single_rank(&args.layout)?;
+    }
     if let Some(v) = args.threads {
         c.threads = v;
     }

