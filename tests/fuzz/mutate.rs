@@ -16,23 +16,24 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::time::{Duration, Instant};
 
-/// Cases per property in CI. `FERROTRON_FUZZ_CASES` (or proptest's own `PROPTEST_CASES`)
-/// overrides it for a longer run; `scale` lets a slow property (one that plans or tokenizes
-/// per case) run a fraction of them.
-pub fn cases(ci_default: u32) -> u32 {
-    std::env::var("FERROTRON_FUZZ_CASES")
-        .or_else(|_| std::env::var("PROPTEST_CASES"))
-        .ok()
-        .and_then(|s| s.parse::<u32>().ok())
-        .map_or(ci_default, |n| n.max(1))
+/// Cases of a property: `ci` in CI, times `FERROTRON_FUZZ_SCALE` for a longer run
+/// (`FERROTRON_FUZZ_SCALE=10` is the recorded long run); proptest's own `PROPTEST_CASES`, when
+/// set, is taken as is for every property instead.
+pub fn cases(ci: u32) -> u32 {
+    let env = |k: &str| std::env::var(k).ok().and_then(|s| s.parse::<u32>().ok());
+    if let Some(n) = env("PROPTEST_CASES") {
+        return n.max(1);
+    }
+    ci.saturating_mul(env("FERROTRON_FUZZ_SCALE").unwrap_or(1))
+        .max(1)
 }
 
-/// The proptest config of a fuzz property: `ci_default` cases (see [`cases`]), a per-case
+/// The proptest config of a fuzz property: `ci` cases (see [`cases`]), a per-case
 /// timeout (a hang fails the case instead of stalling CI) and no failure-persistence files in
 /// the source tree.
-pub fn config(ci_default: u32) -> Config {
+pub fn config(ci: u32) -> Config {
     Config {
-        cases: cases(ci_default),
+        cases: cases(ci),
         timeout: CASE_BUDGET.as_millis() as u32 * 5,
         failure_persistence: None,
         max_shrink_iters: 256,
@@ -383,4 +384,130 @@ pub fn each_extreme_number(
             check(with_raw(doc, &p, n).as_bytes()).unwrap_or_else(|e| panic!("{p} = {n}: {e}"));
         }
     }
+}
+
+/// A JSON value a hostile writer would put in a field: extreme and ordinary numbers, every
+/// JSON type, and strings from `words` (the names a reader looks for: model types, choices,
+/// field names) or arbitrary ones.
+pub fn json_value(words: &'static [&'static str]) -> impl Strategy<Value = serde_json::Value> {
+    use serde_json::{json, Value};
+    let leaf = prop_oneof![
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::from),
+        proptest::sample::select(EXTREME_U64).prop_map(Value::from),
+        (0u64..5000).prop_map(Value::from),
+        any::<i64>().prop_map(Value::from),
+        prop_oneof![
+            Just(0.5),
+            Just(-1.5),
+            Just(1e308),
+            Just(-1e308),
+            Just(5e-324),
+            Just(1e-3)
+        ]
+        .prop_map(Value::from),
+        proptest::sample::select(words).prop_map(Value::from),
+        "[a-z0-9_\\-.]{0,12}".prop_map(Value::from),
+    ];
+    leaf.prop_recursive(2, 8, 4, |inner| {
+        prop_oneof![
+            proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::from),
+            proptest::collection::vec(("[a-z_]{1,8}", inner), 0..3)
+                .prop_map(|kv| json!(kv.into_iter().collect::<serde_json::Map<_, _>>())),
+        ]
+    })
+}
+
+/// One edit of a JSON document: set the value at some place (any depth) to a hostile value,
+/// remove a member, or add a member named from `words`.
+#[derive(Debug, Clone)]
+pub enum JsonMutation {
+    Set(Index, serde_json::Value),
+    Remove(Index),
+    Add(Index, &'static str, serde_json::Value),
+}
+
+pub fn json_mutations(
+    words: &'static [&'static str],
+    max: usize,
+) -> impl Strategy<Value = Vec<JsonMutation>> {
+    let one = prop_oneof![
+        3 => (any::<Index>(), json_value(words)).prop_map(|(i, v)| JsonMutation::Set(i, v)),
+        1 => any::<Index>().prop_map(JsonMutation::Remove),
+        2 => (any::<Index>(), proptest::sample::select(words), json_value(words))
+            .prop_map(|(i, k, v)| JsonMutation::Add(i, k, v)),
+    ];
+    proptest::collection::vec(one, 1..=max)
+}
+
+/// Pointers of every value in `doc` (the root is "").
+fn all_pointers(doc: &serde_json::Value) -> Vec<String> {
+    use serde_json::Value;
+    fn walk(v: &Value, at: String, out: &mut Vec<String>) {
+        out.push(at.clone());
+        match v {
+            Value::Array(a) => a
+                .iter()
+                .enumerate()
+                .for_each(|(i, x)| walk(x, format!("{at}/{i}"), out)),
+            Value::Object(o) => o.iter().for_each(|(k, x)| {
+                walk(
+                    x,
+                    format!("{at}/{}", k.replace('~', "~0").replace('/', "~1")),
+                    out,
+                )
+            }),
+            _ => {}
+        }
+    }
+    let mut out = vec![];
+    walk(doc, String::new(), &mut out);
+    out
+}
+
+/// `doc` with `muts` applied in order.
+pub fn mutate_json(doc: &serde_json::Value, muts: &[JsonMutation]) -> serde_json::Value {
+    let mut d = doc.clone();
+    for m in muts {
+        let ptrs = all_pointers(&d);
+        match m {
+            JsonMutation::Set(i, v) => {
+                // Not the root: a document that is not an object is the random-bytes tests' job.
+                let p = &ptrs[1.max(i.index(ptrs.len())).min(ptrs.len() - 1)];
+                if !p.is_empty() {
+                    *d.pointer_mut(p).expect("pointer of d") = v.clone();
+                }
+            }
+            JsonMutation::Remove(i) => {
+                let p = ptrs[i.index(ptrs.len())].clone();
+                if let Some((parent, key)) = p.rsplit_once('/') {
+                    let key = key.replace("~1", "/").replace("~0", "~");
+                    match d.pointer_mut(parent) {
+                        Some(serde_json::Value::Object(o)) => {
+                            o.remove(&key);
+                        }
+                        Some(serde_json::Value::Array(a)) => {
+                            if let Ok(k) = key.parse::<usize>() {
+                                a.remove(k);
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            JsonMutation::Add(i, k, v) => {
+                let objects: Vec<&String> = ptrs
+                    .iter()
+                    .filter(|p| d.pointer(p).is_some_and(serde_json::Value::is_object))
+                    .collect();
+                if !objects.is_empty() {
+                    let p = objects[i.index(objects.len())].clone();
+                    if let Some(serde_json::Value::Object(o)) = d.pointer_mut(&p) {
+                        o.insert(k.to_string(), v.clone());
+                    }
+                }
+            }
+        }
+    }
+    d
 }

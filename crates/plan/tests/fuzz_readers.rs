@@ -4,7 +4,8 @@
 //! of real files: every call returns `Ok` or a one-line error, within the case budget, and
 //! whatever parses must plan (or be refused) without a panic.
 //!
-//! CI runs a fixed number of cases; `FERROTRON_FUZZ_CASES=N` runs N per property.
+//! CI runs a fixed number of cases per property (about a minute for all three fuzz binaries);
+//! `FERROTRON_FUZZ_SCALE=10` runs ten times as many, `PROPTEST_CASES=N` exactly N.
 
 #[path = "../../../tests/fuzz/mutate.rs"]
 mod mutate;
@@ -14,7 +15,9 @@ use ferrotron_plan::cluster::ClusterFile;
 use ferrotron_plan::hardware::Overhead;
 use ferrotron_plan::presets::{preset_json, resolve};
 use ferrotron_plan::{plan, Convention, Layout, ModelSource, ModelSpec, PlanInput, Recipe};
-use mutate::{bounded, config, each_extreme_number, mutate, mutations};
+use mutate::{
+    bounded, config, each_extreme_number, json_mutations, mutate, mutate_json, mutations,
+};
 use proptest::prelude::*;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
@@ -112,6 +115,123 @@ fn check_api(endpoint: Endpoint, body: &[u8]) -> Result<(), TestCaseError> {
     }
     Ok(())
 }
+
+/// Names the config reader looks for: fields and model types.
+const CONFIG_WORDS: &[&str] = &[
+    "model_type",
+    "llama",
+    "mistral",
+    "qwen2",
+    "mixtral",
+    "gpt2",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_hidden_layers",
+    "vocab_size",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "attention_bias",
+    "mlp_bias",
+    "rope_theta",
+    "rope_parameters",
+    "rms_norm_eps",
+    "head_dim",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "n_embd",
+    "n_head",
+    "n_layer",
+    "n_inner",
+    "n_positions",
+    "layer_norm_epsilon",
+];
+
+/// Names the API reads: settings, their choices, presets, GPUs, networks, cluster fields.
+const API_WORDS: &[&str] = &[
+    "model",
+    "config",
+    "params",
+    "seq",
+    "mbs",
+    "grad_acc",
+    "gbs",
+    "precision",
+    "optimizer",
+    "recompute",
+    "dp",
+    "tp",
+    "pp",
+    "cp",
+    "ep",
+    "zero",
+    "sp",
+    "pp_schedule",
+    "pp_virtual",
+    "offload",
+    "gpu",
+    "gpus_per_node",
+    "cluster",
+    "flops_convention",
+    "convention",
+    "overhead_gib",
+    "fragmentation",
+    "ce_chunk",
+    "bucket_mb",
+    "gpus",
+    "gbs_tokens",
+    "margin",
+    "top",
+    "max_mbs",
+    "fp32",
+    "bf16",
+    "bf16-fp32grads",
+    "fp16",
+    "fp8",
+    "adamw",
+    "sgd",
+    "none",
+    "selective",
+    "full",
+    "afab",
+    "1f1b",
+    "interleaved",
+    "optimizer",
+    "params",
+    "megatron",
+    "zero-paper",
+    "playbook",
+    "torchtitan",
+    "nanotron",
+    "6n",
+    "llama-3-8b",
+    "mixtral-8x22b",
+    "llama-3.1-405b",
+    "megatron-1t",
+    "gpt2",
+    "h100",
+    "mi300x",
+    "rtx4090",
+    "ib-ndr",
+    "eth-100",
+    "custom_gpu",
+    "name",
+    "memory_gib",
+    "bf16_tflops",
+    "fp8_tflops",
+    "fp32_tflops",
+    "hbm_tb_s",
+    "sms",
+    "link_gb_s",
+    "matmul_efficiency",
+    "intra_node_gb_s",
+    "intra_node_latency_us",
+    "network",
+    "inter_node_gb_s",
+    "inter_node_latency_us",
+    "link_efficiency",
+];
 
 /// Valid API requests, as the page sends them.
 fn request_samples() -> Vec<(Endpoint, Vec<u8>)> {
@@ -218,7 +338,7 @@ fn api_fields_with_extreme_numbers() {
 }
 
 proptest! {
-    #![proptest_config(config(256))]
+    #![proptest_config(config(40_000))]
 
     #[test]
     fn config_json_random_bytes(bytes in mutate::bytes(512)) {
@@ -255,7 +375,25 @@ proptest! {
 
 proptest! {
     // Each case plans a model or searches layouts: fewer of them.
-    #![proptest_config(config(96))]
+    #![proptest_config(config(15_000))]
+
+    /// Structured edits (a field set to a hostile value, removed, or added): unlike byte
+    /// edits, these keep the JSON valid and so reach the settings checks and the planner.
+    #[test]
+    fn api_requests_structured(i in 0..5usize, muts in json_mutations(API_WORDS, 4)) {
+        let samples = request_samples();
+        let (f, body) = &samples[i];
+        let doc = mutate_json(&serde_json::from_slice(body).unwrap(), &muts);
+        check_api(*f, &serde_json::to_vec(&doc).unwrap())?;
+    }
+
+    #[test]
+    fn config_json_structured(i in 0..7usize, muts in json_mutations(CONFIG_WORDS, 4)) {
+        let samples = config_samples();
+        let doc = mutate_json(&serde_json::from_slice(&samples[i]).unwrap(), &muts);
+        check_config_file(doc.to_string().as_bytes())?;
+    }
+
 
     #[test]
     fn api_requests_mutated(i in 0..5usize, muts in mutations(4)) {

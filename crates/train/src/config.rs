@@ -3,6 +3,7 @@
 
 use crate::loss_scale::LossScaleConfig;
 use clap::Args;
+use ferrotron_plan::error::one_line;
 use ferrotron_plan::{Precision, Recompute};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -232,9 +233,16 @@ pub struct ConfigError {
 impl std::fmt::Display for ConfigError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         if self.value.is_empty() {
-            f.write_str(&self.problem)
+            f.write_str(&one_line(&self.problem))
         } else {
-            write!(f, "{} = {}: {}", self.field, self.value, self.problem)
+            // The value comes from a flag or a file: control characters are escaped.
+            write!(
+                f,
+                "{} = {}: {}",
+                self.field,
+                one_line(&self.value),
+                one_line(&self.problem)
+            )
         }
     }
 }
@@ -257,7 +265,7 @@ pub fn toml_error(path: &std::path::Path, text: &str, e: &toml::de::Error) -> St
         .filter(|l| !l.is_empty())
         .collect::<Vec<_>>()
         .join("; ");
-    let message = ferrotron_plan::error::one_line(&message);
+    let message = one_line(&message);
     match e.span() {
         Some(span) => {
             let before = &text.as_bytes()[..span.start.min(text.len())];

@@ -4,7 +4,8 @@
 //! (`presets::resolve` + `setup::llama_config`). Random bytes and mutations of valid files:
 //! every call returns `Ok` or a one-line error naming the file, within the case budget.
 //!
-//! CI runs a fixed number of cases; `FERROTRON_FUZZ_CASES=N` runs N per property.
+//! CI runs a fixed number of cases per property (about a minute for all three fuzz binaries);
+//! `FERROTRON_FUZZ_SCALE=10` runs ten times as many, `PROPTEST_CASES=N` exactly N.
 
 #[path = "../../../tests/fuzz/mutate.rs"]
 mod mutate;
@@ -18,7 +19,8 @@ use ferrotron_train::data::{
 };
 use ferrotron_train::setup::llama_config;
 use mutate::{
-    bounded, config, each_extreme_number, mutate, mutations, EXTREME_NUMBERS, EXTREME_U64,
+    bounded, config, each_extreme_number, json_mutations, mutate, mutate_json, mutations,
+    EXTREME_NUMBERS, EXTREME_U64,
 };
 use proptest::prelude::*;
 use serde_json::{json, Value};
@@ -206,6 +208,82 @@ fn tokenizer_samples() -> &'static [Vec<u8>] {
     })
 }
 
+/// Names in tokenizer.json files: component types and their fields.
+const TOKENIZER_WORDS: &[&str] = &[
+    "type",
+    "BPE",
+    "WordPiece",
+    "WordLevel",
+    "Unigram",
+    "vocab",
+    "merges",
+    "unk_token",
+    "unk_id",
+    "dropout",
+    "fuse_unk",
+    "byte_fallback",
+    "continuing_subword_prefix",
+    "end_of_word_suffix",
+    "max_input_chars_per_word",
+    "ignore_merges",
+    "added_tokens",
+    "id",
+    "content",
+    "special",
+    "normalizer",
+    "pre_tokenizer",
+    "post_processor",
+    "decoder",
+    "model",
+    "Sequence",
+    "normalizers",
+    "pretokenizers",
+    "decoders",
+    "processors",
+    "ByteLevel",
+    "Whitespace",
+    "WhitespaceSplit",
+    "Metaspace",
+    "BertPreTokenizer",
+    "Split",
+    "Punctuation",
+    "Digits",
+    "CharDelimiterSplit",
+    "UnicodeScripts",
+    "Lowercase",
+    "NFC",
+    "NFKD",
+    "Strip",
+    "Replace",
+    "Prepend",
+    "Precompiled",
+    "BPEDecoder",
+    "CTC",
+    "Fuse",
+    "ByteFallback",
+    "TemplateProcessing",
+    "RobertaProcessing",
+    "BertProcessing",
+    "pattern",
+    "behavior",
+    "invert",
+    "replacement",
+    "prepend_scheme",
+    "add_prefix_space",
+    "trim_offsets",
+    "use_regex",
+    "delimiter",
+    "individual_digits",
+    "single",
+    "pair",
+    "special_tokens",
+    "<unk>",
+    "</s>",
+    "##",
+    "a",
+    "ab",
+];
+
 /// Loads `bytes` as `--tokenizer FILE`; an accepted tokenizer must encode and decode text
 /// (including ids it does not have) without a panic.
 fn check_tokenizer(bytes: &[u8]) -> Result<(), TestCaseError> {
@@ -349,7 +427,7 @@ fn train_toml_values_with_extreme_numbers() {
 }
 
 proptest! {
-    #![proptest_config(config(256))]
+    #![proptest_config(config(40_000))]
 
     #[test]
     fn shard_random_bytes(bytes in mutate::bytes(256)) {
@@ -392,8 +470,20 @@ proptest! {
 }
 
 proptest! {
+    #![proptest_config(config(40_000))]
+
+    /// Structured edits keep the JSON valid, so they reach the components' own checks (and
+    /// the encode/decode paths of odd combinations) instead of the JSON parser.
+    #[test]
+    fn tokenizer_small_structured(i in 0..4usize, muts in json_mutations(TOKENIZER_WORDS, 4)) {
+        let doc = mutate_json(&serde_json::from_slice(&tokenizer_samples()[i]).unwrap(), &muts);
+        check_tokenizer(doc.to_string().as_bytes())?;
+    }
+}
+
+proptest! {
     // The bundled tokenizer is 220 KB: each case parses all of it.
-    #![proptest_config(config(32))]
+    #![proptest_config(config(5_000))]
 
     #[test]
     fn tokenizer_bundled_mutated(muts in mutations(4)) {
@@ -419,6 +509,19 @@ fn regression_toml_errors_are_one_line_with_the_position() {
             "{}:2:4: invalid table header; expected `.`, `]`",
             path.display()
         )
+    );
+}
+
+/// `train_toml_mutated`: a setting's value went into the message verbatim (a tab, a newline).
+#[test]
+fn regression_control_characters_in_setting_errors_are_escaped() {
+    let args = TrainArgs {
+        recompute: Some("\tone\n".into()),
+        ..TrainArgs::default()
+    };
+    assert_eq!(
+        args.resolve().unwrap_err().to_string(),
+        "recompute = \\tone\\n: expected one of none, selective, full"
     );
 }
 
@@ -466,4 +569,20 @@ fn regression_control_characters_in_tokenizer_errors_are_escaped() {
         ),
         "{e}"
     );
+}
+
+/// `tokenizer_small_structured`: with a BPE decoder, decoding nothing (no ids, or only ids
+/// the vocabulary does not have) panicked inside `tokenizers` (`tokens.len() - 1`).
+#[test]
+fn regression_decoding_nothing_with_a_bpe_decoder() {
+    let doc: Value = serde_json::from_slice(&tokenizer_samples()[0]).unwrap();
+    let text = mutate::with_raw(
+        &doc,
+        "/decoder",
+        r#"{"type": "BPEDecoder", "suffix": "</w>"}"#,
+    );
+    let t = Tokenizer::from_bytes(text.as_bytes(), "tok.json").unwrap();
+    assert_eq!(t.decode(&[]).unwrap(), "");
+    assert_eq!(t.decode(&[u32::MAX]).unwrap(), "");
+    assert_eq!(t.decode(&[3, 4]).unwrap(), "ab");
 }

@@ -253,6 +253,12 @@ impl Tokenizer {
     /// Decodes ids to text, special tokens included (so `decode(encode(s)) == s` for
     /// byte-level tokenizers).
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        // `tokenizers` 0.23's BPE decoder computes `tokens.len() - 1`: with no token to decode
+        // (no ids, or none in the vocabulary) that underflows, a panic in builds with overflow
+        // checks. The answer is the empty string, which is what the library gives otherwise.
+        if ids.iter().all(|&id| self.inner.id_to_token(id).is_none()) {
+            return Ok(String::new());
+        }
         self.inner.decode(ids, false).map_err(|e| self.err(e))
     }
 }
