@@ -80,12 +80,12 @@ impl Tokenizer {
             source_name: name.to_string(),
             message: format!("not a valid HF tokenizer.json: {e}"),
         };
-        // Check the JSON syntax first: `tokenizers` 0.23 panics (`expect("Helper")` in its
-        // decoder deserializer) when the `decoder` value is malformed JSON, instead of
-        // returning the parse error. On well-formed JSON that path cannot fail, and every
-        // other problem comes back as an error. `IgnoredAny` allocates nothing and keeps
-        // serde_json's nesting limit.
-        serde_json::from_slice::<serde::de::IgnoredAny>(bytes).map_err(|e| invalid(&e))?;
+        // Parse the JSON first: `tokenizers` 0.23 panics (`expect("Helper")` in its decoder
+        // deserializer) when the `decoder` value is malformed JSON, or holds a string the
+        // parser rejects (a lone surrogate `\ud800`), instead of returning the error. A full
+        // `Value` parse rejects everything that path can fail on (a syntax-only check, serde's
+        // `IgnoredAny`, misses the string escapes), and keeps serde_json's nesting limit.
+        serde_json::from_slice::<serde_json::Value>(bytes).map_err(|e| invalid(&e))?;
         let inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| invalid(&e))?;
         Self::from_hf(inner, name)
     }
