@@ -1,5 +1,6 @@
 //! The `ferrotron` command line.
 
+mod http;
 mod plan_cmd;
 mod report_cmd;
 mod search_cmd;

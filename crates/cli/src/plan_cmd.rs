@@ -7,6 +7,7 @@ use ferrotron_plan::cluster::{gpus, networks, ClusterFile};
 use ferrotron_plan::presets::{preset, preset_names};
 use ferrotron_plan::report::{build_with_time, html::to_html, json::to_json, table::render};
 use ferrotron_plan::{inventory, plan, ModelSource, ModelSpec};
+use ferrotron_train::config::toml_error;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 
@@ -159,8 +160,8 @@ impl PlanArgs {
         };
         let text = std::fs::read_to_string(&path)
             .with_context(|| format!("cannot read --config {}", path.display()))?;
-        let mut file: PlanArgs = toml::from_str(&text)
-            .map_err(|e| anyhow::anyhow!("{}: {}", path.display(), e.message().trim()))?;
+        let mut file: PlanArgs =
+            toml::from_str(&text).map_err(|e| anyhow::anyhow!(toml_error(&path, &text, &e)))?;
         merge!(self, file; model, params, seq, mbs, grad_acc, gbs, precision, optimizer, recompute,
             dp, tp, pp, cp, ep, zero, sp, pp_schedule, pp_virtual, offload, gpu, gpus_per_node,
             cluster, flops_convention, convention, overhead_gib, fragmentation, ce_chunk,
@@ -195,7 +196,7 @@ pub fn load_model(name: &str) -> Result<ModelSpec> {
 pub fn load_cluster(path: &Path) -> Result<ClusterFile> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read --cluster {}", path.display()))?;
-    toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {}", path.display(), e.message().trim()))
+    toml::from_str(&text).map_err(|e| anyhow::anyhow!(toml_error(path, &text, &e)))
 }
 
 /// Turns the merged flags into a planner input, its cluster and FLOPs convention.

@@ -3,11 +3,12 @@
 //! `GET /` the page, `GET /api/presets`, `POST /api/plan`, `POST /api/search`.
 //! Bad input gets a 4xx with `{"error": "..."}`; a handler panic gets a 500; the server goes on.
 
+use crate::http::read_request;
 use anyhow::{Context, Result};
 use clap::Args;
 use ferrotron_plan::api::{plan_json, presets_json, search_json};
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufReader, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -16,10 +17,6 @@ use std::time::Duration;
 /// The page: HTML, CSS and vanilla JS in one file, no network access needed.
 pub const PAGE: &str = include_str!("web/index.html");
 
-/// Largest request body accepted (a pasted config.json is a few KiB).
-const MAX_BODY: usize = 1 << 20;
-/// Largest request head (request line and headers).
-const MAX_HEAD: usize = 16 << 10;
 /// Connections handled at once; more get a 503.
 const MAX_CONNECTIONS: usize = 64;
 
@@ -136,81 +133,12 @@ fn write_response(stream: &mut TcpStream, r: &Response) -> std::io::Result<()> {
     stream.flush()
 }
 
-/// Reads one request; `Err(response)` for malformed or oversized ones.
-fn read_request(stream: &TcpStream) -> std::result::Result<(String, String, Vec<u8>), Response> {
-    let mut reader = BufReader::new(stream);
-    let mut head_len = 0;
-    let mut line = String::new();
-    let read_line =
-        |reader: &mut BufReader<&TcpStream>, line: &mut String, head_len: &mut usize| {
-            line.clear();
-            let n = reader
-                .by_ref()
-                .take((MAX_HEAD - (*head_len).min(MAX_HEAD)) as u64 + 1)
-                .read_line(line)
-                .map_err(|e| error(400, format!("cannot read the request: {e}")))?;
-            *head_len += n;
-            if *head_len > MAX_HEAD {
-                return Err(error(431, "request head too large"));
-            }
-            Ok(n)
-        };
-    if read_line(&mut reader, &mut line, &mut head_len)? == 0 {
-        return Err(error(400, "empty request"));
-    }
-    let mut parts = line.split_whitespace();
-    let (method, path) = match (parts.next(), parts.next()) {
-        (Some(m), Some(p)) => (m.to_string(), p.to_string()),
-        _ => return Err(error(400, "malformed request line")),
-    };
-    let mut length: Option<usize> = None;
-    loop {
-        if read_line(&mut reader, &mut line, &mut head_len)? == 0 {
-            break;
-        }
-        let l = line.trim_end();
-        if l.is_empty() {
-            break;
-        }
-        if let Some((k, v)) = l.split_once(':') {
-            if k.trim().eq_ignore_ascii_case("content-length") {
-                length = Some(
-                    v.trim()
-                        .parse()
-                        .map_err(|_| error(400, "Content-Length is not a number"))?,
-                );
-            } else if k.trim().eq_ignore_ascii_case("transfer-encoding") {
-                return Err(error(
-                    411,
-                    "send a Content-Length (chunked bodies are not accepted)",
-                ));
-            }
-        }
-    }
-    let mut body = Vec::new();
-    if let Some(n) = length {
-        if n > MAX_BODY {
-            return Err(error(413, format!("request body over {MAX_BODY} bytes")));
-        }
-        body.resize(n, 0);
-        reader.read_exact(&mut body).map_err(|e| {
-            error(
-                400,
-                format!("request body shorter than Content-Length: {e}"),
-            )
-        })?;
-    } else if method == "POST" {
-        return Err(error(411, "POST needs a Content-Length"));
-    }
-    Ok((method, path, body))
-}
-
 fn handle(mut stream: TcpStream) {
     let _ = stream.set_read_timeout(Some(Duration::from_secs(15)));
     let _ = stream.set_write_timeout(Some(Duration::from_secs(15)));
-    let response = match read_request(&stream) {
-        Ok((method, path, body)) => route_guarded(&method, &path, &body),
-        Err(r) => r,
+    let response = match read_request(&mut BufReader::new(&stream)) {
+        Ok(r) => route_guarded(&r.method, &r.path, &r.body),
+        Err(r) => error(r.status, r.message),
     };
     let _ = write_response(&mut stream, &response);
 }

@@ -89,6 +89,10 @@ pub(crate) fn parse<T: std::str::FromStr<Err = PlanError>>(
     }
 }
 
+/// Largest `params` the planner takes: 2^50 ≈ 1.1e15, a thousand times the largest models,
+/// so that 16 bytes of model states per parameter (and their sums) fit in u64.
+pub const MAX_PARAMS: u64 = 1 << 50;
+
 /// Parses a parameter count such as `7.5e9` or `7000000000` exactly.
 pub fn parse_params(s: &str) -> Result<u64> {
     let bad = || {
@@ -98,46 +102,34 @@ pub fn parse_params(s: &str) -> Result<u64> {
             "expected a positive parameter count such as 7.5e9 or 125000000",
         )
     };
-    if let Ok(n) = s.parse::<u64>() {
-        return if n > 0 { Ok(n) } else { Err(bad()) };
+    let n = match s.parse::<u64>() {
+        Ok(0) => return Err(bad()),
+        Ok(n) => n,
+        Err(_) => {
+            let x: f64 = s.parse().map_err(|_| bad())?;
+            if !((1.0..9.0e18).contains(&x) && x.fract() == 0.0) {
+                return Err(bad());
+            }
+            x as u64
+        }
+    };
+    if n > MAX_PARAMS {
+        return Err(PlanError::setting(
+            "params",
+            s,
+            format!("is above the planner's limit {MAX_PARAMS} (about 1.1e15 parameters)"),
+        ));
     }
-    let x: f64 = s.parse().map_err(|_| bad())?;
-    if !((1.0..9.0e18).contains(&x) && x.fract() == 0.0) {
-        return Err(bad());
-    }
-    Ok(x as u64)
+    Ok(n)
 }
 
-/// A model from an inline config.json (object or text). Sizes are bounded so that byte counts
-/// cannot overflow: a pasted config comes from a web form.
+/// A model from an inline config.json (object or text). The reader bounds every size (see
+/// `model::size_limit`), so byte counts cannot overflow.
 pub fn model_from_config(v: &Value) -> Result<ModelSpec> {
-    let m = match v {
-        Value::String(text) => ModelSpec::from_json_str(text, "config")?,
-        other => ModelSpec::from_json_value(other, "config")?,
-    };
-    for (field, value, max) in [
-        ("hidden_size", m.hidden, 1u64 << 18),
-        ("intermediate_size", m.intermediate, 1 << 20),
-        ("num_hidden_layers", m.layers, 1 << 12),
-        ("num_attention_heads", m.heads, 1 << 12),
-        ("head_dim", m.head_dim, 1 << 12),
-        ("vocab_size", m.vocab, 1 << 22),
-        ("max_position_embeddings", m.max_positions, 1 << 22),
-        (
-            "num_local_experts",
-            m.moe.map_or(1, |x| x.num_experts),
-            1 << 10,
-        ),
-    ] {
-        if value > max {
-            return Err(PlanError::Config {
-                source_name: "config".into(),
-                field: field.into(),
-                problem: format!("is {value}, above the planner's limit {max}"),
-            });
-        }
+    match v {
+        Value::String(text) => ModelSpec::from_json_str(text, "config"),
+        other => ModelSpec::from_json_value(other, "config"),
     }
-    Ok(m)
 }
 
 /// Upper bounds on the settings, so that no byte count overflows and no simulated program

@@ -53,6 +53,22 @@ pub struct ModelSpec {
     pub moe: Option<MoeSpec>,
 }
 
+/// Largest value the reader accepts for a size field. Far above every real model (the largest
+/// presets have hidden 25600, intermediate 53248, 128 layers, 128 heads, vocab 152064 and 131072
+/// positions), and low enough that no byte count of a plan overflows u64 and that planning,
+/// which walks every layer, stays fast: a config is a file from outside, and a size field with a
+/// few digits too many must be refused, not planned for minutes or overflowed.
+pub fn size_limit(field: &str) -> u64 {
+    match field {
+        "hidden_size" | "n_embd" => 1 << 18,
+        "intermediate_size" | "n_inner" => 1 << 20,
+        "vocab_size" | "max_position_embeddings" | "n_positions" => 1 << 22,
+        "num_local_experts" | "num_experts_per_tok" => 1 << 10,
+        // Layers, heads, key/value heads, head_dim.
+        _ => 1 << 12,
+    }
+}
+
 /// Reads fields of one JSON object, producing errors that name the source and the field.
 struct Fields<'a> {
     source: &'a str,
@@ -83,8 +99,7 @@ impl<'a> Fields<'a> {
         self.obj.get(field).filter(|v| !v.is_null())
     }
 
-    /// A positive integer no larger than `max` (sizes above that are certainly typos and would
-    /// overflow byte counts of u64 further down).
+    /// A positive integer no larger than the field's [`size_limit`].
     fn positive(&self, field: &str) -> Result<u64> {
         match self.present(field) {
             None => Err(self.err(field, "is missing (expected a positive integer)")),
@@ -93,12 +108,12 @@ impl<'a> Fields<'a> {
     }
 
     fn positive_value(&self, field: &str, v: &Value) -> Result<u64> {
-        const MAX: u64 = 1 << 32;
+        let max = size_limit(field);
         match v.as_u64() {
             Some(0) => Err(self.err(field, "is 0 (expected a positive integer)")),
-            Some(n) if n > MAX => Err(self.err(
+            Some(n) if n > max => Err(self.err(
                 field,
-                format!("is {n}, larger than the supported maximum {MAX}"),
+                format!("is {n}, above the planner's limit {max} (is it a typo?)"),
             )),
             Some(n) => Ok(n),
             None => Err(self.err(
@@ -294,6 +309,21 @@ impl ModelSpec {
     }
 
     fn validate(&self, f: &Fields) -> Result<()> {
+        let max = size_limit("head_dim");
+        if self.head_dim > max {
+            let (hidden, heads) = if self.family == Family::Gpt2 {
+                ("n_embd", "n_head")
+            } else {
+                ("hidden_size", "num_attention_heads")
+            };
+            return Err(f.err(
+                heads,
+                format!(
+                    "is {}, which makes head_dim = {hidden} / {heads} = {}, above the planner's limit {max} (set head_dim or fix the head count)",
+                    self.heads, self.head_dim
+                ),
+            ));
+        }
         let kv_field = if self.family == Family::Gpt2 {
             "n_head"
         } else {

@@ -3,6 +3,7 @@
 
 use crate::loss_scale::LossScaleConfig;
 use clap::Args;
+use ferrotron_plan::error::one_line;
 use ferrotron_plan::{Layout, LayoutFlags, Offload, Precision, Recompute};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -287,9 +288,16 @@ pub struct ConfigError {
 impl std::fmt::Display for ConfigError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         if self.value.is_empty() {
-            f.write_str(&self.problem)
+            f.write_str(&one_line(&self.problem))
         } else {
-            write!(f, "{} = {}: {}", self.field, self.value, self.problem)
+            // The value comes from a flag or a file: control characters are escaped.
+            write!(
+                f,
+                "{} = {}: {}",
+                self.field,
+                one_line(&self.value),
+                one_line(&self.problem)
+            )
         }
     }
 }
@@ -350,6 +358,35 @@ pub(crate) fn single_rank(flags: &LayoutFlags) -> Result<Layout, ConfigError> {
     Ok(l)
 }
 
+/// A TOML file's parse error as one line: `FILE:LINE:COLUMN: message`. The `toml` crate's
+/// message alone has no position and spans several lines ("invalid string\nexpected ...").
+pub fn toml_error(path: &std::path::Path, text: &str, e: &toml::de::Error) -> String {
+    let message = e
+        .message()
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join("; ");
+    let message = one_line(&message);
+    match e.span() {
+        Some(span) => {
+            let before = &text.as_bytes()[..span.start.min(text.len())];
+            let line = before.iter().filter(|&&b| b == b'\n').count() + 1;
+            let line_start = before
+                .iter()
+                .rposition(|&b| b == b'\n')
+                .map_or(0, |i| i + 1);
+            let column = String::from_utf8_lossy(&before[line_start..])
+                .chars()
+                .count()
+                + 1;
+            format!("{}:{line}:{column}: {message}", path.display())
+        }
+        None => format!("{}: {message}", path.display()),
+    }
+}
+
 macro_rules! merge {
     ($cli:ident, $file:ident; $($f:ident),*) => { $( if $cli.$f.is_none() { $cli.$f = $file.$f.take(); } )* };
 }
@@ -362,8 +399,8 @@ impl TrainArgs {
         };
         let text = std::fs::read_to_string(&path)
             .map_err(|e| format!("cannot read --config {}: {e}", path.display()))?;
-        let mut file: TrainArgs = toml::from_str(&text)
-            .map_err(|e| format!("{}: {}", path.display(), e.message().trim()))?;
+        let mut file: TrainArgs =
+            toml::from_str(&text).map_err(|e| toml_error(&path, &text, &e))?;
         merge!(self, file; model, data, tokenizer, init_from, seq, mbs, grad_acc, steps, stop_after, lr, min_lr_ratio,
             warmup, decay_steps, weight_decay, beta1, beta2, eps, clip, seed, threads, eval_interval,
             eval_batches, out_dir, checkpoint_dir, checkpoint_interval, metrics, ce_chunk, recompute,

@@ -1,6 +1,7 @@
 //! Errors of the data pipeline. Every message is one line that names the file (when there is
 //! one), the problem and, where it helps, the fix.
 
+use ferrotron_plan::error::one_line;
 use std::path::{Path, PathBuf};
 
 /// Result type of the data module.
@@ -80,7 +81,7 @@ pub enum DataError {
     NotUtf8 { path: PathBuf, offset: u64 },
 
     /// The tokenizer could not be loaded or failed to encode/decode.
-    #[error("tokenizer {source_name}: {message}")]
+    #[error("tokenizer {source_name}: {}", one_line(.message))]
     Tokenizer {
         source_name: String,
         message: String,

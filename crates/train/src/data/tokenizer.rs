@@ -76,24 +76,39 @@ impl Tokenizer {
 
     /// Parses HF `tokenizer.json` bytes; `name` appears in error messages.
     pub fn from_bytes(bytes: &[u8], name: &str) -> Result<Self> {
-        let inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| DataError::Tokenizer {
+        let invalid = |e: &dyn std::fmt::Display| DataError::Tokenizer {
             source_name: name.to_string(),
             message: format!("not a valid HF tokenizer.json: {e}"),
-        })?;
-        Ok(Self::from_hf(inner, name))
+        };
+        // Parse the JSON first: `tokenizers` 0.23 panics (`expect("Helper")` in its decoder
+        // deserializer) when the `decoder` value is malformed JSON, or holds a string the
+        // parser rejects (a lone surrogate `\ud800`), instead of returning the error. A full
+        // `Value` parse rejects everything that path can fail on (a syntax-only check, serde's
+        // `IgnoredAny`, misses the string escapes), and keeps serde_json's nesting limit.
+        serde_json::from_slice::<serde_json::Value>(bytes).map_err(|e| invalid(&e))?;
+        let inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| invalid(&e))?;
+        Self::from_hf(inner, name)
     }
 
-    /// Wraps an already-built `tokenizers::Tokenizer`.
-    pub fn from_hf(inner: tokenizers::Tokenizer, name: &str) -> Self {
+    /// Wraps an already-built `tokenizers::Tokenizer`. Fails when a token id leaves no room
+    /// for the vocabulary size (one past the largest id) in a u32.
+    pub fn from_hf(inner: tokenizers::Tokenizer, name: &str) -> Result<Self> {
         // The model's vocabulary size is one past the largest id (added tokens included),
         // which is what an embedding table must cover.
-        let max_id = inner
-            .get_vocab(true)
-            .values()
-            .copied()
-            .max()
-            .map_or(0, |m| m + 1);
-        let vocab_size = max_id.max(inner.get_vocab_size(true) as u32);
+        let vocab = inner.get_vocab(true);
+        let max_id = vocab.iter().max_by_key(|(_, id)| **id);
+        let past_max = match max_id {
+            None => 0,
+            Some((token, &id)) => id.checked_add(1).ok_or_else(|| DataError::Tokenizer {
+                source_name: name.to_string(),
+                message: format!(
+                    "token {token:?} has id {id}, too large: ids must be below {} (is the id a typo?)",
+                    u32::MAX
+                ),
+            })?,
+        };
+        let vocab_size =
+            past_max.max(u32::try_from(inner.get_vocab_size(true)).unwrap_or(u32::MAX));
         let special = |cands: &[&str]| {
             let added = inner.get_added_tokens_decoder();
             cands.iter().find_map(|c| {
@@ -114,7 +129,7 @@ impl Tokenizer {
             newline_cuts_exact: false,
         };
         t.newline_cuts_exact = t.probe_newline_cuts();
-        t
+        Ok(t)
     }
 
     /// Whether encoding `a` and `b` separately gives the tokens of encoding `a + b` when `a`
@@ -238,6 +253,12 @@ impl Tokenizer {
     /// Decodes ids to text, special tokens included (so `decode(encode(s)) == s` for
     /// byte-level tokenizers).
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        // `tokenizers` 0.23's BPE decoder computes `tokens.len() - 1`: with no token to decode
+        // (no ids, or none in the vocabulary) that underflows, a panic in builds with overflow
+        // checks. The answer is the empty string, which is what the library gives otherwise.
+        if ids.iter().all(|&id| self.inner.id_to_token(id).is_none()) {
+            return Ok(String::new());
+        }
         self.inner.decode(ids, false).map_err(|e| self.err(e))
     }
 }
