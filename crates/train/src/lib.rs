@@ -5,6 +5,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod eval;
+pub mod heap;
 pub mod loss_scale;
 pub mod lr;
 pub mod metrics;

@@ -148,6 +148,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 pub fn run(args: TrainArgs) -> Result<RunSummary> {
+    crate::heap::keep_freed_pages();
     let resume = args.resume.clone();
     let quiet = args.quiet;
     let args = args.merged().map_err(anyhow::Error::msg)?;
