@@ -76,7 +76,6 @@ kernel_interface!(observed_kernels);
 
 #[cfg(test)]
 mod tests {
-    use super::super::{CpuKernels, Profiled};
     use super::*;
 
     /// The generated forwarding: an op is reported under its method's name, a composite op as
