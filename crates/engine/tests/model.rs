@@ -296,3 +296,26 @@ fn written_before_read(rc: Recompute) {
         loss.sum
     );
 }
+
+/// The backend's head_dim limit is checked where the backend is chosen, with the message the
+/// config check gave before the limit moved to the backend; the wrapper reports its inner
+/// backend's limits.
+#[test]
+fn head_dim_over_the_backend_limit_is_a_config_error() {
+    let cpu = CpuKernels::PLAIN;
+    let traced = ferrotron_engine::kernels::Tracing::new(cpu);
+    let limits = Kernels::<f32>::limits(&cpu);
+    assert_eq!(Kernels::<f32>::limits(&traced), limits);
+    let mut c = cfg(false, false);
+    c.head_dim = limits.max_head_dim;
+    assert!(c.validate().is_ok() && c.check_backend(limits).is_ok());
+    c.head_dim = 1024;
+    assert!(
+        c.validate().is_ok(),
+        "the limit is the backend's, not the model's"
+    );
+    assert_eq!(
+        c.check_backend(limits).unwrap_err().to_string(),
+        "config field `head_dim` = 1024: the CPU attention kernel supports head_dim <= 512"
+    );
+}

@@ -4,6 +4,7 @@
 use crate::config::TrainConfig;
 use crate::data::{build_shards_with, find_shards, BuildOptions, Split, TokenDataset, Tokenizer};
 use anyhow::{bail, Context, Result};
+use ferrotron_engine::kernels::{CpuKernels, Kernels};
 use ferrotron_engine::model::{BatchShape, Llama, LlamaConfig};
 use ferrotron_plan::hardware::Overhead;
 use ferrotron_plan::presets::resolve;
@@ -20,9 +21,13 @@ pub const BUNDLED_CORPUS: &[u8] = include_bytes!(concat!(
     "/../../data/corpus/shakespeare.txt"
 ));
 
-/// The engine's config for `spec`, or why the engine cannot train it.
+/// The engine's config for `spec`, or why the engine cannot train it. Every model of a run,
+/// resume, evaluation or import is made here, and all of them run on the CPU kernels, so the
+/// CPU backend's limits are checked here, as the config is made.
 pub fn llama_config(spec: &ModelSpec) -> Result<LlamaConfig> {
-    LlamaConfig::from_spec(spec).map_err(|e| anyhow::anyhow!("{e}"))
+    let cpu = Kernels::<f32>::limits(&CpuKernels::PLAIN);
+    let cfg = LlamaConfig::from_spec(spec).and_then(|c| c.check_backend(cpu).map(|()| c));
+    cfg.map_err(|e| anyhow::anyhow!("{e}"))
 }
 
 /// Matmul FLOPs per token that recomputation adds to a training step (for HFU). Convention:

@@ -166,179 +166,268 @@ pub enum Rounding {
     Stochastic { seed: u64 },
 }
 
-/// Every op of a Llama-family training step, for activations stored as `S` and parameter
-/// gradients stored as `G` (see [`crate::dtype`]): `Kernels<f32>` is plain fp32 training,
-/// `Kernels<bf16>` bf16 mixed precision, `Kernels<bf16, f32>` bf16 with fp32 gradients. All
-/// arithmetic is f32; statistics (`rstd`, `lse`), logits and losses are always f32.
-///
-/// Parameter gradients (`dw`, `dbias`, `dweight`, `dwte`) are always accumulated (`+=`), each
-/// call rounding into `G` once.
-pub trait Kernels<S: Elem = f32, G: Elem = S>: Send + Sync {
-    // ---- linear layers ----
-    /// `y (=|+=) x·Wᵀ + bias`. `y_accum = Add` fuses a residual add (`y` holds the residual).
-    fn matmul_forward(
-        &self,
-        s: MatmulShape,
-        x: &[S],
-        w: &[S],
-        bias: Option<&[S]>,
-        y: &mut [S],
-        y_accum: Accum,
-    );
-    /// `dx (=|+=) dy·W`, `dW += dyᵀ·x`, `dbias += Σ_rows dy`. `dx = None` skips the input grad.
-    #[allow(clippy::too_many_arguments)]
-    fn matmul_backward(
-        &self,
-        s: MatmulShape,
-        dy: &[S],
-        x: &[S],
-        w: &[S],
-        dx: Option<(&mut [S], Accum)>,
-        dw: &mut [G],
-        dbias: Option<&mut [G]>,
-    ) {
-        self.matmul_backward_weight(s, dy, x, dw, dbias);
-        if let Some((dx, acc)) = dx {
-            self.matmul_backward_input(s, dy, w, dx, acc);
-        }
-    }
-    /// `dW += dyᵀ·x`, `dbias += Σ_rows dy`.
-    fn matmul_backward_weight(
-        &self,
-        s: MatmulShape,
-        dy: &[S],
-        x: &[S],
-        dw: &mut [G],
-        dbias: Option<&mut [G]>,
-    );
-    /// `dx (=|+=) dy·W`. Split from the weight grad so that `dx` may reuse `x`'s storage once
-    /// the weight grad has consumed it (the fused LM-head does this).
-    fn matmul_backward_input(
-        &self,
-        s: MatmulShape,
-        dy: &[S],
-        w: &[S],
-        dx: &mut [S],
-        dx_accum: Accum,
-    );
-
-    // ---- the LM head: f32 logits (and their gradient), and never fp8 GEMM inputs ----
-    /// `logits = x·Wᵀ`.
-    fn head_forward(&self, s: MatmulShape, x: &[S], w: &[S], logits: &mut [f32]);
-    /// `dW += dlogitsᵀ·x`.
-    fn head_backward_weight(&self, s: MatmulShape, dlogits: &[f32], x: &[S], dw: &mut [G]);
-    /// `dx = dlogits·W`.
-    fn head_backward_input(&self, s: MatmulShape, dlogits: &[f32], w: &[S], dx: &mut [S]);
-
-    // ---- RMSNorm (Zhang & Sennrich 2019) ----
-    /// `out = x · rstd · w`, `rstd = 1/sqrt(mean(x²) + eps)` saved per row.
-    fn rmsnorm_forward(&self, s: NormShape, x: &[S], w: &[S], out: &mut [S], rstd: &mut [f32]);
-    /// `dx (=|+=) rstd·(dy⊙w − x̂·mean(dy⊙w⊙x̂))`, `dw += Σ_rows dy⊙x̂`, `x̂ = x·rstd`.
-    #[allow(clippy::too_many_arguments)]
-    fn rmsnorm_backward(
-        &self,
-        s: NormShape,
-        dy: &[S],
-        x: &[S],
-        w: &[S],
-        rstd: &[f32],
-        dx: &mut [S],
-        dx_accum: Accum,
-        dw: &mut [G],
-    );
-
-    // ---- rotary embeddings ----
-    /// Rotate `x` `[B,T,heads,D]` in place; position of token t is t (each sequence from 0).
-    fn rope_forward(&self, s: RopeShape, table: &RopeTable, x: &mut [S]);
-    /// Inverse rotation (the rotation is orthogonal, so its transpose is its inverse).
-    fn rope_backward(&self, s: RopeShape, table: &RopeTable, dx: &mut [S]);
-
-    // ---- causal GQA attention, flash style (Dao et al. 2022) ----
-    /// `o = softmax(q·kᵀ/√D + causal mask)·v`, saves `lse` `[B,H,T]`; no T×T matrix is stored.
-    fn attention_forward(
-        &self,
-        s: AttnShape,
-        q: &[S],
-        k: &[S],
-        v: &[S],
-        o: &mut [S],
-        lse: &mut [f32],
-    );
-    /// Overwrites dq, dk, dv, recomputing probabilities from q, k and lse.
-    #[allow(clippy::too_many_arguments)]
-    fn attention_backward(
-        &self,
-        s: AttnShape,
-        q: &[S],
-        k: &[S],
-        v: &[S],
-        o: &[S],
-        lse: &[f32],
-        d_o: &[S],
-        dq: &mut [S],
-        dk: &mut [S],
-        dv: &mut [S],
-    );
-
-    // ---- SwiGLU (Shazeer 2020) ----
-    /// `h = silu(gate) ⊙ up`.
-    fn swiglu_forward(&self, gate: &[S], up: &[S], h: &mut [S]);
-    /// Overwrites `dgate`, `dup` from `dh`.
-    fn swiglu_backward(&self, dh: &[S], gate: &[S], up: &[S], dgate: &mut [S], dup: &mut [S]);
-
-    // ---- token embedding ----
-    /// `out[n, :] = wte[tokens[n], :]`.
-    fn embedding_forward(&self, tokens: &[u32], wte: &[S], c: usize, out: &mut [S]);
-    /// `dwte[tokens[n], :] += dout[n, :]` (a token's rows are summed in f32 first).
-    fn embedding_backward(&self, tokens: &[u32], dout: &[S], c: usize, dwte: &mut [G]);
-
-    // ---- elementwise ----
-    /// `out = a + b`.
-    fn add(&self, a: &[S], b: &[S], out: &mut [S]);
-    /// `acc += x`.
-    fn add_inplace(&self, acc: &mut [S], x: &[S]);
-    /// `dst = src`.
-    fn copy(&self, src: &[S], dst: &mut [S]);
-    /// `x *= s` over gradients.
-    fn scale(&self, x: &mut [G], s: f32);
-    /// `Σ x²` over gradients, accumulated in f64 (global grad norm = sqrt of the sum over all
-    /// shards); inf or NaN if any element is (the loss scaler's overflow check).
-    fn sum_squares(&self, x: &[G]) -> f64;
-    /// `dst = round(src)`: parameters from the fp32 master weights.
-    fn round_params(&self, src: &[f32], dst: &mut [S]);
-
-    /// Creates the backend's per-thread runtime state (library caches, workspaces) up front,
-    /// so that it is part of a process's fixed baseline rather than appearing mid-step.
-    fn warm_up(&self) {}
-
-    // ---- loss ----
-    /// Per row: `loss = logsumexp(logits) − logits[target]` written to `losses` (0 for ignored
-    /// rows); returns their sum (f64). If `dlogits_scale` is `Some(s)`, overwrites `logits`
-    /// with `s·(softmax(logits) − onehot(target))` (zeros for ignored rows).
-    fn cross_entropy(
-        &self,
-        s: CeShape,
-        logits: &mut [f32],
-        targets: &[u32],
-        losses: &mut [f32],
-        dlogits_scale: Option<f32>,
-    ) -> f64;
-
-    // ---- optimizer ----
-    /// One torch.optim.AdamW step over a flat slice (Loshchilov & Hutter 2019, Alg. 2) on the
-    /// f32 `master` weights, reading `grads · h.grad_scale`. With `params`, the updated master
-    /// weights are also rounded into the 16-bit parameters (mixed precision).
-    #[allow(clippy::too_many_arguments)]
-    fn adamw_step(
-        &self,
-        h: AdamWParams,
-        master: &mut [f32],
-        grads: &[G],
-        m: &mut [f32],
-        v: &mut [f32],
-        params: Option<(&mut [S], Rounding)>,
-    );
+/// What a backend can run, so that a model is checked against the backend chosen for it
+/// before any op runs (a kernel's own assertion would only stop the run mid-step).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// The backend's name in error messages ("CPU").
+    pub backend: &'static str,
+    /// Largest attention `head_dim`.
+    pub max_head_dim: usize,
 }
+
+/// The kernel interface, listed once: every method of [`Kernels`] with its signature and docs.
+/// It expands to `$emit! { hooks { .. } ops { .. } }`, handing the list to a macro that
+/// generates code from it. [`Kernels`] itself is generated this way (`kernels_trait!` below),
+/// and so is every wrapper backend that forwards each method to an inner backend
+/// ([`observe::Observed`]); a backend that implements the ops itself (CPU, a future CUDA)
+/// writes its `impl Kernels` by hand. So each signature is written here and once per backend,
+/// and changing an argument type is one edit here plus the backends that implement it.
+///
+/// The two sections tell generators how to forward a method:
+/// - `hooks`: backend housekeeping and properties, not kernels; a wrapper forwards them as
+///   they are, unobserved. A hook may have a default body.
+/// - `ops`: the kernels, which a wrapper observes under the op's name (traces and profiles
+///   key on these names). An op with a default body is a composite of other ops; a wrapper
+///   keeps the default, so that it observes the parts.
+///
+/// Entries are plain trait-method syntax with `&self` first, ending in `;` or a default body.
+macro_rules! kernel_interface {
+    ($emit:ident) => {
+        $emit! {
+            hooks {
+                /// Creates the backend's per-thread runtime state (library caches, workspaces)
+                /// up front, so that it is part of a process's fixed baseline rather than
+                /// appearing mid-step.
+                fn warm_up(&self) {}
+                /// What this backend supports (see [`LlamaConfig::check_backend`]).
+                ///
+                /// [`LlamaConfig::check_backend`]: crate::model::LlamaConfig::check_backend
+                fn limits(&self) -> Limits;
+            }
+            ops {
+                // ---- linear layers ----
+                /// `y (=|+=) x·Wᵀ + bias`. `y_accum = Add` fuses a residual add (`y` holds the
+                /// residual).
+                fn matmul_forward(
+                    &self,
+                    s: MatmulShape,
+                    x: &[S],
+                    w: &[S],
+                    bias: Option<&[S]>,
+                    y: &mut [S],
+                    y_accum: Accum,
+                );
+                /// `dx (=|+=) dy·W`, `dW += dyᵀ·x`, `dbias += Σ_rows dy`. `dx = None` skips the
+                /// input grad.
+                #[allow(clippy::too_many_arguments)]
+                fn matmul_backward(
+                    &self,
+                    s: MatmulShape,
+                    dy: &[S],
+                    x: &[S],
+                    w: &[S],
+                    dx: Option<(&mut [S], Accum)>,
+                    dw: &mut [G],
+                    dbias: Option<&mut [G]>,
+                ) {
+                    self.matmul_backward_weight(s, dy, x, dw, dbias);
+                    if let Some((dx, acc)) = dx {
+                        self.matmul_backward_input(s, dy, w, dx, acc);
+                    }
+                }
+                /// `dW += dyᵀ·x`, `dbias += Σ_rows dy`.
+                fn matmul_backward_weight(
+                    &self,
+                    s: MatmulShape,
+                    dy: &[S],
+                    x: &[S],
+                    dw: &mut [G],
+                    dbias: Option<&mut [G]>,
+                );
+                /// `dx (=|+=) dy·W`. Split from the weight grad so that `dx` may reuse `x`'s
+                /// storage once the weight grad has consumed it (the fused LM-head does this).
+                fn matmul_backward_input(
+                    &self,
+                    s: MatmulShape,
+                    dy: &[S],
+                    w: &[S],
+                    dx: &mut [S],
+                    dx_accum: Accum,
+                );
+
+                // ---- the LM head: f32 logits (and their gradient), and never fp8 GEMM inputs ----
+                /// `logits = x·Wᵀ`.
+                fn head_forward(&self, s: MatmulShape, x: &[S], w: &[S], logits: &mut [f32]);
+                /// `dW += dlogitsᵀ·x`.
+                fn head_backward_weight(
+                    &self,
+                    s: MatmulShape,
+                    dlogits: &[f32],
+                    x: &[S],
+                    dw: &mut [G],
+                );
+                /// `dx = dlogits·W`.
+                fn head_backward_input(
+                    &self,
+                    s: MatmulShape,
+                    dlogits: &[f32],
+                    w: &[S],
+                    dx: &mut [S],
+                );
+
+                // ---- RMSNorm (Zhang & Sennrich 2019) ----
+                /// `out = x · rstd · w`, `rstd = 1/sqrt(mean(x²) + eps)` saved per row.
+                fn rmsnorm_forward(
+                    &self,
+                    s: NormShape,
+                    x: &[S],
+                    w: &[S],
+                    out: &mut [S],
+                    rstd: &mut [f32],
+                );
+                /// `dx (=|+=) rstd·(dy⊙w − x̂·mean(dy⊙w⊙x̂))`, `dw += Σ_rows dy⊙x̂`, `x̂ = x·rstd`.
+                #[allow(clippy::too_many_arguments)]
+                fn rmsnorm_backward(
+                    &self,
+                    s: NormShape,
+                    dy: &[S],
+                    x: &[S],
+                    w: &[S],
+                    rstd: &[f32],
+                    dx: &mut [S],
+                    dx_accum: Accum,
+                    dw: &mut [G],
+                );
+
+                // ---- rotary embeddings ----
+                /// Rotate `x` `[B,T,heads,D]` in place; position of token t is t (each sequence
+                /// from 0).
+                fn rope_forward(&self, s: RopeShape, table: &RopeTable, x: &mut [S]);
+                /// Inverse rotation (the rotation is orthogonal, so its transpose is its
+                /// inverse).
+                fn rope_backward(&self, s: RopeShape, table: &RopeTable, dx: &mut [S]);
+
+                // ---- causal GQA attention, flash style (Dao et al. 2022) ----
+                /// `o = softmax(q·kᵀ/√D + causal mask)·v`, saves `lse` `[B,H,T]`; no T×T matrix
+                /// is stored.
+                fn attention_forward(
+                    &self,
+                    s: AttnShape,
+                    q: &[S],
+                    k: &[S],
+                    v: &[S],
+                    o: &mut [S],
+                    lse: &mut [f32],
+                );
+                /// Overwrites dq, dk, dv, recomputing probabilities from q, k and lse.
+                #[allow(clippy::too_many_arguments)]
+                fn attention_backward(
+                    &self,
+                    s: AttnShape,
+                    q: &[S],
+                    k: &[S],
+                    v: &[S],
+                    o: &[S],
+                    lse: &[f32],
+                    d_o: &[S],
+                    dq: &mut [S],
+                    dk: &mut [S],
+                    dv: &mut [S],
+                );
+
+                // ---- SwiGLU (Shazeer 2020) ----
+                /// `h = silu(gate) ⊙ up`.
+                fn swiglu_forward(&self, gate: &[S], up: &[S], h: &mut [S]);
+                /// Overwrites `dgate`, `dup` from `dh`.
+                fn swiglu_backward(
+                    &self,
+                    dh: &[S],
+                    gate: &[S],
+                    up: &[S],
+                    dgate: &mut [S],
+                    dup: &mut [S],
+                );
+
+                // ---- token embedding ----
+                /// `out[n, :] = wte[tokens[n], :]`.
+                fn embedding_forward(&self, tokens: &[u32], wte: &[S], c: usize, out: &mut [S]);
+                /// `dwte[tokens[n], :] += dout[n, :]` (a token's rows are summed in f32 first).
+                fn embedding_backward(&self, tokens: &[u32], dout: &[S], c: usize, dwte: &mut [G]);
+
+                // ---- elementwise ----
+                /// `out = a + b`.
+                fn add(&self, a: &[S], b: &[S], out: &mut [S]);
+                /// `acc += x`.
+                fn add_inplace(&self, acc: &mut [S], x: &[S]);
+                /// `dst = src`.
+                fn copy(&self, src: &[S], dst: &mut [S]);
+                /// `x *= s` over gradients.
+                fn scale(&self, x: &mut [G], s: f32);
+                /// `Σ x²` over gradients, accumulated in f64 (global grad norm = sqrt of the sum
+                /// over all shards); inf or NaN if any element is (the loss scaler's overflow
+                /// check).
+                fn sum_squares(&self, x: &[G]) -> f64;
+                /// `dst = round(src)`: parameters from the fp32 master weights.
+                fn round_params(&self, src: &[f32], dst: &mut [S]);
+
+                // ---- loss ----
+                /// Per row: `loss = logsumexp(logits) − logits[target]` written to `losses` (0
+                /// for ignored rows); returns their sum (f64). If `dlogits_scale` is `Some(s)`,
+                /// overwrites `logits` with `s·(softmax(logits) − onehot(target))` (zeros for
+                /// ignored rows).
+                fn cross_entropy(
+                    &self,
+                    s: CeShape,
+                    logits: &mut [f32],
+                    targets: &[u32],
+                    losses: &mut [f32],
+                    dlogits_scale: Option<f32>,
+                ) -> f64;
+
+                // ---- optimizer ----
+                /// One torch.optim.AdamW step over a flat slice (Loshchilov & Hutter 2019, Alg.
+                /// 2) on the f32 `master` weights, reading `grads · h.grad_scale`. With
+                /// `params`, the updated master weights are also rounded into the 16-bit
+                /// parameters (mixed precision).
+                #[allow(clippy::too_many_arguments)]
+                fn adamw_step(
+                    &self,
+                    h: AdamWParams,
+                    master: &mut [f32],
+                    grads: &[G],
+                    m: &mut [f32],
+                    v: &mut [f32],
+                    params: Option<(&mut [S], Rounding)>,
+                );
+            }
+        }
+    };
+}
+// Path-based export, so that generators in other modules can name it (`super::kernel_interface!`).
+pub(crate) use kernel_interface;
+
+/// Emits the [`Kernels`] trait from the list: both sections verbatim, defaults included.
+macro_rules! kernels_trait {
+    (hooks { $($hook:tt)* } ops { $($op:tt)* }) => {
+        /// Every op of a Llama-family training step, for activations stored as `S` and
+        /// parameter gradients stored as `G` (see [`crate::dtype`]): `Kernels<f32>` is plain
+        /// fp32 training, `Kernels<bf16>` bf16 mixed precision, `Kernels<bf16, f32>` bf16 with
+        /// fp32 gradients. All arithmetic is f32; statistics (`rstd`, `lse`), logits and
+        /// losses are always f32.
+        ///
+        /// Parameter gradients (`dw`, `dbias`, `dweight`, `dwte`) are always accumulated
+        /// (`+=`), each call rounding into `G` once.
+        ///
+        /// The methods are listed in `kernel_interface!` (this module's source), which
+        /// generates this trait and the forwarding wrapper [`Observed`].
+        pub trait Kernels<S: Elem = f32, G: Elem = S>: Send + Sync {
+            $($hook)*
+            $($op)*
+        }
+    };
+}
+kernel_interface!(kernels_trait);
 
 /// `adamw_step`'s last argument for fp32 training (the weights are the master weights).
 pub const NO_PARAMS: Option<(&mut [f32], Rounding)> = None;

@@ -1,13 +1,12 @@
 //! `Observed<K, O>`: a [`Kernels`] backend wrapped so that an observer sees every op call (its
-//! name, start and end). The delegation to every op is written once, here; what is done with
+//! name, start and end). The delegation is generated from the kernel interface's list
+//! (`kernel_interface!` in the parent module), so no op is written out here; what is done with
 //! the calls is the observer's business: per-op totals ([`super::profile::Profiled`]) or an
 //! event log for traces ([`super::event_log::Tracing`]).
 
-use super::{
-    Accum, AdamWParams, AttnShape, CeShape, Kernels, MatmulShape, NormShape, RopeShape, RopeTable,
-    Rounding,
-};
-use crate::dtype::Elem;
+// The list names argument types unqualified; they resolve here, so a type added to an op
+// needs no edit in this file.
+use super::*;
 use std::time::Instant;
 
 /// Receives every op call of an [`Observed`] backend.
@@ -38,165 +37,80 @@ impl<K, O: OpObserver> Observed<K, O> {
     }
 }
 
-impl<S: Elem, G: Elem, K: Kernels<S, G>, O: OpObserver> Kernels<S, G> for Observed<K, O> {
-    fn warm_up(&self) {
-        self.inner.warm_up()
-    }
-    fn matmul_forward(
-        &self,
-        s: MatmulShape,
-        x: &[S],
-        w: &[S],
-        bias: Option<&[S]>,
-        y: &mut [S],
-        a: Accum,
-    ) {
-        self.time("matmul_forward", || {
-            self.inner.matmul_forward(s, x, w, bias, y, a)
-        })
-    }
-    fn matmul_backward_weight(
-        &self,
-        s: MatmulShape,
-        dy: &[S],
-        x: &[S],
-        dw: &mut [G],
-        db: Option<&mut [G]>,
-    ) {
-        self.time("matmul_backward_weight", || {
-            self.inner.matmul_backward_weight(s, dy, x, dw, db)
-        })
-    }
-    fn matmul_backward_input(&self, s: MatmulShape, dy: &[S], w: &[S], dx: &mut [S], a: Accum) {
-        self.time("matmul_backward_input", || {
-            self.inner.matmul_backward_input(s, dy, w, dx, a)
-        })
-    }
-    fn rmsnorm_forward(&self, s: NormShape, x: &[S], w: &[S], out: &mut [S], rstd: &mut [f32]) {
-        self.time("rmsnorm_forward", || {
-            self.inner.rmsnorm_forward(s, x, w, out, rstd)
-        })
-    }
-    fn rmsnorm_backward(
-        &self,
-        s: NormShape,
-        dy: &[S],
-        x: &[S],
-        w: &[S],
-        rstd: &[f32],
-        dx: &mut [S],
-        a: Accum,
-        dw: &mut [G],
-    ) {
-        self.time("rmsnorm_backward", || {
-            self.inner.rmsnorm_backward(s, dy, x, w, rstd, dx, a, dw)
-        })
-    }
-    fn rope_forward(&self, s: RopeShape, t: &RopeTable, x: &mut [S]) {
-        self.time("rope_forward", || self.inner.rope_forward(s, t, x))
-    }
-    fn rope_backward(&self, s: RopeShape, t: &RopeTable, dx: &mut [S]) {
-        self.time("rope_backward", || self.inner.rope_backward(s, t, dx))
-    }
-    fn attention_forward(
-        &self,
-        s: AttnShape,
-        q: &[S],
-        k: &[S],
-        v: &[S],
-        o: &mut [S],
-        lse: &mut [f32],
-    ) {
-        self.time("attention_forward", || {
-            self.inner.attention_forward(s, q, k, v, o, lse)
-        })
-    }
-    fn attention_backward(
-        &self,
-        s: AttnShape,
-        q: &[S],
-        k: &[S],
-        v: &[S],
-        o: &[S],
-        lse: &[f32],
-        d_o: &[S],
-        dq: &mut [S],
-        dk: &mut [S],
-        dv: &mut [S],
-    ) {
-        self.time("attention_backward", || {
-            self.inner
-                .attention_backward(s, q, k, v, o, lse, d_o, dq, dk, dv)
-        })
-    }
-    fn swiglu_forward(&self, g: &[S], u: &[S], h: &mut [S]) {
-        self.time("swiglu_forward", || self.inner.swiglu_forward(g, u, h))
-    }
-    fn swiglu_backward(&self, dh: &[S], g: &[S], u: &[S], dg: &mut [S], du: &mut [S]) {
-        self.time("swiglu_backward", || {
-            self.inner.swiglu_backward(dh, g, u, dg, du)
-        })
-    }
-    fn embedding_forward(&self, t: &[u32], wte: &[S], c: usize, out: &mut [S]) {
-        self.time("embedding_forward", || {
-            self.inner.embedding_forward(t, wte, c, out)
-        })
-    }
-    fn embedding_backward(&self, t: &[u32], dout: &[S], c: usize, dwte: &mut [G]) {
-        self.time("embedding_backward", || {
-            self.inner.embedding_backward(t, dout, c, dwte)
-        })
-    }
-    fn add(&self, a: &[S], b: &[S], out: &mut [S]) {
-        self.time("add", || self.inner.add(a, b, out))
-    }
-    fn add_inplace(&self, acc: &mut [S], x: &[S]) {
-        self.time("add_inplace", || self.inner.add_inplace(acc, x))
-    }
-    fn copy(&self, src: &[S], dst: &mut [S]) {
-        self.time("copy", || self.inner.copy(src, dst))
-    }
-    fn scale(&self, x: &mut [G], s: f32) {
-        self.time("scale", || self.inner.scale(x, s))
-    }
-    fn sum_squares(&self, x: &[G]) -> f64 {
-        self.time("sum_squares", || self.inner.sum_squares(x))
-    }
-    fn cross_entropy(
-        &self,
-        s: CeShape,
-        z: &mut [f32],
-        t: &[u32],
-        l: &mut [f32],
-        sc: Option<f32>,
-    ) -> f64 {
-        self.time("cross_entropy", || self.inner.cross_entropy(s, z, t, l, sc))
-    }
-    fn adamw_step(
-        &self,
-        h: AdamWParams,
-        p: &mut [f32],
-        g: &[G],
-        m: &mut [f32],
-        v: &mut [f32],
-        out: Option<(&mut [S], Rounding)>,
-    ) {
-        self.time("adamw_step", || self.inner.adamw_step(h, p, g, m, v, out))
-    }
-    fn round_params(&self, src: &[f32], dst: &mut [S]) {
-        self.time("round_params", || self.inner.round_params(src, dst))
-    }
-    fn head_forward(&self, s: MatmulShape, x: &[S], w: &[S], logits: &mut [f32]) {
-        self.time("head_forward", || self.inner.head_forward(s, x, w, logits))
-    }
-    fn head_backward_weight(&self, s: MatmulShape, dl: &[f32], x: &[S], dw: &mut [G]) {
-        self.time("head_backward_weight", || {
-            self.inner.head_backward_weight(s, dl, x, dw)
-        })
-    }
-    fn head_backward_input(&self, s: MatmulShape, dl: &[f32], w: &[S], dx: &mut [S]) {
-        self.time("head_backward_input", || {
-            self.inner.head_backward_input(s, dl, w, dx)
-        })
+/// Emits `impl Kernels for Observed` from the kernel interface's list, one method at a time
+/// (`@each` walks the entries, since an entry ends in either `;` or a default body).
+macro_rules! observed_kernels {
+    (hooks { $($hook:tt)* } ops { $($op:tt)* }) => {
+        impl<S: Elem, G: Elem, K: Kernels<S, G>, O: OpObserver> Kernels<S, G> for Observed<K, O> {
+            observed_kernels!(@each hook $($hook)*);
+            observed_kernels!(@each op $($op)*);
+        }
+    };
+    (@each $kind:ident) => {};
+    (@each $kind:ident $(#[$attr:meta])* fn $name:ident $args:tt $(-> $ret:ty)?; $($rest:tt)*) => {
+        observed_kernels!(@$kind required $name $args ($($ret)?));
+        observed_kernels!(@each $kind $($rest)*);
+    };
+    (@each $kind:ident $(#[$attr:meta])* fn $name:ident $args:tt $(-> $ret:ty)? $default:block
+     $($rest:tt)*) => {
+        observed_kernels!(@$kind provided $name $args ($($ret)?));
+        observed_kernels!(@each $kind $($rest)*);
+    };
+    // A hook is the inner backend's, default or not, and is not an op to observe.
+    (@hook $_provided:ident $name:ident (&self $(, $arg:ident: $ty:ty)* $(,)?) ($($ret:ty)?)) => {
+        fn $name(&self $(, $arg: $ty)*) $(-> $ret)? {
+            self.inner.$name($($arg),*)
+        }
+    };
+    // An op is observed under its own name, the string traces and profiles report.
+    (@op required $name:ident (&self $(, $arg:ident: $ty:ty)* $(,)?) ($($ret:ty)?)) => {
+        fn $name(&self $(, $arg: $ty)*) $(-> $ret)? {
+            self.time(stringify!($name), || self.inner.$name($($arg),*))
+        }
+    };
+    // A composite op keeps the trait's default, which calls the wrapper's own methods, so the
+    // observer sees its parts (`matmul_backward` shows as its weight and input halves).
+    (@op provided $($_:tt)*) => {};
+}
+kernel_interface!(observed_kernels);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The generated forwarding: an op is reported under its method's name, a composite op as
+    /// its parts, and hooks reach the inner backend without being reported.
+    #[test]
+    fn ops_are_reported_by_name_and_hooks_are_not() {
+        let k = Profiled::new(CpuKernels::PLAIN);
+        let kd: &dyn Kernels = &k;
+        kd.warm_up();
+        assert_eq!(kd.limits(), Kernels::<f32>::limits(&CpuKernels::PLAIN));
+        let s = MatmulShape {
+            n: 2,
+            in_features: 3,
+            out_features: 4,
+        };
+        let (x, w, dy) = (vec![1.0; 6], vec![0.5; 12], vec![0.25; 8]);
+        let (mut dx, mut dw) = (vec![0.0; 6], vec![0.0; 12]);
+        kd.matmul_backward(
+            s,
+            &dy,
+            &x,
+            &w,
+            Some((&mut dx, Accum::Overwrite)),
+            &mut dw,
+            None,
+        );
+        assert_eq!(kd.sum_squares(&dw), 12.0 * 0.25);
+        let names: Vec<_> = k.report().iter().map(|(name, _)| *name).collect();
+        assert_eq!(
+            names,
+            [
+                "matmul_backward_weight",
+                "matmul_backward_input",
+                "sum_squares"
+            ]
+        );
     }
 }

@@ -1,7 +1,9 @@
 //! Llama-family model configuration (Llama 2/3, Qwen2 with q/k/v bias, tied or untied heads).
 
+use crate::kernels::Limits;
 use ferrotron_plan::model::{Family, ModelSpec};
 use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
 
 /// Errors from model construction and parameter handling.
 #[derive(Debug, thiserror::Error)]
@@ -10,7 +12,8 @@ pub enum ModelError {
     Config {
         field: &'static str,
         value: String,
-        fix: &'static str,
+        /// Static for the model's own invariants; a backend's limit names the backend.
+        fix: Cow<'static, str>,
     },
     #[error("{0}")]
     Unsupported(String),
@@ -80,13 +83,14 @@ impl LlamaConfig {
         Ok(cfg)
     }
 
-    /// Checks the invariants the kernels rely on.
+    /// Checks the invariants every backend's kernels rely on; what a particular backend
+    /// supports is [`Self::check_backend`]'s.
     pub fn validate(&self) -> Result<(), ModelError> {
-        let bad = |field, value: usize, fix| {
+        let bad = |field, value: usize, fix: &'static str| {
             Err(ModelError::Config {
                 field,
                 value: value.to_string(),
-                fix,
+                fix: fix.into(),
             })
         };
         if self.heads == 0 || self.kv_heads == 0 || !self.heads.is_multiple_of(self.kv_heads) {
@@ -103,13 +107,6 @@ impl LlamaConfig {
                 "RoPE needs an even, non-zero head_dim",
             );
         }
-        if self.head_dim > crate::kernels::cpu::attention::MAX_HEAD_DIM {
-            return bad(
-                "head_dim",
-                self.head_dim,
-                "the CPU attention kernel supports head_dim <= 512",
-            );
-        }
         for (field, v) in [
             ("hidden_size", self.hidden),
             ("intermediate_size", self.intermediate),
@@ -120,6 +117,22 @@ impl LlamaConfig {
             if v == 0 {
                 return bad(field, v, "must be positive");
             }
+        }
+        Ok(())
+    }
+
+    /// Checks the model against the limits of the backend chosen to run it (`Kernels::limits`).
+    pub fn check_backend(&self, limits: Limits) -> Result<(), ModelError> {
+        if self.head_dim > limits.max_head_dim {
+            return Err(ModelError::Config {
+                field: "head_dim",
+                value: self.head_dim.to_string(),
+                fix: format!(
+                    "the {} attention kernel supports head_dim <= {}",
+                    limits.backend, limits.max_head_dim
+                )
+                .into(),
+            });
         }
         Ok(())
     }

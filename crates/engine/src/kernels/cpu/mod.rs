@@ -14,8 +14,8 @@ pub mod staged_gemm;
 pub mod swiglu;
 
 use super::{
-    Accum, AdamWParams, AttnShape, CeShape, Kernels, MatmulShape, NormShape, RopeShape, RopeTable,
-    Rounding,
+    Accum, AdamWParams, AttnShape, CeShape, Kernels, Limits, MatmulShape, NormShape, RopeShape,
+    RopeTable, Rounding,
 };
 use crate::dtype::Elem;
 pub use matmul::{Fp8Inputs, FP8_HYBRID};
@@ -67,6 +67,12 @@ fn warm_up_gemm() {
 impl<S: Elem, G: Elem> Kernels<S, G> for CpuKernels {
     fn warm_up(&self) {
         warm_up_gemm();
+    }
+    fn limits(&self) -> Limits {
+        Limits {
+            backend: "CPU",
+            max_head_dim: attention::MAX_HEAD_DIM,
+        }
     }
 
     fn matmul_forward(
