@@ -319,3 +319,95 @@ fn head_dim_over_the_backend_limit_is_a_config_error() {
         "config field `head_dim` = 1024: the CPU attention kernel supports head_dim <= 512"
     );
 }
+
+#[test]
+fn stage_entry_points_compose_to_the_whole_step_bit_for_bit() {
+    // A 4-layer model cut into two "pipeline stages" at every layer boundary, run stage by
+    // stage (embedding + layers 0..cut, then layers cut..4 + head; the backward in reverse),
+    // gives the whole step's loss and gradients bit for bit, with the same buffer events; the
+    // gradient-ready callback names the final norm, then layers 3, 2, 1, 0, then the embedding.
+    use ferrotron_engine::model::{BackwardState, GradsDone};
+    let mut c = cfg(false, true);
+    c.layers = 4;
+    let model = Llama::new(c).with_recompute(Recompute::Selective);
+    let params = model.params.init(5, 0.1);
+    let (b, t) = (2, 16);
+    let batch = BatchShape { b, t };
+    let (tokens, targets) = data(&mut Rng::new(9), b * t, 80);
+    let nt = targets.iter().filter(|&&x| x != IGNORE_INDEX).count();
+    let k: &dyn Kernels = &CpuKernels::PLAIN;
+    let whole = || {
+        let mut pool = HeapPool::recording();
+        let mut grads = vec![0.0f32; model.num_params()];
+        let (acts, l) = model.forward_train(
+            k, &mut pool, &params, &mut grads, batch, &tokens, &targets, nt,
+        );
+        model.backward(k, &mut pool, &params, &mut grads, acts, &tokens);
+        (grads, l.sum, pool.events.unwrap())
+    };
+    let (want, want_loss, want_events) = whole();
+    for cut in 0..=4 {
+        let mut pool = HeapPool::recording();
+        let mut grads = vec![0.0f32; model.num_params()];
+        let mut order = Vec::new();
+        let mut done = |d: GradsDone| {
+            order.push(match d {
+                GradsDone::FinalNorm(_) => "norm".to_string(),
+                GradsDone::Layer(i, idx) => {
+                    assert_eq!(idx.ln1, model.params.layers[i].ln1);
+                    format!("layer {i}")
+                }
+                GradsDone::Embedding(_) => "embed".to_string(),
+            })
+        };
+        let p = &params;
+        // Stage A forward.
+        let x = model.embed_forward(k, &mut pool, p, &tokens);
+        let (acts_a, x) = model.layers_forward(k, &mut pool, p, batch, 0..cut, x);
+        // Stage B forward, head included.
+        let (acts_b, x) = model.layers_forward(k, &mut pool, p, batch, cut..4, x);
+        let (head, loss) = model.head_forward(k, &mut pool, p, &mut grads, x, &targets, nt, 1.0);
+        // Stage B backward, then stage A's.
+        let mut state: BackwardState<f32> =
+            model.head_backward(k, &mut pool, p, &mut grads, head, batch, &mut done);
+        let g = &mut grads;
+        model.layers_backward(
+            k,
+            &mut pool,
+            p,
+            g,
+            batch,
+            cut..4,
+            acts_b,
+            &mut state,
+            &mut done,
+        );
+        model.layers_backward(
+            k,
+            &mut pool,
+            p,
+            g,
+            batch,
+            0..cut,
+            acts_a,
+            &mut state,
+            &mut done,
+        );
+        model.embed_backward(k, &mut pool, g, &tokens, state, &mut done);
+        assert_eq!(loss.sum.to_bits(), want_loss.to_bits(), "cut {cut}: loss");
+        let differ = grads
+            .iter()
+            .zip(&want)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!(differ, 0, "cut {cut}: {differ} gradients differ");
+        assert_eq!(
+            pool.events.as_ref().unwrap(),
+            &want_events,
+            "cut {cut}: buffer events"
+        );
+        assert_eq!(pool.live_bytes, 0);
+        let want_order = ["norm", "layer 3", "layer 2", "layer 1", "layer 0", "embed"];
+        assert_eq!(order, want_order, "cut {cut}");
+    }
+}

@@ -106,7 +106,7 @@ pub struct Activations<S> {
 }
 
 /// Backward scratch, shared by all layers (`grad.act.*`).
-pub(crate) struct GradScratch<S> {
+pub struct GradScratch<S> {
     pub(crate) resid: Vec<S>,
     pub(crate) ln_out: Vec<S>,
     pub(crate) q: Vec<S>,
@@ -116,4 +116,66 @@ pub(crate) struct GradScratch<S> {
     pub(crate) gate: Vec<S>,
     pub(crate) up: Vec<S>,
     pub(crate) swiglu: Vec<S>,
+}
+
+/// The scratch buffers besides `grad.act.resid`, in the order they are allocated and freed.
+const SCRATCH: [&str; 8] = [
+    "grad.act.ln_out",
+    "grad.act.q",
+    "grad.act.k",
+    "grad.act.v",
+    "grad.act.attn_out",
+    "grad.act.gate",
+    "grad.act.up",
+    "grad.act.swiglu",
+];
+
+impl<S: Elem> GradScratch<S> {
+    /// The scratch of a backward whose d(residual stream) is `resid` (`grad.act.resid`).
+    pub(crate) fn new(
+        model: &super::llama::Llama,
+        pool: &mut dyn BufferPool,
+        batch: BatchShape,
+        resid: Vec<S>,
+    ) -> Self {
+        let c = &model.config;
+        let n = batch.n();
+        let len = |name: &str| match name {
+            "grad.act.ln_out" => n * c.hidden,
+            "grad.act.q" | "grad.act.attn_out" => n * c.q_dim(),
+            "grad.act.k" | "grad.act.v" => n * c.kv_dim(),
+            _ => n * c.intermediate,
+        };
+        let mut b = SCRATCH.map(|name| pool.alloc(BufName::global(name), len(name)));
+        let mut take = |i: usize| std::mem::take(&mut b[i]);
+        GradScratch {
+            resid,
+            ln_out: take(0),
+            q: take(1),
+            k: take(2),
+            v: take(3),
+            attn_out: take(4),
+            gate: take(5),
+            up: take(6),
+            swiglu: take(7),
+        }
+    }
+
+    /// Returns every buffer to the pool, `grad.act.resid` first.
+    pub(crate) fn free(self, pool: &mut dyn BufferPool) {
+        pool.free(BufName::global("grad.act.resid"), self.resid);
+        let bufs = [
+            self.ln_out,
+            self.q,
+            self.k,
+            self.v,
+            self.attn_out,
+            self.gate,
+            self.up,
+            self.swiglu,
+        ];
+        for (name, b) in SCRATCH.into_iter().zip(bufs) {
+            pool.free(BufName::global(name), b);
+        }
+    }
 }

@@ -209,26 +209,12 @@ impl Llama {
         );
     }
 
-    fn norm(&self, n: usize) -> NormShape {
+    pub(super) fn norm(&self, n: usize) -> NormShape {
         NormShape {
             n,
             c: self.config.hidden,
             eps: self.config.rms_eps,
         }
-    }
-
-    /// Embedding lookup into `act.layers.0.input`.
-    fn embed<S: Elem, G: Elem>(
-        &self,
-        k: &dyn Kernels<S, G>,
-        pool: &mut dyn BufferPool,
-        params: &[S],
-        tokens: &[u32],
-    ) -> Vec<S> {
-        let c = self.config.hidden;
-        let mut x = pool.alloc(BufName::layer(0, "input"), tokens.len() * c);
-        k.embedding_forward(tokens, &params[self.params.embed.clone()], c, &mut x);
-        x
     }
 
     /// Name of the buffer that receives layer `i`'s output.
@@ -242,7 +228,7 @@ impl Llama {
 
     /// One decoder layer; returns its saved activations (the dropped ones already returned to
     /// the pool) and its output (the next residual).
-    fn layer_forward<S: Elem, G: Elem>(
+    pub(super) fn layer_forward<S: Elem, G: Elem>(
         &self,
         k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
@@ -423,7 +409,7 @@ impl Llama {
     /// `recompute.*` workspace, at the start of the layer's backward (allocated in
     /// [`LAYER_FIELDS`] order, as the plan does). Same kernels on the same inputs as the
     /// forward, so the same bits.
-    fn rebuild<S: Elem, G: Elem>(
+    pub(super) fn rebuild<S: Elem, G: Elem>(
         &self,
         k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
@@ -469,7 +455,7 @@ impl Llama {
     /// Final norm + chunked LM head + cross-entropy. With `grad = Some((grads, scale))` the
     /// head's backward is fused in (see module docs) and `out` ends up holding its gradient.
     #[allow(clippy::too_many_arguments)]
-    fn head<S: Elem, G: Elem>(
+    pub(super) fn head<S: Elem, G: Elem>(
         &self,
         k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
@@ -575,29 +561,17 @@ impl Llama {
     ) -> (Activations<S>, LossSum) {
         self.check_batch(params, batch, tokens);
         assert_eq!(targets.len(), batch.n(), "targets must hold B·T ids");
-        assert_eq!(grads.len(), self.params.total, "grads buffer length");
-        let scale = if num_target_tokens == 0 {
-            0.0
-        } else {
-            loss_scale / num_target_tokens as f32
-        };
-        let mut x = self.embed(k, pool, params, tokens);
-        let mut layers = Vec::with_capacity(self.config.layers);
-        for i in 0..self.config.layers {
-            let (acts, out) = self.layer_forward(k, pool, params, i, batch, x);
-            layers.push(acts);
-            x = out;
-        }
-        let (final_rstd, final_out_grad, loss) =
-            self.head(k, pool, params, &x, targets, Some((grads, scale)));
-        let acts = Activations {
+        self.forward_stages(
+            k,
+            pool,
+            params,
+            grads,
             batch,
-            layers,
-            final_input: x,
-            final_rstd,
-            final_out_grad,
-        };
-        (acts, loss)
+            tokens,
+            targets,
+            num_target_tokens,
+            loss_scale,
+        )
     }
 
     /// Backward for the micro-batch whose [`Activations`] `forward_train` returned:
@@ -611,61 +585,9 @@ impl Llama {
         acts: Activations<S>,
         tokens: &[u32],
     ) {
-        let Activations {
-            batch,
-            mut layers,
-            final_input,
-            final_rstd,
-            final_out_grad,
-        } = acts;
-        assert_eq!(tokens.len(), batch.n(), "tokens must hold B·T ids");
+        assert_eq!(tokens.len(), acts.batch.n(), "tokens must hold B·T ids");
         assert_eq!(grads.len(), self.params.total, "grads buffer length");
-        let cfg = &self.config;
-        let (n, c, f) = (batch.n(), cfg.hidden, cfg.intermediate);
-        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
-        let g = |s| BufName::global(s);
-        // Final norm first, so the final_norm buffers are gone before the other scratch
-        // buffers arrive: d(last layer output) = rmsnorm'(d final_norm.out).
-        let mut resid = pool.alloc(g("grad.act.resid"), n * c);
-        k.rmsnorm_backward(
-            self.norm(n),
-            &final_out_grad,
-            &final_input,
-            &params[self.params.norm.clone()],
-            &final_rstd,
-            &mut resid,
-            Accum::Overwrite,
-            &mut grads[self.params.norm.clone()],
-        );
-        pool.free(g("act.final_norm.out"), final_out_grad);
-        pool.free(g("act.final_norm.rstd"), final_rstd);
-        pool.free(g("act.final_norm.input"), final_input);
-        let mut sc = GradScratch {
-            resid,
-            ln_out: pool.alloc(g("grad.act.ln_out"), n * c),
-            q: pool.alloc(g("grad.act.q"), n * qd),
-            k: pool.alloc(g("grad.act.k"), n * kvd),
-            v: pool.alloc(g("grad.act.v"), n * kvd),
-            attn_out: pool.alloc(g("grad.act.attn_out"), n * qd),
-            gate: pool.alloc(g("grad.act.gate"), n * f),
-            up: pool.alloc(g("grad.act.up"), n * f),
-            swiglu: pool.alloc(g("grad.act.swiglu"), n * f),
-        };
-        while let Some(a) = layers.pop() {
-            let i = layers.len();
-            let a = self.rebuild(k, pool, params, i, batch, a);
-            self.layer_backward(k, pool, params, grads, i, batch, a, &mut sc);
-        }
-        k.embedding_backward(tokens, &sc.resid, c, &mut grads[self.params.embed.clone()]);
-        pool.free(g("grad.act.resid"), sc.resid);
-        pool.free(g("grad.act.ln_out"), sc.ln_out);
-        pool.free(g("grad.act.q"), sc.q);
-        pool.free(g("grad.act.k"), sc.k);
-        pool.free(g("grad.act.v"), sc.v);
-        pool.free(g("grad.act.attn_out"), sc.attn_out);
-        pool.free(g("grad.act.gate"), sc.gate);
-        pool.free(g("grad.act.up"), sc.up);
-        pool.free(g("grad.act.swiglu"), sc.swiglu);
+        self.backward_stages(k, pool, params, grads, acts, tokens, &mut |_| {});
     }
 
     /// Backward of one layer (every tensor present: [`Llama::rebuild`] ran). On entry
@@ -673,7 +595,7 @@ impl Llama {
     /// once consumed; `input` goes last, so every `recompute.*` buffer is gone when the
     /// layer's last saved buffer is (the plan's backward mark).
     #[allow(clippy::too_many_arguments)]
-    fn layer_backward<S: Elem, G: Elem>(
+    pub(super) fn layer_backward<S: Elem, G: Elem>(
         &self,
         k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
@@ -926,7 +848,7 @@ impl Llama {
         batch: BatchShape,
         tokens: &[u32],
     ) -> Vec<S> {
-        let mut x = self.embed(k, pool, params, tokens);
+        let mut x = self.embed_forward(k, pool, params, tokens);
         for i in 0..self.config.layers {
             let (acts, out) = self.layer_forward(k, pool, params, i, batch, x);
             self.free_layer(pool, i, acts);

@@ -6,6 +6,7 @@ pub mod config;
 pub mod llama;
 pub mod params;
 pub mod recompute;
+pub mod stages;
 
 pub use activations::{Activations, BatchShape, LayerActs, LossSum};
 pub use buffers::{BufName, BufferPool, HeapPool, PoolEvent};
@@ -13,3 +14,4 @@ pub use config::{LlamaConfig, ModelError};
 pub use llama::{Llama, DEFAULT_CE_CHUNK_TOKENS};
 pub use params::{LayerIdx, ParamTable, TensorEntry};
 pub use recompute::Recompute;
+pub use stages::{BackwardState, GradsDone, HeadActs};

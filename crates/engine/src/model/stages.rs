@@ -1,0 +1,291 @@
+//! Stage entry points: the training step of [`Llama`] cut where the parallel trainers need to
+//! cut it. Embedding, a forward over any range of layers, the fused head with the loss, and
+//! their backwards are each callable alone, so a pipeline stage runs only its layers (and the
+//! embedding or the head when it holds them), and data parallelism / ZeRO hear, after each
+//! layer's backward, which parameter gradients are now complete for the micro-batch
+//! ([`GradsDone`]) and can start their reduction while the backward goes on.
+//!
+//! [`Llama::forward_train_scaled`] and [`Llama::backward`] are these stages in order; running
+//! them by hand gives the same buffers in the same order and the same numbers, bit for bit.
+
+use super::activations::{Activations, BatchShape, GradScratch, LayerActs, LossSum};
+use super::buffers::{BufName, BufferPool};
+use super::llama::Llama;
+use super::params::LayerIdx;
+use crate::dtype::Elem;
+use crate::kernels::{Accum, Kernels};
+use std::ops::Range;
+
+/// What the head's forward leaves for its backward.
+#[derive(Debug)]
+pub struct HeadActs<S> {
+    /// `act.final_norm.input` `[N, C]`: the last layer's output.
+    pub final_input: Vec<S>,
+    /// `act.final_norm.rstd` `[N]`.
+    pub final_rstd: Vec<f32>,
+    /// `act.final_norm.out` `[N, C]`, holding d(loss)/d(final_norm.out) after the fused head.
+    pub final_out_grad: Vec<S>,
+}
+
+/// The backward between stages: d(residual stream) at the current layer boundary
+/// (`grad.act.resid`) and the scratch every layer's backward shares (`grad.act.*`).
+pub struct BackwardState<S>(GradScratch<S>);
+
+impl<S: Elem> BackwardState<S> {
+    /// The scratch of a stage whose backward starts from a gradient it receives (a pipeline
+    /// stage without the head): write it into [`BackwardState::resid_grad_mut`].
+    pub fn new(model: &Llama, pool: &mut dyn BufferPool, batch: BatchShape) -> Self {
+        let resid = pool.alloc(
+            BufName::global("grad.act.resid"),
+            batch.n() * model.config.hidden,
+        );
+        BackwardState(GradScratch::new(model, pool, batch, resid))
+    }
+
+    /// d(loss)/d(residual stream) at the boundary reached so far (after
+    /// [`Llama::layers_backward`] of layers `a..b`: the gradient of layer `a`'s input).
+    pub fn resid_grad(&self) -> &[S] {
+        &self.0.resid
+    }
+
+    pub fn resid_grad_mut(&mut self) -> &mut [S] {
+        &mut self.0.resid
+    }
+
+    /// Returns every scratch buffer to the pool (a stage without the embedding ends here).
+    pub fn free(self, pool: &mut dyn BufferPool) {
+        self.0.free(pool);
+    }
+}
+
+/// Parameter gradients a backward step has completed for the current micro-batch.
+#[derive(Clone, Copy, Debug)]
+pub enum GradsDone<'a> {
+    /// The final norm (`model.norm.weight`), after the head's backward.
+    FinalNorm(&'a Range<usize>),
+    /// Every tensor of decoder layer `i`, after its backward.
+    Layer(usize, &'a LayerIdx),
+    /// The embedding, after the embedding's backward (with tied embeddings it also holds the
+    /// LM head's gradient, which the head's forward accumulated). An untied LM head's gradient
+    /// is complete when the head's forward returns.
+    Embedding(&'a Range<usize>),
+}
+
+impl Llama {
+    /// Embedding lookup: token ids → `act.layers.0.input`.
+    pub fn embed_forward<S: Elem, G: Elem>(
+        &self,
+        k: &dyn Kernels<S, G>,
+        pool: &mut dyn BufferPool,
+        params: &[S],
+        tokens: &[u32],
+    ) -> Vec<S> {
+        let c = self.config.hidden;
+        let mut x = pool.alloc(BufName::layer(0, "input"), tokens.len() * c);
+        k.embedding_forward(tokens, &params[self.params.embed.clone()], c, &mut x);
+        x
+    }
+
+    /// Forward of decoder layers `layers` from their input `x`; returns their saved activations
+    /// (first layer first) and the output of the last one (the next layer's input buffer, or
+    /// `act.final_norm.input` after the model's last layer).
+    pub fn layers_forward<S: Elem, G: Elem>(
+        &self,
+        k: &dyn Kernels<S, G>,
+        pool: &mut dyn BufferPool,
+        params: &[S],
+        batch: BatchShape,
+        layers: Range<usize>,
+        mut x: Vec<S>,
+    ) -> (Vec<LayerActs<S>>, Vec<S>) {
+        assert!(
+            layers.end <= self.config.layers,
+            "layers {layers:?} out of range"
+        );
+        let mut acts = Vec::with_capacity(layers.len());
+        for i in layers {
+            let (a, out) = self.layer_forward(k, pool, params, i, batch, x);
+            acts.push(a);
+            x = out;
+        }
+        (acts, x)
+    }
+
+    /// The final norm, LM head and cross-entropy of the last layer's output `x`, with the
+    /// head's backward fused in: accumulates `d lm_head.weight` into `grads` and leaves
+    /// d(loss)/d(final_norm.out) for [`Llama::head_backward`]. The loss is multiplied by
+    /// `loss_scale / num_target_tokens` before the backward (see `forward_train_scaled`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn head_forward<S: Elem, G: Elem>(
+        &self,
+        k: &dyn Kernels<S, G>,
+        pool: &mut dyn BufferPool,
+        params: &[S],
+        grads: &mut [G],
+        x: Vec<S>,
+        targets: &[u32],
+        num_target_tokens: usize,
+        loss_scale: f32,
+    ) -> (HeadActs<S>, LossSum) {
+        assert_eq!(grads.len(), self.params.total, "grads buffer length");
+        let scale = if num_target_tokens == 0 {
+            0.0
+        } else {
+            loss_scale / num_target_tokens as f32
+        };
+        let (final_rstd, final_out_grad, loss) =
+            self.head(k, pool, params, &x, targets, Some((grads, scale)));
+        let acts = HeadActs {
+            final_input: x,
+            final_rstd,
+            final_out_grad,
+        };
+        (acts, loss)
+    }
+
+    /// Backward of the final norm: d(last layer output), in a new [`BackwardState`] whose
+    /// scratch the layers' backward uses. The final_norm buffers are freed before the scratch
+    /// arrives (the plan's order).
+    #[allow(clippy::too_many_arguments)]
+    pub fn head_backward<S: Elem, G: Elem>(
+        &self,
+        k: &dyn Kernels<S, G>,
+        pool: &mut dyn BufferPool,
+        params: &[S],
+        grads: &mut [G],
+        head: HeadActs<S>,
+        batch: BatchShape,
+        done: &mut dyn FnMut(GradsDone),
+    ) -> BackwardState<S> {
+        let n = batch.n();
+        let g = BufName::global;
+        let mut resid = pool.alloc(g("grad.act.resid"), n * self.config.hidden);
+        k.rmsnorm_backward(
+            self.norm(n),
+            &head.final_out_grad,
+            &head.final_input,
+            &params[self.params.norm.clone()],
+            &head.final_rstd,
+            &mut resid,
+            Accum::Overwrite,
+            &mut grads[self.params.norm.clone()],
+        );
+        pool.free(g("act.final_norm.out"), head.final_out_grad);
+        pool.free(g("act.final_norm.rstd"), head.final_rstd);
+        pool.free(g("act.final_norm.input"), head.final_input);
+        done(GradsDone::FinalNorm(&self.params.norm));
+        BackwardState(GradScratch::new(self, pool, batch, resid))
+    }
+
+    /// Backward of decoder layers `layers` (their activations `acts` as `layers_forward`
+    /// returned them), last layer first: on entry the state holds d(output of the last of
+    /// them), on exit d(input of the first). Calls `done` after each layer.
+    #[allow(clippy::too_many_arguments)]
+    pub fn layers_backward<S: Elem, G: Elem>(
+        &self,
+        k: &dyn Kernels<S, G>,
+        pool: &mut dyn BufferPool,
+        params: &[S],
+        grads: &mut [G],
+        batch: BatchShape,
+        layers: Range<usize>,
+        mut acts: Vec<LayerActs<S>>,
+        state: &mut BackwardState<S>,
+        done: &mut dyn FnMut(GradsDone),
+    ) {
+        assert_eq!(
+            acts.len(),
+            layers.len(),
+            "one LayerActs per layer of {layers:?}"
+        );
+        for i in layers.rev() {
+            let a = acts.pop().expect("checked length");
+            let a = self.rebuild(k, pool, params, i, batch, a);
+            self.layer_backward(k, pool, params, grads, i, batch, a, &mut state.0);
+            done(GradsDone::Layer(i, &self.params.layers[i]));
+        }
+    }
+
+    /// Backward of the embedding from d(layer 0 input); frees the backward's scratch.
+    pub fn embed_backward<S: Elem, G: Elem>(
+        &self,
+        k: &dyn Kernels<S, G>,
+        pool: &mut dyn BufferPool,
+        grads: &mut [G],
+        tokens: &[u32],
+        state: BackwardState<S>,
+        done: &mut dyn FnMut(GradsDone),
+    ) {
+        let c = self.config.hidden;
+        let range = self.params.embed.clone();
+        k.embedding_backward(tokens, &state.0.resid, c, &mut grads[range]);
+        state.free(pool);
+        done(GradsDone::Embedding(&self.params.embed));
+    }
+
+    /// The whole training forward of one micro-batch, as the stages above in order.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn forward_stages<S: Elem, G: Elem>(
+        &self,
+        k: &dyn Kernels<S, G>,
+        pool: &mut dyn BufferPool,
+        params: &[S],
+        grads: &mut [G],
+        batch: BatchShape,
+        tokens: &[u32],
+        targets: &[u32],
+        num_target_tokens: usize,
+        loss_scale: f32,
+    ) -> (Activations<S>, LossSum) {
+        let x = self.embed_forward(k, pool, params, tokens);
+        let (layers, x) = self.layers_forward(k, pool, params, batch, 0..self.config.layers, x);
+        let (head, loss) = self.head_forward(
+            k,
+            pool,
+            params,
+            grads,
+            x,
+            targets,
+            num_target_tokens,
+            loss_scale,
+        );
+        let acts = Activations {
+            batch,
+            layers,
+            final_input: head.final_input,
+            final_rstd: head.final_rstd,
+            final_out_grad: head.final_out_grad,
+        };
+        (acts, loss)
+    }
+
+    /// The whole backward of one micro-batch, as the stages above in order.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn backward_stages<S: Elem, G: Elem>(
+        &self,
+        k: &dyn Kernels<S, G>,
+        pool: &mut dyn BufferPool,
+        params: &[S],
+        grads: &mut [G],
+        acts: Activations<S>,
+        tokens: &[u32],
+        done: &mut dyn FnMut(GradsDone),
+    ) {
+        let Activations {
+            batch,
+            layers,
+            final_input,
+            final_rstd,
+            final_out_grad,
+        } = acts;
+        let head = HeadActs {
+            final_input,
+            final_rstd,
+            final_out_grad,
+        };
+        let mut state = self.head_backward(k, pool, params, grads, head, batch, done);
+        let all = 0..self.config.layers;
+        self.layers_backward(k, pool, params, grads, batch, all, layers, &mut state, done);
+        self.embed_backward(k, pool, grads, tokens, state, done);
+    }
+}
