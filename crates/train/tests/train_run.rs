@@ -376,12 +376,11 @@ fn low_precision_loss_curves_stay_within_the_seed_to_seed_spread() {
     // A statement about precision that holds on any machine and any kernel choice: training is
     // chaotic, so a change in summation order (another GEMM blocking, another CPU) moves one
     // run's curve by as much as the noise between runs. So compare averages over seeds with
-    // the noise itself: over 3 seeds, the 10-step mean loss of bf16 and fp16 stays, on
-    // average, within half the distance between fp32 runs of different seeds from fp32 at the
-    // same seed; fp8's within three quarters. Measured: spread 0.129, bf16 0.027, fp16 0.013,
-    // fp8 0.040; with GEMM depth chunks of 256 instead of 512 (another summation order):
-    // see docs/BENCHMARKS.md. (docs/BENCHMARKS.md states the 300-step bands
-    // of the default model.)
+    // the noise itself: over 3 seeds, the 10-step mean loss of bf16 stays, on average, within
+    // half the distance between fp32 runs of different seeds from fp32 at the same seed; fp16
+    // and fp8, whose threshold events (a skipped step, a rescaled tensor) turn one ulp into a
+    // step, within three quarters. Measured: spread 0.129, bf16 0.021, fp16 0.035, fp8 0.042
+    // (docs/BENCHMARKS.md has them under another summation order too).
     let seeds = [1u64, 2, 3];
     let curve = |p: &str, seed: u64| {
         let out = tmp(&format!("band-{p}-{seed}"));
@@ -408,7 +407,7 @@ fn low_precision_loss_curves_stay_within_the_seed_to_seed_spread() {
     }
     let spread = pairs.iter().sum::<f64>() / pairs.len() as f64;
     eprintln!("fp32 seed-to-seed: mean |difference| {spread:.4} (pairs {pairs:.4?})");
-    for (p, factor) in [("bf16", 0.5), ("fp16", 0.5), ("fp8", 0.75)] {
+    for (p, factor) in [("bf16", 0.5), ("fp16", 0.75), ("fp8", 0.75)] {
         let gaps: Vec<f64> = seeds
             .iter()
             .zip(&fp32)

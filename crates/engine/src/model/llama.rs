@@ -6,7 +6,8 @@
 //! x ─ rmsnorm(ln1) ─ q,k,v proj (+bias) ─ RoPE(q,k) ─ causal GQA attention ─ o_proj ─(+x)─ resid_mid
 //! resid_mid ─ rmsnorm(ln2) ─ gate,up proj ─ silu(gate)·up ─ down_proj ─(+resid_mid)─ next x
 //! ```
-//! then `model.norm` and the LM head. Activations are the named buffers of the memory plan
+//! Each residual add is a separate step after its projection (where tensor parallelism
+//! all-reduces the row-parallel partial sums). Then `model.norm` and the LM head. Activations are the named buffers of the memory plan
 //! (`act.layers.{i}.<name>`, `act.final_norm.*`, `act.logits_chunk`, `act.losses`, and the
 //! backward scratch `grad.act.*`), requested from a [`BufferPool`] when first written and
 //! returned as soon as the backward has consumed them. Under a recompute policy
@@ -320,17 +321,20 @@ impl Llama {
         let mut attn_lse = pool.alloc(name("attn_lse"), ashape.lse_len());
         let mut attn_out = pool.alloc(name("attn_out"), n * qd);
         k.attention_forward(ashape, &q, &kk, &v, &mut attn_out, &mut attn_lse);
-        // resid_mid = input + attn_out·Woᵀ (residual add fused into the gemm's accumulate).
+        // resid_mid = attn_out·Woᵀ, then + input: the residual add is its own step, after the
+        // projection is complete, because a row-parallel o_proj (tensor parallelism) must
+        // all-reduce its partial sums between the two; fused, the residual would be added tp
+        // times.
         let mut resid_mid = pool.alloc(name("resid_mid"), n * c);
-        k.copy(&input, &mut resid_mid);
         k.matmul_forward(
             lin(qd, c),
             &attn_out,
             p(&li.wo),
             None,
             &mut resid_mid,
-            Accum::Add,
+            Accum::Overwrite,
         );
+        k.add_inplace(&mut resid_mid, &input);
 
         // ---- MLP block ----
         let mut ln2_rstd = pool.alloc(name("ln2_rstd"), n);
@@ -363,9 +367,11 @@ impl Llama {
         let mut swiglu = pool.alloc(name("swiglu"), n * f);
         k.swiglu_forward(&gate, &up, &mut swiglu);
         let out = output.then(|| {
+            // out = swiglu·Wdᵀ, then + resid_mid (explicit, as for o_proj above).
             let mut out = pool.alloc(self.output_name(i), n * c);
-            k.copy(&resid_mid, &mut out);
-            k.matmul_forward(lin(f, c), &swiglu, p(&li.wd), None, &mut out, Accum::Add);
+            let s = lin(f, c);
+            k.matmul_forward(s, &swiglu, p(&li.wd), None, &mut out, Accum::Overwrite);
+            k.add_inplace(&mut out, &resid_mid);
             out
         });
 
