@@ -1,0 +1,124 @@
+//! The collectives every backend provides, on `f32` buffers (16-bit gradients are widened by
+//! the caller, as reductions accumulate in f32 anyway). Every rank of a group must call the
+//! same collectives in the same order (MPI's rule); the reduction order is rank order, so every
+//! rank gets bit-identical results and a run is reproducible.
+
+use std::time::Duration;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CommError {
+    /// Another rank failed or left: the job cannot go on.
+    #[error("rank {rank} failed: {cause}")]
+    PeerFailed { rank: usize, cause: String },
+    /// Nobody answered in time (a rank stuck or dead without a word).
+    #[error(
+        "rank {rank}: no answer from the group within {:.1} s in {op} (a rank died or hangs)",
+        *ms as f64 / 1000.0
+    )]
+    Timeout {
+        rank: usize,
+        op: &'static str,
+        ms: u64,
+    },
+    /// A call whose arguments cannot work (lengths, ranks).
+    #[error("rank {rank}: {op}: {problem}")]
+    Usage {
+        rank: usize,
+        op: &'static str,
+        problem: String,
+    },
+}
+
+pub type Result<T> = std::result::Result<T, CommError>;
+
+/// A group of ranks that can talk.
+pub trait Communicator: Send {
+    /// This rank's index in the group.
+    fn rank(&self) -> usize;
+    /// Ranks in the group.
+    fn size(&self) -> usize;
+    /// Every rank's `buf` replaced by the element-wise sum over ranks.
+    fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<()>;
+    /// The sum over ranks of `send` (size × `recv.len()` elements), of which this rank keeps
+    /// block `rank` in `recv`.
+    fn reduce_scatter_sum(&self, send: &[f32], recv: &mut [f32]) -> Result<()>;
+    /// Every rank's `send` (equal lengths), concatenated in rank order into `recv`.
+    fn all_gather(&self, send: &[f32], recv: &mut [f32]) -> Result<()>;
+    /// `root`'s `buf` into every rank's `buf`.
+    fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<()>;
+    /// Block `j` of this rank's `send` goes to rank `j`, which puts it at block `rank` of its
+    /// `recv` (equal block sizes).
+    fn all_to_all(&self, send: &[f32], recv: &mut [f32]) -> Result<()>;
+    /// `buf` to rank `dst`, matched by its `recv` with the same `tag`.
+    fn send(&self, buf: &[f32], dst: usize, tag: u32) -> Result<()>;
+    /// A message from rank `src` with `tag`, of exactly `buf.len()` elements.
+    fn recv(&self, buf: &mut [f32], src: usize, tag: u32) -> Result<()>;
+    fn barrier(&self) -> Result<()>;
+    /// Starts an all-reduce of `buf` that completes while this rank goes on computing (the
+    /// overlap of gradient buckets with the backward); `Pending::wait` returns the buffer.
+    fn all_reduce_start(&self, buf: Vec<f32>) -> Pending;
+    /// Marks this rank failed with `cause`: every other rank's next or current call returns
+    /// [`CommError::PeerFailed`] naming it, instead of waiting forever.
+    fn abort(&self, cause: &str);
+}
+
+/// An operation in flight.
+pub struct Pending {
+    rx: std::sync::mpsc::Receiver<Result<Vec<f32>>>,
+    done: std::cell::RefCell<Option<Result<Vec<f32>>>>,
+    timeout: Duration,
+    rank: usize,
+}
+
+impl Pending {
+    pub(crate) fn new(
+        rx: std::sync::mpsc::Receiver<Result<Vec<f32>>>,
+        timeout: Duration,
+        rank: usize,
+    ) -> Self {
+        Pending {
+            rx,
+            done: std::cell::RefCell::new(None),
+            timeout,
+            rank,
+        }
+    }
+
+    fn gone(&self) -> CommError {
+        CommError::PeerFailed {
+            rank: self.rank,
+            cause: "its communicator shut down".into(),
+        }
+    }
+
+    /// Waits for the operation; returns its buffer.
+    pub fn wait(self) -> Result<Vec<f32>> {
+        if let Some(r) = self.done.borrow_mut().take() {
+            return r;
+        }
+        // The worker enforces the group's timeout itself; this one only guards against a
+        // worker that vanished.
+        match self.rx.recv_timeout(self.timeout + Duration::from_secs(5)) {
+            Ok(r) => r,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(CommError::Timeout {
+                rank: self.rank,
+                op: "wait",
+                ms: self.timeout.as_millis() as u64,
+            }),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(self.gone()),
+        }
+    }
+
+    /// Whether it has finished (then `wait` returns at once).
+    pub fn is_done(&self) -> bool {
+        let mut done = self.done.borrow_mut();
+        if done.is_none() {
+            match self.rx.try_recv() {
+                Ok(r) => *done = Some(r),
+                Err(std::sync::mpsc::TryRecvError::Empty) => return false,
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => *done = Some(Err(self.gone())),
+            }
+        }
+        true
+    }
+}

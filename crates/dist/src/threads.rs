@@ -1,0 +1,524 @@
+//! The threads backend: ranks as threads of one process, for one machine and for tests.
+//!
+//! A group's collectives meet in a shared exchange: every rank deposits its contribution, the
+//! last to arrive opens the round, every rank computes its result from all contributions (in
+//! rank order, so every rank and every run get the same bits), and the last to leave closes
+//! it. Each communicator owns a worker thread that runs its collectives one after the other,
+//! so a collective started without waiting (`all_reduce_start`) keeps its place in the
+//! rank's order, as MPI requires, while the caller goes on computing. Point-to-point messages
+//! go through mailboxes keyed by (source, destination, tag).
+//!
+//! Faults: a rank that returns an error calls `abort`, and a rank that panics aborts from its
+//! communicator's `Drop`; every other rank's waiting call then fails within a poll interval
+//! with [`CommError::PeerFailed`] naming it. A rank that stops without a word is caught by the
+//! timeout.
+
+use crate::communicator::{CommError, Communicator, Pending, Result};
+use std::collections::{HashMap, VecDeque};
+use std::sync::mpsc;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// How often a waiting rank looks for a failed peer.
+const POLL: Duration = Duration::from_millis(50);
+
+type Slots = Vec<Option<Vec<f32>>>;
+/// Messages in flight, by (source world rank, destination world rank, tag), oldest first.
+type Mailboxes = HashMap<(usize, usize, u32), VecDeque<Vec<f32>>>;
+
+#[derive(Default)]
+struct Round {
+    slots: Slots,
+    arrived: usize,
+    left: usize,
+    open: bool,
+}
+
+/// One group's meeting point.
+struct Exchange {
+    members: Vec<usize>,
+    round: Mutex<Round>,
+    cv: Condvar,
+}
+
+struct WorldShared {
+    timeout: Duration,
+    failed: Mutex<Option<(usize, String)>>,
+    groups: Mutex<HashMap<Vec<usize>, Arc<Exchange>>>,
+    mail: Mutex<Mailboxes>,
+    mail_cv: Condvar,
+}
+
+impl WorldShared {
+    fn failure(&self) -> Option<CommError> {
+        let f = self.failed.lock().unwrap_or_else(|e| e.into_inner());
+        f.as_ref().map(|(rank, cause)| CommError::PeerFailed {
+            rank: *rank,
+            cause: cause.clone(),
+        })
+    }
+
+    fn exchange(&self, members: &[usize]) -> Arc<Exchange> {
+        let mut g = self.groups.lock().unwrap_or_else(|e| e.into_inner());
+        g.entry(members.to_vec())
+            .or_insert_with(|| {
+                Arc::new(Exchange {
+                    members: members.to_vec(),
+                    round: Mutex::new(Round {
+                        slots: vec![None; members.len()],
+                        ..Round::default()
+                    }),
+                    cv: Condvar::new(),
+                })
+            })
+            .clone()
+    }
+
+    /// Waits on `cv` until `ready` holds, a peer has failed, or the timeout passes.
+    fn wait<'a, T>(
+        &self,
+        cv: &Condvar,
+        mut guard: MutexGuard<'a, T>,
+        rank: usize,
+        op: &'static str,
+        mut ready: impl FnMut(&T) -> bool,
+    ) -> Result<MutexGuard<'a, T>> {
+        let start = Instant::now();
+        while !ready(&guard) {
+            if let Some(e) = self.failure() {
+                return Err(e);
+            }
+            if start.elapsed() > self.timeout {
+                return Err(CommError::Timeout {
+                    rank,
+                    op,
+                    ms: self.timeout.as_millis() as u64,
+                });
+            }
+            guard = cv
+                .wait_timeout(guard, POLL)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        Ok(guard)
+    }
+}
+
+/// One round of a collective: deposits `mine` as member `me`'s contribution and returns what
+/// `result` computes from all of them.
+fn meet<R>(
+    world: &WorldShared,
+    ex: &Exchange,
+    me: usize,
+    rank: usize,
+    op: &'static str,
+    mine: Vec<f32>,
+    result: impl FnOnce(&Slots) -> R,
+) -> Result<R> {
+    let n = ex.members.len();
+    let g = ex.round.lock().unwrap_or_else(|e| e.into_inner());
+    // Wait for the previous round to be read by everyone.
+    let mut g = world.wait(&ex.cv, g, rank, op, |r| !r.open)?;
+    g.slots[me] = Some(mine);
+    g.arrived += 1;
+    if g.arrived == n {
+        g.open = true;
+        ex.cv.notify_all();
+    }
+    let mut g = world.wait(&ex.cv, g, rank, op, |r| r.open)?;
+    let out = result(&g.slots);
+    g.left += 1;
+    if g.left == n {
+        *g = Round {
+            slots: vec![None; n],
+            ..Round::default()
+        };
+        ex.cv.notify_all();
+    }
+    Ok(out)
+}
+
+fn sum_of(slots: &Slots, range: std::ops::Range<usize>) -> Vec<f32> {
+    let mut out = vec![0.0f32; range.len()];
+    for s in slots.iter().flatten() {
+        for (o, x) in out.iter_mut().zip(&s[range.clone()]) {
+            *o += x;
+        }
+    }
+    out
+}
+
+type Job = Box<dyn FnOnce(&WorldShared, &Exchange) + Send>;
+
+/// A rank's view of one group (the world or a sub-group).
+pub struct ThreadComm {
+    world: Arc<WorldShared>,
+    /// This rank's world rank and its index in the group.
+    world_rank: usize,
+    me: usize,
+    members: Vec<usize>,
+    jobs: Option<mpsc::Sender<Job>>,
+    worker: Option<std::thread::JoinHandle<()>>,
+}
+
+/// Creates `size` ranks; returns each rank's world communicator (hand each to its thread).
+pub fn world(size: usize, timeout: Duration) -> Vec<ThreadComm> {
+    let shared = Arc::new(WorldShared {
+        timeout,
+        failed: Mutex::new(None),
+        groups: Mutex::new(HashMap::new()),
+        mail: Mutex::new(HashMap::new()),
+        mail_cv: Condvar::new(),
+    });
+    let all: Vec<usize> = (0..size).collect();
+    (0..size)
+        .map(|r| ThreadComm::new(shared.clone(), r, &all))
+        .collect()
+}
+
+/// Runs `f(rank, comm)` on `size` threads, one per rank; returns each rank's result. A rank
+/// whose `f` fails or panics takes the others down (see the module comment).
+pub fn run<T: Send + 'static>(
+    size: usize,
+    timeout: Duration,
+    f: impl Fn(usize, ThreadComm) -> std::result::Result<T, String> + Send + Sync + 'static,
+) -> Vec<std::result::Result<T, String>> {
+    let f = Arc::new(f);
+    let handles: Vec<_> = world(size, timeout)
+        .into_iter()
+        .enumerate()
+        .map(|(r, comm)| {
+            let f = f.clone();
+            std::thread::Builder::new()
+                .name(format!("rank {r}"))
+                .spawn(move || {
+                    let world = comm.world.clone();
+                    let out = f(r, comm);
+                    if let Err(e) = &out {
+                        let mut failed = world.failed.lock().unwrap_or_else(|e| e.into_inner());
+                        failed.get_or_insert((r, e.clone()));
+                    }
+                    out
+                })
+                .expect("spawn a rank thread")
+        })
+        .collect();
+    handles
+        .into_iter()
+        .enumerate()
+        .map(|(r, h)| {
+            h.join()
+                .unwrap_or_else(|_| Err(format!("rank {r} panicked")))
+        })
+        .collect()
+}
+
+impl ThreadComm {
+    fn new(world: Arc<WorldShared>, world_rank: usize, members: &[usize]) -> Self {
+        let me = members
+            .iter()
+            .position(|&m| m == world_rank)
+            .expect("a rank is a member of its own group");
+        let ex = world.exchange(members);
+        let (tx, rx) = mpsc::channel::<Job>();
+        let w = world.clone();
+        let worker = std::thread::Builder::new()
+            .name(format!("rank {world_rank} comm"))
+            .spawn(move || {
+                for job in rx {
+                    job(&w, &ex);
+                }
+            })
+            .expect("spawn a communicator thread");
+        ThreadComm {
+            world,
+            world_rank,
+            me,
+            members: members.to_vec(),
+            jobs: Some(tx),
+            worker: Some(worker),
+        }
+    }
+
+    /// This rank's rank in the world.
+    pub fn world_rank(&self) -> usize {
+        self.world_rank
+    }
+
+    /// The sub-group of this group's ranks `members` (indices in this group; every member
+    /// calls `split` with the same list, and this rank must be in it).
+    pub fn split(&self, members: &[usize]) -> Result<ThreadComm> {
+        let usage = |problem: String| CommError::Usage {
+            rank: self.world_rank,
+            op: "split",
+            problem,
+        };
+        let mut world_ranks = Vec::with_capacity(members.len());
+        for &m in members {
+            let w = *self.members.get(m).ok_or_else(|| {
+                usage(format!(
+                    "member {m} is not in a group of {}",
+                    self.members.len()
+                ))
+            })?;
+            world_ranks.push(w);
+        }
+        if !world_ranks.contains(&self.world_rank) {
+            return Err(usage(format!("this rank is not among {members:?}")));
+        }
+        Ok(ThreadComm::new(
+            self.world.clone(),
+            self.world_rank,
+            &world_ranks,
+        ))
+    }
+
+    /// Runs `op` on the worker (after every collective started before it); the receiver gets
+    /// its result.
+    fn submit(
+        &self,
+        name: &'static str,
+        mine: Vec<f32>,
+        result: impl FnOnce(&Slots, usize) -> Vec<f32> + Send + 'static,
+    ) -> Pending {
+        let (tx, rx) = mpsc::channel();
+        let (me, rank) = (self.me, self.world_rank);
+        // Every collective but broadcast needs the same length from every rank.
+        let equal = name != "broadcast";
+        let job: Job = Box::new(move |w, ex| {
+            let r = meet(w, ex, me, rank, name, mine, |s| {
+                let lens: Vec<usize> = s.iter().flatten().map(Vec::len).collect();
+                if equal && lens.iter().any(|&l| l != lens[0]) {
+                    return Err(CommError::Usage {
+                        rank,
+                        op: name,
+                        problem: format!("ranks passed different lengths {lens:?}"),
+                    });
+                }
+                Ok(result(s, me))
+            });
+            let _ = tx.send(r.and_then(|x| x));
+        });
+        if let Some(jobs) = &self.jobs {
+            let _ = jobs.send(job);
+        }
+        Pending::new(rx, self.world.timeout, rank)
+    }
+
+    fn usage(&self, op: &'static str, problem: String) -> CommError {
+        CommError::Usage {
+            rank: self.world_rank,
+            op,
+            problem,
+        }
+    }
+
+    /// A collective on a copy of `send`, its result copied into `out`.
+    fn blocking(
+        &self,
+        name: &'static str,
+        send: &[f32],
+        out: &mut [f32],
+        result: impl FnOnce(&Slots, usize) -> Vec<f32> + Send + 'static,
+    ) -> Result<()> {
+        let r = self.submit(name, send.to_vec(), result).wait()?;
+        if r.len() != out.len() {
+            return Err(self.usage(
+                name,
+                format!("result has {} elements, the buffer {}", r.len(), out.len()),
+            ));
+        }
+        out.copy_from_slice(&r);
+        Ok(())
+    }
+}
+
+impl Communicator for ThreadComm {
+    fn rank(&self) -> usize {
+        self.me
+    }
+
+    fn size(&self) -> usize {
+        self.members.len()
+    }
+
+    fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<()> {
+        let n = buf.len();
+        let out = self.submit("all_reduce_sum", buf.to_vec(), move |s, _| sum_of(s, 0..n));
+        let r = out.wait()?;
+        buf.copy_from_slice(&r);
+        Ok(())
+    }
+
+    fn reduce_scatter_sum(&self, send: &[f32], recv: &mut [f32]) -> Result<()> {
+        let (p, b) = (self.size(), recv.len());
+        if send.len() != p * b {
+            return Err(self.usage(
+                "reduce_scatter_sum",
+                format!(
+                    "send has {} elements, expected size {p} × recv {b}",
+                    send.len()
+                ),
+            ));
+        }
+        self.blocking("reduce_scatter_sum", send, recv, move |s, me| {
+            sum_of(s, me * b..(me + 1) * b)
+        })
+    }
+
+    fn all_gather(&self, send: &[f32], recv: &mut [f32]) -> Result<()> {
+        if recv.len() != send.len() * self.size() {
+            return Err(self.usage(
+                "all_gather",
+                format!(
+                    "recv has {} elements, expected size × {}",
+                    recv.len(),
+                    send.len()
+                ),
+            ));
+        }
+        self.blocking("all_gather", send, recv, |s, _| {
+            s.iter().flatten().flatten().copied().collect()
+        })
+    }
+
+    fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<()> {
+        if root >= self.size() {
+            return Err(self.usage(
+                "broadcast",
+                format!("root {root} is not in a group of {}", self.size()),
+            ));
+        }
+        let mine = if self.me == root {
+            buf.to_vec()
+        } else {
+            Vec::new()
+        };
+        let n = buf.len();
+        let r = self
+            .submit("broadcast", mine, move |s, _| {
+                s[root].clone().unwrap_or_default()
+            })
+            .wait()?;
+        if r.len() != n {
+            return Err(self.usage(
+                "broadcast",
+                format!("root sent {} elements, this rank expects {n}", r.len()),
+            ));
+        }
+        buf.copy_from_slice(&r);
+        Ok(())
+    }
+
+    fn all_to_all(&self, send: &[f32], recv: &mut [f32]) -> Result<()> {
+        let p = self.size();
+        if !send.len().is_multiple_of(p) || recv.len() != send.len() {
+            return Err(self.usage(
+                "all_to_all",
+                format!(
+                    "send {} and recv {} must be equal and divisible by {p}",
+                    send.len(),
+                    recv.len()
+                ),
+            ));
+        }
+        let b = send.len() / p;
+        self.blocking("all_to_all", send, recv, move |s, me| {
+            s.iter()
+                .flatten()
+                .flat_map(|v| v[me * b..(me + 1) * b].to_vec())
+                .collect()
+        })
+    }
+
+    fn send(&self, buf: &[f32], dst: usize, tag: u32) -> Result<()> {
+        let to = *self.members.get(dst).ok_or_else(|| {
+            self.usage(
+                "send",
+                format!("destination {dst} is not in a group of {}", self.size()),
+            )
+        })?;
+        if let Some(e) = self.world.failure() {
+            return Err(e);
+        }
+        let mut mail = self.world.mail.lock().unwrap_or_else(|e| e.into_inner());
+        mail.entry((self.world_rank, to, tag))
+            .or_default()
+            .push_back(buf.to_vec());
+        self.world.mail_cv.notify_all();
+        Ok(())
+    }
+
+    fn recv(&self, buf: &mut [f32], src: usize, tag: u32) -> Result<()> {
+        let from = *self.members.get(src).ok_or_else(|| {
+            self.usage(
+                "recv",
+                format!("source {src} is not in a group of {}", self.size()),
+            )
+        })?;
+        let key = (from, self.world_rank, tag);
+        let mail = self.world.mail.lock().unwrap_or_else(|e| e.into_inner());
+        let mut mail =
+            self.world
+                .wait(&self.world.mail_cv, mail, self.world_rank, "recv", |m| {
+                    m.get(&key).is_some_and(|q| !q.is_empty())
+                })?;
+        let msg = mail
+            .get_mut(&key)
+            .and_then(VecDeque::pop_front)
+            .expect("waited for a message");
+        drop(mail);
+        if msg.len() != buf.len() {
+            return Err(self.usage(
+                "recv",
+                format!(
+                    "message from rank {src} (tag {tag}) has {} elements, the buffer {}",
+                    msg.len(),
+                    buf.len()
+                ),
+            ));
+        }
+        buf.copy_from_slice(&msg);
+        Ok(())
+    }
+
+    fn barrier(&self) -> Result<()> {
+        self.submit("barrier", Vec::new(), |_, _| Vec::new())
+            .wait()
+            .map(drop)
+    }
+
+    fn all_reduce_start(&self, buf: Vec<f32>) -> Pending {
+        let n = buf.len();
+        self.submit("all_reduce_sum", buf, move |s, _| sum_of(s, 0..n))
+    }
+
+    fn abort(&self, cause: &str) {
+        let mut failed = self.world.failed.lock().unwrap_or_else(|e| e.into_inner());
+        failed.get_or_insert((self.world_rank, cause.to_string()));
+        drop(failed);
+        self.world.mail_cv.notify_all();
+        for ex in self
+            .world
+            .groups
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+        {
+            ex.cv.notify_all();
+        }
+    }
+}
+
+impl Drop for ThreadComm {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.abort("panicked");
+        }
+        // Closing the queue ends the worker once the collectives already started are done.
+        self.jobs.take();
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
