@@ -5,18 +5,11 @@
 
 use ferrotron_plan::Layout;
 
-/// A dimension of the grid.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Dim {
-    Tp,
-    Cp,
-    Ep,
-    Dp,
-    Pp,
-}
+/// A dimension of the grid: the planner's, which prices the same placement.
+pub use ferrotron_plan::cluster::Dim;
 
 /// Innermost first.
-const ORDER: [Dim; 5] = [Dim::Tp, Dim::Cp, Dim::Ep, Dim::Dp, Dim::Pp];
+const ORDER: [Dim; 5] = Dim::ALL;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Grid {

@@ -27,6 +27,7 @@ use super::buffers::{BufName, BufferPool};
 use super::config::LlamaConfig;
 use super::params::{LayerIdx, ParamTable};
 use super::recompute::{dropped, workspace_name, Recompute, LAYER_FIELDS};
+use super::stages::{GradsDone, HeadActs};
 use crate::dtype::Elem;
 use crate::kernels::{
     Accum, AttnShape, CeShape, Kernels, MatmulShape, NormShape, RopeShape, RopeTable,
@@ -567,17 +568,27 @@ impl Llama {
     ) -> (Activations<S>, LossSum) {
         self.check_batch(params, batch, tokens);
         assert_eq!(targets.len(), batch.n(), "targets must hold B·T ids");
-        self.forward_stages(
+        // The stages (`super::stages`) in order.
+        let x = self.embed_forward(k, pool, params, tokens);
+        let (layers, x) = self.layers_forward(k, pool, params, batch, 0..self.config.layers, x);
+        let (head, loss) = self.head_forward(
             k,
             pool,
             params,
             grads,
-            batch,
-            tokens,
+            x,
             targets,
             num_target_tokens,
             loss_scale,
-        )
+        );
+        let acts = Activations {
+            batch,
+            layers,
+            final_input: head.final_input,
+            final_rstd: head.final_rstd,
+            final_out_grad: head.final_out_grad,
+        };
+        (acts, loss)
     }
 
     /// Backward for the micro-batch whose [`Activations`] `forward_train` returned:
@@ -593,7 +604,24 @@ impl Llama {
     ) {
         assert_eq!(tokens.len(), acts.batch.n(), "tokens must hold B·T ids");
         assert_eq!(grads.len(), self.params.total, "grads buffer length");
-        self.backward_stages(k, pool, params, grads, acts, tokens, &mut |_| {});
+        // The stages (`super::stages`) in order; nobody listens for finished gradients.
+        let done = &mut |_: GradsDone| {};
+        let Activations {
+            batch,
+            layers,
+            final_input,
+            final_rstd,
+            final_out_grad,
+        } = acts;
+        let head = HeadActs {
+            final_input,
+            final_rstd,
+            final_out_grad,
+        };
+        let mut state = self.head_backward(k, pool, params, grads, head, batch, done);
+        let all = 0..self.config.layers;
+        self.layers_backward(k, pool, params, grads, batch, all, layers, &mut state, done);
+        self.embed_backward(k, pool, grads, tokens, state, done);
     }
 
     /// Backward of one layer (every tensor present: [`Llama::rebuild`] ran). On entry

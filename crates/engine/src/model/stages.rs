@@ -8,7 +8,7 @@
 //! [`Llama::forward_train_scaled`] and [`Llama::backward`] are these stages in order; running
 //! them by hand gives the same buffers in the same order and the same numbers, bit for bit.
 
-use super::activations::{Activations, BatchShape, GradScratch, LayerActs, LossSum};
+use super::activations::{BatchShape, GradScratch, LayerActs, LossSum};
 use super::buffers::{BufName, BufferPool};
 use super::llama::Llama;
 use super::params::LayerIdx;
@@ -221,71 +221,5 @@ impl Llama {
         k.embedding_backward(tokens, &state.0.resid, c, &mut grads[range]);
         state.free(pool);
         done(GradsDone::Embedding(&self.params.embed));
-    }
-
-    /// The whole training forward of one micro-batch, as the stages above in order.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn forward_stages<S: Elem, G: Elem>(
-        &self,
-        k: &dyn Kernels<S, G>,
-        pool: &mut dyn BufferPool,
-        params: &[S],
-        grads: &mut [G],
-        batch: BatchShape,
-        tokens: &[u32],
-        targets: &[u32],
-        num_target_tokens: usize,
-        loss_scale: f32,
-    ) -> (Activations<S>, LossSum) {
-        let x = self.embed_forward(k, pool, params, tokens);
-        let (layers, x) = self.layers_forward(k, pool, params, batch, 0..self.config.layers, x);
-        let (head, loss) = self.head_forward(
-            k,
-            pool,
-            params,
-            grads,
-            x,
-            targets,
-            num_target_tokens,
-            loss_scale,
-        );
-        let acts = Activations {
-            batch,
-            layers,
-            final_input: head.final_input,
-            final_rstd: head.final_rstd,
-            final_out_grad: head.final_out_grad,
-        };
-        (acts, loss)
-    }
-
-    /// The whole backward of one micro-batch, as the stages above in order.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn backward_stages<S: Elem, G: Elem>(
-        &self,
-        k: &dyn Kernels<S, G>,
-        pool: &mut dyn BufferPool,
-        params: &[S],
-        grads: &mut [G],
-        acts: Activations<S>,
-        tokens: &[u32],
-        done: &mut dyn FnMut(GradsDone),
-    ) {
-        let Activations {
-            batch,
-            layers,
-            final_input,
-            final_rstd,
-            final_out_grad,
-        } = acts;
-        let head = HeadActs {
-            final_input,
-            final_rstd,
-            final_out_grad,
-        };
-        let mut state = self.head_backward(k, pool, params, grads, head, batch, done);
-        let all = 0..self.config.layers;
-        self.layers_backward(k, pool, params, grads, batch, all, layers, &mut state, done);
-        self.embed_backward(k, pool, grads, tokens, state, done);
     }
 }
