@@ -62,8 +62,26 @@ pub trait Communicator: Send {
     fn abort(&self, cause: &str);
 }
 
+/// How a backend's operation in flight completes (the MPI backend's requests; the threads
+/// backend uses a channel from its worker instead).
+pub trait Completion: Send {
+    /// Whether it has finished; may advance it (MPI progresses only inside MPI calls).
+    fn test(&mut self) -> bool;
+    /// Waits for it; returns its buffer.
+    fn wait(self: Box<Self>) -> Result<Vec<f32>>;
+}
+
 /// An operation in flight.
 pub struct Pending {
+    inner: Inner,
+}
+
+enum Inner {
+    Channel(Channel),
+    Backend(std::cell::RefCell<Box<dyn Completion>>),
+}
+
+struct Channel {
     rx: std::sync::mpsc::Receiver<Result<Vec<f32>>>,
     done: std::cell::RefCell<Option<Result<Vec<f32>>>>,
     timeout: Duration,
@@ -77,13 +95,40 @@ impl Pending {
         rank: usize,
     ) -> Self {
         Pending {
-            rx,
-            done: std::cell::RefCell::new(None),
-            timeout,
-            rank,
+            inner: Inner::Channel(Channel {
+                rx,
+                done: std::cell::RefCell::new(None),
+                timeout,
+                rank,
+            }),
         }
     }
 
+    /// An operation that a backend completes itself.
+    pub fn from_completion(c: Box<dyn Completion>) -> Self {
+        Pending {
+            inner: Inner::Backend(std::cell::RefCell::new(c)),
+        }
+    }
+
+    /// Waits for the operation; returns its buffer.
+    pub fn wait(self) -> Result<Vec<f32>> {
+        match self.inner {
+            Inner::Channel(c) => c.wait(),
+            Inner::Backend(c) => c.into_inner().wait(),
+        }
+    }
+
+    /// Whether it has finished (then `wait` returns at once).
+    pub fn is_done(&self) -> bool {
+        match &self.inner {
+            Inner::Channel(c) => c.is_done(),
+            Inner::Backend(c) => c.borrow_mut().test(),
+        }
+    }
+}
+
+impl Channel {
     fn gone(&self) -> CommError {
         CommError::PeerFailed {
             rank: self.rank,
@@ -91,8 +136,7 @@ impl Pending {
         }
     }
 
-    /// Waits for the operation; returns its buffer.
-    pub fn wait(self) -> Result<Vec<f32>> {
+    fn wait(self) -> Result<Vec<f32>> {
         if let Some(r) = self.done.borrow_mut().take() {
             return r;
         }
@@ -109,8 +153,7 @@ impl Pending {
         }
     }
 
-    /// Whether it has finished (then `wait` returns at once).
-    pub fn is_done(&self) -> bool {
+    fn is_done(&self) -> bool {
         let mut done = self.done.borrow_mut();
         if done.is_none() {
             match self.rx.try_recv() {
