@@ -1,7 +1,10 @@
 //! The collectives every backend provides, on `f32` buffers (16-bit gradients are widened by
 //! the caller, as reductions accumulate in f32 anyway). Every rank of a group must call the
-//! same collectives in the same order (MPI's rule); the reduction order is rank order, so every
-//! rank gets bit-identical results and a run is reproducible.
+//! same collectives in the same order (MPI's rule). Every rank gets bit-identical results and a
+//! run is reproducible: the threads backend sums in rank order; MPI (Open MPI, as the MPI tests
+//! check) picks its reduction order from the group size and buffer length (fixed for a given
+//! run shape, but not rank order, so its sums can differ from the threads backend's by
+//! rounding).
 
 use std::time::Duration;
 

@@ -24,6 +24,8 @@
 //!   (through the communicator's `Drop`) call `MPI_Abort` after printing
 //!   `rank R failed: cause` on stderr, and `mpirun` takes every rank down and exits non-zero.
 //!   A rank that dies (signal, exit without `MPI_Finalize`) is caught by `mpirun` likewise.
+//!   A panic on a thread that holds no communicator aborts nothing: whoever joins that thread
+//!   must call `abort`.
 //!   There is no [`CommError::Timeout`]: a rank that hangs alive hangs the job (use
 //!   `mpirun --timeout`).
 //! - Threads: MPI is initialised with `MPI_THREAD_MULTIPLE` when the library offers it
