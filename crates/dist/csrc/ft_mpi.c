@@ -8,21 +8,42 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-static void ft_finalize(void) {
+static int ft_finalized(void) {
     int init = 0, fin = 0;
     MPI_Initialized(&init);
     MPI_Finalized(&fin);
-    if (init && !fin) MPI_Finalize();
+    return !init || fin;
 }
 
-/* MPI_Init_thread once per process; MPI_Finalize at exit. Returns the thread level given. */
+/* At exit: a process that leaves without ft_finalize is failing (an error returned from main,
+ * std::process::exit): MPI_Finalize here would wait for the other ranks, which wait in a
+ * collective for this one, so the job would hang. Take it down instead. */
+static void ft_at_exit(void) {
+    if (ft_finalized()) return;
+    int rank = -1;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    fprintf(stderr,
+            "rank %d failed: exited without ferrotron_dist::mpi::finalize (an error or an early "
+            "exit); taking the job down\n",
+            rank);
+    fflush(stderr);
+    MPI_Abort(MPI_COMM_WORLD, 1);
+}
+
+/* MPI_Init_thread once per process. Returns the thread level given. */
 int ft_init(int *provided) {
     int init = 0;
     MPI_Initialized(&init);
     if (init) return MPI_Query_thread(provided);
     int rc = MPI_Init_thread(NULL, NULL, MPI_THREAD_MULTIPLE, provided);
-    if (rc == MPI_SUCCESS) atexit(ft_finalize);
+    if (rc == MPI_SUCCESS) atexit(ft_at_exit);
     return rc;
+}
+
+/* The normal end of a rank (collective over the world). */
+int ft_finalize(void) {
+    if (ft_finalized()) return MPI_SUCCESS;
+    return MPI_Finalize();
 }
 
 int ft_thread_serialized(void) { return MPI_THREAD_SERIALIZED; }
@@ -67,9 +88,7 @@ int ft_create_group(void *parent, const int *members, int n, int tag, void **out
 
 void ft_comm_free(void *c) {
     MPI_Comm *m = (MPI_Comm *)c;
-    int fin = 0;
-    MPI_Finalized(&fin);
-    if (!fin && *m != MPI_COMM_WORLD && *m != MPI_COMM_NULL) MPI_Comm_free(m);
+    if (!ft_finalized() && *m != MPI_COMM_WORLD && *m != MPI_COMM_NULL) MPI_Comm_free(m);
     free(m);
 }
 
@@ -119,6 +138,10 @@ int ft_isend(void *c, const float *buf, int n, int dst, int tag, void **req) {
 }
 
 int ft_wait(void *req) {
+    if (ft_finalized()) { /* nothing can be waited for any more */
+        free(req);
+        return MPI_SUCCESS;
+    }
     int rc = MPI_Wait((MPI_Request *)req, MPI_STATUS_IGNORE);
     free(req);
     return rc;
@@ -126,6 +149,11 @@ int ft_wait(void *req) {
 
 /* *done = 1 (and the request freed) when it has completed. */
 int ft_test(void *req, int *done) {
+    if (ft_finalized()) {
+        free(req);
+        *done = 1;
+        return MPI_SUCCESS;
+    }
     int rc = MPI_Test((MPI_Request *)req, done, MPI_STATUS_IGNORE);
     if (rc == MPI_SUCCESS && *done) free(req);
     return rc;

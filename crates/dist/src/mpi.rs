@@ -25,7 +25,10 @@
 //!   `rank R failed: cause` on stderr, and `mpirun` takes every rank down and exits non-zero.
 //!   A rank that dies (signal, exit without `MPI_Finalize`) is caught by `mpirun` likewise.
 //!   A panic on a thread that holds no communicator aborts nothing: whoever joins that thread
-//!   must call `abort`.
+//!   must call `abort`. A rank ends normally by calling [`finalize`] (every rank, after
+//!   dropping its communicators); a process that exits without it (an error returned from
+//!   `main`, `std::process::exit`) calls `MPI_Abort` at exit, naming its rank — finalising
+//!   there would wait for ranks that wait for it, and hang the job.
 //!   There is no [`CommError::Timeout`]: a rank that hangs alive hangs the job (use
 //!   `mpirun --timeout`).
 //! - Threads: MPI is initialised with `MPI_THREAD_MULTIPLE` when the library offers it
@@ -41,6 +44,7 @@ mod ffi {
     use std::ffi::{c_char, c_int, c_void};
     extern "C" {
         pub fn ft_init(provided: *mut c_int) -> c_int;
+        pub fn ft_finalize() -> c_int;
         pub fn ft_thread_serialized() -> c_int;
         pub fn ft_thread_multiple() -> c_int;
         pub fn ft_world() -> *mut c_void;
@@ -103,6 +107,14 @@ pub fn launched_by_mpirun() -> bool {
         .any(|v| std::env::var_os(v).is_some())
 }
 
+/// Ends MPI for this process (`MPI_Finalize`): every rank calls it at the end of a successful
+/// run, after dropping its communicators (which completes their sends). Without it, the exit
+/// takes the job down as a failure. Later calls do nothing.
+pub fn finalize() -> Result<()> {
+    // SAFETY: a plain call; the shim does nothing if MPI is not running.
+    check(unsafe { ffi::ft_finalize() }, 0, "finalize")
+}
+
 /// `MPI_Abort` on the world after printing `msg`: every rank of the job goes down.
 fn abort_job(msg: &str) -> ! {
     let msg = CString::new(msg.replace('\0', " ")).expect("no NUL left");
@@ -142,7 +154,7 @@ fn check(rc: c_int, rank: usize, op: &'static str) -> Result<()> {
 }
 
 impl MpiComm {
-    /// Initialises MPI (once per process; finalised at exit) and returns this process's
+    /// Initialises MPI (once per process; see [`finalize`]) and returns this process's
     /// world communicator.
     pub fn world() -> Result<MpiComm> {
         let mut provided: c_int = 0;

@@ -4,10 +4,10 @@
 //! check passes when it passes on every rank. Rank 0 prints `N passed, M failed`; the exit
 //! status is non-zero on any failure.
 //!
-//! `mpi_collectives fail` and `mpi_collectives panic`: rank 1 aborts (or panics) while the
-//! others wait in an all-reduce; the job must go down, non-zero, naming rank 1.
+//! `mpi_collectives fail|panic|exit`: rank 1 aborts, panics, or exits without finalising while
+//! the others wait in an all-reduce; the job must go down, non-zero, naming rank 1.
 
-use ferrotron_dist::mpi::{launched_by_mpirun, MpiComm};
+use ferrotron_dist::mpi::{finalize, launched_by_mpirun, MpiComm};
 use ferrotron_dist::{CommError, Communicator, Dim, Grid};
 use ferrotron_plan::Layout;
 
@@ -352,11 +352,15 @@ fn main() {
         }
     };
     let r = c.rank();
-    if mode == "fail" || mode == "panic" {
+    if mode == "fail" || mode == "panic" || mode == "exit" {
         if r == 1 {
             std::thread::sleep(std::time::Duration::from_millis(200));
             if mode == "panic" {
                 panic!("data shard unreadable");
+            }
+            if mode == "exit" {
+                drop(c);
+                std::process::exit(3);
             }
             c.abort("data shard unreadable");
         }
@@ -409,5 +413,9 @@ fn main() {
         println!("{} passed, {nfail} failed", checks.len() - nfail);
     }
     drop(c);
+    if let Err(e) = finalize() {
+        eprintln!("rank {r}: finalize: {e}");
+        std::process::exit(1);
+    }
     std::process::exit(if nfail == 0 { 0 } else { 1 });
 }

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The MPI backend's tests: builds ferrotron-dist with `--features mpi` and runs
 # tests/mpi_collectives.rs under `mpirun -np 4 --oversubscribe` (it prints `N passed, M failed`),
-# then checks that a rank that fails (MPI_Abort) or panics takes the job down: mpirun exits
-# non-zero within 30 s, naming the rank. Needs Open MPI (Debian: openmpi-bin libopenmpi-dev).
+# then checks that a rank that fails (MPI_Abort), panics, or exits without finalising takes the
+# job down: mpirun exits non-zero within 30 s, naming the rank. Needs Open MPI (Debian: openmpi-bin libopenmpi-dev).
 # Extra arguments go to cargo (default profile: release, as the CI's tests).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
@@ -30,8 +30,8 @@ fi
 echo "== ${MPIRUN[*]} mpi_collectives"
 timeout 300 "${MPIRUN[@]}" "$BIN"
 
-for mode in fail panic; do
-    echo "== a rank that ${mode}s takes the job down"
+for mode in fail panic exit; do
+    echo "== a rank that ${mode}s takes the job down (mpi_collectives $mode)"
     start=$(date +%s)
     set +e
     out="$(timeout 30 "${MPIRUN[@]}" "$BIN" "$mode" 2>&1)"
@@ -45,6 +45,12 @@ for mode in fail panic; do
     fi
     want="rank 1 failed: data shard unreadable"
     [ "$mode" = panic ] && want="rank 1 failed: panicked"
+    [ "$mode" = exit ] && want="rank 1 failed: exited without ferrotron_dist::mpi::finalize"
+    if grep -q "survived a failed rank" <<<"$out"; then
+        echo "$out"
+        echo "FAIL: ranks went on after rank 1 failed" >&2
+        exit 1
+    fi
     if ! grep -qF "$want" <<<"$out"; then
         echo "$out"
         echo "FAIL: the output does not name the failed rank ('$want')" >&2
