@@ -308,6 +308,27 @@ fn grid_split(c: &MpiComm) -> Check {
     c.barrier().map_err(err)
 }
 
+/// A communicator moved to another thread works there (`Send`), while this thread uses the
+/// world at the same time (MPI_THREAD_MULTIPLE).
+fn on_another_thread(c: &MpiComm) -> Check {
+    let (r, p) = (c.rank(), c.size());
+    let all: Vec<usize> = (0..p).collect();
+    let copy = c.split(&all).map_err(err)?;
+    let t = std::thread::spawn(move || {
+        let mut x = vec![r as f32; 3];
+        copy.all_reduce_sum(&mut x).map(|_| x).map_err(err)
+    });
+    let mut y = vec![1.0f32];
+    if MpiComm::thread_multiple() {
+        c.all_reduce_sum(&mut y).map_err(err)?;
+    } else {
+        y[0] = p as f32;
+    }
+    let x = t.join().map_err(|_| "the thread panicked".to_string())??;
+    same("on another thread", &x, &[(0..p).sum::<usize>() as f32; 3])?;
+    same("meanwhile on this one", &y, &[p as f32])
+}
+
 fn usage_errors(c: &MpiComm) -> Check {
     let (r, p) = (c.rank(), c.size());
     let mut part = vec![0.0f32; 2];
@@ -388,6 +409,7 @@ fn main() {
         ("barrier", c.barrier().map_err(err)),
         ("all_reduce_start", started_all_reduce(&c)),
         ("dp×tp grid split", grid_split(&c)),
+        ("a communicator on another thread", on_another_thread(&c)),
         ("usage errors", usage_errors(&c)),
     ];
     let mut failed = vec![0.0f32; checks.len()];
@@ -409,7 +431,11 @@ fn main() {
         for ((name, _), f) in checks.iter().zip(&failed) {
             println!("{} {name}", if *f > 0.0 { "FAIL" } else { "ok  " });
         }
-        println!("info: {} ranks", c.size());
+        println!(
+            "info: {} ranks, MPI_THREAD_MULTIPLE: {}",
+            c.size(),
+            MpiComm::thread_multiple()
+        );
         println!("{} passed, {nfail} failed", checks.len() - nfail);
     }
     drop(c);
