@@ -1,5 +1,7 @@
 //! `ferrotron train` settings: command-line flags, mirrored one to one by a TOML file
-//! (`--config run.toml`, keys are the flag names with `_` for `-`); flags win over the file.
+//! (`--config run.toml`, keys are the flag names with `_` for `-`, grouped in the tables of
+//! [`SECTIONS`] or, as in the first files, all at the top level); flags win over the file.
+//! The resolved [`TrainConfig`] has the same sections.
 
 use crate::loss_scale::LossScaleConfig;
 use clap::Args;
@@ -504,33 +506,28 @@ fn section_of(key: &str) -> Option<&'static str> {
         .map(|(s, _)| *s)
 }
 
-/// Moves the keys of the section tables to the top level, where today's flat files have them.
-/// `model`, `data` and `precision` are both a section and a key: a table is the section, any
-/// other value the key. Returns whether there was any section.
+/// Moves the keys of the section tables to the top level, where the first (flat) files have
+/// them. `model`, `data` and `precision` name both a section and a key: a table is the
+/// section, any other value the key. Returns whether the file had any section.
 fn flatten_sections(file: &mut toml::Table) -> Result<bool, String> {
     let mut found = false;
-    for (section, _) in SECTIONS {
-        let Some(toml::Value::Table(_)) = file.get(*section) else {
+    for (section, keys) in SECTIONS {
+        if !file.get(*section).is_some_and(toml::Value::is_table) {
             continue;
-        };
+        }
         let Some(toml::Value::Table(table)) = file.remove(*section) else {
-            unreachable!("checked above");
+            unreachable!("a table, checked above");
         };
         found = true;
         for (key, value) in table {
-            match section_of(&key) {
-                Some(s) if s == *section => {}
-                Some(s) => return Err(format!("[{section}] {key}: belongs in [{s}]")),
-                None => {
-                    let keys = SECTIONS
-                        .iter()
-                        .find(|(s, _)| s == section)
-                        .map_or(&[][..], |(_, k)| k);
-                    return Err(format!(
+            if !keys.contains(&key.as_str()) {
+                return Err(match section_of(&key) {
+                    Some(home) => format!("[{section}] {key}: belongs in [{home}]"),
+                    None => format!(
                         "[{section}] {key}: unknown key (expected one of {})",
                         keys.join(", ")
-                    ));
-                }
+                    ),
+                });
             }
             if file.contains_key(&key) {
                 return Err(format!(
@@ -540,10 +537,11 @@ fn flatten_sections(file: &mut toml::Table) -> Result<bool, String> {
             file.insert(key, value);
         }
     }
-    // The layout's table keeps its own keys; a training setting there is misplaced.
+    // [parallel] keeps the layout's own keys (checked when it is read); a training setting
+    // there is misplaced rather than unknown.
     if let Some(toml::Value::Table(layout)) = file.get("parallel") {
-        if let Some((key, s)) = layout.keys().find_map(|k| section_of(k).map(|s| (k, s))) {
-            return Err(format!("[parallel] {key}: belongs in [{s}]"));
+        if let Some((key, home)) = layout.keys().find_map(|k| Some((k, section_of(k)?))) {
+            return Err(format!("[parallel] {key}: belongs in [{home}]"));
         }
     }
     Ok(found)
@@ -753,5 +751,115 @@ impl TrainArgs {
             }
         }
         Ok(c)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory as _;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: TrainArgs,
+    }
+
+    /// `merged()` of a `--config` file holding `text`.
+    fn from_file(name: &str, text: &str) -> Result<TrainArgs, String> {
+        let path =
+            std::env::temp_dir().join(format!("ferrotron-{name}-{}.toml", std::process::id()));
+        std::fs::write(&path, text).unwrap();
+        let got = TrainArgs {
+            config: Some(path.clone()),
+            ..TrainArgs::default()
+        }
+        .merged()
+        .map_err(|e| e.replace(&path.display().to_string(), "FILE"));
+        std::fs::remove_file(&path).ok();
+        got
+    }
+
+    #[test]
+    fn every_setting_flag_has_exactly_one_section() {
+        let layout: Vec<String> = LayoutFlags::augment_args(clap::Command::new("l"))
+            .get_arguments()
+            .map(|a| a.get_id().to_string())
+            .collect();
+        let not_settings = ["config", "resume", "quiet", "help"];
+        let flags: Vec<String> = Cli::command()
+            .get_arguments()
+            .map(|a| a.get_id().to_string())
+            .filter(|id| !not_settings.contains(&id.as_str()) && !layout.contains(id))
+            .collect();
+        for f in &flags {
+            let homes = SECTIONS
+                .iter()
+                .filter(|(_, keys)| keys.contains(&f.as_str()));
+            assert_eq!(homes.count(), 1, "--{f}");
+        }
+        let keys = SECTIONS.iter().flat_map(|(_, keys)| keys.iter());
+        assert_eq!(keys.count(), flags.len());
+    }
+
+    /// The sectioned default file resolves as the flat file it replaced.
+    #[test]
+    fn sectioned_and_flat_files_resolve_alike() {
+        let flat = "model = \"ferrotron-12m\"\nseq = 256\nmbs = 8\ngrad_acc = 1\nsteps = 150\n\
+            lr = 3e-3\nwarmup = 15\nweight_decay = 0.1\nclip = 1.0\nrecompute = \"none\"\n\
+            seed = 1337\neval_interval = 25\n";
+        let sectioned = include_str!("../../../configs/train-default.toml");
+        let flat = from_file("flat", flat).unwrap().resolve().unwrap();
+        assert_eq!(
+            from_file("sectioned", sectioned)
+                .unwrap()
+                .resolve()
+                .unwrap(),
+            flat
+        );
+        // Every section, with a value off its default.
+        let every = "[model]\ntokenizer = \"t.json\"\n[data]\nmbs = 2\n[optimizer]\nlr = 1e-3\n\
+            [precision]\nprecision = \"bf16\"\nfp32_grad_acc = true\n[runtime]\nce_chunk = 64\n\
+            [parallel]\ndp = 1\n[checkpoint]\ncheckpoint_interval = 5\n\
+            [observability]\ntrace_steps = 1\n";
+        let c = from_file("every", every).unwrap().resolve().unwrap();
+        assert_eq!(c.model.tokenizer, Some(PathBuf::from("t.json")));
+        assert_eq!(c.data.mbs, 2);
+        assert_eq!(c.optimizer.lr, 1e-3);
+        assert_eq!(c.precision.kind, Precision::Bf16Fp32grads);
+        assert_eq!(c.runtime.ce_chunk, 64);
+        assert_eq!(c.checkpoint.interval, 5);
+        assert_eq!(c.observability.trace_steps, 1);
+        // A section and the flat keys mix; flags still win.
+        let mut a = from_file("mixed", "lr = 2e-3\n[data]\nseq = 64\n").unwrap();
+        a.seq = a.seq.map(|s| s * 2);
+        let c = a.resolve().unwrap();
+        assert_eq!((c.optimizer.lr, c.data.seq), (2e-3, 128));
+    }
+
+    #[test]
+    fn a_key_in_the_wrong_section_names_its_section() {
+        let err = |text| from_file("wrong", text).unwrap_err();
+        assert_eq!(
+            err("[optimizer]\nseq = 64\n"),
+            "FILE: [optimizer] seq: belongs in [data]"
+        );
+        assert_eq!(
+            err("[parallel]\nlr = 1e-3\n"),
+            "FILE: [parallel] lr: belongs in [optimizer]"
+        );
+        assert_eq!(
+            err("[checkpoint]\ninterval = 5\n"),
+            "FILE: [checkpoint] interval: unknown key (expected one of checkpoint_dir, checkpoint_interval)"
+        );
+        assert_eq!(
+            err("seq = 64\n[data]\nseq = 32\n"),
+            "FILE: seq: set both at the top level and in [data]; keep one"
+        );
+        let e = err("[data]\nseq = \"long\"\n");
+        assert!(
+            e.starts_with("FILE: ") && e.contains("seq") && !e.contains('\n'),
+            "{e}"
+        );
     }
 }
