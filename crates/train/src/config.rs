@@ -506,6 +506,14 @@ fn section_of(key: &str) -> Option<&'static str> {
         .map(|(s, _)| *s)
 }
 
+/// Whether `key` is one of the layout flags of `[parallel]` (clap lists them: they are the
+/// planner's, kept in one place there).
+fn is_layout_key(key: &str) -> bool {
+    LayoutFlags::augment_args(clap::Command::new("parallel"))
+        .get_arguments()
+        .any(|a| a.get_id() == key)
+}
+
 /// Moves the keys of the section tables to the top level, where the first (flat) files have
 /// them. `model`, `data` and `precision` name both a section and a key: a table is the
 /// section, any other value the key. Returns whether the file had any section.
@@ -521,7 +529,8 @@ fn flatten_sections(file: &mut toml::Table) -> Result<bool, String> {
         found = true;
         for (key, value) in table {
             if !keys.contains(&key.as_str()) {
-                return Err(match section_of(&key) {
+                let home = section_of(&key).or(is_layout_key(&key).then_some("parallel"));
+                return Err(match home {
                     Some(home) => format!("[{section}] {key}: belongs in [{home}]"),
                     None => format!(
                         "[{section}] {key}: unknown key (expected one of {})",
@@ -782,15 +791,11 @@ mod tests {
 
     #[test]
     fn every_setting_flag_has_exactly_one_section() {
-        let layout: Vec<String> = LayoutFlags::augment_args(clap::Command::new("l"))
-            .get_arguments()
-            .map(|a| a.get_id().to_string())
-            .collect();
         let not_settings = ["config", "resume", "quiet", "help"];
         let flags: Vec<String> = Cli::command()
             .get_arguments()
             .map(|a| a.get_id().to_string())
-            .filter(|id| !not_settings.contains(&id.as_str()) && !layout.contains(id))
+            .filter(|id| !not_settings.contains(&id.as_str()) && !is_layout_key(id))
             .collect();
         for f in &flags {
             let homes = SECTIONS
@@ -847,6 +852,10 @@ mod tests {
         assert_eq!(
             err("[parallel]\nlr = 1e-3\n"),
             "FILE: [parallel] lr: belongs in [optimizer]"
+        );
+        assert_eq!(
+            err("[data]\ndp = 1\n"),
+            "FILE: [data] dp: belongs in [parallel]"
         );
         assert_eq!(
             err("[checkpoint]\ninterval = 5\n"),
