@@ -1,5 +1,7 @@
 //! `ferrotron train` settings: command-line flags, mirrored one to one by a TOML file
-//! (`--config run.toml`, keys are the flag names with `_` for `-`); flags win over the file.
+//! (`--config run.toml`, keys are the flag names with `_` for `-`, grouped in the tables of
+//! [`SECTIONS`] or, as in the first files, all at the top level); flags win over the file.
+//! The resolved [`TrainConfig`] has the same sections.
 
 use crate::loss_scale::LossScaleConfig;
 use clap::Args;
@@ -151,18 +153,61 @@ pub struct TrainArgs {
     pub parallel: Option<LayoutFlags>,
 }
 
-/// The effective configuration, printed at start and saved next to checkpoints.
+/// The effective configuration, printed at start and saved next to checkpoints, in sections
+/// that mirror the `--config` tables. The sections are flattened in JSON: a saved
+/// `trainer_state.json` keeps the flat keys of the first checkpoints (and loads in older code).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TrainConfig {
-    pub model: String,
-    pub data: Option<PathBuf>,
+    #[serde(flatten)]
+    pub model: ModelConfig,
+    #[serde(flatten)]
+    pub data: DataConfig,
+    #[serde(flatten)]
+    pub optimizer: OptimizerConfig,
+    #[serde(flatten)]
+    pub precision: PrecisionConfig,
+    #[serde(flatten)]
+    pub runtime: RuntimeConfig,
+    /// The parallel layout (the planner's); one rank until the distributed trainer lands.
+    #[serde(default)]
+    pub parallel: Layout,
+    #[serde(flatten)]
+    pub checkpoint: CheckpointConfig,
+    #[serde(flatten)]
+    pub observability: ObservabilityConfig,
+}
+
+/// What is trained: the architecture and the tokenizer (and the weights it starts from).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelConfig {
+    /// A preset name or an HF config.json.
+    #[serde(rename = "model")]
+    pub name: String,
     pub tokenizer: Option<PathBuf>,
     /// The model folder whose weights the run started from (`--init-from`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub init_from: Option<PathBuf>,
+}
+
+/// What the model sees and in what order: the shards and the batch shape. The seed is here
+/// because, with `seq` and `mbs`, it fixes the data order a checkpoint's loader state refers
+/// to (a resumed run keeps all four, and `grad_acc`); it also seeds the initial weights and
+/// stochastic rounding, so one seed reproduces the whole run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DataConfig {
+    /// Token shards [default: the bundled corpus].
+    #[serde(rename = "data")]
+    pub dir: Option<PathBuf>,
     pub seq: u64,
     pub mbs: u64,
     pub grad_acc: u64,
+    pub seed: u64,
+}
+
+/// AdamW and its learning-rate schedule. `steps` is here because it is the schedule's length
+/// (the default of `decay_steps`), and `stop_after` because it ends a run within that schedule.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OptimizerConfig {
     pub steps: u64,
     /// Step after which this run ends (`--stop-after`); a property of one run, so a checkpoint
     /// does not carry it into the next.
@@ -177,28 +222,50 @@ pub struct TrainConfig {
     pub beta2: f64,
     pub eps: f64,
     pub clip: f64,
-    pub seed: u64,
-    pub threads: u64,
-    pub eval_interval: u64,
-    pub eval_batches: u64,
-    pub out_dir: PathBuf,
-    pub checkpoint_dir: Option<PathBuf>,
-    pub checkpoint_interval: u64,
-    pub metrics: PathBuf,
-    pub ce_chunk: u64,
-    #[serde(default = "default_recompute")]
-    pub recompute: Recompute,
-    // Mixed precision postdates the first checkpoints: they were fp32.
-    #[serde(default = "default_precision")]
-    pub precision: Precision,
+}
+
+// Mixed precision postdates the first checkpoints: they were fp32, hence the defaults.
+/// Number formats: storage and gradient types, rounding, fp16's loss scaling.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PrecisionConfig {
+    /// `--precision` with `--fp32-grad-acc` folded in (`bf16-fp32grads`).
+    #[serde(rename = "precision", default = "default_precision")]
+    pub kind: Precision,
     #[serde(default)]
     pub stochastic_rounding: bool,
     #[serde(default)]
     pub loss_scale: LossScaleConfig,
+}
+
+/// How a step is computed, never what: threads, the cross-entropy's chunk and recomputation
+/// trade time for memory and leave every number as it is (so a resumed run may change
+/// `threads` and `recompute`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RuntimeConfig {
+    pub threads: u64,
+    pub ce_chunk: u64,
+    #[serde(default = "default_recompute")]
+    pub recompute: Recompute,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointConfig {
+    #[serde(rename = "checkpoint_dir")]
+    pub dir: Option<PathBuf>,
+    /// Every N steps (0: only at the end when `dir` is set).
+    #[serde(rename = "checkpoint_interval")]
+    pub interval: u64,
+}
+
+/// What the run reports about itself; none of it changes the training.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ObservabilityConfig {
+    /// Where the reports go by default (and the bundled corpus is tokenized).
+    pub out_dir: PathBuf,
+    pub metrics: PathBuf,
+    pub eval_interval: u64,
+    pub eval_batches: u64,
     pub sample_tokens: u64,
-    /// The parallel layout (the planner's); one rank until the distributed trainer lands.
-    #[serde(default)]
-    pub parallel: Layout,
     // Observability settings postdate the first checkpoints: defaults let those load.
     #[serde(default)]
     pub memory_timeline: Option<PathBuf>,
@@ -226,7 +293,7 @@ fn default_trace_steps() -> u64 {
     3
 }
 
-impl TrainConfig {
+impl OptimizerConfig {
     /// The step this run ends after: `--stop-after`, else `--steps`.
     pub fn last_step(&self) -> u64 {
         self.stop_after.unwrap_or(self.steps)
@@ -361,14 +428,7 @@ pub(crate) fn single_rank(flags: &LayoutFlags) -> Result<Layout, ConfigError> {
 /// A TOML file's parse error as one line: `FILE:LINE:COLUMN: message`. The `toml` crate's
 /// message alone has no position and spans several lines ("invalid string\nexpected ...").
 pub fn toml_error(path: &std::path::Path, text: &str, e: &toml::de::Error) -> String {
-    let message = e
-        .message()
-        .lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty())
-        .collect::<Vec<_>>()
-        .join("; ");
-    let message = one_line(&message);
+    let message = toml_message(e.message());
     match e.span() {
         Some(span) => {
             let before = &text.as_bytes()[..span.start.min(text.len())];
@@ -387,6 +447,126 @@ pub fn toml_error(path: &std::path::Path, text: &str, e: &toml::de::Error) -> St
     }
 }
 
+/// The tables of a `--config` file and the flag-named keys each holds, in the order of
+/// [`TrainConfig`]'s sections (`runtime` holds what none of the others does). `[parallel]` holds
+/// the planner's layout flags and is read as they are.
+pub const SECTIONS: &[(&str, &[&str])] = &[
+    ("model", &["model", "tokenizer", "init_from"]),
+    ("data", &["data", "seq", "mbs", "grad_acc", "seed"]),
+    (
+        "optimizer",
+        &[
+            "steps",
+            "stop_after",
+            "lr",
+            "min_lr_ratio",
+            "warmup",
+            "decay_steps",
+            "weight_decay",
+            "beta1",
+            "beta2",
+            "eps",
+            "clip",
+        ],
+    ),
+    (
+        "precision",
+        &[
+            "precision",
+            "fp32_grad_acc",
+            "stochastic_rounding",
+            "loss_scale_init",
+            "loss_scale_growth_interval",
+        ],
+    ),
+    ("runtime", &["threads", "ce_chunk", "recompute"]),
+    ("checkpoint", &["checkpoint_dir", "checkpoint_interval"]),
+    (
+        "observability",
+        &[
+            "out_dir",
+            "metrics",
+            "eval_interval",
+            "eval_batches",
+            "sample_tokens",
+            "peak_gflops",
+            "memory_timeline",
+            "memory_timeline_steps",
+            "trace",
+            "trace_steps",
+        ],
+    ),
+];
+
+/// The section a flag-named key belongs in.
+fn section_of(key: &str) -> Option<&'static str> {
+    SECTIONS
+        .iter()
+        .find(|(_, keys)| keys.contains(&key))
+        .map(|(s, _)| *s)
+}
+
+/// Whether `key` is one of the layout flags of `[parallel]` (clap lists them: they are the
+/// planner's, kept in one place there).
+fn is_layout_key(key: &str) -> bool {
+    LayoutFlags::augment_args(clap::Command::new("parallel"))
+        .get_arguments()
+        .any(|a| a.get_id() == key)
+}
+
+/// Moves the keys of the section tables to the top level, where the first (flat) files have
+/// them. `model`, `data` and `precision` name both a section and a key: a table is the
+/// section, any other value the key. Returns whether the file had any section.
+fn flatten_sections(file: &mut toml::Table) -> Result<bool, String> {
+    let mut found = false;
+    for (section, keys) in SECTIONS {
+        if !file.get(*section).is_some_and(toml::Value::is_table) {
+            continue;
+        }
+        let Some(toml::Value::Table(table)) = file.remove(*section) else {
+            unreachable!("a table, checked above");
+        };
+        found = true;
+        for (key, value) in table {
+            if !keys.contains(&key.as_str()) {
+                let home = section_of(&key).or(is_layout_key(&key).then_some("parallel"));
+                return Err(match home {
+                    Some(home) => format!("[{section}] {key}: belongs in [{home}]"),
+                    None => format!(
+                        "[{section}] {key}: unknown key (expected one of {})",
+                        keys.join(", ")
+                    ),
+                });
+            }
+            if file.contains_key(&key) {
+                return Err(format!(
+                    "{key}: set both at the top level and in [{section}]; keep one"
+                ));
+            }
+            file.insert(key, value);
+        }
+    }
+    // [parallel] keeps the layout's own keys (checked when it is read); a training setting
+    // there is misplaced rather than unknown.
+    if let Some(toml::Value::Table(layout)) = file.get("parallel") {
+        if let Some((key, home)) = layout.keys().find_map(|k| Some((k, section_of(k)?))) {
+            return Err(format!("[parallel] {key}: belongs in [{home}]"));
+        }
+    }
+    Ok(found)
+}
+
+/// The `toml` crate's several lines of message as one.
+fn toml_message(message: &str) -> String {
+    let message = message
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join("; ");
+    one_line(&message).into_owned()
+}
+
 macro_rules! merge {
     ($cli:ident, $file:ident; $($f:ident),*) => { $( if $cli.$f.is_none() { $cli.$f = $file.$f.take(); } )* };
 }
@@ -399,8 +579,19 @@ impl TrainArgs {
         };
         let text = std::fs::read_to_string(&path)
             .map_err(|e| format!("cannot read --config {}: {e}", path.display()))?;
-        let mut file: TrainArgs =
+        let in_file = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
+        let mut table: toml::Table =
             toml::from_str(&text).map_err(|e| toml_error(&path, &text, &e))?;
+        let sectioned = flatten_sections(&mut table).map_err(|e| in_file(&one_line(&e)))?;
+        // A flat file (the first form) is read from its text so that its errors keep their
+        // line and column; a sectioned one from the regrouped keys, whose errors name the key.
+        let mut file: TrainArgs = if sectioned {
+            table
+                .try_into()
+                .map_err(|e: toml::de::Error| in_file(&toml_message(&e.to_string())))?
+        } else {
+            toml::from_str(&text).map_err(|e| toml_error(&path, &text, &e))?
+        };
         merge!(self, file; model, data, tokenizer, init_from, seq, mbs, grad_acc, steps, stop_after, lr, min_lr_ratio,
             warmup, decay_steps, weight_decay, beta1, beta2, eps, clip, seed, threads, eval_interval,
             eval_batches, out_dir, checkpoint_dir, checkpoint_interval, metrics, ce_chunk, recompute,
@@ -463,85 +654,102 @@ impl TrainArgs {
                 .filter(|t| t.is_file())
         });
         let c = TrainConfig {
-            model,
-            data: self.data.clone(),
-            tokenizer,
-            init_from: self.init_from.clone(),
-            seq: self.seq.unwrap_or(256),
-            mbs: self.mbs.unwrap_or(8),
-            grad_acc: self.grad_acc.unwrap_or(1),
-            steps: self.steps.unwrap_or(150),
-            stop_after: self.stop_after,
-            lr: self.lr.unwrap_or(3e-3),
-            min_lr_ratio: self.min_lr_ratio.unwrap_or(0.1),
-            warmup: self.warmup.unwrap_or(15),
-            decay_steps: self.decay_steps.or(self.steps).unwrap_or(150),
-            weight_decay: self.weight_decay.unwrap_or(0.1),
-            beta1: self.beta1.unwrap_or(0.9),
-            beta2: self.beta2.unwrap_or(0.95),
-            eps: self.eps.unwrap_or(1e-8),
-            clip: self.clip.unwrap_or(1.0),
-            seed: self.seed.unwrap_or(1337),
-            threads: self.threads.unwrap_or(cores),
-            eval_interval: self.eval_interval.unwrap_or(25),
-            eval_batches: self.eval_batches.unwrap_or(4),
-            metrics: self
-                .metrics
-                .clone()
-                .unwrap_or_else(|| out_dir.join("metrics.jsonl")),
-            checkpoint_dir: self.checkpoint_dir.clone(),
-            checkpoint_interval: self.checkpoint_interval.unwrap_or(0),
-            out_dir,
-            ce_chunk: self.ce_chunk.unwrap_or(1024),
-            recompute,
-            precision,
-            stochastic_rounding,
-            loss_scale,
-            sample_tokens: self.sample_tokens.unwrap_or(0),
+            model: ModelConfig {
+                name: model,
+                tokenizer,
+                init_from: self.init_from.clone(),
+            },
+            data: DataConfig {
+                dir: self.data.clone(),
+                seq: self.seq.unwrap_or(256),
+                mbs: self.mbs.unwrap_or(8),
+                grad_acc: self.grad_acc.unwrap_or(1),
+                seed: self.seed.unwrap_or(1337),
+            },
+            optimizer: OptimizerConfig {
+                steps: self.steps.unwrap_or(150),
+                stop_after: self.stop_after,
+                lr: self.lr.unwrap_or(3e-3),
+                min_lr_ratio: self.min_lr_ratio.unwrap_or(0.1),
+                warmup: self.warmup.unwrap_or(15),
+                decay_steps: self.decay_steps.or(self.steps).unwrap_or(150),
+                weight_decay: self.weight_decay.unwrap_or(0.1),
+                beta1: self.beta1.unwrap_or(0.9),
+                beta2: self.beta2.unwrap_or(0.95),
+                eps: self.eps.unwrap_or(1e-8),
+                clip: self.clip.unwrap_or(1.0),
+            },
+            precision: PrecisionConfig {
+                kind: precision,
+                stochastic_rounding,
+                loss_scale,
+            },
+            runtime: RuntimeConfig {
+                threads: self.threads.unwrap_or(cores),
+                ce_chunk: self.ce_chunk.unwrap_or(1024),
+                recompute,
+            },
             parallel,
-            memory_timeline: Some(timeline),
-            memory_timeline_steps: self
-                .memory_timeline_steps
-                .unwrap_or_else(default_timeline_steps),
-            trace: self.trace.clone(),
-            trace_steps: self.trace_steps.unwrap_or_else(default_trace_steps),
+            checkpoint: CheckpointConfig {
+                dir: self.checkpoint_dir.clone(),
+                interval: self.checkpoint_interval.unwrap_or(0),
+            },
+            observability: ObservabilityConfig {
+                metrics: self
+                    .metrics
+                    .clone()
+                    .unwrap_or_else(|| out_dir.join("metrics.jsonl")),
+                out_dir,
+                eval_interval: self.eval_interval.unwrap_or(25),
+                eval_batches: self.eval_batches.unwrap_or(4),
+                sample_tokens: self.sample_tokens.unwrap_or(0),
+                memory_timeline: Some(timeline),
+                memory_timeline_steps: self
+                    .memory_timeline_steps
+                    .unwrap_or_else(default_timeline_steps),
+                trace: self.trace.clone(),
+                trace_steps: self.trace_steps.unwrap_or_else(default_trace_steps),
+            },
         };
         for (field, v) in [
-            ("seq", c.seq),
-            ("mbs", c.mbs),
-            ("grad_acc", c.grad_acc),
-            ("steps", c.steps),
-            ("threads", c.threads),
-            ("ce_chunk", c.ce_chunk),
+            ("seq", c.data.seq),
+            ("mbs", c.data.mbs),
+            ("grad_acc", c.data.grad_acc),
+            ("steps", c.optimizer.steps),
+            ("threads", c.runtime.threads),
+            ("ce_chunk", c.runtime.ce_chunk),
         ] {
             if v == 0 {
                 return Err(bad(field, v, "must be a positive integer"));
             }
         }
-        c.check_stop_after(0)?;
-        if c.eval_interval > 0 && c.eval_batches == 0 {
+        c.optimizer.check_stop_after(0)?;
+        if c.observability.eval_interval > 0 && c.observability.eval_batches == 0 {
             return Err(bad(
                 "eval_batches",
                 0,
                 "must be positive when eval_interval > 0",
             ));
         }
-        let positive = [("lr", c.lr), ("eps", c.eps)];
+        let positive = [("lr", c.optimizer.lr), ("eps", c.optimizer.eps)];
         for (field, v) in positive {
             if !(v.is_finite() && v > 0.0) {
                 return Err(bad(field, v, "must be a positive number"));
             }
         }
         for (field, v) in [
-            ("beta1", c.beta1),
-            ("beta2", c.beta2),
-            ("min_lr_ratio", c.min_lr_ratio),
+            ("beta1", c.optimizer.beta1),
+            ("beta2", c.optimizer.beta2),
+            ("min_lr_ratio", c.optimizer.min_lr_ratio),
         ] {
             if !(0.0..=1.0).contains(&v) {
                 return Err(bad(field, v, "must be in [0, 1]"));
             }
         }
-        for (field, v) in [("weight_decay", c.weight_decay), ("clip", c.clip)] {
+        for (field, v) in [
+            ("weight_decay", c.optimizer.weight_decay),
+            ("clip", c.optimizer.clip),
+        ] {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(bad(field, v, "must be a non-negative number (0 disables)"));
             }
@@ -552,5 +760,115 @@ impl TrainArgs {
             }
         }
         Ok(c)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory as _;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: TrainArgs,
+    }
+
+    /// `merged()` of a `--config` file holding `text`.
+    fn from_file(name: &str, text: &str) -> Result<TrainArgs, String> {
+        let path =
+            std::env::temp_dir().join(format!("ferrotron-{name}-{}.toml", std::process::id()));
+        std::fs::write(&path, text).unwrap();
+        let got = TrainArgs {
+            config: Some(path.clone()),
+            ..TrainArgs::default()
+        }
+        .merged()
+        .map_err(|e| e.replace(&path.display().to_string(), "FILE"));
+        std::fs::remove_file(&path).ok();
+        got
+    }
+
+    #[test]
+    fn every_setting_flag_has_exactly_one_section() {
+        let not_settings = ["config", "resume", "quiet", "help"];
+        let flags: Vec<String> = Cli::command()
+            .get_arguments()
+            .map(|a| a.get_id().to_string())
+            .filter(|id| !not_settings.contains(&id.as_str()) && !is_layout_key(id))
+            .collect();
+        for f in &flags {
+            let homes = SECTIONS
+                .iter()
+                .filter(|(_, keys)| keys.contains(&f.as_str()));
+            assert_eq!(homes.count(), 1, "--{f}");
+        }
+        let keys = SECTIONS.iter().flat_map(|(_, keys)| keys.iter());
+        assert_eq!(keys.count(), flags.len());
+    }
+
+    /// The sectioned default file resolves as the flat file it replaced.
+    #[test]
+    fn sectioned_and_flat_files_resolve_alike() {
+        let flat = "model = \"ferrotron-12m\"\nseq = 256\nmbs = 8\ngrad_acc = 1\nsteps = 150\n\
+            lr = 3e-3\nwarmup = 15\nweight_decay = 0.1\nclip = 1.0\nrecompute = \"none\"\n\
+            seed = 1337\neval_interval = 25\n";
+        let sectioned = include_str!("../../../configs/train-default.toml");
+        let flat = from_file("flat", flat).unwrap().resolve().unwrap();
+        assert_eq!(
+            from_file("sectioned", sectioned)
+                .unwrap()
+                .resolve()
+                .unwrap(),
+            flat
+        );
+        // Every section, with a value off its default.
+        let every = "[model]\ntokenizer = \"t.json\"\n[data]\nmbs = 2\n[optimizer]\nlr = 1e-3\n\
+            [precision]\nprecision = \"bf16\"\nfp32_grad_acc = true\n[runtime]\nce_chunk = 64\n\
+            [parallel]\ndp = 1\n[checkpoint]\ncheckpoint_interval = 5\n\
+            [observability]\ntrace_steps = 1\n";
+        let c = from_file("every", every).unwrap().resolve().unwrap();
+        assert_eq!(c.model.tokenizer, Some(PathBuf::from("t.json")));
+        assert_eq!(c.data.mbs, 2);
+        assert_eq!(c.optimizer.lr, 1e-3);
+        assert_eq!(c.precision.kind, Precision::Bf16Fp32grads);
+        assert_eq!(c.runtime.ce_chunk, 64);
+        assert_eq!(c.checkpoint.interval, 5);
+        assert_eq!(c.observability.trace_steps, 1);
+        // A section and the flat keys mix; flags still win.
+        let mut a = from_file("mixed", "lr = 2e-3\n[data]\nseq = 64\n").unwrap();
+        a.seq = a.seq.map(|s| s * 2);
+        let c = a.resolve().unwrap();
+        assert_eq!((c.optimizer.lr, c.data.seq), (2e-3, 128));
+    }
+
+    #[test]
+    fn a_key_in_the_wrong_section_names_its_section() {
+        let err = |text| from_file("wrong", text).unwrap_err();
+        assert_eq!(
+            err("[optimizer]\nseq = 64\n"),
+            "FILE: [optimizer] seq: belongs in [data]"
+        );
+        assert_eq!(
+            err("[parallel]\nlr = 1e-3\n"),
+            "FILE: [parallel] lr: belongs in [optimizer]"
+        );
+        assert_eq!(
+            err("[data]\ndp = 1\n"),
+            "FILE: [data] dp: belongs in [parallel]"
+        );
+        assert_eq!(
+            err("[checkpoint]\ninterval = 5\n"),
+            "FILE: [checkpoint] interval: unknown key (expected one of checkpoint_dir, checkpoint_interval)"
+        );
+        assert_eq!(
+            err("seq = 64\n[data]\nseq = 32\n"),
+            "FILE: seq: set both at the top level and in [data]; keep one"
+        );
+        let e = err("[data]\nseq = \"long\"\n");
+        assert!(
+            e.starts_with("FILE: ") && e.contains("seq") && !e.contains('\n'),
+            "{e}"
+        );
     }
 }

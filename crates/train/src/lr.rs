@@ -16,10 +16,10 @@ impl LrSchedule {
     /// The schedule a run's configuration asks for.
     pub fn of(c: &crate::config::TrainConfig) -> Self {
         LrSchedule {
-            max_lr: c.lr,
-            min_lr_ratio: c.min_lr_ratio,
-            warmup_steps: c.warmup,
-            total_steps: c.decay_steps,
+            max_lr: c.optimizer.lr,
+            min_lr_ratio: c.optimizer.min_lr_ratio,
+            warmup_steps: c.optimizer.warmup,
+            total_steps: c.optimizer.decay_steps,
         }
     }
 

@@ -29,24 +29,24 @@ pub struct RunSummary {
 fn resume_config(args: &TrainArgs, saved: &TrainConfig) -> Result<TrainConfig> {
     let mut c = saved.clone();
     if let Some(m) = &args.model {
-        if m != &saved.model {
+        if m != &saved.model.name {
             // Names may differ while the architecture is the same; compare what matters.
             let a = ferrotron_plan::presets::resolve(m).map_err(|e| anyhow::anyhow!("{e}"))?;
-            let b = ferrotron_plan::presets::resolve(&saved.model)
+            let b = ferrotron_plan::presets::resolve(&saved.model.name)
                 .map_err(|e| anyhow::anyhow!("{e}"))?;
             if setup::llama_config(&a)? != setup::llama_config(&b)? {
                 bail!(
                     "model = {m}: the checkpoint was trained as `{}`, a different architecture",
-                    saved.model
+                    saved.model.name
                 );
             }
         }
     }
     for (flag, given, saved_v) in [
-        ("seq", args.seq, saved.seq),
-        ("mbs", args.mbs, saved.mbs),
-        ("grad_acc", args.grad_acc, saved.grad_acc),
-        ("seed", args.seed, saved.seed),
+        ("seq", args.seq, saved.data.seq),
+        ("mbs", args.mbs, saved.data.mbs),
+        ("grad_acc", args.grad_acc, saved.data.grad_acc),
+        ("seed", args.seed, saved.data.seed),
     ] {
         if let Some(g) = given {
             if g != saved_v {
@@ -57,52 +57,52 @@ fn resume_config(args: &TrainArgs, saved: &TrainConfig) -> Result<TrainConfig> {
     // `--steps` on resume is the new total and the schedule decays over it, as it would in one
     // run of that many steps (unless the first run fixed the decay length with --decay-steps).
     if let Some(s) = args.steps {
-        if saved.decay_steps == saved.steps {
-            c.decay_steps = s;
+        if saved.optimizer.decay_steps == saved.optimizer.steps {
+            c.optimizer.decay_steps = s;
         }
-        c.steps = s;
+        c.optimizer.steps = s;
     }
     if let Some(d) = args.decay_steps {
-        c.decay_steps = d;
+        c.optimizer.decay_steps = d;
     }
-    c.stop_after = args.stop_after;
+    c.optimizer.stop_after = args.stop_after;
     // The layout stays the checkpoint's; a different one is refused as in a new run.
     if args.layout != ferrotron_plan::LayoutFlags::default() {
         c.parallel = crate::config::single_rank(&args.layout)?;
     }
     if let Some(v) = args.threads {
-        c.threads = v;
+        c.runtime.threads = v;
     }
     if let Some(v) = args.eval_interval {
-        c.eval_interval = v;
+        c.observability.eval_interval = v;
     }
     if let Some(v) = &args.out_dir {
-        c.out_dir = v.clone();
-        c.metrics = v.join("metrics.jsonl");
+        c.observability.out_dir = v.clone();
+        c.observability.metrics = v.join("metrics.jsonl");
     }
     // The memory timeline compares steps 1 and 2 with the plan: a resumed run has neither.
-    c.memory_timeline = None;
+    c.observability.memory_timeline = None;
     if let Some(v) = &args.trace {
-        c.trace = Some(v.clone());
+        c.observability.trace = Some(v.clone());
     }
     if let Some(v) = args.trace_steps {
-        c.trace_steps = v;
+        c.observability.trace_steps = v;
     }
     if let Some(v) = &args.metrics {
-        c.metrics = v.clone();
+        c.observability.metrics = v.clone();
     }
     if let Some(v) = &args.checkpoint_dir {
-        c.checkpoint_dir = Some(v.clone());
+        c.checkpoint.dir = Some(v.clone());
     }
     if let Some(v) = args.checkpoint_interval {
-        c.checkpoint_interval = v;
+        c.checkpoint.interval = v;
     }
     if let Some(v) = args.sample_tokens {
-        c.sample_tokens = v;
+        c.observability.sample_tokens = v;
     }
     // Recomputation changes memory and time, not the numbers: a resumed run may change it.
     if let Some(v) = &args.recompute {
-        c.recompute = v.parse().map_err(|_| {
+        c.runtime.recompute = v.parse().map_err(|_| {
             anyhow::anyhow!("recompute = {v}: expected one of none, selective, full")
         })?;
     }
@@ -118,8 +118,8 @@ fn schedule_change(saved: &TrainConfig, now: &TrainConfig, from: u64) {
     if old != new && (0..from).any(|s| old.at(s) != new.at(s)) {
         eprintln!(
             "schedule changed: the learning rate now decays over {} steps (the checkpoint's first {from} steps used {}); from step {} on it follows the new schedule",
-            now.decay_steps,
-            saved.decay_steps,
+            now.optimizer.decay_steps,
+            saved.optimizer.decay_steps,
             from + 1
         );
     }
@@ -163,27 +163,27 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         Some(l) => resume_config(&args, &l.state.config)?,
         None => args.resolve()?,
     };
-    let last_step = cfg.last_step();
+    let last_step = cfg.optimizer.last_step();
     if let Some(l) = &loaded {
-        if l.state.step >= cfg.steps {
+        if l.state.step >= cfg.optimizer.steps {
             bail!(
                 "steps = {}: the checkpoint is already at step {}; pass a larger --steps to continue",
-                cfg.steps,
+                cfg.optimizer.steps,
                 l.state.step
             );
         }
-        cfg.check_stop_after(l.state.step)?;
+        cfg.optimizer.check_stop_after(l.state.step)?;
         schedule_change(&l.state.config, &cfg, l.state.step);
     }
     rayon::ThreadPoolBuilder::new()
-        .num_threads(cfg.threads as usize)
+        .num_threads(cfg.runtime.threads as usize)
         .build_global()
         .ok();
     print_config(&cfg);
 
     let tok = match &loaded {
         Some(l) => Tokenizer::from_file(l.dir.join("tokenizer.json"))?,
-        None => Tokenizer::load(cfg.tokenizer.as_deref())?,
+        None => Tokenizer::load(cfg.model.tokenizer.as_deref())?,
     };
     let (spec, llama) = setup::model(&cfg, &tok)?;
     if let Some(l) = &loaded {
@@ -191,18 +191,22 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
             bail!(
                 "checkpoint {}: its config.json does not match model {}",
                 l.dir.display(),
-                cfg.model
+                cfg.model.name
             );
         }
     }
     let (train, val) = setup::datasets(&cfg, &tok, spec.vocab as u32)?;
-    let lcfg = LoaderConfig::new(cfg.mbs as usize, cfg.seq as usize, cfg.seed);
+    let lcfg = LoaderConfig::new(cfg.data.mbs as usize, cfg.data.seq as usize, cfg.data.seed);
     let loader = match &loaded {
         Some(l) => Loader::from_state(train, &l.state.loader)?,
         None => Loader::new(train, lcfg.clone())?,
     };
-    let val = match (val, cfg.eval_interval) {
-        (Some(v), i) if i > 0 => Some(ValLoader::new(v, lcfg, Some(cfg.eval_batches as usize))?),
+    let val = match (val, cfg.observability.eval_interval) {
+        (Some(v), i) if i > 0 => Some(ValLoader::new(
+            v,
+            lcfg,
+            Some(cfg.observability.eval_batches as usize),
+        )?),
         _ => None,
     };
     let peak_gflops = args.peak_gflops.unwrap_or_else(matmul_peak_gflops);
@@ -226,7 +230,7 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         }
         t.step = l.state.step;
         eprintln!("resumed from {} at step {}", l.dir.display(), t.step);
-    } else if let Some(dir) = &cfg.init_from {
+    } else if let Some(dir) = &cfg.model.init_from {
         init_weights(&mut t, dir)?;
     }
     if loaded.is_some() {
@@ -234,12 +238,12 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
     }
     // Files are written only once everything has been read and checked: a refused checkpoint
     // or config leaves the output directory as it was.
-    let mut metrics = MetricsWriter::open(&cfg.metrics, loaded.is_some())?;
+    let mut metrics = MetricsWriter::open(&cfg.observability.metrics, loaded.is_some())?;
     write_plan(&cfg, &t)?;
     let w = t.plan.sweep.at_peak;
     eprintln!(
         "model {}: {} parameters; memory plan peak {:.1} MiB (params {:.1}, grads {:.1}, adam {:.1}, activations {:.1}, workspace {:.1}, gemm workspace {:.1}); matmul peak {:.1} GFLOP/s",
-        cfg.model,
+        cfg.model.name,
         t.params.len(),
         t.planned_peak() as f64 / MIB,
         w.params as f64 / MIB,
@@ -265,7 +269,9 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
             );
         }
         let last = t.step == last_step;
-        if cfg.eval_interval > 0 && (t.step % cfg.eval_interval == 0 || last) {
+        if cfg.observability.eval_interval > 0
+            && (t.step % cfg.observability.eval_interval == 0 || last)
+        {
             out.metrics.val_loss = t.evaluate()?;
         }
         metrics.write(&out.metrics)?;
@@ -287,7 +293,7 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         let line = format!(
             "step {:>5}/{} | loss {:.4}{val} | lr {:.2e} | {:.0} tok/s | MFU {:.1}% | mem {:.1}/{:.1} MiB | ETA {}",
             t.step,
-            cfg.steps,
+            cfg.optimizer.steps,
             m.loss,
             m.lr,
             m.tokens_per_s,
@@ -306,8 +312,8 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         {
             eprintln!("{line}");
         }
-        if let Some(dir) = &cfg.checkpoint_dir {
-            if (cfg.checkpoint_interval > 0 && t.step % cfg.checkpoint_interval == 0) || last {
+        if let Some(dir) = &cfg.checkpoint.dir {
+            if (cfg.checkpoint.interval > 0 && t.step % cfg.checkpoint.interval == 0) || last {
                 checkpoint::save(dir, &t, &tokenizer_json, tok.name())
                     .with_context(|| format!("writing checkpoint {}", dir.display()))?;
             }
@@ -334,13 +340,13 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         t.baseline as f64 / MIB,
         peak_rss().unwrap_or(0) as f64 / MIB
     );
-    let sample = if cfg.sample_tokens > 0 {
+    let sample = if cfg.observability.sample_tokens > 0 {
         let o = SampleOptions {
-            tokens: cfg.sample_tokens as usize,
+            tokens: cfg.observability.sample_tokens as usize,
             temperature: 0.8,
             top_k: 40,
-            seed: cfg.seed,
-            context: cfg.seq as usize,
+            seed: cfg.data.seed,
+            context: cfg.data.seq as usize,
         };
         let weights = t.params.to_f32(0..t.params.len());
         let text = generate(&t.model, &weights, &tok, "ROMEO:", &o)?;
@@ -386,11 +392,15 @@ fn init_weights(t: &mut Trainer, dir: &std::path::Path) -> Result<()> {
 /// The memory plan of this run, for `ferrotron report` (written at start, so a run that fails
 /// still leaves it).
 fn write_plan(cfg: &TrainConfig, t: &Trainer) -> Result<()> {
-    let p = cfg.out_dir.join("plan.json");
-    std::fs::create_dir_all(&cfg.out_dir)
-        .with_context(|| format!("out_dir = {}: cannot create", cfg.out_dir.display()))?;
+    let p = cfg.observability.out_dir.join("plan.json");
+    std::fs::create_dir_all(&cfg.observability.out_dir).with_context(|| {
+        format!(
+            "out_dir = {}: cannot create",
+            cfg.observability.out_dir.display()
+        )
+    })?;
     let v = serde_json::json!({
-        "model": cfg.model,
+        "model": cfg.model.name,
         "params": t.params.len(),
         "planned_peak_steps": [t.planned_peak_step(1), t.planned_peak_step(2)],
         "rank": t.plan,
@@ -402,10 +412,10 @@ fn write_plan(cfg: &TrainConfig, t: &Trainer) -> Result<()> {
 /// Writes the memory timeline once its steps are recorded and the trace once its steps are done
 /// (or whatever there is at the end of the run, `end`), so both exist early in a long run.
 fn finish_observability(cfg: &TrainConfig, t: &mut Trainer, end: bool) -> Result<()> {
-    if let Some(path) = &cfg.memory_timeline {
+    if let Some(path) = &cfg.observability.memory_timeline {
         if t.timeline_complete() || end {
             if let Some(samples) = t.timeline_samples().filter(|s| !s.is_empty()) {
-                let file = timeline::build(&cfg.model, &t.plan, t.baseline, samples)?;
+                let file = timeline::build(&cfg.model.name, &t.plan, t.baseline, samples)?;
                 timeline::write(path, &file)?;
                 eprintln!(
                     "memory timeline: {} points, measured vs planned within {:.2}% -> {}",
@@ -417,7 +427,7 @@ fn finish_observability(cfg: &TrainConfig, t: &mut Trainer, end: bool) -> Result
             t.disable_timeline();
         }
     }
-    if let Some(path) = &cfg.trace {
+    if let Some(path) = &cfg.observability.trace {
         if let Some(events) = t.finish_trace(end) {
             trace::write_chrome(path, &events)?;
             eprintln!("trace: {} events -> {}", events.len(), path.display());

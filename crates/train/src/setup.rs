@@ -53,13 +53,13 @@ pub fn plan_input(spec: &ModelSpec, c: &TrainConfig, kernel_workspace: u64) -> P
     PlanInput {
         model: ModelSource::Spec(spec.clone()),
         recipe: Recipe {
-            seq: c.seq,
-            mbs: c.mbs,
-            grad_acc: c.grad_acc,
-            precision: c.precision,
+            seq: c.data.seq,
+            mbs: c.data.mbs,
+            grad_acc: c.data.grad_acc,
+            precision: c.precision.kind,
             optimizer: Optimizer::Adamw,
-            recompute: c.recompute,
-            ce_chunk_tokens: c.ce_chunk,
+            recompute: c.runtime.recompute,
+            ce_chunk_tokens: c.runtime.ce_chunk,
         },
         layout: Layout::default(),
         convention: Convention::Ferrotron,
@@ -87,10 +87,10 @@ pub fn checked_plan(
         .next()
         .context("the plan has no rank")?;
     let batch = BatchShape {
-        b: c.mbs as usize,
-        t: c.seq as usize,
+        b: c.data.mbs as usize,
+        t: c.data.seq as usize,
     };
-    let p = c.precision;
+    let p = c.precision.kind;
     let mut expected = model.activation_inventory(batch, p.storage());
     expected.push(("params".into(), model.num_params(), p.storage()));
     expected.push(("grads".into(), model.num_params(), p.engine_grads()));
@@ -119,9 +119,9 @@ pub fn datasets(
     tok: &Tokenizer,
     model_vocab: u32,
 ) -> Result<(TokenDataset, Option<TokenDataset>)> {
-    let dir: PathBuf = match &c.data {
+    let dir: PathBuf = match &c.data.dir {
         Some(d) => d.clone(),
-        None => bundled_shards(&c.out_dir, tok)?,
+        None => bundled_shards(&c.observability.out_dir, tok)?,
     };
     let train_paths = find_shards(&dir, Split::Train)?;
     if train_paths.is_empty() {
@@ -168,7 +168,7 @@ fn bundled_shards(out_dir: &Path, tok: &Tokenizer) -> Result<PathBuf> {
 
 /// Resolves `--model` and checks it against the tokenizer and sequence length.
 pub fn model(c: &TrainConfig, tok: &Tokenizer) -> Result<(ModelSpec, LlamaConfig)> {
-    let spec = resolve(&c.model).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let spec = resolve(&c.model.name).map_err(|e| anyhow::anyhow!("{e}"))?;
     let cfg = llama_config(&spec)?;
     if tok.vocab_size() as u64 > spec.vocab {
         bail!(
@@ -180,10 +180,10 @@ pub fn model(c: &TrainConfig, tok: &Tokenizer) -> Result<(ModelSpec, LlamaConfig
             tok.vocab_size()
         );
     }
-    if c.seq > spec.max_positions {
+    if c.data.seq > spec.max_positions {
         bail!(
             "seq = {}: longer than model {}'s max_position_embeddings {}",
-            c.seq,
+            c.data.seq,
             spec.name,
             spec.max_positions
         );

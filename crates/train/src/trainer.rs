@@ -119,12 +119,12 @@ fn step_peaks(plan: &RankPlan, ws: KernelWorkspace) -> [u64; 2] {
 /// Expected events of `steps` traced steps, with any evaluation: about 50 kernel calls per layer
 /// per micro-batch forward and backward, four per LM-head chunk, one AdamW call per tensor.
 fn trace_capacity(cfg: &TrainConfig, c: &LlamaConfig, steps: u64) -> usize {
-    let n = (cfg.mbs * cfg.seq) as usize;
-    let chunks = n.div_ceil(cfg.ce_chunk.max(1) as usize);
+    let n = (cfg.data.mbs * cfg.data.seq) as usize;
+    let chunks = n.div_ceil(cfg.runtime.ce_chunk.max(1) as usize);
     let per_mb = 64 * c.layers + 8 * chunks + 32;
     let tensors = 16 * c.layers + 8;
-    let eval = cfg.eval_batches as usize * (32 * c.layers + 4 * chunks + 8);
-    steps as usize * (cfg.grad_acc as usize * per_mb + tensors + 16 + eval)
+    let eval = cfg.observability.eval_batches as usize * (32 * c.layers + 4 * chunks + 8);
+    steps as usize * (cfg.data.grad_acc as usize * per_mb + tensors + 16 + eval)
 }
 
 impl Trainer {
@@ -140,20 +140,25 @@ impl Trainer {
     ) -> Result<Self> {
         // Per-thread kernel state (gemm's packing slabs) is a fixed cost of the process, like
         // the thread pool: create it now so it falls into the baseline.
-        let cpu = if cfg.precision == Precision::Fp8 {
+        let cpu = if cfg.precision.kind == Precision::Fp8 {
             CpuKernels::FP8
         } else {
             CpuKernels::PLAIN
         };
         Kernels::<f32>::warm_up(&cpu);
-        let n = (cfg.mbs * cfg.seq) as usize;
-        let kernel_workspace =
-            measure_workspace(&cpu, cfg.precision, &llama, n, cfg.ce_chunk as usize);
+        let n = (cfg.data.mbs * cfg.data.seq) as usize;
+        let kernel_workspace = measure_workspace(
+            &cpu,
+            cfg.precision.kind,
+            &llama,
+            n,
+            cfg.runtime.ce_chunk as usize,
+        );
         // Observability buffers are outside the plan: reserve them before the baseline, so the
         // measured bytes stay comparable with the plan.
         let kernels = Tracing::new(cpu);
-        let trace_left = if cfg.trace.is_some() {
-            cfg.trace_steps
+        let trace_left = if cfg.observability.trace.is_some() {
+            cfg.observability.trace_steps
         } else {
             0
         };
@@ -162,27 +167,38 @@ impl Trainer {
             kernels.stop();
         }
         // Without the tracking allocator there is nothing to sample.
-        let mut timeline =
-            (cfg.memory_timeline.is_some() && cfg.memory_timeline_steps > 0 && alloc::installed())
-                .then(|| Timeline::new(0, llama.layers, cfg.memory_timeline_steps, cfg.grad_acc));
+        let mut timeline = (cfg.observability.memory_timeline.is_some()
+            && cfg.observability.memory_timeline_steps > 0
+            && alloc::installed())
+        .then(|| {
+            Timeline::new(
+                0,
+                llama.layers,
+                cfg.observability.memory_timeline_steps,
+                cfg.data.grad_acc,
+            )
+        });
         let baseline = alloc::live();
         if let Some(t) = &mut timeline {
             t.set_baseline(baseline);
         }
         let model = Llama::new(llama)
-            .with_ce_chunk_tokens(cfg.ce_chunk as usize)
-            .with_recompute(cfg.recompute);
+            .with_ce_chunk_tokens(cfg.runtime.ce_chunk as usize)
+            .with_recompute(cfg.runtime.recompute);
         let plan = checked_plan(&spec, &model, &cfg, kernel_workspace.max())?;
         // Initialisation of HF Llama: N(0, 0.02²) matrices, unit norms, zero biases; under mixed
         // precision that is the fp32 master copy, and the weights are it rounded.
-        let init = model.params.init(cfg.seed, 0.02);
-        let (params, master) = if cfg.precision.has_master() {
-            (Flat::from_f32(cfg.precision.storage(), &init), Some(init))
+        let init = model.params.init(cfg.data.seed, 0.02);
+        let (params, master) = if cfg.precision.kind.has_master() {
+            (
+                Flat::from_f32(cfg.precision.kind.storage(), &init),
+                Some(init),
+            )
         } else {
             (Flat::F32(init), None)
         };
-        let scaler =
-            (cfg.precision == Precision::Fp16).then(|| DynamicLossScaler::new(cfg.loss_scale));
+        let scaler = (cfg.precision.kind == Precision::Fp16)
+            .then(|| DynamicLossScaler::new(cfg.precision.loss_scale));
         let decay = model
             .params
             .entries
@@ -190,9 +206,9 @@ impl Trainer {
             .map(|e| (e.range(), e.is_matrix()))
             .collect();
         let schedule = LrSchedule::of(&cfg);
-        let flops_per_token = model_flops_per_token(&spec, cfg.seq);
+        let flops_per_token = model_flops_per_token(&spec, cfg.data.seq);
         let hw_flops_per_token =
-            flops_per_token + recompute_flops_per_token(&spec, cfg.seq, cfg.recompute);
+            flops_per_token + recompute_flops_per_token(&spec, cfg.data.seq, cfg.runtime.recompute);
         let mut t = Trainer {
             planned_peak: step_peaks(&plan, kernel_workspace),
             plan,
@@ -228,8 +244,8 @@ impl Trainer {
 
     fn batch(&self) -> BatchShape {
         BatchShape {
-            b: self.cfg.mbs as usize,
-            t: self.cfg.seq as usize,
+            b: self.cfg.data.mbs as usize,
+            t: self.cfg.data.seq as usize,
         }
     }
 
@@ -247,7 +263,7 @@ impl Trainer {
         let step = self.step + 1;
         // Gradients appear before the first forward: the fused LM head accumulates into them.
         if self.grads.is_none() {
-            let gt = self.cfg.precision.engine_grads();
+            let gt = self.cfg.precision.kind.engine_grads();
             self.grads = Some(Flat::zeros(gt, self.params.len()));
             self.pool.sample(step, Point::Grads);
         }
@@ -264,7 +280,7 @@ impl Trainer {
         k.phase("step", t0, step, 0);
         self.step += 1;
         let secs = t0.elapsed().as_secs_f64();
-        let tokens = self.cfg.grad_acc * self.cfg.mbs * self.cfg.seq;
+        let tokens = self.cfg.data.grad_acc * self.cfg.data.mbs * self.cfg.data.seq;
         let tps = tokens as f64 / secs;
         let mfu = tps * self.flops_per_token / self.peak_flops;
         Ok(StepOutput {
@@ -304,9 +320,9 @@ impl Trainer {
         // The loader never pads, so every position has a target: the loss of each micro-batch
         // is normalised by the target count of the whole step, and summing micro-batch
         // gradients gives the gradient of the global mean loss.
-        let num_targets = (self.cfg.grad_acc * self.cfg.mbs * self.cfg.seq) as usize;
+        let num_targets = (self.cfg.data.grad_acc * self.cfg.data.mbs * self.cfg.data.seq) as usize;
         let mut loss = LossSum::default();
-        for mb in 0..self.cfg.grad_acc {
+        for mb in 0..self.cfg.data.grad_acc {
             self.loader.next_into(&mut self.tokens, &mut self.targets)?;
             let tf = Instant::now();
             self.pool.enter(step, mb, Running::Forward);
@@ -356,15 +372,15 @@ impl Trainer {
         // max_norm / (norm + 1e-6) when that is below 1, folded with the unscaling into the
         // factor AdamW applies as it reads each gradient.
         let mut grad_scale = unscale;
-        if self.cfg.clip > 0.0 {
-            let coef = self.cfg.clip / (grad_norm + 1e-6);
+        if self.cfg.optimizer.clip > 0.0 {
+            let coef = self.cfg.optimizer.clip / (grad_norm + 1e-6);
             if coef < 1.0 {
                 grad_scale *= coef;
             }
         }
-        let rounding = if self.cfg.stochastic_rounding {
+        let rounding = if self.cfg.precision.stochastic_rounding {
             Rounding::Stochastic {
-                seed: self.cfg.seed,
+                seed: self.cfg.data.seed,
             }
         } else {
             Rounding::Nearest
@@ -372,10 +388,14 @@ impl Trainer {
         for (r, decay) in &self.decay {
             let h = AdamWParams {
                 lr,
-                beta1: self.cfg.beta1,
-                beta2: self.cfg.beta2,
-                eps: self.cfg.eps,
-                weight_decay: if *decay { self.cfg.weight_decay } else { 0.0 },
+                beta1: self.cfg.optimizer.beta1,
+                beta2: self.cfg.optimizer.beta2,
+                eps: self.cfg.optimizer.eps,
+                weight_decay: if *decay {
+                    self.cfg.optimizer.weight_decay
+                } else {
+                    0.0
+                },
                 step: self.step + 1,
                 grad_scale: grad_scale as f32,
             };

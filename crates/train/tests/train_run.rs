@@ -184,6 +184,70 @@ fn resume_is_bit_identical() {
     assert_eq!(leftovers, 0);
 }
 
+/// A checkpoint whose `trainer_state.json` was written by the flat `TrainConfig` of before its
+/// typed sections (tests/fixtures/flat-checkpoint, step 2 of a 4-step bf16 run of the tiny
+/// model) resumes, bit-identical to one uninterrupted run. Its weights are made again here, by
+/// the same run, to keep the fixture small; the state is swapped for the old one.
+#[test]
+fn a_flat_trainer_state_from_before_the_sections_resumes_bit_identically() {
+    let out = tmp("flat-state");
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/flat-checkpoint");
+    let old_text = std::fs::read_to_string(fixture.join("trainer_state.json")).unwrap();
+    let old: serde_json::Value = serde_json::from_str(&old_text).unwrap();
+    assert!(old["config"]["lr"].is_number() && old["config"].get("optimizer").is_none());
+    // The fixture's run; the model path is relative to this crate, where tests run.
+    let args = |dir: &str| TrainArgs {
+        model: Some("tests/fixtures/flat-checkpoint/model.json".into()),
+        seq: Some(32),
+        mbs: Some(4),
+        steps: Some(4),
+        warmup: Some(2),
+        eval_interval: Some(0),
+        precision: Some("bf16".into()),
+        stochastic_rounding: Some(true),
+        threads: Some(2),
+        out_dir: Some(out.join(dir)),
+        peak_gflops: Some(100.0),
+        quiet: true,
+        ..TrainArgs::default()
+    };
+    let straight = run(args("straight")).unwrap().steps;
+    let ck = out.join("ckpt");
+    run(TrainArgs {
+        stop_after: Some(2),
+        checkpoint_dir: Some(ck.clone()),
+        ..args("first")
+    })
+    .unwrap();
+    // Today's state is the old one, key for key, but for where this run writes.
+    let state = ck.join("trainer_state.json");
+    let new: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&state).unwrap()).unwrap();
+    let (mut a, mut b) = (old.clone(), new);
+    for key in ["out_dir", "checkpoint_dir", "metrics", "memory_timeline"] {
+        a["config"][key] = serde_json::Value::Null;
+        b["config"][key] = serde_json::Value::Null;
+    }
+    assert_eq!(a, b);
+    std::fs::write(&state, &old_text).unwrap();
+    let files = [
+        "model.safetensors",
+        "optimizer.safetensors",
+        "trainer_state.json",
+        "config.json",
+        "tokenizer.json",
+    ];
+    ferrotron_train::checkpoint::manifest::write(&ck, &files).unwrap();
+    // The old state names the checkpoint directory it was saved to: write elsewhere.
+    let resumed = run(TrainArgs {
+        checkpoint_dir: Some(out.join("ckpt2")),
+        ..resume_args(&ck, &out.join("resumed"), None, "m.jsonl")
+    })
+    .unwrap()
+    .steps;
+    assert_same_trajectory("flat state resumed", &straight[2..], &resumed);
+}
+
 #[test]
 fn resume_with_more_steps_decays_over_the_new_total() {
     // `--steps 10` then `--resume --steps 20`: the schedule decays over the new total. Resumed
