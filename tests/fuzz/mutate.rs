@@ -11,7 +11,7 @@
 
 use proptest::prelude::*;
 use proptest::sample::Index;
-use proptest::test_runner::Config;
+use proptest::test_runner::{Config, RngSeed};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::time::{Duration, Instant};
@@ -28,12 +28,24 @@ pub fn cases(ci: u32) -> u32 {
         .max(1)
 }
 
-/// The proptest config of a fuzz property: `ci` cases (see [`cases`]), a per-case
-/// timeout (a hang fails the case instead of stalling CI) and no failure-persistence files in
-/// the source tree.
+/// The seed of every property: fixed unless `FERROTRON_FUZZ_SEED` says otherwise (a number,
+/// or `random` for a fresh one each run). CI runs the fixed seed, so its verdict reproduces;
+/// the longer runs recorded in the notes explore with `random`.
+pub fn seed() -> RngSeed {
+    match std::env::var("FERROTRON_FUZZ_SEED").ok().as_deref() {
+        Some("random") => RngSeed::Random,
+        Some(n) => n.parse().map_or(RngSeed::Random, RngSeed::Fixed),
+        None => RngSeed::Fixed(0x5EED_F022),
+    }
+}
+
+/// The proptest config of a fuzz property: `ci` cases (see [`cases`]), the seed of [`seed`], a
+/// per-case timeout (a hang fails the case instead of stalling CI) and no failure-persistence
+/// files in the source tree.
 pub fn config(ci: u32) -> Config {
     Config {
         cases: cases(ci),
+        rng_seed: seed(),
         timeout: CASE_BUDGET.as_millis() as u32 * 5,
         failure_persistence: None,
         max_shrink_iters: 256,

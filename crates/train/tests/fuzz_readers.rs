@@ -553,6 +553,40 @@ fn regression_malformed_decoder_is_an_error_not_a_panic() {
     assert!(upstream.is_err(), "tokenizers no longer panics here");
 }
 
+/// `tokenizer_small_structured`: a BPE merge whose second token is shorter than (or does not
+/// start with) the `continuing_subword_prefix` made `tokenizers` underflow while building the
+/// model; a merge longer than every vocabulary entry overran its buffer.
+#[test]
+fn regression_bpe_merges_that_break_the_library_are_errors() {
+    let doc: Value = serde_json::from_slice(&tokenizer_samples()[0]).unwrap();
+    let mut with_prefix = doc.clone();
+    with_prefix["model"]["continuing_subword_prefix"] = json!("##");
+    let text = with_prefix.to_string();
+    let e = Tokenizer::from_bytes(text.as_bytes(), "tok.json").unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "tokenizer tok.json: not a valid HF tokenizer.json: merge 0 `a b`: `b` does not start with continuing_subword_prefix `##`"
+    );
+    // Why: the library itself panics on it.
+    let upstream = std::panic::catch_unwind(|| tokenizers::Tokenizer::from_bytes(text.as_bytes()));
+    assert!(upstream.is_err(), "tokenizers no longer panics here");
+    // A merge whose result is not a token.
+    let mut unknown = doc.clone();
+    unknown["model"]["merges"] = json!(["abc abc"]);
+    let e = Tokenizer::from_bytes(unknown.to_string().as_bytes(), "tok.json").unwrap_err();
+    assert!(
+        e.to_string()
+            .ends_with("merge 0 `abc abc`: the merged token `abcabc` is not in the vocabulary"),
+        "{e}"
+    );
+    // A prefix the merges do use is fine.
+    let mut fine = doc;
+    fine["model"]["continuing_subword_prefix"] = json!("##");
+    fine["model"]["merges"] = json!(["a ##b"]);
+    fine["model"]["vocab"]["ab"] = json!(5);
+    assert!(Tokenizer::from_bytes(fine.to_string().as_bytes(), "tok.json").is_ok());
+}
+
 /// `tokenizer_fields_with_extreme_numbers`: a token id of u32::MAX overflowed the vocabulary
 /// size (one past the largest id).
 #[test]

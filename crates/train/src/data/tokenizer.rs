@@ -85,7 +85,8 @@ impl Tokenizer {
         // parser rejects (a lone surrogate `\ud800`), instead of returning the error. A full
         // `Value` parse rejects everything that path can fail on (a syntax-only check, serde's
         // `IgnoredAny`, misses the string escapes), and keeps serde_json's nesting limit.
-        serde_json::from_slice::<serde_json::Value>(bytes).map_err(|e| invalid(&e))?;
+        let doc = serde_json::from_slice::<serde_json::Value>(bytes).map_err(|e| invalid(&e))?;
+        check_bpe_merges(&doc["model"]).map_err(|e| invalid(&e))?;
         let inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| invalid(&e))?;
         Self::from_hf(inner, name)
     }
@@ -261,4 +262,56 @@ impl Tokenizer {
         }
         self.inner.decode(ids, false).map_err(|e| self.err(e))
     }
+}
+
+/// Checks what `tokenizers` 0.23 assumes of a BPE model's merges before it builds the model.
+/// For a merge `a b` it copies `a` and `b` minus `continuing_subword_prefix`'s length into a
+/// buffer as long as the longest vocabulary entry, then looks the result up: a `b` shorter than
+/// the prefix underflows, one that does not start with it can cut a character in two (then
+/// reads invalid UTF-8 as a string), and a merge longer than every entry overruns the buffer
+/// — panics or worse instead of an error (found by `fuzz_readers::tokenizer_small_structured`).
+/// Merges the library rejects by itself (unknown tokens, bad shapes) are left to it.
+fn check_bpe_merges(model: &serde_json::Value) -> std::result::Result<(), String> {
+    let (Some(vocab), Some(merges)) = (
+        model.get("vocab").and_then(|v| v.as_object()),
+        model.get("merges").and_then(|m| m.as_array()),
+    ) else {
+        return Ok(());
+    };
+    let prefix = model
+        .get("continuing_subword_prefix")
+        .and_then(|p| p.as_str())
+        .unwrap_or("");
+    for (i, m) in merges.iter().enumerate() {
+        let pair: Option<(&str, &str)> = match m {
+            serde_json::Value::String(s) => {
+                let mut parts = s.split(' ');
+                match (parts.next(), parts.next(), parts.next()) {
+                    (Some(a), Some(b), None) => Some((a, b)),
+                    _ => None,
+                }
+            }
+            serde_json::Value::Array(v) => match v.as_slice() {
+                [serde_json::Value::String(a), serde_json::Value::String(b)] => Some((a, b)),
+                _ => None,
+            },
+            _ => None,
+        };
+        let Some((a, b)) = pair else { continue };
+        if !(vocab.contains_key(a) && vocab.contains_key(b)) {
+            continue;
+        }
+        let Some(rest) = b.strip_prefix(prefix) else {
+            return Err(format!(
+                "merge {i} `{a} {b}`: `{b}` does not start with continuing_subword_prefix `{prefix}`"
+            ));
+        };
+        let merged = format!("{a}{rest}");
+        if !vocab.contains_key(&merged) {
+            return Err(format!(
+                "merge {i} `{a} {b}`: the merged token `{merged}` is not in the vocabulary"
+            ));
+        }
+    }
+    Ok(())
 }
