@@ -122,19 +122,36 @@ unsafe impl GlobalAlloc for Tracking {
     }
 }
 
-/// Live heap bytes now (0 if the tracking allocator is not installed).
+/// Live heap bytes now, of the calling thread's rank when it has one (see [`set_rank`]), else
+/// of the process (0 if the tracking allocator is not installed). A trainer calls this from
+/// its own thread, so a rank measures itself and a single-rank run the process.
 pub fn live() -> u64 {
-    LIVE.load(Relaxed) as u64
+    match rank_slot() {
+        Some(r) => rank_live(r),
+        None => process_live(),
+    }
 }
 
-/// Highest live bytes since the last `reset_peak`.
+/// Highest live bytes since the last `reset_peak`, of the calling thread's rank or the process.
 pub fn peak() -> u64 {
-    PEAK.load(Relaxed) as u64
+    match rank_slot() {
+        Some(r) => rank_peak(r),
+        None => PEAK.load(Relaxed) as u64,
+    }
 }
 
-/// Starts a new peak window at the current live bytes.
+/// Starts a new peak window at the current live bytes (the calling thread's rank's, or the
+/// process's).
 pub fn reset_peak() {
-    PEAK.store(LIVE.load(Relaxed), Relaxed);
+    match rank_slot() {
+        Some(r) => reset_rank_peak(r),
+        None => PEAK.store(LIVE.load(Relaxed), Relaxed),
+    }
+}
+
+/// Live heap bytes of the whole process, whatever thread asks.
+pub fn process_live() -> u64 {
+    LIVE.load(Relaxed) as u64
 }
 
 /// Whether the tracking allocator is the global allocator of this process (probed once by an

@@ -1,9 +1,12 @@
 //! Per-rank accounting of the tracking allocator: ranks running as threads of one process each
-//! see their own live and peak bytes (the only test in this binary: the counters are global).
+//! see their own live and peak bytes, down to the trainer's measured peak (one test in this
+//! binary: the counters are global).
 
+mod common;
 use ferrotron_train::alloc::{
-    installed, live, rank_live, rank_peak, reset_rank_peak, set_rank, Tracking,
+    installed, process_live, rank_live, rank_peak, reset_rank_peak, set_rank, Tracking,
 };
+use ferrotron_train::run::run;
 use std::sync::{Arc, Barrier};
 
 #[global_allocator]
@@ -17,7 +20,7 @@ fn ranks_as_threads_are_measured_apart() {
     // Every rank holds (rank + 1) MiB, then a (rank + 1) MiB transient on top, at the same
     // time as the others (a barrier keeps all of them live together).
     let barrier = Arc::new(Barrier::new(ranks + 1));
-    let before = live();
+    let before = process_live();
     let handles: Vec<_> = (0..ranks)
         .map(|r| {
             let b = barrier.clone();
@@ -39,7 +42,7 @@ fn ranks_as_threads_are_measured_apart() {
         })
         .collect();
     barrier.wait();
-    let together = live() - before;
+    let together = process_live() - before;
     barrier.wait();
     let want: usize = (1..=ranks).map(|r| r * MIB).sum();
     assert!(
@@ -65,4 +68,34 @@ fn ranks_as_threads_are_measured_apart() {
         .join()
         .unwrap();
     assert_eq!(rank_live(0), r0);
+
+    // Two trainers at once, each a rank with its own tagged thread pool: each measures its own
+    // peak, within 1% of its own plan (process-wide counters would see both, about twice it).
+    let trainers: Vec<_> = [10usize, 11]
+        .into_iter()
+        .map(|r| {
+            std::thread::spawn(move || {
+                set_rank(Some(r));
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(1)
+                    .start_handler(move |_| set_rank(Some(r)))
+                    .build()
+                    .unwrap();
+                let mut a = common::tiny_args(&common::tmp(&format!("rank-{r}")), 3);
+                a.mbs = Some(8);
+                pool.install(|| run(a)).unwrap()
+            })
+        })
+        .collect();
+    for (r, t) in trainers.into_iter().enumerate() {
+        let s = t.join().unwrap();
+        let dev = s.measured_peak as f64 / s.planned_peak as f64 - 1.0;
+        assert!(
+            dev.abs() < 0.01,
+            "rank {r}: measured {} vs planned {} ({:+.2}%)",
+            s.measured_peak,
+            s.planned_peak,
+            dev * 100.0
+        );
+    }
 }
