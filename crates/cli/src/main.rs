@@ -43,8 +43,31 @@ enum Cmd {
     Report(report_cmd::ReportArgs),
 }
 
+/// Lets a closed pipe end the process quietly (`ferrotron plan --list-presets | head -1`), as
+/// it does for other command-line tools: Rust ignores SIGPIPE, so `println!` would panic on the
+/// write error instead. Not for `serve`, where a client that hangs up must not kill the server
+/// (there the ignored signal turns into an error on that one connection).
+fn quiet_on_closed_pipe() {
+    #[cfg(unix)]
+    {
+        extern "C" {
+            fn signal(signum: i32, handler: usize) -> usize;
+        }
+        // POSIX: SIGPIPE is 13 on Linux, macOS and the BSDs; SIG_DFL is 0.
+        const SIGPIPE: i32 = 13;
+        const SIG_DFL: usize = 0;
+        // SAFETY: restores the default disposition of one signal before any thread exists.
+        unsafe {
+            signal(SIGPIPE, SIG_DFL);
+        }
+    }
+}
+
 fn main() {
     let cli = Cli::parse();
+    if !matches!(cli.cmd, Cmd::Serve(_)) {
+        quiet_on_closed_pipe();
+    }
     let result = match cli.cmd {
         Cmd::Plan(args) => plan_cmd::dispatch(args),
         Cmd::Serve(args) => serve_cmd::run(args),

@@ -290,3 +290,40 @@ fn bad_input_gives_one_clear_line() {
         assert!(lines <= 2, "{args:?}: {err}");
     }
 }
+
+#[test]
+fn a_closed_pipe_ends_the_output_without_a_panic() {
+    // `ferrotron plan search … --json | head -c 10`: the reader is gone before the result is
+    // printed (the search takes a moment), which used to panic with "failed printing to stdout".
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .args([
+            "plan",
+            "search",
+            "--model",
+            "llama-3-70b",
+            "--gpus",
+            "64",
+            "--gpus-per-node",
+            "8",
+            "--gpu",
+            "h100",
+            "--seq",
+            "4096",
+            "--gbs-tokens",
+            "4194304",
+            "--json",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(
+        !out.status.success(),
+        "the pipe closed, the output could not be written"
+    );
+}
