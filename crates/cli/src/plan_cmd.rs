@@ -53,6 +53,9 @@ pub struct PlanArgs {
     /// Sequence length [default: min(4096, model max positions)].
     #[arg(long, allow_negative_numbers = true)]
     pub seq: Option<u64>,
+    /// Context length the run extends the model to: overrides its max_position_embeddings.
+    #[arg(long, allow_negative_numbers = true)]
+    pub max_seq: Option<u64>,
     /// Micro-batch size per rank [default: 1].
     #[arg(long, allow_negative_numbers = true)]
     pub mbs: Option<u64>,
@@ -162,7 +165,7 @@ impl PlanArgs {
             .with_context(|| format!("cannot read --config {}", path.display()))?;
         let mut file: PlanArgs =
             toml::from_str(&text).map_err(|e| anyhow::anyhow!(toml_error(&path, &text, &e)))?;
-        merge!(self, file; model, params, seq, mbs, grad_acc, gbs, precision, optimizer, recompute,
+        merge!(self, file; model, params, seq, max_seq, mbs, grad_acc, gbs, precision, optimizer, recompute,
             dp, tp, pp, cp, ep, zero, sp, pp_schedule, pp_virtual, offload, gpu, gpus_per_node,
             cluster, flops_convention, convention, overhead_gib, fragmentation, ce_chunk,
             bucket_mb, html);
@@ -213,6 +216,7 @@ pub fn input_from(a: &PlanArgs) -> Result<Resolved> {
         config: None,
         params: a.params.clone(),
         seq: a.seq,
+        max_seq: a.max_seq,
         mbs: a.mbs,
         grad_acc: a.grad_acc,
         gbs: a.gbs,

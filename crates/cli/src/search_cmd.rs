@@ -27,6 +27,9 @@ pub struct SearchArgs {
     /// Sequence length [default: min(4096, model max positions)].
     #[arg(long, allow_negative_numbers = true)]
     pub seq: Option<u64>,
+    /// Context length the run extends the model to: overrides its max_position_embeddings.
+    #[arg(long, allow_negative_numbers = true)]
+    pub max_seq: Option<u64>,
     /// Global batch in tokens per optimizer step [default: seq × gpus].
     #[arg(long, allow_negative_numbers = true)]
     pub gbs_tokens: Option<u64>,
@@ -155,6 +158,7 @@ pub fn run(a: SearchArgs) -> Result<()> {
         gpus_per_node: a.gpus_per_node,
         cluster: a.cluster.as_deref().map(load_cluster).transpose()?,
         seq: a.seq,
+        max_seq: a.max_seq,
         gbs_tokens: a.gbs_tokens,
         precision: a.precision.clone(),
         optimizer: a.optimizer.clone(),

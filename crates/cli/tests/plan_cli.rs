@@ -327,3 +327,30 @@ fn a_closed_pipe_ends_the_output_without_a_panic() {
         "the pipe closed, the output could not be written"
     );
 }
+
+#[test]
+fn max_seq_plans_a_context_extended_run() {
+    // Llama-3-8B trained at 262k tokens with context parallelism: refused at its 8k
+    // max_position_embeddings with the flag named, planned with --max-seq; the activations
+    // grow with the sequence (16 cp ranks each hold 16k tokens, twice the 8k run's 8k).
+    let base = ["plan", "--model", "llama-3-8b", "--gpu", "h100", "--json"];
+    let err = fails(&[&base[..5], &["--seq", "262144", "--cp", "16"]].concat());
+    assert!(
+        err.contains("seq = 262144: exceeds the model's max_position_embeddings 8192 (a context-extended run: pass --max-seq)"),
+        "{err}"
+    );
+    let peak = |extra: &[&str]| -> f64 {
+        let v: serde_json::Value = serde_json::from_str(&ok(&[&base[..], extra].concat())).unwrap();
+        v["ranks"][0]["peak"]
+            .as_f64()
+            .unwrap_or_else(|| panic!("no peak in {v}"))
+    };
+    let long = peak(&["--seq", "262144", "--cp", "16", "--max-seq", "262144"]);
+    let short = peak(&["--seq", "8192"]);
+    assert!(long > short, "{long} vs {short}");
+    let err = fails(&[&base[..5], &["--max-seq", "0"]].concat());
+    assert!(
+        err.contains("max_seq = 0: must be a positive integer"),
+        "{err}"
+    );
+}

@@ -43,6 +43,8 @@ pub struct Settings {
     #[serde(default, deserialize_with = "string_or_number")]
     pub params: Option<String>,
     pub seq: Option<u64>,
+    /// Overrides the model's `max_position_embeddings` (a context-extended run).
+    pub max_seq: Option<u64>,
     pub mbs: Option<u64>,
     pub grad_acc: Option<u64>,
     pub gbs: Option<u64>,
@@ -76,6 +78,30 @@ pub struct Resolved {
     pub input: PlanInput,
     pub cluster: Cluster,
     pub flops: FlopsConvention,
+}
+
+/// The model with its `max_position_embeddings` replaced by `--max-seq`: the context a run
+/// extends the model to (Llama 3.1 went from 8k to 128k by RoPE scaling; context parallelism
+/// then splits such sequences). Only the sequence length it allows changes: no parameter
+/// depends on it.
+fn with_max_seq(mut m: ModelSpec, max_seq: Option<u64>) -> Result<ModelSpec> {
+    match max_seq {
+        None => Ok(m),
+        Some(0) => Err(PlanError::setting(
+            "max_seq",
+            0,
+            "must be a positive integer",
+        )),
+        Some(n) if n > 1 << 24 => Err(PlanError::setting(
+            "max_seq",
+            n,
+            "is above the planner's limit of 16,777,216 positions",
+        )),
+        Some(n) => {
+            m.max_positions = n;
+            Ok(m)
+        }
+    }
 }
 
 /// A named setting parsed from its text, or `default` when not given.
@@ -248,6 +274,10 @@ impl Settings {
                 ))
             }
         };
+        let model = match model {
+            ModelSource::Spec(m) => ModelSource::Spec(with_max_seq(m, self.max_seq)?),
+            other => other,
+        };
         let max_pos = match &model {
             ModelSource::Spec(m) => m.max_positions,
             ModelSource::Params(_) => u64::MAX,
@@ -383,6 +413,8 @@ pub fn plan_json(body: Value) -> Result<Value> {
 pub struct SearchSettings {
     pub model: Option<String>,
     pub config: Option<Value>,
+    /// Overrides the model's `max_position_embeddings` (see [`Settings::max_seq`]).
+    pub max_seq: Option<u64>,
     pub gpus: Option<u64>,
     pub gpu: Option<String>,
     pub gpus_per_node: Option<u64>,
@@ -446,6 +478,7 @@ impl SearchSettings {
             }
             Some(n) => n,
         };
+        let spec = with_max_seq(spec, self.max_seq)?;
         let seq = positive("seq", self.seq, 4096.min(spec.max_positions))?;
         let gbs_tokens = match self.gbs_tokens {
             Some(t) if t > 1 << 40 => {

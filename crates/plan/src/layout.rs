@@ -179,7 +179,7 @@ impl Layout {
                 "seq",
                 r.seq,
                 format!(
-                    "exceeds the model's max_position_embeddings {}",
+                    "exceeds the model's max_position_embeddings {} (a context-extended run: pass --max-seq)",
                     m.max_positions
                 ),
             ));

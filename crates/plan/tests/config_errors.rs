@@ -161,7 +161,7 @@ fn seq_beyond_the_model_is_rejected() {
     .unwrap_err();
     assert_eq!(
         e.to_string(),
-        "seq = 16384: exceeds the model's max_position_embeddings 8192"
+        "seq = 16384: exceeds the model's max_position_embeddings 8192 (a context-extended run: pass --max-seq)"
     );
 }
 
