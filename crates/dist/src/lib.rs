@@ -8,6 +8,7 @@ pub mod communicator;
 pub mod grid;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+mod shapes;
 pub mod threads;
 
 pub use communicator::{CommError, Communicator, Completion, Pending};

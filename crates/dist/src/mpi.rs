@@ -37,6 +37,7 @@
 //!   threads at once.
 
 use crate::communicator::{CommError, Communicator, Completion, Pending, Result};
+use crate::shapes;
 use std::cell::{Cell, RefCell};
 use std::ffi::{c_char, c_int, c_void, CString};
 
@@ -301,16 +302,9 @@ impl Communicator for MpiComm {
     }
 
     fn reduce_scatter_sum(&self, send: &[f32], recv: &mut [f32]) -> Result<()> {
-        let (p, b) = (self.size, recv.len());
-        if send.len() != p * b {
-            return Err(self.usage(
-                "reduce_scatter_sum",
-                format!(
-                    "send has {} elements, expected size {p} × recv {b}",
-                    send.len()
-                ),
-            ));
-        }
+        let b = recv.len();
+        shapes::reduce_scatter(self.size, send.len(), b)
+            .map_err(|e| self.usage("reduce_scatter_sum", e))?;
         let bn = self.count("reduce_scatter_sum", b)?;
         // SAFETY: send holds p·b elements and recv b, for the blocking call.
         self.check(
@@ -320,16 +314,8 @@ impl Communicator for MpiComm {
     }
 
     fn all_gather(&self, send: &[f32], recv: &mut [f32]) -> Result<()> {
-        if recv.len() != send.len() * self.size {
-            return Err(self.usage(
-                "all_gather",
-                format!(
-                    "recv has {} elements, expected size × {}",
-                    recv.len(),
-                    send.len()
-                ),
-            ));
-        }
+        shapes::all_gather(self.size, send.len(), recv.len())
+            .map_err(|e| self.usage("all_gather", e))?;
         let n = self.count("all_gather", send.len())?;
         self.count("all_gather", recv.len())?;
         // SAFETY: send holds n elements and recv size·n.
@@ -340,12 +326,7 @@ impl Communicator for MpiComm {
     }
 
     fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<()> {
-        if root >= self.size {
-            return Err(self.usage(
-                "broadcast",
-                format!("root {root} is not in a group of {}", self.size),
-            ));
-        }
+        shapes::member(self.size, root, "root").map_err(|e| self.usage("broadcast", e))?;
         let n = self.count("broadcast", buf.len())?;
         // SAFETY: buf holds n elements.
         self.check(
@@ -356,16 +337,7 @@ impl Communicator for MpiComm {
 
     fn all_to_all(&self, send: &[f32], recv: &mut [f32]) -> Result<()> {
         let p = self.size;
-        if !send.len().is_multiple_of(p) || recv.len() != send.len() {
-            return Err(self.usage(
-                "all_to_all",
-                format!(
-                    "send {} and recv {} must be equal and divisible by {p}",
-                    send.len(),
-                    recv.len()
-                ),
-            ));
-        }
+        shapes::all_to_all(p, send.len(), recv.len()).map_err(|e| self.usage("all_to_all", e))?;
         let b = self.count("all_to_all", send.len() / p)?;
         self.count("all_to_all", send.len())?;
         // SAFETY: send and recv hold p·b elements each.
@@ -376,12 +348,7 @@ impl Communicator for MpiComm {
     }
 
     fn send(&self, buf: &[f32], dst: usize, tag: u32) -> Result<()> {
-        if dst >= self.size {
-            return Err(self.usage(
-                "send",
-                format!("destination {dst} is not in a group of {}", self.size),
-            ));
-        }
+        shapes::member(self.size, dst, "destination").map_err(|e| self.usage("send", e))?;
         if tag > self.tag_ub {
             return Err(self.usage(
                 "send",
@@ -412,12 +379,7 @@ impl Communicator for MpiComm {
     }
 
     fn recv(&self, buf: &mut [f32], src: usize, tag: u32) -> Result<()> {
-        if src >= self.size {
-            return Err(self.usage(
-                "recv",
-                format!("source {src} is not in a group of {}", self.size),
-            ));
-        }
+        shapes::member(self.size, src, "source").map_err(|e| self.usage("recv", e))?;
         if tag > self.tag_ub {
             return Err(self.usage(
                 "recv",
@@ -440,15 +402,7 @@ impl Communicator for MpiComm {
             },
             "recv",
         )?;
-        if got != n {
-            return Err(self.usage(
-                "recv",
-                format!(
-                    "message from rank {src} (tag {tag}) has {got} elements, the buffer {}",
-                    buf.len()
-                ),
-            ));
-        }
+        shapes::message(src, tag, got as usize, buf.len()).map_err(|e| self.usage("recv", e))?;
         Ok(())
     }
 

@@ -14,6 +14,7 @@
 //! timeout.
 
 use crate::communicator::{CommError, Communicator, Pending, Result};
+use crate::shapes;
 use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -351,44 +352,24 @@ impl Communicator for ThreadComm {
     }
 
     fn reduce_scatter_sum(&self, send: &[f32], recv: &mut [f32]) -> Result<()> {
-        let (p, b) = (self.size(), recv.len());
-        if send.len() != p * b {
-            return Err(self.usage(
-                "reduce_scatter_sum",
-                format!(
-                    "send has {} elements, expected size {p} × recv {b}",
-                    send.len()
-                ),
-            ));
-        }
+        let b = recv.len();
+        shapes::reduce_scatter(self.size(), send.len(), b)
+            .map_err(|e| self.usage("reduce_scatter_sum", e))?;
         self.blocking("reduce_scatter_sum", send, recv, move |s, me| {
             sum_of(s, me * b..(me + 1) * b)
         })
     }
 
     fn all_gather(&self, send: &[f32], recv: &mut [f32]) -> Result<()> {
-        if recv.len() != send.len() * self.size() {
-            return Err(self.usage(
-                "all_gather",
-                format!(
-                    "recv has {} elements, expected size × {}",
-                    recv.len(),
-                    send.len()
-                ),
-            ));
-        }
+        shapes::all_gather(self.size(), send.len(), recv.len())
+            .map_err(|e| self.usage("all_gather", e))?;
         self.blocking("all_gather", send, recv, |s, _| {
             s.iter().flatten().flatten().copied().collect()
         })
     }
 
     fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<()> {
-        if root >= self.size() {
-            return Err(self.usage(
-                "broadcast",
-                format!("root {root} is not in a group of {}", self.size()),
-            ));
-        }
+        shapes::member(self.size(), root, "root").map_err(|e| self.usage("broadcast", e))?;
         let mine = if self.me == root {
             buf.to_vec()
         } else {
@@ -412,16 +393,7 @@ impl Communicator for ThreadComm {
 
     fn all_to_all(&self, send: &[f32], recv: &mut [f32]) -> Result<()> {
         let p = self.size();
-        if !send.len().is_multiple_of(p) || recv.len() != send.len() {
-            return Err(self.usage(
-                "all_to_all",
-                format!(
-                    "send {} and recv {} must be equal and divisible by {p}",
-                    send.len(),
-                    recv.len()
-                ),
-            ));
-        }
+        shapes::all_to_all(p, send.len(), recv.len()).map_err(|e| self.usage("all_to_all", e))?;
         let b = send.len() / p;
         self.blocking("all_to_all", send, recv, move |s, me| {
             s.iter()
@@ -432,12 +404,8 @@ impl Communicator for ThreadComm {
     }
 
     fn send(&self, buf: &[f32], dst: usize, tag: u32) -> Result<()> {
-        let to = *self.members.get(dst).ok_or_else(|| {
-            self.usage(
-                "send",
-                format!("destination {dst} is not in a group of {}", self.size()),
-            )
-        })?;
+        shapes::member(self.size(), dst, "destination").map_err(|e| self.usage("send", e))?;
+        let to = self.members[dst];
         if let Some(e) = self.world.failure() {
             return Err(e);
         }
@@ -450,12 +418,8 @@ impl Communicator for ThreadComm {
     }
 
     fn recv(&self, buf: &mut [f32], src: usize, tag: u32) -> Result<()> {
-        let from = *self.members.get(src).ok_or_else(|| {
-            self.usage(
-                "recv",
-                format!("source {src} is not in a group of {}", self.size()),
-            )
-        })?;
+        shapes::member(self.size(), src, "source").map_err(|e| self.usage("recv", e))?;
+        let from = self.members[src];
         let key = (from, self.world_rank, tag);
         let mail = self.world.mail.lock().unwrap_or_else(|e| e.into_inner());
         let mut mail =
@@ -468,16 +432,7 @@ impl Communicator for ThreadComm {
             .and_then(VecDeque::pop_front)
             .expect("waited for a message");
         drop(mail);
-        if msg.len() != buf.len() {
-            return Err(self.usage(
-                "recv",
-                format!(
-                    "message from rank {src} (tag {tag}) has {} elements, the buffer {}",
-                    msg.len(),
-                    buf.len()
-                ),
-            ));
-        }
+        shapes::message(src, tag, msg.len(), buf.len()).map_err(|e| self.usage("recv", e))?;
         buf.copy_from_slice(&msg);
         Ok(())
     }
