@@ -6,7 +6,6 @@ use crate::checkpoint::hf::load_model;
 use anyhow::{bail, Result};
 use ferrotron_engine::kernels::CpuKernels;
 use ferrotron_engine::model::{BatchShape, HeapPool, Llama, LossSum};
-use ferrotron_plan::DType;
 use serde::Serialize;
 use std::path::Path;
 
@@ -92,7 +91,6 @@ pub fn evaluate(model: &Llama, params: &[f32], seqs: &[Vec<u32>]) -> Result<Eval
 /// `ferrotron eval --checkpoint DIR --tokens FILE`.
 pub fn eval_dir(dir: &Path, tokens: &Path) -> Result<EvalResult> {
     let seqs = read_sequences(tokens)?;
-    let m = load_model(dir, DType::F32)?;
-    let params = m.params.to_f32(0..m.params.len());
-    evaluate(&m.model, &params, &seqs)
+    let m = load_model(dir)?;
+    evaluate(&m.model, &m.params, &seqs)
 }

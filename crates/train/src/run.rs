@@ -216,7 +216,8 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let mut t = Trainer::new(cfg.clone(), spec, llama, loader, val, peak_gflops)?;
     if let Some(l) = &loaded {
-        t.params = checkpoint::load_weights(&l.dir, &t.model.params, Some(t.params.dtype()))?;
+        let exactly = checkpoint::hf::Dtypes::Exactly(t.params.dtype());
+        t.params = checkpoint::load_weights(&l.dir, &t.model.params, exactly)?;
         if let Some((opt, master)) =
             checkpoint::load_optimizer(&l.dir, t.params.len(), t.master.is_some())?
         {
@@ -367,15 +368,7 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
 /// tensor by tensor), as the fp32 master copy under mixed precision and rounded into the
 /// storage type.
 fn init_weights(t: &mut Trainer, dir: &std::path::Path) -> Result<()> {
-    checkpoint::hf::verify_if_checkpoint(dir)?;
-    let tied = t.spec.tie_embeddings;
-    let w = checkpoint::hf::load_params(
-        dir,
-        &t.model.params,
-        tied,
-        checkpoint::hf::Dtypes::Into(ferrotron_plan::DType::F32),
-    )?;
-    let w = w.to_f32(0..w.len());
+    let w = checkpoint::hf::load_widened(dir, &t.model.params, t.spec.tie_embeddings)?;
     let storage = t.params.dtype();
     t.params = crate::weights::Flat::from_f32(storage, &w);
     if t.master.is_some() {
@@ -458,6 +451,7 @@ pub fn sample_from(dir: &std::path::Path, prompt: &str, o: &SampleOptions) -> Re
     let tok = Tokenizer::from_file(dir.join("tokenizer.json"))?;
     let model = ferrotron_engine::model::Llama::new(setup::llama_config(&l.spec)?);
     // Sampling computes in f32 whatever the checkpoint's storage type.
-    let weights = checkpoint::load_weights(dir, &model.params, None)?;
-    generate(&model, &weights.to_f32(0..weights.len()), &tok, prompt, o)
+    let widened = checkpoint::hf::Dtypes::Widened;
+    let weights = checkpoint::load_weights(dir, &model.params, widened)?.into_f32();
+    generate(&model, &weights, &tok, prompt, o)
 }

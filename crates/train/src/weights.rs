@@ -67,6 +67,14 @@ impl Flat {
         }
     }
 
+    /// All elements as f32, without a copy when they already are.
+    pub fn into_f32(self) -> Vec<f32> {
+        match self {
+            Flat::F32(v) => v,
+            other => other.to_f32(0..other.len()),
+        }
+    }
+
     /// Elements `range` as little-endian bytes (the safetensors layout).
     pub fn le_bytes(&self, range: std::ops::Range<usize>) -> Vec<u8> {
         match self {
@@ -103,6 +111,27 @@ impl Flat {
             Flat::F32(v) => v.fill(0.0),
             Flat::Bf16(v) => v.fill(bf16::ZERO),
             Flat::F16(v) => v.fill(f16::ZERO),
+        }
+    }
+}
+
+/// Little-endian f32, bf16 or f16 `bytes` (a safetensors tensor) widened into `out`.
+pub fn widen_le_bytes(dtype: DType, bytes: &[u8], out: &mut [f32]) {
+    match dtype {
+        DType::Bf16 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        DType::F16 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        _ => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
         }
     }
 }

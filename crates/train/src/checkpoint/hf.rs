@@ -7,9 +7,9 @@
 //! without them being parameters: a tied `lm_head.weight` (a copy of the embedding) and older
 //! checkpoints' `rotary_emb.inv_freq` buffers (recomputed from `rope_theta`).
 
-use super::{bad, manifest};
+use super::{bad, manifest, safetensors_dtype};
 use crate::setup;
-use crate::weights::Flat;
+use crate::weights::{widen_le_bytes, Flat};
 use anyhow::{bail, Context, Result};
 use ferrotron_engine::model::{Llama, ParamTable};
 use ferrotron_plan::{DType, ModelSpec};
@@ -25,7 +25,8 @@ const INDEX: &str = "model.safetensors.index.json";
 pub struct HfModel {
     pub spec: ModelSpec,
     pub model: Llama,
-    pub params: Flat,
+    /// The weights, widened to f32.
+    pub params: Vec<f32>,
 }
 
 /// The safetensors files of `dir`: the single file, or every shard of the index.
@@ -104,12 +105,11 @@ impl Shards {
 /// How the weights' dtype is treated.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Dtypes {
-    /// Every tensor must already be this dtype (a resumed run keeps its precision).
+    /// Every tensor must already be this dtype, kept as stored (a resumed run keeps its
+    /// precision).
     Exactly(DType),
-    /// Every tensor must share one dtype, whichever (kept as stored).
-    AsStored,
-    /// Any of F32, BF16, F16, converted (to nearest) into this one.
-    Into(DType),
+    /// Any of F32, BF16, F16, widened to f32 (evaluation, sampling, `--init-from`).
+    Widened,
 }
 
 fn storage_dtype(d: Dtype) -> Option<DType> {
@@ -118,27 +118,6 @@ fn storage_dtype(d: Dtype) -> Option<DType> {
         Dtype::BF16 => Some(DType::Bf16),
         Dtype::F16 => Some(DType::F16),
         _ => None,
-    }
-}
-
-/// Reads f32, bf16 or f16 little-endian bytes as f32.
-fn widen(dtype: DType, bytes: &[u8], out: &mut [f32]) {
-    match dtype {
-        DType::Bf16 => {
-            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = half::bf16::from_le_bytes([c[0], c[1]]).to_f32();
-            }
-        }
-        DType::F16 => {
-            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
-                *o = half::f16::from_le_bytes([c[0], c[1]]).to_f32();
-            }
-        }
-        _ => {
-            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
-                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-            }
-        }
     }
 }
 
@@ -166,15 +145,10 @@ pub fn load_params(dir: &Path, table: &ParamTable, tied: bool, rule: Dtypes) -> 
             at.insert(name.to_string(), i);
         }
     }
-    let mut kept: Option<DType> = match rule {
-        Dtypes::Exactly(d) => Some(d),
-        Dtypes::AsStored | Dtypes::Into(_) => None,
+    let mut out = match rule {
+        Dtypes::Exactly(d) => Flat::zeros(d, table.total),
+        Dtypes::Widened => Flat::F32(vec![0.0; table.total]),
     };
-    let mut f32s = match rule {
-        Dtypes::Into(_) => vec![0.0f32; table.total],
-        _ => Vec::new(),
-    };
-    let mut stored: Option<Flat> = None;
     for e in &table.entries {
         let Some(&i) = at.get(&e.name) else {
             bail!(bad(
@@ -210,26 +184,35 @@ pub fn load_params(dir: &Path, table: &ParamTable, tied: bool, rule: Dtypes) -> 
                 )
             ));
         }
-        match rule {
-            Dtypes::Into(_) => widen(dtype, v.data(), &mut f32s[e.range()]),
-            Dtypes::Exactly(_) | Dtypes::AsStored => {
-                let want = *kept.get_or_insert(dtype);
+        match (rule, &mut out) {
+            (Dtypes::Widened, Flat::F32(w)) => widen_le_bytes(dtype, v.data(), &mut w[e.range()]),
+            (Dtypes::Exactly(want), out) => {
                 if dtype != want {
                     bail!(bad(
                         dir,
-                        format!("`{}` is {dtype:?}, the other weights {want:?}", e.name)
+                        format!(
+                            "`{}` is {:?} {:?}, the model expects {:?} {:?}",
+                            e.name,
+                            v.dtype(),
+                            v.shape(),
+                            safetensors_dtype(want),
+                            e.shape
+                        )
                     ));
                 }
-                stored
-                    .get_or_insert_with(|| Flat::zeros(dtype, table.total))
-                    .read_le_bytes(e.offset, v.data());
+                out.read_le_bytes(e.offset, v.data());
             }
+            (Dtypes::Widened, _) => unreachable!("widened weights are f32"),
         }
     }
-    Ok(match rule {
-        Dtypes::Into(d) => Flat::from_f32(d, &f32s),
-        _ => stored.unwrap_or_else(|| Flat::zeros(DType::F32, 0)),
-    })
+    Ok(out)
+}
+
+/// The weights of a model folder for `table`, widened to f32, after checking a ferrotron
+/// checkpoint's manifest (evaluation and `--init-from`).
+pub fn load_widened(dir: &Path, table: &ParamTable, tied: bool) -> Result<Vec<f32>> {
+    verify_if_checkpoint(dir)?;
+    Ok(load_params(dir, table, tied, Dtypes::Widened)?.into_f32())
 }
 
 /// Checks a ferrotron checkpoint's manifest (a Hugging Face folder has none).
@@ -241,15 +224,14 @@ pub fn verify_if_checkpoint(dir: &Path) -> Result<()> {
 }
 
 /// A model folder: a ferrotron checkpoint (manifest verified) or a Hugging Face folder of a
-/// supported family, weights converted to `dtype`.
-pub fn load_model(dir: &Path, dtype: DType) -> Result<HfModel> {
+/// supported family, weights widened to f32.
+pub fn load_model(dir: &Path) -> Result<HfModel> {
     if !dir.is_dir() {
         bail!(
             "{}: not a directory (pass a model folder with config.json)",
             dir.display()
         );
     }
-    verify_if_checkpoint(dir)?;
     let config = dir.join("config.json");
     if !config.is_file() {
         bail!(bad(dir, "no config.json (not a model folder)"));
@@ -262,7 +244,7 @@ pub fn load_model(dir: &Path, dtype: DType) -> Result<HfModel> {
             dir.display()
         )
     })?);
-    let params = load_params(dir, &model.params, spec.tie_embeddings, Dtypes::Into(dtype))?;
+    let params = load_widened(dir, &model.params, spec.tie_embeddings)?;
     Ok(HfModel {
         spec,
         model,

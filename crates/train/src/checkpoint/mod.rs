@@ -77,13 +77,7 @@ fn f32_bytes(x: &[f32]) -> Vec<u8> {
     x.iter().flat_map(|v| v.to_le_bytes()).collect()
 }
 
-fn read_f32(bytes: &[u8], out: &mut [f32]) {
-    for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
-        *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-    }
-}
-
-fn safetensors_dtype(d: DType) -> Dtype {
+pub(super) fn safetensors_dtype(d: DType) -> Dtype {
     match d {
         DType::Bf16 => Dtype::BF16,
         DType::F16 => Dtype::F16,
@@ -294,11 +288,10 @@ fn read_file(path: &Path) -> Result<Vec<u8>> {
     std::fs::read(path).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))
 }
 
-/// The weights of `dir`, checking every name and shape against `table`; all tensors must share
-/// one dtype (F32, BF16 or F16), and it must be `expect` when given (a resumed run keeps its
-/// precision).
-pub fn load_weights(dir: &Path, table: &ParamTable, expect: Option<DType>) -> Result<Flat> {
-    let rule = expect.map_or(hf::Dtypes::AsStored, hf::Dtypes::Exactly);
+/// The weights of checkpoint `dir` (opened, so verified, already), checking every name and
+/// shape against `table`, in `rule`'s dtype: a resumed run keeps its precision exactly; sampling
+/// widens to f32.
+pub fn load_weights(dir: &Path, table: &ParamTable, rule: hf::Dtypes) -> Result<Flat> {
     // The checkpoint's own config decides whether lm_head is tied (a tied table has none).
     let tied = table.get("lm_head.weight").is_none();
     hf::load_params(dir, table, tied, rule)
@@ -335,7 +328,7 @@ pub fn load_optimizer(
             ));
         }
         let mut out = vec![0.0; n];
-        read_f32(v.data(), &mut out);
+        crate::weights::widen_le_bytes(DType::F32, v.data(), &mut out);
         Ok(out)
     };
     let state = AdamState {
