@@ -6,6 +6,7 @@ use crate::layout::Layout;
 use crate::memory::Category;
 use crate::model::{Family, ModelSpec};
 use crate::recipe::{DType, Recipe, Recompute};
+use crate::tensors::{self, Edge, LayerTensor};
 
 /// One activation tensor (or, for formula conventions, one aggregate in bytes as `U8`).
 #[derive(Debug, Clone, PartialEq)]
@@ -85,6 +86,25 @@ impl Dims {
     pub fn n(&self) -> u64 {
         self.b * self.s
     }
+    /// The table's sizes (`tensors::Dims`) of this micro-batch for model `m`.
+    pub fn table(&self, m: &ModelSpec, r: &Recipe) -> tensors::Dims {
+        tensors::Dims {
+            tokens: self.n(),
+            hidden: m.hidden,
+            heads: m.heads,
+            q_dim: m.q_dim(),
+            kv_dim: m.kv_dim(),
+            head_dim: m.head_dim,
+            ffn: m.intermediate,
+            vocab: m.vocab,
+            positions: m.max_positions,
+            experts: m.moe.map_or(0, |moe| moe.num_experts),
+            top_k: m.moe.map_or(1, |moe| moe.top_k),
+            ce_chunk_tokens: r.ce_chunk_tokens,
+            tp: self.t,
+            sp: self.sp,
+        }
+    }
     /// Divisor of tensors of the residual stream: t under sequence parallelism, else 1.
     pub fn seq_shard(&self) -> u64 {
         if self.sp {
@@ -142,57 +162,36 @@ pub fn layer_acts(m: &ModelSpec, r: &Recipe, l: &Layout, conv: Convention) -> La
     }
 }
 
-/// The ferrotron engine's Llama layer (crates/engine model/llama.rs keeps the same names).
-/// Policies:
-/// - none: every tensor below;
+/// The ferrotron engine's Llama layer: the tensors of the table (`tensors::LayerTensor`), the
+/// ones the recompute policy drops moved to the workspace. The policies:
+/// - none: every tensor;
 /// - selective: drop the cheap, large ones (both RMSNorm outputs, recomputed from the saved
-///   input/resid_mid and rstd; the SwiGLU product, recomputed from gate and up) and keep the
-///   expensive matmul and attention outputs;
+///   input/resid_mid and rstd; the SwiGLU product, recomputed from gate and up; the routed
+///   copies of a MoE layer's input) and keep the expensive matmul and attention outputs;
 /// - full: keep only each layer's input; replay the layer's forward in its backward.
+///
+/// fp8: the CPU engine quantises GEMM inputs on the fly from their bf16 storage (inside its
+/// GEMM workspace), so activations stay bf16: fp8 changes the numerics, not the memory. A GPU
+/// engine that saves the fp8 casts for the weight-gradient GEMMs would store those as F8.
 fn llama_layer(m: &ModelSpec, r: &Recipe, d: &Dims) -> LayerActs {
-    let st = r.precision.storage();
-    // fp8: the CPU engine quantises GEMM inputs on the fly from their bf16 storage (inside its
-    // GEMM workspace), so activations stay bf16: fp8 changes the numerics, not the memory.
-    // A GPU engine that saves the fp8 casts for the weight-gradient GEMMs would use F8 here.
-    let gemm_in = st;
-    let (n, t, ss) = (d.n(), d.t, d.seq_shard());
-    let c = m.hidden;
-    let mut all = vec![
-        act("input", st, n * c / ss),
-        act("ln1_rstd", DType::F32, n / ss),
-        act("ln1_out", gemm_in, n * c / ss),
-        act("q", st, n * m.q_dim() / t),
-        act("k", st, n * m.kv_dim() / t),
-        act("v", st, n * m.kv_dim() / t),
-        act("attn_lse", DType::F32, n * m.heads / t),
-        act("attn_out", gemm_in, n * m.q_dim() / t),
-        act("resid_mid", st, n * c / ss),
-        act("ln2_rstd", DType::F32, n / ss),
-        act("ln2_out", gemm_in, n * c / ss),
-    ];
-    match m.moe {
-        None => {
-            let f = m.intermediate.div_ceil(t);
-            all.push(act("gate", st, n * f));
-            all.push(act("up", st, n * f));
-            all.push(act("swiglu", gemm_in, n * f));
-        }
-        Some(moe) => {
-            // Balanced routing assumed: each rank of the ep group processes n·top_k routed
-            // token copies on its local experts.
-            let (e, k) = (moe.num_experts, moe.top_k);
-            let f = m.intermediate.div_ceil(t);
-            let routed = n * k;
-            all.push(act("router_logits", DType::F32, n * e / ss));
-            all.push(act("router_weights", DType::F32, n * k / ss));
-            all.push(act("router_index", DType::U32, n * k / ss));
-            all.push(act("expert_in", gemm_in, routed * c));
-            all.push(act("gate", st, routed * f));
-            all.push(act("up", st, routed * f));
-            all.push(act("swiglu", gemm_in, routed * f));
-        }
+    let (st, td) = (r.precision.storage(), d.table(m, r));
+    let (saved, recompute) = LayerTensor::of_layer(m.moe.is_some())
+        .map(|t| {
+            let s = t.shape();
+            let a = act(t.name(), s.elems.dtype(st), s.numel(&td));
+            (t.kept_by(r.recompute), a)
+        })
+        .partition::<Vec<_>, _>(|(kept, _)| *kept);
+    LayerActs {
+        saved: saved.into_iter().map(|(_, a)| a).collect(),
+        recompute: recompute
+            .into_iter()
+            .map(|(_, a)| Act {
+                category: Category::Workspace,
+                ..a
+            })
+            .collect(),
     }
-    split_policy(all, r.recompute)
 }
 
 /// GPT-2 block as the ferrotron engine would hold it (LayerNorm saves mean and rstd).
@@ -200,6 +199,7 @@ fn gpt2_layer(m: &ModelSpec, r: &Recipe, d: &Dims) -> LayerActs {
     let st = r.precision.storage();
     let (n, t, ss, c) = (d.n(), d.t, d.seq_shard(), m.hidden);
     let f = m.intermediate.div_ceil(t);
+    // Selective recomputation drops the norm outputs and the GELU output (cheap to rebuild).
     let all = vec![
         act("input", st, n * c / ss),
         act("ln1_stats", DType::F32, 2 * n / ss),
@@ -213,13 +213,12 @@ fn gpt2_layer(m: &ModelSpec, r: &Recipe, d: &Dims) -> LayerActs {
         act("fc", st, n * f),
         act("gelu", st, n * f),
     ];
-    split_policy(all, r.recompute)
-}
-
-/// Splits a layer's full inventory into saved and recomputed parts for a policy.
-fn split_policy(all: Vec<Act>, rc: Recompute) -> LayerActs {
-    let (saved, mut recompute): (Vec<Act>, Vec<Act>) =
-        all.into_iter().partition(|a| rc.keeps(a.name));
+    let keeps = |a: &Act| match r.recompute {
+        Recompute::None => true,
+        Recompute::Selective => !matches!(a.name, "ln1_out" | "ln2_out" | "gelu"),
+        Recompute::Full => a.name == "input",
+    };
+    let (saved, mut recompute): (Vec<Act>, Vec<Act>) = all.into_iter().partition(keeps);
     for a in &mut recompute {
         a.category = Category::Workspace;
     }
@@ -233,99 +232,46 @@ pub fn edge_acts(m: &ModelSpec, r: &Recipe, l: &Layout, conv: Convention) -> Edg
     let other = Category::OtherActivations;
     match conv {
         Convention::Ferrotron => {
-            let st = r.precision.storage();
-            let chunk = n.min(r.ce_chunk_tokens);
-            let v = m.vocab.div_ceil(t);
-            let ws = |name, dt, numel| Act {
-                name,
-                dtype: dt,
-                numel,
-                category: Category::Workspace,
+            let (st, td) = (r.precision.storage(), d.table(m, r));
+            let buf = |e: Edge, category| Act {
+                name: e.name(),
+                dtype: e.shape().elems.dtype(st),
+                numel: e.shape().numel(&td),
+                category,
             };
-            let mut rest = vec![
-                ws("grad.act.ln_out", st, n * c),
-                ws("grad.act.q", st, n * m.q_dim() / t),
-                ws("grad.act.k", st, n * m.kv_dim() / t),
-                ws("grad.act.v", st, n * m.kv_dim() / t),
-                ws("grad.act.attn_out", st, n * m.q_dim() / t),
-            ];
-            let f = m.intermediate.div_ceil(t);
-            let routed = n * m.moe.map_or(1, |moe| moe.top_k);
+            let ws = Category::Workspace;
+            let mut rest: Vec<Act> = Edge::SCRATCH.iter().map(|&e| buf(e, ws)).collect();
             if m.family == Family::Gpt2 {
-                rest.push(ws("grad.act.fc", st, n * f));
-                rest.push(ws("grad.act.gelu", st, n * f));
-            } else {
-                rest.push(ws("grad.act.gate", st, routed * f));
-                rest.push(ws("grad.act.up", st, routed * f));
-                rest.push(ws("grad.act.swiglu", st, routed * f));
+                // The GPT-2 block's MLP: fc and gelu instead of gate, up and swiglu.
+                let f = m.intermediate.div_ceil(t);
+                rest.truncate(5);
+                for name in ["grad.act.fc", "grad.act.gelu"] {
+                    rest.push(Act {
+                        name,
+                        dtype: st,
+                        numel: n * f,
+                        category: ws,
+                    });
+                }
             }
-            let half = m.head_dim / 2;
             EdgeActs {
                 // The trainer's batch buffers and the engine's RoPE cos/sin tables.
                 persistent: vec![
-                    Act {
-                        name: "data.tokens",
-                        dtype: DType::U32,
-                        numel: n,
-                        category: other,
-                    },
-                    Act {
-                        name: "data.targets",
-                        dtype: DType::U32,
-                        numel: n,
-                        category: other,
-                    },
-                    Act {
-                        name: "rope.cos",
-                        dtype: DType::F32,
-                        numel: m.max_positions * half,
-                        category: Category::Workspace,
-                    },
-                    Act {
-                        name: "rope.sin",
-                        dtype: DType::F32,
-                        numel: m.max_positions * half,
-                        category: Category::Workspace,
-                    },
+                    buf(Edge::DataTokens, other),
+                    buf(Edge::DataTargets, other),
+                    buf(Edge::RopeCos, ws),
+                    buf(Edge::RopeSin, ws),
                 ],
                 embedding: vec![],
                 head: vec![
-                    Act {
-                        name: "act.final_norm.input",
-                        dtype: st,
-                        numel: n * c / ss,
-                        category: other,
-                    },
-                    Act {
-                        name: "act.final_norm.rstd",
-                        dtype: DType::F32,
-                        numel: n / ss,
-                        category: other,
-                    },
-                    Act {
-                        name: "act.final_norm.out",
-                        dtype: st,
-                        numel: n * c,
-                        category: other,
-                    },
+                    buf(Edge::FinalNormInput, other),
+                    buf(Edge::FinalNormRstd, other),
+                    buf(Edge::FinalNormOut, other),
                 ],
                 // The LM head runs chunk by chunk at the end of the forward: logits, loss and
                 // their gradient in place, then dW_head and d(final norm out) (as llm.c).
-                loss_transient: vec![
-                    Act {
-                        name: "act.logits_chunk",
-                        dtype: DType::F32,
-                        numel: chunk * v,
-                        category: other,
-                    },
-                    Act {
-                        name: "act.losses",
-                        dtype: DType::F32,
-                        numel: n,
-                        category: other,
-                    },
-                ],
-                scratch_first: vec![ws("grad.act.resid", st, n * c / ss)],
+                loss_transient: vec![buf(Edge::LogitsChunk, other), buf(Edge::Losses, other)],
+                scratch_first: vec![buf(Edge::GradResid, ws)],
                 scratch_rest: rest,
             }
         }

@@ -13,6 +13,7 @@ use crate::model::ModelSpec;
 use crate::recipe::Recipe;
 use crate::schedule::{order, simulated_micro_batches, Work};
 use crate::states::{add_states, RankElems};
+use crate::tensors::{Edge, LayerTensor, LAYER_PREFIX, WORKSPACE_PREFIX};
 use serde::Serialize;
 
 /// The model: a full architecture, or a bare parameter count (model states only).
@@ -257,9 +258,12 @@ fn rank_plan(
         let la = layer_acts(m, r, l, conv);
         for i in 0..m.layers {
             let here = stage_of(Placement::Layer(i), m, l) == stage;
-            let prefix = format!("act.layers.{i}.");
-            let (input, rest): (Vec<Act>, Vec<Act>) =
-                la.saved.iter().cloned().partition(|a| a.name == "input");
+            let prefix = format!("{LAYER_PREFIX}{i}.");
+            let (input, rest): (Vec<Act>, Vec<Act>) = la
+                .saved
+                .iter()
+                .cloned()
+                .partition(|a| a.name == LayerTensor::Input.name());
             inputs.push(if here {
                 add_acts(&mut plan, &prefix, &input)
             } else {
@@ -271,7 +275,7 @@ fn rank_plan(
                 vec![]
             });
         }
-        recompute_ids = add_acts(&mut plan, "recompute.", &la.recompute);
+        recompute_ids = add_acts(&mut plan, WORKSPACE_PREFIX, &la.recompute);
         if conv == Convention::Ferrotron {
             forward_transient = recompute_ids.clone();
         }
@@ -287,7 +291,7 @@ fn rank_plan(
                 .head
                 .iter()
                 .cloned()
-                .partition(|a| a.name == "act.final_norm.input");
+                .partition(|a| a.name == Edge::FinalNormInput.name());
             e.final_input = add_acts(&mut plan, "", &fin);
             e.head = add_acts(&mut plan, "", &head);
             e.loss = add_acts(&mut plan, "", &edge.loss_transient);

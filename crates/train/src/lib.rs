@@ -1,6 +1,7 @@
 //! ferrotron-train: the single-rank trainer (data, loop, checkpoints, sampling, metrics).
 
 pub mod alloc;
+pub mod arena;
 pub mod checkpoint;
 pub mod config;
 pub mod data;

@@ -3,6 +3,7 @@
 //! every step against the plan.
 
 use crate::alloc;
+use crate::arena::Arena;
 use crate::config::TrainConfig;
 use crate::data::{Loader, ValLoader};
 use crate::loss_scale::{DynamicLossScaler, ScaleUpdate};
@@ -18,6 +19,7 @@ use anyhow::Result;
 use ferrotron_engine::kernels::{AdamWParams, CpuKernels, Kernels, Rounding};
 use ferrotron_engine::model::{BatchShape, Llama, LlamaConfig, LossSum};
 use ferrotron_engine::Elem;
+use ferrotron_plan::arena::{with_region, ArenaLayout};
 use ferrotron_plan::flops::model_flops_per_token;
 use ferrotron_plan::memory::Phase;
 use ferrotron_plan::Precision;
@@ -101,9 +103,13 @@ fn measure_workspace(
 /// layers' in the forward and backward phases, the LM head's in the loss phase, none at the
 /// optimizer step (where step 1 allocates the Adam states and no GEMM runs). The plan's
 /// overhead term is the larger of the two, the bound for a phase nobody tells it about.
-fn step_peaks(plan: &RankPlan, ws: KernelWorkspace) -> [u64; 2] {
+///
+/// The marks are those of the plan as the allocator sees it, with the activation arena held
+/// whole from a micro-batch's first buffer to its last (`ferrotron_plan::arena::with_region`).
+fn step_peaks(plan: &RankPlan, arena: &ArenaLayout, ws: KernelWorkspace) -> [u64; 2] {
     let mut out = [plan.overhead; 2];
-    for m in &plan.sweep.marks {
+    let held = with_region(&plan.plan, arena).sweep();
+    for m in &held.marks {
         let i = (m.step as usize).saturating_sub(1).min(1);
         let peak = match m.phase {
             Phase::Init => continue,
@@ -186,6 +192,7 @@ impl Trainer {
             .with_ce_chunk_tokens(cfg.runtime.ce_chunk as usize)
             .with_recompute(cfg.runtime.recompute);
         let plan = checked_plan(&spec, &model, &cfg, kernel_workspace.max())?;
+        let (arena, placed) = Arena::of_plan(&plan.plan, model.config.layers)?;
         // Initialisation of HF Llama: N(0, 0.02²) matrices, unit norms, zero biases; under mixed
         // precision that is the fp32 master copy, and the weights are it rounded.
         let init = model.params.init(cfg.data.seed, 0.02);
@@ -210,7 +217,7 @@ impl Trainer {
         let hw_flops_per_token =
             flops_per_token + recompute_flops_per_token(&spec, cfg.data.seq, cfg.runtime.recompute);
         let mut t = Trainer {
-            planned_peak: step_peaks(&plan, kernel_workspace),
+            planned_peak: step_peaks(&plan, &placed, kernel_workspace),
             plan,
             tokens: vec![0; n],
             targets: vec![0; n],
@@ -222,6 +229,7 @@ impl Trainer {
             step: 0,
             pool: PlanPool {
                 timeline,
+                arena: Some(arena),
                 ..PlanPool::default()
             },
             trace_left,
