@@ -4,7 +4,7 @@
 use crate::convention::Convention;
 use crate::layout::Layout;
 use crate::memory::Category;
-use crate::model::{Family, ModelSpec};
+use crate::model::{Family, MlpAct, ModelSpec};
 use crate::recipe::{DType, Recipe, Recompute};
 
 /// One activation tensor (or, for formula conventions, one aggregate in bytes as `U8`).
@@ -117,13 +117,22 @@ pub fn korthikanti_layer(h: u64, a: u64, d: &Dims, rc: Recompute) -> u64 {
     }
 }
 
-/// Per-layer activations under a convention.
-pub fn layer_acts(m: &ModelSpec, r: &Recipe, l: &Layout, conv: Convention) -> LayerActs {
+/// Per-layer activations under a convention, for a layer with a mixture-of-experts MLP
+/// (`moe_layer`) or a dense one. The formula conventions are the GPT layer of Korthikanti et
+/// al. whatever the family (their published tables are for GPT): for MoE, MLA, GeGLU or
+/// sandwich-norm models they are that paper's approximation, not the model's own tensors.
+pub fn layer_acts(
+    m: &ModelSpec,
+    r: &Recipe,
+    l: &Layout,
+    conv: Convention,
+    moe_layer: bool,
+) -> LayerActs {
     let d = Dims::new(r, l);
     match conv {
         Convention::Ferrotron => match m.family {
             Family::Gpt2 => gpt2_layer(m, r, &d),
-            _ => llama_layer(m, r, &d),
+            _ => decoder_layer(m, r, &d, moe_layer),
         },
         _ => {
             let held = korthikanti_layer(m.hidden, m.heads, &d, r.recompute);
@@ -142,55 +151,126 @@ pub fn layer_acts(m: &ModelSpec, r: &Recipe, l: &Layout, conv: Convention) -> La
     }
 }
 
-/// The ferrotron engine's Llama layer (crates/engine model/llama.rs keeps the same names).
+/// The name of the gated MLP's product (SwiGLU or GeGLU), as the engine would call it.
+fn gated_product(m: &ModelSpec) -> &'static str {
+    match m.mlp_act {
+        MlpAct::GeGlu => "geglu",
+        _ => "swiglu",
+    }
+}
+
+/// The attention tensors a decoder layer keeps, between `ln1_out` and `resid_mid`, per rank.
+/// Key/value widths use the heads each rank holds (`kv_heads_tp`: one whole head per rank when
+/// tp exceeds the key/value heads, each replicated).
+fn attention_acts(m: &ModelSpec, r: &Recipe, d: &Dims) -> Vec<Act> {
+    let st = r.precision.storage();
+    let (n, t) = (d.n(), d.t);
+    let kv_t = m.kv_heads_tp(t);
+    let mut out = vec![];
+    if let Some(mla) = m.mla {
+        // MLA as trained (DeepSeek-V2 §2.1.2, without the inference-time absorption): the
+        // down projections run replicated on the whole (all-gathered) sequence, so their
+        // outputs are [N, rank] on every tp rank; each latent is RMS-normed before its up
+        // projection (kept: the norm's input and rstd; its output is the up-GEMM's input).
+        if mla.q_lora_rank > 0 {
+            out.push(act("q_a", st, n * mla.q_lora_rank));
+            out.push(act("q_a_rstd", DType::F32, n));
+            out.push(act("q_a_norm_out", st, n * mla.q_lora_rank));
+        }
+        out.push(act(
+            "kv_a",
+            st,
+            n * (mla.kv_lora_rank + mla.qk_rope_head_dim),
+        ));
+        out.push(act("kv_a_rstd", DType::F32, n));
+        out.push(act("kv_a_norm_out", st, n * mla.kv_lora_rank));
+    } else if m.qk_norm {
+        // Qwen3: the q/k projections' outputs feed a per-head RMSNorm (kept with its rstd)
+        // whose output is rotated into q and k.
+        out.push(act("q_pre", st, n * m.q_dim() / t));
+        out.push(act("q_rstd", DType::F32, n * m.heads / t));
+        out.push(act("k_pre", st, n * kv_t * m.head_dim));
+        out.push(act("k_rstd", DType::F32, n * kv_t));
+    }
+    out.extend([
+        act("q", st, n * m.q_dim() / t),
+        act("k", st, n * kv_t * m.head_dim),
+        act("v", st, n * kv_t * m.v_head_dim),
+        act("attn_lse", DType::F32, n * m.heads / t),
+        act("attn_out", st, n * m.o_dim() / t),
+    ]);
+    out
+}
+
+/// The MLP tensors a decoder layer keeps, after `ln2_out`, per rank. MoE: balanced routing
+/// assumed, so each rank of the ep group processes n·top_k routed token copies on its local
+/// experts; a shared expert sees every token.
+fn mlp_acts(m: &ModelSpec, r: &Recipe, d: &Dims, moe_layer: bool) -> Vec<Act> {
+    let st = r.precision.storage();
+    let (n, t, ss, c) = (d.n(), d.t, d.seq_shard(), m.hidden);
+    let product = gated_product(m);
+    let gated = |rows: u64, width: u64, names: [&'static str; 3]| {
+        let f = width.div_ceil(t);
+        vec![
+            act(names[0], st, rows * f),
+            act(names[1], st, rows * f),
+            act(names[2], st, rows * f),
+        ]
+    };
+    let Some(moe) = m.moe.filter(|_| moe_layer) else {
+        return gated(n, m.intermediate, ["gate", "up", product]);
+    };
+    let (e, k) = (moe.num_experts, moe.top_k);
+    let routed = n * k;
+    let mut out = vec![
+        act("router_logits", DType::F32, n * e / ss),
+        act("router_weights", DType::F32, n * k / ss),
+        act("router_index", DType::U32, n * k / ss),
+        act("expert_in", st, routed * c),
+    ];
+    out.extend(gated(routed, moe.expert_intermediate, ["gate", "up", product]));
+    if moe.shared_intermediate > 0 {
+        out.extend(gated(
+            n,
+            moe.shared_intermediate,
+            ["shared.gate", "shared.up", "shared.swiglu"],
+        ));
+    }
+    if moe.shared_gate {
+        // Qwen2-MoE: sigmoid(shared_expert_gate(x)) scales the shared expert's output.
+        out.push(act("shared.score", DType::F32, n / ss));
+    }
+    out
+}
+
+/// The ferrotron engine's decoder layer (crates/engine model/llama.rs keeps the same names
+/// for the Llama family; the other families extend it with their own tensors).
 /// Policies:
 /// - none: every tensor below;
-/// - selective: drop the cheap, large ones (both RMSNorm outputs, recomputed from the saved
-///   input/resid_mid and rstd; the SwiGLU product, recomputed from gate and up) and keep the
+/// - selective: drop the cheap, large ones (the RMSNorm outputs, recomputed from the saved
+///   inputs and rstd; the gated product, recomputed from gate and up) and keep the
 ///   expensive matmul and attention outputs;
 /// - full: keep only each layer's input; replay the layer's forward in its backward.
-fn llama_layer(m: &ModelSpec, r: &Recipe, d: &Dims) -> LayerActs {
+///
+/// fp8: the CPU engine quantises GEMM inputs on the fly from their bf16 storage (inside its
+/// GEMM workspace), so activations stay bf16: fp8 changes the numerics, not the memory. A GPU
+/// engine that saves the fp8 casts for the weight-gradient GEMMs would use F8 for ln1_out,
+/// attn_out, ln2_out and the gated product.
+fn decoder_layer(m: &ModelSpec, r: &Recipe, d: &Dims, moe_layer: bool) -> LayerActs {
     let st = r.precision.storage();
-    // fp8: the CPU engine quantises GEMM inputs on the fly from their bf16 storage (inside its
-    // GEMM workspace), so activations stay bf16: fp8 changes the numerics, not the memory.
-    // A GPU engine that saves the fp8 casts for the weight-gradient GEMMs would use F8 here.
-    let gemm_in = st;
-    let (n, t, ss) = (d.n(), d.t, d.seq_shard());
-    let c = m.hidden;
-    let mut all = vec![
-        act("input", st, n * c / ss),
-        act("ln1_rstd", DType::F32, n / ss),
-        act("ln1_out", gemm_in, n * c / ss),
-        act("q", st, n * m.q_dim() / t),
-        act("k", st, n * m.kv_dim() / t),
-        act("v", st, n * m.kv_dim() / t),
-        act("attn_lse", DType::F32, n * m.heads / t),
-        act("attn_out", gemm_in, n * m.q_dim() / t),
-        act("resid_mid", st, n * c / ss),
-        act("ln2_rstd", DType::F32, n / ss),
-        act("ln2_out", gemm_in, n * c / ss),
-    ];
-    match m.moe {
-        None => {
-            let f = m.intermediate.div_ceil(t);
-            all.push(act("gate", st, n * f));
-            all.push(act("up", st, n * f));
-            all.push(act("swiglu", gemm_in, n * f));
-        }
-        Some(moe) => {
-            // Balanced routing assumed: each rank of the ep group processes n·top_k routed
-            // token copies on its local experts.
-            let (e, k) = (moe.num_experts, moe.top_k);
-            let f = m.intermediate.div_ceil(t);
-            let routed = n * k;
-            all.push(act("router_logits", DType::F32, n * e / ss));
-            all.push(act("router_weights", DType::F32, n * k / ss));
-            all.push(act("router_index", DType::U32, n * k / ss));
-            all.push(act("expert_in", gemm_in, routed * c));
-            all.push(act("gate", st, routed * f));
-            all.push(act("up", st, routed * f));
-            all.push(act("swiglu", gemm_in, routed * f));
-        }
+    let (n, ss, c) = (d.n(), d.seq_shard(), m.hidden);
+    let resid = |name| act(name, st, n * c / ss);
+    let rstd = |name| act(name, DType::F32, n / ss);
+    let mut all = vec![resid("input"), rstd("ln1_rstd"), resid("ln1_out")];
+    all.extend(attention_acts(m, r, d));
+    if m.sandwich_norm {
+        // Gemma-2: the attention output (after o_proj) is normed before the residual add.
+        all.extend([resid("attn_proj"), rstd("post_attn_rstd")]);
+    }
+    all.extend([resid("resid_mid"), rstd("ln2_rstd"), resid("ln2_out")]);
+    all.extend(mlp_acts(m, r, d, moe_layer));
+    if m.sandwich_norm {
+        all.extend([resid("mlp_proj"), rstd("post_mlp_rstd")]);
     }
     split_policy(all, r.recompute)
 }
@@ -226,6 +306,60 @@ fn split_policy(all: Vec<Act>, rc: Recompute) -> LayerActs {
     LayerActs { saved, recompute }
 }
 
+/// The activation gradients one layer's backward needs at once, reused by every layer
+/// (ferrotron convention): the gradient of each matmul output the layer keeps.
+fn grad_scratch(m: &ModelSpec, r: &Recipe, d: &Dims, moe_layer: bool) -> Vec<Act> {
+    let st = r.precision.storage();
+    let (n, c) = (d.n(), m.hidden);
+    let ws = |name, numel| Act {
+        name,
+        dtype: st,
+        numel,
+        category: Category::Workspace,
+    };
+    let mut out = vec![ws("grad.act.ln_out", n * c)];
+    if m.family == Family::Gpt2 {
+        let (t, f) = (d.t, m.intermediate.div_ceil(d.t));
+        out.extend([
+            ws("grad.act.q", n * m.q_dim() / t),
+            ws("grad.act.k", n * m.kv_dim() / t),
+            ws("grad.act.v", n * m.kv_dim() / t),
+            ws("grad.act.attn_out", n * m.q_dim() / t),
+            ws("grad.act.fc", n * f),
+            ws("grad.act.gelu", n * f),
+        ]);
+        return out;
+    }
+    let grad_name = |a: &str| -> &'static str {
+        match a {
+            "q_a" => "grad.act.q_a",
+            "kv_a" => "grad.act.kv_a",
+            "q" => "grad.act.q",
+            "k" => "grad.act.k",
+            "v" => "grad.act.v",
+            "attn_out" => "grad.act.attn_out",
+            "gate" => "grad.act.gate",
+            "up" => "grad.act.up",
+            "swiglu" => "grad.act.swiglu",
+            "geglu" => "grad.act.geglu",
+            "shared.gate" => "grad.act.shared.gate",
+            "shared.up" => "grad.act.shared.up",
+            "shared.swiglu" => "grad.act.shared.swiglu",
+            _ => "",
+        }
+    };
+    for a in attention_acts(m, r, d)
+        .into_iter()
+        .chain(mlp_acts(m, r, d, moe_layer))
+    {
+        let name = grad_name(a.name);
+        if !name.is_empty() {
+            out.push(ws(name, a.numel));
+        }
+    }
+    out
+}
+
 /// Activations outside the layers and the backward scratch, per micro-batch.
 pub fn edge_acts(m: &ModelSpec, r: &Recipe, l: &Layout, conv: Convention) -> EdgeActs {
     let d = Dims::new(r, l);
@@ -242,24 +376,14 @@ pub fn edge_acts(m: &ModelSpec, r: &Recipe, l: &Layout, conv: Convention) -> Edg
                 numel,
                 category: Category::Workspace,
             };
-            let mut rest = vec![
-                ws("grad.act.ln_out", st, n * c),
-                ws("grad.act.q", st, n * m.q_dim() / t),
-                ws("grad.act.k", st, n * m.kv_dim() / t),
-                ws("grad.act.v", st, n * m.kv_dim() / t),
-                ws("grad.act.attn_out", st, n * m.q_dim() / t),
-            ];
-            let f = m.intermediate.div_ceil(t);
-            let routed = n * m.moe.map_or(1, |moe| moe.top_k);
-            if m.family == Family::Gpt2 {
-                rest.push(ws("grad.act.fc", st, n * f));
-                rest.push(ws("grad.act.gelu", st, n * f));
-            } else {
-                rest.push(ws("grad.act.gate", st, routed * f));
-                rest.push(ws("grad.act.up", st, routed * f));
-                rest.push(ws("grad.act.swiglu", st, routed * f));
-            }
-            let half = m.head_dim / 2;
+            // The activation gradients of the layer kind that needs the most bytes.
+            let rest = [false, true]
+                .into_iter()
+                .filter(|&moe| (0..m.layers).any(|i| m.is_moe_layer(i) == moe))
+                .map(|moe| grad_scratch(m, r, &d, moe))
+                .max_by_key(|acts| acts.iter().map(|a| a.numel * a.dtype.bytes()).sum::<u64>())
+                .unwrap_or_default();
+            let half = m.rotary_dim / 2;
             EdgeActs {
                 // The trainer's batch buffers and the engine's RoPE cos/sin tables.
                 persistent: vec![

@@ -83,7 +83,9 @@ pub fn comm_buffers(
     }
     // Ring attention receives the next K and V chunk while computing on the current one.
     if l.cp > 1 {
-        add("cp.kv_ring", st, 2 * 2 * n * m.kv_dim() / l.tp, cb, true);
+        let kv_t = m.kv_heads_tp(l.tp);
+        let kv = n * kv_t * (m.head_dim + m.v_head_dim);
+        add("cp.kv_ring", st, 2 * kv, cb, true);
     }
     // Expert parallelism: all-to-all dispatch and combine buffers of the routed tokens.
     if let (Some(moe), true) = (m.moe, l.ep > 1) {

@@ -247,19 +247,27 @@ fn rank_plan(
     let per_chunk = spec.map_or(0, |m| m.layers / chunks);
     let mut inputs: Vec<Vec<BufId>> = Vec::new();
     let mut rests: Vec<Vec<BufId>> = Vec::new();
-    let mut recompute_ids = vec![];
+    // Recompute workspace of each layer kind (dense MLP, MoE MLP), rebuilt during a layer's
+    // backward.
+    let mut recompute_ids: [Vec<BufId>; 2] = Default::default();
     // What a layer's forward holds transiently: under the ferrotron convention the tensors the
     // policy drops are computed into the same `recompute.*` workspace during the forward and
     // freed once the layer's output exists (the formula conventions count only what is kept).
-    let mut forward_transient = vec![];
+    let mut forward_transient: [Vec<BufId>; 2] = Default::default();
+    let mut kind = vec![];
     let mut e = EdgeIds::default();
     if let Some(m) = spec {
-        let la = layer_acts(m, r, l, conv);
+        let kinds = [false, true].map(|moe| layer_acts(m, r, l, conv, moe));
         for i in 0..m.layers {
+            let k = m.is_moe_layer(i) as usize;
+            kind.push(k);
             let here = stage_of(Placement::Layer(i), m, l) == stage;
             let prefix = format!("act.layers.{i}.");
-            let (input, rest): (Vec<Act>, Vec<Act>) =
-                la.saved.iter().cloned().partition(|a| a.name == "input");
+            let (input, rest): (Vec<Act>, Vec<Act>) = kinds[k]
+                .saved
+                .iter()
+                .cloned()
+                .partition(|a| a.name == "input");
             inputs.push(if here {
                 add_acts(&mut plan, &prefix, &input)
             } else {
@@ -271,7 +279,16 @@ fn rank_plan(
                 vec![]
             });
         }
-        recompute_ids = add_acts(&mut plan, "recompute.", &la.recompute);
+        for k in 0..2 {
+            if kind.contains(&k) {
+                let prefix = if k == 1 && kind.contains(&0) {
+                    "recompute.moe."
+                } else {
+                    "recompute."
+                };
+                recompute_ids[k] = add_acts(&mut plan, prefix, &kinds[k].recompute);
+            }
+        }
         if conv == Convention::Ferrotron {
             forward_transient = recompute_ids.clone();
         }
@@ -339,8 +356,9 @@ fn rank_plan(
                         plan.alloc(first);
                     }
                     for i in layers.clone() {
+                        let k = kind[i as usize];
                         plan.alloc(&rests[i as usize]);
-                        plan.alloc(&forward_transient);
+                        plan.alloc(&forward_transient[k]);
                         if i + 1 < layers.end {
                             plan.alloc(&inputs[i as usize + 1]);
                         } else if g == chunks - 1 {
@@ -351,7 +369,7 @@ fn rank_plan(
                             Phase::Forward,
                             format!("step {step} mb {mb} forward layer {i}"),
                         );
-                        plan.free(&forward_transient);
+                        plan.free(&forward_transient[k]);
                     }
                     if g == chunks - 1 && spec.is_some() {
                         if layers.is_empty() {
@@ -379,8 +397,9 @@ fn rank_plan(
                     }
                     plan.alloc(&e.scratch_rest);
                     for i in (g * per_chunk..(g + 1) * per_chunk).rev() {
-                        plan.alloc(&recompute_ids);
-                        plan.free(&recompute_ids);
+                        let k = kind[i as usize];
+                        plan.alloc(&recompute_ids[k]);
+                        plan.free(&recompute_ids[k]);
                         plan.free(&rests[i as usize]);
                         plan.free(&inputs[i as usize]);
                         plan.mark(
