@@ -54,7 +54,8 @@ pub fn comm_buffers(
     // ZeRO-3 and parameter offload gather one unit at a time and prefetch the next
     // (Rajbhandari et al. 2020 §5.3; DeepSpeed's prefetch), and hold one unit of full
     // gradients before its reduce-scatter.
-    if l.zero >= 3 || l.offload == Offload::Params {
+    // (With pipelining a ZeRO-3 stage holds all its parameters for the step instead: states.rs.)
+    if (l.zero >= 3 && l.pp == 1) || l.offload == Offload::Params {
         add("zero3.gathered_params", st, 2 * unit, cb, true);
         add("zero3.unsharded_grads", st, unit, cb, false);
     }

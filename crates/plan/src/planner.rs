@@ -119,7 +119,8 @@ fn plan_impl(input: &PlanInput, extremes: bool) -> Result<PlanResult> {
             },
         ),
     };
-    let stages: Vec<u64> = if extremes && l.pp > 2 {
+    // An uneven split can load a middle stage most: then every stage is simulated.
+    let stages: Vec<u64> = if extremes && l.pp > 2 && l.pp_layers.is_empty() {
         vec![0, l.pp - 1]
     } else {
         (0..l.pp).collect()
@@ -140,13 +141,17 @@ fn plan_impl(input: &PlanInput, extremes: bool) -> Result<PlanResult> {
 }
 
 /// Which pipeline stage a tensor lives on. Model chunk g (of p·v) holds layers
-/// [g·L/(pv), (g+1)·L/(pv)) and sits on stage g mod p.
+/// [g·L/(pv), (g+1)·L/(pv)) (or the `pp_layers` split) and sits on stage g mod p.
 pub(crate) fn stage_of(p: Placement, m: &ModelSpec, l: &Layout) -> u64 {
     let chunks = l.pp * l.pp_virtual;
     match p {
         Placement::Embedding => 0,
         Placement::Head => l.pp - 1,
-        Placement::Layer(i) => (i / (m.layers / chunks)) % l.pp,
+        Placement::Layer(i) if l.pp_layers.is_empty() => (i / (m.layers / chunks)) % l.pp,
+        Placement::Layer(i) => (0..chunks)
+            .find(|&g| l.chunk_layers(m.layers, g).contains(&i))
+            .unwrap_or(0)
+            % l.pp,
     }
 }
 
@@ -244,7 +249,7 @@ fn rank_plan(
     // Activation buffers (only with an architecture). A layer's `input` is split off: the
     // engine allocates it as the previous layer's output, at the end of that layer.
     let chunks = l.pp * l.pp_virtual;
-    let per_chunk = spec.map_or(0, |m| m.layers / chunks);
+    let layer_count = spec.map_or(0, |m| m.layers);
     let mut inputs: Vec<Vec<BufId>> = Vec::new();
     let mut rests: Vec<Vec<BufId>> = Vec::new();
     // Recompute workspace of each layer kind (dense MLP, MoE MLP), rebuilt during a layer's
@@ -336,6 +341,7 @@ fn rank_plan(
         plan.mark(step, phase, "gradients allocated");
     };
     for step in 1..=2u32 {
+        plan.alloc(&states.per_step);
         for w in &work {
             match *w {
                 Work::F { mb, chunk } => {
@@ -348,11 +354,11 @@ fn rank_plan(
                         grads_allocated = true;
                     }
                     let g = chunk * l.pp + stage;
-                    let layers = g * per_chunk..(g + 1) * per_chunk;
+                    let layers = l.chunk_layers(layer_count, g);
                     if g == 0 {
                         plan.alloc(&e.embedding);
                     }
-                    if let Some(first) = inputs.get(layers.start as usize) {
+                    if let Some(first) = inputs.get(layers.start as usize).filter(|_| !layers.is_empty()) {
                         plan.alloc(first);
                     }
                     for i in layers.clone() {
@@ -396,7 +402,7 @@ fn rank_plan(
                         plan.free(&e.final_input);
                     }
                     plan.alloc(&e.scratch_rest);
-                    for i in (g * per_chunk..(g + 1) * per_chunk).rev() {
+                    for i in l.chunk_layers(layer_count, g).rev() {
                         let k = kind[i as usize];
                         plan.alloc(&recompute_ids[k]);
                         plan.free(&recompute_ids[k]);
@@ -423,6 +429,7 @@ fn rank_plan(
                 }
             }
         }
+        plan.free(&states.per_step);
         if step == 1 {
             // Optimizer states are created by the first optimizer step (torch.optim is lazy).
             plan.alloc(&states.at_first_optimizer);

@@ -72,6 +72,10 @@ impl<'a> TimeModel<'a> {
     }
 
     pub(super) fn rank_elems(&self, l: &Layout, stage: u64) -> RankElems {
+        if !l.pp_layers.is_empty() {
+            // The cache key does not hold an uneven split (the search never makes one).
+            return rank_elems(Some(self.spec), self.tensors, l, stage, 0);
+        }
         let key = (l.tp, l.ep, l.pp, l.pp_virtual, stage);
         *self
             .elems
