@@ -228,7 +228,11 @@ fn mlp_acts(m: &ModelSpec, r: &Recipe, d: &Dims, moe_layer: bool) -> Vec<Act> {
         act("router_index", DType::U32, n * k / ss),
         act("expert_in", st, routed * c),
     ];
-    out.extend(gated(routed, moe.expert_intermediate, ["gate", "up", product]));
+    out.extend(gated(
+        routed,
+        moe.expert_intermediate,
+        ["gate", "up", product],
+    ));
     if moe.shared_intermediate > 0 {
         out.extend(gated(
             n,

@@ -133,9 +133,7 @@ pub fn flops_per_token_with(
     // Parameters of the experts a token is not routed to (MoE): excluded from "active".
     let inactive = (p.total - p.active) as f64;
     match c {
-        FlopsConvention::Ferrotron => {
-            6.0 * p.matmul_active as f64 + 6.0 * l * s * q
-        }
+        FlopsConvention::Ferrotron => 6.0 * p.matmul_active as f64 + 6.0 * l * s * q,
         FlopsConvention::Torchtitan => {
             let emb: u64 = tensors
                 .iter()

@@ -26,7 +26,10 @@ pub enum TpSplit {
     /// while tp ≤ kv_heads and replicated beyond, each rank then holding one whole head (vLLM
     /// `QKVParallelLinear`: `num_kv_head_replicas = tp_size / total_num_kv_heads`). k_proj and
     /// v_proj have `q_rows = 0`; Phi-3's fused `qkv_proj` has `q_rows = heads × head_dim`.
-    Heads { q_rows: u64, kv_heads: u64 },
+    Heads {
+        q_rows: u64,
+        kv_heads: u64,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -188,17 +191,41 @@ fn attention(m: &ModelSpec, b: &mut Builder, at: &str, p: Placement) {
             b.linear(&format!("{at}.q_proj"), [q, c], p, COL, false);
         }
         let kv_a = mla.kv_lora_rank + mla.qk_rope_head_dim;
-        b.linear(&format!("{at}.kv_a_proj_with_mqa"), [kv_a, c], p, REP, false);
+        b.linear(
+            &format!("{at}.kv_a_proj_with_mqa"),
+            [kv_a, c],
+            p,
+            REP,
+            false,
+        );
         b.norm(format!("{at}.kv_a_layernorm.weight"), mla.kv_lora_rank, p);
         let kv_b = m.heads * (mla.qk_nope_head_dim + m.v_head_dim);
-        b.linear(&format!("{at}.kv_b_proj"), [kv_b, mla.kv_lora_rank], p, COL, false);
+        b.linear(
+            &format!("{at}.kv_b_proj"),
+            [kv_b, mla.kv_lora_rank],
+            p,
+            COL,
+            false,
+        );
     } else if m.family == Family::Phi3 {
         // Phi3Attention stores q, k and v fused: qkv_proj [a·d + 2·kv·d, h].
-        b.linear(&format!("{at}.qkv_proj"), [q + 2 * kv, c], p, kv_split(q), m.qkv_bias);
+        b.linear(
+            &format!("{at}.qkv_proj"),
+            [q + 2 * kv, c],
+            p,
+            kv_split(q),
+            m.qkv_bias,
+        );
     } else {
         b.linear(&format!("{at}.q_proj"), [q, c], p, COL, m.qkv_bias);
         b.linear(&format!("{at}.k_proj"), [kv, c], p, kv_split(0), m.qkv_bias);
-        b.linear(&format!("{at}.v_proj"), [m.v_dim(), c], p, kv_split(0), m.qkv_bias);
+        b.linear(
+            &format!("{at}.v_proj"),
+            [m.v_dim(), c],
+            p,
+            kv_split(0),
+            m.qkv_bias,
+        );
     }
     b.linear(&format!("{at}.o_proj"), [c, m.o_dim()], p, ROW, m.o_bias);
     if m.qk_norm {
@@ -212,7 +239,13 @@ fn dense_mlp(m: &ModelSpec, b: &mut Builder, mlp: &str, p: Placement) {
     let (c, f) = (m.hidden, m.intermediate);
     if m.family == Family::Phi3 {
         // Phi3MLP stores gate and up fused: gate_up_proj [2f, h].
-        b.linear(&format!("{mlp}.gate_up_proj"), [2 * f, c], p, COL, m.mlp_bias);
+        b.linear(
+            &format!("{mlp}.gate_up_proj"),
+            [2 * f, c],
+            p,
+            COL,
+            m.mlp_bias,
+        );
         b.linear(&format!("{mlp}.down_proj"), [c, f], p, ROW, m.mlp_bias);
     } else {
         b.gated_mlp(mlp, c, f, p, m.mlp_bias);
@@ -226,10 +259,19 @@ fn moe_mlp(m: &ModelSpec, b: &mut Builder, layer: &str, p: Placement) {
         // MixtralSparseMoeBlock: a router `gate` and experts with w1 (gate), w2 (down),
         // w3 (up), no biases.
         let block = format!("{layer}.block_sparse_moe");
-        b.push(format!("{block}.gate.weight"), &[moe.num_experts, c], p, REP);
+        b.push(
+            format!("{block}.gate.weight"),
+            &[moe.num_experts, c],
+            p,
+            REP,
+        );
         for e in 0..moe.num_experts {
             let from = b.tensors.len();
-            for (w, shape, split) in [("w1", [f, c], COL), ("w2", [c, f], ROW), ("w3", [f, c], COL)] {
+            for (w, shape, split) in [
+                ("w1", [f, c], COL),
+                ("w2", [c, f], ROW),
+                ("w3", [f, c], COL),
+            ] {
                 b.push(format!("{block}.experts.{e}.{w}.weight"), &shape, p, split);
             }
             b.mark_expert(from, e);
@@ -259,7 +301,13 @@ fn moe_mlp(m: &ModelSpec, b: &mut Builder, layer: &str, p: Placement) {
         } else {
             "shared_expert"
         };
-        b.gated_mlp(&format!("{mlp}.{shared}"), c, moe.shared_intermediate, p, false);
+        b.gated_mlp(
+            &format!("{mlp}.{shared}"),
+            c,
+            moe.shared_intermediate,
+            p,
+            false,
+        );
     }
     if moe.shared_gate {
         b.push(format!("{mlp}.shared_expert_gate.weight"), &[1, c], p, REP);

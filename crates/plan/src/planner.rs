@@ -16,6 +16,8 @@ use crate::states::{add_states, RankElems};
 use serde::Serialize;
 
 /// The model: a full architecture, or a bare parameter count (model states only).
+// One per plan, never held in bulk: boxing the spec would only add a pointer chase.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
 pub enum ModelSource {
     Spec(ModelSpec),
@@ -148,10 +150,12 @@ pub(crate) fn stage_of(p: Placement, m: &ModelSpec, l: &Layout) -> u64 {
         Placement::Embedding => 0,
         Placement::Head => l.pp - 1,
         Placement::Layer(i) if l.pp_layers.is_empty() => (i / (m.layers / chunks)) % l.pp,
-        Placement::Layer(i) => (0..chunks)
-            .find(|&g| l.chunk_layers(m.layers, g).contains(&i))
-            .unwrap_or(0)
-            % l.pp,
+        Placement::Layer(i) => {
+            (0..chunks)
+                .find(|&g| l.chunk_layers(m.layers, g).contains(&i))
+                .unwrap_or(0)
+                % l.pp
+        }
     }
 }
 
@@ -358,7 +362,10 @@ fn rank_plan(
                     if g == 0 {
                         plan.alloc(&e.embedding);
                     }
-                    if let Some(first) = inputs.get(layers.start as usize).filter(|_| !layers.is_empty()) {
+                    if let Some(first) = inputs
+                        .get(layers.start as usize)
+                        .filter(|_| !layers.is_empty())
+                    {
                         plan.alloc(first);
                     }
                     for i in layers.clone() {

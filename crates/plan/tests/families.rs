@@ -99,10 +99,10 @@ fn deepseek_v3_is_671b_without_its_mtp_module() {
     assert_eq!(p.total, 671_026_419_200);
     assert_eq!((p.total as f64 / 1e9).round(), 671.0);
     assert_eq!((p.active as f64 / 1e9).round(), 38.0); // 37.55B: the report's "37B"
-    // The MTP module (README_WEIGHTS.md of the HF repository: "11.5B unique parameters",
-    // embedding and head shared): one more MoE layer (11.507B), eh_proj [h, 2h], enorm, hnorm
-    // and its final norm. The checkpoint stores the shared embedding and head again, so it
-    // holds 684.5B, which the model card rounds to "685B".
+                                                       // The MTP module (README_WEIGHTS.md of the HF repository: "11.5B unique parameters",
+                                                       // embedding and head shared): one more MoE layer (11.507B), eh_proj [h, 2h], enorm, hnorm
+                                                       // and its final norm. The checkpoint stores the shared embedding and head again, so it
+                                                       // holds 684.5B, which the model card rounds to "685B".
     let (h, v) = (7168u64, 129_280u64);
     let moe_layer: u64 = inventory(&m)
         .iter()
@@ -223,7 +223,10 @@ fn deepseek_plans_mla_latents_and_dense_then_moe_layers() {
     // q, k (nope + rope = 192 per head) and v (128) split by head over tp.
     assert_eq!(act_bytes(&r, 0, "kv_a"), n * (512 + 64) * 2);
     assert_eq!(act_bytes(&r, 0, "kv_a_norm_out"), n * 512 * 2);
-    assert!(!has_act(&r, 0, "q_a"), "q_lora_rank null: q is projected directly");
+    assert!(
+        !has_act(&r, 0, "q_a"),
+        "q_lora_rank null: q is projected directly"
+    );
     assert_eq!(act_bytes(&r, 0, "q"), n * 16 / 2 * 192 * 2);
     assert_eq!(act_bytes(&r, 0, "k"), n * 16 / 2 * 192 * 2);
     assert_eq!(act_bytes(&r, 0, "v"), n * 16 / 2 * 128 * 2);

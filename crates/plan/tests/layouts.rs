@@ -22,7 +22,10 @@ fn run(model: &str, layout: Layout) -> PlanResult {
 }
 
 fn numel(r: &RankPlan, name: &str) -> u64 {
-    r.plan.find(name).unwrap_or_else(|| panic!("no {name}")).numel
+    r.plan
+        .find(name)
+        .unwrap_or_else(|| panic!("no {name}"))
+        .numel
 }
 
 /// Elements of the dense weights one rank of stage `stage` holds, from the inventory.
@@ -114,7 +117,9 @@ fn uneven_pipeline_stages_hold_the_layers_given() {
         move |p: Placement| match p {
             Placement::Embedding => stage == 0,
             Placement::Head => stage == 15,
-            Placement::Layer(i) => (0..16).find(|&g| l.chunk_layers(126, g).contains(&i)) == Some(stage),
+            Placement::Layer(i) => {
+                (0..16).find(|&g| l.chunk_layers(126, g).contains(&i)) == Some(stage)
+            }
         }
     };
     for s in [0u64, 1, 15] {
@@ -185,9 +190,14 @@ fn pp_layers_errors_name_the_flag_and_the_fix() {
             },
             ..Layout::default()
         };
-        plan(&input("llama-3-8b", recipe(), layout, Convention::Ferrotron))
-            .unwrap_err()
-            .to_string()
+        plan(&input(
+            "llama-3-8b",
+            recipe(),
+            layout,
+            Convention::Ferrotron,
+        ))
+        .unwrap_err()
+        .to_string()
     };
     assert_eq!(
         err(2, vec![16, 15], 1),
@@ -229,9 +239,17 @@ fn zero3_with_pipelining_holds_the_stage_unsharded_for_the_step() {
     for s in 0..2 {
         let (a, b, c) = (&z1.ranks[s], &z2.ranks[s], &z3.ranks[s]);
         let full = numel(a, "params");
-        assert_eq!(numel(c, "params"), full.div_ceil(8), "stage {s}: sharded at rest");
+        assert_eq!(
+            numel(c, "params"),
+            full.div_ceil(8),
+            "stage {s}: sharded at rest"
+        );
         assert_eq!(numel(c, "params.unsharded_for_step"), full);
-        assert_eq!(numel(c, "grads"), full, "stage {s}: gradients unsharded over the step");
+        assert_eq!(
+            numel(c, "grads"),
+            full,
+            "stage {s}: gradients unsharded over the step"
+        );
         assert_eq!(numel(b, "grads"), full);
         assert_eq!(c.at_peak.params, a.at_peak.params + full.div_ceil(8) * 2);
         assert_eq!(c.at_peak.grads, a.at_peak.grads);

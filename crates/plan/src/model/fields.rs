@@ -126,10 +126,7 @@ impl<'a> Fields<'a> {
         match self.present(field) {
             None => Ok(default.to_string()),
             Some(Value::String(s)) => Ok(s.clone()),
-            Some(v) => Err(self.err(
-                field,
-                format!("is {} (expected a string)", describe(v)),
-            )),
+            Some(v) => Err(self.err(field, format!("is {} (expected a string)", describe(v)))),
         }
     }
 

@@ -145,7 +145,10 @@ pub fn size_limit(field: &str) -> u64 {
         | "moe_intermediate_size"
         | "shared_expert_intermediate_size" => 1 << 20,
         "vocab_size" | "max_position_embeddings" | "n_positions" => 1 << 22,
-        "num_local_experts" | "num_experts_per_tok" | "num_experts" | "n_routed_experts"
+        "num_local_experts"
+        | "num_experts_per_tok"
+        | "num_experts"
+        | "n_routed_experts"
         | "n_shared_experts" => 1 << 10,
         // Layers, heads, key/value heads, head dims, layer frequencies.
         _ => 1 << 12,

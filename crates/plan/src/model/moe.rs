@@ -6,7 +6,11 @@ use crate::error::Result;
 
 /// The MoE shape of a mixtral, qwen2_moe or qwen3_moe config, and its dense layers; `None` for
 /// the dense model types.
-pub(super) fn read(f: &Fields, model_type: &str, layers: u64) -> Result<(Option<MoeSpec>, Vec<u64>)> {
+pub(super) fn read(
+    f: &Fields,
+    model_type: &str,
+    layers: u64,
+) -> Result<(Option<MoeSpec>, Vec<u64>)> {
     match model_type {
         // MixtralSparseMoeBlock: every layer, experts as wide as intermediate_size, no shared
         // expert.

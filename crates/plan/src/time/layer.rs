@@ -87,7 +87,11 @@ impl<'a> TimeModel<'a> {
 
 pub(super) fn in_out(m: &ModelSpec, t: &Tensor, tp: u64) -> (u64, u64) {
     // nn.Linear stores [out, in]; GPT-2's Conv1D stores [in, out].
-    let (in_dim, out_dim) = if m.family == Family::Gpt2 { (0, 1) } else { (1, 0) };
+    let (in_dim, out_dim) = if m.family == Family::Gpt2 {
+        (0, 1)
+    } else {
+        (1, 0)
+    };
     (t.dim_tp(in_dim, tp), t.dim_tp(out_dim, tp))
 }
 
