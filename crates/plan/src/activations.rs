@@ -4,7 +4,7 @@
 use crate::convention::Convention;
 use crate::layout::Layout;
 use crate::memory::Category;
-use crate::model::{Family, ModelSpec};
+use crate::model::{Family, MlpAct, ModelSpec};
 use crate::recipe::{DType, Recipe, Recompute};
 use crate::tensors::{self, Edge, LayerTensor};
 
@@ -86,20 +86,25 @@ impl Dims {
     pub fn n(&self) -> u64 {
         self.b * self.s
     }
-    /// The table's sizes (`tensors::Dims`) of this micro-batch for model `m`.
-    pub fn table(&self, m: &ModelSpec, r: &Recipe) -> tensors::Dims {
+    /// The table's sizes (`tensors::Dims`) of this micro-batch for model `m`, in a MoE layer
+    /// (`moe_layer`) or a dense one.
+    pub fn table(&self, m: &ModelSpec, r: &Recipe, moe_layer: bool) -> tensors::Dims {
+        let moe = m.moe.filter(|_| moe_layer);
+        let kv_heads = m.kv_heads_tp(self.t);
         tensors::Dims {
             tokens: self.n(),
             hidden: m.hidden,
             heads: m.heads,
             q_dim: m.q_dim(),
-            kv_dim: m.kv_dim(),
-            head_dim: m.head_dim,
-            ffn: m.intermediate,
+            k_rank: kv_heads * m.head_dim,
+            v_rank: kv_heads * m.v_head_dim,
+            o_dim: m.o_dim(),
+            rotary_dim: m.rotary_dim,
+            ffn: moe.map_or(m.intermediate, |moe| moe.expert_intermediate),
             vocab: m.vocab,
             positions: m.max_positions,
-            experts: m.moe.map_or(0, |moe| moe.num_experts),
-            top_k: m.moe.map_or(1, |moe| moe.top_k),
+            experts: moe.map_or(0, |moe| moe.num_experts),
+            top_k: moe.map_or(1, |moe| moe.top_k),
             ce_chunk_tokens: r.ce_chunk_tokens,
             tp: self.t,
             sp: self.sp,
@@ -137,13 +142,22 @@ pub fn korthikanti_layer(h: u64, a: u64, d: &Dims, rc: Recompute) -> u64 {
     }
 }
 
-/// Per-layer activations under a convention.
-pub fn layer_acts(m: &ModelSpec, r: &Recipe, l: &Layout, conv: Convention) -> LayerActs {
+/// Per-layer activations under a convention, for a layer with a mixture-of-experts MLP
+/// (`moe_layer`) or a dense one. The formula conventions are the GPT layer of Korthikanti et
+/// al. whatever the family (their published tables are for GPT): for MoE, MLA, GeGLU or
+/// sandwich-norm models they are that paper's approximation, not the model's own tensors.
+pub fn layer_acts(
+    m: &ModelSpec,
+    r: &Recipe,
+    l: &Layout,
+    conv: Convention,
+    moe_layer: bool,
+) -> LayerActs {
     let d = Dims::new(r, l);
     match conv {
         Convention::Ferrotron => match m.family {
             Family::Gpt2 => gpt2_layer(m, r, &d),
-            _ => llama_layer(m, r, &d),
+            _ => decoder_layer(m, r, &d, moe_layer),
         },
         _ => {
             let held = korthikanti_layer(m.hidden, m.heads, &d, r.recompute);
@@ -162,36 +176,148 @@ pub fn layer_acts(m: &ModelSpec, r: &Recipe, l: &Layout, conv: Convention) -> La
     }
 }
 
-/// The ferrotron engine's Llama layer: the tensors of the table (`tensors::LayerTensor`), the
-/// ones the recompute policy drops moved to the workspace. The policies:
-/// - none: every tensor;
-/// - selective: drop the cheap, large ones (both RMSNorm outputs, recomputed from the saved
-///   input/resid_mid and rstd; the SwiGLU product, recomputed from gate and up; the routed
-///   copies of a MoE layer's input) and keep the expensive matmul and attention outputs;
-/// - full: keep only each layer's input; replay the layer's forward in its backward.
+/// The gated MLP's product of model `m`: SwiGLU, or GeGLU (Gemma).
+fn gated_product(m: &ModelSpec) -> LayerTensor {
+    match m.mlp_act {
+        MlpAct::GeGlu => LayerTensor::Geglu,
+        _ => LayerTensor::Swiglu,
+    }
+}
+
+/// A layer tensor the table does not have: one a family adds to the Llama layer. Kept under no
+/// and selective recomputation, rebuilt under full; `grad` names its gradient scratch.
+struct Extra {
+    act: Act,
+    grad: Option<&'static str>,
+}
+
+fn extra(name: &'static str, dtype: DType, numel: u64, grad: Option<&'static str>) -> Extra {
+    Extra {
+        act: act(name, dtype, numel),
+        grad,
+    }
+}
+
+/// What a family adds to the table's layer, by the table tensor it follows.
+fn extras_after(
+    m: &ModelSpec,
+    r: &Recipe,
+    d: &Dims,
+    moe_layer: bool,
+    t: LayerTensor,
+) -> Vec<Extra> {
+    let st = r.precision.storage();
+    let (n, tp, ss, c) = (d.n(), d.t, d.seq_shard(), m.hidden);
+    let kv_t = m.kv_heads_tp(tp);
+    let mut out = vec![];
+    match t {
+        LayerTensor::Ln1Out => {
+            if let Some(mla) = m.mla {
+                // MLA as trained (DeepSeek-V2 §2.1.2, without the inference-time absorption):
+                // the down projections run replicated on the whole (all-gathered) sequence, so
+                // their outputs are [N, rank] on every tp rank; each latent is RMS-normed before
+                // its up projection (kept: the norm's input and rstd; its output is the
+                // up-GEMM's input).
+                if mla.q_lora_rank > 0 {
+                    out.push(extra("q_a", st, n * mla.q_lora_rank, Some("grad.act.q_a")));
+                    out.push(extra("q_a_rstd", DType::F32, n, None));
+                    out.push(extra("q_a_norm_out", st, n * mla.q_lora_rank, None));
+                }
+                let kv_a = n * (mla.kv_lora_rank + mla.qk_rope_head_dim);
+                out.push(extra("kv_a", st, kv_a, Some("grad.act.kv_a")));
+                out.push(extra("kv_a_rstd", DType::F32, n, None));
+                out.push(extra("kv_a_norm_out", st, n * mla.kv_lora_rank, None));
+            } else if m.qk_norm {
+                // Qwen3: the q/k projections' outputs feed a per-head RMSNorm (kept with its
+                // rstd) whose output is rotated into q and k.
+                out.push(extra("q_pre", st, n * m.q_dim() / tp, None));
+                out.push(extra("q_rstd", DType::F32, n * m.heads / tp, None));
+                out.push(extra("k_pre", st, n * kv_t * m.head_dim, None));
+                out.push(extra("k_rstd", DType::F32, n * kv_t, None));
+            }
+        }
+        // Gemma-2: the attention output (after o_proj) is normed before the residual add.
+        LayerTensor::AttnOut if m.sandwich_norm => {
+            out.push(extra("attn_proj", st, n * c / ss, None));
+            out.push(extra("post_attn_rstd", DType::F32, n / ss, None));
+        }
+        LayerTensor::Swiglu | LayerTensor::Geglu => {
+            if let Some(moe) = m.moe.filter(|_| moe_layer) {
+                // A shared expert sees every token.
+                if moe.shared_intermediate > 0 {
+                    let f = moe.shared_intermediate.div_ceil(tp);
+                    out.push(extra(
+                        "shared.gate",
+                        st,
+                        n * f,
+                        Some("grad.act.shared.gate"),
+                    ));
+                    out.push(extra("shared.up", st, n * f, Some("grad.act.shared.up")));
+                    let product = Some("grad.act.shared.swiglu");
+                    out.push(extra("shared.swiglu", st, n * f, product));
+                }
+                if moe.shared_gate {
+                    // Qwen2-MoE: sigmoid(shared_expert_gate(x)) scales the shared expert.
+                    out.push(extra("shared.score", DType::F32, n / ss, None));
+                }
+            }
+            if m.sandwich_norm {
+                out.push(extra("mlp_proj", st, n * c / ss, None));
+                out.push(extra("post_mlp_rstd", DType::F32, n / ss, None));
+            }
+        }
+        _ => {}
+    }
+    out
+}
+
+/// A decoder layer's tensors in forward order: the table's (`tensors::LayerTensor`, the
+/// Llama layer the engine runs) with what the family adds, and whether the recompute policy
+/// keeps each. The table's policies: none keeps all; selective drops the cheap, large ones
+/// (the RMSNorm outputs, the gated product, the routed copies) and keeps the matmul and
+/// attention outputs; full keeps only the layer's input and replays its forward in its
+/// backward.
+fn layer_tensors(m: &ModelSpec, r: &Recipe, d: &Dims, moe_layer: bool) -> Vec<(bool, Extra)> {
+    let (st, td) = (r.precision.storage(), d.table(m, r, moe_layer));
+    let rc = r.recompute;
+    let product = gated_product(m);
+    let mut out = vec![];
+    for t in LayerTensor::of_layer(moe_layer) {
+        let t = if t == LayerTensor::Swiglu { product } else { t };
+        let s = t.shape();
+        let grad = Edge::grad_of(t).map(Edge::name);
+        let e = extra(t.name(), s.elems.dtype(st), s.numel(&td), grad);
+        out.push((t.kept_by(rc), e));
+        let kept = rc != Recompute::Full;
+        out.extend(
+            extras_after(m, r, d, moe_layer, t)
+                .into_iter()
+                .map(|e| (kept, e)),
+        );
+    }
+    out
+}
+
+/// The ferrotron engine's decoder layer (crates/engine model/llama.rs runs the Llama layer
+/// of the table; the other families extend it with their own tensors).
 ///
 /// fp8: the CPU engine quantises GEMM inputs on the fly from their bf16 storage (inside its
 /// GEMM workspace), so activations stay bf16: fp8 changes the numerics, not the memory. A GPU
-/// engine that saves the fp8 casts for the weight-gradient GEMMs would store those as F8.
-fn llama_layer(m: &ModelSpec, r: &Recipe, d: &Dims) -> LayerActs {
-    let (st, td) = (r.precision.storage(), d.table(m, r));
-    let (saved, recompute) = LayerTensor::of_layer(m.moe.is_some())
-        .map(|t| {
-            let s = t.shape();
-            let a = act(t.name(), s.elems.dtype(st), s.numel(&td));
-            (t.kept_by(r.recompute), a)
-        })
-        .partition::<Vec<_>, _>(|(kept, _)| *kept);
-    LayerActs {
-        saved: saved.into_iter().map(|(_, a)| a).collect(),
-        recompute: recompute
-            .into_iter()
-            .map(|(_, a)| Act {
+/// engine that saves the fp8 casts for the weight-gradient GEMMs would use F8 for ln1_out,
+/// attn_out, ln2_out and the gated product.
+fn decoder_layer(m: &ModelSpec, r: &Recipe, d: &Dims, moe_layer: bool) -> LayerActs {
+    let mut acts = LayerActs::default();
+    for (kept, e) in layer_tensors(m, r, d, moe_layer) {
+        if kept {
+            acts.saved.push(e.act);
+        } else {
+            acts.recompute.push(Act {
                 category: Category::Workspace,
-                ..a
-            })
-            .collect(),
+                ..e.act
+            });
+        }
     }
+    acts
 }
 
 /// GPT-2 block as the ferrotron engine would hold it (LayerNorm saves mean and rstd).
@@ -199,7 +325,6 @@ fn gpt2_layer(m: &ModelSpec, r: &Recipe, d: &Dims) -> LayerActs {
     let st = r.precision.storage();
     let (n, t, ss, c) = (d.n(), d.t, d.seq_shard(), m.hidden);
     let f = m.intermediate.div_ceil(t);
-    // Selective recomputation drops the norm outputs and the GELU output (cheap to rebuild).
     let all = vec![
         act("input", st, n * c / ss),
         act("ln1_stats", DType::F32, 2 * n / ss),
@@ -213,6 +338,7 @@ fn gpt2_layer(m: &ModelSpec, r: &Recipe, d: &Dims) -> LayerActs {
         act("fc", st, n * f),
         act("gelu", st, n * f),
     ];
+    // Selective recomputation drops the norm outputs and the GELU output (cheap to rebuild).
     let keeps = |a: &Act| match r.recompute {
         Recompute::None => true,
         Recompute::Selective => !matches!(a.name, "ln1_out" | "ln2_out" | "gelu"),
@@ -225,14 +351,50 @@ fn gpt2_layer(m: &ModelSpec, r: &Recipe, d: &Dims) -> LayerActs {
     LayerActs { saved, recompute }
 }
 
+/// The activation gradients one layer's backward needs at once, reused by every layer
+/// (ferrotron convention): the gradient of each matmul output the layer keeps.
+fn grad_scratch(m: &ModelSpec, r: &Recipe, d: &Dims, moe_layer: bool) -> Vec<Act> {
+    let st = r.precision.storage();
+    let (n, c) = (d.n(), m.hidden);
+    let ws = |name, numel| Act {
+        name,
+        dtype: st,
+        numel,
+        category: Category::Workspace,
+    };
+    if m.family == Family::Gpt2 {
+        let (t, f) = (d.t, m.intermediate.div_ceil(d.t));
+        return vec![
+            ws(Edge::GradLnOut.name(), n * c),
+            ws(Edge::GradQ.name(), n * m.q_dim() / t),
+            ws(Edge::GradK.name(), n * m.kv_dim() / t),
+            ws(Edge::GradV.name(), n * m.kv_dim() / t),
+            ws(Edge::GradAttnOut.name(), n * m.q_dim() / t),
+            ws("grad.act.fc", n * f),
+            ws("grad.act.gelu", n * f),
+        ];
+    }
+    let td = d.table(m, r, moe_layer);
+    let mut out = vec![ws(
+        Edge::GradLnOut.name(),
+        Edge::GradLnOut.shape().numel(&td),
+    )];
+    for (_, e) in layer_tensors(m, r, d, moe_layer) {
+        if let Some(name) = e.grad {
+            out.push(ws(name, e.act.numel));
+        }
+    }
+    out
+}
+
 /// Activations outside the layers and the backward scratch, per micro-batch.
 pub fn edge_acts(m: &ModelSpec, r: &Recipe, l: &Layout, conv: Convention) -> EdgeActs {
     let d = Dims::new(r, l);
-    let (n, t, ss, c) = (d.n(), d.t, d.seq_shard(), m.hidden);
+    let (t, ss, c) = (d.t, d.seq_shard(), m.hidden);
     let other = Category::OtherActivations;
     match conv {
         Convention::Ferrotron => {
-            let (st, td) = (r.precision.storage(), d.table(m, r));
+            let (st, td) = (r.precision.storage(), d.table(m, r, false));
             let buf = |e: Edge, category| Act {
                 name: e.name(),
                 dtype: e.shape().elems.dtype(st),
@@ -240,20 +402,13 @@ pub fn edge_acts(m: &ModelSpec, r: &Recipe, l: &Layout, conv: Convention) -> Edg
                 category,
             };
             let ws = Category::Workspace;
-            let mut rest: Vec<Act> = Edge::SCRATCH.iter().map(|&e| buf(e, ws)).collect();
-            if m.family == Family::Gpt2 {
-                // The GPT-2 block's MLP: fc and gelu instead of gate, up and swiglu.
-                let f = m.intermediate.div_ceil(t);
-                rest.truncate(5);
-                for name in ["grad.act.fc", "grad.act.gelu"] {
-                    rest.push(Act {
-                        name,
-                        dtype: st,
-                        numel: n * f,
-                        category: ws,
-                    });
-                }
-            }
+            // The activation gradients of the layer kind that needs the most bytes.
+            let rest = [false, true]
+                .into_iter()
+                .filter(|&moe| (0..m.layers).any(|i| m.is_moe_layer(i) == moe))
+                .map(|moe| grad_scratch(m, r, &d, moe))
+                .max_by_key(|acts| acts.iter().map(|a| a.numel * a.dtype.bytes()).sum::<u64>())
+                .unwrap_or_default();
             EdgeActs {
                 // The trainer's batch buffers and the engine's RoPE cos/sin tables.
                 persistent: vec![

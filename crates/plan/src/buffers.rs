@@ -54,7 +54,8 @@ pub fn comm_buffers(
     // ZeRO-3 and parameter offload gather one unit at a time and prefetch the next
     // (Rajbhandari et al. 2020 §5.3; DeepSpeed's prefetch), and hold one unit of full
     // gradients before its reduce-scatter.
-    if l.zero >= 3 || l.offload == Offload::Params {
+    // (With pipelining a ZeRO-3 stage holds all its parameters for the step instead: states.rs.)
+    if (l.zero >= 3 && l.pp == 1) || l.offload == Offload::Params {
         add("zero3.gathered_params", st, 2 * unit, cb, true);
         add("zero3.unsharded_grads", st, unit, cb, false);
     }
@@ -83,7 +84,9 @@ pub fn comm_buffers(
     }
     // Ring attention receives the next K and V chunk while computing on the current one.
     if l.cp > 1 {
-        add("cp.kv_ring", st, 2 * 2 * n * m.kv_dim() / l.tp, cb, true);
+        let kv_t = m.kv_heads_tp(l.tp);
+        let kv = n * kv_t * (m.head_dim + m.v_head_dim);
+        add("cp.kv_ring", st, 2 * kv, cb, true);
     }
     // Expert parallelism: all-to-all dispatch and combine buffers of the routed tokens.
     if let (Some(moe), true) = (m.moe, l.ep > 1) {

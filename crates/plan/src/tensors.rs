@@ -36,10 +36,14 @@ impl Elems {
 pub enum Width {
     One,
     Hidden,
-    /// Query heads × head dim.
+    /// Query heads × query/key head dim.
     QDim,
-    /// Key/value heads × head dim.
-    KvDim,
+    /// The key width each rank holds (see [`Dims::k_rank`]).
+    KRank,
+    /// The value width each rank holds (see [`Dims::v_rank`]).
+    VRank,
+    /// Query heads × value head dim (the attention output).
+    ODim,
     /// Query heads (one log-sum-exp per head and token).
     Heads,
     /// MLP intermediate size.
@@ -49,8 +53,8 @@ pub enum Width {
     /// Experts per token (router weights and indices).
     TopK,
     Vocab,
-    /// Half the head dim (RoPE tables).
-    HalfHead,
+    /// Half the rotated dims of a head (RoPE tables).
+    HalfRotary,
 }
 
 /// How many rows a tensor has.
@@ -85,8 +89,16 @@ pub struct Dims {
     pub hidden: u64,
     pub heads: u64,
     pub q_dim: u64,
-    pub kv_dim: u64,
-    pub head_dim: u64,
+    /// Key and value widths on one rank: the rank's key/value heads × their head dims. Under
+    /// tensor parallelism beyond the number of key/value heads each rank holds one whole head,
+    /// replicated (so these are not q_dim-like widths divided by t).
+    pub k_rank: u64,
+    pub v_rank: u64,
+    /// Query heads × value head dim.
+    pub o_dim: u64,
+    /// Dimensions of a head that RoPE rotates.
+    pub rotary_dim: u64,
+    /// The MLP width of this kind of layer (an expert's for a MoE layer).
     pub ffn: u64,
     pub vocab: u64,
     pub positions: u64,
@@ -131,7 +143,9 @@ impl Shape {
             Width::One => 1,
             Width::Hidden => d.hidden,
             Width::QDim => d.q_dim,
-            Width::KvDim => d.kv_dim,
+            Width::KRank => d.k_rank,
+            Width::VRank => d.v_rank,
+            Width::ODim => d.o_dim,
             Width::Heads => d.heads,
             // The intermediate columns of a tensor-parallel MLP, rounded up per rank.
             Width::Ffn if self.split == Split::Tensor => return rows * d.ffn.div_ceil(t),
@@ -141,7 +155,7 @@ impl Shape {
             // The vocabulary of a tensor-parallel LM head, rounded up per rank.
             Width::Vocab if self.split == Split::Tensor => return rows * d.vocab.div_ceil(t),
             Width::Vocab => d.vocab,
-            Width::HalfHead => d.head_dim / 2,
+            Width::HalfRotary => d.rotary_dim / 2,
         };
         let div = match self.split {
             Split::Whole => 1,
@@ -156,7 +170,7 @@ impl Shape {
 use Elems::{Storage, F32, U32};
 use Rows::{HeadChunk, Positions, Routed, Tokens};
 use Split::{Sequence, Tensor, Whole};
-use Width::{Experts, Ffn, HalfHead, Heads, Hidden, KvDim, One, QDim, TopK, Vocab};
+use Width::{Experts, Ffn, HalfRotary, Heads, Hidden, KRank, ODim, One, QDim, TopK, VRank, Vocab};
 
 macro_rules! table {
     (
@@ -199,11 +213,11 @@ table! {
         /// After RoPE.
         Q = "q": Shape::new(Storage, Tokens, QDim, Tensor);
         /// After RoPE.
-        K = "k": Shape::new(Storage, Tokens, KvDim, Tensor);
-        V = "v": Shape::new(Storage, Tokens, KvDim, Tensor);
+        K = "k": Shape::new(Storage, Tokens, KRank, Whole);
+        V = "v": Shape::new(Storage, Tokens, VRank, Whole);
         /// One log-sum-exp per head and query (flash attention's backward needs only these).
         AttnLse = "attn_lse": Shape::new(F32, Tokens, Heads, Tensor);
-        AttnOut = "attn_out": Shape::new(Storage, Tokens, QDim, Tensor);
+        AttnOut = "attn_out": Shape::new(Storage, Tokens, ODim, Tensor);
         /// Input + attention block output: the residual stream between the two blocks.
         ResidMid = "resid_mid": Shape::new(Storage, Tokens, Hidden, Sequence);
         Ln2Rstd = "ln2_rstd": Shape::new(F32, Tokens, One, Sequence);
@@ -217,7 +231,11 @@ table! {
         ExpertIn = "expert_in": Shape::new(Storage, Routed, Hidden, Whole);
         Gate = "gate": Shape::new(Storage, Routed, Ffn, Tensor);
         Up = "up": Shape::new(Storage, Routed, Ffn, Tensor);
+        /// The gated product silu(gate)·up; GeGLU models (Gemma) have [`LayerTensor::Geglu`]
+        /// in its place.
         Swiglu = "swiglu": Shape::new(Storage, Routed, Ffn, Tensor);
+        /// gelu(gate)·up.
+        Geglu = "geglu": Shape::new(Storage, Routed, Ffn, Tensor);
     }
 }
 
@@ -227,15 +245,20 @@ const SELECTIVE_DROPS: &[LayerTensor] = &[
     LayerTensor::Ln1Out,
     LayerTensor::Ln2Out,
     LayerTensor::Swiglu,
+    LayerTensor::Geglu,
     LayerTensor::ExpertIn,
 ];
 
 impl LayerTensor {
-    /// Whether layers with this kind of MLP (`moe`) have the tensor: the router's and the
-    /// routed copies' only MoE layers.
+    /// Whether a SwiGLU layer with this kind of MLP (`moe`) has the tensor: the router's and
+    /// the routed copies' only MoE layers; GeGLU's product replaces SwiGLU's.
     pub fn in_layer(self, moe: bool) -> bool {
         use LayerTensor::*;
-        moe || !matches!(self, RouterLogits | RouterWeights | RouterIndex | ExpertIn)
+        match self {
+            RouterLogits | RouterWeights | RouterIndex | ExpertIn => moe,
+            Geglu => false,
+            _ => true,
+        }
     }
 
     /// Whether a layer keeps this tensor for its backward under a recompute policy (dropped
@@ -249,7 +272,7 @@ impl LayerTensor {
         }
     }
 
-    /// The tensors of a layer (dense or MoE), in the order the forward writes them.
+    /// The tensors of a SwiGLU layer (dense or MoE), in the order the forward writes them.
     pub fn of_layer(moe: bool) -> impl Iterator<Item = LayerTensor> {
         Self::ALL.iter().copied().filter(move |t| t.in_layer(moe))
     }
@@ -262,8 +285,8 @@ table! {
         DataTokens = "data.tokens": Shape::new(U32, Tokens, One, Whole);
         DataTargets = "data.targets": Shape::new(U32, Tokens, One, Whole);
         /// RoPE cos/sin for every position (the engine's, allocated once).
-        RopeCos = "rope.cos": Shape::new(F32, Positions, HalfHead, Whole);
-        RopeSin = "rope.sin": Shape::new(F32, Positions, HalfHead, Whole);
+        RopeCos = "rope.cos": Shape::new(F32, Positions, HalfRotary, Whole);
+        RopeSin = "rope.sin": Shape::new(F32, Positions, HalfRotary, Whole);
         /// The last layer's output.
         FinalNormInput = "act.final_norm.input": Shape::new(Storage, Tokens, Hidden, Sequence);
         FinalNormRstd = "act.final_norm.rstd": Shape::new(F32, Tokens, One, Sequence);
@@ -279,16 +302,33 @@ table! {
         /// The backward scratch every layer shares, in the order it is allocated.
         GradLnOut = "grad.act.ln_out": Shape::new(Storage, Tokens, Hidden, Whole);
         GradQ = "grad.act.q": Shape::new(Storage, Tokens, QDim, Tensor);
-        GradK = "grad.act.k": Shape::new(Storage, Tokens, KvDim, Tensor);
-        GradV = "grad.act.v": Shape::new(Storage, Tokens, KvDim, Tensor);
-        GradAttnOut = "grad.act.attn_out": Shape::new(Storage, Tokens, QDim, Tensor);
+        GradK = "grad.act.k": Shape::new(Storage, Tokens, KRank, Whole);
+        GradV = "grad.act.v": Shape::new(Storage, Tokens, VRank, Whole);
+        GradAttnOut = "grad.act.attn_out": Shape::new(Storage, Tokens, ODim, Tensor);
         GradGate = "grad.act.gate": Shape::new(Storage, Routed, Ffn, Tensor);
         GradUp = "grad.act.up": Shape::new(Storage, Routed, Ffn, Tensor);
         GradSwiglu = "grad.act.swiglu": Shape::new(Storage, Routed, Ffn, Tensor);
+        GradGeglu = "grad.act.geglu": Shape::new(Storage, Routed, Ffn, Tensor);
     }
 }
 
 impl Edge {
+    /// The backward scratch buffer of a layer tensor's gradient, for the tensors that have one
+    /// (the outputs of the layer's matmuls and of the gated product).
+    pub fn grad_of(t: LayerTensor) -> Option<Edge> {
+        Some(match t {
+            LayerTensor::Q => Edge::GradQ,
+            LayerTensor::K => Edge::GradK,
+            LayerTensor::V => Edge::GradV,
+            LayerTensor::AttnOut => Edge::GradAttnOut,
+            LayerTensor::Gate => Edge::GradGate,
+            LayerTensor::Up => Edge::GradUp,
+            LayerTensor::Swiglu => Edge::GradSwiglu,
+            LayerTensor::Geglu => Edge::GradGeglu,
+            _ => return None,
+        })
+    }
+
     /// The backward scratch after `grad.act.resid`, in allocation order (one set for every
     /// layer; a MoE layer's gate/up/swiglu gradients hold its routed copies).
     pub const SCRATCH: [Edge; 8] = [
@@ -358,8 +398,10 @@ mod tests {
             hidden: 12,
             heads: 6,
             q_dim: 12,
-            kv_dim: 4,
-            head_dim: 2,
+            k_rank: 4,
+            v_rank: 4,
+            o_dim: 12,
+            rotary_dim: 2,
             ffn: 30,
             vocab: 100,
             positions: 16,
