@@ -375,7 +375,7 @@ fn stage_entry_points_compose_to_the_whole_step_bit_for_bit() {
         let mut pool = HeapPool::recording();
         let mut grads = vec![0.0f32; model.num_params()];
         let mut order = Vec::new();
-        let mut done = |d: GradsDone| {
+        let mut done = |d: GradsDone, _: &mut [f32]| {
             order.push(match d {
                 GradsDone::FinalNorm(_) => "norm".to_string(),
                 GradsDone::Layer(i, idx) => {

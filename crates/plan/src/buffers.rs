@@ -29,12 +29,14 @@ pub fn largest_unit(tensors: &[Tensor], tp: u64, on_stage: impl Fn(Placement) ->
     units.values().copied().max().unwrap_or(0)
 }
 
+#[allow(clippy::too_many_arguments)]
 pub fn comm_buffers(
     m: Option<&ModelSpec>,
     r: &Recipe,
     l: &Layout,
     unit: u64,
     bucket_bytes: u64,
+    rank_params: u64,
     conv: Convention,
 ) -> Vec<CommBuf> {
     let st = r.precision.storage();
@@ -63,6 +65,12 @@ pub fn comm_buffers(
     // communication with the backward (PyTorch DDP's default bucket_cap_mb = 25).
     if l.zero == 2 && l.dense_replicas() > 1 {
         add("zero2.grad_buckets", DType::U8, 2 * bucket_bytes, cb, false);
+    }
+    // ferrotron's data parallelism without ZeRO all-reduces gradients in f32 buckets, two in
+    // flight, each at most the rank's gradients (`crates/train/src/data_parallel.rs`).
+    if conv == Convention::Ferrotron && l.zero < 2 && l.dense_replicas() > 1 {
+        let len = (bucket_bytes / 4).clamp(1, rank_params.max(1));
+        add("dp.grad_buckets", DType::F32, 2 * len, cb, false);
     }
     let Some(m) = m else { return out };
     let d = Dims::new(r, l);

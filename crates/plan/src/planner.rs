@@ -239,7 +239,16 @@ fn rank_plan(
     let unit = spec.map_or(0, |m| {
         largest_unit(tensors, l.tp, |p| stage_of(p, m, l) == stage)
     });
-    let comm = comm_buffers(spec, r, l, unit, input.bucket_bytes, conv);
+    let e = rank_elems(spec, tensors, l, stage, total);
+    let comm = comm_buffers(
+        spec,
+        r,
+        l,
+        unit,
+        input.bucket_bytes,
+        e.dense + e.expert,
+        conv,
+    );
     let mut comm_fwd = Vec::new();
     let mut comm_bwd = Vec::new();
     for c in &comm {

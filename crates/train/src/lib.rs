@@ -5,6 +5,7 @@ pub mod arena;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod data_parallel;
 pub mod eval;
 pub mod heap;
 pub mod loss_scale;

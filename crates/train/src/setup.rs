@@ -9,8 +9,8 @@ use ferrotron_engine::model::{Llama, LlamaConfig};
 use ferrotron_plan::hardware::Overhead;
 use ferrotron_plan::presets::resolve;
 use ferrotron_plan::{
-    plan, Convention, DType, Layout, ModelSource, ModelSpec, Optimizer, PlanInput, RankPlan,
-    Recipe, Recompute,
+    plan, Convention, DType, ModelSource, ModelSpec, Optimizer, PlanInput, RankPlan, Recipe,
+    Recompute,
 };
 use std::path::{Path, PathBuf};
 
@@ -45,8 +45,8 @@ pub fn recompute_flops_per_token(spec: &ModelSpec, seq: u64, r: Recompute) -> f6
     }
 }
 
-/// The planner input describing this trainer's own run: one rank, fp32, AdamW, the run's
-/// recompute policy.
+/// The planner input describing this trainer's own run: its layout, precision, AdamW, the
+/// run's recompute policy and data-parallel bucket size.
 /// The overhead term is the kernel library's measured workspace (`workspace::measure`); a CPU
 /// process has no device context and no caching allocator to budget for.
 pub fn plan_input(spec: &ModelSpec, c: &TrainConfig, kernel_workspace: u64) -> PlanInput {
@@ -61,13 +61,13 @@ pub fn plan_input(spec: &ModelSpec, c: &TrainConfig, kernel_workspace: u64) -> P
             recompute: c.runtime.recompute,
             ce_chunk_tokens: c.runtime.ce_chunk,
         },
-        layout: Layout::default(),
+        layout: c.parallel.clone(),
         convention: Convention::Ferrotron,
         overhead: Overhead {
             context_bytes: kernel_workspace,
             ..Overhead::NONE
         },
-        bucket_bytes: 0,
+        bucket_bytes: c.runtime.bucket_mb << 20,
     }
 }
 
@@ -117,6 +117,10 @@ pub fn datasets(
     tok: &Tokenizer,
     model_vocab: u32,
 ) -> Result<(TokenDataset, Option<TokenDataset>)> {
+    // Data-parallel ranks run as threads of one process: one of them builds the bundled
+    // shards, the others wait and read them.
+    static BUILDING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one_at_a_time = BUILDING.lock().unwrap_or_else(|e| e.into_inner());
     let dir: PathBuf = match &c.data.dir {
         Some(d) => d.clone(),
         None => bundled_shards(&c.observability.out_dir, tok)?,

@@ -571,10 +571,28 @@ impl Llama {
         acts: Activations<S>,
         tokens: &[u32],
     ) {
+        // Nobody listens for finished gradients.
+        let done = &mut |_: GradsDone, _: &mut [G]| {};
+        self.backward_notify(k, pool, params, grads, acts, tokens, done);
+    }
+
+    /// [`Llama::backward`], calling `done` with the gradients each time some of them are
+    /// final for this micro-batch (see [`GradsDone`]): data parallelism starts reducing them
+    /// while the backward goes on.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_notify<S: Elem, G: Elem>(
+        &self,
+        k: &dyn Kernels<S, G>,
+        pool: &mut dyn BufferPool,
+        params: &[S],
+        grads: &mut [G],
+        acts: Activations<S>,
+        tokens: &[u32],
+        done: &mut dyn FnMut(GradsDone, &mut [G]),
+    ) {
         assert_eq!(tokens.len(), acts.batch.n(), "tokens must hold B·T ids");
         assert_eq!(grads.len(), self.params.total, "grads buffer length");
-        // The stages (`super::stages`) in order; nobody listens for finished gradients.
-        let done = &mut |_: GradsDone| {};
+        // The stages (`super::stages`) in order.
         let Activations {
             batch,
             layers,

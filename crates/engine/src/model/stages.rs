@@ -155,7 +155,7 @@ impl Llama {
         grads: &mut [G],
         head: HeadActs<S>,
         batch: BatchShape,
-        done: &mut dyn FnMut(GradsDone),
+        done: &mut dyn FnMut(GradsDone, &mut [G]),
     ) -> BackwardState<S> {
         let n = batch.n();
         let g = BufName::Edge;
@@ -173,7 +173,7 @@ impl Llama {
         pool.free(g(Edge::FinalNormOut), head.final_out_grad);
         pool.free(g(Edge::FinalNormRstd), head.final_rstd);
         pool.free(g(Edge::FinalNormInput), head.final_input);
-        done(GradsDone::FinalNorm(&self.params.norm));
+        done(GradsDone::FinalNorm(&self.params.norm), grads);
         BackwardState(GradScratch::new(self, pool, batch, resid))
     }
 
@@ -191,7 +191,7 @@ impl Llama {
         layers: Range<usize>,
         mut acts: Vec<LayerActs<S>>,
         state: &mut BackwardState<S>,
-        done: &mut dyn FnMut(GradsDone),
+        done: &mut dyn FnMut(GradsDone, &mut [G]),
     ) {
         assert_eq!(
             acts.len(),
@@ -202,7 +202,7 @@ impl Llama {
             let a = acts.pop().expect("checked length");
             let a = self.rebuild(k, pool, params, i, batch, a);
             self.layer_backward(k, pool, params, grads, i, batch, a, &mut state.0);
-            done(GradsDone::Layer(i, &self.params.layers[i]));
+            done(GradsDone::Layer(i, &self.params.layers[i]), grads);
         }
     }
 
@@ -214,12 +214,12 @@ impl Llama {
         grads: &mut [G],
         tokens: &[u32],
         state: BackwardState<S>,
-        done: &mut dyn FnMut(GradsDone),
+        done: &mut dyn FnMut(GradsDone, &mut [G]),
     ) {
         let c = self.config.hidden;
         let range = self.params.embed.clone();
         k.embedding_backward(tokens, &state.0.resid, c, &mut grads[range]);
         state.free(pool);
-        done(GradsDone::Embedding(&self.params.embed));
+        done(GradsDone::Embedding(&self.params.embed), grads);
     }
 }
