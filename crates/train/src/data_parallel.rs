@@ -106,6 +106,11 @@ impl DataParallel {
     /// Gradients `range` are final on this rank: into the buckets, starting full ones. Sums
     /// that have arrived meanwhile are written back into `grads`.
     pub fn add<G: Elem>(&mut self, grads: &mut [G], mut range: Range<usize>) {
+        // MPI progresses a started reduction only inside MPI calls: look in on the running
+        // ones as the backward reports (a no-op for the threads backend's own worker).
+        for f in &self.in_flight {
+            f.pending.is_done();
+        }
         while !range.is_empty() {
             let used = self.filled();
             let take = range.len().min(self.bucket_len - used);

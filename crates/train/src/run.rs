@@ -164,11 +164,15 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
     crate::heap::keep_freed_pages();
     let merged = args.clone().merged().map_err(anyhow::Error::msg)?;
     let dp = crate::config::trainable_layout(&merged.layout)?.dp as usize;
+    if dp > 1 && args.resume.is_some() {
+        bail!("resume: a data-parallel run (--dp {dp}) cannot resume yet; resume with --dp 1");
+    }
+    #[cfg(feature = "mpi")]
+    if ferrotron_dist::mpi::launched_by_mpirun() {
+        return run_mpi(args, dp);
+    }
     if dp <= 1 {
         return run_rank(args, None);
-    }
-    if args.resume.is_some() {
-        bail!("resume: a data-parallel run (--dp {dp}) cannot resume yet; resume with --dp 1");
     }
     let results = ferrotron_dist::threads::run(dp, RANK_TIMEOUT, move |rank, comm| {
         crate::alloc::set_rank(Some(rank));
@@ -187,6 +191,26 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         }
     }
     summary.context("rank 0 returned nothing")
+}
+
+/// This process as one rank of an `mpirun` job: the world must be the layout's ranks. A rank
+/// that fails returns its error without finalising MPI, which aborts the job naming the rank
+/// (`ferrotron_dist::mpi`).
+#[cfg(feature = "mpi")]
+fn run_mpi(args: TrainArgs, dp: usize) -> Result<RunSummary> {
+    use ferrotron_dist::Communicator;
+    let comm = ferrotron_dist::mpi::MpiComm::world().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let (rank, size) = (comm.rank(), comm.size());
+    if size != dp {
+        bail!("dp = {dp}: mpirun started {size} processes; pass --dp {size} (or mpirun -np {dp})");
+    }
+    let ctx = (size > 1).then(|| RankCtx {
+        rank,
+        comm: Box::new(comm) as Box<dyn Communicator>,
+    });
+    let summary = run_rank(args, ctx)?;
+    ferrotron_dist::mpi::finalize().map_err(|e| anyhow::anyhow!("{e}"))?;
+    Ok(summary)
 }
 
 /// The training run of one rank (`ctx`: its data-parallel rank and communicator).
@@ -248,7 +272,18 @@ pub fn run_rank(args: TrainArgs, ctx: Option<RankCtx>) -> Result<RunSummary> {
             );
         }
     }
+    // Rank 0 tokenizes the bundled corpus if it must; the others wait for it, then read it.
+    let barrier = || match &ctx {
+        Some(c) => c.comm.barrier().map_err(|e| anyhow::anyhow!("{e}")),
+        None => Ok(()),
+    };
+    if rank > 0 {
+        barrier()?;
+    }
     let (train, val) = setup::datasets(&cfg, &tok, spec.vocab as u32)?;
+    if rank == 0 {
+        barrier()?;
+    }
     let ranks = cfg.parallel.dp as usize;
     let lcfg = LoaderConfig::new(cfg.data.mbs as usize, cfg.data.seq as usize, cfg.data.seed);
     // Each data-parallel rank trains its own slice of every global batch; all of them
