@@ -174,6 +174,11 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
     if dp <= 1 {
         return run_rank(args, None);
     }
+    // The ranks share this machine's cores: each has its share of the matmul peak (measured
+    // once, here, not by every rank at once), so MFU is against the machine's peak.
+    let mut args = args;
+    let peak = args.peak_gflops.unwrap_or_else(matmul_peak_gflops);
+    args.peak_gflops = Some(peak / dp as f64);
     let results = ferrotron_dist::threads::run(dp, RANK_TIMEOUT, move |rank, comm| {
         crate::alloc::set_rank(Some(rank));
         let ctx = RankCtx {

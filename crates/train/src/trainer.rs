@@ -316,7 +316,9 @@ impl Trainer {
         }
         let tokens = self.global_batch_tokens();
         let tps = tokens as f64 / secs;
-        let mfu = tps * self.flops_per_token / self.peak_flops;
+        // Every rank has this machine's peak: MFU is against all of them.
+        let peak = self.peak_flops * self.dp.as_ref().map_or(1, |d| d.size()) as f64;
+        let mfu = tps * self.flops_per_token / peak;
         Ok(StepOutput {
             tokens,
             overflow,
@@ -328,7 +330,7 @@ impl Trainer {
                 tokens_per_s: tps,
                 mfu,
                 // HFU counts the recomputed FLOPs, MFU does not.
-                hfu: tps * self.hw_flops_per_token / self.peak_flops,
+                hfu: tps * self.hw_flops_per_token / peak,
                 step_ms: secs * 1e3,
                 mem_peak_measured: measured_max,
                 mem_peak_planned: planned_max,

@@ -18,7 +18,7 @@ OUT="$(mktemp -d)"
 trap 'rm -rf "$OUT"' EXIT
 "$BIN" data --input data/corpus/shakespeare.txt --out "$OUT/data" >/dev/null
 COMMON=(train --data "$OUT/data" --steps 4 --seq 64 --mbs 2 --grad-acc 2 --eval-interval 0
-    --sample-tokens 0 --quiet --peak-gflops 100 --bucket-mb 4 --threads 1 --dp 2)
+    --sample-tokens 0 --quiet --peak-gflops 100 --bucket-mb 4 --dp 2)
 
 echo "== ferrotron train --dp 2 (threads)"
 "$BIN" "${COMMON[@]}" --out-dir "$OUT/threads" 2>"$OUT/threads.log" || { cat "$OUT/threads.log"; exit 1; }
