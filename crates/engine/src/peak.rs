@@ -1,6 +1,7 @@
-//! Measured sgemm throughput: the denominator of MFU on this machine.
+//! Measured sgemm throughput: the denominator of MFU on this machine, on the GEMM kernel the
+//! trainer's products use (`Gemm::Auto`: oneDNN or the gemm crate).
 
-use crate::kernels::cpu::matmul::sgemm;
+use crate::kernels::cpu::gemm_select::{sgemm, Gemm};
 use std::time::Instant;
 
 /// GFLOP/s of `y[m,n] = x[m,k]·Wᵀ` (W `[n,k]`, the `nn.Linear` layout the model uses), best of
@@ -16,7 +17,15 @@ pub fn sgemm_gflops(m: usize, n: usize, k: usize, reps: usize) -> f64 {
     let mut best = f64::INFINITY;
     for r in 0..=reps {
         let t0 = Instant::now();
-        sgemm(m, n, k, &mut y, (n, 1), &x, (k, 1), &w, (1, k), false, true);
+        sgemm(
+            Gemm::Auto,
+            (m, n, k),
+            &mut y,
+            (n, 1),
+            (&x, (k, 1)),
+            (&w, (1, k)),
+            false,
+        );
         let dt = t0.elapsed().as_secs_f64();
         if r > 0 {
             best = best.min(dt);

@@ -26,6 +26,9 @@ pub struct StepMetrics {
     /// fp16: the gradients overflowed and the optimizer step was skipped.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub skipped: bool,
+    /// The GEMM kernel the products ran on (`Gemm::describe`): results depend on it.
+    #[serde(default)]
+    pub gemm: String,
 }
 
 pub struct MetricsWriter {
@@ -58,17 +61,25 @@ impl MetricsWriter {
     }
 }
 
-fn cache_path(threads: usize) -> Option<PathBuf> {
+/// The cache file of the peak with `threads` threads on the GEMM kernel `gemm` (its name's
+/// first word: "onednn" or "portable"; the portable peak keeps its old file name).
+fn cache_path(threads: usize, gemm: &str) -> Option<PathBuf> {
     let home = std::env::var_os("HOME")?;
+    let kernel = match gemm.split_whitespace().next() {
+        Some("portable") | None => String::new(),
+        Some(k) => format!("_{k}"),
+    };
     Some(PathBuf::from(home).join(format!(
-        ".cache/ferrotron/matmul_peak_{threads}threads.json"
+        ".cache/ferrotron/matmul_peak_{threads}threads{kernel}.json"
     )))
 }
 
-/// The f32 matmul peak (GFLOP/s) of this machine with the current thread pool: measured once
-/// (about a second) and cached in ~/.cache/ferrotron.
+/// The f32 matmul peak (GFLOP/s) of this machine with the current thread pool, on the GEMM
+/// kernel the trainer uses: measured once (about a second) and cached in ~/.cache/ferrotron.
 pub fn matmul_peak_gflops() -> f64 {
     let threads = rayon::current_num_threads();
+    let gemm = ferrotron_engine::kernels::Gemm::Auto.describe();
+    let cache_path = |threads| cache_path(threads, &gemm);
     let cached = cache_path(threads)
         .and_then(|p| std::fs::read_to_string(p).ok())
         .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())

@@ -243,7 +243,7 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
     write_plan(&cfg, &t)?;
     let w = t.plan.sweep.at_peak;
     eprintln!(
-        "model {}: {} parameters; memory plan peak {:.1} MiB (params {:.1}, grads {:.1}, adam {:.1}, activations {:.1}, workspace {:.1}, gemm workspace {:.1}); matmul peak {:.1} GFLOP/s",
+        "model {}: {} parameters; memory plan peak {:.1} MiB (params {:.1}, grads {:.1}, adam {:.1}, activations {:.1}, workspace {:.1}, gemm workspace {:.1}); matmul peak {:.1} GFLOP/s; gemm: {}",
         cfg.model.name,
         t.params.len(),
         t.planned_peak() as f64 / MIB,
@@ -253,7 +253,8 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         w.activations() as f64 / MIB,
         w.workspace as f64 / MIB,
         t.kernel_workspace() as f64 / MIB,
-        peak_gflops
+        peak_gflops,
+        t.gemm
     );
 
     let tty = std::io::stderr().is_terminal() && !quiet;
