@@ -58,11 +58,16 @@ impl CpuKernels {
     }
 }
 
-/// The gemm crate keeps a per-thread L2 packing slab (about 1 MiB) created on a thread's first
-/// product; running one small product on every pool thread and the caller creates them all.
+/// The gemm crate keeps a per-thread L2 packing slab (the size of one core's L2 cache: 2 MiB on
+/// a Xeon) created on a thread's first product that packs its left operand block by block,
+/// which it does only for large enough products (smaller ones pack into a per-call buffer:
+/// 256³ or 8,192 × 64 × 384 create no slab on a Xeon). Running one product of a layer's size
+/// (2,048 × 384 × 384, a few ms) on every pool thread and the caller creates them all. The layers' products used to do this while the trainer measured its kernel
+/// workspace; on oneDNN they no longer run on the gemm crate, and attention's first tile
+/// products created the slabs inside the first step, outside the memory plan.
 fn warm_up_gemm() {
     let run = || {
-        let (m, n, k) = (256, 256, 256);
+        let (m, n, k) = (2048, 384, 384);
         let (x, w) = (vec![0.5f32; m * k], vec![0.25f32; n * k]);
         let mut y = vec![0.0f32; m * n];
         matmul::sgemm(

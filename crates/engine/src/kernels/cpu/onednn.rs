@@ -31,7 +31,7 @@ const ENGINE_CPU: c_int = 1;
 const STREAM_DEFAULT_FLAGS: u32 = 1;
 const SCRATCHPAD_MODE_USER: c_int = 1;
 const QUERY_IMPL_INFO_STR: c_int = 8;
-const QUERY_SCRATCHPAD_MD: c_int = 136;
+const QUERY_EXEC_ARG_MD: c_int = 255;
 const ARG_SRC: c_int = 1;
 const ARG_DST: c_int = 17;
 const ARG_WEIGHTS: c_int = 33;
@@ -51,12 +51,6 @@ pub const ISA_AVX512_CORE_AMX: u32 = 0x3e7;
 struct MemoryDesc([u8; 1024]);
 #[repr(C, align(8))]
 struct MatmulDesc([u8; 4096]);
-
-impl MemoryDesc {
-    fn zeroed() -> Box<Self> {
-        Box::new(MemoryDesc([0; 1024]))
-    }
-}
 
 #[repr(C)]
 struct ExecArg {
@@ -173,14 +167,19 @@ pub struct Product {
     pub accumulate: bool,
 }
 
+/// The arguments of a matmul, in the order of [`Matmul::mds`].
+const ARGS: [c_int; 5] = [ARG_SRC, ARG_WEIGHTS, ARG_DST, ARG_BIAS, ARG_SCRATCHPAD];
+
 /// A created primitive and the memory descriptors its arguments are made with.
+///
+/// Small on the Rust heap on purpose: a product first seen during a training step adds its
+/// entry to the cache then, outside the memory plan, so the descriptors stay in the library's
+/// memory (owned by the primitive descriptor, which is kept alive with the primitive: neither
+/// is ever destroyed, see [`Onednn`]'s cache).
 struct Matmul {
     primitive: Handle,
-    /// The scratchpad's descriptor, owned by the primitive descriptor (kept alive with it:
-    /// neither is ever destroyed, see [`Onednn`]'s cache).
-    scratchpad_md: *const MemoryDesc,
-    /// src, weights, dst, bias.
-    mds: [Box<MemoryDesc>; 4],
+    /// The descriptor of each of [`ARGS`].
+    mds: [*const MemoryDesc; 5],
     scratchpad: usize,
     implementation: String,
 }
@@ -287,18 +286,18 @@ impl Onednn {
     }
 
     /// Creates the primitive of `p`. `Err` also when oneDNN would run it with a reference
-    /// implementation (plain loops, far slower than the gemm crate).
+    /// implementation (see [`Onednn::finish`]).
     fn create(&self, p: &Product) -> Result<Matmul, String> {
         let a = &self.api;
         let dim = |x: usize| i64::try_from(x).map_err(|_| "dimension overflows i64".to_string());
         let md = |rows: usize, cols: usize, (rs, cs): (usize, usize), dt: Dt| {
-            let mut d = MemoryDesc::zeroed();
+            let mut d = MemoryDesc([0; 1024]);
             let dims = [dim(rows)?, dim(cols)?];
             let strides = [dim(rs)?, dim(cs)?];
             // SAFETY: `d` has room for a dnnl_memory_desc_t; the arrays hold 2 dims.
             check("dnnl_memory_desc_init_by_strides", unsafe {
                 (a.memory_desc_init_by_strides)(
-                    &mut *d,
+                    &mut d,
                     2,
                     dims.as_ptr(),
                     dt as c_int,
@@ -313,27 +312,42 @@ impl Onednn {
             md(p.m, p.n, p.dst, p.output)?,
             md(1, p.n, (p.n, 1), p.inputs)?,
         ];
-        let mut desc = Box::new(MatmulDesc([0; 4096]));
-        let bias: *const MemoryDesc = if p.bias { &*mds[3] } else { std::ptr::null() };
-        // SAFETY: every descriptor was initialised above; a null bias means none.
+        // On the stack, not the heap: see [`Matmul`].
+        let mut desc = MatmulDesc([0; 4096]);
+        let bias: *const MemoryDesc = if p.bias { &mds[3] } else { std::ptr::null() };
+        // SAFETY: every descriptor was initialised above; a null bias means none. The matmul
+        // descriptor keeps copies of them.
         check("dnnl_matmul_desc_init", unsafe {
-            (a.matmul_desc_init)(&mut *desc, &*mds[0], &*mds[1], bias, &*mds[2])
+            (a.matmul_desc_init)(&mut desc, &mds[0], &mds[1], bias, &mds[2])
         })?;
+        let pd = self.primitive_desc(&desc, p.accumulate)?;
+        let made = self.finish(pd);
+        if made.is_err() {
+            // SAFETY: created above and not used since.
+            unsafe { (a.primitive_desc_destroy)(pd) };
+        }
+        made
+    }
+
+    /// The primitive descriptor of `desc` with a user scratchpad and, when `accumulate`, a sum
+    /// post-op (`dst += product`).
+    fn primitive_desc(&self, desc: &MatmulDesc, accumulate: bool) -> Result<Handle, String> {
+        let a = &self.api;
         let mut attr = std::ptr::null_mut();
         // SAFETY (the calls below): out-pointers to handles, and handles created just before.
         check("dnnl_primitive_attr_create", unsafe {
             (a.primitive_attr_create)(&mut attr)
         })?;
-        let pd = (|| {
-            check("dnnl_primitive_attr_set_scratchpad_mode", unsafe {
-                (a.primitive_attr_set_scratchpad_mode)(attr, SCRATCHPAD_MODE_USER)
-            })?;
-            if p.accumulate {
-                let mut po = std::ptr::null_mut();
-                check("dnnl_post_ops_create", unsafe {
-                    (a.post_ops_create)(&mut po)
-                })?;
-                let set = check("dnnl_post_ops_append_sum", unsafe {
+        let mut set = check("dnnl_primitive_attr_set_scratchpad_mode", unsafe {
+            (a.primitive_attr_set_scratchpad_mode)(attr, SCRATCHPAD_MODE_USER)
+        });
+        if accumulate && set.is_ok() {
+            let mut po = std::ptr::null_mut();
+            set = check("dnnl_post_ops_create", unsafe {
+                (a.post_ops_create)(&mut po)
+            });
+            if set.is_ok() {
+                set = check("dnnl_post_ops_append_sum", unsafe {
                     (a.post_ops_append_sum)(po, 1.0)
                 })
                 .and_then(|()| {
@@ -343,66 +357,70 @@ impl Onednn {
                 });
                 // The attribute keeps its own copy of the post-ops.
                 unsafe { (a.post_ops_destroy)(po) };
-                set?;
             }
-            let mut pd = std::ptr::null_mut();
+        }
+        let mut pd = std::ptr::null_mut();
+        let made = set.and_then(|()| {
             check("dnnl_primitive_desc_create", unsafe {
                 (a.primitive_desc_create)(
                     &mut pd,
-                    (&*desc as *const MatmulDesc).cast(),
+                    (desc as *const MatmulDesc).cast(),
                     attr,
                     self.engine,
                     std::ptr::null_mut(),
                 )
-            })?;
-            Ok::<_, String>(pd)
-        })();
-        unsafe { (a.primitive_attr_destroy)(attr) };
-        let pd = pd?;
-        let made = (|| {
-            let mut name: *const c_char = std::ptr::null();
-            check("dnnl_primitive_desc_query", unsafe {
-                (a.primitive_desc_query)(
-                    pd,
-                    QUERY_IMPL_INFO_STR,
-                    0,
-                    (&mut name as *mut *const c_char).cast(),
-                )
-            })?;
-            if name.is_null() {
-                return Err("no implementation name".to_string());
-            }
-            // SAFETY: a NUL-terminated string owned by the primitive descriptor.
-            let implementation = unsafe { CStr::from_ptr(name) }
-                .to_string_lossy()
-                .into_owned();
-            if implementation.starts_with("ref") {
-                return Err(format!(
-                    "only a reference implementation ({implementation})"
-                ));
-            }
-            let scratchpad_md = unsafe { (a.primitive_desc_query_md)(pd, QUERY_SCRATCHPAD_MD, 0) };
-            let scratchpad = if scratchpad_md.is_null() {
-                0
-            } else {
-                unsafe { (a.memory_desc_get_size)(scratchpad_md) }
-            };
-            let mut primitive = std::ptr::null_mut();
-            check("dnnl_primitive_create", unsafe {
-                (a.primitive_create)(&mut primitive, pd)
-            })?;
-            Ok(Matmul {
-                primitive,
-                scratchpad_md,
-                mds,
-                scratchpad,
-                implementation,
             })
-        })();
-        if made.is_err() {
-            unsafe { (a.primitive_desc_destroy)(pd) };
+        });
+        unsafe { (a.primitive_attr_destroy)(attr) };
+        made.map(|()| pd)
+    }
+
+    /// The primitive of the descriptor `pd`, unless its implementation is a reference one
+    /// (plain loops, far slower than the gemm crate). `pd` is kept alive on success: the
+    /// scratchpad's descriptor belongs to it.
+    fn finish(&self, pd: Handle) -> Result<Matmul, String> {
+        let a = &self.api;
+        let mut name: *const c_char = std::ptr::null();
+        // SAFETY (the calls below): `pd` is a live primitive descriptor; out-pointers.
+        check("dnnl_primitive_desc_query", unsafe {
+            (a.primitive_desc_query)(
+                pd,
+                QUERY_IMPL_INFO_STR,
+                0,
+                (&mut name as *mut *const c_char).cast(),
+            )
+        })?;
+        if name.is_null() {
+            return Err("no implementation name".to_string());
         }
-        made
+        // SAFETY: a NUL-terminated string owned by the primitive descriptor.
+        let implementation = unsafe { CStr::from_ptr(name) }
+            .to_string_lossy()
+            .into_owned();
+        if implementation.starts_with("ref") {
+            return Err(format!(
+                "only a reference implementation ({implementation})"
+            ));
+        }
+        let mds =
+            ARGS.map(|arg| unsafe { (a.primitive_desc_query_md)(pd, QUERY_EXEC_ARG_MD, arg) });
+        if mds[..3].iter().any(|md| md.is_null()) {
+            return Err("no descriptor of an argument".to_string());
+        }
+        let scratchpad = match mds[4] {
+            md if md.is_null() => 0,
+            md => unsafe { (a.memory_desc_get_size)(md) },
+        };
+        let mut primitive = std::ptr::null_mut();
+        check("dnnl_primitive_create", unsafe {
+            (a.primitive_create)(&mut primitive, pd)
+        })?;
+        Ok(Matmul {
+            primitive,
+            mds,
+            scratchpad,
+            implementation,
+        })
     }
 
     /// Runs `p` on the given buffers; `false` (nothing written) when oneDNN cannot.
@@ -433,16 +451,16 @@ impl Onednn {
         let mut scratch: Vec<u8> = Vec::with_capacity(mm.scratchpad + 64);
         let base = scratch.as_mut_ptr();
         let scratch_ptr = base.wrapping_add(base.align_offset(64));
-        let buffers = [
-            (ARG_SRC, &*mm.mds[0] as *const MemoryDesc, lhs.cast_mut()),
-            (ARG_WEIGHTS, &*mm.mds[1], rhs.cast_mut()),
-            (ARG_DST, &*mm.mds[2], dst),
-            (ARG_BIAS, &*mm.mds[3], bias.cast_mut()),
-            (ARG_SCRATCHPAD, mm.scratchpad_md, scratch_ptr.cast()),
+        let ptrs = [
+            lhs.cast_mut(),
+            rhs.cast_mut(),
+            dst,
+            bias.cast_mut(),
+            scratch_ptr.cast(),
         ];
-        let mut args: Vec<ExecArg> = Vec::with_capacity(buffers.len());
+        let mut args: Vec<ExecArg> = Vec::with_capacity(ARGS.len());
         let mut ready = true;
-        for (arg, md, ptr) in buffers {
+        for ((arg, md), ptr) in ARGS.into_iter().zip(mm.mds).zip(ptrs) {
             if ptr.is_null() || md.is_null() || (arg == ARG_SCRATCHPAD && mm.scratchpad == 0) {
                 continue;
             }
