@@ -10,6 +10,7 @@ use crate::timeline;
 use crate::trace;
 use crate::trainer::Trainer;
 use anyhow::{bail, Context, Result};
+use ferrotron_plan::Precision;
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -209,7 +210,13 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         )?),
         _ => None,
     };
-    let peak_gflops = args.peak_gflops.unwrap_or_else(matmul_peak_gflops);
+    let bf16_products = matches!(
+        cfg.precision.kind,
+        Precision::Bf16 | Precision::Bf16Fp32grads
+    );
+    let peak_gflops = args
+        .peak_gflops
+        .unwrap_or_else(|| matmul_peak_gflops(bf16_products));
     let tokenizer_json = tok
         .inner()
         .to_string(false)

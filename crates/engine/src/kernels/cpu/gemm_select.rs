@@ -130,6 +130,11 @@ impl Gemm {
         }
     }
 
+    /// Whether bf16 × bf16 products run on oneDNN (without staging through f32).
+    pub fn runs_bf16_natively(self) -> bool {
+        self.choice().bf16.is_some()
+    }
+
     /// The library that runs products with inputs of type `dt`, if any.
     fn library_for(self, dt: Dt) -> Option<&'static Onednn> {
         let c = self.choice();
