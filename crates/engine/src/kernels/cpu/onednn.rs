@@ -234,7 +234,16 @@ fn open() -> Result<Onednn, String> {
     // SAFETY: dlopen with a NUL-terminated name; a failure returns null.
     let lib = unsafe { libc::dlopen(c"libdnnl.so.2".as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
     if lib.is_null() {
-        return Err("libdnnl.so.2 not found (Debian: apt-get install libdnnl2)".into());
+        // SAFETY: dlerror returns null or a NUL-terminated message, read before any other dl call.
+        let why = unsafe { libc::dlerror() };
+        let why = if why.is_null() {
+            "not found".into()
+        } else {
+            unsafe { CStr::from_ptr(why) }.to_string_lossy()
+        };
+        return Err(format!(
+            "cannot load libdnnl.so.2 ({why}; Debian: apt-get install libdnnl2)"
+        ));
     }
     // The handle is never closed: primitives and their JIT code live until the process ends.
     // SAFETY: a live handle of a library named libdnnl.so.2, i.e. the oneDNN 2.x ABI.
