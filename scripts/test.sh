@@ -43,6 +43,8 @@ else
     if command -v mpicc >/dev/null 2>&1 && command -v mpirun >/dev/null 2>&1; then
         echo "== MPI backend tests (crates/dist/tests/run_mpi.sh)"
         bash crates/dist/tests/run_mpi.sh
+        echo "== data parallelism under mpirun (crates/train/tests/run_mpi_train.sh)"
+        bash crates/train/tests/run_mpi_train.sh
     else
         echo "== MPI backend: Open MPI not installed and no root or sudo to install it: skipped"
     fi

@@ -96,6 +96,9 @@ pub struct PlanArgs {
     /// Model chunks per stage for the interleaved schedule.
     #[arg(long, allow_negative_numbers = true)]
     pub pp_virtual: Option<u64>,
+    /// Layers per pipeline stage, e.g. 7,8*14,7 (126 layers on 16 stages) [default: even].
+    #[arg(long, allow_negative_numbers = true)]
+    pub pp_layers: Option<String>,
     /// none | optimizer | params.
     #[arg(long, allow_negative_numbers = true)]
     pub offload: Option<String>,
@@ -166,7 +169,7 @@ impl PlanArgs {
         let mut file: PlanArgs =
             toml::from_str(&text).map_err(|e| anyhow::anyhow!(toml_error(&path, &text, &e)))?;
         merge!(self, file; model, params, seq, max_seq, mbs, grad_acc, gbs, precision, optimizer, recompute,
-            dp, tp, pp, cp, ep, zero, sp, pp_schedule, pp_virtual, offload, gpu, gpus_per_node,
+            dp, tp, pp, cp, ep, zero, sp, pp_schedule, pp_virtual, pp_layers, offload, gpu, gpus_per_node,
             cluster, flops_convention, convention, overhead_gib, fragmentation, ce_chunk,
             bucket_mb, html);
         Ok(self)
@@ -232,6 +235,7 @@ pub fn input_from(a: &PlanArgs) -> Result<Resolved> {
         sp: a.sp,
         pp_schedule: a.pp_schedule.clone(),
         pp_virtual: a.pp_virtual,
+        pp_layers: a.pp_layers.clone(),
         offload: a.offload.clone(),
         gpu: a.gpu.clone(),
         gpus_per_node: a.gpus_per_node,

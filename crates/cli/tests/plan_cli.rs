@@ -237,7 +237,15 @@ fn bad_input_gives_one_clear_line() {
         ),
         (
             vec!["--model", "llama-3-8b", "--pp", "3"],
-            "pp = 3: pp × pp_virtual = 3 must divide the 32 layers",
+            "pp = 3: pp × pp_virtual = 3 must divide the 32 layers (or give each stage's layers with --pp-layers)",
+        ),
+        (
+            vec!["--model", "llama-3-8b", "--pp", "2", "--pp-layers", "16,8"],
+            "pp_layers = 16,8: adds up to 24 layers but the model has 32",
+        ),
+        (
+            vec!["--model", "llama-3-8b", "--pp", "2", "--pp-layers", "16;16"],
+            "pp_layers = 16;16: expected layer counts per stage separated by commas",
         ),
         (
             vec!["--model", "llama-3-8b", "--zero", "4"],

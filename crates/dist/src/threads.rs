@@ -32,6 +32,8 @@ struct Round {
     slots: Slots,
     arrived: usize,
     left: usize,
+    /// Members that have taken their own buffer back after everyone left.
+    taken: usize,
     open: bool,
 }
 
@@ -114,11 +116,11 @@ fn meet<R>(
     rank: usize,
     op: &'static str,
     mine: Vec<f32>,
-    result: impl FnOnce(&Slots) -> R,
-) -> Result<R> {
+    result: impl FnOnce(&mut Slots) -> R,
+) -> Result<(R, Vec<f32>)> {
     let n = ex.members.len();
     let g = ex.round.lock().unwrap_or_else(|e| e.into_inner());
-    // Wait for the previous round to be read by everyone.
+    // Wait for the previous round to be over for everyone.
     let mut g = world.wait(&ex.cv, g, rank, op, |r| !r.open)?;
     g.slots[me] = Some(mine);
     g.arrived += 1;
@@ -127,16 +129,40 @@ fn meet<R>(
         ex.cv.notify_all();
     }
     let mut g = world.wait(&ex.cv, g, rank, op, |r| r.open)?;
-    let out = result(&g.slots);
+    let out = result(&mut g.slots);
     g.left += 1;
     if g.left == n {
+        ex.cv.notify_all();
+    }
+    // Every rank has read every slot: each takes its own buffer back (so a rank's memory
+    // comes home to it, and an in-place collective returns its result in it).
+    let mut g = world.wait(&ex.cv, g, rank, op, |r| r.left == n)?;
+    let own = g.slots[me].take().unwrap_or_default();
+    g.taken += 1;
+    if g.taken == n {
         *g = Round {
             slots: vec![None; n],
             ..Round::default()
         };
         ex.cv.notify_all();
     }
-    Ok(out)
+    Ok((out, own))
+}
+
+/// The in-place sum: member `me` sums its share of the elements over every slot, in slot
+/// order, and writes the sum into every slot (each member owns a disjoint share, so no
+/// element is read after it is written). No buffer is allocated.
+fn sum_in_place(slots: &mut Slots, me: usize) {
+    let n = slots.len();
+    let len = slots.iter().flatten().map(Vec::len).next().unwrap_or(0);
+    let share = len.div_ceil(n.max(1));
+    let range = (me * share).min(len)..((me + 1) * share).min(len);
+    for i in range {
+        let sum = slots.iter().flatten().fold(0.0f32, |acc, s| acc + s[i]);
+        for s in slots.iter_mut().flatten() {
+            s[i] = sum;
+        }
+    }
 }
 
 fn sum_of(slots: &Slots, range: std::ops::Range<usize>) -> Vec<f32> {
@@ -298,7 +324,7 @@ impl ThreadComm {
                 }
                 Ok(result(s, me))
             });
-            let _ = tx.send(r.and_then(|x| x));
+            let _ = tx.send(r.and_then(|(x, _own)| x));
         });
         if let Some(jobs) = &self.jobs {
             let _ = jobs.send(job);
@@ -444,8 +470,36 @@ impl Communicator for ThreadComm {
     }
 
     fn all_reduce_start(&self, buf: Vec<f32>) -> Pending {
-        let n = buf.len();
-        self.submit("all_reduce_sum", buf, move |s, _| sum_of(s, 0..n))
+        // In place: the caller's buffer comes back holding the sum (the hot path of data
+        // parallelism allocates nothing).
+        let (tx, rx) = mpsc::channel();
+        let (me, rank) = (self.me, self.world_rank);
+        let job: Job = Box::new(move |w, ex| {
+            let lens_ok = |s: &Slots| {
+                let lens: Vec<usize> = s.iter().flatten().map(Vec::len).collect();
+                lens.iter().all(|&l| l == lens[0])
+            };
+            let r = meet(w, ex, me, rank, "all_reduce_sum", buf, |s| {
+                let ok = lens_ok(s);
+                if ok {
+                    sum_in_place(s, me);
+                }
+                ok
+            });
+            let r = r.and_then(|(ok, own)| match ok {
+                true => Ok(own),
+                false => Err(CommError::Usage {
+                    rank,
+                    op: "all_reduce_sum",
+                    problem: "ranks passed different lengths".into(),
+                }),
+            });
+            let _ = tx.send(r);
+        });
+        if let Some(jobs) = &self.jobs {
+            let _ = jobs.send(job);
+        }
+        Pending::new(rx, self.world.timeout, rank)
     }
 
     fn abort(&self, cause: &str) {

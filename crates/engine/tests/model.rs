@@ -5,7 +5,9 @@ mod common;
 
 use common::{rel_err, to64, Rng};
 use ferrotron_engine::kernels::{CpuKernels, Kernels, IGNORE_INDEX};
-use ferrotron_engine::model::{BatchShape, BufferPool, HeapPool, Llama, LlamaConfig, Recompute};
+use ferrotron_engine::model::{
+    BatchShape, BufName, BufferPool, HeapPool, Llama, LlamaConfig, Recompute,
+};
 use std::collections::HashMap;
 
 fn cfg(tie: bool, bias: bool) -> LlamaConfig {
@@ -159,6 +161,33 @@ fn pool_sees_exactly_the_inventory() {
     assert!(peaks[0] > peaks[1] && peaks[1] > peaks[2], "{peaks:?}");
 }
 
+/// The buffers of a training step under the model's policy, from the planner's table: each
+/// layer's kept tensors, the workspace of the dropped ones, the head's and the backward's.
+fn inventory(model: &Llama, n: usize) -> HashMap<String, usize> {
+    use ferrotron_plan::tensors::{Edge, LayerTensor};
+    let rc = model.recompute;
+    let mut names = Vec::new();
+    for i in 0..model.config.layers {
+        let kept = LayerTensor::of_layer(false).filter(|t| t.kept_by(rc));
+        names.extend(kept.map(|t| BufName::Layer(i as u32, t)));
+    }
+    let dropped = LayerTensor::of_layer(false).filter(|t| !t.kept_by(rc));
+    names.extend(dropped.map(BufName::Recompute));
+    let edges = [
+        Edge::FinalNormInput,
+        Edge::FinalNormRstd,
+        Edge::FinalNormOut,
+        Edge::LogitsChunk,
+        Edge::Losses,
+        Edge::GradResid,
+    ];
+    names.extend(edges.into_iter().chain(Edge::SCRATCH).map(BufName::Edge));
+    names
+        .into_iter()
+        .map(|b| (b.to_string(), model.len(b, n)))
+        .collect()
+}
+
 /// One training step under `rc`: every buffer is in the inventory with its size, allocated once
 /// (a `recompute.*` buffer once per layer in the forward and once in the backward) and freed.
 /// Returns the pool's peak bytes.
@@ -178,11 +207,7 @@ fn pool_sees_exactly_the_inventory_with(rc: Recompute) -> u64 {
     model.backward(k, &mut pool, &params, &mut grads, acts, &tokens);
     assert_eq!(pool.live_bytes, 0, "everything freed");
     let events = pool.events.take().unwrap();
-    let inventory: HashMap<String, usize> = model
-        .activation_inventory(batch, ferrotron_plan::DType::F32)
-        .into_iter()
-        .map(|(name, len, _)| (name, len))
-        .collect();
+    let inventory = inventory(&model, batch.n());
     let mut seen: HashMap<String, (usize, i32)> = HashMap::new();
     for e in &events {
         let name = e.name.to_string();
@@ -249,8 +274,8 @@ fn pool_sees_exactly_the_inventory_with(rc: Recompute) -> u64 {
 /// A pool that hands out NaN-filled buffers: proves no kernel reads a buffer before writing it.
 struct PoisonPool;
 impl BufferPool for PoisonPool {
-    fn did_alloc(&mut self, _: ferrotron_engine::model::BufName, _: u64) {}
-    fn did_free(&mut self, _: ferrotron_engine::model::BufName, _: u64) {}
+    fn did_alloc(&mut self, _: BufName, _: u64) {}
+    fn did_free(&mut self, _: BufName, _: u64) {}
     fn poison(&self) -> bool {
         true
     }
@@ -350,7 +375,7 @@ fn stage_entry_points_compose_to_the_whole_step_bit_for_bit() {
         let mut pool = HeapPool::recording();
         let mut grads = vec![0.0f32; model.num_params()];
         let mut order = Vec::new();
-        let mut done = |d: GradsDone| {
+        let mut done = |d: GradsDone, _: &mut [f32]| {
             order.push(match d {
                 GradsDone::FinalNorm(_) => "norm".to_string(),
                 GradsDone::Layer(i, idx) => {

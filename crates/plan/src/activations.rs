@@ -4,8 +4,9 @@
 use crate::convention::Convention;
 use crate::layout::Layout;
 use crate::memory::Category;
-use crate::model::{Family, ModelSpec};
+use crate::model::{Family, MlpAct, ModelSpec};
 use crate::recipe::{DType, Recipe, Recompute};
+use crate::tensors::{self, Edge, LayerTensor};
 
 /// One activation tensor (or, for formula conventions, one aggregate in bytes as `U8`).
 #[derive(Debug, Clone, PartialEq)]
@@ -85,6 +86,30 @@ impl Dims {
     pub fn n(&self) -> u64 {
         self.b * self.s
     }
+    /// The table's sizes (`tensors::Dims`) of this micro-batch for model `m`, in a MoE layer
+    /// (`moe_layer`) or a dense one.
+    pub fn table(&self, m: &ModelSpec, r: &Recipe, moe_layer: bool) -> tensors::Dims {
+        let moe = m.moe.filter(|_| moe_layer);
+        let kv_heads = m.kv_heads_tp(self.t);
+        tensors::Dims {
+            tokens: self.n(),
+            hidden: m.hidden,
+            heads: m.heads,
+            q_dim: m.q_dim(),
+            k_rank: kv_heads * m.head_dim,
+            v_rank: kv_heads * m.v_head_dim,
+            o_dim: m.o_dim(),
+            rotary_dim: m.rotary_dim,
+            ffn: moe.map_or(m.intermediate, |moe| moe.expert_intermediate),
+            vocab: m.vocab,
+            positions: m.max_positions,
+            experts: moe.map_or(0, |moe| moe.num_experts),
+            top_k: moe.map_or(1, |moe| moe.top_k),
+            ce_chunk_tokens: r.ce_chunk_tokens,
+            tp: self.t,
+            sp: self.sp,
+        }
+    }
     /// Divisor of tensors of the residual stream: t under sequence parallelism, else 1.
     pub fn seq_shard(&self) -> u64 {
         if self.sp {
@@ -117,13 +142,22 @@ pub fn korthikanti_layer(h: u64, a: u64, d: &Dims, rc: Recompute) -> u64 {
     }
 }
 
-/// Per-layer activations under a convention.
-pub fn layer_acts(m: &ModelSpec, r: &Recipe, l: &Layout, conv: Convention) -> LayerActs {
+/// Per-layer activations under a convention, for a layer with a mixture-of-experts MLP
+/// (`moe_layer`) or a dense one. The formula conventions are the GPT layer of Korthikanti et
+/// al. whatever the family (their published tables are for GPT): for MoE, MLA, GeGLU or
+/// sandwich-norm models they are that paper's approximation, not the model's own tensors.
+pub fn layer_acts(
+    m: &ModelSpec,
+    r: &Recipe,
+    l: &Layout,
+    conv: Convention,
+    moe_layer: bool,
+) -> LayerActs {
     let d = Dims::new(r, l);
     match conv {
         Convention::Ferrotron => match m.family {
             Family::Gpt2 => gpt2_layer(m, r, &d),
-            _ => llama_layer(m, r, &d),
+            _ => decoder_layer(m, r, &d, moe_layer),
         },
         _ => {
             let held = korthikanti_layer(m.hidden, m.heads, &d, r.recompute);
@@ -142,57 +176,148 @@ pub fn layer_acts(m: &ModelSpec, r: &Recipe, l: &Layout, conv: Convention) -> La
     }
 }
 
-/// The ferrotron engine's Llama layer (crates/engine model/llama.rs keeps the same names).
-/// Policies:
-/// - none: every tensor below;
-/// - selective: drop the cheap, large ones (both RMSNorm outputs, recomputed from the saved
-///   input/resid_mid and rstd; the SwiGLU product, recomputed from gate and up) and keep the
-///   expensive matmul and attention outputs;
-/// - full: keep only each layer's input; replay the layer's forward in its backward.
-fn llama_layer(m: &ModelSpec, r: &Recipe, d: &Dims) -> LayerActs {
+/// The gated MLP's product of model `m`: SwiGLU, or GeGLU (Gemma).
+fn gated_product(m: &ModelSpec) -> LayerTensor {
+    match m.mlp_act {
+        MlpAct::GeGlu => LayerTensor::Geglu,
+        _ => LayerTensor::Swiglu,
+    }
+}
+
+/// A layer tensor the table does not have: one a family adds to the Llama layer. Kept under no
+/// and selective recomputation, rebuilt under full; `grad` names its gradient scratch.
+struct Extra {
+    act: Act,
+    grad: Option<&'static str>,
+}
+
+fn extra(name: &'static str, dtype: DType, numel: u64, grad: Option<&'static str>) -> Extra {
+    Extra {
+        act: act(name, dtype, numel),
+        grad,
+    }
+}
+
+/// What a family adds to the table's layer, by the table tensor it follows.
+fn extras_after(
+    m: &ModelSpec,
+    r: &Recipe,
+    d: &Dims,
+    moe_layer: bool,
+    t: LayerTensor,
+) -> Vec<Extra> {
     let st = r.precision.storage();
-    // fp8: the CPU engine quantises GEMM inputs on the fly from their bf16 storage (inside its
-    // GEMM workspace), so activations stay bf16: fp8 changes the numerics, not the memory.
-    // A GPU engine that saves the fp8 casts for the weight-gradient GEMMs would use F8 here.
-    let gemm_in = st;
-    let (n, t, ss) = (d.n(), d.t, d.seq_shard());
-    let c = m.hidden;
-    let mut all = vec![
-        act("input", st, n * c / ss),
-        act("ln1_rstd", DType::F32, n / ss),
-        act("ln1_out", gemm_in, n * c / ss),
-        act("q", st, n * m.q_dim() / t),
-        act("k", st, n * m.kv_dim() / t),
-        act("v", st, n * m.kv_dim() / t),
-        act("attn_lse", DType::F32, n * m.heads / t),
-        act("attn_out", gemm_in, n * m.q_dim() / t),
-        act("resid_mid", st, n * c / ss),
-        act("ln2_rstd", DType::F32, n / ss),
-        act("ln2_out", gemm_in, n * c / ss),
-    ];
-    match m.moe {
-        None => {
-            let f = m.intermediate.div_ceil(t);
-            all.push(act("gate", st, n * f));
-            all.push(act("up", st, n * f));
-            all.push(act("swiglu", gemm_in, n * f));
+    let (n, tp, ss, c) = (d.n(), d.t, d.seq_shard(), m.hidden);
+    let kv_t = m.kv_heads_tp(tp);
+    let mut out = vec![];
+    match t {
+        LayerTensor::Ln1Out => {
+            if let Some(mla) = m.mla {
+                // MLA as trained (DeepSeek-V2 §2.1.2, without the inference-time absorption):
+                // the down projections run replicated on the whole (all-gathered) sequence, so
+                // their outputs are [N, rank] on every tp rank; each latent is RMS-normed before
+                // its up projection (kept: the norm's input and rstd; its output is the
+                // up-GEMM's input).
+                if mla.q_lora_rank > 0 {
+                    out.push(extra("q_a", st, n * mla.q_lora_rank, Some("grad.act.q_a")));
+                    out.push(extra("q_a_rstd", DType::F32, n, None));
+                    out.push(extra("q_a_norm_out", st, n * mla.q_lora_rank, None));
+                }
+                let kv_a = n * (mla.kv_lora_rank + mla.qk_rope_head_dim);
+                out.push(extra("kv_a", st, kv_a, Some("grad.act.kv_a")));
+                out.push(extra("kv_a_rstd", DType::F32, n, None));
+                out.push(extra("kv_a_norm_out", st, n * mla.kv_lora_rank, None));
+            } else if m.qk_norm {
+                // Qwen3: the q/k projections' outputs feed a per-head RMSNorm (kept with its
+                // rstd) whose output is rotated into q and k.
+                out.push(extra("q_pre", st, n * m.q_dim() / tp, None));
+                out.push(extra("q_rstd", DType::F32, n * m.heads / tp, None));
+                out.push(extra("k_pre", st, n * kv_t * m.head_dim, None));
+                out.push(extra("k_rstd", DType::F32, n * kv_t, None));
+            }
         }
-        Some(moe) => {
-            // Balanced routing assumed: each rank of the ep group processes n·top_k routed
-            // token copies on its local experts.
-            let (e, k) = (moe.num_experts, moe.top_k);
-            let f = m.intermediate.div_ceil(t);
-            let routed = n * k;
-            all.push(act("router_logits", DType::F32, n * e / ss));
-            all.push(act("router_weights", DType::F32, n * k / ss));
-            all.push(act("router_index", DType::U32, n * k / ss));
-            all.push(act("expert_in", gemm_in, routed * c));
-            all.push(act("gate", st, routed * f));
-            all.push(act("up", st, routed * f));
-            all.push(act("swiglu", gemm_in, routed * f));
+        // Gemma-2: the attention output (after o_proj) is normed before the residual add.
+        LayerTensor::AttnOut if m.sandwich_norm => {
+            out.push(extra("attn_proj", st, n * c / ss, None));
+            out.push(extra("post_attn_rstd", DType::F32, n / ss, None));
+        }
+        LayerTensor::Swiglu | LayerTensor::Geglu => {
+            if let Some(moe) = m.moe.filter(|_| moe_layer) {
+                // A shared expert sees every token.
+                if moe.shared_intermediate > 0 {
+                    let f = moe.shared_intermediate.div_ceil(tp);
+                    out.push(extra(
+                        "shared.gate",
+                        st,
+                        n * f,
+                        Some("grad.act.shared.gate"),
+                    ));
+                    out.push(extra("shared.up", st, n * f, Some("grad.act.shared.up")));
+                    let product = Some("grad.act.shared.swiglu");
+                    out.push(extra("shared.swiglu", st, n * f, product));
+                }
+                if moe.shared_gate {
+                    // Qwen2-MoE: sigmoid(shared_expert_gate(x)) scales the shared expert.
+                    out.push(extra("shared.score", DType::F32, n / ss, None));
+                }
+            }
+            if m.sandwich_norm {
+                out.push(extra("mlp_proj", st, n * c / ss, None));
+                out.push(extra("post_mlp_rstd", DType::F32, n / ss, None));
+            }
+        }
+        _ => {}
+    }
+    out
+}
+
+/// A decoder layer's tensors in forward order: the table's (`tensors::LayerTensor`, the
+/// Llama layer the engine runs) with what the family adds, and whether the recompute policy
+/// keeps each. The table's policies: none keeps all; selective drops the cheap, large ones
+/// (the RMSNorm outputs, the gated product, the routed copies) and keeps the matmul and
+/// attention outputs; full keeps only the layer's input and replays its forward in its
+/// backward.
+fn layer_tensors(m: &ModelSpec, r: &Recipe, d: &Dims, moe_layer: bool) -> Vec<(bool, Extra)> {
+    let (st, td) = (r.precision.storage(), d.table(m, r, moe_layer));
+    let rc = r.recompute;
+    let product = gated_product(m);
+    let mut out = vec![];
+    for t in LayerTensor::of_layer(moe_layer) {
+        let t = if t == LayerTensor::Swiglu { product } else { t };
+        let s = t.shape();
+        let grad = Edge::grad_of(t).map(Edge::name);
+        let e = extra(t.name(), s.elems.dtype(st), s.numel(&td), grad);
+        out.push((t.kept_by(rc), e));
+        let kept = rc != Recompute::Full;
+        out.extend(
+            extras_after(m, r, d, moe_layer, t)
+                .into_iter()
+                .map(|e| (kept, e)),
+        );
+    }
+    out
+}
+
+/// The ferrotron engine's decoder layer (crates/engine model/llama.rs runs the Llama layer
+/// of the table; the other families extend it with their own tensors).
+///
+/// fp8: the CPU engine quantises GEMM inputs on the fly from their bf16 storage (inside its
+/// GEMM workspace), so activations stay bf16: fp8 changes the numerics, not the memory. A GPU
+/// engine that saves the fp8 casts for the weight-gradient GEMMs would use F8 for ln1_out,
+/// attn_out, ln2_out and the gated product.
+fn decoder_layer(m: &ModelSpec, r: &Recipe, d: &Dims, moe_layer: bool) -> LayerActs {
+    let mut acts = LayerActs::default();
+    for (kept, e) in layer_tensors(m, r, d, moe_layer) {
+        if kept {
+            acts.saved.push(e.act);
+        } else {
+            acts.recompute.push(Act {
+                category: Category::Workspace,
+                ..e.act
+            });
         }
     }
-    split_policy(all, r.recompute)
+    acts
 }
 
 /// GPT-2 block as the ferrotron engine would hold it (LayerNorm saves mean and rstd).
@@ -213,119 +338,95 @@ fn gpt2_layer(m: &ModelSpec, r: &Recipe, d: &Dims) -> LayerActs {
         act("fc", st, n * f),
         act("gelu", st, n * f),
     ];
-    split_policy(all, r.recompute)
-}
-
-/// Splits a layer's full inventory into saved and recomputed parts for a policy.
-fn split_policy(all: Vec<Act>, rc: Recompute) -> LayerActs {
-    let (saved, mut recompute): (Vec<Act>, Vec<Act>) =
-        all.into_iter().partition(|a| rc.keeps(a.name));
+    // Selective recomputation drops the norm outputs and the GELU output (cheap to rebuild).
+    let keeps = |a: &Act| match r.recompute {
+        Recompute::None => true,
+        Recompute::Selective => !matches!(a.name, "ln1_out" | "ln2_out" | "gelu"),
+        Recompute::Full => a.name == "input",
+    };
+    let (saved, mut recompute): (Vec<Act>, Vec<Act>) = all.into_iter().partition(keeps);
     for a in &mut recompute {
         a.category = Category::Workspace;
     }
     LayerActs { saved, recompute }
 }
 
+/// The activation gradients one layer's backward needs at once, reused by every layer
+/// (ferrotron convention): the gradient of each matmul output the layer keeps.
+fn grad_scratch(m: &ModelSpec, r: &Recipe, d: &Dims, moe_layer: bool) -> Vec<Act> {
+    let st = r.precision.storage();
+    let (n, c) = (d.n(), m.hidden);
+    let ws = |name, numel| Act {
+        name,
+        dtype: st,
+        numel,
+        category: Category::Workspace,
+    };
+    if m.family == Family::Gpt2 {
+        let (t, f) = (d.t, m.intermediate.div_ceil(d.t));
+        return vec![
+            ws(Edge::GradLnOut.name(), n * c),
+            ws(Edge::GradQ.name(), n * m.q_dim() / t),
+            ws(Edge::GradK.name(), n * m.kv_dim() / t),
+            ws(Edge::GradV.name(), n * m.kv_dim() / t),
+            ws(Edge::GradAttnOut.name(), n * m.q_dim() / t),
+            ws("grad.act.fc", n * f),
+            ws("grad.act.gelu", n * f),
+        ];
+    }
+    let td = d.table(m, r, moe_layer);
+    let mut out = vec![ws(
+        Edge::GradLnOut.name(),
+        Edge::GradLnOut.shape().numel(&td),
+    )];
+    for (_, e) in layer_tensors(m, r, d, moe_layer) {
+        if let Some(name) = e.grad {
+            out.push(ws(name, e.act.numel));
+        }
+    }
+    out
+}
+
 /// Activations outside the layers and the backward scratch, per micro-batch.
 pub fn edge_acts(m: &ModelSpec, r: &Recipe, l: &Layout, conv: Convention) -> EdgeActs {
     let d = Dims::new(r, l);
-    let (n, t, ss, c) = (d.n(), d.t, d.seq_shard(), m.hidden);
+    let (t, ss, c) = (d.t, d.seq_shard(), m.hidden);
     let other = Category::OtherActivations;
     match conv {
         Convention::Ferrotron => {
-            let st = r.precision.storage();
-            let chunk = n.min(r.ce_chunk_tokens);
-            let v = m.vocab.div_ceil(t);
-            let ws = |name, dt, numel| Act {
-                name,
-                dtype: dt,
-                numel,
-                category: Category::Workspace,
+            let (st, td) = (r.precision.storage(), d.table(m, r, false));
+            let buf = |e: Edge, category| Act {
+                name: e.name(),
+                dtype: e.shape().elems.dtype(st),
+                numel: e.shape().numel(&td),
+                category,
             };
-            let mut rest = vec![
-                ws("grad.act.ln_out", st, n * c),
-                ws("grad.act.q", st, n * m.q_dim() / t),
-                ws("grad.act.k", st, n * m.kv_dim() / t),
-                ws("grad.act.v", st, n * m.kv_dim() / t),
-                ws("grad.act.attn_out", st, n * m.q_dim() / t),
-            ];
-            let f = m.intermediate.div_ceil(t);
-            let routed = n * m.moe.map_or(1, |moe| moe.top_k);
-            if m.family == Family::Gpt2 {
-                rest.push(ws("grad.act.fc", st, n * f));
-                rest.push(ws("grad.act.gelu", st, n * f));
-            } else {
-                rest.push(ws("grad.act.gate", st, routed * f));
-                rest.push(ws("grad.act.up", st, routed * f));
-                rest.push(ws("grad.act.swiglu", st, routed * f));
-            }
-            let half = m.head_dim / 2;
+            let ws = Category::Workspace;
+            // The activation gradients of the layer kind that needs the most bytes.
+            let rest = [false, true]
+                .into_iter()
+                .filter(|&moe| (0..m.layers).any(|i| m.is_moe_layer(i) == moe))
+                .map(|moe| grad_scratch(m, r, &d, moe))
+                .max_by_key(|acts| acts.iter().map(|a| a.numel * a.dtype.bytes()).sum::<u64>())
+                .unwrap_or_default();
             EdgeActs {
                 // The trainer's batch buffers and the engine's RoPE cos/sin tables.
                 persistent: vec![
-                    Act {
-                        name: "data.tokens",
-                        dtype: DType::U32,
-                        numel: n,
-                        category: other,
-                    },
-                    Act {
-                        name: "data.targets",
-                        dtype: DType::U32,
-                        numel: n,
-                        category: other,
-                    },
-                    Act {
-                        name: "rope.cos",
-                        dtype: DType::F32,
-                        numel: m.max_positions * half,
-                        category: Category::Workspace,
-                    },
-                    Act {
-                        name: "rope.sin",
-                        dtype: DType::F32,
-                        numel: m.max_positions * half,
-                        category: Category::Workspace,
-                    },
+                    buf(Edge::DataTokens, other),
+                    buf(Edge::DataTargets, other),
+                    buf(Edge::RopeCos, ws),
+                    buf(Edge::RopeSin, ws),
                 ],
                 embedding: vec![],
                 head: vec![
-                    Act {
-                        name: "act.final_norm.input",
-                        dtype: st,
-                        numel: n * c / ss,
-                        category: other,
-                    },
-                    Act {
-                        name: "act.final_norm.rstd",
-                        dtype: DType::F32,
-                        numel: n / ss,
-                        category: other,
-                    },
-                    Act {
-                        name: "act.final_norm.out",
-                        dtype: st,
-                        numel: n * c,
-                        category: other,
-                    },
+                    buf(Edge::FinalNormInput, other),
+                    buf(Edge::FinalNormRstd, other),
+                    buf(Edge::FinalNormOut, other),
                 ],
                 // The LM head runs chunk by chunk at the end of the forward: logits, loss and
                 // their gradient in place, then dW_head and d(final norm out) (as llm.c).
-                loss_transient: vec![
-                    Act {
-                        name: "act.logits_chunk",
-                        dtype: DType::F32,
-                        numel: chunk * v,
-                        category: other,
-                    },
-                    Act {
-                        name: "act.losses",
-                        dtype: DType::F32,
-                        numel: n,
-                        category: other,
-                    },
-                ],
-                scratch_first: vec![ws("grad.act.resid", st, n * c / ss)],
+                loss_transient: vec![buf(Edge::LogitsChunk, other), buf(Edge::Losses, other)],
+                scratch_first: vec![buf(Edge::GradResid, ws)],
                 scratch_rest: rest,
             }
         }

@@ -60,6 +60,7 @@ pub struct Settings {
     pub sp: Option<bool>,
     pub pp_schedule: Option<String>,
     pub pp_virtual: Option<u64>,
+    pub pp_layers: Option<String>,
     pub offload: Option<String>,
     pub gpu: Option<String>,
     pub gpus_per_node: Option<u64>,
@@ -292,6 +293,7 @@ impl Settings {
             sp: self.sp,
             pp_schedule: self.pp_schedule.clone(),
             pp_virtual: self.pp_virtual,
+            pp_layers: self.pp_layers.clone(),
             offload: self.offload.clone(),
         }
         .resolve()?;

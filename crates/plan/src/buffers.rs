@@ -29,12 +29,14 @@ pub fn largest_unit(tensors: &[Tensor], tp: u64, on_stage: impl Fn(Placement) ->
     units.values().copied().max().unwrap_or(0)
 }
 
+#[allow(clippy::too_many_arguments)]
 pub fn comm_buffers(
     m: Option<&ModelSpec>,
     r: &Recipe,
     l: &Layout,
     unit: u64,
     bucket_bytes: u64,
+    rank_params: u64,
     conv: Convention,
 ) -> Vec<CommBuf> {
     let st = r.precision.storage();
@@ -54,7 +56,8 @@ pub fn comm_buffers(
     // ZeRO-3 and parameter offload gather one unit at a time and prefetch the next
     // (Rajbhandari et al. 2020 §5.3; DeepSpeed's prefetch), and hold one unit of full
     // gradients before its reduce-scatter.
-    if l.zero >= 3 || l.offload == Offload::Params {
+    // (With pipelining a ZeRO-3 stage holds all its parameters for the step instead: states.rs.)
+    if (l.zero >= 3 && l.pp == 1) || l.offload == Offload::Params {
         add("zero3.gathered_params", st, 2 * unit, cb, true);
         add("zero3.unsharded_grads", st, unit, cb, false);
     }
@@ -62,6 +65,12 @@ pub fn comm_buffers(
     // communication with the backward (PyTorch DDP's default bucket_cap_mb = 25).
     if l.zero == 2 && l.dense_replicas() > 1 {
         add("zero2.grad_buckets", DType::U8, 2 * bucket_bytes, cb, false);
+    }
+    // ferrotron's data parallelism without ZeRO all-reduces gradients in f32 buckets, two in
+    // flight, each at most the rank's gradients (`crates/train/src/data_parallel.rs`).
+    if conv == Convention::Ferrotron && l.zero < 2 && l.dense_replicas() > 1 {
+        let len = (bucket_bytes / 4).clamp(1, rank_params.max(1));
+        add("dp.grad_buckets", DType::F32, 2 * len, cb, false);
     }
     let Some(m) = m else { return out };
     let d = Dims::new(r, l);
@@ -83,7 +92,9 @@ pub fn comm_buffers(
     }
     // Ring attention receives the next K and V chunk while computing on the current one.
     if l.cp > 1 {
-        add("cp.kv_ring", st, 2 * 2 * n * m.kv_dim() / l.tp, cb, true);
+        let kv_t = m.kv_heads_tp(l.tp);
+        let kv = n * kv_t * (m.head_dim + m.v_head_dim);
+        add("cp.kv_ring", st, 2 * kv, cb, true);
     }
     // Expert parallelism: all-to-all dispatch and combine buffers of the routed tokens.
     if let (Some(moe), true) = (m.moe, l.ep > 1) {

@@ -34,7 +34,7 @@ pub enum PlanError {
         problem: String,
     },
     /// The config names an architecture the planner does not model.
-    #[error("{}: model_type `{}` is not supported (supported: llama, mistral, qwen2, mixtral, gpt2)", one_line(.source_name), one_line(.value))]
+    #[error("{}: model_type `{}` is not supported (supported: {})", one_line(.source_name), one_line(.value), crate::model::SUPPORTED)]
     UnsupportedModel { source_name: String, value: String },
     /// A training or layout setting is invalid for this model.
     #[error("{} = {}: {}", one_line(.field), one_line(.value), one_line(.problem))]

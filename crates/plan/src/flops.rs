@@ -18,7 +18,7 @@ use std::str::FromStr;
 /// Model FLOPs per token at sequence length `seq`, causal attention.
 pub fn model_flops_per_token(m: &ModelSpec, seq: u64) -> f64 {
     let p = count(m, &inventory(m));
-    6.0 * p.matmul_active as f64 + 6.0 * (m.layers * seq * m.q_dim()) as f64
+    6.0 * p.matmul_active as f64 + 6.0 * m.layers as f64 * seq as f64 * m.score_width()
 }
 
 /// Forward FLOPs per token (a third of the model FLOPs), used to add recomputation to HFU.
@@ -128,13 +128,12 @@ pub fn flops_per_token_with(
     c: FlopsConvention,
 ) -> f64 {
     let p = count(m, tensors);
-    let (l, s, q) = (m.layers as f64, seq as f64, m.q_dim() as f64);
+    // Attention-score width a·d (MLA: a·(d_qk + d_v)/2, see `ModelSpec::score_width`).
+    let (l, s, q) = (m.layers as f64, seq as f64, m.score_width());
     // Parameters of the experts a token is not routed to (MoE): excluded from "active".
     let inactive = (p.total - p.active) as f64;
     match c {
-        FlopsConvention::Ferrotron => {
-            6.0 * p.matmul_active as f64 + 6.0 * (m.layers * seq * m.q_dim()) as f64
-        }
+        FlopsConvention::Ferrotron => 6.0 * p.matmul_active as f64 + 6.0 * l * s * q,
         FlopsConvention::Torchtitan => {
             let emb: u64 = tensors
                 .iter()
@@ -152,8 +151,18 @@ pub fn flops_per_token_with(
             let h = m.hidden as f64;
             let a = m.heads as f64;
             let g = m.kv_heads as f64;
-            let f = m.intermediate as f64;
-            let k = m.moe.map_or(1.0, |moe| moe.top_k as f64);
+            // The MLP width a token sees, averaged over the layers: f for a dense layer,
+            // top_k × expert width + shared width for a MoE layer (Megatron-LM's
+            // `moe_ffn_hidden_size · topk + shared_expert_ffn_hidden_size`, with
+            // `moe_layer_freq`'s dense layers at ffn_hidden_size). MLA attention is costed
+            // with the GQA term at a = kv heads and a·d = `score_width` (an approximation of
+            // Megatron's MLA branch).
+            let moe_layers = (0..m.layers).filter(|&i| m.is_moe_layer(i)).count() as f64;
+            let moe_width = m.moe.map_or(0.0, |moe| {
+                (moe.expert_intermediate * moe.top_k + moe.shared_intermediate) as f64
+            });
+            let f = (moe_layers * moe_width + (l - moe_layers) * m.intermediate as f64) / l;
+            let k = 1.0;
             let gated = if m.family == Family::Gpt2 { 1.0 } else { 1.5 };
             let v = m.vocab as f64;
             12.0 * l

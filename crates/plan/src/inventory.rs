@@ -21,6 +21,15 @@ pub enum TpSplit {
     Replicated,
     /// Split along dimension `0` or `1` of the stored shape.
     Dim(usize),
+    /// Column-parallel by attention heads along dimension 0: the first `q_rows` rows (query
+    /// heads) split evenly; the rest are `kv_heads` equal key/value head groups, split evenly
+    /// while tp ≤ kv_heads and replicated beyond, each rank then holding one whole head (vLLM
+    /// `QKVParallelLinear`: `num_kv_head_replicas = tp_size / total_num_kv_heads`). k_proj and
+    /// v_proj have `q_rows = 0`; Phi-3's fused `qkv_proj` has `q_rows = heads × head_dim`.
+    Heads {
+        q_rows: u64,
+        kv_heads: u64,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -29,7 +38,7 @@ pub struct Tensor {
     pub shape: Vec<u64>,
     pub placement: Placement,
     pub tp: TpSplit,
-    /// `Some(e)` for the weights of expert `e` of a mixture-of-experts MLP.
+    /// `Some(e)` for the weights of routed expert `e` of a mixture-of-experts MLP.
     pub expert: Option<u64>,
     /// True for weights used as a matmul operand (for FLOP counting; the embedding lookup
     /// is a gather, not a matmul, and biases and norms are elementwise).
@@ -41,19 +50,22 @@ impl Tensor {
         self.shape.iter().product()
     }
 
-    /// Elements held by one tensor-parallel rank of `tp` (ceil for dimensions that do not divide,
-    /// e.g. a vocabulary; Megatron pads those).
-    pub fn numel_tp(&self, tp: u64) -> u64 {
+    /// Length of dimension `d` on one tensor-parallel rank of `tp` (ceil for dimensions that
+    /// do not divide, e.g. a vocabulary; Megatron pads those).
+    pub fn dim_tp(&self, d: usize, tp: u64) -> u64 {
+        let s = self.shape[d];
         match self.tp {
-            TpSplit::Replicated => self.numel(),
-            TpSplit::Dim(d) => {
-                let mut n = 1;
-                for (i, &s) in self.shape.iter().enumerate() {
-                    n *= if i == d { s.div_ceil(tp) } else { s };
-                }
-                n
+            TpSplit::Dim(x) if x == d => s.div_ceil(tp),
+            TpSplit::Heads { q_rows, kv_heads } if d == 0 => {
+                q_rows.div_ceil(tp) + (s - q_rows) / kv_heads * kv_heads.div_ceil(tp)
             }
+            _ => s,
         }
+    }
+
+    /// Elements held by one tensor-parallel rank of `tp`.
+    pub fn numel_tp(&self, tp: u64) -> u64 {
+        (0..self.shape.len()).map(|d| self.dim_tp(d, tp)).product()
     }
 }
 
@@ -76,28 +88,59 @@ impl Builder {
             matmul,
         });
     }
+
+    /// A linear layer's weight, and its bias when `bias` (a column-parallel bias splits with
+    /// the output, a row-parallel one is replicated).
+    fn linear(&mut self, name: &str, shape: [u64; 2], p: Placement, tp: TpSplit, bias: bool) {
+        self.push(format!("{name}.weight"), &shape, p, tp);
+        if bias {
+            let bias_split = if tp == ROW { REP } else { tp };
+            self.push(format!("{name}.bias"), &[shape[0]], p, bias_split);
+        }
+    }
+
+    /// A gated MLP (`gate_proj`, `up_proj`, `down_proj` of width `f`) under `prefix`.
+    fn gated_mlp(&mut self, prefix: &str, c: u64, f: u64, p: Placement, bias: bool) {
+        for (proj, shape, split) in [
+            ("gate_proj", [f, c], COL),
+            ("up_proj", [f, c], COL),
+            ("down_proj", [c, f], ROW),
+        ] {
+            self.linear(&format!("{prefix}.{proj}"), shape, p, split, bias);
+        }
+    }
+
+    fn norm(&mut self, name: String, width: u64, p: Placement) {
+        self.push(name, &[width], p, REP);
+    }
+
+    /// Marks the tensors pushed since `from` as routed expert `e`'s.
+    fn mark_expert(&mut self, from: usize, e: u64) {
+        for t in &mut self.tensors[from..] {
+            t.expert = Some(e);
+        }
+    }
 }
 
 const COL: TpSplit = TpSplit::Dim(0);
 const ROW: TpSplit = TpSplit::Dim(1);
 const REP: TpSplit = TpSplit::Replicated;
 
-/// Builds the inventory in HF order and naming (`model.layers.{i}....` for the Llama family,
-/// `transformer.h.{i}....` for GPT-2).
+/// Builds the inventory in HF order and naming (`model.layers.{i}....` for the Llama-like
+/// families and DeepSeek, `transformer.h.{i}....` for GPT-2).
 pub fn inventory(m: &ModelSpec) -> Vec<Tensor> {
     let mut b = Builder {
         tensors: Vec::new(),
     };
     match m.family {
-        Family::Llama | Family::Mixtral => llama_family(m, &mut b),
         Family::Gpt2 => gpt2(m, &mut b),
+        _ => decoder(m, &mut b),
     }
     b.tensors
 }
 
-fn llama_family(m: &ModelSpec, b: &mut Builder) {
-    let (c, f, v) = (m.hidden, m.intermediate, m.vocab);
-    let (q, kv) = (m.q_dim(), m.kv_dim());
+fn decoder(m: &ModelSpec, b: &mut Builder) {
+    let (c, v) = (m.hidden, m.vocab);
     b.push(
         "model.embed_tokens.weight".into(),
         &[v, c],
@@ -106,81 +149,168 @@ fn llama_family(m: &ModelSpec, b: &mut Builder) {
     );
     for i in 0..m.layers {
         let p = Placement::Layer(i);
-        let at = format!("model.layers.{i}.self_attn");
-        b.push(format!("{at}.q_proj.weight"), &[q, c], p, COL);
-        if m.qkv_bias {
-            b.push(format!("{at}.q_proj.bias"), &[q], p, COL);
+        let layer = format!("model.layers.{i}");
+        attention(m, b, &format!("{layer}.self_attn"), p);
+        if m.is_moe_layer(i) {
+            moe_mlp(m, b, &layer, p);
+        } else {
+            dense_mlp(m, b, &format!("{layer}.mlp"), p);
         }
-        b.push(format!("{at}.k_proj.weight"), &[kv, c], p, COL);
-        if m.qkv_bias {
-            b.push(format!("{at}.k_proj.bias"), &[kv], p, COL);
+        b.norm(format!("{layer}.input_layernorm.weight"), c, p);
+        b.norm(format!("{layer}.post_attention_layernorm.weight"), c, p);
+        if m.sandwich_norm {
+            // Gemma2DecoderLayer: post_attention_layernorm normalises the attention output;
+            // the MLP has its own pre_ and post_feedforward_layernorm.
+            b.norm(format!("{layer}.pre_feedforward_layernorm.weight"), c, p);
+            b.norm(format!("{layer}.post_feedforward_layernorm.weight"), c, p);
         }
-        b.push(format!("{at}.v_proj.weight"), &[kv, c], p, COL);
-        if m.qkv_bias {
-            b.push(format!("{at}.v_proj.bias"), &[kv], p, COL);
+    }
+    b.norm("model.norm.weight".into(), c, Placement::Head);
+    if !m.tie_embeddings {
+        b.push("lm_head.weight".into(), &[v, c], Placement::Head, COL);
+    }
+}
+
+fn attention(m: &ModelSpec, b: &mut Builder, at: &str, p: Placement) {
+    let c = m.hidden;
+    let (q, kv) = (m.q_dim(), m.kv_dim());
+    let kv_split = |q_rows| TpSplit::Heads {
+        q_rows,
+        kv_heads: m.kv_heads,
+    };
+    if let Some(mla) = m.mla {
+        // DeepseekV2Attention. TP as Megatron-Core's MLASelfAttention: the down projections
+        // (q_a, kv_a) and their norms replicated, the up projections column-parallel by head,
+        // o_proj row-parallel.
+        if mla.q_lora_rank > 0 {
+            let r = mla.q_lora_rank;
+            b.linear(&format!("{at}.q_a_proj"), [r, c], p, REP, false);
+            b.norm(format!("{at}.q_a_layernorm.weight"), r, p);
+            b.linear(&format!("{at}.q_b_proj"), [q, r], p, COL, false);
+        } else {
+            b.linear(&format!("{at}.q_proj"), [q, c], p, COL, false);
         }
-        b.push(format!("{at}.o_proj.weight"), &[c, q], p, ROW);
-        if m.o_bias {
-            b.push(format!("{at}.o_proj.bias"), &[c], p, REP);
-        }
-        match m.moe {
-            None => {
-                let mlp = format!("model.layers.{i}.mlp");
-                for (proj, shape, split) in [
-                    ("gate_proj", [f, c], COL),
-                    ("up_proj", [f, c], COL),
-                    ("down_proj", [c, f], ROW),
-                ] {
-                    b.push(format!("{mlp}.{proj}.weight"), &shape, p, split);
-                    if m.mlp_bias {
-                        let bias_split = if split == COL { COL } else { REP };
-                        b.push(format!("{mlp}.{proj}.bias"), &[shape[0]], p, bias_split);
-                    }
-                }
-            }
-            Some(moe) => {
-                // MixtralSparseMoeBlock: a router `gate` and experts with w1 (gate), w3 (up),
-                // w2 (down), no biases.
-                let moe_name = format!("model.layers.{i}.block_sparse_moe");
-                b.push(
-                    format!("{moe_name}.gate.weight"),
-                    &[moe.num_experts, c],
-                    p,
-                    REP,
-                );
-                for e in 0..moe.num_experts {
-                    for (w, shape, split) in [
-                        ("w1", [f, c], COL),
-                        ("w2", [c, f], ROW),
-                        ("w3", [f, c], COL),
-                    ] {
-                        b.push(
-                            format!("{moe_name}.experts.{e}.{w}.weight"),
-                            &shape,
-                            p,
-                            split,
-                        );
-                        b.tensors.last_mut().expect("just pushed").expert = Some(e);
-                    }
-                }
-            }
-        }
+        let kv_a = mla.kv_lora_rank + mla.qk_rope_head_dim;
+        b.linear(
+            &format!("{at}.kv_a_proj_with_mqa"),
+            [kv_a, c],
+            p,
+            REP,
+            false,
+        );
+        b.norm(format!("{at}.kv_a_layernorm.weight"), mla.kv_lora_rank, p);
+        let kv_b = m.heads * (mla.qk_nope_head_dim + m.v_head_dim);
+        b.linear(
+            &format!("{at}.kv_b_proj"),
+            [kv_b, mla.kv_lora_rank],
+            p,
+            COL,
+            false,
+        );
+    } else if m.family == Family::Phi3 {
+        // Phi3Attention stores q, k and v fused: qkv_proj [a·d + 2·kv·d, h].
+        b.linear(
+            &format!("{at}.qkv_proj"),
+            [q + 2 * kv, c],
+            p,
+            kv_split(q),
+            m.qkv_bias,
+        );
+    } else {
+        b.linear(&format!("{at}.q_proj"), [q, c], p, COL, m.qkv_bias);
+        b.linear(&format!("{at}.k_proj"), [kv, c], p, kv_split(0), m.qkv_bias);
+        b.linear(
+            &format!("{at}.v_proj"),
+            [m.v_dim(), c],
+            p,
+            kv_split(0),
+            m.qkv_bias,
+        );
+    }
+    b.linear(&format!("{at}.o_proj"), [c, m.o_dim()], p, ROW, m.o_bias);
+    if m.qk_norm {
+        // Qwen3Attention: RMSNorm over each head's head_dim, shared by the heads.
+        b.norm(format!("{at}.q_norm.weight"), m.head_dim, p);
+        b.norm(format!("{at}.k_norm.weight"), m.head_dim, p);
+    }
+}
+
+fn dense_mlp(m: &ModelSpec, b: &mut Builder, mlp: &str, p: Placement) {
+    let (c, f) = (m.hidden, m.intermediate);
+    if m.family == Family::Phi3 {
+        // Phi3MLP stores gate and up fused: gate_up_proj [2f, h].
+        b.linear(
+            &format!("{mlp}.gate_up_proj"),
+            [2 * f, c],
+            p,
+            COL,
+            m.mlp_bias,
+        );
+        b.linear(&format!("{mlp}.down_proj"), [c, f], p, ROW, m.mlp_bias);
+    } else {
+        b.gated_mlp(mlp, c, f, p, m.mlp_bias);
+    }
+}
+
+fn moe_mlp(m: &ModelSpec, b: &mut Builder, layer: &str, p: Placement) {
+    let moe = m.moe.expect("a MoE layer has a MoE spec");
+    let (c, f) = (m.hidden, moe.expert_intermediate);
+    if m.family == Family::Mixtral {
+        // MixtralSparseMoeBlock: a router `gate` and experts with w1 (gate), w2 (down),
+        // w3 (up), no biases.
+        let block = format!("{layer}.block_sparse_moe");
         b.push(
-            format!("model.layers.{i}.input_layernorm.weight"),
-            &[c],
+            format!("{block}.gate.weight"),
+            &[moe.num_experts, c],
             p,
             REP,
         );
+        for e in 0..moe.num_experts {
+            let from = b.tensors.len();
+            for (w, shape, split) in [
+                ("w1", [f, c], COL),
+                ("w2", [c, f], ROW),
+                ("w3", [f, c], COL),
+            ] {
+                b.push(format!("{block}.experts.{e}.{w}.weight"), &shape, p, split);
+            }
+            b.mark_expert(from, e);
+        }
+        return;
+    }
+    // Qwen2MoeSparseMoeBlock, Qwen3MoeSparseMoeBlock, DeepseekV2MoE/DeepseekV3MoE: router
+    // `gate`, experts with gate/up/down_proj, shared expert(s).
+    let mlp = format!("{layer}.mlp");
+    b.push(format!("{mlp}.gate.weight"), &[moe.num_experts, c], p, REP);
+    if moe.router_bias {
         b.push(
-            format!("model.layers.{i}.post_attention_layernorm.weight"),
-            &[c],
+            format!("{mlp}.gate.e_score_correction_bias"),
+            &[moe.num_experts],
             p,
             REP,
         );
     }
-    b.push("model.norm.weight".into(), &[c], Placement::Head, REP);
-    if !m.tie_embeddings {
-        b.push("lm_head.weight".into(), &[v, c], Placement::Head, COL);
+    for e in 0..moe.num_experts {
+        let from = b.tensors.len();
+        b.gated_mlp(&format!("{mlp}.experts.{e}"), c, f, p, false);
+        b.mark_expert(from, e);
+    }
+    if moe.shared_intermediate > 0 {
+        let shared = if m.family == Family::Deepseek {
+            "shared_experts"
+        } else {
+            "shared_expert"
+        };
+        b.gated_mlp(
+            &format!("{mlp}.{shared}"),
+            c,
+            moe.shared_intermediate,
+            p,
+            false,
+        );
+    }
+    if moe.shared_gate {
+        b.push(format!("{mlp}.shared_expert_gate.weight"), &[1, c], p, REP);
     }
 }
 
@@ -226,8 +356,8 @@ fn gpt2(m: &ModelSpec, b: &mut Builder) {
 }
 
 /// Parameter counts. `active` is, for a mixture of experts, the parameters one token's forward
-/// pass uses: everything except the `num_experts - top_k` experts it is not routed to, in every
-/// layer (the router included). For a dense model `active == total`.
+/// pass uses: everything except the `num_experts - top_k` routed experts it is not routed to, in
+/// every MoE layer (router, shared experts and dense layers included). For a dense model `active == total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct ParamCount {
     pub total: u64,

@@ -44,6 +44,12 @@ pub struct Layout {
     pub pp_schedule: PpSchedule,
     /// Model chunks per pipeline stage (only with the interleaved schedule).
     pub pp_virtual: u64,
+    /// Layers of each pipeline stage, first to last (`--pp-layers 7,8*14,7`); empty: L / p
+    /// each. Llama 3 405B ran 126 layers on 16 stages with one layer fewer on the first and
+    /// the last, which also hold the embedding and the LM head (Llama Team 2024, arXiv
+    /// 2407.21783 §3.3.2). A stage may hold 0 layers (an embedding- or head-only stage).
+    #[serde(default)]
+    pub pp_layers: Vec<u64>,
     pub offload: Offload,
 }
 
@@ -59,6 +65,7 @@ impl Default for Layout {
             sp: false,
             pp_schedule: PpSchedule::OneFOneB,
             pp_virtual: 1,
+            pp_layers: vec![],
             offload: Offload::None,
         }
     }
@@ -80,6 +87,25 @@ impl Layout {
     /// Ranks that hold replicas of one expert: dp × cp (the ep ranks hold different experts).
     pub fn expert_replicas(&self) -> u64 {
         self.dp * self.cp
+    }
+
+    /// The layers of model chunk `g` (of pp × pp_virtual; chunk g sits on stage g mod pp) for a
+    /// model of `layers` layers: L/(p·v) consecutive layers each, or the `pp_layers` split.
+    pub fn chunk_layers(&self, layers: u64, g: u64) -> std::ops::Range<u64> {
+        if self.pp_layers.is_empty() {
+            let per = layers / (self.pp * self.pp_virtual);
+            return g * per..(g + 1) * per;
+        }
+        let start: u64 = self.pp_layers[..g as usize].iter().sum();
+        start..start + self.pp_layers[g as usize]
+    }
+
+    /// Layers pipeline stage `stage` holds, over all its model chunks.
+    pub fn stage_layer_count(&self, layers: u64, stage: u64) -> u64 {
+        (0..self.pp_virtual)
+            .map(|c| self.chunk_layers(layers, c * self.pp + stage))
+            .map(|r| r.end - r.start)
+            .sum()
     }
 
     /// Sequences consumed per optimizer step across the whole job.
@@ -115,15 +141,6 @@ impl Layout {
                 "virtual stages need --pp-schedule interleaved",
             ));
         }
-        if self.zero >= 2 && self.pp > 1 {
-            // DeepSpeed rejects this pairing: gradients are sharded while micro-batches of the
-            // pipeline keep accumulating them.
-            return Err(PlanError::setting(
-                "zero",
-                self.zero,
-                "ZeRO-2/3 cannot be combined with pipeline parallelism (pp > 1); use --zero 1",
-            ));
-        }
         if !r.seq.is_multiple_of(self.cp) {
             return Err(PlanError::setting(
                 "cp",
@@ -139,19 +156,26 @@ impl Layout {
                 format!("must divide the {} attention heads", m.heads),
             ));
         }
-        if m.kv_heads % self.tp != 0 {
+        // tp ≤ kv heads: each rank holds kv/tp of them; tp > kv heads: each rank holds one,
+        // every head replicated tp/kv times (`ModelSpec::kv_heads_tp`).
+        if !m.kv_heads.is_multiple_of(self.tp) && !self.tp.is_multiple_of(m.kv_heads) {
             return Err(PlanError::setting(
                 "tp",
                 self.tp,
-                format!("must divide the {} key/value heads", m.kv_heads),
+                format!(
+                    "must divide the {} key/value heads or be a multiple of them (then each rank holds one replicated head)",
+                    m.kv_heads
+                ),
             ));
         }
-        if m.layers % (self.pp * self.pp_virtual) != 0 {
+        if !self.pp_layers.is_empty() {
+            self.validate_pp_layers(m.layers)?;
+        } else if m.layers % (self.pp * self.pp_virtual) != 0 {
             return Err(PlanError::setting(
                 "pp",
                 self.pp,
                 format!(
-                    "pp × pp_virtual = {} must divide the {} layers",
+                    "pp × pp_virtual = {} must divide the {} layers (or give each stage's layers with --pp-layers)",
                     self.pp * self.pp_virtual,
                     m.layers
                 ),
@@ -186,6 +210,70 @@ impl Layout {
         }
         Ok(())
     }
+}
+
+impl Layout {
+    fn validate_pp_layers(&self, layers: u64) -> Result<()> {
+        let list = || {
+            self.pp_layers
+                .iter()
+                .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        if self.pp_virtual > 1 {
+            return Err(PlanError::setting(
+                "pp_layers",
+                list(),
+                "an uneven split needs pp_virtual 1 (drop --pp-virtual or --pp-layers)",
+            ));
+        }
+        if self.pp_layers.len() as u64 != self.pp {
+            return Err(PlanError::setting(
+                "pp_layers",
+                list(),
+                format!(
+                    "gives {} stages but pp is {} (one layer count per stage, e.g. 7,8*14,7)",
+                    self.pp_layers.len(),
+                    self.pp
+                ),
+            ));
+        }
+        let sum: u64 = self.pp_layers.iter().sum();
+        if sum != layers {
+            return Err(PlanError::setting(
+                "pp_layers",
+                list(),
+                format!("adds up to {sum} layers but the model has {layers}"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Parses `--pp-layers`: comma-separated layer counts, `n*k` for k stages of n layers
+/// (`7,8*14,7` is 16 stages).
+pub fn parse_pp_layers(s: &str) -> Result<Vec<u64>> {
+    let bad = || {
+        PlanError::setting(
+            "pp_layers",
+            s,
+            "expected layer counts per stage separated by commas, n*k for k stages of n (e.g. 7,8*14,7)",
+        )
+    };
+    let mut out = vec![];
+    for part in s.split(',') {
+        let (n, k) = match part.trim().split_once('*') {
+            Some((n, k)) => (n.trim(), k.trim().parse::<u64>().map_err(|_| bad())?),
+            None => (part.trim(), 1),
+        };
+        let n: u64 = n.parse().map_err(|_| bad())?;
+        if k == 0 || k > 1 << 12 || out.len() as u64 + k > 1 << 12 {
+            return Err(bad());
+        }
+        out.extend(std::iter::repeat_n(n, k as usize));
+    }
+    Ok(out)
 }
 
 impl FromStr for PpSchedule {

@@ -42,6 +42,9 @@ pub struct LayoutFlags {
     /// Model chunks per stage for the interleaved schedule [default: 1].
     #[cfg_attr(feature = "cli", arg(long, allow_negative_numbers = true))]
     pub pp_virtual: Option<u64>,
+    /// Layers per pipeline stage, e.g. `7,8*14,7` (126 layers on 16 stages) [default: even].
+    #[cfg_attr(feature = "cli", arg(long, allow_negative_numbers = true))]
+    pub pp_layers: Option<String>,
     /// none | optimizer | params [default: none].
     #[cfg_attr(feature = "cli", arg(long, allow_negative_numbers = true))]
     pub offload: Option<String>,
@@ -69,6 +72,10 @@ impl LayoutFlags {
             sp: self.sp.unwrap_or(false),
             pp_schedule: parse(&self.pp_schedule, PpSchedule::OneFOneB)?,
             pp_virtual: self.pp_virtual.unwrap_or(1),
+            pp_layers: match &self.pp_layers {
+                Some(s) => crate::layout::parse_pp_layers(s)?,
+                None => vec![],
+            },
             offload: parse(&self.offload, Offload::None)?,
         })
     }
@@ -89,6 +96,7 @@ impl LayoutFlags {
             sp,
             pp_schedule,
             pp_virtual,
+            pp_layers,
             offload
         );
         self

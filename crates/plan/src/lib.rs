@@ -6,6 +6,7 @@
 
 pub mod activations;
 pub mod api;
+pub mod arena;
 pub mod buffers;
 pub mod cluster;
 pub mod comm;
@@ -25,6 +26,7 @@ pub mod report;
 pub mod schedule;
 pub mod search;
 pub mod states;
+pub mod tensors;
 pub mod time;
 pub mod timeline;
 pub mod verdict;

@@ -13,9 +13,12 @@ use crate::model::ModelSpec;
 use crate::recipe::Recipe;
 use crate::schedule::{order, simulated_micro_batches, Work};
 use crate::states::{add_states, RankElems};
+use crate::tensors::{Edge, LayerTensor, LAYER_PREFIX, WORKSPACE_PREFIX};
 use serde::Serialize;
 
 /// The model: a full architecture, or a bare parameter count (model states only).
+// One per plan, never held in bulk: boxing the spec would only add a pointer chase.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
 pub enum ModelSource {
     Spec(ModelSpec),
@@ -119,7 +122,8 @@ fn plan_impl(input: &PlanInput, extremes: bool) -> Result<PlanResult> {
             },
         ),
     };
-    let stages: Vec<u64> = if extremes && l.pp > 2 {
+    // An uneven split can load a middle stage most: then every stage is simulated.
+    let stages: Vec<u64> = if extremes && l.pp > 2 && l.pp_layers.is_empty() {
         vec![0, l.pp - 1]
     } else {
         (0..l.pp).collect()
@@ -140,13 +144,19 @@ fn plan_impl(input: &PlanInput, extremes: bool) -> Result<PlanResult> {
 }
 
 /// Which pipeline stage a tensor lives on. Model chunk g (of p·v) holds layers
-/// [g·L/(pv), (g+1)·L/(pv)) and sits on stage g mod p.
+/// [g·L/(pv), (g+1)·L/(pv)) (or the `pp_layers` split) and sits on stage g mod p.
 pub(crate) fn stage_of(p: Placement, m: &ModelSpec, l: &Layout) -> u64 {
     let chunks = l.pp * l.pp_virtual;
     match p {
         Placement::Embedding => 0,
         Placement::Head => l.pp - 1,
-        Placement::Layer(i) => (i / (m.layers / chunks)) % l.pp,
+        Placement::Layer(i) if l.pp_layers.is_empty() => (i / (m.layers / chunks)) % l.pp,
+        Placement::Layer(i) => {
+            (0..chunks)
+                .find(|&g| l.chunk_layers(m.layers, g).contains(&i))
+                .unwrap_or(0)
+                % l.pp
+        }
     }
 }
 
@@ -229,7 +239,16 @@ fn rank_plan(
     let unit = spec.map_or(0, |m| {
         largest_unit(tensors, l.tp, |p| stage_of(p, m, l) == stage)
     });
-    let comm = comm_buffers(spec, r, l, unit, input.bucket_bytes, conv);
+    let e = rank_elems(spec, tensors, l, stage, total);
+    let comm = comm_buffers(
+        spec,
+        r,
+        l,
+        unit,
+        input.bucket_bytes,
+        e.dense + e.expert,
+        conv,
+    );
     let mut comm_fwd = Vec::new();
     let mut comm_bwd = Vec::new();
     for c in &comm {
@@ -244,22 +263,30 @@ fn rank_plan(
     // Activation buffers (only with an architecture). A layer's `input` is split off: the
     // engine allocates it as the previous layer's output, at the end of that layer.
     let chunks = l.pp * l.pp_virtual;
-    let per_chunk = spec.map_or(0, |m| m.layers / chunks);
+    let layer_count = spec.map_or(0, |m| m.layers);
     let mut inputs: Vec<Vec<BufId>> = Vec::new();
     let mut rests: Vec<Vec<BufId>> = Vec::new();
-    let mut recompute_ids = vec![];
+    // Recompute workspace of each layer kind (dense MLP, MoE MLP), rebuilt during a layer's
+    // backward.
+    let mut recompute_ids: [Vec<BufId>; 2] = Default::default();
     // What a layer's forward holds transiently: under the ferrotron convention the tensors the
     // policy drops are computed into the same `recompute.*` workspace during the forward and
     // freed once the layer's output exists (the formula conventions count only what is kept).
-    let mut forward_transient = vec![];
+    let mut forward_transient: [Vec<BufId>; 2] = Default::default();
+    let mut kind = vec![];
     let mut e = EdgeIds::default();
     if let Some(m) = spec {
-        let la = layer_acts(m, r, l, conv);
+        let kinds = [false, true].map(|moe| layer_acts(m, r, l, conv, moe));
         for i in 0..m.layers {
+            let k = m.is_moe_layer(i) as usize;
+            kind.push(k);
             let here = stage_of(Placement::Layer(i), m, l) == stage;
-            let prefix = format!("act.layers.{i}.");
-            let (input, rest): (Vec<Act>, Vec<Act>) =
-                la.saved.iter().cloned().partition(|a| a.name == "input");
+            let prefix = format!("{LAYER_PREFIX}{i}.");
+            let (input, rest): (Vec<Act>, Vec<Act>) = kinds[k]
+                .saved
+                .iter()
+                .cloned()
+                .partition(|a| a.name == LayerTensor::Input.name());
             inputs.push(if here {
                 add_acts(&mut plan, &prefix, &input)
             } else {
@@ -271,7 +298,17 @@ fn rank_plan(
                 vec![]
             });
         }
-        recompute_ids = add_acts(&mut plan, "recompute.", &la.recompute);
+        for k in 0..2 {
+            if kind.contains(&k) {
+                // A model with both kinds of layers has a workspace for each.
+                let prefix = if k == 1 && kind.contains(&0) {
+                    format!("{WORKSPACE_PREFIX}moe.")
+                } else {
+                    WORKSPACE_PREFIX.to_string()
+                };
+                recompute_ids[k] = add_acts(&mut plan, &prefix, &kinds[k].recompute);
+            }
+        }
         if conv == Convention::Ferrotron {
             forward_transient = recompute_ids.clone();
         }
@@ -287,7 +324,7 @@ fn rank_plan(
                 .head
                 .iter()
                 .cloned()
-                .partition(|a| a.name == "act.final_norm.input");
+                .partition(|a| a.name == Edge::FinalNormInput.name());
             e.final_input = add_acts(&mut plan, "", &fin);
             e.head = add_acts(&mut plan, "", &head);
             e.loss = add_acts(&mut plan, "", &edge.loss_transient);
@@ -319,6 +356,7 @@ fn rank_plan(
         plan.mark(step, phase, "gradients allocated");
     };
     for step in 1..=2u32 {
+        plan.alloc(&states.per_step);
         for w in &work {
             match *w {
                 Work::F { mb, chunk } => {
@@ -331,16 +369,20 @@ fn rank_plan(
                         grads_allocated = true;
                     }
                     let g = chunk * l.pp + stage;
-                    let layers = g * per_chunk..(g + 1) * per_chunk;
+                    let layers = l.chunk_layers(layer_count, g);
                     if g == 0 {
                         plan.alloc(&e.embedding);
                     }
-                    if let Some(first) = inputs.get(layers.start as usize) {
+                    if let Some(first) = inputs
+                        .get(layers.start as usize)
+                        .filter(|_| !layers.is_empty())
+                    {
                         plan.alloc(first);
                     }
                     for i in layers.clone() {
+                        let k = kind[i as usize];
                         plan.alloc(&rests[i as usize]);
-                        plan.alloc(&forward_transient);
+                        plan.alloc(&forward_transient[k]);
                         if i + 1 < layers.end {
                             plan.alloc(&inputs[i as usize + 1]);
                         } else if g == chunks - 1 {
@@ -351,7 +393,7 @@ fn rank_plan(
                             Phase::Forward,
                             format!("step {step} mb {mb} forward layer {i}"),
                         );
-                        plan.free(&forward_transient);
+                        plan.free(&forward_transient[k]);
                     }
                     if g == chunks - 1 && spec.is_some() {
                         if layers.is_empty() {
@@ -378,9 +420,10 @@ fn rank_plan(
                         plan.free(&e.final_input);
                     }
                     plan.alloc(&e.scratch_rest);
-                    for i in (g * per_chunk..(g + 1) * per_chunk).rev() {
-                        plan.alloc(&recompute_ids);
-                        plan.free(&recompute_ids);
+                    for i in l.chunk_layers(layer_count, g).rev() {
+                        let k = kind[i as usize];
+                        plan.alloc(&recompute_ids[k]);
+                        plan.free(&recompute_ids[k]);
                         plan.free(&rests[i as usize]);
                         plan.free(&inputs[i as usize]);
                         plan.mark(
@@ -404,6 +447,7 @@ fn rank_plan(
                 }
             }
         }
+        plan.free(&states.per_step);
         if step == 1 {
             // Optimizer states are created by the first optimizer step (torch.optim is lazy).
             plan.alloc(&states.at_first_optimizer);

@@ -104,22 +104,6 @@ pub enum Recompute {
     Full,
 }
 
-/// What selective recomputation drops: the cheap, large tensors (norm outputs, the activation
-/// products, the MoE dispatch copy), rebuilt in the layer's backward without replaying a matmul.
-pub const SELECTIVE_DROPS: [&str; 5] = ["ln1_out", "ln2_out", "swiglu", "gelu", "expert_in"];
-
-impl Recompute {
-    /// Whether a layer keeps its tensor `name` for the backward under this policy. The one
-    /// definition of the policies: the planner's inventory and the engine both use it.
-    pub fn keeps(self, name: &str) -> bool {
-        match self {
-            Recompute::None => true,
-            Recompute::Selective => !SELECTIVE_DROPS.contains(&name),
-            Recompute::Full => name == "input",
-        }
-    }
-}
-
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Recipe {
     pub seq: u64,

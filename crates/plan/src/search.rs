@@ -246,6 +246,9 @@ pub fn search(spec: &SearchSpec) -> Result<SearchResult> {
                     let replicas = dp * cp * ep;
                     for &(sched, v) in &schedules {
                         for zero in 0..=3u8 {
+                            // ZeRO-2/3 under pipelining hold unsharded gradients (and ZeRO-3
+                            // unsharded parameters) for the whole step (states.rs): never a
+                            // lower peak than ZeRO-1, so the search skips them.
                             if (zero >= 2 && pp > 1) || (zero >= 1 && replicas == 1) {
                                 continue;
                             }
@@ -274,6 +277,7 @@ pub fn search(spec: &SearchSpec) -> Result<SearchResult> {
                                         sp: tp > 1,
                                         pp_schedule: sched,
                                         pp_virtual: v,
+                                        pp_layers: vec![],
                                         offload: Offload::None,
                                     };
                                     if x.layout.validate(Some(m), &x.recipe).is_err() {

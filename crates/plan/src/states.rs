@@ -21,6 +21,9 @@ pub struct StateBuffers {
     pub at_init: Vec<BufId>,
     pub at_first_backward: Vec<BufId>,
     pub at_first_optimizer: Vec<BufId>,
+    /// Allocated at each step's first forward and freed after its last backward (ZeRO-3 with
+    /// pipelining: the stage's gathered parameters).
+    pub per_step: Vec<BufId>,
 }
 
 /// Elements of this rank's shard of a state replicated over `replicas` ranks (ceil: the last
@@ -61,8 +64,24 @@ pub fn add_states(
             }
         };
     let params_n = shard(elems, l, l.zero >= 3);
-    let grads_n = shard(elems, l, l.zero >= 2);
+    // Pipelining with ZeRO-2/3 (torchtitan runs FSDP2 under torch.distributed.pipelining):
+    // the schedule turns gradient sync off for every micro-batch but the last
+    // (`set_requires_gradient_sync`), so gradients accumulate unsharded over the step and are
+    // reduce-scattered once, in its last backward; and torchtitan's `apply_fsdp` sets
+    // `reshard_after_forward = False` when pp is on, so a ZeRO-3 stage all-gathers its
+    // parameters at its first forward and holds them, unsharded, to its last backward.
+    // DeepSpeed refuses ZeRO-2/3 with its pipeline engine instead.
+    let grads_n = shard(elems, l, l.zero >= 2 && l.pp == 1);
     let opt_n = shard(elems, l, l.zero >= 1);
+    if l.zero >= 3 && l.pp > 1 && !on_host_params {
+        let id = plan.add(
+            "params.unsharded_for_step",
+            p.storage(),
+            elems.dense + elems.expert,
+            Category::Params,
+        );
+        out.per_step.push(id);
+    }
     place(
         plan,
         0,

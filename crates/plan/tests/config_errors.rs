@@ -24,7 +24,7 @@ fn unknown_model_type() {
     v["model_type"] = json!("bert");
     assert_eq!(
         err(v),
-        "config.json: model_type `bert` is not supported (supported: llama, mistral, qwen2, mixtral, gpt2)"
+        "config.json: model_type `bert` is not supported (supported: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, gemma, gemma2, phi3, deepseek_v2, deepseek_v3 or gpt2)"
     );
 }
 
@@ -109,19 +109,29 @@ fn layout_errors_name_the_field() {
         }),
         "tp = 3: must divide the 32 attention heads"
     );
-    assert_eq!(
-        layout_err(Layout {
-            tp: 16,
+    // tp 16 > 8 key/value heads now plans (each rank holds one replicated head: tests/
+    // layouts.rs); a tp that neither divides nor is a multiple of them is refused.
+    let qwen = plan(&input(
+        "qwen2.5-7b",
+        Recipe::default(),
+        Layout {
+            tp: 14,
             ..Layout::default()
-        }),
-        "tp = 16: must divide the 8 key/value heads"
+        },
+        Convention::Ferrotron,
+    ))
+    .unwrap_err()
+    .to_string();
+    assert_eq!(
+        qwen,
+        "tp = 14: must divide the 4 key/value heads or be a multiple of them (then each rank holds one replicated head)"
     );
     assert_eq!(
         layout_err(Layout {
             pp: 5,
             ..Layout::default()
         }),
-        "pp = 5: pp × pp_virtual = 5 must divide the 32 layers"
+        "pp = 5: pp × pp_virtual = 5 must divide the 32 layers (or give each stage's layers with --pp-layers)"
     );
     assert_eq!(
         layout_err(Layout {

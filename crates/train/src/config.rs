@@ -95,6 +95,10 @@ pub struct TrainArgs {
     /// Rows of logits materialised at once by the chunked cross-entropy.
     #[arg(long, allow_negative_numbers = true)]
     pub ce_chunk: Option<u64>,
+    /// Data parallelism: MiB of gradients per all-reduce bucket (two in flight) [default: 25,
+    /// PyTorch DDP's bucket_cap_mb].
+    #[arg(long, allow_negative_numbers = true)]
+    pub bucket_mb: Option<u64>,
     /// Activation recomputation: none, selective (rebuild both RMSNorm outputs and the SwiGLU
     /// product in the backward) or full (keep each layer's input, replay its forward)
     /// [default: none].
@@ -168,7 +172,7 @@ pub struct TrainConfig {
     pub precision: PrecisionConfig,
     #[serde(flatten)]
     pub runtime: RuntimeConfig,
-    /// The parallel layout (the planner's); one rank until the distributed trainer lands.
+    /// The parallel layout (the planner's); data parallelism without ZeRO for now.
     #[serde(default)]
     pub parallel: Layout,
     #[serde(flatten)]
@@ -246,6 +250,13 @@ pub struct RuntimeConfig {
     pub ce_chunk: u64,
     #[serde(default = "default_recompute")]
     pub recompute: Recompute,
+    /// MiB of gradients per data-parallel all-reduce bucket.
+    #[serde(default = "default_bucket_mb")]
+    pub bucket_mb: u64,
+}
+
+fn default_bucket_mb() -> u64 {
+    25
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -377,10 +388,9 @@ fn bad(field: &'static str, value: impl ToString, problem: &str) -> ConfigError 
     }
 }
 
-/// The layout of the flags, refused unless it is one rank: the trainer runs one process on one
-/// device until the distributed trainer lands. The planner already predicts every layout, so
-/// the message points there.
-pub(crate) fn single_rank(flags: &LayoutFlags) -> Result<Layout, ConfigError> {
+/// The layout of the flags, refused unless the trainer runs it: data parallelism without ZeRO
+/// for now. The planner already predicts every layout, so the message points there.
+pub(crate) fn trainable_layout(flags: &LayoutFlags) -> Result<Layout, ConfigError> {
     let l = flags.resolve().map_err(|e| ConfigError {
         field: "parallel",
         value: String::new(),
@@ -388,7 +398,7 @@ pub(crate) fn single_rank(flags: &LayoutFlags) -> Result<Layout, ConfigError> {
     })?;
     let not_yet = |field: &'static str, v: String| {
         let problem = format!(
-            "ferrotron train runs a single rank for now (the distributed trainer is the next milestone); `ferrotron plan --{} {v}` predicts this layout's memory and time",
+            "ferrotron train runs data parallelism (--dp) without ZeRO for now (the other layouts are next); `ferrotron plan --{} {v}` predicts this layout's memory and time",
             field.replace('_', "-")
         );
         Err(bad(field, v, &problem))
@@ -403,7 +413,7 @@ pub(crate) fn single_rank(flags: &LayoutFlags) -> Result<Layout, ConfigError> {
         if v == 0 {
             return Err(bad(field, v, "must be a positive integer"));
         }
-        if v > 1 {
+        if v > 1 && field != "dp" {
             return not_yet(field, v.to_string());
         }
     }
@@ -479,7 +489,10 @@ pub const SECTIONS: &[(&str, &[&str])] = &[
             "loss_scale_growth_interval",
         ],
     ),
-    ("runtime", &["threads", "ce_chunk", "recompute"]),
+    (
+        "runtime",
+        &["threads", "ce_chunk", "recompute", "bucket_mb"],
+    ),
     ("checkpoint", &["checkpoint_dir", "checkpoint_interval"]),
     (
         "observability",
@@ -594,7 +607,7 @@ impl TrainArgs {
         };
         merge!(self, file; model, data, tokenizer, init_from, seq, mbs, grad_acc, steps, stop_after, lr, min_lr_ratio,
             warmup, decay_steps, weight_decay, beta1, beta2, eps, clip, seed, threads, eval_interval,
-            eval_batches, out_dir, checkpoint_dir, checkpoint_interval, metrics, ce_chunk, recompute,
+            eval_batches, out_dir, checkpoint_dir, checkpoint_interval, metrics, ce_chunk, recompute, bucket_mb,
             precision, fp32_grad_acc, stochastic_rounding, loss_scale_init,
             loss_scale_growth_interval,
             peak_gflops, sample_tokens, memory_timeline, memory_timeline_steps, trace,
@@ -633,7 +646,7 @@ impl TrainArgs {
             value: String::new(),
             problem: e,
         })?;
-        let parallel = single_rank(&self.layout)?;
+        let parallel = trainable_layout(&self.layout)?;
         let stochastic_rounding = self.stochastic_rounding.unwrap_or(false);
         if stochastic_rounding && precision == Precision::Fp32 {
             return Err(bad(
@@ -688,6 +701,7 @@ impl TrainArgs {
                 threads: self.threads.unwrap_or(cores),
                 ce_chunk: self.ce_chunk.unwrap_or(1024),
                 recompute,
+                bucket_mb: self.bucket_mb.unwrap_or(default_bucket_mb()),
             },
             parallel,
             checkpoint: CheckpointConfig {
@@ -718,6 +732,7 @@ impl TrainArgs {
             ("steps", c.optimizer.steps),
             ("threads", c.runtime.threads),
             ("ce_chunk", c.runtime.ce_chunk),
+            ("bucket_mb", c.runtime.bucket_mb),
         ] {
             if v == 0 {
                 return Err(bad(field, v, "must be a positive integer"));

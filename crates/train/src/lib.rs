@@ -1,9 +1,11 @@
 //! ferrotron-train: the single-rank trainer (data, loop, checkpoints, sampling, metrics).
 
 pub mod alloc;
+pub mod arena;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod data_parallel;
 pub mod eval;
 pub mod heap;
 pub mod loss_scale;

@@ -26,9 +26,23 @@ pub struct StepMetrics {
     /// fp16: the gradients overflowed and the optimizer step was skipped.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub skipped: bool,
+    /// Data parallelism: every rank's planned and measured peak (the top-level pair is the
+    /// largest of each over the ranks).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rank_mem: Vec<RankMem>,
+    /// Data parallelism: bytes this rank put into gradient all-reduces this step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comm_bytes: Option<u64>,
     /// The GEMM kernel the products ran on (`Gemm::describe`): results depend on it.
     #[serde(default)]
     pub gemm: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankMem {
+    pub rank: usize,
+    pub mem_peak_planned: u64,
+    pub mem_peak_measured: u64,
 }
 
 pub struct MetricsWriter {

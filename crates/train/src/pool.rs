@@ -1,16 +1,16 @@
-//! The activation arena: hands the engine exactly the buffers of the memory plan, allocated when
-//! the plan says they appear and freed when it says they go, and counts live bytes per name.
+//! The trainer's buffer pool: hands the engine its buffers from the rank's [`Arena`] (at the
+//! plan's offsets), counts live bytes, and samples the measured memory timeline at the phase
+//! boundaries the engine announces (`Boundary`) and the ones the trainer defines itself (init,
+//! gradients, optimizer).
 //!
-//! It also finds the phase boundaries of a step for the measured memory timeline. The engine
-//! does not announce them, so they are read off its alloc/free events exactly where the planner
-//! (`ferrotron_plan::planner::rank_plan`) places its marks: a layer's forward ends when its
-//! output exists (the next layer's input, or the final norm's input for the last layer), with
-//! the layer's `recompute.*` workspace still live; the loss when the LM head's transient buffers
-//! go; a layer's backward when its last saved buffer is freed (its `input`, after every
-//! `recompute.*` buffer of that backward).
+//! A sample is the tracking allocator's live bytes with the arena counted as the bytes of its
+//! live buffers rather than the whole region: so at every mark it is compared with the plan's
+//! live bytes at that mark, and any byte allocated outside the plan shows as a difference.
 
 use crate::alloc;
-use ferrotron_engine::model::{BufName, BufferPool};
+use crate::arena::Arena;
+use ferrotron_engine::model::{Boundary, BufName, BufferPool};
+use std::ptr::NonNull;
 
 /// A phase boundary of a step, as the plan's `Mark` labels name them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,15 +49,11 @@ pub enum Running {
 pub struct Timeline {
     samples: Vec<Sample>,
     baseline: u64,
-    layers: usize,
-    /// Live saved buffers per layer (`act.layers.{i}.*`), to see a layer's last free.
-    layer_live: Vec<u32>,
     /// Steps to record (1..=steps).
     steps: u64,
     step: u64,
     mb: u64,
     running: Running,
-    loss_taken: bool,
 }
 
 impl Timeline {
@@ -68,13 +64,10 @@ impl Timeline {
         Timeline {
             samples: Vec::with_capacity(1 + steps as usize * per_step),
             baseline,
-            layers,
-            layer_live: vec![0; layers],
             steps,
             step: 0,
             mb: 0,
             running: Running::Idle,
-            loss_taken: false,
         }
     }
 
@@ -104,13 +97,14 @@ impl Timeline {
     }
 }
 
-/// Buffers come from the heap one by one (so the process's live bytes follow the plan's
-/// timeline); `live`/`peak` count only these buffers.
+/// The engine's buffers, from the arena when there is one (else from the heap one by one);
+/// `live`/`peak` count only these buffers.
 #[derive(Debug, Default)]
 pub struct PlanPool {
     pub live: u64,
     pub peak: u64,
     pub timeline: Option<Timeline>,
+    pub arena: Option<Arena>,
 }
 
 impl PlanPool {
@@ -121,93 +115,58 @@ impl PlanPool {
             t.step = step;
             t.mb = mb;
             t.running = if on { running } else { Running::Idle };
-            t.loss_taken = false;
         }
+    }
+
+    /// The process's live bytes with the arena counted by its live buffers.
+    fn measured(&self) -> u64 {
+        let (held, in_use) = self
+            .arena
+            .as_ref()
+            .map_or((0, 0), |a| (a.held(), a.in_use()));
+        alloc::live().saturating_sub(held) + in_use
     }
 
     /// Samples a boundary the trainer itself defines (init, gradients, optimizer) at `step`.
     pub fn sample(&mut self, step: u64, point: Point) {
+        let live = self.measured();
         if let Some(t) = &mut self.timeline {
             if t.records(step) {
                 t.step = step;
                 t.mb = 0;
-                t.push(point, alloc::live());
+                t.push(point, live);
             }
-        }
-    }
-
-    fn on_alloc(t: &mut Timeline, name: BufName, before: bool) {
-        if t.running != Running::Forward {
-            return;
-        }
-        match (name.layer, name.name) {
-            // The last layer's output is the head's `act.final_norm.input`.
-            (None, "act.final_norm.input") if !before && t.layers > 0 => {
-                t.push(
-                    Point::Forward {
-                        layer: t.layers as u32 - 1,
-                    },
-                    alloc::live(),
-                );
-            }
-            (Some(i), n) if !before => {
-                if let Some(c) = t.layer_live.get_mut(i as usize) {
-                    *c += 1;
-                }
-                // Layer i's output is layer i+1's input: layer i's forward is done.
-                if n == "input" && i > 0 {
-                    t.push(Point::Forward { layer: i - 1 }, alloc::live());
-                }
-            }
-            _ => {}
-        }
-    }
-
-    fn on_free(t: &mut Timeline, name: BufName, before: bool) {
-        match (t.running, name.layer, name.name) {
-            // The plan marks the loss with both LM-head transients live and frees them after:
-            // sample at the first of their frees, before the memory goes.
-            (Running::Forward, None, "act.logits_chunk" | "act.losses")
-                if before && !t.loss_taken =>
-            {
-                t.loss_taken = true;
-                t.push(Point::Loss, alloc::live());
-            }
-            (Running::Backward, Some(i), _) if !before => {
-                if let Some(c) = t.layer_live.get_mut(i as usize) {
-                    *c = c.saturating_sub(1);
-                    if *c == 0 {
-                        t.push(Point::Backward { layer: i }, alloc::live());
-                    }
-                }
-            }
-            _ => {}
         }
     }
 }
 
 impl BufferPool for PlanPool {
-    fn will_alloc(&mut self, name: BufName, _bytes: u64) {
-        if let Some(t) = &mut self.timeline {
-            Self::on_alloc(t, name, true);
-        }
-    }
-    fn did_alloc(&mut self, name: BufName, bytes: u64) {
+    fn did_alloc(&mut self, _name: BufName, bytes: u64) {
         self.live += bytes;
         self.peak = self.peak.max(self.live);
-        if let Some(t) = &mut self.timeline {
-            Self::on_alloc(t, name, false);
-        }
-    }
-    fn will_free(&mut self, name: BufName, _bytes: u64) {
-        if let Some(t) = &mut self.timeline {
-            Self::on_free(t, name, true);
-        }
     }
     fn did_free(&mut self, name: BufName, bytes: u64) {
         self.live -= bytes;
+        if let Some(a) = &mut self.arena {
+            a.release(name, bytes);
+        }
+    }
+    fn place(&mut self, name: BufName, bytes: u64) -> Option<NonNull<u8>> {
+        self.arena.as_mut().map(|a| a.place(name, bytes))
+    }
+    fn boundary(&mut self, b: Boundary) {
+        let running = self.timeline.as_ref().map_or(Running::Idle, |t| t.running);
+        if running == Running::Idle {
+            return;
+        }
+        let point = match b {
+            Boundary::Forward { layer } => Point::Forward { layer },
+            Boundary::Loss => Point::Loss,
+            Boundary::Backward { layer } => Point::Backward { layer },
+        };
+        let live = self.measured();
         if let Some(t) = &mut self.timeline {
-            Self::on_free(t, name, false);
+            t.push(point, live);
         }
     }
 }

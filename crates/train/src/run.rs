@@ -3,6 +3,7 @@
 use crate::checkpoint;
 use crate::config::{TrainArgs, TrainConfig};
 use crate::data::{Loader, LoaderConfig, Tokenizer, ValLoader};
+use crate::data_parallel::DataParallel;
 use crate::metrics::{matmul_peak_gflops, peak_rss, MetricsWriter, StepMetrics};
 use crate::sample::{generate, SampleOptions};
 use crate::setup;
@@ -69,7 +70,7 @@ fn resume_config(args: &TrainArgs, saved: &TrainConfig) -> Result<TrainConfig> {
     c.optimizer.stop_after = args.stop_after;
     // The layout stays the checkpoint's; a different one is refused as in a new run.
     if args.layout != ferrotron_plan::LayoutFlags::default() {
-        c.parallel = crate::config::single_rank(&args.layout)?;
+        c.parallel = crate::config::trainable_layout(&args.layout)?;
     }
     if let Some(v) = args.threads {
         c.runtime.threads = v;
@@ -148,10 +149,77 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// How long a rank waits in a collective for the others (a step of the largest model this
+/// trainer runs on a CPU takes well under this; a dead rank is reported instead of waited for).
+const RANK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// This process's part in a data-parallel run.
+pub struct RankCtx {
+    pub rank: usize,
+    pub comm: Box<dyn ferrotron_dist::Communicator>,
+}
+
+/// `ferrotron train`: one rank, or with `--dp N` N ranks as threads of this process (the
+/// threads backend), each training its slice of every global batch; rank 0 writes the outputs.
 pub fn run(args: TrainArgs) -> Result<RunSummary> {
     crate::heap::keep_freed_pages();
+    let merged = args.clone().merged().map_err(anyhow::Error::msg)?;
+    let dp = crate::config::trainable_layout(&merged.layout)?.dp as usize;
+    if dp > 1 && args.resume.is_some() {
+        bail!("resume: a data-parallel run (--dp {dp}) cannot resume yet; resume with --dp 1");
+    }
+    #[cfg(feature = "mpi")]
+    if ferrotron_dist::mpi::launched_by_mpirun() {
+        return run_mpi(args, dp);
+    }
+    if dp <= 1 {
+        return run_rank(args, None);
+    }
+    let results = ferrotron_dist::threads::run(dp, RANK_TIMEOUT, move |rank, comm| {
+        crate::alloc::set_rank(Some(rank));
+        let ctx = RankCtx {
+            rank,
+            comm: Box::new(comm),
+        };
+        run_rank(args.clone(), Some(ctx)).map_err(|e| format!("{e:#}"))
+    });
+    let mut summary = None;
+    for (rank, r) in results.into_iter().enumerate() {
+        match r {
+            Ok(s) if rank == 0 => summary = Some(s),
+            Ok(_) => {}
+            Err(e) => bail!("rank {rank}: {e}"),
+        }
+    }
+    summary.context("rank 0 returned nothing")
+}
+
+/// This process as one rank of an `mpirun` job: the world must be the layout's ranks. A rank
+/// that fails returns its error without finalising MPI, which aborts the job naming the rank
+/// (`ferrotron_dist::mpi`).
+#[cfg(feature = "mpi")]
+fn run_mpi(args: TrainArgs, dp: usize) -> Result<RunSummary> {
+    use ferrotron_dist::Communicator;
+    let comm = ferrotron_dist::mpi::MpiComm::world().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let (rank, size) = (comm.rank(), comm.size());
+    if size != dp {
+        bail!("dp = {dp}: mpirun started {size} processes; pass --dp {size} (or mpirun -np {dp})");
+    }
+    let ctx = (size > 1).then(|| RankCtx {
+        rank,
+        comm: Box::new(comm) as Box<dyn Communicator>,
+    });
+    let summary = run_rank(args, ctx)?;
+    ferrotron_dist::mpi::finalize().map_err(|e| anyhow::anyhow!("{e}"))?;
+    Ok(summary)
+}
+
+/// The training run of one rank (`ctx`: its data-parallel rank and communicator).
+pub fn run_rank(args: TrainArgs, ctx: Option<RankCtx>) -> Result<RunSummary> {
+    let rank = ctx.as_ref().map_or(0, |c| c.rank);
     let resume = args.resume.clone();
-    let quiet = args.quiet;
+    // Only rank 0 speaks and writes.
+    let quiet = args.quiet || rank > 0;
     let args = args.merged().map_err(anyhow::Error::msg)?;
     if let (Some(_), Some(d)) = (&resume, &args.init_from) {
         bail!(
@@ -160,10 +228,17 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         );
     }
     let loaded = resume.as_deref().map(checkpoint::open).transpose()?;
-    let cfg = match &loaded {
+    let mut cfg = match &loaded {
         Some(l) => resume_config(&args, &l.state.config)?,
         None => args.resolve()?,
     };
+    if rank > 0 {
+        // The other ranks hold the same model and write nothing (their memory is reported
+        // by rank 0 in `rank_mem`).
+        let o = &mut cfg.observability;
+        (o.memory_timeline, o.trace, o.sample_tokens) = (None, None, 0);
+        cfg.checkpoint.dir = None;
+    }
     let last_step = cfg.optimizer.last_step();
     if let Some(l) = &loaded {
         if l.state.step >= cfg.optimizer.steps {
@@ -180,7 +255,9 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         .num_threads(cfg.runtime.threads as usize)
         .build_global()
         .ok();
-    print_config(&cfg);
+    if rank == 0 {
+        print_config(&cfg);
+    }
 
     let tok = match &loaded {
         Some(l) => Tokenizer::from_file(l.dir.join("tokenizer.json"))?,
@@ -196,11 +273,26 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
             );
         }
     }
+    // Rank 0 tokenizes the bundled corpus if it must; the others wait for it, then read it.
+    let barrier = || match &ctx {
+        Some(c) => c.comm.barrier().map_err(|e| anyhow::anyhow!("{e}")),
+        None => Ok(()),
+    };
+    if rank > 0 {
+        barrier()?;
+    }
     let (train, val) = setup::datasets(&cfg, &tok, spec.vocab as u32)?;
+    if rank == 0 {
+        barrier()?;
+    }
+    let ranks = cfg.parallel.dp as usize;
     let lcfg = LoaderConfig::new(cfg.data.mbs as usize, cfg.data.seq as usize, cfg.data.seed);
+    // Each data-parallel rank trains its own slice of every global batch; all of them
+    // evaluate the same validation batches.
+    let train_cfg = lcfg.clone().with_rank(rank, ranks);
     let loader = match &loaded {
         Some(l) => Loader::from_state(train, &l.state.loader)?,
-        None => Loader::new(train, lcfg.clone())?,
+        None => Loader::new(train, train_cfg)?,
     };
     let val = match (val, cfg.observability.eval_interval) {
         (Some(v), i) if i > 0 => Some(ValLoader::new(
@@ -222,6 +314,11 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         .to_string(false)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let mut t = Trainer::new(cfg.clone(), spec, llama, loader, val, peak_gflops)?;
+    if let Some(c) = ctx {
+        // The plan's bucket: `--bucket-mb` of f32 gradients, at most all of them.
+        let len = ((cfg.runtime.bucket_mb << 20) / 4).clamp(1, t.params.len() as u64);
+        t.dp = Some(DataParallel::new(c.comm, len as usize));
+    }
     if let Some(l) = &loaded {
         let exactly = checkpoint::hf::Dtypes::Exactly(t.params.dtype());
         t.params = checkpoint::load_weights(&l.dir, &t.model.params, exactly)?;
@@ -246,10 +343,19 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
     }
     // Files are written only once everything has been read and checked: a refused checkpoint
     // or config leaves the output directory as it was.
-    let mut metrics = MetricsWriter::open(&cfg.observability.metrics, loaded.is_some())?;
-    write_plan(&cfg, &t)?;
+    let mut metrics = match rank {
+        0 => Some(MetricsWriter::open(
+            &cfg.observability.metrics,
+            loaded.is_some(),
+        )?),
+        _ => None,
+    };
+    if rank == 0 {
+        write_plan(&cfg, &t)?;
+    }
     let w = t.plan.sweep.at_peak;
-    eprintln!(
+    if rank == 0 {
+        eprintln!(
         "model {}: {} parameters; memory plan peak {:.1} MiB (params {:.1}, grads {:.1}, adam {:.1}, activations {:.1}, workspace {:.1}, gemm workspace {:.1}); matmul peak {:.1} GFLOP/s; gemm: {}",
         cfg.model.name,
         t.params.len(),
@@ -263,6 +369,7 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         peak_gflops,
         t.gemm
     );
+    }
 
     let tty = std::io::stderr().is_terminal() && !quiet;
     let started = Instant::now();
@@ -283,7 +390,9 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         {
             out.metrics.val_loss = t.evaluate()?;
         }
-        metrics.write(&out.metrics)?;
+        if let Some(w) = &mut metrics {
+            w.write(&out.metrics)?;
+        }
         if let (Some(u), false) = (out.overflow, quiet) {
             eprintln!(
                 "{}step {}: fp16 gradients overflowed at loss scale {}: step skipped, scale -> {}",
@@ -337,7 +446,8 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
     let measured = steps.iter().map(|m| m.mem_peak_measured).max().unwrap_or(0);
     let planned = steps.iter().map(|m| m.mem_peak_planned).max().unwrap_or(0);
     let timed: Vec<&StepMetrics> = steps.iter().skip(1).collect();
-    eprintln!(
+    if rank == 0 {
+        eprintln!(
         "done: {} steps in {:.1}s | median {:.0} tok/s, MFU {:.1}% | peak memory planned {:.2} MiB, measured {:.2} MiB ({:+.2}%) over a baseline of {:.1} MiB | peak RSS {:.1} MiB",
         steps.len(),
         started.elapsed().as_secs_f64(),
@@ -349,6 +459,7 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         t.baseline as f64 / MIB,
         peak_rss().unwrap_or(0) as f64 / MIB
     );
+    }
     let sample = if cfg.observability.sample_tokens > 0 {
         let o = SampleOptions {
             tokens: cfg.observability.sample_tokens as usize,

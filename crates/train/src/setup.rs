@@ -5,12 +5,12 @@ use crate::config::TrainConfig;
 use crate::data::{build_shards_with, find_shards, BuildOptions, Split, TokenDataset, Tokenizer};
 use anyhow::{bail, Context, Result};
 use ferrotron_engine::kernels::{CpuKernels, Kernels};
-use ferrotron_engine::model::{BatchShape, Llama, LlamaConfig};
+use ferrotron_engine::model::{Llama, LlamaConfig};
 use ferrotron_plan::hardware::Overhead;
 use ferrotron_plan::presets::resolve;
 use ferrotron_plan::{
-    plan, Convention, DType, Layout, ModelSource, ModelSpec, Optimizer, PlanInput, RankPlan,
-    Recipe, Recompute,
+    plan, Convention, DType, ModelSource, ModelSpec, Optimizer, PlanInput, RankPlan, Recipe,
+    Recompute,
 };
 use std::path::{Path, PathBuf};
 
@@ -45,8 +45,8 @@ pub fn recompute_flops_per_token(spec: &ModelSpec, seq: u64, r: Recompute) -> f6
     }
 }
 
-/// The planner input describing this trainer's own run: one rank, fp32, AdamW, the run's
-/// recompute policy.
+/// The planner input describing this trainer's own run: its layout, precision, AdamW, the
+/// run's recompute policy and data-parallel bucket size.
 /// The overhead term is the kernel library's measured workspace (`workspace::measure`); a CPU
 /// process has no device context and no caching allocator to budget for.
 pub fn plan_input(spec: &ModelSpec, c: &TrainConfig, kernel_workspace: u64) -> PlanInput {
@@ -61,18 +61,19 @@ pub fn plan_input(spec: &ModelSpec, c: &TrainConfig, kernel_workspace: u64) -> P
             recompute: c.runtime.recompute,
             ce_chunk_tokens: c.runtime.ce_chunk,
         },
-        layout: Layout::default(),
+        layout: c.parallel.clone(),
         convention: Convention::Ferrotron,
         overhead: Overhead {
             context_bytes: kernel_workspace,
             ..Overhead::NONE
         },
-        bucket_bytes: 0,
+        bucket_bytes: c.runtime.bucket_mb << 20,
     }
 }
 
-/// Builds the memory plan and checks that the engine allocates exactly its buffers: every
-/// activation and scratch buffer of the model, by name and size, and the flat parameter buffer.
+/// Builds the memory plan and checks that the engine's flat parameter, gradient and master
+/// buffers are the plan's. (Activations are the plan's by construction: both read the table
+/// of `ferrotron_plan::tensors`, and the arena checks every one the engine asks for.)
 pub fn checked_plan(
     spec: &ModelSpec,
     model: &Llama,
@@ -86,19 +87,16 @@ pub fn checked_plan(
         .into_iter()
         .next()
         .context("the plan has no rank")?;
-    let batch = BatchShape {
-        b: c.data.mbs as usize,
-        t: c.data.seq as usize,
-    };
     let p = c.precision.kind;
-    let mut expected = model.activation_inventory(batch, p.storage());
-    expected.push(("params".into(), model.num_params(), p.storage()));
-    expected.push(("grads".into(), model.num_params(), p.engine_grads()));
+    let mut expected = vec![
+        ("params", model.num_params(), p.storage()),
+        ("grads", model.num_params(), p.engine_grads()),
+    ];
     if p.has_master() {
-        expected.push(("master".into(), model.num_params(), DType::F32));
+        expected.push(("master", model.num_params(), DType::F32));
     }
     for (name, len, dtype) in expected {
-        let Some(b) = rank.plan.find(&name) else {
+        let Some(b) = rank.plan.find(name) else {
             bail!("internal: the engine allocates `{name}` but the memory plan has no such buffer");
         };
         if b.numel != len as u64 || b.dtype != dtype {
@@ -119,6 +117,10 @@ pub fn datasets(
     tok: &Tokenizer,
     model_vocab: u32,
 ) -> Result<(TokenDataset, Option<TokenDataset>)> {
+    // Data-parallel ranks run as threads of one process: one of them builds the bundled
+    // shards, the others wait and read them.
+    static BUILDING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one_at_a_time = BUILDING.lock().unwrap_or_else(|e| e.into_inner());
     let dir: PathBuf = match &c.data.dir {
         Some(d) => d.clone(),
         None => bundled_shards(&c.observability.out_dir, tok)?,

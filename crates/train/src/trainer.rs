@@ -3,11 +3,13 @@
 //! every step against the plan.
 
 use crate::alloc;
+use crate::arena::Arena;
 use crate::config::TrainConfig;
 use crate::data::{Loader, ValLoader};
+use crate::data_parallel::{unreported, DataParallel};
 use crate::loss_scale::{DynamicLossScaler, ScaleUpdate};
 use crate::lr::LrSchedule;
-use crate::metrics::StepMetrics;
+use crate::metrics::{RankMem, StepMetrics};
 use crate::pool::{PlanPool, Point, Running, Sample, Timeline};
 use crate::setup::{checked_plan, recompute_flops_per_token};
 use crate::trace::{Event, Tracing};
@@ -16,8 +18,9 @@ use crate::with_flat_types;
 use crate::workspace::{self, KernelWorkspace};
 use anyhow::Result;
 use ferrotron_engine::kernels::{AdamWParams, CpuKernels, Kernels, Rounding};
-use ferrotron_engine::model::{BatchShape, Llama, LlamaConfig, LossSum};
+use ferrotron_engine::model::{BatchShape, GradsDone, Llama, LlamaConfig, LossSum};
 use ferrotron_engine::Elem;
+use ferrotron_plan::arena::{with_region, ArenaLayout};
 use ferrotron_plan::flops::model_flops_per_token;
 use ferrotron_plan::memory::Phase;
 use ferrotron_plan::Precision;
@@ -72,6 +75,8 @@ pub struct Trainer {
     pub baseline: u64,
     /// Steps still to trace (`--trace-steps`, counted from this run's first step).
     trace_left: u64,
+    /// This rank's part in data parallelism (`None`: one rank).
+    pub dp: Option<DataParallel>,
 }
 
 /// What one optimizer step did.
@@ -103,9 +108,13 @@ fn measure_workspace(
 /// layers' in the forward and backward phases, the LM head's in the loss phase, none at the
 /// optimizer step (where step 1 allocates the Adam states and no GEMM runs). The plan's
 /// overhead term is the larger of the two, the bound for a phase nobody tells it about.
-fn step_peaks(plan: &RankPlan, ws: KernelWorkspace) -> [u64; 2] {
+///
+/// The marks are those of the plan as the allocator sees it, with the activation arena held
+/// whole from a micro-batch's first buffer to its last (`ferrotron_plan::arena::with_region`).
+fn step_peaks(plan: &RankPlan, arena: &ArenaLayout, ws: KernelWorkspace) -> [u64; 2] {
     let mut out = [plan.overhead; 2];
-    for m in &plan.sweep.marks {
+    let held = with_region(&plan.plan, arena).sweep();
+    for m in &held.marks {
         let i = (m.step as usize).saturating_sub(1).min(1);
         let peak = match m.phase {
             Phase::Init => continue,
@@ -188,6 +197,7 @@ impl Trainer {
             .with_ce_chunk_tokens(cfg.runtime.ce_chunk as usize)
             .with_recompute(cfg.runtime.recompute);
         let plan = checked_plan(&spec, &model, &cfg, kernel_workspace.max())?;
+        let (arena, placed) = Arena::of_plan(&plan.plan, model.config.layers)?;
         // Initialisation of HF Llama: N(0, 0.02²) matrices, unit norms, zero biases; under mixed
         // precision that is the fp32 master copy, and the weights are it rounded.
         let init = model.params.init(cfg.data.seed, 0.02);
@@ -212,7 +222,7 @@ impl Trainer {
         let hw_flops_per_token =
             flops_per_token + recompute_flops_per_token(&spec, cfg.data.seq, cfg.runtime.recompute);
         let mut t = Trainer {
-            planned_peak: step_peaks(&plan, kernel_workspace),
+            planned_peak: step_peaks(&plan, &placed, kernel_workspace),
             plan,
             tokens: vec![0; n],
             targets: vec![0; n],
@@ -224,9 +234,11 @@ impl Trainer {
             step: 0,
             pool: PlanPool {
                 timeline,
+                arena: Some(arena),
                 ..PlanPool::default()
             },
             trace_left,
+            dp: None,
             decay,
             schedule,
             flops_per_token,
@@ -268,6 +280,10 @@ impl Trainer {
         if self.grads.is_none() {
             let gt = self.cfg.precision.kind.engine_grads();
             self.grads = Some(Flat::zeros(gt, self.params.len()));
+            // The plan's `dp.grad_buckets` appear with the gradients.
+            if let Some(dp) = &mut self.dp {
+                dp.allocate();
+            }
             self.pool.sample(step, Point::Grads);
         }
         let ran_with = self.scaler.as_ref().map(|s| s.scale);
@@ -283,7 +299,25 @@ impl Trainer {
         k.phase("step", t0, step, 0);
         self.step += 1;
         let secs = t0.elapsed().as_secs_f64();
-        let tokens = self.cfg.data.grad_acc * self.cfg.data.mbs * self.cfg.data.seq;
+        let measured = alloc::peak().saturating_sub(self.baseline);
+        let (mut rank_mem, mut comm_bytes) = (Vec::new(), None);
+        let (mut planned_max, mut measured_max) = (planned, measured);
+        if let Some(dp) = &mut self.dp {
+            let all = dp.gather_mem(planned, measured)?;
+            rank_mem = all
+                .iter()
+                .enumerate()
+                .map(|(rank, &(p, m))| RankMem {
+                    rank,
+                    mem_peak_planned: p,
+                    mem_peak_measured: m,
+                })
+                .collect();
+            planned_max = all.iter().map(|r| r.0).max().unwrap_or(planned);
+            measured_max = all.iter().map(|r| r.1).max().unwrap_or(measured);
+            comm_bytes = Some(std::mem::take(&mut dp.bytes_reduced));
+        }
+        let tokens = self.global_batch_tokens();
         let tps = tokens as f64 / secs;
         let mfu = tps * self.flops_per_token / self.peak_flops;
         Ok(StepOutput {
@@ -299,11 +333,13 @@ impl Trainer {
                 // HFU counts the recomputed FLOPs, MFU does not.
                 hfu: tps * self.hw_flops_per_token / self.peak_flops,
                 step_ms: secs * 1e3,
-                mem_peak_measured: alloc::peak().saturating_sub(self.baseline),
-                mem_peak_planned: planned,
+                mem_peak_measured: measured_max,
+                mem_peak_planned: planned_max,
                 val_loss: None,
                 loss_scale: ran_with,
                 skipped: overflow.is_some(),
+                rank_mem,
+                comm_bytes,
                 gemm: self.gemm.clone(),
             },
         })
@@ -324,8 +360,9 @@ impl Trainer {
         // The loader never pads, so every position has a target: the loss of each micro-batch
         // is normalised by the target count of the whole step, and summing micro-batch
         // gradients gives the gradient of the global mean loss.
-        let num_targets = (self.cfg.data.grad_acc * self.cfg.data.mbs * self.cfg.data.seq) as usize;
+        let num_targets = self.global_batch_tokens() as usize;
         let mut loss = LossSum::default();
+        let last_mb = self.cfg.data.grad_acc - 1;
         for mb in 0..self.cfg.data.grad_acc {
             self.loader.next_into(&mut self.tokens, &mut self.targets)?;
             let tf = Instant::now();
@@ -344,12 +381,30 @@ impl Trainer {
             self.kernels.phase("forward", tf, step, mb);
             let tb = Instant::now();
             self.pool.enter(step, mb, Running::Backward);
-            self.model
-                .backward(k, &mut self.pool, params, grads, acts, &self.tokens);
+            match &mut self.dp {
+                // The last micro-batch's gradients are reduced as the backward finishes them.
+                Some(dp) if mb == last_mb => {
+                    let done = &mut |d: GradsDone, g: &mut [G]| {
+                        for r in DataParallel::ranges(&d) {
+                            dp.add(g, r);
+                        }
+                    };
+                    let (pool, tokens) = (&mut self.pool, &self.tokens);
+                    self.model
+                        .backward_notify(k, pool, params, grads, acts, tokens, done);
+                    dp.finish(grads, &unreported(&self.model.params))?;
+                }
+                _ => self
+                    .model
+                    .backward(k, &mut self.pool, params, grads, acts, &self.tokens),
+            }
             self.pool.enter(step, mb, Running::Idle);
             self.kernels.phase("backward", tb, step, mb);
             loss.sum += l.sum;
             loss.count += l.count;
+        }
+        if let Some(dp) = &self.dp {
+            (loss.sum, loss.count) = dp.sum_loss(loss.sum, loss.count)?;
         }
         let to = Instant::now();
         let lr = self.schedule.at(self.step);
@@ -423,6 +478,12 @@ impl Trainer {
         self.kernels.phase("optimizer", to, step, 0);
         self.pool.sample(step, Point::Optimizer);
         Ok((loss, grad_norm, lr, None))
+    }
+
+    /// Tokens of one optimizer step over all data-parallel ranks.
+    pub fn global_batch_tokens(&self) -> u64 {
+        let ranks = self.dp.as_ref().map_or(1, |d| d.size()) as u64;
+        self.cfg.data.grad_acc * self.cfg.data.mbs * self.cfg.data.seq * ranks
     }
 
     /// Mean validation loss over the fixed validation batches.

@@ -1,8 +1,9 @@
 //! The activation buffers a training step keeps between forward and backward, by plan name
 //! (`act.layers.{i}.<field>`, `act.final_norm.*`, `grad.act.*`).
 
-use super::buffers::{BufName, BufferPool};
+use super::buffers::{Buf, BufName, BufferPool};
 use crate::dtype::Elem;
+use ferrotron_plan::tensors::{Edge, LayerTensor};
 
 /// `B` sequences of `T` tokens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,53 +41,52 @@ impl LossSum {
 #[derive(Debug, Default)]
 pub struct LayerActs<S> {
     /// Residual stream entering the layer `[N, C]`.
-    pub input: Vec<S>,
-    pub ln1_rstd: Vec<f32>,
-    pub ln1_out: Vec<S>,
+    pub input: Buf<S>,
+    pub ln1_rstd: Buf<f32>,
+    pub ln1_out: Buf<S>,
     /// Post-RoPE `[N, H·D]`.
-    pub q: Vec<S>,
+    pub q: Buf<S>,
     /// Post-RoPE `[N, KV·D]`.
-    pub k: Vec<S>,
-    pub v: Vec<S>,
+    pub k: Buf<S>,
+    pub v: Buf<S>,
     /// `[B, H, T]`.
-    pub attn_lse: Vec<f32>,
-    pub attn_out: Vec<S>,
-    pub resid_mid: Vec<S>,
-    pub ln2_rstd: Vec<f32>,
-    pub ln2_out: Vec<S>,
-    pub gate: Vec<S>,
-    pub up: Vec<S>,
-    pub swiglu: Vec<S>,
+    pub attn_lse: Buf<f32>,
+    pub attn_out: Buf<S>,
+    pub resid_mid: Buf<S>,
+    pub ln2_rstd: Buf<f32>,
+    pub ln2_out: Buf<S>,
+    pub gate: Buf<S>,
+    pub up: Buf<S>,
+    pub swiglu: Buf<S>,
 }
 
 impl<S: Elem> LayerActs<S> {
-    /// Returns the tensor named `field` (one of [`super::recompute::LAYER_FIELDS`]) to the
-    /// pool as `name`, leaving an empty `Vec`.
-    pub fn release(&mut self, field: &str, pool: &mut dyn BufferPool, name: BufName) {
+    /// Returns tensor `t` to the pool as `name`, leaving an empty buffer.
+    pub fn release(&mut self, t: LayerTensor, pool: &mut dyn BufferPool, name: BufName) {
         use std::mem::take;
-        match field {
-            "ln1_rstd" => pool.free(name, take(&mut self.ln1_rstd)),
-            "attn_lse" => pool.free(name, take(&mut self.attn_lse)),
-            "ln2_rstd" => pool.free(name, take(&mut self.ln2_rstd)),
-            _ => pool.free(name, take(self.field_mut(field))),
+        match t {
+            LayerTensor::Ln1Rstd => pool.free(name, take(&mut self.ln1_rstd)),
+            LayerTensor::AttnLse => pool.free(name, take(&mut self.attn_lse)),
+            LayerTensor::Ln2Rstd => pool.free(name, take(&mut self.ln2_rstd)),
+            _ => pool.free(name, take(self.storage_mut(t))),
         }
     }
 
-    /// The storage-typed tensor named `field`.
-    fn field_mut(&mut self, field: &str) -> &mut Vec<S> {
-        match field {
-            "input" => &mut self.input,
-            "ln1_out" => &mut self.ln1_out,
-            "q" => &mut self.q,
-            "k" => &mut self.k,
-            "v" => &mut self.v,
-            "attn_out" => &mut self.attn_out,
-            "resid_mid" => &mut self.resid_mid,
-            "ln2_out" => &mut self.ln2_out,
-            "gate" => &mut self.gate,
-            "up" => &mut self.up,
-            "swiglu" => &mut self.swiglu,
-            _ => panic!("no layer tensor `{field}`"),
+    /// The storage-typed tensor `t`.
+    fn storage_mut(&mut self, t: LayerTensor) -> &mut Buf<S> {
+        match t {
+            LayerTensor::Input => &mut self.input,
+            LayerTensor::Ln1Out => &mut self.ln1_out,
+            LayerTensor::Q => &mut self.q,
+            LayerTensor::K => &mut self.k,
+            LayerTensor::V => &mut self.v,
+            LayerTensor::AttnOut => &mut self.attn_out,
+            LayerTensor::ResidMid => &mut self.resid_mid,
+            LayerTensor::Ln2Out => &mut self.ln2_out,
+            LayerTensor::Gate => &mut self.gate,
+            LayerTensor::Up => &mut self.up,
+            LayerTensor::Swiglu => &mut self.swiglu,
+            _ => panic!("a dense layer has no tensor `{}`", t.name()),
         }
     }
 }
@@ -98,37 +98,25 @@ pub struct Activations<S> {
     /// Layer activations, layer 0 first; the backward pops from the end.
     pub layers: Vec<LayerActs<S>>,
     /// `act.final_norm.input` `[N, C]`: the last layer's output.
-    pub final_input: Vec<S>,
+    pub final_input: Buf<S>,
     /// `act.final_norm.rstd` `[N]`.
-    pub final_rstd: Vec<f32>,
+    pub final_rstd: Buf<f32>,
     /// `act.final_norm.out` `[N, C]`, holding d(loss)/d(final_norm.out) after the fused head.
-    pub final_out_grad: Vec<S>,
+    pub final_out_grad: Buf<S>,
 }
 
 /// Backward scratch, shared by all layers (`grad.act.*`).
 pub struct GradScratch<S> {
-    pub(crate) resid: Vec<S>,
-    pub(crate) ln_out: Vec<S>,
-    pub(crate) q: Vec<S>,
-    pub(crate) k: Vec<S>,
-    pub(crate) v: Vec<S>,
-    pub(crate) attn_out: Vec<S>,
-    pub(crate) gate: Vec<S>,
-    pub(crate) up: Vec<S>,
-    pub(crate) swiglu: Vec<S>,
+    pub(crate) resid: Buf<S>,
+    pub(crate) ln_out: Buf<S>,
+    pub(crate) q: Buf<S>,
+    pub(crate) k: Buf<S>,
+    pub(crate) v: Buf<S>,
+    pub(crate) attn_out: Buf<S>,
+    pub(crate) gate: Buf<S>,
+    pub(crate) up: Buf<S>,
+    pub(crate) swiglu: Buf<S>,
 }
-
-/// The scratch buffers besides `grad.act.resid`, in the order they are allocated and freed.
-const SCRATCH: [&str; 8] = [
-    "grad.act.ln_out",
-    "grad.act.q",
-    "grad.act.k",
-    "grad.act.v",
-    "grad.act.attn_out",
-    "grad.act.gate",
-    "grad.act.up",
-    "grad.act.swiglu",
-];
 
 impl<S: Elem> GradScratch<S> {
     /// The scratch of a backward whose d(residual stream) is `resid` (`grad.act.resid`).
@@ -136,17 +124,12 @@ impl<S: Elem> GradScratch<S> {
         model: &super::llama::Llama,
         pool: &mut dyn BufferPool,
         batch: BatchShape,
-        resid: Vec<S>,
+        resid: Buf<S>,
     ) -> Self {
-        let c = &model.config;
-        let n = batch.n();
-        let len = |name: &str| match name {
-            "grad.act.ln_out" => n * c.hidden,
-            "grad.act.q" | "grad.act.attn_out" => n * c.q_dim(),
-            "grad.act.k" | "grad.act.v" => n * c.kv_dim(),
-            _ => n * c.intermediate,
-        };
-        let mut b = SCRATCH.map(|name| pool.alloc(BufName::global(name), len(name)));
+        let mut b = Edge::SCRATCH.map(|e| {
+            let name = BufName::Edge(e);
+            model.buf(pool, name, batch.n())
+        });
         let mut take = |i: usize| std::mem::take(&mut b[i]);
         GradScratch {
             resid,
@@ -163,7 +146,7 @@ impl<S: Elem> GradScratch<S> {
 
     /// Returns every buffer to the pool, `grad.act.resid` first.
     pub(crate) fn free(self, pool: &mut dyn BufferPool) {
-        pool.free(BufName::global("grad.act.resid"), self.resid);
+        pool.free(BufName::Edge(Edge::GradResid), self.resid);
         let bufs = [
             self.ln_out,
             self.q,
@@ -174,8 +157,8 @@ impl<S: Elem> GradScratch<S> {
             self.up,
             self.swiglu,
         ];
-        for (name, b) in SCRATCH.into_iter().zip(bufs) {
-            pool.free(BufName::global(name), b);
+        for (e, b) in Edge::SCRATCH.into_iter().zip(bufs) {
+            pool.free(BufName::Edge(e), b);
         }
     }
 }

@@ -6,35 +6,80 @@
 //! and so sees exactly the live bytes the memory plan predicts.
 
 use crate::dtype::Elem;
+use std::alloc::Layout;
 use std::fmt;
+use std::ptr::NonNull;
 
-/// A buffer name without allocating: `act.layers.{layer}.{name}` or a global `name`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct BufName {
-    pub layer: Option<u32>,
-    pub name: &'static str,
+/// A buffer's name without allocating (its `Display` is the plan's name): the planner's
+/// table of tensors names every buffer (`ferrotron_plan::tensors`).
+pub use ferrotron_plan::tensors::BufName;
+
+/// A phase boundary of a micro-batch, announced by the engine as it passes it (the plan's
+/// marks: `forward layer i`, `loss`, `backward layer i`). Forward: layer `i`'s output exists
+/// and its `recompute.*` workspace is still live. Loss: the LM head's transients are still
+/// live. Backward: layer `i`'s last saved buffer (its `input`) is gone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Boundary {
+    Forward { layer: u32 },
+    Loss,
+    Backward { layer: u32 },
 }
 
-impl BufName {
-    /// Per-layer activation `act.layers.{layer}.{name}`.
-    pub const fn layer(layer: usize, name: &'static str) -> Self {
-        BufName {
-            layer: Some(layer as u32),
-            name,
+/// Alignment of every buffer's memory (a cache line; every element type divides it).
+pub const BUF_ALIGN: usize = 64;
+
+/// A buffer of `len` elements handed out by a [`BufferPool`]: its own heap block, or a view of
+/// the pool's arena at the offset the memory plan gives it. It dereferences to a slice, so the
+/// model and the kernels read and write it as one; it goes back with [`BufferPool::free`]
+/// (dropping it instead leaks a heap block and leaves an arena's accounting live).
+pub struct Buf<T> {
+    ptr: NonNull<T>,
+    len: usize,
+    /// Allocated from the heap by `dyn BufferPool::alloc` (freed there too), not a view.
+    heap: bool,
+}
+
+// SAFETY: a `Buf` is the only handle to its memory (a heap block it owns, or an arena region
+// no other live buffer overlaps), like a `Box<[T]>`.
+unsafe impl<T: Send> Send for Buf<T> {}
+unsafe impl<T: Sync> Sync for Buf<T> {}
+
+impl<T> Buf<T> {
+    /// No elements, no memory (a tensor the recompute policy dropped).
+    pub const fn empty() -> Self {
+        Buf {
+            ptr: NonNull::dangling(),
+            len: 0,
+            heap: false,
         }
     }
-    /// A global buffer, full name given (`act.final_norm.out`, `grad.act.q`, ...).
-    pub const fn global(name: &'static str) -> Self {
-        BufName { layer: None, name }
+}
+
+impl<T> Default for Buf<T> {
+    fn default() -> Self {
+        Self::empty()
     }
 }
 
-impl fmt::Display for BufName {
+impl<T> std::ops::Deref for Buf<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        // SAFETY: `ptr` is valid for `len` initialised elements while the buffer is live
+        // (`dyn BufferPool::alloc` fills every element before handing it out).
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl<T> std::ops::DerefMut for Buf<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        // SAFETY: as in `deref`, and no other live `Buf` overlaps this one.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl<T: fmt::Debug> fmt::Debug for Buf<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.layer {
-            Some(i) => write!(f, "act.layers.{i}.{}", self.name),
-            None => f.write_str(self.name),
-        }
+        write!(f, "Buf[{}]", self.len)
     }
 }
 
@@ -42,13 +87,22 @@ impl fmt::Display for BufName {
 /// allocates every buffer through [`alloc`](#method.alloc) / [`free`](#method.free) on
 /// `dyn BufferPool` (any element type: f32 for statistics and logits, the storage type for the
 /// rest); the pool hears of each with its name and size in bytes, just before and just after
-/// the heap operation, so a tracking allocator read in the hooks sees the memory come and go.
-/// Contents of a new buffer are unspecified (every buffer is fully written before it is read).
+/// it is handed out or taken back, so a tracking allocator read in the hooks sees the memory
+/// come and go. A pool with its own region places the buffer itself ([`BufferPool::place`]);
+/// otherwise it is a zero-filled heap block. Contents of a placed buffer are unspecified
+/// (every buffer is fully written before it is read; `poison` proves it).
 pub trait BufferPool {
     fn will_alloc(&mut self, _name: BufName, _bytes: u64) {}
     fn did_alloc(&mut self, name: BufName, bytes: u64);
     fn will_free(&mut self, _name: BufName, _bytes: u64) {}
     fn did_free(&mut self, name: BufName, bytes: u64);
+    /// Memory for buffer `name` of `bytes` bytes in the pool's own region, aligned to
+    /// [`BUF_ALIGN`], or `None` for a heap block. It must overlap no live buffer.
+    fn place(&mut self, _name: BufName, _bytes: u64) -> Option<NonNull<u8>> {
+        None
+    }
+    /// The engine passed a phase boundary of the micro-batch.
+    fn boundary(&mut self, _b: Boundary) {}
     /// Fill new buffers with NaN instead of zeros (tests that every buffer is written before it
     /// is read).
     fn poison(&self) -> bool {
@@ -56,26 +110,47 @@ pub trait BufferPool {
     }
 }
 
+fn heap_layout(bytes: usize) -> Layout {
+    Layout::from_size_align(bytes, BUF_ALIGN).expect("buffer size overflows")
+}
+
 impl dyn BufferPool + '_ {
     /// A buffer of `len` elements named `name`.
-    pub fn alloc<T: Elem>(&mut self, name: BufName, len: usize) -> Vec<T> {
-        let bytes = (len * std::mem::size_of::<T>()) as u64;
+    pub fn alloc<T: Elem>(&mut self, name: BufName, len: usize) -> Buf<T> {
+        let size = len * std::mem::size_of::<T>();
+        let bytes = size as u64;
         self.will_alloc(name, bytes);
-        // Zeroed memory keeps a read-before-write bug deterministic.
-        let fill = if self.poison() {
-            T::from_f32(f32::NAN)
-        } else {
-            T::default()
+        let poison = self.poison();
+        let (ptr, heap) = match self.place(name, bytes) {
+            Some(p) => (p.cast::<T>(), false),
+            None if size == 0 => (NonNull::dangling(), false),
+            None => {
+                // Zeroed memory keeps a read-before-write bug deterministic.
+                // SAFETY: the layout has a non-zero size.
+                let p = unsafe { std::alloc::alloc_zeroed(heap_layout(size)) };
+                let p = NonNull::new(p.cast::<T>())
+                    .unwrap_or_else(|| std::alloc::handle_alloc_error(heap_layout(size)));
+                (p, true)
+            }
         };
-        let buf = vec![fill; len];
+        let mut buf = Buf { ptr, len, heap };
+        // A placed buffer's bytes are whatever its region held last: every bit pattern of the
+        // element types is a value, and the model writes before it reads (`poison` tests it).
+        if poison {
+            buf.fill(T::from_f32(f32::NAN));
+        }
         self.did_alloc(name, bytes);
         buf
     }
     /// Returns `buf` (allocated as `name`).
-    pub fn free<T: Elem>(&mut self, name: BufName, buf: Vec<T>) {
-        let bytes = (buf.len() * std::mem::size_of::<T>()) as u64;
+    pub fn free<T: Elem>(&mut self, name: BufName, buf: Buf<T>) {
+        let size = buf.len * std::mem::size_of::<T>();
+        let bytes = size as u64;
         self.will_free(name, bytes);
-        drop(buf);
+        if buf.heap {
+            // SAFETY: allocated in `alloc` with this layout.
+            unsafe { std::alloc::dealloc(buf.ptr.as_ptr().cast(), heap_layout(size)) };
+        }
         self.did_free(name, bytes);
     }
 }

@@ -23,16 +23,16 @@
 //! needs the global number of target tokens up front.
 
 use super::activations::{Activations, BatchShape, GradScratch, LayerActs, LossSum};
-use super::buffers::{BufName, BufferPool};
+use super::buffers::{Boundary, Buf, BufName, BufferPool};
 use super::config::LlamaConfig;
 use super::params::{LayerIdx, ParamTable};
-use super::recompute::{dropped, workspace_name, Recompute, LAYER_FIELDS};
+use super::recompute::{dropped, layer_tensors, Recompute};
 use super::stages::{GradsDone, HeadActs};
 use crate::dtype::Elem;
 use crate::kernels::{
     Accum, AttnShape, CeShape, Kernels, MatmulShape, NormShape, RopeShape, RopeTable,
 };
-use ferrotron_plan::DType;
+use ferrotron_plan::tensors::{self, Edge, LayerTensor as T};
 use std::ops::Range;
 
 /// Default rows per LM-head / cross-entropy chunk.
@@ -105,29 +105,48 @@ impl Llama {
         self
     }
 
-    /// Buffer of layer `i`'s tensor `field`: `act.layers.{i}.<field>` when the policy keeps it,
-    /// else the shared workspace `recompute.<field>`.
-    fn slot(&self, i: usize, field: &'static str) -> BufName {
-        if self.recompute.keeps(field) {
-            BufName::layer(i, field)
-        } else {
-            BufName::global(workspace_name(field))
+    /// Buffer of layer `i`'s tensor `t`: `act.layers.{i}.<t>` when the policy keeps it, else
+    /// the shared workspace `recompute.<t>`.
+    fn slot(&self, i: usize, t: T) -> BufName {
+        BufName::of_layer(i, t, self.recompute)
+    }
+
+    /// The table's sizes (`ferrotron_plan::tensors`) for `tokens` tokens on this one rank.
+    fn dims(&self, tokens: usize) -> tensors::Dims {
+        let c = &self.config;
+        tensors::Dims {
+            tokens: tokens as u64,
+            hidden: c.hidden as u64,
+            heads: c.heads as u64,
+            q_dim: c.q_dim() as u64,
+            k_rank: c.kv_dim() as u64,
+            v_rank: c.kv_dim() as u64,
+            o_dim: c.q_dim() as u64,
+            rotary_dim: c.head_dim as u64,
+            ffn: c.intermediate as u64,
+            vocab: c.vocab as u64,
+            positions: c.max_pos as u64,
+            experts: 0,
+            top_k: 1,
+            ce_chunk_tokens: self.ce_chunk_tokens as u64,
+            tp: 1,
+            sp: false,
         }
     }
 
-    /// Elements of layer tensor `field` for a batch.
-    fn field_len(&self, field: &str, batch: BatchShape) -> usize {
-        let cfg = &self.config;
-        let (n, c, f) = (batch.n(), cfg.hidden, cfg.intermediate);
-        match field {
-            "input" | "ln1_out" | "resid_mid" | "ln2_out" => n * c,
-            "ln1_rstd" | "ln2_rstd" => n,
-            "q" | "attn_out" => n * cfg.q_dim(),
-            "k" | "v" => n * cfg.kv_dim(),
-            "attn_lse" => batch.b * cfg.heads * batch.t,
-            "gate" | "up" | "swiglu" => n * f,
-            _ => panic!("no layer tensor `{field}`"),
-        }
+    /// Elements of buffer `name` for `tokens` tokens, as the table gives them.
+    pub fn len(&self, name: BufName, tokens: usize) -> usize {
+        name.shape().numel(&self.dims(tokens)) as usize
+    }
+
+    /// Buffer `name` for `tokens` tokens, from the pool.
+    pub(super) fn buf<X: Elem>(
+        &self,
+        pool: &mut dyn BufferPool,
+        name: BufName,
+        tokens: usize,
+    ) -> Buf<X> {
+        pool.alloc(name, self.len(name, tokens))
     }
 
     pub fn with_ce_chunk_tokens(mut self, rows: usize) -> Self {
@@ -139,65 +158,6 @@ impl Llama {
     /// Number of parameters (length of the flat parameter and gradient buffers).
     pub fn num_params(&self) -> usize {
         self.params.total
-    }
-
-    /// Every buffer the model requests for a batch with activations stored as `storage`: name,
-    /// element count and element type. The per-layer activations the recompute policy keeps,
-    /// the `recompute.*` workspace of the ones it drops (one set for all layers), the head
-    /// buffers, then the backward scratch. Statistics, logits and losses are always f32.
-    pub fn activation_inventory(
-        &self,
-        batch: BatchShape,
-        storage: DType,
-    ) -> Vec<(String, usize, DType)> {
-        let (n, c) = (batch.n(), self.config.hidden);
-        let (qd, kvd, f) = (
-            self.config.q_dim(),
-            self.config.kv_dim(),
-            self.config.intermediate,
-        );
-        let dtype = |name: &str| match name {
-            "ln1_rstd" | "ln2_rstd" | "attn_lse" => DType::F32,
-            _ => storage,
-        };
-        let mut v = Vec::new();
-        for i in 0..self.config.layers {
-            for name in LAYER_FIELDS.into_iter().filter(|f| self.recompute.keeps(f)) {
-                v.push((
-                    BufName::layer(i, name).to_string(),
-                    self.field_len(name, batch),
-                    dtype(name),
-                ));
-            }
-        }
-        for name in dropped(self.recompute) {
-            v.push((
-                workspace_name(name).to_string(),
-                self.field_len(name, batch),
-                dtype(name),
-            ));
-        }
-        let chunk = n.min(self.ce_chunk_tokens);
-        let f32 = DType::F32;
-        for (name, len, dt) in [
-            ("act.final_norm.input", n * c, storage),
-            ("act.final_norm.rstd", n, f32),
-            ("act.final_norm.out", n * c, storage),
-            ("act.logits_chunk", chunk * self.config.vocab, f32),
-            ("act.losses", n, f32),
-            ("grad.act.resid", n * c, storage),
-            ("grad.act.ln_out", n * c, storage),
-            ("grad.act.q", n * qd, storage),
-            ("grad.act.k", n * kvd, storage),
-            ("grad.act.v", n * kvd, storage),
-            ("grad.act.attn_out", n * qd, storage),
-            ("grad.act.gate", n * f, storage),
-            ("grad.act.up", n * f, storage),
-            ("grad.act.swiglu", n * f, storage),
-        ] {
-            v.push((name.to_string(), len, dt));
-        }
-        v
     }
 
     fn check_batch<S>(&self, params: &[S], batch: BatchShape, tokens: &[u32]) {
@@ -222,9 +182,9 @@ impl Llama {
     /// Name of the buffer that receives layer `i`'s output.
     fn output_name(&self, i: usize) -> BufName {
         if i + 1 < self.config.layers {
-            BufName::layer(i + 1, "input")
+            BufName::Layer(i as u32 + 1, T::Input)
         } else {
-            BufName::global("act.final_norm.input")
+            BufName::Edge(Edge::FinalNormInput)
         }
     }
 
@@ -237,9 +197,10 @@ impl Llama {
         params: &[S],
         i: usize,
         batch: BatchShape,
-        input: Vec<S>,
-    ) -> (LayerActs<S>, Vec<S>) {
+        input: Buf<S>,
+    ) -> (LayerActs<S>, Buf<S>) {
         let (mut acts, out) = self.layer_body(k, pool, params, i, batch, input, true);
+        pool.boundary(Boundary::Forward { layer: i as u32 });
         // The workspace of the dropped tensors goes once the output exists.
         for field in dropped(self.recompute) {
             acts.release(field, pool, self.slot(i, field));
@@ -258,14 +219,14 @@ impl Llama {
         params: &[S],
         i: usize,
         batch: BatchShape,
-        input: Vec<S>,
+        input: Buf<S>,
         output: bool,
-    ) -> (LayerActs<S>, Option<Vec<S>>) {
+    ) -> (LayerActs<S>, Option<Buf<S>>) {
         let cfg = &self.config;
         let li: &LayerIdx = &self.params.layers[i];
         let (n, c, f) = (batch.n(), cfg.hidden, cfg.intermediate);
         let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
-        let name = |s| self.slot(i, s);
+        let name = |t| self.slot(i, t);
         let p = |r: &Range<usize>| &params[r.clone()];
         let lin = |inf, outf| MatmulShape {
             n,
@@ -274,8 +235,8 @@ impl Llama {
         };
 
         // ---- attention block ----
-        let mut ln1_rstd = pool.alloc(name("ln1_rstd"), n);
-        let mut ln1_out = pool.alloc(name("ln1_out"), n * c);
+        let mut ln1_rstd = self.buf(pool, name(T::Ln1Rstd), n);
+        let mut ln1_out = self.buf(pool, name(T::Ln1Out), n);
         k.rmsnorm_forward(
             self.norm(n),
             &input,
@@ -283,7 +244,7 @@ impl Llama {
             &mut ln1_out,
             &mut ln1_rstd,
         );
-        let mut q = pool.alloc(name("q"), n * qd);
+        let mut q = self.buf(pool, name(T::Q), n);
         k.matmul_forward(
             lin(c, qd),
             &ln1_out,
@@ -292,7 +253,7 @@ impl Llama {
             &mut q,
             Accum::Overwrite,
         );
-        let mut kk = pool.alloc(name("k"), n * kvd);
+        let mut kk = self.buf(pool, name(T::K), n);
         k.matmul_forward(
             lin(c, kvd),
             &ln1_out,
@@ -301,7 +262,7 @@ impl Llama {
             &mut kk,
             Accum::Overwrite,
         );
-        let mut v = pool.alloc(name("v"), n * kvd);
+        let mut v = self.buf(pool, name(T::V), n);
         k.matmul_forward(
             lin(c, kvd),
             &ln1_out,
@@ -319,14 +280,14 @@ impl Llama {
         k.rope_forward(rs(cfg.heads), &self.rope, &mut q);
         k.rope_forward(rs(cfg.kv_heads), &self.rope, &mut kk);
         let ashape = self.attn_shape(batch);
-        let mut attn_lse = pool.alloc(name("attn_lse"), ashape.lse_len());
-        let mut attn_out = pool.alloc(name("attn_out"), n * qd);
+        let mut attn_lse = self.buf(pool, name(T::AttnLse), n);
+        let mut attn_out = self.buf(pool, name(T::AttnOut), n);
         k.attention_forward(ashape, &q, &kk, &v, &mut attn_out, &mut attn_lse);
         // resid_mid = attn_out·Woᵀ, then + input: the residual add is its own step, after the
         // projection is complete, because a row-parallel o_proj (tensor parallelism) must
         // all-reduce its partial sums between the two; fused, the residual would be added tp
         // times.
-        let mut resid_mid = pool.alloc(name("resid_mid"), n * c);
+        let mut resid_mid = self.buf(pool, name(T::ResidMid), n);
         k.matmul_forward(
             lin(qd, c),
             &attn_out,
@@ -338,8 +299,8 @@ impl Llama {
         k.add_inplace(&mut resid_mid, &input);
 
         // ---- MLP block ----
-        let mut ln2_rstd = pool.alloc(name("ln2_rstd"), n);
-        let mut ln2_out = pool.alloc(name("ln2_out"), n * c);
+        let mut ln2_rstd = self.buf(pool, name(T::Ln2Rstd), n);
+        let mut ln2_out = self.buf(pool, name(T::Ln2Out), n);
         k.rmsnorm_forward(
             self.norm(n),
             &resid_mid,
@@ -347,7 +308,7 @@ impl Llama {
             &mut ln2_out,
             &mut ln2_rstd,
         );
-        let mut gate = pool.alloc(name("gate"), n * f);
+        let mut gate = self.buf(pool, name(T::Gate), n);
         k.matmul_forward(
             lin(c, f),
             &ln2_out,
@@ -356,7 +317,7 @@ impl Llama {
             &mut gate,
             Accum::Overwrite,
         );
-        let mut up = pool.alloc(name("up"), n * f);
+        let mut up = self.buf(pool, name(T::Up), n);
         k.matmul_forward(
             lin(c, f),
             &ln2_out,
@@ -365,11 +326,11 @@ impl Llama {
             &mut up,
             Accum::Overwrite,
         );
-        let mut swiglu = pool.alloc(name("swiglu"), n * f);
+        let mut swiglu = self.buf(pool, name(T::Swiglu), n);
         k.swiglu_forward(&gate, &up, &mut swiglu);
         let out = output.then(|| {
             // out = swiglu·Wdᵀ, then + resid_mid (explicit, as for o_proj above).
-            let mut out = pool.alloc(self.output_name(i), n * c);
+            let mut out = self.buf(pool, self.output_name(i), n);
             let s = lin(f, c);
             k.matmul_forward(s, &swiglu, p(&li.wd), None, &mut out, Accum::Overwrite);
             k.add_inplace(&mut out, &resid_mid);
@@ -407,14 +368,14 @@ impl Llama {
 
     /// Returns every kept buffer of a layer to the pool (used by the no-grad forwards).
     fn free_layer<S: Elem>(&self, pool: &mut dyn BufferPool, i: usize, mut a: LayerActs<S>) {
-        for field in LAYER_FIELDS.into_iter().filter(|f| self.recompute.keeps(f)) {
-            a.release(field, pool, BufName::layer(i, field));
+        for t in layer_tensors().filter(|t| t.kept_by(self.recompute)) {
+            a.release(t, pool, BufName::Layer(i as u32, t));
         }
     }
 
     /// Rebuilds the tensors the policy dropped from layer `i`'s activations, into the
     /// `recompute.*` workspace, at the start of the layer's backward (allocated in
-    /// [`LAYER_FIELDS`] order, as the plan does). Same kernels on the same inputs as the
+    /// table order, as the plan does). Same kernels on the same inputs as the
     /// forward, so the same bits.
     pub(super) fn rebuild<S: Elem, G: Elem>(
         &self,
@@ -432,11 +393,10 @@ impl Llama {
                 let mut a = a;
                 let li: &LayerIdx = &self.params.layers[i];
                 let n = batch.n();
-                let (c, f) = (self.config.hidden, self.config.intermediate);
                 let p = |r: &Range<usize>| &params[r.clone()];
                 // The norm kernel recomputes rstd along with the output; it rewrites the kept
                 // rstd with the same value (same input, same reduction order).
-                a.ln1_out = pool.alloc(self.slot(i, "ln1_out"), n * c);
+                a.ln1_out = self.buf(pool, self.slot(i, T::Ln1Out), n);
                 k.rmsnorm_forward(
                     self.norm(n),
                     &a.input,
@@ -444,7 +404,7 @@ impl Llama {
                     &mut a.ln1_out,
                     &mut a.ln1_rstd,
                 );
-                a.ln2_out = pool.alloc(self.slot(i, "ln2_out"), n * c);
+                a.ln2_out = self.buf(pool, self.slot(i, T::Ln2Out), n);
                 k.rmsnorm_forward(
                     self.norm(n),
                     &a.resid_mid,
@@ -452,7 +412,7 @@ impl Llama {
                     &mut a.ln2_out,
                     &mut a.ln2_rstd,
                 );
-                a.swiglu = pool.alloc(self.slot(i, "swiglu"), n * f);
+                a.swiglu = self.buf(pool, self.slot(i, T::Swiglu), n);
                 k.swiglu_forward(&a.gate, &a.up, &mut a.swiglu);
                 a
             }
@@ -470,11 +430,15 @@ impl Llama {
         final_input: &[S],
         targets: &[u32],
         mut grad: Option<(&mut [G], f32)>,
-    ) -> (Vec<f32>, Vec<S>, LossSum) {
+    ) -> (Buf<f32>, Buf<S>, LossSum) {
         let (c, vocab) = (self.config.hidden, self.config.vocab);
         let n = targets.len();
-        let mut rstd = pool.alloc(BufName::global("act.final_norm.rstd"), n);
-        let mut out = pool.alloc(BufName::global("act.final_norm.out"), n * c);
+        let (rstd_name, out_name) = (
+            BufName::Edge(Edge::FinalNormRstd),
+            BufName::Edge(Edge::FinalNormOut),
+        );
+        let mut rstd = self.buf(pool, rstd_name, n);
+        let mut out = self.buf(pool, out_name, n);
         k.rmsnorm_forward(
             self.norm(n),
             final_input,
@@ -484,8 +448,12 @@ impl Llama {
         );
         let w_lm = &params[self.params.lm_head.clone()];
         let chunk = n.min(self.ce_chunk_tokens);
-        let mut logits = pool.alloc(BufName::global("act.logits_chunk"), chunk * vocab);
-        let mut losses = pool.alloc(BufName::global("act.losses"), n);
+        let (logits_name, losses_name) = (
+            BufName::Edge(Edge::LogitsChunk),
+            BufName::Edge(Edge::Losses),
+        );
+        let mut logits = self.buf(pool, logits_name, n);
+        let mut losses = self.buf(pool, losses_name, n);
         let mut total = 0.0f64;
         let mut r0 = 0;
         while r0 < n {
@@ -513,8 +481,9 @@ impl Llama {
             }
             r0 += rows;
         }
-        pool.free(BufName::global("act.logits_chunk"), logits);
-        pool.free(BufName::global("act.losses"), losses);
+        pool.boundary(Boundary::Loss);
+        pool.free(logits_name, logits);
+        pool.free(losses_name, losses);
         let count = targets.iter().filter(|&&t| (t as usize) < vocab).count();
         (rstd, out, LossSum { sum: total, count })
     }
@@ -602,10 +571,28 @@ impl Llama {
         acts: Activations<S>,
         tokens: &[u32],
     ) {
+        // Nobody listens for finished gradients.
+        let done = &mut |_: GradsDone, _: &mut [G]| {};
+        self.backward_notify(k, pool, params, grads, acts, tokens, done);
+    }
+
+    /// [`Llama::backward`], calling `done` with the gradients each time some of them are
+    /// final for this micro-batch (see [`GradsDone`]): data parallelism starts reducing them
+    /// while the backward goes on.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_notify<S: Elem, G: Elem>(
+        &self,
+        k: &dyn Kernels<S, G>,
+        pool: &mut dyn BufferPool,
+        params: &[S],
+        grads: &mut [G],
+        acts: Activations<S>,
+        tokens: &[u32],
+        done: &mut dyn FnMut(GradsDone, &mut [G]),
+    ) {
         assert_eq!(tokens.len(), acts.batch.n(), "tokens must hold B·T ids");
         assert_eq!(grads.len(), self.params.total, "grads buffer length");
-        // The stages (`super::stages`) in order; nobody listens for finished gradients.
-        let done = &mut |_: GradsDone| {};
+        // The stages (`super::stages`) in order.
         let Activations {
             batch,
             layers,
@@ -644,7 +631,7 @@ impl Llama {
         let li: &LayerIdx = &self.params.layers[i];
         let (n, c, f) = (batch.n(), cfg.hidden, cfg.intermediate);
         let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
-        let name = |s| self.slot(i, s);
+        let name = |t| self.slot(i, t);
         let p = |r: &Range<usize>| &params[r.clone()];
         let lin = |inf, outf| MatmulShape {
             n,
@@ -667,10 +654,10 @@ impl Llama {
             &mut sc.swiglu,
             Accum::Overwrite,
         );
-        pool.free(name("swiglu"), a.swiglu);
+        pool.free(name(T::Swiglu), a.swiglu);
         k.swiglu_backward(&sc.swiglu, &a.gate, &a.up, &mut sc.gate, &mut sc.up);
-        pool.free(name("gate"), a.gate);
-        pool.free(name("up"), a.up);
+        pool.free(name(T::Gate), a.gate);
+        pool.free(name(T::Up), a.up);
         k.matmul_backward_weight(
             lin(c, f),
             &sc.gate,
@@ -685,7 +672,7 @@ impl Llama {
             &mut grads[li.wu.clone()],
             None,
         );
-        pool.free(name("ln2_out"), a.ln2_out);
+        pool.free(name(T::Ln2Out), a.ln2_out);
         k.matmul_backward_input(
             lin(c, f),
             &sc.gate,
@@ -705,8 +692,8 @@ impl Llama {
             Accum::Add,
             &mut grads[li.ln2.clone()],
         );
-        pool.free(name("resid_mid"), a.resid_mid);
-        pool.free(name("ln2_rstd"), a.ln2_rstd);
+        pool.free(name(T::ResidMid), a.resid_mid);
+        pool.free(name(T::Ln2Rstd), a.ln2_rstd);
 
         // ---- attention block: resid_mid = input + o_proj(attn(q, k, v)) ----
         k.matmul_backward_weight(
@@ -735,11 +722,11 @@ impl Llama {
             &mut sc.k,
             &mut sc.v,
         );
-        pool.free(name("attn_out"), a.attn_out);
-        pool.free(name("attn_lse"), a.attn_lse);
-        pool.free(name("q"), a.q);
-        pool.free(name("k"), a.k);
-        pool.free(name("v"), a.v);
+        pool.free(name(T::AttnOut), a.attn_out);
+        pool.free(name(T::AttnLse), a.attn_lse);
+        pool.free(name(T::Q), a.q);
+        pool.free(name(T::K), a.k);
+        pool.free(name(T::V), a.v);
         let rs = |heads| RopeShape {
             b: batch.b,
             t: batch.t,
@@ -751,7 +738,7 @@ impl Llama {
         weight_grad(k, lin(c, qd), &sc.q, &a.ln1_out, grads, &li.wq, &li.bq);
         weight_grad(k, lin(c, kvd), &sc.k, &a.ln1_out, grads, &li.wk, &li.bk);
         weight_grad(k, lin(c, kvd), &sc.v, &a.ln1_out, grads, &li.wv, &li.bv);
-        pool.free(name("ln1_out"), a.ln1_out);
+        pool.free(name(T::Ln1Out), a.ln1_out);
         k.matmul_backward_input(
             lin(c, qd),
             &sc.q,
@@ -771,8 +758,9 @@ impl Llama {
             Accum::Add,
             &mut grads[li.ln1.clone()],
         );
-        pool.free(name("ln1_rstd"), a.ln1_rstd);
-        pool.free(name("input"), a.input);
+        pool.free(name(T::Ln1Rstd), a.ln1_rstd);
+        pool.free(name(T::Input), a.input);
+        pool.boundary(Boundary::Backward { layer: i as u32 });
     }
 
     /// Evaluation forward (no gradients): loss sum over the batch; layer activations are
@@ -790,9 +778,9 @@ impl Llama {
         assert_eq!(targets.len(), batch.n(), "targets must hold B·T ids");
         let x = self.trunk_no_grad(k, pool, params, batch, tokens);
         let (rstd, out, loss) = self.head(k, pool, params, &x, targets, None);
-        pool.free(BufName::global("act.final_norm.out"), out);
-        pool.free(BufName::global("act.final_norm.rstd"), rstd);
-        pool.free(BufName::global("act.final_norm.input"), x);
+        pool.free(BufName::Edge(Edge::FinalNormOut), out);
+        pool.free(BufName::Edge(Edge::FinalNormRstd), rstd);
+        pool.free(BufName::Edge(Edge::FinalNormInput), x);
         loss
     }
 
@@ -811,14 +799,15 @@ impl Llama {
         let (c, vocab, b) = (self.config.hidden, self.config.vocab, batch.b);
         assert_eq!(logits.len(), b * vocab, "logits must be [B, V]");
         let x = self.trunk_no_grad(k, pool, params, batch, tokens);
-        let mut last = pool.alloc(BufName::global("act.last_hidden"), b * c);
+        let last_name = BufName::Edge(Edge::LastHidden);
+        let mut last = self.buf(pool, last_name, b);
         for s in 0..b {
             let row = (s * batch.t + batch.t - 1) * c;
             last[s * c..(s + 1) * c].copy_from_slice(&x[row..row + c]);
         }
-        pool.free(BufName::global("act.final_norm.input"), x);
+        pool.free(BufName::Edge(Edge::FinalNormInput), x);
         self.logits_of(k, pool, params, &last, logits);
-        pool.free(BufName::global("act.last_hidden"), last);
+        pool.free(last_name, last);
     }
 
     /// Inference forward returning the logits of every position, `[N, V]` (tests, eval tools;
@@ -840,7 +829,7 @@ impl Llama {
         );
         let x = self.trunk_no_grad(k, pool, params, batch, tokens);
         self.logits_of(k, pool, params, &x, logits);
-        pool.free(BufName::global("act.final_norm.input"), x);
+        pool.free(BufName::Edge(Edge::FinalNormInput), x);
     }
 
     /// Final norm and LM head over `hidden` rows `[rows, C]` into `logits` `[rows, V]`.
@@ -854,8 +843,12 @@ impl Llama {
     ) {
         let c = self.config.hidden;
         let rows = hidden.len() / c;
-        let mut rstd = pool.alloc(BufName::global("act.final_norm.rstd"), rows);
-        let mut out = pool.alloc(BufName::global("act.final_norm.out"), rows * c);
+        let (rstd_name, out_name) = (
+            BufName::Edge(Edge::FinalNormRstd),
+            BufName::Edge(Edge::FinalNormOut),
+        );
+        let mut rstd = self.buf(pool, rstd_name, rows);
+        let mut out = self.buf(pool, out_name, rows);
         k.rmsnorm_forward(
             self.norm(rows),
             hidden,
@@ -869,8 +862,8 @@ impl Llama {
             out_features: self.config.vocab,
         };
         k.head_forward(s, &out, &params[self.params.lm_head.clone()], logits);
-        pool.free(BufName::global("act.final_norm.rstd"), rstd);
-        pool.free(BufName::global("act.final_norm.out"), out);
+        pool.free(BufName::Edge(Edge::FinalNormRstd), rstd);
+        pool.free(BufName::Edge(Edge::FinalNormOut), out);
     }
 
     /// Embedding + all layers without keeping activations; returns `act.final_norm.input`.
@@ -881,7 +874,7 @@ impl Llama {
         params: &[S],
         batch: BatchShape,
         tokens: &[u32],
-    ) -> Vec<S> {
+    ) -> Buf<S> {
         let mut x = self.embed_forward(k, pool, params, tokens);
         for i in 0..self.config.layers {
             let (acts, out) = self.layer_forward(k, pool, params, i, batch, x);

@@ -9,7 +9,7 @@ pub mod recompute;
 pub mod stages;
 
 pub use activations::{Activations, BatchShape, LayerActs, LossSum};
-pub use buffers::{BufName, BufferPool, HeapPool, PoolEvent};
+pub use buffers::{Boundary, Buf, BufName, BufferPool, HeapPool, PoolEvent, BUF_ALIGN};
 pub use config::{LlamaConfig, ModelError};
 pub use llama::{Llama, DEFAULT_CE_CHUNK_TOKENS};
 pub use params::{LayerIdx, ParamTable, TensorEntry};

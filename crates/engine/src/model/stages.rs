@@ -9,22 +9,23 @@
 //! them by hand gives the same buffers in the same order and the same numbers, bit for bit.
 
 use super::activations::{BatchShape, GradScratch, LayerActs, LossSum};
-use super::buffers::{BufName, BufferPool};
+use super::buffers::{Buf, BufName, BufferPool};
 use super::llama::Llama;
 use super::params::LayerIdx;
 use crate::dtype::Elem;
 use crate::kernels::{Accum, Kernels};
+use ferrotron_plan::tensors::{Edge, LayerTensor};
 use std::ops::Range;
 
 /// What the head's forward leaves for its backward.
 #[derive(Debug)]
 pub struct HeadActs<S> {
     /// `act.final_norm.input` `[N, C]`: the last layer's output.
-    pub final_input: Vec<S>,
+    pub final_input: Buf<S>,
     /// `act.final_norm.rstd` `[N]`.
-    pub final_rstd: Vec<f32>,
+    pub final_rstd: Buf<f32>,
     /// `act.final_norm.out` `[N, C]`, holding d(loss)/d(final_norm.out) after the fused head.
-    pub final_out_grad: Vec<S>,
+    pub final_out_grad: Buf<S>,
 }
 
 /// The backward between stages: d(residual stream) at the current layer boundary
@@ -35,10 +36,8 @@ impl<S: Elem> BackwardState<S> {
     /// The scratch of a stage whose backward starts from a gradient it receives (a pipeline
     /// stage without the head): write it into [`BackwardState::resid_grad_mut`].
     pub fn new(model: &Llama, pool: &mut dyn BufferPool, batch: BatchShape) -> Self {
-        let resid = pool.alloc(
-            BufName::global("grad.act.resid"),
-            batch.n() * model.config.hidden,
-        );
+        let name = BufName::Edge(Edge::GradResid);
+        let resid = model.buf(pool, name, batch.n());
         BackwardState(GradScratch::new(model, pool, batch, resid))
     }
 
@@ -79,9 +78,10 @@ impl Llama {
         pool: &mut dyn BufferPool,
         params: &[S],
         tokens: &[u32],
-    ) -> Vec<S> {
+    ) -> Buf<S> {
         let c = self.config.hidden;
-        let mut x = pool.alloc(BufName::layer(0, "input"), tokens.len() * c);
+        let name = BufName::Layer(0, LayerTensor::Input);
+        let mut x = self.buf(pool, name, tokens.len());
         k.embedding_forward(tokens, &params[self.params.embed.clone()], c, &mut x);
         x
     }
@@ -96,8 +96,8 @@ impl Llama {
         params: &[S],
         batch: BatchShape,
         layers: Range<usize>,
-        mut x: Vec<S>,
-    ) -> (Vec<LayerActs<S>>, Vec<S>) {
+        mut x: Buf<S>,
+    ) -> (Vec<LayerActs<S>>, Buf<S>) {
         assert!(
             layers.end <= self.config.layers,
             "layers {layers:?} out of range"
@@ -122,7 +122,7 @@ impl Llama {
         pool: &mut dyn BufferPool,
         params: &[S],
         grads: &mut [G],
-        x: Vec<S>,
+        x: Buf<S>,
         targets: &[u32],
         num_target_tokens: usize,
         loss_scale: f32,
@@ -155,11 +155,11 @@ impl Llama {
         grads: &mut [G],
         head: HeadActs<S>,
         batch: BatchShape,
-        done: &mut dyn FnMut(GradsDone),
+        done: &mut dyn FnMut(GradsDone, &mut [G]),
     ) -> BackwardState<S> {
         let n = batch.n();
-        let g = BufName::global;
-        let mut resid = pool.alloc(g("grad.act.resid"), n * self.config.hidden);
+        let g = BufName::Edge;
+        let mut resid = self.buf(pool, g(Edge::GradResid), n);
         k.rmsnorm_backward(
             self.norm(n),
             &head.final_out_grad,
@@ -170,10 +170,10 @@ impl Llama {
             Accum::Overwrite,
             &mut grads[self.params.norm.clone()],
         );
-        pool.free(g("act.final_norm.out"), head.final_out_grad);
-        pool.free(g("act.final_norm.rstd"), head.final_rstd);
-        pool.free(g("act.final_norm.input"), head.final_input);
-        done(GradsDone::FinalNorm(&self.params.norm));
+        pool.free(g(Edge::FinalNormOut), head.final_out_grad);
+        pool.free(g(Edge::FinalNormRstd), head.final_rstd);
+        pool.free(g(Edge::FinalNormInput), head.final_input);
+        done(GradsDone::FinalNorm(&self.params.norm), grads);
         BackwardState(GradScratch::new(self, pool, batch, resid))
     }
 
@@ -191,7 +191,7 @@ impl Llama {
         layers: Range<usize>,
         mut acts: Vec<LayerActs<S>>,
         state: &mut BackwardState<S>,
-        done: &mut dyn FnMut(GradsDone),
+        done: &mut dyn FnMut(GradsDone, &mut [G]),
     ) {
         assert_eq!(
             acts.len(),
@@ -202,7 +202,7 @@ impl Llama {
             let a = acts.pop().expect("checked length");
             let a = self.rebuild(k, pool, params, i, batch, a);
             self.layer_backward(k, pool, params, grads, i, batch, a, &mut state.0);
-            done(GradsDone::Layer(i, &self.params.layers[i]));
+            done(GradsDone::Layer(i, &self.params.layers[i]), grads);
         }
     }
 
@@ -214,12 +214,12 @@ impl Llama {
         grads: &mut [G],
         tokens: &[u32],
         state: BackwardState<S>,
-        done: &mut dyn FnMut(GradsDone),
+        done: &mut dyn FnMut(GradsDone, &mut [G]),
     ) {
         let c = self.config.hidden;
         let range = self.params.embed.clone();
         k.embedding_backward(tokens, &state.0.resid, c, &mut grads[range]);
         state.free(pool);
-        done(GradsDone::Embedding(&self.params.embed));
+        done(GradsDone::Embedding(&self.params.embed), grads);
     }
 }

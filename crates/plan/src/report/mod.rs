@@ -131,7 +131,14 @@ fn settings(x: &PlanInput) -> Vec<(String, String)> {
                 l.zero,
                 if l.sp { "on" } else { "off" },
                 l.pp_schedule,
-                if l.pp_virtual > 1 { format!(" (v = {})", l.pp_virtual) } else { String::new() },
+                if l.pp_virtual > 1 {
+                    format!(" (v = {})", l.pp_virtual)
+                } else if !l.pp_layers.is_empty() {
+                    let each: Vec<String> = l.pp_layers.iter().map(u64::to_string).collect();
+                    format!(" (layers per stage {})", each.join(","))
+                } else {
+                    String::new()
+                },
                 l.offload
             ),
         ),

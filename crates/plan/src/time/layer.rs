@@ -3,7 +3,7 @@
 
 use super::cost::{Cost, Efficiency};
 use crate::convention::Convention;
-use crate::inventory::{Placement, Tensor, TpSplit};
+use crate::inventory::{Placement, Tensor};
 use crate::layout::Layout;
 use crate::model::{Family, ModelSpec};
 use crate::planner::{rank_elems, PlanInput};
@@ -72,6 +72,10 @@ impl<'a> TimeModel<'a> {
     }
 
     pub(super) fn rank_elems(&self, l: &Layout, stage: u64) -> RankElems {
+        if !l.pp_layers.is_empty() {
+            // The cache key does not hold an uneven split (the search never makes one).
+            return rank_elems(Some(self.spec), self.tensors, l, stage, 0);
+        }
         let key = (l.tp, l.ep, l.pp, l.pp_virtual, stage);
         *self
             .elems
@@ -82,23 +86,61 @@ impl<'a> TimeModel<'a> {
 }
 
 pub(super) fn in_out(m: &ModelSpec, t: &Tensor, tp: u64) -> (u64, u64) {
-    let (s0, s1) = (t.shape[0], t.shape[1]);
     // nn.Linear stores [out, in]; GPT-2's Conv1D stores [in, out].
-    let gpt2 = m.family == Family::Gpt2;
-    let (mut i, mut o) = if gpt2 { (s0, s1) } else { (s1, s0) };
-    if let TpSplit::Dim(d) = t.tp {
-        let in_dim = if gpt2 { 0 } else { 1 };
-        if d == in_dim {
-            i = i.div_ceil(tp);
-        } else {
-            o = o.div_ceil(tp);
-        }
-    }
-    (i, o)
+    let (in_dim, out_dim) = if m.family == Family::Gpt2 {
+        (0, 1)
+    } else {
+        (1, 0)
+    };
+    (t.dim_tp(in_dim, tp), t.dim_tp(out_dim, tp))
 }
 
+impl LayerCost {
+    /// `self · a + o · b`, for a weighted mean of layer kinds.
+    fn mix(self, a: f64, o: LayerCost, b: f64) -> LayerCost {
+        let c = |x: f64, y: f64| x * a + y * b;
+        LayerCost {
+            fwd: self.fwd * a + o.fwd * b,
+            bwd: self.bwd * a + o.bwd * b,
+            recompute: self.recompute * a + o.recompute * b,
+            recompute_comm: self.recompute_comm,
+            attn_fwd_s: c(self.attn_fwd_s, o.attn_fwd_s),
+            attn_bwd_s: c(self.attn_bwd_s, o.attn_bwd_s),
+            comm: LayerComm {
+                tp_bytes: self.comm.tp_bytes,
+                tp_fwd: self.comm.tp_fwd,
+                tp_bwd: self.comm.tp_bwd,
+                cp_bytes: self.comm.cp_bytes,
+                cp_steps: self.comm.cp_steps,
+                // Dense layers have no all-to-all: the mean layer has the MoE layers' share.
+                ep_bytes: self.comm.ep_bytes.max(o.comm.ep_bytes),
+                ep_fwd: c(self.comm.ep_fwd, o.comm.ep_fwd),
+            },
+        }
+    }
+}
+
+/// Cost of the mean layer of the model: the step-time model multiplies it by the layers of a
+/// stage. All layers are alike except in MoE models with dense layers (DeepSeek's first
+/// `first_k_dense_replace`, Qwen's `mlp_only_layers`), where it is the layer-count-weighted
+/// mean of a dense and a MoE layer (a stage holding more of one kind than the model's share is
+/// costed at the mean: the memory plan, not this estimate, places each layer exactly).
 pub(super) fn layer_cost(tm: &TimeModel, x: &PlanInput, e: &Efficiency) -> LayerCost {
+    let m = tm.spec;
+    let first = |moe: bool| (0..m.layers).find(|&i| m.is_moe_layer(i) == moe);
+    match (first(false), first(true)) {
+        (Some(d), Some(s)) => {
+            let dense = m.dense_layers.len() as f64 / m.layers as f64;
+            one_layer_cost(tm, x, e, d).mix(dense, one_layer_cost(tm, x, e, s), 1.0 - dense)
+        }
+        (Some(i), None) | (None, Some(i)) => one_layer_cost(tm, x, e, i),
+        (None, None) => LayerCost::default(),
+    }
+}
+
+fn one_layer_cost(tm: &TimeModel, x: &PlanInput, e: &Efficiency, layer: u64) -> LayerCost {
     let (m, r, l) = (tm.spec, &x.recipe, &x.layout);
+    let moe_layer = m.is_moe_layer(layer);
     let st = r.precision.storage().bytes() as f64;
     let t = l.tp;
     let sp = l.sp && t > 1;
@@ -108,19 +150,22 @@ pub(super) fn layer_cost(tm: &TimeModel, x: &PlanInput, e: &Efficiency) -> Layer
     let nf = n as f64;
     let h = m.hidden as f64;
     let a_l = m.heads.div_ceil(t);
-    let kv_l = m.kv_heads.div_ceil(t);
-    let d = m.head_dim;
+    let kv_l = m.kv_heads_tp(t);
+    let (d, dv) = (m.head_dim, m.v_head_dim);
     let unfused = x.convention != Convention::Ferrotron;
     let dropout = unfused;
     let mut out = LayerCost::default();
     let mut selective = Cost::default();
 
-    // Matmuls of layer 0 (all layers are alike), experts as a batch of the local ones.
-    let (e_total, k_routed) = m.moe.map_or((1, 1), |moe| (moe.num_experts, moe.top_k));
+    // Matmuls of this layer, experts as a batch of the local ones.
+    let (e_total, k_routed) = match m.moe.filter(|_| moe_layer) {
+        Some(moe) => (moe.num_experts, moe.top_k),
+        None => (1, 1),
+    };
     let local_experts = (e_total / l.ep).max(1);
     let per_expert_tokens = (n * k_routed * l.ep).div_ceil(e_total);
     for tensor in tm.tensors.iter().filter(|t| {
-        t.placement == Placement::Layer(0) && t.matmul && matches!(t.expert, None | Some(0))
+        t.placement == Placement::Layer(layer) && t.matmul && matches!(t.expert, None | Some(0))
     }) {
         let (k, nn) = in_out(m, tensor, t);
         let (rows, batch) = if tensor.expert.is_some() {
@@ -139,7 +184,7 @@ pub(super) fn layer_cost(tm: &TimeModel, x: &PlanInput, e: &Efficiency) -> Layer
         // Megatron-style: QKᵀ and AV as batched GEMMs over the full s × s square, a fused
         // scale-mask-softmax and attention dropout on the materialised scores.
         let (qk_f, qk_b) = e.gemm(s_q, d, r.seq, mbs * a_l, st);
-        let (av_f, av_b) = e.gemm(s_q, r.seq, d, mbs * a_l, st);
+        let (av_f, av_b) = e.gemm(s_q, r.seq, dv, mbs * a_l, st);
         let scores = (mbs * a_l * s_q * r.seq) as f64;
         let mut core_f = qk_f + av_f + e.mem(2.0 * st * scores);
         let mut core_b = qk_b + av_b + e.mem(3.0 * st * scores);
@@ -155,7 +200,8 @@ pub(super) fn layer_cost(tm: &TimeModel, x: &PlanInput, e: &Efficiency) -> Layer
     } else {
         // Flash attention: causal, so half the s_q × s square; the backward recomputes the
         // scores (5 matmuls against the forward's 2: Dao 2023, FlashAttention-2, §3.1–3.2).
-        let fwd = 4.0 * nf * r.seq as f64 * (a_l * d) as f64 / 2.0;
+        // QKᵀ over d and AV over dv (MLA: 192 and 128).
+        let fwd = 2.0 * nf * r.seq as f64 * (a_l * (d + dv)) as f64 / 2.0;
         out.fwd += e.attention(fwd);
         out.bwd += e.attention(2.5 * fwd);
         out.attn_fwd_s = e.attention(fwd).s();
@@ -177,26 +223,32 @@ pub(super) fn layer_cost(tm: &TimeModel, x: &PlanInput, e: &Efficiency) -> Layer
     };
     let f_l = m.intermediate.div_ceil(t) as f64;
     let routed = nf * k_routed as f64;
+    // Elements of the gated MLP's [tokens, width] tensors on this rank: the routed token
+    // copies on the expert width plus every token on the shared expert, or the dense MLP.
+    let gated = match m.moe.filter(|_| moe_layer) {
+        Some(moe) => {
+            routed * moe.expert_intermediate.div_ceil(t) as f64
+                + nf * moe.shared_intermediate.div_ceil(t) as f64
+        }
+        None => nf * f_l,
+    };
     let (act_f, act_b) = if m.family == Family::Gpt2 {
         // Fused bias-GeLU: read and write the [n, f] activation.
         (e.mem(2.0 * st * nf * f_l), e.mem(3.0 * st * nf * f_l))
     } else {
-        // SwiGLU: read gate and up, write the product; backward reads gate, up and the output
+        // SwiGLU / GeGLU: read gate and up, write the product; backward reads gate, up and the output
         // gradient and writes both input gradients.
-        (
-            e.mem(3.0 * st * routed * f_l),
-            e.mem(5.0 * st * routed * f_l),
-        )
+        (e.mem(3.0 * st * gated), e.mem(5.0 * st * gated))
     };
     out.fwd += norm_f * 2.0 + res_f * 2.0 + act_f;
     out.bwd += norm_b * 2.0 + res_b * 2.0 + act_b;
     if m.family != Family::Gpt2 {
         // RoPE on q and k.
-        let rope = e.mem(2.0 * st * nf * ((a_l + kv_l) * d) as f64);
+        let rope = e.mem(2.0 * st * nf * ((a_l + kv_l) * m.rotary_dim) as f64);
         out.fwd += rope;
         out.bwd += rope;
     }
-    if let Some(moe) = m.moe {
+    if let Some(moe) = m.moe.filter(|_| moe_layer) {
         // Router softmax/top-k in fp32 and the permutations to and from expert order.
         let router = e.mem(3.0 * 4.0 * nf * moe.num_experts as f64);
         let permute = e.mem(2.0 * 2.0 * st * routed * h);
@@ -228,10 +280,10 @@ pub(super) fn layer_cost(tm: &TimeModel, x: &PlanInput, e: &Efficiency) -> Layer
     }
     if l.cp > 1 {
         // Ring attention (Liu et al. 2023): cp − 1 steps, each passing this rank's K and V chunk.
-        out.comm.cp_bytes = 2.0 * nf * (kv_l * d) as f64 * st;
+        out.comm.cp_bytes = nf * (kv_l * (d + dv)) as f64 * st;
         out.comm.cp_steps = (l.cp - 1) as f64;
     }
-    if l.ep > 1 && m.moe.is_some() {
+    if l.ep > 1 && moe_layer {
         // Dispatch and combine all-to-alls of the n·k routed token copies (Lepikhin et al. 2021).
         out.comm.ep_bytes = routed * h * st;
         out.comm.ep_fwd = 2.0;

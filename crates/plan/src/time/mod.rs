@@ -125,7 +125,15 @@ pub fn estimate_with(
     };
 
     let last = l.pp - 1;
-    let stages: Vec<u64> = if l.pp == 1 { vec![0] } else { vec![0, last] };
+    // The first and last stages are the slowest of an even split (they add the embedding and
+    // the head); an uneven one (`pp_layers`) can make any stage the slowest.
+    let stages: Vec<u64> = if l.pp == 1 {
+        vec![0]
+    } else if l.pp_layers.is_empty() {
+        vec![0, last]
+    } else {
+        (0..l.pp).collect()
+    };
     let costs: Vec<(u64, StageMb)> = stages.iter().map(|&s| (s, stages_in.stage_mb(s))).collect();
     let (slow_stage, slow) = costs
         .iter()

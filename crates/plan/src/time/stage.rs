@@ -52,7 +52,7 @@ impl StageInputs<'_> {
         let (l, r, m, st) = (self.layout, self.recipe, self.model, self.st);
         let (tp_coll, tp_one, tp_one_bytes) = self.tp;
         let (cp_link, ep_link, pp_link) = self.links;
-        let layers_per_stage = (m.layers / l.pp) as f64;
+        let layers_per_stage = l.stage_layer_count(m.layers, stage) as f64;
         let v = l.pp_virtual as f64;
         let mut s = StageMb::default();
         let k = layers_per_stage;

@@ -68,7 +68,18 @@ impl TailInputs<'_> {
         };
         let window = s.backward_s;
         let last_bucket = crate::comm::time(Collective::AllReduce, bucket, rd, dp_link);
-        match l.zero {
+        // With pipelining, ZeRO-2/3 reduce-scatter gradients once, in the step's last
+        // backward, and ZeRO-3 gathers a stage's parameters once, at its first forward
+        // (torch.distributed.pipelining + FSDP2 as torchtitan runs them; see states.rs).
+        if l.pp > 1 && l.zero == 3 {
+            let before = dp.s;
+            dp.add(Collective::AllGather, dn * param_bytes, rd, dp_link, 1.0);
+            dp.add(Collective::AllGather, en * param_bytes, re, ep_dp_link, 1.0);
+            let gather = dp.s - before;
+            exposed += (gather - (s.compute + s.recompute).s()).max(0.0);
+        }
+        let zero = if l.pp > 1 { l.zero.min(1) } else { l.zero };
+        match zero {
             0 | 1 => {
                 let c = if l.zero == 0 {
                     Collective::AllReduce
@@ -80,7 +91,12 @@ impl TailInputs<'_> {
                     exposed += (t - window).max(last_bucket.min(t));
                 }
                 dp.what = format!(
-                    "gradient {} once per step, bucketed, overlapping the last backward",
+                    "{}gradient {} once per step, bucketed, overlapping the last backward",
+                    if l.zero == 3 && l.pp > 1 {
+                        "parameter all-gather at the stage's first forward, "
+                    } else {
+                        ""
+                    },
                     if l.zero == 0 {
                         "all-reduce"
                     } else {

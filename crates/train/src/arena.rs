@@ -1,0 +1,274 @@
+//! The rank's activation arena: one region, sized by the memory plan, in which every buffer the
+//! engine asks for sits at the offset the plan assigned it (`ferrotron_plan::arena`).
+//!
+//! The region is the lifetime class "one micro-batch": it is allocated when the first of its
+//! buffers is asked for (the embedding's output) and freed when the last goes back (the
+//! backward's scratch), so the process holds it exactly while the plan has activations live,
+//! and the tracking allocator sees one allocation of exactly the planned size. (glibc keeps the
+//! freed region for the next micro-batch: `heap::keep_freed_pages`.) Inside it, each request is
+//! checked against the plan: the name must be a plan buffer, the size the planned size, and the
+//! bytes must overlap no buffer still live. A mismatch is an engine bug and panics with both
+//! names.
+
+use anyhow::bail;
+use ferrotron_engine::model::{BufName, BUF_ALIGN};
+use ferrotron_plan::arena::{arena_layout, ArenaLayout};
+use ferrotron_plan::memory::{Category, Op, Phase};
+use ferrotron_plan::tensors::{Edge, LayerTensor};
+use ferrotron_plan::MemoryPlan;
+use std::alloc::Layout;
+use std::collections::HashMap;
+use std::ptr::NonNull;
+
+/// Where one buffer lives in the region.
+#[derive(Clone, Copy, Debug)]
+struct Slot {
+    offset: u64,
+    bytes: u64,
+}
+
+/// A live buffer: its bytes in the region, and its name for messages.
+#[derive(Clone, Copy, Debug)]
+struct Live {
+    start: u64,
+    end: u64,
+    name: BufName,
+}
+
+#[derive(Debug)]
+pub struct Arena {
+    layout: Layout,
+    /// The region while any buffer is live.
+    region: Option<NonNull<u8>>,
+    slots: HashMap<BufName, Slot>,
+    /// Reserved for as many buffers as the plan has, so the hot path never grows it.
+    live: Vec<Live>,
+    /// Bytes of live buffers (as planned, without alignment padding).
+    in_use: u64,
+}
+
+// SAFETY: the arena owns its region; buffers handed out are used by the thread that runs the
+// engine with this arena.
+unsafe impl Send for Arena {}
+
+/// The buffers of a plan that live in the arena: activations and workspace that appear after
+/// the plan's `model init` mark (the engine's per-micro-batch buffers). The ones allocated
+/// before it (token batches, RoPE tables) are persistent and stay plain allocations.
+pub fn members(plan: &MemoryPlan) -> Vec<bool> {
+    let mut member = vec![false; plan.buffers.len()];
+    let mut after_init = false;
+    for op in &plan.program {
+        match *op {
+            Op::Mark {
+                phase: Phase::Init, ..
+            } => after_init = true,
+            Op::Alloc(i) if after_init => {
+                member[i] = matches!(
+                    plan.buffers[i].category,
+                    Category::LayerActivations | Category::OtherActivations | Category::Workspace
+                );
+            }
+            _ => {}
+        }
+    }
+    member
+}
+
+impl Arena {
+    /// The arena of `plan`'s per-micro-batch buffers for a model of `layers` layers, or why
+    /// they cannot share one (or are not the engine's).
+    pub fn of_plan(plan: &MemoryPlan, layers: usize) -> anyhow::Result<(Self, ArenaLayout)> {
+        let member = members(plan);
+        let placed =
+            arena_layout(plan, |i| member[i]).map_err(|e| anyhow::anyhow!("memory plan: {e}"))?;
+        let by_name: HashMap<String, BufName> =
+            engine_names(layers).map(|n| (n.to_string(), n)).collect();
+        let mut slots = HashMap::new();
+        for (id, b) in plan.buffers.iter().enumerate() {
+            let Some(offset) = placed.offset(id) else {
+                continue;
+            };
+            let Some(&name) = by_name.get(&b.name) else {
+                bail!(
+                    "internal: the memory plan has `{}`, which the engine never allocates",
+                    b.name
+                );
+            };
+            let slot = Slot {
+                offset,
+                bytes: b.bytes(),
+            };
+            slots.insert(name, slot);
+        }
+        let layout = Layout::from_size_align(placed.bytes.max(1) as usize, BUF_ALIGN)?;
+        let arena = Arena {
+            layout,
+            region: None,
+            live: Vec::with_capacity(slots.len()),
+            slots,
+            in_use: 0,
+        };
+        Ok((arena, placed))
+    }
+
+    /// Bytes of the region while it is held, else 0.
+    pub fn held(&self) -> u64 {
+        if self.region.is_some() {
+            self.layout.size() as u64
+        } else {
+            0
+        }
+    }
+
+    /// Bytes of the buffers live now, as the plan counts them.
+    pub fn in_use(&self) -> u64 {
+        self.in_use
+    }
+
+    /// The memory of buffer `name` of `bytes` bytes, at its planned offset.
+    pub fn place(&mut self, name: BufName, bytes: u64) -> NonNull<u8> {
+        let Some(&slot) = self.slots.get(&name) else {
+            panic!("internal: the engine allocates `{name}`, which the memory plan does not have");
+        };
+        assert_eq!(
+            slot.bytes, bytes,
+            "internal: the engine allocates `{name}` with {bytes} bytes, the plan with {}",
+            slot.bytes
+        );
+        let (start, end) = (slot.offset, slot.offset + bytes);
+        if let Some(o) = self
+            .live
+            .iter()
+            .find(|l| l.name == name || (start < l.end && l.start < end))
+        {
+            panic!(
+                "internal: `{name}` at bytes {start}..{end} of the arena meets live `{}` at {}..{}",
+                o.name, o.start, o.end
+            );
+        }
+        let region = *self.region.get_or_insert_with(|| {
+            // SAFETY: the layout has a non-zero size.
+            let p = unsafe { std::alloc::alloc(self.layout) };
+            NonNull::new(p).unwrap_or_else(|| std::alloc::handle_alloc_error(self.layout))
+        });
+        self.live.push(Live { start, end, name });
+        self.in_use += bytes;
+        // SAFETY: offset + bytes is within the region (the plan placed it there).
+        unsafe { region.add(start as usize) }
+    }
+
+    /// Buffer `name` is back; the region goes with the last live buffer.
+    pub fn release(&mut self, name: BufName, bytes: u64) {
+        if let Some(i) = self.live.iter().position(|l| l.name == name) {
+            self.live.swap_remove(i);
+            self.in_use -= bytes;
+        }
+        if self.live.is_empty() {
+            if let Some(p) = self.region.take() {
+                // SAFETY: allocated in `place` with this layout.
+                unsafe { std::alloc::dealloc(p.as_ptr(), self.layout) };
+            }
+        }
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        if let Some(p) = self.region.take() {
+            // SAFETY: allocated in `place` with this layout.
+            unsafe { std::alloc::dealloc(p.as_ptr(), self.layout) };
+        }
+    }
+}
+
+/// Every buffer name the engine can ask for, for a model of `layers` layers.
+fn engine_names(layers: usize) -> impl Iterator<Item = BufName> {
+    let per_layer = (0..layers as u32)
+        .flat_map(|i| LayerTensor::ALL.iter().map(move |&t| BufName::Layer(i, t)));
+    per_layer
+        .chain(LayerTensor::ALL.iter().map(|&t| BufName::Recompute(t)))
+        .chain(Edge::ALL.iter().map(|&e| BufName::Edge(e)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferrotron_plan::hardware::Overhead;
+    use ferrotron_plan::{
+        plan, Convention, Layout, ModelSource, Optimizer, PlanInput, Precision, Recipe, Recompute,
+    };
+
+    fn arena(rc: Recompute) -> (Arena, ArenaLayout, MemoryPlan) {
+        let spec = ferrotron_plan::presets::resolve("ferrotron-12m").unwrap();
+        let input = PlanInput {
+            model: ModelSource::Spec(spec.clone()),
+            recipe: Recipe {
+                seq: 32,
+                mbs: 2,
+                grad_acc: 2,
+                precision: Precision::Bf16,
+                optimizer: Optimizer::Adamw,
+                recompute: rc,
+                ce_chunk_tokens: 16,
+            },
+            layout: Layout::default(),
+            convention: Convention::Ferrotron,
+            overhead: Overhead::NONE,
+            bucket_bytes: 0,
+        };
+        let p = plan(&input).unwrap().ranks.remove(0).plan;
+        let (a, l) = Arena::of_plan(&p, spec.layers as usize).unwrap();
+        (a, l, p)
+    }
+
+    fn bytes(p: &MemoryPlan, name: BufName) -> u64 {
+        p.find(&name.to_string()).unwrap().bytes()
+    }
+
+    #[test]
+    fn buffers_sit_at_their_planned_offsets_and_the_region_lives_with_them() {
+        for rc in [Recompute::None, Recompute::Selective, Recompute::Full] {
+            let (mut a, l, p) = arena(rc);
+            // The default model packs without a byte lost.
+            assert_eq!(l.fragmentation(), 0, "{rc}");
+            let x = BufName::Layer(0, LayerTensor::Input);
+            let logits = BufName::Edge(Edge::LogitsChunk);
+            let px = a.place(x, bytes(&p, x));
+            assert_eq!(a.held(), l.bytes);
+            let pl = a.place(logits, bytes(&p, logits));
+            let id = |n: BufName| p.buffers.iter().position(|b| b.name == n.to_string());
+            let gap = pl.as_ptr() as u64 - px.as_ptr() as u64;
+            let want = l.offset(id(logits).unwrap()).unwrap() - l.offset(id(x).unwrap()).unwrap();
+            assert_eq!(gap, want);
+            assert_eq!(a.in_use(), bytes(&p, x) + bytes(&p, logits));
+            a.release(logits, bytes(&p, logits));
+            a.release(x, bytes(&p, x));
+            assert_eq!((a.held(), a.in_use()), (0, 0));
+        }
+    }
+
+    #[test]
+    #[should_panic(
+        expected = "the engine allocates `act.last_hidden`, which the memory plan does not have"
+    )]
+    fn a_buffer_outside_the_plan_is_refused() {
+        let (mut a, ..) = arena(Recompute::None);
+        a.place(BufName::Edge(Edge::LastHidden), 64);
+    }
+
+    #[test]
+    #[should_panic(expected = "the engine allocates `act.layers.0.q` with 8 bytes, the plan with")]
+    fn a_size_other_than_the_plan_is_refused() {
+        let (mut a, ..) = arena(Recompute::None);
+        a.place(BufName::Layer(0, LayerTensor::Q), 8);
+    }
+
+    #[test]
+    #[should_panic(expected = "`act.layers.1.q` at bytes")]
+    fn a_buffer_allocated_twice_is_refused() {
+        let (mut a, _, p) = arena(Recompute::None);
+        let q = BufName::Layer(1, LayerTensor::Q);
+        a.place(q, bytes(&p, q));
+        a.place(q, bytes(&p, q));
+    }
+}

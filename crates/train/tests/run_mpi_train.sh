@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Data parallelism under mpirun: builds ferrotron with `--features mpi`, trains a small model
+# with `mpirun -np 2 ferrotron train --dp 2` (one process per rank) and with the threads backend
+# (the same binary without mpirun: ranks as threads), and checks that
+#   - the two backends' losses and gradient norms agree within 1e-6 relative,
+#   - every rank's measured peak is within 1% of its own plan, under both,
+#   - mpirun's process count disagreeing with --dp fails at once with one line naming both.
+# Needs Open MPI (Debian: openmpi-bin libopenmpi-dev). Run by scripts/test.sh.
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+MPIRUN=(mpirun -np 2 --oversubscribe)
+if [ "$(id -u)" -eq 0 ]; then MPIRUN+=(--allow-run-as-root); fi
+
+echo "== building ferrotron --features mpi"
+cargo build --release -p ferrotron --features mpi 2>&1 | tail -1
+BIN=target/release/ferrotron
+OUT="$(mktemp -d)"
+trap 'rm -rf "$OUT"' EXIT
+"$BIN" data --input data/corpus/shakespeare.txt --out "$OUT/data" >/dev/null
+COMMON=(train --data "$OUT/data" --steps 4 --seq 64 --mbs 2 --grad-acc 2 --eval-interval 0
+    --sample-tokens 0 --quiet --peak-gflops 100 --bucket-mb 4 --threads 1 --dp 2)
+
+echo "== ferrotron train --dp 2 (threads)"
+"$BIN" "${COMMON[@]}" --out-dir "$OUT/threads" 2>"$OUT/threads.log" || { cat "$OUT/threads.log"; exit 1; }
+echo "== ${MPIRUN[*]} ferrotron train --dp 2"
+timeout 300 "${MPIRUN[@]}" "$BIN" "${COMMON[@]}" --out-dir "$OUT/mpi" 2>"$OUT/mpi.log" || { cat "$OUT/mpi.log"; exit 1; }
+
+python3 - "$OUT/threads/metrics.jsonl" "$OUT/mpi/metrics.jsonl" <<'PY'
+import json, sys
+runs = [[json.loads(l) for l in open(p)] for p in sys.argv[1:]]
+assert len(runs[0]) == len(runs[1]) == 4, [len(r) for r in runs]
+worst = 0.0
+for t, m in zip(*runs):
+    for key in ("loss", "grad_norm"):
+        rel = abs(t[key] - m[key]) / abs(t[key])
+        worst = max(worst, rel)
+        assert rel < 1e-6, f"step {t['step']} {key}: threads {t[key]} mpi {m[key]} ({rel:.2e})"
+    for name, r in (("threads", t), ("mpi", m)):
+        assert len(r["rank_mem"]) == 2, (name, r["rank_mem"])
+        for x in r["rank_mem"]:
+            dev = abs(x["mem_peak_measured"] / x["mem_peak_planned"] - 1)
+            assert dev < 0.01, (name, t["step"], x)
+print(f"threads vs mpi: 4 steps agree within {worst:.1e}; every rank within 1% of its plan")
+PY
+
+echo "== mpirun -np 2 with --dp 4 is refused"
+set +e
+out="$(timeout 60 "${MPIRUN[@]}" "$BIN" train --steps 1 --dp 4 --quiet --out-dir "$OUT/bad" 2>&1)"
+rc=$?
+set -e
+if [ "$rc" -eq 0 ] || ! grep -q "dp = 4: mpirun started 2 processes; pass --dp 2" <<<"$out"; then
+    echo "expected a refusal naming both counts (rc $rc):"; echo "$out"; exit 1
+fi
+echo "refused: $(grep -m1 'dp = 4' <<<"$out")"
