@@ -114,16 +114,20 @@ impl Gemm {
                 )
             }
             None => {
-                let why = match (self, requested(), onednn::library()) {
-                    (Gemm::Portable, _, _) | (Gemm::Auto, Gemm::Portable, _) => {
-                        "requested".to_string()
+                // Portable by request: the library is not even opened.
+                let requested_portable =
+                    self == Gemm::Portable || (self == Gemm::Auto && requested() == Gemm::Portable);
+                let why = if requested_portable {
+                    "requested".to_string()
+                } else {
+                    match onednn::library() {
+                        Err(why) => why.to_string(),
+                        Ok(lib) => format!(
+                            "oneDNN {} has no faster path on this CPU ({})",
+                            lib.version,
+                            onednn::isa_name(lib.isa)
+                        ),
                     }
-                    (_, _, Err(why)) => why.to_string(),
-                    (_, _, Ok(lib)) => format!(
-                        "oneDNN {} has no faster path on this CPU ({})",
-                        lib.version,
-                        onednn::isa_name(lib.isa)
-                    ),
                 };
                 format!("portable (gemm crate; {why})")
             }
