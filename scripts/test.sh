@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test command of the README: every crate's tests, built in release (the trainer's tests
 # train small models), then the MPI backend's tests under mpirun. Installs what the tests need:
-# headless Chromium for the web planner's end-to-end test and Open MPI (Debian's packages;
-# needs root or sudo, skipped with a message otherwise).
+# headless Chromium for the web planner's end-to-end test, oneDNN for the GEMM kernels
+# (scripts/install_onednn.sh) and Open MPI (Debian's packages; need root or sudo, skipped with
+# a message otherwise).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
@@ -16,6 +17,7 @@ if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/
         echo "== chromium not installed and no root: the web e2e test will skip"
     fi
 fi
+bash scripts/install_onednn.sh
 cargo test --workspace --release "$@"
 # The MPI backend (issue #11): Open MPI from Debian when missing (needs root or sudo; skipped
 # with a message without them, or with FERROTRON_MPI=0; a failed install fails CI), then its

@@ -1,16 +1,18 @@
 //! Per-shape GFLOP/s of the model's linear layers in each direction (forward, backward input,
-//! backward weight), as the kernels call them, in f32 and with bf16 storage, and the bf16/f32
-//! ratio (the staged-GEMM overhead). Best of `reps`, f32 and bf16 interleaved so that a noisy
-//! neighbour hits both alike.
+//! backward weight), as the kernels call them, in f32 and with bf16 storage, on each GEMM
+//! kernel (the portable gemm crate, where bf16 is staged through f32, and oneDNN where it
+//! loads), with the oneDNN / portable ratio. Median of `reps`; the four (kernel, storage)
+//! variants alternate within every repetition so that a noisy neighbour hits all alike.
 //! `cargo run --release -p ferrotron-engine --example shape_bench -- [reps]`
+//! (`DNNL_VERBOSE=1` makes oneDNN print the implementation of every product.)
 use ferrotron_engine::dtype::Elem;
-use ferrotron_engine::kernels::{Accum, CpuKernels, Kernels, MatmulShape};
+use ferrotron_engine::kernels::{Accum, CpuKernels, Gemm, Kernels, MatmulShape};
 use half::bf16;
 use std::time::Instant;
 
 /// Seconds of one call of each direction: forward, backward input, backward weight.
-fn directions<S: Elem>(s: MatmulShape, head: bool) -> [Box<dyn FnMut() -> f64>; 3] {
-    let k = CpuKernels::PLAIN;
+fn directions<S: Elem>(s: MatmulShape, head: bool, gemm: Gemm) -> [Box<dyn FnMut() -> f64>; 3] {
+    let k = CpuKernels::PLAIN.with_gemm(gemm);
     let (n, i, o) = (s.n, s.in_features, s.out_features);
     let x = vec![S::from_f32(0.01); n * i];
     let w = vec![S::from_f32(0.01); o * i];
@@ -57,9 +59,19 @@ fn directions<S: Elem>(s: MatmulShape, head: bool) -> [Box<dyn FnMut() -> f64>; 
     ]
 }
 
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 fn main() {
     let reps: usize = std::env::args().nth(1).map_or(5, |s| s.parse().unwrap());
     Kernels::<f32>::warm_up(&CpuKernels::PLAIN);
+    println!(
+        "rayon threads {}; auto: {}",
+        rayon::current_num_threads(),
+        Gemm::Auto.describe()
+    );
     let shapes = [
         ("q      2048x384->384", 2048, 384, 384, false),
         ("kv     2048x384->128", 2048, 384, 128, false),
@@ -68,8 +80,8 @@ fn main() {
         ("head   2048x384->8192", 2048, 384, 8192, true),
     ];
     println!(
-        "{:>24} {:>20} {:>20} {:>20}",
-        "GFLOP/s f32 / bf16 (×)", "forward", "backward input", "backward weight"
+        "{:>28} {:>22} {:>22} {:>22}",
+        "GFLOP/s portable / onednn (×)", "forward", "backward input", "backward weight"
     );
     for (name, n, i, o, head) in shapes {
         let s = MatmulShape {
@@ -78,16 +90,35 @@ fn main() {
             out_features: o,
         };
         let fl = 2.0 * (n * i * o) as f64 / 1e9;
-        let (mut a, mut b) = (directions::<f32>(s, head), directions::<bf16>(s, head));
-        let mut row = format!("{name:>24}");
+        // (portable, onednn) for f32, then for bf16.
+        let mut variants = [
+            directions::<f32>(s, head, Gemm::Portable),
+            directions::<f32>(s, head, Gemm::Onednn),
+            directions::<bf16>(s, head, Gemm::Portable),
+            directions::<bf16>(s, head, Gemm::Onednn),
+        ];
+        let mut rows = [format!("{name:>20} f32  "), format!("{name:>20} bf16 ")];
         for d in 0..3 {
-            let (mut ta, mut tb) = (a[d](), b[d]());
-            for _ in 0..reps {
-                ta = ta.min(a[d]());
-                tb = tb.min(b[d]());
+            let mut times = [(); 4].map(|_| Vec::with_capacity(reps));
+            // One untimed call each: oneDNN creates its primitives on the first.
+            variants.iter_mut().for_each(|v| {
+                v[d]();
+            });
+            for _ in 0..reps.max(1) {
+                for (v, t) in variants.iter_mut().zip(times.iter_mut()) {
+                    t.push(v[d]());
+                }
             }
-            row += &format!(" {:6.1} {:6.1} ({:.2})", fl / ta, fl / tb, ta / tb);
+            let gf = times.map(|t| fl / median(t));
+            for (row, pair) in rows.iter_mut().zip(gf.chunks(2)) {
+                *row += &format!(
+                    " {:6.1} {:6.1} ({:5.2})",
+                    pair[0],
+                    pair[1],
+                    pair[1] / pair[0]
+                );
+            }
         }
-        println!("{row}");
+        println!("{}\n{}", rows[0], rows[1]);
     }
 }

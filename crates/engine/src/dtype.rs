@@ -26,6 +26,14 @@ pub trait Elem: Copy + Default + Send + Sync + Debug + PartialEq + 'static {
     /// The slice itself when `Self` is f32 (no conversion needed), else `None`.
     fn as_f32(s: &[Self]) -> Option<&[f32]>;
     fn as_f32_mut(s: &mut [Self]) -> Option<&mut [f32]>;
+    /// The slice itself when `Self` is bf16 (oneDNN multiplies bf16 operands as they are
+    /// stored), else `None`.
+    fn as_bf16(_: &[Self]) -> Option<&[bf16]> {
+        None
+    }
+    fn as_bf16_mut(_: &mut [Self]) -> Option<&mut [bf16]> {
+        None
+    }
     /// `dst = widen(src)`.
     fn load(src: &[Self], dst: &mut [f32]) {
         assert_eq!(src.len(), dst.len(), "load lens");
@@ -110,6 +118,12 @@ impl Elem for bf16 {
     }
     fn as_f32_mut(_: &mut [Self]) -> Option<&mut [f32]> {
         None
+    }
+    fn as_bf16(s: &[Self]) -> Option<&[bf16]> {
+        Some(s)
+    }
+    fn as_bf16_mut(s: &mut [Self]) -> Option<&mut [bf16]> {
+        Some(s)
     }
 }
 

@@ -33,6 +33,9 @@ pub struct StepMetrics {
     /// Data parallelism: bytes this rank put into gradient all-reduces this step.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub comm_bytes: Option<u64>,
+    /// The GEMM kernel the products ran on (`Gemm::describe`): results depend on it.
+    #[serde(default)]
+    pub gemm: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -72,17 +75,33 @@ impl MetricsWriter {
     }
 }
 
-fn cache_path(threads: usize) -> Option<PathBuf> {
+/// The cache file of the peak with `threads` threads on the GEMM kernel `gemm` (its name's
+/// first word: "onednn" or "portable"; the portable f32 peak keeps its old file name), for
+/// bf16 or f32 products.
+fn cache_path(threads: usize, gemm: &str, bf16: bool) -> Option<PathBuf> {
     let home = std::env::var_os("HOME")?;
+    let mut kernel = match gemm.split_whitespace().next() {
+        Some("portable") | None => String::new(),
+        Some(k) => format!("_{k}"),
+    };
+    if bf16 {
+        kernel += "_bf16";
+    }
     Some(PathBuf::from(home).join(format!(
-        ".cache/ferrotron/matmul_peak_{threads}threads.json"
+        ".cache/ferrotron/matmul_peak_{threads}threads{kernel}.json"
     )))
 }
 
-/// The f32 matmul peak (GFLOP/s) of this machine with the current thread pool: measured once
-/// (about a second) and cached in ~/.cache/ferrotron.
-pub fn matmul_peak_gflops() -> f64 {
+/// The matmul peak (GFLOP/s) of this machine with the current thread pool, on the GEMM kernel
+/// the trainer uses: measured once (about a second) and cached in ~/.cache/ferrotron. It is
+/// the f32 peak, or with `bf16_storage` the bf16 one where bf16 products run on oneDNN (AMX:
+/// about 10× the f32 peak, which would put MFU far above 100%).
+pub fn matmul_peak_gflops(bf16_storage: bool) -> f64 {
     let threads = rayon::current_num_threads();
+    let gemm = ferrotron_engine::kernels::Gemm::Auto;
+    let bf16 = bf16_storage && gemm.runs_bf16_natively();
+    let name = gemm.describe();
+    let cache_path = |threads| cache_path(threads, &name, bf16);
     let cached = cache_path(threads)
         .and_then(|p| std::fs::read_to_string(p).ok())
         .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
@@ -91,7 +110,11 @@ pub fn matmul_peak_gflops() -> f64 {
     if let Some(g) = cached {
         return g;
     }
-    let g = ferrotron_engine::measure_matmul_peak_gflops();
+    let g = if bf16 {
+        ferrotron_engine::peak::measure_matmul_peak_gflops_of::<half::bf16>()
+    } else {
+        ferrotron_engine::measure_matmul_peak_gflops()
+    };
     if let Some(p) = cache_path(threads) {
         if let Some(d) = p.parent() {
             let _ = std::fs::create_dir_all(d);

@@ -11,6 +11,7 @@ use crate::timeline;
 use crate::trace;
 use crate::trainer::Trainer;
 use anyhow::{bail, Context, Result};
+use ferrotron_plan::Precision;
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -306,7 +307,13 @@ pub fn run_rank(args: TrainArgs, ctx: Option<RankCtx>) -> Result<RunSummary> {
         )?),
         _ => None,
     };
-    let peak_gflops = args.peak_gflops.unwrap_or_else(matmul_peak_gflops);
+    let bf16_products = matches!(
+        cfg.precision.kind,
+        Precision::Bf16 | Precision::Bf16Fp32grads
+    );
+    let peak_gflops = args
+        .peak_gflops
+        .unwrap_or_else(|| matmul_peak_gflops(bf16_products));
     let tokenizer_json = tok
         .inner()
         .to_string(false)
@@ -354,7 +361,7 @@ pub fn run_rank(args: TrainArgs, ctx: Option<RankCtx>) -> Result<RunSummary> {
     let w = t.plan.sweep.at_peak;
     if rank == 0 {
         eprintln!(
-        "model {}: {} parameters; memory plan peak {:.1} MiB (params {:.1}, grads {:.1}, adam {:.1}, activations {:.1}, workspace {:.1}, gemm workspace {:.1}); matmul peak {:.1} GFLOP/s",
+        "model {}: {} parameters; memory plan peak {:.1} MiB (params {:.1}, grads {:.1}, adam {:.1}, activations {:.1}, workspace {:.1}, gemm workspace {:.1}); matmul peak {:.1} GFLOP/s; gemm: {}",
         cfg.model.name,
         t.params.len(),
         t.planned_peak() as f64 / MIB,
@@ -364,7 +371,8 @@ pub fn run_rank(args: TrainArgs, ctx: Option<RankCtx>) -> Result<RunSummary> {
         w.activations() as f64 / MIB,
         w.workspace as f64 / MIB,
         t.kernel_workspace() as f64 / MIB,
-        peak_gflops
+        peak_gflops,
+        t.gemm
     );
     }
 

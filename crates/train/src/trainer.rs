@@ -68,6 +68,8 @@ pub struct Trainer {
     pub hw_flops_per_token: f64,
     /// FLOP/s the machine reaches on matmuls (the MFU denominator).
     pub peak_flops: f64,
+    /// The GEMM kernel of this run, as the startup line and the metrics name it.
+    pub gemm: String,
     /// Live heap bytes before the model existed: the tokenizer, data index and runtime, which
     /// the plan does not model. Measured peaks are reported above it.
     pub baseline: u64,
@@ -242,6 +244,7 @@ impl Trainer {
             flops_per_token,
             hw_flops_per_token,
             peak_flops: peak_gflops * 1e9,
+            gemm: cpu.gemm.describe(),
             baseline,
             params,
             model,
@@ -339,6 +342,7 @@ impl Trainer {
                 skipped: overflow.is_some(),
                 rank_mem,
                 comm_bytes,
+                gemm: self.gemm.clone(),
             },
         })
     }

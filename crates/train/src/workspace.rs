@@ -1,5 +1,6 @@
 //! The kernel library's own workspace. The gemm crate allocates packing buffers inside every
-//! product (one per thread of a parallel product), much as cuBLAS needs a workspace on a GPU.
+//! product (one per thread of a parallel product), and oneDNN takes a scratchpad from the Rust
+//! heap on every call, much as cuBLAS needs a workspace on a GPU.
 //! It is real memory at the step's peak, so the plan includes it: measured once at startup by
 //! running this model's matmul shapes under the tracking allocator.
 
@@ -48,7 +49,7 @@ impl KernelWorkspace {
 /// The [`KernelWorkspace`] of the model's products with activations stored as `S` and
 /// gradients as `G`; zero when the tracking allocator is not installed (nothing can be
 /// measured). 16-bit and fp8 products stage their operands in f32 scratch (`staged_gemm`),
-/// which this includes.
+/// and oneDNN's products have their scratchpad (`kernels::cpu::onednn`): this includes both.
 pub fn measure<S: Elem, G: Elem>(
     k: &CpuKernels,
     c: &LlamaConfig,
@@ -90,12 +91,14 @@ fn once<S: Elem, G: Elem>(
         let mut dx = v(s.n * s.in_features);
         let mut dw = vec![G::default(); s.out_features * s.in_features];
         let l = &mut ws.layers;
-        during(l, &mut || {
-            k.matmul_forward(s, &x, &w, None, &mut y, Accum::Overwrite)
-        });
-        during(l, &mut || {
-            k.matmul_backward_input(s, &y, &w, &mut dx, Accum::Overwrite)
-        });
+        // Both modes: oneDNN runs `+=` as another primitive (a sum post-op), whose scratchpad
+        // may differ.
+        for accum in [Accum::Overwrite, Accum::Add] {
+            during(l, &mut || k.matmul_forward(s, &x, &w, None, &mut y, accum));
+            during(l, &mut || {
+                k.matmul_backward_input(s, &y, &w, &mut dx, accum)
+            });
+        }
         during(l, &mut || {
             k.matmul_backward_weight(s, &y, &x, &mut dw, None)
         });

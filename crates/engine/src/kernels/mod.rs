@@ -18,7 +18,7 @@ pub mod observe;
 pub mod profile;
 
 pub use crate::dtype::Elem;
-pub use cpu::CpuKernels;
+pub use cpu::{CpuKernels, Gemm};
 pub use event_log::{Event, EventLog, Tracing};
 pub use observe::{Observed, OpObserver};
 pub use profile::{OpTime, OpTotals, Profiled};

@@ -1,10 +1,12 @@
-//! Linear layers on the `gemm` crate (BLIS-style packed sgemm, runtime AVX2/AVX-512 dispatch).
+//! Linear layers, and the portable sgemm on the `gemm` crate (BLIS-style packed sgemm, runtime
+//! AVX2/AVX-512 dispatch). Which kernel runs a layer's product is `gemm_select`'s choice.
 //!
 //! Weights are `[out, in]` row-major (PyTorch `nn.Linear`), so every product below is expressed
 //! with strides and no transpose is ever materialised. `gemm::gemm` computes
 //! `dst = alpha·dst + beta·lhs·rhs` (`alpha` ignored when `read_dst = false`).
 
 use super::staged_gemm::{gemm, Operand};
+use super::CpuKernels;
 use crate::dtype::Elem;
 use crate::kernels::{Accum, MatmulShape};
 use crate::numerics::fp8::Fp8Format;
@@ -223,7 +225,7 @@ pub fn forward<S: Elem, Y: Elem>(
     bias: Option<&[S]>,
     y: &mut [Y],
     y_accum: Accum,
-    fp8: Option<Fp8Inputs>,
+    kernels: &CpuKernels,
 ) {
     let MatmulShape {
         n,
@@ -236,7 +238,7 @@ pub fn forward<S: Elem, Y: Elem>(
     if let Some(b) = bias {
         assert_eq!(b.len(), o, "matmul bias len");
     }
-    let f = fp8.map(|f| f.forward);
+    let f = kernels.fp8.map(|f| f.forward);
     // y[n,o] = x[n,k] · Wᵀ[k,o];  Wᵀ[i][j] = W[j*k + i] → strides (1, k).
     gemm(
         n,
@@ -248,6 +250,7 @@ pub fn forward<S: Elem, Y: Elem>(
         Operand::new(w, (1, k)).fp8(f),
         y_accum == Accum::Add,
         bias,
+        kernels.gemm,
     );
 }
 
@@ -258,8 +261,9 @@ pub fn backward_input<S: Elem, Y: Elem>(
     w: &[S],
     dx: &mut [S],
     dx_accum: Accum,
-    fp8: Option<Fp8Inputs>,
+    kernels: &CpuKernels,
 ) {
+    let fp8 = kernels.fp8;
     let MatmulShape {
         n,
         in_features: k,
@@ -279,6 +283,7 @@ pub fn backward_input<S: Elem, Y: Elem>(
         Operand::new(w, (k, 1)).fp8(fp8.map(|f| f.forward)),
         dx_accum == Accum::Add,
         None,
+        kernels.gemm,
     );
 }
 
@@ -289,8 +294,9 @@ pub fn backward_weight<S: Elem, Y: Elem, G: Elem>(
     x: &[S],
     dw: &mut [G],
     dbias: Option<&mut [G]>,
-    fp8: Option<Fp8Inputs>,
+    kernels: &CpuKernels,
 ) {
+    let fp8 = kernels.fp8;
     let MatmulShape {
         n,
         in_features: k,
@@ -310,6 +316,7 @@ pub fn backward_weight<S: Elem, Y: Elem, G: Elem>(
         Operand::new(x, (k, 1)).fp8(fp8.map(|f| f.forward)),
         true,
         None,
+        kernels.gemm,
     );
     if let Some(db) = dbias {
         assert_eq!(db.len(), o, "matmul dbias len");

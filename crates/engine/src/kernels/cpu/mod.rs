@@ -1,4 +1,5 @@
-//! CPU backend: f32 math, `gemm` for matmuls, rayon for everything parallel.
+//! CPU backend: f32 math, oneDNN or the `gemm` crate for matmuls (`gemm_select`), rayon for
+//! everything parallel.
 //! One file per op; this file only routes the trait to them.
 
 pub mod adamw;
@@ -6,7 +7,9 @@ pub mod attention;
 pub mod cross_entropy;
 pub mod elementwise;
 pub mod embedding;
+pub mod gemm_select;
 pub mod matmul;
+pub mod onednn;
 pub mod rmsnorm;
 pub mod rope;
 pub mod simd;
@@ -18,31 +21,53 @@ use super::{
     RopeTable, Rounding,
 };
 use crate::dtype::Elem;
+pub use gemm_select::Gemm;
 pub use matmul::{Fp8Inputs, FP8_HYBRID};
 
-/// The CPU implementation of [`Kernels`] for every storage type. No state but the fp8 recipe;
-/// threads come from rayon's global pool.
+/// The CPU implementation of [`Kernels`] for every storage type. No state but the fp8 recipe
+/// and the GEMM choice; threads come from rayon's global pool.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CpuKernels {
     /// When set, every layer GEMM (not the LM head, not attention) quantises its inputs to
     /// fp8 with per-tensor current scaling, accumulating in f32.
     pub fp8: Option<Fp8Inputs>,
+    /// Which GEMM kernel runs the products (oneDNN or the gemm crate).
+    pub gemm: Gemm,
 }
 
 impl CpuKernels {
     /// f32 (or 16-bit) products throughout.
-    pub const PLAIN: CpuKernels = CpuKernels { fp8: None };
+    pub const PLAIN: CpuKernels = CpuKernels {
+        fp8: None,
+        gemm: Gemm::Auto,
+    };
     /// fp8 layer GEMMs: e4m3 weights and activations, e5m2 gradients.
     pub const FP8: CpuKernels = CpuKernels {
         fp8: Some(FP8_HYBRID),
+        gemm: Gemm::Auto,
     };
+
+    /// The same kernels with products on `gemm`.
+    pub const fn with_gemm(self, gemm: Gemm) -> CpuKernels {
+        CpuKernels { gemm, ..self }
+    }
+
+    /// The LM head's products: never fp8.
+    fn head(&self) -> CpuKernels {
+        CpuKernels { fp8: None, ..*self }
+    }
 }
 
-/// The gemm crate keeps a per-thread L2 packing slab (about 1 MiB) created on a thread's first
-/// product; running one small product on every pool thread and the caller creates them all.
+/// The gemm crate keeps a per-thread L2 packing slab (the size of one core's L2 cache: 2 MiB on
+/// a Xeon) created on a thread's first product that packs its left operand block by block,
+/// which it does only for large enough products (smaller ones pack into a per-call buffer:
+/// 256³ or 8,192 × 64 × 384 create no slab on a Xeon). Running one product of a layer's size
+/// (2,048 × 384 × 384, a few ms) on every pool thread and the caller creates them all. The layers' products used to do this while the trainer measured its kernel
+/// workspace; on oneDNN they no longer run on the gemm crate, and attention's first tile
+/// products created the slabs inside the first step, outside the memory plan.
 fn warm_up_gemm() {
     let run = || {
-        let (m, n, k) = (256, 256, 256);
+        let (m, n, k) = (2048, 384, 384);
         let (x, w) = (vec![0.5f32; m * k], vec![0.25f32; n * k]);
         let mut y = vec![0.0f32; m * n];
         matmul::sgemm(
@@ -84,7 +109,7 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CpuKernels {
         y: &mut [S],
         y_accum: Accum,
     ) {
-        matmul::forward(s, x, w, bias, y, y_accum, self.fp8)
+        matmul::forward(s, x, w, bias, y, y_accum, self)
     }
     fn matmul_backward_weight(
         &self,
@@ -94,7 +119,7 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CpuKernels {
         dw: &mut [G],
         dbias: Option<&mut [G]>,
     ) {
-        matmul::backward_weight(s, dy, x, dw, dbias, self.fp8)
+        matmul::backward_weight(s, dy, x, dw, dbias, self)
     }
     fn matmul_backward_input(
         &self,
@@ -104,16 +129,16 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CpuKernels {
         dx: &mut [S],
         dx_accum: Accum,
     ) {
-        matmul::backward_input(s, dy, w, dx, dx_accum, self.fp8)
+        matmul::backward_input(s, dy, w, dx, dx_accum, self)
     }
     fn head_forward(&self, s: MatmulShape, x: &[S], w: &[S], logits: &mut [f32]) {
-        matmul::forward(s, x, w, None, logits, Accum::Overwrite, None)
+        matmul::forward(s, x, w, None, logits, Accum::Overwrite, &self.head())
     }
     fn head_backward_weight(&self, s: MatmulShape, dlogits: &[f32], x: &[S], dw: &mut [G]) {
-        matmul::backward_weight(s, dlogits, x, dw, None, None)
+        matmul::backward_weight(s, dlogits, x, dw, None, &self.head())
     }
     fn head_backward_input(&self, s: MatmulShape, dlogits: &[f32], w: &[S], dx: &mut [S]) {
-        matmul::backward_input(s, dlogits, w, dx, Accum::Overwrite, None)
+        matmul::backward_input(s, dlogits, w, dx, Accum::Overwrite, &self.head())
     }
     fn rmsnorm_forward(&self, s: NormShape, x: &[S], w: &[S], out: &mut [S], rstd: &mut [f32]) {
         rmsnorm::forward(s, x, w, out, rstd)

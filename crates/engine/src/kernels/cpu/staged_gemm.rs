@@ -1,4 +1,6 @@
-//! Products over 16-bit or fp8-quantised operands on the f32 `gemm` crate.
+//! Products over 16-bit or fp8-quantised operands on an f32 GEMM (the `gemm` crate, or
+//! oneDNN's f32 matmul: `gemm_select`). bf16 operands go to oneDNN's bf16 matmul as they are,
+//! without staging, where `gemm_select` chooses it.
 //!
 //! The CPU has no bf16 matrix unit worth using (PyTorch's bf16 matmul on this machine runs at
 //! about 1 GFLOP/s against ~150 for f32), so 16-bit operands are *staged*: widened block by
@@ -20,7 +22,8 @@
 //! with a per-tensor scale from its current amax (`numerics::fp8`), which is what an fp8 GEMM
 //! with f32 accumulation computes; the speed comes with a GPU backend.
 
-use super::matmul::{sgemm, sgemm_raw};
+use super::gemm_select::{self, Gemm};
+use super::matmul::sgemm;
 use crate::dtype::Elem;
 use crate::numerics::fp8::{self, Fp8Format};
 use rayon::prelude::*;
@@ -183,6 +186,7 @@ pub fn gemm<D: Elem, L: Elem, R: Elem>(
     rhs: Operand<R>,
     mut accumulate: bool,
     mut bias: Option<&[R]>,
+    backend: Gemm,
 ) {
     if m == 0 || n == 0 {
         return;
@@ -203,6 +207,21 @@ pub fn gemm<D: Elem, L: Elem, R: Elem>(
         bias = None;
     }
     let plain = lhs.fp8.is_none() && rhs.fp8.is_none();
+    // oneDNN multiplies f32 or bf16 operands as they are stored (bf16 without staging).
+    if plain
+        && gemm_select::product(
+            backend,
+            (m, n, k),
+            dst,
+            ldd,
+            (lhs.data, lhs.strides),
+            (rhs.data, rhs.strides),
+            accumulate,
+            bias,
+        )
+    {
+        return;
+    }
     if let (Some(l), Some(r), true) = (L::as_f32(lhs.data), R::as_f32(rhs.data), plain) {
         if let Some(d) = D::as_f32_mut(dst) {
             sgemm(
@@ -249,13 +268,25 @@ pub fn gemm<D: Elem, L: Elem, R: Elem>(
                 (r, qr),
                 accumulate || p0 > 0,
                 bias,
+                backend,
             );
             bias = None;
             p0 += kl;
         }
         return;
     }
-    staged(m, n, k, dst, ldd, (lhs, ql), (rhs, qr), accumulate, bias);
+    staged(
+        m,
+        n,
+        k,
+        dst,
+        ldd,
+        (lhs, ql),
+        (rhs, qr),
+        accumulate,
+        bias,
+        backend,
+    );
 }
 
 /// The staged product for `k <= MAX_DEPTH`, with the operands' fp8 scales already known.
@@ -270,6 +301,7 @@ fn staged<D: Elem, L: Elem, R: Elem>(
     (rhs, qr): (Operand<R>, Option<(Fp8Format, f32)>),
     accumulate: bool,
     bias: Option<&[R]>,
+    backend: Gemm,
 ) {
     let staged_lhs = L::as_f32(lhs.data).is_none() || ql.is_some();
     let staged_rhs = R::as_f32(rhs.data).is_none() || qr.is_some();
@@ -303,18 +335,14 @@ fn staged<D: Elem, L: Elem, R: Elem>(
             };
             let d_off = i0 * ldd + j0;
             match D::as_f32_mut(dst) {
-                Some(d) => sgemm(
-                    rows,
-                    ncols,
-                    k,
+                Some(d) => gemm_select::sgemm(
+                    backend,
+                    (rows, ncols, k),
                     &mut d[d_off..],
                     (ldd, 1),
-                    l_f32,
-                    l_str,
-                    r_f32,
-                    r_str,
+                    (l_f32, l_str),
+                    (r_f32, r_str),
                     accumulate,
-                    true,
                 ),
                 None => {
                     let tile = &mut dbuf[..rows * ncols];
@@ -344,18 +372,14 @@ fn staged<D: Elem, L: Elem, R: Elem>(
                     // SAFETY: `tile` is `rows × ncols` floats, row stride `ncols`, owned here;
                     // the operands are in bounds (asserted inside).
                     unsafe {
-                        sgemm_raw(
-                            rows,
-                            ncols,
-                            k,
+                        gemm_select::sgemm_raw(
+                            backend,
+                            (rows, ncols, k),
                             tile.as_mut_ptr().cast(),
                             (ncols, 1),
-                            l_f32,
-                            l_str,
-                            r_f32,
-                            r_str,
+                            (l_f32, l_str),
+                            (r_f32, r_str),
                             seeded,
-                            true,
                         )
                     };
                     // SAFETY: seeded above, or written whole by sgemm (k > 0, no read).
