@@ -157,6 +157,8 @@ const RANK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
 pub struct RankCtx {
     pub rank: usize,
     pub comm: Box<dyn ferrotron_dist::Communicator>,
+    /// This rank's share of the measured matmul peak (1 for a process of its own).
+    pub peak_share: f64,
 }
 
 /// `ferrotron train`: one rank, or with `--dp N` N ranks as threads of this process (the
@@ -175,16 +177,14 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
     if dp <= 1 {
         return run_rank(args, None);
     }
-    // The ranks share this machine's cores: each has its share of the matmul peak (measured
-    // once, here, not by every rank at once), so MFU is against the machine's peak.
-    let mut args = args;
-    let peak = args.peak_gflops.unwrap_or_else(matmul_peak_gflops);
-    args.peak_gflops = Some(peak / dp as f64);
     let results = ferrotron_dist::threads::run(dp, RANK_TIMEOUT, move |rank, comm| {
         crate::alloc::set_rank(Some(rank));
+        // The ranks share this machine's cores: each has its share of the matmul peak, so
+        // MFU is against the machine's peak.
         let ctx = RankCtx {
             rank,
             comm: Box::new(comm),
+            peak_share: 1.0 / dp as f64,
         };
         run_rank(args.clone(), Some(ctx)).map_err(|e| format!("{e:#}"))
     });
@@ -213,6 +213,7 @@ fn run_mpi(args: TrainArgs, dp: usize) -> Result<RunSummary> {
     let ctx = (size > 1).then(|| RankCtx {
         rank,
         comm: Box::new(comm) as Box<dyn Communicator>,
+        peak_share: 1.0,
     });
     let summary = run_rank(args, ctx)?;
     ferrotron_dist::mpi::finalize().map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -313,7 +314,8 @@ pub fn run_rank(args: TrainArgs, ctx: Option<RankCtx>) -> Result<RunSummary> {
     );
     let peak_gflops = args
         .peak_gflops
-        .unwrap_or_else(|| matmul_peak_gflops(bf16_products));
+        .unwrap_or_else(|| matmul_peak_gflops(bf16_products))
+        * ctx.as_ref().map_or(1.0, |c| c.peak_share);
     let tokenizer_json = tok
         .inner()
         .to_string(false)
