@@ -17,13 +17,13 @@ BIN=target/release/ferrotron
 OUT="$(mktemp -d)"
 trap 'rm -rf "$OUT"' EXIT
 "$BIN" data --input data/corpus/shakespeare.txt --out "$OUT/data" >/dev/null
-COMMON=(train --data "$OUT/data" --steps 4 --seq 64 --mbs 2 --grad-acc 2 --eval-interval 0
+COMMON=(train --data "$OUT/data" --seq 64 --mbs 2 --grad-acc 2 --eval-interval 0
     --sample-tokens 0 --quiet --peak-gflops 100 --bucket-mb 4 --dp 2)
 
 echo "== ferrotron train --dp 2 (threads)"
-"$BIN" "${COMMON[@]}" --out-dir "$OUT/threads" 2>"$OUT/threads.log" || { cat "$OUT/threads.log"; exit 1; }
+"$BIN" "${COMMON[@]}" --steps 4 --out-dir "$OUT/threads" 2>"$OUT/threads.log" || { cat "$OUT/threads.log"; exit 1; }
 echo "== ${MPIRUN[*]} ferrotron train --dp 2"
-timeout 300 "${MPIRUN[@]}" "$BIN" "${COMMON[@]}" --out-dir "$OUT/mpi" 2>"$OUT/mpi.log" || { cat "$OUT/mpi.log"; exit 1; }
+timeout 300 "${MPIRUN[@]}" "$BIN" "${COMMON[@]}" --steps 4 --out-dir "$OUT/mpi" 2>"$OUT/mpi.log" || { cat "$OUT/mpi.log"; exit 1; }
 
 python3 - "$OUT/threads/metrics.jsonl" "$OUT/mpi/metrics.jsonl" <<'PY'
 import json, sys
@@ -52,3 +52,31 @@ if [ "$rc" -eq 0 ] || ! grep -q "dp = 4: mpirun started 2 processes; pass --dp 2
     echo "expected a refusal naming both counts (rc $rc):"; echo "$out"; exit 1
 fi
 echo "refused: $(grep -m1 'dp = 4' <<<"$out")"
+
+echo "== a rank killed with SIGKILL takes the whole job down"
+# A long run whose ranks carry a marker in their command line; once it has written a step,
+# kill one rank's process.
+MARK="$OUT/killed"
+start=$(date +%s)
+set +e
+timeout 120 "${MPIRUN[@]}" "$BIN" "${COMMON[@]}" --steps 100000 --out-dir "$MARK" >"$OUT/kill.log" 2>&1 &
+job=$!
+pids=""
+for _ in $(seq 1 120); do
+    pids="$(pgrep -f -- "--out-dir $MARK" | while read -r p; do
+        [ "$(cat /proc/"$p"/comm 2>/dev/null)" = ferrotron ] && echo "$p"; done)"
+    [ "$(wc -w <<<"$pids")" -ge 2 ] && [ -s "$MARK/metrics.jsonl" ] && break
+    sleep 0.5
+done
+victim="$(tail -1 <<<"$pids")"
+killed_at=$(date +%s)
+kill -9 "$victim"
+wait "$job"
+rc=$?
+set -e
+took=$(($(date +%s) - killed_at))
+if [ -z "$victim" ] || [ "$rc" -eq 0 ] || [ "$took" -gt 30 ]; then
+    echo "expected the job to fail within 30 s of the kill (victim '$victim', rc $rc, ${took}s):"
+    cat "$OUT/kill.log"; exit 1
+fi
+echo "killed pid $victim after $((killed_at - start))s: mpirun exited $rc ${took}s later"
