@@ -120,6 +120,14 @@ fn bad_train_input_exits_nonzero_with_one_line() {
             "error: zero = 3: ferrotron train runs data parallelism (--dp) without ZeRO for now",
         ),
         (
+            vec!["train", "--dp", "2", "--comm", "mpi"],
+            "error: comm = mpi: not started by mpirun or srun; run `mpirun -np 2 ferrotron train --dp 2`, or --comm threads",
+        ),
+        (
+            vec!["train", "--comm", "nccl"],
+            "invalid value 'nccl' for '--comm <COMM>'",
+        ),
+        (
             vec!["train", "--dp", "2", "--resume", "/nonexistent"],
             "error: resume: a data-parallel run (--dp 2) cannot resume yet; resume with --dp 1",
         ),
@@ -156,5 +164,34 @@ fn bad_train_input_exits_nonzero_with_one_line() {
         assert!(!o.status.success(), "{args:?} should fail");
         assert!(err.contains(want), "{args:?}: {err}");
         assert!(!err.contains("panicked"), "{err}");
+    }
+}
+
+#[test]
+fn a_backend_that_cannot_be_is_refused_under_mpirun() {
+    // As mpirun starts a process (Open MPI's environment), with this test's binary, which is
+    // built without the `mpi` feature: it must not train alone in each process.
+    let under_mpirun = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+            .args(args)
+            .env("OMPI_COMM_WORLD_SIZE", "2")
+            .output()
+            .unwrap()
+    };
+    for (args, want) in [
+        (
+            &["train", "--dp", "2"][..],
+            "error: comm = mpi: mpirun started this ferrotron, which was built without MPI; build it with `cargo build --release -p ferrotron --features mpi`",
+        ),
+        (
+            &["train", "--dp", "2", "--comm", "threads"][..],
+            "error: comm = threads: mpirun started this process; run `ferrotron train --dp 2` without mpirun for ranks as threads, or --comm mpi",
+        ),
+    ] {
+        let o = under_mpirun(args);
+        let err = String::from_utf8_lossy(&o.stderr).to_string();
+        assert!(!o.status.success(), "{args:?} should fail");
+        assert!(err.contains(want), "{args:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "one line: {err}");
     }
 }

@@ -6,6 +6,7 @@
 
 pub mod communicator;
 pub mod grid;
+pub mod launch;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 mod shapes;
@@ -13,3 +14,4 @@ pub mod threads;
 
 pub use communicator::{CommError, Communicator, Completion, Pending};
 pub use grid::{Dim, Grid};
+pub use launch::launched_by_mpirun;

@@ -100,13 +100,7 @@ mod ffi {
     }
 }
 
-/// Whether this process was started by `mpirun`/`mpiexec` (Open MPI, or a PMI/PMIx launcher
-/// such as MPICH's Hydra or Slurm's `srun --mpi`), so a trainer can pick this backend.
-pub fn launched_by_mpirun() -> bool {
-    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
-        .iter()
-        .any(|v| std::env::var_os(v).is_some())
-}
+pub use crate::launch::launched_by_mpirun;
 
 /// Ends MPI for this process (`MPI_Finalize`): every rank calls it at the end of a successful
 /// run, after dropping its communicators (which completes their sends). Without it, the exit

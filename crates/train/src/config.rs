@@ -146,6 +146,11 @@ pub struct TrainArgs {
     #[arg(long)]
     #[serde(skip)]
     pub quiet: bool,
+    /// How data-parallel ranks talk: mpi (one process per rank, under mpirun or srun), threads
+    /// (ranks as threads of this process) or auto (mpi when launched by mpirun, else threads).
+    #[arg(long, value_enum)]
+    #[serde(skip)]
+    pub comm: Option<CommBackend>,
     /// The parallel layout, the same flags as `ferrotron plan` (one rank until the distributed
     /// trainer lands).
     #[command(flatten)]
@@ -386,6 +391,14 @@ fn bad(field: &'static str, value: impl ToString, problem: &str) -> ConfigError 
         value: value.to_string(),
         problem: problem.to_string(),
     }
+}
+
+/// The communicator backend of `--comm`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum CommBackend {
+    Auto,
+    Threads,
+    Mpi,
 }
 
 /// The layout of the flags, refused unless the trainer runs it: data parallelism without ZeRO

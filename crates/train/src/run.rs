@@ -1,6 +1,7 @@
 //! `ferrotron train`: the whole run, from flags to a trained (and optionally sampled) model.
 
 use crate::checkpoint;
+use crate::config::CommBackend;
 use crate::config::{TrainArgs, TrainConfig};
 use crate::data::{Loader, LoaderConfig, Tokenizer, ValLoader};
 use crate::data_parallel::DataParallel;
@@ -170,8 +171,8 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
     if dp > 1 && args.resume.is_some() {
         bail!("resume: a data-parallel run (--dp {dp}) cannot resume yet; resume with --dp 1");
     }
-    #[cfg(feature = "mpi")]
-    if ferrotron_dist::mpi::launched_by_mpirun() {
+    if use_mpi(args.comm.unwrap_or(CommBackend::Auto), dp)? {
+        #[cfg(feature = "mpi")]
         return run_mpi(args, dp);
     }
     if dp <= 1 {
@@ -197,6 +198,27 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         }
     }
     summary.context("rank 0 returned nothing")
+}
+
+/// Whether this process is one rank of an MPI job, or why `--comm` cannot be: MPI needs the
+/// `mpi` build and a launcher; threads run in one process (under mpirun, each process would
+/// train alone).
+fn use_mpi(comm: CommBackend, dp: usize) -> Result<bool> {
+    let launched = ferrotron_dist::launched_by_mpirun();
+    let built = cfg!(feature = "mpi");
+    match comm {
+        CommBackend::Mpi | CommBackend::Auto if launched && !built => bail!(
+            "comm = mpi: mpirun started this ferrotron, which was built without MPI; build it with `cargo build --release -p ferrotron --features mpi`"
+        ),
+        CommBackend::Mpi if !launched => bail!(
+            "comm = mpi: not started by mpirun or srun; run `mpirun -np {dp} ferrotron train --dp {dp}`, or --comm threads"
+        ),
+        CommBackend::Threads if launched => bail!(
+            "comm = threads: mpirun started this process; run `ferrotron train --dp {dp}` without mpirun for ranks as threads, or --comm mpi"
+        ),
+        CommBackend::Threads => Ok(false),
+        CommBackend::Mpi | CommBackend::Auto => Ok(launched),
+    }
 }
 
 /// This process as one rank of an `mpirun` job: the world must be the layout's ranks. A rank
