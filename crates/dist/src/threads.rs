@@ -140,10 +140,8 @@ fn meet<R>(
     let own = g.slots[me].take().unwrap_or_default();
     g.taken += 1;
     if g.taken == n {
-        *g = Round {
-            slots: vec![None; n],
-            ..Round::default()
-        };
+        // Every slot is empty again: the next round reuses them.
+        (g.arrived, g.left, g.taken, g.open) = (0, 0, 0, false);
         ex.cv.notify_all();
     }
     Ok((out, own))
@@ -301,12 +299,13 @@ impl ThreadComm {
     }
 
     /// Runs `op` on the worker (after every collective started before it); the receiver gets
-    /// its result.
+    /// its result: the buffer `result` returns, or with `None` the rank's own buffer `mine`,
+    /// which `result` rewrote in place.
     fn submit(
         &self,
         name: &'static str,
         mine: Vec<f32>,
-        result: impl FnOnce(&Slots, usize) -> Vec<f32> + Send + 'static,
+        result: impl FnOnce(&mut Slots, usize) -> Option<Vec<f32>> + Send + 'static,
     ) -> Pending {
         let (tx, rx) = mpsc::channel();
         let (me, rank) = (self.me, self.world_rank);
@@ -324,7 +323,7 @@ impl ThreadComm {
                 }
                 Ok(result(s, me))
             });
-            let _ = tx.send(r.and_then(|(x, _own)| x));
+            let _ = tx.send(r.and_then(|(x, own)| x.map(|out| out.unwrap_or(own))));
         });
         if let Some(jobs) = &self.jobs {
             let _ = jobs.send(job);
@@ -348,7 +347,9 @@ impl ThreadComm {
         out: &mut [f32],
         result: impl FnOnce(&Slots, usize) -> Vec<f32> + Send + 'static,
     ) -> Result<()> {
-        let r = self.submit(name, send.to_vec(), result).wait()?;
+        let r = self
+            .submit(name, send.to_vec(), |s, me| Some(result(s, me)))
+            .wait()?;
         if r.len() != out.len() {
             return Err(self.usage(
                 name,
@@ -370,8 +371,10 @@ impl Communicator for ThreadComm {
     }
 
     fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<()> {
-        let n = buf.len();
-        let out = self.submit("all_reduce_sum", buf.to_vec(), move |s, _| sum_of(s, 0..n));
+        let out = self.submit("all_reduce_sum", buf.to_vec(), |s, me| {
+            sum_in_place(s, me);
+            None
+        });
         let r = out.wait()?;
         buf.copy_from_slice(&r);
         Ok(())
@@ -404,7 +407,7 @@ impl Communicator for ThreadComm {
         let n = buf.len();
         let r = self
             .submit("broadcast", mine, move |s, _| {
-                s[root].clone().unwrap_or_default()
+                Some(s[root].clone().unwrap_or_default())
             })
             .wait()?;
         if r.len() != n {
@@ -464,7 +467,7 @@ impl Communicator for ThreadComm {
     }
 
     fn barrier(&self) -> Result<()> {
-        self.submit("barrier", Vec::new(), |_, _| Vec::new())
+        self.submit("barrier", Vec::new(), |_, _| None)
             .wait()
             .map(drop)
     }
@@ -472,34 +475,10 @@ impl Communicator for ThreadComm {
     fn all_reduce_start(&self, buf: Vec<f32>) -> Pending {
         // In place: the caller's buffer comes back holding the sum (the hot path of data
         // parallelism allocates nothing).
-        let (tx, rx) = mpsc::channel();
-        let (me, rank) = (self.me, self.world_rank);
-        let job: Job = Box::new(move |w, ex| {
-            let lens_ok = |s: &Slots| {
-                let lens: Vec<usize> = s.iter().flatten().map(Vec::len).collect();
-                lens.iter().all(|&l| l == lens[0])
-            };
-            let r = meet(w, ex, me, rank, "all_reduce_sum", buf, |s| {
-                let ok = lens_ok(s);
-                if ok {
-                    sum_in_place(s, me);
-                }
-                ok
-            });
-            let r = r.and_then(|(ok, own)| match ok {
-                true => Ok(own),
-                false => Err(CommError::Usage {
-                    rank,
-                    op: "all_reduce_sum",
-                    problem: "ranks passed different lengths".into(),
-                }),
-            });
-            let _ = tx.send(r);
-        });
-        if let Some(jobs) = &self.jobs {
-            let _ = jobs.send(job);
-        }
-        Pending::new(rx, self.world.timeout, rank)
+        self.submit("all_reduce_sum", buf, |s, me| {
+            sum_in_place(s, me);
+            None
+        })
     }
 
     fn abort(&self, cause: &str) {

@@ -184,15 +184,16 @@ fn gated_product(m: &ModelSpec) -> LayerTensor {
     }
 }
 
-/// A layer tensor the table does not have: one a family adds to the Llama layer. Kept under no
-/// and selective recomputation, rebuilt under full; `grad` names its gradient scratch.
-struct Extra {
+/// One tensor of a decoder layer as the plan holds it: the activation, and the name of its
+/// gradient's backward scratch when it has one. (A tensor a family adds to the table's layer
+/// is kept under no and selective recomputation, rebuilt under full.)
+struct HeldTensor {
     act: Act,
     grad: Option<&'static str>,
 }
 
-fn extra(name: &'static str, dtype: DType, numel: u64, grad: Option<&'static str>) -> Extra {
-    Extra {
+fn held(name: &'static str, dtype: DType, numel: u64, grad: Option<&'static str>) -> HeldTensor {
+    HeldTensor {
         act: act(name, dtype, numel),
         grad,
     }
@@ -205,7 +206,7 @@ fn extras_after(
     d: &Dims,
     moe_layer: bool,
     t: LayerTensor,
-) -> Vec<Extra> {
+) -> Vec<HeldTensor> {
     let st = r.precision.storage();
     let (n, tp, ss, c) = (d.n(), d.t, d.seq_shard(), m.hidden);
     let kv_t = m.kv_heads_tp(tp);
@@ -219,51 +220,46 @@ fn extras_after(
                 // its up projection (kept: the norm's input and rstd; its output is the
                 // up-GEMM's input).
                 if mla.q_lora_rank > 0 {
-                    out.push(extra("q_a", st, n * mla.q_lora_rank, Some("grad.act.q_a")));
-                    out.push(extra("q_a_rstd", DType::F32, n, None));
-                    out.push(extra("q_a_norm_out", st, n * mla.q_lora_rank, None));
+                    out.push(held("q_a", st, n * mla.q_lora_rank, Some("grad.act.q_a")));
+                    out.push(held("q_a_rstd", DType::F32, n, None));
+                    out.push(held("q_a_norm_out", st, n * mla.q_lora_rank, None));
                 }
                 let kv_a = n * (mla.kv_lora_rank + mla.qk_rope_head_dim);
-                out.push(extra("kv_a", st, kv_a, Some("grad.act.kv_a")));
-                out.push(extra("kv_a_rstd", DType::F32, n, None));
-                out.push(extra("kv_a_norm_out", st, n * mla.kv_lora_rank, None));
+                out.push(held("kv_a", st, kv_a, Some("grad.act.kv_a")));
+                out.push(held("kv_a_rstd", DType::F32, n, None));
+                out.push(held("kv_a_norm_out", st, n * mla.kv_lora_rank, None));
             } else if m.qk_norm {
                 // Qwen3: the q/k projections' outputs feed a per-head RMSNorm (kept with its
                 // rstd) whose output is rotated into q and k.
-                out.push(extra("q_pre", st, n * m.q_dim() / tp, None));
-                out.push(extra("q_rstd", DType::F32, n * m.heads / tp, None));
-                out.push(extra("k_pre", st, n * kv_t * m.head_dim, None));
-                out.push(extra("k_rstd", DType::F32, n * kv_t, None));
+                out.push(held("q_pre", st, n * m.q_dim() / tp, None));
+                out.push(held("q_rstd", DType::F32, n * m.heads / tp, None));
+                out.push(held("k_pre", st, n * kv_t * m.head_dim, None));
+                out.push(held("k_rstd", DType::F32, n * kv_t, None));
             }
         }
         // Gemma-2: the attention output (after o_proj) is normed before the residual add.
         LayerTensor::AttnOut if m.sandwich_norm => {
-            out.push(extra("attn_proj", st, n * c / ss, None));
-            out.push(extra("post_attn_rstd", DType::F32, n / ss, None));
+            out.push(held("attn_proj", st, n * c / ss, None));
+            out.push(held("post_attn_rstd", DType::F32, n / ss, None));
         }
         LayerTensor::Swiglu | LayerTensor::Geglu => {
             if let Some(moe) = m.moe.filter(|_| moe_layer) {
                 // A shared expert sees every token.
                 if moe.shared_intermediate > 0 {
                     let f = moe.shared_intermediate.div_ceil(tp);
-                    out.push(extra(
-                        "shared.gate",
-                        st,
-                        n * f,
-                        Some("grad.act.shared.gate"),
-                    ));
-                    out.push(extra("shared.up", st, n * f, Some("grad.act.shared.up")));
+                    out.push(held("shared.gate", st, n * f, Some("grad.act.shared.gate")));
+                    out.push(held("shared.up", st, n * f, Some("grad.act.shared.up")));
                     let product = Some("grad.act.shared.swiglu");
-                    out.push(extra("shared.swiglu", st, n * f, product));
+                    out.push(held("shared.swiglu", st, n * f, product));
                 }
                 if moe.shared_gate {
                     // Qwen2-MoE: sigmoid(shared_expert_gate(x)) scales the shared expert.
-                    out.push(extra("shared.score", DType::F32, n / ss, None));
+                    out.push(held("shared.score", DType::F32, n / ss, None));
                 }
             }
             if m.sandwich_norm {
-                out.push(extra("mlp_proj", st, n * c / ss, None));
-                out.push(extra("post_mlp_rstd", DType::F32, n / ss, None));
+                out.push(held("mlp_proj", st, n * c / ss, None));
+                out.push(held("post_mlp_rstd", DType::F32, n / ss, None));
             }
         }
         _ => {}
@@ -277,7 +273,7 @@ fn extras_after(
 /// (the RMSNorm outputs, the gated product, the routed copies) and keeps the matmul and
 /// attention outputs; full keeps only the layer's input and replays its forward in its
 /// backward.
-fn layer_tensors(m: &ModelSpec, r: &Recipe, d: &Dims, moe_layer: bool) -> Vec<(bool, Extra)> {
+fn layer_tensors(m: &ModelSpec, r: &Recipe, d: &Dims, moe_layer: bool) -> Vec<(bool, HeldTensor)> {
     let (st, td) = (r.precision.storage(), d.table(m, r, moe_layer));
     let rc = r.recompute;
     let product = gated_product(m);
@@ -286,7 +282,7 @@ fn layer_tensors(m: &ModelSpec, r: &Recipe, d: &Dims, moe_layer: bool) -> Vec<(b
         let t = if t == LayerTensor::Swiglu { product } else { t };
         let s = t.shape();
         let grad = Edge::grad_of(t).map(Edge::name);
-        let e = extra(t.name(), s.elems.dtype(st), s.numel(&td), grad);
+        let e = held(t.name(), s.elems.dtype(st), s.numel(&td), grad);
         out.push((t.kept_by(rc), e));
         let kept = rc != Recompute::Full;
         out.extend(

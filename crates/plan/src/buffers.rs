@@ -29,6 +29,12 @@ pub fn largest_unit(tensors: &[Tensor], tp: u64, on_stage: impl Fn(Placement) ->
     units.values().copied().max().unwrap_or(0)
 }
 
+/// f32 elements of one of ferrotron's data-parallel gradient buckets: `bucket_bytes` of them,
+/// at most the rank's gradients (the trainer allocates exactly this, two of them).
+pub fn dp_bucket_len(bucket_bytes: u64, rank_params: u64) -> u64 {
+    (bucket_bytes / 4).clamp(1, rank_params.max(1))
+}
+
 #[allow(clippy::too_many_arguments)]
 pub fn comm_buffers(
     m: Option<&ModelSpec>,
@@ -69,7 +75,7 @@ pub fn comm_buffers(
     // ferrotron's data parallelism without ZeRO all-reduces gradients in f32 buckets, two in
     // flight, each at most the rank's gradients (`crates/train/src/data_parallel.rs`).
     if conv == Convention::Ferrotron && l.zero < 2 && l.dense_replicas() > 1 {
-        let len = (bucket_bytes / 4).clamp(1, rank_params.max(1));
+        let len = dp_bucket_len(bucket_bytes, rank_params);
         add("dp.grad_buckets", DType::F32, 2 * len, cb, false);
     }
     let Some(m) = m else { return out };

@@ -21,29 +21,48 @@ use ferrotron_engine::Elem;
 use std::collections::VecDeque;
 use std::ops::Range;
 
-/// One bucket: its gradient pieces (range in the flat gradients, offset in the bucket).
-#[derive(Debug, Default)]
-struct Pieces(Vec<(Range<usize>, usize)>);
+/// A bucket: its f32 sums and the gradient pieces they are (range in the flat gradients,
+/// offset in the bucket).
+struct Bucket {
+    buf: Vec<f32>,
+    pieces: Vec<(Range<usize>, usize)>,
+    /// Elements filled.
+    used: usize,
+}
 
-/// A bucket whose all-reduce is running.
+impl Bucket {
+    fn new(len: usize) -> Self {
+        Bucket {
+            buf: vec![0.0; len],
+            // At most one piece per tensor reported (a layer has at most 12), and few layers
+            // fit one bucket of a model worth reducing; more only grow it once.
+            pieces: Vec::with_capacity(64),
+            used: 0,
+        }
+    }
+}
+
+/// A bucket whose all-reduce is running (its buffer is the communicator's meanwhile).
 struct InFlight {
     pending: Pending,
-    pieces: Pieces,
+    pieces: Vec<(Range<usize>, usize)>,
 }
 
 pub struct DataParallel {
     comm: Box<dyn Communicator>,
     /// Elements per bucket.
     bucket_len: usize,
-    /// The bucket being filled, and the buckets free for filling (two in all).
-    filling: Vec<f32>,
-    filling_pieces: Pieces,
-    spare: Vec<Vec<f32>>,
+    /// The bucket being filled, and the one free for filling (two in all, both allocated with
+    /// the gradients and reused every step).
+    filling: Option<Bucket>,
+    spare: Vec<Bucket>,
     in_flight: VecDeque<InFlight>,
     /// Gradient elements put into buckets this step (a check that every gradient was).
     reduced: usize,
     /// The first error of a collective, reported when the step finishes.
     error: Option<String>,
+    /// Every rank's peak bytes as f32 halves (reused every step).
+    mem: Vec<f32>,
     /// Bytes this rank sent into all-reduces this step (the measured communication volume).
     pub bytes_reduced: u64,
 }
@@ -52,38 +71,28 @@ impl DataParallel {
     /// The reduction of `bucket_len` (the plan's bucket, in f32 elements) for gradients over
     /// `comm`. The buckets are allocated by [`DataParallel::allocate`], with the gradients.
     pub fn new(comm: Box<dyn Communicator>, bucket_len: usize) -> Self {
-        // Pieces per bucket: at most one per tensor range reported (layers, norm, embedding,
-        // head) plus the splits of ranges larger than a bucket.
-        let pieces = || Pieces(Vec::with_capacity(64));
+        let mem = vec![0.0; 4 * comm.size()];
         DataParallel {
             comm,
             bucket_len: bucket_len.max(1),
-            filling: Vec::new(),
-            filling_pieces: pieces(),
-            spare: Vec::new(),
+            filling: None,
+            spare: Vec::with_capacity(2),
             in_flight: VecDeque::with_capacity(2),
             reduced: 0,
             error: None,
+            mem,
             bytes_reduced: 0,
         }
     }
 
     /// The two buckets (as the plan allocates `dp.grad_buckets` with the gradients).
     pub fn allocate(&mut self) {
-        self.filling = vec![0.0; self.bucket_len];
-        self.spare = vec![vec![0.0; self.bucket_len]];
-    }
-
-    pub fn rank(&self) -> usize {
-        self.comm.rank()
+        self.filling = Some(Bucket::new(self.bucket_len));
+        self.spare = vec![Bucket::new(self.bucket_len)];
     }
 
     pub fn size(&self) -> usize {
         self.comm.size()
-    }
-
-    pub fn comm(&self) -> &dyn Communicator {
-        &*self.comm
     }
 
     /// The gradient ranges a backward report makes final.
@@ -92,15 +101,8 @@ impl DataParallel {
             GradsDone::FinalNorm(r) | GradsDone::Embedding(r) => (Some(r.clone()), None),
             GradsDone::Layer(_, idx) => (None, Some(idx)),
         };
-        let layer = layer.into_iter().flat_map(|l| {
-            [
-                &l.ln1, &l.wq, &l.wk, &l.wv, &l.wo, &l.ln2, &l.wg, &l.wu, &l.wd,
-            ]
-            .into_iter()
-            .cloned()
-            .chain([&l.bq, &l.bk, &l.bv].into_iter().flatten().cloned())
-        });
-        one.into_iter().chain(layer)
+        one.into_iter()
+            .chain(layer.into_iter().flat_map(|l| l.ranges().cloned()))
     }
 
     /// Gradients `range` are final on this rank: into the buckets, starting full ones. Sums
@@ -112,65 +114,79 @@ impl DataParallel {
             f.pending.is_done();
         }
         while !range.is_empty() {
-            let used = self.filled();
-            let take = range.len().min(self.bucket_len - used);
+            // No bucket: a collective failed and took one with it; finish reports it.
+            let Some(b) = self.filling.as_mut() else {
+                return;
+            };
+            let take = range.len().min(self.bucket_len - b.used);
             let piece = range.start..range.start + take;
-            let dst = &mut self.filling[used..used + take];
-            for (d, s) in dst.iter_mut().zip(&grads[piece.clone()]) {
+            for (d, s) in b.buf[b.used..b.used + take]
+                .iter_mut()
+                .zip(&grads[piece.clone()])
+            {
                 *d = s.to_f32();
             }
-            self.filling_pieces.0.push((piece, used));
+            b.pieces.push((piece, b.used));
+            b.used += take;
             self.reduced += take;
             range.start += take;
-            if used + take == self.bucket_len {
+            if b.used == self.bucket_len {
                 self.launch(grads);
             }
         }
     }
 
-    fn filled(&self) -> usize {
-        self.filling_pieces.0.iter().map(|(r, _)| r.len()).sum()
-    }
-
-    /// Starts the all-reduce of the bucket being filled.
+    /// Starts the all-reduce of the bucket being filled; the spare one becomes the filling one.
     fn launch<G: Elem>(&mut self, grads: &mut [G]) {
-        let used = self.filled();
-        if used == 0 {
+        if self.filling.as_ref().is_none_or(|b| b.used == 0) {
             return;
         }
         if self.spare.is_empty() {
             // Both buckets are busy: the oldest must land before this one can go.
             self.land_oldest(grads);
         }
-        let Some(next) = self.spare.pop() else {
-            // Only after a failed collective (its bucket is lost): stop reducing.
-            self.filling_pieces.0.clear();
+        let Some(mut b) = std::mem::replace(&mut self.filling, self.spare.pop()) else {
             return;
         };
-        let mut bucket = std::mem::replace(&mut self.filling, next);
         // The communicator reduces the whole buffer: a partly filled bucket sends only its
         // pieces (truncate keeps the capacity, so the buffer is reused without allocating).
-        bucket.truncate(used);
-        self.bytes_reduced += 4 * used as u64;
-        let pieces = std::mem::replace(&mut self.filling_pieces, Pieces(Vec::with_capacity(64)));
-        let pending = self.comm.all_reduce_start(bucket);
-        self.in_flight.push_back(InFlight { pending, pieces });
+        b.buf.truncate(b.used);
+        self.bytes_reduced += 4 * b.used as u64;
+        let pending = self.comm.all_reduce_start(b.buf);
+        self.in_flight.push_back(InFlight {
+            pending,
+            pieces: b.pieces,
+        });
     }
 
-    /// Waits for the oldest bucket and writes its sums back into `grads`.
+    /// Waits for the oldest bucket, writes its sums back into `grads` and makes it spare.
     fn land_oldest<G: Elem>(&mut self, grads: &mut [G]) {
-        let Some(f) = self.in_flight.pop_front() else {
+        let Some(InFlight {
+            pending,
+            mut pieces,
+        }) = self.in_flight.pop_front()
+        else {
             return;
         };
-        match f.pending.wait() {
+        match pending.wait() {
             Ok(mut buf) => {
-                for (r, at) in &f.pieces.0 {
+                for (r, at) in &pieces {
                     for (g, s) in grads[r.clone()].iter_mut().zip(&buf[*at..*at + r.len()]) {
                         *g = G::from_f32(*s);
                     }
                 }
                 buf.resize(self.bucket_len, 0.0);
-                self.spare.push(buf);
+                pieces.clear();
+                let spare = Bucket {
+                    buf,
+                    pieces,
+                    used: 0,
+                };
+                match self.filling {
+                    // After a failure took the filling bucket: fill this one.
+                    None => self.filling = Some(spare),
+                    Some(_) => self.spare.push(spare),
+                }
             }
             Err(e) => {
                 self.error.get_or_insert(e.to_string());
@@ -178,12 +194,12 @@ impl DataParallel {
         }
     }
 
-    /// Ends the step's reduction: the gradients not reported during the backward (an untied
-    /// LM head, complete since the head's forward) go into the last bucket, every bucket lands,
-    /// and every gradient must have been summed exactly once.
-    pub fn finish<G: Elem>(&mut self, grads: &mut [G], rest: &[Range<usize>]) -> Result<()> {
-        for r in rest {
-            self.add(grads, r.clone());
+    /// Ends the step's reduction: the gradients the backward does not report (an untied LM
+    /// head, complete since the head's forward: [`unreported`]) go into the last bucket, every
+    /// bucket lands, and every gradient must have been summed exactly once.
+    pub fn finish<G: Elem>(&mut self, grads: &mut [G], rest: Option<Range<usize>>) -> Result<()> {
+        if let Some(r) = rest {
+            self.add(grads, r);
         }
         self.launch(grads);
         while !self.in_flight.is_empty() {
@@ -213,33 +229,24 @@ impl DataParallel {
 
     /// Every rank's `(planned, measured)` bytes, rank order (exact: each u64 travels as two
     /// 24-bit halves, which f32 holds exactly).
-    pub fn gather_mem(&self, planned: u64, measured: u64) -> Result<Vec<(u64, u64)>> {
+    pub fn gather_mem(&mut self, planned: u64, measured: u64) -> Result<Vec<(u64, u64)>> {
         let split = |b: u64| [(b >> 24) as f32, (b & 0xFF_FFFF) as f32];
         let [a, b] = split(planned);
         let [c, d] = split(measured);
         let mine = [a, b, c, d];
-        let mut all = vec![0.0f32; 4 * self.size()];
         self.comm
-            .all_gather(&mine, &mut all)
+            .all_gather(&mine, &mut self.mem)
             .map_err(|e| anyhow!("data-parallel memory all-gather: {e}"))?;
         let join = |h: f32, l: f32| ((h as u64) << 24) | l as u64;
-        Ok(all
+        Ok(self
+            .mem
             .chunks(4)
             .map(|c| (join(c[0], c[1]), join(c[2], c[3])))
             .collect())
     }
-
-    /// Stops every rank (a failed rank's error, so the others do not wait for it).
-    pub fn abort(&self, cause: &str) {
-        self.comm.abort(cause);
-    }
 }
 
-/// The parameter tensors of `table` the backward does not report (an untied LM head).
-pub fn unreported(table: &ParamTable) -> Vec<Range<usize>> {
-    if table.lm_head == table.embed {
-        vec![]
-    } else {
-        vec![table.lm_head.clone()]
-    }
+/// The parameter tensor of `table` the backward does not report (an untied LM head).
+pub fn unreported(table: &ParamTable) -> Option<Range<usize>> {
+    (table.lm_head != table.embed).then(|| table.lm_head.clone())
 }

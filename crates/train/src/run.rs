@@ -12,6 +12,7 @@ use crate::timeline;
 use crate::trace;
 use crate::trainer::Trainer;
 use anyhow::{bail, Context, Result};
+use ferrotron_plan::buffers::dp_bucket_len;
 use ferrotron_plan::Precision;
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -166,8 +167,9 @@ pub struct RankCtx {
 /// threads backend), each training its slice of every global batch; rank 0 writes the outputs.
 pub fn run(args: TrainArgs) -> Result<RunSummary> {
     crate::heap::keep_freed_pages();
-    let merged = args.clone().merged().map_err(anyhow::Error::msg)?;
-    let dp = crate::config::trainable_layout(&merged.layout)?.dp as usize;
+    // The `--config` file is read once, here; the ranks get the merged flags.
+    let args = args.merged().map_err(anyhow::Error::msg)?;
+    let dp = crate::config::trainable_layout(&args.layout)?.dp as usize;
     if dp > 1 && args.resume.is_some() {
         bail!("resume: a data-parallel run (--dp {dp}) cannot resume yet; resume with --dp 1");
     }
@@ -242,13 +244,13 @@ fn run_mpi(args: TrainArgs, dp: usize) -> Result<RunSummary> {
     Ok(summary)
 }
 
-/// The training run of one rank (`ctx`: its data-parallel rank and communicator).
-pub fn run_rank(args: TrainArgs, ctx: Option<RankCtx>) -> Result<RunSummary> {
+/// The training run of one rank (`ctx`: its data-parallel rank and communicator), from flags
+/// already merged with their `--config` file.
+fn run_rank(args: TrainArgs, ctx: Option<RankCtx>) -> Result<RunSummary> {
     let rank = ctx.as_ref().map_or(0, |c| c.rank);
     let resume = args.resume.clone();
     // Only rank 0 speaks and writes.
     let quiet = args.quiet || rank > 0;
-    let args = args.merged().map_err(anyhow::Error::msg)?;
     if let (Some(_), Some(d)) = (&resume, &args.init_from) {
         bail!(
             "init_from = {}: a resumed run takes its weights from the checkpoint; pass --resume or --init-from, not both",
@@ -344,8 +346,7 @@ pub fn run_rank(args: TrainArgs, ctx: Option<RankCtx>) -> Result<RunSummary> {
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let mut t = Trainer::new(cfg.clone(), spec, llama, loader, val, peak_gflops)?;
     if let Some(c) = ctx {
-        // The plan's bucket: `--bucket-mb` of f32 gradients, at most all of them.
-        let len = ((cfg.runtime.bucket_mb << 20) / 4).clamp(1, t.params.len() as u64);
+        let len = dp_bucket_len(cfg.runtime.bucket_mb << 20, t.params.len() as u64);
         t.dp = Some(DataParallel::new(c.comm, len as usize));
     }
     if let Some(l) = &loaded {

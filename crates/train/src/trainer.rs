@@ -394,7 +394,7 @@ impl Trainer {
                     let (pool, tokens) = (&mut self.pool, &self.tokens);
                     self.model
                         .backward_notify(k, pool, params, grads, acts, tokens, done);
-                    dp.finish(grads, &unreported(&self.model.params))?;
+                    dp.finish(grads, unreported(&self.model.params))?;
                 }
                 _ => self
                     .model

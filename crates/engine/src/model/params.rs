@@ -46,6 +46,18 @@ pub struct LayerIdx {
     pub wd: Range<usize>,
 }
 
+impl LayerIdx {
+    /// Every tensor's range (biases where the model has them).
+    pub fn ranges(&self) -> impl Iterator<Item = &Range<usize>> {
+        let weights = [
+            &self.ln1, &self.wq, &self.wk, &self.wv, &self.wo, &self.ln2, &self.wg, &self.wu,
+            &self.wd,
+        ];
+        let biases = [&self.bq, &self.bk, &self.bv];
+        weights.into_iter().chain(biases.into_iter().flatten())
+    }
+}
+
 /// Tensor table of a Llama model plus direct indices for the forward/backward.
 #[derive(Clone, Debug)]
 pub struct ParamTable {
