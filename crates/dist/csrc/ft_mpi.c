@@ -126,6 +126,32 @@ int ft_iallreduce(void *c, float *buf, int n, void **req) {
     return MPI_SUCCESS;
 }
 
+/* In place: the sum of block `rank` lands in the first block of buf. */
+int ft_ireduce_scatter(void *c, float *buf, int block, void **req) {
+    MPI_Request *r = malloc(sizeof(MPI_Request));
+    int rc = MPI_Ireduce_scatter_block(MPI_IN_PLACE, buf, block, MPI_FLOAT, MPI_SUM,
+                                       *(MPI_Comm *)c, r);
+    if (rc != MPI_SUCCESS) {
+        free(r);
+        return rc;
+    }
+    *req = r;
+    return MPI_SUCCESS;
+}
+
+/* In place: this rank's block is already at block `rank` of buf. */
+int ft_iallgather(void *c, float *buf, int block, void **req) {
+    MPI_Request *r = malloc(sizeof(MPI_Request));
+    int rc = MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, block, MPI_FLOAT,
+                            *(MPI_Comm *)c, r);
+    if (rc != MPI_SUCCESS) {
+        free(r);
+        return rc;
+    }
+    *req = r;
+    return MPI_SUCCESS;
+}
+
 int ft_isend(void *c, const float *buf, int n, int dst, int tag, void **req) {
     MPI_Request *r = malloc(sizeof(MPI_Request));
     int rc = MPI_Isend(buf, n, MPI_FLOAT, dst, tag, *(MPI_Comm *)c, r);

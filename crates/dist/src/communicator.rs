@@ -60,6 +60,14 @@ pub trait Communicator: Send {
     /// Starts an all-reduce of `buf` that completes while this rank goes on computing (the
     /// overlap of gradient buckets with the backward); `Pending::wait` returns the buffer.
     fn all_reduce_start(&self, buf: Vec<f32>) -> Pending;
+    /// Starts a reduce-scatter in place (ZeRO's gradient reduction): `buf` is `size` equal
+    /// blocks; when `Pending::wait` returns it, its block `rank` holds the sum over ranks of
+    /// that block (the other blocks are unspecified).
+    fn reduce_scatter_start(&self, buf: Vec<f32>) -> Pending;
+    /// Starts an all-gather in place (ZeRO's parameter gathering): `buf` is `size` equal
+    /// blocks of which this rank filled block `rank`; when `Pending::wait` returns it, every
+    /// block holds its rank's.
+    fn all_gather_start(&self, buf: Vec<f32>) -> Pending;
     /// Marks this rank failed with `cause`: every other rank's next or current call returns
     /// [`CommError::PeerFailed`] naming it, instead of waiting forever.
     fn abort(&self, cause: &str);

@@ -78,6 +78,18 @@ mod ffi {
             n: c_int,
             req: *mut *mut c_void,
         ) -> c_int;
+        pub fn ft_ireduce_scatter(
+            c: *mut c_void,
+            buf: *mut f32,
+            block: c_int,
+            req: *mut *mut c_void,
+        ) -> c_int;
+        pub fn ft_iallgather(
+            c: *mut c_void,
+            buf: *mut f32,
+            block: c_int,
+            req: *mut *mut c_void,
+        ) -> c_int;
         pub fn ft_isend(
             c: *mut c_void,
             buf: *const f32,
@@ -261,6 +273,37 @@ impl MpiComm {
     }
 
     /// Forgets the sends that have completed.
+    /// Starts a non-blocking collective `f(comm, buf, count, &req)` in place on `buf`; on
+    /// completion the first `shift` elements move to block `rank` (see `reduce_scatter_start`).
+    fn start(
+        &self,
+        op: &'static str,
+        mut buf: Vec<f32>,
+        count: usize,
+        shift: usize,
+        f: unsafe extern "C" fn(*mut c_void, *mut f32, c_int, *mut *mut c_void) -> c_int,
+    ) -> Pending {
+        let rank = self.world_rank;
+        let n = match self.count(op, count) {
+            Ok(n) => n,
+            Err(e) => return Pending::from_completion(Box::new(Failed(Some(e)))),
+        };
+        let mut req: *mut c_void = std::ptr::null_mut();
+        // SAFETY: the buffer moves into the MpiPending with the request, which does not let
+        // it go before the request completes; a Vec's heap buffer does not move with it.
+        let rc = unsafe { f(self.comm, buf.as_mut_ptr(), n, &mut req) };
+        if let Err(e) = self.check(rc, op) {
+            return Pending::from_completion(Box::new(Failed(Some(e))));
+        }
+        Pending::from_completion(Box::new(MpiPending {
+            req,
+            buf: std::mem::take(&mut buf),
+            rank,
+            shift: shift * self.rank,
+            block: shift,
+        }))
+    }
+
     fn reap_sends(&self) -> Result<()> {
         let mut sends = self.sends.borrow_mut();
         let mut err = Ok(());
@@ -405,24 +448,28 @@ impl Communicator for MpiComm {
         self.check(unsafe { ffi::ft_barrier(self.comm) }, "barrier")
     }
 
-    fn all_reduce_start(&self, mut buf: Vec<f32>) -> Pending {
-        let rank = self.world_rank;
-        let n = match self.count("all_reduce_sum", buf.len()) {
-            Ok(n) => n,
-            Err(e) => return Pending::from_completion(Box::new(Failed(Some(e)))),
-        };
-        let mut req: *mut c_void = std::ptr::null_mut();
-        // SAFETY: the buffer moves into the MpiPending with the request, which does not let
-        // it go before the request completes; a Vec's heap buffer does not move with it.
-        let rc = unsafe { ffi::ft_iallreduce(self.comm, buf.as_mut_ptr(), n, &mut req) };
-        if let Err(e) = self.check(rc, "all_reduce_sum") {
+    fn all_reduce_start(&self, buf: Vec<f32>) -> Pending {
+        let n = buf.len();
+        self.start("all_reduce_sum", buf, n, 0, ffi::ft_iallreduce)
+    }
+
+    fn reduce_scatter_start(&self, buf: Vec<f32>) -> Pending {
+        if let Err(e) = shapes::blocks(self.size, buf.len()) {
+            let e = self.usage("reduce_scatter_start", e);
             return Pending::from_completion(Box::new(Failed(Some(e))));
         }
-        Pending::from_completion(Box::new(MpiPending {
-            req,
-            buf: std::mem::take(&mut buf),
-            rank,
-        }))
+        // MPI leaves the sum in the first block; `wait` moves it to block `rank`.
+        let b = buf.len() / self.size;
+        self.start("reduce_scatter_sum", buf, b, b, ffi::ft_ireduce_scatter)
+    }
+
+    fn all_gather_start(&self, buf: Vec<f32>) -> Pending {
+        if let Err(e) = shapes::blocks(self.size, buf.len()) {
+            let e = self.usage("all_gather_start", e);
+            return Pending::from_completion(Box::new(Failed(Some(e))));
+        }
+        let b = buf.len() / self.size;
+        self.start("all_gather", buf, b, 0, ffi::ft_iallgather)
     }
 
     fn abort(&self, cause: &str) {
@@ -445,12 +492,15 @@ impl Drop for MpiComm {
     }
 }
 
-/// An `MPI_Iallreduce` in flight and the buffer it reduces in place.
+/// A non-blocking collective in flight and the buffer it works on in place.
 struct MpiPending {
     /// Null once completed.
     req: *mut c_void,
     buf: Vec<f32>,
     rank: usize,
+    /// Where the first `block` elements of the result belong (a reduce-scatter's block).
+    shift: usize,
+    block: usize,
 }
 
 // SAFETY: the request is owned by this value alone, and MPI runs at MPI_THREAD_SERIALIZED or
@@ -477,7 +527,9 @@ impl Completion for MpiPending {
             // SAFETY: a live request; the shim frees it.
             check(unsafe { ffi::ft_wait(req) }, self.rank, "wait")?;
         }
-        Ok(std::mem::take(&mut self.buf))
+        let mut buf = std::mem::take(&mut self.buf);
+        buf.copy_within(0..self.block, self.shift);
+        Ok(buf)
     }
 }
 

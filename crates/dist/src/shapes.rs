@@ -22,6 +22,15 @@ pub(crate) fn all_gather(size: usize, send: usize, recv: usize) -> Result<(), St
     }
 }
 
+/// An in-place reduce-scatter or all-gather buffer of `len` elements is `size` equal blocks.
+pub(crate) fn blocks(size: usize, len: usize) -> Result<(), String> {
+    if len.is_multiple_of(size) {
+        Ok(())
+    } else {
+        Err(format!("{len} elements do not make {size} equal blocks"))
+    }
+}
+
 /// `send` and `recv` are equal and cut into `size` equal blocks.
 pub(crate) fn all_to_all(size: usize, send: usize, recv: usize) -> Result<(), String> {
     if send.is_multiple_of(size) && recv == send {

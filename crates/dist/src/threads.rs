@@ -163,6 +163,33 @@ fn sum_in_place(slots: &mut Slots, me: usize) {
     }
 }
 
+/// The in-place reduce-scatter: member `me` writes the sum of block `me` (slot order) into
+/// block `me` of its own slot. Every other member reads only its own block of that slot, so
+/// nothing is read after it is written, and nothing is allocated.
+fn sum_own_block(slots: &mut Slots, me: usize, b: usize) {
+    for i in me * b..(me + 1) * b {
+        let sum = slots.iter().flatten().fold(0.0f32, |acc, s| acc + s[i]);
+        if let Some(own) = slots[me].as_mut() {
+            own[i] = sum;
+        }
+    }
+}
+
+/// The in-place all-gather: member `me` copies block `j` of slot `j` into its own slot, for
+/// every `j` (block `j` of slot `j` is never written: each member writes only the other
+/// blocks of its own slot).
+fn gather_blocks(slots: &mut Slots, me: usize, b: usize) {
+    let Some(mut own) = slots[me].take() else {
+        return;
+    };
+    for (j, s) in slots.iter().enumerate() {
+        if let Some(s) = s {
+            own[j * b..(j + 1) * b].copy_from_slice(&s[j * b..(j + 1) * b]);
+        }
+    }
+    slots[me] = Some(own);
+}
+
 fn sum_of(slots: &Slots, range: std::ops::Range<usize>) -> Vec<f32> {
     let mut out = vec![0.0f32; range.len()];
     for s in slots.iter().flatten() {
@@ -331,6 +358,13 @@ impl ThreadComm {
         Pending::new(rx, self.world.timeout, rank)
     }
 
+    /// An operation refused before it started.
+    fn failed(&self, e: CommError) -> Pending {
+        let (tx, rx) = mpsc::channel();
+        let _ = tx.send(Err(e));
+        Pending::new(rx, self.world.timeout, self.world_rank)
+    }
+
     fn usage(&self, op: &'static str, problem: String) -> CommError {
         CommError::Usage {
             rank: self.world_rank,
@@ -477,6 +511,28 @@ impl Communicator for ThreadComm {
         // parallelism allocates nothing).
         self.submit("all_reduce_sum", buf, |s, me| {
             sum_in_place(s, me);
+            None
+        })
+    }
+
+    fn reduce_scatter_start(&self, buf: Vec<f32>) -> Pending {
+        if let Err(e) = shapes::blocks(self.size(), buf.len()) {
+            return self.failed(self.usage("reduce_scatter_start", e));
+        }
+        let b = buf.len() / self.size();
+        self.submit("reduce_scatter_sum", buf, move |s, me| {
+            sum_own_block(s, me, b);
+            None
+        })
+    }
+
+    fn all_gather_start(&self, buf: Vec<f32>) -> Pending {
+        if let Err(e) = shapes::blocks(self.size(), buf.len()) {
+            return self.failed(self.usage("all_gather_start", e));
+        }
+        let b = buf.len() / self.size();
+        self.submit("all_gather", buf, move |s, me| {
+            gather_blocks(s, me, b);
             None
         })
     }

@@ -227,6 +227,34 @@ fn started_all_reduce(c: &MpiComm) -> Check {
     c.barrier().map_err(err)
 }
 
+fn started_scatter_gather(c: &MpiComm) -> Check {
+    let (r, p, b) = (c.rank(), c.size(), 1000);
+    let rs = c.reduce_scatter_start(inexact(r, p * b));
+    let mut mine = vec![-1.0; p * b];
+    mine[r * b..(r + 1) * b].copy_from_slice(&inexact(r, b));
+    let ag = c.all_gather_start(mine);
+    let summed = rs.wait().map_err(err)?;
+    let gathered = ag.wait().map_err(err)?;
+    let want = serial_sum(p, p * b, inexact);
+    close(
+        "started reduce_scatter",
+        &summed[r * b..(r + 1) * b],
+        &want[r * b..(r + 1) * b],
+        1e-6,
+    )?;
+    let all: Vec<f32> = (0..p).flat_map(|q| inexact(q, b)).collect();
+    same("started all_gather", &gathered, &all)?;
+    let bad = c.all_gather_start(vec![0.0; p * b + 1]).wait();
+    let want = format!(
+        "rank {r}: all_gather_start: {} elements do not make {p} equal blocks",
+        p * b + 1
+    );
+    if bad.as_ref().map_err(|e| e.to_string()) != Err(want.clone()) {
+        return Err(format!("bad all_gather_start gave {bad:?}, want {want}"));
+    }
+    c.barrier().map_err(err)
+}
+
 fn grid_split(c: &MpiComm) -> Check {
     let (r, p) = (c.rank(), c.size());
     if p % 2 != 0 {
@@ -408,6 +436,10 @@ fn main() {
         ("send/recv", send_recv(&c)),
         ("barrier", c.barrier().map_err(err)),
         ("all_reduce_start", started_all_reduce(&c)),
+        (
+            "reduce_scatter_start, all_gather_start",
+            started_scatter_gather(&c),
+        ),
         ("dp×tp grid split", grid_split(&c)),
         ("a communicator on another thread", on_another_thread(&c)),
         ("usage errors", usage_errors(&c)),

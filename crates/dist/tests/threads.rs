@@ -134,6 +134,38 @@ fn a_started_all_reduce_completes_while_the_rank_computes() {
 }
 
 #[test]
+fn started_reduce_scatter_and_all_gather_work_in_place() {
+    let (p, b) = (3, 5);
+    let out = all_ok(run(p, T, move |r, c: ThreadComm| {
+        let e = |x: CommError| x.to_string();
+        let rs = c.reduce_scatter_start(data(r, p * b));
+        // A block filled by this rank only; the others are garbage to be overwritten.
+        let mut mine = vec![-1.0; p * b];
+        mine[r * b..(r + 1) * b].copy_from_slice(&data(r, b));
+        let ag = c.all_gather_start(mine);
+        let summed = rs.wait().map_err(e)?;
+        let gathered = ag.wait().map_err(e)?;
+        let bad = c.reduce_scatter_start(vec![0.0; p * b + 1]).wait();
+        Ok((summed[r * b..(r + 1) * b].to_vec(), gathered, bad))
+    }));
+    for (r, (summed, gathered, bad)) in out.into_iter().enumerate() {
+        let want: Vec<f32> = (r * b..(r + 1) * b)
+            .map(|i| (0..p).fold(0.0f32, |acc, q| acc + data(q, p * b)[i]))
+            .collect();
+        assert_eq!(
+            summed, want,
+            "rank {r}: its block of the sum, in rank order"
+        );
+        let all: Vec<f32> = (0..p).flat_map(|q| data(q, b)).collect();
+        assert_eq!(gathered, all, "rank {r}: every rank's block");
+        assert_eq!(
+            bad.unwrap_err().to_string(),
+            format!("rank {r}: reduce_scatter_start: 16 elements do not make 3 equal blocks")
+        );
+    }
+}
+
+#[test]
 fn a_failing_rank_takes_the_job_down_naming_itself() {
     // Rank 1 fails before the collective the others wait in: they stop within a poll interval
     // with rank 1's error, long before the 20 s timeout.
