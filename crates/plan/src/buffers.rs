@@ -30,9 +30,14 @@ pub fn largest_unit(tensors: &[Tensor], tp: u64, on_stage: impl Fn(Placement) ->
 }
 
 /// f32 elements of one of ferrotron's data-parallel gradient buckets: `bucket_bytes` of them,
-/// at most the rank's gradients (the trainer allocates exactly this, two of them).
-pub fn dp_bucket_len(bucket_bytes: u64, rank_params: u64) -> u64 {
-    (bucket_bytes / 4).clamp(1, rank_params.max(1))
+/// at most the rank's gradients (the trainer allocates exactly this, two of them). Under ZeRO-1
+/// a bucket is reduce-scattered, so it is rounded up to `shards` equal blocks: then every full
+/// bucket splits evenly and the blocks a rank owns add up to exactly ⌈params / shards⌉, the
+/// optimizer shard of `states.rs`.
+pub fn dp_bucket_len(bucket_bytes: u64, rank_params: u64, shards: u64) -> u64 {
+    (bucket_bytes / 4)
+        .clamp(1, rank_params.max(1))
+        .next_multiple_of(shards.max(1))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -72,10 +77,12 @@ pub fn comm_buffers(
     if l.zero == 2 && l.dense_replicas() > 1 {
         add("zero2.grad_buckets", DType::U8, 2 * bucket_bytes, cb, false);
     }
-    // ferrotron's data parallelism without ZeRO all-reduces gradients in f32 buckets, two in
-    // flight, each at most the rank's gradients (`crates/train/src/data_parallel.rs`).
+    // ferrotron's data parallelism all-reduces gradients in f32 buckets (ZeRO-1:
+    // reduce-scatters them), two in flight, each at most the rank's gradients
+    // (`crates/train/src/data_parallel.rs`).
     if conv == Convention::Ferrotron && l.zero < 2 && l.dense_replicas() > 1 {
-        let len = dp_bucket_len(bucket_bytes, rank_params);
+        let shards = if l.zero == 1 { l.dense_replicas() } else { 1 };
+        let len = dp_bucket_len(bucket_bytes, rank_params, shards);
         add("dp.grad_buckets", DType::F32, 2 * len, cb, false);
     }
     let Some(m) = m else { return out };

@@ -13,86 +13,211 @@
 //!
 //! The loss is normalised over the global number of target tokens (every rank divides by it),
 //! so the summed gradient is the gradient of the global mean loss: no division after the sum.
+//!
+//! **ZeRO-1** (Rajbhandari et al. 2020, §5.1, P_os) shards the optimizer states and the fp32
+//! master weights: every bucket is cut into `dp` equal blocks and rank r owns block r of each
+//! ([`Shard`]). A bucket is then reduce-scattered instead of all-reduced, so each rank receives
+//! only the sums it updates; after AdamW has updated its blocks, the ranks all-gather the
+//! parameters bucket by bucket ([`DataParallel::all_gather`]). The volume per rank is the
+//! all-reduce's (a reduce-scatter plus an all-gather, §7.2.1).
+//!
+//! The buckets are laid out once, from the order in which the backward reports gradients final
+//! ([`report_order`]); [`DataParallel::add`] checks every report against that layout.
 
-use anyhow::{anyhow, Result};
+use anyhow::{anyhow, bail, Result};
 use ferrotron_dist::{Communicator, Pending};
 use ferrotron_engine::model::{GradsDone, ParamTable};
 use ferrotron_engine::Elem;
+use ferrotron_plan::comm::{bytes_per_rank, Collective};
 use std::collections::VecDeque;
 use std::ops::Range;
 
-/// A bucket: its f32 sums and the gradient pieces they are (range in the flat gradients,
-/// offset in the bucket).
-struct Bucket {
-    buf: Vec<f32>,
-    pieces: Vec<(Range<usize>, usize)>,
-    /// Elements filled.
-    used: usize,
+/// Where the gradients go: into which bucket, at which offset, in the order they become final.
+#[derive(Debug, Clone, PartialEq)]
+struct BucketLayout {
+    /// Every bucket's pieces: (gradient range, offset in the bucket).
+    pieces: Vec<Vec<(Range<usize>, usize)>>,
+    /// Elements each bucket sends (its pieces, padded to `dp` equal blocks under ZeRO-1).
+    len: Vec<usize>,
 }
 
-impl Bucket {
-    fn new(len: usize) -> Self {
-        Bucket {
-            buf: vec![0.0; len],
-            // At most one piece per tensor reported (a layer has at most 12), and few layers
-            // fit one bucket of a model worth reducing; more only grow it once.
-            pieces: Vec::with_capacity(64),
-            used: 0,
+impl BucketLayout {
+    /// `order` cut into buckets of `bucket_len` (a report spanning two buckets is split).
+    fn new(order: &[Range<usize>], bucket_len: usize, blocks: usize) -> Self {
+        let (mut pieces, mut cur, mut used) = (Vec::new(), Vec::new(), 0);
+        for r in order {
+            let mut r = r.clone();
+            while !r.is_empty() {
+                let take = r.len().min(bucket_len - used);
+                cur.push((r.start..r.start + take, used));
+                (used, r.start) = (used + take, r.start + take);
+                if used == bucket_len {
+                    pieces.push(std::mem::take(&mut cur));
+                    used = 0;
+                }
+            }
+        }
+        if used > 0 {
+            pieces.push(cur);
+        }
+        let len = pieces
+            .iter()
+            .map(|p: &Vec<(Range<usize>, usize)>| {
+                let used = p.last().map_or(0, |(r, at)| at + r.len());
+                used.next_multiple_of(blocks)
+            })
+            .collect();
+        BucketLayout { pieces, len }
+    }
+}
+
+/// One contiguous run of a rank's ZeRO-1 shard: gradients/parameters `params`, at `at` in the
+/// shard (the optimizer states and master weights) and at `in_bucket` in bucket `bucket`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Segment {
+    pub bucket: usize,
+    pub params: Range<usize>,
+    pub at: usize,
+    pub in_bucket: usize,
+}
+
+/// ZeRO-1's partition: block `rank` of every bucket, as segments of the flat parameters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Shard {
+    pub segments: Vec<Segment>,
+    /// Elements of the shard: ⌈params / dp⌉ (`ferrotron_plan::buffers::dp_bucket_len`).
+    pub len: usize,
+    /// The segments of every bucket (indices into `segments`).
+    of_bucket: Vec<Range<usize>>,
+}
+
+impl Shard {
+    fn new(layout: &BucketLayout, rank: usize, ranks: usize) -> Self {
+        let (mut segments, mut of_bucket, mut base) = (Vec::new(), Vec::new(), 0);
+        for (k, (pieces, &len)) in layout.pieces.iter().zip(&layout.len).enumerate() {
+            let block = len / ranks;
+            let own = rank * block..(rank + 1) * block;
+            let first = segments.len();
+            for (r, at) in pieces {
+                let lo = (*at).max(own.start);
+                let hi = (at + r.len()).min(own.end);
+                if lo < hi {
+                    segments.push(Segment {
+                        bucket: k,
+                        params: r.start + (lo - at)..r.start + (hi - at),
+                        at: base + (lo - own.start),
+                        in_bucket: lo,
+                    });
+                }
+            }
+            of_bucket.push(first..segments.len());
+            base += block;
+        }
+        Shard {
+            segments,
+            len: base,
+            of_bucket,
         }
     }
 }
 
-/// A bucket whose all-reduce is running (its buffer is the communicator's meanwhile).
+/// What a ZeRO-1 all-gather reads from this rank and writes on every rank.
+pub trait Gather {
+    /// This rank's values of `seg` into `out`.
+    fn own(&self, seg: &Segment, out: &mut [f32]);
+    /// Every rank's values of the parameter range `r`.
+    fn put(&mut self, r: Range<usize>, values: &[f32]);
+}
+
+/// A bucket's f32 buffer, reused every step.
+struct Bucket {
+    buf: Vec<f32>,
+    /// The bucket of the layout it is filling.
+    index: usize,
+    /// Its next piece.
+    next: usize,
+}
+
+/// A bucket whose reduction is running (its buffer is the communicator's meanwhile).
 struct InFlight {
     pending: Pending,
-    pieces: Vec<(Range<usize>, usize)>,
+    index: usize,
 }
 
 pub struct DataParallel {
     comm: Box<dyn Communicator>,
     /// Elements per bucket.
     bucket_len: usize,
+    layout: BucketLayout,
+    /// ZeRO-1: this rank's blocks (`None`: buckets are all-reduced, every rank updates all).
+    shard: Option<Shard>,
     /// The bucket being filled, and the one free for filling (two in all, both allocated with
     /// the gradients and reused every step).
     filling: Option<Bucket>,
     spare: Vec<Bucket>,
     in_flight: VecDeque<InFlight>,
+    /// The bucket the next report goes into once the filling one is full.
+    next_bucket: usize,
     /// Gradient elements put into buckets this step (a check that every gradient was).
     reduced: usize,
     /// The first error of a collective, reported when the step finishes.
     error: Option<String>,
     /// Every rank's peak bytes as f32 halves (reused every step).
     mem: Vec<f32>,
-    /// Bytes this rank sent into all-reduces this step (the measured communication volume).
-    pub bytes_reduced: u64,
+    /// Bytes this rank sent this step, as the ring algorithms send them
+    /// (`ferrotron_plan::comm::bytes_per_rank`: the planner's formula).
+    pub comm_bytes: f64,
 }
 
 impl DataParallel {
-    /// The reduction of `bucket_len` (the plan's bucket, in f32 elements) for gradients over
-    /// `comm`. The buckets are allocated by [`DataParallel::allocate`], with the gradients.
-    pub fn new(comm: Box<dyn Communicator>, bucket_len: usize) -> Self {
-        let mem = vec![0.0; 4 * comm.size()];
+    /// The reduction of the gradients of `table` over `comm` in buckets of `bucket_len` f32
+    /// elements (the plan's, `ferrotron_plan::buffers::dp_bucket_len`), sharded as ZeRO-1 when
+    /// `zero1`. The buckets are allocated by [`DataParallel::allocate`], with the gradients.
+    pub fn new(
+        comm: Box<dyn Communicator>,
+        table: &ParamTable,
+        bucket_len: usize,
+        zero1: bool,
+    ) -> Self {
+        let (rank, ranks) = (comm.rank(), comm.size());
+        let bucket_len = bucket_len.max(1);
+        let blocks = if zero1 { ranks } else { 1 };
+        let layout = BucketLayout::new(&report_order(table), bucket_len, blocks);
+        let shard = zero1.then(|| Shard::new(&layout, rank, ranks));
         DataParallel {
+            mem: vec![0.0; 4 * ranks],
             comm,
-            bucket_len: bucket_len.max(1),
+            bucket_len,
+            layout,
+            shard,
             filling: None,
             spare: Vec::with_capacity(2),
             in_flight: VecDeque::with_capacity(2),
+            next_bucket: 0,
             reduced: 0,
             error: None,
-            mem,
-            bytes_reduced: 0,
+            comm_bytes: 0.0,
         }
     }
 
     /// The two buckets (as the plan allocates `dp.grad_buckets` with the gradients).
     pub fn allocate(&mut self) {
-        self.filling = Some(Bucket::new(self.bucket_len));
-        self.spare = vec![Bucket::new(self.bucket_len)];
+        let bucket = || Bucket {
+            buf: vec![0.0; self.bucket_len],
+            index: 0,
+            next: 0,
+        };
+        self.filling = Some(bucket());
+        self.spare = vec![bucket()];
     }
 
     pub fn size(&self) -> usize {
         self.comm.size()
+    }
+
+    /// This rank's ZeRO-1 shard (`None` without ZeRO).
+    pub fn shard(&self) -> Option<&Shard> {
+        self.shard.as_ref()
     }
 
     /// The gradient ranges a backward report makes final.
@@ -105,8 +230,8 @@ impl DataParallel {
             .chain(layer.into_iter().flat_map(|l| l.ranges().cloned()))
     }
 
-    /// Gradients `range` are final on this rank: into the buckets, starting full ones. Sums
-    /// that have arrived meanwhile are written back into `grads`.
+    /// Gradients `range` are final on this rank: into their bucket, starting it once full.
+    /// Sums that have arrived meanwhile are written back into `grads`.
     pub fn add<G: Elem>(&mut self, grads: &mut [G], mut range: Range<usize>) {
         // MPI progresses a started reduction only inside MPI calls: look in on the running
         // ones as the backward reports (a no-op for the threads backend's own worker).
@@ -118,29 +243,32 @@ impl DataParallel {
             let Some(b) = self.filling.as_mut() else {
                 return;
             };
-            let take = range.len().min(self.bucket_len - b.used);
-            let piece = range.start..range.start + take;
-            for (d, s) in b.buf[b.used..b.used + take]
-                .iter_mut()
-                .zip(&grads[piece.clone()])
-            {
+            let expected = self.layout.pieces.get(b.index).and_then(|p| p.get(b.next));
+            let Some((piece, at)) = expected.cloned() else {
+                let e = format!("gradients {range:?} arrived after the last bucket");
+                self.error.get_or_insert(e);
+                return;
+            };
+            if piece.start != range.start || piece.end > range.end {
+                let e = format!("gradients {range:?} arrived where the buckets expect {piece:?}");
+                self.error.get_or_insert(e);
+                return;
+            }
+            let dst = &mut b.buf[at..at + piece.len()];
+            for (d, s) in dst.iter_mut().zip(&grads[piece.clone()]) {
                 *d = s.to_f32();
             }
-            b.pieces.push((piece, b.used));
-            b.used += take;
-            self.reduced += take;
-            range.start += take;
-            if b.used == self.bucket_len {
+            b.next += 1;
+            self.reduced += piece.len();
+            range.start = piece.end;
+            if b.next == self.layout.pieces[b.index].len() {
                 self.launch(grads);
             }
         }
     }
 
-    /// Starts the all-reduce of the bucket being filled; the spare one becomes the filling one.
+    /// Starts the reduction of the full bucket; the spare one becomes the filling one.
     fn launch<G: Elem>(&mut self, grads: &mut [G]) {
-        if self.filling.as_ref().is_none_or(|b| b.used == 0) {
-            return;
-        }
         if self.spare.is_empty() {
             // Both buckets are busy: the oldest must land before this one can go.
             self.land_oldest(grads);
@@ -148,39 +276,63 @@ impl DataParallel {
         let Some(mut b) = std::mem::replace(&mut self.filling, self.spare.pop()) else {
             return;
         };
-        // The communicator reduces the whole buffer: a partly filled bucket sends only its
-        // pieces (truncate keeps the capacity, so the buffer is reused without allocating).
-        b.buf.truncate(b.used);
-        self.bytes_reduced += 4 * b.used as u64;
-        let pending = self.comm.all_reduce_start(b.buf);
-        self.in_flight.push_back(InFlight {
-            pending,
-            pieces: b.pieces,
-        });
+        let index = b.index;
+        self.next_bucket = index + 1;
+        if let Some(f) = self.filling.as_mut() {
+            (f.index, f.next) = (self.next_bucket, 0);
+        }
+        // The communicator reduces the whole buffer: the last bucket sends only its pieces
+        // (ZeRO-1: padded with zeros to whole blocks); truncate and resize keep the
+        // capacity, so the buffer is reused without allocating.
+        let used = self.layout.pieces[index]
+            .last()
+            .map_or(0, |(r, at)| at + r.len());
+        b.buf.truncate(used);
+        b.buf.resize(self.layout.len[index], 0.0);
+        let (p, bytes) = (self.comm.size() as u64, 4.0 * b.buf.len() as f64);
+        let pending = match self.shard {
+            Some(_) => {
+                self.comm_bytes += bytes_per_rank(Collective::ReduceScatter, bytes, p);
+                self.comm.reduce_scatter_start(b.buf)
+            }
+            None => {
+                self.comm_bytes += bytes_per_rank(Collective::AllReduce, bytes, p);
+                self.comm.all_reduce_start(b.buf)
+            }
+        };
+        self.in_flight.push_back(InFlight { pending, index });
     }
 
-    /// Waits for the oldest bucket, writes its sums back into `grads` and makes it spare.
+    /// Waits for the oldest bucket, writes its sums back into `grads` (ZeRO-1: this rank's
+    /// block) and makes it spare.
     fn land_oldest<G: Elem>(&mut self, grads: &mut [G]) {
-        let Some(InFlight {
-            pending,
-            mut pieces,
-        }) = self.in_flight.pop_front()
-        else {
+        let Some(InFlight { pending, index }) = self.in_flight.pop_front() else {
             return;
         };
         match pending.wait() {
             Ok(mut buf) => {
-                for (r, at) in &pieces {
-                    for (g, s) in grads[r.clone()].iter_mut().zip(&buf[*at..*at + r.len()]) {
+                let mut put = |r: &Range<usize>, at: usize| {
+                    for (g, s) in grads[r.clone()].iter_mut().zip(&buf[at..at + r.len()]) {
                         *g = G::from_f32(*s);
+                    }
+                };
+                match &self.shard {
+                    Some(s) => {
+                        for seg in &s.segments[s.of_bucket[index].clone()] {
+                            put(&seg.params, seg.in_bucket);
+                        }
+                    }
+                    None => {
+                        for (r, at) in &self.layout.pieces[index] {
+                            put(r, *at);
+                        }
                     }
                 }
                 buf.resize(self.bucket_len, 0.0);
-                pieces.clear();
                 let spare = Bucket {
                     buf,
-                    pieces,
-                    used: 0,
+                    index: self.next_bucket,
+                    next: 0,
                 };
                 match self.filling {
                     // After a failure took the filling bucket: fill this one.
@@ -201,21 +353,75 @@ impl DataParallel {
         if let Some(r) = rest {
             self.add(grads, r);
         }
-        self.launch(grads);
         while !self.in_flight.is_empty() {
             self.land_oldest(grads);
         }
         let reduced = std::mem::take(&mut self.reduced);
+        self.next_bucket = 0;
+        if let Some(f) = self.filling.as_mut() {
+            (f.index, f.next) = (0, 0);
+        }
         if let Some(e) = self.error.take() {
-            return Err(anyhow!("data-parallel gradient all-reduce: {e}"));
+            return Err(anyhow!("data-parallel gradient reduction: {e}"));
         }
         if reduced != grads.len() {
-            return Err(anyhow!(
-                "internal: {reduced} of {} gradients were all-reduced",
+            bail!(
+                "internal: {reduced} of {} gradients were reduced",
                 grads.len()
-            ));
+            );
         }
         Ok(())
+    }
+
+    /// ZeRO-1's all-gather, bucket by bucket: [`Gather::own`] fills this rank's block of a
+    /// bucket from a segment of its shard; [`Gather::put`] receives every piece of the bucket,
+    /// every rank's block (the updated parameters after the optimizer step; the full optimizer
+    /// states for a checkpoint). Uses a gradient bucket, idle once the step's sums have landed.
+    pub fn all_gather(&mut self, io: &mut dyn Gather) -> Result<()> {
+        let Some(shard) = &self.shard else {
+            return Ok(());
+        };
+        let Some(b) = self.filling.as_mut() else {
+            bail!("internal: the data-parallel buckets are not allocated");
+        };
+        let p = self.comm.size() as u64;
+        for (k, pieces) in self.layout.pieces.iter().enumerate() {
+            let mut buf = std::mem::take(&mut b.buf);
+            buf.truncate(0);
+            buf.resize(self.layout.len[k], 0.0);
+            for seg in &shard.segments[shard.of_bucket[k].clone()] {
+                io.own(
+                    seg,
+                    &mut buf[seg.in_bucket..seg.in_bucket + seg.params.len()],
+                );
+            }
+            self.comm_bytes += bytes_per_rank(Collective::AllGather, 4.0 * buf.len() as f64, p);
+            let buf = self
+                .comm
+                .all_gather_start(buf)
+                .wait()
+                .map_err(|e| anyhow!("ZeRO-1 all-gather: {e}"))?;
+            for (r, at) in pieces {
+                io.put(r.clone(), &buf[*at..at + r.len()]);
+            }
+            b.buf = buf;
+        }
+        b.buf.resize(self.bucket_len, 0.0);
+        Ok(())
+    }
+
+    /// The sum over ranks of a per-rank f64 (ZeRO-1's Σg² of each shard), the same on every
+    /// rank: each value travels as two f32 (its rounding and the rest), summed in f64 in rank
+    /// order.
+    pub fn sum_f64(&mut self, x: f64) -> Result<f64> {
+        let hi = x as f32;
+        let mine = [hi, (x - hi as f64) as f32];
+        let ranks = self.comm.size();
+        let all = &mut self.mem[..2 * ranks];
+        self.comm
+            .all_gather(&mine, all)
+            .map_err(|e| anyhow!("data-parallel gradient norm all-gather: {e}"))?;
+        Ok(all.chunks(2).map(|c| c[0] as f64 + c[1] as f64).sum())
     }
 
     /// The loss sum and target count of every rank, summed (each rank reports the same).
@@ -249,4 +455,63 @@ impl DataParallel {
 /// The parameter tensor of `table` the backward does not report (an untied LM head).
 pub fn unreported(table: &ParamTable) -> Option<Range<usize>> {
     (table.lm_head != table.embed).then(|| table.lm_head.clone())
+}
+
+/// The gradient ranges in the order the backward makes them final (`Llama::backward_notify`:
+/// the final norm, the layers last to first, each in `LayerIdx::ranges` order, the
+/// embedding), then the [`unreported`] LM head. The buckets are laid out in this order, and
+/// [`DataParallel::add`] refuses a report that departs from it.
+pub fn report_order(table: &ParamTable) -> Vec<Range<usize>> {
+    let mut order = vec![table.norm.clone()];
+    for l in table.layers.iter().rev() {
+        order.extend(l.ranges().cloned());
+    }
+    order.push(table.embed.clone());
+    order.extend(unreported(table));
+    order
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zero1_blocks_cover_every_gradient_once_and_add_up_to_the_planned_shard() {
+        // Ranges of 7, 5, 9 and 3 elements in buckets of 8 over 4 ranks: three buckets of 8,
+        // blocks of 2.
+        let order = [0..7, 7..12, 12..21, 21..24];
+        let layout = BucketLayout::new(&order, 8, 4);
+        assert_eq!(layout.len, vec![8, 8, 8]);
+        assert_eq!(layout.pieces[1], vec![(7..8, 0), (8..12, 1), (12..15, 5)]);
+        let mut seen = [0; 24];
+        for rank in 0..4 {
+            let s = Shard::new(&layout, rank, 4);
+            assert_eq!(s.len, 24usize.div_ceil(4));
+            let covered: usize = s.segments.iter().map(|g| g.params.len()).sum();
+            assert_eq!(covered, 6, "rank {rank}");
+            for g in &s.segments {
+                for i in g.params.clone() {
+                    seen[i] += 1;
+                }
+            }
+        }
+        assert!(seen.iter().all(|&n| n == 1), "{seen:?}");
+        // A short last bucket is padded to whole blocks: 10 elements in buckets of 8 over 4
+        // ranks give a last bucket of 2 padded to 4, and shards of ⌈10 / 4⌉ = 3.
+        let layout = BucketLayout::new(&[0..10], 8, 4);
+        assert_eq!(layout.len, vec![8, 4]);
+        let s = Shard::new(&layout, 3, 4);
+        assert_eq!(s.len, 3);
+        let only = Segment {
+            bucket: 0,
+            params: 6..8,
+            at: 0,
+            in_bucket: 6,
+        };
+        assert_eq!(
+            s.segments,
+            vec![only],
+            "rank 3's block of the last bucket is padding"
+        );
+    }
 }

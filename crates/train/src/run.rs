@@ -4,7 +4,6 @@ use crate::checkpoint;
 use crate::config::CommBackend;
 use crate::config::{TrainArgs, TrainConfig};
 use crate::data::{Loader, LoaderConfig, Tokenizer, ValLoader};
-use crate::data_parallel::DataParallel;
 use crate::metrics::{matmul_peak_gflops, peak_rss, MetricsWriter, StepMetrics};
 use crate::sample::{generate, SampleOptions};
 use crate::setup;
@@ -12,7 +11,6 @@ use crate::timeline;
 use crate::trace;
 use crate::trainer::Trainer;
 use anyhow::{bail, Context, Result};
-use ferrotron_plan::buffers::dp_bucket_len;
 use ferrotron_plan::Precision;
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -262,6 +260,7 @@ fn run_rank(args: TrainArgs, ctx: Option<RankCtx>) -> Result<RunSummary> {
         Some(l) => resume_config(&args, &l.state.config)?,
         None => args.resolve()?,
     };
+    let checkpoints = cfg.checkpoint.dir.is_some();
     if rank > 0 {
         // The other ranks hold the same model and write nothing (their memory is reported
         // by rank 0 in `rank_mem`).
@@ -344,11 +343,8 @@ fn run_rank(args: TrainArgs, ctx: Option<RankCtx>) -> Result<RunSummary> {
         .inner()
         .to_string(false)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let mut t = Trainer::new(cfg.clone(), spec, llama, loader, val, peak_gflops)?;
-    if let Some(c) = ctx {
-        let len = dp_bucket_len(cfg.runtime.bucket_mb << 20, t.params.len() as u64);
-        t.dp = Some(DataParallel::new(c.comm, len as usize));
-    }
+    let comm = ctx.map(|c| c.comm);
+    let mut t = Trainer::new(cfg.clone(), spec, llama, loader, val, peak_gflops, comm)?;
     if let Some(l) = &loaded {
         let exactly = checkpoint::hf::Dtypes::Exactly(t.params.dtype());
         t.params = checkpoint::load_weights(&l.dir, &t.model.params, exactly)?;
@@ -460,9 +456,13 @@ fn run_rank(args: TrainArgs, ctx: Option<RankCtx>) -> Result<RunSummary> {
         {
             eprintln!("{line}");
         }
-        if let Some(dir) = &cfg.checkpoint.dir {
-            if (cfg.checkpoint.interval > 0 && t.step % cfg.checkpoint.interval == 0) || last {
-                checkpoint::save(dir, &t, &tokenizer_json, tok.name())
+        if checkpoints
+            && ((cfg.checkpoint.interval > 0 && t.step % cfg.checkpoint.interval == 0) || last)
+        {
+            // Every rank takes part in gathering sharded optimizer states; rank 0 writes.
+            let gathered = t.gather_states()?;
+            if let Some(dir) = &cfg.checkpoint.dir {
+                checkpoint::save(dir, &t, gathered.as_ref(), &tokenizer_json, tok.name())
                     .with_context(|| format!("writing checkpoint {}", dir.display()))?;
             }
         }

@@ -6,7 +6,7 @@ use crate::alloc;
 use crate::arena::Arena;
 use crate::config::TrainConfig;
 use crate::data::{Loader, ValLoader};
-use crate::data_parallel::{unreported, DataParallel};
+use crate::data_parallel::{unreported, DataParallel, Gather, Segment};
 use crate::loss_scale::{DynamicLossScaler, ScaleUpdate};
 use crate::lr::LrSchedule;
 use crate::metrics::{RankMem, StepMetrics};
@@ -17,10 +17,12 @@ use crate::weights::Flat;
 use crate::with_flat_types;
 use crate::workspace::{self, KernelWorkspace};
 use anyhow::Result;
+use ferrotron_dist::Communicator;
 use ferrotron_engine::kernels::{AdamWParams, CpuKernels, Kernels, Rounding};
 use ferrotron_engine::model::{BatchShape, GradsDone, Llama, LlamaConfig, LossSum};
 use ferrotron_engine::Elem;
 use ferrotron_plan::arena::{with_region, ArenaLayout};
+use ferrotron_plan::buffers::dp_bucket_len;
 use ferrotron_plan::flops::model_flops_per_token;
 use ferrotron_plan::memory::Phase;
 use ferrotron_plan::Precision;
@@ -32,6 +34,54 @@ use std::time::Instant;
 pub struct AdamState {
     pub m: Vec<f32>,
     pub v: Vec<f32>,
+}
+
+/// The optimizer states (and master weights) of every parameter, gathered from the ZeRO-1
+/// shards for a checkpoint, which is the same whatever the layout.
+pub struct FullStates {
+    pub opt: AdamState,
+    pub master: Option<Vec<f32>>,
+}
+
+/// A run of parameters the optimizer updates: `params` of the flat buffers, at `at` in the
+/// optimizer states and master weights (the same offsets unless ZeRO-1 shards them), and
+/// whether weight decay applies.
+struct OptRun {
+    params: Range<usize>,
+    at: usize,
+    decay: bool,
+}
+
+/// The parameters after the ZeRO-1 all-gather: this rank's blocks read from them, every
+/// rank's written into them.
+struct GatherParams<'a, S>(&'a mut [S]);
+
+impl<S: Elem> Gather for GatherParams<'_, S> {
+    fn own(&self, seg: &Segment, out: &mut [f32]) {
+        for (o, p) in out.iter_mut().zip(&self.0[seg.params.clone()]) {
+            *o = p.to_f32();
+        }
+    }
+    fn put(&mut self, r: Range<usize>, values: &[f32]) {
+        for (p, v) in self.0[r].iter_mut().zip(values) {
+            *p = S::from_f32(*v);
+        }
+    }
+}
+
+/// A sharded optimizer state gathered into one of every parameter.
+struct GatherState<'a> {
+    shard: &'a [f32],
+    full: Vec<f32>,
+}
+
+impl Gather for GatherState<'_> {
+    fn own(&self, seg: &Segment, out: &mut [f32]) {
+        out.copy_from_slice(&self.shard[seg.at..seg.at + out.len()]);
+    }
+    fn put(&mut self, r: Range<usize>, values: &[f32]) {
+        self.full[r].copy_from_slice(values);
+    }
 }
 
 pub struct Trainer {
@@ -58,8 +108,11 @@ pub struct Trainer {
     targets: Vec<u32>,
     pool: PlanPool,
     pub schedule: LrSchedule,
-    /// Parameter ranges and whether weight decay applies (matrices yes; norms, biases no).
-    decay: Vec<(Range<usize>, bool)>,
+    /// What the optimizer updates on this rank (every tensor, or the ZeRO-1 shard), and whether
+    /// weight decay applies (matrices yes; norms, biases no).
+    runs: Vec<OptRun>,
+    /// Elements of the optimizer states on this rank.
+    opt_len: usize,
     pub plan: RankPlan,
     /// Planned peak of a step without and with optimizer states present (steps 1 and 2).
     planned_peak: [u64; 2],
@@ -148,6 +201,7 @@ impl Trainer {
         loader: Loader,
         val: Option<ValLoader>,
         peak_gflops: f64,
+        comm: Option<Box<dyn Communicator>>,
     ) -> Result<Self> {
         // Per-thread kernel state (gemm's packing slabs) is a fixed cost of the process, like
         // the thread pool: create it now so it falls into the baseline.
@@ -201,22 +255,55 @@ impl Trainer {
         // Initialisation of HF Llama: N(0, 0.02²) matrices, unit norms, zero biases; under mixed
         // precision that is the fp32 master copy, and the weights are it rounded.
         let init = model.params.init(cfg.data.seed, 0.02);
+        // Data parallelism: the buckets of the plan (`dp.grad_buckets`), and under ZeRO-1 the
+        // shard of the optimizer states this rank keeps.
+        let zero1 = cfg.parallel.zero == 1;
+        let dp = comm.map(|comm| {
+            let shards = if zero1 { comm.size() as u64 } else { 1 };
+            let n = model.params.total as u64;
+            let len = dp_bucket_len(cfg.runtime.bucket_mb << 20, n, shards);
+            DataParallel::new(comm, &model.params, len as usize, zero1)
+        });
+        let decays = |r: &Range<usize>| {
+            let e = model
+                .params
+                .entries
+                .iter()
+                .find(|e| e.range().contains(&r.start));
+            e.is_some_and(|e| e.is_matrix())
+        };
+        let (runs, opt_len): (Vec<OptRun>, usize) = match dp.as_ref().and_then(|d| d.shard()) {
+            Some(shard) => {
+                let runs = shard.segments.iter().map(|g| OptRun {
+                    decay: decays(&g.params),
+                    params: g.params.clone(),
+                    at: g.at,
+                });
+                (runs.collect(), shard.len)
+            }
+            None => {
+                let runs = model.params.entries.iter().map(|e| OptRun {
+                    params: e.range(),
+                    at: e.offset,
+                    decay: e.is_matrix(),
+                });
+                (runs.collect(), model.params.total)
+            }
+        };
         let (params, master) = if cfg.precision.kind.has_master() {
+            let mut master = vec![0.0; opt_len];
+            for r in &runs {
+                master[r.at..r.at + r.params.len()].copy_from_slice(&init[r.params.clone()]);
+            }
             (
                 Flat::from_f32(cfg.precision.kind.storage(), &init),
-                Some(init),
+                Some(master),
             )
         } else {
             (Flat::F32(init), None)
         };
         let scaler = (cfg.precision.kind == Precision::Fp16)
             .then(|| DynamicLossScaler::new(cfg.precision.loss_scale));
-        let decay = model
-            .params
-            .entries
-            .iter()
-            .map(|e| (e.range(), e.is_matrix()))
-            .collect();
         let schedule = LrSchedule::of(&cfg);
         let flops_per_token = model_flops_per_token(&spec, cfg.data.seq);
         let hw_flops_per_token =
@@ -238,8 +325,9 @@ impl Trainer {
                 ..PlanPool::default()
             },
             trace_left,
-            dp: None,
-            decay,
+            dp,
+            runs,
+            opt_len,
             schedule,
             flops_per_token,
             hw_flops_per_token,
@@ -315,7 +403,7 @@ impl Trainer {
                 .collect();
             planned_max = all.iter().map(|r| r.0).max().unwrap_or(planned);
             measured_max = all.iter().map(|r| r.1).max().unwrap_or(measured);
-            comm_bytes = Some(std::mem::take(&mut dp.bytes_reduced));
+            comm_bytes = Some(std::mem::take(&mut dp.comm_bytes).round() as u64);
         }
         let tokens = self.global_batch_tokens();
         let tps = tokens as f64 / secs;
@@ -410,15 +498,22 @@ impl Trainer {
         }
         let to = Instant::now();
         let lr = self.schedule.at(self.step);
-        let n = params.len();
+        let n = self.opt_len;
         // Adam's moments exist from the first optimizer step on, taken or skipped.
         let opt = self.opt.get_or_insert_with(|| AdamState {
             m: vec![0.0; n],
             v: vec![0.0; n],
         });
         // Σg² of the scaled gradients: inf or NaN exactly when some gradient is (the check
-        // torch's GradScaler makes before unscaling).
-        let sum_sq = k.sum_squares(grads);
+        // torch's GradScaler makes before unscaling). Under ZeRO-1 each rank holds the sums of
+        // its shard only: the ranks add their parts.
+        let sum_sq = match self.dp.as_mut().filter(|d| d.shard().is_some()) {
+            Some(dp) => {
+                let part = self.runs.iter();
+                dp.sum_f64(part.map(|r| k.sum_squares(&grads[r.params.clone()])).sum())?
+            }
+            None => k.sum_squares(grads),
+        };
         let unscale = 1.0 / loss_scale as f64;
         let grad_norm = sum_sq.sqrt() * unscale;
         if let Some(scaler) = &mut self.scaler {
@@ -446,7 +541,12 @@ impl Trainer {
         } else {
             Rounding::Nearest
         };
-        for (r, decay) in &self.decay {
+        for OptRun {
+            params: r,
+            at,
+            decay,
+        } in &self.runs
+        {
             let h = AdamWParams {
                 lr,
                 beta1: self.cfg.optimizer.beta1,
@@ -460,11 +560,12 @@ impl Trainer {
                 step: self.step + 1,
                 grad_scale: grad_scale as f32,
             };
-            let (m, v) = (&mut opt.m[r.clone()], &mut opt.v[r.clone()]);
+            let s = *at..at + r.len();
+            let (m, v) = (&mut opt.m[s.clone()], &mut opt.v[s.clone()]);
             match &mut self.master {
                 Some(master) => k.adamw_step(
                     h,
-                    &mut master[r.clone()],
+                    &mut master[s],
                     &grads[r.clone()],
                     m,
                     v,
@@ -476,6 +577,10 @@ impl Trainer {
                     k.adamw_step(h, w, &grads[r.clone()], m, v, None)
                 }
             }
+        }
+        // ZeRO-1: every rank updated its blocks; the ranks gather the others'.
+        if let Some(dp) = &mut self.dp {
+            dp.all_gather(&mut GatherParams(params))?;
         }
         self.kernels.phase("optimizer", to, step, 0);
         self.pool.sample(step, Point::Optimizer);
@@ -540,6 +645,33 @@ impl Trainer {
         } else {
             None
         }
+    }
+
+    /// The optimizer states of every parameter when ZeRO-1 shards them (every rank must call
+    /// it: the shards are all-gathered); `None` when this rank holds them whole (or before
+    /// the first optimizer step).
+    pub fn gather_states(&mut self) -> Result<Option<FullStates>> {
+        let (Some(dp), Some(opt)) = (&mut self.dp, &self.opt) else {
+            return Ok(None);
+        };
+        if dp.shard().is_none() {
+            return Ok(None);
+        }
+        let n = self.params.len();
+        let mut gather = |shard: &[f32]| -> Result<Vec<f32>> {
+            let mut g = GatherState {
+                shard,
+                full: vec![0.0; n],
+            };
+            dp.all_gather(&mut g)?;
+            Ok(g.full)
+        };
+        let (m, v) = (gather(&opt.m)?, gather(&opt.v)?);
+        let master = self.master.as_deref().map(&mut gather).transpose()?;
+        Ok(Some(FullStates {
+            opt: AdamState { m, v },
+            master,
+        }))
     }
 
     /// Kernel workspace included in the plan (see `workspace`).

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Data parallelism under mpirun: builds ferrotron with `--features mpi`, trains a small model
 # with `mpirun -np 2 ferrotron train --dp 2` (one process per rank) and with the threads backend
-# (the same binary without mpirun: ranks as threads), and checks that
+# (the same binary without mpirun: ranks as threads), without ZeRO and with --zero 1, and checks
 #   - the two backends' losses and gradient norms agree within 1e-6 relative,
 #   - every rank's measured peak is within 1% of its own plan, under both,
+#   - ZeRO-1's per-rank peak is below plain data parallelism's,
 #   - mpirun's process count disagreeing with --dp fails at once with one line naming both.
 # Needs Open MPI (Debian: openmpi-bin libopenmpi-dev). Run by scripts/test.sh.
 set -euo pipefail
@@ -20,12 +21,13 @@ trap 'rm -rf "$OUT"' EXIT
 COMMON=(train --data "$OUT/data" --seq 64 --mbs 2 --grad-acc 2 --eval-interval 0
     --sample-tokens 0 --quiet --peak-gflops 100 --bucket-mb 4 --dp 2)
 
-echo "== ferrotron train --dp 2 (threads)"
-"$BIN" "${COMMON[@]}" --steps 4 --out-dir "$OUT/threads" 2>"$OUT/threads.log" || { cat "$OUT/threads.log"; exit 1; }
-echo "== ${MPIRUN[*]} ferrotron train --dp 2"
-timeout 300 "${MPIRUN[@]}" "$BIN" "${COMMON[@]}" --steps 4 --out-dir "$OUT/mpi" 2>"$OUT/mpi.log" || { cat "$OUT/mpi.log"; exit 1; }
+for z in 0 1; do
+echo "== ferrotron train --dp 2 --zero $z (threads)"
+"$BIN" "${COMMON[@]}" --zero $z --steps 4 --out-dir "$OUT/threads$z" 2>"$OUT/threads.log" || { cat "$OUT/threads.log"; exit 1; }
+echo "== ${MPIRUN[*]} ferrotron train --dp 2 --zero $z"
+timeout 300 "${MPIRUN[@]}" "$BIN" "${COMMON[@]}" --zero $z --steps 4 --out-dir "$OUT/mpi$z" 2>"$OUT/mpi.log" || { cat "$OUT/mpi.log"; exit 1; }
 
-python3 - "$OUT/threads/metrics.jsonl" "$OUT/mpi/metrics.jsonl" <<'PY'
+python3 - "$OUT/threads$z/metrics.jsonl" "$OUT/mpi$z/metrics.jsonl" <<'PY'
 import json, sys
 runs = [[json.loads(l) for l in open(p)] for p in sys.argv[1:]]
 assert len(runs[0]) == len(runs[1]) == 4, [len(r) for r in runs]
@@ -41,6 +43,13 @@ for t, m in zip(*runs):
             dev = abs(x["mem_peak_measured"] / x["mem_peak_planned"] - 1)
             assert dev < 0.01, (name, t["step"], x)
 print(f"threads vs mpi: 4 steps agree within {worst:.1e}; every rank within 1% of its plan")
+PY
+done
+python3 - "$OUT/mpi0/metrics.jsonl" "$OUT/mpi1/metrics.jsonl" <<'PY'
+import json, sys
+peak = [max(x["mem_peak_measured"] for l in open(p) for x in json.loads(l)["rank_mem"]) for p in sys.argv[1:]]
+assert peak[1] < peak[0], f"ZeRO-1 peak {peak[1]} not below plain data parallelism's {peak[0]}"
+print(f"per-rank peak: ZeRO-0 {peak[0]} B, ZeRO-1 {peak[1]} B")
 PY
 
 echo "== mpirun -np 2 with --dp 4 is refused"

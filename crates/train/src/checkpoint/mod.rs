@@ -9,7 +9,7 @@ pub mod manifest;
 use crate::config::TrainConfig;
 use crate::data::LoaderState;
 use crate::loss_scale::DynamicLossScaler;
-use crate::trainer::{AdamState, Trainer};
+use crate::trainer::{AdamState, FullStates, Trainer};
 use crate::weights::Flat;
 use anyhow::{bail, Context, Result};
 use ferrotron_engine::model::ParamTable;
@@ -100,7 +100,16 @@ fn write_safetensors(
 }
 
 /// Writes `DIR` atomically: everything goes to a temp directory beside it, renamed into place.
-pub fn save(dir: &Path, t: &Trainer, tokenizer_json: &str, tokenizer_name: &str) -> Result<()> {
+/// The optimizer states are `gathered` when ZeRO-1 sharded them over the ranks
+/// (`Trainer::gather_states`), else the trainer's own: a checkpoint holds every parameter's
+/// states whatever the layout that wrote it.
+pub fn save(
+    dir: &Path,
+    t: &Trainer,
+    gathered: Option<&FullStates>,
+    tokenizer_json: &str,
+    tokenizer_name: &str,
+) -> Result<()> {
     let parent = dir
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -131,13 +140,17 @@ pub fn save(dir: &Path, t: &Trainer, tokenizer_json: &str, tokenizer_name: &str)
     // The weights in their storage type (a bf16 model is a bf16 checkpoint, as on the Hub);
     // the fp32 master copy, when there is one, goes with the optimizer state.
     write_safetensors(&tmp.join("model.safetensors"), t.params.dtype(), weights)?;
-    if let Some(opt) = &t.opt {
+    let (opt, master) = match gathered {
+        Some(g) => (Some(&g.opt), g.master.as_ref()),
+        None => (t.opt.as_ref(), t.master.as_ref()),
+    };
+    if let Some(opt) = opt {
         let n = t.params.len();
         let mut tensors = vec![
             ("exp_avg".into(), vec![n], f32_bytes(&opt.m)),
             ("exp_avg_sq".into(), vec![n], f32_bytes(&opt.v)),
         ];
-        if let Some(master) = &t.master {
+        if let Some(master) = master {
             tensors.push(("master".into(), vec![n], f32_bytes(master)));
         }
         write_safetensors(&tmp.join("optimizer.safetensors"), DType::F32, tensors)?;
