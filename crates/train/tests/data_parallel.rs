@@ -16,12 +16,35 @@ static A: Tracking = Tracking;
 
 /// The run's metrics and its parameter count (from the plan rank 0 writes).
 fn train(dp: u64, zero: u64, mbs: u64, acc: u64, steps: u64) -> (Vec<StepMetrics>, u64) {
-    let out = tmp(&format!("dp{dp}-z{zero}-{mbs}x{acc}"));
-    let mut a = tiny_args(&out, steps);
+    train_in(
+        &tmp(&format!("dp{dp}-z{zero}-{mbs}x{acc}")),
+        dp,
+        zero,
+        mbs,
+        acc,
+        steps,
+    )
+}
+
+/// Ranks are counted by rank number in one process: two runs at once would charge each other's
+/// rank 0, so the tests of this file take turns.
+static ONE_RUN_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn train_in(
+    out: &std::path::Path,
+    dp: u64,
+    zero: u64,
+    mbs: u64,
+    acc: u64,
+    steps: u64,
+) -> (Vec<StepMetrics>, u64) {
+    let _turn = ONE_RUN_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let mut a = tiny_args(out, steps);
     a.mbs = Some(mbs);
     a.grad_acc = Some(acc);
     a.layout.dp = Some(dp);
     a.layout.zero = Some(zero);
+    a.checkpoint_dir = Some(out.join("checkpoint"));
     // Small buckets: several all-reduces per step, some tensors split across two.
     a.bucket_mb = Some(1);
     let steps = run(a).unwrap().steps;
@@ -41,8 +64,14 @@ fn data_parallel_ranks_follow_the_one_rank_trajectory() {
     // every layout sees the same 8 sequences per step.
     let (one, _) = train(1, 0, 4, 2, 6);
     let layouts = [(2, 4, 1), (2, 2, 2), (4, 2, 1), (4, 1, 2)];
+    let mut peaks = std::collections::HashMap::new();
     for ((dp, mbs, acc), zero) in layouts.into_iter().flat_map(|l| [(l, 0), (l, 1)]) {
         let (s, params) = train(dp, zero, mbs, acc, 6);
+        let last = &s[5].rank_mem[0];
+        peaks.insert(
+            (dp, mbs, zero),
+            (last.mem_peak_planned, last.mem_peak_measured),
+        );
         assert_eq!(s.len(), 6);
         for (x, y) in one.iter().zip(&s) {
             let what = format!("dp {dp} zero {zero} {mbs}x{acc} step {}", x.step);
@@ -75,5 +104,60 @@ fn data_parallel_ranks_follow_the_one_rank_trajectory() {
             };
             assert_eq!(y.comm_bytes, Some(bytes.round() as u64), "{what}");
         }
+    }
+    // ZeRO-1 lowers every rank's peak by the optimizer states it no longer holds, as planned.
+    for (dp, mbs) in [(2, 4), (4, 2)] {
+        let (p0, m0) = peaks[&(dp, mbs, 0)];
+        let (p1, m1) = peaks[&(dp, mbs, 1)];
+        let (planned, measured) = (p0 as f64 - p1 as f64, m0 as f64 - m1 as f64);
+        assert!(planned > 0.0, "dp {dp}: ZeRO-1 plans {p1} B, plain {p0} B");
+        assert!(
+            rel(planned, measured) < 0.01,
+            "dp {dp}: ZeRO-1 saves {measured} B measured, {planned} B planned"
+        );
+    }
+}
+
+/// The optimizer states a checkpoint holds, by tensor name.
+fn optimizer_states(dir: &std::path::Path) -> Vec<(String, Vec<f32>)> {
+    let bytes = std::fs::read(dir.join("checkpoint/optimizer.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut out: Vec<(String, Vec<f32>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, t)| {
+            let v = t.data().chunks(4);
+            (
+                name,
+                v.map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                    .collect(),
+            )
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+#[test]
+fn a_zero1_checkpoint_holds_every_parameters_optimizer_states() {
+    // The same run with the states replicated and sharded over 4 ranks: the checkpoint of the
+    // sharded one gathers every rank's blocks, so the two files hold the same tensors.
+    let (plain, sharded) = (tmp("ckpt-dp4-z0"), tmp("ckpt-dp4-z1"));
+    train_in(&plain, 4, 0, 2, 1, 3);
+    train_in(&sharded, 4, 1, 2, 1, 3);
+    let (a, b) = (optimizer_states(&plain), optimizer_states(&sharded));
+    let names: Vec<&str> = a.iter().map(|t| t.0.as_str()).collect();
+    assert_eq!(names, ["exp_avg", "exp_avg_sq"]);
+    for ((name, x), (_, y)) in a.iter().zip(&b) {
+        assert_eq!(x.len(), y.len(), "{name}");
+        let scale = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let worst = x
+            .iter()
+            .zip(y)
+            .fold(0.0f32, |m, (p, q)| m.max((p - q).abs()));
+        assert!(
+            scale > 0.0 && worst <= 1e-5 * scale,
+            "{name}: differs by {worst} (max {scale})"
+        );
     }
 }
