@@ -108,16 +108,16 @@ fn bad_train_input_exits_nonzero_with_one_line() {
             "model = llama-9b: neither a built-in preset nor a config.json file",
         ),
         (
-            vec!["train", "--dp", "2", "--zero", "2"],
-            "error: zero = 2: ferrotron train runs data parallelism (--dp) with ZeRO-1 at most for now (the other layouts are next); `ferrotron plan --zero 2` predicts",
+            vec!["train", "--dp", "2", "--zero", "3"],
+            "error: zero = 3: ferrotron train runs data parallelism (--dp) with ZeRO-1 or 2 at most for now (the other layouts are next); `ferrotron plan --zero 3` predicts",
         ),
         (
             vec!["train", "--tp", "2", "--sp"],
-            "error: tp = 2: ferrotron train runs data parallelism (--dp) with ZeRO-1 at most for now",
+            "error: tp = 2: ferrotron train runs data parallelism (--dp) with ZeRO-1 or 2 at most for now",
         ),
         (
             vec!["train", "--zero", "3"],
-            "error: zero = 3: ferrotron train runs data parallelism (--dp) with ZeRO-1 at most for now",
+            "error: zero = 3: ferrotron train runs data parallelism (--dp) with ZeRO-1 or 2 at most for now",
         ),
         (
             vec!["train", "--dp", "2", "--comm", "mpi"],

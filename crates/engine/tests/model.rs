@@ -351,7 +351,7 @@ fn stage_entry_points_compose_to_the_whole_step_bit_for_bit() {
     // stage (embedding + layers 0..cut, then layers cut..4 + head; the backward in reverse),
     // gives the whole step's loss and gradients bit for bit, with the same buffer events; the
     // gradient-ready callback names the final norm, then layers 3, 2, 1, 0, then the embedding.
-    use ferrotron_engine::model::{BackwardState, GradsDone};
+    use ferrotron_engine::model::{BackwardState, GradBuf, GradsDone};
     let mut c = cfg(false, true);
     c.layers = 4;
     let model = Llama::new(c).with_recompute(Recompute::Selective);
@@ -375,7 +375,7 @@ fn stage_entry_points_compose_to_the_whole_step_bit_for_bit() {
         let mut pool = HeapPool::recording();
         let mut grads = vec![0.0f32; model.num_params()];
         let mut order = Vec::new();
-        let mut done = |d: GradsDone, _: &mut [f32]| {
+        let mut done = |d: GradsDone, _: &mut dyn GradBuf<f32>| {
             order.push(match d {
                 GradsDone::FinalNorm(_) => "norm".to_string(),
                 GradsDone::Layer(i, idx) => {

@@ -18,15 +18,29 @@ pub struct CommBuf {
     pub from_forward: bool,
 }
 
-/// Elements of the largest "unit" a ZeRO-3 implementation gathers at once on this stage: one
-/// transformer layer, or the embedding, or the head (per tensor-parallel rank).
-pub fn largest_unit(tensors: &[Tensor], tp: u64, on_stage: impl Fn(Placement) -> bool) -> u64 {
-    let mut units: std::collections::BTreeMap<String, u64> = Default::default();
+/// Elements of a stage's units (per tensor-parallel rank), what a ZeRO-3 implementation gathers
+/// at once: the embedding, the head (final norm and an untied LM head), and the largest
+/// transformer layer.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Units {
+    pub embedding: u64,
+    pub head: u64,
+    pub layer: u64,
+}
+
+pub fn units(tensors: &[Tensor], tp: u64, on_stage: impl Fn(Placement) -> bool) -> Units {
+    let mut layers: std::collections::BTreeMap<u64, u64> = Default::default();
+    let mut u = Units::default();
     for t in tensors.iter().filter(|t| on_stage(t.placement)) {
-        let key = format!("{:?}", t.placement);
-        *units.entry(key).or_default() += t.numel_tp(tp);
+        let n = t.numel_tp(tp);
+        match t.placement {
+            Placement::Embedding => u.embedding += n,
+            Placement::Head => u.head += n,
+            Placement::Layer(i) => *layers.entry(i).or_default() += n,
+        }
     }
-    units.values().copied().max().unwrap_or(0)
+    u.layer = layers.values().copied().max().unwrap_or(0);
+    u
 }
 
 /// f32 elements of one of ferrotron's data-parallel gradient buckets: `bucket_bytes` of them,
@@ -45,12 +59,13 @@ pub fn comm_buffers(
     m: Option<&ModelSpec>,
     r: &Recipe,
     l: &Layout,
-    unit: u64,
+    units: Units,
     bucket_bytes: u64,
     rank_params: u64,
     conv: Convention,
 ) -> Vec<CommBuf> {
     let st = r.precision.storage();
+    let unit = units.embedding.max(units.head).max(units.layer);
     let mut out = Vec::new();
     let mut add = |name, dtype: DType, numel: u64, category, from_forward| {
         if numel > 0 {
@@ -74,16 +89,29 @@ pub fn comm_buffers(
     }
     // ZeRO-2 reduce-scatters gradients bucket by bucket; two buckets in flight overlap
     // communication with the backward (PyTorch DDP's default bucket_cap_mb = 25).
-    if l.zero == 2 && l.dense_replicas() > 1 {
+    let ferrotron = conv == Convention::Ferrotron;
+    if l.zero == 2 && l.dense_replicas() > 1 && !ferrotron {
         add("zero2.grad_buckets", DType::U8, 2 * bucket_bytes, cb, false);
     }
-    // ferrotron's data parallelism all-reduces gradients in f32 buckets (ZeRO-1:
+    // ferrotron's data parallelism all-reduces gradients in f32 buckets (ZeRO-1/2:
     // reduce-scatters them), two in flight, each at most the rank's gradients
     // (`crates/train/src/data_parallel.rs`).
-    if conv == Convention::Ferrotron && l.zero < 2 && l.dense_replicas() > 1 {
-        let shards = if l.zero == 1 { l.dense_replicas() } else { 1 };
+    if ferrotron && l.zero <= 2 && l.dense_replicas() > 1 {
+        let shards = if l.zero >= 1 { l.dense_replicas() } else { 1 };
         let len = dp_bucket_len(bucket_bytes, rank_params, shards);
         add("dp.grad_buckets", DType::F32, 2 * len, cb, false);
+    }
+    // ferrotron's ZeRO-2 keeps full gradients only in three windows that the backward reuses:
+    // the embedding's, the head's and one layer's (`crates/train/src/zero2.rs`); the head's
+    // forward writes the LM head's gradient, so they exist from the first forward.
+    if ferrotron && l.zero == 2 && l.dense_replicas() > 1 {
+        let gt = if r.precision.fp32_grad_acc() {
+            r.precision.engine_grads()
+        } else {
+            st
+        };
+        let n = units.embedding + units.head + units.layer;
+        add("zero2.grad_windows", gt, n, Category::Grads, true);
     }
     let Some(m) = m else { return out };
     let d = Dims::new(r, l);

@@ -2,7 +2,7 @@
 //! (pipeline stage), swept into peaks, breakdowns and a timeline.
 
 use crate::activations::{edge_acts, layer_acts, Act};
-use crate::buffers::{comm_buffers, largest_unit};
+use crate::buffers::{comm_buffers, units};
 use crate::convention::Convention;
 use crate::error::{PlanError, Result};
 use crate::hardware::Overhead;
@@ -236,15 +236,15 @@ fn rank_plan(
     );
     plan.alloc(&states.at_init);
 
-    let unit = spec.map_or(0, |m| {
-        largest_unit(tensors, l.tp, |p| stage_of(p, m, l) == stage)
+    let units = spec.map_or(Default::default(), |m| {
+        units(tensors, l.tp, |p| stage_of(p, m, l) == stage)
     });
     let e = rank_elems(spec, tensors, l, stage, total);
     let comm = comm_buffers(
         spec,
         r,
         l,
-        unit,
+        units,
         input.bucket_bytes,
         e.dense + e.expert,
         conv,

@@ -177,7 +177,7 @@ pub struct TrainConfig {
     pub precision: PrecisionConfig,
     #[serde(flatten)]
     pub runtime: RuntimeConfig,
-    /// The parallel layout (the planner's); data parallelism with ZeRO-1 at most for now.
+    /// The parallel layout (the planner's); data parallelism with ZeRO-1 or 2 at most for now.
     #[serde(default)]
     pub parallel: Layout,
     #[serde(flatten)]
@@ -411,7 +411,7 @@ pub(crate) fn trainable_layout(flags: &LayoutFlags) -> Result<Layout, ConfigErro
     })?;
     let not_yet = |field: &'static str, v: String| {
         let problem = format!(
-            "ferrotron train runs data parallelism (--dp) with ZeRO-1 at most for now (the other layouts are next); `ferrotron plan --{} {v}` predicts this layout's memory and time",
+            "ferrotron train runs data parallelism (--dp) with ZeRO-1 or 2 at most for now (the other layouts are next); `ferrotron plan --{} {v}` predicts this layout's memory and time",
             field.replace('_', "-")
         );
         Err(bad(field, v, &problem))
@@ -433,7 +433,7 @@ pub(crate) fn trainable_layout(flags: &LayoutFlags) -> Result<Layout, ConfigErro
     if l.pp_virtual == 0 {
         return Err(bad("pp_virtual", 0, "must be a positive integer"));
     }
-    if l.zero > 1 {
+    if l.zero > 2 {
         return not_yet("zero", l.zero.to_string());
     }
     if l.sp {

@@ -26,7 +26,7 @@
 
 use anyhow::{anyhow, bail, Result};
 use ferrotron_dist::{Communicator, Pending};
-use ferrotron_engine::model::{GradsDone, ParamTable};
+use ferrotron_engine::model::{GradBuf, GradsDone, ParamTable};
 use ferrotron_engine::Elem;
 use ferrotron_plan::comm::{bytes_per_rank, Collective};
 use std::collections::VecDeque;
@@ -121,6 +121,15 @@ impl Shard {
     }
 }
 
+/// Where a bucket's sums land: back into the gradients the backward wrote (without ZeRO every
+/// sum, under ZeRO-1 this rank's blocks), or under ZeRO-2 added into this rank's shard of the
+/// reduced gradients (the backward's windows are reused by then).
+pub struct Sums<'a, 'b, G> {
+    pub grads: &'a mut (dyn GradBuf<G> + 'b),
+    /// ZeRO-2: this rank's reduced gradients, summed over the step's micro-batches.
+    pub shard: Option<&'a mut [G]>,
+}
+
 /// What a ZeRO-1 all-gather reads from this rank and writes on every rank.
 pub trait Gather {
     /// This rank's values of `seg` into `out`.
@@ -171,19 +180,20 @@ pub struct DataParallel {
 
 impl DataParallel {
     /// The reduction of the gradients of `table` over `comm` in buckets of `bucket_len` f32
-    /// elements (the plan's, `ferrotron_plan::buffers::dp_bucket_len`), sharded as ZeRO-1 when
-    /// `zero1`. The buckets are allocated by [`DataParallel::allocate`], with the gradients.
+    /// elements (the plan's, `ferrotron_plan::buffers::dp_bucket_len`), reduce-scattered into
+    /// shards when `sharded` (ZeRO-1 and 2). The buckets are allocated by
+    /// [`DataParallel::allocate`], with the gradients.
     pub fn new(
         comm: Box<dyn Communicator>,
         table: &ParamTable,
         bucket_len: usize,
-        zero1: bool,
+        sharded: bool,
     ) -> Self {
         let (rank, ranks) = (comm.rank(), comm.size());
         let bucket_len = bucket_len.max(1);
-        let blocks = if zero1 { ranks } else { 1 };
+        let blocks = if sharded { ranks } else { 1 };
         let layout = BucketLayout::new(&report_order(table), bucket_len, blocks);
-        let shard = zero1.then(|| Shard::new(&layout, rank, ranks));
+        let shard = sharded.then(|| Shard::new(&layout, rank, ranks));
         DataParallel {
             mem: vec![0.0; 4 * ranks],
             comm,
@@ -232,7 +242,7 @@ impl DataParallel {
 
     /// Gradients `range` are final on this rank: into their bucket, starting it once full.
     /// Sums that have arrived meanwhile are written back into `grads`.
-    pub fn add<G: Elem>(&mut self, grads: &mut [G], mut range: Range<usize>) {
+    pub fn add<G: Elem>(&mut self, sums: &mut Sums<G>, mut range: Range<usize>) {
         // MPI progresses a started reduction only inside MPI calls: look in on the running
         // ones as the backward reports (a no-op for the threads backend's own worker).
         for f in &self.in_flight {
@@ -255,23 +265,23 @@ impl DataParallel {
                 return;
             }
             let dst = &mut b.buf[at..at + piece.len()];
-            for (d, s) in dst.iter_mut().zip(&grads[piece.clone()]) {
+            for (d, s) in dst.iter_mut().zip(&sums.grads[piece.clone()]) {
                 *d = s.to_f32();
             }
             b.next += 1;
             self.reduced += piece.len();
             range.start = piece.end;
             if b.next == self.layout.pieces[b.index].len() {
-                self.launch(grads);
+                self.launch(sums);
             }
         }
     }
 
     /// Starts the reduction of the full bucket; the spare one becomes the filling one.
-    fn launch<G: Elem>(&mut self, grads: &mut [G]) {
+    fn launch<G: Elem>(&mut self, sums: &mut Sums<G>) {
         if self.spare.is_empty() {
             // Both buckets are busy: the oldest must land before this one can go.
-            self.land_oldest(grads);
+            self.land_oldest(sums);
         }
         let Some(mut b) = std::mem::replace(&mut self.filling, self.spare.pop()) else {
             return;
@@ -305,26 +315,35 @@ impl DataParallel {
 
     /// Waits for the oldest bucket, writes its sums back into `grads` (ZeRO-1: this rank's
     /// block) and makes it spare.
-    fn land_oldest<G: Elem>(&mut self, grads: &mut [G]) {
+    fn land_oldest<G: Elem>(&mut self, sums: &mut Sums<G>) {
         let Some(InFlight { pending, index }) = self.in_flight.pop_front() else {
             return;
         };
         match pending.wait() {
             Ok(mut buf) => {
-                let mut put = |r: &Range<usize>, at: usize| {
-                    for (g, s) in grads[r.clone()].iter_mut().zip(&buf[at..at + r.len()]) {
+                let put = |g: &mut [G], at: usize| {
+                    let n = g.len();
+                    for (g, s) in g.iter_mut().zip(&buf[at..at + n]) {
                         *g = G::from_f32(*s);
                     }
                 };
-                match &self.shard {
-                    Some(s) => {
+                match (&self.shard, sums.shard.as_deref_mut()) {
+                    (Some(s), Some(shard)) => {
                         for seg in &s.segments[s.of_bucket[index].clone()] {
-                            put(&seg.params, seg.in_bucket);
+                            let sum = &buf[seg.in_bucket..seg.in_bucket + seg.params.len()];
+                            for (g, x) in shard[seg.at..seg.at + sum.len()].iter_mut().zip(sum) {
+                                *g = G::from_f32(g.to_f32() + x);
+                            }
                         }
                     }
-                    None => {
+                    (Some(s), None) => {
+                        for seg in &s.segments[s.of_bucket[index].clone()] {
+                            put(&mut sums.grads[seg.params.clone()], seg.in_bucket);
+                        }
+                    }
+                    (None, _) => {
                         for (r, at) in &self.layout.pieces[index] {
-                            put(r, *at);
+                            put(&mut sums.grads[r.clone()], *at);
                         }
                     }
                 }
@@ -349,12 +368,16 @@ impl DataParallel {
     /// Ends the step's reduction: the gradients the backward does not report (an untied LM
     /// head, complete since the head's forward: [`unreported`]) go into the last bucket, every
     /// bucket lands, and every gradient must have been summed exactly once.
-    pub fn finish<G: Elem>(&mut self, grads: &mut [G], rest: Option<Range<usize>>) -> Result<()> {
+    pub fn finish<G: Elem>(
+        &mut self,
+        sums: &mut Sums<G>,
+        rest: Option<Range<usize>>,
+    ) -> Result<()> {
         if let Some(r) = rest {
-            self.add(grads, r);
+            self.add(sums, r);
         }
         while !self.in_flight.is_empty() {
-            self.land_oldest(grads);
+            self.land_oldest(sums);
         }
         let reduced = std::mem::take(&mut self.reduced);
         self.next_bucket = 0;
@@ -364,11 +387,9 @@ impl DataParallel {
         if let Some(e) = self.error.take() {
             return Err(anyhow!("data-parallel gradient reduction: {e}"));
         }
-        if reduced != grads.len() {
-            bail!(
-                "internal: {reduced} of {} gradients were reduced",
-                grads.len()
-            );
+        let total: usize = self.layout.pieces.iter().flatten().map(|p| p.0.len()).sum();
+        if reduced != total {
+            bail!("internal: {reduced} of {total} gradients were reduced");
         }
         Ok(())
     }
@@ -498,7 +519,8 @@ mod tests {
         assert!(seen.iter().all(|&n| n == 1), "{seen:?}");
         // A short last bucket is padded to whole blocks: 10 elements in buckets of 8 over 4
         // ranks give a last bucket of 2 padded to 4, and shards of ⌈10 / 4⌉ = 3.
-        let layout = BucketLayout::new(&[0..10], 8, 4);
+        let whole = 0..10;
+        let layout = BucketLayout::new(std::slice::from_ref(&whole), 8, 4);
         assert_eq!(layout.len, vec![8, 4]);
         let s = Shard::new(&layout, 3, 4);
         assert_eq!(s.len, 3);

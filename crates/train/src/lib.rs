@@ -21,3 +21,4 @@ pub mod trace;
 pub mod trainer;
 pub mod weights;
 pub mod workspace;
+pub mod zero2;

@@ -72,13 +72,17 @@ pub fn plan_input(spec: &ModelSpec, c: &TrainConfig, kernel_workspace: u64) -> P
 }
 
 /// Builds the memory plan and checks that the engine's flat parameter, gradient and master
-/// buffers are the plan's. (Activations are the plan's by construction: both read the table
-/// of `ferrotron_plan::tensors`, and the arena checks every one the engine asks for.)
+/// buffers are the plan's: `opt_len` elements of optimizer states and master weights per rank
+/// (ZeRO shards them), and under ZeRO-2 `windows` elements of gradient windows besides the
+/// gradient shard. (Activations are the plan's by construction: both read the table of
+/// `ferrotron_plan::tensors`, and the arena checks every one the engine asks for.)
 pub fn checked_plan(
     spec: &ModelSpec,
     model: &Llama,
     c: &TrainConfig,
     kernel_workspace: u64,
+    opt_len: usize,
+    windows: usize,
 ) -> Result<RankPlan> {
     let input = plan_input(spec, c, kernel_workspace);
     let result = plan(&input).map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -88,12 +92,20 @@ pub fn checked_plan(
         .next()
         .context("the plan has no rank")?;
     let p = c.precision.kind;
+    let grads = if windows > 0 {
+        opt_len
+    } else {
+        model.num_params()
+    };
     let mut expected = vec![
         ("params", model.num_params(), p.storage()),
-        ("grads", model.num_params(), p.engine_grads()),
+        ("grads", grads, p.engine_grads()),
     ];
     if p.has_master() {
-        expected.push(("master", model.num_params(), DType::F32));
+        expected.push(("master", opt_len, DType::F32));
+    }
+    if windows > 0 {
+        expected.push(("comm.zero2.grad_windows", windows, p.engine_grads()));
     }
     for (name, len, dtype) in expected {
         let Some(b) = rank.plan.find(name) else {

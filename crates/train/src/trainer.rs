@@ -6,7 +6,7 @@ use crate::alloc;
 use crate::arena::Arena;
 use crate::config::TrainConfig;
 use crate::data::{Loader, ValLoader};
-use crate::data_parallel::{unreported, DataParallel, Gather, Segment};
+use crate::data_parallel::{unreported, DataParallel, Gather, Segment, Sums};
 use crate::loss_scale::{DynamicLossScaler, ScaleUpdate};
 use crate::lr::LrSchedule;
 use crate::metrics::{RankMem, StepMetrics};
@@ -16,10 +16,11 @@ use crate::trace::{Event, Tracing};
 use crate::weights::Flat;
 use crate::with_flat_types;
 use crate::workspace::{self, KernelWorkspace};
+use crate::zero2::GradWindows;
 use anyhow::Result;
 use ferrotron_dist::Communicator;
 use ferrotron_engine::kernels::{AdamWParams, CpuKernels, Kernels, Rounding};
-use ferrotron_engine::model::{BatchShape, GradsDone, Llama, LlamaConfig, LossSum};
+use ferrotron_engine::model::{BatchShape, GradBuf, GradsDone, Llama, LlamaConfig, LossSum, Whole};
 use ferrotron_engine::Elem;
 use ferrotron_plan::arena::{with_region, ArenaLayout};
 use ferrotron_plan::buffers::dp_bucket_len;
@@ -113,6 +114,9 @@ pub struct Trainer {
     runs: Vec<OptRun>,
     /// Elements of the optimizer states on this rank.
     opt_len: usize,
+    /// ZeRO-2: the gradient windows of one unit's backward, after this rank's gradient shard
+    /// in the gradient buffer (`None`: the gradient buffer holds every gradient).
+    windows: Option<GradWindows>,
     pub plan: RankPlan,
     /// Planned peak of a step without and with optimizer states present (steps 1 and 2).
     planned_peak: [u64; 2],
@@ -250,20 +254,20 @@ impl Trainer {
         let model = Llama::new(llama)
             .with_ce_chunk_tokens(cfg.runtime.ce_chunk as usize)
             .with_recompute(cfg.runtime.recompute);
-        let plan = checked_plan(&spec, &model, &cfg, kernel_workspace.max())?;
-        let (arena, placed) = Arena::of_plan(&plan.plan, model.config.layers)?;
         // Initialisation of HF Llama: N(0, 0.02²) matrices, unit norms, zero biases; under mixed
         // precision that is the fp32 master copy, and the weights are it rounded.
         let init = model.params.init(cfg.data.seed, 0.02);
         // Data parallelism: the buckets of the plan (`dp.grad_buckets`), and under ZeRO-1 the
         // shard of the optimizer states this rank keeps.
-        let zero1 = cfg.parallel.zero == 1;
+        let sharded = cfg.parallel.zero >= 1;
         let dp = comm.map(|comm| {
-            let shards = if zero1 { comm.size() as u64 } else { 1 };
+            let shards = if sharded { comm.size() as u64 } else { 1 };
             let n = model.params.total as u64;
             let len = dp_bucket_len(cfg.runtime.bucket_mb << 20, n, shards);
-            DataParallel::new(comm, &model.params, len as usize, zero1)
+            DataParallel::new(comm, &model.params, len as usize, sharded)
         });
+        let windows =
+            (dp.is_some() && cfg.parallel.zero >= 2).then(|| GradWindows::new(&model.params));
         let decays = |r: &Range<usize>| {
             let e = model
                 .params
@@ -290,6 +294,10 @@ impl Trainer {
                 (runs.collect(), model.params.total)
             }
         };
+        let window_len = windows.as_ref().map_or(0, |w| w.len());
+        let ws = kernel_workspace.max();
+        let plan = checked_plan(&spec, &model, &cfg, ws, opt_len, window_len)?;
+        let (arena, placed) = Arena::of_plan(&plan.plan, model.config.layers)?;
         let (params, master) = if cfg.precision.kind.has_master() {
             let mut master = vec![0.0; opt_len];
             for r in &runs {
@@ -328,6 +336,7 @@ impl Trainer {
             dp,
             runs,
             opt_len,
+            windows,
             schedule,
             flops_per_token,
             hw_flops_per_token,
@@ -367,7 +376,12 @@ impl Trainer {
         // Gradients appear before the first forward: the fused LM head accumulates into them.
         if self.grads.is_none() {
             let gt = self.cfg.precision.kind.engine_grads();
-            self.grads = Some(Flat::zeros(gt, self.params.len()));
+            let len = match &self.windows {
+                // ZeRO-2: this rank's shard of the reduced gradients, then the windows.
+                Some(w) => self.opt_len + w.len(),
+                None => self.params.len(),
+            };
+            self.grads = Some(Flat::zeros(gt, len));
             // The plan's `dp.grad_buckets` appear with the gradients.
             if let Some(dp) = &mut self.dp {
                 dp.allocate();
@@ -453,10 +467,29 @@ impl Trainer {
         let num_targets = self.global_batch_tokens() as usize;
         let mut loss = LossSum::default();
         let last_mb = self.cfg.data.grad_acc - 1;
+        // ZeRO-2: the gradient buffer is this rank's shard, then the windows the backward
+        // writes into (see `zero2`); otherwise it holds every gradient.
+        let zero2 = self.windows.is_some();
+        let (shard, full) = grads.split_at_mut(if zero2 { self.opt_len } else { 0 });
+        let windows = self.windows.clone();
+        let (mut units, mut whole);
+        let grads: &mut dyn GradBuf<G> = match &windows {
+            Some(w) => {
+                units = w.view(full);
+                &mut units
+            }
+            None => {
+                whole = Whole(full);
+                &mut whole
+            }
+        };
         for mb in 0..self.cfg.data.grad_acc {
             self.loader.next_into(&mut self.tokens, &mut self.targets)?;
             let tf = Instant::now();
             self.pool.enter(step, mb, Running::Forward);
+            if let Some(w) = &windows {
+                w.clear(grads);
+            }
             let (acts, l) = self.model.forward_train_scaled(
                 k,
                 &mut self.pool,
@@ -471,22 +504,38 @@ impl Trainer {
             self.kernels.phase("forward", tf, step, mb);
             let tb = Instant::now();
             self.pool.enter(step, mb, Running::Backward);
+            let (pool, tokens) = (&mut self.pool, &self.tokens);
             match &mut self.dp {
-                // The last micro-batch's gradients are reduced as the backward finishes them.
-                Some(dp) if mb == last_mb => {
-                    let done = &mut |d: GradsDone, g: &mut [G]| {
+                // The last micro-batch's gradients are reduced as the backward finishes them;
+                // under ZeRO-2 every micro-batch's, since its windows are reused.
+                Some(dp) if mb == last_mb || zero2 => {
+                    let mut shard = zero2.then_some(&mut *shard);
+                    let done = &mut |d: GradsDone, g: &mut dyn GradBuf<G>| {
+                        let mut sums = Sums {
+                            grads: g,
+                            shard: shard.as_deref_mut(),
+                        };
                         for r in DataParallel::ranges(&d) {
-                            dp.add(g, r);
+                            dp.add(&mut sums, r);
+                        }
+                        // The layer window is copied into the buckets: ready for the next.
+                        if let (Some(w), GradsDone::Layer(..)) = (&windows, d) {
+                            w.clear_layer(sums.grads);
                         }
                     };
-                    let (pool, tokens) = (&mut self.pool, &self.tokens);
                     self.model
                         .backward_notify(k, pool, params, grads, acts, tokens, done);
-                    dp.finish(grads, unreported(&self.model.params))?;
+                    let mut sums = Sums {
+                        grads: &mut *grads,
+                        shard,
+                    };
+                    dp.finish(&mut sums, unreported(&self.model.params))?;
                 }
-                _ => self
-                    .model
-                    .backward(k, &mut self.pool, params, grads, acts, &self.tokens),
+                _ => {
+                    let done = &mut |_: GradsDone, _: &mut dyn GradBuf<G>| {};
+                    self.model
+                        .backward_notify(k, pool, params, grads, acts, tokens, done);
+                }
             }
             self.pool.enter(step, mb, Running::Idle);
             self.kernels.phase("backward", tb, step, mb);
@@ -504,15 +553,23 @@ impl Trainer {
             m: vec![0.0; n],
             v: vec![0.0; n],
         });
+        // The reduced gradient of each run the optimizer updates: under ZeRO-2 in the shard,
+        // else where the backward wrote it.
+        let grad_of = |r: &OptRun| -> &[G] {
+            match zero2 {
+                true => &shard[r.at..r.at + r.params.len()],
+                false => &grads[r.params.clone()],
+            }
+        };
         // Σg² of the scaled gradients: inf or NaN exactly when some gradient is (the check
-        // torch's GradScaler makes before unscaling). Under ZeRO-1 each rank holds the sums of
+        // torch's GradScaler makes before unscaling). Under ZeRO each rank holds the sums of
         // its shard only: the ranks add their parts.
         let sum_sq = match self.dp.as_mut().filter(|d| d.shard().is_some()) {
             Some(dp) => {
-                let part = self.runs.iter();
-                dp.sum_f64(part.map(|r| k.sum_squares(&grads[r.params.clone()])).sum())?
+                let part = self.runs.iter().map(|r| k.sum_squares(grad_of(r)));
+                dp.sum_f64(part.sum())?
             }
-            None => k.sum_squares(grads),
+            None => k.sum_squares(&grads[0..self.model.params.total]),
         };
         let unscale = 1.0 / loss_scale as f64;
         let grad_norm = sum_sq.sqrt() * unscale;
@@ -541,12 +598,12 @@ impl Trainer {
         } else {
             Rounding::Nearest
         };
-        for OptRun {
-            params: r,
-            at,
-            decay,
-        } in &self.runs
-        {
+        for run in &self.runs {
+            let OptRun {
+                params: r,
+                at,
+                decay,
+            } = run;
             let h = AdamWParams {
                 lr,
                 beta1: self.cfg.optimizer.beta1,
@@ -566,7 +623,7 @@ impl Trainer {
                 Some(master) => k.adamw_step(
                     h,
                     &mut master[s],
-                    &grads[r.clone()],
+                    grad_of(run),
                     m,
                     v,
                     Some((&mut params[r.clone()], rounding)),
@@ -574,7 +631,7 @@ impl Trainer {
                 None => {
                     let w = S::as_f32_mut(&mut params[r.clone()])
                         .expect("without master weights the weights are f32");
-                    k.adamw_step(h, w, &grads[r.clone()], m, v, None)
+                    k.adamw_step(h, w, grad_of(run), m, v, None)
                 }
             }
         }

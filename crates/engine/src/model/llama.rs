@@ -25,6 +25,7 @@
 use super::activations::{Activations, BatchShape, GradScratch, LayerActs, LossSum};
 use super::buffers::{Boundary, Buf, BufName, BufferPool};
 use super::config::LlamaConfig;
+use super::grad_buf::{GradBuf, Whole};
 use super::params::{LayerIdx, ParamTable};
 use super::recompute::{dropped, layer_tensors, Recompute};
 use super::stages::{GradsDone, HeadActs};
@@ -51,31 +52,19 @@ pub struct Llama {
     pub recompute: Recompute,
 }
 
-/// Mutable views of two disjoint ranges of one buffer (a weight grad and its bias grad).
-fn two_mut<T>(buf: &mut [T], a: Range<usize>, b: Range<usize>) -> (&mut [T], &mut [T]) {
-    assert!(a.end <= b.start || b.end <= a.start, "ranges overlap");
-    if a.start < b.start {
-        let (lo, hi) = buf.split_at_mut(b.start);
-        (&mut lo[a], &mut hi[..b.end - b.start])
-    } else {
-        let (lo, hi) = buf.split_at_mut(a.start);
-        (&mut hi[..a.end - a.start], &mut lo[b])
-    }
-}
-
 /// `matmul_backward_weight` with an optional bias grad living in the same flat buffer.
 fn weight_grad<S: Elem, G: Elem>(
     k: &dyn Kernels<S, G>,
     s: MatmulShape,
     dy: &[S],
     x: &[S],
-    grads: &mut [G],
+    grads: &mut dyn GradBuf<G>,
     w: &Range<usize>,
     b: &Option<Range<usize>>,
 ) {
     match b {
         Some(b) => {
-            let (dw, db) = two_mut(grads, w.clone(), b.clone());
+            let (dw, db) = grads.pair_mut(w.clone(), b.clone());
             k.matmul_backward_weight(s, dy, x, dw, Some(db));
         }
         None => k.matmul_backward_weight(s, dy, x, &mut grads[w.clone()], None),
@@ -429,7 +418,7 @@ impl Llama {
         params: &[S],
         final_input: &[S],
         targets: &[u32],
-        mut grad: Option<(&mut [G], f32)>,
+        mut grad: Option<(&mut dyn GradBuf<G>, f32)>,
     ) -> (Buf<f32>, Buf<S>, LossSum) {
         let (c, vocab) = (self.config.hidden, self.config.vocab);
         let n = targets.len();
@@ -506,11 +495,12 @@ impl Llama {
         targets: &[u32],
         num_target_tokens: usize,
     ) -> (Activations<S>, LossSum) {
+        assert_eq!(grads.len(), self.params.total, "grads buffer length");
         self.forward_train_scaled(
             k,
             pool,
             params,
-            grads,
+            &mut Whole(grads),
             batch,
             tokens,
             targets,
@@ -528,7 +518,7 @@ impl Llama {
         k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
         params: &[S],
-        grads: &mut [G],
+        grads: &mut dyn GradBuf<G>,
         batch: BatchShape,
         tokens: &[u32],
         targets: &[u32],
@@ -572,8 +562,9 @@ impl Llama {
         tokens: &[u32],
     ) {
         // Nobody listens for finished gradients.
-        let done = &mut |_: GradsDone, _: &mut [G]| {};
-        self.backward_notify(k, pool, params, grads, acts, tokens, done);
+        let done = &mut |_: GradsDone, _: &mut dyn GradBuf<G>| {};
+        assert_eq!(grads.len(), self.params.total, "grads buffer length");
+        self.backward_notify(k, pool, params, &mut Whole(grads), acts, tokens, done);
     }
 
     /// [`Llama::backward`], calling `done` with the gradients each time some of them are
@@ -585,13 +576,12 @@ impl Llama {
         k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
         params: &[S],
-        grads: &mut [G],
+        grads: &mut dyn GradBuf<G>,
         acts: Activations<S>,
         tokens: &[u32],
-        done: &mut dyn FnMut(GradsDone, &mut [G]),
+        done: &mut dyn FnMut(GradsDone, &mut dyn GradBuf<G>),
     ) {
         assert_eq!(tokens.len(), acts.batch.n(), "tokens must hold B·T ids");
-        assert_eq!(grads.len(), self.params.total, "grads buffer length");
         // The stages (`super::stages`) in order.
         let Activations {
             batch,
@@ -621,7 +611,7 @@ impl Llama {
         k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
         params: &[S],
-        grads: &mut [G],
+        grads: &mut dyn GradBuf<G>,
         i: usize,
         batch: BatchShape,
         a: LayerActs<S>,

@@ -3,6 +3,7 @@
 pub mod activations;
 pub mod buffers;
 pub mod config;
+pub mod grad_buf;
 pub mod llama;
 pub mod params;
 pub mod recompute;
@@ -11,6 +12,7 @@ pub mod stages;
 pub use activations::{Activations, BatchShape, LayerActs, LossSum};
 pub use buffers::{Boundary, Buf, BufName, BufferPool, HeapPool, PoolEvent, BUF_ALIGN};
 pub use config::{LlamaConfig, ModelError};
+pub use grad_buf::{GradBuf, Whole, Windows};
 pub use llama::{Llama, DEFAULT_CE_CHUNK_TOKENS};
 pub use params::{LayerIdx, ParamTable, TensorEntry};
 pub use recompute::Recompute;

@@ -10,6 +10,7 @@
 
 use super::activations::{BatchShape, GradScratch, LayerActs, LossSum};
 use super::buffers::{Buf, BufName, BufferPool};
+use super::grad_buf::GradBuf;
 use super::llama::Llama;
 use super::params::LayerIdx;
 use crate::dtype::Elem;
@@ -121,13 +122,12 @@ impl Llama {
         k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
         params: &[S],
-        grads: &mut [G],
+        grads: &mut dyn GradBuf<G>,
         x: Buf<S>,
         targets: &[u32],
         num_target_tokens: usize,
         loss_scale: f32,
     ) -> (HeadActs<S>, LossSum) {
-        assert_eq!(grads.len(), self.params.total, "grads buffer length");
         let scale = if num_target_tokens == 0 {
             0.0
         } else {
@@ -152,10 +152,10 @@ impl Llama {
         k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
         params: &[S],
-        grads: &mut [G],
+        grads: &mut dyn GradBuf<G>,
         head: HeadActs<S>,
         batch: BatchShape,
-        done: &mut dyn FnMut(GradsDone, &mut [G]),
+        done: &mut dyn FnMut(GradsDone, &mut dyn GradBuf<G>),
     ) -> BackwardState<S> {
         let n = batch.n();
         let g = BufName::Edge;
@@ -186,12 +186,12 @@ impl Llama {
         k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
         params: &[S],
-        grads: &mut [G],
+        grads: &mut dyn GradBuf<G>,
         batch: BatchShape,
         layers: Range<usize>,
         mut acts: Vec<LayerActs<S>>,
         state: &mut BackwardState<S>,
-        done: &mut dyn FnMut(GradsDone, &mut [G]),
+        done: &mut dyn FnMut(GradsDone, &mut dyn GradBuf<G>),
     ) {
         assert_eq!(
             acts.len(),
@@ -211,10 +211,10 @@ impl Llama {
         &self,
         k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
-        grads: &mut [G],
+        grads: &mut dyn GradBuf<G>,
         tokens: &[u32],
         state: BackwardState<S>,
-        done: &mut dyn FnMut(GradsDone, &mut [G]),
+        done: &mut dyn FnMut(GradsDone, &mut dyn GradBuf<G>),
     ) {
         let c = self.config.hidden;
         let range = self.params.embed.clone();
