@@ -129,7 +129,7 @@ fn bad_train_input_exits_nonzero_with_one_line() {
         ),
         (
             vec!["train", "--dp", "2", "--resume", "/nonexistent"],
-            "error: resume: a data-parallel run (--dp 2) cannot resume yet; resume with --dp 1",
+            "error: checkpoint /nonexistent: no trainer_state.json (not a ferrotron checkpoint directory)",
         ),
         (
             vec!["train", "--zero", "7"],

@@ -104,14 +104,15 @@ pub fn comm_buffers(
     // ferrotron's ZeRO-2 keeps full gradients only in three windows that the backward reuses:
     // the embedding's, the head's and one layer's (`crates/train/src/zero2.rs`); the head's
     // forward writes the LM head's gradient, so they exist from the first forward.
-    if ferrotron && l.zero == 2 && l.dense_replicas() > 1 {
+    // (With pipelining, ZeRO-2 keeps the stage's gradients unsharded over the step: states.rs.)
+    if ferrotron && l.zero == 2 && l.pp == 1 && l.dense_replicas() > 1 {
         let gt = if r.precision.fp32_grad_acc() {
             r.precision.engine_grads()
         } else {
             st
         };
         let n = units.embedding + units.head + units.layer;
-        add("zero2.grad_windows", gt, n, Category::Grads, true);
+        add("zero2.grad_windows", gt, n, cb, true);
     }
     let Some(m) = m else { return out };
     let d = Dims::new(r, l);

@@ -503,7 +503,7 @@ mod tests {
         let order = [0..7, 7..12, 12..21, 21..24];
         let layout = BucketLayout::new(&order, 8, 4);
         assert_eq!(layout.len, vec![8, 8, 8]);
-        assert_eq!(layout.pieces[1], vec![(7..8, 0), (8..12, 1), (12..15, 5)]);
+        assert_eq!(layout.pieces[1], vec![(8..12, 0), (12..16, 4)]);
         let mut seen = [0; 24];
         for rank in 0..4 {
             let s = Shard::new(&layout, rank, 4);

@@ -30,9 +30,13 @@ pub struct StepMetrics {
     /// largest of each over the ranks).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub rank_mem: Vec<RankMem>,
-    /// Data parallelism: bytes this rank put into gradient all-reduces this step.
+    /// Data parallelism: bytes this rank sent in its collectives this step (gradient
+    /// reductions, ZeRO's parameter all-gathers), as the ring algorithms send them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub comm_bytes: Option<u64>,
+    /// The planner's prediction of `comm_bytes` for this layout.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comm_bytes_planned: Option<u64>,
     /// The GEMM kernel the products ran on (`Gemm::describe`): results depend on it.
     #[serde(default)]
     pub gemm: String,

@@ -46,8 +46,6 @@ fn resume_config(args: &TrainArgs, saved: &TrainConfig) -> Result<TrainConfig> {
     }
     for (flag, given, saved_v) in [
         ("seq", args.seq, saved.data.seq),
-        ("mbs", args.mbs, saved.data.mbs),
-        ("grad_acc", args.grad_acc, saved.data.grad_acc),
         ("seed", args.seed, saved.data.seed),
     ] {
         if let Some(g) = given {
@@ -68,9 +66,27 @@ fn resume_config(args: &TrainArgs, saved: &TrainConfig) -> Result<TrainConfig> {
         c.optimizer.decay_steps = d;
     }
     c.optimizer.stop_after = args.stop_after;
-    // The layout stays the checkpoint's; a different one is refused as in a new run.
+    // The layout stays the checkpoint's unless the flags give another (the checkpoint holds
+    // every parameter's states, so it re-shards); the micro-batch size and accumulation may
+    // change with it, as long as every step still trains on the same sequences.
     if args.layout != ferrotron_plan::LayoutFlags::default() {
         c.parallel = crate::config::trainable_layout(&args.layout)?;
+    }
+    c.data.mbs = args.mbs.unwrap_or(c.data.mbs);
+    c.data.grad_acc = args.grad_acc.unwrap_or(c.data.grad_acc);
+    let per_step = |c: &TrainConfig| c.data.mbs * c.data.grad_acc * c.parallel.dp;
+    if per_step(&c) != per_step(saved) {
+        bail!(
+            "mbs = {}: with grad_acc = {} and dp = {} a step trains {} sequences, the checkpoint's {} (mbs {} × grad_acc {} × dp {}); a resumed run keeps the sequences per step",
+            c.data.mbs,
+            c.data.grad_acc,
+            c.parallel.dp,
+            per_step(&c),
+            per_step(saved),
+            saved.data.mbs,
+            saved.data.grad_acc,
+            saved.parallel.dp
+        );
     }
     if let Some(v) = args.threads {
         c.runtime.threads = v;
@@ -167,10 +183,13 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
     crate::heap::keep_freed_pages();
     // The `--config` file is read once, here; the ranks get the merged flags.
     let args = args.merged().map_err(anyhow::Error::msg)?;
-    let dp = crate::config::trainable_layout(&args.layout)?.dp as usize;
-    if dp > 1 && args.resume.is_some() {
-        bail!("resume: a data-parallel run (--dp {dp}) cannot resume yet; resume with --dp 1");
-    }
+    // A resumed run keeps the checkpoint's layout unless the flags give one.
+    // The checkpoint is read before any rank starts, so a bad one fails once.
+    let saved = args.resume.as_deref().map(checkpoint::open).transpose()?;
+    let dp = match saved {
+        Some(l) => resume_config(&args, &l.state.config)?.parallel.dp as usize,
+        None => crate::config::trainable_layout(&args.layout)?.dp as usize,
+    };
     if use_mpi(args.comm.unwrap_or(CommBackend::Auto), dp)? {
         #[cfg(feature = "mpi")]
         return run_mpi(args, dp);
@@ -320,7 +339,12 @@ fn run_rank(args: TrainArgs, ctx: Option<RankCtx>) -> Result<RunSummary> {
     // evaluate the same validation batches.
     let train_cfg = lcfg.clone().with_rank(rank, ranks);
     let loader = match &loaded {
-        Some(l) => Loader::from_state(train, &l.state.loader)?,
+        // The saved position of the global order, dealt to this rank of this layout.
+        Some(l) => {
+            let mut loader = Loader::new(train, train_cfg)?;
+            loader.restore_position(&l.state.loader)?;
+            loader
+        }
         None => Loader::new(train, train_cfg)?,
     };
     let val = match (val, cfg.observability.eval_interval) {
@@ -351,10 +375,7 @@ fn run_rank(args: TrainArgs, ctx: Option<RankCtx>) -> Result<RunSummary> {
         if let Some((opt, master)) =
             checkpoint::load_optimizer(&l.dir, t.params.len(), t.master.is_some())?
         {
-            t.opt = Some(opt);
-            if master.is_some() {
-                t.master = master;
-            }
+            t.set_states(opt, master);
         }
         if t.scaler.is_some() {
             t.scaler = l.state.loss_scaler.clone().or(t.scaler.take());
@@ -489,6 +510,14 @@ fn run_rank(args: TrainArgs, ctx: Option<RankCtx>) -> Result<RunSummary> {
         t.baseline as f64 / MIB,
         peak_rss().unwrap_or(0) as f64 / MIB
     );
+        if let Some(m) = steps.last().filter(|m| m.comm_bytes.is_some()) {
+            let mb = |b: Option<u64>| b.unwrap_or(0) as f64 / 1e6;
+            eprintln!(
+                "data parallel: {:.2} MB sent per rank in the last step, planned {:.2} MB",
+                mb(m.comm_bytes),
+                mb(m.comm_bytes_planned)
+            );
+        }
     }
     let sample = if cfg.observability.sample_tokens > 0 {
         let o = SampleOptions {

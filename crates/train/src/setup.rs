@@ -122,6 +122,18 @@ pub fn checked_plan(
     Ok(rank)
 }
 
+/// The planner's data-parallel communication per step and rank, in bytes as the ring
+/// algorithms send them (`ferrotron_plan::comm::bytes_per_rank`), for this run's layout. The
+/// byte count does not depend on the hardware, so any cluster serves for the estimate.
+pub fn planned_dp_bytes(spec: &ModelSpec, c: &TrainConfig, kernel_workspace: u64) -> Result<f64> {
+    use ferrotron_plan::cluster::{gpu, Cluster, Dim};
+    let input = plan_input(spec, c, kernel_workspace);
+    let cluster = Cluster::of(gpu("h100")?, 8)?;
+    let fc = ferrotron_plan::flops::FlopsConvention::Ferrotron;
+    let t = ferrotron_plan::time::estimate(&input, &cluster, fc)?;
+    Ok(t.map_or(0.0, |t| t.comm_of(Dim::Dp).bytes))
+}
+
 /// Train and validation token data: `--data DIR` of shards, or the bundled corpus tokenized into
 /// OUT_DIR/data on first use (reused afterwards when the tokenizer is the same).
 pub fn datasets(

@@ -11,7 +11,7 @@ use crate::loss_scale::{DynamicLossScaler, ScaleUpdate};
 use crate::lr::LrSchedule;
 use crate::metrics::{RankMem, StepMetrics};
 use crate::pool::{PlanPool, Point, Running, Sample, Timeline};
-use crate::setup::{checked_plan, recompute_flops_per_token};
+use crate::setup::{checked_plan, planned_dp_bytes, recompute_flops_per_token};
 use crate::trace::{Event, Tracing};
 use crate::weights::Flat;
 use crate::with_flat_types;
@@ -134,6 +134,8 @@ pub struct Trainer {
     trace_left: u64,
     /// This rank's part in data parallelism (`None`: one rank).
     pub dp: Option<DataParallel>,
+    /// The planner's data-parallel bytes per step and rank.
+    comm_planned: Option<u64>,
 }
 
 /// What one optimizer step did.
@@ -297,6 +299,10 @@ impl Trainer {
         let window_len = windows.as_ref().map_or(0, |w| w.len());
         let ws = kernel_workspace.max();
         let plan = checked_plan(&spec, &model, &cfg, ws, opt_len, window_len)?;
+        let comm_planned = match dp {
+            Some(_) => Some(planned_dp_bytes(&spec, &cfg, ws)?.round() as u64),
+            None => None,
+        };
         let (arena, placed) = Arena::of_plan(&plan.plan, model.config.layers)?;
         let (params, master) = if cfg.precision.kind.has_master() {
             let mut master = vec![0.0; opt_len];
@@ -334,6 +340,7 @@ impl Trainer {
             },
             trace_left,
             dp,
+            comm_planned,
             runs,
             opt_len,
             windows,
@@ -444,6 +451,7 @@ impl Trainer {
                 skipped: overflow.is_some(),
                 rank_mem,
                 comm_bytes,
+                comm_bytes_planned: self.comm_planned,
                 gemm: self.gemm.clone(),
             },
         })
@@ -729,6 +737,33 @@ impl Trainer {
             opt: AdamState { m, v },
             master,
         }))
+    }
+
+    /// Takes the optimizer states (and master weights) of every parameter, as a checkpoint
+    /// holds them; under ZeRO keeps this rank's shard of them.
+    pub fn set_states(&mut self, opt: AdamState, master: Option<Vec<f32>>) {
+        let shard = |full: &[f32]| -> Vec<f32> {
+            let mut out = vec![0.0; self.opt_len];
+            for r in &self.runs {
+                out[r.at..r.at + r.params.len()].copy_from_slice(&full[r.params.clone()]);
+            }
+            out
+        };
+        let sharded = self.dp.as_ref().is_some_and(|d| d.shard().is_some());
+        let (opt, master) = match sharded {
+            true => (
+                AdamState {
+                    m: shard(&opt.m),
+                    v: shard(&opt.v),
+                },
+                master.as_deref().map(shard),
+            ),
+            false => (opt, master),
+        };
+        self.opt = Some(opt);
+        if master.is_some() {
+            self.master = master;
+        }
     }
 
     /// Kernel workspace included in the plan (see `workspace`).

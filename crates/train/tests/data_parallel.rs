@@ -122,8 +122,8 @@ fn data_parallel_ranks_follow_the_one_rank_trajectory() {
                 "{what} plans {p1} B, the stage before {p0} B"
             );
             assert!(
-                rel(planned, measured) < 0.02,
-                "{what} saves {measured} B measured, {planned} B planned"
+                (planned - measured).abs() < 0.005 * p0 as f64,
+                "{what} saves {measured} B measured, {planned} B planned (peak {p0} B)"
             );
         }
     }
@@ -171,4 +171,56 @@ fn a_zero1_checkpoint_holds_every_parameters_optimizer_states() {
             "{name}: differs by {worst} (max {scale})"
         );
     }
+}
+
+#[test]
+fn a_run_resumes_on_another_layout_and_goes_on_along_the_same_trajectory() {
+    // Eight sequences a step throughout. Stopped after step 3 on dp 2 with ZeRO-1, resumed on
+    // dp 4 with ZeRO-2 and on one rank: steps 4–6 follow the uninterrupted dp 2 run.
+    let straight = tmp("resume-straight");
+    let (whole, _) = train_in(&straight, 2, 1, 2, 2, 6);
+    let first = tmp("resume-first");
+    let ck = first.join("checkpoint");
+    {
+        let _turn = ONE_RUN_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+        let mut a = tiny_args(&first, 6);
+        (a.mbs, a.grad_acc, a.stop_after) = (Some(2), Some(2), Some(3));
+        (a.layout.dp, a.layout.zero) = (Some(2), Some(1));
+        a.checkpoint_dir = Some(ck.clone());
+        assert_eq!(run(a).unwrap().steps.len(), 3);
+    }
+    for (dp, zero, mbs) in [(4, 2, 1), (1, 0, 4)] {
+        let _turn = ONE_RUN_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+        let out = tmp(&format!("resume-dp{dp}"));
+        let mut a = tiny_args(&out, 6);
+        (a.resume, a.data, a.model, a.warmup) = (Some(ck.clone()), None, None, None);
+        (a.mbs, a.grad_acc) = (Some(mbs), Some(2));
+        a.checkpoint_dir = Some(out.join("checkpoint"));
+        (a.layout.dp, a.layout.zero) = (Some(dp), Some(zero));
+        let rest = run(a).unwrap().steps;
+        assert_eq!(rest.len(), 3, "dp {dp}: steps 4 to 6");
+        for (x, y) in whole[3..].iter().zip(&rest) {
+            assert_eq!(x.step, y.step);
+            let what = format!("resumed on dp {dp} ZeRO-{zero}, step {}", y.step);
+            assert!(
+                rel(x.loss, y.loss) < 1e-5,
+                "{what}: loss {} vs {}",
+                x.loss,
+                y.loss
+            );
+            let (g, h) = (x.grad_norm, y.grad_norm);
+            assert!(rel(g, h) < 1e-5, "{what}: grad norm {g} vs {h}");
+            let ranks = if dp > 1 { dp as usize } else { 0 };
+            assert_eq!(y.rank_mem.len(), ranks, "{what}: one entry per rank");
+        }
+    }
+    // The sequences per step stay the checkpoint's.
+    let mut a = tiny_args(&tmp("resume-bad"), 6);
+    (a.resume, a.data, a.model, a.warmup) = (Some(ck), None, None, None);
+    (a.layout.dp, a.mbs, a.grad_acc) = (Some(4), Some(2), Some(2));
+    let e = run(a).unwrap_err().to_string();
+    assert_eq!(
+        e,
+        "mbs = 2: with grad_acc = 2 and dp = 4 a step trains 16 sequences, the checkpoint's 8 (mbs 2 × grad_acc 2 × dp 2); a resumed run keeps the sequences per step"
+    );
 }

@@ -342,6 +342,21 @@ impl Loader {
                 state.config, self.cfg
             )));
         }
+        self.restore_position(state)
+    }
+
+    /// Moves to the position in `state` of a loader over the same data with the same order
+    /// (sequence length and seed) but possibly another layout: another rank, number of ranks or
+    /// micro-batch size. The cursor counts windows of the global order, so a run resumed on
+    /// another data-parallel layout with the same windows per step goes on where it stopped.
+    pub fn restore_position(&mut self, state: &LoaderState) -> Result<()> {
+        let (a, b) = (&state.config, &self.cfg);
+        if (a.seq_len, a.seed) != (b.seq_len, b.seed) {
+            return Err(DataError::StateMismatch(format!(
+                "saved with seq_len {} and seed {}, this loader has seq_len {} and seed {}",
+                a.seq_len, a.seed, b.seq_len, b.seed
+            )));
+        }
         if state.dataset_fingerprint != self.data.fingerprint() || state.windows != self.index.total
         {
             return Err(DataError::StateMismatch(format!(
