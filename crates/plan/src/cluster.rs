@@ -59,6 +59,10 @@ pub struct Gpu {
     /// Best measured matmul throughput as a fraction of peak [MAMF], bf16 and fp8.
     pub mamf_bf16: f64,
     pub mamf_fp8: f64,
+    /// Forward + backward throughput of the flash-attention kernel as a fraction of the bf16
+    /// peak, from attention kernel benchmarks ([FA2]); `None` where none is published (the
+    /// matmul efficiency is used instead).
+    pub attention: Option<f64>,
     /// The inter-node network this kind usually ships with (a `NETWORKS` name).
     pub default_network: String,
 }
@@ -108,7 +112,25 @@ fn gpu_row(
         link_latency: link_latency_us * 1e-6,
         mamf_bf16: mamf.0,
         mamf_fp8: mamf.1,
+        attention: attention_fraction(name),
         default_network: network.into(),
+    }
+}
+
+/// Flash-attention (FA2, the kernel PyTorch's SDPA, llm-foundry and torchtitan run) forward +
+/// backward throughput as a fraction of the bf16 peak, from kernel benchmarks only [FA2]:
+/// - A100: "reaching 50-73% of the theoretical maximum FLOPs/s on A100" (Dao 2023, arXiv
+///   2307.08691, abstract; the range spans causal/non-causal, head dim 64/128, seq 512–16k,
+///   forward and backward): the midpoint, 61.5%.
+/// - H100 and H200 (same SMs and clocks): "FlashAttention-2 achieving only 35% utilization on
+///   the H100 GPU" (Shah et al. 2024, FlashAttention-3, arXiv 2407.08608, abstract; Dao 2023
+///   §4.1: "up to 335 TFLOPs/s" on H100, 33.9%): 35%. H100 PCIe: the same kernel, assumed 35%.
+/// - B200, MI300X, L40S, RTX 4090: no published attention-kernel fraction found; `None`.
+fn attention_fraction(name: &str) -> Option<f64> {
+    match name {
+        "a100-40" | "a100-80" => Some(0.615),
+        "h100" | "h100-pcie" | "h200" => Some(0.35),
+        _ => None,
     }
 }
 
@@ -370,6 +392,9 @@ pub struct CustomGpu {
     pub link_gb_s: f64,
     /// Best achievable matmul fraction of peak (measure it with a MAMF finder) [default 0.8].
     pub matmul_efficiency: Option<f64>,
+    /// Flash-attention forward + backward fraction of the bf16 peak [default: the matmul
+    /// efficiency model's].
+    pub attention_efficiency: Option<f64>,
 }
 
 /// A user cluster file (TOML or JSON): a built-in GPU kind or a custom one, GPUs per node,
@@ -449,6 +474,10 @@ impl CustomGpu {
             link_latency: 3.4e-6,
             mamf_bf16: eff,
             mamf_fp8: eff,
+            attention: self
+                .attention_efficiency
+                .map(|a| fraction("custom_gpu.attention_efficiency", a))
+                .transpose()?,
             default_network: "ib-ndr".into(),
         })
     }
@@ -582,7 +611,32 @@ pub fn replica_group(l: &Layout, gpus_per_node: u64) -> Group {
     }
 }
 
+impl Group {
+    /// Members of the group in one node of `gpus_per_node` GPUs: consecutive members are
+    /// `stride` ranks apart, so a node holds ⌊G / stride⌋ of them (at least one, at most all).
+    pub fn members_per_node(&self, gpus_per_node: u64) -> u64 {
+        (gpus_per_node / self.stride.max(1)).clamp(1, self.size.max(1))
+    }
+}
+
 impl Cluster {
+    /// The link a data-parallel ring (gradient reductions, ZeRO gathers) runs over. Inside a
+    /// node, as `link`. Across nodes NCCL runs one ring per network card concurrently, each
+    /// entering a node through one card, passing the node's members over NVLink and leaving
+    /// through a card (S. Jeaugey, NVIDIA/nccl#412: "NCCL is able to aggregate the bandwidth of
+    /// multiple NICs"; NVIDIA/nccl#652: with 4 NICs "performance should add up as you add
+    /// more"). A group with k members per node therefore drives k cards of `network.bw` each,
+    /// bounded by the NVLink bandwidth that carries the whole ring: bw = min(intra, k · nic).
+    /// One member per node (tensor parallelism filling the node) gets one card, as `link`.
+    pub fn ring_link(&self, g: &Group) -> Link {
+        let mut link = self.link(g);
+        if g.crosses_nodes {
+            let k = g.members_per_node(self.gpus_per_node) as f64;
+            link.bw = (self.network.bw * k).min(self.intra_bw) * self.link_efficiency;
+        }
+        link
+    }
+
     /// The link a group's collectives run over: NVLink-class inside a node, the network
     /// otherwise (its bandwidth per GPU bounds a ring that crosses nodes).
     pub fn link(&self, g: &Group) -> Link {

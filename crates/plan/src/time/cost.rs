@@ -66,6 +66,11 @@ pub struct Efficiency {
     pub peak_flops: f64,
     /// e_mm = MAMF × KERNEL_MIX.
     pub matmul: f64,
+    /// Flash attention's FLOP/s (forward + backward) on this GPU: the bf16 peak times the
+    /// attention-kernel fraction of `cluster.rs` [FA2], or the matmul rate where none is
+    /// published. Attention runs in bf16 under fp8 recipes (fp8 covers the linear layers in
+    /// Transformer Engine and torchao's float8 training).
+    pub attention_flops: f64,
     /// e_mem.
     pub memory: f64,
     pub hbm_bw: f64,
@@ -77,6 +82,10 @@ impl Efficiency {
         Efficiency {
             peak_flops: c.gpu.peak_flops(p),
             matmul: c.gpu.mamf(p) * KERNEL_MIX,
+            attention_flops: match c.gpu.attention {
+                Some(a) if p != Precision::Fp32 => c.gpu.bf16_flops * a,
+                _ => c.gpu.peak_flops(p) * c.gpu.mamf(p) * KERNEL_MIX,
+            },
             memory: MEMORY_EFFICIENCY,
             hbm_bw: c.gpu.hbm_bw,
             sms: c.gpu.sms.max(1),
@@ -119,7 +128,7 @@ impl Efficiency {
 
     pub(super) fn attention(&self, flops: f64) -> Cost {
         Cost {
-            attention_s: flops / (self.peak_flops * self.matmul),
+            attention_s: flops / self.attention_flops,
             flops,
             ..Cost::default()
         }

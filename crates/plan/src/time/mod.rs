@@ -146,15 +146,17 @@ pub fn estimate_with(
 
     // Data parallelism and ZeRO, per stage: what remains after the pipeline drains.
     let rg = replica_group(l, cluster.gpus_per_node);
-    let dp_link = cluster.link(&rg);
+    let dp_link = cluster.ring_link(&rg);
     let mut eg = rg;
     eg.size = l.cp * l.dp;
+    // Expert replicas: cp members are tp apart, dp members tp·cp·ep apart.
+    eg.stride = if l.cp > 1 { l.tp } else { l.tp * l.ep };
     eg.crosses_nodes = l.dp * l.cp > 1
         && (l.tp * l.cp * l.ep * l.dp > cluster.gpus_per_node
             || !cluster
                 .gpus_per_node
                 .is_multiple_of(l.tp * l.cp * l.ep * l.dp));
-    let ep_dp_link = cluster.link(&eg);
+    let ep_dp_link = cluster.ring_link(&eg);
     let grad_bytes = if x.convention == Convention::Megatron || r.precision.fp32_grad_acc() {
         4.0
     } else {
