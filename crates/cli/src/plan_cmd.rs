@@ -114,6 +114,10 @@ pub struct PlanArgs {
     /// latencies (see configs/cluster-example.toml). --gpu and --gpus-per-node win over it.
     #[arg(long)]
     pub cluster: Option<PathBuf>,
+    /// Fused attention kernel the framework runs, for the time model: flash2 (PyTorch SDPA,
+    /// flash-attn 2) | triton (flash_attn_triton) [default: flash2, or the cluster file's].
+    #[arg(long, allow_negative_numbers = true)]
+    pub attention: Option<String>,
     /// FLOPs convention for MFU: ferrotron | torchtitan | nanotron | megatron | 6n
     /// [default: ferrotron].
     #[arg(long, allow_negative_numbers = true)]
@@ -170,7 +174,7 @@ impl PlanArgs {
             toml::from_str(&text).map_err(|e| anyhow::anyhow!(toml_error(&path, &text, &e)))?;
         merge!(self, file; model, params, seq, max_seq, mbs, grad_acc, gbs, precision, optimizer, recompute,
             dp, tp, pp, cp, ep, zero, sp, pp_schedule, pp_virtual, pp_layers, offload, gpu, gpus_per_node,
-            cluster, flops_convention, convention, overhead_gib, fragmentation, ce_chunk,
+            cluster, attention, flops_convention, convention, overhead_gib, fragmentation, ce_chunk,
             bucket_mb, html);
         Ok(self)
     }
@@ -240,6 +244,7 @@ pub fn input_from(a: &PlanArgs) -> Result<Resolved> {
         gpu: a.gpu.clone(),
         gpus_per_node: a.gpus_per_node,
         cluster: a.cluster.as_deref().map(load_cluster).transpose()?,
+        attention: a.attention.clone(),
         flops_convention: a.flops_convention.clone(),
         convention: a.convention.clone(),
         overhead_gib: a.overhead_gib,

@@ -24,6 +24,9 @@ pub struct SearchArgs {
     /// Cluster file (TOML); --gpu and --gpus-per-node win over it.
     #[arg(long)]
     pub cluster: Option<PathBuf>,
+    /// Fused attention kernel for the time model: flash2 | triton [default: flash2].
+    #[arg(long, allow_negative_numbers = true)]
+    pub attention: Option<String>,
     /// Sequence length [default: min(4096, model max positions)].
     #[arg(long, allow_negative_numbers = true)]
     pub seq: Option<u64>,
@@ -157,6 +160,7 @@ pub fn run(a: SearchArgs) -> Result<()> {
         gpu: a.gpu.clone(),
         gpus_per_node: a.gpus_per_node,
         cluster: a.cluster.as_deref().map(load_cluster).transpose()?,
+        attention: a.attention.clone(),
         seq: a.seq,
         max_seq: a.max_seq,
         gbs_tokens: a.gbs_tokens,

@@ -65,6 +65,8 @@ pub struct Settings {
     pub gpu: Option<String>,
     pub gpus_per_node: Option<u64>,
     pub cluster: Option<ClusterFile>,
+    /// The fused attention kernel (flash2, triton); wins over the cluster file's.
+    pub attention: Option<String>,
     pub flops_convention: Option<String>,
     pub convention: Option<String>,
     pub overhead_gib: Option<f64>,
@@ -225,13 +227,17 @@ impl Settings {
     /// The cluster: a cluster file (flags `gpu` and `gpus_per_node` win over it) or a GPU kind
     /// in nodes of `gpus_per_node` [default h100, 8 per node].
     pub fn cluster(&self) -> Result<Cluster> {
-        match &self.cluster {
-            Some(f) => f.resolve(self.gpu.as_deref(), self.gpus_per_node),
+        let mut c = match &self.cluster {
+            Some(f) => f.resolve(self.gpu.as_deref(), self.gpus_per_node)?,
             None => Cluster::of(
                 gpu(self.gpu.as_deref().unwrap_or("h100"))?,
                 positive("gpus_per_node", self.gpus_per_node, 8)?,
-            ),
+            )?,
+        };
+        if let Some(k) = &self.attention {
+            c.attention_kernel = k.parse()?;
         }
+        Ok(c)
     }
 
     /// Builds the planner input. `model` is a model the caller already loaded (the CLI reads
@@ -421,6 +427,8 @@ pub struct SearchSettings {
     pub gpu: Option<String>,
     pub gpus_per_node: Option<u64>,
     pub cluster: Option<ClusterFile>,
+    /// The fused attention kernel (see [`Settings::attention`]).
+    pub attention: Option<String>,
     pub seq: Option<u64>,
     pub gbs_tokens: Option<u64>,
     pub precision: Option<String>,
@@ -497,6 +505,7 @@ impl SearchSettings {
             gpu: self.gpu.clone(),
             gpus_per_node: self.gpus_per_node,
             cluster: self.cluster.clone(),
+            attention: self.attention.clone(),
             ..Settings::default()
         }
         .cluster()?;

@@ -25,6 +25,7 @@
 //! - [NCCL]: NCCL `src/graph/tuning.cc` latency model: ring/simple per-hop latency 3.4 µs over
 //!   NVLink, 5.7 µs over PCIe, 9.6 µs over the network.
 
+use crate::attention_kernel::AttentionKernel;
 use crate::error::{PlanError, Result};
 use crate::layout::Layout;
 use crate::recipe::Precision;
@@ -59,10 +60,14 @@ pub struct Gpu {
     /// Best measured matmul throughput as a fraction of peak [MAMF], bf16 and fp8.
     pub mamf_bf16: f64,
     pub mamf_fp8: f64,
-    /// Forward + backward throughput of the flash-attention kernel as a fraction of the bf16
-    /// peak, from attention kernel benchmarks ([FA2]); `None` where none is published (the
-    /// matmul efficiency is used instead).
+    /// FlashAttention-2's forward + backward throughput as a fraction of the bf16 peak, from
+    /// attention kernel benchmarks (`attention_kernel.rs`); `None` where none is published
+    /// (the matmul efficiency is used instead).
     pub attention: Option<f64>,
+    /// Sustained over burst tensor-core throughput ([MSMF] / [MAMF] measured on the same GPU
+    /// and software), bf16 and fp8: the clock a saturated chip settles at under its power
+    /// limit, as a training step keeps it. `None` where not measured (1.0 is used).
+    pub sustained: Option<(f64, f64)>,
     /// The inter-node network this kind usually ships with (a `NETWORKS` name).
     pub default_network: String,
 }
@@ -82,6 +87,16 @@ impl Gpu {
         match p {
             Precision::Fp8 if self.fp8_flops > 0.0 => self.mamf_fp8,
             _ => self.mamf_bf16,
+        }
+    }
+
+    /// Sustained over burst throughput of the tensor cores for a precision [MSMF] (1 where
+    /// not measured).
+    pub fn sustained(&self, p: Precision) -> f64 {
+        match (self.sustained, p) {
+            (Some((_, fp8)), Precision::Fp8) if self.fp8_flops > 0.0 => fp8,
+            (Some((bf16, _)), _) => bf16,
+            (None, _) => 1.0,
         }
     }
 }
@@ -112,24 +127,23 @@ fn gpu_row(
         link_latency: link_latency_us * 1e-6,
         mamf_bf16: mamf.0,
         mamf_fp8: mamf.1,
-        attention: attention_fraction(name),
+        attention: AttentionKernel::flash2_fraction(name),
+        sustained: sustained_ratio(name),
         default_network: network.into(),
     }
 }
 
-/// Flash-attention (FA2, the kernel PyTorch's SDPA, llm-foundry and torchtitan run) forward +
-/// backward throughput as a fraction of the bf16 peak, from kernel benchmarks only [FA2]:
-/// - A100: "reaching 50-73% of the theoretical maximum FLOPs/s on A100" (Dao 2023, arXiv
-///   2307.08691, abstract; the range spans causal/non-causal, head dim 64/128, seq 512–16k,
-///   forward and backward): the midpoint, 61.5%.
-/// - H100 and H200 (same SMs and clocks): "FlashAttention-2 achieving only 35% utilization on
-///   the H100 GPU" (Shah et al. 2024, FlashAttention-3, arXiv 2407.08608, abstract; Dao 2023
-///   §4.1: "up to 335 TFLOPs/s" on H100, 33.9%): 35%. H100 PCIe: the same kernel, assumed 35%.
-/// - B200, MI300X, L40S, RTX 4090: no published attention-kernel fraction found; `None`.
-fn attention_fraction(name: &str) -> Option<f64> {
+/// [MSMF] / [MAMF] from the same `mamf-finder.py --search auto` run (stas00/ml-engineering,
+/// compute/accelerator/README.md at commit 082816f9be8aeb6b65b074c33cb354a7ca1e7087, "MAMF vs
+/// MSMF": "for training-throughput reasoning use MSMF (the sustained, power-saturated number)"):
+/// H200 SXM bf16 708.5 / 841.9 (1465 MHz saturated vs 1980 MHz boost), fp8 1288.7 / 1491.9;
+/// B200 SXM bf16 1456.3 / 1770.9, fp8 2795.7 / 3435.2. H100 SXM: the H200's chip at the same
+/// 700 W ("H200 is the same" in the MAMF table), so its ratios. Not measured for A100 (whose
+/// sustained clock the kernel-mix constant absorbs, see `time/cost.rs`) and the others.
+fn sustained_ratio(name: &str) -> Option<(f64, f64)> {
     match name {
-        "a100-40" | "a100-80" => Some(0.615),
-        "h100" | "h100-pcie" | "h200" => Some(0.35),
+        "h100" | "h200" => Some((708.5 / 841.9, 1288.7 / 1491.9)),
+        "b200" => Some((1456.3 / 1770.9, 2795.7 / 3435.2)),
         _ => None,
     }
 }
@@ -339,6 +353,8 @@ pub struct Cluster {
     pub network: Network,
     /// Fraction of raw link bandwidth collectives achieve.
     pub link_efficiency: f64,
+    /// The fused attention kernel the framework runs on these GPUs.
+    pub attention_kernel: AttentionKernel,
 }
 
 impl Cluster {
@@ -360,6 +376,7 @@ impl Cluster {
             gpus_per_node,
             network,
             link_efficiency: LINK_EFFICIENCY,
+            attention_kernel: AttentionKernel::default(),
         })
     }
 
@@ -416,6 +433,8 @@ pub struct ClusterFile {
     pub inter_node_latency_us: Option<f64>,
     /// Fraction of link bandwidth collectives achieve [default 0.8].
     pub link_efficiency: Option<f64>,
+    /// The fused attention kernel: flash2 or triton [default flash2].
+    pub attention_kernel: Option<String>,
 }
 
 fn positive(field: &str, v: f64) -> Result<f64> {
@@ -478,6 +497,8 @@ impl CustomGpu {
                 .attention_efficiency
                 .map(|a| fraction("custom_gpu.attention_efficiency", a))
                 .transpose()?,
+            // A measured matmul_efficiency is what the user's own GPU sustains.
+            sustained: None,
             default_network: "ib-ndr".into(),
         })
     }
@@ -525,6 +546,9 @@ impl ClusterFile {
         }
         if let Some(e) = self.link_efficiency {
             c.link_efficiency = fraction("link_efficiency", e)?;
+        }
+        if let Some(k) = &self.attention_kernel {
+            c.attention_kernel = k.parse()?;
         }
         Ok(c)
     }

@@ -7,6 +7,7 @@
 pub mod activations;
 pub mod api;
 pub mod arena;
+pub mod attention_kernel;
 pub mod buffers;
 pub mod cluster;
 pub mod comm;
@@ -31,6 +32,7 @@ pub mod time;
 pub mod timeline;
 pub mod verdict;
 
+pub use attention_kernel::AttentionKernel;
 pub use cluster::Cluster;
 pub use convention::Convention;
 pub use error::{PlanError, Result};

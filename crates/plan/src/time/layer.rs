@@ -202,10 +202,11 @@ fn one_layer_cost(tm: &TimeModel, x: &PlanInput, e: &Efficiency, layer: u64) -> 
         // scores (5 matmuls against the forward's 2: Dao 2023, FlashAttention-2, §3.1–3.2).
         // QKᵀ over d and AV over dv (MLA: 192 and 128).
         let fwd = 2.0 * nf * r.seq as f64 * (a_l * (d + dv)) as f64 / 2.0;
-        out.fwd += e.attention(fwd);
-        out.bwd += e.attention(2.5 * fwd);
-        out.attn_fwd_s = e.attention(fwd).s();
-        out.attn_bwd_s = e.attention(2.5 * fwd).s();
+        let (af, ab) = e.attention(fwd);
+        out.fwd += af;
+        out.bwd += ab;
+        out.attn_fwd_s = af.s();
+        out.attn_bwd_s = ab.s();
     }
 
     // Elementwise kernels. Residual-stream tensors are sharded by sequence parallelism.
