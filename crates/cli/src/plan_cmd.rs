@@ -102,8 +102,8 @@ pub struct PlanArgs {
     /// none | optimizer | params.
     #[arg(long, allow_negative_numbers = true)]
     pub offload: Option<String>,
-    /// GPU kind for the verdict and the time model (h100, h200, a100-40, a100-80, b200, mi300x,
-    /// h100-pcie, l40s, rtx4090) [default: h100].
+    /// GPU kind for the verdict and the time model (h100, h100-96, h200, a100-40, a100-80, b200,
+    /// mi300x, h100-pcie, l40s, rtx4090) [default: h100].
     #[arg(long, allow_negative_numbers = true)]
     pub gpu: Option<String>,
     /// GPUs per node: groups that fit in a node use its links, larger ones the network
@@ -122,7 +122,8 @@ pub struct PlanArgs {
     /// [default: ferrotron].
     #[arg(long, allow_negative_numbers = true)]
     pub flops_convention: Option<String>,
-    /// ferrotron | megatron | zero-paper | playbook [default: ferrotron].
+    /// Memory and kernel accounting: ferrotron | megatron | zero-paper | playbook | torchtitan
+    /// [default: ferrotron].
     #[arg(long, allow_negative_numbers = true)]
     pub convention: Option<String>,
     /// Runtime context per rank in GiB [default: 1.0].

@@ -51,7 +51,7 @@ impl AttentionKernel {
     pub fn flash2_fraction(gpu: &str) -> Option<f64> {
         match gpu {
             "a100-40" | "a100-80" => Some(0.615),
-            "h100" | "h100-pcie" | "h200" => Some(0.35),
+            "h100" | "h100-96" | "h100-pcie" | "h200" => Some(0.35),
             _ => None,
         }
     }

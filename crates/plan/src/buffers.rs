@@ -66,6 +66,11 @@ pub fn comm_buffers(
     if (l.zero >= 3 && l.pp == 1) || l.offload == Offload::Params {
         add("zero3.gathered_params", st, 2 * unit, cb, true);
         add("zero3.unsharded_grads", st, unit, cb, false);
+        // FSDP2 with `reduce_dtype` float32 copies a unit's bf16 gradients into an fp32
+        // reduce-scatter input (torchtitan's mixed precision policy).
+        if conv == Convention::Torchtitan && r.precision.has_master() {
+            add("fsdp2.reduce_scatter_fp32", DType::F32, unit, cb, false);
+        }
     }
     // ZeRO-2 reduce-scatters gradients bucket by bucket; two buckets in flight overlap
     // communication with the backward (PyTorch DDP's default bucket_cap_mb = 25).

@@ -9,6 +9,11 @@
 //!   67 TF, HBM3 3.35 TB/s, NVLink 4 900 GB/s; PCIe BF16 756 TF, FP8 1,513 TF, FP32 51 TF,
 //!   HBM2e 2.0 TB/s, PCIe Gen5 128 GB/s; 132 SMs (SXM), 114 SMs (PCIe).
 //! - [H200]: NVIDIA H200 datasheet (2024): H100 SXM compute, 141 GB HBM3e at 4.8 TB/s.
+//! - [H100-96]: pytorch/torchtitan `benchmarks/llama3_h100_202412_torchtitan.md`: the Grand
+//!   Teton H100 "equipped with 96GB HBM2e with 2.4 TB/sec peak memory bandwidth", 8 per host
+//!   on NVLink, "400 Gb/s per GPU", "the default 500W power limit"; its peak is taken as the
+//!   SXM's ("we use the peak number of SXM directly"). The sustained clock under the 500 W
+//!   limit is not measured: the 700 W part's MSMF ratio is used, an optimistic assumption.
 //! - [B200]: NVIDIA DGX B200 datasheet (2024): 8 GPUs, 72 PF FP8 training (sparse), 1,440 GB
 //!   HBM3e at 64 TB/s, NVLink 5 1.8 TB/s per GPU; per GPU dense BF16 2.25 PF, FP8 4.5 PF,
 //!   FP32 75 TF; 148 SMs.
@@ -142,7 +147,7 @@ fn gpu_row(
 /// sustained clock the kernel-mix constant absorbs, see `time/cost.rs`) and the others.
 fn sustained_ratio(name: &str) -> Option<(f64, f64)> {
     match name {
-        "h100" | "h200" => Some((708.5 / 841.9, 1288.7 / 1491.9)),
+        "h100" | "h100-96" | "h200" => Some((708.5 / 841.9, 1288.7 / 1491.9)),
         "b200" => Some((1456.3 / 1770.9, 2795.7 / 3435.2)),
         _ => None,
     }
@@ -185,6 +190,18 @@ pub fn gpus() -> Vec<Gpu> {
             "H100 SXM 80 GB (nvidia-smi 81559 MiB) [H100]",
             (989.4, 1978.9, 66.9),
             3350.0,
+            132,
+            450.0,
+            3.4,
+            (0.803, 0.709),
+            "ib-ndr",
+        ),
+        gpu_row(
+            "h100-96",
+            96 * GIB,
+            "H100 SXM 96 GB HBM2e, 500 W power limit (Meta Grand Teton; vendor capacity) [H100-96]",
+            (989.4, 1978.9, 66.9),
+            2400.0,
             132,
             450.0,
             3.4,

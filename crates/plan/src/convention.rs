@@ -20,15 +20,35 @@ pub enum Convention {
     /// The Ultra-Scale Playbook (Tazi et al., Hugging Face 2025): 16 B/param (20 with fp32
     /// gradient accumulation) and L·s·b·h·(34 + 5·a·s/h) activations.
     Playbook,
+    /// torchtitan (pytorch/torchtitan) on FSDP2: fp32 sharded parameters (the optimizer's),
+    /// fp32 gradients (`reduce_dtype` float32), bf16 gathers; the model's own tensors with
+    /// SDPA flash attention; full fp32 logits; selective recomputation is its op-level policy
+    /// (`sac.rs`).
+    Torchtitan,
 }
 
 impl Convention {
+    pub const ALL: [Convention; 5] = [
+        Convention::Ferrotron,
+        Convention::Megatron,
+        Convention::ZeroPaper,
+        Convention::Playbook,
+        Convention::Torchtitan,
+    ];
+
+    /// Whether layer activations are the model's own tensors (the tensor table) with a fused
+    /// flash-attention kernel, rather than a published per-layer formula over unfused attention.
+    pub fn fused_attention(self) -> bool {
+        matches!(self, Convention::Ferrotron | Convention::Torchtitan)
+    }
+
     pub fn describe(self) -> &'static str {
         match self {
             Convention::Ferrotron => "ferrotron engine (named buffer inventory, flash attention, chunked CE)",
             Convention::Megatron => "Megatron / Korthikanti et al. 2022, Table 2 (16-bit activations; 18 B/param states)",
             Convention::ZeroPaper => "ZeRO paper, Rajbhandari et al. 2020: (2+2+K)Ψ, K = 12; activations as the playbook",
             Convention::Playbook => "Ultra-Scale Playbook: 16/20 B/param; L·s·b·h·(34 + 5as/h) activations",
+            Convention::Torchtitan => "torchtitan on FSDP2: fp32 params and grads, bf16 gathers, SDPA flash attention, fp32 logits, op-level selective checkpointing",
         }
     }
 }
@@ -36,17 +56,16 @@ impl Convention {
 impl FromStr for Convention {
     type Err = PlanError;
     fn from_str(s: &str) -> Result<Self, PlanError> {
-        match s {
-            "ferrotron" => Ok(Convention::Ferrotron),
-            "megatron" => Ok(Convention::Megatron),
-            "zero-paper" => Ok(Convention::ZeroPaper),
-            "playbook" => Ok(Convention::Playbook),
-            _ => Err(PlanError::setting(
-                "convention",
-                s,
-                "expected one of ferrotron, megatron, zero-paper, playbook",
-            )),
-        }
+        Convention::ALL
+            .into_iter()
+            .find(|c| c.to_string() == s)
+            .ok_or_else(|| {
+                PlanError::setting(
+                    "convention",
+                    s,
+                    "expected one of ferrotron, megatron, zero-paper, playbook, torchtitan",
+                )
+            })
     }
 }
 
@@ -57,6 +76,7 @@ impl fmt::Display for Convention {
             Convention::Megatron => "megatron",
             Convention::ZeroPaper => "zero-paper",
             Convention::Playbook => "playbook",
+            Convention::Torchtitan => "torchtitan",
         })
     }
 }

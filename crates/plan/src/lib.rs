@@ -5,6 +5,7 @@
 //! breakdowns and timelines off it. See docs/FORMULAS.md for every formula and its source.
 
 pub mod activations;
+pub mod allocator;
 pub mod api;
 pub mod arena;
 pub mod attention_kernel;
@@ -24,6 +25,7 @@ pub mod planner;
 pub mod presets;
 pub mod recipe;
 pub mod report;
+pub mod sac;
 pub mod schedule;
 pub mod search;
 pub mod states;

@@ -64,6 +64,15 @@ pub struct PlanResult {
     pub most_loaded: usize,
 }
 
+impl RankPlan {
+    /// What PyTorch's caching allocator reserves at its peak running this rank's program
+    /// (`allocator.rs`): the allocated peak plus the allocator's rounding and fragmentation,
+    /// without the runtime context. Replayed on demand (the layout search never needs it).
+    pub fn reserved(&self) -> u64 {
+        crate::allocator::reserved_peak(&self.plan)
+    }
+}
+
 impl PlanResult {
     pub fn worst(&self) -> &RankPlan {
         &self.ranks[self.most_loaded]
@@ -205,6 +214,7 @@ struct EdgeIds {
     head: Vec<BufId>,
     loss: Vec<BufId>,
     scratch_first: Vec<BufId>,
+    head_backward: Vec<BufId>,
     scratch_rest: Vec<BufId>,
 }
 
@@ -269,9 +279,10 @@ fn rank_plan(
     // Recompute workspace of each layer kind (dense MLP, MoE MLP), rebuilt during a layer's
     // backward.
     let mut recompute_ids: [Vec<BufId>; 2] = Default::default();
-    // What a layer's forward holds transiently: under the ferrotron convention the tensors the
-    // policy drops are computed into the same `recompute.*` workspace during the forward and
-    // freed once the layer's output exists (the formula conventions count only what is kept).
+    // What a layer's forward holds transiently: under the tensor conventions (ferrotron,
+    // torchtitan) the tensors the policy drops are computed into the same `recompute.*`
+    // workspace during the forward and freed once the layer's output exists (the formula
+    // conventions count only what is kept).
     let mut forward_transient: [Vec<BufId>; 2] = Default::default();
     let mut kind = vec![];
     let mut e = EdgeIds::default();
@@ -309,7 +320,7 @@ fn rank_plan(
                 recompute_ids[k] = add_acts(&mut plan, &prefix, &kinds[k].recompute);
             }
         }
-        if conv == Convention::Ferrotron {
+        if conv.fused_attention() {
             forward_transient = recompute_ids.clone();
         }
         let edge = edge_acts(m, r, l, conv);
@@ -328,6 +339,7 @@ fn rank_plan(
             e.final_input = add_acts(&mut plan, "", &fin);
             e.head = add_acts(&mut plan, "", &head);
             e.loss = add_acts(&mut plan, "", &edge.loss_transient);
+            e.head_backward = add_acts(&mut plan, "", &edge.head_backward);
         }
         e.scratch_first = add_acts(&mut plan, "", &edge.scratch_first);
         e.scratch_rest = add_acts(&mut plan, "", &edge.scratch_rest);
@@ -416,6 +428,8 @@ fn rank_plan(
                     let g = chunk * l.pp + stage;
                     plan.alloc(&e.scratch_first);
                     if g == chunks - 1 {
+                        plan.alloc(&e.head_backward);
+                        plan.free(&e.head_backward);
                         plan.free(&e.head);
                         plan.free(&e.final_input);
                     }

@@ -82,16 +82,21 @@ pub fn add_states(
         );
         out.per_step.push(id);
     }
+    // torchtitan's FSDP2 keeps the sharded parameters in fp32 (they are the optimizer's, no
+    // separate master copy) and all-gathers them in bf16 (`MixedPrecisionPolicy(param_dtype=
+    // bfloat16, reduce_dtype=float32)`, torchtitan `parallelize_llama.py`); its sharded
+    // gradients are fp32 like the parameters: 4 + 4 + 8 = 16 B/param over the FSDP group.
+    let fsdp2 = conv == Convention::Torchtitan && p.has_master();
     place(
         plan,
         0,
         "params",
-        p.storage(),
+        if fsdp2 { DType::F32 } else { p.storage() },
         params_n,
         Category::Params,
         on_host_params,
     );
-    if p.has_master() {
+    if p.has_master() && !fsdp2 {
         place(
             plan,
             0,
@@ -109,6 +114,16 @@ pub fn add_states(
             plan,
             1,
             "grads.main_fp32",
+            DType::F32,
+            grads_n,
+            Category::Grads,
+            on_host_params,
+        );
+    } else if fsdp2 {
+        place(
+            plan,
+            1,
+            "grads.fp32",
             DType::F32,
             grads_n,
             Category::Grads,

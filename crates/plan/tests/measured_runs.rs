@@ -8,7 +8,11 @@ use ferrotron_plan::cluster::{gpu, Cluster};
 use ferrotron_plan::hardware::Overhead;
 use ferrotron_plan::presets::preset;
 use ferrotron_plan::time::estimate;
+use ferrotron_plan::GIB;
 use ferrotron_plan::*;
+
+/// A row's name, the predicted and the published value.
+type Compared = (String, f64, f64);
 
 /// One published measurement, as the table states it.
 struct Row {
@@ -128,13 +132,18 @@ fn predict(r: &Row, spec: ModelSpec, conv: Convention, gpu_name: &str) -> time::
 }
 
 /// Signed relative errors of predicted against published tokens/s, printed per row.
-fn report(name: &str, rows: &[(String, f64, f64)]) -> (f64, f64) {
+fn report(name: &str, rows: &[Compared]) -> (f64, f64) {
+    report_in(name, "tok/s", rows)
+}
+
+/// As `report`, for a quantity in `unit`. Returns the mean and the largest absolute error.
+fn report_in(name: &str, unit: &str, rows: &[Compared]) -> (f64, f64) {
     println!("{name}");
     let mut abs = Vec::new();
     for (what, pred, publ) in rows {
         let e = (pred - publ) / publ;
         println!(
-            "  {what:<44} published {publ:>10.0} tok/s, predicted {pred:>10.0}, error {:+6.1}%",
+            "  {what:<44} published {publ:>10.1} {unit}, predicted {pred:>10.1}, error {:+6.1}%",
             e * 100.0
         );
         abs.push(e.abs());
@@ -154,7 +163,7 @@ fn report(name: &str, rows: &[(String, f64, f64)]) -> (f64, f64) {
 fn llm_foundry_mpt_throughput() {
     let rows = foundry_rows();
     assert_eq!(rows.len(), 216, "every row of the four tables");
-    let mut by_table: Vec<(String, Vec<(String, f64, f64)>)> = Vec::new();
+    let mut by_table: Vec<(String, Vec<Compared>)> = Vec::new();
     for r in &rows {
         let spec = mpt(&r.model, r.seq);
         let c = inventory::count(&spec, &inventory::inventory(&spec));
@@ -223,7 +232,7 @@ const TORCHTITAN_A100: [(&str, u64, u64, Recompute, f64); 6] = [
     ("llama-2-70b", 4096, 2, Recompute::Full, 353.0),
 ];
 
-fn torchtitan_rows() -> Vec<(String, f64, f64)> {
+fn torchtitan_rows() -> Vec<Compared> {
     TORCHTITAN_A100
         .iter()
         .map(|&(model, seq, mbs, recompute, wps)| {
@@ -254,7 +263,7 @@ fn torchtitan_rows() -> Vec<(String, f64, f64)> {
                     zero: 3,
                     ..Layout::default()
                 },
-                convention: Convention::Ferrotron,
+                convention: Convention::Torchtitan,
                 overhead: Overhead::NONE,
                 bucket_bytes: 25 << 20,
             };
@@ -275,5 +284,63 @@ fn torchtitan_rows() -> Vec<(String, f64, f64)> {
 fn torchtitan_llama_throughput() {
     let rows = torchtitan_rows();
     let (mean, max) = report("torchtitan, 64 A100 80GB, FSDP2 (WPS per GPU)", &rows);
-    assert!(mean <= 1.0 && max <= 10.0, "{mean} {max}");
+    // The bound reached (not the 10% goal): see docs/FORMULAS.md.
+    assert!(mean <= 0.12, "mean |error| {:.1}% > 12%", mean * 100.0);
+    assert!(max <= 0.21, "max |error| {:.1}% > 21%", max * 100.0);
+}
+
+/// torchtitan's H100 benchmark: pytorch/torchtitan `benchmarks/llama3_h100_202412_torchtitan.md`
+/// at commit 31a17bfdb70bab6f62a13d21816a5339b911d6e3 (torchtitan 9dec370, torch 1963fc8,
+/// 2024-12): Grand Teton H100 96 GB at 500 W, 8 per host, 400 Gb/s per GPU. Table 1 (8 GPUs)
+/// and Table 3 (128 GPUs), row "FSDP" (no torch.compile, no Float8: the rows this planner can
+/// state): Llama 3.1 8B, local batch size 2, selective (op) activation checkpointing, sequence
+/// 8192 (torchtitan's `llama3_8b.toml`). Memory is torchtitan's reading of
+/// `torch.cuda.max_memory_reserved` ("memory readings are stable"), compared with the caching
+/// allocator model's reserved peak. (GPUs, TPS/GPU, Memory GiB)
+const TORCHTITAN_H100: [(u64, f64, f64); 2] = [(8, 5762.0, 82.4), (128, 5605.0, 67.0)];
+
+#[test]
+fn torchtitan_h100_llama_memory_and_throughput() {
+    let mut mem = Vec::new();
+    let mut tps = Vec::new();
+    for (gpus, published_tps, published_gib) in TORCHTITAN_H100 {
+        let x = PlanInput {
+            model: ModelSource::Spec(preset("llama-3-8b").unwrap()),
+            recipe: Recipe {
+                seq: 8192,
+                mbs: 2,
+                recompute: Recompute::Selective,
+                ..Recipe::default()
+            },
+            layout: Layout {
+                dp: gpus,
+                zero: 3,
+                ..Layout::default()
+            },
+            convention: Convention::Torchtitan,
+            overhead: Overhead::NONE,
+            bucket_bytes: 25 << 20,
+        };
+        let reserved = plan(&x).unwrap().worst().reserved() as f64 / GIB;
+        let cluster = Cluster::of(gpu("h100-96").unwrap(), 8).unwrap();
+        let t = estimate(&x, &cluster, FlopsConvention::Ferrotron)
+            .unwrap()
+            .unwrap();
+        let what = format!("llama-3.1-8b FSDP {gpus} GPUs");
+        mem.push((what.clone(), reserved, published_gib));
+        tps.push((what, t.tokens_per_s / gpus as f64, published_tps));
+    }
+    let (mean, _) = report_in("torchtitan H100 memory, reserved", "GiB", &mem);
+    assert!(
+        mean <= 0.06,
+        "memory mean |error| {:.1}% > 6%",
+        mean * 100.0
+    );
+    let (mean, _) = report("torchtitan H100 throughput (TPS/GPU)", &tps);
+    // The 500 W power limit is not modelled (the 700 W sustained clock is used): over.
+    assert!(
+        mean <= 0.17,
+        "throughput mean |error| {:.1}% > 17%",
+        mean * 100.0
+    );
 }

@@ -39,6 +39,7 @@
 //!   read and the zeroing write.
 
 mod cost;
+mod elementwise;
 mod layer;
 mod report;
 mod stage;
@@ -163,11 +164,14 @@ pub fn estimate_with(
                 .gpus_per_node
                 .is_multiple_of(l.tp * l.cp * l.ep * l.dp));
     let ep_dp_link = cluster.ring_link(&eg);
-    let grad_bytes = if x.convention == Convention::Megatron || r.precision.fp32_grad_acc() {
-        4.0
-    } else {
-        st
-    };
+    // Megatron's fp32 main grads; torchtitan reduces in fp32 (FSDP2 `reduce_dtype`).
+    let fp32_reduce = x.convention == Convention::Torchtitan && r.precision.has_master();
+    let grad_bytes =
+        if x.convention == Convention::Megatron || fp32_reduce || r.precision.fp32_grad_acc() {
+            4.0
+        } else {
+            st
+        };
     let param_bytes = st;
     let tails_in = TailInputs {
         tm,
@@ -293,7 +297,7 @@ pub fn estimate_with(
         ),
         format!(
             "attention: {}",
-            if x.convention == Convention::Ferrotron {
+            if x.convention.fused_attention() {
                 format!(
                     "{} (causal half of the square; backward recomputes the scores) at {:.0} / {:.0} TFLOP/s forward / backward",
                     cluster.attention_kernel,
