@@ -50,6 +50,9 @@ pub struct PlanArgs {
     /// Bare parameter count (e.g. 7.5e9): model states only, sharded uniformly over tp·pp.
     #[arg(long, allow_negative_numbers = true)]
     pub params: Option<String>,
+    /// With --params: parameters of the largest layer (e.g. 1e9), what ZeRO-3 gathers at once.
+    #[arg(long, allow_negative_numbers = true)]
+    pub largest_layer: Option<String>,
     /// Sequence length [default: min(4096, model max positions)].
     #[arg(long, allow_negative_numbers = true)]
     pub seq: Option<u64>,
@@ -173,7 +176,7 @@ impl PlanArgs {
             .with_context(|| format!("cannot read --config {}", path.display()))?;
         let mut file: PlanArgs =
             toml::from_str(&text).map_err(|e| anyhow::anyhow!(toml_error(&path, &text, &e)))?;
-        merge!(self, file; model, params, seq, max_seq, mbs, grad_acc, gbs, precision, optimizer, recompute,
+        merge!(self, file; model, params, largest_layer, seq, max_seq, mbs, grad_acc, gbs, precision, optimizer, recompute,
             dp, tp, pp, cp, ep, zero, sp, pp_schedule, pp_virtual, pp_layers, offload, gpu, gpus_per_node,
             cluster, attention, flops_convention, convention, overhead_gib, fragmentation, ce_chunk,
             bucket_mb, html);
@@ -223,6 +226,7 @@ pub fn input_from(a: &PlanArgs) -> Result<Resolved> {
         model: None,
         config: None,
         params: a.params.clone(),
+        largest_layer: a.largest_layer.clone(),
         seq: a.seq,
         max_seq: a.max_seq,
         mbs: a.mbs,

@@ -42,6 +42,9 @@ pub struct Settings {
     pub config: Option<Value>,
     #[serde(default, deserialize_with = "string_or_number")]
     pub params: Option<String>,
+    /// With `params`: parameters of the largest layer, what ZeRO-3 gathers at once.
+    #[serde(default, deserialize_with = "string_or_number")]
+    pub largest_layer: Option<String>,
     pub seq: Option<u64>,
     /// Overrides the model's `max_position_embeddings` (a context-extended run).
     pub max_seq: Option<u64>,
@@ -124,9 +127,14 @@ pub const MAX_PARAMS: u64 = 1 << 50;
 
 /// Parses a parameter count such as `7.5e9` or `7000000000` exactly.
 pub fn parse_params(s: &str) -> Result<u64> {
+    parse_count("params", s)
+}
+
+/// Parses a parameter count for setting `field` (`params`, `largest_layer`).
+fn parse_count(field: &str, s: &str) -> Result<u64> {
     let bad = || {
         PlanError::setting(
-            "params",
+            field,
             s,
             "expected a positive parameter count such as 7.5e9 or 125000000",
         )
@@ -144,7 +152,7 @@ pub fn parse_params(s: &str) -> Result<u64> {
     };
     if n > MAX_PARAMS {
         return Err(PlanError::setting(
-            "params",
+            field,
             s,
             format!("is above the planner's limit {MAX_PARAMS} (about 1.1e15 parameters)"),
         ));
@@ -272,7 +280,13 @@ impl Settings {
                 }
             }
             (None, None, Some(cfg), _) => ModelSource::Spec(model_from_config(cfg)?),
-            (None, None, None, Some(p)) => ModelSource::Params(parse_params(p)?),
+            (None, None, None, Some(p)) => match &self.largest_layer {
+                None => ModelSource::Params(parse_params(p)?),
+                Some(big) => ModelSource::Counted {
+                    params: parse_params(p)?,
+                    largest_layer: parse_count("largest_layer", big)?,
+                },
+            },
             (None, None, None, None) => {
                 return Err(PlanError::setting(
                     "model",
@@ -281,13 +295,20 @@ impl Settings {
                 ))
             }
         };
+        if let (Some(big), ModelSource::Spec(_)) = (&self.largest_layer, &model) {
+            return Err(PlanError::setting(
+                "largest_layer",
+                big,
+                "goes with --params (a model config gives its own layers)",
+            ));
+        }
         let model = match model {
             ModelSource::Spec(m) => ModelSource::Spec(with_max_seq(m, self.max_seq)?),
             other => other,
         };
         let max_pos = match &model {
             ModelSource::Spec(m) => m.max_positions,
-            ModelSource::Params(_) => u64::MAX,
+            ModelSource::Params(_) | ModelSource::Counted { .. } => u64::MAX,
         };
         let layout = LayoutFlags {
             dp: self.dp,

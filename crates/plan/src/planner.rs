@@ -23,6 +23,22 @@ use serde::Serialize;
 pub enum ModelSource {
     Spec(ModelSpec),
     Params(u64),
+    /// A bare count with its largest layer: what ZeRO-3 gathers at once (`--params N
+    /// --largest-layer M`, the inputs of DeepSpeed's `estimate_zero3_model_states_mem_needs`).
+    Counted {
+        params: u64,
+        largest_layer: u64,
+    },
+}
+
+impl ModelSource {
+    /// The parameter count of a bare count (`Params` or `Counted`); `None` for a full spec.
+    pub fn bare_count(&self) -> Option<u64> {
+        match self {
+            ModelSource::Spec(_) => None,
+            ModelSource::Params(n) | ModelSource::Counted { params: n, .. } => Some(*n),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -96,14 +112,24 @@ fn plan_impl(input: &PlanInput, extremes: bool) -> Result<PlanResult> {
     r.validate()?;
     let spec = match &input.model {
         ModelSource::Spec(m) => Some(m),
-        ModelSource::Params(0) => {
+        ModelSource::Params(0) | ModelSource::Counted { params: 0, .. } => {
             return Err(PlanError::setting(
                 "params",
                 0,
                 "must be a positive parameter count",
             ))
         }
-        ModelSource::Params(_) => None,
+        ModelSource::Counted {
+            params,
+            largest_layer,
+        } if *largest_layer == 0 || largest_layer > params => {
+            return Err(PlanError::setting(
+                "largest_layer",
+                largest_layer,
+                format!("must be a positive count no larger than params = {params}"),
+            ))
+        }
+        ModelSource::Params(_) | ModelSource::Counted { .. } => None,
     };
     l.validate(spec, r)?;
     if l.pp_schedule == PpSchedule::Interleaved && r.grad_acc % l.pp != 0 {
@@ -122,7 +148,7 @@ fn plan_impl(input: &PlanInput, extremes: bool) -> Result<PlanResult> {
             let c = count(m, &t);
             (t, c)
         }
-        ModelSource::Params(n) => (
+        ModelSource::Params(n) | ModelSource::Counted { params: n, .. } => (
             Vec::new(),
             ParamCount {
                 total: *n,
@@ -232,10 +258,7 @@ fn rank_plan(
     stage: u64,
 ) -> RankPlan {
     let (r, l, conv) = (&input.recipe, &input.layout, input.convention);
-    let total = match input.model {
-        ModelSource::Params(n) => n,
-        _ => 0,
-    };
+    let total = input.model.bare_count().unwrap_or(0);
     let mut plan = MemoryPlan::default();
     let states = add_states(
         &mut plan,
@@ -246,9 +269,12 @@ fn rank_plan(
     );
     plan.alloc(&states.at_init);
 
-    let unit = spec.map_or(0, |m| {
-        largest_unit(tensors, l.tp, |p| stage_of(p, m, l) == stage)
-    });
+    let unit = match (spec, &input.model) {
+        (Some(m), _) => largest_unit(tensors, l.tp, |p| stage_of(p, m, l) == stage),
+        // A stated largest layer is split by tensor parallelism like any layer.
+        (None, ModelSource::Counted { largest_layer, .. }) => largest_layer.div_ceil(l.tp),
+        (None, _) => 0,
+    };
     let e = rank_elems(spec, tensors, l, stage, total);
     let comm = comm_buffers(
         spec,

@@ -202,6 +202,12 @@ fn assemble(
     let model = match &x.model {
         ModelSource::Spec(m) => m.name.clone(),
         ModelSource::Params(n) => format!("{n} parameters (model states only)"),
+        ModelSource::Counted {
+            params,
+            largest_layer,
+        } => format!(
+            "{params} parameters, largest layer {largest_layer} (model states and ZeRO-3 gathers)"
+        ),
     };
     let verdict = gpu.map(|g| verdict(x, worst.peak, g, timing)).transpose()?;
     Ok(Report {
