@@ -42,8 +42,8 @@ pub struct SearchArgs {
     /// adamw | sgd [default: adamw].
     #[arg(long, allow_negative_numbers = true)]
     pub optimizer: Option<String>,
-    /// Memory convention: ferrotron | megatron | zero-paper | playbook | torchtitan
-    /// [default: ferrotron].
+    /// Memory convention: ferrotron | megatron | zero-paper | playbook | torchtitan |
+    /// megatron-lm [default: ferrotron].
     #[arg(long, allow_negative_numbers = true)]
     pub convention: Option<String>,
     /// FLOPs convention for MFU [default: ferrotron].

@@ -3,6 +3,7 @@
 
 use crate::convention::Convention;
 use crate::layout::Layout;
+use crate::megatron_lm;
 use crate::memory::Category;
 use crate::model::{Family, MlpAct, ModelSpec};
 use crate::recipe::{DType, Recipe, Recompute};
@@ -163,6 +164,17 @@ pub fn layer_acts(
             Family::Gpt2 => gpt2_layer(m, r, &d),
             _ => decoder_layer(m, r, &d, moe_layer, conv),
         },
+        Convention::MegatronLm => {
+            let sp = megatron_lm::with_sp(d.sp, r.recompute);
+            let f = m.moe.filter(|_| moe_layer).map_or(m.intermediate, |moe| {
+                moe.expert_intermediate * moe.top_k + moe.shared_intermediate
+            });
+            let b = megatron_lm::layer_bytes(d.s * d.b * m.hidden, f, m.hidden, d.t, sp);
+            LayerActs {
+                saved: vec![bytes("layer", b, Category::LayerActivations)],
+                recompute: vec![],
+            }
+        }
         _ => {
             let held = korthikanti_layer(m.hidden, m.heads, &d, r.recompute);
             let none = korthikanti_layer(m.hidden, m.heads, &d, Recompute::None);
@@ -453,6 +465,23 @@ pub fn edge_acts(m: &ModelSpec, r: &Recipe, l: &Layout, conv: Convention) -> Edg
                 scratch_first: vec![buf(Edge::GradResid, ws)],
                 head_backward: vec![],
                 scratch_rest: rest,
+            }
+        }
+        Convention::MegatronLm => {
+            let (sb, sp) = (d.s * d.b, megatron_lm::with_sp(d.sp, r.recompute));
+            let v = megatron_lm::padded_vocab(m.vocab, t);
+            EdgeActs {
+                embedding: vec![bytes(
+                    "act.embedding_input_and_dropout",
+                    megatron_lm::embedding_bytes(sb, c, t, sp),
+                    other,
+                )],
+                head: vec![bytes(
+                    "act.output_layer_and_loss",
+                    megatron_lm::head_bytes(sb, c, v, t, sp),
+                    other,
+                )],
+                ..EdgeActs::default()
             }
         }
         Convention::Megatron => {

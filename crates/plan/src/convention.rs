@@ -25,21 +25,37 @@ pub enum Convention {
     /// SDPA flash attention; full fp32 logits; selective recomputation is its op-level policy
     /// (`sac.rs`).
     Torchtitan,
+    /// Megatron-LM's own memory report (`theoretical_memory_usage.py`) on its padded
+    /// vocabulary: 18 or 6 + 12/d B/param, s·b·h·(18 + 4f/h)/t per layer with SP + selective
+    /// recomputation, else s·b·h·(10 + 24/t) × 1.05 (`megatron_lm.rs`).
+    MegatronLm,
 }
 
 impl Convention {
-    pub const ALL: [Convention; 5] = [
+    pub const ALL: [Convention; 6] = [
         Convention::Ferrotron,
         Convention::Megatron,
         Convention::ZeroPaper,
         Convention::Playbook,
         Convention::Torchtitan,
+        Convention::MegatronLm,
     ];
 
-    /// Whether layer activations are the model's own tensors (the tensor table) with a fused
-    /// flash-attention kernel, rather than a published per-layer formula over unfused attention.
-    pub fn fused_attention(self) -> bool {
+    /// Whether layer activations are the model's own tensors (the tensor table), rather than
+    /// a published per-layer formula.
+    pub fn tensor_activations(self) -> bool {
         matches!(self, Convention::Ferrotron | Convention::Torchtitan)
+    }
+
+    /// Whether attention runs as a fused flash kernel (the frameworks), rather than unfused
+    /// over the full score matrix (the formulas of Korthikanti et al., the playbook, ZeRO).
+    pub fn fused_attention(self) -> bool {
+        self.tensor_activations() || self == Convention::MegatronLm
+    }
+
+    /// Whether gradients are fp32 `main_grad` buffers (Megatron).
+    pub fn fp32_main_grads(self) -> bool {
+        matches!(self, Convention::Megatron | Convention::MegatronLm)
     }
 
     pub fn describe(self) -> &'static str {
@@ -49,6 +65,7 @@ impl Convention {
             Convention::ZeroPaper => "ZeRO paper, Rajbhandari et al. 2020: (2+2+K)Ψ, K = 12; activations as the playbook",
             Convention::Playbook => "Ultra-Scale Playbook: 16/20 B/param; L·s·b·h·(34 + 5as/h) activations",
             Convention::Torchtitan => "torchtitan on FSDP2: fp32 params and grads, bf16 gathers, SDPA flash attention, fp32 logits, op-level selective checkpointing",
+            Convention::MegatronLm => "Megatron-LM's theoretical memory report: padded vocabulary, 18 or 6 + 12/d B/param, sbh(18 + 4f/h)/t per layer with SP + selective, else sbh(10 + 24/t) × 1.05",
         }
     }
 }
@@ -63,7 +80,7 @@ impl FromStr for Convention {
                 PlanError::setting(
                     "convention",
                     s,
-                    "expected one of ferrotron, megatron, zero-paper, playbook, torchtitan",
+                    "expected one of ferrotron, megatron, zero-paper, playbook, torchtitan, megatron-lm",
                 )
             })
     }
@@ -77,6 +94,7 @@ impl fmt::Display for Convention {
             Convention::ZeroPaper => "zero-paper",
             Convention::Playbook => "playbook",
             Convention::Torchtitan => "torchtitan",
+            Convention::MegatronLm => "megatron-lm",
         })
     }
 }

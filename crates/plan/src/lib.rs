@@ -19,6 +19,7 @@ pub mod hardware;
 pub mod inventory;
 pub mod layout;
 pub mod layout_flags;
+pub mod megatron_lm;
 pub mod memory;
 pub mod model;
 pub mod planner;

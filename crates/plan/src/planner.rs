@@ -229,6 +229,21 @@ pub(crate) fn rank_elems(
     e
 }
 
+/// Elements a convention adds to `rank_elems` on `stage`: Megatron-LM pads the vocabulary
+/// (`megatron_lm::padded_vocab`), so the embedding and every copy of the output layer on the
+/// stage hold the padded rows.
+fn vocab_padding(conv: Convention, spec: Option<&ModelSpec>, l: &Layout, stage: u64) -> u64 {
+    let (Convention::MegatronLm, Some(m)) = (conv, spec) else {
+        return 0;
+    };
+    let rows = (crate::megatron_lm::padded_vocab(m.vocab, l.tp) - m.vocab) / l.tp;
+    // The embedding on stage 0; the output layer on the last stage, its own matrix when
+    // untied, the tied copy when pipelined (`rank_elems`).
+    let matrices =
+        (stage == 0) as u64 + (stage == l.pp - 1 && (!m.tie_embeddings || l.pp > 1)) as u64;
+    matrices * rows * m.hidden
+}
+
 /// Buffer ids of the activations outside the layers (see `activations::EdgeActs`).
 #[derive(Default)]
 struct EdgeIds {
@@ -260,13 +275,9 @@ fn rank_plan(
     let (r, l, conv) = (&input.recipe, &input.layout, input.convention);
     let total = input.model.bare_count().unwrap_or(0);
     let mut plan = MemoryPlan::default();
-    let states = add_states(
-        &mut plan,
-        rank_elems(spec, tensors, l, stage, total),
-        r,
-        l,
-        conv,
-    );
+    let mut e = rank_elems(spec, tensors, l, stage, total);
+    e.dense += vocab_padding(conv, spec, l, stage);
+    let states = add_states(&mut plan, e, r, l, conv);
     plan.alloc(&states.at_init);
 
     let unit = match (spec, &input.model) {
@@ -275,7 +286,6 @@ fn rank_plan(
         (None, ModelSource::Counted { largest_layer, .. }) => largest_layer.div_ceil(l.tp),
         (None, _) => 0,
     };
-    let e = rank_elems(spec, tensors, l, stage, total);
     let comm = comm_buffers(
         spec,
         r,
@@ -346,7 +356,7 @@ fn rank_plan(
                 recompute_ids[k] = add_acts(&mut plan, &prefix, &kinds[k].recompute);
             }
         }
-        if conv.fused_attention() {
+        if conv.tensor_activations() {
             forward_transient = recompute_ids.clone();
         }
         let edge = edge_acts(m, r, l, conv);

@@ -107,7 +107,7 @@ pub fn add_states(
             on_host_opt,
         );
     }
-    if conv == Convention::Megatron {
+    if conv.fp32_main_grads() {
         // Megatron accumulates gradients straight into an fp32 `main_grad` per parameter
         // (no 16-bit gradient copy): 2 + 4 + 4 + 8 = 18 B/param with Adam.
         place(
