@@ -126,7 +126,7 @@ pub struct PlanArgs {
     #[arg(long, allow_negative_numbers = true)]
     pub flops_convention: Option<String>,
     /// Memory and kernel accounting: ferrotron | megatron | zero-paper | playbook | torchtitan |
-    /// megatron-lm [default: ferrotron].
+    /// megatron-lm | deepspeed [default: ferrotron].
     #[arg(long, allow_negative_numbers = true)]
     pub convention: Option<String>,
     /// Runtime context per rank in GiB [default: 1.0].

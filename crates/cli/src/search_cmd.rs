@@ -43,7 +43,7 @@ pub struct SearchArgs {
     #[arg(long, allow_negative_numbers = true)]
     pub optimizer: Option<String>,
     /// Memory convention: ferrotron | megatron | zero-paper | playbook | torchtitan |
-    /// megatron-lm [default: ferrotron].
+    /// megatron-lm | deepspeed [default: ferrotron].
     #[arg(long, allow_negative_numbers = true)]
     pub convention: Option<String>,
     /// FLOPs convention for MFU [default: ferrotron].

@@ -500,7 +500,7 @@ pub fn edge_acts(m: &ModelSpec, r: &Recipe, l: &Layout, conv: Convention) -> Edg
         }
         // The playbook's charts add the embedding dropout mask, s·b·h bytes, to the layers
         // (9.25390625 GiB = 9.25 GiB of layers + 4 MiB for h 4096, s 1024, b 1).
-        Convention::Playbook | Convention::ZeroPaper => EdgeActs {
+        Convention::Playbook | Convention::ZeroPaper | Convention::DeepSpeed => EdgeActs {
             embedding: vec![bytes(
                 "act.embedding_dropout_mask",
                 d.s * d.b * c / ss,

@@ -29,16 +29,21 @@ pub enum Convention {
     /// vocabulary: 18 or 6 + 12/d B/param, s·b·h·(18 + 4f/h)/t per layer with SP + selective
     /// recomputation, else s·b·h·(10 + 24/t) × 1.05 (`megatron_lm.rs`).
     MegatronLm,
+    /// DeepSpeed's ZeRO (`deepspeed.rs`): full 16-bit gradients under ZeRO-1/2 plus 16 B/param
+    /// over the partition (4Ψ + 16Ψ/N), ZeRO-3 18Ψ/N + 4 × the largest layer, offload as its
+    /// estimators, the contiguous-gradients bucket; activations as the playbook.
+    DeepSpeed,
 }
 
 impl Convention {
-    pub const ALL: [Convention; 6] = [
+    pub const ALL: [Convention; 7] = [
         Convention::Ferrotron,
         Convention::Megatron,
         Convention::ZeroPaper,
         Convention::Playbook,
         Convention::Torchtitan,
         Convention::MegatronLm,
+        Convention::DeepSpeed,
     ];
 
     /// Whether layer activations are the model's own tensors (the tensor table), rather than
@@ -65,6 +70,7 @@ impl Convention {
             Convention::ZeroPaper => "ZeRO paper, Rajbhandari et al. 2020: (2+2+K)Ψ, K = 12; activations as the playbook",
             Convention::Playbook => "Ultra-Scale Playbook: 16/20 B/param; L·s·b·h·(34 + 5as/h) activations",
             Convention::Torchtitan => "torchtitan on FSDP2: fp32 params and grads, bf16 gathers, SDPA flash attention, fp32 logits, op-level selective checkpointing",
+            Convention::DeepSpeed => "DeepSpeed ZeRO: 4Ψ + 16Ψ/N (ZeRO-1/2), 18Ψ/N + 4 × largest layer (ZeRO-3), offload as its estimators, contiguous-gradients bucket; playbook activations",
             Convention::MegatronLm => "Megatron-LM's theoretical memory report: padded vocabulary, 18 or 6 + 12/d B/param, sbh(18 + 4f/h)/t per layer with SP + selective, else sbh(10 + 24/t) × 1.05",
         }
     }
@@ -80,7 +86,7 @@ impl FromStr for Convention {
                 PlanError::setting(
                     "convention",
                     s,
-                    "expected one of ferrotron, megatron, zero-paper, playbook, torchtitan, megatron-lm",
+                    "expected one of ferrotron, megatron, zero-paper, playbook, torchtitan, megatron-lm, deepspeed",
                 )
             })
     }
@@ -95,6 +101,7 @@ impl fmt::Display for Convention {
             Convention::Playbook => "playbook",
             Convention::Torchtitan => "torchtitan",
             Convention::MegatronLm => "megatron-lm",
+            Convention::DeepSpeed => "deepspeed",
         })
     }
 }

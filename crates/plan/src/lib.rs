@@ -13,6 +13,7 @@ pub mod buffers;
 pub mod cluster;
 pub mod comm;
 pub mod convention;
+pub mod deepspeed;
 pub mod error;
 pub mod flops;
 pub mod hardware;

@@ -119,6 +119,31 @@ pub fn add_states(
             Category::Grads,
             on_host_params,
         );
+    } else if conv == Convention::DeepSpeed {
+        // DeepSpeed (`deepspeed.rs`): the whole model's 16-bit gradients under ZeRO-1/2 without
+        // offload, and an fp32 gradient partition next to the fp32 parameters.
+        if l.zero <= 2 && !on_host_opt {
+            place(
+                plan,
+                1,
+                "grads",
+                p.storage(),
+                elems.dense + elems.expert,
+                Category::Grads,
+                false,
+            );
+        }
+        if p.has_master() {
+            place(
+                plan,
+                1,
+                "grads.fp32_partition",
+                DType::F32,
+                opt_n,
+                Category::Grads,
+                on_host_opt,
+            );
+        }
     } else if fsdp2 {
         place(
             plan,

@@ -50,7 +50,7 @@ fn the_name_parses_and_the_error_lists_it() {
     );
     assert_eq!(
         "titan".parse::<Convention>().unwrap_err().to_string(),
-        "convention = titan: expected one of ferrotron, megatron, zero-paper, playbook, torchtitan, megatron-lm"
+        "convention = titan: expected one of ferrotron, megatron, zero-paper, playbook, torchtitan, megatron-lm, deepspeed"
     );
 }
 
