@@ -2,6 +2,7 @@
 //! JSON API `ferrotron serve` exposes: `plan`, `search`, `presets`. Every function returns a
 //! `PlanError` naming the field for bad input; none panics.
 
+use crate::attention_kernel::AttentionKernel;
 use crate::cluster::{gpu, gpus, networks, Cluster, ClusterFile};
 use crate::convention::Convention;
 use crate::error::{PlanError, Result};
@@ -642,7 +643,8 @@ pub fn presets_json() -> Value {
         "pp_schedule": ["afab", "1f1b", "interleaved"],
         "offload": ["none", "optimizer", "params"],
         "optimizer": ["adamw", "sgd"],
-        "convention": ["ferrotron", "megatron", "zero-paper", "playbook"],
+        "convention": Convention::ALL.iter().map(|c| c.to_string()).collect::<Vec<_>>(),
+        "attention": AttentionKernel::ALL.iter().map(|k| k.name()).collect::<Vec<_>>(),
         "flops_convention": FlopsConvention::ALL.iter().map(|c| c.name()).collect::<Vec<_>>(),
     })
 }
