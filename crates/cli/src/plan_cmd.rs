@@ -50,6 +50,9 @@ pub struct PlanArgs {
     /// Bare parameter count (e.g. 7.5e9): model states only, sharded uniformly over tp·pp.
     #[arg(long, allow_negative_numbers = true)]
     pub params: Option<String>,
+    /// With --params: parameters of the largest layer (e.g. 1e9), what ZeRO-3 gathers at once.
+    #[arg(long, allow_negative_numbers = true)]
+    pub largest_layer: Option<String>,
     /// Sequence length [default: min(4096, model max positions)].
     #[arg(long, allow_negative_numbers = true)]
     pub seq: Option<u64>,
@@ -102,8 +105,8 @@ pub struct PlanArgs {
     /// none | optimizer | params.
     #[arg(long, allow_negative_numbers = true)]
     pub offload: Option<String>,
-    /// GPU kind for the verdict and the time model (h100, h200, a100-40, a100-80, b200, mi300x,
-    /// h100-pcie, l40s, rtx4090) [default: h100].
+    /// GPU kind for the verdict and the time model (h100, h100-96, h200, a100-40, a100-80, b200,
+    /// mi300x, h100-pcie, l40s, rtx4090) [default: h100].
     #[arg(long, allow_negative_numbers = true)]
     pub gpu: Option<String>,
     /// GPUs per node: groups that fit in a node use its links, larger ones the network
@@ -114,11 +117,16 @@ pub struct PlanArgs {
     /// latencies (see configs/cluster-example.toml). --gpu and --gpus-per-node win over it.
     #[arg(long)]
     pub cluster: Option<PathBuf>,
+    /// Fused attention kernel the framework runs, for the time model: flash2 (PyTorch SDPA,
+    /// flash-attn 2) | triton (flash_attn_triton) [default: flash2, or the cluster file's].
+    #[arg(long, allow_negative_numbers = true)]
+    pub attention: Option<String>,
     /// FLOPs convention for MFU: ferrotron | torchtitan | nanotron | megatron | 6n
     /// [default: ferrotron].
     #[arg(long, allow_negative_numbers = true)]
     pub flops_convention: Option<String>,
-    /// ferrotron | megatron | zero-paper | playbook [default: ferrotron].
+    /// Memory and kernel accounting: ferrotron | megatron | zero-paper | playbook | torchtitan |
+    /// megatron-lm | deepspeed [default: ferrotron].
     #[arg(long, allow_negative_numbers = true)]
     pub convention: Option<String>,
     /// Runtime context per rank in GiB [default: 1.0].
@@ -168,9 +176,9 @@ impl PlanArgs {
             .with_context(|| format!("cannot read --config {}", path.display()))?;
         let mut file: PlanArgs =
             toml::from_str(&text).map_err(|e| anyhow::anyhow!(toml_error(&path, &text, &e)))?;
-        merge!(self, file; model, params, seq, max_seq, mbs, grad_acc, gbs, precision, optimizer, recompute,
+        merge!(self, file; model, params, largest_layer, seq, max_seq, mbs, grad_acc, gbs, precision, optimizer, recompute,
             dp, tp, pp, cp, ep, zero, sp, pp_schedule, pp_virtual, pp_layers, offload, gpu, gpus_per_node,
-            cluster, flops_convention, convention, overhead_gib, fragmentation, ce_chunk,
+            cluster, attention, flops_convention, convention, overhead_gib, fragmentation, ce_chunk,
             bucket_mb, html);
         Ok(self)
     }
@@ -218,6 +226,7 @@ pub fn input_from(a: &PlanArgs) -> Result<Resolved> {
         model: None,
         config: None,
         params: a.params.clone(),
+        largest_layer: a.largest_layer.clone(),
         seq: a.seq,
         max_seq: a.max_seq,
         mbs: a.mbs,
@@ -240,6 +249,7 @@ pub fn input_from(a: &PlanArgs) -> Result<Resolved> {
         gpu: a.gpu.clone(),
         gpus_per_node: a.gpus_per_node,
         cluster: a.cluster.as_deref().map(load_cluster).transpose()?,
+        attention: a.attention.clone(),
         flops_convention: a.flops_convention.clone(),
         convention: a.convention.clone(),
         overhead_gib: a.overhead_gib,

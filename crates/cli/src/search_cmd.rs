@@ -24,6 +24,9 @@ pub struct SearchArgs {
     /// Cluster file (TOML); --gpu and --gpus-per-node win over it.
     #[arg(long)]
     pub cluster: Option<PathBuf>,
+    /// Fused attention kernel for the time model: flash2 | triton [default: flash2].
+    #[arg(long, allow_negative_numbers = true)]
+    pub attention: Option<String>,
     /// Sequence length [default: min(4096, model max positions)].
     #[arg(long, allow_negative_numbers = true)]
     pub seq: Option<u64>,
@@ -39,7 +42,8 @@ pub struct SearchArgs {
     /// adamw | sgd [default: adamw].
     #[arg(long, allow_negative_numbers = true)]
     pub optimizer: Option<String>,
-    /// Memory convention: ferrotron | megatron | zero-paper | playbook [default: ferrotron].
+    /// Memory convention: ferrotron | megatron | zero-paper | playbook | torchtitan |
+    /// megatron-lm | deepspeed [default: ferrotron].
     #[arg(long, allow_negative_numbers = true)]
     pub convention: Option<String>,
     /// FLOPs convention for MFU [default: ferrotron].
@@ -157,6 +161,7 @@ pub fn run(a: SearchArgs) -> Result<()> {
         gpu: a.gpu.clone(),
         gpus_per_node: a.gpus_per_node,
         cluster: a.cluster.as_deref().map(load_cluster).transpose()?,
+        attention: a.attention.clone(),
         seq: a.seq,
         max_seq: a.max_seq,
         gbs_tokens: a.gbs_tokens,

@@ -3,9 +3,11 @@
 
 use crate::convention::Convention;
 use crate::layout::Layout;
+use crate::megatron_lm;
 use crate::memory::Category;
 use crate::model::{Family, MlpAct, ModelSpec};
 use crate::recipe::{DType, Recipe, Recompute};
+use crate::sac;
 use crate::tensors::{self, Edge, LayerTensor};
 
 /// One activation tensor (or, for formula conventions, one aggregate in bytes as `U8`).
@@ -57,6 +59,9 @@ pub struct EdgeActs {
     pub loss_transient: Vec<Act>,
     /// Activation gradients allocated first in a micro-batch's backward, before `head` is freed.
     pub scratch_first: Vec<Act>,
+    /// The loss's and the LM head's backward: allocated after `scratch_first` and freed with
+    /// `head` (the gradients of full logits).
+    pub head_backward: Vec<Act>,
     /// The remaining activation gradients, allocated once `head` is freed, reused by every layer.
     pub scratch_rest: Vec<Act>,
 }
@@ -155,10 +160,21 @@ pub fn layer_acts(
 ) -> LayerActs {
     let d = Dims::new(r, l);
     match conv {
-        Convention::Ferrotron => match m.family {
+        Convention::Ferrotron | Convention::Torchtitan => match m.family {
             Family::Gpt2 => gpt2_layer(m, r, &d),
-            _ => decoder_layer(m, r, &d, moe_layer),
+            _ => decoder_layer(m, r, &d, moe_layer, conv),
         },
+        Convention::MegatronLm => {
+            let sp = megatron_lm::with_sp(d.sp, r.recompute);
+            let f = m.moe.filter(|_| moe_layer).map_or(m.intermediate, |moe| {
+                moe.expert_intermediate * moe.top_k + moe.shared_intermediate
+            });
+            let b = megatron_lm::layer_bytes(d.s * d.b * m.hidden, f, m.hidden, d.t, sp);
+            LayerActs {
+                saved: vec![bytes("layer", b, Category::LayerActivations)],
+                recompute: vec![],
+            }
+        }
         _ => {
             let held = korthikanti_layer(m.hidden, m.heads, &d, r.recompute);
             let none = korthikanti_layer(m.hidden, m.heads, &d, Recompute::None);
@@ -273,9 +289,19 @@ fn extras_after(
 /// (the RMSNorm outputs, the gated product, the routed copies) and keeps the matmul and
 /// attention outputs; full keeps only the layer's input and replays its forward in its
 /// backward.
-fn layer_tensors(m: &ModelSpec, r: &Recipe, d: &Dims, moe_layer: bool) -> Vec<(bool, HeldTensor)> {
+///
+/// Under the `torchtitan` convention selective recomputation is its op-level policy instead
+/// (`sac.rs`): the table tensors it keeps, plus w2's output.
+fn layer_tensors(
+    m: &ModelSpec,
+    r: &Recipe,
+    d: &Dims,
+    moe_layer: bool,
+    conv: Convention,
+) -> Vec<(bool, HeldTensor)> {
     let (st, td) = (r.precision.storage(), d.table(m, r, moe_layer));
     let rc = r.recompute;
+    let op_sac = conv == Convention::Torchtitan && rc == Recompute::Selective;
     let product = gated_product(m);
     let mut out = vec![];
     for t in LayerTensor::of_layer(moe_layer) {
@@ -283,13 +309,19 @@ fn layer_tensors(m: &ModelSpec, r: &Recipe, d: &Dims, moe_layer: bool) -> Vec<(b
         let s = t.shape();
         let grad = Edge::grad_of(t).map(Edge::name);
         let e = held(t.name(), s.elems.dtype(st), s.numel(&td), grad);
-        out.push((t.kept_by(rc), e));
+        out.push((if op_sac { sac::keeps(t) } else { t.kept_by(rc) }, e));
         let kept = rc != Recompute::Full;
         out.extend(
             extras_after(m, r, d, moe_layer, t)
                 .into_iter()
                 .map(|e| (kept, e)),
         );
+    }
+    if op_sac {
+        out.push((
+            true,
+            held(sac::MLP_OUT, st, d.n() * m.hidden / d.seq_shard(), None),
+        ));
     }
     out
 }
@@ -301,9 +333,15 @@ fn layer_tensors(m: &ModelSpec, r: &Recipe, d: &Dims, moe_layer: bool) -> Vec<(b
 /// GEMM workspace), so activations stay bf16: fp8 changes the numerics, not the memory. A GPU
 /// engine that saves the fp8 casts for the weight-gradient GEMMs would use F8 for ln1_out,
 /// attn_out, ln2_out and the gated product.
-fn decoder_layer(m: &ModelSpec, r: &Recipe, d: &Dims, moe_layer: bool) -> LayerActs {
+fn decoder_layer(
+    m: &ModelSpec,
+    r: &Recipe,
+    d: &Dims,
+    moe_layer: bool,
+    conv: Convention,
+) -> LayerActs {
     let mut acts = LayerActs::default();
-    for (kept, e) in layer_tensors(m, r, d, moe_layer) {
+    for (kept, e) in layer_tensors(m, r, d, moe_layer, conv) {
         if kept {
             acts.saved.push(e.act);
         } else {
@@ -375,7 +413,8 @@ fn grad_scratch(m: &ModelSpec, r: &Recipe, d: &Dims, moe_layer: bool) -> Vec<Act
         Edge::GradLnOut.name(),
         Edge::GradLnOut.shape().numel(&td),
     )];
-    for (_, e) in layer_tensors(m, r, d, moe_layer) {
+    // The gradients of the table's matmul outputs, whatever the policy kept.
+    for (_, e) in layer_tensors(m, r, d, moe_layer, Convention::Ferrotron) {
         if let Some(name) = e.grad {
             out.push(ws(name, e.act.numel));
         }
@@ -389,6 +428,7 @@ pub fn edge_acts(m: &ModelSpec, r: &Recipe, l: &Layout, conv: Convention) -> Edg
     let (t, ss, c) = (d.t, d.seq_shard(), m.hidden);
     let other = Category::OtherActivations;
     match conv {
+        Convention::Torchtitan => torchtitan_edges(m, r, &d),
         Convention::Ferrotron => {
             let (st, td) = (r.precision.storage(), d.table(m, r, false));
             let buf = |e: Edge, category| Act {
@@ -423,7 +463,25 @@ pub fn edge_acts(m: &ModelSpec, r: &Recipe, l: &Layout, conv: Convention) -> Edg
                 // their gradient in place, then dW_head and d(final norm out) (as llm.c).
                 loss_transient: vec![buf(Edge::LogitsChunk, other), buf(Edge::Losses, other)],
                 scratch_first: vec![buf(Edge::GradResid, ws)],
+                head_backward: vec![],
                 scratch_rest: rest,
+            }
+        }
+        Convention::MegatronLm => {
+            let (sb, sp) = (d.s * d.b, megatron_lm::with_sp(d.sp, r.recompute));
+            let v = megatron_lm::padded_vocab(m.vocab, t);
+            EdgeActs {
+                embedding: vec![bytes(
+                    "act.embedding_input_and_dropout",
+                    megatron_lm::embedding_bytes(sb, c, t, sp),
+                    other,
+                )],
+                head: vec![bytes(
+                    "act.output_layer_and_loss",
+                    megatron_lm::head_bytes(sb, c, v, t, sp),
+                    other,
+                )],
+                ..EdgeActs::default()
             }
         }
         Convention::Megatron => {
@@ -442,7 +500,7 @@ pub fn edge_acts(m: &ModelSpec, r: &Recipe, l: &Layout, conv: Convention) -> Edg
         }
         // The playbook's charts add the embedding dropout mask, s·b·h bytes, to the layers
         // (9.25390625 GiB = 9.25 GiB of layers + 4 MiB for h 4096, s 1024, b 1).
-        Convention::Playbook | Convention::ZeroPaper => EdgeActs {
+        Convention::Playbook | Convention::ZeroPaper | Convention::DeepSpeed => EdgeActs {
             embedding: vec![bytes(
                 "act.embedding_dropout_mask",
                 d.s * d.b * c / ss,
@@ -450,5 +508,53 @@ pub fn edge_acts(m: &ModelSpec, r: &Recipe, l: &Layout, conv: Convention) -> Edg
             )],
             ..EdgeActs::default()
         },
+    }
+}
+
+/// torchtitan's activations outside the blocks (pytorch/torchtitan, Llama `model.py` and
+/// `train.py`; the final norm and the output projection are not checkpointed). The model
+/// returns `self.output(h).float()`: full fp32 logits, [tokens, vocab/t], which the
+/// cross-entropy's log-softmax (fp32) saves for its backward; the train step deletes the logits
+/// (`del pred`) before `loss.backward()`. The backward then holds, with the saved log-softmax,
+/// the gradient of its output (nll_loss's, a full [tokens, vocab] tensor) and of its input:
+/// 12 bytes per logit at once. No chunking: torchtitan computes the loss on whole logits.
+fn torchtitan_edges(m: &ModelSpec, r: &Recipe, d: &Dims) -> EdgeActs {
+    let (st, td) = (r.precision.storage(), d.table(m, r, false));
+    let other = Category::OtherActivations;
+    let logits = d.n() * m.vocab.div_ceil(d.t);
+    let buf = |e: Edge, category| Act {
+        name: e.name(),
+        dtype: e.shape().elems.dtype(st),
+        numel: e.shape().numel(&td),
+        category,
+    };
+    let f32 = |name, category| Act {
+        name,
+        dtype: DType::F32,
+        numel: logits,
+        category,
+    };
+    EdgeActs {
+        // Input ids and labels (int64) and the RoPE table (complex64 `freqs_cis`: as much as
+        // the engine's cos and sin).
+        persistent: vec![
+            bytes("data.input_ids_labels_int64", 16 * d.n(), other),
+            buf(Edge::RopeCos, Category::Workspace),
+            buf(Edge::RopeSin, Category::Workspace),
+        ],
+        embedding: vec![],
+        head: vec![
+            buf(Edge::FinalNormInput, other),
+            buf(Edge::FinalNormRstd, other),
+            buf(Edge::FinalNormOut, other),
+            f32("act.log_softmax_fp32", other),
+        ],
+        loss_transient: vec![f32("act.logits_fp32", other)],
+        scratch_first: vec![buf(Edge::GradResid, Category::Workspace)],
+        head_backward: vec![
+            f32("grad.act.log_softmax_fp32", Category::Workspace),
+            f32("grad.act.logits_fp32", Category::Workspace),
+        ],
+        scratch_rest: grad_scratch(m, r, d, false),
     }
 }

@@ -2,6 +2,7 @@
 //! JSON API `ferrotron serve` exposes: `plan`, `search`, `presets`. Every function returns a
 //! `PlanError` naming the field for bad input; none panics.
 
+use crate::attention_kernel::AttentionKernel;
 use crate::cluster::{gpu, gpus, networks, Cluster, ClusterFile};
 use crate::convention::Convention;
 use crate::error::{PlanError, Result};
@@ -42,6 +43,9 @@ pub struct Settings {
     pub config: Option<Value>,
     #[serde(default, deserialize_with = "string_or_number")]
     pub params: Option<String>,
+    /// With `params`: parameters of the largest layer, what ZeRO-3 gathers at once.
+    #[serde(default, deserialize_with = "string_or_number")]
+    pub largest_layer: Option<String>,
     pub seq: Option<u64>,
     /// Overrides the model's `max_position_embeddings` (a context-extended run).
     pub max_seq: Option<u64>,
@@ -65,6 +69,8 @@ pub struct Settings {
     pub gpu: Option<String>,
     pub gpus_per_node: Option<u64>,
     pub cluster: Option<ClusterFile>,
+    /// The fused attention kernel (flash2, triton); wins over the cluster file's.
+    pub attention: Option<String>,
     pub flops_convention: Option<String>,
     pub convention: Option<String>,
     pub overhead_gib: Option<f64>,
@@ -122,9 +128,14 @@ pub const MAX_PARAMS: u64 = 1 << 50;
 
 /// Parses a parameter count such as `7.5e9` or `7000000000` exactly.
 pub fn parse_params(s: &str) -> Result<u64> {
+    parse_count("params", s)
+}
+
+/// Parses a parameter count for setting `field` (`params`, `largest_layer`).
+fn parse_count(field: &str, s: &str) -> Result<u64> {
     let bad = || {
         PlanError::setting(
-            "params",
+            field,
             s,
             "expected a positive parameter count such as 7.5e9 or 125000000",
         )
@@ -142,7 +153,7 @@ pub fn parse_params(s: &str) -> Result<u64> {
     };
     if n > MAX_PARAMS {
         return Err(PlanError::setting(
-            "params",
+            field,
             s,
             format!("is above the planner's limit {MAX_PARAMS} (about 1.1e15 parameters)"),
         ));
@@ -225,13 +236,17 @@ impl Settings {
     /// The cluster: a cluster file (flags `gpu` and `gpus_per_node` win over it) or a GPU kind
     /// in nodes of `gpus_per_node` [default h100, 8 per node].
     pub fn cluster(&self) -> Result<Cluster> {
-        match &self.cluster {
-            Some(f) => f.resolve(self.gpu.as_deref(), self.gpus_per_node),
+        let mut c = match &self.cluster {
+            Some(f) => f.resolve(self.gpu.as_deref(), self.gpus_per_node)?,
             None => Cluster::of(
                 gpu(self.gpu.as_deref().unwrap_or("h100"))?,
                 positive("gpus_per_node", self.gpus_per_node, 8)?,
-            ),
+            )?,
+        };
+        if let Some(k) = &self.attention {
+            c.attention_kernel = k.parse()?;
         }
+        Ok(c)
     }
 
     /// Builds the planner input. `model` is a model the caller already loaded (the CLI reads
@@ -266,7 +281,13 @@ impl Settings {
                 }
             }
             (None, None, Some(cfg), _) => ModelSource::Spec(model_from_config(cfg)?),
-            (None, None, None, Some(p)) => ModelSource::Params(parse_params(p)?),
+            (None, None, None, Some(p)) => match &self.largest_layer {
+                None => ModelSource::Params(parse_params(p)?),
+                Some(big) => ModelSource::Counted {
+                    params: parse_params(p)?,
+                    largest_layer: parse_count("largest_layer", big)?,
+                },
+            },
             (None, None, None, None) => {
                 return Err(PlanError::setting(
                     "model",
@@ -275,13 +296,20 @@ impl Settings {
                 ))
             }
         };
+        if let (Some(big), ModelSource::Spec(_)) = (&self.largest_layer, &model) {
+            return Err(PlanError::setting(
+                "largest_layer",
+                big,
+                "goes with --params (a model config gives its own layers)",
+            ));
+        }
         let model = match model {
             ModelSource::Spec(m) => ModelSource::Spec(with_max_seq(m, self.max_seq)?),
             other => other,
         };
         let max_pos = match &model {
             ModelSource::Spec(m) => m.max_positions,
-            ModelSource::Params(_) => u64::MAX,
+            ModelSource::Params(_) | ModelSource::Counted { .. } => u64::MAX,
         };
         let layout = LayoutFlags {
             dp: self.dp,
@@ -421,6 +449,8 @@ pub struct SearchSettings {
     pub gpu: Option<String>,
     pub gpus_per_node: Option<u64>,
     pub cluster: Option<ClusterFile>,
+    /// The fused attention kernel (see [`Settings::attention`]).
+    pub attention: Option<String>,
     pub seq: Option<u64>,
     pub gbs_tokens: Option<u64>,
     pub precision: Option<String>,
@@ -497,6 +527,7 @@ impl SearchSettings {
             gpu: self.gpu.clone(),
             gpus_per_node: self.gpus_per_node,
             cluster: self.cluster.clone(),
+            attention: self.attention.clone(),
             ..Settings::default()
         }
         .cluster()?;
@@ -612,7 +643,8 @@ pub fn presets_json() -> Value {
         "pp_schedule": ["afab", "1f1b", "interleaved"],
         "offload": ["none", "optimizer", "params"],
         "optimizer": ["adamw", "sgd"],
-        "convention": ["ferrotron", "megatron", "zero-paper", "playbook"],
+        "convention": Convention::ALL.iter().map(|c| c.to_string()).collect::<Vec<_>>(),
+        "attention": AttentionKernel::ALL.iter().map(|k| k.name()).collect::<Vec<_>>(),
         "flops_convention": FlopsConvention::ALL.iter().map(|c| c.name()).collect::<Vec<_>>(),
     })
 }

@@ -84,13 +84,31 @@ pub fn comm_buffers(
     // gradients before its reduce-scatter.
     // (With pipelining a ZeRO-3 stage holds all its parameters for the step instead: states.rs.)
     if (l.zero >= 3 && l.pp == 1) || l.offload == Offload::Params {
-        add("zero3.gathered_params", st, 2 * unit, cb, true);
+        // DeepSpeed's estimator counts the gathered layer once ("4*largest_layer_params").
+        let gathered = if conv == Convention::DeepSpeed { 1 } else { 2 };
+        add("zero3.gathered_params", st, gathered * unit, cb, true);
         add("zero3.unsharded_grads", st, unit, cb, false);
+        // FSDP2 with `reduce_dtype` float32 copies a unit's bf16 gradients into an fp32
+        // reduce-scatter input (torchtitan's mixed precision policy).
+        if conv == Convention::Torchtitan && r.precision.has_master() {
+            add("fsdp2.reduce_scatter_fp32", DType::F32, unit, cb, false);
+        }
     }
     // ZeRO-2 reduce-scatters gradients bucket by bucket; two buckets in flight overlap
     // communication with the backward (PyTorch DDP's default bucket_cap_mb = 25).
     let ferrotron = conv == Convention::Ferrotron;
-    if l.zero == 2 && l.dense_replicas() > 1 && !ferrotron {
+    if conv == Convention::DeepSpeed {
+        // `contiguous_gradients`: one `reduce_bucket_size` bucket in the 16-bit dtype.
+        if matches!(l.zero, 1 | 2) && l.dense_replicas() > 1 {
+            add(
+                "deepspeed.ipg_bucket",
+                st,
+                crate::deepspeed::REDUCE_BUCKET_ELEMS,
+                cb,
+                false,
+            );
+        }
+    } else if l.zero == 2 && l.dense_replicas() > 1 && !ferrotron {
         add("zero2.grad_buckets", DType::U8, 2 * bucket_bytes, cb, false);
     }
     // ferrotron's data parallelism all-reduces gradients in f32 buckets (ZeRO-1/2:

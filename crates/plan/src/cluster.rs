@@ -9,6 +9,11 @@
 //!   67 TF, HBM3 3.35 TB/s, NVLink 4 900 GB/s; PCIe BF16 756 TF, FP8 1,513 TF, FP32 51 TF,
 //!   HBM2e 2.0 TB/s, PCIe Gen5 128 GB/s; 132 SMs (SXM), 114 SMs (PCIe).
 //! - [H200]: NVIDIA H200 datasheet (2024): H100 SXM compute, 141 GB HBM3e at 4.8 TB/s.
+//! - [H100-96]: pytorch/torchtitan `benchmarks/llama3_h100_202412_torchtitan.md`: the Grand
+//!   Teton H100 "equipped with 96GB HBM2e with 2.4 TB/sec peak memory bandwidth", 8 per host
+//!   on NVLink, "400 Gb/s per GPU", "the default 500W power limit"; its peak is taken as the
+//!   SXM's ("we use the peak number of SXM directly"). The sustained clock under the 500 W
+//!   limit is not measured: the 700 W part's MSMF ratio is used, an optimistic assumption.
 //! - [B200]: NVIDIA DGX B200 datasheet (2024): 8 GPUs, 72 PF FP8 training (sparse), 1,440 GB
 //!   HBM3e at 64 TB/s, NVLink 5 1.8 TB/s per GPU; per GPU dense BF16 2.25 PF, FP8 4.5 PF,
 //!   FP32 75 TF; 148 SMs.
@@ -25,6 +30,7 @@
 //! - [NCCL]: NCCL `src/graph/tuning.cc` latency model: ring/simple per-hop latency 3.4 µs over
 //!   NVLink, 5.7 µs over PCIe, 9.6 µs over the network.
 
+use crate::attention_kernel::AttentionKernel;
 use crate::error::{PlanError, Result};
 use crate::layout::Layout;
 use crate::recipe::Precision;
@@ -59,6 +65,14 @@ pub struct Gpu {
     /// Best measured matmul throughput as a fraction of peak [MAMF], bf16 and fp8.
     pub mamf_bf16: f64,
     pub mamf_fp8: f64,
+    /// FlashAttention-2's forward + backward throughput as a fraction of the bf16 peak, from
+    /// attention kernel benchmarks (`attention_kernel.rs`); `None` where none is published
+    /// (the matmul efficiency is used instead).
+    pub attention: Option<f64>,
+    /// Sustained over burst tensor-core throughput ([MSMF] / [MAMF] measured on the same GPU
+    /// and software), bf16 and fp8: the clock a saturated chip settles at under its power
+    /// limit, as a training step keeps it. `None` where not measured (1.0 is used).
+    pub sustained: Option<(f64, f64)>,
     /// The inter-node network this kind usually ships with (a `NETWORKS` name).
     pub default_network: String,
 }
@@ -78,6 +92,16 @@ impl Gpu {
         match p {
             Precision::Fp8 if self.fp8_flops > 0.0 => self.mamf_fp8,
             _ => self.mamf_bf16,
+        }
+    }
+
+    /// Sustained over burst throughput of the tensor cores for a precision [MSMF] (1 where
+    /// not measured).
+    pub fn sustained(&self, p: Precision) -> f64 {
+        match (self.sustained, p) {
+            (Some((_, fp8)), Precision::Fp8) if self.fp8_flops > 0.0 => fp8,
+            (Some((bf16, _)), _) => bf16,
+            (None, _) => 1.0,
         }
     }
 }
@@ -108,7 +132,24 @@ fn gpu_row(
         link_latency: link_latency_us * 1e-6,
         mamf_bf16: mamf.0,
         mamf_fp8: mamf.1,
+        attention: AttentionKernel::flash2_fraction(name),
+        sustained: sustained_ratio(name),
         default_network: network.into(),
+    }
+}
+
+/// [MSMF] / [MAMF] from the same `mamf-finder.py --search auto` run (stas00/ml-engineering,
+/// compute/accelerator/README.md at commit 082816f9be8aeb6b65b074c33cb354a7ca1e7087, "MAMF vs
+/// MSMF": "for training-throughput reasoning use MSMF (the sustained, power-saturated number)"):
+/// H200 SXM bf16 708.5 / 841.9 (1465 MHz saturated vs 1980 MHz boost), fp8 1288.7 / 1491.9;
+/// B200 SXM bf16 1456.3 / 1770.9, fp8 2795.7 / 3435.2. H100 SXM: the H200's chip at the same
+/// 700 W ("H200 is the same" in the MAMF table), so its ratios. Not measured for A100 (whose
+/// sustained clock the kernel-mix constant absorbs, see `time/cost.rs`) and the others.
+fn sustained_ratio(name: &str) -> Option<(f64, f64)> {
+    match name {
+        "h100" | "h100-96" | "h200" => Some((708.5 / 841.9, 1288.7 / 1491.9)),
+        "b200" => Some((1456.3 / 1770.9, 2795.7 / 3435.2)),
+        _ => None,
     }
 }
 
@@ -149,6 +190,18 @@ pub fn gpus() -> Vec<Gpu> {
             "H100 SXM 80 GB (nvidia-smi 81559 MiB) [H100]",
             (989.4, 1978.9, 66.9),
             3350.0,
+            132,
+            450.0,
+            3.4,
+            (0.803, 0.709),
+            "ib-ndr",
+        ),
+        gpu_row(
+            "h100-96",
+            96 * GIB,
+            "H100 SXM 96 GB HBM2e, 500 W power limit (Meta Grand Teton; vendor capacity) [H100-96]",
+            (989.4, 1978.9, 66.9),
+            2400.0,
             132,
             450.0,
             3.4,
@@ -317,6 +370,8 @@ pub struct Cluster {
     pub network: Network,
     /// Fraction of raw link bandwidth collectives achieve.
     pub link_efficiency: f64,
+    /// The fused attention kernel the framework runs on these GPUs.
+    pub attention_kernel: AttentionKernel,
 }
 
 impl Cluster {
@@ -338,6 +393,7 @@ impl Cluster {
             gpus_per_node,
             network,
             link_efficiency: LINK_EFFICIENCY,
+            attention_kernel: AttentionKernel::default(),
         })
     }
 
@@ -370,6 +426,9 @@ pub struct CustomGpu {
     pub link_gb_s: f64,
     /// Best achievable matmul fraction of peak (measure it with a MAMF finder) [default 0.8].
     pub matmul_efficiency: Option<f64>,
+    /// Flash-attention forward + backward fraction of the bf16 peak [default: the matmul
+    /// efficiency model's].
+    pub attention_efficiency: Option<f64>,
 }
 
 /// A user cluster file (TOML or JSON): a built-in GPU kind or a custom one, GPUs per node,
@@ -391,6 +450,8 @@ pub struct ClusterFile {
     pub inter_node_latency_us: Option<f64>,
     /// Fraction of link bandwidth collectives achieve [default 0.8].
     pub link_efficiency: Option<f64>,
+    /// The fused attention kernel: flash2 or triton [default flash2].
+    pub attention_kernel: Option<String>,
 }
 
 fn positive(field: &str, v: f64) -> Result<f64> {
@@ -449,6 +510,12 @@ impl CustomGpu {
             link_latency: 3.4e-6,
             mamf_bf16: eff,
             mamf_fp8: eff,
+            attention: self
+                .attention_efficiency
+                .map(|a| fraction("custom_gpu.attention_efficiency", a))
+                .transpose()?,
+            // A measured matmul_efficiency is what the user's own GPU sustains.
+            sustained: None,
             default_network: "ib-ndr".into(),
         })
     }
@@ -496,6 +563,9 @@ impl ClusterFile {
         }
         if let Some(e) = self.link_efficiency {
             c.link_efficiency = fraction("link_efficiency", e)?;
+        }
+        if let Some(k) = &self.attention_kernel {
+            c.attention_kernel = k.parse()?;
         }
         Ok(c)
     }
@@ -582,7 +652,32 @@ pub fn replica_group(l: &Layout, gpus_per_node: u64) -> Group {
     }
 }
 
+impl Group {
+    /// Members of the group in one node of `gpus_per_node` GPUs: consecutive members are
+    /// `stride` ranks apart, so a node holds ⌊G / stride⌋ of them (at least one, at most all).
+    pub fn members_per_node(&self, gpus_per_node: u64) -> u64 {
+        (gpus_per_node / self.stride.max(1)).clamp(1, self.size.max(1))
+    }
+}
+
 impl Cluster {
+    /// The link a data-parallel ring (gradient reductions, ZeRO gathers) runs over. Inside a
+    /// node, as `link`. Across nodes NCCL runs one ring per network card concurrently, each
+    /// entering a node through one card, passing the node's members over NVLink and leaving
+    /// through a card (S. Jeaugey, NVIDIA/nccl#412: "NCCL is able to aggregate the bandwidth of
+    /// multiple NICs"; NVIDIA/nccl#652: with 4 NICs "performance should add up as you add
+    /// more"). A group with k members per node therefore drives k cards of `network.bw` each,
+    /// bounded by the NVLink bandwidth that carries the whole ring: bw = min(intra, k · nic).
+    /// One member per node (tensor parallelism filling the node) gets one card, as `link`.
+    pub fn ring_link(&self, g: &Group) -> Link {
+        let mut link = self.link(g);
+        if g.crosses_nodes {
+            let k = g.members_per_node(self.gpus_per_node) as f64;
+            link.bw = (self.network.bw * k).min(self.intra_bw) * self.link_efficiency;
+        }
+        link
+    }
+
     /// The link a group's collectives run over: NVLink-class inside a node, the network
     /// otherwise (its bandwidth per GPU bounds a ring that crosses nodes).
     pub fn link(&self, g: &Group) -> Link {

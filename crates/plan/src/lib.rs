@@ -5,24 +5,29 @@
 //! breakdowns and timelines off it. See docs/FORMULAS.md for every formula and its source.
 
 pub mod activations;
+pub mod allocator;
 pub mod api;
 pub mod arena;
+pub mod attention_kernel;
 pub mod buffers;
 pub mod cluster;
 pub mod comm;
 pub mod convention;
+pub mod deepspeed;
 pub mod error;
 pub mod flops;
 pub mod hardware;
 pub mod inventory;
 pub mod layout;
 pub mod layout_flags;
+pub mod megatron_lm;
 pub mod memory;
 pub mod model;
 pub mod planner;
 pub mod presets;
 pub mod recipe;
 pub mod report;
+pub mod sac;
 pub mod schedule;
 pub mod search;
 pub mod states;
@@ -31,6 +36,7 @@ pub mod time;
 pub mod timeline;
 pub mod verdict;
 
+pub use attention_kernel::AttentionKernel;
 pub use cluster::Cluster;
 pub use convention::Convention;
 pub use error::{PlanError, Result};

@@ -2,7 +2,7 @@
 //! (pipeline stage), swept into peaks, breakdowns and a timeline.
 
 use crate::activations::{edge_acts, layer_acts, Act};
-use crate::buffers::{comm_buffers, units};
+use crate::buffers::{comm_buffers, units, Units};
 use crate::convention::Convention;
 use crate::error::{PlanError, Result};
 use crate::hardware::Overhead;
@@ -23,6 +23,22 @@ use serde::Serialize;
 pub enum ModelSource {
     Spec(ModelSpec),
     Params(u64),
+    /// A bare count with its largest layer: what ZeRO-3 gathers at once (`--params N
+    /// --largest-layer M`, the inputs of DeepSpeed's `estimate_zero3_model_states_mem_needs`).
+    Counted {
+        params: u64,
+        largest_layer: u64,
+    },
+}
+
+impl ModelSource {
+    /// The parameter count of a bare count (`Params` or `Counted`); `None` for a full spec.
+    pub fn bare_count(&self) -> Option<u64> {
+        match self {
+            ModelSource::Spec(_) => None,
+            ModelSource::Params(n) | ModelSource::Counted { params: n, .. } => Some(*n),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -64,6 +80,15 @@ pub struct PlanResult {
     pub most_loaded: usize,
 }
 
+impl RankPlan {
+    /// What PyTorch's caching allocator reserves at its peak running this rank's program
+    /// (`allocator.rs`): the allocated peak plus the allocator's rounding and fragmentation,
+    /// without the runtime context. Replayed on demand (the layout search never needs it).
+    pub fn reserved(&self) -> u64 {
+        crate::allocator::reserved_peak(&self.plan)
+    }
+}
+
 impl PlanResult {
     pub fn worst(&self) -> &RankPlan {
         &self.ranks[self.most_loaded]
@@ -87,14 +112,24 @@ fn plan_impl(input: &PlanInput, extremes: bool) -> Result<PlanResult> {
     r.validate()?;
     let spec = match &input.model {
         ModelSource::Spec(m) => Some(m),
-        ModelSource::Params(0) => {
+        ModelSource::Params(0) | ModelSource::Counted { params: 0, .. } => {
             return Err(PlanError::setting(
                 "params",
                 0,
                 "must be a positive parameter count",
             ))
         }
-        ModelSource::Params(_) => None,
+        ModelSource::Counted {
+            params,
+            largest_layer,
+        } if *largest_layer == 0 || largest_layer > params => {
+            return Err(PlanError::setting(
+                "largest_layer",
+                largest_layer,
+                format!("must be a positive count no larger than params = {params}"),
+            ))
+        }
+        ModelSource::Params(_) | ModelSource::Counted { .. } => None,
     };
     l.validate(spec, r)?;
     if l.pp_schedule == PpSchedule::Interleaved && r.grad_acc % l.pp != 0 {
@@ -113,7 +148,7 @@ fn plan_impl(input: &PlanInput, extremes: bool) -> Result<PlanResult> {
             let c = count(m, &t);
             (t, c)
         }
-        ModelSource::Params(n) => (
+        ModelSource::Params(n) | ModelSource::Counted { params: n, .. } => (
             Vec::new(),
             ParamCount {
                 total: *n,
@@ -194,6 +229,21 @@ pub(crate) fn rank_elems(
     e
 }
 
+/// Elements a convention adds to `rank_elems` on `stage`: Megatron-LM pads the vocabulary
+/// (`megatron_lm::padded_vocab`), so the embedding and every copy of the output layer on the
+/// stage hold the padded rows.
+fn vocab_padding(conv: Convention, spec: Option<&ModelSpec>, l: &Layout, stage: u64) -> u64 {
+    let (Convention::MegatronLm, Some(m)) = (conv, spec) else {
+        return 0;
+    };
+    let rows = (crate::megatron_lm::padded_vocab(m.vocab, l.tp) - m.vocab) / l.tp;
+    // The embedding on stage 0; the output layer on the last stage, its own matrix when
+    // untied, the tied copy when pipelined (`rank_elems`).
+    let matrices =
+        (stage == 0) as u64 + (stage == l.pp - 1 && (!m.tie_embeddings || l.pp > 1)) as u64;
+    matrices * rows * m.hidden
+}
+
 /// Buffer ids of the activations outside the layers (see `activations::EdgeActs`).
 #[derive(Default)]
 struct EdgeIds {
@@ -205,6 +255,7 @@ struct EdgeIds {
     head: Vec<BufId>,
     loss: Vec<BufId>,
     scratch_first: Vec<BufId>,
+    head_backward: Vec<BufId>,
     scratch_rest: Vec<BufId>,
 }
 
@@ -222,24 +273,22 @@ fn rank_plan(
     stage: u64,
 ) -> RankPlan {
     let (r, l, conv) = (&input.recipe, &input.layout, input.convention);
-    let total = match input.model {
-        ModelSource::Params(n) => n,
-        _ => 0,
-    };
+    let total = input.model.bare_count().unwrap_or(0);
     let mut plan = MemoryPlan::default();
-    let states = add_states(
-        &mut plan,
-        rank_elems(spec, tensors, l, stage, total),
-        r,
-        l,
-        conv,
-    );
+    let mut e = rank_elems(spec, tensors, l, stage, total);
+    e.dense += vocab_padding(conv, spec, l, stage);
+    let states = add_states(&mut plan, e, r, l, conv);
     plan.alloc(&states.at_init);
 
-    let units = spec.map_or(Default::default(), |m| {
-        units(tensors, l.tp, |p| stage_of(p, m, l) == stage)
-    });
-    let e = rank_elems(spec, tensors, l, stage, total);
+    let units = match (spec, &input.model) {
+        (Some(m), _) => units(tensors, l.tp, |p| stage_of(p, m, l) == stage),
+        // A stated largest layer is split by tensor parallelism like any layer.
+        (None, ModelSource::Counted { largest_layer, .. }) => Units {
+            layer: largest_layer.div_ceil(l.tp),
+            ..Units::default()
+        },
+        (None, _) => Units::default(),
+    };
     let comm = comm_buffers(
         spec,
         r,
@@ -269,9 +318,10 @@ fn rank_plan(
     // Recompute workspace of each layer kind (dense MLP, MoE MLP), rebuilt during a layer's
     // backward.
     let mut recompute_ids: [Vec<BufId>; 2] = Default::default();
-    // What a layer's forward holds transiently: under the ferrotron convention the tensors the
-    // policy drops are computed into the same `recompute.*` workspace during the forward and
-    // freed once the layer's output exists (the formula conventions count only what is kept).
+    // What a layer's forward holds transiently: under the tensor conventions (ferrotron,
+    // torchtitan) the tensors the policy drops are computed into the same `recompute.*`
+    // workspace during the forward and freed once the layer's output exists (the formula
+    // conventions count only what is kept).
     let mut forward_transient: [Vec<BufId>; 2] = Default::default();
     let mut kind = vec![];
     let mut e = EdgeIds::default();
@@ -309,7 +359,7 @@ fn rank_plan(
                 recompute_ids[k] = add_acts(&mut plan, &prefix, &kinds[k].recompute);
             }
         }
-        if conv == Convention::Ferrotron {
+        if conv.tensor_activations() {
             forward_transient = recompute_ids.clone();
         }
         let edge = edge_acts(m, r, l, conv);
@@ -328,6 +378,7 @@ fn rank_plan(
             e.final_input = add_acts(&mut plan, "", &fin);
             e.head = add_acts(&mut plan, "", &head);
             e.loss = add_acts(&mut plan, "", &edge.loss_transient);
+            e.head_backward = add_acts(&mut plan, "", &edge.head_backward);
         }
         e.scratch_first = add_acts(&mut plan, "", &edge.scratch_first);
         e.scratch_rest = add_acts(&mut plan, "", &edge.scratch_rest);
@@ -416,6 +467,8 @@ fn rank_plan(
                     let g = chunk * l.pp + stage;
                     plan.alloc(&e.scratch_first);
                     if g == chunks - 1 {
+                        plan.alloc(&e.head_backward);
+                        plan.free(&e.head_backward);
                         plan.free(&e.head);
                         plan.free(&e.final_input);
                     }

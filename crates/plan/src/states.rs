@@ -82,16 +82,21 @@ pub fn add_states(
         );
         out.per_step.push(id);
     }
+    // torchtitan's FSDP2 keeps the sharded parameters in fp32 (they are the optimizer's, no
+    // separate master copy) and all-gathers them in bf16 (`MixedPrecisionPolicy(param_dtype=
+    // bfloat16, reduce_dtype=float32)`, torchtitan `parallelize_llama.py`); its sharded
+    // gradients are fp32 like the parameters: 4 + 4 + 8 = 16 B/param over the FSDP group.
+    let fsdp2 = conv == Convention::Torchtitan && p.has_master();
     place(
         plan,
         0,
         "params",
-        p.storage(),
+        if fsdp2 { DType::F32 } else { p.storage() },
         params_n,
         Category::Params,
         on_host_params,
     );
-    if p.has_master() {
+    if p.has_master() && !fsdp2 {
         place(
             plan,
             0,
@@ -102,13 +107,48 @@ pub fn add_states(
             on_host_opt,
         );
     }
-    if conv == Convention::Megatron {
+    if conv.fp32_main_grads() {
         // Megatron accumulates gradients straight into an fp32 `main_grad` per parameter
         // (no 16-bit gradient copy): 2 + 4 + 4 + 8 = 18 B/param with Adam.
         place(
             plan,
             1,
             "grads.main_fp32",
+            DType::F32,
+            grads_n,
+            Category::Grads,
+            on_host_params,
+        );
+    } else if conv == Convention::DeepSpeed {
+        // DeepSpeed (`deepspeed.rs`): the whole model's 16-bit gradients under ZeRO-1/2 without
+        // offload, and an fp32 gradient partition next to the fp32 parameters.
+        if l.zero <= 2 && !on_host_opt {
+            place(
+                plan,
+                1,
+                "grads",
+                p.storage(),
+                elems.dense + elems.expert,
+                Category::Grads,
+                false,
+            );
+        }
+        if p.has_master() {
+            place(
+                plan,
+                1,
+                "grads.fp32_partition",
+                DType::F32,
+                opt_n,
+                Category::Grads,
+                on_host_opt,
+            );
+        }
+    } else if fsdp2 {
+        place(
+            plan,
+            1,
+            "grads.fp32",
             DType::F32,
             grads_n,
             Category::Grads,

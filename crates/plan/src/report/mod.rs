@@ -202,6 +202,12 @@ fn assemble(
     let model = match &x.model {
         ModelSource::Spec(m) => m.name.clone(),
         ModelSource::Params(n) => format!("{n} parameters (model states only)"),
+        ModelSource::Counted {
+            params,
+            largest_layer,
+        } => format!(
+            "{params} parameters, largest layer {largest_layer} (model states and ZeRO-3 gathers)"
+        ),
     };
     let verdict = gpu.map(|g| verdict(x, worst.peak, g, timing)).transpose()?;
     Ok(Report {
@@ -216,9 +222,10 @@ fn assemble(
         step2_explanation: explanation,
         verdict,
         overhead_note: format!(
-            "overhead = runtime context {:.2} GiB + fragmentation margin {:.0}% of allocated (assumptions; --overhead-gib, --fragmentation)",
+            "overhead = runtime context {:.2} GiB + fragmentation margin {:.0}% of allocated (assumptions; --overhead-gib, --fragmentation); PyTorch's caching allocator, replayed over the most loaded rank's program, would reserve {:.2} GiB at its peak (allocator.rs)",
             x.overhead.context_bytes as f64 / crate::GIB,
-            x.overhead.fragmentation * 100.0
+            x.overhead.fragmentation * 100.0,
+            worst.reserved() as f64 / crate::GIB
         ),
         activations_vs_seq: if with_seq_sweep { activations_vs_seq(x) } else { vec![] },
         time: None,

@@ -64,8 +64,14 @@ impl std::ops::Mul<f64> for Cost {
 pub struct Efficiency {
     /// Peak FLOP/s of the recipe's matmul dtype.
     pub peak_flops: f64,
-    /// e_mm = MAMF × KERNEL_MIX.
+    /// e_mm = MAMF × sustained clock ratio (MSMF / MAMF) × KERNEL_MIX.
     pub matmul: f64,
+    /// Fused attention's FLOP/s on this GPU, forward and backward: the bf16 peak times
+    /// FlashAttention-2's measured fraction (`attention_kernel.rs`) times the sustained clock
+    /// ratio, scaled for the cluster's kernel; the matmul rate where no benchmark exists.
+    /// Attention runs in bf16 under fp8 recipes (fp8 covers the linear layers in Transformer
+    /// Engine and torchao's float8 training).
+    pub attention_flops: (f64, f64),
     /// e_mem.
     pub memory: f64,
     pub hbm_bw: f64,
@@ -76,7 +82,19 @@ impl Efficiency {
     pub fn of(c: &Cluster, p: Precision) -> Self {
         Efficiency {
             peak_flops: c.gpu.peak_flops(p),
-            matmul: c.gpu.mamf(p) * KERNEL_MIX,
+            matmul: c.gpu.mamf(p) * c.gpu.sustained(p) * KERNEL_MIX,
+            attention_flops: {
+                // Attention kernel benchmarks are bursts too: the sustained clock slows them
+                // alike.
+                let flash2 = match c.gpu.attention {
+                    Some(a) if p != Precision::Fp32 => {
+                        c.gpu.bf16_flops * a * c.gpu.sustained(Precision::Bf16)
+                    }
+                    _ => c.gpu.peak_flops(p) * c.gpu.mamf(p) * c.gpu.sustained(p) * KERNEL_MIX,
+                };
+                let (f, b) = c.attention_kernel.relative_to_flash2();
+                (flash2 * f, flash2 * b)
+            },
             memory: MEMORY_EFFICIENCY,
             hbm_bw: c.gpu.hbm_bw,
             sms: c.gpu.sms.max(1),
@@ -117,11 +135,17 @@ impl Efficiency {
         (one(m, n), one(m, k) + one(k, n))
     }
 
-    pub(super) fn attention(&self, flops: f64) -> Cost {
-        Cost {
-            attention_s: flops / (self.peak_flops * self.matmul),
+    /// A fused attention kernel's forward of `fwd` FLOPs and its backward (2.5× the forward:
+    /// 5 matmuls against 2, the scores recomputed; Dao 2023 §3.1–3.2 and §4.1).
+    pub(super) fn attention(&self, fwd: f64) -> (Cost, Cost) {
+        let cost = |flops: f64, rate: f64| Cost {
+            attention_s: flops / rate,
             flops,
             ..Cost::default()
-        }
+        };
+        (
+            cost(fwd, self.attention_flops.0),
+            cost(2.5 * fwd, self.attention_flops.1),
+        )
     }
 }

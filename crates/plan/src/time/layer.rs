@@ -2,12 +2,14 @@
 //! model facts the step-time estimate precomputes.
 
 use super::cost::{Cost, Efficiency};
+use super::elementwise::Traffic;
 use crate::convention::Convention;
 use crate::inventory::{Placement, Tensor};
 use crate::layout::Layout;
 use crate::model::{Family, ModelSpec};
 use crate::planner::{rank_elems, PlanInput};
 use crate::recipe::Recompute;
+use crate::sac;
 use crate::states::RankElems;
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -152,7 +154,7 @@ fn one_layer_cost(tm: &TimeModel, x: &PlanInput, e: &Efficiency, layer: u64) -> 
     let a_l = m.heads.div_ceil(t);
     let kv_l = m.kv_heads_tp(t);
     let (d, dv) = (m.head_dim, m.v_head_dim);
-    let unfused = x.convention != Convention::Ferrotron;
+    let unfused = !x.convention.fused_attention();
     let dropout = unfused;
     let mut out = LayerCost::default();
     let mut selective = Cost::default();
@@ -164,9 +166,16 @@ fn one_layer_cost(tm: &TimeModel, x: &PlanInput, e: &Efficiency, layer: u64) -> 
     };
     let local_experts = (e_total / l.ep).max(1);
     let per_expert_tokens = (n * k_routed * l.ep).div_ceil(e_total);
-    for tensor in tm.tensors.iter().filter(|t| {
-        t.placement == Placement::Layer(layer) && t.matmul && matches!(t.expert, None | Some(0))
-    }) {
+    // torchtitan's op-level selective checkpointing recomputes every second matmul (`sac.rs`).
+    let op_sac = x.convention == Convention::Torchtitan && r.recompute == Recompute::Selective;
+    for (i, tensor) in tm
+        .tensors
+        .iter()
+        .filter(|t| {
+            t.placement == Placement::Layer(layer) && t.matmul && matches!(t.expert, None | Some(0))
+        })
+        .enumerate()
+    {
         let (k, nn) = in_out(m, tensor, t);
         let (rows, batch) = if tensor.expert.is_some() {
             (per_expert_tokens, local_experts)
@@ -176,6 +185,9 @@ fn one_layer_cost(tm: &TimeModel, x: &PlanInput, e: &Efficiency, layer: u64) -> 
         let (f, b) = e.gemm(rows, k, nn, batch, st);
         out.fwd += f;
         out.bwd += b;
+        if op_sac && sac::recomputes_matmul(i) {
+            selective += f;
+        }
     }
 
     // Attention core.
@@ -202,16 +214,18 @@ fn one_layer_cost(tm: &TimeModel, x: &PlanInput, e: &Efficiency, layer: u64) -> 
         // scores (5 matmuls against the forward's 2: Dao 2023, FlashAttention-2, §3.1–3.2).
         // QKᵀ over d and AV over dv (MLA: 192 and 128).
         let fwd = 2.0 * nf * r.seq as f64 * (a_l * (d + dv)) as f64 / 2.0;
-        out.fwd += e.attention(fwd);
-        out.bwd += e.attention(2.5 * fwd);
-        out.attn_fwd_s = e.attention(fwd).s();
-        out.attn_bwd_s = e.attention(2.5 * fwd).s();
+        let (af, ab) = e.attention(fwd);
+        out.fwd += af;
+        out.bwd += ab;
+        out.attn_fwd_s = af.s();
+        out.attn_bwd_s = ab.s();
     }
 
     // Elementwise kernels. Residual-stream tensors are sharded by sequence parallelism.
     let resid = nf * h / shard;
-    let norm_f = e.mem(2.0 * st * resid);
-    let norm_b = e.mem(3.0 * st * resid);
+    let tr = Traffic::of(x.convention, st);
+    let norm_f = e.mem(tr.norm.0 * resid);
+    let norm_b = e.mem(tr.norm.1 * resid);
     let (res_f, res_b) = if dropout {
         // Megatron's fused bias-dropout-add, with a one-byte mask.
         (
@@ -236,17 +250,19 @@ fn one_layer_cost(tm: &TimeModel, x: &PlanInput, e: &Efficiency, layer: u64) -> 
         // Fused bias-GeLU: read and write the [n, f] activation.
         (e.mem(2.0 * st * nf * f_l), e.mem(3.0 * st * nf * f_l))
     } else {
-        // SwiGLU / GeGLU: read gate and up, write the product; backward reads gate, up and the output
-        // gradient and writes both input gradients.
-        (e.mem(3.0 * st * gated), e.mem(5.0 * st * gated))
+        // SwiGLU / GeGLU (`elementwise.rs`).
+        (e.mem(tr.gated.0 * gated), e.mem(tr.gated.1 * gated))
     };
-    out.fwd += norm_f * 2.0 + res_f * 2.0 + act_f;
-    out.bwd += norm_b * 2.0 + res_b * 2.0 + act_b;
+    let attn_elems = nf * (a_l * dv) as f64;
+    out.fwd += norm_f * 2.0 + res_f * 2.0 + act_f + e.mem(tr.attn_copy.0 * attn_elems);
+    out.bwd += norm_b * 2.0 + res_b * 2.0 + act_b + e.mem(tr.attn_copy.1 * attn_elems);
+    let mut rope = Cost::default();
     if m.family != Family::Gpt2 {
         // RoPE on q and k.
-        let rope = e.mem(2.0 * st * nf * ((a_l + kv_l) * m.rotary_dim) as f64);
+        let qk = nf * ((a_l + kv_l) * m.rotary_dim) as f64;
+        rope = e.mem(tr.rope.0 * qk);
         out.fwd += rope;
-        out.bwd += rope;
+        out.bwd += e.mem(tr.rope.1 * qk);
     }
     if let Some(moe) = m.moe.filter(|_| moe_layer) {
         // Router softmax/top-k in fp32 and the permutations to and from expert order.
@@ -258,7 +274,11 @@ fn one_layer_cost(tm: &TimeModel, x: &PlanInput, e: &Efficiency, layer: u64) -> 
             selective += permute * 0.5;
         }
     }
-    if !unfused {
+    if op_sac {
+        // ... and every elementwise op of the block: the norms, RoPE, the activation product
+        // and the residual adds.
+        selective += norm_f * 2.0 + act_f + rope + res_f * 2.0;
+    } else if !unfused {
         // ferrotron's selective policy drops both norm outputs and the activation product.
         selective += norm_f * 2.0 + act_f;
     }
@@ -299,7 +319,7 @@ pub(super) fn edge_costs(tm: &TimeModel, x: &PlanInput, e: &Efficiency) -> (Edge
     let n = r.mbs * r.seq / l.cp;
     let nf = n as f64;
     let h = m.hidden as f64;
-    let unfused = x.convention != Convention::Ferrotron;
+    let unfused = !x.convention.fused_attention();
     // Embedding: gather rows (read + write), GPT-2 adds positions, Megatron adds dropout.
     let mut emb_bytes = 2.0 * st * nf * h;
     if m.family == Family::Gpt2 {

@@ -8,11 +8,16 @@
 //!   128 × 256 output tiles over the GPU's SMs (NVIDIA, "Matrix Multiplication Background User's
 //!   Guide", §"Wave quantization"): tiles / (⌈tiles / SMs⌉ · SMs). Elementwise kernels (norms,
 //!   activations, residuals, dropout, softmax, RoPE, cross-entropy) move bytes only.
-//! - e_mm = MAMF(GPU) × KERNEL_MIX: the best measured matmul fraction of each GPU (Bekman's MAMF
-//!   table, see `cluster.rs`) times one constant for the kernel mix of real training (shapes,
-//!   epilogues, launch gaps). KERNEL_MIX = 0.87 was calibrated once, on A100, against Korthikanti
-//!   et al. 2022 Table 5; the same value serves every GPU and every case. e_mem = 0.8 of HBM
-//!   bandwidth (a STREAM-like achievable fraction; an assumption).
+//! - e_mm = MAMF(GPU) × sustained(GPU) × KERNEL_MIX: the best measured matmul fraction of each
+//!   GPU (Bekman's MAMF table, see `cluster.rs`), the sustained-over-burst clock ratio where the
+//!   MSMF (power-saturated) benchmark measured it (H100/H200, B200), and one constant for the
+//!   kernel mix of real training (shapes, epilogues, launch gaps). KERNEL_MIX = 0.87 was
+//!   calibrated once, on A100, against Korthikanti et al. 2022 Table 5; the same value serves
+//!   every GPU and every case. e_mem = 0.8 of HBM bandwidth (a STREAM-like achievable fraction;
+//!   an assumption).
+//! - Fused attention runs at its own measured rate: FlashAttention-2's fraction of the bf16 peak
+//!   from attention kernel benchmarks (`attention_kernel.rs`), times the sustained ratio, scaled
+//!   for the cluster's kernel (the Triton kernel: 1.4× slower forward, 2× backward).
 //! - Backward: each matmul's dgrad and wgrad GEMMs (2× the forward FLOPs); elementwise kernels
 //!   read the saved input and the output gradient and write the input gradient.
 //! - Recompute: full replays each layer's forward (with its TP/EP/CP communication);
@@ -23,7 +28,8 @@
 //!   gradient reduction is bucketed and overlaps the last micro-batch's backward (Li et al. 2020,
 //!   "PyTorch Distributed", §3.2.3); ZeRO-3 gathers are prefetched and overlap each
 //!   micro-batch's compute; ZeRO-1/2 parameter all-gathers after the optimizer step are exposed;
-//!   pipeline sends are on the critical path.
+//!   pipeline sends are on the critical path. Data-parallel rings across nodes drive one network
+//!   card per group member in a node (`Cluster::ring_link`).
 //! - Pipeline: the steady state is paced by the slowest stage (first or last: they hold the
 //!   embedding and the LM head); bubble = (p − 1)/v × its per-micro-batch time, i.e. a bubble
 //!   fraction (p − 1)/(v·m) (Narayanan et al. 2021 §2.2 for 1F1B and interleaved 1F1B; AFAB/GPipe,
@@ -33,6 +39,7 @@
 //!   read and the zeroing write.
 
 mod cost;
+mod elementwise;
 mod layer;
 mod report;
 mod stage;
@@ -146,16 +153,21 @@ pub fn estimate_with(
 
     // Data parallelism and ZeRO, per stage: what remains after the pipeline drains.
     let rg = replica_group(l, cluster.gpus_per_node);
-    let dp_link = cluster.link(&rg);
+    let dp_link = cluster.ring_link(&rg);
     let mut eg = rg;
     eg.size = l.cp * l.dp;
+    // Expert replicas: cp members are tp apart, dp members tp·cp·ep apart.
+    eg.stride = if l.cp > 1 { l.tp } else { l.tp * l.ep };
     eg.crosses_nodes = l.dp * l.cp > 1
         && (l.tp * l.cp * l.ep * l.dp > cluster.gpus_per_node
             || !cluster
                 .gpus_per_node
                 .is_multiple_of(l.tp * l.cp * l.ep * l.dp));
-    let ep_dp_link = cluster.link(&eg);
-    let grad_bytes = if x.convention == Convention::Megatron || r.precision.fp32_grad_acc() {
+    let ep_dp_link = cluster.ring_link(&eg);
+    // Megatron's fp32 main grads; torchtitan reduces in fp32 (FSDP2 `reduce_dtype`).
+    let fp32_reduce = x.convention == Convention::Torchtitan && r.precision.has_master();
+    let grad_bytes = if x.convention.fp32_main_grads() || fp32_reduce || r.precision.fp32_grad_acc()
+    {
         4.0
     } else {
         st
@@ -273,10 +285,11 @@ pub fn estimate_with(
     let detail_cost = (slow.compute + slow.recompute) * mb;
     let mut notes = vec![
         format!(
-            "compute: roofline per kernel; matmuls at {:.1}% of {:.0} TFLOP/s (MAMF {:.1}% × kernel mix {:.2}) with wave quantization over {} SMs; memory-bound kernels at {:.0}% of {:.0} GB/s",
+            "compute: roofline per kernel; matmuls at {:.1}% of {:.0} TFLOP/s (MAMF {:.1}% × sustained clock {:.3} × kernel mix {:.2}) with wave quantization over {} SMs; memory-bound kernels at {:.0}% of {:.0} GB/s",
             e.matmul * 100.0,
             peak / 1e12,
             cluster.gpu.mamf(r.precision) * 100.0,
+            cluster.gpu.sustained(r.precision),
             KERNEL_MIX,
             e.sms,
             e.memory * 100.0,
@@ -284,10 +297,16 @@ pub fn estimate_with(
         ),
         format!(
             "attention: {}",
-            if x.convention == Convention::Ferrotron {
-                "flash (causal half of the square; backward recomputes the scores)"
+            if x.convention.fused_attention() {
+                format!(
+                    "{} (causal half of the square; backward recomputes the scores) at {:.0} / {:.0} TFLOP/s forward / backward",
+                    cluster.attention_kernel,
+                    e.attention_flops.0 / 1e12,
+                    e.attention_flops.1 / 1e12
+                )
             } else {
                 "unfused, full s×s scores with softmax and dropout (the memory convention's layer)"
+                    .to_string()
             }
         ),
         format!("ranks placed tp innermost, then cp, ep, dp, pp; {}", cluster.describe()),

@@ -190,7 +190,7 @@ pub fn verdict(x: &PlanInput, peak: u64, gpu: &Gpu, timing: Option<Timing>) -> R
     x.recipe.validate()?;
     let spec = match &x.model {
         ModelSource::Spec(m) => Some(m),
-        ModelSource::Params(_) => None,
+        ModelSource::Params(_) | ModelSource::Counted { .. } => None,
     };
     x.layout.validate(spec, &x.recipe)?;
     let capacity = gpu.capacity;
