@@ -31,6 +31,7 @@ use ferrotron_engine::Elem;
 use ferrotron_plan::comm::{bytes_per_rank, Collective};
 use std::collections::VecDeque;
 use std::ops::Range;
+use std::time::{Duration, Instant};
 
 /// Where the gradients go: into which bucket, at which offset, in the order they become final.
 #[derive(Debug, Clone, PartialEq)]
@@ -151,6 +152,17 @@ struct Bucket {
 struct InFlight {
     pending: Pending,
     index: usize,
+    name: &'static str,
+    start: Instant,
+}
+
+/// A collective of this step: started, waited for from `waited` (the rank blocked), landed.
+#[derive(Debug, Clone, Copy)]
+pub struct CommSpan {
+    pub name: &'static str,
+    pub start: Instant,
+    pub waited: Instant,
+    pub end: Instant,
 }
 
 pub struct DataParallel {
@@ -176,6 +188,10 @@ pub struct DataParallel {
     /// Bytes this rank sent this step, as the ring algorithms send them
     /// (`ferrotron_plan::comm::bytes_per_rank`: the planner's formula).
     pub comm_bytes: f64,
+    /// This step's collectives (the trace's communication track), and the time the rank spent
+    /// blocked on them: the communication the backward did not hide.
+    pub spans: Vec<CommSpan>,
+    pub exposed: Duration,
 }
 
 impl DataParallel {
@@ -207,6 +223,8 @@ impl DataParallel {
             reduced: 0,
             error: None,
             comm_bytes: 0.0,
+            spans: Vec::new(),
+            exposed: Duration::ZERO,
         }
     }
 
@@ -219,6 +237,9 @@ impl DataParallel {
         };
         self.filling = Some(bucket());
         self.spare = vec![bucket()];
+        // Each bucket's reduction and all-gather, a few micro-batches' worth: kept between
+        // steps, so the spans allocate nothing once the first steps have run.
+        self.spans = Vec::with_capacity(4 * self.layout.pieces.len() + 8);
     }
 
     pub fn size(&self) -> usize {
@@ -300,26 +321,36 @@ impl DataParallel {
         b.buf.truncate(used);
         b.buf.resize(self.layout.len[index], 0.0);
         let (p, bytes) = (self.comm.size() as u64, 4.0 * b.buf.len() as f64);
-        let pending = match self.shard {
-            Some(_) => {
-                self.comm_bytes += bytes_per_rank(Collective::ReduceScatter, bytes, p);
-                self.comm.reduce_scatter_start(b.buf)
-            }
-            None => {
-                self.comm_bytes += bytes_per_rank(Collective::AllReduce, bytes, p);
-                self.comm.all_reduce_start(b.buf)
-            }
+        let (start, c) = (Instant::now(), self.reduction());
+        self.comm_bytes += bytes_per_rank(c, bytes, p);
+        let (pending, name) = match c {
+            Collective::ReduceScatter => (self.comm.reduce_scatter_start(b.buf), "reduce-scatter"),
+            _ => (self.comm.all_reduce_start(b.buf), "all-reduce"),
         };
-        self.in_flight.push_back(InFlight { pending, index });
+        self.in_flight.push_back(InFlight {
+            pending,
+            index,
+            name,
+            start,
+        });
     }
 
     /// Waits for the oldest bucket, writes its sums back into `grads` (ZeRO-1: this rank's
     /// block) and makes it spare.
     fn land_oldest<G: Elem>(&mut self, sums: &mut Sums<G>) {
-        let Some(InFlight { pending, index }) = self.in_flight.pop_front() else {
+        let Some(InFlight {
+            pending,
+            index,
+            name,
+            start,
+        }) = self.in_flight.pop_front()
+        else {
             return;
         };
-        match pending.wait() {
+        let waited = Instant::now();
+        let landed = pending.wait();
+        landed_now(&mut self.spans, &mut self.exposed, name, start, waited);
+        match landed {
             Ok(mut buf) => {
                 let put = |g: &mut [G], at: usize| {
                     let n = g.len();
@@ -417,11 +448,16 @@ impl DataParallel {
                 );
             }
             self.comm_bytes += bytes_per_rank(Collective::AllGather, 4.0 * buf.len() as f64, p);
-            let buf = self
-                .comm
-                .all_gather_start(buf)
-                .wait()
-                .map_err(|e| anyhow!("ZeRO-1 all-gather: {e}"))?;
+            let start = Instant::now();
+            let gathered = self.comm.all_gather_start(buf).wait();
+            landed_now(
+                &mut self.spans,
+                &mut self.exposed,
+                "all-gather",
+                start,
+                start,
+            );
+            let buf = gathered.map_err(|e| anyhow!("ZeRO all-gather: {e}"))?;
             for (r, at) in pieces {
                 io.put(r.clone(), &buf[*at..at + r.len()]);
             }
@@ -429,6 +465,14 @@ impl DataParallel {
         }
         b.buf.resize(self.bucket_len, 0.0);
         Ok(())
+    }
+
+    /// How buckets are reduced: all-reduced, or reduce-scattered into shards (ZeRO).
+    fn reduction(&self) -> Collective {
+        match self.shard {
+            Some(_) => Collective::ReduceScatter,
+            None => Collective::AllReduce,
+        }
     }
 
     /// The sum over ranks of a per-rank f64 (ZeRO-1's Σg² of each shard), the same on every
@@ -471,6 +515,24 @@ impl DataParallel {
             .map(|c| (join(c[0], c[1]), join(c[2], c[3])))
             .collect())
     }
+}
+
+/// A collective started at `start` landed now; the rank blocked on it from `waited`.
+fn landed_now(
+    spans: &mut Vec<CommSpan>,
+    exposed: &mut Duration,
+    name: &'static str,
+    start: Instant,
+    waited: Instant,
+) {
+    let end = Instant::now();
+    *exposed += end.saturating_duration_since(waited);
+    spans.push(CommSpan {
+        name,
+        start,
+        waited,
+        end,
+    });
 }
 
 /// The parameter tensor of `table` the backward does not report (an untied LM head).

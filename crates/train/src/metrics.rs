@@ -37,6 +37,10 @@ pub struct StepMetrics {
     /// The planner's prediction of `comm_bytes` for this layout.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub comm_bytes_planned: Option<u64>,
+    /// Data parallelism: milliseconds this rank was blocked waiting for its gradient
+    /// reductions and parameter all-gathers (the communication not hidden behind compute).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub comm_exposed_ms: Option<f64>,
     /// The GEMM kernel the products ran on (`Gemm::describe`): results depend on it.
     #[serde(default)]
     pub gemm: String,

@@ -1,9 +1,11 @@
 //! `--trace`: a Chrome trace (the JSON Trace Event Format that Perfetto and chrome://tracing
 //! open) of every kernel call and every phase of the first steps. Recording is the engine's
-//! `Tracing<K>` (an observed backend with an event log); this module writes the file.
+//! `Tracing<K>` (an observed backend with an event log); this module writes the file. A
+//! data-parallel rank's collectives are on a track of their own, from start to landing, so
+//! the overlap with the backward shows.
 
 use anyhow::{Context, Result};
-pub use ferrotron_engine::kernels::{Event, Tracing};
+pub use ferrotron_engine::kernels::{Event, Tracing, COMM_TRACK};
 use serde::Serialize;
 use std::io::Write;
 use std::path::Path;
@@ -43,7 +45,10 @@ pub fn write_chrome(path: &Path, events: &[Event]) -> Result<()> {
             dur: 0.0,
             pid,
             tid: t,
-            args: Some(serde_json::json!({ "name": format!("ferrotron thread {t}") })),
+            args: Some(serde_json::json!({ "name": match t {
+                COMM_TRACK => "collectives in flight".to_string(),
+                t => format!("ferrotron thread {t}"),
+            } })),
         });
     }
     for e in events {

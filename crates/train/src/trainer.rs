@@ -409,7 +409,7 @@ impl Trainer {
         self.step += 1;
         let secs = t0.elapsed().as_secs_f64();
         let measured = alloc::peak().saturating_sub(self.baseline);
-        let (mut rank_mem, mut comm_bytes) = (Vec::new(), None);
+        let (mut rank_mem, mut comm_bytes, mut comm_exposed) = (Vec::new(), None, None);
         let (mut planned_max, mut measured_max) = (planned, measured);
         if let Some(dp) = &mut self.dp {
             let all = dp.gather_mem(planned, measured)?;
@@ -425,6 +425,11 @@ impl Trainer {
             planned_max = all.iter().map(|r| r.0).max().unwrap_or(planned);
             measured_max = all.iter().map(|r| r.1).max().unwrap_or(measured);
             comm_bytes = Some(std::mem::take(&mut dp.comm_bytes).round() as u64);
+            comm_exposed = Some(std::mem::take(&mut dp.exposed).as_secs_f64() * 1e3);
+            for c in &dp.spans {
+                self.kernels.comm(c.name, c.start, c.end, self.step);
+            }
+            dp.spans.clear();
         }
         let tokens = self.global_batch_tokens();
         let tps = tokens as f64 / secs;
@@ -452,6 +457,7 @@ impl Trainer {
                 rank_mem,
                 comm_bytes,
                 comm_bytes_planned: self.comm_planned,
+                comm_exposed_ms: comm_exposed,
                 gemm: self.gemm.clone(),
             },
         })

@@ -224,3 +224,50 @@ fn a_run_resumes_on_another_layout_and_goes_on_along_the_same_trajectory() {
         "mbs = 2: with grad_acc = 2 and dp = 4 a step trains 16 sequences, the checkpoint's 8 (mbs 2 × grad_acc 2 × dp 2); a resumed run keeps the sequences per step"
     );
 }
+
+#[test]
+fn the_trace_shows_each_collective_on_its_own_track() {
+    // dp 2 with ZeRO-1 and 1 MiB buckets: every bucket's reduce-scatter and all-gather is an
+    // event on the communication track of rank 0's trace, and the time blocked on them is
+    // part of the step.
+    let out = tmp("trace-comm");
+    let _turn = ONE_RUN_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let mut a = tiny_args(&out, 2);
+    (a.layout.dp, a.layout.zero, a.bucket_mb) = (Some(2), Some(1), Some(1));
+    a.trace = Some(out.join("trace.json"));
+    let steps = run(a).unwrap().steps;
+    for m in &steps {
+        let e = m
+            .comm_exposed_ms
+            .expect("a data-parallel step reports its exposed time");
+        assert!(
+            (0.0..=m.step_ms).contains(&e),
+            "step {}: {e} ms of {}",
+            m.step,
+            m.step_ms
+        );
+    }
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("trace.json")).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    let comm: Vec<&str> = events
+        .iter()
+        .filter(|e| e["cat"] == "comm")
+        .map(|e| e["name"].as_str().unwrap())
+        .collect();
+    let track = events
+        .iter()
+        .find(|e| e["args"]["name"] == "collectives in flight")
+        .expect("the communication track is named");
+    assert!(events
+        .iter()
+        .filter(|e| e["cat"] == "comm")
+        .all(|e| e["tid"] == track["tid"]));
+    let scatters = comm.iter().filter(|n| **n == "reduce-scatter").count();
+    let gathers = comm.iter().filter(|n| **n == "all-gather").count();
+    assert!(scatters > 1, "{comm:?}");
+    assert_eq!(
+        scatters, gathers,
+        "one all-gather per bucket reduced: {comm:?}"
+    );
+}

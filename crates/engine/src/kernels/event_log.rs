@@ -8,11 +8,14 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::Relaxed};
 use std::sync::Mutex;
 use std::time::Instant;
 
+/// The track of a rank's collectives in flight (a thread id no thread has).
+pub const COMM_TRACK: u32 = u32::MAX;
+
 /// One complete ("X") event.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Event {
     pub name: &'static str,
-    /// "kernel" or "phase".
+    /// "kernel", "phase" or "comm".
     pub cat: &'static str,
     /// Nanoseconds since the log was created.
     pub start_ns: u64,
@@ -57,6 +60,26 @@ impl EventLog {
         t.saturating_duration_since(self.t0).as_nanos() as u64
     }
 
+    fn event(
+        &self,
+        name: &'static str,
+        cat: &'static str,
+        start: Instant,
+        end: Instant,
+        step: u64,
+        mb: u64,
+    ) -> Event {
+        Event {
+            name,
+            cat,
+            start_ns: self.ns(start),
+            dur_ns: end.saturating_duration_since(start).as_nanos() as u64,
+            tid: tid(),
+            step,
+            mb,
+        }
+    }
+
     fn push(
         &self,
         name: &'static str,
@@ -66,15 +89,7 @@ impl EventLog {
         step: u64,
         mb: u64,
     ) {
-        let e = Event {
-            name,
-            cat,
-            start_ns: self.ns(start),
-            dur_ns: end.saturating_duration_since(start).as_nanos() as u64,
-            tid: tid(),
-            step,
-            mb,
-        };
+        let e = self.event(name, cat, start, end, step, mb);
         self.events.lock().unwrap().push(e);
     }
 }
@@ -117,6 +132,17 @@ impl<K> Observed<K, EventLog> {
     /// Takes the recorded events.
     pub fn take(&self) -> Vec<Event> {
         std::mem::take(&mut *self.observer.events.lock().unwrap())
+    }
+
+    /// Records a collective of this rank that was in flight from `start` to `end` (no-op when
+    /// off), on its own track ([`COMM_TRACK`]) beside the compute of the thread that ran it.
+    pub fn comm(&self, name: &'static str, start: Instant, end: Instant, step: u64) {
+        if self.is_on() {
+            let o = &self.observer;
+            let mut e = o.event(name, "comm", start, end, step, 0);
+            e.tid = COMM_TRACK;
+            o.events.lock().unwrap().push(e);
+        }
     }
 
     /// Records a phase that began at `start` and ends now (no-op when off).

@@ -19,7 +19,7 @@ pub mod profile;
 
 pub use crate::dtype::Elem;
 pub use cpu::{CpuKernels, Gemm};
-pub use event_log::{Event, EventLog, Tracing};
+pub use event_log::{Event, EventLog, Tracing, COMM_TRACK};
 pub use observe::{Observed, OpObserver};
 pub use profile::{OpTime, OpTotals, Profiled};
 
