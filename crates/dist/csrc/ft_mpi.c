@@ -114,53 +114,42 @@ int ft_alltoall(void *c, const float *send, float *recv, int block) {
 
 int ft_barrier(void *c) { return MPI_Barrier(*(MPI_Comm *)c); }
 
-/* Non-blocking operations: the request lives in a heap box freed by ft_wait / ft_test. */
-int ft_iallreduce(void *c, float *buf, int n, void **req) {
-    MPI_Request *r = malloc(sizeof(MPI_Request));
-    int rc = MPI_Iallreduce(MPI_IN_PLACE, buf, n, MPI_FLOAT, MPI_SUM, *(MPI_Comm *)c, r);
+/* Non-blocking operations: the request lives in a heap box freed by ft_wait / ft_test.
+   `started` hands it out when the operation started, and frees it when it did not. */
+static int started(int rc, MPI_Request *r, void **req) {
     if (rc != MPI_SUCCESS) {
         free(r);
         return rc;
     }
     *req = r;
     return MPI_SUCCESS;
+}
+
+int ft_iallreduce(void *c, float *buf, int n, void **req) {
+    MPI_Request *r = malloc(sizeof(MPI_Request));
+    return started(MPI_Iallreduce(MPI_IN_PLACE, buf, n, MPI_FLOAT, MPI_SUM, *(MPI_Comm *)c, r),
+                   r, req);
 }
 
 /* In place: the sum of block `rank` lands in the first block of buf. */
 int ft_ireduce_scatter(void *c, float *buf, int block, void **req) {
     MPI_Request *r = malloc(sizeof(MPI_Request));
-    int rc = MPI_Ireduce_scatter_block(MPI_IN_PLACE, buf, block, MPI_FLOAT, MPI_SUM,
-                                       *(MPI_Comm *)c, r);
-    if (rc != MPI_SUCCESS) {
-        free(r);
-        return rc;
-    }
-    *req = r;
-    return MPI_SUCCESS;
+    return started(MPI_Ireduce_scatter_block(MPI_IN_PLACE, buf, block, MPI_FLOAT, MPI_SUM,
+                                             *(MPI_Comm *)c, r),
+                   r, req);
 }
 
 /* In place: this rank's block is already at block `rank` of buf. */
 int ft_iallgather(void *c, float *buf, int block, void **req) {
     MPI_Request *r = malloc(sizeof(MPI_Request));
-    int rc = MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, block, MPI_FLOAT,
-                            *(MPI_Comm *)c, r);
-    if (rc != MPI_SUCCESS) {
-        free(r);
-        return rc;
-    }
-    *req = r;
-    return MPI_SUCCESS;
+    return started(MPI_Iallgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, buf, block, MPI_FLOAT,
+                                  *(MPI_Comm *)c, r),
+                   r, req);
 }
 
 int ft_isend(void *c, const float *buf, int n, int dst, int tag, void **req) {
     MPI_Request *r = malloc(sizeof(MPI_Request));
-    int rc = MPI_Isend(buf, n, MPI_FLOAT, dst, tag, *(MPI_Comm *)c, r);
-    if (rc != MPI_SUCCESS) {
-        free(r);
-        return rc;
-    }
-    *req = r;
-    return MPI_SUCCESS;
+    return started(MPI_Isend(buf, n, MPI_FLOAT, dst, tag, *(MPI_Comm *)c, r), r, req);
 }
 
 int ft_wait(void *req) {

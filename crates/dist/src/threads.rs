@@ -358,6 +358,25 @@ impl ThreadComm {
         Pending::new(rx, self.world.timeout, rank)
     }
 
+    /// Starts an in-place collective on `buf` cut into one block per member: `f(slots, me,
+    /// block length)` computes member `me`'s result.
+    fn blocks_start(
+        &self,
+        op: &'static str,
+        name: &'static str,
+        buf: Vec<f32>,
+        f: fn(&mut Slots, usize, usize),
+    ) -> Pending {
+        if let Err(e) = shapes::blocks(self.size(), buf.len()) {
+            return self.failed(self.usage(op, e));
+        }
+        let b = buf.len() / self.size();
+        self.submit(name, buf, move |s, me| {
+            f(s, me, b);
+            None
+        })
+    }
+
     /// An operation refused before it started.
     fn failed(&self, e: CommError) -> Pending {
         let (tx, rx) = mpsc::channel();
@@ -516,25 +535,16 @@ impl Communicator for ThreadComm {
     }
 
     fn reduce_scatter_start(&self, buf: Vec<f32>) -> Pending {
-        if let Err(e) = shapes::blocks(self.size(), buf.len()) {
-            return self.failed(self.usage("reduce_scatter_start", e));
-        }
-        let b = buf.len() / self.size();
-        self.submit("reduce_scatter_sum", buf, move |s, me| {
-            sum_own_block(s, me, b);
-            None
-        })
+        self.blocks_start(
+            "reduce_scatter_start",
+            "reduce_scatter_sum",
+            buf,
+            sum_own_block,
+        )
     }
 
     fn all_gather_start(&self, buf: Vec<f32>) -> Pending {
-        if let Err(e) = shapes::blocks(self.size(), buf.len()) {
-            return self.failed(self.usage("all_gather_start", e));
-        }
-        let b = buf.len() / self.size();
-        self.submit("all_gather", buf, move |s, me| {
-            gather_blocks(s, me, b);
-            None
-        })
+        self.blocks_start("all_gather_start", "all_gather", buf, gather_blocks)
     }
 
     fn abort(&self, cause: &str) {

@@ -12,7 +12,7 @@
 //!
 //! They are the plan's `comm.zero2.grad_windows`: embedding + head + the largest layer.
 
-use ferrotron_engine::model::{GradBuf, ParamTable};
+use ferrotron_engine::model::{two_mut, GradBuf, ParamTable};
 use ferrotron_engine::Elem;
 use std::ops::Range;
 
@@ -130,15 +130,7 @@ impl<G> GradBuf<G> for UnitGrads<'_, G> {
     fn pair_mut(&mut self, a: Range<usize>, b: Range<usize>) -> (&mut [G], &mut [G]) {
         let ((i, a), (j, b)) = (self.find(&a), self.find(&b));
         assert_eq!(i, j, "a weight and its bias live in one window");
-        let buf = &mut *self.parts[i];
-        assert!(a.end <= b.start || b.end <= a.start, "ranges overlap");
-        if a.start < b.start {
-            let (lo, hi) = buf.split_at_mut(b.start);
-            (&mut lo[a], &mut hi[..b.end - b.start])
-        } else {
-            let (lo, hi) = buf.split_at_mut(a.start);
-            (&mut hi[..a.end - a.start], &mut lo[b])
-        }
+        two_mut(self.parts[i], a, b)
     }
 }
 

@@ -57,6 +57,16 @@ fn rel(a: f64, b: f64) -> f64 {
     ((a - b) / a).abs()
 }
 
+/// The loss and gradient norm of step `y` are those of `x` within 1e-5 relative.
+fn same_step(what: &str, x: &StepMetrics, y: &StepMetrics) {
+    for (name, a, b) in [
+        ("loss", x.loss, y.loss),
+        ("grad norm", x.grad_norm, y.grad_norm),
+    ] {
+        assert!(rel(a, b) < 1e-5, "{what}: {name} {a} vs {b}");
+    }
+}
+
 #[test]
 fn data_parallel_ranks_follow_the_one_rank_trajectory() {
     // A global batch of 8 sequences: one rank as 4×2, two ranks as 4×1 and 2×2, four ranks as
@@ -75,18 +85,7 @@ fn data_parallel_ranks_follow_the_one_rank_trajectory() {
         assert_eq!(s.len(), 6);
         for (x, y) in one.iter().zip(&s) {
             let what = format!("dp {dp} zero {zero} {mbs}x{acc} step {}", x.step);
-            assert!(
-                rel(x.loss, y.loss) < 1e-5,
-                "{what}: loss {} vs {}",
-                x.loss,
-                y.loss
-            );
-            assert!(
-                rel(x.grad_norm, y.grad_norm) < 1e-5,
-                "{what}: grad norm {} vs {}",
-                x.grad_norm,
-                y.grad_norm
-            );
+            same_step(&what, x, y);
             assert_eq!(y.rank_mem.len(), dp as usize, "{what}: one entry per rank");
             for r in &y.rank_mem {
                 let dev = rel(r.mem_peak_planned as f64, r.mem_peak_measured as f64);
@@ -202,14 +201,7 @@ fn a_run_resumes_on_another_layout_and_goes_on_along_the_same_trajectory() {
         for (x, y) in whole[3..].iter().zip(&rest) {
             assert_eq!(x.step, y.step);
             let what = format!("resumed on dp {dp} ZeRO-{zero}, step {}", y.step);
-            assert!(
-                rel(x.loss, y.loss) < 1e-5,
-                "{what}: loss {} vs {}",
-                x.loss,
-                y.loss
-            );
-            let (g, h) = (x.grad_norm, y.grad_norm);
-            assert!(rel(g, h) < 1e-5, "{what}: grad norm {g} vs {h}");
+            same_step(&what, x, y);
             let ranks = if dp > 1 { dp as usize } else { 0 };
             assert_eq!(y.rank_mem.len(), ranks, "{what}: one entry per rank");
         }

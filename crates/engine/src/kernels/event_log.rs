@@ -80,16 +80,7 @@ impl EventLog {
         }
     }
 
-    fn push(
-        &self,
-        name: &'static str,
-        cat: &'static str,
-        start: Instant,
-        end: Instant,
-        step: u64,
-        mb: u64,
-    ) {
-        let e = self.event(name, cat, start, end, step, mb);
+    fn push(&self, e: Event) {
         self.events.lock().unwrap().push(e);
     }
 }
@@ -99,7 +90,7 @@ impl OpObserver for EventLog {
         self.on.load(Relaxed)
     }
     fn record(&self, op: &'static str, start: Instant, end: Instant) {
-        self.push(op, "kernel", start, end, 0, 0);
+        self.push(self.event(op, "kernel", start, end, 0, 0));
     }
 }
 
@@ -139,17 +130,19 @@ impl<K> Observed<K, EventLog> {
     pub fn comm(&self, name: &'static str, start: Instant, end: Instant, step: u64) {
         if self.is_on() {
             let o = &self.observer;
-            let mut e = o.event(name, "comm", start, end, step, 0);
-            e.tid = COMM_TRACK;
-            o.events.lock().unwrap().push(e);
+            let e = o.event(name, "comm", start, end, step, 0);
+            o.push(Event {
+                tid: COMM_TRACK,
+                ..e
+            });
         }
     }
 
     /// Records a phase that began at `start` and ends now (no-op when off).
     pub fn phase(&self, name: &'static str, start: Instant, step: u64, mb: u64) {
         if self.is_on() {
-            self.observer
-                .push(name, "phase", start, Instant::now(), step, mb);
+            let o = &self.observer;
+            o.push(o.event(name, "phase", start, Instant::now(), step, mb));
         }
     }
 }

@@ -33,7 +33,7 @@ impl<G> IndexMut<Range<usize>> for dyn GradBuf<G> + '_ {
 }
 
 /// Mutable views of two disjoint ranges of one buffer.
-fn two_mut<T>(buf: &mut [T], a: Range<usize>, b: Range<usize>) -> (&mut [T], &mut [T]) {
+pub fn two_mut<T>(buf: &mut [T], a: Range<usize>, b: Range<usize>) -> (&mut [T], &mut [T]) {
     assert!(a.end <= b.start || b.end <= a.start, "ranges overlap");
     if a.start < b.start {
         let (lo, hi) = buf.split_at_mut(b.start);
