@@ -246,6 +246,17 @@ impl DataParallel {
         self.comm.size()
     }
 
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    /// Waits for every rank (outside the step: a merged trace).
+    pub fn barrier(&self) -> Result<()> {
+        self.comm
+            .barrier()
+            .map_err(|e| anyhow!("data-parallel barrier: {e}"))
+    }
+
     /// This rank's ZeRO-1 shard (`None` without ZeRO).
     pub fn shard(&self) -> Option<&Shard> {
         self.shard.as_ref()

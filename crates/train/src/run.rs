@@ -284,7 +284,8 @@ fn run_rank(args: TrainArgs, ctx: Option<RankCtx>) -> Result<RunSummary> {
         // The other ranks hold the same model and write nothing (their memory is reported
         // by rank 0 in `rank_mem`).
         let o = &mut cfg.observability;
-        (o.memory_timeline, o.trace, o.sample_tokens) = (None, None, 0);
+        // Every rank records its trace; rank 0 merges them into one file.
+        (o.memory_timeline, o.sample_tokens) = (None, 0);
         cfg.checkpoint.dir = None;
     }
     let last_step = cfg.optimizer.last_step();
@@ -600,8 +601,40 @@ fn finish_observability(cfg: &TrainConfig, t: &mut Trainer, end: bool) -> Result
     }
     if let Some(path) = &cfg.observability.trace {
         if let Some(events) = t.finish_trace(end) {
-            trace::write_chrome(path, &events)?;
-            eprintln!("trace: {} events -> {}", events.len(), path.display());
+            match t.dp.as_ref().map(|d| (d.rank(), d.size())) {
+                None => trace::write_chrome(path, &events)?,
+                // Data parallelism: each rank leaves its events beside the file, and once
+                // all have (a barrier), rank 0 writes one file with a process row per rank.
+                Some((rank, ranks)) => {
+                    let mine = trace::chrome_events(&events, Some(rank))?;
+                    if rank > 0 {
+                        let part = trace::rank_part(path, rank);
+                        std::fs::write(&part, serde_json::to_vec(&mine)?)
+                            .with_context(|| format!("trace = {}", part.display()))?;
+                    }
+                    t.dp.as_ref().map_or(Ok(()), |d| d.barrier())?;
+                    if rank == 0 {
+                        let mut all = vec![mine];
+                        for r in 1..ranks {
+                            let part = trace::rank_part(path, r);
+                            let text = std::fs::read(&part)
+                                .with_context(|| format!("trace = {}", part.display()))?;
+                            all.push(serde_json::from_slice(&text)?);
+                            std::fs::remove_file(&part)?;
+                        }
+                        trace::write_merged(path, &all)?;
+                    }
+                }
+            }
+            match t.dp.as_ref().map(|d| d.rank()) {
+                None => eprintln!("trace: {} events -> {}", events.len(), path.display()),
+                Some(0) => eprintln!(
+                    "trace: every rank's events, {} of rank 0 -> {}",
+                    events.len(),
+                    path.display()
+                ),
+                Some(_) => {}
+            }
         }
     }
     Ok(())

@@ -220,8 +220,8 @@ fn a_run_resumes_on_another_layout_and_goes_on_along_the_same_trajectory() {
 #[test]
 fn the_trace_shows_each_collective_on_its_own_track() {
     // dp 2 with ZeRO-1 and 1 MiB buckets: every bucket's reduce-scatter and all-gather is an
-    // event on the communication track of rank 0's trace, and the time blocked on them is
-    // part of the step.
+    // event on the communication track of each rank's row of the trace, and the time blocked
+    // on them is part of the step.
     let out = tmp("trace-comm");
     let _turn = ONE_RUN_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let mut a = tiny_args(&out, 2);
@@ -244,7 +244,7 @@ fn the_trace_shows_each_collective_on_its_own_track() {
     let events = trace["traceEvents"].as_array().unwrap();
     let comm: Vec<&str> = events
         .iter()
-        .filter(|e| e["cat"] == "comm")
+        .filter(|e| e["cat"] == "comm" && e["pid"] == 0)
         .map(|e| e["name"].as_str().unwrap())
         .collect();
     let track = events
@@ -261,5 +261,25 @@ fn the_trace_shows_each_collective_on_its_own_track() {
     assert_eq!(
         scatters, gathers,
         "one all-gather per bucket reduced: {comm:?}"
+    );
+    // One file, a process row per rank (named), each with its kernels and its collectives.
+    for rank in 0..2 {
+        let named = format!("rank {rank}");
+        assert!(
+            events
+                .iter()
+                .any(|e| e["ph"] == "M" && e["args"]["name"] == named.as_str()),
+            "{named} has its row"
+        );
+        for cat in ["kernel", "comm"] {
+            assert!(
+                events.iter().any(|e| e["pid"] == rank && e["cat"] == cat),
+                "{named} has {cat} events"
+            );
+        }
+    }
+    assert!(
+        !out.join("trace.json.rank1").exists(),
+        "the part is merged and removed"
     );
 }

@@ -5,6 +5,7 @@
 #   - the two backends' losses and gradient norms agree within 1e-6 relative,
 #   - every rank's measured peak is within 1% of its own plan, under both,
 #   - the per-rank peak falls with each ZeRO stage,
+#   - the trace is one file with both processes' kernels and collectives,
 #   - mpirun's process count disagreeing with --dp fails at once with one line naming both.
 # Needs Open MPI (Debian: openmpi-bin libopenmpi-dev). Run by scripts/test.sh.
 set -euo pipefail
@@ -25,11 +26,17 @@ for z in 0 1 2; do
 echo "== ferrotron train --dp 2 --zero $z (threads)"
 "$BIN" "${COMMON[@]}" --zero $z --steps 4 --out-dir "$OUT/threads$z" 2>"$OUT/threads.log" || { cat "$OUT/threads.log"; exit 1; }
 echo "== ${MPIRUN[*]} ferrotron train --dp 2 --zero $z"
-timeout 300 "${MPIRUN[@]}" "$BIN" "${COMMON[@]}" --zero $z --steps 4 --out-dir "$OUT/mpi$z" 2>"$OUT/mpi.log" || { cat "$OUT/mpi.log"; exit 1; }
+timeout 300 "${MPIRUN[@]}" "$BIN" "${COMMON[@]}" --zero $z --steps 4 --out-dir "$OUT/mpi$z" \
+    --trace "$OUT/mpi$z/trace.json" 2>"$OUT/mpi.log" || { cat "$OUT/mpi.log"; exit 1; }
 
 python3 - "$OUT/threads$z/metrics.jsonl" "$OUT/mpi$z/metrics.jsonl" <<'PY'
-import json, sys
+import json, os, sys
 runs = [[json.loads(l) for l in open(p)] for p in sys.argv[1:]]
+trace = json.load(open(os.path.join(os.path.dirname(sys.argv[2]), "trace.json")))["traceEvents"]
+for rank in (0, 1):
+    cats = {e["cat"] for e in trace if e["pid"] == rank}
+    assert {"kernel", "comm"} <= cats, f"rank {rank}'s row of the merged trace has {cats}"
+
 assert len(runs[0]) == len(runs[1]) == 4, [len(r) for r in runs]
 worst = 0.0
 for t, m in zip(*runs):
