@@ -13,20 +13,20 @@
 //! `dP = dO_i V_jᵀ`, `dS = P ⊙ (dP − D_i)`, `dV_j += Pᵀ dO_i`, `dK_j += scale·dSᵀ Q_i`,
 //! `dQ_i += scale·dS K_j`.
 //!
-//! The tile products run single threaded on the AVX-512 tile kernel where the CPU has it
-//! ([`tile_gemm`], which needs the right operand's rows contiguous: `Kᵀ` and `Vᵀ` are transposed
-//! once per task for the `Q·Kᵀ` and `dO·Vᵀ` products), else on the gemm crate, reading the same
-//! operands in place; both sum in the same order, so the results are the same bits. f32
-//! operands are read in place; 16-bit q/k/v/o/dO tiles are widened into task-local tiles
-//! first, and outputs rounded on store; dQ/dK/dV accumulate in task-local f32 before their one
-//! rounding. Parallelism: forward over (batch, kv head, query block), the group's query heads
-//! sharing one transposed `Kᵀ`; backward over (batch, kv head), so the dK/dV rows a task
-//! accumulates into are owned by it (all query heads of a GQA group add into the same kv head)
-//! and the dQ rows of the group's heads too.
+//! Scores are kept transposed, `Sᵀ = K_j Q_iᵀ` (key rows, query columns), so that every tile
+//! product has its right operand's rows contiguous, which the AVX-512 tile kernel needs
+//! ([`super::tile_gemm`]; elsewhere the gemm crate runs the same products with the same sums,
+//! so the results are the same bits on either), and so that the online softmax and the
+//! gradient, which work per query, run across queries in vector lanes. `Qᵀ` and `dOᵀ` of a query
+//! block are transposed once per task. f32 operands are read in place; 16-bit q/k/v/o/dO tiles
+//! are widened into task-local tiles first, and outputs rounded on store; dQ/dK/dV accumulate
+//! in task-local f32 before their one rounding. Parallelism: forward over (batch, query head,
+//! query block); backward over (batch, kv head), so the dK/dV rows a task accumulates into are
+//! owned by it (all query heads of a GQA group add into the same kv head) and the dQ rows of
+//! the group's heads too.
 
-use super::matmul::sgemm_raw;
 use super::simd::{dot, exp_f32, SendPtr};
-use super::tile_gemm;
+use super::tile_gemm::product as tile;
 use crate::dispatch_fma;
 use crate::dtype::Elem;
 use crate::kernels::AttnShape;
@@ -195,41 +195,6 @@ fn transposed<'a, S: Elem>(
         }
     }
     buf
-}
-
-/// One tile product `dst (=|+=) lhs·rhs` (`m × n`, depth `k`; element `(r, c)` of `lhs` at
-/// `r·ls.0 + c·ls.1`, rows of `dst` and `rhs` contiguous with strides `ldd` and `ldr`): on the
-/// AVX-512 tile kernel when the CPU has it, else on the gemm crate. The same sums either way
-/// ([`tile_gemm`]).
-///
-/// # Safety
-/// As [`sgemm_raw`]: `dst` rows valid for writes and task-local.
-#[allow(clippy::too_many_arguments)]
-unsafe fn tile(
-    (m, n, k): (usize, usize, usize),
-    dst: *mut f32,
-    ldd: usize,
-    lhs: &[f32],
-    ls: (usize, usize),
-    rhs: &[f32],
-    ldr: usize,
-    accumulate: bool,
-) {
-    if !tile_gemm::product((m, n, k), dst, ldd, lhs, ls, rhs, ldr, accumulate) {
-        sgemm_raw(
-            m,
-            n,
-            k,
-            dst,
-            (ldd, 1),
-            lhs,
-            ls,
-            rhs,
-            (ldr, 1),
-            accumulate,
-            false,
-        );
-    }
 }
 
 /// Task-local f32 tiles: transposed scores, the output accumulator, and staged `Qᵀ`, k and v.

@@ -14,6 +14,7 @@
 //! computes for depths up to [`super::matmul::MAX_DEPTH`] (see there), so switching kernels
 //! does not change a single bit; the tests below check it against `sgemm_raw`.
 
+use super::matmul::sgemm_raw;
 use super::simd::{tier, Tier};
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -24,8 +25,8 @@ const ROWS: usize = 4;
 const VECS: usize = 4;
 
 /// `dst[i·ldd + c] (=|+=) Σ_p lhs[i·ls.0 + p·ls.1] · rhs[p·ldr + c]` for `i < m`, `c < n`,
-/// `p < k`. Returns `false`, having done nothing, below the AVX-512 [`Tier`] (the caller then
-/// runs the gemm crate).
+/// `p < k`: on the AVX-512 kernel at the AVX-512 [`Tier`], else on the gemm crate (the same
+/// sums).
 ///
 /// # Safety
 /// Every `dst` element `(i, c)` at `i·ldd + c` must be valid for reads and writes and not
@@ -40,25 +41,22 @@ pub unsafe fn product(
     rhs: &[f32],
     ldr: usize,
     accumulate: bool,
-) -> bool {
-    if tier() != Tier::Avx512 {
-        return false;
-    }
-    if m == 0 || n == 0 {
-        return true;
-    }
-    if k > 0 {
-        assert!(
-            (m - 1) * ls.0 + (k - 1) * ls.1 < lhs.len(),
-            "tile product: lhs too small"
-        );
-        assert!(
-            (k - 1) * ldr + n - 1 < rhs.len(),
-            "tile product: rhs too small"
-        );
-    }
+) {
     #[cfg(target_arch = "x86_64")]
-    {
+    if tier() == Tier::Avx512 {
+        if m == 0 || n == 0 {
+            return;
+        }
+        if k > 0 {
+            assert!(
+                (m - 1) * ls.0 + (k - 1) * ls.1 < lhs.len(),
+                "tile product: lhs too small"
+            );
+            assert!(
+                (k - 1) * ldr + n - 1 < rhs.len(),
+                "tile product: rhs too small"
+            );
+        }
         let ops = Operands {
             k,
             dst,
@@ -69,13 +67,27 @@ pub unsafe fn product(
             ldr,
             accumulate,
         };
-        // SAFETY: AVX-512F is present (checked above); bounds as documented and asserted.
+        // SAFETY: AVX-512F is present (the tier); bounds as documented and asserted.
         unsafe { product_avx512(m, n, ops) };
+        return;
     }
-    true
+    sgemm_raw(
+        m,
+        n,
+        k,
+        dst,
+        (ldd, 1),
+        lhs,
+        ls,
+        rhs,
+        (ldr, 1),
+        accumulate,
+        false,
+    );
 }
 
 /// The operands of one product, as raw pointers (bounds checked by [`product`]).
+#[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
 struct Operands {
     k: usize,
@@ -149,7 +161,6 @@ unsafe fn block<const R: usize>(i0: usize, c0: usize, masks: &[__mmask16; VECS],
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::cpu::matmul::sgemm_raw;
     use crate::kernels::cpu::simd::tiers::random;
 
     #[test]
@@ -191,7 +202,7 @@ mod tests {
                     accumulate,
                     false,
                 );
-                assert!(product(
+                product(
                     (m, n, k),
                     got.as_mut_ptr(),
                     n,
@@ -199,8 +210,8 @@ mod tests {
                     ls,
                     &rhs,
                     n,
-                    accumulate
-                ));
+                    accumulate,
+                );
             }
             let differ = got
                 .iter()
