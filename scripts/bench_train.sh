@@ -2,16 +2,26 @@
 # Training benchmark: tokens/s, MFU and peak RSS of `ferrotron train` on fixed configs
 # (fp32, AdamW, random order over the bundled corpus), medians over the timed steps.
 #   bash scripts/bench_train.sh [small|smollm|all] [steps] [precision: fp32|bf16|...]
-# The GEMM kernel is the process's choice (FERROTRON_GEMM=portable|onednn|auto).
+#   bash scripts/bench_train.sh pytorch [rounds] [small|smollm|all] ["fp32 bf16"]
+#     the same configs side by side with the PyTorch peer, interleaved (scripts/bench_vs_pytorch.sh)
+# The GEMM kernel is the process's choice (FERROTRON_GEMM=portable|onednn|auto); the binary is
+# this tree's release build, or FERROTRON_BIN.
 # Record results in docs/BENCHMARKS.md with the machine and the PyTorch peer
 # (tests/reference/bench_pytorch.py), measured in the same sitting.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = pytorch ]; then
+  shift
+  exec bash scripts/bench_vs_pytorch.sh "$@"
+fi
 which=${1:-all}
 steps=${2:-8}
 precision=${3:-fp32}
-cargo build --release -p ferrotron >/dev/null
-BIN=${CARGO_TARGET_DIR:-target}/release/ferrotron
+# FERROTRON_BIN: a binary built elsewhere (before/after comparisons of two builds).
+if [ -z "${FERROTRON_BIN:-}" ]; then
+  cargo build --release -p ferrotron >/dev/null
+fi
+BIN=${FERROTRON_BIN:-${CARGO_TARGET_DIR:-target}/release/ferrotron}
 OUT=$(mktemp -d)
 bench() {
   local name=$1; shift

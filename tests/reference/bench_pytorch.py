@@ -1,8 +1,16 @@
 #!/usr/bin/env python3
-"""PyTorch CPU training-step baseline for ferrotron (fp32, LlamaForCausalLM, AdamW).
+"""PyTorch CPU training-step baseline for ferrotron (LlamaForCausalLM, AdamW; fp32, or bf16
+autocast as the peer of `ferrotron train --precision bf16`).
 
   .venv/bin/python tests/reference/bench_pytorch.py --config small --steps 5
+  .venv/bin/python tests/reference/bench_pytorch.py --config small --steps 5 --precision bf16
   .venv/bin/python tests/reference/bench_pytorch.py --config smollm135m --steps 2
+
+`--precision bf16` runs the forward and the loss under `torch.autocast("cpu", torch.bfloat16)`,
+PyTorch's documented CPU mixed precision (https://pytorch.org/docs/stable/amp.html#cpu-ops-that-can-autocast-to-bfloat16):
+linear layers and SDPA multiply bf16 copies of the fp32 weights (oneDNN: AMX or AVX512-BF16
+where the CPU has them), the parameters, gradients and AdamW states stay fp32. That is the
+same recipe as ferrotron's bf16 mixed precision (fp32 master weights, bf16 products).
 
 One training step = zero_grad, forward, cross-entropy loss (mean over B*T tokens),
 backward, clip_grad_norm_(1.0), AdamW step. Random tokens; warm-up steps are untimed.
@@ -103,6 +111,7 @@ def main() -> int:
     ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"], help="HF attention impl")
     ap.add_argument("--no-peak", action="store_true", help="skip the torch.mm peak measurement")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast")
     args = ap.parse_args()
 
     name = ALIASES.get(args.config, args.config)
@@ -133,10 +142,13 @@ def main() -> int:
     tokens = torch.randint(0, V, (mbs, seq + 1))
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16")
+
     def step() -> float:
         opt.zero_grad(set_to_none=True)
-        logits = model(input_ids=x, use_cache=False).logits
-        loss = F.cross_entropy(logits.view(-1, V), y.view(-1))
+        with autocast:
+            logits = model(input_ids=x, use_cache=False).logits
+            loss = F.cross_entropy(logits.view(-1, V), y.view(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -144,7 +156,7 @@ def main() -> int:
 
     print(
         f"config {name}: params {n_params/1e6:.2f}M (matmul {n_matmul/1e6:.2f}M), "
-        f"B={mbs} T={seq}, threads {args.threads}, attn {args.attn}, "
+        f"B={mbs} T={seq}, threads {args.threads}, attn {args.attn}, {args.precision}, "
         f"torch {torch.__version__}, transformers {transformers.__version__}",
         file=sys.stderr,
     )
@@ -184,6 +196,7 @@ def main() -> int:
         "tokens_per_step": tok,
         "threads": args.threads,
         "attn_impl": args.attn,
+        "precision": args.precision,
         "steps": args.steps,
         "warmup": args.warmup,
         "step_times_s": [round(t, 4) for t in times],

@@ -85,3 +85,24 @@ pub fn cross_entropy(
     // (a resumed run must match an uninterrupted one exactly).
     losses.iter().map(|&l| l as f64).sum()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::cpu::simd::tiers::{agree, random};
+
+    #[test]
+    fn every_simd_tier_agrees() {
+        // A vocabulary that is not a multiple of the 16 lanes, loss with and without gradient.
+        let vocab = 1000 + 9;
+        let z0 = random(vocab, 4, 12.0);
+        for scale in [None, Some(0.25f32)] {
+            agree("cross-entropy row", 1e-5, || {
+                let (mut z, mut loss) = (z0.clone(), 0.0f32);
+                row(&mut z, 17, &mut loss, scale);
+                z.push(loss);
+                z
+            });
+        }
+    }
+}

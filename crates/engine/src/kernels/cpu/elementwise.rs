@@ -83,3 +83,15 @@ pub fn round_into<S: Elem>(src: &[f32], dst: &mut [S]) {
         .zip(src.par_chunks(CHUNK))
         .for_each(|(d, s)| S::store(s, d));
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::cpu::simd::tiers::{agree, random};
+
+    #[test]
+    fn every_simd_tier_agrees() {
+        let x = random(4099, 14, 2.0);
+        agree("sum of squares", 1e-5, || vec![sum_sq_chunk(&x)]);
+    }
+}

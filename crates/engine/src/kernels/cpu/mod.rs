@@ -15,6 +15,7 @@ pub mod rope;
 pub mod simd;
 pub mod staged_gemm;
 pub mod swiglu;
+pub mod tile_gemm;
 
 use super::{
     Accum, AdamWParams, AttnShape, CeShape, Kernels, Limits, MatmulShape, NormShape, RopeShape,

@@ -181,3 +181,33 @@ pub fn backward<S: Elem, G: Elem>(
         .enumerate()
         .for_each(|(blk, dwb)| dw_cols(dy, x, rstd, dwb, c, blk * COLS));
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::cpu::simd::tiers::{agree, random, stored, widened};
+    use half::bf16;
+
+    /// Forward, dx (overwrite and accumulate) and dw of `rows` rows of width `c` in `S`.
+    fn run<S: Elem>(rows: usize, c: usize) -> Vec<f32> {
+        let x = stored::<S>(&random(rows * c, 5, 3.0));
+        let w = stored::<S>(&random(c, 6, 1.5));
+        let dy = stored::<S>(&random(rows * c, 7, 1.0));
+        let (mut out, mut rstd) = (vec![S::default(); rows * c], vec![0.0f32; rows]);
+        forward_rows(&x, &w, &mut out, &mut rstd, c, 1e-5);
+        let mut dx = stored::<S>(&random(rows * c, 8, 1.0));
+        dx_rows(&dy, &x, &w, &rstd, &mut dx, true, c, 0);
+        let mut dw = stored::<S>(&random(c, 9, 1.0));
+        for c0 in (0..c).step_by(COLS) {
+            let c1 = (c0 + COLS).min(c);
+            dw_cols(&dy, &x, &rstd, &mut dw[c0..c1], c, c0);
+        }
+        [widened(&out), rstd, widened(&dx), widened(&dw)].concat()
+    }
+
+    #[test]
+    fn every_simd_tier_agrees() {
+        agree("rmsnorm f32", 1e-5, || run::<f32>(9, 300));
+        agree("rmsnorm bf16", 1e-2, || run::<bf16>(9, 300));
+    }
+}
