@@ -23,7 +23,8 @@ RESULTS=${RESULTS:-$(mktemp --suffix=.jsonl)}
 lscpu | sed -n 's/^Model name: *//p' | head -1 | sed 's/^/cpu: /'
 echo "cpu flags: $(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' |
   grep -E '^(avx2|fma|avx512f|avx512bw|avx512vl|avx512_bf16|avx512_fp16|amx_bf16|amx_tile|amx_int8)$' | tr '\n' ' ')"
-echo "cores: $(nproc), threads per side: 2, FERROTRON_GEMM=${FERROTRON_GEMM:-auto}"
+echo "cores: $(nproc), threads per side: 2, FERROTRON_GEMM=${FERROTRON_GEMM:-auto}," \
+  "FERROTRON_SIMD=${FERROTRON_SIMD:-auto}, ferrotron: ${FERROTRON_BIN:-this tree ($(git rev-parse --short HEAD))}"
 
 configs=()
 case $which in small | all) configs+=(small) ;; esac
