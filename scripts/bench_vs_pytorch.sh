@@ -23,7 +23,8 @@ RESULTS=${RESULTS:-$(mktemp --suffix=.jsonl)}
 lscpu | sed -n 's/^Model name: *//p' | head -1 | sed 's/^/cpu: /'
 echo "cpu flags: $(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' |
   grep -E '^(avx2|fma|avx512f|avx512bw|avx512vl|avx512_bf16|avx512_fp16|amx_bf16|amx_tile|amx_int8)$' | tr '\n' ' ')"
-echo "cores: $(nproc), threads per side: 2, FERROTRON_GEMM=${FERROTRON_GEMM:-auto}"
+echo "cores: $(nproc), threads per side: 2, FERROTRON_GEMM=${FERROTRON_GEMM:-auto}," \
+  "FERROTRON_SIMD=${FERROTRON_SIMD:-auto}, ferrotron: ${FERROTRON_BIN:-this tree ($(git rev-parse --short HEAD))}"
 
 configs=()
 case $which in small | all) configs+=(small) ;; esac
@@ -60,14 +61,16 @@ rows = [json.loads(l) for l in open(sys.argv[1])]
 print(f"results: {sys.argv[1]}")
 print("| config | precision | rounds | ferrotron tok/s | PyTorch tok/s | ratio | ferrotron peak RSS | PyTorch peak RSS | RSS ratio |")
 print("|---|---|---|---|---|---|---|---|---|")
+# Peak RSS: the median over the rounds, the largest in brackets (a run's own peak can jump).
 for key in dict.fromkeys((r["config"], r["precision"]) for r in rows):
     rs = [r for r in rows if (r["config"], r["precision"]) == key]
     ours = statistics.median(r["ferrotron_tok_s"] for r in rs)
     theirs = statistics.median(r["pytorch_tok_s"] for r in rs)
     ratio = statistics.median(r["ferrotron_tok_s"] / r["pytorch_tok_s"] for r in rs)
-    rss_o = max(r["ferrotron_rss_mib"] for r in rs)
-    rss_t = max(r["pytorch_rss_mib"] for r in rs)
-    print(f"| {key[0]} | {key[1]} | {len(rs)} | {ours:,.0f} | {theirs:,.0f} | {ratio:.2f}× | {rss_o:,.0f} MiB | {rss_t:,.0f} MiB | {rss_o / rss_t:.2f}× |")
+    rss = {side: [r[f"{side}_rss_mib"] for r in rs] for side in ("ferrotron", "pytorch")}
+    med = {side: statistics.median(v) for side, v in rss.items()}
+    cell = {side: f"{med[side]:,.0f} ({max(v):,.0f}) MiB" for side, v in rss.items()}
+    print(f"| {key[0]} | {key[1]} | {len(rs)} | {ours:,.0f} | {theirs:,.0f} | {ratio:.2f}× | {cell['ferrotron']} | {cell['pytorch']} | {med['ferrotron'] / med['pytorch']:.2f}× |")
 # bf16 over fp32 on our side, within each round (the issue's "bf16 ≥ 1.5× our fp32").
 for config in dict.fromkeys(r["config"] for r in rows):
     pairs = []
