@@ -44,8 +44,14 @@ struct Exchange {
     cv: Condvar,
 }
 
+/// Called on every thread that works for a rank (its communicator workers), with the rank.
+type ThreadTag = Arc<dyn Fn(usize) + Send + Sync>;
+
 struct WorldShared {
     timeout: Duration,
+    /// Tags a rank's communicator worker as the rank's (per-rank memory accounting: what the
+    /// worker allocates or frees is the rank's).
+    tag: ThreadTag,
     failed: Mutex<Option<(usize, String)>>,
     groups: Mutex<HashMap<Vec<usize>, Arc<Exchange>>>,
     mail: Mutex<Mailboxes>,
@@ -190,16 +196,6 @@ fn gather_blocks(slots: &mut Slots, me: usize, b: usize) {
     slots[me] = Some(own);
 }
 
-fn sum_of(slots: &Slots, range: std::ops::Range<usize>) -> Vec<f32> {
-    let mut out = vec![0.0f32; range.len()];
-    for s in slots.iter().flatten() {
-        for (o, x) in out.iter_mut().zip(&s[range.clone()]) {
-            *o += x;
-        }
-    }
-    out
-}
-
 type Job = Box<dyn FnOnce(&WorldShared, &Exchange) + Send>;
 
 /// A rank's view of one group (the world or a sub-group).
@@ -215,8 +211,13 @@ pub struct ThreadComm {
 
 /// Creates `size` ranks; returns each rank's world communicator (hand each to its thread).
 pub fn world(size: usize, timeout: Duration) -> Vec<ThreadComm> {
+    world_tagged(size, timeout, Arc::new(|_| {}))
+}
+
+fn world_tagged(size: usize, timeout: Duration, tag: ThreadTag) -> Vec<ThreadComm> {
     let shared = Arc::new(WorldShared {
         timeout,
+        tag,
         failed: Mutex::new(None),
         groups: Mutex::new(HashMap::new()),
         mail: Mutex::new(HashMap::new()),
@@ -235,15 +236,28 @@ pub fn run<T: Send + 'static>(
     timeout: Duration,
     f: impl Fn(usize, ThreadComm) -> std::result::Result<T, String> + Send + Sync + 'static,
 ) -> Vec<std::result::Result<T, String>> {
+    run_tagged(size, timeout, |_| {}, f)
+}
+
+/// As [`run`], calling `tag(rank)` first on each thread that works for a rank: the rank's own
+/// thread and its communicators' workers (so a per-rank allocator can charge them to it).
+pub fn run_tagged<T: Send + 'static>(
+    size: usize,
+    timeout: Duration,
+    tag: impl Fn(usize) + Send + Sync + 'static,
+    f: impl Fn(usize, ThreadComm) -> std::result::Result<T, String> + Send + Sync + 'static,
+) -> Vec<std::result::Result<T, String>> {
     let f = Arc::new(f);
-    let handles: Vec<_> = world(size, timeout)
+    let tag: ThreadTag = Arc::new(tag);
+    let handles: Vec<_> = world_tagged(size, timeout, tag.clone())
         .into_iter()
         .enumerate()
         .map(|(r, comm)| {
-            let f = f.clone();
+            let (f, tag) = (f.clone(), tag.clone());
             std::thread::Builder::new()
                 .name(format!("rank {r}"))
                 .spawn(move || {
+                    tag(r);
                     let world = comm.world.clone();
                     let out = f(r, comm);
                     if let Err(e) = &out {
@@ -277,6 +291,7 @@ impl ThreadComm {
         let worker = std::thread::Builder::new()
             .name(format!("rank {world_rank} comm"))
             .spawn(move || {
+                (w.tag)(world_rank);
                 for job in rx {
                     job(&w, &ex);
                 }
@@ -437,17 +452,22 @@ impl Communicator for ThreadComm {
         let b = recv.len();
         shapes::reduce_scatter(self.size(), send.len(), b)
             .map_err(|e| self.usage("reduce_scatter_sum", e))?;
-        self.blocking("reduce_scatter_sum", send, recv, move |s, me| {
-            sum_of(s, me * b..(me + 1) * b)
-        })
+        // In place on a copy this rank allocates and frees: a result allocated by the worker
+        // and freed here would charge one rank's memory to another (`alloc::set_rank`).
+        let r = self.reduce_scatter_start(send.to_vec()).wait()?;
+        recv.copy_from_slice(&r[self.me * b..(self.me + 1) * b]);
+        Ok(())
     }
 
     fn all_gather(&self, send: &[f32], recv: &mut [f32]) -> Result<()> {
         shapes::all_gather(self.size(), send.len(), recv.len())
             .map_err(|e| self.usage("all_gather", e))?;
-        self.blocking("all_gather", send, recv, |s, _| {
-            s.iter().flatten().flatten().copied().collect()
-        })
+        // In place on this rank's own buffer, as `reduce_scatter_sum`.
+        let (n, me) = (send.len(), self.me);
+        let mut buf = vec![0.0; recv.len()];
+        buf[me * n..(me + 1) * n].copy_from_slice(send);
+        recv.copy_from_slice(&self.all_gather_start(buf).wait()?);
+        Ok(())
     }
 
     fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<()> {

@@ -197,8 +197,9 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
     if dp <= 1 {
         return run_rank(args, None);
     }
-    let results = ferrotron_dist::threads::run(dp, RANK_TIMEOUT, move |rank, comm| {
-        crate::alloc::set_rank(Some(rank));
+    // Each rank's thread and its communicator's worker charge what they allocate to the rank.
+    let tag = |rank| crate::alloc::set_rank(Some(rank));
+    let results = ferrotron_dist::threads::run_tagged(dp, RANK_TIMEOUT, tag, move |rank, comm| {
         // The ranks share this machine's cores: each has its share of the matmul peak, so
         // MFU is against the machine's peak.
         let ctx = RankCtx {
