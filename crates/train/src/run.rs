@@ -199,6 +199,8 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
     }
     // Each rank's thread and its communicator's worker charge what they allocate to the rank.
     let tag = |rank| crate::alloc::set_rank(Some(rank));
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let per_rank = (args.threads.map_or(cores, |t| t as usize) / dp).max(1);
     let results = ferrotron_dist::threads::run_tagged(dp, RANK_TIMEOUT, tag, move |rank, comm| {
         // The ranks share this machine's cores: each has its share of the matmul peak, so
         // MFU is against the machine's peak.
@@ -207,7 +209,15 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
             comm: Box::new(comm),
             peak_share: 1.0 / dp as f64,
         };
-        run_rank(args.clone(), Some(ctx)).map_err(|e| format!("{e:#}"))
+        // Each rank computes on a pool of its own share of the threads, tagged as the rank's:
+        // its kernels neither crowd the other ranks' nor charge memory to them.
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(per_rank)
+            .thread_name(move |i| format!("rank {rank} worker {i}"))
+            .start_handler(move |_| crate::alloc::set_rank(Some(rank)))
+            .build()
+            .map_err(|e| format!("rank {rank}: thread pool: {e}"))?;
+        pool.install(|| run_rank(args.clone(), Some(ctx)).map_err(|e| format!("{e:#}")))
     });
     let mut summary = None;
     for (rank, r) in results.into_iter().enumerate() {
