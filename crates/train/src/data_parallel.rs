@@ -183,8 +183,9 @@ pub struct DataParallel {
     reduced: usize,
     /// The first error of a collective, reported when the step finishes.
     error: Option<String>,
-    /// Every rank's peak bytes as f32 halves (reused every step).
-    mem: Vec<f32>,
+    /// Every rank's few values of the step's small collectives (loss, gradient norm, peak
+    /// bytes), reused every step.
+    small: Vec<f32>,
     /// Bytes this rank sent this step, as the ring algorithms send them
     /// (`ferrotron_plan::comm::bytes_per_rank`: the planner's formula).
     pub comm_bytes: f64,
@@ -211,7 +212,7 @@ impl DataParallel {
         let layout = BucketLayout::new(&report_order(table), bucket_len, blocks);
         let shard = sharded.then(|| Shard::new(&layout, rank, ranks));
         DataParallel {
-            mem: vec![0.0; 4 * ranks],
+            small: Vec::with_capacity(4 * ranks),
             comm,
             bucket_len,
             layout,
@@ -491,22 +492,32 @@ impl DataParallel {
     /// order.
     pub fn sum_f64(&mut self, x: f64) -> Result<f64> {
         let hi = x as f32;
-        let mine = [hi, (x - hi as f64) as f32];
-        let ranks = self.comm.size();
-        let all = &mut self.mem[..2 * ranks];
-        self.comm
-            .all_gather(&mine, all)
-            .map_err(|e| anyhow!("data-parallel gradient norm all-gather: {e}"))?;
+        let all = self.gather_small(&[hi, (x - hi as f64) as f32], "gradient norm")?;
         Ok(all.chunks(2).map(|c| c[0] as f64 + c[1] as f64).sum())
     }
 
+    /// Every rank's `mine` (a few values), rank order, in the rank's small buffer: in place, so
+    /// the step allocates nothing for it.
+    fn gather_small(&mut self, mine: &[f32], what: &str) -> Result<&[f32]> {
+        let (n, me) = (mine.len(), self.comm.rank());
+        let mut buf = std::mem::take(&mut self.small);
+        buf.resize(n * self.comm.size(), 0.0);
+        buf[me * n..(me + 1) * n].copy_from_slice(mine);
+        self.small = self
+            .comm
+            .all_gather_start(buf)
+            .wait()
+            .map_err(|e| anyhow!("data-parallel {what} all-gather: {e}"))?;
+        Ok(&self.small)
+    }
+
     /// The loss sum and target count of every rank, summed (each rank reports the same).
-    pub fn sum_loss(&self, sum: f64, count: usize) -> Result<(f64, usize)> {
-        let mut v = [sum as f32, count as f32];
-        self.comm
-            .all_reduce_sum(&mut v)
-            .map_err(|e| anyhow!("data-parallel loss all-reduce: {e}"))?;
-        Ok((v[0] as f64, v[1] as usize))
+    pub fn sum_loss(&mut self, sum: f64, count: usize) -> Result<(f64, usize)> {
+        let all = self.gather_small(&[sum as f32, count as f32], "loss")?;
+        let (sum, count) = all
+            .chunks(2)
+            .fold((0.0, 0.0), |(s, c), x| (s + x[0], c + x[1]));
+        Ok((sum as f64, count as usize))
     }
 
     /// Every rank's `(planned, measured)` bytes, rank order (exact: each u64 travels as two
@@ -515,13 +526,9 @@ impl DataParallel {
         let split = |b: u64| [(b >> 24) as f32, (b & 0xFF_FFFF) as f32];
         let [a, b] = split(planned);
         let [c, d] = split(measured);
-        let mine = [a, b, c, d];
-        self.comm
-            .all_gather(&mine, &mut self.mem)
-            .map_err(|e| anyhow!("data-parallel memory all-gather: {e}"))?;
+        let all = self.gather_small(&[a, b, c, d], "memory")?;
         let join = |h: f32, l: f32| ((h as u64) << 24) | l as u64;
-        Ok(self
-            .mem
+        Ok(all
             .chunks(4)
             .map(|c| (join(c[0], c[1]), join(c[2], c[3])))
             .collect())

@@ -105,8 +105,8 @@ fn cache_path(threads: usize, gemm: &str, bf16: bool) -> Option<PathBuf> {
 /// the f32 peak, or with `bf16_storage` the bf16 one where bf16 products run on oneDNN (AMX:
 /// about 10× the f32 peak, which would put MFU far above 100%).
 pub fn matmul_peak_gflops(bf16_storage: bool) -> f64 {
-    // Data-parallel ranks as threads ask at once: one measures (on the shared pool), the
-    // others then read its cache.
+    // Callers on several threads at once (tests) measure one at a time; the later ones read the
+    // first one's cache.
     static MEASURING: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _one_at_a_time = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
     let threads = rayon::current_num_threads();

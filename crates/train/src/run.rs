@@ -173,8 +173,15 @@ const RANK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
 pub struct RankCtx {
     pub rank: usize,
     pub comm: Box<dyn ferrotron_dist::Communicator>,
-    /// This rank's share of the measured matmul peak (1 for a process of its own).
-    pub peak_share: f64,
+    /// This rank's share of the machine's matmul peak, when it was measured before the ranks
+    /// started (ranks as threads, each computing on its share of the cores); `None`: a process
+    /// of its own, which measures its peak itself.
+    pub peak_gflops: Option<f64>,
+}
+
+/// Whether the run's products are bf16 (its matmul peak is the bf16 one).
+fn bf16_products(c: &TrainConfig) -> bool {
+    matches!(c.precision.kind, Precision::Bf16 | Precision::Bf16Fp32grads)
 }
 
 /// `ferrotron train`: one rank, or with `--dp N` N ranks as threads of this process (the
@@ -186,7 +193,7 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
     // A resumed run keeps the checkpoint's layout unless the flags give one.
     // The checkpoint is read before any rank starts, so a bad one fails once.
     let saved = args.resume.as_deref().map(checkpoint::open).transpose()?;
-    let dp = match saved {
+    let dp = match &saved {
         Some(l) => resume_config(&args, &l.state.config)?.parallel.dp as usize,
         None => crate::config::trainable_layout(&args.layout)?.dp as usize,
     };
@@ -197,17 +204,29 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
     if dp <= 1 {
         return run_rank(args, None);
     }
+    // The ranks share this machine's cores: each computes on its share of the threads and has
+    // its share of the machine's matmul peak (measured once, on every thread), so MFU is
+    // against the machine's peak.
+    let cfg = match &saved {
+        Some(l) => resume_config(&args, &l.state.config)?,
+        None => args.resolve()?,
+    };
+    let threads = cfg.runtime.threads as usize;
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build_global()
+        .ok();
+    let peak = args
+        .peak_gflops
+        .unwrap_or_else(|| matmul_peak_gflops(bf16_products(&cfg)));
+    let per_rank = (threads / dp).max(1);
     // Each rank's thread and its communicator's worker charge what they allocate to the rank.
     let tag = |rank| crate::alloc::set_rank(Some(rank));
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let per_rank = (args.threads.map_or(cores, |t| t as usize) / dp).max(1);
     let results = ferrotron_dist::threads::run_tagged(dp, RANK_TIMEOUT, tag, move |rank, comm| {
-        // The ranks share this machine's cores: each has its share of the matmul peak, so
-        // MFU is against the machine's peak.
         let ctx = RankCtx {
             rank,
             comm: Box::new(comm),
-            peak_share: 1.0 / dp as f64,
+            peak_gflops: Some(peak / dp as f64),
         };
         // Each rank computes on a pool of its own share of the threads, tagged as the rank's:
         // its kernels neither crowd the other ranks' nor charge memory to them.
@@ -265,7 +284,7 @@ fn run_mpi(args: TrainArgs, dp: usize) -> Result<RunSummary> {
     let ctx = (size > 1).then(|| RankCtx {
         rank,
         comm: Box::new(comm) as Box<dyn Communicator>,
-        peak_share: 1.0,
+        peak_gflops: None,
     });
     let summary = run_rank(args, ctx)?;
     ferrotron_dist::mpi::finalize().map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -367,14 +386,12 @@ fn run_rank(args: TrainArgs, ctx: Option<RankCtx>) -> Result<RunSummary> {
         )?),
         _ => None,
     };
-    let bf16_products = matches!(
-        cfg.precision.kind,
-        Precision::Bf16 | Precision::Bf16Fp32grads
-    );
-    let peak_gflops = args
-        .peak_gflops
-        .unwrap_or_else(|| matmul_peak_gflops(bf16_products))
-        * ctx.as_ref().map_or(1.0, |c| c.peak_share);
+    let peak_gflops = match ctx.as_ref().and_then(|c| c.peak_gflops) {
+        Some(share) => share,
+        None => args
+            .peak_gflops
+            .unwrap_or_else(|| matmul_peak_gflops(bf16_products(&cfg))),
+    };
     let tokenizer_json = tok
         .inner()
         .to_string(false)

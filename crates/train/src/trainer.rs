@@ -53,6 +53,15 @@ struct OptRun {
     decay: bool,
 }
 
+/// The `len` values of `full` (one per parameter) that `runs` update, at their offsets.
+fn shard_of(runs: &[OptRun], len: usize, full: &[f32]) -> Vec<f32> {
+    let mut out = vec![0.0; len];
+    for r in runs {
+        out[r.at..r.at + r.params.len()].copy_from_slice(&full[r.params.clone()]);
+    }
+    out
+}
+
 /// The parameters after the ZeRO-1 all-gather: this rank's blocks read from them, every
 /// rank's written into them.
 struct GatherParams<'a, S>(&'a mut [S]);
@@ -305,13 +314,9 @@ impl Trainer {
         };
         let (arena, placed) = Arena::of_plan(&plan.plan, model.config.layers)?;
         let (params, master) = if cfg.precision.kind.has_master() {
-            let mut master = vec![0.0; opt_len];
-            for r in &runs {
-                master[r.at..r.at + r.params.len()].copy_from_slice(&init[r.params.clone()]);
-            }
             (
                 Flat::from_f32(cfg.precision.kind.storage(), &init),
-                Some(master),
+                Some(shard_of(&runs, opt_len, &init)),
             )
         } else {
             (Flat::F32(init), None)
@@ -556,7 +561,7 @@ impl Trainer {
             loss.sum += l.sum;
             loss.count += l.count;
         }
-        if let Some(dp) = &self.dp {
+        if let Some(dp) = &mut self.dp {
             (loss.sum, loss.count) = dp.sum_loss(loss.sum, loss.count)?;
         }
         let to = Instant::now();
@@ -748,13 +753,7 @@ impl Trainer {
     /// Takes the optimizer states (and master weights) of every parameter, as a checkpoint
     /// holds them; under ZeRO keeps this rank's shard of them.
     pub fn set_states(&mut self, opt: AdamState, master: Option<Vec<f32>>) {
-        let shard = |full: &[f32]| -> Vec<f32> {
-            let mut out = vec![0.0; self.opt_len];
-            for r in &self.runs {
-                out[r.at..r.at + r.params.len()].copy_from_slice(&full[r.params.clone()]);
-            }
-            out
-        };
+        let shard = |full: &[f32]| shard_of(&self.runs, self.opt_len, full);
         let sharded = self.dp.as_ref().is_some_and(|d| d.shard().is_some());
         let (opt, master) = match sharded {
             true => (
