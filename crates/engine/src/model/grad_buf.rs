@@ -5,8 +5,7 @@
 //! order ([`Whole`], or a `Vec`). ZeRO-2 does not: a rank holds its shard of the reduced
 //! gradients and, while a unit's backward runs, only that unit's full gradients, in a window it
 //! reuses for the next unit (Rajbhandari et al. 2020, §5.2: gradients are reduced and released
-//! as soon as they are complete). [`Windows`] are such windows, each at its base in the flat
-//! order; a stage asking for a gradient outside them is a bug, and says which range.
+//! as soon as they are complete; the trainer's `zero2::UnitGrads`).
 
 use std::ops::{Index, IndexMut, Range};
 
@@ -68,84 +67,5 @@ impl<G> GradBuf<G> for Vec<G> {
     }
     fn pair_mut(&mut self, a: Range<usize>, b: Range<usize>) -> (&mut [G], &mut [G]) {
         two_mut(self, a, b)
-    }
-}
-
-/// Windows of the flat order: up to [`Windows::MAX`] buffers, each holding the gradients from
-/// its base on (a unit's: a layer, the final norm, the embedding, the LM head).
-pub struct Windows<'a, G> {
-    parts: [Option<(usize, &'a mut [G])>; Windows::<()>::MAX],
-}
-
-impl<'a, G> Windows<'a, G> {
-    pub const MAX: usize = 3;
-
-    /// `parts`: (base, buffer) pairs (at most [`Windows::MAX`]; no allocation).
-    pub fn new(parts: impl IntoIterator<Item = (usize, &'a mut [G])>) -> Self {
-        let mut w = Windows {
-            parts: [None, None, None],
-        };
-        for (i, p) in parts.into_iter().enumerate() {
-            assert!(i < Self::MAX, "at most {} gradient windows", Self::MAX);
-            w.parts[i] = Some(p);
-        }
-        w
-    }
-
-    /// The window holding `r`, and `r` relative to it.
-    fn find(&self, r: &Range<usize>) -> (usize, Range<usize>) {
-        for (i, p) in self.parts.iter().enumerate() {
-            if let Some((base, buf)) = p {
-                if r.start >= *base && r.end <= base + buf.len() {
-                    return (i, r.start - base..r.end - base);
-                }
-            }
-        }
-        panic!("gradients {r:?} are outside the windows this stage was given");
-    }
-}
-
-impl<G> GradBuf<G> for Windows<'_, G> {
-    fn slice(&self, r: Range<usize>) -> &[G] {
-        let (i, r) = self.find(&r);
-        let (_, buf) = self.parts[i].as_ref().expect("found");
-        &buf[r]
-    }
-    fn slice_mut(&mut self, r: Range<usize>) -> &mut [G] {
-        let (i, r) = self.find(&r);
-        let (_, buf) = self.parts[i].as_mut().expect("found");
-        &mut buf[r]
-    }
-    fn pair_mut(&mut self, a: Range<usize>, b: Range<usize>) -> (&mut [G], &mut [G]) {
-        let ((i, a), (j, b)) = (self.find(&a), self.find(&b));
-        assert_eq!(i, j, "a weight and its bias live in one window");
-        let (_, buf) = self.parts[i].as_mut().expect("found");
-        two_mut(buf, a, b)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn windows_address_gradients_by_their_flat_range() {
-        let (mut a, mut b) = (vec![0.0f32; 4], vec![0.0f32; 6]);
-        let mut w = Windows::new([(10, &mut a[..]), (100, &mut b[..])]);
-        let g: &mut dyn GradBuf<f32> = &mut w;
-        g[11..13].fill(1.0);
-        let (x, y) = g.pair_mut(104..106, 100..102);
-        x.fill(2.0);
-        y.fill(3.0);
-        assert_eq!(a, [0.0, 1.0, 1.0, 0.0]);
-        assert_eq!(b, [3.0, 3.0, 0.0, 0.0, 2.0, 2.0]);
-    }
-
-    #[test]
-    #[should_panic(expected = "gradients 12..16 are outside the windows this stage was given")]
-    fn a_range_outside_the_windows_is_refused() {
-        let mut a = [0.0f32; 4];
-        let w = Windows::new([(10, &mut a[..])]);
-        let _ = w.slice(12..16);
     }
 }

@@ -12,7 +12,7 @@ pub mod stages;
 pub use activations::{Activations, BatchShape, LayerActs, LossSum};
 pub use buffers::{Boundary, Buf, BufName, BufferPool, HeapPool, PoolEvent, BUF_ALIGN};
 pub use config::{LlamaConfig, ModelError};
-pub use grad_buf::{two_mut, GradBuf, Whole, Windows};
+pub use grad_buf::{two_mut, GradBuf, Whole};
 pub use llama::{Llama, DEFAULT_CE_CHUNK_TOKENS};
 pub use params::{LayerIdx, ParamTable, TensorEntry};
 pub use recompute::Recompute;
