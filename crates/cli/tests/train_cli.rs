@@ -108,16 +108,12 @@ fn bad_train_input_exits_nonzero_with_one_line() {
             "model = llama-9b: neither a built-in preset nor a config.json file",
         ),
         (
-            vec!["train", "--dp", "2", "--zero", "3"],
-            "error: zero = 3: ferrotron train runs data parallelism (--dp) with ZeRO-1 or 2 at most for now (the other layouts are next); `ferrotron plan --zero 3` predicts",
+            vec!["train", "--dp", "2", "--pp", "2"],
+            "error: pp = 2: ferrotron train runs data parallelism (--dp, with --zero 1, 2 or 3) for now (the other layouts are next); `ferrotron plan --pp 2` predicts",
         ),
         (
             vec!["train", "--tp", "2", "--sp"],
-            "error: tp = 2: ferrotron train runs data parallelism (--dp) with ZeRO-1 or 2 at most for now",
-        ),
-        (
-            vec!["train", "--zero", "3"],
-            "error: zero = 3: ferrotron train runs data parallelism (--dp) with ZeRO-1 or 2 at most for now",
+            "error: tp = 2: ferrotron train runs data parallelism (--dp, with --zero 1, 2 or 3) for now",
         ),
         (
             vec!["train", "--dp", "2", "--comm", "mpi"],

@@ -351,7 +351,7 @@ fn stage_entry_points_compose_to_the_whole_step_bit_for_bit() {
     // stage (embedding + layers 0..cut, then layers cut..4 + head; the backward in reverse),
     // gives the whole step's loss and gradients bit for bit, with the same buffer events; the
     // gradient-ready callback names the final norm, then layers 3, 2, 1, 0, then the embedding.
-    use ferrotron_engine::model::{BackwardState, GradBuf, GradsDone};
+    use ferrotron_engine::model::{BackwardState, GradBuf, GradsDone, WholeParams};
     let mut c = cfg(false, true);
     c.layers = 4;
     let model = Llama::new(c).with_recompute(Recompute::Selective);
@@ -385,7 +385,7 @@ fn stage_entry_points_compose_to_the_whole_step_bit_for_bit() {
                 GradsDone::Embedding(_) => "embed".to_string(),
             })
         };
-        let p = &params;
+        let p = &mut WholeParams(&params[..]);
         // Stage A forward.
         let x = model.embed_forward(k, &mut pool, p, &tokens);
         let (acts_a, x) = model.layers_forward(k, &mut pool, p, batch, 0..cut, x);
@@ -434,5 +434,64 @@ fn stage_entry_points_compose_to_the_whole_step_bit_for_bit() {
         assert_eq!(pool.live_bytes, 0);
         let want_order = ["norm", "layer 3", "layer 2", "layer 1", "layer 0", "embed"];
         assert_eq!(order, want_order, "cut {cut}");
+    }
+}
+
+#[test]
+fn the_model_asks_for_each_units_parameters_in_the_order_zero3_gathers_them() {
+    // ZeRO-3 gathers a unit's parameters just before the model asks for them, prefetching by
+    // the documented order (`ferrotron_plan::zero3`): the model must ask in exactly that order,
+    // and read only the unit it asked for (a read outside it panics here).
+    use ferrotron_engine::model::{GradBuf, GradsDone, ParamBuf, ParamSource, Unit};
+    use ferrotron_plan::zero3::{eval_sequence, train_sequence};
+    struct Asked<'a> {
+        all: &'a [f32],
+        model: &'a Llama,
+        log: Vec<Unit>,
+    }
+    impl ParamBuf<f32> for Asked<'_> {
+        fn slice(&self, r: std::ops::Range<usize>) -> &[f32] {
+            let t = &self.model.params;
+            let inside = |u: &std::ops::Range<usize>| r.start >= u.start && r.end <= u.end;
+            let ok = match self.log.last() {
+                Some(Unit::Embedding) => inside(&t.embed),
+                Some(Unit::Layer(i)) => t.layers[*i].ranges().any(|x| *x == r),
+                Some(Unit::Head) => inside(&t.norm) || r == t.lm_head,
+                None => false,
+            };
+            assert!(ok, "{r:?} read while {:?} was asked for", self.log.last());
+            &self.all[r]
+        }
+    }
+    impl ParamSource<f32> for Asked<'_> {
+        fn unit(&mut self, u: Unit) -> &dyn ParamBuf<f32> {
+            self.log.push(u);
+            self
+        }
+    }
+    for tie in [true, false] {
+        let mut c = cfg(tie, true);
+        c.layers = 3;
+        let model = Llama::new(c).with_recompute(Recompute::Full);
+        let params = model.params.init(5, 0.1);
+        let batch = BatchShape { b: 1, t: 8 };
+        let (tokens, targets) = data(&mut Rng::new(3), 8, 80);
+        let k: &dyn Kernels = &CpuKernels::PLAIN;
+        let mut pool = HeapPool::default();
+        let mut grads = vec![0.0f32; model.num_params()];
+        let mut src = Asked {
+            all: &params,
+            model: &model,
+            log: vec![],
+        };
+        let g = &mut ferrotron_engine::model::Whole(&mut grads);
+        let (acts, _) =
+            model.forward_train_scaled(k, &mut pool, &mut src, g, batch, &tokens, &targets, 8, 1.0);
+        let done = &mut |_: GradsDone, _: &mut dyn GradBuf<f32>| {};
+        model.backward_notify(k, &mut pool, &mut src, g, acts, &tokens, done);
+        assert_eq!(src.log, train_sequence(3), "training, tied {tie}");
+        src.log.clear();
+        model.forward_eval_from(k, &mut pool, &mut src, batch, &tokens, &targets);
+        assert_eq!(src.log, eval_sequence(3), "evaluation, tied {tie}");
     }
 }

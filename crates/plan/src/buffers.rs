@@ -7,6 +7,7 @@ use crate::layout::{Layout, Offload};
 use crate::memory::Category;
 use crate::model::ModelSpec;
 use crate::recipe::{DType, Precision, Recipe};
+use crate::zero3::{Sizes, Unit};
 
 /// A buffer and when it first appears (then it stays: these are reused workspaces).
 pub struct CommBuf {
@@ -29,17 +30,14 @@ pub struct Units {
 }
 
 pub fn units(tensors: &[Tensor], tp: u64, on_stage: impl Fn(Placement) -> bool) -> Units {
-    let mut layers: std::collections::BTreeMap<u64, u64> = Default::default();
     let mut u = Units::default();
-    for t in tensors.iter().filter(|t| on_stage(t.placement)) {
-        let n = t.numel_tp(tp);
-        match t.placement {
-            Placement::Embedding => u.embedding += n,
-            Placement::Head => u.head += n,
-            Placement::Layer(i) => *layers.entry(i).or_default() += n,
+    for (unit, n) in crate::zero3::unit_lens(tensors, tp, on_stage) {
+        match unit {
+            Unit::Embedding => u.embedding = n,
+            Unit::Head => u.head = n,
+            Unit::Layer(_) => u.layer = u.layer.max(n),
         }
     }
-    u.layer = layers.values().copied().max().unwrap_or(0);
     u
 }
 
@@ -63,6 +61,7 @@ pub fn comm_buffers(
     bucket_bytes: u64,
     rank_params: u64,
     conv: Convention,
+    zero3: Option<Sizes>,
 ) -> Vec<CommBuf> {
     let st = r.precision.storage();
     let unit = units.embedding.max(units.head).max(units.layer);
@@ -83,7 +82,11 @@ pub fn comm_buffers(
     // (Rajbhandari et al. 2020 §5.3; DeepSpeed's prefetch), and hold one unit of full
     // gradients before its reduce-scatter.
     // (With pipelining a ZeRO-3 stage holds all its parameters for the step instead: states.rs.)
-    if (l.zero >= 3 && l.pp == 1) || l.offload == Offload::Params {
+    // (ferrotron's own ZeRO-3 is below; over one rank it has nothing to shard or gather.)
+    let ferrotron_zero3 =
+        conv == Convention::Ferrotron && (zero3.is_some() || l.dense_replicas() == 1);
+    let generic_zero3 = !ferrotron_zero3 && l.zero >= 3 && l.pp == 1;
+    if generic_zero3 || l.offload == Offload::Params {
         // DeepSpeed's estimator counts the gathered layer once ("4*largest_layer_params").
         let gathered = if conv == Convention::DeepSpeed { 1 } else { 2 };
         add("zero3.gathered_params", st, gathered * unit, cb, true);
@@ -119,11 +122,20 @@ pub fn comm_buffers(
         let len = dp_bucket_len(bucket_bytes, rank_params, shards);
         add("dp.grad_buckets", DType::F32, 2 * len, cb, false);
     }
+    // ferrotron's ZeRO-3 (`zero3.rs`): a bucket is a unit, so two buckets of the largest unit,
+    // and one f32 buffer the parameters of a unit are all-gathered in (the next layer's
+    // prefetch runs in it while the current layer computes).
+    if let Some(z) = zero3 {
+        add("dp.grad_buckets", DType::F32, 2 * z.bucket, cb, false);
+        add("zero3.gather", DType::F32, z.bucket, cb, true);
+    }
     // ferrotron's ZeRO-2 keeps full gradients only in three windows that the backward reuses:
     // the embedding's, the head's and one layer's (`crates/train/src/zero2.rs`); the head's
     // forward writes the LM head's gradient, so they exist from the first forward.
     // (With pipelining, ZeRO-2 keeps the stage's gradients unsharded over the step: states.rs.)
-    if ferrotron && l.zero == 2 && l.pp == 1 && l.dense_replicas() > 1 {
+    // ZeRO-3 reduces gradients the same way.
+    let zero2 = l.zero == 2 && l.pp == 1 && l.dense_replicas() > 1;
+    if ferrotron && (zero2 || zero3.is_some()) {
         let gt = if r.precision.fp32_grad_acc() {
             r.precision.engine_grads()
         } else {

@@ -35,6 +35,7 @@ pub mod tensors;
 pub mod time;
 pub mod timeline;
 pub mod verdict;
+pub mod zero3;
 
 pub use attention_kernel::AttentionKernel;
 pub use cluster::Cluster;

@@ -277,11 +277,23 @@ fn rank_plan(
     let mut plan = MemoryPlan::default();
     let mut e = rank_elems(spec, tensors, l, stage, total);
     e.dense += vocab_padding(conv, spec, l, stage);
-    let states = add_states(&mut plan, e, r, l, conv);
+    let on_stage = |p: Placement| spec.is_some_and(|m| stage_of(p, m, l) == stage);
+    // ferrotron's own ZeRO-3 (its trainer's): dense models, without pipelining.
+    let zero3 = (conv == Convention::Ferrotron
+        && l.zero >= 3
+        && l.pp == 1
+        && l.dense_replicas() > 1
+        && e.expert == 0
+        && spec.is_some())
+    .then(|| {
+        let lens = crate::zero3::unit_lens(tensors, l.tp, on_stage);
+        crate::zero3::Sizes::of(&lens, l.dense_replicas())
+    });
+    let states = add_states(&mut plan, e, r, l, conv, zero3);
     plan.alloc(&states.at_init);
 
     let units = match (spec, &input.model) {
-        (Some(m), _) => units(tensors, l.tp, |p| stage_of(p, m, l) == stage),
+        (Some(_), _) => units(tensors, l.tp, on_stage),
         // A stated largest layer is split by tensor parallelism like any layer.
         (None, ModelSource::Counted { largest_layer, .. }) => Units {
             layer: largest_layer.div_ceil(l.tp),
@@ -297,6 +309,7 @@ fn rank_plan(
         input.bucket_bytes,
         e.dense + e.expert,
         conv,
+        zero3,
     );
     let mut comm_fwd = Vec::new();
     let mut comm_bwd = Vec::new();

@@ -42,6 +42,7 @@ pub fn add_states(
     r: &Recipe,
     l: &Layout,
     conv: Convention,
+    zero3: Option<crate::zero3::Sizes>,
 ) -> StateBuffers {
     let p = r.precision;
     let mut out = StateBuffers::default();
@@ -63,6 +64,12 @@ pub fn add_states(
                 _ => out.at_first_optimizer.push(id),
             }
         };
+    // ferrotron's ZeRO-3 pads every unit to whole blocks (`zero3.rs`), so its shard of every
+    // state is the sum of its blocks.
+    let shard = |e: RankElems, l: &Layout, sharded: bool| match (zero3, sharded) {
+        (Some(z), true) => z.shard,
+        _ => shard(e, l, sharded),
+    };
     let params_n = shard(elems, l, l.zero >= 3);
     // Pipelining with ZeRO-2/3 (torchtitan runs FSDP2 under torch.distributed.pipelining):
     // the schedule turns gradient sync off for every micro-batch but the last
@@ -96,6 +103,19 @@ pub fn add_states(
         Category::Params,
         on_host_params,
     );
+    // ...and gathers the units' parameters into windows it keeps (the embedding's, the head's,
+    // two layers'), allocated with the parameters.
+    if let Some(z) = zero3 {
+        place(
+            plan,
+            0,
+            "zero3.param_windows",
+            p.storage(),
+            z.windows,
+            Category::Params,
+            false,
+        );
+    }
     if p.has_master() && !fsdp2 {
         place(
             plan,

@@ -177,7 +177,7 @@ pub struct TrainConfig {
     pub precision: PrecisionConfig,
     #[serde(flatten)]
     pub runtime: RuntimeConfig,
-    /// The parallel layout (the planner's); data parallelism with ZeRO-1 or 2 at most for now.
+    /// The parallel layout (the planner's); data parallelism with ZeRO-1, 2 or 3 for now.
     #[serde(default)]
     pub parallel: Layout,
     #[serde(flatten)]
@@ -401,8 +401,8 @@ pub enum CommBackend {
     Mpi,
 }
 
-/// The layout of the flags, refused unless the trainer runs it: data parallelism with ZeRO-1
-/// at most for now. The planner already predicts every layout, so the message points there.
+/// The layout of the flags, refused unless the trainer runs it: data parallelism with ZeRO-1,
+/// 2 or 3 for now. The planner already predicts every layout, so the message points there.
 pub(crate) fn trainable_layout(flags: &LayoutFlags) -> Result<Layout, ConfigError> {
     let l = flags.resolve().map_err(|e| ConfigError {
         field: "parallel",
@@ -411,7 +411,7 @@ pub(crate) fn trainable_layout(flags: &LayoutFlags) -> Result<Layout, ConfigErro
     })?;
     let not_yet = |field: &'static str, v: String| {
         let problem = format!(
-            "ferrotron train runs data parallelism (--dp) with ZeRO-1 or 2 at most for now (the other layouts are next); `ferrotron plan --{} {v}` predicts this layout's memory and time",
+            "ferrotron train runs data parallelism (--dp, with --zero 1, 2 or 3) for now (the other layouts are next); `ferrotron plan --{} {v}` predicts this layout's memory and time",
             field.replace('_', "-")
         );
         Err(bad(field, v, &problem))
@@ -432,9 +432,6 @@ pub(crate) fn trainable_layout(flags: &LayoutFlags) -> Result<Layout, ConfigErro
     }
     if l.pp_virtual == 0 {
         return Err(bad("pp_virtual", 0, "must be a positive integer"));
-    }
-    if l.zero > 2 {
-        return not_yet("zero", l.zero.to_string());
     }
     if l.sp {
         return not_yet("sp", "true".into());

@@ -26,7 +26,7 @@
 
 use anyhow::{anyhow, bail, Result};
 use ferrotron_dist::{Communicator, Pending};
-use ferrotron_engine::model::{GradBuf, GradsDone, ParamTable};
+use ferrotron_engine::model::{GradBuf, GradsDone, ParamTable, Unit};
 use ferrotron_engine::Elem;
 use ferrotron_plan::comm::{bytes_per_rank, Collective};
 use std::collections::VecDeque;
@@ -70,6 +70,35 @@ impl BucketLayout {
             .collect();
         BucketLayout { pieces, len }
     }
+
+    /// ZeRO-3's layout: one bucket per unit (`groups`, each unit's gradient ranges in report
+    /// order), padded to `blocks` equal blocks: a unit's parameters are all-gathered, and its
+    /// gradients reduce-scattered, as one bucket (`ferrotron_plan::zero3`).
+    fn per_unit(groups: &[Vec<Range<usize>>], blocks: usize) -> Self {
+        let mut layout = BucketLayout {
+            pieces: Vec::with_capacity(groups.len()),
+            len: Vec::with_capacity(groups.len()),
+        };
+        for g in groups {
+            let mut at = 0;
+            let pieces = g.iter().map(|r| {
+                at += r.len();
+                (r.clone(), at - r.len())
+            });
+            layout.pieces.push(pieces.collect());
+            layout.len.push(at.next_multiple_of(blocks));
+        }
+        layout
+    }
+}
+
+/// How the gradients are cut into buckets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Buckets {
+    /// Buckets of this many f32 elements, in report order (`--bucket-mb`).
+    Fixed(usize),
+    /// One bucket per unit of the model (ZeRO-3).
+    Units,
 }
 
 /// One contiguous run of a rank's ZeRO-1 shard: gradients/parameters `params`, at `at` in the
@@ -139,6 +168,14 @@ pub trait Gather {
     fn put(&mut self, r: Range<usize>, values: &[f32]);
 }
 
+/// What [`DataParallel::counters`] saves.
+#[derive(Debug, Clone, Copy)]
+pub struct Counters {
+    bytes: f64,
+    spans: usize,
+    exposed: Duration,
+}
+
 /// A bucket's f32 buffer, reused every step.
 struct Bucket {
     buf: Vec<f32>,
@@ -183,6 +220,12 @@ pub struct DataParallel {
     reduced: usize,
     /// The first error of a collective, reported when the step finishes.
     error: Option<String>,
+    /// An untied LM head: its gradient is final once the head's forward has run, and goes
+    /// into the buckets with the final norm's.
+    untied_head: Option<Range<usize>>,
+    /// ZeRO-3's all-gather buffer (one unit, padded) and the bucket gathering in it.
+    gather: Vec<f32>,
+    gathering: Option<(usize, Pending, Instant)>,
     /// Every rank's few values of the step's small collectives (loss, gradient norm, peak
     /// bytes), reused every step.
     small: Vec<f32>,
@@ -203,13 +246,23 @@ impl DataParallel {
     pub fn new(
         comm: Box<dyn Communicator>,
         table: &ParamTable,
-        bucket_len: usize,
+        buckets: Buckets,
         sharded: bool,
     ) -> Self {
         let (rank, ranks) = (comm.rank(), comm.size());
-        let bucket_len = bucket_len.max(1);
         let blocks = if sharded { ranks } else { 1 };
-        let layout = BucketLayout::new(&report_order(table), bucket_len, blocks);
+        let (layout, bucket_len) = match buckets {
+            Buckets::Fixed(len) => {
+                let len = len.max(1);
+                (BucketLayout::new(&report_order(table), len, blocks), len)
+            }
+            Buckets::Units => {
+                let groups: Vec<_> = unit_groups(table).into_iter().map(|g| g.1).collect();
+                let layout = BucketLayout::per_unit(&groups, blocks);
+                let len = layout.len.iter().copied().max().unwrap_or(1);
+                (layout, len)
+            }
+        };
         let shard = sharded.then(|| Shard::new(&layout, rank, ranks));
         DataParallel {
             small: Vec::with_capacity(4 * ranks),
@@ -223,14 +276,21 @@ impl DataParallel {
             next_bucket: 0,
             reduced: 0,
             error: None,
+            untied_head: unreported(table),
+            gather: Vec::new(),
+            gathering: None,
             comm_bytes: 0.0,
             spans: Vec::new(),
             exposed: Duration::ZERO,
         }
     }
 
-    /// The two buckets (as the plan allocates `dp.grad_buckets` with the gradients).
-    pub fn allocate(&mut self) {
+    /// The two buckets (as the plan allocates `dp.grad_buckets` with the gradients), and
+    /// ZeRO-3's all-gather buffer (the plan's `zero3.gather`).
+    pub fn allocate(&mut self, zero3: bool) {
+        if zero3 {
+            self.gather = vec![0.0; self.bucket_len];
+        }
         let bucket = || Bucket {
             buf: vec![0.0; self.bucket_len],
             index: 0,
@@ -263,13 +323,16 @@ impl DataParallel {
         self.shard.as_ref()
     }
 
-    /// The gradient ranges a backward report makes final.
-    pub fn ranges<'a>(done: &GradsDone<'a>) -> impl Iterator<Item = Range<usize>> + 'a {
-        let (one, layer) = match *done {
-            GradsDone::FinalNorm(r) | GradsDone::Embedding(r) => (Some(r.clone()), None),
-            GradsDone::Layer(_, idx) => (None, Some(idx)),
+    /// The gradient ranges a backward report makes final (with the final norm's, an untied
+    /// LM head's, final since the head's forward).
+    pub fn ranges<'a>(&self, done: &GradsDone<'a>) -> impl Iterator<Item = Range<usize>> + 'a {
+        let (one, two, layer) = match *done {
+            GradsDone::FinalNorm(r) => (Some(r.clone()), self.untied_head.clone(), None),
+            GradsDone::Embedding(r) => (Some(r.clone()), None, None),
+            GradsDone::Layer(_, idx) => (None, None, Some(idx)),
         };
         one.into_iter()
+            .chain(two)
             .chain(layer.into_iter().flat_map(|l| l.ranges().cloned()))
     }
 
@@ -281,6 +344,7 @@ impl DataParallel {
         for f in &self.in_flight {
             f.pending.is_done();
         }
+        self.poll();
         while !range.is_empty() {
             // No bucket: a collective failed and took one with it; finish reports it.
             let Some(b) = self.filling.as_mut() else {
@@ -408,17 +472,9 @@ impl DataParallel {
         }
     }
 
-    /// Ends the step's reduction: the gradients the backward does not report (an untied LM
-    /// head, complete since the head's forward: [`unreported`]) go into the last bucket, every
-    /// bucket lands, and every gradient must have been summed exactly once.
-    pub fn finish<G: Elem>(
-        &mut self,
-        sums: &mut Sums<G>,
-        rest: Option<Range<usize>>,
-    ) -> Result<()> {
-        if let Some(r) = rest {
-            self.add(sums, r);
-        }
+    /// Ends the micro-batch's reduction: every bucket lands, and every gradient must have
+    /// been summed exactly once.
+    pub fn finish<G: Elem>(&mut self, sums: &mut Sums<G>) -> Result<()> {
         while !self.in_flight.is_empty() {
             self.land_oldest(sums);
         }
@@ -477,6 +533,70 @@ impl DataParallel {
         }
         b.buf.resize(self.bucket_len, 0.0);
         Ok(())
+    }
+
+    /// ZeRO-3: starts the all-gather of bucket `k` (one unit's parameters) in the gather
+    /// buffer, where `own` puts this rank's block from its shard. One runs at a time: it is
+    /// waited for ([`DataParallel::gather_wait`]) before the next starts.
+    pub fn gather_start(&mut self, k: usize, own: &mut dyn FnMut(&Segment, &mut [f32])) {
+        let Some(shard) = &self.shard else {
+            return;
+        };
+        let mut buf = std::mem::take(&mut self.gather);
+        buf.truncate(0);
+        buf.resize(self.layout.len[k], 0.0);
+        for seg in &shard.segments[shard.of_bucket[k].clone()] {
+            own(
+                seg,
+                &mut buf[seg.in_bucket..seg.in_bucket + seg.params.len()],
+            );
+        }
+        let p = self.comm.size() as u64;
+        self.comm_bytes += bytes_per_rank(Collective::AllGather, 4.0 * buf.len() as f64, p);
+        let pending = self.comm.all_gather_start(buf);
+        self.gathering = Some((k, pending, Instant::now()));
+    }
+
+    /// ZeRO-3: waits for the running all-gather; returns the pieces of its bucket (parameter
+    /// range, offset) and the gathered values.
+    pub fn gather_wait(&mut self) -> Result<(&[(Range<usize>, usize)], &[f32])> {
+        let Some((k, pending, start)) = self.gathering.take() else {
+            bail!("internal: no ZeRO-3 all-gather is running");
+        };
+        let waited = Instant::now();
+        let landed = pending.wait();
+        landed_now(
+            &mut self.spans,
+            &mut self.exposed,
+            "all-gather",
+            start,
+            waited,
+        );
+        self.gather = landed.map_err(|e| anyhow!("ZeRO-3 parameter all-gather: {e}"))?;
+        Ok((&self.layout.pieces[k], &self.gather))
+    }
+
+    /// Advances a running ZeRO-3 all-gather (MPI progresses only inside MPI calls).
+    pub fn poll(&self) {
+        if let Some((_, p, _)) = &self.gathering {
+            p.is_done();
+        }
+    }
+
+    /// The step's communication so far (bytes, collectives, exposed time): communication
+    /// outside a step (an evaluation, a checkpoint's gathers) is undone from them with
+    /// [`DataParallel::set_counters`].
+    pub fn counters(&self) -> Counters {
+        Counters {
+            bytes: self.comm_bytes,
+            spans: self.spans.len(),
+            exposed: self.exposed,
+        }
+    }
+
+    pub fn set_counters(&mut self, c: Counters) {
+        (self.comm_bytes, self.exposed) = (c.bytes, c.exposed);
+        self.spans.truncate(c.spans);
     }
 
     /// How buckets are reduced: all-reduced, or reduce-scattered into shards (ZeRO).
@@ -559,17 +679,23 @@ pub fn unreported(table: &ParamTable) -> Option<Range<usize>> {
 }
 
 /// The gradient ranges in the order the backward makes them final (`Llama::backward_notify`:
-/// the final norm, the layers last to first, each in `LayerIdx::ranges` order, the
-/// embedding), then the [`unreported`] LM head. The buckets are laid out in this order, and
-/// [`DataParallel::add`] refuses a report that departs from it.
-pub fn report_order(table: &ParamTable) -> Vec<Range<usize>> {
-    let mut order = vec![table.norm.clone()];
-    for l in table.layers.iter().rev() {
-        order.extend(l.ranges().cloned());
+/// the final norm with the [`unreported`] LM head, the layers last to first, each in
+/// `LayerIdx::ranges` order, the embedding), by unit. The buckets are laid out in this order,
+/// and [`DataParallel::add`] refuses a report that departs from it.
+pub fn unit_groups(table: &ParamTable) -> Vec<(Unit, Vec<Range<usize>>)> {
+    let mut head = vec![table.norm.clone()];
+    head.extend(unreported(table));
+    let mut groups = vec![(Unit::Head, head)];
+    for (i, l) in table.layers.iter().enumerate().rev() {
+        groups.push((Unit::Layer(i), l.ranges().cloned().collect()));
     }
-    order.push(table.embed.clone());
-    order.extend(unreported(table));
-    order
+    groups.push((Unit::Embedding, vec![table.embed.clone()]));
+    groups
+}
+
+/// [`unit_groups`], one after the other.
+pub fn report_order(table: &ParamTable) -> Vec<Range<usize>> {
+    unit_groups(table).into_iter().flat_map(|g| g.1).collect()
 }
 
 #[cfg(test)]

@@ -22,3 +22,4 @@ pub mod trainer;
 pub mod weights;
 pub mod workspace;
 pub mod zero2;
+pub mod zero3;

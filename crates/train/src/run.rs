@@ -310,6 +310,8 @@ fn run_rank(args: TrainArgs, ctx: Option<RankCtx>) -> Result<RunSummary> {
         None => args.resolve()?,
     };
     let checkpoints = cfg.checkpoint.dir.is_some();
+    // Every rank takes part in gathering the weights for rank 0's sample (ZeRO-3 shards them).
+    let sampling = cfg.observability.sample_tokens > 0;
     if rank > 0 {
         // The other ranks hold the same model and write nothing (their memory is reported
         // by rank 0 in `rank_mem`).
@@ -400,10 +402,9 @@ fn run_rank(args: TrainArgs, ctx: Option<RankCtx>) -> Result<RunSummary> {
     let mut t = Trainer::new(cfg.clone(), spec, llama, loader, val, peak_gflops, comm)?;
     if let Some(l) = &loaded {
         let exactly = checkpoint::hf::Dtypes::Exactly(t.params.dtype());
-        t.params = checkpoint::load_weights(&l.dir, &t.model.params, exactly)?;
-        if let Some((opt, master)) =
-            checkpoint::load_optimizer(&l.dir, t.params.len(), t.master.is_some())?
-        {
+        t.set_weights(checkpoint::load_weights(&l.dir, &t.model.params, exactly)?);
+        let n = t.model.num_params();
+        if let Some((opt, master)) = checkpoint::load_optimizer(&l.dir, n, t.master.is_some())? {
             t.set_states(opt, master);
         }
         if t.scaler.is_some() {
@@ -434,7 +435,7 @@ fn run_rank(args: TrainArgs, ctx: Option<RankCtx>) -> Result<RunSummary> {
         eprintln!(
         "model {}: {} parameters; memory plan peak {:.1} MiB (params {:.1}, grads {:.1}, adam {:.1}, activations {:.1}, workspace {:.1}, gemm workspace {:.1}); matmul peak {:.1} GFLOP/s; gemm: {}",
         cfg.model.name,
-        t.params.len(),
+        t.model.num_params(),
         t.planned_peak() as f64 / MIB,
         w.params as f64 / MIB,
         w.grads as f64 / MIB,
@@ -548,7 +549,12 @@ fn run_rank(args: TrainArgs, ctx: Option<RankCtx>) -> Result<RunSummary> {
             );
         }
     }
-    let sample = if cfg.observability.sample_tokens > 0 {
+    let weights = if sampling {
+        Some(t.full_weights()?)
+    } else {
+        None
+    };
+    let sample = if let (Some(weights), 0) = (weights, rank) {
         let o = SampleOptions {
             tokens: cfg.observability.sample_tokens as usize,
             temperature: 0.8,
@@ -556,7 +562,6 @@ fn run_rank(args: TrainArgs, ctx: Option<RankCtx>) -> Result<RunSummary> {
             seed: cfg.data.seed,
             context: cfg.data.seq as usize,
         };
-        let weights = t.params.to_f32(0..t.params.len());
         let text = generate(&t.model, &weights, &tok, "ROMEO:", &o)?;
         eprintln!("sample (temperature 0.8, top-k 40):\nROMEO:{text}");
         Some(text)
@@ -577,13 +582,13 @@ fn run_rank(args: TrainArgs, ctx: Option<RankCtx>) -> Result<RunSummary> {
 fn init_weights(t: &mut Trainer, dir: &std::path::Path) -> Result<()> {
     let w = checkpoint::hf::load_widened(dir, &t.model.params, t.spec.tie_embeddings)?;
     let storage = t.params.dtype();
-    t.params = crate::weights::Flat::from_f32(storage, &w);
+    t.set_weights(crate::weights::Flat::from_f32(storage, &w));
     if t.master.is_some() {
-        t.master = Some(w);
+        t.set_master(w);
     }
     eprintln!(
         "initialised {} parameters from {}",
-        t.params.len(),
+        t.model.num_params(),
         dir.display()
     );
     Ok(())
@@ -601,7 +606,7 @@ fn write_plan(cfg: &TrainConfig, t: &Trainer) -> Result<()> {
     })?;
     let v = serde_json::json!({
         "model": cfg.model.name,
-        "params": t.params.len(),
+        "params": t.model.num_params(),
         "planned_peak_steps": [t.planned_peak_step(1), t.planned_peak_step(2)],
         "rank": t.plan,
     });

@@ -73,8 +73,9 @@ pub fn plan_input(spec: &ModelSpec, c: &TrainConfig, kernel_workspace: u64) -> P
 
 /// Builds the memory plan and checks that the engine's flat parameter, gradient and master
 /// buffers are the plan's: `opt_len` elements of optimizer states and master weights per rank
-/// (ZeRO shards them), and under ZeRO-2 `windows` elements of gradient windows besides the
-/// gradient shard. (Activations are the plan's by construction: both read the table of
+/// (ZeRO shards them), under ZeRO-2 and 3 `windows` elements of gradient windows besides the
+/// gradient shard, and under ZeRO-3 `param_windows` elements of parameter windows besides the
+/// parameter shard. (Activations are the plan's by construction: both read the table of
 /// `ferrotron_plan::tensors`, and the arena checks every one the engine asks for.)
 pub fn checked_plan(
     spec: &ModelSpec,
@@ -83,6 +84,7 @@ pub fn checked_plan(
     kernel_workspace: u64,
     opt_len: usize,
     windows: usize,
+    param_windows: usize,
 ) -> Result<RankPlan> {
     let input = plan_input(spec, c, kernel_workspace);
     let result = plan(&input).map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -97,8 +99,13 @@ pub fn checked_plan(
     } else {
         model.num_params()
     };
+    let params = if param_windows > 0 {
+        opt_len
+    } else {
+        model.num_params()
+    };
     let mut expected = vec![
-        ("params", model.num_params(), p.storage()),
+        ("params", params, p.storage()),
         ("grads", grads, p.engine_grads()),
     ];
     if p.has_master() {
@@ -106,6 +113,9 @@ pub fn checked_plan(
     }
     if windows > 0 {
         expected.push(("comm.zero2.grad_windows", windows, p.engine_grads()));
+    }
+    if param_windows > 0 {
+        expected.push(("zero3.param_windows", param_windows, p.storage()));
     }
     for (name, len, dtype) in expected {
         let Some(b) = rank.plan.find(name) else {

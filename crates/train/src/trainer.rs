@@ -6,7 +6,7 @@ use crate::alloc;
 use crate::arena::Arena;
 use crate::config::TrainConfig;
 use crate::data::{Loader, ValLoader};
-use crate::data_parallel::{unreported, DataParallel, Gather, Segment, Sums};
+use crate::data_parallel::{Buckets, DataParallel, Gather, Segment, Sums};
 use crate::loss_scale::{DynamicLossScaler, ScaleUpdate};
 use crate::lr::LrSchedule;
 use crate::metrics::{RankMem, StepMetrics};
@@ -17,6 +17,7 @@ use crate::weights::Flat;
 use crate::with_flat_types;
 use crate::workspace::{self, KernelWorkspace};
 use crate::zero2::GradWindows;
+use crate::zero3::{Source, Zero3};
 use anyhow::Result;
 use ferrotron_dist::Communicator;
 use ferrotron_engine::kernels::{AdamWParams, CpuKernels, Kernels, Rounding};
@@ -28,6 +29,7 @@ use ferrotron_plan::flops::model_flops_per_token;
 use ferrotron_plan::memory::Phase;
 use ferrotron_plan::Precision;
 use ferrotron_plan::{ModelSpec, RankPlan};
+use std::cell::RefCell;
 use std::ops::Range;
 use std::time::Instant;
 
@@ -42,6 +44,8 @@ pub struct AdamState {
 pub struct FullStates {
     pub opt: AdamState,
     pub master: Option<Vec<f32>>,
+    /// Every weight, gathered from the ZeRO-3 shards (`None`: the trainer holds them whole).
+    pub params: Option<Flat>,
 }
 
 /// A run of parameters the optimizer updates: `params` of the flat buffers, at `at` in the
@@ -62,6 +66,22 @@ fn shard_of(runs: &[OptRun], len: usize, full: &[f32]) -> Vec<f32> {
     out
 }
 
+/// Every weight, gathered from ZeRO-3's shards (the first `shard_len` elements of `params`),
+/// in the weights' storage type.
+fn gather_weights(
+    dp: &mut DataParallel,
+    params: &Flat,
+    shard_len: usize,
+    n: usize,
+) -> Result<Flat> {
+    let full = match params {
+        Flat::F32(p) => gather_full(dp, &p[..shard_len], n)?,
+        Flat::Bf16(p) => gather_full(dp, &p[..shard_len], n)?,
+        Flat::F16(p) => gather_full(dp, &p[..shard_len], n)?,
+    };
+    Ok(Flat::from_f32(params.dtype(), &full))
+}
+
 /// The parameters after the ZeRO-1 all-gather: this rank's blocks read from them, every
 /// rank's written into them.
 struct GatherParams<'a, S>(&'a mut [S]);
@@ -79,19 +99,34 @@ impl<S: Elem> Gather for GatherParams<'_, S> {
     }
 }
 
-/// A sharded optimizer state gathered into one of every parameter.
-struct GatherState<'a> {
-    shard: &'a [f32],
+/// A sharded optimizer state (or ZeRO-3's weights) gathered into one of every parameter.
+struct GatherShard<'a, S> {
+    shard: &'a [S],
     full: Vec<f32>,
 }
 
-impl Gather for GatherState<'_> {
+impl<S: Elem> Gather for GatherShard<'_, S> {
     fn own(&self, seg: &Segment, out: &mut [f32]) {
-        out.copy_from_slice(&self.shard[seg.at..seg.at + out.len()]);
+        for (o, x) in out
+            .iter_mut()
+            .zip(&self.shard[seg.at..seg.at + seg.params.len()])
+        {
+            *o = x.to_f32();
+        }
     }
     fn put(&mut self, r: Range<usize>, values: &[f32]) {
         self.full[r].copy_from_slice(values);
     }
+}
+
+/// Every parameter's value of a sharded state (all ranks call it: an all-gather).
+fn gather_full<S: Elem>(dp: &mut DataParallel, shard: &[S], n: usize) -> Result<Vec<f32>> {
+    let mut g = GatherShard {
+        shard,
+        full: vec![0.0; n],
+    };
+    dp.all_gather(&mut g)?;
+    Ok(g.full)
 }
 
 pub struct Trainer {
@@ -123,9 +158,12 @@ pub struct Trainer {
     runs: Vec<OptRun>,
     /// Elements of the optimizer states on this rank.
     opt_len: usize,
-    /// ZeRO-2: the gradient windows of one unit's backward, after this rank's gradient shard
-    /// in the gradient buffer (`None`: the gradient buffer holds every gradient).
+    /// ZeRO-2 and 3: the gradient windows of one unit's backward, after this rank's gradient
+    /// shard in the gradient buffer (`None`: the gradient buffer holds every gradient).
     windows: Option<GradWindows>,
+    /// ZeRO-3: the parameters are this rank's shard, then the windows units are gathered into
+    /// (`None`: `params` holds every weight).
+    zero3: Option<Zero3>,
     pub plan: RankPlan,
     /// Planned peak of a step without and with optimizer states present (steps 1 and 2).
     planned_peak: [u64; 2],
@@ -268,17 +306,20 @@ impl Trainer {
         // Initialisation of HF Llama: N(0, 0.02²) matrices, unit norms, zero biases; under mixed
         // precision that is the fp32 master copy, and the weights are it rounded.
         let init = model.params.init(cfg.data.seed, 0.02);
-        // Data parallelism: the buckets of the plan (`dp.grad_buckets`), and under ZeRO-1 the
-        // shard of the optimizer states this rank keeps.
-        let sharded = cfg.parallel.zero >= 1;
+        // Data parallelism: the buckets of the plan (`dp.grad_buckets`; ZeRO-3: one per unit),
+        // and under ZeRO the shard of the optimizer states this rank keeps.
+        let zero = cfg.parallel.zero;
         let dp = comm.map(|comm| {
-            let shards = if sharded { comm.size() as u64 } else { 1 };
+            let shards = if zero >= 1 { comm.size() as u64 } else { 1 };
             let n = model.params.total as u64;
-            let len = dp_bucket_len(cfg.runtime.bucket_mb << 20, n, shards);
-            DataParallel::new(comm, &model.params, len as usize, sharded)
+            let buckets = match zero {
+                3.. => Buckets::Units,
+                _ => Buckets::Fixed(dp_bucket_len(cfg.runtime.bucket_mb << 20, n, shards) as usize),
+            };
+            DataParallel::new(comm, &model.params, buckets, zero >= 1)
         });
-        let windows =
-            (dp.is_some() && cfg.parallel.zero >= 2).then(|| GradWindows::new(&model.params));
+        let windows = (dp.is_some() && zero >= 2).then(|| GradWindows::new(&model.params));
+        let zero3 = (dp.is_some() && zero >= 3).then(|| Zero3::new(&model.params));
         let decays = |r: &Range<usize>| {
             let e = model
                 .params
@@ -306,20 +347,25 @@ impl Trainer {
             }
         };
         let window_len = windows.as_ref().map_or(0, |w| w.len());
+        let param_windows = zero3.as_ref().map_or(0, |z| z.len());
         let ws = kernel_workspace.max();
-        let plan = checked_plan(&spec, &model, &cfg, ws, opt_len, window_len)?;
+        let plan = checked_plan(&spec, &model, &cfg, ws, opt_len, window_len, param_windows)?;
         let comm_planned = match dp {
             Some(_) => Some(planned_dp_bytes(&spec, &cfg, ws)?.round() as u64),
             None => None,
         };
         let (arena, placed) = Arena::of_plan(&plan.plan, model.config.layers)?;
+        // ZeRO-3: this rank's shard of the weights, then the (zeroed) windows.
+        let weights = |init: Vec<f32>| match &zero3 {
+            Some(z) => shard_of(&runs, opt_len + z.len(), &init),
+            None => init,
+        };
         let (params, master) = if cfg.precision.kind.has_master() {
-            (
-                Flat::from_f32(cfg.precision.kind.storage(), &init),
-                Some(shard_of(&runs, opt_len, &init)),
-            )
+            let master = shard_of(&runs, opt_len, &init);
+            let storage = cfg.precision.kind.storage();
+            (Flat::from_f32(storage, &weights(init)), Some(master))
         } else {
-            (Flat::F32(init), None)
+            (Flat::F32(weights(init)), None)
         };
         let scaler = (cfg.precision.kind == Precision::Fp16)
             .then(|| DynamicLossScaler::new(cfg.precision.loss_scale));
@@ -349,6 +395,7 @@ impl Trainer {
             runs,
             opt_len,
             windows,
+            zero3,
             schedule,
             flops_per_token,
             hw_flops_per_token,
@@ -394,9 +441,10 @@ impl Trainer {
                 None => self.params.len(),
             };
             self.grads = Some(Flat::zeros(gt, len));
-            // The plan's `dp.grad_buckets` appear with the gradients.
+            // The plan's `dp.grad_buckets` (and ZeRO-3's `zero3.gather`) appear with the
+            // gradients.
             if let Some(dp) = &mut self.dp {
-                dp.allocate();
+                dp.allocate(self.zero3.is_some());
             }
             self.pool.sample(step, Point::Grads);
         }
@@ -477,18 +525,35 @@ impl Trainer {
         params: &mut [S],
         grads: &mut [G],
     ) -> Result<(LossSum, f64, f64, Option<ScaleUpdate>)> {
+        // The backward's gradient reports and ZeRO-3's parameter requests both talk to the
+        // data-parallel group, one after the other: they share it for the step.
+        // The loader never pads, so every position has a target: the loss of each micro-batch
+        // is normalised by the target count of the whole step (every rank's), and summing
+        // micro-batch gradients gives the gradient of the global mean loss.
+        let num_targets = self.global_batch_tokens() as usize;
+        let dp = self.dp.take().map(RefCell::new);
+        let out = self.step_shared(step, params, grads, dp.as_ref(), num_targets);
+        self.dp = dp.map(RefCell::into_inner);
+        out
+    }
+
+    fn step_shared<S: Elem, G: Elem>(
+        &mut self,
+        step: u64,
+        params: &mut [S],
+        grads: &mut [G],
+        dp: Option<&RefCell<DataParallel>>,
+        num_targets: usize,
+    ) -> Result<(LossSum, f64, f64, Option<ScaleUpdate>)> {
         let batch = self.batch();
         let k: &dyn Kernels<S, G> = &self.kernels;
         let loss_scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
-        // The loader never pads, so every position has a target: the loss of each micro-batch
-        // is normalised by the target count of the whole step, and summing micro-batch
-        // gradients gives the gradient of the global mean loss.
-        let num_targets = self.global_batch_tokens() as usize;
         let mut loss = LossSum::default();
         let last_mb = self.cfg.data.grad_acc - 1;
-        // ZeRO-2: the gradient buffer is this rank's shard, then the windows the backward
-        // writes into (see `zero2`); otherwise it holds every gradient.
+        // ZeRO-2 and 3: the gradient buffer is this rank's shard, then the windows the
+        // backward writes into (see `zero2`); otherwise it holds every gradient.
         let zero2 = self.windows.is_some();
+        let zero3 = self.zero3.is_some();
         let (shard, full) = grads.split_at_mut(if zero2 { self.opt_len } else { 0 });
         let windows = self.windows.clone();
         let (mut units, mut whole);
@@ -502,67 +567,77 @@ impl Trainer {
                 &mut whole
             }
         };
-        for mb in 0..self.cfg.data.grad_acc {
-            self.loader.next_into(&mut self.tokens, &mut self.targets)?;
-            let tf = Instant::now();
-            self.pool.enter(step, mb, Running::Forward);
-            if let Some(w) = &windows {
-                w.clear(grads);
-            }
-            let (acts, l) = self.model.forward_train_scaled(
-                k,
-                &mut self.pool,
-                params,
-                grads,
-                batch,
-                &self.tokens,
-                &self.targets,
-                num_targets,
-                loss_scale,
-            );
-            self.kernels.phase("forward", tf, step, mb);
-            let tb = Instant::now();
-            self.pool.enter(step, mb, Running::Backward);
-            let (pool, tokens) = (&mut self.pool, &self.tokens);
-            match &mut self.dp {
-                // The last micro-batch's gradients are reduced as the backward finishes them;
-                // under ZeRO-2 every micro-batch's, since its windows are reused.
-                Some(dp) if mb == last_mb || zero2 => {
-                    let mut shard = zero2.then_some(&mut *shard);
-                    let done = &mut |d: GradsDone, g: &mut dyn GradBuf<G>| {
-                        let mut sums = Sums {
-                            grads: g,
-                            shard: shard.as_deref_mut(),
+        {
+            // ZeRO-3: the weights of the last step are stale in every window.
+            let mut src = Source::new(params, self.zero3.as_mut(), dp, self.opt_len);
+            for mb in 0..self.cfg.data.grad_acc {
+                self.loader.next_into(&mut self.tokens, &mut self.targets)?;
+                let tf = Instant::now();
+                self.pool.enter(step, mb, Running::Forward);
+                if let Some(w) = &windows {
+                    w.clear(grads);
+                }
+                src.begin(false);
+                let (acts, l) = self.model.forward_train_scaled(
+                    k,
+                    &mut self.pool,
+                    src.get(),
+                    grads,
+                    batch,
+                    &self.tokens,
+                    &self.targets,
+                    num_targets,
+                    loss_scale,
+                );
+                src.check()?;
+                self.kernels.phase("forward", tf, step, mb);
+                let tb = Instant::now();
+                self.pool.enter(step, mb, Running::Backward);
+                let (pool, tokens) = (&mut self.pool, &self.tokens);
+                match dp {
+                    // The last micro-batch's gradients are reduced as the backward finishes
+                    // them; under ZeRO-2 and 3 every micro-batch's, since its windows are reused.
+                    Some(dp) if mb == last_mb || zero2 => {
+                        let mut shard = zero2.then_some(&mut *shard);
+                        let done = &mut |d: GradsDone, g: &mut dyn GradBuf<G>| {
+                            let mut sums = Sums {
+                                grads: g,
+                                shard: shard.as_deref_mut(),
+                            };
+                            let mut dp = dp.borrow_mut();
+                            for r in dp.ranges(&d) {
+                                dp.add(&mut sums, r);
+                            }
+                            // The layer window is copied into the buckets: ready for the next.
+                            if let (Some(w), GradsDone::Layer(..)) = (&windows, d) {
+                                w.clear_layer(sums.grads);
+                            }
                         };
-                        for r in DataParallel::ranges(&d) {
-                            dp.add(&mut sums, r);
-                        }
-                        // The layer window is copied into the buckets: ready for the next.
-                        if let (Some(w), GradsDone::Layer(..)) = (&windows, d) {
-                            w.clear_layer(sums.grads);
-                        }
-                    };
-                    self.model
-                        .backward_notify(k, pool, params, grads, acts, tokens, done);
-                    let mut sums = Sums {
-                        grads: &mut *grads,
-                        shard,
-                    };
-                    dp.finish(&mut sums, unreported(&self.model.params))?;
+                        let src = src.get();
+                        self.model
+                            .backward_notify(k, pool, src, grads, acts, tokens, done);
+                        let mut sums = Sums {
+                            grads: &mut *grads,
+                            shard,
+                        };
+                        dp.borrow_mut().finish(&mut sums)?;
+                    }
+                    _ => {
+                        let done = &mut |_: GradsDone, _: &mut dyn GradBuf<G>| {};
+                        let src = src.get();
+                        self.model
+                            .backward_notify(k, pool, src, grads, acts, tokens, done);
+                    }
                 }
-                _ => {
-                    let done = &mut |_: GradsDone, _: &mut dyn GradBuf<G>| {};
-                    self.model
-                        .backward_notify(k, pool, params, grads, acts, tokens, done);
-                }
+                src.check()?;
+                self.pool.enter(step, mb, Running::Idle);
+                self.kernels.phase("backward", tb, step, mb);
+                loss.sum += l.sum;
+                loss.count += l.count;
             }
-            self.pool.enter(step, mb, Running::Idle);
-            self.kernels.phase("backward", tb, step, mb);
-            loss.sum += l.sum;
-            loss.count += l.count;
         }
-        if let Some(dp) = &mut self.dp {
-            (loss.sum, loss.count) = dp.sum_loss(loss.sum, loss.count)?;
+        if let Some(dp) = dp {
+            (loss.sum, loss.count) = dp.borrow_mut().sum_loss(loss.sum, loss.count)?;
         }
         let to = Instant::now();
         let lr = self.schedule.at(self.step);
@@ -572,8 +647,8 @@ impl Trainer {
             m: vec![0.0; n],
             v: vec![0.0; n],
         });
-        // The reduced gradient of each run the optimizer updates: under ZeRO-2 in the shard,
-        // else where the backward wrote it.
+        // The reduced gradient of each run the optimizer updates: under ZeRO-2 and 3 in the
+        // shard, else where the backward wrote it.
         let grad_of = |r: &OptRun| -> &[G] {
             match zero2 {
                 true => &shard[r.at..r.at + r.params.len()],
@@ -583,10 +658,10 @@ impl Trainer {
         // Σg² of the scaled gradients: inf or NaN exactly when some gradient is (the check
         // torch's GradScaler makes before unscaling). Under ZeRO each rank holds the sums of
         // its shard only: the ranks add their parts.
-        let sum_sq = match self.dp.as_mut().filter(|d| d.shard().is_some()) {
+        let sum_sq = match dp.filter(|d| d.borrow().shard().is_some()) {
             Some(dp) => {
                 let part = self.runs.iter().map(|r| k.sum_squares(grad_of(r)));
-                dp.sum_f64(part.sum())?
+                dp.borrow_mut().sum_f64(part.sum())?
             }
             None => k.sum_squares(&grads[0..self.model.params.total]),
         };
@@ -637,6 +712,8 @@ impl Trainer {
                 grad_scale: grad_scale as f32,
             };
             let s = *at..at + r.len();
+            // ZeRO-3 keeps the weights of its shard at the states' offsets.
+            let w = if zero3 { s.clone() } else { r.clone() };
             let (m, v) = (&mut opt.m[s.clone()], &mut opt.v[s.clone()]);
             match &mut self.master {
                 Some(master) => k.adamw_step(
@@ -645,18 +722,19 @@ impl Trainer {
                     grad_of(run),
                     m,
                     v,
-                    Some((&mut params[r.clone()], rounding)),
+                    Some((&mut params[w], rounding)),
                 ),
                 None => {
-                    let w = S::as_f32_mut(&mut params[r.clone()])
+                    let w = S::as_f32_mut(&mut params[w])
                         .expect("without master weights the weights are f32");
                     k.adamw_step(h, w, grad_of(run), m, v, None)
                 }
             }
         }
-        // ZeRO-1: every rank updated its blocks; the ranks gather the others'.
-        if let Some(dp) = &mut self.dp {
-            dp.all_gather(&mut GatherParams(params))?;
+        // ZeRO-1 and 2: every rank updated its blocks; the ranks gather the others'. (ZeRO-3
+        // gathers each unit when it is next needed.)
+        if let (Some(dp), false) = (dp, zero3) {
+            dp.borrow_mut().all_gather(&mut GatherParams(params))?;
         }
         self.kernels.phase("optimizer", to, step, 0);
         self.pool.sample(step, Point::Optimizer);
@@ -669,28 +747,56 @@ impl Trainer {
         self.cfg.data.grad_acc * self.cfg.data.mbs * self.cfg.data.seq * ranks
     }
 
-    /// Mean validation loss over the fixed validation batches.
+    /// Mean validation loss over the fixed validation batches (under ZeRO-3 every rank must
+    /// call it: the units are gathered).
     pub fn evaluate(&mut self) -> Result<Option<f64>> {
-        let Some(val) = &self.val else {
+        if self.val.is_none() {
             return Ok(None);
+        }
+        let te = Instant::now();
+        // The weights and the group leave `self` for the evaluation (moving moves no memory).
+        let mut params = std::mem::replace(&mut self.params, Flat::F32(Vec::new()));
+        let dp = self.dp.take().map(RefCell::new);
+        let loss = match &mut params {
+            Flat::F32(p) => self.eval_typed(p, dp.as_ref()),
+            Flat::Bf16(p) => self.eval_typed(p, dp.as_ref()),
+            Flat::F16(p) => self.eval_typed(p, dp.as_ref()),
+        };
+        self.dp = dp.map(RefCell::into_inner);
+        self.params = params;
+        self.kernels.phase("eval", te, self.step, 0);
+        Ok(Some(loss?.mean()))
+    }
+
+    fn eval_typed<S: Elem>(
+        &mut self,
+        params: &mut [S],
+        dp: Option<&RefCell<DataParallel>>,
+    ) -> Result<LossSum> {
+        let Some(val) = &self.val else {
+            return Ok(LossSum::default());
         };
         let batch = self.batch();
-        let te = Instant::now();
+        // Outside the step: its gathers are not the step's communication.
+        let saved = dp.map(|d| d.borrow().counters());
+        let mut src = Source::new(params, self.zero3.as_mut(), dp, self.opt_len);
         let mut loss = LossSum::default();
         for i in 0..val.num_batches() {
             val.batch_into(i, &mut self.tokens, &mut self.targets)?;
             let (k, pool) = (&self.kernels, &mut self.pool);
             let (tokens, targets) = (&self.tokens, &self.targets);
-            let l = match &self.params {
-                Flat::F32(p) => self.model.forward_eval(k, pool, p, batch, tokens, targets),
-                Flat::Bf16(p) => self.model.forward_eval(k, pool, p, batch, tokens, targets),
-                Flat::F16(p) => self.model.forward_eval(k, pool, p, batch, tokens, targets),
-            };
+            src.begin(true);
+            let l = self
+                .model
+                .forward_eval_from(k, pool, src.get(), batch, tokens, targets);
+            src.check()?;
             loss.sum += l.sum;
             loss.count += l.count;
         }
-        self.kernels.phase("eval", te, self.step, 0);
-        Ok(Some(loss.mean()))
+        if let (Some(dp), Some(c)) = (dp, saved) {
+            dp.borrow_mut().set_counters(c);
+        }
+        Ok(loss)
     }
 
     /// The memory timeline's samples so far (`None` when it is off).
@@ -723,9 +829,9 @@ impl Trainer {
         }
     }
 
-    /// The optimizer states of every parameter when ZeRO-1 shards them (every rank must call
-    /// it: the shards are all-gathered); `None` when this rank holds them whole (or before
-    /// the first optimizer step).
+    /// The optimizer states of every parameter when ZeRO shards them, and under ZeRO-3 the
+    /// weights (every rank must call it: the shards are all-gathered); `None` when this rank
+    /// holds them whole (or before the first optimizer step).
     pub fn gather_states(&mut self) -> Result<Option<FullStates>> {
         let (Some(dp), Some(opt)) = (&mut self.dp, &self.opt) else {
             return Ok(None);
@@ -733,41 +839,73 @@ impl Trainer {
         if dp.shard().is_none() {
             return Ok(None);
         }
-        let n = self.params.len();
-        let mut gather = |shard: &[f32]| -> Result<Vec<f32>> {
-            let mut g = GatherState {
-                shard,
-                full: vec![0.0; n],
-            };
-            dp.all_gather(&mut g)?;
-            Ok(g.full)
+        let saved = dp.counters();
+        let n = self.model.params.total;
+        let (m, v) = (gather_full(dp, &opt.m, n)?, gather_full(dp, &opt.v, n)?);
+        let master = match &self.master {
+            Some(w) => Some(gather_full(dp, w, n)?),
+            None => None,
         };
-        let (m, v) = (gather(&opt.m)?, gather(&opt.v)?);
-        let master = self.master.as_deref().map(&mut gather).transpose()?;
+        let params = match self.zero3.is_some() {
+            true => Some(gather_weights(dp, &self.params, self.opt_len, n)?),
+            false => None,
+        };
+        dp.set_counters(saved);
         Ok(Some(FullStates {
             opt: AdamState { m, v },
             master,
+            params,
         }))
+    }
+
+    /// Every weight, as f32 (under ZeRO-3 gathered: every rank must call it).
+    pub fn full_weights(&mut self) -> Result<Vec<f32>> {
+        let n = self.model.params.total;
+        match (&mut self.dp, &self.zero3) {
+            (Some(dp), Some(_)) => {
+                let saved = dp.counters();
+                let w = gather_weights(dp, &self.params, self.opt_len, n)?;
+                dp.set_counters(saved);
+                Ok(w.into_f32())
+            }
+            _ => Ok(self.params.to_f32(0..n)),
+        }
+    }
+
+    /// Takes the weights of every parameter (a checkpoint's, `--init-from`'s); under ZeRO-3
+    /// keeps this rank's shard of them.
+    pub fn set_weights(&mut self, full: Flat) {
+        self.params = match &self.zero3 {
+            Some(z) => {
+                let shard = shard_of(&self.runs, self.opt_len + z.len(), &full.into_f32());
+                Flat::from_f32(self.params.dtype(), &shard)
+            }
+            None => full,
+        };
     }
 
     /// Takes the optimizer states (and master weights) of every parameter, as a checkpoint
     /// holds them; under ZeRO keeps this rank's shard of them.
     pub fn set_states(&mut self, opt: AdamState, master: Option<Vec<f32>>) {
-        let shard = |full: &[f32]| shard_of(&self.runs, self.opt_len, full);
-        let sharded = self.dp.as_ref().is_some_and(|d| d.shard().is_some());
-        let (opt, master) = match sharded {
-            true => (
-                AdamState {
-                    m: shard(&opt.m),
-                    v: shard(&opt.v),
-                },
-                master.as_deref().map(shard),
-            ),
-            false => (opt, master),
-        };
-        self.opt = Some(opt);
-        if master.is_some() {
-            self.master = master;
+        self.opt = Some(AdamState {
+            m: self.own_part(opt.m),
+            v: self.own_part(opt.v),
+        });
+        if let Some(m) = master {
+            self.set_master(m);
+        }
+    }
+
+    /// Takes the fp32 master weights of every parameter (under ZeRO, keeps this rank's shard).
+    pub fn set_master(&mut self, full: Vec<f32>) {
+        self.master = Some(self.own_part(full));
+    }
+
+    /// This rank's part of a state of every parameter: all of it, or under ZeRO its shard.
+    fn own_part(&self, full: Vec<f32>) -> Vec<f32> {
+        match self.dp.as_ref().is_some_and(|d| d.shard().is_some()) {
+            true => shard_of(&self.runs, self.opt_len, &full),
+            false => full,
         }
     }
 

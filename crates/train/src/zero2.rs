@@ -19,11 +19,13 @@ use std::ops::Range;
 /// Where each unit's gradients sit in the windows buffer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GradWindows {
-    embed: Range<usize>,
-    head: Range<usize>,
-    /// Every layer, in the flat order (from the first layer's start to the final norm).
-    layers: Range<usize>,
-    layer_len: usize,
+    /// The units in the flat order: the embedding, the head (final norm and an untied LM
+    /// head), every layer (from the first layer's start to the final norm), and one layer's
+    /// length. (ZeRO-3's parameter windows have the same geometry: `zero3::ParamWindows`.)
+    pub(crate) embed: Range<usize>,
+    pub(crate) head: Range<usize>,
+    pub(crate) layers: Range<usize>,
+    pub(crate) layer_len: usize,
 }
 
 impl GradWindows {

@@ -1,5 +1,5 @@
 //! Data parallelism on the threads backend (ranks as threads of one process): `dp` ranks, each
-//! with its slice of every global batch, without ZeRO and with ZeRO-1 and 2, follow the one-rank
+//! with its slice of every global batch, without ZeRO and with ZeRO-1, 2 and 3, follow the one-rank
 //! trajectory of the same global batch, and every rank's measured peak is within 1% of its own
 //! plan.
 
@@ -75,7 +75,8 @@ fn data_parallel_ranks_follow_the_one_rank_trajectory() {
     let (one, _) = train(1, 0, 4, 2, 6);
     let layouts = [(2, 4, 1), (2, 2, 2), (4, 2, 1), (4, 1, 2)];
     let mut peaks = std::collections::HashMap::new();
-    for ((dp, mbs, acc), zero) in layouts.into_iter().flat_map(|l| [(l, 0), (l, 1), (l, 2)]) {
+    let stages = |l| [(l, 0), (l, 1), (l, 2), (l, 3)];
+    for ((dp, mbs, acc), zero) in layouts.into_iter().flat_map(stages) {
         let (s, params) = train(dp, zero, mbs, acc, 6);
         let last = &s[5].rank_mem[0];
         peaks.insert(
@@ -93,14 +94,25 @@ fn data_parallel_ranks_follow_the_one_rank_trajectory() {
             }
             // Every gradient is all-reduced once per step, as f32 (ring bytes per rank); under
             // ZeRO-1 reduce-scattered and the parameters all-gathered, padded to dp blocks;
-            // under ZeRO-2 reduce-scattered after every micro-batch.
+            // under ZeRO-2 reduce-scattered after every micro-batch. ZeRO-3 pads each unit
+            // (the tied embedding of 8192 × 64, each of the 2 layers, the final norm of 64)
+            // and gathers each once per step: both layers fit the two layer windows, so the
+            // backward and the next micro-batches find them there.
             let padded = 4.0 * params.next_multiple_of(dp) as f64;
             let scatter = bytes_per_rank(Collective::ReduceScatter, padded, dp);
             let gather = bytes_per_rank(Collective::AllGather, padded, dp);
+            let (embed, norm) = (8192 * 64, 64);
+            let layer = (params - embed - norm) / 2;
+            let units = [embed, layer, layer, norm].map(|u| u.next_multiple_of(dp));
+            let unit_bytes = 4.0 * units.iter().sum::<u64>() as f64;
             let bytes = match zero {
                 0 => bytes_per_rank(Collective::AllReduce, 4.0 * params as f64, dp),
                 1 => scatter + gather,
-                _ => acc as f64 * scatter + gather,
+                2 => acc as f64 * scatter + gather,
+                _ => {
+                    acc as f64 * bytes_per_rank(Collective::ReduceScatter, unit_bytes, dp)
+                        + bytes_per_rank(Collective::AllGather, unit_bytes, dp)
+                }
             };
             assert_eq!(y.comm_bytes, Some(bytes.round() as u64), "{what}");
         }
@@ -108,16 +120,17 @@ fn data_parallel_ranks_follow_the_one_rank_trajectory() {
     // Each ZeRO stage changes every rank's peak by what the plan says: ZeRO-1 drops most of
     // the optimizer states; ZeRO-2 drops most of the gradients but keeps windows of the
     // embedding, head and one layer, which on this tiny model (a tied embedding of most of its
-    // parameters) cost more than the shard saves. (The default model's ranks do fall at each
-    // stage: crates/train/tests/run_mpi_train.sh.)
+    // parameters) cost more than the shard saves; ZeRO-3 shards the weights but keeps windows
+    // of the embedding, the head and two layers, all of this 2-layer model. (The default
+    // model's ranks do fall at each stage: crates/train/tests/run_mpi_train.sh.)
     for (dp, mbs) in [(2, 4), (4, 2)] {
-        for zero in [1, 2] {
+        for zero in [1, 2, 3] {
             let (p0, m0) = peaks[&(dp, mbs, zero - 1)];
             let (p1, m1) = peaks[&(dp, mbs, zero)];
             let (planned, measured) = (p0 as f64 - p1 as f64, m0 as f64 - m1 as f64);
             let what = format!("dp {dp} ZeRO-{zero}");
             assert!(
-                zero == 2 || planned > 0.0,
+                zero >= 2 || planned > 0.0,
                 "{what} plans {p1} B, the stage before {p0} B"
             );
             assert!(
@@ -128,9 +141,9 @@ fn data_parallel_ranks_follow_the_one_rank_trajectory() {
     }
 }
 
-/// The optimizer states a checkpoint holds, by tensor name.
-fn optimizer_states(dir: &std::path::Path) -> Vec<(String, Vec<f32>)> {
-    let bytes = std::fs::read(dir.join("checkpoint/optimizer.safetensors")).unwrap();
+/// The f32 tensors of a checkpoint's `file`, by tensor name.
+fn tensors(dir: &std::path::Path, file: &str) -> Vec<(String, Vec<f32>)> {
+    let bytes = std::fs::read(dir.join("checkpoint").join(file)).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let mut out: Vec<(String, Vec<f32>)> = st
         .tensors()
@@ -149,33 +162,44 @@ fn optimizer_states(dir: &std::path::Path) -> Vec<(String, Vec<f32>)> {
 }
 
 #[test]
-fn a_zero1_checkpoint_holds_every_parameters_optimizer_states() {
-    // The same run with the states replicated and sharded over 4 ranks: the checkpoint of the
-    // sharded one gathers every rank's blocks, so the two files hold the same tensors.
-    let (plain, sharded) = (tmp("ckpt-dp4-z0"), tmp("ckpt-dp4-z1"));
+fn a_sharded_checkpoint_holds_every_parameters_states_and_weights() {
+    // The same run with the states replicated and sharded over 4 ranks (ZeRO-1; ZeRO-3 also
+    // shards the weights): the checkpoint of a sharded one gathers every rank's blocks, so the
+    // files hold the same tensors.
+    let plain = tmp("ckpt-dp4-z0");
     train_in(&plain, 4, 0, 2, 1, 3);
-    train_in(&sharded, 4, 1, 2, 1, 3);
-    let (a, b) = (optimizer_states(&plain), optimizer_states(&sharded));
-    let names: Vec<&str> = a.iter().map(|t| t.0.as_str()).collect();
-    assert_eq!(names, ["exp_avg", "exp_avg_sq"]);
-    for ((name, x), (_, y)) in a.iter().zip(&b) {
-        assert_eq!(x.len(), y.len(), "{name}");
-        let scale = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let worst = x
-            .iter()
-            .zip(y)
-            .fold(0.0f32, |m, (p, q)| m.max((p - q).abs()));
-        assert!(
-            scale > 0.0 && worst <= 1e-5 * scale,
-            "{name}: differs by {worst} (max {scale})"
-        );
+    for zero in [1, 3] {
+        let sharded = tmp(&format!("ckpt-dp4-z{zero}"));
+        train_in(&sharded, 4, zero, 2, 1, 3);
+        for file in ["optimizer.safetensors", "model.safetensors"] {
+            let (a, b) = (tensors(&plain, file), tensors(&sharded, file));
+            let names: Vec<&str> = a.iter().map(|t| t.0.as_str()).collect();
+            let nb: Vec<&str> = b.iter().map(|t| t.0.as_str()).collect();
+            assert_eq!(names, nb, "ZeRO-{zero} {file}");
+            if file.starts_with("optimizer") {
+                assert_eq!(names, ["exp_avg", "exp_avg_sq"]);
+            }
+            for ((name, x), (_, y)) in a.iter().zip(&b) {
+                assert_eq!(x.len(), y.len(), "{name}");
+                let scale = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                let worst = x
+                    .iter()
+                    .zip(y)
+                    .fold(0.0f32, |m, (p, q)| m.max((p - q).abs()));
+                assert!(
+                    scale > 0.0 && worst <= 1e-5 * scale,
+                    "ZeRO-{zero} {name}: differs by {worst} (max {scale})"
+                );
+            }
+        }
     }
 }
 
 #[test]
 fn a_run_resumes_on_another_layout_and_goes_on_along_the_same_trajectory() {
     // Eight sequences a step throughout. Stopped after step 3 on dp 2 with ZeRO-1, resumed on
-    // dp 4 with ZeRO-2 and on one rank: steps 4–6 follow the uninterrupted dp 2 run.
+    // dp 4 with ZeRO-2, on dp 2 with ZeRO-3 and on one rank: steps 4–6 follow the
+    // uninterrupted dp 2 run.
     let straight = tmp("resume-straight");
     let (whole, _) = train_in(&straight, 2, 1, 2, 2, 6);
     let first = tmp("resume-first");
@@ -188,7 +212,7 @@ fn a_run_resumes_on_another_layout_and_goes_on_along_the_same_trajectory() {
         a.checkpoint_dir = Some(ck.clone());
         assert_eq!(run(a).unwrap().steps.len(), 3);
     }
-    for (dp, zero, mbs) in [(4, 2, 1), (1, 0, 4)] {
+    for (dp, zero, mbs) in [(4, 2, 1), (2, 3, 2), (1, 0, 4)] {
         let _turn = ONE_RUN_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
         let out = tmp(&format!("resume-dp{dp}"));
         let mut a = tiny_args(&out, 6);

@@ -26,6 +26,7 @@ use super::activations::{Activations, BatchShape, GradScratch, LayerActs, LossSu
 use super::buffers::{Boundary, Buf, BufName, BufferPool};
 use super::config::LlamaConfig;
 use super::grad_buf::{GradBuf, Whole};
+use super::param_buf::{ParamBuf, ParamSource, Unit, WholeParams};
 use super::params::{LayerIdx, ParamTable};
 use super::recompute::{dropped, layer_tensors, Recompute};
 use super::stages::{GradsDone, HeadActs};
@@ -71,7 +72,7 @@ fn weight_grad<S: Elem, G: Elem>(
     }
 }
 
-fn opt<'a, S>(params: &'a [S], r: &Option<Range<usize>>) -> Option<&'a [S]> {
+fn opt<'a, S>(params: &'a dyn ParamBuf<S>, r: &Option<Range<usize>>) -> Option<&'a [S]> {
     r.as_ref().map(|r| &params[r.clone()])
 }
 
@@ -149,8 +150,11 @@ impl Llama {
         self.params.total
     }
 
-    fn check_batch<S>(&self, params: &[S], batch: BatchShape, tokens: &[u32]) {
+    fn check_params<S>(&self, params: &[S]) {
         assert_eq!(params.len(), self.params.total, "params buffer length");
+    }
+
+    fn check_batch(&self, batch: BatchShape, tokens: &[u32]) {
         assert_eq!(tokens.len(), batch.n(), "tokens must hold B·T ids");
         assert!(
             batch.t <= self.config.max_pos,
@@ -183,7 +187,7 @@ impl Llama {
         &self,
         k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
-        params: &[S],
+        params: &dyn ParamBuf<S>,
         i: usize,
         batch: BatchShape,
         input: Buf<S>,
@@ -205,7 +209,7 @@ impl Llama {
         &self,
         k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
-        params: &[S],
+        params: &dyn ParamBuf<S>,
         i: usize,
         batch: BatchShape,
         input: Buf<S>,
@@ -370,7 +374,7 @@ impl Llama {
         &self,
         k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
-        params: &[S],
+        params: &dyn ParamBuf<S>,
         i: usize,
         batch: BatchShape,
         a: LayerActs<S>,
@@ -415,7 +419,7 @@ impl Llama {
         &self,
         k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
-        params: &[S],
+        params: &dyn ParamBuf<S>,
         final_input: &[S],
         targets: &[u32],
         mut grad: Option<(&mut dyn GradBuf<G>, f32)>,
@@ -496,10 +500,11 @@ impl Llama {
         num_target_tokens: usize,
     ) -> (Activations<S>, LossSum) {
         assert_eq!(grads.len(), self.params.total, "grads buffer length");
+        self.check_params(params);
         self.forward_train_scaled(
             k,
             pool,
-            params,
+            &mut WholeParams(params),
             &mut Whole(grads),
             batch,
             tokens,
@@ -517,7 +522,7 @@ impl Llama {
         &self,
         k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
-        params: &[S],
+        params: &mut dyn ParamSource<S>,
         grads: &mut dyn GradBuf<G>,
         batch: BatchShape,
         tokens: &[u32],
@@ -525,7 +530,7 @@ impl Llama {
         num_target_tokens: usize,
         loss_scale: f32,
     ) -> (Activations<S>, LossSum) {
-        self.check_batch(params, batch, tokens);
+        self.check_batch(batch, tokens);
         assert_eq!(targets.len(), batch.n(), "targets must hold B·T ids");
         // The stages (`super::stages`) in order.
         let x = self.embed_forward(k, pool, params, tokens);
@@ -564,7 +569,9 @@ impl Llama {
         // Nobody listens for finished gradients.
         let done = &mut |_: GradsDone, _: &mut dyn GradBuf<G>| {};
         assert_eq!(grads.len(), self.params.total, "grads buffer length");
-        self.backward_notify(k, pool, params, &mut Whole(grads), acts, tokens, done);
+        self.check_params(params);
+        let whole = &mut WholeParams(params);
+        self.backward_notify(k, pool, whole, &mut Whole(grads), acts, tokens, done);
     }
 
     /// [`Llama::backward`], calling `done` with the gradients each time some of them are
@@ -575,7 +582,7 @@ impl Llama {
         &self,
         k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
-        params: &[S],
+        params: &mut dyn ParamSource<S>,
         grads: &mut dyn GradBuf<G>,
         acts: Activations<S>,
         tokens: &[u32],
@@ -610,7 +617,7 @@ impl Llama {
         &self,
         k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
-        params: &[S],
+        params: &dyn ParamBuf<S>,
         grads: &mut dyn GradBuf<G>,
         i: usize,
         batch: BatchShape,
@@ -764,10 +771,27 @@ impl Llama {
         tokens: &[u32],
         targets: &[u32],
     ) -> LossSum {
-        self.check_batch(params, batch, tokens);
+        self.check_params(params);
+        let whole = &mut WholeParams(params);
+        self.forward_eval_from(k, pool, whole, batch, tokens, targets)
+    }
+
+    /// [`Llama::forward_eval`] reading each unit's parameters from `params` as it reaches it
+    /// (`ferrotron_plan::zero3::eval_sequence`).
+    pub fn forward_eval_from<S: Elem>(
+        &self,
+        k: &dyn Kernels<S>,
+        pool: &mut dyn BufferPool,
+        params: &mut dyn ParamSource<S>,
+        batch: BatchShape,
+        tokens: &[u32],
+        targets: &[u32],
+    ) -> LossSum {
+        self.check_batch(batch, tokens);
         assert_eq!(targets.len(), batch.n(), "targets must hold B·T ids");
         let x = self.trunk_no_grad(k, pool, params, batch, tokens);
-        let (rstd, out, loss) = self.head(k, pool, params, &x, targets, None);
+        let p = params.unit(Unit::Head);
+        let (rstd, out, loss) = self.head(k, pool, p, &x, targets, None);
         pool.free(BufName::Edge(Edge::FinalNormOut), out);
         pool.free(BufName::Edge(Edge::FinalNormRstd), rstd);
         pool.free(BufName::Edge(Edge::FinalNormInput), x);
@@ -785,7 +809,23 @@ impl Llama {
         tokens: &[u32],
         logits: &mut [f32],
     ) {
-        self.check_batch(params, batch, tokens);
+        self.check_params(params);
+        let whole = &mut WholeParams(params);
+        self.forward_logits_last_from(k, pool, whole, batch, tokens, logits)
+    }
+
+    /// [`Llama::forward_logits_last`] reading each unit's parameters from `params` as it
+    /// reaches it (`ferrotron_plan::zero3::eval_sequence`).
+    pub fn forward_logits_last_from<S: Elem>(
+        &self,
+        k: &dyn Kernels<S>,
+        pool: &mut dyn BufferPool,
+        params: &mut dyn ParamSource<S>,
+        batch: BatchShape,
+        tokens: &[u32],
+        logits: &mut [f32],
+    ) {
+        self.check_batch(batch, tokens);
         let (c, vocab, b) = (self.config.hidden, self.config.vocab, batch.b);
         assert_eq!(logits.len(), b * vocab, "logits must be [B, V]");
         let x = self.trunk_no_grad(k, pool, params, batch, tokens);
@@ -796,7 +836,7 @@ impl Llama {
             last[s * c..(s + 1) * c].copy_from_slice(&x[row..row + c]);
         }
         pool.free(BufName::Edge(Edge::FinalNormInput), x);
-        self.logits_of(k, pool, params, &last, logits);
+        self.logits_of(k, pool, params.unit(Unit::Head), &last, logits);
         pool.free(last_name, last);
     }
 
@@ -811,14 +851,16 @@ impl Llama {
         tokens: &[u32],
         logits: &mut [f32],
     ) {
-        self.check_batch(params, batch, tokens);
+        self.check_params(params);
+        self.check_batch(batch, tokens);
         assert_eq!(
             logits.len(),
             batch.n() * self.config.vocab,
             "logits must be [B·T, V]"
         );
-        let x = self.trunk_no_grad(k, pool, params, batch, tokens);
-        self.logits_of(k, pool, params, &x, logits);
+        let whole = &mut WholeParams(params);
+        let x = self.trunk_no_grad(k, pool, whole, batch, tokens);
+        self.logits_of(k, pool, whole, &x, logits);
         pool.free(BufName::Edge(Edge::FinalNormInput), x);
     }
 
@@ -827,7 +869,7 @@ impl Llama {
         &self,
         k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
-        params: &[S],
+        params: &dyn ParamBuf<S>,
         hidden: &[S],
         logits: &mut [f32],
     ) {
@@ -861,13 +903,14 @@ impl Llama {
         &self,
         k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
-        params: &[S],
+        params: &mut dyn ParamSource<S>,
         batch: BatchShape,
         tokens: &[u32],
     ) -> Buf<S> {
         let mut x = self.embed_forward(k, pool, params, tokens);
         for i in 0..self.config.layers {
-            let (acts, out) = self.layer_forward(k, pool, params, i, batch, x);
+            let p = params.unit(Unit::Layer(i));
+            let (acts, out) = self.layer_forward(k, pool, p, i, batch, x);
             self.free_layer(pool, i, acts);
             x = out;
         }

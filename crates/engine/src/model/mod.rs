@@ -5,6 +5,7 @@ pub mod buffers;
 pub mod config;
 pub mod grad_buf;
 pub mod llama;
+pub mod param_buf;
 pub mod params;
 pub mod recompute;
 pub mod stages;
@@ -14,6 +15,7 @@ pub use buffers::{Boundary, Buf, BufName, BufferPool, HeapPool, PoolEvent, BUF_A
 pub use config::{LlamaConfig, ModelError};
 pub use grad_buf::{two_mut, GradBuf, Whole};
 pub use llama::{Llama, DEFAULT_CE_CHUNK_TOKENS};
+pub use param_buf::{ParamBuf, ParamSource, Unit, WholeParams};
 pub use params::{LayerIdx, ParamTable, TensorEntry};
 pub use recompute::Recompute;
 pub use stages::{BackwardState, GradsDone, HeadActs};

@@ -12,6 +12,7 @@ use super::activations::{BatchShape, GradScratch, LayerActs, LossSum};
 use super::buffers::{Buf, BufName, BufferPool};
 use super::grad_buf::GradBuf;
 use super::llama::Llama;
+use super::param_buf::{ParamSource, Unit};
 use super::params::LayerIdx;
 use crate::dtype::Elem;
 use crate::kernels::{Accum, Kernels};
@@ -77,13 +78,14 @@ impl Llama {
         &self,
         k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
-        params: &[S],
+        params: &mut dyn ParamSource<S>,
         tokens: &[u32],
     ) -> Buf<S> {
         let c = self.config.hidden;
         let name = BufName::Layer(0, LayerTensor::Input);
         let mut x = self.buf(pool, name, tokens.len());
-        k.embedding_forward(tokens, &params[self.params.embed.clone()], c, &mut x);
+        let p = params.unit(Unit::Embedding);
+        k.embedding_forward(tokens, &p[self.params.embed.clone()], c, &mut x);
         x
     }
 
@@ -94,7 +96,7 @@ impl Llama {
         &self,
         k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
-        params: &[S],
+        params: &mut dyn ParamSource<S>,
         batch: BatchShape,
         layers: Range<usize>,
         mut x: Buf<S>,
@@ -105,7 +107,8 @@ impl Llama {
         );
         let mut acts = Vec::with_capacity(layers.len());
         for i in layers {
-            let (a, out) = self.layer_forward(k, pool, params, i, batch, x);
+            let p = params.unit(Unit::Layer(i));
+            let (a, out) = self.layer_forward(k, pool, p, i, batch, x);
             acts.push(a);
             x = out;
         }
@@ -121,7 +124,7 @@ impl Llama {
         &self,
         k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
-        params: &[S],
+        params: &mut dyn ParamSource<S>,
         grads: &mut dyn GradBuf<G>,
         x: Buf<S>,
         targets: &[u32],
@@ -133,8 +136,9 @@ impl Llama {
         } else {
             loss_scale / num_target_tokens as f32
         };
+        let p = params.unit(Unit::Head);
         let (final_rstd, final_out_grad, loss) =
-            self.head(k, pool, params, &x, targets, Some((grads, scale)));
+            self.head(k, pool, p, &x, targets, Some((grads, scale)));
         let acts = HeadActs {
             final_input: x,
             final_rstd,
@@ -151,7 +155,7 @@ impl Llama {
         &self,
         k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
-        params: &[S],
+        params: &mut dyn ParamSource<S>,
         grads: &mut dyn GradBuf<G>,
         head: HeadActs<S>,
         batch: BatchShape,
@@ -164,7 +168,7 @@ impl Llama {
             self.norm(n),
             &head.final_out_grad,
             &head.final_input,
-            &params[self.params.norm.clone()],
+            &params.unit(Unit::Head)[self.params.norm.clone()],
             &head.final_rstd,
             &mut resid,
             Accum::Overwrite,
@@ -185,7 +189,7 @@ impl Llama {
         &self,
         k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
-        params: &[S],
+        params: &mut dyn ParamSource<S>,
         grads: &mut dyn GradBuf<G>,
         batch: BatchShape,
         layers: Range<usize>,
@@ -200,8 +204,9 @@ impl Llama {
         );
         for i in layers.rev() {
             let a = acts.pop().expect("checked length");
-            let a = self.rebuild(k, pool, params, i, batch, a);
-            self.layer_backward(k, pool, params, grads, i, batch, a, &mut state.0);
+            let p = params.unit(Unit::Layer(i));
+            let a = self.rebuild(k, pool, p, i, batch, a);
+            self.layer_backward(k, pool, p, grads, i, batch, a, &mut state.0);
             done(GradsDone::Layer(i, &self.params.layers[i]), grads);
         }
     }

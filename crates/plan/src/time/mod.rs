@@ -185,6 +185,7 @@ pub fn estimate_with(
         grad_bytes,
         param_bytes,
         st,
+        conv: x.convention,
     };
     let tails: Vec<(u64, Tail)> = costs
         .iter()

@@ -40,6 +40,7 @@ pub(super) struct TailInputs<'a> {
     pub(super) param_bytes: f64,
     /// Bytes of a stored (16-bit or 32-bit) weight element.
     pub(super) st: f64,
+    pub(super) conv: crate::convention::Convention,
 }
 
 impl TailInputs<'_> {
@@ -111,6 +112,33 @@ impl TailInputs<'_> {
                     exposed += mb * (per - window).max(last_bucket.min(per));
                 }
                 dp.what = "gradient reduce-scatter in every micro-batch's backward (ZeRO-2), overlapping it".into();
+            }
+            _ if crate::zero3::applies(self.conv, l, expert) => {
+                // ferrotron's ZeRO-3 executes `zero3.rs`: each unit's parameters gathered when
+                // its windows do not hold it, each unit's gradients reduce-scattered every
+                // micro-batch, units padded to whole blocks; prefetched, overlapping compute.
+                let units = crate::zero3::unit_lens(tm.tensors, l.tp, |_| true);
+                let (gathered, scattered) = crate::zero3::step_collectives(&units, rd, r.grad_acc);
+                let before = dp.s;
+                dp.add(
+                    Collective::AllGather,
+                    gathered as f64 * param_bytes,
+                    rd,
+                    dp_link,
+                    1.0,
+                );
+                dp.add(
+                    Collective::ReduceScatter,
+                    scattered as f64 * grad_bytes,
+                    rd,
+                    dp_link,
+                    1.0,
+                );
+                let per = (dp.s - before) / mb;
+                if per > 0.0 {
+                    exposed += mb * (per - (s.compute + s.recompute).s()).max(0.0);
+                }
+                dp.what = "parameter all-gathers of the units the windows do not hold and gradient reduce-scatter every micro-batch (ZeRO-3), prefetched to overlap compute".into();
             }
             _ => {
                 // ZeRO-3: gather the parameters for the forward and again for the backward,

@@ -100,7 +100,7 @@ fn write_safetensors(
 }
 
 /// Writes `DIR` atomically: everything goes to a temp directory beside it, renamed into place.
-/// The optimizer states are `gathered` when ZeRO-1 sharded them over the ranks
+/// The optimizer states (and under ZeRO-3 the weights) are `gathered` when ZeRO sharded them
 /// (`Trainer::gather_states`), else the trainer's own: a checkpoint holds every parameter's
 /// states whatever the layout that wrote it.
 pub fn save(
@@ -126,16 +126,14 @@ pub fn save(
     let _ = std::fs::remove_dir_all(&tmp);
     std::fs::create_dir(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
     let table = &t.model.params;
+    // Under ZeRO-3 the weights were gathered from the shards with the states.
+    let params = gathered
+        .and_then(|g| g.params.as_ref())
+        .unwrap_or(&t.params);
     let weights = table
         .entries
         .iter()
-        .map(|e| {
-            (
-                e.name.clone(),
-                e.shape.clone(),
-                t.params.le_bytes(e.range()),
-            )
-        })
+        .map(|e| (e.name.clone(), e.shape.clone(), params.le_bytes(e.range())))
         .collect();
     // The weights in their storage type (a bf16 model is a bf16 checkpoint, as on the Hub);
     // the fp32 master copy, when there is one, goes with the optimizer state.
@@ -145,7 +143,7 @@ pub fn save(
         None => (t.opt.as_ref(), t.master.as_ref()),
     };
     if let Some(opt) = opt {
-        let n = t.params.len();
+        let n = table.total;
         let mut tensors = vec![
             ("exp_avg".into(), vec![n], f32_bytes(&opt.m)),
             ("exp_avg_sq".into(), vec![n], f32_bytes(&opt.v)),
@@ -160,7 +158,7 @@ pub fn save(
         step: t.step,
         config: t.cfg.clone(),
         loader: t.loader.state(),
-        params: t.params.len() as u64,
+        params: table.total as u64,
         tokenizer: tokenizer_name.into(),
         loss_scaler: t.scaler.clone(),
     };

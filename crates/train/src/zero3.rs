@@ -1,0 +1,305 @@
+//! ZeRO-3's parameter windows (Rajbhandari et al. 2020, §5.3, P_os+g+p): a rank keeps only
+//! its shard of the parameters (block `rank` of every unit, `data_parallel::Buckets::Units`)
+//! and all-gathers a unit's parameters into a window just before the model reads them, by the
+//! schedule of `ferrotron_plan::zero3` (the planner counts the same windows and bytes):
+//! - the embedding's and the head's windows, gathered at their first use in a step;
+//! - two layer windows: the layer the model computes, and the next one the schedule asks for,
+//!   whose all-gather runs while the current layer computes (prefetch).
+//!
+//! The model asks for each unit through [`Gathered`], its `ParamSource`; every request is
+//! checked against the schedule, and a read outside the unit asked for panics (a bug, not an
+//! input). Gradients go through ZeRO-2's windows (`zero2`), reduce-scattered unit by unit.
+
+use crate::data_parallel::DataParallel;
+use crate::zero2::GradWindows;
+use anyhow::{bail, Result};
+use ferrotron_engine::model::{ParamBuf, ParamSource, ParamTable, Unit, WholeParams};
+use ferrotron_engine::Elem;
+use ferrotron_plan::zero3::{eval_sequence, next_layer, train_sequence, LayerWindows};
+use std::cell::RefCell;
+use std::ops::Range;
+
+/// ZeRO-3's state on one rank: the windows' geometry, what they hold, and where in the
+/// schedule the model is.
+pub struct Zero3 {
+    /// The units' ranges (shared with ZeRO-2's gradient windows).
+    geo: GradWindows,
+    layers: usize,
+    train: Vec<Unit>,
+    eval: Vec<Unit>,
+    /// The schedule being followed (evaluation or training) and the next request in it.
+    evaluating: bool,
+    at: usize,
+    held: LayerWindows,
+    /// Whether the embedding's and the head's windows hold this step's parameters.
+    ends: [bool; 2],
+    /// The all-gather running, for which unit and layer window.
+    pending: Option<(Unit, usize)>,
+    /// The first failure (a collective, a request off the schedule), reported by the trainer
+    /// after the forward or backward.
+    error: Option<String>,
+}
+
+impl Zero3 {
+    pub fn new(t: &ParamTable) -> Self {
+        let layers = t.layers.len();
+        Zero3 {
+            geo: GradWindows::new(t),
+            layers,
+            train: train_sequence(layers),
+            eval: eval_sequence(layers),
+            evaluating: false,
+            at: 0,
+            held: LayerWindows::default(),
+            ends: [false; 2],
+            pending: None,
+            error: None,
+        }
+    }
+
+    /// Elements of the windows: the embedding's, the head's, two layers' (the plan's
+    /// `zero3.param_windows`).
+    pub fn len(&self) -> usize {
+        self.geo.embed.len() + self.geo.head.len() + 2 * self.geo.layer_len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The parameters changed (an optimizer step): no window holds valid ones.
+    pub fn invalidate(&mut self) {
+        self.held.clear();
+        self.ends = [false; 2];
+    }
+
+    /// A training micro-batch (or, with `eval`, a forward without gradients) begins: the model
+    /// asks for the units of its schedule from the first.
+    pub fn begin(&mut self, eval: bool) {
+        (self.evaluating, self.at) = (eval, 0);
+    }
+
+    /// The first failure since the last call.
+    pub fn take_error(&mut self) -> Option<String> {
+        self.error.take()
+    }
+
+    /// The bucket of unit `u` in `data_parallel::unit_groups` order: the head, the layers
+    /// last to first, the embedding.
+    fn bucket(&self, u: Unit) -> usize {
+        match u {
+            Unit::Head => 0,
+            Unit::Layer(i) => self.layers - i,
+            Unit::Embedding => self.layers + 1,
+        }
+    }
+
+    /// Where parameters `r` of unit `u` sit in the windows (layers: in window `slot`).
+    fn place(&self, u: Unit, slot: usize, r: &Range<usize>) -> Range<usize> {
+        let g = &self.geo;
+        let at = match u {
+            Unit::Embedding => r.start - g.embed.start,
+            Unit::Head => g.embed.len() + r.start - g.head.start,
+            Unit::Layer(_) => {
+                let within = (r.start - g.layers.start) % g.layer_len;
+                g.embed.len() + g.head.len() + slot * g.layer_len + within
+            }
+        };
+        at..at + r.len()
+    }
+
+    /// The unit whose window holds parameters `r`, with the layer asked for (and its window)
+    /// being the only layer readable.
+    fn unit_of(&self, r: &Range<usize>, layer: Option<(usize, usize)>) -> Option<(Unit, usize)> {
+        let g = &self.geo;
+        let inside = |u: &Range<usize>| r.start >= u.start && r.end <= u.end;
+        if inside(&g.embed) {
+            return Some((Unit::Embedding, 0));
+        }
+        if inside(&g.head) {
+            return Some((Unit::Head, 0));
+        }
+        let (i, slot) = layer?;
+        let start = g.layers.start + i * g.layer_len;
+        inside(&(start..start + g.layer_len)).then_some((Unit::Layer(i), slot))
+    }
+
+    /// The model's view of the windows for this step: `shard` is this rank's parameters,
+    /// `windows` the [`Zero3::len`] elements after them.
+    pub fn source<'a, S>(
+        &'a mut self,
+        dp: &'a RefCell<DataParallel>,
+        shard: &'a [S],
+        windows: &'a mut [S],
+    ) -> Gathered<'a, S> {
+        Gathered {
+            z: self,
+            dp,
+            shard,
+            windows,
+            layer: None,
+        }
+    }
+}
+
+/// The parameters as the model reads them under ZeRO-3 (see the module docs).
+pub struct Gathered<'a, S> {
+    z: &'a mut Zero3,
+    dp: &'a RefCell<DataParallel>,
+    shard: &'a [S],
+    windows: &'a mut [S],
+    /// The layer asked for last, and its window.
+    layer: Option<(usize, usize)>,
+}
+
+impl<S: Elem> Gathered<'_, S> {
+    /// Starts gathering unit `u` into its window (layers: window `slot`), after the running
+    /// all-gather has landed.
+    fn start(&mut self, u: Unit, slot: usize) {
+        self.land();
+        let (k, shard) = (self.z.bucket(u), self.shard);
+        let own = &mut |seg: &crate::data_parallel::Segment, out: &mut [f32]| {
+            for (o, p) in out
+                .iter_mut()
+                .zip(&shard[seg.at..seg.at + seg.params.len()])
+            {
+                *o = p.to_f32();
+            }
+        };
+        self.dp.borrow_mut().gather_start(k, own);
+        self.z.pending = Some((u, slot));
+    }
+
+    /// Waits for the running all-gather and writes it into its window.
+    fn land(&mut self) {
+        let Some((u, slot)) = self.z.pending.take() else {
+            return;
+        };
+        let mut dp = self.dp.borrow_mut();
+        match dp.gather_wait() {
+            Ok((pieces, values)) => {
+                for (r, at) in pieces {
+                    let dst = &mut self.windows[self.z.place(u, slot, r)];
+                    for (d, v) in dst.iter_mut().zip(&values[*at..at + r.len()]) {
+                        *d = S::from_f32(*v);
+                    }
+                }
+            }
+            Err(e) => {
+                self.z.error.get_or_insert(e.to_string());
+            }
+        }
+    }
+}
+
+impl<S: Elem> ParamBuf<S> for Gathered<'_, S> {
+    fn slice(&self, r: Range<usize>) -> &[S] {
+        match self.z.unit_of(&r, self.layer) {
+            Some((u, slot)) => &self.windows[self.z.place(u, slot, &r)],
+            None => panic!(
+                "parameters {r:?} read outside the ZeRO-3 windows (layer {:?} asked for)",
+                self.layer
+            ),
+        }
+    }
+}
+
+impl<S: Elem> ParamSource<S> for Gathered<'_, S> {
+    fn unit(&mut self, u: Unit) -> &dyn ParamBuf<S> {
+        let z = &mut *self.z;
+        let seq = if z.evaluating { &z.eval } else { &z.train };
+        if seq.get(z.at) != Some(&u) {
+            let e = format!(
+                "internal: the model asked for {u:?} where the ZeRO-3 schedule has {:?}",
+                seq.get(z.at)
+            );
+            z.error.get_or_insert(e);
+        }
+        let layer = match u {
+            Unit::Layer(i) => Some(i),
+            _ => None,
+        };
+        let next = (z.at < seq.len())
+            .then(|| next_layer(seq, z.at, layer))
+            .flatten();
+        z.at += 1;
+        let fetch = z.held.request(layer, next);
+        match u {
+            Unit::Embedding | Unit::Head => {
+                let end = usize::from(u == Unit::Head);
+                if !self.z.ends[end] {
+                    self.start(u, 0);
+                    self.land();
+                    self.z.ends[end] = true;
+                }
+            }
+            Unit::Layer(_) => {
+                let landing = self.z.pending.is_some_and(|p| p.0 == u);
+                if fetch.gather {
+                    self.start(u, fetch.slot);
+                }
+                if fetch.gather || landing {
+                    self.land();
+                }
+            }
+        }
+        self.layer = layer.map(|i| (i, fetch.slot));
+        if let Some((slot, j)) = fetch.prefetch {
+            self.start(Unit::Layer(j), slot);
+        }
+        self
+    }
+}
+
+/// Where a step or an evaluation reads parameters: every weight in one buffer, or ZeRO-3's
+/// shard and windows.
+pub enum Source<'a, S> {
+    Whole(WholeParams<'a, S>),
+    Gathered(Gathered<'a, S>),
+}
+
+impl<'a, S: Elem> Source<'a, S> {
+    /// `params` as the model reads them: under ZeRO-3 (`zero3` and `dp`) the first
+    /// `shard_len` elements are this rank's shard and the rest the windows, which hold nothing
+    /// valid yet (the weights changed since they were gathered, or may have).
+    pub fn new(
+        params: &'a mut [S],
+        zero3: Option<&'a mut Zero3>,
+        dp: Option<&'a RefCell<DataParallel>>,
+        shard_len: usize,
+    ) -> Self {
+        match (zero3, dp) {
+            (Some(z), Some(dp)) => {
+                z.invalidate();
+                let (shard, windows) = params.split_at_mut(shard_len);
+                Source::Gathered(z.source(dp, shard, windows))
+            }
+            _ => Source::Whole(WholeParams(params)),
+        }
+    }
+
+    /// A micro-batch's forward and backward (or, with `eval`, a forward alone) begins.
+    pub fn begin(&mut self, eval: bool) {
+        if let Source::Gathered(g) = self {
+            g.z.begin(eval);
+        }
+    }
+
+    pub fn get(&mut self) -> &mut dyn ParamSource<S> {
+        match self {
+            Source::Whole(w) => w,
+            Source::Gathered(g) => g,
+        }
+    }
+
+    /// Fails with the first error of a gather since the last check.
+    pub fn check(&mut self) -> Result<()> {
+        match self {
+            Source::Gathered(g) => match g.z.take_error() {
+                Some(e) => bail!("{e}"),
+                None => Ok(()),
+            },
+            Source::Whole(_) => Ok(()),
+        }
+    }
+}
