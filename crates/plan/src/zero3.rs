@@ -111,12 +111,17 @@ impl LayerWindows {
 
 /// How many times each layer is all-gathered in a training step of `micro_batches`
 /// micro-batches: by [`LayerWindows`] over [`train_sequence`], from empty windows. (The
-/// embedding and the head are gathered once per step.)
+/// embedding and the head are gathered once per step.) Once a micro-batch leaves the windows
+/// as the one before it did, every later one repeats it (the schedule is deterministic in the
+/// windows' state), so a step of thousands of micro-batches costs two or three to simulate.
 pub fn layer_gathers_per_step(layers: usize, micro_batches: u64) -> Vec<u64> {
     let seq = train_sequence(layers);
     let mut w = LayerWindows::default();
-    let mut n = vec![0; layers];
-    for _ in 0..micro_batches {
+    let mut total = vec![0; layers];
+    let mut before: Option<LayerWindows> = None;
+    for done in 0..micro_batches {
+        let start = w.clone();
+        let mut n = vec![0; layers];
         for (at, u) in seq.iter().enumerate() {
             let layer = match u {
                 Unit::Layer(i) => Some(*i),
@@ -130,8 +135,20 @@ pub fn layer_gathers_per_step(layers: usize, micro_batches: u64) -> Vec<u64> {
                 n[j] += 1;
             }
         }
+        // This micro-batch started where the one before did: it and every later one repeat.
+        let rest = micro_batches - done - 1;
+        if before.as_ref() == Some(&start) {
+            for (t, x) in total.iter_mut().zip(&n) {
+                *t += x * (rest + 1);
+            }
+            return total;
+        }
+        for (t, x) in total.iter_mut().zip(&n) {
+            *t += x;
+        }
+        before = Some(start);
     }
-    n
+    total
 }
 
 /// Whether a rank runs ferrotron's own ZeRO-3 (its trainer's): under its convention, sharded
@@ -269,9 +286,12 @@ mod tests {
                 (0, false, None)
             ]
         );
-        // 4 + 2 in the first micro-batch, 2 + 2 in the second.
-        assert_eq!(layer_gathers_per_step(4, 2), vec![2, 3, 3, 2]);
+        // 4 + 2 in the first micro-batch (layers 0 and 1 twice), 2 + 2 in the second (each
+        // once), and so in every later one.
         assert_eq!(layer_gathers_per_step(4, 1), vec![2, 2, 1, 1]);
+        assert_eq!(layer_gathers_per_step(4, 2), vec![3, 3, 2, 2]);
+        let a_million = layer_gathers_per_step(4, 1_000_000);
+        assert_eq!(a_million, vec![1_000_001, 1_000_001, 1_000_000, 1_000_000]);
         // One layer: gathered once for the forward, still held for the backward.
         assert_eq!(layer_gathers_per_step(1, 3), vec![1]);
         // Units of 10 (embedding), 6 and 6 (layers), 3 (head) over 4 ranks, 2 micro-batches:

@@ -180,7 +180,11 @@ fn h100(gpn: u64) -> Cluster {
 }
 
 fn llama(recipe: Recipe, layout: Layout) -> TimeReport {
-    let x = input("llama-3-8b", recipe, layout, Convention::Ferrotron);
+    llama_as(recipe, layout, Convention::Ferrotron)
+}
+
+fn llama_as(recipe: Recipe, layout: Layout, c: Convention) -> TimeReport {
+    let x = input("llama-3-8b", recipe, layout, c);
     estimate(&x, &h100(8), FlopsConvention::Ferrotron)
         .unwrap()
         .unwrap()
@@ -304,17 +308,33 @@ fn pipeline_bubble_is_p_minus_1_over_v_m() {
 fn zero_communication_volumes_follow_the_zero_paper() {
     // §7.2: ZeRO-1/2 move what plain data parallelism moves (reduce-scatter + all-gather =
     // all-reduce); ZeRO-3 1.5× (an extra parameter all-gather). One micro-batch, bf16 grads.
+    let layout = |zero| Layout {
+        dp: 8,
+        zero,
+        ..Layout::default()
+    };
     let bytes = |zero: u8| {
-        let t = llama(
+        let t = llama_as(
             recipe(1, 1, Recompute::None),
-            Layout {
-                dp: 8,
-                zero,
-                ..Layout::default()
-            },
+            layout(zero),
+            Convention::ZeroPaper,
         );
         t.comm_of(Dim::Dp).bytes
     };
+    // ferrotron's ZeRO-3 gathers what its windows do not hold (`ferrotron_plan::zero3`): each
+    // of the 32 layers for the forward, all but the last two again for the backward, the
+    // embedding and the head once; every unit padded to 8 blocks.
+    let ours = llama(recipe(1, 1, Recompute::None), layout(3))
+        .comm_of(Dim::Dp)
+        .bytes;
+    let (n, head) = (8_030_261_248u64, 128_256 * 4096 + 4096);
+    let embed = 128_256 * 4096;
+    let layer = (n - embed - head) / 32;
+    let pad = |u: u64| u.next_multiple_of(8) as f64;
+    let gathered = pad(embed) + pad(head) + 62.0 * pad(layer);
+    let scattered = pad(embed) + pad(head) + 32.0 * pad(layer);
+    let want = 7.0 / 8.0 * 2.0 * (gathered + scattered);
+    assert!(close(ours, want, 1e-12), "{ours} vs {want}");
     let (z0, z1, z2, z3) = (bytes(0), bytes(1), bytes(2), bytes(3));
     assert!(
         close(z1, z0, 1e-12) && close(z2, z0, 1e-12),

@@ -6,7 +6,11 @@ use ferrotron_plan::timeline::coarse;
 use ferrotron_plan::*;
 
 fn llama_8b(recipe: Recipe, layout: Layout) -> PlanResult {
-    plan(&input("llama-3-8b", recipe, layout, Convention::Ferrotron)).unwrap()
+    llama_8b_as(recipe, layout, Convention::Ferrotron)
+}
+
+fn llama_8b_as(recipe: Recipe, layout: Layout, c: Convention) -> PlanResult {
+    plan(&input("llama-3-8b", recipe, layout, c)).unwrap()
 }
 
 fn at(points: &[ferrotron_plan::timeline::TimelinePoint], phase: &str) -> u64 {
@@ -75,13 +79,14 @@ fn recompute_policies_order_activation_memory() {
 
 #[test]
 fn zero_stages_shard_what_the_paper_says() {
+    // (ferrotron's own ZeRO-3 pads each unit and keeps windows: the next test.)
     let states = |zero| {
         let l = Layout {
             dp: 8,
             zero,
             ..Layout::default()
         };
-        let r = llama_8b(Recipe::default(), l);
+        let r = llama_8b_as(Recipe::default(), l, Convention::ZeroPaper);
         let b = r.worst().at_peak;
         (b.params, b.grads, b.master + b.optimizer)
     };
@@ -97,18 +102,37 @@ fn zero_stages_shard_what_the_paper_says() {
 
 #[test]
 fn zero3_gathers_a_layer_and_prefetches_the_next() {
-    let r = llama_8b(
-        Recipe::default(),
-        Layout {
-            dp: 8,
-            zero: 3,
-            ..Layout::default()
-        },
-    );
+    let l = Layout {
+        dp: 8,
+        zero: 3,
+        ..Layout::default()
+    };
+    let r = llama_8b_as(Recipe::default(), l.clone(), Convention::ZeroPaper);
     let g = r.worst().plan.find("comm.zero3.gathered_params").unwrap();
     // The largest unit is the head: the 128256 × 4096 LM head plus the final norm (untied),
     // one gathered and one prefetched, in bf16.
-    assert_eq!(g.bytes(), 2 * 2 * (128_256 * 4096 + 4096));
+    let head = 128_256 * 4096 + 4096;
+    assert_eq!(g.bytes(), 2 * 2 * head);
+    // ferrotron's trainer (crates/train/src/zero3.rs): each unit padded to 8 blocks in the
+    // shard; bf16 windows of the embedding, the head and two layers; an f32 all-gather buffer
+    // and two f32 gradient buckets of the largest unit.
+    let r = llama_8b(Recipe::default(), l);
+    let w = r.worst();
+    let n = 8_030_261_248u64;
+    let embed = 128_256 * 4096;
+    let layer = (n - embed - head) / 32;
+    let shard = embed.div_ceil(8) + 32 * layer.div_ceil(8) + head.div_ceil(8);
+    let find = |name: &str| w.plan.find(name).unwrap_or_else(|| panic!("{name}"));
+    assert_eq!(find("params").numel, shard);
+    assert_eq!(find("optim.exp_avg").numel, shard);
+    assert_eq!(
+        find("zero3.param_windows").bytes(),
+        2 * (embed + head + 2 * layer)
+    );
+    let bucket = head.next_multiple_of(8);
+    assert_eq!(find("comm.zero3.gather").bytes(), 4 * bucket);
+    assert_eq!(find("comm.dp.grad_buckets").bytes(), 2 * 4 * bucket);
+    assert!(w.plan.find("comm.zero3.gathered_params").is_none());
 }
 
 #[test]

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Data parallelism under mpirun: builds ferrotron with `--features mpi`, trains a small model
 # with `mpirun -np 2 ferrotron train --dp 2` (one process per rank) and with the threads backend
-# (the same binary without mpirun: ranks as threads), without ZeRO and with --zero 1 and 2, and checks
+# (the same binary without mpirun: ranks as threads), without ZeRO and with --zero 1, 2 and 3, and checks
 #   - the two backends' losses and gradient norms agree within 1e-6 relative,
 #   - every rank's measured peak is within 1% of its own plan, under both,
-#   - the per-rank peak falls with each ZeRO stage,
+#   - the per-rank peak falls with ZeRO-1 and 2 (ZeRO-3's windows and unit-sized buffers cost
+#     more than its weight shard saves on this small model at dp 2: printed, and planned),
 #   - the trace is one file with both processes' kernels and collectives,
 #   - mpirun's process count disagreeing with --dp fails at once with one line naming both.
 # Needs Open MPI (Debian: openmpi-bin libopenmpi-dev). Run by scripts/test.sh.
@@ -22,7 +23,7 @@ trap 'rm -rf "$OUT"' EXIT
 COMMON=(train --data "$OUT/data" --seq 64 --mbs 2 --grad-acc 2 --eval-interval 0
     --sample-tokens 0 --quiet --peak-gflops 100 --bucket-mb 4 --dp 2)
 
-for z in 0 1 2; do
+for z in 0 1 2 3; do
 echo "== ferrotron train --dp 2 --zero $z (threads)"
 "$BIN" "${COMMON[@]}" --zero $z --steps 4 --out-dir "$OUT/threads$z" 2>"$OUT/threads.log" || { cat "$OUT/threads.log"; exit 1; }
 echo "== ${MPIRUN[*]} ferrotron train --dp 2 --zero $z"
@@ -52,7 +53,7 @@ for t, m in zip(*runs):
 print(f"threads vs mpi: 4 steps agree within {worst:.1e}; every rank within 1% of its plan")
 PY
 done
-python3 - "$OUT"/mpi{0,1,2}/metrics.jsonl <<'PY'
+python3 - "$OUT"/mpi{0,1,2,3}/metrics.jsonl <<'PY'
 import json, sys
 peak = [max(x["mem_peak_measured"] for l in open(p) for x in json.loads(l)["rank_mem"]) for p in sys.argv[1:]]
 assert peak[2] < peak[1] < peak[0], f"per-rank peaks of ZeRO 0, 1, 2: {peak}"
