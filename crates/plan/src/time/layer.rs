@@ -87,6 +87,15 @@ impl<'a> TimeModel<'a> {
     }
 }
 
+/// Whether linear weight `w` has a bias among the layer's tensors `here` (`X.weight` and
+/// `X.bias`, as the inventory names them).
+fn has_bias(here: &[&Tensor], w: &Tensor) -> bool {
+    w.name.strip_suffix(".weight").is_some_and(|stem| {
+        here.iter()
+            .any(|b| b.name.strip_suffix(".bias") == Some(stem))
+    })
+}
+
 pub(super) fn in_out(m: &ModelSpec, t: &Tensor, tp: u64) -> (u64, u64) {
     // nn.Linear stores [out, in]; GPT-2's Conv1D stores [in, out].
     let (in_dim, out_dim) = if m.family == Family::Gpt2 {
@@ -168,12 +177,14 @@ fn one_layer_cost(tm: &TimeModel, x: &PlanInput, e: &Efficiency, layer: u64) -> 
     let per_expert_tokens = (n * k_routed * l.ep).div_ceil(e_total);
     // torchtitan's op-level selective checkpointing recomputes every second matmul (`sac.rs`).
     let op_sac = x.convention == Convention::Torchtitan && r.recompute == Recompute::Selective;
-    for (i, tensor) in tm
+    let here: Vec<&Tensor> = tm
         .tensors
         .iter()
-        .filter(|t| {
-            t.placement == Placement::Layer(layer) && t.matmul && matches!(t.expert, None | Some(0))
-        })
+        .filter(|t| t.placement == Placement::Layer(layer))
+        .collect();
+    for (i, tensor) in here
+        .iter()
+        .filter(|t| t.matmul && matches!(t.expert, None | Some(0)))
         .enumerate()
     {
         let (k, nn) = in_out(m, tensor, t);
@@ -185,6 +196,14 @@ fn one_layer_cost(tm: &TimeModel, x: &PlanInput, e: &Efficiency, layer: u64) -> 
         let (f, b) = e.gemm(rows, k, nn, batch, st);
         out.fwd += f;
         out.bwd += b;
+        if has_bias(&here, tensor) {
+            // The bias is added in the GEMM's epilogue, but its gradient is the output
+            // gradient summed over the tokens, a reduction kernel of its own that reads dY
+            // once (PyTorch's `AddmmBackward0` sums `grad` to the bias shape; Megatron-LM's
+            // `LinearWithGradAccumulationAndAsyncCommunication.backward`:
+            // `grad_bias = grad_output.sum(dim=0)`).
+            out.bwd += e.mem(st * (rows * nn * batch) as f64);
+        }
         if op_sac && sac::recomputes_matmul(i) {
             selective += f;
         }
