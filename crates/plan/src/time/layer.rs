@@ -3,12 +3,13 @@
 
 use super::cost::{Cost, Efficiency};
 use super::elementwise::Traffic;
+use super::fp8;
 use crate::convention::Convention;
 use crate::inventory::{Placement, Tensor};
 use crate::layout::Layout;
 use crate::model::{Family, ModelSpec};
 use crate::planner::{rank_elems, PlanInput};
-use crate::recipe::Recompute;
+use crate::recipe::{Precision, Recompute};
 use crate::sac;
 use crate::states::RankElems;
 use std::cell::RefCell;
@@ -196,7 +197,11 @@ fn one_layer_cost(tm: &TimeModel, x: &PlanInput, e: &Efficiency, layer: u64) -> 
         let (f, b) = e.gemm(rows, k, nn, batch, st);
         out.fwd += f;
         out.bwd += b;
-        if has_bias(&here, tensor) {
+        if r.precision == Precision::Fp8 {
+            let (cf, cb) = fp8::cast_bytes(rows, k, nn, batch, st);
+            out.fwd += e.mem(cf);
+            out.bwd += e.mem(cb);
+        } else if has_bias(&here, tensor) {
             // The bias is added in the GEMM's epilogue, but its gradient is the output
             // gradient summed over the tokens, a reduction kernel of its own that reads dY
             // once (PyTorch's `AddmmBackward0` sums `grad` to the bias shape; Megatron-LM's

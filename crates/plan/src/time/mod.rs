@@ -42,6 +42,7 @@
 
 mod cost;
 mod elementwise;
+mod fp8;
 mod layer;
 mod overlap;
 mod report;
