@@ -26,3 +26,22 @@ pub(super) fn exposed(comm: f64, compute: f64) -> f64 {
     let s = 1.0 + OVERLAP_SLOWDOWN;
     (comm - compute).max(comm * (1.0 - 1.0 / s))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overlap_costs_a_share_of_the_collective_until_it_outlasts_the_slowed_compute() {
+        let s = 1.0 + OVERLAP_SLOWDOWN;
+        let share = 1.0 - 1.0 / s;
+        assert_eq!(exposed(0.0, 1.0), 0.0);
+        // Hidden under compute: the compute slowed while the collective runs.
+        assert!((exposed(0.5, 1.0) - 0.5 * share).abs() < 1e-15);
+        // Longer than the slowed compute: the step waits for the collective.
+        assert!((exposed(3.0, 1.0) - 2.0).abs() < 1e-15);
+        // Continuous where the two meet (comm = s · compute).
+        assert!((exposed(s, 1.0) - s * share).abs() < 1e-12);
+        assert!((exposed(s, 1.0) - (s - 1.0)).abs() < 1e-12);
+    }
+}
