@@ -12,8 +12,8 @@
 //! - [H100-96]: pytorch/torchtitan `benchmarks/llama3_h100_202412_torchtitan.md`: the Grand
 //!   Teton H100 "equipped with 96GB HBM2e with 2.4 TB/sec peak memory bandwidth", 8 per host
 //!   on NVLink, "400 Gb/s per GPU", "the default 500W power limit"; its peak is taken as the
-//!   SXM's ("we use the peak number of SXM directly"). The sustained clock under the 500 W
-//!   limit is not measured: the 700 W part's MSMF ratio is used, an optimistic assumption.
+//!   SXM's ("we use the peak number of SXM directly"). Its sustained clock under the 500 W
+//!   limit is the 700 W part's MSMF clock scaled by the cube law of DVFS (`power_capped_clock`).
 //! - [B200]: NVIDIA DGX B200 datasheet (2024): 8 GPUs, 72 PF FP8 training (sparse), 1,440 GB
 //!   HBM3e at 64 TB/s, NVLink 5 1.8 TB/s per GPU; per GPU dense BF16 2.25 PF, FP8 4.5 PF,
 //!   FP32 75 TF; 148 SMs.
@@ -143,14 +143,33 @@ fn gpu_row(
 /// MSMF": "for training-throughput reasoning use MSMF (the sustained, power-saturated number)"):
 /// H200 SXM bf16 708.5 / 841.9 (1465 MHz saturated vs 1980 MHz boost), fp8 1288.7 / 1491.9;
 /// B200 SXM bf16 1456.3 / 1770.9, fp8 2795.7 / 3435.2. H100 SXM: the H200's chip at the same
-/// 700 W ("H200 is the same" in the MAMF table), so its ratios. Not measured for A100 (whose
-/// sustained clock the kernel-mix constant absorbs, see `time/cost.rs`) and the others.
+/// 700 W ("H200 is the same" in the MAMF table), so its ratios; the 96 GB Grand Teton part
+/// runs the same chip at a 500 W limit [H100-96], so its saturated clock is lower again
+/// (`power_capped_clock`). Not measured for A100 (whose sustained clock the kernel-mix
+/// constant absorbs, see `time/cost.rs`) and the others.
 fn sustained_ratio(name: &str) -> Option<(f64, f64)> {
+    const H100_700W: (f64, f64) = (708.5 / 841.9, 1288.7 / 1491.9);
     match name {
-        "h100" | "h100-96" | "h200" => Some((708.5 / 841.9, 1288.7 / 1491.9)),
+        "h100" | "h200" => Some(H100_700W),
+        "h100-96" => {
+            let k = power_capped_clock(500.0, 700.0);
+            Some((H100_700W.0 * k, H100_700W.1 * k))
+        }
         "b200" => Some((1456.3 / 1770.9, 2795.7 / 3435.2)),
         _ => None,
     }
+}
+
+/// The saturated tensor-core clock of a chip held to `cap_w` watts, relative to the one it
+/// settles at under `measured_w` (where MSMF was measured). A power-saturated chip runs at the
+/// clock where its power meets the limit; CMOS dynamic power is α·C·V²·f, and along a GPU's
+/// voltage–frequency curve V rises roughly in proportion to f, so P ∝ f³ and f ∝ P^(1/3)
+/// (the cube law of dynamic voltage and frequency scaling; e.g. Hennessy & Patterson,
+/// *Computer Architecture*, 6th ed., §1.5 "Trends in Power and Energy"). Static power is
+/// neglected: a share of it that does not shrink with the clock would lower the capped clock
+/// further, so this is the optimistic end (500 W of 700 W: 0.894).
+fn power_capped_clock(cap_w: f64, measured_w: f64) -> f64 {
+    (cap_w / measured_w).cbrt()
 }
 
 /// The built-in GPU kinds. Capacities are what nvidia-smi reports as total (e.g. H100 SXM

@@ -1,6 +1,8 @@
 //! The step-time model against training runs others *measured* (issue 17, item 2). Nothing in
-//! the time model was fitted on these rows: its constants come from kernel benchmarks (see
-//! docs/FORMULAS.md, "Step time", and `time/cost.rs`). Each row is planned from its stated
+//! the time model was fitted on these rows: its constants come from kernel benchmarks, one
+//! calibration on Korthikanti et al. Table 5 (KERNEL_MIX) and published measurements (the
+//! overlap slowdown of `time/overlap.rs`); see docs/FORMULAS.md, "Step time" and "What was
+//! fitted on what". Each row is planned from its stated
 //! settings and the predicted tokens/s compared with the published one; per-row errors print
 //! with `cargo test -p ferrotron-plan --test measured_runs -- --nocapture`.
 
@@ -190,10 +192,10 @@ fn llm_foundry_mpt_throughput() {
     // them worse fails; none of these rows fitted anything (docs/FORMULAS.md, "Validation on
     // measured runs").
     let bounds = [
-        ("h100-bf16", 0.09),
-        ("h100-fp8", 0.16),
-        ("a100-80", 0.095),
-        ("a100-40", 0.125),
+        ("h100-bf16", 0.075),
+        ("h100-fp8", 0.09),
+        ("a100-80", 0.085),
+        ("a100-40", 0.105),
     ];
     let mut all = Vec::new();
     for (name, v) in &by_table {
@@ -212,8 +214,8 @@ fn llm_foundry_mpt_throughput() {
         all.extend(v.iter().cloned());
     }
     let (mean, max) = report("all llm-foundry rows", &all);
-    assert!(mean <= 0.105, "mean |error| {:.1}% > 10.5%", mean * 100.0);
-    assert!(max <= 0.5, "max |error| {:.1}% > 50%", max * 100.0);
+    assert!(mean <= 0.09, "mean |error| {:.1}% > 9%", mean * 100.0);
+    assert!(max <= 0.45, "max |error| {:.1}% > 45%", max * 100.0);
 }
 
 /// torchtitan's published Llama tables: pytorch/torchtitan, docs/performance.md at commit
@@ -284,9 +286,9 @@ fn torchtitan_rows() -> Vec<Compared> {
 fn torchtitan_llama_throughput() {
     let rows = torchtitan_rows();
     let (mean, max) = report("torchtitan, 64 A100 80GB, FSDP2 (WPS per GPU)", &rows);
-    // The bound reached (not the 10% goal): see docs/FORMULAS.md.
-    assert!(mean <= 0.12, "mean |error| {:.1}% > 12%", mean * 100.0);
-    assert!(max <= 0.21, "max |error| {:.1}% > 21%", max * 100.0);
+    // The bound reached: see docs/FORMULAS.md.
+    assert!(mean <= 0.08, "mean |error| {:.1}% > 8%", mean * 100.0);
+    assert!(max <= 0.15, "max |error| {:.1}% > 15%", max * 100.0);
 }
 
 /// torchtitan's H100 benchmark: pytorch/torchtitan `benchmarks/llama3_h100_202412_torchtitan.md`
@@ -332,15 +334,15 @@ fn torchtitan_h100_llama_memory_and_throughput() {
     }
     let (mean, _) = report_in("torchtitan H100 memory, reserved", "GiB", &mem);
     assert!(
-        mean <= 0.06,
-        "memory mean |error| {:.1}% > 6%",
+        mean <= 0.03,
+        "memory mean |error| {:.1}% > 3%",
         mean * 100.0
     );
     let (mean, _) = report("torchtitan H100 throughput (TPS/GPU)", &tps);
-    // The 500 W power limit is not modelled (the 700 W sustained clock is used): over.
+    // The 500 W limit lowers the sustained clock by the cube law of DVFS (`cluster.rs`).
     assert!(
-        mean <= 0.17,
-        "throughput mean |error| {:.1}% > 17%",
+        mean <= 0.065,
+        "throughput mean |error| {:.1}% > 6.5%",
         mean * 100.0
     );
 }

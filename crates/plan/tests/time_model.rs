@@ -471,3 +471,44 @@ fn bucketed_reductions_pay_one_latency_per_bucket() {
     let steps = latency_steps(Collective::AllReduce, 8);
     assert!(close(bucketed - one, 39.0 * steps * 5e-6, 1e-9));
 }
+
+#[test]
+fn power_capped_h100_sustains_the_cube_root_of_its_power_share() {
+    // The 500 W H100 of torchtitan's benchmarks: the 700 W sustained clock × (500/700)^(1/3).
+    let (full, capped) = (gpu("h100").unwrap(), gpu("h100-96").unwrap());
+    for p in [Precision::Bf16, Precision::Fp8] {
+        let want = full.sustained(p) * (500.0f64 / 700.0).cbrt();
+        assert!(close(capped.sustained(p), want, 1e-12), "{p:?}");
+    }
+    assert!(close(
+        capped.sustained(Precision::Bf16),
+        0.842 * 0.894,
+        1e-3
+    ));
+}
+
+#[test]
+fn fp8_pays_the_casts_of_its_gemm_operands() {
+    // fp8 GEMMs run at twice the bf16 rate, but the casts around them are memory traffic
+    // (`time/fp8.rs`): an fp8 step has more memory-bound time than the same bf16 step.
+    let run = |p: Precision, model: &str| {
+        let recipe = Recipe {
+            seq: 2048,
+            mbs: 4,
+            precision: p,
+            ..Recipe::default()
+        };
+        let x = input(model, recipe, Layout::default(), Convention::Ferrotron);
+        let c = Cluster::of(gpu("h100").unwrap(), 8).unwrap();
+        estimate(&x, &c, FlopsConvention::Ferrotron)
+            .unwrap()
+            .unwrap()
+            .compute_detail
+    };
+    let (bf16, fp8) = (
+        run(Precision::Bf16, "llama-3-8b"),
+        run(Precision::Fp8, "llama-3-8b"),
+    );
+    assert!(fp8.matmul_s < bf16.matmul_s);
+    assert!(fp8.memory_bound_s > bf16.memory_bound_s);
+}

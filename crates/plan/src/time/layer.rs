@@ -3,12 +3,13 @@
 
 use super::cost::{Cost, Efficiency};
 use super::elementwise::Traffic;
+use super::fp8;
 use crate::convention::Convention;
 use crate::inventory::{Placement, Tensor};
 use crate::layout::Layout;
 use crate::model::{Family, ModelSpec};
 use crate::planner::{rank_elems, PlanInput};
-use crate::recipe::Recompute;
+use crate::recipe::{Precision, Recompute};
 use crate::sac;
 use crate::states::RankElems;
 use std::cell::RefCell;
@@ -85,6 +86,15 @@ impl<'a> TimeModel<'a> {
             .entry(key)
             .or_insert_with(|| rank_elems(Some(self.spec), self.tensors, l, stage, 0))
     }
+}
+
+/// Whether linear weight `w` has a bias among the layer's tensors `here` (`X.weight` and
+/// `X.bias`, as the inventory names them).
+fn has_bias(here: &[&Tensor], w: &Tensor) -> bool {
+    w.name.strip_suffix(".weight").is_some_and(|stem| {
+        here.iter()
+            .any(|b| b.name.strip_suffix(".bias") == Some(stem))
+    })
 }
 
 pub(super) fn in_out(m: &ModelSpec, t: &Tensor, tp: u64) -> (u64, u64) {
@@ -168,12 +178,14 @@ fn one_layer_cost(tm: &TimeModel, x: &PlanInput, e: &Efficiency, layer: u64) -> 
     let per_expert_tokens = (n * k_routed * l.ep).div_ceil(e_total);
     // torchtitan's op-level selective checkpointing recomputes every second matmul (`sac.rs`).
     let op_sac = x.convention == Convention::Torchtitan && r.recompute == Recompute::Selective;
-    for (i, tensor) in tm
+    let here: Vec<&Tensor> = tm
         .tensors
         .iter()
-        .filter(|t| {
-            t.placement == Placement::Layer(layer) && t.matmul && matches!(t.expert, None | Some(0))
-        })
+        .filter(|t| t.placement == Placement::Layer(layer))
+        .collect();
+    for (i, tensor) in here
+        .iter()
+        .filter(|t| t.matmul && matches!(t.expert, None | Some(0)))
         .enumerate()
     {
         let (k, nn) = in_out(m, tensor, t);
@@ -185,6 +197,18 @@ fn one_layer_cost(tm: &TimeModel, x: &PlanInput, e: &Efficiency, layer: u64) -> 
         let (f, b) = e.gemm(rows, k, nn, batch, st);
         out.fwd += f;
         out.bwd += b;
+        if r.precision == Precision::Fp8 {
+            let (cf, cb) = fp8::cast_bytes(rows, k, nn, batch, st);
+            out.fwd += e.mem(cf);
+            out.bwd += e.mem(cb);
+        } else if has_bias(&here, tensor) {
+            // The bias is added in the GEMM's epilogue, but its gradient is the output
+            // gradient summed over the tokens, a reduction kernel of its own that reads dY
+            // once (PyTorch's `AddmmBackward0` sums `grad` to the bias shape; Megatron-LM's
+            // `LinearWithGradAccumulationAndAsyncCommunication.backward`:
+            // `grad_bias = grad_output.sum(dim=0)`).
+            out.bwd += e.mem(st * (rows * nn * batch) as f64);
+        }
         if op_sac && sac::recomputes_matmul(i) {
             selective += f;
         }

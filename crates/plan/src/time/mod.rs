@@ -28,6 +28,8 @@
 //!   gradient reduction is bucketed and overlaps the last micro-batch's backward (Li et al. 2020,
 //!   "PyTorch Distributed", §3.2.3); ZeRO-3 gathers are prefetched and overlap each
 //!   micro-batch's compute; ZeRO-1/2 parameter all-gathers after the optimizer step are exposed;
+//!   overlapped collectives slow the kernels they overlap by OVERLAP_SLOWDOWN (`overlap.rs`:
+//!   NCCL runs on the SMs; Lee et al. 2025 measured 18.9% on average);
 //!   pipeline sends are on the critical path. Data-parallel rings across nodes drive one network
 //!   card per group member in a node (`Cluster::ring_link`).
 //! - Pipeline: the steady state is paced by the slowest stage (first or last: they hold the
@@ -40,13 +42,16 @@
 
 mod cost;
 mod elementwise;
+mod fp8;
 mod layer;
+mod overlap;
 mod report;
 mod stage;
 mod tail;
 
 pub use cost::{Cost, Efficiency, KERNEL_MIX, MEMORY_EFFICIENCY, TILE};
 pub use layer::TimeModel;
+pub use overlap::OVERLAP_SLOWDOWN;
 pub use report::{ComputeDetail, TimeBreakdown, TimeReport};
 
 use crate::cluster::{groups, replica_group, Cluster, Dim, Group, Link};
@@ -311,6 +316,10 @@ pub fn estimate_with(
             }
         ),
         format!("ranks placed tp innermost, then cp, ep, dp, pp; {}", cluster.describe()),
+        format!(
+            "overlapped collectives (data-parallel reduction, ZeRO gathers, CP ring) slow the compute they overlap by {:.1}% (NCCL runs on the SMs)",
+            OVERLAP_SLOWDOWN * 100.0
+        ),
     ];
     if l.pp_schedule == PpSchedule::Afab && l.pp > 1 {
         notes.push("AFAB (GPipe): same bubble as 1F1B, (p − 1)/m, but every micro-batch's activations are held".into());

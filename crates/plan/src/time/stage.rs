@@ -4,6 +4,7 @@
 
 use super::cost::Cost;
 use super::layer::{EdgeCost, LayerCost};
+use super::overlap;
 use crate::cluster::Link;
 use crate::comm::Collective;
 use crate::layout::Layout;
@@ -89,7 +90,7 @@ impl StageInputs<'_> {
             let passes_f = if lc.recompute_comm { 2.0 } else { 1.0 };
             let bwd = 2.0 * fwd;
             let (attn_f, attn_b) = (lc.attn_fwd_s, lc.attn_bwd_s);
-            let exposed = passes_f * (fwd - attn_f).max(0.0) + (bwd - attn_b).max(0.0);
+            let exposed = passes_f * overlap::exposed(fwd, attn_f) + overlap::exposed(bwd, attn_b);
             let bytes = (passes_f + 2.0) * lc.comm.cp_steps * lc.comm.cp_bytes;
             s.cp = (bytes * k, (passes_f * fwd + bwd) * k, exposed * k);
         }

@@ -4,6 +4,7 @@
 
 use super::cost::Efficiency;
 use super::layer::TimeModel;
+use super::overlap;
 use super::stage::StageMb;
 use crate::cluster::{Group, Link};
 use crate::comm::{Collective, DimComm};
@@ -77,7 +78,7 @@ impl TailInputs<'_> {
             dp.add(Collective::AllGather, dn * param_bytes, rd, dp_link, 1.0);
             dp.add(Collective::AllGather, en * param_bytes, re, ep_dp_link, 1.0);
             let gather = dp.s - before;
-            exposed += (gather - (s.compute + s.recompute).s()).max(0.0);
+            exposed += overlap::exposed(gather, (s.compute + s.recompute).s());
         }
         let zero = if l.pp > 1 { l.zero.min(1) } else { l.zero };
         match zero {
@@ -89,7 +90,7 @@ impl TailInputs<'_> {
                 };
                 let t = reduce(&mut dp, c, 1.0);
                 if t > 0.0 {
-                    exposed += (t - window).max(last_bucket.min(t));
+                    exposed += overlap::exposed(t, window).max(last_bucket.min(t));
                 }
                 dp.what = format!(
                     "{}gradient {} once per step, bucketed, overlapping the last backward",
@@ -109,7 +110,7 @@ impl TailInputs<'_> {
                 let t = reduce(&mut dp, Collective::ReduceScatter, mb);
                 if t > 0.0 {
                     let per = t / mb;
-                    exposed += mb * (per - window).max(last_bucket.min(per));
+                    exposed += mb * overlap::exposed(per, window).max(last_bucket.min(per));
                 }
                 dp.what = "gradient reduce-scatter in every micro-batch's backward (ZeRO-2), overlapping it".into();
             }
@@ -169,7 +170,7 @@ impl TailInputs<'_> {
                 );
                 let per = (dp.s - before) / mb;
                 if per > 0.0 {
-                    exposed += mb * (per - (s.compute + s.recompute).s()).max(0.0);
+                    exposed += mb * overlap::exposed(per, (s.compute + s.recompute).s());
                 }
                 dp.what = "parameter all-gathers (forward and backward) and gradient reduce-scatter every micro-batch (ZeRO-3), prefetched to overlap compute".into();
             }
