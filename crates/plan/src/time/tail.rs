@@ -137,7 +137,7 @@ impl TailInputs<'_> {
                 );
                 let per = (dp.s - before) / mb;
                 if per > 0.0 {
-                    exposed += mb * (per - (s.compute + s.recompute).s()).max(0.0);
+                    exposed += mb * overlap::exposed(per, (s.compute + s.recompute).s());
                 }
                 dp.what = "parameter all-gathers of the units the windows do not hold and gradient reduce-scatter every micro-batch (ZeRO-3), prefetched to overlap compute".into();
             }
