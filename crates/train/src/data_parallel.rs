@@ -168,6 +168,9 @@ pub trait Gather {
     fn put(&mut self, r: Range<usize>, values: &[f32]);
 }
 
+/// A run of a bucket: gradients (or parameters) of this range, at this offset in the bucket.
+pub type Piece = (Range<usize>, usize);
+
 /// What [`DataParallel::counters`] saves.
 #[derive(Debug, Clone, Copy)]
 pub struct Counters {
@@ -559,7 +562,7 @@ impl DataParallel {
 
     /// ZeRO-3: waits for the running all-gather; returns the pieces of its bucket (parameter
     /// range, offset) and the gathered values.
-    pub fn gather_wait(&mut self) -> Result<(&[(Range<usize>, usize)], &[f32])> {
+    pub fn gather_wait(&mut self) -> Result<(&[Piece], &[f32])> {
         let Some((k, pending, start)) = self.gathering.take() else {
             bail!("internal: no ZeRO-3 all-gather is running");
         };
