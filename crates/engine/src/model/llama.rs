@@ -810,21 +810,7 @@ impl Llama {
         logits: &mut [f32],
     ) {
         self.check_params(params);
-        let whole = &mut WholeParams(params);
-        self.forward_logits_last_from(k, pool, whole, batch, tokens, logits)
-    }
-
-    /// [`Llama::forward_logits_last`] reading each unit's parameters from `params` as it
-    /// reaches it (`ferrotron_plan::zero3::eval_sequence`).
-    pub fn forward_logits_last_from<S: Elem>(
-        &self,
-        k: &dyn Kernels<S>,
-        pool: &mut dyn BufferPool,
-        params: &mut dyn ParamSource<S>,
-        batch: BatchShape,
-        tokens: &[u32],
-        logits: &mut [f32],
-    ) {
+        let params = &mut WholeParams(params);
         self.check_batch(batch, tokens);
         let (c, vocab, b) = (self.config.hidden, self.config.vocab, batch.b);
         assert_eq!(logits.len(), b * vocab, "logits must be [B, V]");
