@@ -279,13 +279,7 @@ fn rank_plan(
     e.dense += vocab_padding(conv, spec, l, stage);
     let on_stage = |p: Placement| spec.is_some_and(|m| stage_of(p, m, l) == stage);
     // ferrotron's own ZeRO-3 (its trainer's): dense models, without pipelining.
-    let zero3 = (conv == Convention::Ferrotron
-        && l.zero >= 3
-        && l.pp == 1
-        && l.dense_replicas() > 1
-        && e.expert == 0
-        && spec.is_some())
-    .then(|| {
+    let zero3 = (crate::zero3::applies(conv, l, e.expert) && spec.is_some()).then(|| {
         let lens = crate::zero3::unit_lens(tensors, l.tp, on_stage);
         crate::zero3::Sizes::of(&lens, l.dense_replicas())
     });

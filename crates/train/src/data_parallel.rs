@@ -226,7 +226,9 @@ pub struct DataParallel {
     /// An untied LM head: its gradient is final once the head's forward has run, and goes
     /// into the buckets with the final norm's.
     untied_head: Option<Range<usize>>,
-    /// ZeRO-3's all-gather buffer (one unit, padded) and the bucket gathering in it.
+    /// ZeRO-3: one bucket per unit ([`Buckets::Units`]), and its all-gather buffer (one unit,
+    /// padded) and the bucket gathering in it.
+    per_unit: bool,
     gather: Vec<f32>,
     gathering: Option<(usize, Pending, Instant)>,
     /// Every rank's few values of the step's small collectives (loss, gradient norm, peak
@@ -280,6 +282,7 @@ impl DataParallel {
             reduced: 0,
             error: None,
             untied_head: unreported(table),
+            per_unit: buckets == Buckets::Units,
             gather: Vec::new(),
             gathering: None,
             comm_bytes: 0.0,
@@ -290,8 +293,8 @@ impl DataParallel {
 
     /// The two buckets (as the plan allocates `dp.grad_buckets` with the gradients), and
     /// ZeRO-3's all-gather buffer (the plan's `zero3.gather`).
-    pub fn allocate(&mut self, zero3: bool) {
-        if zero3 {
+    pub fn allocate(&mut self) {
+        if self.per_unit {
             self.gather = vec![0.0; self.bucket_len];
         }
         let bucket = || Bucket {

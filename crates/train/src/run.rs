@@ -199,10 +199,10 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
     };
     if use_mpi(args.comm.unwrap_or(CommBackend::Auto), dp)? {
         #[cfg(feature = "mpi")]
-        return run_mpi(args, dp);
+        return run_mpi(args, saved, dp);
     }
     if dp <= 1 {
-        return run_rank(args, None);
+        return run_rank(args, saved, None);
     }
     // The ranks share this machine's cores: each computes on its share of the threads and has
     // its share of the machine's matmul peak (measured once, on every thread), so MFU is
@@ -236,7 +236,8 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
             .start_handler(move |_| crate::alloc::set_rank(Some(rank)))
             .build()
             .map_err(|e| format!("rank {rank}: thread pool: {e}"))?;
-        pool.install(|| run_rank(args.clone(), Some(ctx)).map_err(|e| format!("{e:#}")))
+        let saved = saved.clone();
+        pool.install(|| run_rank(args.clone(), saved, Some(ctx)).map_err(|e| format!("{e:#}")))
     });
     let mut summary = None;
     for (rank, r) in results.into_iter().enumerate() {
@@ -274,7 +275,7 @@ fn use_mpi(comm: CommBackend, dp: usize) -> Result<bool> {
 /// that fails returns its error without finalising MPI, which aborts the job naming the rank
 /// (`ferrotron_dist::mpi`).
 #[cfg(feature = "mpi")]
-fn run_mpi(args: TrainArgs, dp: usize) -> Result<RunSummary> {
+fn run_mpi(args: TrainArgs, saved: Option<checkpoint::Loaded>, dp: usize) -> Result<RunSummary> {
     use ferrotron_dist::Communicator;
     let comm = ferrotron_dist::mpi::MpiComm::world().map_err(|e| anyhow::anyhow!("{e}"))?;
     let (rank, size) = (comm.rank(), comm.size());
@@ -286,14 +287,19 @@ fn run_mpi(args: TrainArgs, dp: usize) -> Result<RunSummary> {
         comm: Box::new(comm) as Box<dyn Communicator>,
         peak_gflops: None,
     });
-    let summary = run_rank(args, ctx)?;
+    let summary = run_rank(args, saved, ctx)?;
     ferrotron_dist::mpi::finalize().map_err(|e| anyhow::anyhow!("{e}"))?;
     Ok(summary)
 }
 
 /// The training run of one rank (`ctx`: its data-parallel rank and communicator), from flags
-/// already merged with their `--config` file.
-fn run_rank(args: TrainArgs, ctx: Option<RankCtx>) -> Result<RunSummary> {
+/// already merged with their `--config` file, resuming from `loaded` (the checkpoint `run`
+/// opened and verified once, before any rank started).
+fn run_rank(
+    args: TrainArgs,
+    loaded: Option<checkpoint::Loaded>,
+    ctx: Option<RankCtx>,
+) -> Result<RunSummary> {
     let rank = ctx.as_ref().map_or(0, |c| c.rank);
     let resume = args.resume.clone();
     // Only rank 0 speaks and writes.
@@ -304,7 +310,6 @@ fn run_rank(args: TrainArgs, ctx: Option<RankCtx>) -> Result<RunSummary> {
             d.display()
         );
     }
-    let loaded = resume.as_deref().map(checkpoint::open).transpose()?;
     let mut cfg = match &loaded {
         Some(l) => resume_config(&args, &l.state.config)?,
         None => args.resolve()?,

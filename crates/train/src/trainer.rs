@@ -66,20 +66,19 @@ fn shard_of(runs: &[OptRun], len: usize, full: &[f32]) -> Vec<f32> {
     out
 }
 
-/// Every weight, gathered from ZeRO-3's shards (the first `shard_len` elements of `params`),
-/// in the weights' storage type.
+/// Every weight as f32, gathered from ZeRO-3's shards (the first `shard_len` elements of
+/// `params`).
 fn gather_weights(
     dp: &mut DataParallel,
     params: &Flat,
     shard_len: usize,
     n: usize,
-) -> Result<Flat> {
-    let full = match params {
-        Flat::F32(p) => gather_full(dp, &p[..shard_len], n)?,
-        Flat::Bf16(p) => gather_full(dp, &p[..shard_len], n)?,
-        Flat::F16(p) => gather_full(dp, &p[..shard_len], n)?,
-    };
-    Ok(Flat::from_f32(params.dtype(), &full))
+) -> Result<Vec<f32>> {
+    match params {
+        Flat::F32(p) => gather_full(dp, &p[..shard_len], n),
+        Flat::Bf16(p) => gather_full(dp, &p[..shard_len], n),
+        Flat::F16(p) => gather_full(dp, &p[..shard_len], n),
+    }
 }
 
 /// The parameters after the ZeRO-1 all-gather: this rank's blocks read from them, every
@@ -444,7 +443,7 @@ impl Trainer {
             // The plan's `dp.grad_buckets` (and ZeRO-3's `zero3.gather`) appear with the
             // gradients.
             if let Some(dp) = &mut self.dp {
-                dp.allocate(self.zero3.is_some());
+                dp.allocate();
             }
             self.pool.sample(step, Point::Grads);
         }
@@ -525,12 +524,12 @@ impl Trainer {
         params: &mut [S],
         grads: &mut [G],
     ) -> Result<(LossSum, f64, f64, Option<ScaleUpdate>)> {
-        // The backward's gradient reports and ZeRO-3's parameter requests both talk to the
-        // data-parallel group, one after the other: they share it for the step.
         // The loader never pads, so every position has a target: the loss of each micro-batch
         // is normalised by the target count of the whole step (every rank's), and summing
         // micro-batch gradients gives the gradient of the global mean loss.
         let num_targets = self.global_batch_tokens() as usize;
+        // The backward's gradient reports and ZeRO-3's parameter requests both talk to the
+        // data-parallel group, one after the other: they share it for the step.
         let dp = self.dp.take().map(RefCell::new);
         let out = self.step_shared(step, params, grads, dp.as_ref(), num_targets);
         self.dp = dp.map(RefCell::into_inner);
@@ -847,7 +846,11 @@ impl Trainer {
             None => None,
         };
         let params = match self.zero3.is_some() {
-            true => Some(gather_weights(dp, &self.params, self.opt_len, n)?),
+            // In the storage type, as the checkpoint holds them (widened exactly).
+            true => {
+                let w = gather_weights(dp, &self.params, self.opt_len, n)?;
+                Some(Flat::from_f32(self.params.dtype(), &w))
+            }
             false => None,
         };
         dp.set_counters(saved);
@@ -866,7 +869,7 @@ impl Trainer {
                 let saved = dp.counters();
                 let w = gather_weights(dp, &self.params, self.opt_len, n)?;
                 dp.set_counters(saved);
-                Ok(w.into_f32())
+                Ok(w)
             }
             _ => Ok(self.params.to_f32(0..n)),
         }

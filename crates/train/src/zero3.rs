@@ -247,6 +247,9 @@ impl<S: Elem> ParamSource<S> for Gathered<'_, S> {
         if let Some((slot, j)) = fetch.prefetch {
             self.start(Unit::Layer(j), slot);
         }
+        // MPI advances a started all-gather only inside MPI calls: look in on the running one
+        // at every request (the forward makes no other call).
+        self.dp.borrow().poll();
         self
     }
 }

@@ -248,6 +248,7 @@ fn recover(dir: &Path, clean: bool) -> Result<()> {
 }
 
 /// A checkpoint read back and checked.
+#[derive(Clone)]
 pub struct Loaded {
     pub dir: PathBuf,
     pub state: TrainerState,
