@@ -102,3 +102,52 @@ impl LayoutFlags {
         self
     }
 }
+
+impl From<&Layout> for LayoutFlags {
+    /// Every flag of `l` given (what a resumed run's flags fill in from its checkpoint).
+    fn from(l: &Layout) -> Self {
+        let layers = l.pp_layers.iter().map(u64::to_string).collect::<Vec<_>>();
+        LayoutFlags {
+            dp: Some(l.dp),
+            tp: Some(l.tp),
+            pp: Some(l.pp),
+            cp: Some(l.cp),
+            ep: Some(l.ep),
+            zero: Some(l.zero as u64),
+            sp: Some(l.sp),
+            pp_schedule: Some(l.pp_schedule.to_string()),
+            pp_virtual: Some(l.pp_virtual),
+            pp_layers: (!layers.is_empty()).then(|| layers.join(",")),
+            offload: Some(l.offload.to_string()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_layout_given_as_flags_resolves_to_itself() {
+        let l = LayoutFlags {
+            dp: Some(4),
+            pp: Some(3),
+            zero: Some(1),
+            pp_schedule: Some("interleaved".into()),
+            pp_virtual: Some(2),
+            pp_layers: Some("1,2*2".into()),
+            offload: Some("optimizer".into()),
+            sp: Some(true),
+            tp: Some(2),
+            ..LayoutFlags::default()
+        }
+        .resolve()
+        .unwrap();
+        assert_eq!(l.pp_layers, [1, 2, 2]);
+        assert_eq!(LayoutFlags::from(&l).resolve().unwrap(), l);
+        assert_eq!(
+            LayoutFlags::from(&Layout::default()).resolve().unwrap(),
+            Layout::default()
+        );
+    }
+}

@@ -66,12 +66,12 @@ fn resume_config(args: &TrainArgs, saved: &TrainConfig) -> Result<TrainConfig> {
         c.optimizer.decay_steps = d;
     }
     c.optimizer.stop_after = args.stop_after;
-    // The layout stays the checkpoint's unless the flags give another (the checkpoint holds
-    // every parameter's states, so it re-shards); the micro-batch size and accumulation may
-    // change with it, as long as every step still trains on the same sequences.
-    if args.layout != ferrotron_plan::LayoutFlags::default() {
-        c.parallel = crate::config::trainable_layout(&args.layout)?;
-    }
+    // The layout stays the checkpoint's except where the flags change it (`--zero 3` alone
+    // keeps its dp; the checkpoint holds every parameter's states, so it re-shards); the
+    // micro-batch size and accumulation may change with it, as long as every step still
+    // trains on the same sequences.
+    let saved_layout = ferrotron_plan::LayoutFlags::from(&saved.parallel);
+    c.parallel = crate::config::trainable_layout(&args.layout.clone().or(saved_layout))?;
     c.data.mbs = args.mbs.unwrap_or(c.data.mbs);
     c.data.grad_acc = args.grad_acc.unwrap_or(c.data.grad_acc);
     let per_step = |c: &TrainConfig| c.data.mbs * c.data.grad_acc * c.parallel.dp;
@@ -314,16 +314,14 @@ fn run_rank(
         Some(l) => resume_config(&args, &l.state.config)?,
         None => args.resolve()?,
     };
-    let checkpoints = cfg.checkpoint.dir.is_some();
     // Every rank takes part in gathering the weights for rank 0's sample (ZeRO-3 shards them).
     let sampling = cfg.observability.sample_tokens > 0;
     if rank > 0 {
-        // The other ranks hold the same model and write nothing (their memory is reported
-        // by rank 0 in `rank_mem`).
+        // Rank 0 writes the outputs (the other ranks' memory is reported in its `rank_mem`);
+        // every rank records its trace, which rank 0 merges into one file, and writes its
+        // blocks of each checkpoint.
         let o = &mut cfg.observability;
-        // Every rank records its trace; rank 0 merges them into one file.
         (o.memory_timeline, o.sample_tokens) = (None, 0);
-        cfg.checkpoint.dir = None;
     }
     let last_step = cfg.optimizer.last_step();
     if let Some(l) = &loaded {
@@ -408,8 +406,10 @@ fn run_rank(
     if let Some(l) = &loaded {
         let exactly = checkpoint::hf::Dtypes::Exactly(t.params.dtype());
         t.set_weights(checkpoint::load_weights(&l.dir, &t.model.params, exactly)?);
-        let n = t.model.num_params();
-        if let Some((opt, master)) = checkpoint::load_optimizer(&l.dir, n, t.master.is_some())? {
+        let (n, blocks) = (t.model.num_params(), t.held_blocks());
+        let master = t.master.is_some();
+        let len = t.states_len();
+        if let Some((opt, master)) = checkpoint::load_optimizer(&l.dir, n, &blocks, len, master)? {
             t.set_states(opt, master);
         }
         if t.scaler.is_some() {
@@ -512,15 +512,11 @@ fn run_rank(
         {
             eprintln!("{line}");
         }
-        if checkpoints
-            && ((cfg.checkpoint.interval > 0 && t.step % cfg.checkpoint.interval == 0) || last)
-        {
-            // Every rank takes part in gathering sharded optimizer states; rank 0 writes.
-            let gathered = t.gather_states()?;
-            if let Some(dir) = &cfg.checkpoint.dir {
-                checkpoint::save(dir, &t, gathered.as_ref(), &tokenizer_json, tok.name())
-                    .with_context(|| format!("writing checkpoint {}", dir.display()))?;
-            }
+        let due = (cfg.checkpoint.interval > 0 && t.step % cfg.checkpoint.interval == 0) || last;
+        if let (Some(dir), true) = (&cfg.checkpoint.dir, due) {
+            // Every rank writes the blocks it holds.
+            checkpoint::save(dir, &t, &tokenizer_json, tok.name())
+                .with_context(|| format!("writing checkpoint {}", dir.display()))?;
         }
         steps.push(out.metrics);
         finish_observability(&cfg, &mut t, false)?;

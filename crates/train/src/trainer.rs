@@ -39,15 +39,6 @@ pub struct AdamState {
     pub v: Vec<f32>,
 }
 
-/// The optimizer states (and master weights) of every parameter, gathered from the ZeRO-1
-/// shards for a checkpoint, which is the same whatever the layout.
-pub struct FullStates {
-    pub opt: AdamState,
-    pub master: Option<Vec<f32>>,
-    /// Every weight, gathered from the ZeRO-3 shards (`None`: the trainer holds them whole).
-    pub params: Option<Flat>,
-}
-
 /// A run of parameters the optimizer updates: `params` of the flat buffers, at `at` in the
 /// optimizer states and master weights (the same offsets unless ZeRO-1 shards them), and
 /// whether weight decay applies.
@@ -828,37 +819,60 @@ impl Trainer {
         }
     }
 
-    /// The optimizer states of every parameter when ZeRO shards them, and under ZeRO-3 the
-    /// weights (every rank must call it: the shards are all-gathered); `None` when this rank
-    /// holds them whole (or before the first optimizer step).
-    pub fn gather_states(&mut self) -> Result<Option<FullStates>> {
-        let (Some(dp), Some(opt)) = (&mut self.dp, &self.opt) else {
-            return Ok(None);
-        };
-        if dp.shard().is_none() {
-            return Ok(None);
+    /// The blocks of every parameter's states this rank holds, each as (range of every
+    /// parameter, offset in this rank's optimizer states): its ZeRO shard, else all of them.
+    pub fn held_blocks(&self) -> Vec<(Range<usize>, usize)> {
+        match self.sharded() {
+            true => self.runs.iter().map(|r| (r.params.clone(), r.at)).collect(),
+            false => vec![(0..self.model.params.total, 0)],
         }
-        let saved = dp.counters();
-        let n = self.model.params.total;
-        let (m, v) = (gather_full(dp, &opt.m, n)?, gather_full(dp, &opt.v, n)?);
-        let master = match &self.master {
-            Some(w) => Some(gather_full(dp, w, n)?),
-            None => None,
-        };
-        let params = match self.zero3.is_some() {
-            // In the storage type, as the checkpoint holds them (widened exactly).
-            true => {
-                let w = gather_weights(dp, &self.params, self.opt_len, n)?;
-                Some(Flat::from_f32(self.params.dtype(), &w))
-            }
-            false => None,
-        };
-        dp.set_counters(saved);
-        Ok(Some(FullStates {
-            opt: AdamState { m, v },
-            master,
-            params,
-        }))
+    }
+
+    /// The blocks this rank writes into a checkpoint: those it holds when ZeRO shards them,
+    /// else (every rank holding all of them) its even share, so every rank writes.
+    pub fn written_blocks(&self) -> Vec<(Range<usize>, usize)> {
+        if self.sharded() {
+            return self.held_blocks();
+        }
+        let (n, p, r) = (self.model.params.total, self.ranks(), self.rank());
+        let part = n * r / p..n * (r + 1) / p;
+        match part.is_empty() {
+            true => Vec::new(),
+            false => vec![(part.clone(), part.start)],
+        }
+    }
+
+    /// Elements of this rank's optimizer states.
+    pub fn states_len(&self) -> usize {
+        self.opt_len
+    }
+
+    /// Whether ZeRO shards the optimizer states over the ranks.
+    fn sharded(&self) -> bool {
+        self.dp.as_ref().is_some_and(|d| d.shard().is_some())
+    }
+
+    /// Whether this rank holds only its shard of the weights (ZeRO-3), at the states' offsets.
+    pub fn weights_sharded(&self) -> bool {
+        self.zero3.is_some()
+    }
+
+    /// This rank's data-parallel rank (0 alone).
+    pub fn rank(&self) -> usize {
+        self.dp.as_ref().map_or(0, |d| d.rank())
+    }
+
+    /// Data-parallel ranks (1 alone).
+    pub fn ranks(&self) -> usize {
+        self.dp.as_ref().map_or(1, |d| d.size())
+    }
+
+    /// Waits for every rank (nothing alone).
+    pub fn barrier(&self) -> Result<()> {
+        match &self.dp {
+            Some(d) => d.barrier(),
+            None => Ok(()),
+        }
     }
 
     /// Every weight, as f32 (under ZeRO-3 gathered: every rank must call it).
@@ -887,15 +901,12 @@ impl Trainer {
         };
     }
 
-    /// Takes the optimizer states (and master weights) of every parameter, as a checkpoint
-    /// holds them; under ZeRO keeps this rank's shard of them.
+    /// Takes this rank's part of the optimizer states (and master weights), as `held_blocks`
+    /// lays them out (what `checkpoint::load_optimizer` reads).
     pub fn set_states(&mut self, opt: AdamState, master: Option<Vec<f32>>) {
-        self.opt = Some(AdamState {
-            m: self.own_part(opt.m),
-            v: self.own_part(opt.v),
-        });
-        if let Some(m) = master {
-            self.set_master(m);
+        self.opt = Some(opt);
+        if master.is_some() {
+            self.master = master;
         }
     }
 
@@ -906,7 +917,7 @@ impl Trainer {
 
     /// This rank's part of a state of every parameter: all of it, or under ZeRO its shard.
     fn own_part(&self, full: Vec<f32>) -> Vec<f32> {
-        match self.dp.as_ref().is_some_and(|d| d.shard().is_some()) {
+        match self.sharded() {
             true => shard_of(&self.runs, self.opt_len, &full),
             false => full,
         }

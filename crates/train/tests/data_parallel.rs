@@ -197,8 +197,9 @@ fn a_sharded_checkpoint_holds_every_parameters_states_and_weights() {
 
 #[test]
 fn a_run_resumes_on_another_layout_and_goes_on_along_the_same_trajectory() {
-    // Eight sequences a step throughout. Stopped after step 3 on dp 2 with ZeRO-1, resumed on
-    // dp 4 with ZeRO-2, on dp 2 with ZeRO-3 and on one rank: steps 4–6 follow the
+    // Eight sequences a step throughout. Stopped after step 3 on dp 2 with ZeRO-1 (each rank
+    // writing its shard of the checkpoint), resumed on dp 4 with ZeRO-2, on dp 2 with ZeRO-3
+    // and on one rank, each rank reading its own blocks back: steps 4–6 follow the
     // uninterrupted dp 2 run.
     let straight = tmp("resume-straight");
     let (whole, _) = train_in(&straight, 2, 1, 2, 2, 6);
@@ -212,14 +213,16 @@ fn a_run_resumes_on_another_layout_and_goes_on_along_the_same_trajectory() {
         a.checkpoint_dir = Some(ck.clone());
         assert_eq!(run(a).unwrap().steps.len(), 3);
     }
-    for (dp, zero, mbs) in [(4, 2, 1), (2, 3, 2), (1, 0, 4)] {
+    // `--zero 3` alone keeps the checkpoint's dp 2.
+    for (flag, zero, mbs) in [(Some(4), 2, 1), (None, 3, 2), (Some(1), 0, 4)] {
+        let dp = flag.unwrap_or(2);
         let _turn = ONE_RUN_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
         let out = tmp(&format!("resume-dp{dp}"));
         let mut a = tiny_args(&out, 6);
         (a.resume, a.data, a.model, a.warmup) = (Some(ck.clone()), None, None, None);
         (a.mbs, a.grad_acc) = (Some(mbs), Some(2));
         a.checkpoint_dir = Some(out.join("checkpoint"));
-        (a.layout.dp, a.layout.zero) = (Some(dp), Some(zero));
+        (a.layout.dp, a.layout.zero) = (flag, Some(zero));
         let rest = run(a).unwrap().steps;
         assert_eq!(rest.len(), 3, "dp {dp}: steps 4 to 6");
         for (x, y) in whole[3..].iter().zip(&rest) {

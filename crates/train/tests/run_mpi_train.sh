@@ -7,6 +7,7 @@
 #   - the per-rank peak falls with ZeRO-1 and 2 (ZeRO-3's windows and unit-sized buffers cost
 #     more than its weight shard saves on this small model at dp 2: printed, and planned),
 #   - the trace is one file with both processes' kernels and collectives,
+#   - a checkpoint both processes write (ZeRO-3) resumes on ZeRO-1 along the same trajectory,
 #   - mpirun's process count disagreeing with --dp fails at once with one line naming both.
 # Needs Open MPI (Debian: openmpi-bin libopenmpi-dev). Run by scripts/test.sh.
 set -euo pipefail
@@ -58,6 +59,23 @@ import json, sys
 peak = [max(x["mem_peak_measured"] for l in open(p) for x in json.loads(l)["rank_mem"]) for p in sys.argv[1:]]
 assert peak[2] < peak[1] < peak[0], f"per-rank peaks of ZeRO 0, 1, 2: {peak}"
 print("per-rank peak: " + ", ".join(f"ZeRO-{z} {p} B" for z, p in enumerate(peak)))
+PY
+
+echo "== a checkpoint written by both processes in parallel (ZeRO-3), resumed re-sharded (ZeRO-1)"
+# Stopped after step 2 of 4, each rank writing its own blocks of one checkpoint; resumed on the
+# other ZeRO stage, steps 3 and 4 follow the uninterrupted threads run.
+timeout 300 "${MPIRUN[@]}" "$BIN" "${COMMON[@]}" --zero 3 --steps 4 --stop-after 2 \
+    --out-dir "$OUT/ck" --checkpoint-dir "$OUT/ck/checkpoint" 2>"$OUT/ck.log" || { cat "$OUT/ck.log"; exit 1; }
+timeout 300 "${MPIRUN[@]}" "$BIN" train --resume "$OUT/ck/checkpoint" --data "$OUT/data" --zero 1 \
+    --quiet --peak-gflops 100 --out-dir "$OUT/resumed" 2>"$OUT/resumed.log" || { cat "$OUT/resumed.log"; exit 1; }
+python3 - "$OUT/threads3/metrics.jsonl" "$OUT/resumed/metrics.jsonl" <<'PY'
+import json, sys
+straight, resumed = ([json.loads(l) for l in open(p)] for p in sys.argv[1:])
+assert [r["step"] for r in resumed] == [3, 4], [r["step"] for r in resumed]
+for s, r in zip(straight[2:], resumed):
+    rel = abs(s["loss"] - r["loss"]) / abs(s["loss"])
+    assert rel < 1e-5, f"step {r['step']}: straight {s['loss']} resumed {r['loss']} ({rel:.1e})"
+print("resumed under mpirun on ZeRO-1 from a ZeRO-3 checkpoint: steps 3-4 follow the straight run")
 PY
 
 echo "== mpirun -np 2 with --dp 4 is refused"

@@ -1,20 +1,23 @@
 //! Checkpoints: one directory holding the weights (safetensors, HF tensor names, loadable by
 //! transformers), the optimizer state, the trainer state (step, data position, config), the
 //! model's config.json, the tokenizer and a manifest of checksums (`manifest`), written
-//! atomically (temp directory + rename, with recovery of a save interrupted between renames).
+//! atomically (temp directory + rename, with recovery of a save interrupted between renames)
+//! and by every rank in parallel, each its own blocks (`parallel`).
 
 pub mod hf;
 pub mod manifest;
+pub mod parallel;
 
 use crate::config::TrainConfig;
 use crate::data::LoaderState;
 use crate::loss_scale::DynamicLossScaler;
-use crate::trainer::{AdamState, FullStates, Trainer};
+use crate::trainer::{AdamState, Trainer};
 use crate::weights::Flat;
 use anyhow::{bail, Context, Result};
 use ferrotron_engine::model::ParamTable;
 use ferrotron_plan::{DType, ModelSpec};
-use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use parallel::FlatFile;
+use safetensors::tensor::Dtype;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -73,10 +76,6 @@ fn torch_dtype(d: DType) -> &'static str {
     }
 }
 
-fn f32_bytes(x: &[f32]) -> Vec<u8> {
-    x.iter().flat_map(|v| v.to_le_bytes()).collect()
-}
-
 pub(super) fn safetensors_dtype(d: DType) -> Dtype {
     match d {
         DType::Bf16 => Dtype::BF16,
@@ -85,80 +84,141 @@ pub(super) fn safetensors_dtype(d: DType) -> Dtype {
     }
 }
 
-fn write_safetensors(
-    path: &Path,
-    dtype: DType,
-    tensors: Vec<(String, Vec<usize>, Vec<u8>)>,
-) -> Result<()> {
-    let dt = safetensors_dtype(dtype);
-    let views: Vec<(String, TensorView)> = tensors
-        .iter()
-        .map(|(n, shape, data)| Ok((n.clone(), TensorView::new(dt, shape.clone(), data)?)))
-        .collect::<std::result::Result<_, safetensors::SafeTensorError>>()?;
-    safetensors::serialize_to_file(views, &None, path)
-        .with_context(|| format!("cannot write {}", path.display()))
-}
-
-/// Writes `DIR` atomically: everything goes to a temp directory beside it, renamed into place.
-/// The optimizer states (and under ZeRO-3 the weights) are `gathered` when ZeRO sharded them
-/// (`Trainer::gather_states`), else the trainer's own: a checkpoint holds every parameter's
-/// states whatever the layout that wrote it.
-pub fn save(
-    dir: &Path,
-    t: &Trainer,
-    gathered: Option<&FullStates>,
-    tokenizer_json: &str,
-    tokenizer_name: &str,
-) -> Result<()> {
+/// Writes `DIR` atomically, every rank taking part (each must call it): rank 0 makes a temp
+/// directory beside it and the weight and optimizer files with their headers; every rank writes
+/// the blocks it holds into them (`parallel`: ZeRO's shards are never gathered); rank 0 adds the
+/// trainer state, config, tokenizer and manifest and renames the directory into place. Whatever
+/// the layout that wrote it, the checkpoint holds every parameter's weights and states, in the
+/// files one rank would write.
+pub fn save(dir: &Path, t: &Trainer, tokenizer_json: &str, tokenizer_name: &str) -> Result<()> {
     let parent = dir
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
-    std::fs::create_dir_all(parent)
-        .with_context(|| format!("cannot create {}", parent.display()))?;
     let name = dir
         .file_name()
         .context("checkpoint dir has no name")?
         .to_string_lossy()
         .to_string();
-    recover(dir, true)?;
-    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    // Named by the step, not a process id, so ranks in other processes find it.
+    let tmp = parent.join(format!(".{name}.tmp-step{}", t.step));
     let table = &t.model.params;
-    // Under ZeRO-3 the weights were gathered from the shards with the states.
-    let params = gathered
-        .and_then(|g| g.params.as_ref())
-        .unwrap_or(&t.params);
-    let weights = table
-        .entries
-        .iter()
-        .map(|e| (e.name.clone(), e.shape.clone(), params.le_bytes(e.range())))
-        .collect();
-    // The weights in their storage type (a bf16 model is a bf16 checkpoint, as on the Hub);
-    // the fp32 master copy, when there is one, goes with the optimizer state.
-    write_safetensors(&tmp.join("model.safetensors"), t.params.dtype(), weights)?;
-    let (opt, master) = match gathered {
-        Some(g) => (Some(&g.opt), g.master.as_ref()),
-        None => (t.opt.as_ref(), t.master.as_ref()),
-    };
-    if let Some(opt) = opt {
-        let n = table.total;
-        let mut tensors = vec![
-            ("exp_avg".into(), vec![n], f32_bytes(&opt.m)),
-            ("exp_avg_sq".into(), vec![n], f32_bytes(&opt.v)),
-        ];
-        if let Some(master) = master {
-            tensors.push(("master".into(), vec![n], f32_bytes(master)));
-        }
-        write_safetensors(&tmp.join("optimizer.safetensors"), DType::F32, tensors)?;
+    let weights = FlatFile::new(
+        t.params.dtype(),
+        &table
+            .entries
+            .iter()
+            .map(|e| (e.name.clone(), e.shape.clone()))
+            .collect::<Vec<_>>(),
+    );
+    // The AdamW moments and, with mixed precision, the fp32 master weights, of every parameter.
+    let n = table.total;
+    let mut names = vec!["exp_avg", "exp_avg_sq"];
+    if t.master.is_some() {
+        names.push("master");
     }
+    let states = FlatFile::new(
+        DType::F32,
+        &names
+            .iter()
+            .map(|s| (s.to_string(), vec![n]))
+            .collect::<Vec<_>>(),
+    );
+    let (model_file, opt_file) = (tmp.join("model.safetensors"), tmp.join(OPTIMIZER));
+    let rank = t.rank();
+    if rank == 0 {
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("cannot create {}", parent.display()))?;
+        recover(dir, true)?;
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+        // The weights in their storage type (a bf16 model is a bf16 checkpoint, as on the
+        // Hub); the fp32 master copy, when there is one, goes with the optimizer state.
+        weights.create(&model_file)?;
+        if t.opt.is_some() {
+            states.create(&opt_file)?;
+        }
+    }
+    t.barrier()?;
+    write_blocks(t, &weights, &model_file, &states, &opt_file)?;
+    t.barrier()?;
+    if rank == 0 {
+        finish(dir, parent, &name, &tmp, t, tokenizer_json, tokenizer_name)?;
+    }
+    // No rank goes on (to train, or to the next save) before the checkpoint is in place.
+    t.barrier()
+}
+
+const OPTIMIZER: &str = "optimizer.safetensors";
+
+/// This rank's blocks of the weights and optimizer states, each at its offset in the files
+/// rank 0 created, synced to disk before the rank reports done.
+fn write_blocks(
+    t: &Trainer,
+    weights: &FlatFile,
+    model_file: &Path,
+    states: &FlatFile,
+    opt_file: &Path,
+) -> Result<()> {
+    let blocks = t.written_blocks();
+    if blocks.is_empty() {
+        return Ok(());
+    }
+    let rank = t.rank();
+    let mut buf = Vec::new();
+    fn io(p: &Path) -> impl Fn(std::io::Error) -> anyhow::Error + '_ {
+        move |e| anyhow::anyhow!("cannot write {}: {e}", p.display())
+    }
+    let f = parallel::open_for_blocks(model_file, rank)?;
+    for (r, at) in &blocks {
+        // ZeRO-3 holds only its shard of the weights, at the states' offsets.
+        let from = if t.weights_sharded() { *at } else { r.start };
+        parallel::write_flat(
+            weights,
+            &f,
+            r.start,
+            &t.params,
+            from..from + r.len(),
+            &mut buf,
+        )
+        .map_err(io(model_file))?;
+    }
+    f.sync_data().map_err(io(model_file))?;
+    let Some(opt) = &t.opt else {
+        return Ok(());
+    };
+    let f = parallel::open_for_blocks(opt_file, rank)?;
+    let mut tensors = vec![("exp_avg", &opt.m), ("exp_avg_sq", &opt.v)];
+    if let Some(m) = &t.master {
+        tensors.push(("master", m));
+    }
+    for (name, values) in tensors {
+        let base = states.range(name).expect("the layout names it").start;
+        for (r, at) in &blocks {
+            states
+                .write(&f, base + r.start, &values[*at..*at + r.len()], &mut buf)
+                .map_err(io(opt_file))?;
+        }
+    }
+    f.sync_data().map_err(io(opt_file))
+}
+
+/// Rank 0, once every rank's blocks are on disk: the small files, the manifest, the rename.
+fn finish(
+    dir: &Path,
+    parent: &Path,
+    name: &str,
+    tmp: &Path,
+    t: &Trainer,
+    tokenizer_json: &str,
+    tokenizer_name: &str,
+) -> Result<()> {
     let state = TrainerState {
         format: FORMAT.into(),
         step: t.step,
         config: t.cfg.clone(),
         loader: t.loader.state(),
-        params: table.total as u64,
+        params: t.model.params.total as u64,
         tokenizer: tokenizer_name.into(),
         loss_scaler: t.scaler.clone(),
     };
@@ -178,14 +238,14 @@ pub fn save(
         "tokenizer.json",
     ];
     if t.opt.is_some() {
-        files.push("optimizer.safetensors");
+        files.push(OPTIMIZER);
     }
-    manifest::write(&tmp, &files)?;
+    manifest::write(tmp, &files)?;
     let old = parent.join(format!(".{name}.old-{}", std::process::id()));
     if dir.exists() {
         std::fs::rename(dir, &old).with_context(|| format!("cannot move old {}", dir.display()))?;
     }
-    std::fs::rename(&tmp, dir).with_context(|| format!("cannot rename into {}", dir.display()))?;
+    std::fs::rename(tmp, dir).with_context(|| format!("cannot rename into {}", dir.display()))?;
     let _ = std::fs::remove_dir_all(&old);
     Ok(())
 }
@@ -296,10 +356,6 @@ pub fn open(dir: &Path) -> Result<Loaded> {
     })
 }
 
-fn read_file(path: &Path) -> Result<Vec<u8>> {
-    std::fs::read(path).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))
-}
-
 /// The weights of checkpoint `dir` (opened, so verified, already), checking every name and
 /// shape against `table`, in `rule`'s dtype: a resumed run keeps its precision exactly; sampling
 /// widens to f32.
@@ -309,38 +365,24 @@ pub fn load_weights(dir: &Path, table: &ParamTable, rule: hf::Dtypes) -> Result<
     hf::load_params(dir, table, tied, rule)
 }
 
-/// The AdamW moments of `dir`, if it has them, and the fp32 master weights when `master`.
+/// This rank's part of the AdamW moments of `dir`, if it has them, and of the fp32 master
+/// weights when `master`: every rank reads only the blocks it holds (`blocks`: ranges of every
+/// parameter's states and their offsets in this rank's `len`), so a checkpoint of any layout
+/// re-shards onto this one.
 pub fn load_optimizer(
     dir: &Path,
     n: usize,
+    blocks: &[(std::ops::Range<usize>, usize)],
+    len: usize,
     master: bool,
 ) -> Result<Option<(AdamState, Option<Vec<f32>>)>> {
-    let path = dir.join("optimizer.safetensors");
+    let path = dir.join(OPTIMIZER);
     if !path.exists() {
         return Ok(None);
     }
-    let bytes = read_file(&path)?;
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| {
-        bad(
-            dir,
-            format!("optimizer.safetensors is not valid safetensors ({e})"),
-        )
-    })?;
     let take = |name: &str| -> Result<Vec<f32>> {
-        let v = st
-            .tensor(name)
-            .map_err(|_| bad(dir, format!("optimizer.safetensors lacks `{name}`")))?;
-        if v.dtype() != Dtype::F32 || v.shape() != [n] {
-            bail!(bad(
-                dir,
-                format!(
-                    "optimizer `{name}` has shape {:?}, expected [{n}]",
-                    v.shape()
-                )
-            ));
-        }
-        let mut out = vec![0.0; n];
-        crate::weights::widen_le_bytes(DType::F32, v.data(), &mut out);
+        let mut out = vec![0.0; len];
+        parallel::read_blocks(&path, name, n, blocks, &mut out).map_err(|e| bad(dir, e))?;
         Ok(out)
     };
     let state = AdamState {
