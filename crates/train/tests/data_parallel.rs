@@ -196,6 +196,24 @@ fn a_sharded_checkpoint_holds_every_parameters_states_and_weights() {
 }
 
 #[test]
+fn the_planned_bytes_are_the_bytes_sent_in_every_precision() {
+    // Gradients are reduced and parameters gathered through f32 buffers whatever the storage
+    // type, and the plan counts them so: a bf16 run sends what an fp32 one does.
+    for (precision, zero) in [("bf16", 1), ("bf16", 3), ("fp16", 2)] {
+        let _turn = ONE_RUN_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+        let out = tmp(&format!("bytes-{precision}-{zero}"));
+        let mut a = tiny_args(&out, 2);
+        (a.mbs, a.layout.dp, a.layout.zero) = (Some(4), Some(2), Some(zero));
+        a.precision = Some(precision.into());
+        for m in run(a).unwrap().steps {
+            let what = format!("{precision} ZeRO-{zero} step {}", m.step);
+            assert!(m.comm_bytes.is_some_and(|b| b > 0), "{what}");
+            assert_eq!(m.comm_bytes, m.comm_bytes_planned, "{what}");
+        }
+    }
+}
+
+#[test]
 fn a_run_resumes_on_another_layout_and_goes_on_along_the_same_trajectory() {
     // Eight sequences a step throughout. Stopped after step 3 on dp 2 with ZeRO-1 (each rank
     // writing its shard of the checkpoint), resumed on dp 4 with ZeRO-2, on dp 2 with ZeRO-3
