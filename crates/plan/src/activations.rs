@@ -461,7 +461,16 @@ pub fn edge_acts(m: &ModelSpec, r: &Recipe, l: &Layout, conv: Convention) -> Edg
                 ],
                 // The LM head runs chunk by chunk at the end of the forward: logits, loss and
                 // their gradient in place, then dW_head and d(final norm out) (as llm.c).
-                loss_transient: vec![buf(Edge::LogitsChunk, other), buf(Edge::Losses, other)],
+                loss_transient: match d.t > 1 {
+                    // Tensor parallelism: each rank holds a vocabulary slice of the logits and
+                    // exchanges three statistics per row instead of gathering them.
+                    true => vec![
+                        buf(Edge::LogitsChunk, other),
+                        buf(Edge::Losses, other),
+                        buf(Edge::CeStats, other),
+                    ],
+                    false => vec![buf(Edge::LogitsChunk, other), buf(Edge::Losses, other)],
+                },
                 scratch_first: vec![buf(Edge::GradResid, ws)],
                 head_backward: vec![],
                 scratch_rest: rest,

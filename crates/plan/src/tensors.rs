@@ -55,6 +55,9 @@ pub enum Width {
     Vocab,
     /// Half the rotated dims of a head (RoPE tables).
     HalfRotary,
+    /// A vocabulary-parallel cross-entropy's row statistics: this rank's three (max, Σ exp,
+    /// target logit) and every rank's, gathered: 3·(t + 1).
+    CeStats,
 }
 
 /// How many rows a tensor has.
@@ -156,6 +159,7 @@ impl Shape {
             Width::Vocab if self.split == Split::Tensor => return rows * d.vocab.div_ceil(t),
             Width::Vocab => d.vocab,
             Width::HalfRotary => d.rotary_dim / 2,
+            Width::CeStats => 3 * (t + 1),
         };
         let div = match self.split {
             Split::Whole => 1,
@@ -170,7 +174,9 @@ impl Shape {
 use Elems::{Storage, F32, U32};
 use Rows::{HeadChunk, Positions, Routed, Tokens};
 use Split::{Sequence, Tensor, Whole};
-use Width::{Experts, Ffn, HalfRotary, Heads, Hidden, KRank, ODim, One, QDim, TopK, VRank, Vocab};
+use Width::{
+    CeStats, Experts, Ffn, HalfRotary, Heads, Hidden, KRank, ODim, One, QDim, TopK, VRank, Vocab,
+};
 
 macro_rules! table {
     (
@@ -295,6 +301,10 @@ table! {
         /// One chunk of fp32 logits, then their gradient (the fused, chunked LM head).
         LogitsChunk = "act.logits_chunk": Shape::new(F32, HeadChunk, Vocab, Tensor);
         Losses = "act.losses": Shape::new(F32, Tokens, One, Whole);
+        /// Tensor parallelism only: the row statistics of a vocabulary-parallel cross-entropy
+        /// chunk, this rank's and the group's (Megatron-LM's `_VocabParallelCrossEntropy`
+        /// reduces the same three quantities).
+        CeStats = "act.ce_stats": Shape::new(F32, HeadChunk, CeStats, Whole);
         /// The last position of each sequence (sampling; no training plan has it).
         LastHidden = "act.last_hidden": Shape::new(Storage, Tokens, Hidden, Whole);
         /// d(residual stream), carried from layer to layer by the backward.

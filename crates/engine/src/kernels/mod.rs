@@ -89,6 +89,16 @@ pub struct CeShape {
     pub vocab: usize,
 }
 
+/// A vocabulary-parallel cross-entropy chunk on one rank: `rows` rows of this rank's `vocab`
+/// logits, columns `first..first + vocab` of the model's `full_vocab`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CeShardShape {
+    pub rows: usize,
+    pub vocab: usize,
+    pub first: usize,
+    pub full_vocab: usize,
+}
+
 /// Target value that contributes neither loss nor gradient (PyTorch's `ignore_index=-100`,
 /// stored as u32: any target `>= vocab` is also ignored, so `-100i32 as u32` works too).
 pub const IGNORE_INDEX: u32 = u32::MAX;
@@ -354,6 +364,26 @@ macro_rules! kernel_interface {
                 fn embedding_forward(&self, tokens: &[u32], wte: &[S], c: usize, out: &mut [S]);
                 /// `dwte[tokens[n], :] += dout[n, :]` (a token's rows are summed in f32 first).
                 fn embedding_backward(&self, tokens: &[u32], dout: &[S], c: usize, dwte: &mut [G]);
+                /// Vocabulary-parallel embedding (Shoeybi et al. 2019 §3): `wte` holds rows
+                /// `first..` of the table; a token outside them gets a zero row (the tensor-
+                /// parallel group's all-reduce fills it in).
+                fn embedding_forward_shard(
+                    &self,
+                    tokens: &[u32],
+                    wte: &[S],
+                    c: usize,
+                    first: usize,
+                    out: &mut [S],
+                );
+                /// `dwte[t − first, :] += dout[n, :]` for the tokens `t` of this shard.
+                fn embedding_backward_shard(
+                    &self,
+                    tokens: &[u32],
+                    dout: &[S],
+                    c: usize,
+                    first: usize,
+                    dwte: &mut [G],
+                );
 
                 // ---- elementwise ----
                 /// `out = a + b`.
@@ -381,6 +411,34 @@ macro_rules! kernel_interface {
                     s: CeShape,
                     logits: &mut [f32],
                     targets: &[u32],
+                    losses: &mut [f32],
+                    dlogits_scale: Option<f32>,
+                ) -> f64;
+                /// Vocabulary-parallel cross-entropy, first half (Megatron-LM's
+                /// `_VocabParallelCrossEntropy`): per row of this rank's logits, its max m,
+                /// Σ exp(z − m) and the target's logit when this rank holds it (else 0), into
+                /// `stats` `[rows, 3]`; with `keep_exp` the logits become exp(z − m).
+                fn ce_shard_stats(
+                    &self,
+                    s: CeShardShape,
+                    logits: &mut [f32],
+                    targets: &[u32],
+                    stats: &mut [f32],
+                    keep_exp: bool,
+                );
+                /// Second half, from every rank's `stats` gathered in rank order (`all`,
+                /// `[ranks, rows, 3]`; this rank is `rank`): the losses log Σ_ranks − z_t (0 for
+                /// an ignored target) and, with `dlogits_scale`, the gradient in place of the
+                /// exponentials `ce_shard_stats` kept: (softmax − onehot)·scale. Returns the
+                /// loss sum.
+                #[allow(clippy::too_many_arguments)]
+                fn ce_shard_finish(
+                    &self,
+                    s: CeShardShape,
+                    logits: &mut [f32],
+                    targets: &[u32],
+                    all: &[f32],
+                    rank: usize,
                     losses: &mut [f32],
                     dlogits_scale: Option<f32>,
                 ) -> f64;

@@ -30,9 +30,10 @@ use super::param_buf::{ParamBuf, ParamSource, Unit, WholeParams};
 use super::params::{LayerIdx, ParamTable};
 use super::recompute::{dropped, layer_tensors, Recompute};
 use super::stages::{GradsDone, HeadActs};
+use super::tensor_parallel::TensorParallel;
 use crate::dtype::Elem;
 use crate::kernels::{
-    Accum, AttnShape, CeShape, Kernels, MatmulShape, NormShape, RopeShape, RopeTable,
+    Accum, AttnShape, CeShape, CeShardShape, Kernels, MatmulShape, NormShape, RopeShape, RopeTable,
 };
 use ferrotron_plan::tensors::{self, Edge, LayerTensor as T};
 use std::ops::Range;
@@ -51,6 +52,8 @@ pub struct Llama {
     pub ce_chunk_tokens: usize,
     /// Which layer activations the training forward keeps (see [`super::recompute`]).
     pub recompute: Recompute,
+    /// This rank's tensor-parallel group (`config` is then its slice of the model).
+    pub tp: Option<TensorParallel>,
 }
 
 /// `matmul_backward_weight` with an optional bias grad living in the same flat buffer.
@@ -87,6 +90,30 @@ impl Llama {
             rope,
             ce_chunk_tokens: DEFAULT_CE_CHUNK_TOKENS,
             recompute: Recompute::None,
+            tp: None,
+        }
+    }
+
+    /// One rank's part of a tensor-parallel model (`super::tensor_parallel`): its slice of the
+    /// config, parameters of the slice's shapes, and the group's collectives.
+    pub fn tensor_parallel(tp: TensorParallel) -> Result<Self, super::ModelError> {
+        let local = super::tensor_parallel::shard_config(&tp.full, tp.size)?;
+        let mut m = Llama::new(local);
+        m.tp = (tp.size > 1).then_some(tp);
+        Ok(m)
+    }
+
+    /// The whole model's config (this rank's `config` is a slice of it under tensor
+    /// parallelism).
+    pub fn full_config(&self) -> &LlamaConfig {
+        self.tp.as_ref().map_or(&self.config, |t| &t.full)
+    }
+
+    /// Sums a row-parallel product's partial result over the tensor-parallel group (nothing
+    /// on one rank).
+    pub(super) fn tp_sum<S: Elem>(&self, buf: &mut [S]) {
+        if let Some(tp) = &self.tp {
+            tp.sum(buf);
         }
     }
 
@@ -103,23 +130,24 @@ impl Llama {
 
     /// The table's sizes (`ferrotron_plan::tensors`) for `tokens` tokens on this one rank.
     fn dims(&self, tokens: usize) -> tensors::Dims {
-        let c = &self.config;
+        // The table divides the whole model's widths by tp; the key/value width is the rank's.
+        let (c, f) = (&self.config, self.full_config());
         tensors::Dims {
             tokens: tokens as u64,
             hidden: c.hidden as u64,
-            heads: c.heads as u64,
-            q_dim: c.q_dim() as u64,
+            heads: f.heads as u64,
+            q_dim: f.q_dim() as u64,
             k_rank: c.kv_dim() as u64,
             v_rank: c.kv_dim() as u64,
-            o_dim: c.q_dim() as u64,
+            o_dim: f.q_dim() as u64,
             rotary_dim: c.head_dim as u64,
-            ffn: c.intermediate as u64,
-            vocab: c.vocab as u64,
+            ffn: f.intermediate as u64,
+            vocab: f.vocab as u64,
             positions: c.max_pos as u64,
             experts: 0,
             top_k: 1,
             ce_chunk_tokens: self.ce_chunk_tokens as u64,
-            tp: 1,
+            tp: self.tp.as_ref().map_or(1, |t| t.size as u64),
             sp: false,
         }
     }
@@ -289,6 +317,7 @@ impl Llama {
             &mut resid_mid,
             Accum::Overwrite,
         );
+        self.tp_sum(&mut resid_mid);
         k.add_inplace(&mut resid_mid, &input);
 
         // ---- MLP block ----
@@ -326,6 +355,7 @@ impl Llama {
             let mut out = self.buf(pool, self.output_name(i), n);
             let s = lin(f, c);
             k.matmul_forward(s, &swiglu, p(&li.wd), None, &mut out, Accum::Overwrite);
+            self.tp_sum(&mut out);
             k.add_inplace(&mut out, &resid_mid);
             out
         });
@@ -447,6 +477,11 @@ impl Llama {
         );
         let mut logits = self.buf(pool, logits_name, n);
         let mut losses = self.buf(pool, losses_name, n);
+        let stats_name = BufName::Edge(Edge::CeStats);
+        let mut stats = self
+            .tp
+            .as_ref()
+            .map(|_| self.buf::<f32>(pool, stats_name, n));
         let mut total = 0.0f64;
         let mut r0 = 0;
         while r0 < n {
@@ -459,25 +494,45 @@ impl Llama {
             let h = &mut out[r0 * c..(r0 + rows) * c];
             let lg = &mut logits[..rows * vocab];
             k.head_forward(s, h, w_lm, lg);
-            let ce = CeShape { rows, vocab };
             let scale = grad.as_ref().map(|g| g.1);
-            total += k.cross_entropy(
-                ce,
-                lg,
-                &targets[r0..r0 + rows],
-                &mut losses[r0..r0 + rows],
-                scale,
-            );
+            let (t, l) = (&targets[r0..r0 + rows], &mut losses[r0..r0 + rows]);
+            total += match (&self.tp, stats.as_mut()) {
+                (Some(tp), Some(st)) => {
+                    // Vocabulary-parallel: this rank's three statistics per row, then every
+                    // rank's (`act.ce_stats` holds both: [chunk, 3] then [tp, rows, 3]).
+                    let ce = CeShardShape {
+                        rows,
+                        vocab,
+                        first: tp.vocab_first(),
+                        full_vocab: tp.full.vocab,
+                    };
+                    let (mine, all) = st.split_at_mut(3 * chunk);
+                    let (mine, all) = (&mut mine[..3 * rows], &mut all[..3 * rows * tp.size]);
+                    k.ce_shard_stats(ce, lg, t, mine, scale.is_some());
+                    tp.gather(mine, all);
+                    k.ce_shard_finish(ce, lg, t, all, tp.rank, l, scale)
+                }
+                _ => k.cross_entropy(CeShape { rows, vocab }, lg, t, l, scale),
+            };
             if let Some((grads, _)) = grad.as_mut() {
                 k.head_backward_weight(s, lg, h, &mut grads[self.params.lm_head.clone()]);
                 k.head_backward_input(s, lg, w_lm, h);
+                // The vocabulary-parallel head's input gradient is partial.
+                self.tp_sum(h);
             }
             r0 += rows;
         }
         pool.boundary(Boundary::Loss);
         pool.free(logits_name, logits);
         pool.free(losses_name, losses);
-        let count = targets.iter().filter(|&&t| (t as usize) < vocab).count();
+        if let Some(st) = stats {
+            pool.free(stats_name, st);
+        }
+        let full_vocab = self.full_config().vocab;
+        let count = targets
+            .iter()
+            .filter(|&&t| (t as usize) < full_vocab)
+            .count();
         (rstd, out, LossSum { sum: total, count })
     }
 
@@ -678,6 +733,8 @@ impl Llama {
             Accum::Overwrite,
         );
         k.matmul_backward_input(lin(c, f), &sc.up, p(&li.wu), &mut sc.ln_out, Accum::Add);
+        // Column-parallel gate/up: each rank's input gradient is partial (Megatron's `f`).
+        self.tp_sum(&mut sc.ln_out);
         // resid_mid feeds both ln2 and the skip connection: d resid_mid = d out + ln2'(d ln2_out).
         k.rmsnorm_backward(
             self.norm(n),
@@ -745,6 +802,7 @@ impl Llama {
         );
         k.matmul_backward_input(lin(c, kvd), &sc.k, p(&li.wk), &mut sc.ln_out, Accum::Add);
         k.matmul_backward_input(lin(c, kvd), &sc.v, p(&li.wv), &mut sc.ln_out, Accum::Add);
+        self.tp_sum(&mut sc.ln_out);
         k.rmsnorm_backward(
             self.norm(n),
             &sc.ln_out,
@@ -812,7 +870,7 @@ impl Llama {
         self.check_params(params);
         let params = &mut WholeParams(params);
         self.check_batch(batch, tokens);
-        let (c, vocab, b) = (self.config.hidden, self.config.vocab, batch.b);
+        let (c, vocab, b) = (self.config.hidden, self.full_config().vocab, batch.b);
         assert_eq!(logits.len(), b * vocab, "logits must be [B, V]");
         let x = self.trunk_no_grad(k, pool, params, batch, tokens);
         let last_name = BufName::Edge(Edge::LastHidden);
@@ -841,7 +899,7 @@ impl Llama {
         self.check_batch(batch, tokens);
         assert_eq!(
             logits.len(),
-            batch.n() * self.config.vocab,
+            batch.n() * self.full_config().vocab,
             "logits must be [B·T, V]"
         );
         let whole = &mut WholeParams(params);
@@ -879,7 +937,25 @@ impl Llama {
             in_features: c,
             out_features: self.config.vocab,
         };
-        k.head_forward(s, &out, &params[self.params.lm_head.clone()], logits);
+        let w = &params[self.params.lm_head.clone()];
+        match &self.tp {
+            None => k.head_forward(s, &out, w, logits),
+            Some(tp) => {
+                // Sampling and tests only (no training plan has whole logits): this rank's
+                // vocabulary slice, gathered and laid out row by row.
+                let v = self.config.vocab;
+                let mut mine = vec![0.0; rows * v];
+                k.head_forward(s, &out, w, &mut mine);
+                let mut all = vec![0.0; rows * v * tp.size];
+                tp.gather(&mine, &mut all);
+                for (r, part) in all.chunks(rows * v).enumerate() {
+                    for (i, row) in part.chunks(v).enumerate() {
+                        let at = i * v * tp.size + r * v;
+                        logits[at..at + v].copy_from_slice(row);
+                    }
+                }
+            }
+        }
         pool.free(BufName::Edge(Edge::FinalNormRstd), rstd);
         pool.free(BufName::Edge(Edge::FinalNormOut), out);
     }

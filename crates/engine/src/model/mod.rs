@@ -9,6 +9,7 @@ pub mod param_buf;
 pub mod params;
 pub mod recompute;
 pub mod stages;
+pub mod tensor_parallel;
 
 pub use activations::{Activations, BatchShape, LayerActs, LossSum};
 pub use buffers::{Boundary, Buf, BufName, BufferPool, HeapPool, PoolEvent, BUF_ALIGN};
@@ -19,3 +20,4 @@ pub use param_buf::{ParamBuf, ParamSource, Unit, WholeParams};
 pub use params::{LayerIdx, ParamTable, TensorEntry};
 pub use recompute::Recompute;
 pub use stages::{BackwardState, GradsDone, HeadActs};
+pub use tensor_parallel::{TensorParallel, TpComm};

@@ -85,7 +85,15 @@ impl Llama {
         let name = BufName::Layer(0, LayerTensor::Input);
         let mut x = self.buf(pool, name, tokens.len());
         let p = params.unit(Unit::Embedding);
-        k.embedding_forward(tokens, &p[self.params.embed.clone()], c, &mut x);
+        let wte = &p[self.params.embed.clone()];
+        match &self.tp {
+            None => k.embedding_forward(tokens, wte, c, &mut x),
+            Some(tp) => {
+                // Vocabulary-parallel: this rank's rows, the others' tokens zero, summed.
+                k.embedding_forward_shard(tokens, wte, c, tp.vocab_first(), &mut x);
+                self.tp_sum(&mut x);
+            }
+        }
         x
     }
 
@@ -223,7 +231,13 @@ impl Llama {
     ) {
         let c = self.config.hidden;
         let range = self.params.embed.clone();
-        k.embedding_backward(tokens, &state.0.resid, c, &mut grads[range]);
+        match &self.tp {
+            None => k.embedding_backward(tokens, &state.0.resid, c, &mut grads[range]),
+            Some(tp) => {
+                let first = tp.vocab_first();
+                k.embedding_backward_shard(tokens, &state.0.resid, c, first, &mut grads[range])
+            }
+        }
         state.free(pool);
         done(GradsDone::Embedding(&self.params.embed), grads);
     }

@@ -16,10 +16,11 @@ pub mod simd;
 pub mod staged_gemm;
 pub mod swiglu;
 pub mod tile_gemm;
+pub mod vocab_parallel_ce;
 
 use super::{
-    Accum, AdamWParams, AttnShape, CeShape, Kernels, Limits, MatmulShape, NormShape, RopeShape,
-    RopeTable, Rounding,
+    Accum, AdamWParams, AttnShape, CeShape, CeShardShape, Kernels, Limits, MatmulShape, NormShape,
+    RopeShape, RopeTable, Rounding,
 };
 use crate::dtype::Elem;
 pub use gemm_select::Gemm;
@@ -201,6 +202,26 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CpuKernels {
     fn embedding_backward(&self, tokens: &[u32], dout: &[S], c: usize, dwte: &mut [G]) {
         embedding::backward(tokens, dout, c, dwte)
     }
+    fn embedding_forward_shard(
+        &self,
+        tokens: &[u32],
+        wte: &[S],
+        c: usize,
+        first: usize,
+        out: &mut [S],
+    ) {
+        embedding::forward_shard(tokens, wte, c, first, out)
+    }
+    fn embedding_backward_shard(
+        &self,
+        tokens: &[u32],
+        dout: &[S],
+        c: usize,
+        first: usize,
+        dwte: &mut [G],
+    ) {
+        embedding::backward_shard(tokens, dout, c, first, dwte)
+    }
     fn add(&self, a: &[S], b: &[S], out: &mut [S]) {
         elementwise::add(a, b, out)
     }
@@ -228,6 +249,28 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CpuKernels {
         dlogits_scale: Option<f32>,
     ) -> f64 {
         cross_entropy::cross_entropy(s, logits, targets, losses, dlogits_scale)
+    }
+    fn ce_shard_stats(
+        &self,
+        s: CeShardShape,
+        logits: &mut [f32],
+        targets: &[u32],
+        stats: &mut [f32],
+        keep_exp: bool,
+    ) {
+        vocab_parallel_ce::stats(s, logits, targets, stats, keep_exp)
+    }
+    fn ce_shard_finish(
+        &self,
+        s: CeShardShape,
+        logits: &mut [f32],
+        targets: &[u32],
+        all: &[f32],
+        rank: usize,
+        losses: &mut [f32],
+        dlogits_scale: Option<f32>,
+    ) -> f64 {
+        vocab_parallel_ce::finish(s, logits, targets, all, rank, losses, dlogits_scale)
     }
     fn adamw_step(
         &self,

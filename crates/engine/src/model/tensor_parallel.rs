@@ -1,0 +1,149 @@
+//! Tensor parallelism (Megatron-LM: Shoeybi et al. 2019 §3). Each rank of a group of t holds a
+//! slice of every large matrix and computes on it:
+//!
+//! - **column-parallel** q, k, v (with their biases) and gate, up: rank r holds rows
+//!   `r·out/t..` (its attention heads, its key/value heads, its MLP columns), so attention and
+//!   SwiGLU run on local heads and columns without communication;
+//! - **row-parallel** o_proj and down_proj: rank r holds the matching columns and produces a
+//!   partial sum, all-reduced before the residual add (Megatron's `g`: all-reduce forward,
+//!   identity backward); the layer's input gradient from the column-parallel products is
+//!   likewise partial and all-reduced before the norm's backward (Megatron's `f`);
+//! - **vocabulary-parallel** embedding and LM head: rank r holds rows `r·V/t..` of the table;
+//!   the lookup zeroes other ranks' tokens and all-reduces; the cross-entropy exchanges three
+//!   statistics per row and never gathers the logits (`kernels::cpu::vocab_parallel_ce`);
+//! - the norms are replicated, and their gradients come out identical on every rank.
+//!
+//! The model runs on the rank's slice of the config ([`shard_config`]) and reads the same HF
+//! tensor names, with the slices' shapes. [`shard_pieces`] maps the slices onto the whole
+//! tensors (initialisation, checkpoints, tests).
+
+use super::config::{LlamaConfig, ModelError};
+use super::params::ParamTable;
+use crate::dtype::Elem;
+use std::ops::Range;
+use std::rc::Rc;
+
+/// The collectives of a tensor-parallel group the model needs. A failed collective leaves its
+/// buffer as it was and is reported by the implementation after the pass (the trainer checks).
+pub trait TpComm {
+    fn size(&self) -> usize;
+    fn rank(&self) -> usize;
+    /// Sums `buf` over the group, in place; every rank gets the same bits.
+    fn all_reduce(&self, buf: &mut [f32]);
+    /// Every rank's `send`, in rank order, into `recv`.
+    fn all_gather(&self, send: &[f32], recv: &mut [f32]);
+}
+
+/// This rank's place in its tensor-parallel group, and the group's collectives.
+#[derive(Clone)]
+pub struct TensorParallel {
+    pub size: usize,
+    pub rank: usize,
+    /// The whole model's config (the rank's model runs on [`shard_config`] of it).
+    pub full: LlamaConfig,
+    comm: Rc<dyn TpComm>,
+}
+
+impl std::fmt::Debug for TensorParallel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "TensorParallel {{ rank {} of {} }}",
+            self.rank, self.size
+        )
+    }
+}
+
+impl TensorParallel {
+    pub fn new(full: LlamaConfig, comm: Rc<dyn TpComm>) -> Self {
+        TensorParallel {
+            size: comm.size(),
+            rank: comm.rank(),
+            full,
+            comm,
+        }
+    }
+
+    /// Sums a partial result over the group, in place. Tensor parallelism runs on f32
+    /// activations (the trainer refuses other precisions with it).
+    pub(super) fn sum<S: Elem>(&self, buf: &mut [S]) {
+        let f = S::as_f32_mut(buf).expect("tensor parallelism runs on f32 activations");
+        self.comm.all_reduce(f);
+    }
+
+    pub(super) fn gather(&self, send: &[f32], recv: &mut [f32]) {
+        self.comm.all_gather(send, recv);
+    }
+
+    /// The first vocabulary row this rank holds.
+    pub fn vocab_first(&self) -> usize {
+        self.rank * self.full.vocab / self.size
+    }
+}
+
+/// The slice of `full` one rank of `t` computes on: query heads, key/value heads, MLP width
+/// and vocabulary divided by t (each must divide, as in Megatron-LM, which also pads the
+/// vocabulary to a multiple of t; ferrotron asks for a divisible one).
+pub fn shard_config(full: &LlamaConfig, t: usize) -> Result<LlamaConfig, ModelError> {
+    let check = |field: &'static str, v: usize, what: &str| {
+        if v.is_multiple_of(t) {
+            Ok(v / t)
+        } else {
+            Err(ModelError::Config {
+                field,
+                value: v.to_string(),
+                fix: format!(
+                    "tensor parallelism splits the {what} over the ranks: tp = {t} must divide it (try tp = {})",
+                    (1..=t).rev().find(|d| v.is_multiple_of(*d)).unwrap_or(1)
+                )
+                .into(),
+            })
+        }
+    };
+    let mut c = full.clone();
+    c.heads = check("num_attention_heads", full.heads, "attention heads")?;
+    c.kv_heads = check("num_key_value_heads", full.kv_heads, "key/value heads")?;
+    c.intermediate = check("intermediate_size", full.intermediate, "MLP columns")?;
+    c.vocab = check("vocab_size", full.vocab, "vocabulary")?;
+    Ok(c)
+}
+
+/// How a tensor of the whole model maps onto a rank's slice of it: pieces of (range in the
+/// rank's flat parameters, range in the whole model's), found by comparing the two tables'
+/// shapes: equal (a norm) is replicated, fewer rows is column-parallel (or the vocabulary),
+/// fewer columns is row-parallel (one piece per row).
+pub fn shard_pieces(
+    full: &ParamTable,
+    local: &ParamTable,
+    rank: usize,
+) -> Vec<(Range<usize>, Range<usize>)> {
+    let mut out = Vec::new();
+    for e in &local.entries {
+        let f = full
+            .get(&e.name)
+            .unwrap_or_else(|| panic!("{} is in the rank's table but not the model's", e.name));
+        let (lo, fo) = (e.offset, f.offset);
+        if e.shape == f.shape {
+            out.push((lo..lo + e.numel, fo..fo + f.numel));
+        } else if e.shape[0] != f.shape[0] {
+            let start = fo + rank * e.numel;
+            out.push((lo..lo + e.numel, start..start + e.numel));
+        } else {
+            let (rows, cols, full_cols) = (e.shape[0], e.shape[1], f.shape[1]);
+            for i in 0..rows {
+                let from = fo + i * full_cols + rank * cols;
+                out.push((lo + i * cols..lo + (i + 1) * cols, from..from + cols));
+            }
+        }
+    }
+    out
+}
+
+/// Whether the local tensor holding flat parameter `i` is replicated over the group (a norm).
+pub fn replicated(full: &ParamTable, local: &ParamTable, i: usize) -> bool {
+    local
+        .entries
+        .iter()
+        .find(|e| e.range().contains(&i))
+        .is_some_and(|e| full.get(&e.name).is_some_and(|f| f.shape == e.shape))
+}
