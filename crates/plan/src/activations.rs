@@ -5,7 +5,7 @@ use crate::convention::Convention;
 use crate::layout::Layout;
 use crate::megatron_lm;
 use crate::memory::Category;
-use crate::model::{Family, MlpAct, ModelSpec};
+use crate::model::{MlpAct, ModelSpec};
 use crate::recipe::{DType, Recipe, Recompute};
 use crate::sac;
 use crate::tensors::{self, Edge, LayerTensor};
@@ -160,10 +160,13 @@ pub fn layer_acts(
 ) -> LayerActs {
     let d = Dims::new(r, l);
     match conv {
-        Convention::Ferrotron | Convention::Torchtitan => match m.family {
-            Family::Gpt2 => gpt2_layer(m, r, &d),
-            _ => decoder_layer(m, r, &d, moe_layer, conv),
-        },
+        Convention::Ferrotron | Convention::Torchtitan => {
+            if m.gpt_block() {
+                gpt_layer(m, r, &d)
+            } else {
+                decoder_layer(m, r, &d, moe_layer, conv)
+            }
+        }
         Convention::MegatronLm => {
             let sp = megatron_lm::with_sp(d.sp, r.recompute);
             let f = m.moe.filter(|_| moe_layer).map_or(m.intermediate, |moe| {
@@ -354,24 +357,37 @@ fn decoder_layer(
     acts
 }
 
-/// GPT-2 block as the ferrotron engine would hold it (LayerNorm saves mean and rstd).
-fn gpt2_layer(m: &ModelSpec, r: &Recipe, d: &Dims) -> LayerActs {
+/// A GPT-style block (GPT-2, GPT-NeoX, GPT-J) as the ferrotron engine would hold it
+/// (LayerNorm saves mean and rstd; flash attention saves q, k, v — rotated, with RoPE, whose
+/// backward needs only the tables — the output and its log-sum-exp).
+///
+/// Serial (GPT-2): the MLP's norm reads the mid-block residual `resid_mid`, kept for its
+/// backward. Parallel (`parallel_block`): both branches read the layer input, so there is no
+/// `resid_mid`; with one shared norm (GPT-J's `ln_1`, PaLM) the MLP's first linear reads
+/// `ln1_out`, already held for the attention's, so the block keeps one norm's output and
+/// statistics; GPT-NeoX normalises the input twice (`post_attention_layernorm` of `x`), so it
+/// keeps two.
+fn gpt_layer(m: &ModelSpec, r: &Recipe, d: &Dims) -> LayerActs {
     let st = r.precision.storage();
     let (n, t, ss, c) = (d.n(), d.t, d.seq_shard(), m.hidden);
     let f = m.intermediate.div_ceil(t);
-    let all = vec![
+    let mut all = vec![
         act("input", st, n * c / ss),
         act("ln1_stats", DType::F32, 2 * n / ss),
         act("ln1_out", st, n * c / ss),
         act("qkv", st, 3 * n * c / t),
         act("attn_lse", DType::F32, n * m.heads / t),
         act("attn_out", st, n * c / t),
-        act("resid_mid", st, n * c / ss),
-        act("ln2_stats", DType::F32, 2 * n / ss),
-        act("ln2_out", st, n * c / ss),
-        act("fc", st, n * f),
-        act("gelu", st, n * f),
     ];
+    if !m.parallel_block {
+        all.push(act("resid_mid", st, n * c / ss));
+    }
+    if m.pre_norms() == 2 {
+        all.push(act("ln2_stats", DType::F32, 2 * n / ss));
+        all.push(act("ln2_out", st, n * c / ss));
+    }
+    all.push(act("fc", st, n * f));
+    all.push(act("gelu", st, n * f));
     // Selective recomputation drops the norm outputs and the GELU output (cheap to rebuild).
     let keeps = |a: &Act| match r.recompute {
         Recompute::None => true,
@@ -396,7 +412,7 @@ fn grad_scratch(m: &ModelSpec, r: &Recipe, d: &Dims, moe_layer: bool) -> Vec<Act
         numel,
         category: Category::Workspace,
     };
-    if m.family == Family::Gpt2 {
+    if m.gpt_block() {
         let (t, f) = (d.t, m.intermediate.div_ceil(d.t));
         return vec![
             ws(Edge::GradLnOut.name(), n * c),

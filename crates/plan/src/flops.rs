@@ -10,7 +10,7 @@
 
 use crate::error::PlanError;
 use crate::inventory::{count, inventory, Placement, Tensor};
-use crate::model::{Family, ModelSpec};
+use crate::model::{MlpAct, ModelSpec};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
@@ -163,7 +163,7 @@ pub fn flops_per_token_with(
             });
             let f = (moe_layers * moe_width + (l - moe_layers) * m.intermediate as f64) / l;
             let k = 1.0;
-            let gated = if m.family == Family::Gpt2 { 1.0 } else { 1.5 };
+            let gated = if m.mlp_act == MlpAct::Gelu { 1.0 } else { 1.5 };
             let v = m.vocab as f64;
             12.0 * l
                 * h

@@ -4,6 +4,8 @@
 use crate::model::{Family, ModelSpec};
 use serde::Serialize;
 
+mod parallel_block;
+
 /// Where a tensor lives along the pipeline: stage 0 holds the embeddings, the last stage the final
 /// norm and the LM head, and layer `i` lives on stage `i / (L / pp)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -77,6 +79,7 @@ impl Builder {
     fn push(&mut self, name: String, shape: &[u64], placement: Placement, tp: TpSplit) {
         let matmul = shape.len() == 2
             && !name.ends_with("embed_tokens.weight")
+            && !name.ends_with("embed_in.weight")
             && !name.ends_with("wte.weight")
             && !name.ends_with("wpe.weight");
         self.tensors.push(Tensor {
@@ -127,13 +130,16 @@ const ROW: TpSplit = TpSplit::Dim(1);
 const REP: TpSplit = TpSplit::Replicated;
 
 /// Builds the inventory in HF order and naming (`model.layers.{i}....` for the Llama-like
-/// families and DeepSeek, `transformer.h.{i}....` for GPT-2).
+/// families and DeepSeek, `transformer.h.{i}....` for GPT-2 and GPT-J, `gpt_neox.layers.{i}....`
+/// for GPT-NeoX).
 pub fn inventory(m: &ModelSpec) -> Vec<Tensor> {
     let mut b = Builder {
         tensors: Vec::new(),
     };
     match m.family {
         Family::Gpt2 => gpt2(m, &mut b),
+        Family::GptNeox => parallel_block::neox(m, &mut b),
+        Family::GptJ => parallel_block::gptj(m, &mut b),
         _ => decoder(m, &mut b),
     }
     b.tensors

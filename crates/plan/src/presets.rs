@@ -51,6 +51,9 @@ presets!(
     "megatron-175b",
     "megatron-530b",
     "megatron-1t",
+    "pythia-160m",
+    "pythia-1.4b",
+    "gpt-j-6b",
     "ferrotron-12m",
 );
 

@@ -24,7 +24,7 @@ fn unknown_model_type() {
     v["model_type"] = json!("bert");
     assert_eq!(
         err(v),
-        "config.json: model_type `bert` is not supported (supported: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, gemma, gemma2, phi3, deepseek_v2, deepseek_v3 or gpt2)"
+        "config.json: model_type `bert` is not supported (supported: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, gemma, gemma2, phi3, deepseek_v2, deepseek_v3, gpt2, gpt_neox or gptj)"
     );
 }
 

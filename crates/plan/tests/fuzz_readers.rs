@@ -456,6 +456,6 @@ fn regression_control_characters_in_errors_are_escaped() {
         .unwrap_err();
     assert_eq!(
         e.to_string(),
-        "c.json: model_type `llama\\n\\u{1b}[31m` is not supported (supported: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, gemma, gemma2, phi3, deepseek_v2, deepseek_v3 or gpt2)"
+        "c.json: model_type `llama\\n\\u{1b}[31m` is not supported (supported: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, gemma, gemma2, phi3, deepseek_v2, deepseek_v3, gpt2, gpt_neox or gptj)"
     );
 }

@@ -6,13 +6,15 @@
 //! `DeepseekV3Config`). The reader works on a `serde_json::Value` so that every error can name
 //! the exact field and what was found there. One file per block structure: `llama.rs` (the
 //! Llama-like families), `moe.rs` (their mixture-of-experts MLPs), `deepseek.rs` (MLA +
-//! DeepSeekMoE), `gpt2.rs`.
+//! DeepSeekMoE), `gpt2.rs`, and the parallel blocks `neox.rs` (GPT-NeoX, Pythia) and `gptj.rs`.
 
 mod deepseek;
 mod fields;
 mod gpt2;
+mod gptj;
 mod llama;
 mod moe;
+mod neox;
 
 use crate::error::{PlanError, Result};
 use fields::{describe, Fields};
@@ -41,6 +43,13 @@ pub enum Family {
     QwenMoe,
     /// Multi-head latent attention and DeepSeekMoE (deepseek_v2, deepseek_v3).
     Deepseek,
+    /// LayerNorm, fused per-head qkv, partial RoPE, GeLU MLP, biases, untied head; a parallel
+    /// block with two norms of the layer input when `use_parallel_residual` (gpt_neox: GPT-NeoX,
+    /// Pythia).
+    GptNeox,
+    /// LayerNorm, separate bias-free q/k/v/out, partial RoPE, GeLU MLP with biases, untied head
+    /// with a bias; a parallel block with one shared norm (gptj).
+    GptJ,
 }
 
 /// The MLP's activation.
@@ -156,7 +165,7 @@ pub fn size_limit(field: &str) -> u64 {
 }
 
 /// The model types the reader knows, for messages.
-pub const SUPPORTED: &str = "llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, gemma, gemma2, phi3, deepseek_v2, deepseek_v3 or gpt2";
+pub const SUPPORTED: &str = "llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, gemma, gemma2, phi3, deepseek_v2, deepseek_v3, gpt2, gpt_neox or gptj";
 
 impl ModelSpec {
     /// Parses the text of an HF `config.json`. `source` names it in error messages.
@@ -191,6 +200,8 @@ impl ModelSpec {
             | "gemma" | "gemma2" | "phi3" => llama::read(&f, &model_type)?,
             "deepseek_v2" | "deepseek_v3" => deepseek::read(&f, &model_type)?,
             "gpt2" => gpt2::read(&f)?,
+            "gpt_neox" => neox::read(&f)?,
+            "gptj" => gptj::read(&f)?,
             other => {
                 return Err(PlanError::UnsupportedModel {
                     source_name: source.to_string(),
@@ -205,7 +216,7 @@ impl ModelSpec {
     fn validate(&self, f: &Fields) -> Result<()> {
         let max = size_limit("head_dim");
         if self.head_dim > max {
-            let (hidden, heads) = if self.family == Family::Gpt2 {
+            let (hidden, heads) = if self.gpt2_names() {
                 ("n_embd", "n_head")
             } else {
                 ("hidden_size", "num_attention_heads")
@@ -218,7 +229,7 @@ impl ModelSpec {
                 ),
             ));
         }
-        let kv_field = if self.family == Family::Gpt2 {
+        let kv_field = if self.gpt2_names() {
             "n_head"
         } else {
             "num_key_value_heads"
@@ -244,6 +255,39 @@ impl ModelSpec {
             }
         }
         Ok(())
+    }
+
+    /// Whether the config names its sizes as GPT2Config does (`n_embd`, `n_head`).
+    fn gpt2_names(&self) -> bool {
+        matches!(self.family, Family::Gpt2 | Family::GptJ)
+    }
+
+    /// The GPT-style blocks: LayerNorm with biases and a plain GeLU MLP of biased linears
+    /// (GPT-2, GPT-NeoX, GPT-J), as opposed to the Llama-like RMSNorm and gated MLP.
+    pub fn gpt_block(&self) -> bool {
+        matches!(self.family, Family::Gpt2 | Family::GptNeox | Family::GptJ)
+    }
+
+    /// Whether weights are stored [in, out] (GPT-2's Conv1D) rather than nn.Linear's [out, in].
+    pub fn conv1d(&self) -> bool {
+        self.family == Family::Gpt2
+    }
+
+    /// Whether RoPE rotates q and k (GPT-2 has learned positions instead).
+    pub fn rope(&self) -> bool {
+        self.family != Family::Gpt2 && self.rotary_dim > 0
+    }
+
+    /// Norms a layer applies before its attention and MLP (sandwich post-norms aside): two in
+    /// a serial block; in a parallel block one when attention and MLP share it (GPT-J,
+    /// PaLM), two when each has its own norm of the same input (GPT-NeoX: `input_layernorm`
+    /// and `post_attention_layernorm`, both of the layer input).
+    pub fn pre_norms(&self) -> u64 {
+        if self.parallel_block && self.family != Family::GptNeox {
+            1
+        } else {
+            2
+        }
     }
 
     /// Width of the query projection output (heads × head_dim).

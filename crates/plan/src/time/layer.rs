@@ -7,7 +7,7 @@ use super::fp8;
 use crate::convention::Convention;
 use crate::inventory::{Placement, Tensor};
 use crate::layout::Layout;
-use crate::model::{Family, ModelSpec};
+use crate::model::{Family, MlpAct, ModelSpec};
 use crate::planner::{rank_elems, PlanInput};
 use crate::recipe::{Precision, Recompute};
 use crate::sac;
@@ -99,11 +99,7 @@ fn has_bias(here: &[&Tensor], w: &Tensor) -> bool {
 
 pub(super) fn in_out(m: &ModelSpec, t: &Tensor, tp: u64) -> (u64, u64) {
     // nn.Linear stores [out, in]; GPT-2's Conv1D stores [in, out].
-    let (in_dim, out_dim) = if m.family == Family::Gpt2 {
-        (0, 1)
-    } else {
-        (1, 0)
-    };
+    let (in_dim, out_dim) = if m.conv1d() { (0, 1) } else { (1, 0) };
     (t.dim_tp(in_dim, tp), t.dim_tp(out_dim, tp))
 }
 
@@ -270,18 +266,29 @@ fn one_layer_cost(tm: &TimeModel, x: &PlanInput, e: &Efficiency, layer: u64) -> 
         }
         None => nf * f_l,
     };
-    let (act_f, act_b) = if m.family == Family::Gpt2 {
-        // Fused bias-GeLU: read and write the [n, f] activation.
+    let (act_f, act_b) = if m.mlp_act == MlpAct::Gelu {
+        // Fused bias-GeLU (GPT-2, GPT-NeoX, GPT-J): read and write the [n, f] activation.
         (e.mem(2.0 * st * nf * f_l), e.mem(3.0 * st * nf * f_l))
     } else {
         // SwiGLU / GeGLU (`elementwise.rs`).
         (e.mem(tr.gated.0 * gated), e.mem(tr.gated.1 * gated))
     };
+    // A serial block adds to the residual twice; a parallel block once, x + attn + mlp, one
+    // kernel reading three tensors (and, with dropout, the two branches' masks). Its backward
+    // still sums two gradients into the stream: the branch gradients of the norm input(s) and
+    // the residual's.
+    let res_fwd = match (m.parallel_block, dropout) {
+        (false, _) => res_f * 2.0,
+        (true, false) => e.mem(4.0 * st * resid),
+        (true, true) => e.mem((4.0 * st + 2.0) * resid),
+    };
+    // One norm per block when attention and MLP share it (GPT-J), else two (`pre_norms`).
+    let norms = m.pre_norms() as f64;
     let attn_elems = nf * (a_l * dv) as f64;
-    out.fwd += norm_f * 2.0 + res_f * 2.0 + act_f + e.mem(tr.attn_copy.0 * attn_elems);
-    out.bwd += norm_b * 2.0 + res_b * 2.0 + act_b + e.mem(tr.attn_copy.1 * attn_elems);
+    out.fwd += norm_f * norms + res_fwd + act_f + e.mem(tr.attn_copy.0 * attn_elems);
+    out.bwd += norm_b * norms + res_b * 2.0 + act_b + e.mem(tr.attn_copy.1 * attn_elems);
     let mut rope = Cost::default();
-    if m.family != Family::Gpt2 {
+    if m.rope() {
         // RoPE on q and k.
         let qk = nf * ((a_l + kv_l) * m.rotary_dim) as f64;
         rope = e.mem(tr.rope.0 * qk);
@@ -301,10 +308,10 @@ fn one_layer_cost(tm: &TimeModel, x: &PlanInput, e: &Efficiency, layer: u64) -> 
     if op_sac {
         // ... and every elementwise op of the block: the norms, RoPE, the activation product
         // and the residual adds.
-        selective += norm_f * 2.0 + act_f + rope + res_f * 2.0;
+        selective += norm_f * norms + act_f + rope + res_fwd;
     } else if !unfused {
-        // ferrotron's selective policy drops both norm outputs and the activation product.
-        selective += norm_f * 2.0 + act_f;
+        // ferrotron's selective policy drops the norm outputs and the activation product.
+        selective += norm_f * norms + act_f;
     }
 
     out.recompute = match r.recompute {
@@ -317,9 +324,13 @@ fn one_layer_cost(tm: &TimeModel, x: &PlanInput, e: &Efficiency, layer: u64) -> 
     // Communication of one layer. TP: two collectives of the [n, h] activation per forward
     // (after attention and after the MLP: all-reduces, or reduce-scatter + all-gather pairs with
     // SP), two per backward (Shoeybi et al. 2019 §3; Korthikanti et al. 2022 §4.2.2).
+    // A parallel block sums the two row-parallel partial outputs before one all-reduce
+    // (EleutherAI/gpt-neox `ParallelTransformerLayer` with `gpt_j_residual`: "we can do a
+    // single allreduce after we add mlp / attn outputs"); its backward still all-reduces the
+    // input gradient of each column-parallel branch.
     if t > 1 {
         out.comm.tp_bytes = nf * h * st;
-        out.comm.tp_fwd = 2.0;
+        out.comm.tp_fwd = if m.parallel_block { 1.0 } else { 2.0 };
         out.comm.tp_bwd = 2.0;
     }
     if l.cp > 1 {
