@@ -71,6 +71,10 @@ pub trait Communicator: Send {
     /// Marks this rank failed with `cause`: every other rank's next or current call returns
     /// [`CommError::PeerFailed`] naming it, instead of waiting forever.
     fn abort(&self, cause: &str);
+    /// The sub-group of this group's ranks `members` (indices in this group, in their order
+    /// in the sub-group; every member calls it with the same list): a tensor- or data-parallel
+    /// group of the rank grid.
+    fn split_group(&self, members: &[usize]) -> Result<Box<dyn Communicator>>;
 }
 
 /// How a backend's operation in flight completes (the MPI backend's requests; the threads

@@ -321,6 +321,9 @@ impl MpiComm {
 }
 
 impl Communicator for MpiComm {
+    fn split_group(&self, members: &[usize]) -> Result<Box<dyn Communicator>> {
+        Ok(Box::new(self.split(members)?))
+    }
     fn rank(&self) -> usize {
         self.rank
     }

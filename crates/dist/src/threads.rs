@@ -430,6 +430,9 @@ impl ThreadComm {
 }
 
 impl Communicator for ThreadComm {
+    fn split_group(&self, members: &[usize]) -> Result<Box<dyn Communicator>> {
+        Ok(Box::new(self.split(members)?))
+    }
     fn rank(&self) -> usize {
         self.me
     }

@@ -129,6 +129,16 @@ pub fn comm_buffers(
         add("dp.grad_buckets", DType::F32, 2 * z.bucket, cb, false);
         add("zero3.gather", DType::F32, z.bucket, cb, true);
     }
+    // ferrotron's tensor parallelism all-reduces activations (and gathers the cross-entropy's
+    // row statistics) through one f32 buffer, in place: the largest is a micro-batch of the
+    // residual stream, [b·s, h] (`crates/train/src/tensor_parallel.rs`).
+    if ferrotron && l.tp > 1 {
+        if let Some(m) = m {
+            let chunk = (r.mbs * r.seq).min(r.ce_chunk_tokens);
+            let len = (r.mbs * r.seq * m.hidden).max(3 * l.tp * chunk);
+            add("comm.tp.staging", DType::F32, len, cb, true);
+        }
+    }
     // ferrotron's ZeRO-2 keeps full gradients only in three windows that the backward reuses:
     // the embedding's, the head's and one layer's (`crates/train/src/zero2.rs`); the head's
     // forward writes the LM head's gradient, so they exist from the first forward.

@@ -63,13 +63,6 @@ impl Convention {
         matches!(self, Convention::Megatron | Convention::MegatronLm)
     }
 
-    /// Whether gradients and gathered parameters travel as f32 whatever the storage type:
-    /// ferrotron's trainer reduces its f32 gradient buckets and all-gathers parameters through
-    /// f32 buffers (exact sums in any precision, at twice a bf16 wire's bytes).
-    pub fn fp32_wire(self) -> bool {
-        matches!(self, Convention::Ferrotron)
-    }
-
     pub fn describe(self) -> &'static str {
         match self {
             Convention::Ferrotron => "ferrotron engine (named buffer inventory, flash attention, chunked CE)",

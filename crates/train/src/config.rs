@@ -402,7 +402,7 @@ pub enum CommBackend {
 }
 
 /// The layout of the flags, refused unless the trainer runs it: data parallelism with ZeRO-1,
-/// 2 or 3 for now. The planner already predicts every layout, so the message points there.
+/// 2 or 3 and tensor parallelism for now. The planner already predicts every layout, so the message points there.
 pub(crate) fn trainable_layout(flags: &LayoutFlags) -> Result<Layout, ConfigError> {
     let l = flags.resolve().map_err(|e| ConfigError {
         field: "parallel",
@@ -411,7 +411,7 @@ pub(crate) fn trainable_layout(flags: &LayoutFlags) -> Result<Layout, ConfigErro
     })?;
     let not_yet = |field: &'static str, v: String| {
         let problem = format!(
-            "ferrotron train runs data parallelism (--dp, with --zero 1, 2 or 3) for now (the other layouts are next); `ferrotron plan --{} {v}` predicts this layout's memory and time",
+            "ferrotron train runs data and tensor parallelism (--dp with --zero 1, 2 or 3, --tp) for now (the other layouts are next); `ferrotron plan --{} {v}` predicts this layout's memory and time",
             field.replace('_', "-")
         );
         Err(bad(field, v, &problem))
@@ -426,7 +426,7 @@ pub(crate) fn trainable_layout(flags: &LayoutFlags) -> Result<Layout, ConfigErro
         if v == 0 {
             return Err(bad(field, v, "must be a positive integer"));
         }
-        if v > 1 && field != "dp" {
+        if v > 1 && field != "dp" && field != "tp" {
             return not_yet(field, v.to_string());
         }
     }
@@ -657,6 +657,20 @@ impl TrainArgs {
             problem: e,
         })?;
         let parallel = trainable_layout(&self.layout)?;
+        if parallel.tp > 1 && precision != Precision::Fp32 {
+            return Err(bad(
+                "tp",
+                parallel.tp,
+                &format!("tensor parallelism runs in fp32 for now (its all-reduces sum the f32 activations in place); drop --precision {precision} or --tp"),
+            ));
+        }
+        if parallel.tp > 1 && self.checkpoint_dir.is_some() {
+            return Err(bad(
+                "tp",
+                parallel.tp,
+                "checkpoints of a tensor-parallel run are not written yet; drop --checkpoint-dir or --tp",
+            ));
+        }
         let stochastic_rounding = self.stochastic_rounding.unwrap_or(false);
         if stochastic_rounding && precision == Precision::Fp32 {
             return Err(bad(

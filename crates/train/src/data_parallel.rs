@@ -618,47 +618,66 @@ impl DataParallel {
     /// order.
     pub fn sum_f64(&mut self, x: f64) -> Result<f64> {
         let hi = x as f32;
-        let all = self.gather_small(&[hi, (x - hi as f64) as f32], "gradient norm")?;
+        let all =
+            self.gather_small(&[hi, (x - hi as f64) as f32], "data-parallel gradient norm")?;
         Ok(all.chunks(2).map(|c| c[0] as f64 + c[1] as f64).sum())
     }
 
-    /// Every rank's `mine` (a few values), rank order, in the rank's small buffer: in place, so
-    /// the step allocates nothing for it.
     fn gather_small(&mut self, mine: &[f32], what: &str) -> Result<&[f32]> {
-        let (n, me) = (mine.len(), self.comm.rank());
-        let mut buf = std::mem::take(&mut self.small);
-        buf.resize(n * self.comm.size(), 0.0);
-        buf[me * n..(me + 1) * n].copy_from_slice(mine);
-        self.small = self
-            .comm
-            .all_gather_start(buf)
-            .wait()
-            .map_err(|e| anyhow!("data-parallel {what} all-gather: {e}"))?;
-        Ok(&self.small)
+        gather_small(self.comm.as_ref(), &mut self.small, mine, what)
     }
 
     /// The loss sum and target count of every rank, summed (each rank reports the same).
     pub fn sum_loss(&mut self, sum: f64, count: usize) -> Result<(f64, usize)> {
-        let all = self.gather_small(&[sum as f32, count as f32], "loss")?;
+        let all = self.gather_small(&[sum as f32, count as f32], "data-parallel loss")?;
         let (sum, count) = all
             .chunks(2)
             .fold((0.0, 0.0), |(s, c), x| (s + x[0], c + x[1]));
         Ok((sum as f64, count as usize))
     }
 
-    /// Every rank's `(planned, measured)` bytes, rank order (exact: each u64 travels as two
-    /// 24-bit halves, which f32 holds exactly).
+    /// Every rank's `(planned, measured)` bytes, rank order.
     pub fn gather_mem(&mut self, planned: u64, measured: u64) -> Result<Vec<(u64, u64)>> {
-        let split = |b: u64| [(b >> 24) as f32, (b & 0xFF_FFFF) as f32];
-        let [a, b] = split(planned);
-        let [c, d] = split(measured);
-        let all = self.gather_small(&[a, b, c, d], "memory")?;
-        let join = |h: f32, l: f32| ((h as u64) << 24) | l as u64;
-        Ok(all
-            .chunks(4)
-            .map(|c| (join(c[0], c[1]), join(c[2], c[3])))
-            .collect())
+        gather_mem(self.comm.as_ref(), &mut self.small, planned, measured)
     }
+}
+
+/// Every rank's `mine` (a few values), rank order, in the rank's `small` buffer: in place, so
+/// the step allocates nothing for it.
+fn gather_small<'a>(
+    comm: &dyn Communicator,
+    small: &'a mut Vec<f32>,
+    mine: &[f32],
+    what: &str,
+) -> Result<&'a [f32]> {
+    let (n, me) = (mine.len(), comm.rank());
+    let mut buf = std::mem::take(small);
+    buf.resize(n * comm.size(), 0.0);
+    buf[me * n..(me + 1) * n].copy_from_slice(mine);
+    *small = comm
+        .all_gather_start(buf)
+        .wait()
+        .map_err(|e| anyhow!("{what} all-gather: {e}"))?;
+    Ok(small)
+}
+
+/// Every rank of `comm`'s `(planned, measured)` bytes, rank order (exact: each u64 travels
+/// as two 24-bit halves, which f32 holds exactly).
+pub fn gather_mem(
+    comm: &dyn Communicator,
+    small: &mut Vec<f32>,
+    planned: u64,
+    measured: u64,
+) -> Result<Vec<(u64, u64)>> {
+    let split = |b: u64| [(b >> 24) as f32, (b & 0xFF_FFFF) as f32];
+    let [a, b] = split(planned);
+    let [c, d] = split(measured);
+    let all = gather_small(comm, small, &[a, b, c, d], "memory")?;
+    let join = |h: f32, l: f32| ((h as u64) << 24) | l as u64;
+    Ok(all
+        .chunks(4)
+        .map(|c| (join(c[0], c[1]), join(c[2], c[3])))
+        .collect())
 }
 
 /// A collective started at `start` landed now; the rank blocked on it from `waited`.

@@ -16,6 +16,7 @@ pub mod report;
 pub mod run;
 pub mod sample;
 pub mod setup;
+pub mod tensor_parallel;
 pub mod timeline;
 pub mod trace;
 pub mod trainer;

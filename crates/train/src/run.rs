@@ -7,13 +7,16 @@ use crate::data::{Loader, LoaderConfig, Tokenizer, ValLoader};
 use crate::metrics::{matmul_peak_gflops, peak_rss, MetricsWriter, StepMetrics};
 use crate::sample::{generate, SampleOptions};
 use crate::setup;
+use crate::tensor_parallel::TpGroup;
 use crate::timeline;
 use crate::trace;
-use crate::trainer::Trainer;
+use crate::trainer::{Comms, Trainer};
 use anyhow::{bail, Context, Result};
+use ferrotron_dist::Dim;
 use ferrotron_plan::Precision;
 use std::io::IsTerminal;
 use std::path::PathBuf;
+use std::rc::Rc;
 use std::time::Instant;
 
 const MIB: f64 = (1u64 << 20) as f64;
@@ -193,15 +196,17 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
     // A resumed run keeps the checkpoint's layout unless the flags give one.
     // The checkpoint is read before any rank starts, so a bad one fails once.
     let saved = args.resume.as_deref().map(checkpoint::open).transpose()?;
-    let dp = match &saved {
-        Some(l) => resume_config(&args, &l.state.config)?.parallel.dp as usize,
-        None => crate::config::trainable_layout(&args.layout)?.dp as usize,
+    let layout = match &saved {
+        Some(l) => resume_config(&args, &l.state.config)?.parallel,
+        None => crate::config::trainable_layout(&args.layout)?,
     };
+    // Every rank of the grid: data-parallel replicas of tensor-parallel groups.
+    let (dp, world) = (layout.dp as usize, (layout.dp * layout.tp) as usize);
     if use_mpi(args.comm.unwrap_or(CommBackend::Auto), dp)? {
         #[cfg(feature = "mpi")]
-        return run_mpi(args, saved, dp);
+        return run_mpi(args, saved, &layout);
     }
-    if dp <= 1 {
+    if world <= 1 {
         return run_rank(args, saved, None);
     }
     // The ranks share this machine's cores: each computes on its share of the threads and has
@@ -219,26 +224,27 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
     let peak = args
         .peak_gflops
         .unwrap_or_else(|| matmul_peak_gflops(bf16_products(&cfg)));
-    let per_rank = (threads / dp).max(1);
+    let per_rank = (threads / world).max(1);
     // Each rank's thread and its communicator's worker charge what they allocate to the rank.
     let tag = |rank| crate::alloc::set_rank(Some(rank));
-    let results = ferrotron_dist::threads::run_tagged(dp, RANK_TIMEOUT, tag, move |rank, comm| {
-        let ctx = RankCtx {
-            rank,
-            comm: Box::new(comm),
-            peak_gflops: Some(peak / dp as f64),
-        };
-        // Each rank computes on a pool of its own share of the threads, tagged as the rank's:
-        // its kernels neither crowd the other ranks' nor charge memory to them.
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(per_rank)
-            .thread_name(move |i| format!("rank {rank} worker {i}"))
-            .start_handler(move |_| crate::alloc::set_rank(Some(rank)))
-            .build()
-            .map_err(|e| format!("rank {rank}: thread pool: {e}"))?;
-        let saved = saved.clone();
-        pool.install(|| run_rank(args.clone(), saved, Some(ctx)).map_err(|e| format!("{e:#}")))
-    });
+    let results =
+        ferrotron_dist::threads::run_tagged(world, RANK_TIMEOUT, tag, move |rank, comm| {
+            let ctx = RankCtx {
+                rank,
+                comm: Box::new(comm),
+                peak_gflops: Some(peak / world as f64),
+            };
+            // Each rank computes on a pool of its own share of the threads, tagged as the rank's:
+            // its kernels neither crowd the other ranks' nor charge memory to them.
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(per_rank)
+                .thread_name(move |i| format!("rank {rank} worker {i}"))
+                .start_handler(move |_| crate::alloc::set_rank(Some(rank)))
+                .build()
+                .map_err(|e| format!("rank {rank}: thread pool: {e}"))?;
+            let saved = saved.clone();
+            pool.install(|| run_rank(args.clone(), saved, Some(ctx)).map_err(|e| format!("{e:#}")))
+        });
     let mut summary = None;
     for (rank, r) in results.into_iter().enumerate() {
         match r {
@@ -275,12 +281,24 @@ fn use_mpi(comm: CommBackend, dp: usize) -> Result<bool> {
 /// that fails returns its error without finalising MPI, which aborts the job naming the rank
 /// (`ferrotron_dist::mpi`).
 #[cfg(feature = "mpi")]
-fn run_mpi(args: TrainArgs, saved: Option<checkpoint::Loaded>, dp: usize) -> Result<RunSummary> {
+fn run_mpi(
+    args: TrainArgs,
+    saved: Option<checkpoint::Loaded>,
+    layout: &ferrotron_plan::Layout,
+) -> Result<RunSummary> {
     use ferrotron_dist::Communicator;
     let comm = ferrotron_dist::mpi::MpiComm::world().map_err(|e| anyhow::anyhow!("{e}"))?;
     let (rank, size) = (comm.rank(), comm.size());
-    if size != dp {
+    let (dp, tp) = (layout.dp as usize, layout.tp as usize);
+    if size != dp * tp && tp == 1 {
         bail!("dp = {dp}: mpirun started {size} processes; pass --dp {size} (or mpirun -np {dp})");
+    }
+    if size != dp * tp {
+        bail!(
+            "dp × tp = {dp} × {tp} = {}: mpirun started {size} processes; run mpirun -np {}",
+            dp * tp,
+            dp * tp
+        );
     }
     let ctx = (size > 1).then(|| RankCtx {
         rank,
@@ -369,11 +387,26 @@ fn run_rank(
     if rank == 0 {
         barrier()?;
     }
-    let ranks = cfg.parallel.dp as usize;
+    // The rank's groups in the grid (tp innermost, as the planner places them): a tensor-
+    // parallel group shares its batch, the data-parallel replicas split it.
+    let grid = ferrotron_dist::Grid::new(&cfg.parallel);
+    let (dp_rank, ranks) = (grid.coord(rank, Dim::Dp), cfg.parallel.dp as usize);
+    let comms = match ctx.as_ref().map(|c| c.comm.as_ref()) {
+        Some(world) if cfg.parallel.tp > 1 => {
+            let group = |d| world.split_group(&grid.group(rank, d));
+            let tp = group(Dim::Tp).map_err(|e| anyhow::anyhow!("{e}"))?;
+            let dp = match ranks > 1 {
+                true => Some(group(Dim::Dp).map_err(|e| anyhow::anyhow!("{e}"))?),
+                false => None,
+            };
+            Some((Some(Rc::new(TpGroup::new(tp))), dp))
+        }
+        _ => None,
+    };
     let lcfg = LoaderConfig::new(cfg.data.mbs as usize, cfg.data.seq as usize, cfg.data.seed);
     // Each data-parallel rank trains its own slice of every global batch; all of them
     // evaluate the same validation batches.
-    let train_cfg = lcfg.clone().with_rank(rank, ranks);
+    let train_cfg = lcfg.clone().with_rank(dp_rank, ranks);
     let loader = match &loaded {
         // The saved position of the global order, dealt to this rank of this layout.
         Some(l) => {
@@ -401,8 +434,18 @@ fn run_rank(
         .inner()
         .to_string(false)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let comm = ctx.map(|c| c.comm);
-    let mut t = Trainer::new(cfg.clone(), spec, llama, loader, val, peak_gflops, comm)?;
+    let comms = match (ctx.map(|c| c.comm), comms) {
+        (Some(world), Some((tp, dp))) => Comms {
+            dp,
+            tp,
+            world: Some(world),
+        },
+        (world, _) => Comms {
+            dp: world,
+            ..Comms::default()
+        },
+    };
+    let mut t = Trainer::new(cfg.clone(), spec, llama, loader, val, peak_gflops, comms)?;
     if let Some(l) = &loaded {
         let exactly = checkpoint::hf::Dtypes::Exactly(t.params.dtype());
         t.set_weights(checkpoint::load_weights(&l.dir, &t.model.params, exactly)?);
@@ -563,7 +606,7 @@ fn run_rank(
             seed: cfg.data.seed,
             context: cfg.data.seq as usize,
         };
-        let text = generate(&t.model, &weights, &tok, "ROMEO:", &o)?;
+        let text = generate(&t.whole_model(), &weights, &tok, "ROMEO:", &o)?;
         eprintln!("sample (temperature 0.8, top-k 40):\nROMEO:{text}");
         Some(text)
     } else {

@@ -9,8 +9,8 @@ use ferrotron_engine::model::{Llama, LlamaConfig};
 use ferrotron_plan::hardware::Overhead;
 use ferrotron_plan::presets::resolve;
 use ferrotron_plan::{
-    plan, Convention, DType, ModelSource, ModelSpec, Optimizer, PlanInput, RankPlan, Recipe,
-    Recompute,
+    plan, Convention, DType, ModelSource, ModelSpec, Optimizer, PlanInput, Precision, RankPlan,
+    Recipe, Recompute,
 };
 use std::path::{Path, PathBuf};
 
@@ -137,7 +137,10 @@ pub fn checked_plan(
 /// byte count does not depend on the hardware, so any cluster serves for the estimate.
 pub fn planned_dp_bytes(spec: &ModelSpec, c: &TrainConfig, kernel_workspace: u64) -> Result<f64> {
     use ferrotron_plan::cluster::{gpu, Cluster, Dim};
-    let input = plan_input(spec, c, kernel_workspace);
+    let mut input = plan_input(spec, c, kernel_workspace);
+    // The trainer reduces gradients and gathers parameters through f32 buffers whatever the
+    // storage type (exact sums): its bytes are the fp32 run's.
+    input.recipe.precision = Precision::Fp32;
     let cluster = Cluster::of(gpu("h100")?, 8)?;
     let fc = ferrotron_plan::flops::FlopsConvention::Ferrotron;
     let t = ferrotron_plan::time::estimate(&input, &cluster, fc)?;

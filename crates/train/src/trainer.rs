@@ -12,6 +12,7 @@ use crate::lr::LrSchedule;
 use crate::metrics::{RankMem, StepMetrics};
 use crate::pool::{PlanPool, Point, Running, Sample, Timeline};
 use crate::setup::{checked_plan, planned_dp_bytes, recompute_flops_per_token};
+use crate::tensor_parallel::{self as tpar, TpGroup};
 use crate::trace::{Event, Tracing};
 use crate::weights::Flat;
 use crate::with_flat_types;
@@ -21,7 +22,9 @@ use crate::zero3::{Source, Zero3};
 use anyhow::Result;
 use ferrotron_dist::Communicator;
 use ferrotron_engine::kernels::{AdamWParams, CpuKernels, Kernels, Rounding};
-use ferrotron_engine::model::{BatchShape, GradBuf, GradsDone, Llama, LlamaConfig, LossSum, Whole};
+use ferrotron_engine::model::{
+    BatchShape, GradBuf, GradsDone, Llama, LlamaConfig, LossSum, TensorParallel, TpComm, Whole,
+};
 use ferrotron_engine::Elem;
 use ferrotron_plan::arena::{with_region, ArenaLayout};
 use ferrotron_plan::buffers::dp_bucket_len;
@@ -31,6 +34,7 @@ use ferrotron_plan::Precision;
 use ferrotron_plan::{ModelSpec, RankPlan};
 use std::cell::RefCell;
 use std::ops::Range;
+use std::rc::Rc;
 use std::time::Instant;
 
 /// AdamW's two moments, allocated by the first optimizer step (as torch.optim does).
@@ -46,6 +50,17 @@ struct OptRun {
     params: Range<usize>,
     at: usize,
     decay: bool,
+    /// A norm replicated over the tensor-parallel group (its gradient norm counts it once).
+    replicated: bool,
+}
+
+/// A rank's communicators: its data-parallel group, its tensor-parallel group, and (with
+/// tensor parallelism) the world, over which every rank's memory is reported.
+#[derive(Default)]
+pub struct Comms {
+    pub dp: Option<Box<dyn Communicator>>,
+    pub tp: Option<Rc<TpGroup>>,
+    pub world: Option<Box<dyn Communicator>>,
 }
 
 /// The `len` values of `full` (one per parameter) that `runs` update, at their offsets.
@@ -171,6 +186,10 @@ pub struct Trainer {
     trace_left: u64,
     /// This rank's part in data parallelism (`None`: one rank).
     pub dp: Option<DataParallel>,
+    /// This rank's tensor-parallel group (the model's collectives go through it).
+    tp: Option<Rc<TpGroup>>,
+    /// With tensor parallelism, every rank (for `rank_mem`), and a small buffer for it.
+    world: Option<(Box<dyn Communicator>, Vec<f32>)>,
     /// The planner's data-parallel bytes per step and rank.
     comm_planned: Option<u64>,
 }
@@ -181,6 +200,18 @@ pub struct StepOutput {
     pub tokens: u64,
     /// The loss scaler's decision (fp16), when the step overflowed: skipped, scale backed off.
     pub overflow: Option<ScaleUpdate>,
+}
+
+/// Every rank's planned and measured peak, rank order.
+fn rank_mems(all: &[(u64, u64)]) -> Vec<RankMem> {
+    all.iter()
+        .enumerate()
+        .map(|(rank, &(p, m))| RankMem {
+            rank,
+            mem_peak_planned: p,
+            mem_peak_measured: m,
+        })
+        .collect()
 }
 
 /// The kernel workspace of a precision's types (see `workspace`).
@@ -244,7 +275,7 @@ impl Trainer {
         loader: Loader,
         val: Option<ValLoader>,
         peak_gflops: f64,
-        comm: Option<Box<dyn Communicator>>,
+        comms: Comms,
     ) -> Result<Self> {
         // Per-thread kernel state (gemm's packing slabs) is a fixed cost of the process, like
         // the thread pool: create it now so it falls into the baseline.
@@ -255,10 +286,13 @@ impl Trainer {
         };
         Kernels::<f32>::warm_up(&cpu);
         let n = (cfg.data.mbs * cfg.data.seq) as usize;
+        // The products this rank runs: its slice of the model under tensor parallelism.
+        let tp_size = comms.tp.as_ref().map_or(1, |t| t.size());
+        let local = ferrotron_engine::model::tensor_parallel::shard_config(&llama, tp_size)?;
         let kernel_workspace = measure_workspace(
             &cpu,
             cfg.precision.kind,
-            &llama,
+            &local,
             n,
             cfg.runtime.ce_chunk as usize,
         );
@@ -290,12 +324,27 @@ impl Trainer {
         if let Some(t) = &mut timeline {
             t.set_baseline(baseline);
         }
-        let model = Llama::new(llama)
+        // Initialisation of HF Llama: N(0, 0.02²) matrices, unit norms, zero biases; under mixed
+        // precision that is the fp32 master copy, and the weights are it rounded. A tensor-
+        // parallel rank takes its slice of the same weights.
+        let whole_init = Llama::new(llama.clone()).params.init(cfg.data.seed, 0.02);
+        let model = match &comms.tp {
+            Some(tp) => {
+                let group: Rc<dyn TpComm> = tp.clone();
+                Llama::tensor_parallel(TensorParallel::new(llama, group))?
+            }
+            None => Llama::new(llama),
+        };
+        let model = model
             .with_ce_chunk_tokens(cfg.runtime.ce_chunk as usize)
             .with_recompute(cfg.runtime.recompute);
-        // Initialisation of HF Llama: N(0, 0.02²) matrices, unit norms, zero biases; under mixed
-        // precision that is the fp32 master copy, and the weights are it rounded.
-        let init = model.params.init(cfg.data.seed, 0.02);
+        let init = tpar::slice_of(&model, &whole_init);
+        drop(whole_init);
+        let Comms {
+            dp: comm,
+            tp,
+            world,
+        } = comms;
         // Data parallelism: the buckets of the plan (`dp.grad_buckets`; ZeRO-3: one per unit),
         // and under ZeRO the shard of the optimizer states this rank keeps.
         let zero = cfg.parallel.zero;
@@ -322,6 +371,7 @@ impl Trainer {
             Some(shard) => {
                 let runs = shard.segments.iter().map(|g| OptRun {
                     decay: decays(&g.params),
+                    replicated: tpar::is_replicated(&model, &g.params),
                     params: g.params.clone(),
                     at: g.at,
                 });
@@ -332,6 +382,7 @@ impl Trainer {
                     params: e.range(),
                     at: e.offset,
                     decay: e.is_matrix(),
+                    replicated: tpar::is_replicated(&model, &e.range()),
                 });
                 (runs.collect(), model.params.total)
             }
@@ -381,6 +432,8 @@ impl Trainer {
             },
             trace_left,
             dp,
+            tp,
+            world: world.map(|w| (w, Vec::new())),
             comm_planned,
             runs,
             opt_len,
@@ -436,6 +489,10 @@ impl Trainer {
             if let Some(dp) = &mut self.dp {
                 dp.allocate();
             }
+            // Tensor parallelism's staging buffer, as planned.
+            if let (Some(tp), Some(b)) = (&self.tp, self.plan.plan.find("comm.tp.staging")) {
+                tp.allocate(b.numel as usize);
+            }
             self.pool.sample(step, Point::Grads);
         }
         let ran_with = self.scaler.as_ref().map(|s| s.scale);
@@ -454,19 +511,27 @@ impl Trainer {
         let measured = alloc::peak().saturating_sub(self.baseline);
         let (mut rank_mem, mut comm_bytes, mut comm_exposed) = (Vec::new(), None, None);
         let (mut planned_max, mut measured_max) = (planned, measured);
-        if let Some(dp) = &mut self.dp {
-            let all = dp.gather_mem(planned, measured)?;
-            rank_mem = all
-                .iter()
-                .enumerate()
-                .map(|(rank, &(p, m))| RankMem {
-                    rank,
-                    mem_peak_planned: p,
-                    mem_peak_measured: m,
-                })
-                .collect();
+        let world = match &mut self.world {
+            Some((w, small)) => Some(crate::data_parallel::gather_mem(
+                w.as_ref(),
+                small,
+                planned,
+                measured,
+            )?),
+            None => None,
+        };
+        if let Some(all) = &world {
+            rank_mem = rank_mems(all);
             planned_max = all.iter().map(|r| r.0).max().unwrap_or(planned);
             measured_max = all.iter().map(|r| r.1).max().unwrap_or(measured);
+        }
+        if let Some(dp) = &mut self.dp {
+            if world.is_none() {
+                let all = dp.gather_mem(planned, measured)?;
+                rank_mem = rank_mems(&all);
+                planned_max = all.iter().map(|r| r.0).max().unwrap_or(planned);
+                measured_max = all.iter().map(|r| r.1).max().unwrap_or(measured);
+            }
             comm_bytes = Some(std::mem::take(&mut dp.comm_bytes).round() as u64);
             comm_exposed = Some(std::mem::take(&mut dp.exposed).as_secs_f64() * 1e3);
             for c in &dp.spans {
@@ -477,7 +542,7 @@ impl Trainer {
         let tokens = self.global_batch_tokens();
         let tps = tokens as f64 / secs;
         // Every rank has this machine's peak: MFU is against all of them.
-        let peak = self.peak_flops * self.dp.as_ref().map_or(1, |d| d.size()) as f64;
+        let peak = self.peak_flops * (self.ranks() * self.tp_size()) as f64;
         let mfu = tps * self.flops_per_token / peak;
         Ok(StepOutput {
             tokens,
@@ -580,6 +645,9 @@ impl Trainer {
                     loss_scale,
                 );
                 src.check()?;
+                if let Some(tp) = &self.tp {
+                    tp.check()?;
+                }
                 self.kernels.phase("forward", tf, step, mb);
                 let tb = Instant::now();
                 self.pool.enter(step, mb, Running::Backward);
@@ -620,6 +688,9 @@ impl Trainer {
                     }
                 }
                 src.check()?;
+                if let Some(tp) = &self.tp {
+                    tp.check()?;
+                }
                 self.pool.enter(step, mb, Running::Idle);
                 self.kernels.phase("backward", tb, step, mb);
                 loss.sum += l.sum;
@@ -648,13 +719,23 @@ impl Trainer {
         // Σg² of the scaled gradients: inf or NaN exactly when some gradient is (the check
         // torch's GradScaler makes before unscaling). Under ZeRO each rank holds the sums of
         // its shard only: the ranks add their parts.
-        let sum_sq = match dp.filter(|d| d.borrow().shard().is_some()) {
-            Some(dp) => {
-                let part = self.runs.iter().map(|r| k.sum_squares(grad_of(r)));
-                dp.borrow_mut().sum_f64(part.sum())?
-            }
-            None => k.sum_squares(&grads[0..self.model.params.total]),
+        // Under tensor parallelism each rank holds its slices and a copy of every norm: the
+        // slices add up over the group, the norms count once (1/t of them per rank).
+        let tp_share = 1.0 / self.tp.as_ref().map_or(1, |t| t.size()) as f64;
+        let mut sum_sq = match (&self.tp, dp.filter(|d| d.borrow().shard().is_some())) {
+            (None, None) => k.sum_squares(&grads[0..self.model.params.total]),
+            _ => self
+                .runs
+                .iter()
+                .map(|r| k.sum_squares(grad_of(r)) * if r.replicated { tp_share } else { 1.0 })
+                .sum(),
         };
+        if let Some(tp) = &self.tp {
+            sum_sq = tp.sum_f64(sum_sq)?;
+        }
+        if let Some(dp) = dp.filter(|d| d.borrow().shard().is_some()) {
+            sum_sq = dp.borrow_mut().sum_f64(sum_sq)?;
+        }
         let unscale = 1.0 / loss_scale as f64;
         let grad_norm = sum_sq.sqrt() * unscale;
         if let Some(scaler) = &mut self.scaler {
@@ -687,6 +768,7 @@ impl Trainer {
                 params: r,
                 at,
                 decay,
+                ..
             } = run;
             let h = AdamWParams {
                 lr,
@@ -780,6 +862,9 @@ impl Trainer {
                 .model
                 .forward_eval_from(k, pool, src.get(), batch, tokens, targets);
             src.check()?;
+            if let Some(tp) = &self.tp {
+                tp.check()?;
+            }
             loss.sum += l.sum;
             loss.count += l.count;
         }
@@ -867,6 +952,17 @@ impl Trainer {
         self.dp.as_ref().map_or(1, |d| d.size())
     }
 
+    /// Tensor-parallel ranks (1 without tensor parallelism).
+    pub fn tp_size(&self) -> usize {
+        self.tp.as_ref().map_or(1, |t| t.size())
+    }
+
+    /// The whole model (this rank's is a slice of it under tensor parallelism), for sampling
+    /// with [`Trainer::full_weights`].
+    pub fn whole_model(&self) -> Llama {
+        Llama::new(self.model.full_config().clone())
+    }
+
     /// Waits for every rank (nothing alone).
     pub fn barrier(&self) -> Result<()> {
         match &self.dp {
@@ -878,14 +974,19 @@ impl Trainer {
     /// Every weight, as f32 (under ZeRO-3 gathered: every rank must call it).
     pub fn full_weights(&mut self) -> Result<Vec<f32>> {
         let n = self.model.params.total;
-        match (&mut self.dp, &self.zero3) {
+        let mine = match (&mut self.dp, &self.zero3) {
             (Some(dp), Some(_)) => {
                 let saved = dp.counters();
                 let w = gather_weights(dp, &self.params, self.opt_len, n)?;
                 dp.set_counters(saved);
-                Ok(w)
+                w
             }
-            _ => Ok(self.params.to_f32(0..n)),
+            _ => self.params.to_f32(0..n),
+        };
+        match &self.tp {
+            // Every slice of the tensor-parallel group, put together.
+            Some(tp) => Ok(tpar::whole_of(&self.model, &tp.gather(&mine)?)),
+            None => Ok(mine),
         }
     }
 

@@ -171,17 +171,13 @@ pub fn estimate_with(
     let ep_dp_link = cluster.ring_link(&eg);
     // Megatron's fp32 main grads; torchtitan reduces in fp32 (FSDP2 `reduce_dtype`).
     let fp32_reduce = x.convention == Convention::Torchtitan && r.precision.has_master();
-    let fp32_wire = x.convention.fp32_wire();
-    let grad_bytes = if x.convention.fp32_main_grads()
-        || fp32_reduce
-        || fp32_wire
-        || r.precision.fp32_grad_acc()
+    let grad_bytes = if x.convention.fp32_main_grads() || fp32_reduce || r.precision.fp32_grad_acc()
     {
         4.0
     } else {
         st
     };
-    let param_bytes = if fp32_wire { 4.0 } else { st };
+    let param_bytes = st;
     let tails_in = TailInputs {
         tm,
         layout: l,

@@ -1,0 +1,209 @@
+//! The trainer's side of tensor parallelism (the model's is `ferrotron_engine::model::
+//! tensor_parallel`): the group's communicator behind the engine's [`TpComm`], which records a
+//! failed collective (a dead rank) for the trainer to report after the pass, and counts the
+//! bytes each rank sends as the planner prices them; the rank's slice of the whole model's
+//! weights; and the gradient norm's share of the replicated norms.
+
+use anyhow::anyhow;
+type Result<T, E = anyhow::Error> = std::result::Result<T, E>;
+use ferrotron_dist::Communicator;
+use ferrotron_engine::model::tensor_parallel::{replicated, shard_pieces};
+use ferrotron_engine::model::{Llama, TpComm};
+use ferrotron_plan::comm::{bytes_per_rank, Collective};
+use std::cell::{Cell, RefCell};
+use std::ops::Range;
+
+/// A tensor-parallel group as the engine calls it.
+pub struct TpGroup {
+    comm: Box<dyn Communicator>,
+    /// The plan's `comm.tp.staging`: every collective runs in place in it, so the backend
+    /// allocates nothing (allocated with the first step, [`TpGroup::allocate`]).
+    staging: RefCell<Vec<f32>>,
+    /// The first collective that failed, reported by [`TpGroup::check`].
+    failed: RefCell<Option<String>>,
+    /// Bytes this rank sent since the counter was last taken.
+    pub bytes: Cell<f64>,
+}
+
+impl TpGroup {
+    pub fn new(comm: Box<dyn Communicator>) -> Self {
+        TpGroup {
+            comm,
+            staging: RefCell::new(Vec::new()),
+            failed: RefCell::new(None),
+            bytes: Cell::new(0.0),
+        }
+    }
+
+    fn record(&self, r: Result<(), ferrotron_dist::CommError>, op: &str) {
+        if let Err(e) = r {
+            self.failed
+                .borrow_mut()
+                .get_or_insert_with(|| format!("tensor-parallel {op}: {e}"));
+        }
+    }
+
+    fn count(&self, c: Collective, elems: usize) {
+        let bytes = bytes_per_rank(c, 4.0 * elems as f64, self.comm.size() as u64);
+        self.bytes.set(self.bytes.get() + bytes);
+    }
+
+    /// Allocates the staging buffer of the plan (`len` f32).
+    pub fn allocate(&self, len: usize) {
+        let mut s = self.staging.borrow_mut();
+        if s.capacity() < len {
+            *s = Vec::with_capacity(len);
+        }
+    }
+
+    /// Runs a collective in place in the staging buffer: `fill` writes its `len` inputs,
+    /// `start` starts it; returns the result, to be read and handed back with
+    /// [`TpGroup::restore`] (`None`: it failed, recorded for [`TpGroup::check`]).
+    fn staged(
+        &self,
+        len: usize,
+        fill: impl FnOnce(&mut [f32]),
+        start: impl FnOnce(&dyn Communicator, Vec<f32>) -> ferrotron_dist::Pending,
+        op: &str,
+    ) -> Option<Vec<f32>> {
+        let mut buf = std::mem::take(&mut *self.staging.borrow_mut());
+        debug_assert!(
+            buf.capacity() >= len,
+            "comm.tp.staging is {} < {len}",
+            buf.capacity()
+        );
+        buf.clear();
+        buf.resize(len, 0.0);
+        fill(&mut buf);
+        match start(self.comm.as_ref(), buf).wait() {
+            Ok(buf) => Some(buf),
+            Err(e) => {
+                self.record(Err(e), op);
+                None
+            }
+        }
+    }
+
+    fn restore(&self, buf: Vec<f32>) {
+        *self.staging.borrow_mut() = buf;
+    }
+
+    /// The error of a collective that failed during the pass, if one did.
+    pub fn check(&self) -> Result<()> {
+        match self.failed.borrow_mut().take() {
+            Some(e) => Err(anyhow!(e)),
+            None => Ok(()),
+        }
+    }
+
+    /// The sum over the group of a per-rank f64, the same on every rank (two f32 halves, as
+    /// `DataParallel::sum_f64`).
+    pub fn sum_f64(&self, x: f64) -> Result<f64> {
+        let hi = x as f32;
+        let (mine, me) = ([hi, (x - hi as f64) as f32], self.comm.rank());
+        let fill = |s: &mut [f32]| s[2 * me..2 * me + 2].copy_from_slice(&mine);
+        let start = |c: &dyn Communicator, b| c.all_gather_start(b);
+        let out = self.staged(
+            2 * self.comm.size(),
+            fill,
+            start,
+            "gradient norm all-gather",
+        );
+        self.check()?;
+        let out = out.expect("checked");
+        let sum = out.chunks(2).map(|c| c[0] as f64 + c[1] as f64).sum();
+        self.restore(out);
+        Ok(sum)
+    }
+
+    /// Every rank's `mine` (equal lengths), rank order.
+    pub fn gather(&self, mine: &[f32]) -> Result<Vec<f32>> {
+        let mut all = vec![0.0; mine.len() * self.comm.size()];
+        self.comm
+            .all_gather(mine, &mut all)
+            .map_err(|e| anyhow!("tensor-parallel gather: {e}"))?;
+        Ok(all)
+    }
+
+    pub fn size(&self) -> usize {
+        self.comm.size()
+    }
+
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+}
+
+impl TpComm for TpGroup {
+    fn size(&self) -> usize {
+        self.comm.size()
+    }
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+    fn all_reduce(&self, buf: &mut [f32]) {
+        // After a failure the pass runs on to its end without talking (the trainer reports
+        // the failure then): the other ranks are gone or going.
+        if self.failed.borrow().is_some() {
+            return;
+        }
+        self.count(Collective::AllReduce, buf.len());
+        let fill = |s: &mut [f32]| s.copy_from_slice(buf);
+        let start = |c: &dyn Communicator, b| c.all_reduce_start(b);
+        if let Some(out) = self.staged(buf.len(), fill, start, "all-reduce") {
+            buf.copy_from_slice(&out);
+            self.restore(out);
+        }
+    }
+    fn all_gather(&self, send: &[f32], recv: &mut [f32]) {
+        if self.failed.borrow().is_some() {
+            return;
+        }
+        self.count(Collective::AllGather, recv.len());
+        let (n, me) = (send.len(), self.comm.rank());
+        let fill = |s: &mut [f32]| s[me * n..(me + 1) * n].copy_from_slice(send);
+        let start = |c: &dyn Communicator, b| c.all_gather_start(b);
+        if let Some(out) = self.staged(recv.len(), fill, start, "all-gather") {
+            recv.copy_from_slice(&out);
+            self.restore(out);
+        }
+    }
+}
+
+/// The rank's slice of `whole` (every parameter of the model, flat order) in the order of
+/// `model`'s table.
+pub fn slice_of(model: &Llama, whole: &[f32]) -> Vec<f32> {
+    let Some(tp) = &model.tp else {
+        return whole.to_vec();
+    };
+    let full = Llama::new(tp.full.clone());
+    let mut out = vec![0.0; model.num_params()];
+    for (l, f) in shard_pieces(&full.params, &model.params, tp.rank) {
+        out[l].copy_from_slice(&whole[f]);
+    }
+    out
+}
+
+/// Every parameter of the model from each rank's slice (`slices`: the group's, rank order,
+/// each `model.num_params()` long).
+pub fn whole_of(model: &Llama, slices: &[f32]) -> Vec<f32> {
+    let tp = model.tp.as_ref().expect("a tensor-parallel model");
+    let full = Llama::new(tp.full.clone());
+    let n = model.num_params();
+    let mut out = vec![0.0; full.num_params()];
+    for (rank, slice) in slices.chunks(n).enumerate() {
+        for (l, f) in shard_pieces(&full.params, &model.params, rank) {
+            out[f].copy_from_slice(&slice[l]);
+        }
+    }
+    out
+}
+
+/// Whether the rank's parameters `r` are a replicated norm's (every rank of the group holds
+/// the same gradient: the norm counts them once).
+pub fn is_replicated(model: &Llama, r: &Range<usize>) -> bool {
+    match &model.tp {
+        Some(tp) => replicated(&Llama::new(tp.full.clone()).params, &model.params, r.start),
+        None => false,
+    }
+}
