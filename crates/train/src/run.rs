@@ -399,7 +399,9 @@ fn run_rank(
                 true => Some(group(Dim::Dp).map_err(|e| anyhow::anyhow!("{e}"))?),
                 false => None,
             };
-            Some((Some(Rc::new(TpGroup::new(tp))), dp))
+            let tp = TpGroup::new(tp);
+            tp.warm_up()?;
+            Some((Some(Rc::new(tp)), dp))
         }
         _ => None,
     };

@@ -48,6 +48,19 @@ impl TpGroup {
         self.bytes.set(self.bytes.get() + bytes);
     }
 
+    /// Runs each kind of collective once on a tiny buffer, so what the backend sets up on
+    /// first use (its worker, channels, the group's meeting point) is part of the process's
+    /// baseline, before the plan's first buffer.
+    pub fn warm_up(&self) -> Result<()> {
+        let n = self.comm.size();
+        let warm = |r: Result<Vec<f32>, ferrotron_dist::CommError>| {
+            r.map(drop)
+                .map_err(|e| anyhow!("tensor-parallel group warm-up: {e}"))
+        };
+        warm(self.comm.all_reduce_start(vec![0.0; n]).wait())?;
+        warm(self.comm.all_gather_start(vec![0.0; n]).wait())
+    }
+
     /// Allocates the staging buffer of the plan (`len` f32).
     pub fn allocate(&self, len: usize) {
         let mut s = self.staging.borrow_mut();

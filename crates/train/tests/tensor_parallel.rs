@@ -1,0 +1,108 @@
+//! Tensor parallelism on the threads backend: `--tp 2` alone, with every recompute policy, and
+//! composed with data parallelism and ZeRO (dp 2 × tp 2, four ranks), follow the one-rank
+//! trajectory of the same global batch within 1e-5, and every rank's measured peak is within 1%
+//! of its own plan. Layouts it cannot run are refused before any work, with the fix.
+
+mod common;
+use common::{tiny_args, tmp};
+use ferrotron_train::alloc::Tracking;
+use ferrotron_train::metrics::StepMetrics;
+use ferrotron_train::run::run;
+
+// Each rank's memory is measured by the tracking allocator (per rank: ranks are threads).
+#[global_allocator]
+static A: Tracking = Tracking;
+
+/// Ranks are counted by rank number in one process: the runs of this file take turns.
+static ONE_RUN_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn train(tag: &str, dp: u64, tp: u64, zero: u64, mbs: u64, rc: &str) -> Vec<StepMetrics> {
+    let _turn = ONE_RUN_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let mut a = tiny_args(&tmp(tag), 5);
+    (a.mbs, a.grad_acc) = (Some(mbs), Some(2));
+    (a.layout.dp, a.layout.tp, a.layout.zero) = (Some(dp), Some(tp), Some(zero));
+    a.recompute = Some(rc.into());
+    a.bucket_mb = Some(1);
+    run(a).unwrap().steps
+}
+
+fn rel(a: f64, b: f64) -> f64 {
+    (a - b).abs() / b.abs().max(1e-12)
+}
+
+#[test]
+fn tensor_parallel_ranks_follow_the_one_rank_trajectory() {
+    // 8 sequences a step: one rank as 4 × 2, tp 2 as 4 × 2 (both ranks read the same batch),
+    // dp 2 × tp 2 as 2 × 2 per data-parallel replica.
+    let one = train("tp-one", 1, 1, 0, 4, "none");
+    for (dp, zero, mbs, rc) in [
+        (1, 0, 4, "none"),
+        (1, 0, 4, "selective"),
+        (1, 0, 4, "full"),
+        (2, 1, 2, "none"),
+        (2, 3, 2, "none"),
+    ] {
+        let s = train(&format!("tp2-dp{dp}-z{zero}-{rc}"), dp, 2, zero, mbs, rc);
+        assert_eq!(s.len(), 5);
+        for (x, y) in one.iter().zip(&s) {
+            let what = format!("tp 2 dp {dp} ZeRO-{zero} {rc} step {}", x.step);
+            assert!(
+                rel(x.loss, y.loss) < 1e-5,
+                "{what}: loss {} vs {}",
+                x.loss,
+                y.loss
+            );
+            assert!(
+                rel(x.grad_norm, y.grad_norm) < 1e-5,
+                "{what}: grad norm {} vs {}",
+                x.grad_norm,
+                y.grad_norm
+            );
+            assert_eq!(
+                y.rank_mem.len(),
+                2 * dp as usize,
+                "{what}: one entry per rank"
+            );
+            for r in &y.rank_mem {
+                // Under full recomputation this tiny model's peak is 4.9 MB, where the ~50 KB
+                // a process allocates outside any plan (one rank too) is 1.1%: there the bound
+                // is in bytes (the default model's layouts: docs/BENCHMARKS.md, within 0.1%).
+                let (m, p) = (r.mem_peak_measured as f64, r.mem_peak_planned as f64);
+                let ok = rel(m, p) < 0.01 || (rc == "full" && (m - p).abs() < 64.0 * 1024.0);
+                assert!(ok, "{what} rank {}: {r:?}", r.rank);
+            }
+        }
+        // Each rank holds about half the one-rank weights and activations.
+        let (a, b) = (one[4].mem_peak_planned, s[4].rank_mem[0].mem_peak_planned);
+        assert!(
+            dp > 1 || (b as f64) < 0.75 * a as f64,
+            "tp 2 plans {b} B, one rank {a} B"
+        );
+    }
+}
+
+#[test]
+fn layouts_tensor_parallelism_cannot_run_are_refused_with_the_fix() {
+    let out = tmp("tp-bad");
+    let bad = |edit: &dyn Fn(&mut ferrotron_train::config::TrainArgs)| {
+        let _turn = ONE_RUN_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+        let mut a = tiny_args(&out, 2);
+        a.layout.tp = Some(2);
+        edit(&mut a);
+        format!("{:#}", run(a).unwrap_err())
+    };
+    assert_eq!(
+        bad(&|a| a.precision = Some("bf16".into())),
+        "tp = 2: tensor parallelism runs in fp32 for now (its all-reduces sum the f32 activations in place); drop --precision bf16 or --tp"
+    );
+    assert_eq!(
+        bad(&|a| a.checkpoint_dir = Some(out.join("ck"))),
+        "tp = 2: checkpoints of a tensor-parallel run are not written yet; drop --checkpoint-dir or --tp"
+    );
+    // The tiny model has 2 key/value heads.
+    assert_eq!(
+        bad(&|a| a.layout.tp = Some(4)),
+        "rank 0: config field `num_key_value_heads` = 2: tensor parallelism splits the key/value heads over the ranks: tp = 4 must divide it (try tp = 2)"
+    );
+    assert!(!out.join("metrics.jsonl").exists(), "nothing written");
+}
