@@ -8,6 +8,7 @@
 #     more than its weight shard saves on this small model at dp 2: printed, and planned),
 #   - the trace is one file with both processes' kernels and collectives,
 #   - a checkpoint both processes write (ZeRO-3) resumes on ZeRO-1 along the same trajectory,
+#   - dp 2 × tp 2 under mpirun -np 4 agrees with threads and with dp 2 alone,
 #   - mpirun's process count disagreeing with --dp fails at once with one line naming both.
 # Needs Open MPI (Debian: openmpi-bin libopenmpi-dev). Run by scripts/test.sh.
 set -euo pipefail
@@ -59,6 +60,26 @@ import json, sys
 peak = [max(x["mem_peak_measured"] for l in open(p) for x in json.loads(l)["rank_mem"]) for p in sys.argv[1:]]
 assert peak[2] < peak[1] < peak[0], f"per-rank peaks of ZeRO 0, 1, 2: {peak}"
 print("per-rank peak: " + ", ".join(f"ZeRO-{z} {p} B" for z, p in enumerate(peak)))
+PY
+
+echo "== tensor parallelism: dp 2 × tp 2 (four processes) = threads"
+MPIRUN4=("${MPIRUN[@]}")
+MPIRUN4[2]=4
+"$BIN" "${COMMON[@]}" --tp 2 --zero 1 --steps 4 --out-dir "$OUT/tp-threads" 2>"$OUT/tp.log" || { cat "$OUT/tp.log"; exit 1; }
+timeout 300 "${MPIRUN4[@]}" "$BIN" "${COMMON[@]}" --tp 2 --zero 1 --steps 4 --out-dir "$OUT/tp-mpi" \
+    2>"$OUT/tp-mpi.log" || { cat "$OUT/tp-mpi.log"; exit 1; }
+python3 - "$OUT/tp-threads/metrics.jsonl" "$OUT/tp-mpi/metrics.jsonl" "$OUT/threads1/metrics.jsonl" <<'PY'
+import json, sys
+threads, mpi, dp_only = ([json.loads(l) for l in open(p)] for p in sys.argv[1:])
+for t, m, d in zip(threads, mpi, dp_only):
+    for key in ("loss", "grad_norm"):
+        assert abs(t[key] - m[key]) / abs(t[key]) < 1e-6, (t["step"], key, t[key], m[key])
+        # The same global batch without tensor parallelism.
+        assert abs(t[key] - d[key]) / abs(d[key]) < 1e-5, (t["step"], key, t[key], d[key])
+    assert len(m["rank_mem"]) == 4, m["rank_mem"]
+    for x in m["rank_mem"]:
+        assert abs(x["mem_peak_measured"] / x["mem_peak_planned"] - 1) < 0.01, x
+print("dp 2 x tp 2: mpirun -np 4 = threads within 1e-6, = dp 2 alone within 1e-5; 4 ranks within 1% of their plans")
 PY
 
 echo "== a checkpoint written by both processes in parallel (ZeRO-3), resumed re-sharded (ZeRO-1)"
