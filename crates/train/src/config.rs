@@ -664,13 +664,6 @@ impl TrainArgs {
                 &format!("tensor parallelism runs in fp32 for now (its all-reduces sum the f32 activations in place); drop --precision {precision} or --tp"),
             ));
         }
-        if parallel.tp > 1 && self.checkpoint_dir.is_some() {
-            return Err(bad(
-                "tp",
-                parallel.tp,
-                "checkpoints of a tensor-parallel run are not written yet; drop --checkpoint-dir or --tp",
-            ));
-        }
         let stochastic_rounding = self.stochastic_rounding.unwrap_or(false);
         if stochastic_rounding && precision == Precision::Fp32 {
             return Err(bad(

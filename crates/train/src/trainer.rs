@@ -905,26 +905,92 @@ impl Trainer {
     }
 
     /// The blocks of every parameter's states this rank holds, each as (range of every
-    /// parameter, offset in this rank's optimizer states): its ZeRO shard, else all of them.
+    /// parameter of the whole model, offset in this rank's optimizer states): its ZeRO shard,
+    /// else all of them; under tensor parallelism, of its slice.
     pub fn held_blocks(&self) -> Vec<(Range<usize>, usize)> {
-        match self.sharded() {
+        let local = match self.sharded() {
             true => self.runs.iter().map(|r| (r.params.clone(), r.at)).collect(),
             false => vec![(0..self.model.params.total, 0)],
-        }
+        };
+        self.to_whole(local, false)
     }
 
     /// The blocks this rank writes into a checkpoint: those it holds when ZeRO shards them,
-    /// else (every rank holding all of them) its even share, so every rank writes.
-    pub fn written_blocks(&self) -> Vec<(Range<usize>, usize)> {
-        if self.sharded() {
-            return self.held_blocks();
+    /// else (every rank holding all of them) its even share, so every rank writes; a
+    /// replicated norm only by the first rank of its tensor-parallel group. Each block is
+    /// (range of the whole model's parameters, offset in this rank's states, offset in its
+    /// weights).
+    pub fn written_blocks(&self) -> Vec<(Range<usize>, usize, usize)> {
+        let local = match self.sharded() {
+            true => self.runs.iter().map(|r| (r.params.clone(), r.at)).collect(),
+            false => {
+                let (n, p, r) = (self.model.params.total, self.ranks(), self.rank());
+                let part = n * r / p..n * (r + 1) / p;
+                vec![(part.clone(), part.start)]
+            }
+        };
+        let weights_at = |(whole, at): (Range<usize>, usize)| {
+            // ZeRO-3 holds only its shard of the weights, at the states' offsets; otherwise
+            // the weights are where the states would be without ZeRO.
+            let w = match self.zero3.is_some() {
+                true => at,
+                false => self.local_of(&whole),
+            };
+            (whole, at, w)
+        };
+        self.to_whole(local, true)
+            .into_iter()
+            .filter(|(r, _)| !r.is_empty())
+            .map(weights_at)
+            .collect()
+    }
+
+    /// Blocks of this rank's flat parameters as blocks of the whole model's (the identity
+    /// without tensor parallelism). `writing` leaves replicated norms to tensor-parallel
+    /// rank 0.
+    fn to_whole(
+        &self,
+        local: Vec<(Range<usize>, usize)>,
+        writing: bool,
+    ) -> Vec<(Range<usize>, usize)> {
+        let Some(tp) = &self.model.tp else {
+            return local;
+        };
+        let full = Llama::new(tp.full.clone());
+        let pieces = ferrotron_engine::model::tensor_parallel::shard_pieces(
+            &full.params,
+            &self.model.params,
+            tp.rank,
+        );
+        let mut out = Vec::new();
+        for (r, at) in local {
+            for (l, f) in &pieces {
+                let (a, b) = (r.start.max(l.start), r.end.min(l.end));
+                if a >= b || (writing && tp.rank > 0 && tpar::is_replicated(&self.model, l)) {
+                    continue;
+                }
+                let w = f.start + (a - l.start);
+                out.push((w..w + (b - a), at + (a - r.start)));
+            }
         }
-        let (n, p, r) = (self.model.params.total, self.ranks(), self.rank());
-        let part = n * r / p..n * (r + 1) / p;
-        match part.is_empty() {
-            true => Vec::new(),
-            false => vec![(part.clone(), part.start)],
-        }
+        out
+    }
+
+    /// Where parameter `whole.start` of the whole model sits in this rank's flat parameters.
+    fn local_of(&self, whole: &Range<usize>) -> usize {
+        let Some(tp) = &self.model.tp else {
+            return whole.start;
+        };
+        let full = Llama::new(tp.full.clone());
+        ferrotron_engine::model::tensor_parallel::shard_pieces(
+            &full.params,
+            &self.model.params,
+            tp.rank,
+        )
+        .into_iter()
+        .find(|(_, f)| f.contains(&whole.start))
+        .map(|(l, f)| l.start + (whole.start - f.start))
+        .expect("a block of this rank's parameters")
     }
 
     /// Elements of this rank's optimizer states.
@@ -935,11 +1001,6 @@ impl Trainer {
     /// Whether ZeRO shards the optimizer states over the ranks.
     fn sharded(&self) -> bool {
         self.dp.as_ref().is_some_and(|d| d.shard().is_some())
-    }
-
-    /// Whether this rank holds only its shard of the weights (ZeRO-3), at the states' offsets.
-    pub fn weights_sharded(&self) -> bool {
-        self.zero3.is_some()
     }
 
     /// This rank's data-parallel rank (0 alone).
@@ -965,9 +1026,18 @@ impl Trainer {
 
     /// Waits for every rank (nothing alone).
     pub fn barrier(&self) -> Result<()> {
-        match &self.dp {
-            Some(d) => d.barrier(),
-            None => Ok(()),
+        match (&self.world, &self.dp) {
+            (Some((w, _)), _) => w.barrier().map_err(|e| anyhow::anyhow!("barrier: {e}")),
+            (None, Some(d)) => d.barrier(),
+            (None, None) => Ok(()),
+        }
+    }
+
+    /// This rank's place among every rank (the data-parallel rank without tensor parallelism).
+    pub fn world_rank(&self) -> usize {
+        match &self.world {
+            Some((w, _)) => w.rank(),
+            None => self.rank(),
         }
     }
 
@@ -993,6 +1063,11 @@ impl Trainer {
     /// Takes the weights of every parameter (a checkpoint's, `--init-from`'s); under ZeRO-3
     /// keeps this rank's shard of them.
     pub fn set_weights(&mut self, full: Flat) {
+        let full = match &self.model.tp {
+            // This rank's slice (tensor parallelism runs in fp32).
+            Some(_) => Flat::F32(tpar::slice_of(&self.model, &full.into_f32())),
+            None => full,
+        };
         self.params = match &self.zero3 {
             Some(z) => {
                 let shard = shard_of(&self.runs, self.opt_len + z.len(), &full.into_f32());

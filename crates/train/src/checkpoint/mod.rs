@@ -102,7 +102,9 @@ pub fn save(dir: &Path, t: &Trainer, tokenizer_json: &str, tokenizer_name: &str)
         .to_string();
     // Named by the step, not a process id, so ranks in other processes find it.
     let tmp = parent.join(format!(".{name}.tmp-step{}", t.step));
-    let table = &t.model.params;
+    // The whole model's tensors, whatever slice of them this rank holds.
+    let whole = t.whole_model();
+    let table = &whole.params;
     let weights = FlatFile::new(
         t.params.dtype(),
         &table
@@ -125,7 +127,7 @@ pub fn save(dir: &Path, t: &Trainer, tokenizer_json: &str, tokenizer_name: &str)
             .collect::<Vec<_>>(),
     );
     let (model_file, opt_file) = (tmp.join("model.safetensors"), tmp.join(OPTIMIZER));
-    let rank = t.rank();
+    let rank = t.world_rank();
     if rank == 0 {
         std::fs::create_dir_all(parent)
             .with_context(|| format!("cannot create {}", parent.display()))?;
@@ -164,15 +166,14 @@ fn write_blocks(
     if blocks.is_empty() {
         return Ok(());
     }
-    let rank = t.rank();
+    let rank = t.world_rank();
     let mut buf = Vec::new();
     fn io(p: &Path) -> impl Fn(std::io::Error) -> anyhow::Error + '_ {
         move |e| anyhow::anyhow!("cannot write {}: {e}", p.display())
     }
     let f = parallel::open_for_blocks(model_file, rank)?;
-    for (r, at) in &blocks {
-        // ZeRO-3 holds only its shard of the weights, at the states' offsets.
-        let from = if t.weights_sharded() { *at } else { r.start };
+    for (r, _, from) in &blocks {
+        let from = *from;
         parallel::write_flat(
             weights,
             &f,
@@ -194,7 +195,7 @@ fn write_blocks(
     }
     for (name, values) in tensors {
         let base = states.range(name).expect("the layout names it").start;
-        for (r, at) in &blocks {
+        for (r, at, _) in &blocks {
             states
                 .write(&f, base + r.start, &values[*at..*at + r.len()], &mut buf)
                 .map_err(io(opt_file))?;
@@ -218,7 +219,7 @@ fn finish(
         step: t.step,
         config: t.cfg.clone(),
         loader: t.loader.state(),
-        params: t.model.params.total as u64,
+        params: t.whole_model().params.total as u64,
         tokenizer: tokenizer_name.into(),
         loss_scaler: t.scaler.clone(),
     };
