@@ -109,11 +109,15 @@ fn bad_train_input_exits_nonzero_with_one_line() {
         ),
         (
             vec!["train", "--dp", "2", "--pp", "2"],
-            "error: pp = 2: ferrotron train runs data parallelism (--dp, with --zero 1, 2 or 3) for now (the other layouts are next); `ferrotron plan --pp 2` predicts",
+            "error: pp = 2: ferrotron train runs data and tensor parallelism (--dp with --zero 1, 2 or 3, --tp) for now (the other layouts are next); `ferrotron plan --pp 2` predicts",
         ),
         (
             vec!["train", "--tp", "2", "--sp"],
-            "error: tp = 2: ferrotron train runs data parallelism (--dp, with --zero 1, 2 or 3) for now",
+            "error: sp = true: ferrotron train runs data and tensor parallelism (--dp with --zero 1, 2 or 3, --tp) for now",
+        ),
+        (
+            vec!["train", "--tp", "4"],
+            "error: rank 0: config field `num_attention_heads` = 6: tensor parallelism splits the attention heads over the ranks: tp = 4 must divide it (try tp = 3)",
         ),
         (
             vec!["train", "--dp", "2", "--comm", "mpi"],

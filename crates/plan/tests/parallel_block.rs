@@ -211,7 +211,14 @@ fn a_parallel_block_runs_fewer_elementwise_kernels_and_one_forward_all_reduce() 
             .bytes
     };
     let (pt, stp) = (tp(&step(j, 8)), tp(&step(serial, 8)));
-    // Layers' collectives plus the edges' 3 (embedding 1, head 2), all of one size.
-    let per = stp / (28.0 * 4.0 + 3.0);
-    assert!((pt - per * (28.0 * 3.0 + 3.0)).abs() < 1e-6 * stp);
+    // One all-reduce of the [N, h] activation fewer per layer: a ring sends 2(t−1)/t of it.
+    let one = 2.0 * 7.0 / 8.0 * n * h * st;
+    assert!(
+        (stp - pt - 28.0 * one).abs() < 1e-6 * stp,
+        "{stp} - {pt} vs 28 × {one}"
+    );
+    // The serial layers' 4 each, the embedding's and the head's: what the edges add besides
+    // is the cross-entropy's row statistics (12 bytes per row and rank, all-gathered).
+    let stats = 7.0 / 8.0 * 12.0 * n * 8.0;
+    assert!((stp - (28.0 * 4.0 + 2.0) * one - stats).abs() < 1e-6 * stp);
 }

@@ -361,11 +361,13 @@ fn tensor_parallel_traffic_and_node_crossings() {
     let (a, b) = (plain.comm_of(Dim::Tp), sp.comm_of(Dim::Tp));
     assert!(close(a.bytes, b.bytes, 1e-12));
     // Per layer 4 collectives of s·b·h·2 bytes (2 forward, 2 backward), plus the embedding's
-    // and the LM head's: 32·4 + 1 + 2 all-reduces of 4096 × 4096 bf16.
+    // (forward) and the LM head's (backward): 32·4 + 2 all-reduces of 4096 × 4096 bf16, and
+    // the vocabulary-parallel cross-entropy's statistics (3 f32 per token and rank, gathered).
     let x = 4096.0 * 4096.0 * 2.0;
+    let stats = 7.0 / 8.0 * 12.0 * 4096.0 * 8.0;
     assert!(close(
         a.bytes,
-        (32.0 * 4.0 + 3.0) * 2.0 * 7.0 / 8.0 * x,
+        (32.0 * 4.0 + 2.0) * 2.0 * 7.0 / 8.0 * x + stats,
         1e-12
     ));
     assert!(!a.crosses_nodes && a.exposed_s == a.s);

@@ -41,6 +41,12 @@ pub struct StepMetrics {
     /// reductions and parameter all-gathers (the communication not hidden behind compute).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub comm_exposed_ms: Option<f64>,
+    /// Tensor parallelism: bytes this rank sent in the model's collectives this step
+    /// (activation all-reduces, the cross-entropy's statistics), and the planner's prediction.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tp_comm_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tp_comm_bytes_planned: Option<u64>,
     /// The GEMM kernel the products ran on (`Gemm::describe`): results depend on it.
     #[serde(default)]
     pub gemm: String,

@@ -587,12 +587,19 @@ fn run_rank(
         t.baseline as f64 / MIB,
         peak_rss().unwrap_or(0) as f64 / MIB
     );
+        let mb = |b: Option<u64>| b.unwrap_or(0) as f64 / 1e6;
         if let Some(m) = steps.last().filter(|m| m.comm_bytes.is_some()) {
-            let mb = |b: Option<u64>| b.unwrap_or(0) as f64 / 1e6;
             eprintln!(
                 "data parallel: {:.2} MB sent per rank in the last step, planned {:.2} MB",
                 mb(m.comm_bytes),
                 mb(m.comm_bytes_planned)
+            );
+        }
+        if let Some(m) = steps.last().filter(|m| m.tp_comm_bytes.is_some()) {
+            eprintln!(
+                "tensor parallel: {:.2} MB sent per rank in the last step, planned {:.2} MB",
+                mb(m.tp_comm_bytes),
+                mb(m.tp_comm_bytes_planned)
             );
         }
     }

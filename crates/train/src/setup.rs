@@ -6,6 +6,7 @@ use crate::data::{build_shards_with, find_shards, BuildOptions, Split, TokenData
 use anyhow::{bail, Context, Result};
 use ferrotron_engine::kernels::{CpuKernels, Kernels};
 use ferrotron_engine::model::{Llama, LlamaConfig};
+use ferrotron_plan::cluster::Dim;
 use ferrotron_plan::hardware::Overhead;
 use ferrotron_plan::presets::resolve;
 use ferrotron_plan::{
@@ -136,7 +137,17 @@ pub fn checked_plan(
 /// algorithms send them (`ferrotron_plan::comm::bytes_per_rank`), for this run's layout. The
 /// byte count does not depend on the hardware, so any cluster serves for the estimate.
 pub fn planned_dp_bytes(spec: &ModelSpec, c: &TrainConfig, kernel_workspace: u64) -> Result<f64> {
-    use ferrotron_plan::cluster::{gpu, Cluster, Dim};
+    planned_bytes(spec, c, kernel_workspace, Dim::Dp)
+}
+
+/// The planner's tensor-parallel communication per step and rank (the model's activation
+/// collectives), as [`planned_dp_bytes`] counts the data-parallel one.
+pub fn planned_tp_bytes(spec: &ModelSpec, c: &TrainConfig, kernel_workspace: u64) -> Result<f64> {
+    planned_bytes(spec, c, kernel_workspace, Dim::Tp)
+}
+
+fn planned_bytes(spec: &ModelSpec, c: &TrainConfig, kernel_workspace: u64, d: Dim) -> Result<f64> {
+    use ferrotron_plan::cluster::{gpu, Cluster};
     let mut input = plan_input(spec, c, kernel_workspace);
     // The trainer reduces gradients and gathers parameters through f32 buffers whatever the
     // storage type (exact sums): its bytes are the fp32 run's.
@@ -144,7 +155,7 @@ pub fn planned_dp_bytes(spec: &ModelSpec, c: &TrainConfig, kernel_workspace: u64
     let cluster = Cluster::of(gpu("h100")?, 8)?;
     let fc = ferrotron_plan::flops::FlopsConvention::Ferrotron;
     let t = ferrotron_plan::time::estimate(&input, &cluster, fc)?;
-    Ok(t.map_or(0.0, |t| t.comm_of(Dim::Dp).bytes))
+    Ok(t.map_or(0.0, |t| t.comm_of(d).bytes))
 }
 
 /// Train and validation token data: `--data DIR` of shards, or the bundled corpus tokenized into

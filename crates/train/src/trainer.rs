@@ -11,7 +11,7 @@ use crate::loss_scale::{DynamicLossScaler, ScaleUpdate};
 use crate::lr::LrSchedule;
 use crate::metrics::{RankMem, StepMetrics};
 use crate::pool::{PlanPool, Point, Running, Sample, Timeline};
-use crate::setup::{checked_plan, planned_dp_bytes, recompute_flops_per_token};
+use crate::setup::{checked_plan, planned_dp_bytes, planned_tp_bytes, recompute_flops_per_token};
 use crate::tensor_parallel::{self as tpar, TpGroup};
 use crate::trace::{Event, Tracing};
 use crate::weights::Flat;
@@ -192,6 +192,8 @@ pub struct Trainer {
     world: Option<(Box<dyn Communicator>, Vec<f32>)>,
     /// The planner's data-parallel bytes per step and rank.
     comm_planned: Option<u64>,
+    /// The planner's tensor-parallel bytes per step and rank.
+    tp_planned: Option<u64>,
 }
 
 /// What one optimizer step did.
@@ -391,6 +393,10 @@ impl Trainer {
         let param_windows = zero3.as_ref().map_or(0, |z| z.len());
         let ws = kernel_workspace.max();
         let plan = checked_plan(&spec, &model, &cfg, ws, opt_len, window_len, param_windows)?;
+        let tp_planned = match &tp {
+            Some(_) => Some(planned_tp_bytes(&spec, &cfg, ws)?.round() as u64),
+            None => None,
+        };
         let comm_planned = match dp {
             Some(_) => Some(planned_dp_bytes(&spec, &cfg, ws)?.round() as u64),
             None => None,
@@ -435,6 +441,7 @@ impl Trainer {
             tp,
             world: world.map(|w| (w, Vec::new())),
             comm_planned,
+            tp_planned,
             runs,
             opt_len,
             windows,
@@ -565,6 +572,8 @@ impl Trainer {
                 rank_mem,
                 comm_bytes,
                 comm_bytes_planned: self.comm_planned,
+                tp_comm_bytes: self.tp.as_ref().map(|t| t.bytes.take().round() as u64),
+                tp_comm_bytes_planned: self.tp_planned,
                 comm_exposed_ms: comm_exposed,
                 gemm: self.gemm.clone(),
             },
@@ -829,12 +838,17 @@ impl Trainer {
         // The weights and the group leave `self` for the evaluation (moving moves no memory).
         let mut params = std::mem::replace(&mut self.params, Flat::F32(Vec::new()));
         let dp = self.dp.take().map(RefCell::new);
+        // Not the step's communication.
+        let tp_bytes = self.tp.as_ref().map(|t| t.bytes.get());
         let loss = match &mut params {
             Flat::F32(p) => self.eval_typed(p, dp.as_ref()),
             Flat::Bf16(p) => self.eval_typed(p, dp.as_ref()),
             Flat::F16(p) => self.eval_typed(p, dp.as_ref()),
         };
         self.dp = dp.map(RefCell::into_inner);
+        if let (Some(t), Some(b)) = (&self.tp, tp_bytes) {
+            t.bytes.set(b);
+        }
         self.params = params;
         self.kernels.phase("eval", te, self.step, 0);
         Ok(Some(loss?.mean()))

@@ -63,6 +63,11 @@ fn tensor_parallel_ranks_follow_the_one_rank_trajectory() {
                 2 * dp as usize,
                 "{what}: one entry per rank"
             );
+            // The model's collectives send what the planner prices: 4 activation all-reduces
+            // per layer (one more in a full recomputation's replay), the embedding's and the
+            // head's, and the cross-entropy's row statistics.
+            assert!(y.tp_comm_bytes.is_some_and(|b| b > 0), "{what}");
+            assert_eq!(y.tp_comm_bytes, y.tp_comm_bytes_planned, "{what}");
             for r in &y.rank_mem {
                 // Under full recomputation this tiny model's peak is 4.9 MB, where the ~50 KB
                 // a process allocates outside any plan (one rank too) is 1.1%: there the bound

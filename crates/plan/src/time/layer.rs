@@ -22,6 +22,9 @@ pub(super) struct LayerComm {
     pub(super) tp_bytes: f64,
     pub(super) tp_fwd: f64,
     pub(super) tp_bwd: f64,
+    /// Collectives a full recomputation replays: the forward's, or for ferrotron's engine
+    /// only the attention block's (its replay stops before the MLP's output projection).
+    pub(super) tp_replay: f64,
     /// CP: bytes of one ring step (this rank's K and V chunk); steps per forward.
     pub(super) cp_bytes: f64,
     pub(super) cp_steps: f64,
@@ -51,6 +54,9 @@ pub(super) struct EdgeCost {
     pub(super) fwd: Cost,
     pub(super) bwd: Cost,
     pub(super) tp_collectives: f64,
+    /// Tensor-parallel bytes per rank besides the activation collectives (a vocabulary-
+    /// parallel cross-entropy's row statistics).
+    pub(super) tp_extra_bytes: f64,
 }
 
 /// (tp, ep, pp, v, stage): what a rank's element counts depend on.
@@ -118,6 +124,7 @@ impl LayerCost {
                 tp_bytes: self.comm.tp_bytes,
                 tp_fwd: self.comm.tp_fwd,
                 tp_bwd: self.comm.tp_bwd,
+                tp_replay: self.comm.tp_replay,
                 cp_bytes: self.comm.cp_bytes,
                 cp_steps: self.comm.cp_steps,
                 // Dense layers have no all-to-all: the mean layer has the MoE layers' share.
@@ -332,6 +339,10 @@ fn one_layer_cost(tm: &TimeModel, x: &PlanInput, e: &Efficiency, layer: u64) -> 
         out.comm.tp_bytes = nf * h * st;
         out.comm.tp_fwd = if m.parallel_block { 1.0 } else { 2.0 };
         out.comm.tp_bwd = 2.0;
+        out.comm.tp_replay = match x.convention {
+            Convention::Ferrotron => 1.0,
+            _ => out.comm.tp_fwd,
+        };
     }
     if l.cp > 1 {
         // Ring attention (Liu et al. 2023): cp − 1 steps, each passing this rank's K and V chunk.
@@ -367,6 +378,7 @@ pub(super) fn edge_costs(tm: &TimeModel, x: &PlanInput, e: &Efficiency) -> (Edge
         fwd: e.mem(emb_bytes),
         bwd: e.mem(2.0 * st * nf * h),
         tp_collectives: if t > 1 { 1.0 } else { 0.0 },
+        tp_extra_bytes: 0.0,
     };
     // Head: final norm, LM head GEMM over the vocabulary shard, cross-entropy on fp32 logits
     // (forward: read the 16-bit logits, write fp32, two fp32 passes for max and sum-exp;
@@ -377,7 +389,19 @@ pub(super) fn edge_costs(tm: &TimeModel, x: &PlanInput, e: &Efficiency) -> (Edge
     let head = EdgeCost {
         fwd: e.mem(2.0 * st * nf * h / shard) + hf + e.mem((st + 12.0) * logits),
         bwd: e.mem(3.0 * st * nf * h / shard) + hb + e.mem((4.0 + st) * logits),
-        tp_collectives: if t > 1 { 2.0 } else { 0.0 },
+        // The vocabulary-parallel head's backward all-reduces its input gradient (Megatron's
+        // `copy_to_tensor_model_parallel_region`); its cross-entropy exchanges per-row
+        // statistics: ferrotron all-gathers three f32 per row and rank
+        // (`kernels::cpu::vocab_parallel_ce`).
+        tp_collectives: if t > 1 { 1.0 } else { 0.0 },
+        tp_extra_bytes: match (t > 1, x.convention) {
+            (true, Convention::Ferrotron) => crate::comm::bytes_per_rank(
+                crate::comm::Collective::AllGather,
+                12.0 * nf * t as f64,
+                t,
+            ),
+            _ => 0.0,
+        },
     };
     (emb, head)
 }

@@ -62,8 +62,9 @@ impl StageInputs<'_> {
         s.backward_s = (lc.bwd + lc.recompute).s() * k;
         let mut tp_count = (lc.comm.tp_fwd + lc.comm.tp_bwd) * k;
         if lc.recompute_comm {
-            tp_count += lc.comm.tp_fwd * k;
+            tp_count += lc.comm.tp_replay * k;
         }
+        let mut tp_extra = 0.0;
         if stage == 0 {
             s.compute += emb.fwd + emb.bwd;
             s.backward_s += emb.bwd.s();
@@ -73,6 +74,7 @@ impl StageInputs<'_> {
             s.compute += head.fwd + head.bwd;
             s.backward_s += head.bwd.s();
             tp_count += head.tp_collectives;
+            tp_extra += head.tp_extra_bytes;
         }
         if l.tp > 1 {
             // With SP, each "collective" above is one all-gather or one reduce-scatter pair
@@ -82,7 +84,10 @@ impl StageInputs<'_> {
             } else {
                 1.0
             };
-            s.tp = (tp_count * tp_one_bytes * per, tp_count * tp_one * per);
+            s.tp = (
+                tp_count * tp_one_bytes * per + tp_extra,
+                tp_count * tp_one * per,
+            );
         }
         if l.cp > 1 {
             let step = crate::comm::time(Collective::SendRecv, lc.comm.cp_bytes, 2, cp_link);
