@@ -40,8 +40,11 @@ impl TpComm for Group {
     fn rank(&self) -> usize {
         self.0.rank()
     }
-    fn all_reduce(&self, buf: &mut [f32]) {
-        self.0.all_reduce_sum(buf).unwrap();
+    fn all_reduce(&self, len: usize, io: &mut dyn FnMut(&mut [f32], bool)) {
+        let mut buf = vec![0.0; len];
+        io(&mut buf, true);
+        self.0.all_reduce_sum(&mut buf).unwrap();
+        io(&mut buf, false);
     }
     fn all_gather(&self, send: &[f32], recv: &mut [f32]) {
         self.0.all_gather(send, recv).unwrap();

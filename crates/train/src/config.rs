@@ -657,13 +657,6 @@ impl TrainArgs {
             problem: e,
         })?;
         let parallel = trainable_layout(&self.layout)?;
-        if parallel.tp > 1 && precision != Precision::Fp32 {
-            return Err(bad(
-                "tp",
-                parallel.tp,
-                &format!("tensor parallelism runs in fp32 for now (its all-reduces sum the f32 activations in place); drop --precision {precision} or --tp"),
-            ));
-        }
         let stochastic_rounding = self.stochastic_rounding.unwrap_or(false);
         if stochastic_rounding && precision == Precision::Fp32 {
             return Err(bad(

@@ -154,17 +154,17 @@ impl TpComm for TpGroup {
     fn rank(&self) -> usize {
         self.comm.rank()
     }
-    fn all_reduce(&self, buf: &mut [f32]) {
+    fn all_reduce(&self, len: usize, io: &mut dyn FnMut(&mut [f32], bool)) {
         // After a failure the pass runs on to its end without talking (the trainer reports
         // the failure then): the other ranks are gone or going.
         if self.failed.borrow().is_some() {
             return;
         }
-        self.count(Collective::AllReduce, buf.len());
-        let fill = |s: &mut [f32]| s.copy_from_slice(buf);
+        self.count(Collective::AllReduce, len);
+        let fill = |s: &mut [f32]| io(s, true);
         let start = |c: &dyn Communicator, b| c.all_reduce_start(b);
-        if let Some(out) = self.staged(buf.len(), fill, start, "all-reduce") {
-            buf.copy_from_slice(&out);
+        if let Some(mut out) = self.staged(len, fill, start, "all-reduce") {
+            io(&mut out, false);
             self.restore(out);
         }
     }

@@ -1078,8 +1078,11 @@ impl Trainer {
     /// keeps this rank's shard of them.
     pub fn set_weights(&mut self, full: Flat) {
         let full = match &self.model.tp {
-            // This rank's slice (tensor parallelism runs in fp32).
-            Some(_) => Flat::F32(tpar::slice_of(&self.model, &full.into_f32())),
+            // This rank's slice, in the storage type (widened and rounded back exactly).
+            Some(_) => {
+                let dtype = full.dtype();
+                Flat::from_f32(dtype, &tpar::slice_of(&self.model, &full.into_f32()))
+            }
             None => full,
         };
         self.params = match &self.zero3 {

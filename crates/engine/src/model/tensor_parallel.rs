@@ -28,8 +28,11 @@ use std::rc::Rc;
 pub trait TpComm {
     fn size(&self) -> usize;
     fn rank(&self) -> usize;
-    /// Sums `buf` over the group, in place; every rank gets the same bits.
-    fn all_reduce(&self, buf: &mut [f32]);
+    /// Sums `len` values over the group through an f32 buffer: `io(buf, true)` writes this
+    /// rank's values into it, `io(buf, false)` reads the sums back (every rank gets the same
+    /// bits). One callback for both, so it may hold the caller's tensor mutably; the values
+    /// may be stored in any precision (bf16 activations are summed in f32 and rounded once).
+    fn all_reduce(&self, len: usize, io: &mut dyn FnMut(&mut [f32], bool));
     /// Every rank's `send`, in rank order, into `recv`.
     fn all_gather(&self, send: &[f32], recv: &mut [f32]);
 }
@@ -64,11 +67,18 @@ impl TensorParallel {
         }
     }
 
-    /// Sums a partial result over the group, in place. Tensor parallelism runs on f32
-    /// activations (the trainer refuses other precisions with it).
+    /// Sums a partial result over the group, in place (in f32, whatever `S`).
     pub(super) fn sum<S: Elem>(&self, buf: &mut [S]) {
-        let f = S::as_f32_mut(buf).expect("tensor parallelism runs on f32 activations");
-        self.comm.all_reduce(f);
+        self.comm.all_reduce(buf.len(), &mut |f, fill| match fill {
+            true => f
+                .iter_mut()
+                .zip(buf.iter())
+                .for_each(|(o, x)| *o = x.to_f32()),
+            false => buf
+                .iter_mut()
+                .zip(f)
+                .for_each(|(x, o)| *x = S::from_f32(*o)),
+        });
     }
 
     pub(super) fn gather(&self, send: &[f32], recv: &mut [f32]) {
