@@ -117,7 +117,7 @@ fn bad_train_input_exits_nonzero_with_one_line() {
         ),
         (
             vec!["train", "--tp", "4"],
-            "error: rank 0: config field `num_attention_heads` = 6: tensor parallelism splits the attention heads over the ranks: tp = 4 must divide it (try tp = 3)",
+            "error: config field `num_attention_heads` = 6: tensor parallelism splits the attention heads over the ranks: tp = 4 must divide it (this model splits at tp = 2)",
         ),
         (
             vec!["train", "--dp", "2", "--comm", "mpi"],

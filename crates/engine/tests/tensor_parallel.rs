@@ -180,13 +180,13 @@ fn a_tp_that_does_not_divide_the_heads_is_refused_with_the_fix() {
     let e = shard_config(&c, 4).unwrap_err().to_string();
     assert_eq!(
         e,
-        "config field `num_key_value_heads` = 2: tensor parallelism splits the key/value heads over the ranks: tp = 4 must divide it (try tp = 2)"
+        "config field `num_key_value_heads` = 2: tensor parallelism splits the key/value heads over the ranks: tp = 4 must divide it (this model splits at tp = 2)"
     );
     c.kv_heads = 4;
     c.vocab = 50;
     let e = shard_config(&c, 4).unwrap_err().to_string();
     assert_eq!(
         e,
-        "config field `vocab_size` = 50: tensor parallelism splits the vocabulary over the ranks: tp = 4 must divide it (try tp = 2)"
+        "config field `vocab_size` = 50: tensor parallelism splits the vocabulary over the ranks: tp = 4 must divide it (this model splits at tp = 2)"
     );
 }

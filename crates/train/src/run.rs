@@ -202,6 +202,16 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
     };
     // Every rank of the grid: data-parallel replicas of tensor-parallel groups.
     let (dp, world) = (layout.dp as usize, (layout.dp * layout.tp) as usize);
+    if layout.tp > 1 {
+        // A model tensor parallelism cannot split is refused once, before any rank starts.
+        let name = match &saved {
+            Some(l) => l.dir.join("config.json").to_string_lossy().to_string(),
+            None => args.resolve()?.model.name,
+        };
+        let spec = ferrotron_plan::presets::resolve(&name).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let full = setup::llama_config(&spec)?;
+        ferrotron_engine::model::tensor_parallel::shard_config(&full, layout.tp as usize)?;
+    }
     if use_mpi(args.comm.unwrap_or(CommBackend::Auto), dp)? {
         #[cfg(feature = "mpi")]
         return run_mpi(args, saved, &layout);

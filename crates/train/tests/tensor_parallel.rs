@@ -209,7 +209,7 @@ fn layouts_tensor_parallelism_cannot_run_are_refused_with_the_fix() {
     // The tiny model has 2 key/value heads.
     assert_eq!(
         bad(&|a| a.layout.tp = Some(4)),
-        "rank 0: config field `num_key_value_heads` = 2: tensor parallelism splits the key/value heads over the ranks: tp = 4 must divide it (try tp = 2)"
+        "config field `num_key_value_heads` = 2: tensor parallelism splits the key/value heads over the ranks: tp = 4 must divide it (this model splits at tp = 2)"
     );
     assert!(!out.join("metrics.jsonl").exists(), "nothing written");
 }

@@ -95,6 +95,12 @@ impl TensorParallel {
 /// and vocabulary divided by t (each must divide, as in Megatron-LM, which also pads the
 /// vocabulary to a multiple of t; ferrotron asks for a divisible one).
 pub fn shard_config(full: &LlamaConfig, t: usize) -> Result<LlamaConfig, ModelError> {
+    // The largest degree up to t that splits all four.
+    let sizes = [full.heads, full.kv_heads, full.intermediate, full.vocab];
+    let fits = (1..=t)
+        .rev()
+        .find(|d| sizes.iter().all(|v| v.is_multiple_of(*d)))
+        .unwrap_or(1);
     let check = |field: &'static str, v: usize, what: &str| {
         if v.is_multiple_of(t) {
             Ok(v / t)
@@ -103,8 +109,7 @@ pub fn shard_config(full: &LlamaConfig, t: usize) -> Result<LlamaConfig, ModelEr
                 field,
                 value: v.to_string(),
                 fix: format!(
-                    "tensor parallelism splits the {what} over the ranks: tp = {t} must divide it (try tp = {})",
-                    (1..=t).rev().find(|d| v.is_multiple_of(*d)).unwrap_or(1)
+                    "tensor parallelism splits the {what} over the ranks: tp = {t} must divide it (this model splits at tp = {fits})"
                 )
                 .into(),
             })
