@@ -4,7 +4,7 @@
 //! plan.
 
 mod common;
-use common::{tiny_args, tmp};
+use common::{f32_tensors, tiny_args, tmp};
 use ferrotron_plan::comm::{bytes_per_rank, Collective};
 use ferrotron_train::alloc::Tracking;
 use ferrotron_train::metrics::StepMetrics;
@@ -141,26 +141,6 @@ fn data_parallel_ranks_follow_the_one_rank_trajectory() {
     }
 }
 
-/// The f32 tensors of a checkpoint's `file`, by tensor name.
-fn tensors(dir: &std::path::Path, file: &str) -> Vec<(String, Vec<f32>)> {
-    let bytes = std::fs::read(dir.join("checkpoint").join(file)).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mut out: Vec<(String, Vec<f32>)> = st
-        .tensors()
-        .into_iter()
-        .map(|(name, t)| {
-            let v = t.data().chunks(4);
-            (
-                name,
-                v.map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-                    .collect(),
-            )
-        })
-        .collect();
-    out.sort_by(|a, b| a.0.cmp(&b.0));
-    out
-}
-
 #[test]
 fn a_sharded_checkpoint_holds_every_parameters_states_and_weights() {
     // The same run with the states replicated and sharded over 4 ranks (ZeRO-1; ZeRO-3 also
@@ -172,7 +152,8 @@ fn a_sharded_checkpoint_holds_every_parameters_states_and_weights() {
         let sharded = tmp(&format!("ckpt-dp4-z{zero}"));
         train_in(&sharded, 4, zero, 2, 1, 3);
         for file in ["optimizer.safetensors", "model.safetensors"] {
-            let (a, b) = (tensors(&plain, file), tensors(&sharded, file));
+            let ck = |d: &std::path::Path| f32_tensors(&d.join("checkpoint").join(file));
+            let (a, b) = (ck(&plain), ck(&sharded));
             let names: Vec<&str> = a.iter().map(|t| t.0.as_str()).collect();
             let nb: Vec<&str> = b.iter().map(|t| t.0.as_str()).collect();
             assert_eq!(names, nb, "ZeRO-{zero} {file}");

@@ -4,7 +4,7 @@
 //! of its own plan. Layouts it cannot run are refused before any work, with the fix.
 
 mod common;
-use common::{tiny_args, tmp};
+use common::{f32_tensors, tiny_args, tmp};
 use ferrotron_train::alloc::Tracking;
 use ferrotron_train::metrics::StepMetrics;
 use ferrotron_train::run::run;
@@ -86,26 +86,6 @@ fn tensor_parallel_ranks_follow_the_one_rank_trajectory() {
     }
 }
 
-/// The tensors of a checkpoint's `file`, by name, as f32.
-fn tensors(dir: &std::path::Path, file: &str) -> Vec<(String, Vec<f32>)> {
-    let bytes = std::fs::read(dir.join(file)).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mut out: Vec<(String, Vec<f32>)> = st
-        .tensors()
-        .into_iter()
-        .map(|(name, t)| {
-            let v = t.data().chunks(4);
-            (
-                name,
-                v.map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-                    .collect(),
-            )
-        })
-        .collect();
-    out.sort_by(|a, b| a.0.cmp(&b.0));
-    out
-}
-
 #[test]
 fn a_tensor_parallel_checkpoint_is_the_whole_model_and_resumes_on_any_layout() {
     // Stopped after step 3 of 5: one rank and tp 2 (each rank writing its slices, the norms
@@ -124,7 +104,7 @@ fn a_tensor_parallel_checkpoint_is_the_whole_model_and_resumes_on_any_layout() {
     };
     let (one, tp2) = (save("tpck-one", 1), save("tpck-tp2", 2));
     for file in ["model.safetensors", "optimizer.safetensors"] {
-        let (a, b) = (tensors(&one, file), tensors(&tp2, file));
+        let (a, b) = (f32_tensors(&one.join(file)), f32_tensors(&tp2.join(file)));
         assert_eq!(a.len(), b.len(), "{file}");
         for ((name, x), (other, y)) in a.iter().zip(&b) {
             assert_eq!(name, other);
