@@ -112,8 +112,8 @@ fn bad_train_input_exits_nonzero_with_one_line() {
             "error: pp = 2: ferrotron train runs data and tensor parallelism (--dp with --zero 1, 2 or 3, --tp) for now (the other layouts are next); `ferrotron plan --pp 2` predicts",
         ),
         (
-            vec!["train", "--tp", "2", "--sp"],
-            "error: sp = true: ferrotron train runs data and tensor parallelism (--dp with --zero 1, 2 or 3, --tp) for now",
+            vec!["train", "--sp"],
+            "error: sp = true: sequence parallelism divides the tensor-parallel group's activations: add --tp 2 or more",
         ),
         (
             vec!["train", "--tp", "4"],

@@ -6,7 +6,7 @@
 use ferrotron_dist::threads::{self, ThreadComm};
 use ferrotron_dist::Communicator;
 use ferrotron_engine::kernels::{CpuKernels, Kernels, IGNORE_INDEX};
-use ferrotron_engine::model::tensor_parallel::{replicated, shard_config, shard_pieces};
+use ferrotron_engine::model::tensor_parallel::{replicated, shard_config, shard_pieces, TpOp};
 use ferrotron_engine::model::{
     BatchShape, HeapPool, Llama, LlamaConfig, Recompute, TensorParallel, TpComm,
 };
@@ -40,14 +40,15 @@ impl TpComm for Group {
     fn rank(&self) -> usize {
         self.0.rank()
     }
-    fn all_reduce(&self, len: usize, io: &mut dyn FnMut(&mut [f32], bool)) {
+    fn run(&self, op: TpOp, len: usize, io: &mut dyn FnMut(&mut [f32], bool)) {
         let mut buf = vec![0.0; len];
         io(&mut buf, true);
-        self.0.all_reduce_sum(&mut buf).unwrap();
-        io(&mut buf, false);
-    }
-    fn all_gather(&self, send: &[f32], recv: &mut [f32]) {
-        self.0.all_gather(send, recv).unwrap();
+        let pending = match op {
+            TpOp::AllReduce => self.0.all_reduce_start(buf),
+            TpOp::AllGather => self.0.all_gather_start(buf),
+            TpOp::ReduceScatter => self.0.reduce_scatter_start(buf),
+        };
+        io(&mut pending.wait().unwrap(), false);
     }
 }
 
@@ -97,10 +98,13 @@ fn close(what: &str, a: &[f32], b: &[f32], tol: f32) {
 fn tensor_parallel_ranks_give_the_one_rank_loss_and_gradients() {
     let (b, t) = (2, 12);
     let n = b * t;
-    for (tied, bias, tp, rc) in [
-        (true, false, 2, Recompute::None),
-        (false, true, 2, Recompute::Selective),
-        (false, false, 4, Recompute::Full),
+    for (tied, bias, tp, rc, sp) in [
+        (true, false, 2, Recompute::None, false),
+        (false, true, 2, Recompute::Selective, false),
+        (false, false, 4, Recompute::Full, false),
+        (true, false, 2, Recompute::None, true),
+        (false, true, 4, Recompute::Selective, true),
+        (true, true, 2, Recompute::Full, true),
     ] {
         let full_cfg = cfg(tied, bias);
         let one = Llama::new(full_cfg.clone()).with_recompute(rc);
@@ -109,12 +113,12 @@ fn tensor_parallel_ranks_give_the_one_rank_loss_and_gradients() {
         let mut targets: Vec<u32> = (0..n).map(|i| ((i * 5 + 1) % 48) as u32).collect();
         targets[5] = IGNORE_INDEX;
         let want = step(&one, &params, &tokens, &targets, t);
-        let what = format!("tp {tp} tied {tied} bias {bias} {rc}");
+        let what = format!("tp {tp} sp {sp} tied {tied} bias {bias} {rc}");
 
         let (p, tk, tg, fc) = (params.clone(), tokens.clone(), targets.clone(), full_cfg);
         let ranks = threads::run(tp, Duration::from_secs(60), move |_, comm| {
             let group = Rc::new(Group(comm));
-            let tpar = TensorParallel::new(fc.clone(), group);
+            let tpar = TensorParallel::new(fc.clone(), group).with_sp(sp);
             let model = Llama::tensor_parallel(tpar)
                 .map_err(|e| e.to_string())?
                 .with_recompute(rc);
@@ -153,6 +157,14 @@ fn tensor_parallel_ranks_give_the_one_rank_loss_and_gradients() {
             );
             close(&format!("{what} logits"), &want.logits, &logits, 1e-5);
             for (f, g, rep) in placed {
+                if rep && sp {
+                    // A norm under sequence parallelism: each rank has its tokens' share (the
+                    // trainer sums them); the shares add up to the whole gradient.
+                    for (s, x) in grads[f].iter_mut().zip(&g) {
+                        *s = if s.is_nan() { *x } else { *s + x };
+                    }
+                    continue;
+                }
                 if rep {
                     // A norm: every rank has the whole gradient.
                     close(

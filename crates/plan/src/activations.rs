@@ -469,7 +469,12 @@ pub fn edge_acts(m: &ModelSpec, r: &Recipe, l: &Layout, conv: Convention) -> Edg
                     buf(Edge::RopeCos, ws),
                     buf(Edge::RopeSin, ws),
                 ],
-                embedding: vec![],
+                // Sequence parallelism's gather/scatter scratch, from the embedding's
+                // reduce-scatter to its backward's all-gather.
+                embedding: match d.sp && t > 1 {
+                    true => vec![buf(Edge::SpFull, ws)],
+                    false => vec![],
+                },
                 head: vec![
                     buf(Edge::FinalNormInput, other),
                     buf(Edge::FinalNormRstd, other),

@@ -136,7 +136,7 @@ pub fn comm_buffers(
         if let Some(m) = m {
             let chunk = (r.mbs * r.seq).min(r.ce_chunk_tokens);
             let len = (r.mbs * r.seq * m.hidden).max(3 * l.tp * chunk);
-            add("comm.tp.staging", DType::F32, len, cb, true);
+            add("tp.staging", DType::F32, len, cb, true);
         }
     }
     // ferrotron's ZeRO-2 keeps full gradients only in three windows that the backward reuses:
@@ -158,8 +158,9 @@ pub fn comm_buffers(
     let d = Dims::new(r, l);
     let n = d.n();
     // Sequence parallelism all-gathers the sequence-sharded norm output before the
-    // column-parallel GEMMs (Korthikanti et al. 2022 §4.2.2).
-    if d.sp {
+    // column-parallel GEMMs (Korthikanti et al. 2022 §4.2.2). (ferrotron's engine gathers
+    // into its activation scratch `act.sp.full`, through `comm.tp.staging`.)
+    if d.sp && !ferrotron {
         add("sp.allgather", st, n * m.hidden, cb, true);
     }
     // Pipeline point-to-point: one send and one receive buffer of the boundary activation.

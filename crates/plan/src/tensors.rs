@@ -305,6 +305,10 @@ table! {
         /// chunk, this rank's and the group's (Megatron-LM's `_VocabParallelCrossEntropy`
         /// reduces the same three quantities).
         CeStats = "act.ce_stats": Shape::new(F32, HeadChunk, CeStats, Whole);
+        /// Sequence parallelism only: every token's rows of one residual-stream tensor, for
+        /// the all-gather before a column-parallel block and the reduce-scatter after a
+        /// row-parallel one (forward and backward), one use at a time.
+        SpFull = "act.sp.full": Shape::new(Storage, Tokens, Hidden, Whole);
         /// The last position of each sequence (sampling; no training plan has it).
         LastHidden = "act.last_hidden": Shape::new(Storage, Tokens, Hidden, Whole);
         /// d(residual stream), carried from layer to layer by the backward.

@@ -357,9 +357,23 @@ fn tensor_parallel_traffic_and_node_crossings() {
     let plain = llama(recipe(1, 1, Recompute::None), l(false));
     let sp = llama(recipe(1, 1, Recompute::None), l(true));
     // Sequence parallelism replaces each all-reduce by a reduce-scatter + all-gather pair:
-    // the same volume (Korthikanti et al. 2022 §4.2.2).
-    let (a, b) = (plain.comm_of(Dim::Tp), sp.comm_of(Dim::Tp));
+    // the same volume (Korthikanti et al. 2022 §4.2.2), as Megatron counts it.
+    let megatron = |sp| llama_as(recipe(1, 1, Recompute::None), l(sp), Convention::Megatron);
+    let (m_plain, m_sp) = (megatron(false), megatron(true));
+    let (a, b) = (m_plain.comm_of(Dim::Tp), m_sp.comm_of(Dim::Tp));
     assert!(close(a.bytes, b.bytes, 1e-12));
+    // ferrotron's backward also gathers each block's saved norm output again for the weight
+    // gradients (one more all-gather + reduce-scatter volume per layer, 3 pairs for 2
+    // all-reduces) and all-reduces the norms' gradients (2 per layer and the final one).
+    let (a, b) = (plain.comm_of(Dim::Tp), sp.comm_of(Dim::Tp));
+    let pair = 2.0 * 7.0 / 8.0 * 4096.0 * 4096.0 * 2.0;
+    let norms = 2.0 * 7.0 / 8.0 * 4.0 * (2.0 * 32.0 + 1.0) * 4096.0;
+    assert!(
+        close(b.bytes - a.bytes, 32.0 * pair + norms, 1e-12),
+        "{} vs {}",
+        b.bytes,
+        a.bytes
+    );
     // Per layer 4 collectives of s·b·h·2 bytes (2 forward, 2 backward), plus the embedding's
     // (forward) and the LM head's (backward): 32·4 + 2 all-reduces of 4096 × 4096 bf16, and
     // the vocabulary-parallel cross-entropy's statistics (3 f32 per token and rank, gathered).

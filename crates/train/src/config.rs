@@ -433,8 +433,12 @@ pub(crate) fn trainable_layout(flags: &LayoutFlags) -> Result<Layout, ConfigErro
     if l.pp_virtual == 0 {
         return Err(bad("pp_virtual", 0, "must be a positive integer"));
     }
-    if l.sp {
-        return not_yet("sp", "true".into());
+    if l.sp && l.tp < 2 {
+        return Err(bad(
+            "sp",
+            true,
+            "sequence parallelism divides the tensor-parallel group's activations: add --tp 2 or more",
+        ));
     }
     if l.pp_virtual != 1 {
         return not_yet("pp_virtual", l.pp_virtual.to_string());
@@ -657,6 +661,14 @@ impl TrainArgs {
             problem: e,
         })?;
         let parallel = trainable_layout(&self.layout)?;
+        let tokens = self.mbs.unwrap_or(8) * self.seq.unwrap_or(256);
+        if parallel.sp && !tokens.is_multiple_of(parallel.tp) {
+            return Err(bad(
+                "sp",
+                true,
+                &format!("sequence parallelism splits a micro-batch's {tokens} tokens (mbs × seq) over tp = {}: make it a multiple", parallel.tp),
+            ));
+        }
         let stochastic_rounding = self.stochastic_rounding.unwrap_or(false);
         if stochastic_rounding && precision == Precision::Fp32 {
             return Err(bad(

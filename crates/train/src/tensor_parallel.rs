@@ -5,8 +5,10 @@
 //! weights; and the gradient norm's share of the replicated norms.
 
 use anyhow::anyhow;
+use ferrotron_engine::Elem;
 type Result<T, E = anyhow::Error> = std::result::Result<T, E>;
 use ferrotron_dist::Communicator;
+use ferrotron_engine::model::tensor_parallel::TpOp;
 use ferrotron_engine::model::tensor_parallel::{replicated, shard_pieces};
 use ferrotron_engine::model::{Llama, TpComm};
 use ferrotron_plan::comm::{bytes_per_rank, Collective};
@@ -154,33 +156,42 @@ impl TpComm for TpGroup {
     fn rank(&self) -> usize {
         self.comm.rank()
     }
-    fn all_reduce(&self, len: usize, io: &mut dyn FnMut(&mut [f32], bool)) {
+    fn run(&self, op: TpOp, len: usize, io: &mut dyn FnMut(&mut [f32], bool)) {
         // After a failure the pass runs on to its end without talking (the trainer reports
         // the failure then): the other ranks are gone or going.
         if self.failed.borrow().is_some() {
             return;
         }
-        self.count(Collective::AllReduce, len);
+        let (c, name) = match op {
+            TpOp::AllReduce => (Collective::AllReduce, "all-reduce"),
+            TpOp::AllGather => (Collective::AllGather, "all-gather"),
+            TpOp::ReduceScatter => (Collective::ReduceScatter, "reduce-scatter"),
+        };
+        self.count(c, len);
         let fill = |s: &mut [f32]| io(s, true);
-        let start = |c: &dyn Communicator, b| c.all_reduce_start(b);
-        if let Some(mut out) = self.staged(len, fill, start, "all-reduce") {
+        let start = |comm: &dyn Communicator, b| match op {
+            TpOp::AllReduce => comm.all_reduce_start(b),
+            TpOp::AllGather => comm.all_gather_start(b),
+            TpOp::ReduceScatter => comm.reduce_scatter_start(b),
+        };
+        if let Some(mut out) = self.staged(len, fill, start, name) {
             io(&mut out, false);
             self.restore(out);
         }
     }
-    fn all_gather(&self, send: &[f32], recv: &mut [f32]) {
-        if self.failed.borrow().is_some() {
-            return;
-        }
-        self.count(Collective::AllGather, recv.len());
-        let (n, me) = (send.len(), self.comm.rank());
-        let fill = |s: &mut [f32]| s[me * n..(me + 1) * n].copy_from_slice(send);
-        let start = |c: &dyn Communicator, b| c.all_gather_start(b);
-        if let Some(out) = self.staged(recv.len(), fill, start, "all-gather") {
-            recv.copy_from_slice(&out);
-            self.restore(out);
-        }
-    }
+}
+
+/// Sums a replicated norm's gradient over the group, in place. Under sequence parallelism each
+/// rank's holds only its tokens' share (Megatron-LM all-reduces these "sequence-parallel
+/// parameters'" gradients in the tensor-parallel group before the optimizer).
+pub fn sum_grads<G: Elem>(tp: &TpGroup, g: &mut [G]) {
+    tp.run(TpOp::AllReduce, g.len(), &mut |f, fill| match fill {
+        true => f
+            .iter_mut()
+            .zip(g.iter())
+            .for_each(|(o, x)| *o = x.to_f32()),
+        false => g.iter_mut().zip(f).for_each(|(x, o)| *x = G::from_f32(*o)),
+    });
 }
 
 /// The rank's slice of `whole` (every parameter of the model, flat order) in the order of

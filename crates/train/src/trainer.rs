@@ -204,6 +204,16 @@ pub struct StepOutput {
     pub overflow: Option<ScaleUpdate>,
 }
 
+/// The norms whose gradients a backward step has just completed (the parameters sequence
+/// parallelism leaves partial on each rank).
+fn norms_of(d: &GradsDone) -> Vec<Range<usize>> {
+    match d {
+        GradsDone::FinalNorm(r) => vec![(*r).clone()],
+        GradsDone::Layer(_, li) => vec![li.ln1.clone(), li.ln2.clone()],
+        GradsDone::Embedding(_) => Vec::new(),
+    }
+}
+
 /// Every rank's planned and measured peak, rank order.
 fn rank_mems(all: &[(u64, u64)]) -> Vec<RankMem> {
     all.iter()
@@ -333,7 +343,8 @@ impl Trainer {
         let model = match &comms.tp {
             Some(tp) => {
                 let group: Rc<dyn TpComm> = tp.clone();
-                Llama::tensor_parallel(TensorParallel::new(llama, group))?
+                let tp = TensorParallel::new(llama, group).with_sp(cfg.parallel.sp);
+                Llama::tensor_parallel(tp)?
             }
             None => Llama::new(llama),
         };
@@ -661,12 +672,23 @@ impl Trainer {
                 let tb = Instant::now();
                 self.pool.enter(step, mb, Running::Backward);
                 let (pool, tokens) = (&mut self.pool, &self.tokens);
+                // Sequence parallelism leaves each rank its tokens' share of the norms'
+                // gradients: summed over the group once they are final (as reduced below).
+                let sp = self
+                    .tp
+                    .as_deref()
+                    .filter(|_| self.model.tp.as_ref().is_some_and(|t| t.sp));
                 match dp {
                     // The last micro-batch's gradients are reduced as the backward finishes
                     // them; under ZeRO-2 and 3 every micro-batch's, since its windows are reused.
                     Some(dp) if mb == last_mb || zero2 => {
                         let mut shard = zero2.then_some(&mut *shard);
                         let done = &mut |d: GradsDone, g: &mut dyn GradBuf<G>| {
+                            if let Some(tp) = sp {
+                                for r in norms_of(&d) {
+                                    tpar::sum_grads(tp, &mut g[r]);
+                                }
+                            }
                             let mut sums = Sums {
                                 grads: g,
                                 shard: shard.as_deref_mut(),
@@ -690,7 +712,13 @@ impl Trainer {
                         dp.borrow_mut().finish(&mut sums)?;
                     }
                     _ => {
-                        let done = &mut |_: GradsDone, _: &mut dyn GradBuf<G>| {};
+                        let done = &mut |d: GradsDone, g: &mut dyn GradBuf<G>| {
+                            if let (Some(tp), true) = (sp, mb == last_mb) {
+                                for r in norms_of(&d) {
+                                    tpar::sum_grads(tp, &mut g[r]);
+                                }
+                            }
+                        };
                         let src = src.get();
                         self.model
                             .backward_notify(k, pool, src, grads, acts, tokens, done);

@@ -17,10 +17,23 @@ static A: Tracking = Tracking;
 static ONE_RUN_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn train(tag: &str, dp: u64, tp: u64, zero: u64, mbs: u64, rc: &str) -> Vec<StepMetrics> {
+    train_sp(tag, dp, tp, zero, mbs, rc, false)
+}
+
+fn train_sp(
+    tag: &str,
+    dp: u64,
+    tp: u64,
+    zero: u64,
+    mbs: u64,
+    rc: &str,
+    sp: bool,
+) -> Vec<StepMetrics> {
     let _turn = ONE_RUN_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let mut a = tiny_args(&tmp(tag), 5);
     (a.mbs, a.grad_acc) = (Some(mbs), Some(2));
     (a.layout.dp, a.layout.tp, a.layout.zero) = (Some(dp), Some(tp), Some(zero));
+    a.layout.sp = Some(sp);
     a.recompute = Some(rc.into());
     a.bucket_mb = Some(1);
     run(a).unwrap().steps
@@ -35,17 +48,23 @@ fn tensor_parallel_ranks_follow_the_one_rank_trajectory() {
     // 8 sequences a step: one rank as 4 × 2, tp 2 as 4 × 2 (both ranks read the same batch),
     // dp 2 × tp 2 as 2 × 2 per data-parallel replica.
     let one = train("tp-one", 1, 1, 0, 4, "none");
-    for (dp, zero, mbs, rc) in [
-        (1, 0, 4, "none"),
-        (1, 0, 4, "selective"),
-        (1, 0, 4, "full"),
-        (2, 1, 2, "none"),
-        (2, 3, 2, "none"),
+    // With sequence parallelism (`sp`) the residual stream and the norms hold half the tokens.
+    for (dp, zero, mbs, rc, sp) in [
+        (1, 0, 4, "none", false),
+        (1, 0, 4, "selective", false),
+        (1, 0, 4, "full", false),
+        (2, 1, 2, "none", false),
+        (2, 3, 2, "none", false),
+        (1, 0, 4, "none", true),
+        (1, 0, 4, "full", true),
+        (2, 1, 2, "selective", true),
+        (2, 3, 2, "none", true),
     ] {
-        let s = train(&format!("tp2-dp{dp}-z{zero}-{rc}"), dp, 2, zero, mbs, rc);
+        let tag = format!("tp2-dp{dp}-z{zero}-{rc}-sp{sp}");
+        let s = train_sp(&tag, dp, 2, zero, mbs, rc, sp);
         assert_eq!(s.len(), 5);
         for (x, y) in one.iter().zip(&s) {
-            let what = format!("tp 2 dp {dp} ZeRO-{zero} {rc} step {}", x.step);
+            let what = format!("tp 2 sp {sp} dp {dp} ZeRO-{zero} {rc} step {}", x.step);
             assert!(
                 rel(x.loss, y.loss) < 1e-5,
                 "{what}: loss {} vs {}",

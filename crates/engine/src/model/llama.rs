@@ -117,6 +117,87 @@ impl Llama {
         }
     }
 
+    /// The group, when sequence parallelism divides the residual stream.
+    pub(super) fn sp(&self) -> Option<&TensorParallel> {
+        self.tp.as_ref().filter(|t| t.sp)
+    }
+
+    /// Rows of the residual stream (and the norms) this rank holds of `n` tokens.
+    pub(super) fn rows(&self, n: usize) -> usize {
+        self.sp().map_or(n, |t| n / t.size)
+    }
+
+    /// Under sequence parallelism, the `[n, C]` scratch every gather and reduce-scatter of a
+    /// micro-batch passes through (`act.sp.full`), one use at a time.
+    pub(super) fn sp_full<S: Elem>(&self, pool: &mut dyn BufferPool, n: usize) -> Option<Buf<S>> {
+        self.sp()
+            .map(|_| self.buf(pool, BufName::Edge(Edge::SpFull), n))
+    }
+
+    pub(super) fn free_sp_full<S: Elem>(&self, pool: &mut dyn BufferPool, full: Option<Buf<S>>) {
+        if let Some(f) = full {
+            pool.free(BufName::Edge(Edge::SpFull), f);
+        }
+    }
+
+    /// The input of a column-parallel product: this rank's rows gathered from the group
+    /// into `full` under sequence parallelism, else `local` itself.
+    pub(super) fn gathered_rows<'a, S: Elem>(
+        &self,
+        local: &'a [S],
+        full: Option<&'a mut Buf<S>>,
+    ) -> &'a [S] {
+        match (self.sp(), full) {
+            (Some(tp), Some(f)) => {
+                tp.gather_rows(local, f);
+                f
+            }
+            _ => local,
+        }
+    }
+
+    /// A row-parallel product into `out` (this rank's rows of the residual stream): under
+    /// sequence parallelism computed into `full` and reduce-scattered, else computed in place
+    /// and all-reduced (Megatron's `g`).
+    fn row_parallel<S: Elem>(
+        &self,
+        full: Option<&mut Buf<S>>,
+        out: &mut [S],
+        product: impl FnOnce(&mut [S]),
+    ) {
+        match (self.sp(), full) {
+            (Some(tp), Some(f)) => {
+                product(f);
+                tp.scatter_rows(f, out);
+            }
+            _ => {
+                product(out);
+                self.tp_sum(out);
+            }
+        }
+    }
+
+    /// The gradient of a column-parallel block's input, `partial` over the group: summed in
+    /// place, or under sequence parallelism reduce-scattered into the first rows of `full`.
+    fn input_grad<'a, S: Elem>(
+        &self,
+        partial: &'a mut [S],
+        full: Option<&'a mut Buf<S>>,
+        rows: usize,
+    ) -> &'a [S] {
+        match (self.sp(), full) {
+            (Some(tp), Some(f)) => {
+                let local = &mut f[..rows * self.config.hidden];
+                tp.scatter_rows(partial, local);
+                local
+            }
+            _ => {
+                self.tp_sum(partial);
+                partial
+            }
+        }
+    }
+
     pub fn with_recompute(mut self, recompute: Recompute) -> Self {
         self.recompute = recompute;
         self
@@ -148,7 +229,7 @@ impl Llama {
             top_k: 1,
             ce_chunk_tokens: self.ce_chunk_tokens as u64,
             tp: self.tp.as_ref().map_or(1, |t| t.size as u64),
-            sp: false,
+            sp: self.sp().is_some(),
         }
     }
 
@@ -256,19 +337,24 @@ impl Llama {
         };
 
         // ---- attention block ----
+        // Under sequence parallelism the norms run on this rank's rows and their outputs are
+        // gathered for the column-parallel products (Korthikanti et al. 2022 §4.2.2).
+        let nl = self.rows(n);
+        let mut full = self.sp_full::<S>(pool, n);
         let mut ln1_rstd = self.buf(pool, name(T::Ln1Rstd), n);
         let mut ln1_out = self.buf(pool, name(T::Ln1Out), n);
         k.rmsnorm_forward(
-            self.norm(n),
+            self.norm(nl),
             &input,
             p(&li.ln1),
             &mut ln1_out,
             &mut ln1_rstd,
         );
+        let x1 = self.gathered_rows(&ln1_out, full.as_mut());
         let mut q = self.buf(pool, name(T::Q), n);
         k.matmul_forward(
             lin(c, qd),
-            &ln1_out,
+            x1,
             p(&li.wq),
             opt(params, &li.bq),
             &mut q,
@@ -277,7 +363,7 @@ impl Llama {
         let mut kk = self.buf(pool, name(T::K), n);
         k.matmul_forward(
             lin(c, kvd),
-            &ln1_out,
+            x1,
             p(&li.wk),
             opt(params, &li.bk),
             &mut kk,
@@ -286,7 +372,7 @@ impl Llama {
         let mut v = self.buf(pool, name(T::V), n);
         k.matmul_forward(
             lin(c, kvd),
-            &ln1_out,
+            x1,
             p(&li.wv),
             opt(params, &li.bv),
             &mut v,
@@ -309,56 +395,38 @@ impl Llama {
         // all-reduce its partial sums between the two; fused, the residual would be added tp
         // times.
         let mut resid_mid = self.buf(pool, name(T::ResidMid), n);
-        k.matmul_forward(
-            lin(qd, c),
-            &attn_out,
-            p(&li.wo),
-            None,
-            &mut resid_mid,
-            Accum::Overwrite,
-        );
-        self.tp_sum(&mut resid_mid);
+        self.row_parallel(full.as_mut(), &mut resid_mid, |y| {
+            k.matmul_forward(lin(qd, c), &attn_out, p(&li.wo), None, y, Accum::Overwrite)
+        });
         k.add_inplace(&mut resid_mid, &input);
 
         // ---- MLP block ----
         let mut ln2_rstd = self.buf(pool, name(T::Ln2Rstd), n);
         let mut ln2_out = self.buf(pool, name(T::Ln2Out), n);
         k.rmsnorm_forward(
-            self.norm(n),
+            self.norm(nl),
             &resid_mid,
             p(&li.ln2),
             &mut ln2_out,
             &mut ln2_rstd,
         );
+        let x2 = self.gathered_rows(&ln2_out, full.as_mut());
         let mut gate = self.buf(pool, name(T::Gate), n);
-        k.matmul_forward(
-            lin(c, f),
-            &ln2_out,
-            p(&li.wg),
-            None,
-            &mut gate,
-            Accum::Overwrite,
-        );
+        k.matmul_forward(lin(c, f), x2, p(&li.wg), None, &mut gate, Accum::Overwrite);
         let mut up = self.buf(pool, name(T::Up), n);
-        k.matmul_forward(
-            lin(c, f),
-            &ln2_out,
-            p(&li.wu),
-            None,
-            &mut up,
-            Accum::Overwrite,
-        );
+        k.matmul_forward(lin(c, f), x2, p(&li.wu), None, &mut up, Accum::Overwrite);
         let mut swiglu = self.buf(pool, name(T::Swiglu), n);
         k.swiglu_forward(&gate, &up, &mut swiglu);
         let out = output.then(|| {
             // out = swiglu·Wdᵀ, then + resid_mid (explicit, as for o_proj above).
             let mut out = self.buf(pool, self.output_name(i), n);
-            let s = lin(f, c);
-            k.matmul_forward(s, &swiglu, p(&li.wd), None, &mut out, Accum::Overwrite);
-            self.tp_sum(&mut out);
+            self.row_parallel(full.as_mut(), &mut out, |y| {
+                k.matmul_forward(lin(f, c), &swiglu, p(&li.wd), None, y, Accum::Overwrite)
+            });
             k.add_inplace(&mut out, &resid_mid);
             out
         });
+        self.free_sp_full(pool, full);
 
         let acts = LayerActs {
             input,
@@ -421,7 +489,7 @@ impl Llama {
                 // rstd with the same value (same input, same reduction order).
                 a.ln1_out = self.buf(pool, self.slot(i, T::Ln1Out), n);
                 k.rmsnorm_forward(
-                    self.norm(n),
+                    self.norm(self.rows(n)),
                     &a.input,
                     p(&li.ln1),
                     &mut a.ln1_out,
@@ -429,7 +497,7 @@ impl Llama {
                 );
                 a.ln2_out = self.buf(pool, self.slot(i, T::Ln2Out), n);
                 k.rmsnorm_forward(
-                    self.norm(n),
+                    self.norm(self.rows(n)),
                     &a.resid_mid,
                     p(&li.ln2),
                     &mut a.ln2_out,
@@ -462,13 +530,19 @@ impl Llama {
         );
         let mut rstd = self.buf(pool, rstd_name, n);
         let mut out = self.buf(pool, out_name, n);
-        k.rmsnorm_forward(
-            self.norm(n),
-            final_input,
-            &params[self.params.norm.clone()],
-            &mut out,
-            &mut rstd,
-        );
+        let w_norm = &params[self.params.norm.clone()];
+        // Under sequence parallelism the final norm runs on this rank's rows, gathered for the
+        // vocabulary-parallel head, which runs on every token.
+        let nl = self.rows(n);
+        let mut full = self.sp_full::<S>(pool, n);
+        match (self.sp(), full.as_mut()) {
+            (Some(tp), Some(f)) => {
+                let local = &mut f[..nl * c];
+                k.rmsnorm_forward(self.norm(nl), final_input, w_norm, local, &mut rstd);
+                tp.gather_rows(local, &mut out);
+            }
+            _ => k.rmsnorm_forward(self.norm(n), final_input, w_norm, &mut out, &mut rstd),
+        }
         let w_lm = &params[self.params.lm_head.clone()];
         let chunk = n.min(self.ce_chunk_tokens);
         let (logits_name, losses_name) = (
@@ -517,11 +591,21 @@ impl Llama {
             if let Some((grads, _)) = grad.as_mut() {
                 k.head_backward_weight(s, lg, h, &mut grads[self.params.lm_head.clone()]);
                 k.head_backward_input(s, lg, w_lm, h);
-                // The vocabulary-parallel head's input gradient is partial.
-                self.tp_sum(h);
+                // The vocabulary-parallel head's input gradient is partial: summed chunk by
+                // chunk, or under sequence parallelism reduce-scattered once below.
+                if self.sp().is_none() {
+                    self.tp_sum(h);
+                }
             }
             r0 += rows;
         }
+        if let (Some(tp), Some(f), true) = (self.sp(), full.as_mut(), grad.is_some()) {
+            // This rank's rows of d(final norm output), at the front of `out`.
+            let local = &mut f[..nl * c];
+            tp.scatter_rows(&out, local);
+            out[..nl * c].copy_from_slice(local);
+        }
+        self.free_sp_full(pool, full);
         pool.boundary(Boundary::Loss);
         pool.free(logits_name, logits);
         pool.free(losses_name, losses);
@@ -691,39 +775,24 @@ impl Llama {
             out_features: outf,
         };
 
+        // Under sequence parallelism `sc.resid` holds this rank's rows: the row-parallel
+        // products' output gradients are gathered, the column-parallel inputs gathered again
+        // for the weight gradients, and the input gradients reduce-scattered (Korthikanti et
+        // al. 2022 §4.2.2), all through `act.sp.full`.
+        let nl = self.rows(n);
+        let mut full = self.sp_full::<S>(pool, n);
+
         // ---- MLP block: out = resid_mid + down(silu(gate)·up) ----
-        k.matmul_backward_weight(
-            lin(f, c),
-            &sc.resid,
-            &a.swiglu,
-            &mut grads[li.wd.clone()],
-            None,
-        );
-        k.matmul_backward_input(
-            lin(f, c),
-            &sc.resid,
-            p(&li.wd),
-            &mut sc.swiglu,
-            Accum::Overwrite,
-        );
+        let dout = self.gathered_rows(&sc.resid, full.as_mut());
+        k.matmul_backward_weight(lin(f, c), dout, &a.swiglu, &mut grads[li.wd.clone()], None);
+        k.matmul_backward_input(lin(f, c), dout, p(&li.wd), &mut sc.swiglu, Accum::Overwrite);
         pool.free(name(T::Swiglu), a.swiglu);
         k.swiglu_backward(&sc.swiglu, &a.gate, &a.up, &mut sc.gate, &mut sc.up);
         pool.free(name(T::Gate), a.gate);
         pool.free(name(T::Up), a.up);
-        k.matmul_backward_weight(
-            lin(c, f),
-            &sc.gate,
-            &a.ln2_out,
-            &mut grads[li.wg.clone()],
-            None,
-        );
-        k.matmul_backward_weight(
-            lin(c, f),
-            &sc.up,
-            &a.ln2_out,
-            &mut grads[li.wu.clone()],
-            None,
-        );
+        let x2 = self.gathered_rows(&a.ln2_out, full.as_mut());
+        k.matmul_backward_weight(lin(c, f), &sc.gate, x2, &mut grads[li.wg.clone()], None);
+        k.matmul_backward_weight(lin(c, f), &sc.up, x2, &mut grads[li.wu.clone()], None);
         pool.free(name(T::Ln2Out), a.ln2_out);
         k.matmul_backward_input(
             lin(c, f),
@@ -734,11 +803,11 @@ impl Llama {
         );
         k.matmul_backward_input(lin(c, f), &sc.up, p(&li.wu), &mut sc.ln_out, Accum::Add);
         // Column-parallel gate/up: each rank's input gradient is partial (Megatron's `f`).
-        self.tp_sum(&mut sc.ln_out);
+        let dln2 = self.input_grad(&mut sc.ln_out, full.as_mut(), nl);
         // resid_mid feeds both ln2 and the skip connection: d resid_mid = d out + ln2'(d ln2_out).
         k.rmsnorm_backward(
-            self.norm(n),
-            &sc.ln_out,
+            self.norm(nl),
+            dln2,
             &a.resid_mid,
             p(&li.ln2),
             &a.ln2_rstd,
@@ -750,16 +819,17 @@ impl Llama {
         pool.free(name(T::Ln2Rstd), a.ln2_rstd);
 
         // ---- attention block: resid_mid = input + o_proj(attn(q, k, v)) ----
+        let dmid = self.gathered_rows(&sc.resid, full.as_mut());
         k.matmul_backward_weight(
             lin(qd, c),
-            &sc.resid,
+            dmid,
             &a.attn_out,
             &mut grads[li.wo.clone()],
             None,
         );
         k.matmul_backward_input(
             lin(qd, c),
-            &sc.resid,
+            dmid,
             p(&li.wo),
             &mut sc.attn_out,
             Accum::Overwrite,
@@ -789,9 +859,10 @@ impl Llama {
         };
         k.rope_backward(rs(cfg.heads), &self.rope, &mut sc.q);
         k.rope_backward(rs(cfg.kv_heads), &self.rope, &mut sc.k);
-        weight_grad(k, lin(c, qd), &sc.q, &a.ln1_out, grads, &li.wq, &li.bq);
-        weight_grad(k, lin(c, kvd), &sc.k, &a.ln1_out, grads, &li.wk, &li.bk);
-        weight_grad(k, lin(c, kvd), &sc.v, &a.ln1_out, grads, &li.wv, &li.bv);
+        let x1 = self.gathered_rows(&a.ln1_out, full.as_mut());
+        weight_grad(k, lin(c, qd), &sc.q, x1, grads, &li.wq, &li.bq);
+        weight_grad(k, lin(c, kvd), &sc.k, x1, grads, &li.wk, &li.bk);
+        weight_grad(k, lin(c, kvd), &sc.v, x1, grads, &li.wv, &li.bv);
         pool.free(name(T::Ln1Out), a.ln1_out);
         k.matmul_backward_input(
             lin(c, qd),
@@ -802,10 +873,10 @@ impl Llama {
         );
         k.matmul_backward_input(lin(c, kvd), &sc.k, p(&li.wk), &mut sc.ln_out, Accum::Add);
         k.matmul_backward_input(lin(c, kvd), &sc.v, p(&li.wv), &mut sc.ln_out, Accum::Add);
-        self.tp_sum(&mut sc.ln_out);
+        let dln1 = self.input_grad(&mut sc.ln_out, full.as_mut(), nl);
         k.rmsnorm_backward(
-            self.norm(n),
-            &sc.ln_out,
+            self.norm(nl),
+            dln1,
             &a.input,
             p(&li.ln1),
             &a.ln1_rstd,
@@ -813,6 +884,7 @@ impl Llama {
             Accum::Add,
             &mut grads[li.ln1.clone()],
         );
+        self.free_sp_full(pool, full);
         pool.free(name(T::Ln1Rstd), a.ln1_rstd);
         pool.free(name(T::Input), a.input);
         pool.boundary(Boundary::Backward { layer: i as u32 });
@@ -873,12 +945,14 @@ impl Llama {
         let (c, vocab, b) = (self.config.hidden, self.full_config().vocab, batch.b);
         assert_eq!(logits.len(), b * vocab, "logits must be [B, V]");
         let x = self.trunk_no_grad(k, pool, params, batch, tokens);
+        let xs = self.all_rows(&x);
         let last_name = BufName::Edge(Edge::LastHidden);
         let mut last = self.buf(pool, last_name, b);
         for s in 0..b {
             let row = (s * batch.t + batch.t - 1) * c;
-            last[s * c..(s + 1) * c].copy_from_slice(&x[row..row + c]);
+            last[s * c..(s + 1) * c].copy_from_slice(&xs[row..row + c]);
         }
+        drop(xs);
         pool.free(BufName::Edge(Edge::FinalNormInput), x);
         self.logits_of(k, pool, params.unit(Unit::Head), &last, logits);
         pool.free(last_name, last);
@@ -904,8 +978,21 @@ impl Llama {
         );
         let whole = &mut WholeParams(params);
         let x = self.trunk_no_grad(k, pool, whole, batch, tokens);
-        self.logits_of(k, pool, whole, &x, logits);
+        self.logits_of(k, pool, whole, &self.all_rows(&x), logits);
         pool.free(BufName::Edge(Edge::FinalNormInput), x);
+    }
+
+    /// Every token's row of the residual stream: under sequence parallelism gathered from the
+    /// group (sampling and tests only: outside any training plan), else `x` itself.
+    fn all_rows<'a, S: Elem>(&self, x: &'a [S]) -> std::borrow::Cow<'a, [S]> {
+        match self.sp() {
+            Some(tp) => {
+                let mut all = vec![S::from_f32(0.0); x.len() * tp.size];
+                tp.gather_rows(x, &mut all);
+                std::borrow::Cow::Owned(all)
+            }
+            None => std::borrow::Cow::Borrowed(x),
+        }
     }
 
     /// Final norm and LM head over `hidden` rows `[rows, C]` into `logits` `[rows, V]`.
@@ -923,14 +1010,17 @@ impl Llama {
             BufName::Edge(Edge::FinalNormRstd),
             BufName::Edge(Edge::FinalNormOut),
         );
-        let mut rstd = self.buf(pool, rstd_name, rows);
+        let mut rstd = self.buf::<f32>(pool, rstd_name, rows);
         let mut out = self.buf(pool, out_name, rows);
+        // Under sequence parallelism `hidden` holds every token (gathered), the planned rstd
+        // this rank's share of them: these rows' go to a buffer of their own.
+        let mut all_rstd = self.sp().map(|_| vec![0.0f32; rows]);
         k.rmsnorm_forward(
             self.norm(rows),
             hidden,
             &params[self.params.norm.clone()],
             &mut out,
-            &mut rstd,
+            all_rstd.as_deref_mut().unwrap_or(&mut rstd),
         );
         let s = MatmulShape {
             n: rows,

@@ -89,9 +89,21 @@ impl Llama {
         match &self.tp {
             None => k.embedding_forward(tokens, wte, c, &mut x),
             Some(tp) => {
-                // Vocabulary-parallel: this rank's rows, the others' tokens zero, summed.
-                k.embedding_forward_shard(tokens, wte, c, tp.vocab_first(), &mut x);
-                self.tp_sum(&mut x);
+                // Vocabulary-parallel: this rank's rows, the others' tokens zero, summed (under
+                // sequence parallelism reduce-scattered to this rank's tokens).
+                let first = tp.vocab_first();
+                let mut full = self.sp_full::<S>(pool, tokens.len());
+                match full.as_mut() {
+                    Some(f) => {
+                        k.embedding_forward_shard(tokens, wte, c, first, f);
+                        tp.scatter_rows(f, &mut x);
+                    }
+                    None => {
+                        k.embedding_forward_shard(tokens, wte, c, first, &mut x);
+                        self.tp_sum(&mut x);
+                    }
+                }
+                self.free_sp_full(pool, full);
             }
         }
         x
@@ -172,9 +184,10 @@ impl Llama {
         let n = batch.n();
         let g = BufName::Edge;
         let mut resid = self.buf(pool, g(Edge::GradResid), n);
+        let nl = self.rows(n);
         k.rmsnorm_backward(
-            self.norm(n),
-            &head.final_out_grad,
+            self.norm(nl),
+            &head.final_out_grad[..nl * self.config.hidden],
             &head.final_input,
             &params.unit(Unit::Head)[self.params.norm.clone()],
             &head.final_rstd,
@@ -235,7 +248,10 @@ impl Llama {
             None => k.embedding_backward(tokens, &state.0.resid, c, &mut grads[range]),
             Some(tp) => {
                 let first = tp.vocab_first();
-                k.embedding_backward_shard(tokens, &state.0.resid, c, first, &mut grads[range])
+                let mut full = self.sp_full::<S>(pool, tokens.len());
+                let d = self.gathered_rows(&state.0.resid, full.as_mut());
+                k.embedding_backward_shard(tokens, d, c, first, &mut grads[range]);
+                self.free_sp_full(pool, full);
             }
         }
         state.free(pool);

@@ -23,18 +23,27 @@ use crate::dtype::Elem;
 use std::ops::Range;
 use std::rc::Rc;
 
+/// A collective over the tensor-parallel group, on a buffer of `len` f32 (`TpComm::run`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TpOp {
+    /// Every rank's buffer summed into every rank's.
+    AllReduce,
+    /// Rank r fills block r of t equal blocks; every rank gets every block.
+    AllGather,
+    /// Every rank fills the whole buffer; rank r gets the sum of block r.
+    ReduceScatter,
+}
+
 /// The collectives of a tensor-parallel group the model needs. A failed collective leaves its
 /// buffer as it was and is reported by the implementation after the pass (the trainer checks).
 pub trait TpComm {
     fn size(&self) -> usize;
     fn rank(&self) -> usize;
-    /// Sums `len` values over the group through an f32 buffer: `io(buf, true)` writes this
-    /// rank's values into it, `io(buf, false)` reads the sums back (every rank gets the same
-    /// bits). One callback for both, so it may hold the caller's tensor mutably; the values
-    /// may be stored in any precision (bf16 activations are summed in f32 and rounded once).
-    fn all_reduce(&self, len: usize, io: &mut dyn FnMut(&mut [f32], bool));
-    /// Every rank's `send`, in rank order, into `recv`.
-    fn all_gather(&self, send: &[f32], recv: &mut [f32]);
+    /// Runs `op` over the group through an f32 buffer of `len`: `io(buf, true)` writes this
+    /// rank's input into it, `io(buf, false)` reads the result (every rank gets the same bits).
+    /// One callback for both, so it may hold the caller's tensor mutably; the values may be
+    /// stored in any precision (16-bit activations are summed in f32 and rounded once).
+    fn run(&self, op: TpOp, len: usize, io: &mut dyn FnMut(&mut [f32], bool));
 }
 
 /// This rank's place in its tensor-parallel group, and the group's collectives.
@@ -42,6 +51,10 @@ pub trait TpComm {
 pub struct TensorParallel {
     pub size: usize,
     pub rank: usize,
+    /// Sequence parallelism (Korthikanti et al. 2022 §4.2.2): the residual stream and the
+    /// norms hold this rank's 1/t of the tokens; an all-gather before each column-parallel
+    /// block and a reduce-scatter after each row-parallel one replace the all-reduces.
+    pub sp: bool,
     /// The whole model's config (the rank's model runs on [`shard_config`] of it).
     pub full: LlamaConfig,
     comm: Rc<dyn TpComm>,
@@ -49,12 +62,21 @@ pub struct TensorParallel {
 
 impl std::fmt::Debug for TensorParallel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let sp = if self.sp { ", sequence parallel" } else { "" };
         write!(
             f,
-            "TensorParallel {{ rank {} of {} }}",
+            "TensorParallel {{ rank {} of {}{sp} }}",
             self.rank, self.size
         )
     }
+}
+
+fn widen<S: Elem>(x: &[S], f: &mut [f32]) {
+    f.iter_mut().zip(x).for_each(|(o, x)| *o = x.to_f32());
+}
+
+fn narrow<S: Elem>(f: &[f32], x: &mut [S]) {
+    x.iter_mut().zip(f).for_each(|(x, o)| *x = S::from_f32(*o));
 }
 
 impl TensorParallel {
@@ -62,27 +84,52 @@ impl TensorParallel {
         TensorParallel {
             size: comm.size(),
             rank: comm.rank(),
+            sp: false,
             full,
             comm,
         }
     }
 
+    /// With sequence parallelism.
+    pub fn with_sp(mut self, sp: bool) -> Self {
+        self.sp = sp;
+        self
+    }
+
     /// Sums a partial result over the group, in place (in f32, whatever `S`).
     pub(super) fn sum<S: Elem>(&self, buf: &mut [S]) {
-        self.comm.all_reduce(buf.len(), &mut |f, fill| match fill {
-            true => f
-                .iter_mut()
-                .zip(buf.iter())
-                .for_each(|(o, x)| *o = x.to_f32()),
-            false => buf
-                .iter_mut()
-                .zip(f)
-                .for_each(|(x, o)| *x = S::from_f32(*o)),
-        });
+        self.comm
+            .run(TpOp::AllReduce, buf.len(), &mut |f, fill| match fill {
+                true => widen(buf, f),
+                false => narrow(f, buf),
+            });
+    }
+
+    /// Every rank's `local` rows, rank order, into `full` (sequence parallelism's gather).
+    pub(super) fn gather_rows<S: Elem>(&self, local: &[S], full: &mut [S]) {
+        let (n, r) = (local.len(), self.rank);
+        debug_assert_eq!(full.len(), n * self.size);
+        self.comm
+            .run(TpOp::AllGather, full.len(), &mut |f, fill| match fill {
+                true => widen(local, &mut f[r * n..(r + 1) * n]),
+                false => narrow(f, full),
+            });
+    }
+
+    /// This rank's block of the sum over ranks of `full` (every rank's partial result for
+    /// every row), into `local` (sequence parallelism's reduce-scatter).
+    pub(super) fn scatter_rows<S: Elem>(&self, full: &[S], local: &mut [S]) {
+        let (n, r) = (local.len(), self.rank);
+        debug_assert_eq!(full.len(), n * self.size);
+        self.comm
+            .run(TpOp::ReduceScatter, full.len(), &mut |f, fill| match fill {
+                true => widen(full, f),
+                false => narrow(&f[r * n..(r + 1) * n], local),
+            });
     }
 
     pub(super) fn gather(&self, send: &[f32], recv: &mut [f32]) {
-        self.comm.all_gather(send, recv);
+        self.gather_rows(send, recv);
     }
 
     /// The first vocabulary row this rank holds.

@@ -25,6 +25,9 @@ pub(super) struct LayerComm {
     /// Collectives a full recomputation replays: the forward's, or for ferrotron's engine
     /// only the attention block's (its replay stops before the MLP's output projection).
     pub(super) tp_replay: f64,
+    /// f32 elements of the layer's norm gradients all-reduced once they are final (ferrotron
+    /// under sequence parallelism: each rank's hold only its tokens' share).
+    pub(super) tp_norm_elems: f64,
     /// CP: bytes of one ring step (this rank's K and V chunk); steps per forward.
     pub(super) cp_bytes: f64,
     pub(super) cp_steps: f64,
@@ -125,6 +128,7 @@ impl LayerCost {
                 tp_fwd: self.comm.tp_fwd,
                 tp_bwd: self.comm.tp_bwd,
                 tp_replay: self.comm.tp_replay,
+                tp_norm_elems: self.comm.tp_norm_elems,
                 cp_bytes: self.comm.cp_bytes,
                 cp_steps: self.comm.cp_steps,
                 // Dense layers have no all-to-all: the mean layer has the MoE layers' share.
@@ -343,6 +347,16 @@ fn one_layer_cost(tm: &TimeModel, x: &PlanInput, e: &Efficiency, layer: u64) -> 
             Convention::Ferrotron => 1.0,
             _ => out.comm.tp_fwd,
         };
+        if x.convention == Convention::Ferrotron && l.sp {
+            // ferrotron's backward under sequence parallelism (units of one all-gather +
+            // reduce-scatter pair): per block it gathers the output gradient and the saved
+            // norm output again (for the weight gradients) and reduce-scatters the input
+            // gradient, 3 pairs per layer; its replay gathers two inputs and scatters the
+            // attention output, 1.5 pairs; the norms' gradients are all-reduced.
+            out.comm.tp_bwd = 3.0;
+            out.comm.tp_replay = 1.5;
+            out.comm.tp_norm_elems = 2.0 * h;
+        }
     }
     if l.cp > 1 {
         // Ring attention (Liu et al. 2023): cp − 1 steps, each passing this rank's K and V chunk.

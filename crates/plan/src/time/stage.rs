@@ -64,6 +64,10 @@ impl StageInputs<'_> {
         if lc.recompute_comm {
             tp_count += lc.comm.tp_replay * k;
         }
+        // Norm gradients all-reduced once per step, or after every micro-batch when ZeRO-2/3
+        // reduce each micro-batch's gradients (this is one micro-batch's share).
+        let per_step = if l.zero >= 2 { 1.0 } else { r.grad_acc as f64 };
+        let mut norm_elems = lc.comm.tp_norm_elems * k;
         let mut tp_extra = 0.0;
         if stage == 0 {
             s.compute += emb.fwd + emb.bwd;
@@ -75,6 +79,15 @@ impl StageInputs<'_> {
             s.backward_s += head.bwd.s();
             tp_count += head.tp_collectives;
             tp_extra += head.tp_extra_bytes;
+            // The final norm's, with the layers'.
+            if lc.comm.tp_norm_elems > 0.0 {
+                norm_elems += lc.comm.tp_norm_elems / 2.0;
+            }
+        }
+        if norm_elems > 0.0 {
+            let all_reduce =
+                crate::comm::bytes_per_rank(Collective::AllReduce, 4.0 * norm_elems, l.tp);
+            tp_extra += all_reduce / per_step;
         }
         if l.tp > 1 {
             // With SP, each "collective" above is one all-gather or one reduce-scatter pair
