@@ -8,7 +8,8 @@
 #     more than its weight shard saves on this small model at dp 2: printed, and planned),
 #   - the trace is one file with both processes' kernels and collectives,
 #   - a checkpoint both processes write (ZeRO-3) resumes on ZeRO-1 along the same trajectory,
-#   - dp 2 × tp 2 under mpirun -np 4 agrees with threads and with dp 2 alone,
+#   - dp 2 × tp 2 (with and without --sp) under mpirun -np 4 agrees with threads and with dp 2
+#     alone,
 #   - mpirun's process count disagreeing with --dp fails at once with one line naming both.
 # Needs Open MPI (Debian: openmpi-bin libopenmpi-dev). Run by scripts/test.sh.
 set -euo pipefail
@@ -62,11 +63,12 @@ assert peak[2] < peak[1] < peak[0], f"per-rank peaks of ZeRO 0, 1, 2: {peak}"
 print("per-rank peak: " + ", ".join(f"ZeRO-{z} {p} B" for z, p in enumerate(peak)))
 PY
 
-echo "== tensor parallelism: dp 2 × tp 2 (four processes) = threads"
 MPIRUN4=("${MPIRUN[@]}")
 MPIRUN4[2]=4
-"$BIN" "${COMMON[@]}" --tp 2 --zero 1 --steps 4 --out-dir "$OUT/tp-threads" 2>"$OUT/tp.log" || { cat "$OUT/tp.log"; exit 1; }
-timeout 300 "${MPIRUN4[@]}" "$BIN" "${COMMON[@]}" --tp 2 --zero 1 --steps 4 --out-dir "$OUT/tp-mpi" \
+for SP in "" "--sp"; do
+echo "== tensor parallelism: dp 2 × tp 2 $SP (four processes) = threads"
+"$BIN" "${COMMON[@]}" --tp 2 $SP --zero 1 --steps 4 --out-dir "$OUT/tp-threads" 2>"$OUT/tp.log" || { cat "$OUT/tp.log"; exit 1; }
+timeout 300 "${MPIRUN4[@]}" "$BIN" "${COMMON[@]}" --tp 2 $SP --zero 1 --steps 4 --out-dir "$OUT/tp-mpi" \
     2>"$OUT/tp-mpi.log" || { cat "$OUT/tp-mpi.log"; exit 1; }
 python3 - "$OUT/tp-threads/metrics.jsonl" "$OUT/tp-mpi/metrics.jsonl" "$OUT/threads1/metrics.jsonl" <<'PY'
 import json, sys
@@ -79,8 +81,11 @@ for t, m, d in zip(threads, mpi, dp_only):
     assert len(m["rank_mem"]) == 4, m["rank_mem"]
     for x in m["rank_mem"]:
         assert abs(x["mem_peak_measured"] / x["mem_peak_planned"] - 1) < 0.01, x
-print("dp 2 x tp 2: mpirun -np 4 = threads within 1e-6, = dp 2 alone within 1e-5; 4 ranks within 1% of their plans")
+    assert m["tp_comm_bytes"] == m["tp_comm_bytes_planned"], m
+print("dp 2 x tp 2: mpirun -np 4 = threads within 1e-6, = dp 2 alone within 1e-5; 4 ranks within 1% of their plans; bytes as planned")
 PY
+rm -rf "$OUT/tp-threads" "$OUT/tp-mpi"
+done
 
 echo "== a checkpoint written by both processes in parallel (ZeRO-3), resumed re-sharded (ZeRO-1)"
 # Stopped after step 2 of 4, each rank writing its own blocks of one checkpoint; resumed on the
