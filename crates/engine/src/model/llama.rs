@@ -265,6 +265,14 @@ impl Llama {
 
     fn check_batch(&self, batch: BatchShape, tokens: &[u32]) {
         assert_eq!(tokens.len(), batch.n(), "tokens must hold B·T ids");
+        if let Some(tp) = self.sp() {
+            assert!(
+                batch.n().is_multiple_of(tp.size),
+                "sequence parallelism splits B·T = {} tokens over {} ranks",
+                batch.n(),
+                tp.size
+            );
+        }
         assert!(
             batch.t <= self.config.max_pos,
             "sequence length {} exceeds max_position_embeddings {}",
