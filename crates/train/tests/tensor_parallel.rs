@@ -210,5 +210,13 @@ fn layouts_tensor_parallelism_cannot_run_are_refused_with_the_fix() {
         bad(&|a| a.layout.tp = Some(4)),
         "config field `num_key_value_heads` = 2: tensor parallelism splits the key/value heads over the ranks: tp = 4 must divide it (this model splits at tp = 2)"
     );
+    assert_eq!(
+        bad(&|a| (a.layout.sp, a.mbs, a.seq) = (Some(true), Some(1), Some(33))),
+        "sp = true: sequence parallelism splits a micro-batch's 33 tokens (mbs × seq) over tp = 2: make it a multiple"
+    );
+    assert_eq!(
+        bad(&|a| (a.layout.sp, a.layout.tp) = (Some(true), None)),
+        "sp = true: sequence parallelism divides the tensor-parallel group's activations: add --tp 2 or more"
+    );
     assert!(!out.join("metrics.jsonl").exists(), "nothing written");
 }
