@@ -118,7 +118,9 @@ fn tensor_parallel_ranks_give_the_one_rank_loss_and_gradients() {
         let (p, tk, tg, fc) = (params.clone(), tokens.clone(), targets.clone(), full_cfg);
         let ranks = threads::run(tp, Duration::from_secs(60), move |_, comm| {
             let group = Rc::new(Group(comm));
-            let tpar = TensorParallel::new(fc.clone(), group).with_sp(sp);
+            let tpar = TensorParallel::new(fc.clone(), group)
+                .map_err(|e| e.to_string())?
+                .with_sp(sp);
             let model = Llama::tensor_parallel(tpar)
                 .map_err(|e| e.to_string())?
                 .with_recompute(rc);

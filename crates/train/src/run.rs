@@ -460,9 +460,9 @@ fn run_rank(
     let mut t = Trainer::new(cfg.clone(), spec, llama, loader, val, peak_gflops, comms)?;
     if let Some(l) = &loaded {
         let exactly = checkpoint::hf::Dtypes::Exactly(t.params.dtype());
-        let whole = t.whole_model();
-        t.set_weights(checkpoint::load_weights(&l.dir, &whole.params, exactly)?);
-        let (n, blocks) = (whole.num_params(), t.held_blocks());
+        let weights = checkpoint::load_weights(&l.dir, t.whole_params(), exactly)?;
+        t.set_weights(weights);
+        let (n, blocks) = (t.whole_params().total, t.held_blocks());
         let master = t.master.is_some();
         let len = t.states_len();
         if let Some((opt, master)) = checkpoint::load_optimizer(&l.dir, n, &blocks, len, master)? {

@@ -5,7 +5,6 @@
 //! weights; and the gradient norm's share of the replicated norms.
 
 use anyhow::anyhow;
-use ferrotron_engine::Elem;
 type Result<T, E = anyhow::Error> = std::result::Result<T, E>;
 use ferrotron_dist::Communicator;
 use ferrotron_engine::model::tensor_parallel::TpOp;
@@ -82,9 +81,10 @@ impl TpGroup {
         op: &str,
     ) -> Option<Vec<f32>> {
         let mut buf = std::mem::take(&mut *self.staging.borrow_mut());
-        debug_assert!(
+        // Growing it here would allocate inside the step, outside the plan.
+        assert!(
             buf.capacity() >= len,
-            "comm.tp.staging is {} < {len}",
+            "internal: comm.tp.staging holds {} f32, a collective needs {len}",
             buf.capacity()
         );
         buf.clear();
@@ -181,29 +181,15 @@ impl TpComm for TpGroup {
     }
 }
 
-/// Sums a replicated norm's gradient over the group, in place. Under sequence parallelism each
-/// rank's holds only its tokens' share (Megatron-LM all-reduces these "sequence-parallel
-/// parameters'" gradients in the tensor-parallel group before the optimizer).
-pub fn sum_grads<G: Elem>(tp: &TpGroup, g: &mut [G]) {
-    tp.run(TpOp::AllReduce, g.len(), &mut |f, fill| match fill {
-        true => f
-            .iter_mut()
-            .zip(g.iter())
-            .for_each(|(o, x)| *o = x.to_f32()),
-        false => g.iter_mut().zip(f).for_each(|(x, o)| *x = G::from_f32(*o)),
-    });
-}
-
 /// The rank's slice of `whole` (every parameter of the model, flat order) in the order of
 /// `model`'s table.
 pub fn slice_of(model: &Llama, whole: &[f32]) -> Vec<f32> {
     let Some(tp) = &model.tp else {
         return whole.to_vec();
     };
-    let full = Llama::new(tp.full.clone());
     let mut out = vec![0.0; model.num_params()];
-    for (l, f) in shard_pieces(&full.params, &model.params, tp.rank) {
-        out[l].copy_from_slice(&whole[f]);
+    for (l, f) in &tp.pieces {
+        out[l.clone()].copy_from_slice(&whole[f.clone()]);
     }
     out
 }
@@ -212,11 +198,10 @@ pub fn slice_of(model: &Llama, whole: &[f32]) -> Vec<f32> {
 /// each `model.num_params()` long).
 pub fn whole_of(model: &Llama, slices: &[f32]) -> Vec<f32> {
     let tp = model.tp.as_ref().expect("a tensor-parallel model");
-    let full = Llama::new(tp.full.clone());
     let n = model.num_params();
-    let mut out = vec![0.0; full.num_params()];
+    let mut out = vec![0.0; tp.whole.total];
     for (rank, slice) in slices.chunks(n).enumerate() {
-        for (l, f) in shard_pieces(&full.params, &model.params, rank) {
+        for (l, f) in shard_pieces(&tp.whole, &model.params, rank) {
             out[f].copy_from_slice(&slice[l]);
         }
     }
@@ -227,7 +212,7 @@ pub fn whole_of(model: &Llama, slices: &[f32]) -> Vec<f32> {
 /// the same gradient: the norm counts them once).
 pub fn is_replicated(model: &Llama, r: &Range<usize>) -> bool {
     match &model.tp {
-        Some(tp) => replicated(&Llama::new(tp.full.clone()).params, &model.params, r.start),
+        Some(tp) => replicated(&tp.whole, &model.params, r.start),
         None => false,
     }
 }

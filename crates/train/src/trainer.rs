@@ -205,12 +205,13 @@ pub struct StepOutput {
 }
 
 /// The norms whose gradients a backward step has just completed (the parameters sequence
-/// parallelism leaves partial on each rank).
-fn norms_of(d: &GradsDone) -> Vec<Range<usize>> {
+/// parallelism leaves partial on each rank), empty ranges where there is none: the step
+/// allocates nothing for it.
+fn norms_of(d: &GradsDone) -> [Range<usize>; 2] {
     match d {
-        GradsDone::FinalNorm(r) => vec![(*r).clone()],
-        GradsDone::Layer(_, li) => vec![li.ln1.clone(), li.ln2.clone()],
-        GradsDone::Embedding(_) => Vec::new(),
+        GradsDone::FinalNorm(r) => [(*r).clone(), 0..0],
+        GradsDone::Layer(_, li) => [li.ln1.clone(), li.ln2.clone()],
+        GradsDone::Embedding(_) => [0..0, 0..0],
     }
 }
 
@@ -332,6 +333,15 @@ impl Trainer {
                 cfg.data.grad_acc,
             )
         });
+        // This rank's place in its tensor-parallel group (with the tables mapping its slices
+        // onto the whole model): metadata of the process, like the data index.
+        let tp_rank = match &comms.tp {
+            Some(tp) => {
+                let group: Rc<dyn TpComm> = tp.clone();
+                Some(TensorParallel::new(llama.clone(), group)?.with_sp(cfg.parallel.sp))
+            }
+            None => None,
+        };
         let baseline = alloc::live();
         if let Some(t) = &mut timeline {
             t.set_baseline(baseline);
@@ -340,12 +350,8 @@ impl Trainer {
         // precision that is the fp32 master copy, and the weights are it rounded. A tensor-
         // parallel rank takes its slice of the same weights.
         let whole_init = Llama::new(llama.clone()).params.init(cfg.data.seed, 0.02);
-        let model = match &comms.tp {
-            Some(tp) => {
-                let group: Rc<dyn TpComm> = tp.clone();
-                let tp = TensorParallel::new(llama, group).with_sp(cfg.parallel.sp);
-                Llama::tensor_parallel(tp)?
-            }
+        let model = match tp_rank {
+            Some(tp) => Llama::tensor_parallel(tp)?,
             None => Llama::new(llama),
         };
         let model = model
@@ -674,10 +680,7 @@ impl Trainer {
                 let (pool, tokens) = (&mut self.pool, &self.tokens);
                 // Sequence parallelism leaves each rank its tokens' share of the norms'
                 // gradients: summed over the group once they are final (as reduced below).
-                let sp = self
-                    .tp
-                    .as_deref()
-                    .filter(|_| self.model.tp.as_ref().is_some_and(|t| t.sp));
+                let sp = self.model.tp.as_ref().filter(|t| t.sp);
                 match dp {
                     // The last micro-batch's gradients are reduced as the backward finishes
                     // them; under ZeRO-2 and 3 every micro-batch's, since its windows are reused.
@@ -685,8 +688,8 @@ impl Trainer {
                         let mut shard = zero2.then_some(&mut *shard);
                         let done = &mut |d: GradsDone, g: &mut dyn GradBuf<G>| {
                             if let Some(tp) = sp {
-                                for r in norms_of(&d) {
-                                    tpar::sum_grads(tp, &mut g[r]);
+                                for r in norms_of(&d).into_iter().filter(|r| !r.is_empty()) {
+                                    tp.sum(&mut g[r]);
                                 }
                             }
                             let mut sums = Sums {
@@ -714,8 +717,8 @@ impl Trainer {
                     _ => {
                         let done = &mut |d: GradsDone, g: &mut dyn GradBuf<G>| {
                             if let (Some(tp), true) = (sp, mb == last_mb) {
-                                for r in norms_of(&d) {
-                                    tpar::sum_grads(tp, &mut g[r]);
+                                for r in norms_of(&d).into_iter().filter(|r| !r.is_empty()) {
+                                    tp.sum(&mut g[r]);
                                 }
                             }
                         };
@@ -998,15 +1001,9 @@ impl Trainer {
         let Some(tp) = &self.model.tp else {
             return local;
         };
-        let full = Llama::new(tp.full.clone());
-        let pieces = ferrotron_engine::model::tensor_parallel::shard_pieces(
-            &full.params,
-            &self.model.params,
-            tp.rank,
-        );
         let mut out = Vec::new();
         for (r, at) in local {
-            for (l, f) in &pieces {
+            for (l, f) in &tp.pieces {
                 let (a, b) = (r.start.max(l.start), r.end.min(l.end));
                 if a >= b || (writing && tp.rank > 0 && tpar::is_replicated(&self.model, l)) {
                     continue;
@@ -1023,16 +1020,11 @@ impl Trainer {
         let Some(tp) = &self.model.tp else {
             return whole.start;
         };
-        let full = Llama::new(tp.full.clone());
-        ferrotron_engine::model::tensor_parallel::shard_pieces(
-            &full.params,
-            &self.model.params,
-            tp.rank,
-        )
-        .into_iter()
-        .find(|(_, f)| f.contains(&whole.start))
-        .map(|(l, f)| l.start + (whole.start - f.start))
-        .expect("a block of this rank's parameters")
+        tp.pieces
+            .iter()
+            .find(|(_, f)| f.contains(&whole.start))
+            .map(|(l, f)| l.start + (whole.start - f.start))
+            .expect("a block of this rank's parameters")
     }
 
     /// Elements of this rank's optimizer states.
@@ -1064,6 +1056,14 @@ impl Trainer {
     /// with [`Trainer::full_weights`].
     pub fn whole_model(&self) -> Llama {
         Llama::new(self.model.full_config().clone())
+    }
+
+    /// The whole model's parameter table (this rank's under tensor parallelism is its slice's).
+    pub fn whole_params(&self) -> &ferrotron_engine::model::ParamTable {
+        self.model
+            .tp
+            .as_ref()
+            .map_or(&self.model.params, |t| &t.whole)
     }
 
     /// Waits for every rank (nothing alone).

@@ -591,7 +591,7 @@ impl Llama {
                     let (mine, all) = st.split_at_mut(3 * chunk);
                     let (mine, all) = (&mut mine[..3 * rows], &mut all[..3 * rows * tp.size]);
                     k.ce_shard_stats(ce, lg, t, mine, scale.is_some());
-                    tp.gather(mine, all);
+                    tp.gather_rows(mine, all);
                     k.ce_shard_finish(ce, lg, t, all, tp.rank, l, scale)
                 }
                 _ => k.cross_entropy(CeShape { rows, vocab }, lg, t, l, scale),
@@ -1045,7 +1045,7 @@ impl Llama {
                 let mut mine = vec![0.0; rows * v];
                 k.head_forward(s, &out, w, &mut mine);
                 let mut all = vec![0.0; rows * v * tp.size];
-                tp.gather(&mine, &mut all);
+                tp.gather_rows(&mine, &mut all);
                 for (r, part) in all.chunks(rows * v).enumerate() {
                     for (i, row) in part.chunks(v).enumerate() {
                         let at = i * v * tp.size + r * v;

@@ -57,6 +57,11 @@ pub struct TensorParallel {
     pub sp: bool,
     /// The whole model's config (the rank's model runs on [`shard_config`] of it).
     pub full: LlamaConfig,
+    /// The whole model's parameter table (checkpoints hold its tensors).
+    pub whole: ParamTable,
+    /// This rank's slices of the whole model: (range of its flat parameters, range of the
+    /// whole model's), [`shard_pieces`].
+    pub pieces: Vec<(Range<usize>, Range<usize>)>,
     comm: Rc<dyn TpComm>,
 }
 
@@ -80,14 +85,21 @@ fn narrow<S: Elem>(f: &[f32], x: &mut [S]) {
 }
 
 impl TensorParallel {
-    pub fn new(full: LlamaConfig, comm: Rc<dyn TpComm>) -> Self {
-        TensorParallel {
-            size: comm.size(),
-            rank: comm.rank(),
+    /// Rank `comm.rank()` of the group splitting `full` (refused when the group cannot
+    /// split it: [`shard_config`]).
+    pub fn new(full: LlamaConfig, comm: Rc<dyn TpComm>) -> Result<Self, ModelError> {
+        let (size, rank) = (comm.size(), comm.rank());
+        let local = ParamTable::new(&shard_config(&full, size)?);
+        let whole = ParamTable::new(&full);
+        Ok(TensorParallel {
+            size,
+            rank,
             sp: false,
+            pieces: shard_pieces(&whole, &local, rank),
+            whole,
             full,
             comm,
-        }
+        })
     }
 
     /// With sequence parallelism.
@@ -96,8 +108,9 @@ impl TensorParallel {
         self
     }
 
-    /// Sums a partial result over the group, in place (in f32, whatever `S`).
-    pub(super) fn sum<S: Elem>(&self, buf: &mut [S]) {
+    /// Sums a partial result over the group, in place (in f32, whatever `S`): a row-parallel
+    /// product's, or (the trainer's) a norm's gradient shares under sequence parallelism.
+    pub fn sum<S: Elem>(&self, buf: &mut [S]) {
         self.comm
             .run(TpOp::AllReduce, buf.len(), &mut |f, fill| match fill {
                 true => widen(buf, f),
@@ -126,10 +139,6 @@ impl TensorParallel {
                 true => widen(full, f),
                 false => narrow(&f[r * n..(r + 1) * n], local),
             });
-    }
-
-    pub(super) fn gather(&self, send: &[f32], recv: &mut [f32]) {
-        self.gather_rows(send, recv);
     }
 
     /// The first vocabulary row this rank holds.

@@ -103,8 +103,7 @@ pub fn save(dir: &Path, t: &Trainer, tokenizer_json: &str, tokenizer_name: &str)
     // Named by the step, not a process id, so ranks in other processes find it.
     let tmp = parent.join(format!(".{name}.tmp-step{}", t.step));
     // The whole model's tensors, whatever slice of them this rank holds.
-    let whole = t.whole_model();
-    let table = &whole.params;
+    let table = t.whole_params();
     let weights = FlatFile::new(
         t.params.dtype(),
         &table
@@ -219,7 +218,7 @@ fn finish(
         step: t.step,
         config: t.cfg.clone(),
         loader: t.loader.state(),
-        params: t.whole_model().params.total as u64,
+        params: t.whole_params().total as u64,
         tokenizer: tokenizer_name.into(),
         loss_scaler: t.scaler.clone(),
     };

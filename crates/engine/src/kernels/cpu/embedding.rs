@@ -4,11 +4,15 @@ use super::simd::SendPtr;
 use crate::dtype::Elem;
 use rayon::prelude::*;
 
-pub fn forward<S: Elem>(tokens: &[u32], wte: &[S], c: usize, out: &mut [S]) {
-    let vocab = wte.len() / c;
+/// One rank's whole table: every token must be in it.
+fn check_tokens(tokens: &[u32], vocab: usize) {
     for &t in tokens {
         assert!((t as usize) < vocab, "token id {t} >= vocab {vocab}");
     }
+}
+
+pub fn forward<S: Elem>(tokens: &[u32], wte: &[S], c: usize, out: &mut [S]) {
+    check_tokens(tokens, wte.len() / c);
     forward_shard(tokens, wte, c, 0, out)
 }
 
@@ -27,10 +31,7 @@ pub fn forward_shard<S: Elem>(tokens: &[u32], wte: &[S], c: usize, first: usize,
 /// Repeated tokens would race if parallelised over rows, so tasks own column blocks instead:
 /// every task walks all tokens and adds its `BLOCK` columns (no scratch, deterministic order).
 pub fn backward<S: Elem, G: Elem>(tokens: &[u32], dout: &[S], c: usize, dwte: &mut [G]) {
-    let vocab = dwte.len() / c;
-    for &t in tokens {
-        assert!((t as usize) < vocab, "token id {t} >= vocab {vocab}");
-    }
+    check_tokens(tokens, dwte.len() / c);
     backward_shard(tokens, dout, c, 0, dwte)
 }
 
