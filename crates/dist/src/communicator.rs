@@ -54,6 +54,11 @@ pub trait Communicator: Send {
     fn all_to_all(&self, send: &[f32], recv: &mut [f32]) -> Result<()>;
     /// `buf` to rank `dst`, matched by its `recv` with the same `tag`.
     fn send(&self, buf: &[f32], dst: usize, tag: u32) -> Result<()>;
+    /// Starts sending `buf` to rank `dst` (matched by its `recv` with `tag`) and returns at
+    /// once; `Pending::wait` hands the buffer back when it may be reused. A pipeline stage
+    /// sends from a few planned buffers this way and allocates nothing per message. Messages
+    /// from one rank to another with one tag are received in the order they were sent.
+    fn send_start(&self, buf: Vec<f32>, dst: usize, tag: u32) -> Pending;
     /// A message from rank `src` with `tag`, of exactly `buf.len()` elements.
     fn recv(&self, buf: &mut [f32], src: usize, tag: u32) -> Result<()>;
     fn barrier(&self) -> Result<()>;

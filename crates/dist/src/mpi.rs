@@ -418,6 +418,46 @@ impl Communicator for MpiComm {
         Ok(())
     }
 
+    fn send_start(&self, buf: Vec<f32>, dst: usize, tag: u32) -> Pending {
+        let started = (|| {
+            shapes::member(self.size, dst, "destination").map_err(|e| self.usage("send", e))?;
+            if tag > self.tag_ub {
+                return Err(self.usage(
+                    "send",
+                    format!("tag {tag} is over MPI_TAG_UB {}", self.tag_ub),
+                ));
+            }
+            let n = self.count("send", buf.len())?;
+            let mut req: *mut c_void = std::ptr::null_mut();
+            // SAFETY: `buf` moves into the pending operation with the request, which waits
+            // for it before the buffer is handed back or freed (its heap block does not move).
+            self.check(
+                unsafe {
+                    ffi::ft_isend(
+                        self.comm,
+                        buf.as_ptr(),
+                        n,
+                        dst as c_int,
+                        tag as c_int,
+                        &mut req,
+                    )
+                },
+                "send",
+            )?;
+            Ok(req)
+        })();
+        match started {
+            Ok(req) => Pending::from_completion(Box::new(MpiPending {
+                req,
+                buf,
+                rank: self.rank,
+                shift: 0,
+                block: 0,
+            })),
+            Err(e) => Pending::from_completion(Box::new(Failed(Some(e)))),
+        }
+    }
+
     fn recv(&self, buf: &mut [f32], src: usize, tag: u32) -> Result<()> {
         shapes::member(self.size, src, "source").map_err(|e| self.usage("recv", e))?;
         if tag > self.tag_ub {

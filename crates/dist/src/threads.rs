@@ -25,7 +25,9 @@ const POLL: Duration = Duration::from_millis(50);
 
 type Slots = Vec<Option<Vec<f32>>>;
 /// Messages in flight, by (source world rank, destination world rank, tag), oldest first.
-type Mailboxes = HashMap<(usize, usize, u32), VecDeque<Vec<f32>>>;
+/// A message in a mailbox, and (from `send_start`) where its buffer goes back to once read.
+type Letter = (Vec<f32>, Option<mpsc::SyncSender<Result<Vec<f32>>>>);
+type Mailboxes = HashMap<(usize, usize, u32), VecDeque<Letter>>;
 
 #[derive(Default)]
 struct Round {
@@ -399,6 +401,15 @@ impl ThreadComm {
         Pending::new(rx, self.world.timeout, self.world_rank)
     }
 
+    /// Puts a letter in the mailbox of (this rank, world rank `to`, `tag`).
+    fn post(&self, to: usize, tag: u32, letter: Letter) {
+        let mut mail = self.world.mail.lock().unwrap_or_else(|e| e.into_inner());
+        mail.entry((self.world_rank, to, tag))
+            .or_default()
+            .push_back(letter);
+        self.world.mail_cv.notify_all();
+    }
+
     fn usage(&self, op: &'static str, problem: String) -> CommError {
         CommError::Usage {
             rank: self.world_rank,
@@ -514,12 +525,22 @@ impl Communicator for ThreadComm {
         if let Some(e) = self.world.failure() {
             return Err(e);
         }
-        let mut mail = self.world.mail.lock().unwrap_or_else(|e| e.into_inner());
-        mail.entry((self.world_rank, to, tag))
-            .or_default()
-            .push_back(buf.to_vec());
-        self.world.mail_cv.notify_all();
+        self.post(to, tag, (buf.to_vec(), None));
         Ok(())
+    }
+
+    fn send_start(&self, buf: Vec<f32>, dst: usize, tag: u32) -> Pending {
+        if let Err(e) = shapes::member(self.size(), dst, "destination") {
+            return self.failed(self.usage("send", e));
+        }
+        if let Some(e) = self.world.failure() {
+            return self.failed(e);
+        }
+        // A one-place channel: created (and freed) by this rank's thread, and the reader's
+        // send into it allocates nothing, so per-rank memory accounting stays exact.
+        let (tx, rx) = mpsc::sync_channel(1);
+        self.post(self.members[dst], tag, (buf, Some(tx)));
+        Pending::new(rx, self.world.timeout, self.world_rank)
     }
 
     fn recv(&self, buf: &mut [f32], src: usize, tag: u32) -> Result<()> {
@@ -532,14 +553,20 @@ impl Communicator for ThreadComm {
                 .wait(&self.world.mail_cv, mail, self.world_rank, "recv", |m| {
                     m.get(&key).is_some_and(|q| !q.is_empty())
                 })?;
-        let msg = mail
+        let (msg, back) = mail
             .get_mut(&key)
             .and_then(VecDeque::pop_front)
             .expect("waited for a message");
         drop(mail);
-        shapes::message(src, tag, msg.len(), buf.len()).map_err(|e| self.usage("recv", e))?;
-        buf.copy_from_slice(&msg);
-        Ok(())
+        let fits = shapes::message(src, tag, msg.len(), buf.len());
+        if fits.is_ok() {
+            buf.copy_from_slice(&msg);
+        }
+        // The sender's buffer goes back to it (its `send_start` completes).
+        if let Some(back) = back {
+            let _ = back.send(Ok(msg));
+        }
+        fits.map_err(|e| self.usage("recv", e))
     }
 
     fn barrier(&self) -> Result<()> {

@@ -164,7 +164,8 @@ pub fn comm_buffers(
         add("sp.allgather", st, n * m.hidden, cb, true);
     }
     // Pipeline point-to-point: one send and one receive buffer of the boundary activation.
-    if l.pp > 1 {
+    // (ferrotron's trainer sends from a few f32 buffers per direction: `planner::pp_buffers`.)
+    if l.pp > 1 && !ferrotron {
         add(
             "pp.send_recv",
             st,

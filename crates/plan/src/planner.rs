@@ -1,7 +1,7 @@
 //! `plan()`: from (model, recipe, layout, convention) to one `MemoryPlan` per kind of rank
 //! (pipeline stage), swept into peaks, breakdowns and a timeline.
 
-use crate::activations::{edge_acts, layer_acts, Act};
+use crate::activations::{edge_acts, layer_acts, Act, Dims};
 use crate::buffers::{comm_buffers, units, Units};
 use crate::convention::Convention;
 use crate::error::{PlanError, Result};
@@ -11,7 +11,7 @@ use crate::layout::{Layout, PpSchedule};
 use crate::memory::{Breakdown, BufId, MemoryPlan, Phase, Sweep};
 use crate::model::ModelSpec;
 use crate::recipe::Recipe;
-use crate::schedule::{order, simulated_micro_batches, Work};
+use crate::schedule::{order, send_buffers, simulated_micro_batches, slots, Direction, Work};
 use crate::states::{add_states, RankElems};
 use crate::tensors::{Edge, LayerTensor, LAYER_PREFIX, WORKSPACE_PREFIX};
 use serde::Serialize;
@@ -248,11 +248,12 @@ fn vocab_padding(conv: Convention, spec: Option<&ModelSpec>, l: &Layout, stage: 
 #[derive(Default)]
 struct EdgeIds {
     persistent: Vec<BufId>,
-    embedding: Vec<BufId>,
+    /// Per in-flight slot (as `final_input` and `head`).
+    embedding: Vec<Vec<BufId>>,
     /// The last layer's output (ferrotron: `act.final_norm.input`), part of `head`.
-    final_input: Vec<BufId>,
+    final_input: Vec<Vec<BufId>>,
     /// The rest of `head`.
-    head: Vec<BufId>,
+    head: Vec<Vec<BufId>>,
     loss: Vec<BufId>,
     scratch_first: Vec<BufId>,
     head_backward: Vec<BufId>,
@@ -260,10 +261,59 @@ struct EdgeIds {
 }
 
 fn add_acts(plan: &mut MemoryPlan, prefix: &str, acts: &[Act]) -> Vec<BufId> {
+    add_slot(plan, prefix, acts, 0)
+}
+
+/// The buffers of `acts` for in-flight slot `slot` (`schedule::slots`): slot 0 has the plain
+/// names, slot s the names with `@s` (`act.layers.3.q@1`: layer 3's q of the second micro-batch
+/// a pipeline stage holds at once).
+fn add_slot(plan: &mut MemoryPlan, prefix: &str, acts: &[Act], slot: u64) -> Vec<BufId> {
+    let at = match slot {
+        0 => String::new(),
+        s => format!("{SLOT_MARK}{s}"),
+    };
     acts.iter()
         .filter(|a| a.numel > 0)
-        .map(|a| plan.add(format!("{prefix}{}", a.name), a.dtype, a.numel, a.category))
+        .map(|a| plan.add(format!("{prefix}{}{at}", a.name), a.dtype, a.numel, a.category))
         .collect()
+}
+
+/// Separates a buffer's name from its in-flight slot in the plan's names (`name@slot`).
+pub const SLOT_MARK: char = '@';
+
+/// ferrotron's pipeline buffers (`crates/train/src/pipeline.rs`): per direction a stage sends
+/// in, `k` f32 buffers of the boundary activation it sends from in turn
+/// (`schedule::send_buffers`), and one f32 buffer it receives into. (The communicator carries
+/// f32; the storage type is narrowed on arrival.)
+fn pp_buffers(plan: &mut MemoryPlan, l: &Layout, stage: u64, m: u64, boundary: u64) -> Vec<BufId> {
+    let k = send_buffers(l, m);
+    let work = order(l, stage, m);
+    let mut ids = Vec::new();
+    for (dir, name) in [(Direction::Forward, "forward"), (Direction::Backward, "backward")] {
+        let sends = work.iter().any(|&w| {
+            crate::schedule::messages(l, stage, w)
+                .1
+                .is_some_and(|m| m.dir == dir)
+        });
+        if sends {
+            for j in 0..k {
+                let id = plan.add(
+                    format!("comm.pp.send.{name}.{j}"),
+                    crate::recipe::DType::F32,
+                    boundary,
+                    crate::memory::Category::CommBuffers,
+                );
+                ids.push(id);
+            }
+        }
+    }
+    ids.push(plan.add(
+        "comm.pp.recv",
+        crate::recipe::DType::F32,
+        boundary,
+        crate::memory::Category::CommBuffers,
+    ));
+    ids
 }
 
 fn rank_plan(
@@ -316,12 +366,40 @@ fn rank_plan(
         }
     }
 
+    // The stage's program: its order of forward and backward work, and the in-flight slot of
+    // each (ferrotron names every slot's buffers apart for its arena; elsewhere one name is
+    // allocated as many times as micro-batches are in flight).
+    let m_sim = {
+        let s = simulated_micro_batches(l, stage, r.grad_acc);
+        if l.pp_schedule == PpSchedule::Interleaved {
+            s.div_ceil(l.pp).saturating_mul(l.pp).min(r.grad_acc)
+        } else {
+            s
+        }
+    };
+    let work = order(l, stage, m_sim);
+    let slotted = conv == Convention::Ferrotron && l.pp > 1 && spec.is_some();
+    let slot_of = match slotted {
+        true => slots(&work),
+        false => vec![0; work.len()],
+    };
+    // Slots of each of the stage's chunks.
+    let mut chunk_slots = vec![1u64; l.pp_virtual as usize];
+    for (w, &s) in work.iter().zip(&slot_of) {
+        if let Work::F { chunk, .. } = *w {
+            chunk_slots[chunk as usize] = chunk_slots[chunk as usize].max(s + 1);
+        }
+    }
     // Activation buffers (only with an architecture). A layer's `input` is split off: the
     // engine allocates it as the previous layer's output, at the end of that layer.
     let chunks = l.pp * l.pp_virtual;
     let layer_count = spec.map_or(0, |m| m.layers);
-    let mut inputs: Vec<Vec<BufId>> = Vec::new();
-    let mut rests: Vec<Vec<BufId>> = Vec::new();
+    // Per layer, per slot.
+    let mut inputs: Vec<Vec<Vec<BufId>>> = Vec::new();
+    let mut rests: Vec<Vec<Vec<BufId>>> = Vec::new();
+    // The output a chunk's last layer writes and the stage sends on to the next chunk's (the
+    // next layer's `input`, on another stage): per layer, empty unless it ends a chunk.
+    let mut sent: Vec<Vec<BufId>> = Vec::new();
     // Recompute workspace of each layer kind (dense MLP, MoE MLP), rebuilt during a layer's
     // backward.
     let mut recompute_ids: [Vec<BufId>; 2] = Default::default();
@@ -332,8 +410,10 @@ fn rank_plan(
     let mut forward_transient: [Vec<BufId>; 2] = Default::default();
     let mut kind = vec![];
     let mut e = EdgeIds::default();
+    let mut pp_comm = Vec::new();
     if let Some(m) = spec {
         let kinds = [false, true].map(|moe| layer_acts(m, r, l, conv, moe));
+        let chunk_of = |i: u64| (0..chunks).find(|&g| l.chunk_layers(m.layers, g).contains(&i));
         for i in 0..m.layers {
             let k = m.is_moe_layer(i) as usize;
             kind.push(k);
@@ -344,13 +424,21 @@ fn rank_plan(
                 .iter()
                 .cloned()
                 .partition(|a| a.name == LayerTensor::Input.name());
-            inputs.push(if here {
-                add_acts(&mut plan, &prefix, &input)
-            } else {
-                vec![]
-            });
-            rests.push(if here {
-                add_acts(&mut plan, &prefix, &rest)
+            let g = chunk_of(i).unwrap_or(0);
+            let n_slots = if here { chunk_slots[(g / l.pp) as usize] } else { 0 };
+            inputs.push(
+                (0..n_slots)
+                    .map(|s| add_slot(&mut plan, &prefix, &input, s))
+                    .collect(),
+            );
+            rests.push(
+                (0..n_slots)
+                    .map(|s| add_slot(&mut plan, &prefix, &rest, s))
+                    .collect(),
+            );
+            let ends_chunk = l.chunk_layers(m.layers, g).end == i + 1;
+            sent.push(if slotted && here && ends_chunk && g + 1 < chunks {
+                add_acts(&mut plan, &format!("{LAYER_PREFIX}{}.", i + 1), &input)
             } else {
                 vec![]
             });
@@ -371,8 +459,21 @@ fn rank_plan(
         }
         let edge = edge_acts(m, r, l, conv);
         e.persistent = add_acts(&mut plan, "", &edge.persistent);
+        let (first_slots, last_slots) = (chunk_slots[0], chunk_slots[l.pp_virtual as usize - 1]);
         if stage == 0 {
-            e.embedding = add_acts(&mut plan, "", &edge.embedding);
+            // The embedding's backward reads its micro-batch's tokens: one batch per slot.
+            let tokens: Vec<Act> = edge
+                .persistent
+                .iter()
+                .filter(|a| a.name == Edge::DataTokens.name())
+                .cloned()
+                .collect();
+            for s in 1..first_slots {
+                e.persistent.extend(add_slot(&mut plan, "", &tokens, s));
+            }
+            e.embedding = (0..first_slots)
+                .map(|s| add_slot(&mut plan, "", &edge.embedding, s))
+                .collect();
         }
         if stage == l.pp - 1 {
             // The engine writes the last layer's output straight into the final norm's input,
@@ -382,26 +483,25 @@ fn rank_plan(
                 .iter()
                 .cloned()
                 .partition(|a| a.name == Edge::FinalNormInput.name());
-            e.final_input = add_acts(&mut plan, "", &fin);
-            e.head = add_acts(&mut plan, "", &head);
+            e.final_input = (0..last_slots)
+                .map(|s| add_slot(&mut plan, "", &fin, s))
+                .collect();
+            e.head = (0..last_slots)
+                .map(|s| add_slot(&mut plan, "", &head, s))
+                .collect();
             e.loss = add_acts(&mut plan, "", &edge.loss_transient);
             e.head_backward = add_acts(&mut plan, "", &edge.head_backward);
         }
         e.scratch_first = add_acts(&mut plan, "", &edge.scratch_first);
         e.scratch_rest = add_acts(&mut plan, "", &edge.scratch_rest);
+        if slotted {
+            let boundary = Dims::new(r, l).n() * m.hidden / Dims::new(r, l).seq_shard();
+            pp_comm = pp_buffers(&mut plan, l, stage, r.grad_acc, boundary);
+        }
     }
     plan.alloc(&e.persistent);
     plan.mark(1, Phase::Init, "model init");
 
-    let m_sim = {
-        let s = simulated_micro_batches(l, stage, r.grad_acc);
-        if l.pp_schedule == PpSchedule::Interleaved {
-            s.div_ceil(l.pp).saturating_mul(l.pp).min(r.grad_acc)
-        } else {
-            s
-        }
-    };
-    let work = order(l, stage, m_sim);
     // ferrotron's engine fuses the LM head's backward into the end of the forward (llm.c
     // style), so its gradients exist before the first forward; elsewhere they appear lazily at
     // the first backward, as in PyTorch.
@@ -411,11 +511,14 @@ fn rank_plan(
     let alloc_grads = |plan: &mut MemoryPlan, step: u32, phase: Phase| {
         plan.alloc(&states.at_first_backward);
         plan.alloc(&comm_bwd);
+        plan.alloc(&pp_comm);
         plan.mark(step, phase, "gradients allocated");
     };
+    let none: Vec<BufId> = Vec::new();
+    let at = |v: &Vec<Vec<BufId>>, s: u64| v.get(s as usize).cloned().unwrap_or_default();
     for step in 1..=2u32 {
         plan.alloc(&states.per_step);
-        for w in &work {
+        for (w, &slot) in work.iter().zip(&slot_of) {
             match *w {
                 Work::F { mb, chunk } => {
                     if !comm_fwd_allocated {
@@ -429,22 +532,24 @@ fn rank_plan(
                     let g = chunk * l.pp + stage;
                     let layers = l.chunk_layers(layer_count, g);
                     if g == 0 {
-                        plan.alloc(&e.embedding);
+                        plan.alloc(&at(&e.embedding, slot));
                     }
                     if let Some(first) = inputs
                         .get(layers.start as usize)
                         .filter(|_| !layers.is_empty())
                     {
-                        plan.alloc(first);
+                        plan.alloc(&at(first, slot));
                     }
                     for i in layers.clone() {
                         let k = kind[i as usize];
-                        plan.alloc(&rests[i as usize]);
+                        plan.alloc(&at(&rests[i as usize], slot));
                         plan.alloc(&forward_transient[k]);
                         if i + 1 < layers.end {
-                            plan.alloc(&inputs[i as usize + 1]);
+                            plan.alloc(&at(&inputs[i as usize + 1], slot));
                         } else if g == chunks - 1 {
-                            plan.alloc(&e.final_input);
+                            plan.alloc(&at(&e.final_input, slot));
+                        } else {
+                            plan.alloc(&sent[i as usize]);
                         }
                         plan.mark(
                             step,
@@ -453,11 +558,15 @@ fn rank_plan(
                         );
                         plan.free(&forward_transient[k]);
                     }
+                    // The chunk's output is sent on (copied into a send buffer) and freed.
+                    if let Some(i) = layers.clone().last() {
+                        plan.free(sent.get(i as usize).unwrap_or(&none));
+                    }
                     if g == chunks - 1 && spec.is_some() {
                         if layers.is_empty() {
-                            plan.alloc(&e.final_input);
+                            plan.alloc(&at(&e.final_input, slot));
                         }
-                        plan.alloc(&e.head);
+                        plan.alloc(&at(&e.head, slot));
                         plan.alloc(&e.loss);
                         plan.mark(step, Phase::Loss, format!("step {step} mb {mb} loss"));
                         plan.free(&e.loss);
@@ -476,16 +585,16 @@ fn rank_plan(
                     if g == chunks - 1 {
                         plan.alloc(&e.head_backward);
                         plan.free(&e.head_backward);
-                        plan.free(&e.head);
-                        plan.free(&e.final_input);
+                        plan.free(&at(&e.head, slot));
+                        plan.free(&at(&e.final_input, slot));
                     }
                     plan.alloc(&e.scratch_rest);
                     for i in l.chunk_layers(layer_count, g).rev() {
                         let k = kind[i as usize];
                         plan.alloc(&recompute_ids[k]);
                         plan.free(&recompute_ids[k]);
-                        plan.free(&rests[i as usize]);
-                        plan.free(&inputs[i as usize]);
+                        plan.free(&at(&rests[i as usize], slot));
+                        plan.free(&at(&inputs[i as usize], slot));
                         plan.mark(
                             step,
                             Phase::Backward,
@@ -493,7 +602,7 @@ fn rank_plan(
                         );
                     }
                     if g == 0 {
-                        plan.free(&e.embedding);
+                        plan.free(&at(&e.embedding, slot));
                     }
                     plan.free(&e.scratch_rest);
                     plan.free(&e.scratch_first);

@@ -108,8 +108,9 @@ fn uneven_pipeline_stages_hold_the_layers_given() {
         v.sort();
         v
     };
-    assert_eq!(layers_of(&r.ranks[0]), (0..7).collect::<Vec<_>>());
-    assert_eq!(layers_of(&r.ranks[1]), (7..15).collect::<Vec<_>>());
+    // Each stage but the last also holds the output it sends on: the next stage's first input.
+    assert_eq!(layers_of(&r.ranks[0]), (0..8).collect::<Vec<_>>());
+    assert_eq!(layers_of(&r.ranks[1]), (7..16).collect::<Vec<_>>());
     assert_eq!(layers_of(&r.ranks[15]), (119..126).collect::<Vec<_>>());
     // Parameters: stage 0 is the embedding and 7 layers, stage 1 is 8 layers.
     let on = |stage: u64| {
