@@ -100,6 +100,25 @@ impl Layout {
         start..start + self.pp_layers[g as usize]
     }
 
+    /// Which pipeline stage holds part `p` of a model of `layers` layers. Model chunk g (of
+    /// p·v) holds layers [g·L/(pv), (g+1)·L/(pv)) (or the `pp_layers` split) and sits on stage
+    /// g mod p; the embedding is on the first stage, the final norm and LM head on the last.
+    pub fn stage_of(&self, p: crate::inventory::Placement, layers: u64) -> u64 {
+        use crate::inventory::Placement;
+        let chunks = self.pp * self.pp_virtual;
+        match p {
+            Placement::Embedding => 0,
+            Placement::Head => self.pp - 1,
+            Placement::Layer(i) if self.pp_layers.is_empty() => (i / (layers / chunks)) % self.pp,
+            Placement::Layer(i) => {
+                (0..chunks)
+                    .find(|&g| self.chunk_layers(layers, g).contains(&i))
+                    .unwrap_or(0)
+                    % self.pp
+            }
+        }
+    }
+
     /// Layers pipeline stage `stage` holds, over all its model chunks.
     pub fn stage_layer_count(&self, layers: u64, stage: u64) -> u64 {
         (0..self.pp_virtual)

@@ -178,21 +178,9 @@ fn plan_impl(input: &PlanInput, extremes: bool) -> Result<PlanResult> {
     })
 }
 
-/// Which pipeline stage a tensor lives on. Model chunk g (of p·v) holds layers
-/// [g·L/(pv), (g+1)·L/(pv)) (or the `pp_layers` split) and sits on stage g mod p.
+/// Which pipeline stage a tensor lives on ([`Layout::stage_of`]).
 pub(crate) fn stage_of(p: Placement, m: &ModelSpec, l: &Layout) -> u64 {
-    let chunks = l.pp * l.pp_virtual;
-    match p {
-        Placement::Embedding => 0,
-        Placement::Head => l.pp - 1,
-        Placement::Layer(i) if l.pp_layers.is_empty() => (i / (m.layers / chunks)) % l.pp,
-        Placement::Layer(i) => {
-            (0..chunks)
-                .find(|&g| l.chunk_layers(m.layers, g).contains(&i))
-                .unwrap_or(0)
-                % l.pp
-        }
-    }
+    l.stage_of(p, m.layers)
 }
 
 pub(crate) fn rank_elems(
@@ -460,17 +448,19 @@ fn rank_plan(
         let edge = edge_acts(m, r, l, conv);
         e.persistent = add_acts(&mut plan, "", &edge.persistent);
         let (first_slots, last_slots) = (chunk_slots[0], chunk_slots[l.pp_virtual as usize - 1]);
+        // A micro-batch's tokens and targets stay while it is in flight (the last stage's
+        // head reads the targets, the first stage's embedding backward the tokens): one batch
+        // per slot of the stage's first chunk, which a micro-batch holds longest.
+        let batch: Vec<Act> = edge
+            .persistent
+            .iter()
+            .filter(|a| [Edge::DataTokens.name(), Edge::DataTargets.name()].contains(&a.name))
+            .cloned()
+            .collect();
+        for s in 1..first_slots {
+            e.persistent.extend(add_slot(&mut plan, "", &batch, s));
+        }
         if stage == 0 {
-            // The embedding's backward reads its micro-batch's tokens: one batch per slot.
-            let tokens: Vec<Act> = edge
-                .persistent
-                .iter()
-                .filter(|a| a.name == Edge::DataTokens.name())
-                .cloned()
-                .collect();
-            for s in 1..first_slots {
-                e.persistent.extend(add_slot(&mut plan, "", &tokens, s));
-            }
             e.embedding = (0..first_slots)
                 .map(|s| add_slot(&mut plan, "", &edge.embedding, s))
                 .collect();

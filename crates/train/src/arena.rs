@@ -33,6 +33,7 @@ struct Live {
     start: u64,
     end: u64,
     name: BufName,
+    slot: u64,
 }
 
 #[derive(Debug)]
@@ -40,7 +41,12 @@ pub struct Arena {
     layout: Layout,
     /// The region while any buffer is live.
     region: Option<NonNull<u8>>,
-    slots: HashMap<BufName, Slot>,
+    /// By name and in-flight slot (`name@slot` in the plan: a pipeline stage holds several
+    /// micro-batches' activations at once, `ferrotron_plan::schedule::slots`).
+    slots: HashMap<(BufName, u64), Slot>,
+    /// The in-flight slot of the work running now (set by the pipeline before each piece of
+    /// work; 0 without pipelining). A name without a buffer of this slot is the slot-0 one.
+    slot: u64,
     /// Reserved for as many buffers as the plan has, so the hot path never grows it.
     live: Vec<Live>,
     /// Bytes of live buffers (as planned, without alignment padding).
@@ -88,17 +94,21 @@ impl Arena {
             let Some(offset) = placed.offset(id) else {
                 continue;
             };
-            let Some(&name) = by_name.get(&b.name) else {
+            let (base, slot) = match b.name.split_once(ferrotron_plan::planner::SLOT_MARK) {
+                Some((base, s)) => (base, s.parse::<u64>().unwrap_or(0)),
+                None => (b.name.as_str(), 0),
+            };
+            let Some(&name) = by_name.get(base) else {
                 bail!(
                     "internal: the memory plan has `{}`, which the engine never allocates",
                     b.name
                 );
             };
-            let slot = Slot {
+            let placed = Slot {
                 offset,
                 bytes: b.bytes(),
             };
-            slots.insert(name, slot);
+            slots.insert((name, slot), placed);
         }
         let layout = Layout::from_size_align(placed.bytes.max(1) as usize, BUF_ALIGN)?;
         let arena = Arena {
@@ -106,6 +116,7 @@ impl Arena {
             region: None,
             live: Vec::with_capacity(slots.len()),
             slots,
+            slot: 0,
             in_use: 0,
         };
         Ok((arena, placed))
@@ -125,9 +136,24 @@ impl Arena {
         self.in_use
     }
 
+    /// Sets the in-flight slot of the work that runs next.
+    pub fn set_slot(&mut self, slot: u64) {
+        self.slot = slot;
+    }
+
+    /// The slot of buffer `name` in the work running now: its own for this in-flight slot,
+    /// else the one buffer of that name (scratch shared by every micro-batch).
+    fn key(&self, name: BufName) -> (BufName, u64) {
+        match self.slots.contains_key(&(name, self.slot)) {
+            true => (name, self.slot),
+            false => (name, 0),
+        }
+    }
+
     /// The memory of buffer `name` of `bytes` bytes, at its planned offset.
     pub fn place(&mut self, name: BufName, bytes: u64) -> NonNull<u8> {
-        let Some(&slot) = self.slots.get(&name) else {
+        let key = self.key(name);
+        let Some(&slot) = self.slots.get(&key) else {
             panic!("internal: the engine allocates `{name}`, which the memory plan does not have");
         };
         assert_eq!(
@@ -139,7 +165,7 @@ impl Arena {
         if let Some(o) = self
             .live
             .iter()
-            .find(|l| l.name == name || (start < l.end && l.start < end))
+            .find(|l| (l.name, l.slot) == key || (start < l.end && l.start < end))
         {
             panic!(
                 "internal: `{name}` at bytes {start}..{end} of the arena meets live `{}` at {}..{}",
@@ -151,7 +177,12 @@ impl Arena {
             let p = unsafe { std::alloc::alloc(self.layout) };
             NonNull::new(p).unwrap_or_else(|| std::alloc::handle_alloc_error(self.layout))
         });
-        self.live.push(Live { start, end, name });
+        self.live.push(Live {
+            start,
+            end,
+            name,
+            slot: key.1,
+        });
         self.in_use += bytes;
         // SAFETY: offset + bytes is within the region (the plan placed it there).
         unsafe { region.add(start as usize) }
@@ -159,7 +190,8 @@ impl Arena {
 
     /// Buffer `name` is back; the region goes with the last live buffer.
     pub fn release(&mut self, name: BufName, bytes: u64) {
-        if let Some(i) = self.live.iter().position(|l| l.name == name) {
+        let key = self.key(name);
+        if let Some(i) = self.live.iter().position(|l| (l.name, l.slot) == key) {
             self.live.swap_remove(i);
             self.in_use -= bytes;
         }

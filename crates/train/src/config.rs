@@ -411,7 +411,7 @@ pub(crate) fn trainable_layout(flags: &LayoutFlags) -> Result<Layout, ConfigErro
     })?;
     let not_yet = |field: &'static str, v: String| {
         let problem = format!(
-            "ferrotron train runs data and tensor parallelism (--dp with --zero 1, 2 or 3, --tp) for now (the other layouts are next); `ferrotron plan --{} {v}` predicts this layout's memory and time",
+            "ferrotron train runs data, tensor and pipeline parallelism (--dp with --zero 1, 2 or 3, --tp, --pp) for now (the other layouts are next); `ferrotron plan --{} {v}` predicts this layout's memory and time",
             field.replace('_', "-")
         );
         Err(bad(field, v, &problem))
@@ -426,7 +426,7 @@ pub(crate) fn trainable_layout(flags: &LayoutFlags) -> Result<Layout, ConfigErro
         if v == 0 {
             return Err(bad(field, v, "must be a positive integer"));
         }
-        if v > 1 && field != "dp" && field != "tp" {
+        if v > 1 && !["dp", "tp", "pp"].contains(&field) {
             return not_yet(field, v.to_string());
         }
     }
@@ -440,8 +440,19 @@ pub(crate) fn trainable_layout(flags: &LayoutFlags) -> Result<Layout, ConfigErro
             "sequence parallelism divides the tensor-parallel group's activations: add --tp 2 or more",
         ));
     }
-    if l.pp_virtual != 1 {
-        return not_yet("pp_virtual", l.pp_virtual.to_string());
+    if l.pp > 1 && l.zero >= 2 {
+        return Err(bad(
+            "zero",
+            l.zero,
+            "ZeRO-2 and 3 release a unit's gradients (and ZeRO-3 its weights) after each micro-batch's backward, but a pipeline stage holds several micro-batches in flight, so every one would reduce-scatter (and gather) again; with --pp use --zero 1 (the optimizer states sharded) or 0",
+        ));
+    }
+    if l.pp == 1 && l.pp_virtual != 1 {
+        return Err(bad(
+            "pp_virtual",
+            l.pp_virtual,
+            "virtual stages interleave a pipeline's model chunks: add --pp 2 or more",
+        ));
     }
     if l.offload != Offload::None {
         return not_yet("offload", l.offload.to_string());

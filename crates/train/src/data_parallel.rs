@@ -644,7 +644,7 @@ impl DataParallel {
 
 /// Every rank's `mine` (a few values), rank order, in the rank's `small` buffer: in place, so
 /// the step allocates nothing for it.
-fn gather_small<'a>(
+pub(crate) fn gather_small<'a>(
     comm: &dyn Communicator,
     small: &'a mut Vec<f32>,
     mine: &[f32],

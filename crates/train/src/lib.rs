@@ -11,6 +11,7 @@ pub mod heap;
 pub mod loss_scale;
 pub mod lr;
 pub mod metrics;
+pub mod pipeline;
 pub mod pool;
 pub mod report;
 pub mod run;

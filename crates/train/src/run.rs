@@ -200,8 +200,12 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         Some(l) => resume_config(&args, &l.state.config)?.parallel,
         None => crate::config::trainable_layout(&args.layout)?,
     };
-    // Every rank of the grid: data-parallel replicas of tensor-parallel groups.
-    let (dp, world) = (layout.dp as usize, (layout.dp * layout.tp) as usize);
+    // Every rank of the grid: pipeline stages of data-parallel replicas of tensor-parallel
+    // groups.
+    let (dp, world) = (
+        layout.dp as usize,
+        (layout.dp * layout.tp * layout.pp) as usize,
+    );
     if layout.tp > 1 {
         // A model tensor parallelism cannot split is refused once, before any rank starts.
         let name = match &saved {
@@ -299,15 +303,15 @@ fn run_mpi(
     use ferrotron_dist::Communicator;
     let comm = ferrotron_dist::mpi::MpiComm::world().map_err(|e| anyhow::anyhow!("{e}"))?;
     let (rank, size) = (comm.rank(), comm.size());
-    let (dp, tp) = (layout.dp as usize, layout.tp as usize);
-    if size != dp * tp && tp == 1 {
+    let (dp, tp, pp) = (layout.dp as usize, layout.tp as usize, layout.pp as usize);
+    if size != dp * tp * pp && tp * pp == 1 {
         bail!("dp = {dp}: mpirun started {size} processes; pass --dp {size} (or mpirun -np {dp})");
     }
-    if size != dp * tp {
+    if size != dp * tp * pp {
         bail!(
-            "dp × tp = {dp} × {tp} = {}: mpirun started {size} processes; run mpirun -np {}",
-            dp * tp,
-            dp * tp
+            "dp × tp × pp = {dp} × {tp} × {pp} = {}: mpirun started {size} processes; run mpirun -np {}",
+            dp * tp * pp,
+            dp * tp * pp
         );
     }
     let ctx = (size > 1).then(|| RankCtx {
@@ -318,6 +322,77 @@ fn run_mpi(
     let summary = run_rank(args, saved, ctx)?;
     ferrotron_dist::mpi::finalize().map_err(|e| anyhow::anyhow!("{e}"))?;
     Ok(summary)
+}
+
+/// The groups of a rank whose model is split (tensor or pipeline parallelism) in the grid (tp
+/// innermost, pp outermost, as the planner places them): its tensor-parallel group, its
+/// pipeline (with, for tied embeddings, the group of the first and last stage), and its
+/// data-parallel group. Every rank of the world calls it (the splits are collective).
+#[allow(clippy::type_complexity)]
+fn model_groups(
+    world: &dyn ferrotron_dist::Communicator,
+    rank: usize,
+    cfg: &TrainConfig,
+    grid: &ferrotron_dist::Grid,
+    tied: bool,
+) -> Result<(
+    Option<Rc<TpGroup>>,
+    Option<crate::pipeline::Pipeline>,
+    Option<Box<dyn ferrotron_dist::Communicator>>,
+)> {
+    let l = &cfg.parallel;
+    let group = |d| {
+        world
+            .split_group(&grid.group(rank, d))
+            .map_err(|e| anyhow::anyhow!("{e}"))
+    };
+    let tp = match l.tp > 1 {
+        true => Some(group(Dim::Tp)?),
+        false => None,
+    };
+    let pp = match l.pp > 1 {
+        true => Some(group(Dim::Pp)?),
+        false => None,
+    };
+    // The first and last stage of the pipeline share a tied embedding (the two ends make the
+    // group; the stages between take no part).
+    let stage = grid.coord(rank, Dim::Pp);
+    let end = stage == 0 || stage + 1 == l.pp as usize;
+    let embedding = match l.pp > 1 && tied && end {
+        true => {
+            let stages = grid.group(rank, Dim::Pp);
+            let ends = [stages[0], stages[stages.len() - 1]];
+            Some(
+                world
+                    .split_group(&ends)
+                    .map_err(|e| anyhow::anyhow!("{e}"))?,
+            )
+        }
+        false => None,
+    };
+    let dp = match l.dp > 1 {
+        true => Some(group(Dim::Dp)?),
+        false => None,
+    };
+    let tp = match tp {
+        Some(t) => {
+            let t = TpGroup::new(t);
+            t.warm_up()?;
+            Some(Rc::new(t))
+        }
+        None => None,
+    };
+    let pp = match pp {
+        Some(p) => {
+            let mut p = crate::pipeline::Pipeline::new(p, l, cfg.data.grad_acc, embedding);
+            p.warm_up()?;
+            Some(p)
+        }
+        None => None,
+    };
+    // Every rank's groups have met before any rank measures its baseline.
+    world.barrier().map_err(|e| anyhow::anyhow!("{e}"))?;
+    Ok((tp, pp, dp))
 }
 
 /// The training run of one rank (`ctx`: its data-parallel rank and communicator), from flags
@@ -402,16 +477,8 @@ fn run_rank(
     let grid = ferrotron_dist::Grid::new(&cfg.parallel);
     let (dp_rank, ranks) = (grid.coord(rank, Dim::Dp), cfg.parallel.dp as usize);
     let comms = match ctx.as_ref().map(|c| c.comm.as_ref()) {
-        Some(world) if cfg.parallel.tp > 1 => {
-            let group = |d| world.split_group(&grid.group(rank, d));
-            let tp = group(Dim::Tp).map_err(|e| anyhow::anyhow!("{e}"))?;
-            let dp = match ranks > 1 {
-                true => Some(group(Dim::Dp).map_err(|e| anyhow::anyhow!("{e}"))?),
-                false => None,
-            };
-            let tp = TpGroup::new(tp);
-            tp.warm_up()?;
-            Some((Some(Rc::new(tp)), dp))
+        Some(world) if cfg.parallel.tp > 1 || cfg.parallel.pp > 1 => {
+            Some(model_groups(world, rank, &cfg, &grid, llama.tie_embeddings)?)
         }
         _ => None,
     };
@@ -447,9 +514,10 @@ fn run_rank(
         .to_string(false)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let comms = match (ctx.map(|c| c.comm), comms) {
-        (Some(world), Some((tp, dp))) => Comms {
+        (Some(world), Some((tp, pp, dp))) => Comms {
             dp,
             tp,
+            pp,
             world: Some(world),
         },
         (world, _) => Comms {

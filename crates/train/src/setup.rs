@@ -77,7 +77,9 @@ pub fn plan_input(spec: &ModelSpec, c: &TrainConfig, kernel_workspace: u64) -> P
 /// (ZeRO shards them), under ZeRO-2 and 3 `windows` elements of gradient windows besides the
 /// gradient shard, and under ZeRO-3 `param_windows` elements of parameter windows besides the
 /// parameter shard. (Activations are the plan's by construction: both read the table of
-/// `ferrotron_plan::tensors`, and the arena checks every one the engine asks for.)
+/// `ferrotron_plan::tensors`, and the arena checks every one the engine asks for.) A pipeline
+/// stage's plan is its `stage`'s.
+#[allow(clippy::too_many_arguments)]
 pub fn checked_plan(
     spec: &ModelSpec,
     model: &Llama,
@@ -86,14 +88,15 @@ pub fn checked_plan(
     opt_len: usize,
     windows: usize,
     param_windows: usize,
+    stage: usize,
 ) -> Result<RankPlan> {
     let input = plan_input(spec, c, kernel_workspace);
     let result = plan(&input).map_err(|e| anyhow::anyhow!("{e}"))?;
     let rank = result
         .ranks
         .into_iter()
-        .next()
-        .context("the plan has no rank")?;
+        .nth(stage)
+        .context("the plan has no such pipeline stage")?;
     let p = c.precision.kind;
     let grads = if windows > 0 {
         opt_len
@@ -131,6 +134,32 @@ pub fn checked_plan(
         }
     }
     Ok(rank)
+}
+
+/// Checks that the plan names every in-flight slot the stage's program uses: the planner
+/// simulates fewer micro-batches than a long step runs (the steady 1F1B phase repeats), and
+/// the program over all of them must stay within the slots it planned.
+pub fn check_slots(plan: &RankPlan, pp: &crate::pipeline::Pipeline) -> Result<()> {
+    for chunk in 0..pp.chunks() {
+        let last = pp.slots_of(chunk) - 1;
+        if last == 0 {
+            continue;
+        }
+        let mark = ferrotron_plan::planner::SLOT_MARK;
+        let has = plan
+            .plan
+            .buffers
+            .iter()
+            .any(|b| b.name.ends_with(&format!("{mark}{last}")));
+        if !has {
+            bail!(
+                "internal: pipeline stage {} holds {} micro-batches of chunk {chunk} at once, more than its memory plan names",
+                pp.stage,
+                last + 1
+            );
+        }
+    }
+    Ok(())
 }
 
 /// The planner's data-parallel communication per step and rank, in bytes as the ring

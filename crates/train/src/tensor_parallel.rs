@@ -8,7 +8,7 @@ use anyhow::anyhow;
 type Result<T, E = anyhow::Error> = std::result::Result<T, E>;
 use ferrotron_dist::Communicator;
 use ferrotron_engine::model::tensor_parallel::TpOp;
-use ferrotron_engine::model::tensor_parallel::{replicated, shard_pieces};
+use ferrotron_engine::model::tensor_parallel::replicated;
 use ferrotron_engine::model::{Llama, TpComm};
 use ferrotron_plan::comm::{bytes_per_rank, Collective};
 use std::cell::{Cell, RefCell};
@@ -131,15 +131,6 @@ impl TpGroup {
         Ok(sum)
     }
 
-    /// Every rank's `mine` (equal lengths), rank order.
-    pub fn gather(&self, mine: &[f32]) -> Result<Vec<f32>> {
-        let mut all = vec![0.0; mine.len() * self.comm.size()];
-        self.comm
-            .all_gather(mine, &mut all)
-            .map_err(|e| anyhow!("tensor-parallel gather: {e}"))?;
-        Ok(all)
-    }
-
     pub fn size(&self) -> usize {
         self.comm.size()
     }
@@ -181,29 +172,15 @@ impl TpComm for TpGroup {
     }
 }
 
-/// The rank's slice of `whole` (every parameter of the model, flat order) in the order of
-/// `model`'s table.
+/// The rank's part of `whole` (every parameter of the model, flat order) in the order of
+/// `model`'s table: its tensor-parallel slice, its pipeline stage's tensors.
 pub fn slice_of(model: &Llama, whole: &[f32]) -> Vec<f32> {
-    let Some(tp) = &model.tp else {
+    let Some(part) = model.part() else {
         return whole.to_vec();
     };
     let mut out = vec![0.0; model.num_params()];
-    for (l, f) in &tp.pieces {
+    for (l, f) in &part.pieces {
         out[l.clone()].copy_from_slice(&whole[f.clone()]);
-    }
-    out
-}
-
-/// Every parameter of the model from each rank's slice (`slices`: the group's, rank order,
-/// each `model.num_params()` long).
-pub fn whole_of(model: &Llama, slices: &[f32]) -> Vec<f32> {
-    let tp = model.tp.as_ref().expect("a tensor-parallel model");
-    let n = model.num_params();
-    let mut out = vec![0.0; tp.whole.total];
-    for (rank, slice) in slices.chunks(n).enumerate() {
-        for (l, f) in shard_pieces(&tp.whole, &model.params, rank) {
-            out[f].copy_from_slice(&slice[l]);
-        }
     }
     out
 }

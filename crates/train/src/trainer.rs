@@ -10,6 +10,7 @@ use crate::data_parallel::{Buckets, DataParallel, Gather, Segment, Sums};
 use crate::loss_scale::{DynamicLossScaler, ScaleUpdate};
 use crate::lr::LrSchedule;
 use crate::metrics::{RankMem, StepMetrics};
+use crate::pipeline::Pipeline;
 use crate::pool::{PlanPool, Point, Running, Sample, Timeline};
 use crate::setup::{checked_plan, planned_dp_bytes, planned_tp_bytes, recompute_flops_per_token};
 use crate::tensor_parallel::{self as tpar, TpGroup};
@@ -23,7 +24,8 @@ use anyhow::Result;
 use ferrotron_dist::Communicator;
 use ferrotron_engine::kernels::{AdamWParams, CpuKernels, Kernels, Rounding};
 use ferrotron_engine::model::{
-    BatchShape, GradBuf, GradsDone, Llama, LlamaConfig, LossSum, TensorParallel, TpComm, Whole,
+    BatchShape, GradBuf, GradsDone, Llama, LlamaConfig, LossSum, Stage, TensorParallel, TpComm,
+    Whole,
 };
 use ferrotron_engine::Elem;
 use ferrotron_plan::arena::{with_region, ArenaLayout};
@@ -36,6 +38,8 @@ use std::cell::RefCell;
 use std::ops::Range;
 use std::rc::Rc;
 use std::time::Instant;
+
+mod pipeline_step;
 
 /// AdamW's two moments, allocated by the first optimizer step (as torch.optim does).
 pub struct AdamState {
@@ -60,6 +64,8 @@ struct OptRun {
 pub struct Comms {
     pub dp: Option<Box<dyn Communicator>>,
     pub tp: Option<Rc<TpGroup>>,
+    /// The rank's pipeline group and its stage's program.
+    pub pp: Option<Pipeline>,
     pub world: Option<Box<dyn Communicator>>,
 }
 
@@ -156,6 +162,8 @@ pub struct Trainer {
     pub val: Option<ValLoader>,
     tokens: Vec<u32>,
     targets: Vec<u32>,
+    /// A pipeline stage's other in-flight micro-batches' tokens and targets (`data.tokens@s`).
+    batches: Vec<(Vec<u32>, Vec<u32>)>,
     pool: PlanPool,
     pub schedule: LrSchedule,
     /// What the optimizer updates on this rank (every tensor, or the ZeRO-1 shard), and whether
@@ -188,6 +196,8 @@ pub struct Trainer {
     pub dp: Option<DataParallel>,
     /// This rank's tensor-parallel group (the model's collectives go through it).
     tp: Option<Rc<TpGroup>>,
+    /// This rank's pipeline stage.
+    pub pp: Option<Pipeline>,
     /// With tensor parallelism, every rank (for `rank_mem`), and a small buffer for it.
     world: Option<(Box<dyn Communicator>, Vec<f32>)>,
     /// The planner's data-parallel bytes per step and rank.
@@ -213,6 +223,22 @@ fn norms_of(d: &GradsDone) -> [Range<usize>; 2] {
         GradsDone::Layer(_, li) => [li.ln1.clone(), li.ln2.clone()],
         GradsDone::Embedding(_) => [0..0, 0..0],
     }
+}
+
+/// The parts of `g` (the gradients of parameters `params`) outside `skip`.
+fn outside<'a, G>(
+    g: &'a [G],
+    params: &Range<usize>,
+    skip: Option<&Range<usize>>,
+) -> impl Iterator<Item = &'a [G]> {
+    let (lo, hi) = match skip {
+        Some(c) => (
+            c.start.clamp(params.start, params.end) - params.start,
+            c.end.clamp(params.start, params.end) - params.start,
+        ),
+        None => (g.len(), g.len()),
+    };
+    [&g[..lo], &g[hi.max(lo)..]].into_iter()
 }
 
 /// Every rank's planned and measured peak, rank order.
@@ -350,11 +376,24 @@ impl Trainer {
         // precision that is the fp32 master copy, and the weights are it rounded. A tensor-
         // parallel rank takes its slice of the same weights.
         let whole_init = Llama::new(llama.clone()).params.init(cfg.data.seed, 0.02);
+        let layers = llama.layers as u64;
         let model = match tp_rank {
             Some(tp) => Llama::tensor_parallel(tp)?,
             None => Llama::new(llama),
         };
+        // A pipeline stage holds its layers (and the embedding or the head), as the planner
+        // splits them.
+        let stage = comms.pp.as_ref().map_or(0, |p| p.stage);
+        let layout = cfg.parallel.clone();
+        let held = move |p| layout.stage_of(p, layers) == stage as u64;
         let model = model
+            .pipeline_stage(
+                Stage {
+                    stage,
+                    stages: cfg.parallel.pp as usize,
+                },
+                &held,
+            )
             .with_ce_chunk_tokens(cfg.runtime.ce_chunk as usize)
             .with_recompute(cfg.runtime.recompute);
         let init = tpar::slice_of(&model, &whole_init);
@@ -362,6 +401,7 @@ impl Trainer {
         let Comms {
             dp: comm,
             tp,
+            pp,
             world,
         } = comms;
         // Data parallelism: the buckets of the plan (`dp.grad_buckets`; ZeRO-3: one per unit),
@@ -409,7 +449,22 @@ impl Trainer {
         let window_len = windows.as_ref().map_or(0, |w| w.len());
         let param_windows = zero3.as_ref().map_or(0, |z| z.len());
         let ws = kernel_workspace.max();
-        let plan = checked_plan(&spec, &model, &cfg, ws, opt_len, window_len, param_windows)?;
+        let plan = checked_plan(
+            &spec,
+            &model,
+            &cfg,
+            ws,
+            opt_len,
+            window_len,
+            param_windows,
+            stage,
+        )?;
+        if let Some(pp) = &pp {
+            crate::setup::check_slots(&plan, pp)?;
+        }
+        // The other in-flight micro-batches' batches (the plan's `data.tokens@s`).
+        let extra = pp.as_ref().map_or(0, |p| p.slots_of(0) as usize - 1);
+        let batches = (0..extra).map(|_| (vec![0; n], vec![0; n])).collect();
         let tp_planned = match &tp {
             Some(_) => Some(planned_tp_bytes(&spec, &cfg, ws)?.round() as u64),
             None => None,
@@ -442,6 +497,7 @@ impl Trainer {
             plan,
             tokens: vec![0; n],
             targets: vec![0; n],
+            batches,
             kernels,
             grads: None,
             master,
@@ -456,6 +512,7 @@ impl Trainer {
             trace_left,
             dp,
             tp,
+            pp,
             world: world.map(|w| (w, Vec::new())),
             comm_planned,
             tp_planned,
@@ -516,6 +573,15 @@ impl Trainer {
             // Tensor parallelism's staging buffer, as planned.
             if let (Some(tp), Some(b)) = (&self.tp, self.plan.plan.find("comm.tp.staging")) {
                 tp.allocate(b.numel as usize);
+            }
+            // The pipeline's send and receive buffers, as planned.
+            if let (Some(pp), Some(b)) = (&mut self.pp, self.plan.plan.find("comm.pp.recv")) {
+                let sends = ["forward", "backward"].map(|d| {
+                    let prefix = format!("comm.pp.send.{d}.");
+                    let bufs = self.plan.plan.buffers.iter();
+                    bufs.filter(|b| b.name.starts_with(&prefix)).count()
+                });
+                pp.allocate(sends[0].max(sends[1]), b.numel as usize, sends.map(|k| k > 0));
             }
             self.pool.sample(step, Point::Grads);
         }
@@ -648,7 +714,9 @@ impl Trainer {
                 &mut whole
             }
         };
-        {
+        if self.pp.is_some() {
+            loss = self.pipeline_work(step, params, grads, dp, num_targets, loss_scale)?;
+        } else {
             // ZeRO-3: the weights of the last step are stale in every window.
             let mut src = Source::new(params, self.zero3.as_mut(), dp, self.opt_len);
             for mb in 0..self.cfg.data.grad_acc {
@@ -737,6 +805,7 @@ impl Trainer {
                 loss.count += l.count;
             }
         }
+        let k: &dyn Kernels<S, G> = &self.kernels;
         if let Some(dp) = dp {
             (loss.sum, loss.count) = dp.borrow_mut().sum_loss(loss.sum, loss.count)?;
         }
@@ -761,17 +830,30 @@ impl Trainer {
         // its shard only: the ranks add their parts.
         // Under tensor parallelism each rank holds its slices and a copy of every norm: the
         // slices add up over the group, the norms count once (1/t of them per rank).
+        // Under pipelining each stage holds its part; the last stage's copy of a tied
+        // embedding counts once, on the first stage.
         let tp_share = 1.0 / self.tp.as_ref().map_or(1, |t| t.size()) as f64;
-        let mut sum_sq = match (&self.tp, dp.filter(|d| d.borrow().shard().is_some())) {
-            (None, None) => k.sum_squares(&grads[0..self.model.params.total]),
+        let copied = self.model.copied();
+        let sharded = dp.filter(|d| d.borrow().shard().is_some());
+        let mut sum_sq = match (&self.tp, sharded, &copied) {
+            (None, None, None) => k.sum_squares(&grads[0..self.model.params.total]),
             _ => self
                 .runs
                 .iter()
-                .map(|r| k.sum_squares(grad_of(r)) * if r.replicated { tp_share } else { 1.0 })
+                .map(|r| {
+                    let share = if r.replicated { tp_share } else { 1.0 };
+                    outside(grad_of(r), &r.params, copied.as_ref())
+                        .map(|g| k.sum_squares(g))
+                        .sum::<f64>()
+                        * share
+                })
                 .sum(),
         };
         if let Some(tp) = &self.tp {
             sum_sq = tp.sum_f64(sum_sq)?;
+        }
+        if let Some(pp) = &mut self.pp {
+            sum_sq = pp.sum_f64(sum_sq)?;
         }
         if let Some(dp) = dp.filter(|d| d.borrow().shard().is_some()) {
             sum_sq = dp.borrow_mut().sum_f64(sum_sq)?;
@@ -998,14 +1080,18 @@ impl Trainer {
         local: Vec<(Range<usize>, usize)>,
         writing: bool,
     ) -> Vec<(Range<usize>, usize)> {
-        let Some(tp) = &self.model.tp else {
+        let Some(part) = self.model.part() else {
             return local;
+        };
+        let pieces = match writing {
+            true => self.written_pieces(),
+            false => part.pieces.clone(),
         };
         let mut out = Vec::new();
         for (r, at) in local {
-            for (l, f) in &tp.pieces {
+            for (l, f) in &pieces {
                 let (a, b) = (r.start.max(l.start), r.end.min(l.end));
-                if a >= b || (writing && tp.rank > 0 && tpar::is_replicated(&self.model, l)) {
+                if a >= b {
                     continue;
                 }
                 let w = f.start + (a - l.start);
@@ -1017,10 +1103,10 @@ impl Trainer {
 
     /// Where parameter `whole.start` of the whole model sits in this rank's flat parameters.
     fn local_of(&self, whole: &Range<usize>) -> usize {
-        let Some(tp) = &self.model.tp else {
+        let Some(part) = self.model.part() else {
             return whole.start;
         };
-        tp.pieces
+        part.pieces
             .iter()
             .find(|(_, f)| f.contains(&whole.start))
             .map(|(l, f)| l.start + (whole.start - f.start))
@@ -1060,10 +1146,7 @@ impl Trainer {
 
     /// The whole model's parameter table (this rank's under tensor parallelism is its slice's).
     pub fn whole_params(&self) -> &ferrotron_engine::model::ParamTable {
-        self.model
-            .tp
-            .as_ref()
-            .map_or(&self.model.params, |t| &t.whole)
+        self.model.whole_table()
     }
 
     /// Waits for every rank (nothing alone).
@@ -1095,18 +1178,48 @@ impl Trainer {
             }
             _ => self.params.to_f32(0..n),
         };
-        match &self.tp {
-            // Every slice of the tensor-parallel group, put together.
-            Some(tp) => Ok(tpar::whole_of(&self.model, &tp.gather(&mine)?)),
-            None => Ok(mine),
+        let Some(part) = self.model.part() else {
+            return Ok(mine);
+        };
+        // Every rank's part put together: the first data-parallel replica writes each piece
+        // once (a replicated norm from tensor-parallel rank 0, a tied embedding from the first
+        // stage) into zeros, and the world sums them (adding zeros is exact).
+        let mut whole = vec![0.0; part.whole.total];
+        if self.rank() == 0 {
+            for (l, f) in self.written_pieces() {
+                whole[f].copy_from_slice(&mine[l]);
+            }
         }
+        let (world, _) = self.world.as_ref().expect("a model split over ranks has a world");
+        world
+            .all_reduce_sum(&mut whole)
+            .map_err(|e| anyhow::anyhow!("gathering the weights: {e}"))?;
+        Ok(whole)
+    }
+
+    /// The pieces (local range, whole range) of this rank's part that it writes: all of them
+    /// but a replicated norm on tensor-parallel ranks after the first and the last stage's copy
+    /// of a tied embedding.
+    fn written_pieces(&self) -> Vec<(Range<usize>, Range<usize>)> {
+        let Some(part) = self.model.part() else {
+            let n = self.model.params.total;
+            return vec![(0..n, 0..n)];
+        };
+        let tp_rank = self.model.tp.as_ref().map_or(0, |t| t.rank);
+        let copied = self.model.copied().unwrap_or(0..0);
+        part.pieces
+            .iter()
+            .filter(|(l, _)| !(tp_rank > 0 && tpar::is_replicated(&self.model, l)))
+            .filter(|(l, _)| !(copied.contains(&l.start)))
+            .cloned()
+            .collect()
     }
 
     /// Takes the weights of every parameter (a checkpoint's, `--init-from`'s); under ZeRO-3
     /// keeps this rank's shard of them.
     pub fn set_weights(&mut self, full: Flat) {
-        let full = match &self.model.tp {
-            // This rank's slice, in the storage type (widened and rounded back exactly).
+        let full = match self.model.part() {
+            // This rank's part, in the storage type (widened and rounded back exactly).
             Some(_) => {
                 let dtype = full.dtype();
                 Flat::from_f32(dtype, &tpar::slice_of(&self.model, &full.into_f32()))

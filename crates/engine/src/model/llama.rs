@@ -54,6 +54,10 @@ pub struct Llama {
     pub recompute: Recompute,
     /// This rank's tensor-parallel group (`config` is then its slice of the model).
     pub tp: Option<TensorParallel>,
+    /// This rank's pipeline stage (`params` then holds only its part: `super::pipeline`).
+    pub stage: Option<super::pipeline::Stage>,
+    /// How a pipeline stage's parameters map onto the whole model's.
+    pub part: Option<super::pipeline::Part>,
 }
 
 /// `matmul_backward_weight` with an optional bias grad living in the same flat buffer.
@@ -91,6 +95,8 @@ impl Llama {
             ce_chunk_tokens: DEFAULT_CE_CHUNK_TOKENS,
             recompute: Recompute::None,
             tp: None,
+            stage: None,
+            part: None,
         }
     }
 
@@ -99,7 +105,13 @@ impl Llama {
     pub fn tensor_parallel(tp: TensorParallel) -> Result<Self, super::ModelError> {
         let local = super::tensor_parallel::shard_config(&tp.full, tp.size)?;
         let mut m = Llama::new(local);
-        m.tp = (tp.size > 1).then_some(tp);
+        if tp.size > 1 {
+            m.part = Some(super::pipeline::Part {
+                whole: tp.whole.clone(),
+                pieces: tp.pieces.clone(),
+            });
+            m.tp = Some(tp);
+        }
         Ok(m)
     }
 

@@ -70,11 +70,26 @@ pub struct ParamTable {
     pub total: usize,
 }
 
+/// A part of the model a pipeline stage may hold.
+pub use ferrotron_plan::inventory::Placement;
+
 impl ParamTable {
     pub fn new(cfg: &LlamaConfig) -> Self {
+        Self::holding(cfg, &|_| true)
+    }
+
+    /// The table of the parts `held` selects (a pipeline stage's: its layers, the embedding on
+    /// the first stage, the final norm and LM head on the last, which also holds its own copy
+    /// of a tied embedding), in the same order and with the same names; the others' ranges are
+    /// empty, so layer `i` keeps its index.
+    pub fn holding(cfg: &LlamaConfig, held: &dyn Fn(Placement) -> bool) -> Self {
         let mut entries = Vec::new();
         let mut off = 0usize;
+        let keep = std::cell::Cell::new(true);
         let mut push = |name: String, shape: Vec<usize>| -> Range<usize> {
+            if !keep.get() {
+                return 0..0;
+            }
             let numel = shape.iter().product();
             entries.push(TensorEntry {
                 name,
@@ -86,9 +101,12 @@ impl ParamTable {
             off - numel..off
         };
         let (c, f, qd, kvd) = (cfg.hidden, cfg.intermediate, cfg.q_dim(), cfg.kv_dim());
+        let head = held(Placement::Head);
+        keep.set(held(Placement::Embedding) || (head && cfg.tie_embeddings));
         let embed = push("model.embed_tokens.weight".into(), vec![cfg.vocab, c]);
         let mut layers = Vec::with_capacity(cfg.layers);
         for i in 0..cfg.layers {
+            keep.set(held(Placement::Layer(i as u64)));
             let p = |s: &str| format!("model.layers.{i}.{s}");
             let ln1 = push(p("input_layernorm.weight"), vec![c]);
             let wq = push(p("self_attn.q_proj.weight"), vec![qd, c]);
@@ -123,6 +141,7 @@ impl ParamTable {
                 wd,
             });
         }
+        keep.set(head);
         let norm = push("model.norm.weight".into(), vec![c]);
         let lm_head = if cfg.tie_embeddings {
             embed.clone()

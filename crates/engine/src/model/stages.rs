@@ -109,6 +109,18 @@ impl Llama {
         x
     }
 
+    /// The input buffer of layer `i` for `tokens` tokens: where a pipeline stage puts the
+    /// activation it receives for its chunk starting at layer `i`.
+    pub fn layer_input<S: Elem>(&self, pool: &mut dyn BufferPool, i: usize, tokens: usize) -> Buf<S> {
+        self.buf(pool, BufName::Layer(i as u32, LayerTensor::Input), tokens)
+    }
+
+    /// Gives back layer `i`'s input buffer: a pipeline stage's output of its chunk ending at
+    /// layer `i − 1`, once sent to the next stage.
+    pub fn free_layer_input<S: Elem>(&self, pool: &mut dyn BufferPool, i: usize, x: Buf<S>) {
+        pool.free(BufName::Layer(i as u32, LayerTensor::Input), x);
+    }
+
     /// Forward of decoder layers `layers` from their input `x`; returns their saved activations
     /// (first layer first) and the output of the last one (the next layer's input buffer, or
     /// `act.final_norm.input` after the model's last layer).

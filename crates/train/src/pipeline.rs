@@ -1,0 +1,269 @@
+//! The trainer's side of pipeline parallelism (`--pp N`; the model's part is
+//! `ferrotron_engine::model::pipeline`): the stage's program of forward and backward work
+//! (`ferrotron_plan::schedule`, the order the planner predicts memory from: AFAB, 1F1B or
+//! interleaved 1F1B), the in-flight slot each micro-batch takes, and the point-to-point
+//! transfers between stages.
+//!
+//! A stage sends from the plan's `comm.pp.send.{forward,backward}.j` buffers in turn, without
+//! waiting for the receiver, and waits for a buffer only when it reuses it
+//! (`schedule::send_buffers` proves one per direction never deadlocks); it receives into
+//! `comm.pp.recv` and narrows into the activation buffer the arena gives the micro-batch. The
+//! time a stage spends blocked in those transfers is its share of the bubble, reported next to
+//! the planner's (p − 1)/(v·m) (Narayanan et al. 2021, §2.2).
+
+use crate::data_parallel::gather_small;
+use anyhow::{anyhow, Result};
+use ferrotron_dist::{Communicator, Pending};
+use ferrotron_engine::Elem;
+use ferrotron_plan::schedule::{messages, order, slots, Direction, Message, Work};
+use ferrotron_plan::Layout;
+use std::time::{Duration, Instant};
+
+/// Tags of the two directions (a channel from one stage to another is read in order).
+const TAG: [u32; 2] = [0x7070, 0x7071];
+
+fn lane(d: Direction) -> usize {
+    match d {
+        Direction::Forward => 0,
+        Direction::Backward => 1,
+    }
+}
+
+/// The send buffers of one direction, used in turn.
+#[derive(Default)]
+struct Ring {
+    idle: Vec<Vec<f32>>,
+    pending: Vec<Option<Pending>>,
+    next: usize,
+}
+
+/// A rank's pipeline group and its stage's program.
+pub struct Pipeline {
+    comm: Box<dyn Communicator>,
+    layout: Layout,
+    pub stage: usize,
+    /// The stage's work in order, and the in-flight slot of each.
+    pub work: Vec<Work>,
+    pub slots: Vec<u64>,
+    /// The slot of chunk 0 each micro-batch holds (its tokens and targets live there).
+    pub batch_slot: Vec<usize>,
+    rings: [Ring; 2],
+    recv: Vec<f32>,
+    /// The first and last stages with tied embeddings: their two copies' gradients are summed.
+    embedding: Option<Box<dyn Communicator>>,
+    /// Time blocked in transfers since the counter was last taken.
+    pub idle: Duration,
+    /// Spans blocked (start, end), for the trace.
+    pub waits: Vec<(Instant, Instant)>,
+    small: Vec<f32>,
+}
+
+impl Pipeline {
+    /// The program of `stage` of `layout` over `m` micro-batches; `embedding` is the group of
+    /// the first and last stage when they share a tied embedding.
+    pub fn new(
+        comm: Box<dyn Communicator>,
+        layout: &Layout,
+        m: u64,
+        embedding: Option<Box<dyn Communicator>>,
+    ) -> Self {
+        let stage = comm.rank();
+        let work = order(layout, stage as u64, m);
+        let slots = slots(&work);
+        let mut batch_slot = vec![0; m as usize];
+        for (w, &s) in work.iter().zip(&slots) {
+            if let Work::F { mb, chunk: 0 } = *w {
+                batch_slot[mb as usize] = s as usize;
+            }
+        }
+        Pipeline {
+            comm,
+            layout: layout.clone(),
+            stage,
+            work,
+            slots,
+            batch_slot,
+            rings: Default::default(),
+            recv: Vec::new(),
+            embedding,
+            idle: Duration::ZERO,
+            waits: Vec::with_capacity(4 * m as usize * layout.pp_virtual as usize + 8),
+            small: Vec::new(),
+        }
+    }
+
+    pub fn stages(&self) -> usize {
+        self.layout.pp as usize
+    }
+
+    /// Model chunks on this stage (`--pp-virtual`).
+    pub fn chunks(&self) -> u64 {
+        self.layout.pp_virtual
+    }
+
+    /// In-flight slots of chunk `chunk` this program uses.
+    pub fn slots_of(&self, chunk: u64) -> u64 {
+        self.work
+            .iter()
+            .zip(&self.slots)
+            .filter(|(w, _)| matches!(w, Work::F { chunk: c, .. } if *c == chunk))
+            .map(|(_, &s)| s + 1)
+            .max()
+            .unwrap_or(1)
+    }
+
+    /// The global index of model chunk `chunk` of this stage.
+    pub fn global_chunk(&self, chunk: u64) -> u64 {
+        chunk * self.layout.pp + self.stage as u64
+    }
+
+    /// What work `w` receives and sends.
+    pub fn messages(&self, w: Work) -> (Option<Message>, Option<Message>) {
+        messages(&self.layout, self.stage as u64, w)
+    }
+
+    /// Exchanges one tiny message each way with each neighbour and sums once over the
+    /// embedding group, so what the backend sets up on first use is in the process's baseline.
+    pub fn warm_up(&mut self) -> Result<()> {
+        let p = self.stages();
+        let (next, prev) = ((self.stage + 1) % p, (self.stage + p - 1) % p);
+        let mut got = [0.0f32; 1];
+        for (to, from, tag) in [(next, prev, TAG[0]), (prev, next, TAG[1])] {
+            let sent = self.comm.send_start(vec![0.0], to, tag);
+            self.comm
+                .recv(&mut got, from, tag)
+                .map_err(|e| anyhow!("pipeline warm-up: {e}"))?;
+            sent.wait().map_err(|e| anyhow!("pipeline warm-up: {e}"))?;
+        }
+        if let Some(e) = &self.embedding {
+            e.all_reduce_start(vec![0.0; 2])
+                .wait()
+                .map_err(|e| anyhow!("pipeline warm-up: {e}"))?;
+        }
+        self.sum_f64(0.0)?;
+        Ok(())
+    }
+
+    /// Allocates the plan's send buffers (`k` per direction this stage sends in) and its
+    /// receive buffer, `len` f32 each.
+    pub fn allocate(&mut self, k: usize, len: usize, sends: [bool; 2]) {
+        for (ring, on) in self.rings.iter_mut().zip(sends) {
+            if on && ring.idle.is_empty() && ring.pending.is_empty() {
+                ring.idle = (0..k).map(|_| vec![0.0; len]).collect();
+                ring.pending = (0..k).map(|_| None).collect();
+            }
+        }
+        if self.recv.is_empty() {
+            self.recv = vec![0.0; len];
+        }
+    }
+
+    fn waited<T>(&mut self, f: impl FnOnce(&mut Self) -> T) -> T {
+        let t0 = Instant::now();
+        let out = f(self);
+        let t1 = Instant::now();
+        self.idle += t1 - t0;
+        if self.waits.len() < self.waits.capacity() {
+            self.waits.push((t0, t1));
+        }
+        out
+    }
+
+    /// Sends `x` as message `m` from the next send buffer of its direction (waiting for that
+    /// buffer's last message to be received first).
+    pub fn send<S: Elem>(&mut self, m: Message, x: &[S]) -> Result<()> {
+        let l = lane(m.dir);
+        let to = m.to(self.layout.pp) as usize;
+        let ring = &mut self.rings[l];
+        let j = ring.next % ring.pending.len().max(1);
+        ring.next += 1;
+        let mut buf = match self.rings[l].pending[j].take() {
+            Some(p) => self
+                .waited(|_| p.wait())
+                .map_err(|e| anyhow!("pipeline send to stage {to}: {e}"))?,
+            None => self.rings[l]
+                .idle
+                .pop()
+                .expect("the plan's send buffers are allocated"),
+        };
+        assert_eq!(buf.len(), x.len(), "internal: a pipeline message of the plan's size");
+        buf.iter_mut().zip(x).for_each(|(b, x)| *b = x.to_f32());
+        self.rings[l].pending[j] = Some(self.comm.send_start(buf, to, TAG[l]));
+        Ok(())
+    }
+
+    /// Receives message `m` (from the stage of the chunk next to it) into `x`.
+    pub fn recv<S: Elem>(&mut self, m: Message, x: &mut [S]) -> Result<()> {
+        let p = self.layout.pp;
+        let from = match m.dir {
+            Direction::Forward => (m.chunk + p - 1) % p,
+            Direction::Backward => (m.chunk + 1) % p,
+        } as usize;
+        let mut buf = std::mem::take(&mut self.recv);
+        let r = self.waited(|s| s.comm.recv(&mut buf, from, TAG[lane(m.dir)]));
+        r.map_err(|e| anyhow!("pipeline receive from stage {from}: {e}"))?;
+        x.iter_mut().zip(&buf).for_each(|(x, b)| *x = S::from_f32(*b));
+        self.recv = buf;
+        Ok(())
+    }
+
+    /// Waits for every send in flight (their buffers back), at the end of the stage's work.
+    pub fn flush(&mut self) -> Result<()> {
+        for l in 0..2 {
+            for j in 0..self.rings[l].pending.len() {
+                if let Some(p) = self.rings[l].pending[j].take() {
+                    let buf = self
+                        .waited(|_| p.wait())
+                        .map_err(|e| anyhow!("pipeline send: {e}"))?;
+                    self.rings[l].idle.push(buf);
+                }
+            }
+            self.rings[l].next = 0;
+        }
+        Ok(())
+    }
+
+    /// Sums the tied embedding's gradient `g` with the other stage's copy, in place, through
+    /// the receive buffer (so nothing is allocated).
+    pub fn sum_embedding<G: Elem>(&mut self, g: &mut [G]) -> Result<()> {
+        let Some(comm) = &self.embedding else {
+            return Ok(());
+        };
+        let mut buf = std::mem::take(&mut self.recv);
+        let step = buf.len().max(1);
+        for chunk in g.chunks_mut(step) {
+            buf.truncate(chunk.len());
+            buf.iter_mut()
+                .zip(chunk.iter())
+                .for_each(|(b, x)| *b = x.to_f32());
+            buf = comm
+                .all_reduce_start(buf)
+                .wait()
+                .map_err(|e| anyhow!("tied embedding gradient all-reduce: {e}"))?;
+            chunk
+                .iter_mut()
+                .zip(&buf)
+                .for_each(|(x, b)| *x = G::from_f32(*b));
+        }
+        buf.resize(step, 0.0);
+        self.recv = buf;
+        Ok(())
+    }
+
+    /// The sum over the stages of a per-stage f64 (each value as two f32, summed in f64).
+    pub fn sum_f64(&mut self, x: f64) -> Result<f64> {
+        let hi = x as f32;
+        let all = gather_small(
+            self.comm.as_ref(),
+            &mut self.small,
+            &[hi, (x - hi as f64) as f32],
+            "pipeline sum",
+        )?;
+        Ok(all.chunks(2).map(|c| c[0] as f64 + c[1] as f64).sum())
+    }
+
+    /// The planner's bubble: (p − 1)/(v·m) of the ideal compute time.
+    pub fn planned_bubble(&self, m: u64) -> f64 {
+        (self.layout.pp - 1) as f64 / (self.layout.pp_virtual * m) as f64
+    }
+}

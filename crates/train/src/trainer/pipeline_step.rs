@@ -1,0 +1,241 @@
+//! A pipeline stage's part of the training step: its forward and backward work in the
+//! schedule's order (`crate::pipeline`), then what the stages settle together before the
+//! optimizer: the tied embedding's two gradients, the data-parallel reduction of the stage's
+//! gradients, and the loss.
+
+use super::{norms_of, Trainer};
+use crate::data_parallel::{DataParallel, Sums};
+use crate::pool::Running;
+use anyhow::Result;
+use ferrotron_engine::kernels::Kernels;
+use ferrotron_engine::model::{
+    BackwardState, GradBuf, GradsDone, HeadActs, LayerActs, LossSum, WholeParams,
+};
+use ferrotron_engine::Elem;
+use ferrotron_plan::schedule::Work;
+use std::cell::RefCell;
+use std::ops::Range;
+use std::time::Instant;
+
+/// What a micro-batch's forward on one chunk leaves for its backward.
+struct InFlight<S> {
+    acts: Vec<LayerActs<S>>,
+    head: Option<HeadActs<S>>,
+}
+
+impl Trainer {
+    /// Runs the stage's work of one step; returns the loss of the micro-batches whose head
+    /// ran here, summed over the stages (every stage reports the same).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn pipeline_work<S: Elem, G: Elem>(
+        &mut self,
+        step: u64,
+        params: &mut [S],
+        grads: &mut dyn GradBuf<G>,
+        dp: Option<&RefCell<DataParallel>>,
+        num_targets: usize,
+        loss_scale: f32,
+    ) -> Result<LossSum> {
+        let mut pp = self.pp.take().expect("a pipeline stage");
+        let r = self.run_stage(&mut pp, step, params, grads, num_targets, loss_scale);
+        let r = r.and_then(|loss| {
+            self.settle(&mut pp, grads, dp)?;
+            let sum = pp.sum_f64(loss.sum)?;
+            let count = pp.sum_f64(loss.count as f64)?;
+            Ok(LossSum {
+                sum,
+                count: count.round() as usize,
+            })
+        });
+        self.pp = Some(pp);
+        r
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run_stage<S: Elem, G: Elem>(
+        &mut self,
+        pp: &mut crate::pipeline::Pipeline,
+        step: u64,
+        params: &mut [S],
+        grads: &mut dyn GradBuf<G>,
+        num_targets: usize,
+        loss_scale: f32,
+    ) -> Result<LossSum> {
+        let batch = self.batch();
+        let n = batch.n();
+        let k: &dyn Kernels<S, G> = &self.kernels;
+        let last_mb = self.cfg.data.grad_acc - 1;
+        let layers = self.model.config.layers as u64;
+        let width = (0..pp.chunks()).map(|c| pp.slots_of(c)).max().unwrap_or(1);
+        let mut held: Vec<Option<InFlight<S>>> = (0..pp.chunks() * width).map(|_| None).collect();
+        let mut src = WholeParams(params);
+        let sp = self.model.tp.as_ref().filter(|t| t.sp);
+        let mut loss = LossSum::default();
+        let model = &self.model;
+        for i in 0..pp.work.len() {
+            let (w, slot) = (pp.work[i], pp.slots[i]);
+            let (recv, send) = pp.messages(w);
+            if let Some(a) = &mut self.pool.arena {
+                a.set_slot(slot);
+            }
+            let (mb, chunk) = match w {
+                Work::F { mb, chunk } | Work::B { mb, chunk } => (mb, chunk),
+            };
+            let range = self.cfg.parallel.chunk_layers(layers, pp.global_chunk(chunk));
+            let range = range.start as usize..range.end as usize;
+            let at = (chunk * width + slot) as usize;
+            let b = pp.batch_slot[mb as usize];
+            let t0 = Instant::now();
+            match w {
+                Work::F { .. } => {
+                    self.pool.enter(step, mb, Running::Idle);
+                    // Every stage reads each micro-batch (the loader's position stays the same
+                    // on every rank): the first uses its tokens, the last its targets.
+                    if chunk == 0 {
+                        let (t, y) = match b {
+                            0 => (&mut self.tokens, &mut self.targets),
+                            _ => {
+                                let (t, y) = &mut self.batches[b - 1];
+                                (t, y)
+                            }
+                        };
+                        self.loader.next_into(t, y)?;
+                    }
+                    let (tokens, targets) = batch_of(&self.tokens, &self.targets, &self.batches, b);
+                    let pool = &mut self.pool;
+                    let x = match recv {
+                        None => model.embed_forward(k, pool, &mut src, tokens),
+                        Some(m) => {
+                            let mut x = model.layer_input(pool, range.start, n);
+                            pp.recv(m, &mut x)?;
+                            x
+                        }
+                    };
+                    let (acts, out) = model.layers_forward(k, pool, &mut src, batch, range.clone(), x);
+                    let head = match send {
+                        Some(m) => {
+                            pp.send(m, &out)?;
+                            model.free_layer_input(pool, range.end, out);
+                            None
+                        }
+                        None => {
+                            let (h, l) = model.head_forward(
+                                k,
+                                pool,
+                                &mut src,
+                                grads,
+                                out,
+                                targets,
+                                num_targets,
+                                loss_scale,
+                            );
+                            loss.sum += l.sum;
+                            loss.count += l.count;
+                            Some(h)
+                        }
+                    };
+                    held[at] = Some(InFlight { acts, head });
+                    self.kernels.phase("forward", t0, step, mb);
+                }
+                Work::B { .. } => {
+                    let f = held[at].take().expect("a backward follows its forward");
+                    let pool = &mut self.pool;
+                    // Sequence parallelism leaves each rank its tokens' share of the norms'
+                    // gradients: summed over the group once the last micro-batch's are in.
+                    let done = &mut |d: GradsDone, g: &mut dyn GradBuf<G>| {
+                        if let (Some(tp), true) = (sp, mb == last_mb) {
+                            for r in norms_of(&d).into_iter().filter(|r| !r.is_empty()) {
+                                tp.sum(&mut g[r]);
+                            }
+                        }
+                    };
+                    let mut state = match (f.head, recv) {
+                        (Some(h), _) => model.head_backward(k, pool, &mut src, grads, h, batch, done),
+                        (None, Some(m)) => {
+                            let mut s = BackwardState::new(model, pool, batch);
+                            pp.recv(m, s.resid_grad_mut())?;
+                            s
+                        }
+                        (None, None) => unreachable!("a chunk without the head receives a gradient"),
+                    };
+                    model.layers_backward(k, pool, &mut src, grads, batch, range, f.acts, &mut state, done);
+                    match send {
+                        None => {
+                            let (tokens, _) = batch_of(&self.tokens, &self.targets, &self.batches, b);
+                            model.embed_backward(k, pool, grads, tokens, state, done)
+                        }
+                        Some(m) => {
+                            pp.send(m, state.resid_grad())?;
+                            state.free(pool);
+                        }
+                    }
+                    self.kernels.phase("backward", t0, step, mb);
+                }
+            }
+            if let Some(tp) = &self.tp {
+                tp.check()?;
+            }
+        }
+        pp.flush()?;
+        if let Some(a) = &mut self.pool.arena {
+            a.set_slot(0);
+        }
+        Ok(loss)
+    }
+
+    /// After the stage's last backward: the tied embedding's copies summed over the first and
+    /// last stages, then the stage's gradients reduced over its data-parallel group (all at
+    /// once: a stage's chunks finish their last backward at different times).
+    fn settle<G: Elem>(
+        &mut self,
+        pp: &mut crate::pipeline::Pipeline,
+        grads: &mut dyn GradBuf<G>,
+        dp: Option<&RefCell<DataParallel>>,
+    ) -> Result<()> {
+        let embed = self.model.params.embed.clone();
+        if !embed.is_empty() {
+            pp.sum_embedding(&mut grads[embed.clone()])?;
+        }
+        let Some(dp) = dp else {
+            return Ok(());
+        };
+        let mut dp = dp.borrow_mut();
+        let mut sums = Sums {
+            grads,
+            shard: None,
+        };
+        let p = &self.model.params;
+        let held: Vec<usize> = (0..p.layers.len())
+            .filter(|&i| !p.layers[i].ln1.is_empty())
+            .collect();
+        let norm: Range<usize> = p.norm.clone();
+        let report = |d: GradsDone| -> Vec<Range<usize>> { dp.ranges(&d).collect() };
+        let mut ranges = Vec::new();
+        if !norm.is_empty() {
+            ranges.extend(report(GradsDone::FinalNorm(&norm)));
+        }
+        for &i in held.iter().rev() {
+            ranges.extend(report(GradsDone::Layer(i, &p.layers[i])));
+        }
+        if !embed.is_empty() {
+            ranges.extend(report(GradsDone::Embedding(&embed)));
+        }
+        for r in ranges {
+            dp.add(&mut sums, r);
+        }
+        dp.finish(&mut sums)
+    }
+}
+
+/// The tokens and targets of batch slot `b`.
+fn batch_of<'a>(
+    tokens: &'a [u32],
+    targets: &'a [u32],
+    batches: &'a [(Vec<u32>, Vec<u32>)],
+    b: usize,
+) -> (&'a [u32], &'a [u32]) {
+    match b {
+        0 => (tokens, targets),
+        _ => (&batches[b - 1].0, &batches[b - 1].1),
+    }
+}
