@@ -262,7 +262,14 @@ fn add_slot(plan: &mut MemoryPlan, prefix: &str, acts: &[Act], slot: u64) -> Vec
     };
     acts.iter()
         .filter(|a| a.numel > 0)
-        .map(|a| plan.add(format!("{prefix}{}{at}", a.name), a.dtype, a.numel, a.category))
+        .map(|a| {
+            plan.add(
+                format!("{prefix}{}{at}", a.name),
+                a.dtype,
+                a.numel,
+                a.category,
+            )
+        })
         .collect()
 }
 
@@ -277,7 +284,10 @@ fn pp_buffers(plan: &mut MemoryPlan, l: &Layout, stage: u64, m: u64, boundary: u
     let k = send_buffers(l, m);
     let work = order(l, stage, m);
     let mut ids = Vec::new();
-    for (dir, name) in [(Direction::Forward, "forward"), (Direction::Backward, "backward")] {
+    for (dir, name) in [
+        (Direction::Forward, "forward"),
+        (Direction::Backward, "backward"),
+    ] {
         let sends = work.iter().any(|&w| {
             crate::schedule::messages(l, stage, w)
                 .1
@@ -399,6 +409,7 @@ fn rank_plan(
     let mut kind = vec![];
     let mut e = EdgeIds::default();
     let mut pp_comm = Vec::new();
+    let mut sp_scratch = Vec::new();
     if let Some(m) = spec {
         let kinds = [false, true].map(|moe| layer_acts(m, r, l, conv, moe));
         let chunk_of = |i: u64| (0..chunks).find(|&g| l.chunk_layers(m.layers, g).contains(&i));
@@ -413,7 +424,11 @@ fn rank_plan(
                 .cloned()
                 .partition(|a| a.name == LayerTensor::Input.name());
             let g = chunk_of(i).unwrap_or(0);
-            let n_slots = if here { chunk_slots[(g / l.pp) as usize] } else { 0 };
+            let n_slots = if here {
+                chunk_slots[(g / l.pp) as usize]
+            } else {
+                0
+            };
             inputs.push(
                 (0..n_slots)
                     .map(|s| add_slot(&mut plan, &prefix, &input, s))
@@ -487,6 +502,12 @@ fn rank_plan(
         if slotted {
             let boundary = Dims::new(r, l).n() * m.hidden / Dims::new(r, l).seq_shard();
             pp_comm = pp_buffers(&mut plan, l, stage, r.grad_acc, boundary);
+            // Sequence parallelism's gather scratch serves every layer and the head; a stage
+            // without the embedding (which holds it from its forward to its backward) holds
+            // it through each piece of work.
+            if stage != 0 {
+                sp_scratch = add_acts(&mut plan, "", &edge.embedding);
+            }
         }
     }
     plan.alloc(&e.persistent);
@@ -511,6 +532,7 @@ fn rank_plan(
         for (w, &slot) in work.iter().zip(&slot_of) {
             match *w {
                 Work::F { mb, chunk } => {
+                    plan.alloc(&sp_scratch);
                     if !comm_fwd_allocated {
                         plan.alloc(&comm_fwd);
                         comm_fwd_allocated = true;
@@ -564,6 +586,7 @@ fn rank_plan(
                     if spec.is_none() {
                         plan.mark(step, Phase::Forward, format!("step {step} mb {mb} forward"));
                     }
+                    plan.free(&sp_scratch);
                 }
                 Work::B { mb, chunk } => {
                     if !grads_allocated {
@@ -571,6 +594,7 @@ fn rank_plan(
                         grads_allocated = true;
                     }
                     let g = chunk * l.pp + stage;
+                    plan.alloc(&sp_scratch);
                     plan.alloc(&e.scratch_first);
                     if g == chunks - 1 {
                         plan.alloc(&e.head_backward);
@@ -596,6 +620,7 @@ fn rank_plan(
                     }
                     plan.free(&e.scratch_rest);
                     plan.free(&e.scratch_first);
+                    plan.free(&sp_scratch);
                     if spec.is_none() {
                         plan.mark(
                             step,

@@ -152,7 +152,9 @@ pub fn messages(l: &Layout, stage: u64, w: Work) -> (Option<Message>, Option<Mes
             let recv = (g + 1 < chunks)
                 .then(|| msg(Direction::Backward, g, mb))
                 .flatten();
-            let send = (g > 0).then(|| msg(Direction::Backward, g - 1, mb)).flatten();
+            let send = (g > 0)
+                .then(|| msg(Direction::Backward, g - 1, mb))
+                .flatten();
             (recv, send)
         }
     }

@@ -47,6 +47,12 @@ pub struct StepMetrics {
     pub tp_comm_bytes: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tp_comm_bytes_planned: Option<u64>,
+    /// Pipeline parallelism: each stage's measured bubble this step (time blocked in its
+    /// transfers over its time computing, stage order) and the planner's (p − 1)/(v·m).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pp_bubble: Vec<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pp_bubble_planned: Option<f64>,
     /// The GEMM kernel the products ran on (`Gemm::describe`): results depend on it.
     #[serde(default)]
     pub gemm: String,

@@ -53,6 +53,8 @@ pub struct Pipeline {
     embedding: Option<Box<dyn Communicator>>,
     /// Time blocked in transfers since the counter was last taken.
     pub idle: Duration,
+    /// Wall time of the stage's work since the counter was last taken.
+    pub span: Duration,
     /// Spans blocked (start, end), for the trace.
     pub waits: Vec<(Instant, Instant)>,
     small: Vec<f32>,
@@ -87,6 +89,7 @@ impl Pipeline {
             recv: Vec::new(),
             embedding,
             idle: Duration::ZERO,
+            span: Duration::ZERO,
             waits: Vec::with_capacity(4 * m as usize * layout.pp_virtual as usize + 8),
             small: Vec::new(),
         }
@@ -186,7 +189,11 @@ impl Pipeline {
                 .pop()
                 .expect("the plan's send buffers are allocated"),
         };
-        assert_eq!(buf.len(), x.len(), "internal: a pipeline message of the plan's size");
+        assert_eq!(
+            buf.len(),
+            x.len(),
+            "internal: a pipeline message of the plan's size"
+        );
         buf.iter_mut().zip(x).for_each(|(b, x)| *b = x.to_f32());
         self.rings[l].pending[j] = Some(self.comm.send_start(buf, to, TAG[l]));
         Ok(())
@@ -202,7 +209,9 @@ impl Pipeline {
         let mut buf = std::mem::take(&mut self.recv);
         let r = self.waited(|s| s.comm.recv(&mut buf, from, TAG[lane(m.dir)]));
         r.map_err(|e| anyhow!("pipeline receive from stage {from}: {e}"))?;
-        x.iter_mut().zip(&buf).for_each(|(x, b)| *x = S::from_f32(*b));
+        x.iter_mut()
+            .zip(&buf)
+            .for_each(|(x, b)| *x = S::from_f32(*b));
         self.recv = buf;
         Ok(())
     }
@@ -260,6 +269,22 @@ impl Pipeline {
             "pipeline sum",
         )?;
         Ok(all.chunks(2).map(|c| c[0] as f64 + c[1] as f64).sum())
+    }
+
+    /// Every stage's bubble of the step just run (stage order): its time blocked in transfers
+    /// over its time computing, the measure of the planner's (p − 1)/(v·m). Resets the
+    /// counters.
+    pub fn take_bubbles(&mut self) -> Result<Vec<f64>> {
+        let (idle, span) = (self.idle.as_secs_f64(), self.span.as_secs_f64());
+        (self.idle, self.span) = (Duration::ZERO, Duration::ZERO);
+        let mine = (idle / (span - idle).max(1e-9)) as f32;
+        let all = gather_small(
+            self.comm.as_ref(),
+            &mut self.small,
+            &[mine],
+            "pipeline bubble",
+        )?;
+        Ok(all.iter().map(|&b| b as f64).collect())
     }
 
     /// The planner's bubble: (p − 1)/(v·m) of the ideal compute time.

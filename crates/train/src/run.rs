@@ -216,6 +216,21 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         let full = setup::llama_config(&spec)?;
         ferrotron_engine::model::tensor_parallel::shard_config(&full, layout.tp as usize)?;
     }
+    if layout.pp > 1 {
+        // A schedule the planner cannot lay out is refused once, before any rank starts.
+        let grad_acc = match &saved {
+            Some(l) => resume_config(&args, &l.state.config)?.data.grad_acc,
+            None => args.resolve()?.data.grad_acc,
+        };
+        if layout.pp_schedule == ferrotron_plan::layout::PpSchedule::Interleaved
+            && grad_acc % layout.pp != 0
+        {
+            bail!(
+                "grad_acc = {grad_acc}: the interleaved schedule needs micro-batches in multiples of pp = {}",
+                layout.pp
+            );
+        }
+    }
     if use_mpi(args.comm.unwrap_or(CommBackend::Auto), dp)? {
         #[cfg(feature = "mpi")]
         return run_mpi(args, saved, &layout);
@@ -477,9 +492,13 @@ fn run_rank(
     let grid = ferrotron_dist::Grid::new(&cfg.parallel);
     let (dp_rank, ranks) = (grid.coord(rank, Dim::Dp), cfg.parallel.dp as usize);
     let comms = match ctx.as_ref().map(|c| c.comm.as_ref()) {
-        Some(world) if cfg.parallel.tp > 1 || cfg.parallel.pp > 1 => {
-            Some(model_groups(world, rank, &cfg, &grid, llama.tie_embeddings)?)
-        }
+        Some(world) if cfg.parallel.tp > 1 || cfg.parallel.pp > 1 => Some(model_groups(
+            world,
+            rank,
+            &cfg,
+            &grid,
+            llama.tie_embeddings,
+        )?),
         _ => None,
     };
     let lcfg = LoaderConfig::new(cfg.data.mbs as usize, cfg.data.seq as usize, cfg.data.seed);
@@ -564,7 +583,7 @@ fn run_rank(
         eprintln!(
         "model {}: {} parameters; memory plan peak {:.1} MiB (params {:.1}, grads {:.1}, adam {:.1}, activations {:.1}, workspace {:.1}, gemm workspace {:.1}); matmul peak {:.1} GFLOP/s; gemm: {}",
         cfg.model.name,
-        t.model.num_params(),
+        t.whole_params().total,
         t.planned_peak() as f64 / MIB,
         w.params as f64 / MIB,
         w.grads as f64 / MIB,
@@ -671,6 +690,18 @@ fn run_rank(
                 "data parallel: {:.2} MB sent per rank in the last step, planned {:.2} MB",
                 mb(m.comm_bytes),
                 mb(m.comm_bytes_planned)
+            );
+        }
+        if let Some(m) = steps.last().filter(|m| !m.pp_bubble.is_empty()) {
+            // The median step's (the first steps warm up).
+            let mut by_step: Vec<&Vec<f64>> = steps.iter().map(|m| &m.pp_bubble).collect();
+            by_step.sort_by(|a, b| a.iter().sum::<f64>().total_cmp(&b.iter().sum::<f64>()));
+            let mid = by_step[by_step.len() / 2];
+            let each: Vec<String> = mid.iter().map(|b| format!("{:.1}%", b * 100.0)).collect();
+            eprintln!(
+                "pipeline bubble (median step): stages {} of their compute time blocked, planned (p − 1)/(v·m) = {:.1}%",
+                each.join(", "),
+                m.pp_bubble_planned.unwrap_or(0.0) * 100.0
             );
         }
         if let Some(m) = steps.last().filter(|m| m.tp_comm_bytes.is_some()) {

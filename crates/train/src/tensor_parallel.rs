@@ -7,8 +7,8 @@
 use anyhow::anyhow;
 type Result<T, E = anyhow::Error> = std::result::Result<T, E>;
 use ferrotron_dist::Communicator;
-use ferrotron_engine::model::tensor_parallel::TpOp;
 use ferrotron_engine::model::tensor_parallel::replicated;
+use ferrotron_engine::model::tensor_parallel::TpOp;
 use ferrotron_engine::model::{Llama, TpComm};
 use ferrotron_plan::comm::{bytes_per_rank, Collective};
 use std::cell::{Cell, RefCell};

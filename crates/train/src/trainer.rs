@@ -581,7 +581,11 @@ impl Trainer {
                     let bufs = self.plan.plan.buffers.iter();
                     bufs.filter(|b| b.name.starts_with(&prefix)).count()
                 });
-                pp.allocate(sends[0].max(sends[1]), b.numel as usize, sends.map(|k| k > 0));
+                pp.allocate(
+                    sends[0].max(sends[1]),
+                    b.numel as usize,
+                    sends.map(|k| k > 0),
+                );
             }
             self.pool.sample(step, Point::Grads);
         }
@@ -629,10 +633,20 @@ impl Trainer {
             }
             dp.spans.clear();
         }
+        let (mut pp_bubble, mut pp_bubble_planned) = (Vec::new(), None);
+        if let Some(pp) = &mut self.pp {
+            for &(a, b) in &pp.waits {
+                self.kernels.comm("pp.wait", a, b, self.step);
+            }
+            pp.waits.clear();
+            pp_bubble = pp.take_bubbles()?;
+            pp_bubble_planned = Some(pp.planned_bubble(self.cfg.data.grad_acc));
+        }
         let tokens = self.global_batch_tokens();
         let tps = tokens as f64 / secs;
         // Every rank has this machine's peak: MFU is against all of them.
-        let peak = self.peak_flops * (self.ranks() * self.tp_size()) as f64;
+        let stages = self.pp.as_ref().map_or(1, |p| p.stages());
+        let peak = self.peak_flops * (self.ranks() * self.tp_size() * stages) as f64;
         let mfu = tps * self.flops_per_token / peak;
         Ok(StepOutput {
             tokens,
@@ -657,6 +671,8 @@ impl Trainer {
                 comm_bytes_planned: self.comm_planned,
                 tp_comm_bytes: self.tp.as_ref().map(|t| t.bytes.take().round() as u64),
                 tp_comm_bytes_planned: self.tp_planned,
+                pp_bubble,
+                pp_bubble_planned,
                 comm_exposed_ms: comm_exposed,
                 gemm: self.gemm.clone(),
             },
@@ -1190,7 +1206,10 @@ impl Trainer {
                 whole[f].copy_from_slice(&mine[l]);
             }
         }
-        let (world, _) = self.world.as_ref().expect("a model split over ranks has a world");
+        let (world, _) = self
+            .world
+            .as_ref()
+            .expect("a model split over ranks has a world");
         world
             .all_reduce_sum(&mut whole)
             .map_err(|e| anyhow::anyhow!("gathering the weights: {e}"))?;

@@ -73,7 +73,8 @@ impl Llama {
     /// tied embedding (its LM head), kept equal by summing gradients with the first stage.
     pub fn copied(&self) -> Option<Range<usize>> {
         let s = self.stage.as_ref()?;
-        (self.config.tie_embeddings && s.is_last() && !s.is_first()).then(|| self.params.embed.clone())
+        (self.config.tie_embeddings && s.is_last() && !s.is_first())
+            .then(|| self.params.embed.clone())
     }
 
     /// Whether this rank runs the embedding (the first pipeline stage, or no pipeline).

@@ -111,7 +111,12 @@ impl Llama {
 
     /// The input buffer of layer `i` for `tokens` tokens: where a pipeline stage puts the
     /// activation it receives for its chunk starting at layer `i`.
-    pub fn layer_input<S: Elem>(&self, pool: &mut dyn BufferPool, i: usize, tokens: usize) -> Buf<S> {
+    pub fn layer_input<S: Elem>(
+        &self,
+        pool: &mut dyn BufferPool,
+        i: usize,
+        tokens: usize,
+    ) -> Buf<S> {
         self.buf(pool, BufName::Layer(i as u32, LayerTensor::Input), tokens)
     }
 

@@ -37,7 +37,9 @@ impl Trainer {
         loss_scale: f32,
     ) -> Result<LossSum> {
         let mut pp = self.pp.take().expect("a pipeline stage");
+        let t0 = Instant::now();
         let r = self.run_stage(&mut pp, step, params, grads, num_targets, loss_scale);
+        pp.span += t0.elapsed();
         let r = r.and_then(|loss| {
             self.settle(&mut pp, grads, dp)?;
             let sum = pp.sum_f64(loss.sum)?;
@@ -81,7 +83,10 @@ impl Trainer {
             let (mb, chunk) = match w {
                 Work::F { mb, chunk } | Work::B { mb, chunk } => (mb, chunk),
             };
-            let range = self.cfg.parallel.chunk_layers(layers, pp.global_chunk(chunk));
+            let range = self
+                .cfg
+                .parallel
+                .chunk_layers(layers, pp.global_chunk(chunk));
             let range = range.start as usize..range.end as usize;
             let at = (chunk * width + slot) as usize;
             let b = pp.batch_slot[mb as usize];
@@ -111,7 +116,8 @@ impl Trainer {
                             x
                         }
                     };
-                    let (acts, out) = model.layers_forward(k, pool, &mut src, batch, range.clone(), x);
+                    let (acts, out) =
+                        model.layers_forward(k, pool, &mut src, batch, range.clone(), x);
                     let head = match send {
                         Some(m) => {
                             pp.send(m, &out)?;
@@ -150,18 +156,25 @@ impl Trainer {
                         }
                     };
                     let mut state = match (f.head, recv) {
-                        (Some(h), _) => model.head_backward(k, pool, &mut src, grads, h, batch, done),
+                        (Some(h), _) => {
+                            model.head_backward(k, pool, &mut src, grads, h, batch, done)
+                        }
                         (None, Some(m)) => {
                             let mut s = BackwardState::new(model, pool, batch);
                             pp.recv(m, s.resid_grad_mut())?;
                             s
                         }
-                        (None, None) => unreachable!("a chunk without the head receives a gradient"),
+                        (None, None) => {
+                            unreachable!("a chunk without the head receives a gradient")
+                        }
                     };
-                    model.layers_backward(k, pool, &mut src, grads, batch, range, f.acts, &mut state, done);
+                    model.layers_backward(
+                        k, pool, &mut src, grads, batch, range, f.acts, &mut state, done,
+                    );
                     match send {
                         None => {
-                            let (tokens, _) = batch_of(&self.tokens, &self.targets, &self.batches, b);
+                            let (tokens, _) =
+                                batch_of(&self.tokens, &self.targets, &self.batches, b);
                             model.embed_backward(k, pool, grads, tokens, state, done)
                         }
                         Some(m) => {
@@ -200,10 +213,7 @@ impl Trainer {
             return Ok(());
         };
         let mut dp = dp.borrow_mut();
-        let mut sums = Sums {
-            grads,
-            shard: None,
-        };
+        let mut sums = Sums { grads, shard: None };
         let p = &self.model.params;
         let held: Vec<usize> = (0..p.layers.len())
             .filter(|&i| !p.layers[i].ln1.is_empty())
