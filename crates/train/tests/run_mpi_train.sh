@@ -10,6 +10,8 @@
 #   - a checkpoint both processes write (ZeRO-3) resumes on ZeRO-1 along the same trajectory,
 #   - dp 2 × tp 2 (with and without --sp) under mpirun -np 4 agrees with threads and with dp 2
 #     alone,
+#   - dp 2 × pp 2 under AFAB, 1F1B and interleaved (v 3) with mpirun -np 4, and dp 2 × tp 2 ×
+#     sp × pp 2 with mpirun -np 8, agree with threads and with dp 2 alone,
 #   - mpirun's process count disagreeing with --dp fails at once with one line naming both.
 # Needs Open MPI (Debian: openmpi-bin libopenmpi-dev). Run by scripts/test.sh.
 set -euo pipefail
@@ -85,6 +87,35 @@ for t, m, d in zip(threads, mpi, dp_only):
 print("dp 2 x tp 2: mpirun -np 4 = threads within 1e-6, = dp 2 alone within 1e-5; 4 ranks within 1% of their plans; bytes as planned")
 PY
 rm -rf "$OUT/tp-threads" "$OUT/tp-mpi"
+done
+
+MPIRUN8=("${MPIRUN[@]}")
+MPIRUN8[2]=8
+for LAYOUT in "--pp-schedule afab" "--pp-schedule 1f1b" "--pp-schedule interleaved --pp-virtual 3" \
+    "--tp 2 --sp --pp-schedule 1f1b"; do
+NP=("${MPIRUN4[@]}")
+case "$LAYOUT" in *--tp*) NP=("${MPIRUN8[@]}");; esac
+echo "== pipeline parallelism: dp 2 × pp 2 $LAYOUT (${NP[2]} processes) = threads"
+"$BIN" "${COMMON[@]}" --pp 2 $LAYOUT --zero 1 --steps 4 --out-dir "$OUT/pp-threads" 2>"$OUT/pp.log" || { cat "$OUT/pp.log"; exit 1; }
+timeout 300 "${NP[@]}" "$BIN" "${COMMON[@]}" --pp 2 $LAYOUT --zero 1 --steps 4 --out-dir "$OUT/pp-mpi" \
+    2>"$OUT/pp-mpi.log" || { cat "$OUT/pp-mpi.log"; exit 1; }
+python3 - "$OUT/pp-threads/metrics.jsonl" "$OUT/pp-mpi/metrics.jsonl" "$OUT/threads1/metrics.jsonl" "${NP[2]}" <<'PY'
+import json, sys
+threads, mpi, dp_only = ([json.loads(l) for l in open(p)] for p in sys.argv[1:4])
+ranks = int(sys.argv[4])
+for t, m, d in zip(threads, mpi, dp_only):
+    for key in ("loss", "grad_norm"):
+        assert abs(t[key] - m[key]) / abs(t[key]) < 1e-6, (t["step"], key, t[key], m[key])
+        # The same global batch on one pipeline stage.
+        assert abs(t[key] - d[key]) / abs(d[key]) < 1e-5, (t["step"], key, t[key], d[key])
+    for r in (t, m):
+        assert len(r["rank_mem"]) == ranks, r["rank_mem"]
+        for x in r["rank_mem"]:
+            assert abs(x["mem_peak_measured"] / x["mem_peak_planned"] - 1) < 0.01, x
+        assert len(r["pp_bubble"]) == 2, r
+print(f"pipeline: mpirun -np {ranks} = threads within 1e-6, = dp 2 alone within 1e-5; {ranks} ranks within 1% of their plans; bubble {m['pp_bubble']} (planned {m['pp_bubble_planned']})")
+PY
+rm -rf "$OUT/pp-threads" "$OUT/pp-mpi"
 done
 
 echo "== a checkpoint written by both processes in parallel (ZeRO-3), resumed re-sharded (ZeRO-1)"
