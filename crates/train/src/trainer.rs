@@ -537,6 +537,23 @@ impl Trainer {
         Ok(t)
     }
 
+    /// The pipeline's send and receive buffers, as planned (with the gradients, or by an
+    /// evaluation before the first step).
+    fn allocate_pipeline(&mut self) {
+        if let (Some(pp), Some(b)) = (&mut self.pp, self.plan.plan.find("comm.pp.recv")) {
+            let sends = ["forward", "backward"].map(|d| {
+                let prefix = format!("comm.pp.send.{d}.");
+                let bufs = self.plan.plan.buffers.iter();
+                bufs.filter(|b| b.name.starts_with(&prefix)).count()
+            });
+            pp.allocate(
+                sends[0].max(sends[1]),
+                b.numel as usize,
+                sends.map(|k| k > 0),
+            );
+        }
+    }
+
     fn batch(&self) -> BatchShape {
         BatchShape {
             b: self.cfg.data.mbs as usize,
@@ -574,19 +591,7 @@ impl Trainer {
             if let (Some(tp), Some(b)) = (&self.tp, self.plan.plan.find("comm.tp.staging")) {
                 tp.allocate(b.numel as usize);
             }
-            // The pipeline's send and receive buffers, as planned.
-            if let (Some(pp), Some(b)) = (&mut self.pp, self.plan.plan.find("comm.pp.recv")) {
-                let sends = ["forward", "backward"].map(|d| {
-                    let prefix = format!("comm.pp.send.{d}.");
-                    let bufs = self.plan.plan.buffers.iter();
-                    bufs.filter(|b| b.name.starts_with(&prefix)).count()
-                });
-                pp.allocate(
-                    sends[0].max(sends[1]),
-                    b.numel as usize,
-                    sends.map(|k| k > 0),
-                );
-            }
+            self.allocate_pipeline();
             self.pool.sample(step, Point::Grads);
         }
         let ran_with = self.scaler.as_ref().map(|s| s.scale);
@@ -988,6 +993,10 @@ impl Trainer {
         params: &mut [S],
         dp: Option<&RefCell<DataParallel>>,
     ) -> Result<LossSum> {
+        if self.pp.is_some() {
+            self.allocate_pipeline();
+            return self.pipeline_eval(params);
+        }
         let Some(val) = &self.val else {
             return Ok(LossSum::default());
         };

@@ -81,6 +81,8 @@ fn train(tag: &str, l: &Layout) -> Vec<StepMetrics> {
     (a.layout.zero, a.layout.sp) = (Some(l.zero), Some(l.sp));
     a.layout.pp_schedule = Some(l.schedule.into());
     a.layout.pp_virtual = Some(l.v);
+    // Validation runs through the pipeline too (forward only, chunk by chunk).
+    a.eval_interval = Some(2);
     run(a).unwrap().steps
 }
 
@@ -91,6 +93,7 @@ fn rel(a: f64, b: f64) -> f64 {
 #[test]
 fn pipeline_stages_follow_the_one_rank_trajectory_within_their_plans() {
     let one = train("pp-one", &ONE);
+    assert!(one.iter().any(|m| m.val_loss.is_some()), "validation ran");
     let layouts = [
         Layout {
             pp: 2,
@@ -135,6 +138,10 @@ fn pipeline_stages_follow_the_one_rank_trajectory_within_their_plans() {
                 x.grad_norm,
                 y.grad_norm
             );
+            assert_eq!(x.val_loss.is_some(), y.val_loss.is_some(), "{what}");
+            if let (Some(a), Some(b)) = (x.val_loss, y.val_loss) {
+                assert!(rel(a, b) < 1e-5, "{what}: val loss {a} vs {b}");
+            }
             let ranks = (l.dp * l.tp * l.pp) as usize;
             assert_eq!(y.rank_mem.len(), ranks, "{what}: one entry per rank");
             for r in &y.rank_mem {
@@ -223,7 +230,12 @@ fn a_pipeline_checkpoint_is_the_whole_model_and_resumes_on_any_layout() {
         for (x, y) in straight[3..].iter().zip(&rest) {
             let what = format!("resumed on pp {pp} {schedule}, step {}", y.step);
             assert_eq!(x.step, y.step, "{what}");
-            assert!(rel(x.loss, y.loss) < 1e-5, "{what}: loss {} vs {}", x.loss, y.loss);
+            assert!(
+                rel(x.loss, y.loss) < 1e-5,
+                "{what}: loss {} vs {}",
+                x.loss,
+                y.loss
+            );
         }
     }
 }

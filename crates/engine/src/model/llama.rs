@@ -940,12 +940,7 @@ impl Llama {
         self.check_batch(batch, tokens);
         assert_eq!(targets.len(), batch.n(), "targets must hold B·T ids");
         let x = self.trunk_no_grad(k, pool, params, batch, tokens);
-        let p = params.unit(Unit::Head);
-        let (rstd, out, loss) = self.head(k, pool, p, &x, targets, None);
-        pool.free(BufName::Edge(Edge::FinalNormOut), out);
-        pool.free(BufName::Edge(Edge::FinalNormRstd), rstd);
-        pool.free(BufName::Edge(Edge::FinalNormInput), x);
-        loss
+        self.head_eval(k, pool, params, x, targets)
     }
 
     /// Inference forward for sampling: writes the logits of the last position of each of the
@@ -1079,13 +1074,44 @@ impl Llama {
         batch: BatchShape,
         tokens: &[u32],
     ) -> Buf<S> {
-        let mut x = self.embed_forward(k, pool, params, tokens);
-        for i in 0..self.config.layers {
+        let x = self.embed_forward(k, pool, params, tokens);
+        self.layers_no_grad(k, pool, params, batch, 0..self.config.layers, x)
+    }
+
+    /// Forward of decoder layers `layers` from their input `x` without keeping activations
+    /// (evaluation; a pipeline stage runs its chunks this way).
+    pub fn layers_no_grad<S: Elem, G: Elem>(
+        &self,
+        k: &dyn Kernels<S, G>,
+        pool: &mut dyn BufferPool,
+        params: &mut dyn ParamSource<S>,
+        batch: BatchShape,
+        layers: Range<usize>,
+        mut x: Buf<S>,
+    ) -> Buf<S> {
+        for i in layers {
             let p = params.unit(Unit::Layer(i));
             let (acts, out) = self.layer_forward(k, pool, p, i, batch, x);
             self.free_layer(pool, i, acts);
             x = out;
         }
         x
+    }
+
+    /// The loss of the last layer's output `x` against `targets`, without gradients.
+    pub fn head_eval<S: Elem, G: Elem>(
+        &self,
+        k: &dyn Kernels<S, G>,
+        pool: &mut dyn BufferPool,
+        params: &mut dyn ParamSource<S>,
+        x: Buf<S>,
+        targets: &[u32],
+    ) -> LossSum {
+        let p = params.unit(Unit::Head);
+        let (rstd, out, loss) = self.head(k, pool, p, &x, targets, None);
+        pool.free(BufName::Edge(Edge::FinalNormOut), out);
+        pool.free(BufName::Edge(Edge::FinalNormRstd), rstd);
+        pool.free(BufName::Edge(Edge::FinalNormInput), x);
+        loss
     }
 }

@@ -237,6 +237,86 @@ impl Trainer {
     }
 }
 
+impl Trainer {
+    /// The validation loss through the pipeline: each batch's forward, chunk by chunk, without
+    /// gradients (every stage calls it; each reports the last stage's loss).
+    pub(super) fn pipeline_eval<S: Elem>(&mut self, params: &mut [S]) -> Result<LossSum> {
+        let mut pp = self.pp.take().expect("a pipeline stage");
+        let r = self.eval_stage(&mut pp, params).and_then(|loss| {
+            let sum = pp.sum_f64(loss.sum)?;
+            let count = pp.sum_f64(loss.count as f64)?;
+            Ok(LossSum {
+                sum,
+                count: count.round() as usize,
+            })
+        });
+        pp.waits.clear();
+        (pp.idle, pp.span) = Default::default();
+        self.pp = Some(pp);
+        r
+    }
+
+    fn eval_stage<S: Elem>(
+        &mut self,
+        pp: &mut crate::pipeline::Pipeline,
+        params: &mut [S],
+    ) -> Result<LossSum> {
+        let mut loss = LossSum::default();
+        let Some(val) = &self.val else {
+            return Ok(loss);
+        };
+        let batch = self.batch();
+        let k: &dyn Kernels<S> = &self.kernels;
+        let layers = self.model.config.layers as u64;
+        let model = &self.model;
+        let mut src = WholeParams(params);
+        if let Some(a) = &mut self.pool.arena {
+            a.set_slot(0);
+        }
+        for i in 0..val.num_batches() {
+            val.batch_into(i, &mut self.tokens, &mut self.targets)?;
+            for chunk in 0..pp.chunks() {
+                let w = Work::F {
+                    mb: i as u64,
+                    chunk,
+                };
+                let (recv, send) = pp.messages(w);
+                let range = self
+                    .cfg
+                    .parallel
+                    .chunk_layers(layers, pp.global_chunk(chunk));
+                let range = range.start as usize..range.end as usize;
+                let pool = &mut self.pool;
+                let x = match recv {
+                    None => model.embed_forward(k, pool, &mut src, &self.tokens),
+                    Some(m) => {
+                        let mut x = model.layer_input(pool, range.start, batch.n());
+                        pp.recv(m, &mut x)?;
+                        x
+                    }
+                };
+                let out = model.layers_no_grad(k, pool, &mut src, batch, range.clone(), x);
+                match send {
+                    Some(m) => {
+                        pp.send(m, &out)?;
+                        model.free_layer_input(pool, range.end, out);
+                    }
+                    None => {
+                        let l = model.head_eval(k, pool, &mut src, out, &self.targets);
+                        loss.sum += l.sum;
+                        loss.count += l.count;
+                    }
+                }
+                if let Some(tp) = &self.tp {
+                    tp.check()?;
+                }
+            }
+        }
+        pp.flush()?;
+        Ok(loss)
+    }
+}
+
 /// The tokens and targets of batch slot `b`.
 fn batch_of<'a>(
     tokens: &'a [u32],
