@@ -9,7 +9,7 @@ use std::str::FromStr;
 
 /// Pipeline schedules: all-forward-all-backward (GPipe, Huang et al. 2019), 1F1B (PipeDream-Flush,
 /// Narayanan et al. 2021) and interleaved 1F1B with `v` model chunks per stage (ibid.).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum PpSchedule {
     Afab,

@@ -169,12 +169,26 @@ pub fn messages(l: &Layout, stage: u64, w: Work) -> (Option<Message>, Option<Mes
 /// order as such a network. Whether it completes does not depend on timing (a Kahn network
 /// with bounded channels is deterministic, Kahn 1974), so this run decides it for every run.
 pub fn send_buffers(l: &Layout, m: u64) -> u64 {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
     if l.pp == 1 {
         return 0;
     }
-    (1..=m * l.pp_virtual + 1)
+    // The layout search plans thousands of layouts sharing a few (p, v, schedule, m): each
+    // network is run once.
+    type Known = HashMap<(u64, u64, PpSchedule, u64), u64>;
+    static KNOWN: Mutex<Option<Known>> = Mutex::new(None);
+    let key = (l.pp, l.pp_virtual, l.pp_schedule, m);
+    if let Some(&k) = KNOWN.lock().ok().and_then(|c| c.as_ref()?.get(&key).copied()).as_ref() {
+        return k;
+    }
+    let k = (1..=m * l.pp_virtual + 1)
         .find(|&k| completes(l, m, k))
-        .unwrap_or(m * l.pp_virtual + 1)
+        .unwrap_or(m * l.pp_virtual + 1);
+    if let Ok(mut c) = KNOWN.lock() {
+        c.get_or_insert_with(HashMap::new).insert(key, k);
+    }
+    k
 }
 
 /// Whether every stage's order of `m` micro-batches completes with `k` send buffers per

@@ -179,7 +179,7 @@ pub fn slice_of(model: &Llama, whole: &[f32]) -> Vec<f32> {
         return whole.to_vec();
     };
     let mut out = vec![0.0; model.num_params()];
-    for (l, f) in &part.pieces {
+    for (l, f) in part.pieces {
         out[l.clone()].copy_from_slice(&whole[f.clone()]);
     }
     out

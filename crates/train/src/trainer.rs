@@ -1110,7 +1110,7 @@ impl Trainer {
         };
         let pieces = match writing {
             true => self.written_pieces(),
-            false => part.pieces.clone(),
+            false => part.pieces.to_vec(),
         };
         let mut out = Vec::new();
         for (r, at) in local {

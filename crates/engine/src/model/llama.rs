@@ -56,7 +56,8 @@ pub struct Llama {
     pub tp: Option<TensorParallel>,
     /// This rank's pipeline stage (`params` then holds only its part: `super::pipeline`).
     pub stage: Option<super::pipeline::Stage>,
-    /// How a pipeline stage's parameters map onto the whole model's.
+    /// How a pipeline stage's parameters map onto the whole model's (without tensor
+    /// parallelism, whose group keeps the map).
     pub part: Option<super::pipeline::Part>,
 }
 
@@ -105,13 +106,7 @@ impl Llama {
     pub fn tensor_parallel(tp: TensorParallel) -> Result<Self, super::ModelError> {
         let local = super::tensor_parallel::shard_config(&tp.full, tp.size)?;
         let mut m = Llama::new(local);
-        if tp.size > 1 {
-            m.part = Some(super::pipeline::Part {
-                whole: tp.whole.clone(),
-                pieces: tp.pieces.clone(),
-            });
-            m.tp = Some(tp);
-        }
+        m.tp = (tp.size > 1).then_some(tp);
         Ok(m)
     }
 

@@ -19,7 +19,7 @@ pub use grad_buf::{two_mut, GradBuf, Whole};
 pub use llama::{Llama, DEFAULT_CE_CHUNK_TOKENS};
 pub use param_buf::{ParamBuf, ParamSource, Unit, WholeParams};
 pub use params::{LayerIdx, ParamTable, Placement, TensorEntry};
-pub use pipeline::{Part, Stage};
+pub use pipeline::{Part, PartRef, Stage};
 pub use recompute::Recompute;
 pub use stages::{BackwardState, GradsDone, HeadActs};
 pub use tensor_parallel::{TensorParallel, TpComm};

@@ -22,6 +22,13 @@ pub struct Part {
     pub pieces: Vec<(Range<usize>, Range<usize>)>,
 }
 
+/// A [`Part`] borrowed from where it is kept (a pipeline stage's, a tensor-parallel rank's).
+#[derive(Clone, Copy, Debug)]
+pub struct PartRef<'a> {
+    pub whole: &'a ParamTable,
+    pub pieces: &'a [(Range<usize>, Range<usize>)],
+}
+
 /// This rank's place in the pipeline.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Stage {
@@ -46,27 +53,37 @@ impl Llama {
             return self;
         }
         self.params = ParamTable::holding(&self.config, held);
-        let (whole, rank) = match &self.tp {
-            Some(tp) => (tp.whole.clone(), tp.rank),
-            None => (ParamTable::new(&self.config), 0),
-        };
-        let pieces = shard_pieces(&whole, &self.params, rank);
-        if let Some(tp) = &mut self.tp {
-            tp.pieces = pieces.clone();
+        match &mut self.tp {
+            // The tensor-parallel rank's map, now of the stage's part of its slice.
+            Some(tp) => tp.pieces = shard_pieces(&tp.whole, &self.params, tp.rank),
+            None => {
+                let whole = ParamTable::new(&self.config);
+                let pieces = shard_pieces(&whole, &self.params, 0);
+                self.part = Some(Part { whole, pieces });
+            }
         }
-        self.part = Some(Part { whole, pieces });
         self.stage = Some(stage);
         self
     }
 
     /// How this rank's parameters map onto the whole model's (`None`: it holds all of them).
-    pub fn part(&self) -> Option<&Part> {
-        self.part.as_ref()
+    pub fn part(&self) -> Option<PartRef<'_>> {
+        match (&self.part, &self.tp) {
+            (Some(p), _) => Some(PartRef {
+                whole: &p.whole,
+                pieces: &p.pieces,
+            }),
+            (None, Some(tp)) => Some(PartRef {
+                whole: &tp.whole,
+                pieces: &tp.pieces,
+            }),
+            (None, None) => None,
+        }
     }
 
     /// The whole model's parameter table.
     pub fn whole_table(&self) -> &ParamTable {
-        self.part.as_ref().map_or(&self.params, |p| &p.whole)
+        self.part().map_or(&self.params, |p| p.whole)
     }
 
     /// The range of this rank's parameters that is a copy another stage owns: the last stage's
