@@ -179,7 +179,12 @@ pub fn send_buffers(l: &Layout, m: u64) -> u64 {
     type Known = HashMap<(u64, u64, PpSchedule, u64), u64>;
     static KNOWN: Mutex<Option<Known>> = Mutex::new(None);
     let key = (l.pp, l.pp_virtual, l.pp_schedule, m);
-    if let Some(&k) = KNOWN.lock().ok().and_then(|c| c.as_ref()?.get(&key).copied()).as_ref() {
+    if let Some(&k) = KNOWN
+        .lock()
+        .ok()
+        .and_then(|c| c.as_ref()?.get(&key).copied())
+        .as_ref()
+    {
         return k;
     }
     let k = (1..=m * l.pp_virtual + 1)
