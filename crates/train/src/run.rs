@@ -797,10 +797,11 @@ fn finish_observability(cfg: &TrainConfig, t: &mut Trainer, end: bool) -> Result
     }
     if let Some(path) = &cfg.observability.trace {
         if let Some(events) = t.finish_trace(end) {
-            match t.dp.as_ref().map(|d| (d.rank(), d.size())) {
+            let ranks = (t.world_size() > 1).then(|| (t.world_rank(), t.world_size()));
+            match ranks {
                 None => trace::write_chrome(path, &events)?,
-                // Data parallelism: each rank leaves its events beside the file, and once
-                // all have (a barrier), rank 0 writes one file with a process row per rank.
+                // Several ranks: each leaves its events beside the file, and once all have (a
+                // barrier), rank 0 writes one file with a process row per rank.
                 Some((rank, ranks)) => {
                     let mine = trace::chrome_events(&events, Some(rank))?;
                     if rank > 0 {
@@ -808,7 +809,7 @@ fn finish_observability(cfg: &TrainConfig, t: &mut Trainer, end: bool) -> Result
                         std::fs::write(&part, serde_json::to_vec(&mine)?)
                             .with_context(|| format!("trace = {}", part.display()))?;
                     }
-                    t.dp.as_ref().map_or(Ok(()), |d| d.barrier())?;
+                    t.barrier()?;
                     if rank == 0 {
                         let mut all = vec![mine];
                         for r in 1..ranks {
@@ -822,7 +823,7 @@ fn finish_observability(cfg: &TrainConfig, t: &mut Trainer, end: bool) -> Result
                     }
                 }
             }
-            match t.dp.as_ref().map(|d| d.rank()) {
+            match ranks.map(|r| r.0) {
                 None => eprintln!("trace: {} events -> {}", events.len(), path.display()),
                 Some(0) => eprintln!(
                     "trace: every rank's events, {} of rank 0 -> {}",

@@ -1191,6 +1191,14 @@ impl Trainer {
         }
     }
 
+    /// Ranks of the whole job (every data-, tensor- and pipeline-parallel rank).
+    pub fn world_size(&self) -> usize {
+        match &self.world {
+            Some((w, _)) => w.size(),
+            None => self.ranks(),
+        }
+    }
+
     /// Every weight, as f32 (under ZeRO-3 gathered: every rank must call it).
     pub fn full_weights(&mut self) -> Result<Vec<f32>> {
         let n = self.model.params.total;

@@ -239,3 +239,24 @@ fn a_pipeline_checkpoint_is_the_whole_model_and_resumes_on_any_layout() {
         }
     }
 }
+
+#[test]
+fn the_trace_shows_each_stage_waiting_for_its_neighbour() {
+    // One file, a process row per rank, each with its time blocked in transfers (the bubble).
+    let _turn = ONE_RUN_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let out = tmp("pp-trace");
+    let mut a = args(&out, 2);
+    a.layout.pp = Some(2);
+    a.trace = Some(out.join("trace.json"));
+    run(a).unwrap();
+    let text = std::fs::read_to_string(out.join("trace.json")).unwrap();
+    let trace: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    for rank in 0..2 {
+        let waits = events
+            .iter()
+            .filter(|e| e["pid"] == rank && e["name"] == "pp.wait")
+            .count();
+        assert!(waits > 0, "rank {rank} has no pp.wait span");
+    }
+}
