@@ -304,6 +304,35 @@ impl MpiComm {
         }))
     }
 
+    /// Starts sending `buf` to `dst` with `tag`; the caller keeps `buf` alive and unmoved in
+    /// memory until the request completes.
+    fn isend(&self, buf: &[f32], dst: usize, tag: u32) -> Result<*mut c_void> {
+        shapes::member(self.size, dst, "destination").map_err(|e| self.usage("send", e))?;
+        if tag > self.tag_ub {
+            return Err(self.usage(
+                "send",
+                format!("tag {tag} is over MPI_TAG_UB {}", self.tag_ub),
+            ));
+        }
+        let n = self.count("send", buf.len())?;
+        let mut req: *mut c_void = std::ptr::null_mut();
+        // SAFETY: the caller keeps `buf`'s heap block alive until the request completes.
+        self.check(
+            unsafe {
+                ffi::ft_isend(
+                    self.comm,
+                    buf.as_ptr(),
+                    n,
+                    dst as c_int,
+                    tag as c_int,
+                    &mut req,
+                )
+            },
+            "send",
+        )?;
+        Ok(req)
+    }
+
     fn reap_sends(&self) -> Result<()> {
         let mut sends = self.sends.borrow_mut();
         let mut err = Ok(());
@@ -388,65 +417,15 @@ impl Communicator for MpiComm {
     }
 
     fn send(&self, buf: &[f32], dst: usize, tag: u32) -> Result<()> {
-        shapes::member(self.size, dst, "destination").map_err(|e| self.usage("send", e))?;
-        if tag > self.tag_ub {
-            return Err(self.usage(
-                "send",
-                format!("tag {tag} is over MPI_TAG_UB {}", self.tag_ub),
-            ));
-        }
-        let n = self.count("send", buf.len())?;
         self.reap_sends()?;
         let copy = buf.to_vec();
-        let mut req: *mut c_void = std::ptr::null_mut();
-        // SAFETY: `copy` is kept with the request until it completes (its heap buffer does
-        // not move when the Vec does).
-        self.check(
-            unsafe {
-                ffi::ft_isend(
-                    self.comm,
-                    copy.as_ptr(),
-                    n,
-                    dst as c_int,
-                    tag as c_int,
-                    &mut req,
-                )
-            },
-            "send",
-        )?;
+        let req = self.isend(&copy, dst, tag)?;
         self.sends.borrow_mut().push((req, copy));
         Ok(())
     }
 
     fn send_start(&self, buf: Vec<f32>, dst: usize, tag: u32) -> Pending {
-        let started = (|| {
-            shapes::member(self.size, dst, "destination").map_err(|e| self.usage("send", e))?;
-            if tag > self.tag_ub {
-                return Err(self.usage(
-                    "send",
-                    format!("tag {tag} is over MPI_TAG_UB {}", self.tag_ub),
-                ));
-            }
-            let n = self.count("send", buf.len())?;
-            let mut req: *mut c_void = std::ptr::null_mut();
-            // SAFETY: `buf` moves into the pending operation with the request, which waits
-            // for it before the buffer is handed back or freed (its heap block does not move).
-            self.check(
-                unsafe {
-                    ffi::ft_isend(
-                        self.comm,
-                        buf.as_ptr(),
-                        n,
-                        dst as c_int,
-                        tag as c_int,
-                        &mut req,
-                    )
-                },
-                "send",
-            )?;
-            Ok(req)
-        })();
-        match started {
+        match self.isend(&buf, dst, tag) {
             Ok(req) => Pending::from_completion(Box::new(MpiPending {
                 req,
                 buf,
