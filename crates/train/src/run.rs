@@ -217,11 +217,29 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         ferrotron_engine::model::tensor_parallel::shard_config(&full, layout.tp as usize)?;
     }
     if layout.pp > 1 {
-        // A schedule the planner cannot lay out is refused once, before any rank starts.
-        let grad_acc = match &saved {
-            Some(l) => resume_config(&args, &l.state.config)?.data.grad_acc,
-            None => args.resolve()?.data.grad_acc,
+        // A split or schedule the planner cannot lay out is refused once, before any rank
+        // starts, with the planner's words.
+        let cfg = match &saved {
+            Some(l) => resume_config(&args, &l.state.config)?,
+            None => args.resolve()?,
         };
+        let spec = match &saved {
+            Some(l) => l.spec.clone(),
+            None => ferrotron_plan::presets::resolve(&cfg.model.name)
+                .map_err(|e| anyhow::anyhow!("{e}"))?,
+        };
+        let input = setup::plan_input(&spec, &cfg, 0);
+        layout
+            .validate(Some(&spec), &input.recipe)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let chunks = layout.pp * layout.pp_virtual;
+        if let Some(g) = (0..chunks).find(|&g| layout.chunk_layers(spec.layers, g).is_empty()) {
+            bail!(
+                "pp_layers = {}: model chunk {g} has no layer; give every stage (and virtual stage) at least one",
+                layout.pp_layers.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(",")
+            );
+        }
+        let grad_acc = cfg.data.grad_acc;
         if layout.pp_schedule == ferrotron_plan::layout::PpSchedule::Interleaved
             && grad_acc % layout.pp != 0
         {

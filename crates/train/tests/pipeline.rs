@@ -189,6 +189,14 @@ fn layouts_pipelining_cannot_run_are_refused_with_the_fix() {
         bad(&|a| (a.layout.pp, a.layout.pp_virtual) = (None, Some(3))),
         "pp_virtual = 3: virtual stages interleave a pipeline's model chunks: add --pp 2 or more"
     );
+    assert_eq!(
+        bad(&|a| a.layout.pp = Some(4)),
+        "pp = 4: pp × pp_virtual = 4 must divide the 6 layers (or give each stage's layers with --pp-layers)"
+    );
+    assert_eq!(
+        bad(&|a| a.layout.pp_layers = Some("6,0".into())),
+        "pp_layers = 6,0: model chunk 1 has no layer; give every stage (and virtual stage) at least one"
+    );
     let interleaved = bad(&|a| {
         a.layout.pp_schedule = Some("interleaved".into());
         (a.layout.pp_virtual, a.grad_acc) = (Some(3), Some(3));
