@@ -268,3 +268,33 @@ fn the_trace_shows_each_stage_waiting_for_its_neighbour() {
         assert!(waits > 0, "rank {rank} has no pp.wait span");
     }
 }
+
+#[test]
+fn pipelining_runs_in_16_bit_precisions() {
+    // Activations cross stages widened to f32 and are rounded back exactly; the tied
+    // embedding's two gradient copies are summed in f32 and rounded once, where one rank
+    // accumulates both into one 16-bit buffer: 16-bit accuracy, not bit for bit.
+    for precision in ["bf16", "fp16"] {
+        let run_as = |pp: u64| {
+            let _turn = ONE_RUN_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+            let mut a = args(&tmp(&format!("pp{pp}-{precision}")), 3);
+            a.layout.pp = Some(pp);
+            a.precision = Some(precision.into());
+            run(a).unwrap().steps
+        };
+        let (one, two) = (run_as(1), run_as(2));
+        for (x, y) in one.iter().zip(&two) {
+            let what = format!("{precision} pp 2 step {}", x.step);
+            assert!(
+                rel(x.loss, y.loss) < 2e-3,
+                "{what}: loss {} vs {}",
+                x.loss,
+                y.loss
+            );
+            for r in &y.rank_mem {
+                let dev = rel(r.mem_peak_measured as f64, r.mem_peak_planned as f64);
+                assert!(dev < 0.01, "{what} rank {}: {r:?}", r.rank);
+            }
+        }
+    }
+}
