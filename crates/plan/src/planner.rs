@@ -273,6 +273,11 @@ fn add_slot(plan: &mut MemoryPlan, prefix: &str, acts: &[Act], slot: u64) -> Vec
         .collect()
 }
 
+/// The buffers of in-flight slot `s` of a per-slot list (none where the stage has no such slot).
+fn at(v: &[Vec<BufId>], s: u64) -> &[BufId] {
+    v.get(s as usize).map_or(&[], Vec::as_slice)
+}
+
 /// Separates a buffer's name from its in-flight slot in the plan's names (`name@slot`).
 pub const SLOT_MARK: char = '@';
 
@@ -526,7 +531,6 @@ fn rank_plan(
         plan.mark(step, phase, "gradients allocated");
     };
     let none: Vec<BufId> = Vec::new();
-    let at = |v: &Vec<Vec<BufId>>, s: u64| v.get(s as usize).cloned().unwrap_or_default();
     for step in 1..=2u32 {
         plan.alloc(&states.per_step);
         for (w, &slot) in work.iter().zip(&slot_of) {
@@ -544,7 +548,7 @@ fn rank_plan(
                     let g = chunk * l.pp + stage;
                     let layers = l.chunk_layers(layer_count, g);
                     if g == 0 {
-                        plan.alloc(&at(&e.embedding, slot));
+                        plan.alloc(at(&e.embedding, slot));
                     }
                     if let Some(first) = inputs
                         .get(layers.start as usize)
@@ -554,12 +558,12 @@ fn rank_plan(
                     }
                     for i in layers.clone() {
                         let k = kind[i as usize];
-                        plan.alloc(&at(&rests[i as usize], slot));
+                        plan.alloc(at(&rests[i as usize], slot));
                         plan.alloc(&forward_transient[k]);
                         if i + 1 < layers.end {
-                            plan.alloc(&at(&inputs[i as usize + 1], slot));
+                            plan.alloc(at(&inputs[i as usize + 1], slot));
                         } else if g == chunks - 1 {
-                            plan.alloc(&at(&e.final_input, slot));
+                            plan.alloc(at(&e.final_input, slot));
                         } else {
                             plan.alloc(&sent[i as usize]);
                         }
@@ -576,9 +580,9 @@ fn rank_plan(
                     }
                     if g == chunks - 1 && spec.is_some() {
                         if layers.is_empty() {
-                            plan.alloc(&at(&e.final_input, slot));
+                            plan.alloc(at(&e.final_input, slot));
                         }
-                        plan.alloc(&at(&e.head, slot));
+                        plan.alloc(at(&e.head, slot));
                         plan.alloc(&e.loss);
                         plan.mark(step, Phase::Loss, format!("step {step} mb {mb} loss"));
                         plan.free(&e.loss);
@@ -599,16 +603,16 @@ fn rank_plan(
                     if g == chunks - 1 {
                         plan.alloc(&e.head_backward);
                         plan.free(&e.head_backward);
-                        plan.free(&at(&e.head, slot));
-                        plan.free(&at(&e.final_input, slot));
+                        plan.free(at(&e.head, slot));
+                        plan.free(at(&e.final_input, slot));
                     }
                     plan.alloc(&e.scratch_rest);
                     for i in l.chunk_layers(layer_count, g).rev() {
                         let k = kind[i as usize];
                         plan.alloc(&recompute_ids[k]);
                         plan.free(&recompute_ids[k]);
-                        plan.free(&at(&rests[i as usize], slot));
-                        plan.free(&at(&inputs[i as usize], slot));
+                        plan.free(at(&rests[i as usize], slot));
+                        plan.free(at(&inputs[i as usize], slot));
                         plan.mark(
                             step,
                             Phase::Backward,
@@ -616,7 +620,7 @@ fn rank_plan(
                         );
                     }
                     if g == 0 {
-                        plan.free(&at(&e.embedding, slot));
+                        plan.free(at(&e.embedding, slot));
                     }
                     plan.free(&e.scratch_rest);
                     plan.free(&e.scratch_first);

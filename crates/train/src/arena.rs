@@ -143,17 +143,16 @@ impl Arena {
 
     /// The slot of buffer `name` in the work running now: its own for this in-flight slot,
     /// else the one buffer of that name (scratch shared by every micro-batch).
-    fn key(&self, name: BufName) -> (BufName, u64) {
-        match self.slots.contains_key(&(name, self.slot)) {
-            true => (name, self.slot),
-            false => (name, 0),
-        }
+    fn find(&self, name: BufName) -> Option<((BufName, u64), Slot)> {
+        let own = (name, self.slot);
+        let shared = (name, 0);
+        (self.slots.get(&own).map(|s| (own, *s)))
+            .or_else(|| self.slots.get(&shared).map(|s| (shared, *s)))
     }
 
     /// The memory of buffer `name` of `bytes` bytes, at its planned offset.
     pub fn place(&mut self, name: BufName, bytes: u64) -> NonNull<u8> {
-        let key = self.key(name);
-        let Some(&slot) = self.slots.get(&key) else {
+        let Some((key, slot)) = self.find(name) else {
             panic!("internal: the engine allocates `{name}`, which the memory plan does not have");
         };
         assert_eq!(
@@ -190,7 +189,7 @@ impl Arena {
 
     /// Buffer `name` is back; the region goes with the last live buffer.
     pub fn release(&mut self, name: BufName, bytes: u64) {
-        let key = self.key(name);
+        let key = self.find(name).map_or((name, 0), |(k, _)| k);
         if let Some(i) = self.live.iter().position(|l| (l.name, l.slot) == key) {
             self.live.swap_remove(i);
             self.in_use -= bytes;

@@ -120,6 +120,14 @@ impl Pipeline {
         chunk * self.layout.pp + self.stage as u64
     }
 
+    /// The layers of this stage's chunk `chunk` in a model of `layers` layers.
+    pub fn chunk_layers(&self, chunk: u64, layers: usize) -> std::ops::Range<usize> {
+        let r = self
+            .layout
+            .chunk_layers(layers as u64, self.global_chunk(chunk));
+        r.start as usize..r.end as usize
+    }
+
     /// What work `w` receives and sends.
     pub fn messages(&self, w: Work) -> (Option<Message>, Option<Message>) {
         messages(&self.layout, self.stage as u64, w)

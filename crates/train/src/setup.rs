@@ -139,19 +139,20 @@ pub fn checked_plan(
 /// Checks that the plan names every in-flight slot the stage's program uses: the planner
 /// simulates fewer micro-batches than a long step runs (the steady 1F1B phase repeats), and
 /// the program over all of them must stay within the slots it planned.
-pub fn check_slots(plan: &RankPlan, pp: &crate::pipeline::Pipeline) -> Result<()> {
+pub fn check_slots(plan: &RankPlan, pp: &crate::pipeline::Pipeline, layers: usize) -> Result<()> {
     for chunk in 0..pp.chunks() {
         let last = pp.slots_of(chunk) - 1;
         if last == 0 {
             continue;
         }
+        // The chunk's first input of its last slot (`act.layers.{first}.input@{last}`).
+        let first = pp.chunk_layers(chunk, layers).start;
+        let name = ferrotron_engine::model::BufName::Layer(
+            first as u32,
+            ferrotron_plan::tensors::LayerTensor::Input,
+        );
         let mark = ferrotron_plan::planner::SLOT_MARK;
-        let has = plan
-            .plan
-            .buffers
-            .iter()
-            .any(|b| b.name.ends_with(&format!("{mark}{last}")));
-        if !has {
+        if plan.plan.find(&format!("{name}{mark}{last}")).is_none() {
             bail!(
                 "internal: pipeline stage {} holds {} micro-batches of chunk {chunk} at once, more than its memory plan names",
                 pp.stage,

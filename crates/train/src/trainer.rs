@@ -460,7 +460,7 @@ impl Trainer {
             stage,
         )?;
         if let Some(pp) = &pp {
-            crate::setup::check_slots(&plan, pp)?;
+            crate::setup::check_slots(&plan, pp, model.config.layers)?;
         }
         // The other in-flight micro-batches' batches (the plan's `data.tokens@s`).
         let extra = pp.as_ref().map_or(0, |p| p.slots_of(0) as usize - 1);

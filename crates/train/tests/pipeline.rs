@@ -5,7 +5,7 @@
 //! every micro-batch's activations, 1F1B the first stage's pp of them, as measured.
 
 mod common;
-use common::{shards, tmp};
+use common::{assert_follows, assert_within_plans, rel, shards, tmp};
 use ferrotron_train::alloc::Tracking;
 use ferrotron_train::config::TrainArgs;
 use ferrotron_train::metrics::StepMetrics;
@@ -86,10 +86,6 @@ fn train(tag: &str, l: &Layout) -> Vec<StepMetrics> {
     run(a).unwrap().steps
 }
 
-fn rel(a: f64, b: f64) -> f64 {
-    (a - b).abs() / b.abs().max(1e-12)
-}
-
 #[test]
 fn pipeline_stages_follow_the_one_rank_trajectory_within_their_plans() {
     let one = train("pp-one", &ONE);
@@ -124,30 +120,16 @@ fn pipeline_stages_follow_the_one_rank_trajectory_within_their_plans() {
         );
         let s = train(&format!("pp-{}-{}-{}", l.dp * l.tp, l.schedule, l.v), l);
         assert_eq!(s.len(), 5, "{what}");
+        assert_follows(&one, &s, 1e-5, true, &what);
+        assert_within_plans(&s, &what);
         for (x, y) in one.iter().zip(&s) {
             let what = format!("{what} step {}", x.step);
-            assert!(
-                rel(x.loss, y.loss) < 1e-5,
-                "{what}: loss {} vs {}",
-                x.loss,
-                y.loss
-            );
-            assert!(
-                rel(x.grad_norm, y.grad_norm) < 1e-5,
-                "{what}: grad norm {} vs {}",
-                x.grad_norm,
-                y.grad_norm
-            );
             assert_eq!(x.val_loss.is_some(), y.val_loss.is_some(), "{what}");
             if let (Some(a), Some(b)) = (x.val_loss, y.val_loss) {
                 assert!(rel(a, b) < 1e-5, "{what}: val loss {a} vs {b}");
             }
             let ranks = (l.dp * l.tp * l.pp) as usize;
             assert_eq!(y.rank_mem.len(), ranks, "{what}: one entry per rank");
-            for r in &y.rank_mem {
-                let dev = rel(r.mem_peak_measured as f64, r.mem_peak_planned as f64);
-                assert!(dev < 0.01, "{what} rank {}: {r:?}", r.rank);
-            }
             // Each stage measured its bubble; the planner's is (p − 1)/(v·m).
             assert_eq!(y.pp_bubble.len(), l.pp as usize, "{what}");
             let m = (4 / l.dp) as f64;
@@ -235,16 +217,8 @@ fn a_pipeline_checkpoint_is_the_whole_model_and_resumes_on_any_layout() {
         a.checkpoint_dir = Some(out.join("ck"));
         let rest = run(a).unwrap().steps;
         assert_eq!(rest.len(), 2);
-        for (x, y) in straight[3..].iter().zip(&rest) {
-            let what = format!("resumed on pp {pp} {schedule}, step {}", y.step);
-            assert_eq!(x.step, y.step, "{what}");
-            assert!(
-                rel(x.loss, y.loss) < 1e-5,
-                "{what}: loss {} vs {}",
-                x.loss,
-                y.loss
-            );
-        }
+        let what = format!("resumed on pp {pp} {schedule}");
+        assert_follows(&straight[3..], &rest, 1e-5, false, &what);
     }
 }
 
@@ -283,18 +257,8 @@ fn pipelining_runs_in_16_bit_precisions() {
             run(a).unwrap().steps
         };
         let (one, two) = (run_as(1), run_as(2));
-        for (x, y) in one.iter().zip(&two) {
-            let what = format!("{precision} pp 2 step {}", x.step);
-            assert!(
-                rel(x.loss, y.loss) < 2e-3,
-                "{what}: loss {} vs {}",
-                x.loss,
-                y.loss
-            );
-            for r in &y.rank_mem {
-                let dev = rel(r.mem_peak_measured as f64, r.mem_peak_planned as f64);
-                assert!(dev < 0.01, "{what} rank {}: {r:?}", r.rank);
-            }
-        }
+        let what = format!("{precision} pp 2");
+        assert_follows(&one, &two, 2e-3, false, &what);
+        assert_within_plans(&two, &what);
     }
 }

@@ -93,14 +93,4 @@ impl Llama {
         (self.config.tie_embeddings && s.is_last() && !s.is_first())
             .then(|| self.params.embed.clone())
     }
-
-    /// Whether this rank runs the embedding (the first pipeline stage, or no pipeline).
-    pub fn has_embedding(&self) -> bool {
-        self.stage.as_ref().is_none_or(Stage::is_first)
-    }
-
-    /// Whether this rank runs the final norm, LM head and loss.
-    pub fn has_head(&self) -> bool {
-        self.stage.as_ref().is_none_or(Stage::is_last)
-    }
 }

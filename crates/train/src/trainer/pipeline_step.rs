@@ -14,7 +14,6 @@ use ferrotron_engine::model::{
 use ferrotron_engine::Elem;
 use ferrotron_plan::schedule::Work;
 use std::cell::RefCell;
-use std::ops::Range;
 use std::time::Instant;
 
 /// What a micro-batch's forward on one chunk leaves for its backward.
@@ -67,7 +66,7 @@ impl Trainer {
         let n = batch.n();
         let k: &dyn Kernels<S, G> = &self.kernels;
         let last_mb = self.cfg.data.grad_acc - 1;
-        let layers = self.model.config.layers as u64;
+        let layers = self.model.config.layers;
         let width = (0..pp.chunks()).map(|c| pp.slots_of(c)).max().unwrap_or(1);
         let mut held: Vec<Option<InFlight<S>>> = (0..pp.chunks() * width).map(|_| None).collect();
         let mut src = WholeParams(params);
@@ -83,11 +82,7 @@ impl Trainer {
             let (mb, chunk) = match w {
                 Work::F { mb, chunk } | Work::B { mb, chunk } => (mb, chunk),
             };
-            let range = self
-                .cfg
-                .parallel
-                .chunk_layers(layers, pp.global_chunk(chunk));
-            let range = range.start as usize..range.end as usize;
+            let range = pp.chunk_layers(chunk, layers);
             let at = (chunk * width + slot) as usize;
             let b = pp.batch_slot[mb as usize];
             let t0 = Instant::now();
@@ -214,24 +209,19 @@ impl Trainer {
         };
         let mut dp = dp.borrow_mut();
         let mut sums = Sums { grads, shard: None };
+        // The stage's gradients in the order a backward completes them: the final norm, its
+        // layers last first, the embedding (absent parts have empty ranges).
         let p = &self.model.params;
-        let held: Vec<usize> = (0..p.layers.len())
+        let norm = (!p.norm.is_empty()).then(|| GradsDone::FinalNorm(&p.norm));
+        let layers = (0..p.layers.len())
+            .rev()
             .filter(|&i| !p.layers[i].ln1.is_empty())
-            .collect();
-        let norm: Range<usize> = p.norm.clone();
-        let report = |d: GradsDone| -> Vec<Range<usize>> { dp.ranges(&d).collect() };
-        let mut ranges = Vec::new();
-        if !norm.is_empty() {
-            ranges.extend(report(GradsDone::FinalNorm(&norm)));
-        }
-        for &i in held.iter().rev() {
-            ranges.extend(report(GradsDone::Layer(i, &p.layers[i])));
-        }
-        if !embed.is_empty() {
-            ranges.extend(report(GradsDone::Embedding(&embed)));
-        }
-        for r in ranges {
-            dp.add(&mut sums, r);
+            .map(|i| GradsDone::Layer(i, &p.layers[i]));
+        let embedding = (!embed.is_empty()).then(|| GradsDone::Embedding(&embed));
+        for d in norm.into_iter().chain(layers).chain(embedding) {
+            for r in dp.ranges(&d) {
+                dp.add(&mut sums, r);
+            }
         }
         dp.finish(&mut sums)
     }
@@ -267,7 +257,7 @@ impl Trainer {
         };
         let batch = self.batch();
         let k: &dyn Kernels<S> = &self.kernels;
-        let layers = self.model.config.layers as u64;
+        let layers = self.model.config.layers;
         let model = &self.model;
         let mut src = WholeParams(params);
         if let Some(a) = &mut self.pool.arena {
@@ -281,11 +271,7 @@ impl Trainer {
                     chunk,
                 };
                 let (recv, send) = pp.messages(w);
-                let range = self
-                    .cfg
-                    .parallel
-                    .chunk_layers(layers, pp.global_chunk(chunk));
-                let range = range.start as usize..range.end as usize;
+                let range = pp.chunk_layers(chunk, layers);
                 let pool = &mut self.pool;
                 let x = match recv {
                     None => model.embed_forward(k, pool, &mut src, &self.tokens),

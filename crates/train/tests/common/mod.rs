@@ -113,3 +113,43 @@ pub fn f32_tensors(path: &Path) -> Vec<(String, Vec<f32>)> {
     out.sort_by(|a, b| a.0.cmp(&b.0));
     out
 }
+
+/// |a − b| / |b|.
+pub fn rel(a: f64, b: f64) -> f64 {
+    (a - b).abs() / b.abs().max(1e-12)
+}
+
+/// `other`'s losses follow `one`'s within `tol` relative, step by step (and its gradient norms,
+/// with `grad_norm`).
+pub fn assert_follows(
+    one: &[ferrotron_train::metrics::StepMetrics],
+    other: &[ferrotron_train::metrics::StepMetrics],
+    tol: f64,
+    grad_norm: bool,
+    what: &str,
+) {
+    for (x, y) in one.iter().zip(other) {
+        let what = format!("{what} step {}", y.step);
+        assert_eq!(x.step, y.step, "{what}");
+        assert!(
+            rel(x.loss, y.loss) < tol,
+            "{what}: loss {} vs {}",
+            x.loss,
+            y.loss
+        );
+        if grad_norm {
+            let (a, b) = (x.grad_norm, y.grad_norm);
+            assert!(rel(a, b) < tol, "{what}: grad norm {a} vs {b}");
+        }
+    }
+}
+
+/// Every rank of every step within 1% of its own plan.
+pub fn assert_within_plans(steps: &[ferrotron_train::metrics::StepMetrics], what: &str) {
+    for m in steps {
+        for r in &m.rank_mem {
+            let dev = rel(r.mem_peak_measured as f64, r.mem_peak_planned as f64);
+            assert!(dev < 0.01, "{what} step {} rank {}: {r:?}", m.step, r.rank);
+        }
+    }
+}
