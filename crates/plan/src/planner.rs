@@ -554,7 +554,7 @@ fn rank_plan(
                         .get(layers.start as usize)
                         .filter(|_| !layers.is_empty())
                     {
-                        plan.alloc(&at(first, slot));
+                        plan.alloc(at(first, slot));
                     }
                     for i in layers.clone() {
                         let k = kind[i as usize];
