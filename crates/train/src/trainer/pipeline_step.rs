@@ -212,12 +212,12 @@ impl Trainer {
         // The stage's gradients in the order a backward completes them: the final norm, its
         // layers last first, the embedding (absent parts have empty ranges).
         let p = &self.model.params;
-        let norm = (!p.norm.is_empty()).then(|| GradsDone::FinalNorm(&p.norm));
+        let norm = (!p.norm.is_empty()).then_some(GradsDone::FinalNorm(&p.norm));
         let layers = (0..p.layers.len())
             .rev()
             .filter(|&i| !p.layers[i].ln1.is_empty())
             .map(|i| GradsDone::Layer(i, &p.layers[i]));
-        let embedding = (!embed.is_empty()).then(|| GradsDone::Embedding(&embed));
+        let embedding = (!embed.is_empty()).then_some(GradsDone::Embedding(&embed));
         for d in norm.into_iter().chain(layers).chain(embedding) {
             for r in dp.ranges(&d) {
                 dp.add(&mut sums, r);
