@@ -105,11 +105,11 @@ impl Builder {
     /// A gated MLP (`gate_proj`, `up_proj`, `down_proj` of width `f`) under `prefix`.
     fn gated_mlp(&mut self, prefix: &str, c: u64, f: u64, p: Placement, bias: bool) {
         for (proj, shape, split) in [
-            ("gate_proj", [f, c], COL),
-            ("up_proj", [f, c], COL),
-            ("down_proj", [c, f], ROW),
+            (names::GATE, [f, c], COL),
+            (names::UP, [f, c], COL),
+            (names::DOWN, [c, f], ROW),
         ] {
-            self.linear(&format!("{prefix}.{proj}"), shape, p, split, bias);
+            self.linear(&names::proj(prefix, proj), shape, p, split, bias);
         }
     }
 
@@ -122,6 +122,45 @@ impl Builder {
         for t in &mut self.tensors[from..] {
             t.expert = Some(e);
         }
+    }
+}
+
+/// The names of a Llama-family decoder's tensors as Hugging Face spells them, written once: the
+/// inventory is built from them and the engine finds its tensors by them.
+pub mod names {
+    pub const EMBED: &str = "model.embed_tokens.weight";
+    pub const FINAL_NORM: &str = "model.norm.weight";
+    pub const LM_HEAD: &str = "lm_head.weight";
+    /// A layer's modules, under [`layer`]; a linear's tensors are `{module}.weight`/`.bias`.
+    pub const ATTN_NORM: &str = "input_layernorm";
+    pub const MLP_NORM: &str = "post_attention_layernorm";
+    pub const ATTN: &str = "self_attn";
+    pub const Q: &str = "q_proj";
+    pub const K: &str = "k_proj";
+    pub const V: &str = "v_proj";
+    pub const O: &str = "o_proj";
+    pub const MLP: &str = "mlp";
+    pub const GATE: &str = "gate_proj";
+    pub const UP: &str = "up_proj";
+    pub const DOWN: &str = "down_proj";
+
+    pub fn layer(i: u64) -> String {
+        format!("model.layers.{i}")
+    }
+
+    /// `{layer i}.{module}.weight`.
+    pub fn weight(i: u64, module: &str) -> String {
+        format!("{}.{module}.weight", layer(i))
+    }
+
+    /// `{layer i}.{module}.bias`.
+    pub fn bias(i: u64, module: &str) -> String {
+        format!("{}.{module}.bias", layer(i))
+    }
+
+    /// `{block}.{proj}`: a projection of the attention or MLP block.
+    pub fn proj(block: &str, proj: &str) -> String {
+        format!("{block}.{proj}")
     }
 }
 
@@ -145,35 +184,34 @@ pub fn inventory(m: &ModelSpec) -> Vec<Tensor> {
     b.tensors
 }
 
+/// A decoder's tensors in the order the forward pass uses them (the engine's flat parameter
+/// order, which its seeded initialisation follows).
 fn decoder(m: &ModelSpec, b: &mut Builder) {
     let (c, v) = (m.hidden, m.vocab);
-    b.push(
-        "model.embed_tokens.weight".into(),
-        &[v, c],
-        Placement::Embedding,
-        COL,
-    );
+    b.push(names::EMBED.into(), &[v, c], Placement::Embedding, COL);
     for i in 0..m.layers {
         let p = Placement::Layer(i);
-        let layer = format!("model.layers.{i}");
-        attention(m, b, &format!("{layer}.self_attn"), p);
-        if m.is_moe_layer(i) {
-            moe_mlp(m, b, &layer, p);
-        } else {
-            dense_mlp(m, b, &format!("{layer}.mlp"), p);
-        }
-        b.norm(format!("{layer}.input_layernorm.weight"), c, p);
-        b.norm(format!("{layer}.post_attention_layernorm.weight"), c, p);
+        let layer = names::layer(i);
+        b.norm(names::weight(i, names::ATTN_NORM), c, p);
+        attention(m, b, &names::proj(&layer, names::ATTN), p);
+        b.norm(names::weight(i, names::MLP_NORM), c, p);
         if m.sandwich_norm {
             // Gemma2DecoderLayer: post_attention_layernorm normalises the attention output;
             // the MLP has its own pre_ and post_feedforward_layernorm.
             b.norm(format!("{layer}.pre_feedforward_layernorm.weight"), c, p);
+        }
+        if m.is_moe_layer(i) {
+            moe_mlp(m, b, &layer, p);
+        } else {
+            dense_mlp(m, b, &names::proj(&layer, names::MLP), p);
+        }
+        if m.sandwich_norm {
             b.norm(format!("{layer}.post_feedforward_layernorm.weight"), c, p);
         }
     }
-    b.norm("model.norm.weight".into(), c, Placement::Head);
+    b.norm(names::FINAL_NORM.into(), c, Placement::Head);
     if !m.tie_embeddings {
-        b.push("lm_head.weight".into(), &[v, c], Placement::Head, COL);
+        b.push(names::LM_HEAD.into(), &[v, c], Placement::Head, COL);
     }
 }
 
@@ -194,7 +232,7 @@ fn attention(m: &ModelSpec, b: &mut Builder, at: &str, p: Placement) {
             b.norm(format!("{at}.q_a_layernorm.weight"), r, p);
             b.linear(&format!("{at}.q_b_proj"), [q, r], p, COL, false);
         } else {
-            b.linear(&format!("{at}.q_proj"), [q, c], p, COL, false);
+            b.linear(&names::proj(at, names::Q), [q, c], p, COL, false);
         }
         let kv_a = mla.kv_lora_rank + mla.qk_rope_head_dim;
         b.linear(
@@ -223,17 +261,12 @@ fn attention(m: &ModelSpec, b: &mut Builder, at: &str, p: Placement) {
             m.qkv_bias,
         );
     } else {
-        b.linear(&format!("{at}.q_proj"), [q, c], p, COL, m.qkv_bias);
-        b.linear(&format!("{at}.k_proj"), [kv, c], p, kv_split(0), m.qkv_bias);
-        b.linear(
-            &format!("{at}.v_proj"),
-            [m.v_dim(), c],
-            p,
-            kv_split(0),
-            m.qkv_bias,
-        );
+        let at = |module| names::proj(at, module);
+        b.linear(&at(names::Q), [q, c], p, COL, m.qkv_bias);
+        b.linear(&at(names::K), [kv, c], p, kv_split(0), m.qkv_bias);
+        b.linear(&at(names::V), [m.v_dim(), c], p, kv_split(0), m.qkv_bias);
     }
-    b.linear(&format!("{at}.o_proj"), [c, m.o_dim()], p, ROW, m.o_bias);
+    b.linear(&names::proj(at, names::O), [c, m.o_dim()], p, ROW, m.o_bias);
     if m.qk_norm {
         // Qwen3Attention: RMSNorm over each head's head_dim, shared by the heads.
         b.norm(format!("{at}.q_norm.weight"), m.head_dim, p);
@@ -252,7 +285,7 @@ fn dense_mlp(m: &ModelSpec, b: &mut Builder, mlp: &str, p: Placement) {
             COL,
             m.mlp_bias,
         );
-        b.linear(&format!("{mlp}.down_proj"), [c, f], p, ROW, m.mlp_bias);
+        b.linear(&names::proj(mlp, names::DOWN), [c, f], p, ROW, m.mlp_bias);
     } else {
         b.gated_mlp(mlp, c, f, p, m.mlp_bias);
     }

@@ -1,7 +1,7 @@
 //! Llama-family model configuration (Llama 2/3, Qwen2 with q/k/v bias, tied or untied heads).
 
 use crate::kernels::Limits;
-use ferrotron_plan::model::{Family, ModelSpec};
+use ferrotron_plan::model::{Family, MlpAct, ModelSpec};
 use serde::{Deserialize, Serialize};
 use std::borrow::Cow;
 
@@ -81,6 +81,41 @@ impl LlamaConfig {
         };
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// The planner's description of this model, whose tensor inventory is the engine's
+    /// parameter table (the inverse of [`Self::from_spec`] for the fields the engine reads).
+    pub fn spec(&self) -> ModelSpec {
+        let u = |x: usize| x as u64;
+        ModelSpec {
+            name: "engine".into(),
+            model_type: "llama".into(),
+            family: Family::Llama,
+            hidden: u(self.hidden),
+            intermediate: u(self.intermediate),
+            layers: u(self.layers),
+            heads: u(self.heads),
+            kv_heads: u(self.kv_heads),
+            head_dim: u(self.head_dim),
+            v_head_dim: u(self.head_dim),
+            rotary_dim: u(self.head_dim),
+            vocab: u(self.vocab),
+            max_positions: u(self.max_pos),
+            tie_embeddings: self.tie_embeddings,
+            qkv_bias: self.qkv_bias,
+            o_bias: false,
+            mlp_bias: false,
+            mlp_act: MlpAct::SwiGlu,
+            sandwich_norm: false,
+            qk_norm: false,
+            parallel_block: false,
+            rope_theta: self.rope_theta as f64,
+            norm_eps: self.rms_eps as f64,
+            moe: None,
+            dense_layers: Vec::new(),
+            mla: None,
+            mtp_layers: 0,
+        }
     }
 
     /// Checks the invariants every backend's kernels rely on; what a particular backend

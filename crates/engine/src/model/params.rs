@@ -1,12 +1,15 @@
 //! The flat parameter buffer and its tensor table (HF names, row-major shapes).
 //!
-//! Order (also the order of the gradient buffer and of the optimizer state):
-//! `model.embed_tokens.weight`, then per layer `input_layernorm.weight`,
-//! `self_attn.{q,k,v}_proj.weight` (each followed by `.bias` when `qkv_bias`),
-//! `self_attn.o_proj.weight`, `post_attention_layernorm.weight`,
-//! `mlp.{gate,up,down}_proj.weight`; then `model.norm.weight`, then `lm_head.weight` when untied.
+//! The tensors, their names, shapes and order are the planner's inventory
+//! (`ferrotron_plan::inventory`), the one list the memory plan also counts: the embedding, then
+//! per layer the input norm, q/k/v (each followed by its bias when `qkv_bias`), o, the
+//! post-attention norm, gate/up/down; then the final norm, then the LM head when untied. That
+//! order is also the gradient buffer's and the optimizer state's, and the seeded initialisation
+//! draws in it.
 
 use super::config::LlamaConfig;
+use ferrotron_plan::inventory::{inventory, names};
+use std::collections::HashMap;
 use std::ops::Range;
 
 /// One named tensor inside the flat buffer.
@@ -83,77 +86,63 @@ impl ParamTable {
     /// of a tied embedding), in the same order and with the same names; the others' ranges are
     /// empty, so layer `i` keeps its index.
     pub fn holding(cfg: &LlamaConfig, held: &dyn Fn(Placement) -> bool) -> Self {
+        let head = held(Placement::Head);
         let mut entries = Vec::new();
         let mut off = 0usize;
-        let keep = std::cell::Cell::new(true);
-        let mut push = |name: String, shape: Vec<usize>| -> Range<usize> {
-            if !keep.get() {
-                return 0..0;
+        for t in inventory(&cfg.spec()) {
+            let keep = match t.placement {
+                Placement::Embedding => held(t.placement) || (head && cfg.tie_embeddings),
+                p => held(p),
+            };
+            if keep {
+                let shape: Vec<usize> = t.shape.iter().map(|&d| d as usize).collect();
+                let numel = shape.iter().product();
+                entries.push(TensorEntry {
+                    name: t.name,
+                    shape,
+                    offset: off,
+                    numel,
+                });
+                off += numel;
             }
-            let numel = shape.iter().product();
-            entries.push(TensorEntry {
-                name,
-                shape,
-                offset: off,
-                numel,
-            });
-            off += numel;
-            off - numel..off
-        };
-        let (c, f, qd, kvd) = (cfg.hidden, cfg.intermediate, cfg.q_dim(), cfg.kv_dim());
-        let head = held(Placement::Head);
-        keep.set(held(Placement::Embedding) || (head && cfg.tie_embeddings));
-        let embed = push("model.embed_tokens.weight".into(), vec![cfg.vocab, c]);
-        let mut layers = Vec::with_capacity(cfg.layers);
-        for i in 0..cfg.layers {
-            keep.set(held(Placement::Layer(i as u64)));
-            let p = |s: &str| format!("model.layers.{i}.{s}");
-            let ln1 = push(p("input_layernorm.weight"), vec![c]);
-            let wq = push(p("self_attn.q_proj.weight"), vec![qd, c]);
-            let bq = cfg
-                .qkv_bias
-                .then(|| push(p("self_attn.q_proj.bias"), vec![qd]));
-            let wk = push(p("self_attn.k_proj.weight"), vec![kvd, c]);
-            let bk = cfg
-                .qkv_bias
-                .then(|| push(p("self_attn.k_proj.bias"), vec![kvd]));
-            let wv = push(p("self_attn.v_proj.weight"), vec![kvd, c]);
-            let bv = cfg
-                .qkv_bias
-                .then(|| push(p("self_attn.v_proj.bias"), vec![kvd]));
-            let wo = push(p("self_attn.o_proj.weight"), vec![c, qd]);
-            let ln2 = push(p("post_attention_layernorm.weight"), vec![c]);
-            let wg = push(p("mlp.gate_proj.weight"), vec![f, c]);
-            let wu = push(p("mlp.up_proj.weight"), vec![f, c]);
-            let wd = push(p("mlp.down_proj.weight"), vec![c, f]);
-            layers.push(LayerIdx {
-                ln1,
-                wq,
-                bq,
-                wk,
-                bk,
-                wv,
-                bv,
-                wo,
-                ln2,
-                wg,
-                wu,
-                wd,
-            });
         }
-        keep.set(head);
-        let norm = push("model.norm.weight".into(), vec![c]);
-        let lm_head = if cfg.tie_embeddings {
-            embed.clone()
-        } else {
-            push("lm_head.weight".into(), vec![cfg.vocab, c])
-        };
+        // A tensor the stage does not hold has an empty range, so layer `i` keeps its index.
+        let at: HashMap<&str, Range<usize>> = entries
+            .iter()
+            .map(|e| (e.name.as_str(), e.range()))
+            .collect();
+        let range = |name: &str| at.get(name).cloned().unwrap_or(0..0);
+        let layers = (0..cfg.layers as u64)
+            .map(|i| {
+                let attn = |proj| names::proj(names::ATTN, proj);
+                let mlp = |proj| range(&names::weight(i, &names::proj(names::MLP, proj)));
+                let bias = |proj| cfg.qkv_bias.then(|| range(&names::bias(i, &attn(proj))));
+                LayerIdx {
+                    ln1: range(&names::weight(i, names::ATTN_NORM)),
+                    wq: range(&names::weight(i, &attn(names::Q))),
+                    bq: bias(names::Q),
+                    wk: range(&names::weight(i, &attn(names::K))),
+                    bk: bias(names::K),
+                    wv: range(&names::weight(i, &attn(names::V))),
+                    bv: bias(names::V),
+                    wo: range(&names::weight(i, &attn(names::O))),
+                    ln2: range(&names::weight(i, names::MLP_NORM)),
+                    wg: mlp(names::GATE),
+                    wu: mlp(names::UP),
+                    wd: mlp(names::DOWN),
+                }
+            })
+            .collect();
+        let embed = range(names::EMBED);
         ParamTable {
-            entries,
+            norm: range(names::FINAL_NORM),
+            lm_head: match cfg.tie_embeddings {
+                true => embed.clone(),
+                false => range(names::LM_HEAD),
+            },
             embed,
             layers,
-            norm,
-            lm_head,
+            entries,
             total: off,
         }
     }
@@ -199,5 +188,89 @@ impl SplitMix64 {
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         z ^ (z >> 31)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferrotron_plan::inventory::count;
+
+    fn config(tie: bool, bias: bool) -> LlamaConfig {
+        LlamaConfig {
+            hidden: 8,
+            intermediate: 12,
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 4,
+            layers: 2,
+            vocab: 10,
+            rope_theta: 10000.0,
+            rms_eps: 1e-5,
+            tie_embeddings: tie,
+            qkv_bias: bias,
+            max_pos: 16,
+        }
+    }
+
+    /// The flat order is what the seeded initialisation draws in, so checkpoints and every
+    /// trajectory depend on it: it is pinned here.
+    #[test]
+    fn order_is_the_forward_order() {
+        let t = ParamTable::new(&config(false, true));
+        let layer0: Vec<&str> = t.entries[1..14].iter().map(|e| e.name.as_str()).collect();
+        let expect = [
+            "input_layernorm.weight",
+            "self_attn.q_proj.weight",
+            "self_attn.q_proj.bias",
+            "self_attn.k_proj.weight",
+            "self_attn.k_proj.bias",
+            "self_attn.v_proj.weight",
+            "self_attn.v_proj.bias",
+            "self_attn.o_proj.weight",
+            "post_attention_layernorm.weight",
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+            "mlp.down_proj.weight",
+        ];
+        assert_eq!(t.entries[0].name, "model.embed_tokens.weight");
+        for (got, want) in layer0.iter().zip(expect) {
+            assert_eq!(*got, format!("model.layers.0.{want}"));
+        }
+        let last: Vec<&str> = t
+            .entries
+            .iter()
+            .rev()
+            .take(2)
+            .map(|e| e.name.as_str())
+            .collect();
+        assert_eq!(last, ["lm_head.weight", "model.norm.weight"]);
+        // The direct indices point at the tensors of those names.
+        assert_eq!(
+            t.get("model.layers.1.mlp.up_proj.weight").unwrap().range(),
+            t.layers[1].wu
+        );
+        assert_eq!(t.layers[0].bk, Some(t.entries[5].range()));
+    }
+
+    #[test]
+    fn totals_are_the_planner_count() {
+        for (tie, bias) in [(true, false), (false, true)] {
+            let c = config(tie, bias);
+            let spec = c.spec();
+            let t = ParamTable::new(&c);
+            assert_eq!(t.total as u64, count(&spec, &inventory(&spec)).total);
+            assert_eq!(t.lm_head == t.embed, tie);
+        }
+    }
+
+    /// A stage that does not hold a layer keeps its index, with empty ranges.
+    #[test]
+    fn a_stage_holds_only_its_parts() {
+        let c = config(true, false);
+        let last = ParamTable::holding(&c, &|p| p != Placement::Layer(0));
+        assert_eq!(last.layers[0].wq, 0..0);
+        assert_eq!(last.layers[1].wq.start, last.embed.end + c.hidden);
+        assert_eq!(last.lm_head, last.embed, "the last stage keeps a tied copy");
     }
 }

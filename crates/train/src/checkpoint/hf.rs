@@ -123,7 +123,8 @@ fn storage_dtype(d: Dtype) -> Option<DType> {
 
 /// Names transformers stores that are not parameters of the model (see the module comment).
 fn ignorable(name: &str, tied: bool) -> bool {
-    name.ends_with(".rotary_emb.inv_freq") || (tied && name == "lm_head.weight")
+    name.ends_with(".rotary_emb.inv_freq")
+        || (tied && name == ferrotron_plan::inventory::names::LM_HEAD)
 }
 
 /// The weights of the folder `dir` for `table`: every parameter present with its shape, no

@@ -361,7 +361,9 @@ pub fn open(dir: &Path) -> Result<Loaded> {
 /// widens to f32.
 pub fn load_weights(dir: &Path, table: &ParamTable, rule: hf::Dtypes) -> Result<Flat> {
     // The checkpoint's own config decides whether lm_head is tied (a tied table has none).
-    let tied = table.get("lm_head.weight").is_none();
+    let tied = table
+        .get(ferrotron_plan::inventory::names::LM_HEAD)
+        .is_none();
     hf::load_params(dir, table, tied, rule)
 }
 
