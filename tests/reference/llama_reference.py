@@ -29,7 +29,15 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -91,6 +99,25 @@ CONFIGS = {
         rms_norm_eps=1e-6,
         max_position_embeddings=64,
     ),
+    # Mixture of experts: 4 experts, 2 per token, a load-balancing loss weight large enough
+    # that its gradient is visible in every router gradient.
+    "tiny-mixtral": dict(
+        cls="mixtral",
+        seed=4567,
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        router_aux_loss_coef=0.05,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=64,
+    ),
 }
 
 # Only these fixtures get params_after_1.safetensors (kept to one for size).
@@ -116,10 +143,16 @@ def make_model(spec: dict):
     elif kind == "qwen2":
         config = Qwen2Config(use_sliding_window=False, **common)
         model = Qwen2ForCausalLM(config)
+    elif kind == "mixtral":
+        config = MixtralConfig(output_router_logits=True, router_jitter_noise=0.0, **common)
+        model = MixtralForCausalLM(config)
     else:
         raise ValueError(kind)
     # Eager attention: plain softmax(QK^T/sqrt(d) + causal mask) V, no fused kernels.
     model.config._attn_implementation = "eager"
+    # Experts as the plain per-expert loop of MixtralExperts.forward (no grouped GEMM, which
+    # has no float64 path).
+    model.config._experts_implementation = "eager"
     model.to(torch.float32)
     return model
 
@@ -134,9 +167,34 @@ def perturb(model: torch.nn.Module) -> None:
             p.copy_(0.1 * torch.randn_like(p))
 
 
+def hub_names(named) -> dict[str, torch.Tensor]:
+    """transformers 5 keeps a Mixtral layer's experts fused (`mlp.experts.gate_up_proj`
+    [E, 2F, C], `mlp.experts.down_proj` [E, C, F]) and its router as `mlp.gate`; checkpoints
+    on the Hub, and ferrotron, name them per expert: `block_sparse_moe.experts.{e}.w1/w3/w2`
+    and `block_sparse_moe.gate`. Split and rename."""
+    out = {}
+    for n, t in named:
+        t = t.detach().clone()
+        if ".mlp.experts.gate_up_proj" in n:
+            layer = n.split(".mlp.")[0]
+            f = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{layer}.block_sparse_moe.experts.{e}.w1.weight"] = t[e, :f].contiguous()
+                out[f"{layer}.block_sparse_moe.experts.{e}.w3.weight"] = t[e, f:].contiguous()
+        elif ".mlp.experts.down_proj" in n:
+            layer = n.split(".mlp.")[0]
+            for e in range(t.shape[0]):
+                out[f"{layer}.block_sparse_moe.experts.{e}.w2.weight"] = t[e].contiguous()
+        elif ".mlp.gate.weight" in n and t.dim() == 2 and "experts" not in n:
+            out[n.replace(".mlp.gate.", ".block_sparse_moe.gate.")] = t.contiguous()
+        else:
+            out[n] = t.contiguous()
+    return out
+
+
 def params_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     # named_parameters() de-duplicates tied weights, so a tied model has no lm_head.weight.
-    return {n: p.detach().clone().contiguous() for n, p in model.named_parameters()}
+    return hub_names(model.named_parameters())
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -149,6 +207,21 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def forward(model, input_ids):
     return model(input_ids=input_ids, use_cache=False).logits
+
+
+def train_loss(model, input_ids, targets):
+    """The training loss: cross-entropy, plus for a mixture of experts
+    router_aux_loss_coef × the load-balancing loss over all layers (as MixtralForCausalLM
+    adds it when output_router_logits)."""
+    out = model(input_ids=input_ids, use_cache=False)
+    loss = loss_fn(out.logits, targets)
+    cfg = model.config
+    if getattr(cfg, "num_local_experts", None):
+        aux = load_balancing_loss_func(
+            out.router_logits, cfg.num_local_experts, cfg.num_experts_per_tok
+        )
+        loss = loss + cfg.router_aux_loss_coef * aux
+    return out.logits, loss
 
 
 def capture_activations(model, input_ids) -> dict[str, torch.Tensor]:
@@ -188,7 +261,7 @@ def run_adamw(model, input_ids, targets, on_step0=None):
     losses, grad_norms = [], []
     for step in range(ADAMW["steps"]):
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(forward(model, input_ids), targets)
+        _, loss = train_loss(model, input_ids, targets)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(
             model.parameters(), max_norm=ADAMW["max_grad_norm"], foreach=False
@@ -227,10 +300,9 @@ def build(name: str, spec: dict, outdir: Path) -> dict:
 
     # ---- forward / backward at init -------------------------------------------------
     model.zero_grad(set_to_none=True)
-    logits = forward(model, input_ids)
-    loss = loss_fn(logits, targets)
+    logits, loss = train_loss(model, input_ids, targets)
     loss.backward()
-    grads = {n: p.grad.detach().clone().contiguous() for n, p in model.named_parameters()}
+    grads = hub_names((n, p.grad) for n, p in model.named_parameters())
     assert set(grads) == set(params0)
     save_file(
         {
@@ -247,22 +319,19 @@ def build(name: str, spec: dict, outdir: Path) -> dict:
 
     # ---- float64 cross-check: how far is fp32 from "exact"? -------------------------
     m64 = make_model(spec).to(torch.float64)
-    with torch.no_grad():
-        for n, p in m64.named_parameters():
-            p.copy_(params0[n].double())
+    m64.load_state_dict(model.state_dict())
+    m64.to(torch.float64)
     m64.zero_grad(set_to_none=True)
-    logits64 = forward(m64, input_ids)
-    loss64 = F.cross_entropy(logits64.reshape(-1, V), targets.reshape(-1), ignore_index=IGNORE_INDEX)
+    logits64, loss64 = train_loss(m64, input_ids, targets)
     loss64.backward()
+    grads64 = hub_names((n, p.grad) for n, p in m64.named_parameters())
     fp32_vs_fp64 = {
         "logits_max_abs": (logits.detach().double() - logits64.detach()).abs().max().item(),
         "loss_abs": abs(loss.item() - loss64.item()),
-        "grads_max_abs": max(
-            (grads[n].double() - p.grad).abs().max().item() for n, p in m64.named_parameters()
-        ),
+        "grads_max_abs": max((grads[n].double() - g).abs().max().item() for n, g in grads64.items()),
         "grads_max_rel_to_tensor_absmax": max(
-            ((grads[n].double() - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-30)).item()
-            for n, p in m64.named_parameters()
+            ((grads[n].double() - g).abs().max() / g.abs().max().clamp_min(1e-30)).item()
+            for n, g in grads64.items()
         ),
     }
 
@@ -286,7 +355,7 @@ def build(name: str, spec: dict, outdir: Path) -> dict:
     del m64
 
     with torch.no_grad():
-        loss_after = loss_fn(forward(model, input_ids), targets).item()
+        loss_after = train_loss(model, input_ids, targets)[1].item()
     save_file(params_dict(model), str(outdir / "params_after_10.safetensors"), metadata=meta)
 
     adamw = dict(ADAMW)

@@ -26,6 +26,7 @@ fn preset(name: &str) -> (LlamaConfig, usize, usize) {
         tie_embeddings: tie,
         qkv_bias: false,
         max_pos: 2048,
+        moe: None,
     };
     match name {
         "small" | "a" => (base(8192, 384, 1024, 6, 6, 2, false), 8, 256),

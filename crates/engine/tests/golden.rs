@@ -214,6 +214,18 @@ fn golden_tiny_qwen2_bias() {
     check_forward_backward("tiny-qwen2");
 }
 
+/// Mixtral (`MixtralForCausalLM`, 4 experts, top-2, load-balancing loss weight 0.05): logits,
+/// the loss with its load-balancing term, every gradient (router and experts included).
+#[test]
+fn golden_tiny_mixtral() {
+    check_forward_backward("tiny-mixtral");
+}
+
+#[test]
+fn golden_adamw_trajectory_tiny_mixtral() {
+    check_adamw_trajectory("tiny-mixtral");
+}
+
 #[test]
 fn golden_adamw_trajectory_tiny_tied() {
     check_adamw_trajectory("tiny-tied");

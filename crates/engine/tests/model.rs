@@ -24,6 +24,7 @@ fn cfg(tie: bool, bias: bool) -> LlamaConfig {
         tie_embeddings: tie,
         qkv_bias: bias,
         max_pos: 64,
+        moe: None,
     }
 }
 

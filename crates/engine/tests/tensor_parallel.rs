@@ -27,6 +27,7 @@ fn cfg(tied: bool, bias: bool) -> LlamaConfig {
         tie_embeddings: tied,
         qkv_bias: bias,
         max_pos: 64,
+        moe: None,
     }
 }
 

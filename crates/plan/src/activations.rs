@@ -64,6 +64,9 @@ pub struct EdgeActs {
     pub head_backward: Vec<Act>,
     /// The remaining activation gradients, allocated once `head` is freed, reused by every layer.
     pub scratch_rest: Vec<Act>,
+    /// A MoE layer's routed rows (`act.moe.rows`): in each MoE layer's forward until its output
+    /// exists, and in the backward with `scratch_rest`.
+    pub moe_rows: Vec<Act>,
 }
 
 /// Shape facts shared by every formula: tokens of one micro-batch on one rank.
@@ -435,6 +438,13 @@ fn grad_scratch(m: &ModelSpec, r: &Recipe, d: &Dims, moe_layer: bool) -> Vec<Act
             out.push(ws(name, e.act.numel));
         }
     }
+    if moe_layer {
+        out.extend(Edge::MOE_SCRATCH.map(|e| Act {
+            dtype: e.shape().elems.dtype(st),
+            numel: e.shape().numel(&td),
+            ..ws(e.name(), 0)
+        }));
+    }
     out
 }
 
@@ -495,6 +505,17 @@ pub fn edge_acts(m: &ModelSpec, r: &Recipe, l: &Layout, conv: Convention) -> Edg
                 scratch_first: vec![buf(Edge::GradResid, ws)],
                 head_backward: vec![],
                 scratch_rest: rest,
+                moe_rows: match (0..m.layers).any(|i| m.is_moe_layer(i)) {
+                    true => {
+                        let td = d.table(m, r, true);
+                        let e = Edge::ExpertRows;
+                        vec![Act {
+                            numel: e.shape().numel(&td),
+                            ..buf(e, ws)
+                        }]
+                    }
+                    false => vec![],
+                },
             }
         }
         Convention::MegatronLm => {
@@ -586,5 +607,6 @@ fn torchtitan_edges(m: &ModelSpec, r: &Recipe, d: &Dims) -> EdgeActs {
             f32("grad.act.logits_fp32", Category::Workspace),
         ],
         scratch_rest: grad_scratch(m, r, d, false),
+        moe_rows: vec![],
     }
 }

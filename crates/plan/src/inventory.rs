@@ -144,6 +144,19 @@ pub mod names {
     pub const UP: &str = "up_proj";
     pub const DOWN: &str = "down_proj";
 
+    /// Mixtral's sparse MLP: a router `gate` and experts `experts.{e}` of three linears
+    /// (w1 gate, w2 down, w3 up), no biases.
+    pub const MOE: &str = "block_sparse_moe";
+    pub const ROUTER: &str = "gate";
+    pub const EXPERT_GATE: &str = "w1";
+    pub const EXPERT_DOWN: &str = "w2";
+    pub const EXPERT_UP: &str = "w3";
+
+    /// `{block}.experts.{e}`.
+    pub fn expert(block: &str, e: u64) -> String {
+        format!("{block}.experts.{e}")
+    }
+
     pub fn layer(i: u64) -> String {
         format!("model.layers.{i}")
     }
@@ -297,9 +310,9 @@ fn moe_mlp(m: &ModelSpec, b: &mut Builder, layer: &str, p: Placement) {
     if m.family == Family::Mixtral {
         // MixtralSparseMoeBlock: a router `gate` and experts with w1 (gate), w2 (down),
         // w3 (up), no biases.
-        let block = format!("{layer}.block_sparse_moe");
+        let block = names::proj(layer, names::MOE);
         b.push(
-            format!("{block}.gate.weight"),
+            format!("{}.weight", names::proj(&block, names::ROUTER)),
             &[moe.num_experts, c],
             p,
             REP,
@@ -307,11 +320,12 @@ fn moe_mlp(m: &ModelSpec, b: &mut Builder, layer: &str, p: Placement) {
         for e in 0..moe.num_experts {
             let from = b.tensors.len();
             for (w, shape, split) in [
-                ("w1", [f, c], COL),
-                ("w2", [c, f], ROW),
-                ("w3", [f, c], COL),
+                (names::EXPERT_GATE, [f, c], COL),
+                (names::EXPERT_DOWN, [c, f], ROW),
+                (names::EXPERT_UP, [f, c], COL),
             ] {
-                b.push(format!("{block}.experts.{e}.{w}.weight"), &shape, p, split);
+                let expert = names::expert(&block, e);
+                b.push(format!("{expert}.{w}.weight"), &shape, p, split);
             }
             b.mark_expert(from, e);
         }

@@ -246,6 +246,7 @@ struct EdgeIds {
     scratch_first: Vec<BufId>,
     head_backward: Vec<BufId>,
     scratch_rest: Vec<BufId>,
+    moe_rows: Vec<BufId>,
 }
 
 fn add_acts(plan: &mut MemoryPlan, prefix: &str, acts: &[Act]) -> Vec<BufId> {
@@ -504,6 +505,7 @@ fn rank_plan(
         }
         e.scratch_first = add_acts(&mut plan, "", &edge.scratch_first);
         e.scratch_rest = add_acts(&mut plan, "", &edge.scratch_rest);
+        e.moe_rows = add_acts(&mut plan, "", &edge.moe_rows);
         if slotted {
             let boundary = Dims::new(r, l).n() * m.hidden / Dims::new(r, l).seq_shard();
             pp_comm = pp_buffers(&mut plan, l, stage, r.grad_acc, boundary);
@@ -560,6 +562,9 @@ fn rank_plan(
                         let k = kind[i as usize];
                         plan.alloc(at(&rests[i as usize], slot));
                         plan.alloc(&forward_transient[k]);
+                        if k == 1 {
+                            plan.alloc(&e.moe_rows);
+                        }
                         if i + 1 < layers.end {
                             plan.alloc(at(&inputs[i as usize + 1], slot));
                         } else if g == chunks - 1 {
@@ -573,6 +578,9 @@ fn rank_plan(
                             format!("step {step} mb {mb} forward layer {i}"),
                         );
                         plan.free(&forward_transient[k]);
+                        if k == 1 {
+                            plan.free(&e.moe_rows);
+                        }
                     }
                     // The chunk's output is sent on (copied into a send buffer) and freed.
                     if let Some(i) = layers.clone().last() {
@@ -607,6 +615,7 @@ fn rank_plan(
                         plan.free(at(&e.final_input, slot));
                     }
                     plan.alloc(&e.scratch_rest);
+                    plan.alloc(&e.moe_rows);
                     for i in l.chunk_layers(layer_count, g).rev() {
                         let k = kind[i as usize];
                         plan.alloc(&recompute_ids[k]);
@@ -622,6 +631,7 @@ fn rank_plan(
                     if g == 0 {
                         plan.free(at(&e.embedding, slot));
                     }
+                    plan.free(&e.moe_rows);
                     plan.free(&e.scratch_rest);
                     plan.free(&e.scratch_first);
                     plan.free(&sp_scratch);

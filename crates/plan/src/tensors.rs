@@ -323,6 +323,13 @@ table! {
         GradUp = "grad.act.up": Shape::new(Storage, Routed, Ffn, Tensor);
         GradSwiglu = "grad.act.swiglu": Shape::new(Storage, Routed, Ffn, Tensor);
         GradGeglu = "grad.act.geglu": Shape::new(Storage, Routed, Ffn, Tensor);
+        /// A MoE layer's router gradients (after the scratch above).
+        GradRouterLogits = "grad.act.router_logits": Shape::new(F32, Tokens, Experts, Sequence);
+        GradRouterWeights = "grad.act.router_weights": Shape::new(F32, Tokens, TopK, Sequence);
+        /// A MoE layer's routed rows, grouped by expert: the experts' outputs before they are
+        /// weighted and summed per token (forward), then their gradients and the gradients of
+        /// the routed copies of the input (backward); one use at a time.
+        ExpertRows = "act.moe.rows": Shape::new(Storage, Routed, Hidden, Whole);
     }
 }
 
@@ -342,6 +349,9 @@ impl Edge {
             _ => return None,
         })
     }
+
+    /// A MoE layer's backward scratch after [`Edge::SCRATCH`], in allocation order.
+    pub const MOE_SCRATCH: [Edge; 2] = [Edge::GradRouterLogits, Edge::GradRouterWeights];
 
     /// The backward scratch after `grad.act.resid`, in allocation order (one set for every
     /// layer; a MoE layer's gate/up/swiglu gradients hold its routed copies).

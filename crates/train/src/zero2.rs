@@ -156,6 +156,7 @@ mod tests {
             tie_embeddings: false,
             qkv_bias: true,
             max_pos: 16,
+            moe: None,
         };
         let t = ParamTable::new(&c);
         let w = GradWindows::new(&t);

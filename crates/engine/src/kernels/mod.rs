@@ -49,6 +49,18 @@ pub struct NormShape {
     pub eps: f32,
 }
 
+/// A MoE layer's routing: `tokens` tokens each sent to `top_k` of `experts` experts; routed
+/// rows (grouped by expert) and token rows are `width` wide.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RouteShape {
+    pub tokens: usize,
+    pub experts: usize,
+    pub top_k: usize,
+    pub width: usize,
+    /// Renormalise the chosen probabilities to sum to 1 (Mixtral).
+    pub norm_topk: bool,
+}
+
 /// A `[B, T, heads, head_dim]` token-major tensor, as RoPE sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RopeShape {
@@ -358,6 +370,45 @@ macro_rules! kernel_interface {
                     dgate: &mut [S],
                     dup: &mut [S],
                 );
+
+                // ---- mixture-of-experts routing (see `cpu/moe_routing.rs`) ----
+                /// Softmax, top-k and (`s.norm_topk`) renormalised weights per token;
+                /// accumulates Σp and the routed counts per expert into `load` `[2E]`.
+                fn router_forward(
+                    &self,
+                    s: RouteShape,
+                    logits: &[f32],
+                    weights: &mut [f32],
+                    index: &mut [u32],
+                    load: &mut [f32],
+                );
+                /// Overwrites `dlogits` from `dweights` and the load-balancing loss's
+                /// gradient per probability `aux_dp` `[E]`.
+                fn router_backward(
+                    &self,
+                    s: RouteShape,
+                    logits: &[f32],
+                    index: &[u32],
+                    dweights: &[f32],
+                    aux_dp: &[f32],
+                    dlogits: &mut [f32],
+                );
+                /// The token copies grouped by expert: `rows[row] = x[token]`.
+                fn permute(&self, s: RouteShape, index: &[u32], x: &[S], rows: &mut [S]);
+                /// `y[token] (=|+=) Σ_j weight_j·rows[row_j]` (weights of 1 without).
+                fn unpermute(
+                    &self,
+                    s: RouteShape,
+                    index: &[u32],
+                    weights: Option<&[f32]>,
+                    rows: &[S],
+                    y: &mut [S],
+                    accum: Accum,
+                );
+                /// `rows[row_c] *= weights[c]`.
+                fn scale_rows(&self, s: RouteShape, index: &[u32], weights: &[f32], rows: &mut [S]);
+                /// `out[c] = ⟨a[row_c], b[row_c]⟩`.
+                fn row_dot(&self, s: RouteShape, index: &[u32], a: &[S], b: &[S], out: &mut [f32]);
 
                 // ---- token embedding ----
                 /// `out[n, :] = wte[tokens[n], :]`.

@@ -58,6 +58,12 @@ pub struct LayerActs<S> {
     pub gate: Buf<S>,
     pub up: Buf<S>,
     pub swiglu: Buf<S>,
+    /// A sparse MLP's router logits `[N, E]`, weights and experts `[N, k]`, and the token
+    /// copies grouped by expert `[N·k, C]` (its gate/up/swiglu are then `[N·k, F]`).
+    pub router_logits: Buf<f32>,
+    pub router_weights: Buf<f32>,
+    pub router_index: Buf<u32>,
+    pub expert_in: Buf<S>,
 }
 
 impl<S: Elem> LayerActs<S> {
@@ -68,6 +74,9 @@ impl<S: Elem> LayerActs<S> {
             LayerTensor::Ln1Rstd => pool.free(name, take(&mut self.ln1_rstd)),
             LayerTensor::AttnLse => pool.free(name, take(&mut self.attn_lse)),
             LayerTensor::Ln2Rstd => pool.free(name, take(&mut self.ln2_rstd)),
+            LayerTensor::RouterLogits => pool.free(name, take(&mut self.router_logits)),
+            LayerTensor::RouterWeights => pool.free(name, take(&mut self.router_weights)),
+            LayerTensor::RouterIndex => pool.free(name, take(&mut self.router_index)),
             _ => pool.free(name, take(self.storage_mut(t))),
         }
     }
@@ -86,7 +95,8 @@ impl<S: Elem> LayerActs<S> {
             LayerTensor::Gate => &mut self.gate,
             LayerTensor::Up => &mut self.up,
             LayerTensor::Swiglu => &mut self.swiglu,
-            _ => panic!("a dense layer has no tensor `{}`", t.name()),
+            LayerTensor::ExpertIn => &mut self.expert_in,
+            _ => panic!("a Llama layer has no tensor `{}`", t.name()),
         }
     }
 }
@@ -116,6 +126,10 @@ pub struct GradScratch<S> {
     pub(crate) gate: Buf<S>,
     pub(crate) up: Buf<S>,
     pub(crate) swiglu: Buf<S>,
+    /// A MoE model's: `grad.act.router_logits`, `grad.act.router_weights`, `act.moe.rows`.
+    pub(crate) router_logits: Buf<f32>,
+    pub(crate) router_weights: Buf<f32>,
+    pub(crate) rows: Buf<S>,
 }
 
 impl<S: Elem> GradScratch<S> {
@@ -131,7 +145,18 @@ impl<S: Elem> GradScratch<S> {
             model.buf(pool, name, batch.n())
         });
         let mut take = |i: usize| std::mem::take(&mut b[i]);
+        let moe = model.config.moe.is_some();
+        let mut f32s = Edge::MOE_SCRATCH
+            .map(|e| moe.then(|| model.buf(pool, BufName::Edge(e), batch.n())))
+            .map(Option::unwrap_or_default);
+        let rows = match moe {
+            true => model.buf(pool, BufName::Edge(Edge::ExpertRows), batch.n()),
+            false => Buf::empty(),
+        };
         GradScratch {
+            router_logits: std::mem::take(&mut f32s[0]),
+            router_weights: std::mem::take(&mut f32s[1]),
+            rows,
             resid,
             ln_out: take(0),
             q: take(1),
@@ -146,6 +171,12 @@ impl<S: Elem> GradScratch<S> {
 
     /// Returns every buffer to the pool, `grad.act.resid` first.
     pub(crate) fn free(self, pool: &mut dyn BufferPool) {
+        if !self.rows.is_empty() || !self.router_logits.is_empty() {
+            pool.free(BufName::Edge(Edge::ExpertRows), self.rows);
+            let [l, w] = Edge::MOE_SCRATCH;
+            pool.free(BufName::Edge(l), self.router_logits);
+            pool.free(BufName::Edge(w), self.router_weights);
+        }
         pool.free(BufName::Edge(Edge::GradResid), self.resid);
         let bufs = [
             self.ln_out,

@@ -25,6 +25,25 @@ pub enum Boundary {
     Backward { layer: u32 },
 }
 
+/// What a buffer may hold: the element types (f32 statistics and logits, the storage types)
+/// and u32 indices (a MoE router's expert choices).
+pub trait Plain: Copy + Default + Send + Sync + 'static {
+    /// The value `BufferPool::poison` fills new buffers with (NaN for floats).
+    fn poison() -> Self;
+}
+
+impl<T: Elem> Plain for T {
+    fn poison() -> Self {
+        T::from_f32(f32::NAN)
+    }
+}
+
+impl Plain for u32 {
+    fn poison() -> Self {
+        u32::MAX
+    }
+}
+
 /// Alignment of every buffer's memory (a cache line; every element type divides it).
 pub const BUF_ALIGN: usize = 64;
 
@@ -116,7 +135,7 @@ fn heap_layout(bytes: usize) -> Layout {
 
 impl dyn BufferPool + '_ {
     /// A buffer of `len` elements named `name`.
-    pub fn alloc<T: Elem>(&mut self, name: BufName, len: usize) -> Buf<T> {
+    pub fn alloc<T: Plain>(&mut self, name: BufName, len: usize) -> Buf<T> {
         let size = len * std::mem::size_of::<T>();
         let bytes = size as u64;
         self.will_alloc(name, bytes);
@@ -137,13 +156,13 @@ impl dyn BufferPool + '_ {
         // A placed buffer's bytes are whatever its region held last: every bit pattern of the
         // element types is a value, and the model writes before it reads (`poison` tests it).
         if poison {
-            buf.fill(T::from_f32(f32::NAN));
+            buf.fill(T::poison());
         }
         self.did_alloc(name, bytes);
         buf
     }
     /// Returns `buf` (allocated as `name`).
-    pub fn free<T: Elem>(&mut self, name: BufName, buf: Buf<T>) {
+    pub fn free<T: Plain>(&mut self, name: BufName, buf: Buf<T>) {
         let size = buf.len * std::mem::size_of::<T>();
         let bytes = size as u64;
         self.will_free(name, bytes);

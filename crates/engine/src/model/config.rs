@@ -1,7 +1,7 @@
 //! Llama-family model configuration (Llama 2/3, Qwen2 with q/k/v bias, tied or untied heads).
 
 use crate::kernels::Limits;
-use ferrotron_plan::model::{Family, MlpAct, ModelSpec};
+use ferrotron_plan::model::{Family, MlpAct, ModelSpec, MoeSpec};
 use serde::{Deserialize, Serialize};
 use std::borrow::Cow;
 
@@ -48,17 +48,41 @@ pub struct LlamaConfig {
     pub qkv_bias: bool,
     /// Longest sequence the RoPE table covers (`max_position_embeddings`).
     pub max_pos: usize,
+    /// A Mixtral sparse MLP in every layer; `intermediate` is then one expert's width.
+    #[serde(default)]
+    pub moe: Option<MoeConfig>,
+}
+
+/// Mixtral's mixture of experts (HF `MixtralSparseMoeBlock`): a router picks `top_k` of
+/// `experts` SwiGLU experts per token.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct MoeConfig {
+    pub experts: usize,
+    pub top_k: usize,
+    /// The chosen probabilities are renormalised to sum to 1.
+    pub norm_topk: bool,
+    /// Weight of the load-balancing loss (`router_aux_loss_coef`).
+    pub aux_loss_coef: f32,
 }
 
 impl LlamaConfig {
     /// The engine's config for a planner `ModelSpec` (the project's one HF config.json reader).
     pub fn from_spec(spec: &ModelSpec) -> Result<Self, ModelError> {
-        if spec.family != Family::Llama {
-            return Err(ModelError::Unsupported(format!(
-                "model = {}: ferrotron train supports Llama-family models (llama, mistral, qwen2); this is {}",
-                spec.name, spec.model_type
-            )));
-        }
+        let moe = match (spec.family, spec.moe) {
+            (Family::Llama, _) => None,
+            (Family::Mixtral, Some(m)) => Some(MoeConfig {
+                experts: m.num_experts as usize,
+                top_k: m.top_k as usize,
+                norm_topk: m.norm_topk,
+                aux_loss_coef: m.aux_loss_coef as f32,
+            }),
+            _ => {
+                return Err(ModelError::Unsupported(format!(
+                    "model = {}: ferrotron train supports Llama-family models (llama, mistral, qwen2) and mixtral; this is {}",
+                    spec.name, spec.model_type
+                )))
+            }
+        };
         if spec.o_bias || spec.mlp_bias {
             return Err(ModelError::Unsupported(format!(
                 "model = {}: attention_bias/mlp_bias on o_proj or the MLP are not supported by the engine (q/k/v biases are)",
@@ -78,6 +102,7 @@ impl LlamaConfig {
             tie_embeddings: spec.tie_embeddings,
             qkv_bias: spec.qkv_bias,
             max_pos: spec.max_positions as usize,
+            moe,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -87,10 +112,24 @@ impl LlamaConfig {
     /// parameter table (the inverse of [`Self::from_spec`] for the fields the engine reads).
     pub fn spec(&self) -> ModelSpec {
         let u = |x: usize| x as u64;
+        let moe = self.moe.map(|m| MoeSpec {
+            num_experts: u(m.experts),
+            top_k: u(m.top_k),
+            expert_intermediate: u(self.intermediate),
+            shared_intermediate: 0,
+            shared_gate: false,
+            router_bias: false,
+            norm_topk: m.norm_topk,
+            aux_loss_coef: m.aux_loss_coef as f64,
+        });
         ModelSpec {
             name: "engine".into(),
-            model_type: "llama".into(),
-            family: Family::Llama,
+            model_type: if moe.is_some() { "mixtral" } else { "llama" }.into(),
+            family: if moe.is_some() {
+                Family::Mixtral
+            } else {
+                Family::Llama
+            },
             hidden: u(self.hidden),
             intermediate: u(self.intermediate),
             layers: u(self.layers),
@@ -111,7 +150,7 @@ impl LlamaConfig {
             parallel_block: false,
             rope_theta: self.rope_theta as f64,
             norm_eps: self.rms_eps as f64,
-            moe: None,
+            moe,
             dense_layers: Vec::new(),
             mla: None,
             mtp_layers: 0,
@@ -141,6 +180,15 @@ impl LlamaConfig {
                 self.head_dim,
                 "RoPE needs an even, non-zero head_dim",
             );
+        }
+        if let Some(m) = self.moe {
+            if m.top_k == 0 || m.top_k > m.experts {
+                return bad(
+                    "num_experts_per_tok",
+                    m.top_k,
+                    "must be between 1 and num_local_experts",
+                );
+            }
         }
         for (field, v) in [
             ("hidden_size", self.hidden),

@@ -59,6 +59,8 @@ pub struct Llama {
     /// How a pipeline stage's parameters map onto the whole model's (without tensor
     /// parallelism, whose group keeps the map).
     pub part: Option<super::pipeline::Part>,
+    /// A MoE model's load-balancing statistics of the micro-batch in flight.
+    pub(super) router_load: super::moe::RouterLoad,
 }
 
 /// `matmul_backward_weight` with an optional bias grad living in the same flat buffer.
@@ -98,6 +100,7 @@ impl Llama {
             tp: None,
             stage: None,
             part: None,
+            router_load: Default::default(),
         }
     }
 
@@ -212,7 +215,7 @@ impl Llama {
 
     /// Buffer of layer `i`'s tensor `t`: `act.layers.{i}.<t>` when the policy keeps it, else
     /// the shared workspace `recompute.<t>`.
-    fn slot(&self, i: usize, t: T) -> BufName {
+    pub(super) fn slot(&self, i: usize, t: T) -> BufName {
         BufName::of_layer(i, t, self.recompute)
     }
 
@@ -232,8 +235,8 @@ impl Llama {
             ffn: f.intermediate as u64,
             vocab: f.vocab as u64,
             positions: c.max_pos as u64,
-            experts: 0,
-            top_k: 1,
+            experts: c.moe.map_or(0, |m| m.experts as u64),
+            top_k: c.moe.map_or(1, |m| m.top_k as u64),
             ce_chunk_tokens: self.ce_chunk_tokens as u64,
             tp: self.tp.as_ref().map_or(1, |t| t.size as u64),
             sp: self.sp().is_some(),
@@ -246,7 +249,7 @@ impl Llama {
     }
 
     /// Buffer `name` for `tokens` tokens, from the pool.
-    pub(super) fn buf<X: Elem>(
+    pub(super) fn buf<X: super::buffers::Plain>(
         &self,
         pool: &mut dyn BufferPool,
         name: BufName,
@@ -297,7 +300,7 @@ impl Llama {
     }
 
     /// Name of the buffer that receives layer `i`'s output.
-    fn output_name(&self, i: usize) -> BufName {
+    pub(super) fn output_name(&self, i: usize) -> BufName {
         if i + 1 < self.config.layers {
             BufName::Layer(i as u32 + 1, T::Input)
         } else {
@@ -319,7 +322,7 @@ impl Llama {
         let (mut acts, out) = self.layer_body(k, pool, params, i, batch, input, true);
         pool.boundary(Boundary::Forward { layer: i as u32 });
         // The workspace of the dropped tensors goes once the output exists.
-        for field in dropped(self.recompute) {
+        for field in dropped(self.recompute, self.config.moe.is_some()) {
             acts.release(field, pool, self.slot(i, field));
         }
         (acts, out.expect("layer output"))
@@ -425,6 +428,25 @@ impl Llama {
             &mut ln2_out,
             &mut ln2_rstd,
         );
+        if self.config.moe.is_some() {
+            let mut acts = LayerActs {
+                input,
+                ln1_rstd,
+                ln1_out,
+                q,
+                k: kk,
+                v,
+                attn_lse,
+                attn_out,
+                resid_mid,
+                ln2_rstd,
+                ..LayerActs::default()
+            };
+            let out = self.moe_forward(k, pool, params, i, n, &ln2_out, &mut acts, output);
+            acts.ln2_out = ln2_out;
+            self.free_sp_full(pool, full);
+            return (acts, out);
+        }
         let x2 = self.gathered_rows(&ln2_out, full.as_mut());
         let mut gate = self.buf(pool, name(T::Gate), n);
         k.matmul_forward(lin(c, f), x2, p(&li.wg), None, &mut gate, Accum::Overwrite);
@@ -458,6 +480,7 @@ impl Llama {
             gate,
             up,
             swiglu,
+            ..LayerActs::default()
         };
         (acts, out)
     }
@@ -474,7 +497,8 @@ impl Llama {
 
     /// Returns every kept buffer of a layer to the pool (used by the no-grad forwards).
     fn free_layer<S: Elem>(&self, pool: &mut dyn BufferPool, i: usize, mut a: LayerActs<S>) {
-        for t in layer_tensors().filter(|t| t.kept_by(self.recompute)) {
+        let moe = self.config.moe.is_some();
+        for t in layer_tensors(moe).filter(|t| t.kept_by(self.recompute)) {
             a.release(t, pool, BufName::Layer(i as u32, t));
         }
     }
@@ -518,6 +542,18 @@ impl Llama {
                     &mut a.ln2_out,
                     &mut a.ln2_rstd,
                 );
+                if let Some(moe) = self.config.moe {
+                    // The routed copies, from the rebuilt norm output and the kept routing.
+                    let s = crate::kernels::RouteShape {
+                        tokens: n,
+                        experts: moe.experts,
+                        top_k: moe.top_k,
+                        width: self.config.hidden,
+                        norm_topk: moe.norm_topk,
+                    };
+                    a.expert_in = self.buf(pool, self.slot(i, T::ExpertIn), n);
+                    k.permute(s, &a.router_index, &a.ln2_out, &mut a.expert_in);
+                }
                 a.swiglu = self.buf(pool, self.slot(i, T::Swiglu), n);
                 k.swiglu_forward(&a.gate, &a.up, &mut a.swiglu);
                 a
@@ -780,7 +816,7 @@ impl Llama {
     ) {
         let cfg = &self.config;
         let li: &LayerIdx = &self.params.layers[i];
-        let (n, c, f) = (batch.n(), cfg.hidden, cfg.intermediate);
+        let (n, c) = (batch.n(), cfg.hidden);
         let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
         let name = |t| self.slot(i, t);
         let p = |r: &Range<usize>| &params[r.clone()];
@@ -798,25 +834,13 @@ impl Llama {
         let mut full = self.sp_full::<S>(pool, n);
 
         // ---- MLP block: out = resid_mid + down(silu(gate)·up) ----
-        let dout = self.gathered_rows(&sc.resid, full.as_mut());
-        k.matmul_backward_weight(lin(f, c), dout, &a.swiglu, &mut grads[li.wd.clone()], None);
-        k.matmul_backward_input(lin(f, c), dout, p(&li.wd), &mut sc.swiglu, Accum::Overwrite);
-        pool.free(name(T::Swiglu), a.swiglu);
-        k.swiglu_backward(&sc.swiglu, &a.gate, &a.up, &mut sc.gate, &mut sc.up);
-        pool.free(name(T::Gate), a.gate);
-        pool.free(name(T::Up), a.up);
-        let x2 = self.gathered_rows(&a.ln2_out, full.as_mut());
-        k.matmul_backward_weight(lin(c, f), &sc.gate, x2, &mut grads[li.wg.clone()], None);
-        k.matmul_backward_weight(lin(c, f), &sc.up, x2, &mut grads[li.wu.clone()], None);
-        pool.free(name(T::Ln2Out), a.ln2_out);
-        k.matmul_backward_input(
-            lin(c, f),
-            &sc.gate,
-            p(&li.wg),
-            &mut sc.ln_out,
-            Accum::Overwrite,
-        );
-        k.matmul_backward_input(lin(c, f), &sc.up, p(&li.wu), &mut sc.ln_out, Accum::Add);
+        let mut a = a;
+        if self.config.moe.is_some() {
+            self.moe_backward(k, pool, params, grads, i, n, &mut a, sc);
+            pool.free(name(T::Ln2Out), std::mem::take(&mut a.ln2_out));
+        } else {
+            self.dense_mlp_backward(k, pool, params, grads, i, n, &mut a, sc, full.as_mut());
+        }
         // Column-parallel gate/up: each rank's input gradient is partial (Megatron's `f`).
         let dln2 = self.input_grad(&mut sc.ln_out, full.as_mut(), nl);
         // resid_mid feeds both ln2 and the skip connection: d resid_mid = d out + ln2'(d ln2_out).
@@ -903,6 +927,50 @@ impl Llama {
         pool.free(name(T::Ln1Rstd), a.ln1_rstd);
         pool.free(name(T::Input), a.input);
         pool.boundary(Boundary::Backward { layer: i as u32 });
+    }
+
+    /// The dense MLP's backward (`sc.resid` = d out in, `sc.ln_out` = d ln2_out out).
+    #[allow(clippy::too_many_arguments)]
+    fn dense_mlp_backward<S: Elem, G: Elem>(
+        &self,
+        k: &dyn Kernels<S, G>,
+        pool: &mut dyn BufferPool,
+        params: &dyn ParamBuf<S>,
+        grads: &mut dyn GradBuf<G>,
+        i: usize,
+        n: usize,
+        a: &mut LayerActs<S>,
+        sc: &mut GradScratch<S>,
+        mut full: Option<&mut Buf<S>>,
+    ) {
+        let li: &LayerIdx = &self.params.layers[i];
+        let (c, f) = (self.config.hidden, self.config.intermediate);
+        let name = |t| self.slot(i, t);
+        let p = |r: &Range<usize>| &params[r.clone()];
+        let lin = |inf, outf| MatmulShape {
+            n,
+            in_features: inf,
+            out_features: outf,
+        };
+        let dout = self.gathered_rows(&sc.resid, full.as_deref_mut());
+        k.matmul_backward_weight(lin(f, c), dout, &a.swiglu, &mut grads[li.wd.clone()], None);
+        k.matmul_backward_input(lin(f, c), dout, p(&li.wd), &mut sc.swiglu, Accum::Overwrite);
+        pool.free(name(T::Swiglu), std::mem::take(&mut a.swiglu));
+        k.swiglu_backward(&sc.swiglu, &a.gate, &a.up, &mut sc.gate, &mut sc.up);
+        pool.free(name(T::Gate), std::mem::take(&mut a.gate));
+        pool.free(name(T::Up), std::mem::take(&mut a.up));
+        let x2 = self.gathered_rows(&a.ln2_out, full.as_deref_mut());
+        k.matmul_backward_weight(lin(c, f), &sc.gate, x2, &mut grads[li.wg.clone()], None);
+        k.matmul_backward_weight(lin(c, f), &sc.up, x2, &mut grads[li.wu.clone()], None);
+        pool.free(name(T::Ln2Out), std::mem::take(&mut a.ln2_out));
+        k.matmul_backward_input(
+            lin(c, f),
+            &sc.gate,
+            p(&li.wg),
+            &mut sc.ln_out,
+            Accum::Overwrite,
+        );
+        k.matmul_backward_input(lin(c, f), &sc.up, p(&li.wu), &mut sc.ln_out, Accum::Add);
     }
 
     /// Evaluation forward (no gradients): loss sum over the batch; layer activations are

@@ -5,6 +5,7 @@ pub mod buffers;
 pub mod config;
 pub mod grad_buf;
 pub mod llama;
+pub mod moe;
 pub mod param_buf;
 pub mod params;
 pub mod pipeline;

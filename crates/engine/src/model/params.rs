@@ -47,6 +47,24 @@ pub struct LayerIdx {
     pub wg: Range<usize>,
     pub wu: Range<usize>,
     pub wd: Range<usize>,
+    /// A sparse MLP's router and experts (then `wg`, `wu`, `wd` are empty).
+    pub moe: Option<MoeIdx>,
+}
+
+/// Ranges of a Mixtral sparse MLP's tensors.
+#[derive(Clone, Debug)]
+pub struct MoeIdx {
+    /// `[E, C]`.
+    pub router: Range<usize>,
+    pub experts: Vec<ExpertIdx>,
+}
+
+/// One expert's SwiGLU: gate (w1), up (w3), down (w2).
+#[derive(Clone, Debug)]
+pub struct ExpertIdx {
+    pub gate: Range<usize>,
+    pub up: Range<usize>,
+    pub down: Range<usize>,
 }
 
 impl LayerIdx {
@@ -57,7 +75,14 @@ impl LayerIdx {
             &self.wd,
         ];
         let biases = [&self.bq, &self.bk, &self.bv];
-        weights.into_iter().chain(biases.into_iter().flatten())
+        let moe = self.moe.iter().flat_map(|m| {
+            let experts = m.experts.iter().flat_map(|e| [&e.gate, &e.up, &e.down]);
+            std::iter::once(&m.router).chain(experts)
+        });
+        weights
+            .into_iter()
+            .chain(biases.into_iter().flatten())
+            .chain(moe)
     }
 }
 
@@ -130,6 +155,23 @@ impl ParamTable {
                     wg: mlp(names::GATE),
                     wu: mlp(names::UP),
                     wd: mlp(names::DOWN),
+                    moe: cfg.moe.map(|m| {
+                        let block = names::proj(&names::layer(i), names::MOE);
+                        let w = |module: &str| range(&format!("{module}.weight"));
+                        MoeIdx {
+                            router: w(&names::proj(&block, names::ROUTER)),
+                            experts: (0..m.experts as u64)
+                                .map(|e| {
+                                    let x = names::expert(&block, e);
+                                    ExpertIdx {
+                                        gate: w(&names::proj(&x, names::EXPERT_GATE)),
+                                        up: w(&names::proj(&x, names::EXPERT_UP)),
+                                        down: w(&names::proj(&x, names::EXPERT_DOWN)),
+                                    }
+                                })
+                                .collect(),
+                        }
+                    }),
                 }
             })
             .collect();
@@ -210,6 +252,7 @@ mod tests {
             tie_embeddings: tie,
             qkv_bias: bias,
             max_pos: 16,
+            moe: None,
         }
     }
 

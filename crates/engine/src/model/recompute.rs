@@ -19,12 +19,13 @@
 pub use ferrotron_plan::tensors::LayerTensor;
 pub use ferrotron_plan::Recompute;
 
-/// A (dense) layer's tensors in the order the forward allocates them.
-pub fn layer_tensors() -> impl Iterator<Item = LayerTensor> {
-    LayerTensor::of_layer(false)
+/// A layer's tensors (`moe`: with a sparse MLP's router and routed copies) in the order the
+/// forward allocates them.
+pub fn layer_tensors(moe: bool) -> impl Iterator<Item = LayerTensor> {
+    LayerTensor::of_layer(moe)
 }
 
 /// The tensors `rc` drops, in allocation order (the `recompute.*` workspace).
-pub fn dropped(rc: Recompute) -> impl Iterator<Item = LayerTensor> {
-    layer_tensors().filter(move |t| !t.kept_by(rc))
+pub fn dropped(rc: Recompute, moe: bool) -> impl Iterator<Item = LayerTensor> {
+    layer_tensors(moe).filter(move |t| !t.kept_by(rc))
 }

@@ -82,6 +82,7 @@ impl Llama {
         tokens: &[u32],
     ) -> Buf<S> {
         let c = self.config.hidden;
+        self.reset_router_load();
         let name = BufName::Layer(0, LayerTensor::Input);
         let mut x = self.buf(pool, name, tokens.len());
         let p = params.unit(Unit::Embedding);
@@ -176,6 +177,7 @@ impl Llama {
         let p = params.unit(Unit::Head);
         let (final_rstd, final_out_grad, loss) =
             self.head(k, pool, p, &x, targets, Some((grads, scale)));
+        let loss = self.router_loss(loss, num_target_tokens, loss_scale);
         let acts = HeadActs {
             final_input: x,
             final_rstd,

@@ -36,6 +36,8 @@ pub(super) fn read(f: &Fields, model_type: &str) -> Result<ModelSpec> {
         // auxiliary-loss-free balancing (arXiv 2412.19437 §2.1.2); V2's has only its weight.
         router_bias: model_type == "deepseek_v3"
             || f.string_or("topk_method", "greedy")? == "noaux_tc",
+        norm_topk: f.boolean_or("norm_topk_prob", false)?,
+        aux_loss_coef: f.coefficient_or("aux_loss_alpha", 0.001)?,
     };
     // Layer i has routed experts iff i >= first_k_dense_replace and i % moe_layer_freq == 0
     // (modeling_deepseek.py DeepseekV2DecoderLayer).

@@ -122,6 +122,20 @@ impl<'a> Fields<'a> {
         }
     }
 
+    /// A coefficient that may be zero (a loss weight: 0 turns its term off).
+    pub fn coefficient_or(&self, field: &str, default: f64) -> Result<f64> {
+        match self.present(field) {
+            None => Ok(default),
+            Some(v) => match v.as_f64() {
+                Some(x) if x.is_finite() && x >= 0.0 => Ok(x),
+                _ => Err(self.err(
+                    field,
+                    format!("is {} (expected a number >= 0)", describe(v)),
+                )),
+            },
+        }
+    }
+
     pub fn string_or(&self, field: &str, default: &str) -> Result<String> {
         match self.present(field) {
             None => Ok(default.to_string()),

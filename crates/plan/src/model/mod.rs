@@ -65,7 +65,7 @@ pub enum MlpAct {
 }
 
 /// Mixture-of-experts shape.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct MoeSpec {
     /// Routed experts per MoE layer (`num_local_experts`, `num_experts`, `n_routed_experts`).
     pub num_experts: u64,
@@ -79,6 +79,12 @@ pub struct MoeSpec {
     pub shared_gate: bool,
     /// DeepSeek-V3's `e_score_correction_bias [E]` on the router (auxiliary-loss-free balancing).
     pub router_bias: bool,
+    /// The top-k routing weights are renormalised to sum to 1 (Mixtral always; Qwen-MoE's
+    /// `norm_topk_prob`).
+    pub norm_topk: bool,
+    /// Weight of the load-balancing loss in the training loss (`router_aux_loss_coef`; Fedus
+    /// et al. 2021, Switch Transformer eqs. 4–6).
+    pub aux_loss_coef: f64,
 }
 
 /// Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434 §2.1): queries and keys/values

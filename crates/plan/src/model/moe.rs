@@ -23,6 +23,9 @@ pub(super) fn read(
                 shared_intermediate: 0,
                 shared_gate: false,
                 router_bias: false,
+                norm_topk: true,
+                // MixtralConfig's default.
+                aux_loss_coef: f.coefficient_or("router_aux_loss_coef", 0.001)?,
             };
             Ok((Some(moe), vec![]))
         }
@@ -44,6 +47,8 @@ pub(super) fn read(
                 shared_intermediate: shared,
                 shared_gate: shared > 0,
                 router_bias: false,
+                norm_topk: f.boolean_or("norm_topk_prob", false)?,
+                aux_loss_coef: f.coefficient_or("router_aux_loss_coef", 0.001)?,
             };
             let step = f.positive_or("decoder_sparse_step", 1)?;
             let only_mlp = f.layer_list("mlp_only_layers", layers)?;

@@ -9,6 +9,7 @@ pub mod elementwise;
 pub mod embedding;
 pub mod gemm_select;
 pub mod matmul;
+pub mod moe_routing;
 pub mod onednn;
 pub mod rmsnorm;
 pub mod rope;
@@ -20,7 +21,7 @@ pub mod vocab_parallel_ce;
 
 use super::{
     Accum, AdamWParams, AttnShape, CeShape, CeShardShape, Kernels, Limits, MatmulShape, NormShape,
-    RopeShape, RopeTable, Rounding,
+    RopeShape, RopeTable, Rounding, RouteShape,
 };
 use crate::dtype::Elem;
 pub use gemm_select::Gemm;
@@ -195,6 +196,47 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CpuKernels {
     }
     fn swiglu_backward(&self, dh: &[S], gate: &[S], up: &[S], dgate: &mut [S], dup: &mut [S]) {
         swiglu::backward(dh, gate, up, dgate, dup)
+    }
+    fn router_forward(
+        &self,
+        s: RouteShape,
+        logits: &[f32],
+        weights: &mut [f32],
+        index: &mut [u32],
+        load: &mut [f32],
+    ) {
+        moe_routing::router_forward(s, logits, weights, index, load)
+    }
+    fn router_backward(
+        &self,
+        s: RouteShape,
+        logits: &[f32],
+        index: &[u32],
+        dweights: &[f32],
+        aux_dp: &[f32],
+        dlogits: &mut [f32],
+    ) {
+        moe_routing::router_backward(s, logits, index, dweights, aux_dp, dlogits)
+    }
+    fn permute(&self, s: RouteShape, index: &[u32], x: &[S], rows: &mut [S]) {
+        moe_routing::permute(s, index, x, rows)
+    }
+    fn unpermute(
+        &self,
+        s: RouteShape,
+        index: &[u32],
+        weights: Option<&[f32]>,
+        rows: &[S],
+        y: &mut [S],
+        accum: Accum,
+    ) {
+        moe_routing::unpermute(s, index, weights, rows, y, accum)
+    }
+    fn scale_rows(&self, s: RouteShape, index: &[u32], weights: &[f32], rows: &mut [S]) {
+        moe_routing::scale_rows(s, index, weights, rows)
+    }
+    fn row_dot(&self, s: RouteShape, index: &[u32], a: &[S], b: &[S], out: &mut [f32]) {
+        moe_routing::row_dot(s, index, a, b, out)
     }
     fn embedding_forward(&self, tokens: &[u32], wte: &[S], c: usize, out: &mut [S]) {
         embedding::forward(tokens, wte, c, out)

@@ -1,0 +1,190 @@
+//! Mixture-of-experts routing (Mixtral, Jiang et al. 2024; HF `MixtralSparseMoeBlock`): the
+//! router's softmax and top-k, the grouping of each token's k copies by expert so that every
+//! expert multiplies one contiguous block of rows, the weighted sum back per token, and their
+//! gradients. The load-balancing loss is Switch Transformer's (Fedus et al. 2021, eqs. 4–6).
+//!
+//! Copy `c = n·k + j` is token `n`'s j-th choice. Grouped, the rows of expert 0 come first,
+//! then expert 1's, …, each expert's in ascending `c`: the layout is a pure function of the
+//! router's indices, so forward and backward find the same row for a copy without storing a
+//! permutation.
+
+use crate::dtype::Elem;
+use crate::kernels::{Accum, RouteShape};
+
+/// `(row, c)` for every routed copy, in grouped-row order.
+fn grouped(index: &[u32], experts: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
+    (0..experts as u32)
+        .flat_map(move |e| {
+            index
+                .iter()
+                .enumerate()
+                .filter(move |&(_, &x)| x == e)
+                .map(|(c, _)| c)
+        })
+        .enumerate()
+}
+
+/// Softmax of one row of router logits into `p` (f32, max-subtracted).
+fn softmax_row(logits: &[f32], p: &mut [f32]) {
+    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+    let mut sum = 0.0f32;
+    for (pe, &l) in p.iter_mut().zip(logits) {
+        *pe = (l - max).exp();
+        sum += *pe;
+    }
+    p.iter_mut().for_each(|pe| *pe /= sum);
+}
+
+/// Per token: `p = softmax(logits)`; its `k` largest (ties to the lower expert), largest
+/// first, into `index`; their probabilities into `weights`, divided by their sum when
+/// `s.norm_topk`. `load` `[2E]` accumulates Σ_n p (first E) and the count of copies routed
+/// to each expert (last E), the load-balancing loss's two factors.
+pub fn router_forward(
+    s: RouteShape,
+    logits: &[f32],
+    weights: &mut [f32],
+    index: &mut [u32],
+    load: &mut [f32],
+) {
+    let (e, k) = (s.experts, s.top_k);
+    assert_eq!(logits.len(), s.tokens * e, "router logits len");
+    assert!(weights.len() == s.tokens * k && index.len() == s.tokens * k);
+    assert_eq!(load.len(), 2 * e, "router load len");
+    // The layer keeps the logits; the backward recomputes the softmax from them.
+    for n in 0..s.tokens {
+        let row = &logits[n * e..(n + 1) * e];
+        let (w, idx) = (
+            &mut weights[n * k..(n + 1) * k],
+            &mut index[n * k..(n + 1) * k],
+        );
+        let mut chosen_sum = 0.0f32;
+        for j in 0..k {
+            let mut best = usize::MAX;
+            let mut best_l = f32::NEG_INFINITY;
+            for (x, &l) in row.iter().enumerate() {
+                if !idx[..j].contains(&(x as u32)) && (best == usize::MAX || l > best_l) {
+                    best = x;
+                    best_l = l;
+                }
+            }
+            idx[j] = best as u32;
+        }
+        // Probabilities of the chosen, and every expert's into `load`.
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        let sum: f32 = row.iter().map(|&l| (l - max).exp()).sum();
+        for (x, &l) in row.iter().enumerate() {
+            load[x] += (l - max).exp() / sum;
+        }
+        for j in 0..k {
+            w[j] = (row[idx[j] as usize] - max).exp() / sum;
+            chosen_sum += w[j];
+            load[e + idx[j] as usize] += 1.0;
+        }
+        if s.norm_topk {
+            w.iter_mut().for_each(|x| *x /= chosen_sum);
+        }
+    }
+}
+
+/// `dlogits` from the gradients of the routing weights `dweights` and of the probabilities
+/// through the load-balancing loss, `aux_dp` `[E]` (the same for every token):
+/// `dp = aux_dp + scatter(dweights)` (through the renormalisation when `s.norm_topk`:
+/// `dp_j = (dw_j − Σ_i w_i·dw_i) / Σ_sel p`), then the softmax's backward
+/// `dlogit = p ⊙ (dp − p·dp)`.
+pub fn router_backward(
+    s: RouteShape,
+    logits: &[f32],
+    index: &[u32],
+    dweights: &[f32],
+    aux_dp: &[f32],
+    dlogits: &mut [f32],
+) {
+    let (e, k) = (s.experts, s.top_k);
+    assert!(logits.len() == s.tokens * e && dlogits.len() == s.tokens * e);
+    assert!(index.len() == s.tokens * k && dweights.len() == s.tokens * k);
+    assert_eq!(aux_dp.len(), e, "aux gradient len");
+    for n in 0..s.tokens {
+        let (row, dl) = (&logits[n * e..(n + 1) * e], &mut dlogits[n * e..(n + 1) * e]);
+        let (idx, dw) = (&index[n * k..(n + 1) * k], &dweights[n * k..(n + 1) * k]);
+        // `dl` holds p while dp is built in the caller-visible order below.
+        softmax_row(row, dl);
+        let chosen: f32 = idx.iter().map(|&x| dl[x as usize]).sum();
+        let wdw: f32 = idx
+            .iter()
+            .zip(dw)
+            .map(|(&x, &d)| dl[x as usize] / chosen * d)
+            .sum();
+        let dp = |x: usize| -> f32 {
+            let routed: f32 = idx
+                .iter()
+                .zip(dw)
+                .filter(|&(&i, _)| i as usize == x)
+                .map(|(_, &d)| match s.norm_topk {
+                    true => (d - wdw) / chosen,
+                    false => d,
+                })
+                .sum();
+            aux_dp[x] + routed
+        };
+        let dot: f32 = (0..e).map(|x| dl[x] * dp(x)).sum();
+        for x in 0..e {
+            dl[x] *= dp(x) - dot;
+        }
+    }
+}
+
+/// `rows[row] = x[token]` for every routed copy (the dispatch; its backward is
+/// [`unpermute`] without weights).
+pub fn permute<S: Elem>(s: RouteShape, index: &[u32], x: &[S], rows: &mut [S]) {
+    let (w, k) = (s.width, s.top_k);
+    assert!(x.len() == s.tokens * w && rows.len() == s.tokens * k * w);
+    for (r, c) in grouped(index, s.experts) {
+        let n = c / k;
+        rows[r * w..(r + 1) * w].copy_from_slice(&x[n * w..(n + 1) * w]);
+    }
+}
+
+/// `y[token] (=|+=) Σ_j weight_j · rows[row_j]` (the combine; weights of 1 without
+/// `weights`), added in grouped-row order, i.e. expert by expert, as HF's `index_add_` loop.
+pub fn unpermute<S: Elem>(
+    s: RouteShape,
+    index: &[u32],
+    weights: Option<&[f32]>,
+    rows: &[S],
+    y: &mut [S],
+    accum: Accum,
+) {
+    let (w, k) = (s.width, s.top_k);
+    assert!(y.len() == s.tokens * w && rows.len() == s.tokens * k * w);
+    if accum == Accum::Overwrite {
+        y.fill(S::from_f32(0.0));
+    }
+    for (r, c) in grouped(index, s.experts) {
+        let scale = weights.map_or(1.0, |wt| wt[c]);
+        let n = c / k;
+        for (o, v) in y[n * w..(n + 1) * w].iter_mut().zip(&rows[r * w..(r + 1) * w]) {
+            *o = S::from_f32(o.to_f32() + scale * v.to_f32());
+        }
+    }
+}
+
+/// `rows[row_c] *= weights[c]` (rows of `s.width`).
+pub fn scale_rows<S: Elem>(s: RouteShape, index: &[u32], weights: &[f32], rows: &mut [S]) {
+    let w = s.width;
+    assert_eq!(rows.len(), s.tokens * s.top_k * w, "routed rows len");
+    for (r, c) in grouped(index, s.experts) {
+        for v in &mut rows[r * w..(r + 1) * w] {
+            *v = S::from_f32(v.to_f32() * weights[c]);
+        }
+    }
+}
+
+/// `out[c] = ⟨a[row_c], b[row_c]⟩` in f32 (rows of `s.width`).
+pub fn row_dot<S: Elem>(s: RouteShape, index: &[u32], a: &[S], b: &[S], out: &mut [f32]) {
+    let w = s.width;
+    assert!(a.len() == s.tokens * s.top_k * w && b.len() == a.len());
+    for (r, c) in grouped(index, s.experts) {
+        let (x, y) = (&a[r * w..(r + 1) * w], &b[r * w..(r + 1) * w]);
+        out[c] = x.iter().zip(y).map(|(p, q)| p.to_f32() * q.to_f32()).sum();
+    }
+}
