@@ -572,15 +572,17 @@ fn rank_plan(
                         } else {
                             plan.alloc(&sent[i as usize]);
                         }
+                        // The experts' outputs are summed into the layer's output and freed
+                        // before the mark.
+                        if k == 1 {
+                            plan.free(&e.moe_rows);
+                        }
                         plan.mark(
                             step,
                             Phase::Forward,
                             format!("step {step} mb {mb} forward layer {i}"),
                         );
                         plan.free(&forward_transient[k]);
-                        if k == 1 {
-                            plan.free(&e.moe_rows);
-                        }
                     }
                     // The chunk's output is sent on (copied into a send buffer) and freed.
                     if let Some(i) = layers.clone().last() {

@@ -55,6 +55,7 @@ presets!(
     "pythia-1.4b",
     "gpt-j-6b",
     "ferrotron-12m",
+    "ferrotron-moe-16m",
 );
 
 pub fn preset_names() -> impl Iterator<Item = &'static str> {

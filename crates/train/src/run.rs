@@ -206,6 +206,19 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         layout.dp as usize,
         (layout.dp * layout.tp * layout.pp) as usize,
     );
+    if layout.zero >= 2 {
+        let name = match &saved {
+            Some(l) => l.dir.join("config.json").to_string_lossy().to_string(),
+            None => args.resolve()?.model.name,
+        };
+        let spec = ferrotron_plan::presets::resolve(&name).map_err(|e| anyhow::anyhow!("{e}"))?;
+        if spec.moe.is_some() {
+            bail!(
+                "zero = {}: ZeRO-2/3 of a mixture-of-experts model is not supported; use --zero 0 or 1",
+                layout.zero
+            );
+        }
+    }
     if layout.tp > 1 {
         // A model tensor parallelism cannot split is refused once, before any rank starts.
         let name = match &saved {
@@ -228,6 +241,13 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
             None => ferrotron_plan::presets::resolve(&cfg.model.name)
                 .map_err(|e| anyhow::anyhow!("{e}"))?,
         };
+        if spec.moe.is_some() {
+            // The load-balancing loss couples every layer's routing in one micro-batch.
+            bail!(
+                "pp = {}: pipeline parallelism of a mixture-of-experts model is not supported; run it with --dp",
+                layout.pp
+            );
+        }
         let input = setup::plan_input(&spec, &cfg, 0);
         layout
             .validate(Some(&spec), &input.recipe)

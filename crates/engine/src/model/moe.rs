@@ -58,7 +58,10 @@ impl RouterLoad {
 }
 
 /// Rows of each expert in the grouped layout: expert e's block is `rows[e]`.
-fn expert_blocks(index: &[u32], experts: usize) -> impl Iterator<Item = (usize, Range<usize>)> + '_ {
+fn expert_blocks(
+    index: &[u32],
+    experts: usize,
+) -> impl Iterator<Item = (usize, Range<usize>)> + '_ {
     let mut start = 0;
     (0..experts).map(move |e| {
         let n = index.iter().filter(|&&x| x as usize == e).count();
@@ -108,7 +111,12 @@ impl Llama {
         let e = moe.experts.len();
         let name = |t| self.slot(i, t);
         a.router_logits = self.buf(pool, name(T::RouterLogits), n);
-        k.head_forward(lin(n, c, e), x2, &params[moe.router.clone()], &mut a.router_logits);
+        k.head_forward(
+            lin(n, c, e),
+            x2,
+            &params[moe.router.clone()],
+            &mut a.router_logits,
+        );
         a.router_weights = self.buf(pool, name(T::RouterWeights), n);
         a.router_index = self.buf(pool, name(T::RouterIndex), n);
         {
@@ -130,7 +138,14 @@ impl Llama {
             let (w, xin) = (&moe.experts[x], &a.expert_in[span(&rows, c)]);
             let s = lin(rows.len(), c, f);
             let gate = &mut a.gate[span(&rows, f)];
-            k.matmul_forward(s, xin, &params[w.gate.clone()], None, gate, Accum::Overwrite);
+            k.matmul_forward(
+                s,
+                xin,
+                &params[w.gate.clone()],
+                None,
+                gate,
+                Accum::Overwrite,
+            );
             let up = &mut a.up[span(&rows, f)];
             k.matmul_forward(s, xin, &params[w.up.clone()], None, up, Accum::Overwrite);
         }
@@ -144,7 +159,14 @@ impl Llama {
         self.experts_down(k, params, moe, &a.router_index, &a.swiglu, &mut y);
         let mut out = self.buf(pool, self.output_name(i), n);
         let (weights, index) = (Some(&a.router_weights[..]), &a.router_index);
-        k.unpermute(self.route(n, c), index, weights, &y, &mut out, Accum::Overwrite);
+        k.unpermute(
+            self.route(n, c),
+            index,
+            weights,
+            &y,
+            &mut out,
+            Accum::Overwrite,
+        );
         k.add_inplace(&mut out, &a.resid_mid);
         pool.free(ys, y);
         Some(out)
@@ -233,7 +255,13 @@ impl Llama {
             k.matmul_backward_input(lin(rows.len(), f, c), dy, w2, dh, Accum::Overwrite);
         }
         // d weight_j = ⟨d out, y_j⟩ = ⟨d y·W2, h_j⟩: y itself is not kept.
-        k.row_dot(self.route(n, f), &index, &sc.swiglu, &a.swiglu, &mut sc.router_weights);
+        k.row_dot(
+            self.route(n, f),
+            &index,
+            &sc.swiglu,
+            &a.swiglu,
+            &mut sc.router_weights,
+        );
         // The weights scale the rows' gradients from here on.
         let w = &a.router_weights;
         k.scale_rows(self.route(n, c), &index, w, &mut sc.rows);
@@ -272,10 +300,18 @@ impl Llama {
             &a.ln2_out,
             &mut grads[router.clone()],
         );
-        k.head_backward_input(lin(n, c, e), &sc.router_logits, &params[router], &mut sc.ln_out);
+        k.head_backward_input(
+            lin(n, c, e),
+            &sc.router_logits,
+            &params[router],
+            &mut sc.ln_out,
+        );
         k.unpermute(route, &index, None, &sc.rows, &mut sc.ln_out, Accum::Add);
         pool.free(name(T::RouterLogits), std::mem::take(&mut a.router_logits));
-        pool.free(name(T::RouterWeights), std::mem::take(&mut a.router_weights));
+        pool.free(
+            name(T::RouterWeights),
+            std::mem::take(&mut a.router_weights),
+        );
         pool.free(name(T::RouterIndex), index);
     }
 }

@@ -151,6 +151,11 @@ impl TensorParallel {
 /// and vocabulary divided by t (each must divide, as in Megatron-LM, which also pads the
 /// vocabulary to a multiple of t; ferrotron asks for a divisible one).
 pub fn shard_config(full: &LlamaConfig, t: usize) -> Result<LlamaConfig, ModelError> {
+    if full.moe.is_some() && t > 1 {
+        return Err(ModelError::Unsupported(format!(
+            "tp = {t}: tensor parallelism of a mixture-of-experts model is not supported; run it with --dp"
+        )));
+    }
     // The largest degree up to t that splits all four.
     let sizes = [full.heads, full.kv_heads, full.intermediate, full.vocab];
     let fits = (1..=t)

@@ -39,6 +39,20 @@ pub fn tiny_model(dir: &Path, vocab: u64, max_pos: u64) -> PathBuf {
     p
 }
 
+/// A 2-layer Mixtral (4 experts, top-2) with the bundled tokenizer's vocabulary.
+pub fn tiny_moe_model(dir: &Path) -> PathBuf {
+    let cfg = serde_json::json!({
+        "model_type": "mixtral", "hidden_size": 64, "intermediate_size": 96,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02,
+        "vocab_size": 8192, "max_position_embeddings": 128, "tie_word_embeddings": true,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0
+    });
+    let p = dir.join("config.json");
+    std::fs::write(&p, cfg.to_string()).unwrap();
+    p
+}
+
 /// Flags of a short, quiet run of the default model (ferrotron-12m) on the bundled corpus,
 /// without evaluation, under recompute policy `rc`.
 pub fn default_model_args(out: &Path, steps: u64, rc: &str) -> TrainArgs {

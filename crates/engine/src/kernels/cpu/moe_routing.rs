@@ -104,7 +104,10 @@ pub fn router_backward(
     assert!(index.len() == s.tokens * k && dweights.len() == s.tokens * k);
     assert_eq!(aux_dp.len(), e, "aux gradient len");
     for n in 0..s.tokens {
-        let (row, dl) = (&logits[n * e..(n + 1) * e], &mut dlogits[n * e..(n + 1) * e]);
+        let (row, dl) = (
+            &logits[n * e..(n + 1) * e],
+            &mut dlogits[n * e..(n + 1) * e],
+        );
         let (idx, dw) = (&index[n * k..(n + 1) * k], &dweights[n * k..(n + 1) * k]);
         // `dl` holds p while dp is built in the caller-visible order below.
         softmax_row(row, dl);
@@ -162,7 +165,10 @@ pub fn unpermute<S: Elem>(
     for (r, c) in grouped(index, s.experts) {
         let scale = weights.map_or(1.0, |wt| wt[c]);
         let n = c / k;
-        for (o, v) in y[n * w..(n + 1) * w].iter_mut().zip(&rows[r * w..(r + 1) * w]) {
+        for (o, v) in y[n * w..(n + 1) * w]
+            .iter_mut()
+            .zip(&rows[r * w..(r + 1) * w])
+        {
             *o = S::from_f32(o.to_f32() + scale * v.to_f32());
         }
     }
