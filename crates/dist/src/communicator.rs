@@ -52,6 +52,59 @@ pub trait Communicator: Send {
     /// Block `j` of this rank's `send` goes to rank `j`, which puts it at block `rank` of its
     /// `recv` (equal block sizes).
     fn all_to_all(&self, send: &[f32], recv: &mut [f32]) -> Result<()>;
+    /// Blocks of different sizes (expert parallelism's token dispatch): the first
+    /// `send_counts[0]` elements of `send` go to rank 0, the next `send_counts[1]` to rank 1,
+    /// …; from rank i come `recv_counts[i]` elements, placed in rank order at the start of
+    /// `recv`. Built on `send`/`recv`: each pair of ranks exchanges once, pairs in one global
+    /// order with the lower rank sending first, so blocking sends cannot deadlock.
+    fn all_to_all_v(
+        &self,
+        send: &[f32],
+        send_counts: &[usize],
+        recv: &mut [f32],
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        /// Tag of the exchange ("EP").
+        const TAG: u32 = 0x4550;
+        let (me, size) = (self.rank(), self.size());
+        crate::shapes::all_to_all_v(size, (send.len(), send_counts), (recv.len(), recv_counts))
+            .and_then(|()| match send_counts[me] == recv_counts[me] {
+                true => Ok(()),
+                false => Err(format!(
+                    "this rank sends itself {} elements but expects {}",
+                    send_counts[me], recv_counts[me]
+                )),
+            })
+            .map_err(|problem| CommError::Usage {
+                rank: me,
+                op: "all_to_all_v",
+                problem,
+            })?;
+        let starts = |counts: &[usize]| -> Vec<usize> {
+            counts
+                .iter()
+                .scan(0, |at, &c| {
+                    *at += c;
+                    Some(*at - c)
+                })
+                .collect()
+        };
+        let (so, ro) = (starts(send_counts), starts(recv_counts));
+        for p in 0..size {
+            let out = &send[so[p]..so[p] + send_counts[p]];
+            let into = &mut recv[ro[p]..ro[p] + recv_counts[p]];
+            if p == me {
+                into.copy_from_slice(out);
+            } else if me < p {
+                self.send(out, p, TAG)?;
+                self.recv(into, p, TAG)?;
+            } else {
+                self.recv(into, p, TAG)?;
+                self.send(out, p, TAG)?;
+            }
+        }
+        Ok(())
+    }
     /// `buf` to rank `dst`, matched by its `recv` with the same `tag`.
     fn send(&self, buf: &[f32], dst: usize, tag: u32) -> Result<()>;
     /// Starts sending `buf` to rank `dst` (matched by its `recv` with `tag`) and returns at

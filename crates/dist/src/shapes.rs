@@ -42,6 +42,31 @@ pub(crate) fn all_to_all(size: usize, send: usize, recv: usize) -> Result<(), St
     }
 }
 
+/// One count per rank for each side, summing to the buffers' lengths.
+pub(crate) fn all_to_all_v(
+    size: usize,
+    (send, send_counts): (usize, &[usize]),
+    (recv, recv_counts): (usize, &[usize]),
+) -> Result<(), String> {
+    if send_counts.len() != size || recv_counts.len() != size {
+        return Err(format!(
+            "{} send and {} receive counts for a group of {size}",
+            send_counts.len(),
+            recv_counts.len()
+        ));
+    }
+    let (s, r) = (
+        send_counts.iter().sum::<usize>(),
+        recv_counts.iter().sum::<usize>(),
+    );
+    if s > send || r > recv {
+        return Err(format!(
+            "counts of {s} to send and {r} to receive exceed the buffers ({send}, {recv})"
+        ));
+    }
+    Ok(())
+}
+
 /// `peer` (a root, a destination, a source: `what`) is a rank of a group of `size`.
 pub(crate) fn member(size: usize, peer: usize, what: &str) -> Result<(), String> {
     if peer < size {

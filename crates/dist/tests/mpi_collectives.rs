@@ -164,6 +164,25 @@ fn all_to_all(c: &MpiComm) -> Check {
     same("all_to_all", &got, &want)
 }
 
+/// Blocks of different sizes, one far above the eager limit (rank r sends rank q
+/// `(r + q)·40000 + 1` values), so blocking sends of every pair are exercised.
+fn all_to_all_v(c: &MpiComm) -> Check {
+    let (r, p) = (c.rank(), c.size());
+    let count = |from: usize, to: usize| (from + to) * 40_000 + 1;
+    let block = |from: usize, to: usize| -> Vec<f32> {
+        (0..count(from, to))
+            .map(|i| (from * 7 + to * 3 + i % 97) as f32)
+            .collect()
+    };
+    let send: Vec<f32> = (0..p).flat_map(|to| block(r, to)).collect();
+    let sc: Vec<usize> = (0..p).map(|to| count(r, to)).collect();
+    let rc: Vec<usize> = (0..p).map(|from| count(from, r)).collect();
+    let mut got = vec![0.0; rc.iter().sum()];
+    c.all_to_all_v(&send, &sc, &mut got, &rc).map_err(err)?;
+    let want: Vec<f32> = (0..p).flat_map(|from| block(from, r)).collect();
+    same("all_to_all_v", &got, &want)
+}
+
 fn send_recv(c: &MpiComm) -> Check {
     let (r, p) = (c.rank(), c.size());
     let (next, prev) = ((r + 1) % p, (r + p - 1) % p);
@@ -433,6 +452,7 @@ fn main() {
         ("all_gather", all_gather(&c)),
         ("broadcast", broadcast(&c)),
         ("all_to_all", all_to_all(&c)),
+        ("all_to_all_v", all_to_all_v(&c)),
         ("send/recv", send_recv(&c)),
         ("barrier", c.barrier().map_err(err)),
         ("all_reduce_start", started_all_reduce(&c)),

@@ -245,3 +245,45 @@ fn bad_calls_are_usage_errors() {
         );
     }
 }
+
+/// Expert parallelism's dispatch: rank r sends rank p `r + p` values (none from rank 0 to
+/// itself), every rank receives each block in rank order, whatever the pairs' sizes.
+#[test]
+fn all_to_all_v_moves_blocks_of_any_size() {
+    fn count(from: usize, to: usize) -> usize {
+        from + to
+    }
+    fn block(from: usize, to: usize) -> Vec<f32> {
+        (0..count(from, to))
+            .map(|i| (from * 100 + to * 10 + i) as f32)
+            .collect()
+    }
+    let p = 3;
+    let out = all_ok(run(p, T, move |r, c: ThreadComm| {
+        let send: Vec<f32> = (0..p).flat_map(|to| block(r, to)).collect();
+        let sc: Vec<usize> = (0..p).map(|to| count(r, to)).collect();
+        let rc: Vec<usize> = (0..p).map(|from| count(from, r)).collect();
+        // Room to spare: only the first Σ rc elements are written.
+        let mut recv = vec![-1.0; rc.iter().sum::<usize>() + 2];
+        c.all_to_all_v(&send, &sc, &mut recv, &rc)
+            .map_err(|e| e.to_string())?;
+        let bad = c
+            .all_to_all_v(&send, &sc[..2], &mut recv, &rc)
+            .unwrap_err()
+            .to_string();
+        Ok((recv, bad))
+    }));
+    for (r, (recv, bad)) in out.into_iter().enumerate() {
+        let want: Vec<f32> = (0..p).flat_map(|from| block(from, r)).collect();
+        assert_eq!(&recv[..want.len()], &want[..], "rank {r}");
+        assert_eq!(
+            &recv[want.len()..],
+            &[-1.0, -1.0],
+            "rank {r}: nothing past the counts"
+        );
+        assert_eq!(
+            bad,
+            format!("rank {r}: all_to_all_v: 2 send and 3 receive counts for a group of 3")
+        );
+    }
+}
