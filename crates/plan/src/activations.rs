@@ -113,6 +113,7 @@ impl Dims {
             positions: m.max_positions,
             experts: moe.map_or(0, |moe| moe.num_experts),
             top_k: moe.map_or(1, |moe| moe.top_k),
+            routed_rows: None,
             ce_chunk_tokens: r.ce_chunk_tokens,
             tp: self.t,
             sp: self.sp,

@@ -55,6 +55,8 @@ pub enum Width {
     Vocab,
     /// Half the rotated dims of a head (RoPE tables).
     HalfRotary,
+    /// A routed row and its routing weight (expert parallelism's exchange): hidden + 1.
+    HiddenAndWeight,
     /// A vocabulary-parallel cross-entropy's row statistics: this rank's three (max, Σ exp,
     /// target logit) and every rank's, gathered: 3·(t + 1).
     CeStats,
@@ -65,7 +67,8 @@ pub enum Width {
 pub enum Rows {
     /// One per token of the micro-batch on this rank.
     Tokens,
-    /// One per routed token copy (tokens × top-k; tokens for a dense MLP).
+    /// One per routed token copy (tokens × top-k; tokens for a dense MLP), or an expert-parallel
+    /// rank's capacity ([`Dims::routed_rows`]).
     Routed,
     /// One per row of an LM-head chunk: min(tokens, ce_chunk_tokens).
     HeadChunk,
@@ -108,6 +111,10 @@ pub struct Dims {
     /// Routed experts and experts per token (0 and 1 for a dense model).
     pub experts: u64,
     pub top_k: u64,
+    /// Rows of the routed tensors when they are not tokens × top-k: an expert-parallel rank's
+    /// capacity, the most copies its experts can receive (see the engine's
+    /// `expert_parallel.rs`).
+    pub routed_rows: Option<u64>,
     pub ce_chunk_tokens: u64,
     /// Tensor-parallel degree, and whether sequence parallelism divides the residual stream.
     pub tp: u64,
@@ -137,7 +144,7 @@ impl Shape {
     pub fn numel(&self, d: &Dims) -> u64 {
         let rows = match self.rows {
             Rows::Tokens => d.tokens,
-            Rows::Routed => d.tokens * d.top_k,
+            Rows::Routed => d.routed_rows.unwrap_or(d.tokens * d.top_k),
             Rows::HeadChunk => d.tokens.min(d.ce_chunk_tokens),
             Rows::Positions => d.positions,
         };
@@ -160,6 +167,7 @@ impl Shape {
             Width::Vocab => d.vocab,
             Width::HalfRotary => d.rotary_dim / 2,
             Width::CeStats => 3 * (t + 1),
+            Width::HiddenAndWeight => d.hidden + 1,
         };
         let div = match self.split {
             Split::Whole => 1,
@@ -175,7 +183,8 @@ use Elems::{Storage, F32, U32};
 use Rows::{HeadChunk, Positions, Routed, Tokens};
 use Split::{Sequence, Tensor, Whole};
 use Width::{
-    CeStats, Experts, Ffn, HalfRotary, Heads, Hidden, KRank, ODim, One, QDim, TopK, VRank, Vocab,
+    CeStats, Experts, Ffn, HalfRotary, Heads, Hidden, HiddenAndWeight, KRank, ODim, One, QDim,
+    TopK, VRank, Vocab,
 };
 
 macro_rules! table {
@@ -330,6 +339,10 @@ table! {
         /// weighted and summed per token (forward), then their gradients and the gradients of
         /// the routed copies of the input (backward); one use at a time.
         ExpertRows = "act.moe.rows": Shape::new(Storage, Routed, Hidden, Whole);
+        /// Expert parallelism only: the rows going to other ranks' experts (and their routing
+        /// weights, in the backward), then the rows coming back; in f32.
+        EpSend = "comm.ep.send": Shape::new(F32, Routed, HiddenAndWeight, Whole);
+        EpRecv = "comm.ep.recv": Shape::new(F32, Routed, HiddenAndWeight, Whole);
     }
 }
 
@@ -431,6 +444,7 @@ mod tests {
             positions: 16,
             experts: 0,
             top_k: 1,
+            routed_rows: None,
             ce_chunk_tokens: 5,
             tp,
             sp,

@@ -61,6 +61,22 @@ pub struct RouteShape {
     pub norm_topk: bool,
 }
 
+/// The layout of a MoE layer's routed rows, for every backend: copy `c = n·k + j` (token n's
+/// j-th choice) has row `r`, the rows grouped by expert (expert 0's first), each expert's in
+/// ascending `c`. Yields `(r, c)` in row order. A pure function of the router's choices, so
+/// forward and backward find the same row for a copy without storing a permutation.
+pub fn routed_rows(index: &[u32], experts: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
+    (0..experts as u32)
+        .flat_map(move |e| {
+            index
+                .iter()
+                .enumerate()
+                .filter(move |&(_, &x)| x == e)
+                .map(|(c, _)| c)
+        })
+        .enumerate()
+}
+
 /// A `[B, T, heads, head_dim]` token-major tensor, as RoPE sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RopeShape {

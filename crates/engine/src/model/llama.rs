@@ -61,6 +61,8 @@ pub struct Llama {
     pub part: Option<super::pipeline::Part>,
     /// A MoE model's load-balancing statistics of the micro-batch in flight.
     pub(super) router_load: super::moe::RouterLoad,
+    /// This rank's expert-parallel group (`params` then holds only its experts).
+    pub ep: Option<super::expert_parallel::ExpertParallel>,
 }
 
 /// `matmul_backward_weight` with an optional bias grad living in the same flat buffer.
@@ -101,7 +103,22 @@ impl Llama {
             stage: None,
             part: None,
             router_load: Default::default(),
+            ep: None,
         }
+    }
+
+    /// One rank of an expert-parallel group: the whole model but only its experts
+    /// (`super::expert_parallel`).
+    pub fn expert_parallel(
+        config: LlamaConfig,
+        ep: super::expert_parallel::ExpertParallel,
+    ) -> Self {
+        let mut m = Llama::new(config);
+        let local = ep.local();
+        let held = &|e: u64| local.contains(&(e as usize));
+        m.params = ParamTable::holding_experts(&m.config, &|_| true, held);
+        m.ep = (ep.size > 1).then_some(ep);
+        m
     }
 
     /// One rank's part of a tensor-parallel model (`super::tensor_parallel`): its slice of the
@@ -237,6 +254,11 @@ impl Llama {
             positions: c.max_pos as u64,
             experts: c.moe.map_or(0, |m| m.experts as u64),
             top_k: c.moe.map_or(1, |m| m.top_k as u64),
+            routed_rows: self
+                .ep
+                .as_ref()
+                .zip(c.moe)
+                .map(|(ep, m)| ep.capacity(tokens, m.top_k) as u64),
             ce_chunk_tokens: self.ce_chunk_tokens as u64,
             tp: self.tp.as_ref().map_or(1, |t| t.size as u64),
             sp: self.sp().is_some(),
@@ -542,20 +564,17 @@ impl Llama {
                     &mut a.ln2_out,
                     &mut a.ln2_rstd,
                 );
-                if let Some(moe) = self.config.moe {
-                    // The routed copies, from the rebuilt norm output and the kept routing.
-                    let s = crate::kernels::RouteShape {
-                        tokens: n,
-                        experts: moe.experts,
-                        top_k: moe.top_k,
-                        width: self.config.hidden,
-                        norm_topk: moe.norm_topk,
-                    };
-                    a.expert_in = self.buf(pool, self.slot(i, T::ExpertIn), n);
-                    k.permute(s, &a.router_index, &a.ln2_out, &mut a.expert_in);
-                }
+                // The gated product of the rows in use (a MoE layer's routed buffers have
+                // room for the most its experts can receive).
+                let used = match self.config.moe {
+                    Some(_) => {
+                        self.rebuild_expert_in(k, pool, i, n, &mut a);
+                        self.routed_used(&a.router_index)
+                    }
+                    None => a.gate.len(),
+                };
                 a.swiglu = self.buf(pool, self.slot(i, T::Swiglu), n);
-                k.swiglu_forward(&a.gate, &a.up, &mut a.swiglu);
+                k.swiglu_forward(&a.gate[..used], &a.up[..used], &mut a.swiglu[..used]);
                 a
             }
         }

@@ -18,6 +18,7 @@
 
 use super::activations::{GradScratch, LayerActs, LossSum};
 use super::buffers::{Buf, BufName, BufferPool};
+use super::expert_parallel::{arrival_of, to_arrival_order, to_expert_major, Arrivals};
 use super::grad_buf::GradBuf;
 use super::llama::Llama;
 use super::param_buf::ParamBuf;
@@ -57,17 +58,33 @@ impl RouterLoad {
     }
 }
 
-/// Rows of each expert in the grouped layout: expert e's block is `rows[e]`.
-fn expert_blocks(
-    index: &[u32],
-    experts: usize,
-) -> impl Iterator<Item = (usize, Range<usize>)> + '_ {
-    let mut start = 0;
-    (0..experts).map(move |e| {
-        let n = index.iter().filter(|&&x| x as usize == e).count();
-        start += n;
-        (e, start - n..start)
-    })
+/// The rows this rank's experts multiply, expert by expert: `(expert, rows)` blocks of the
+/// expert-major routed buffers, and `arrivals` under expert parallelism.
+struct ExpertRows {
+    /// This rank's copies per expert (every expert of the model).
+    counts: Vec<usize>,
+    blocks: Vec<(usize, Range<usize>)>,
+    rows: usize,
+    arrivals: Option<Arrivals>,
+}
+
+/// Copies per expert.
+fn expert_counts(index: &[u32], experts: usize) -> Vec<usize> {
+    let mut counts = vec![0; experts];
+    index.iter().for_each(|&x| counts[x as usize] += 1);
+    counts
+}
+
+fn widen<S: Elem>(x: &[S], f: &mut [f32]) {
+    f.iter_mut().zip(x).for_each(|(o, x)| *o = x.to_f32());
+}
+
+fn narrow<S: Elem>(f: &[f32], x: &mut [S]) {
+    x.iter_mut().zip(f).for_each(|(x, o)| *x = S::from_f32(*o));
+}
+
+fn scale<S: Elem>(x: &mut [S], w: f32) {
+    x.iter_mut().for_each(|v| *v = S::from_f32(v.to_f32() * w));
 }
 
 impl Llama {
@@ -92,6 +109,103 @@ impl Llama {
         }
     }
 
+    /// Where this rank's expert rows are, from the router's choices (under expert parallelism
+    /// after exchanging the counts with the group).
+    fn expert_rows(&self, index: &[u32]) -> ExpertRows {
+        let e = self.config.moe.expect("a MoE model").experts;
+        let counts = expert_counts(index, e);
+        match &self.ep {
+            None => {
+                let mut at = 0;
+                let blocks = counts
+                    .iter()
+                    .enumerate()
+                    .map(|(x, &n)| {
+                        at += n;
+                        (x, at - n..at)
+                    })
+                    .collect();
+                ExpertRows {
+                    counts,
+                    blocks,
+                    rows: at,
+                    arrivals: None,
+                }
+            }
+            Some(ep) => {
+                let a = ep.arrivals(&counts);
+                let first = ep.local().start;
+                let blocks = a
+                    .per_expert
+                    .iter()
+                    .enumerate()
+                    .map(|(j, r)| (first + j, r.clone()))
+                    .collect();
+                ExpertRows {
+                    counts,
+                    blocks,
+                    rows: a.rows,
+                    arrivals: Some(a),
+                }
+            }
+        }
+    }
+
+    /// The copies of `x` (`[N, C]`) this rank's experts take, expert-major, into `rows`: its
+    /// own grouped by expert, or (expert parallelism) every rank's for its experts.
+    fn dispatch<S: Elem, G: Elem>(
+        &self,
+        k: &dyn Kernels<S, G>,
+        pool: &mut dyn BufferPool,
+        n: usize,
+        x: &[S],
+        index: &[u32],
+        er: &ExpertRows,
+        rows: &mut [S],
+    ) {
+        let c = self.config.hidden;
+        let nk = index.len();
+        k.permute(self.route(n, c), index, x, &mut rows[..nk * c]);
+        if let (Some(ep), Some(a)) = (&self.ep, &er.arrivals) {
+            let (mut send, mut recv) = self.ep_staging(pool, n);
+            widen(&rows[..nk * c], &mut send[..nk * c]);
+            ep.dispatch(&send, &er.counts, a, &mut recv, c);
+            to_expert_major(a, &recv, c, c, rows);
+            self.free_ep_staging(pool, send, recv);
+        }
+    }
+
+    /// The inverse of [`Self::dispatch`] for results of `cols` per row: under expert
+    /// parallelism each row goes back to its rank, so that `rows` ends up holding this rank's
+    /// own copies grouped by expert (without it, they already are).
+    fn collect<S: Elem>(
+        &self,
+        pool: &mut dyn BufferPool,
+        n: usize,
+        er: &ExpertRows,
+        rows: &mut [S],
+    ) {
+        let c = self.config.hidden;
+        if let (Some(ep), Some(a)) = (&self.ep, &er.arrivals) {
+            let nk: usize = er.counts.iter().sum();
+            let (mut send, mut recv) = self.ep_staging(pool, n);
+            to_arrival_order(a, rows, c, &mut send);
+            ep.combine(&send, &er.counts, a, &mut recv, c);
+            narrow(&recv[..nk * c], &mut rows[..nk * c]);
+            self.free_ep_staging(pool, send, recv);
+        }
+    }
+
+    fn ep_staging(&self, pool: &mut dyn BufferPool, n: usize) -> (Buf<f32>, Buf<f32>) {
+        let send = self.buf(pool, BufName::Edge(Edge::EpSend), n);
+        (send, self.buf(pool, BufName::Edge(Edge::EpRecv), n))
+    }
+
+    fn free_ep_staging(&self, pool: &mut dyn BufferPool, send: Buf<f32>, recv: Buf<f32>) {
+        pool.free(BufName::Edge(Edge::EpSend), send);
+        pool.free(BufName::Edge(Edge::EpRecv), recv);
+    }
+
     /// The sparse MLP's forward from `x2` (= ln2_out, `[N, C]`) into `a`'s router and expert
     /// tensors; with `output`, the next residual `resid_mid + Σ_j weight_j·expert_j(x2)`.
     #[allow(clippy::too_many_arguments)]
@@ -111,12 +225,8 @@ impl Llama {
         let e = moe.experts.len();
         let name = |t| self.slot(i, t);
         a.router_logits = self.buf(pool, name(T::RouterLogits), n);
-        k.head_forward(
-            lin(n, c, e),
-            x2,
-            &params[moe.router.clone()],
-            &mut a.router_logits,
-        );
+        let router = &params[moe.router.clone()];
+        k.head_forward(lin(n, c, e), x2, router, &mut a.router_logits);
         a.router_weights = self.buf(pool, name(T::RouterWeights), n);
         a.router_index = self.buf(pool, name(T::RouterIndex), n);
         {
@@ -130,14 +240,15 @@ impl Llama {
                 &mut s.load,
             );
         }
+        let er = self.expert_rows(&a.router_index);
         a.expert_in = self.buf(pool, name(T::ExpertIn), n);
-        k.permute(self.route(n, c), &a.router_index, x2, &mut a.expert_in);
+        self.dispatch(k, pool, n, x2, &a.router_index, &er, &mut a.expert_in);
         a.gate = self.buf(pool, name(T::Gate), n);
         a.up = self.buf(pool, name(T::Up), n);
-        for (x, rows) in expert_blocks(&a.router_index, e).filter(|(_, r)| !r.is_empty()) {
-            let (w, xin) = (&moe.experts[x], &a.expert_in[span(&rows, c)]);
+        for (x, rows) in er.blocks.iter().filter(|(_, r)| !r.is_empty()) {
+            let (w, xin) = (&moe.experts[*x], &a.expert_in[span(rows, c)]);
             let s = lin(rows.len(), c, f);
-            let gate = &mut a.gate[span(&rows, f)];
+            let gate = &mut a.gate[span(rows, f)];
             k.matmul_forward(
                 s,
                 xin,
@@ -146,24 +257,32 @@ impl Llama {
                 gate,
                 Accum::Overwrite,
             );
-            let up = &mut a.up[span(&rows, f)];
+            let up = &mut a.up[span(rows, f)];
             k.matmul_forward(s, xin, &params[w.up.clone()], None, up, Accum::Overwrite);
         }
         a.swiglu = self.buf(pool, name(T::Swiglu), n);
-        k.swiglu_forward(&a.gate, &a.up, &mut a.swiglu);
+        let used = er.rows * f;
+        k.swiglu_forward(&a.gate[..used], &a.up[..used], &mut a.swiglu[..used]);
         if !output {
             return None;
         }
         let ys = BufName::Edge(Edge::ExpertRows);
         let mut y = self.buf(pool, ys, n);
-        self.experts_down(k, params, moe, &a.router_index, &a.swiglu, &mut y);
+        for (x, rows) in er.blocks.iter().filter(|(_, r)| !r.is_empty()) {
+            let w2 = &params[moe.experts[*x].down.clone()];
+            let (hx, yx) = (&a.swiglu[span(rows, f)], &mut y[span(rows, c)]);
+            k.matmul_forward(lin(rows.len(), f, c), hx, w2, None, yx, Accum::Overwrite);
+        }
+        self.collect(pool, n, &er, &mut y);
         let mut out = self.buf(pool, self.output_name(i), n);
         let (weights, index) = (Some(&a.router_weights[..]), &a.router_index);
+        let nk = index.len();
+        let route = self.route(n, c);
         k.unpermute(
-            self.route(n, c),
+            route,
             index,
             weights,
-            &y,
+            &y[..nk * c],
             &mut out,
             Accum::Overwrite,
         );
@@ -172,22 +291,33 @@ impl Llama {
         Some(out)
     }
 
-    /// `y = h·W2ᵀ`, expert by expert.
-    fn experts_down<S: Elem, G: Elem>(
+    /// Rebuilds the routed copies selective recomputation dropped (from the rebuilt ln2_out
+    /// and the kept routing; under expert parallelism exchanged again).
+    pub(super) fn rebuild_expert_in<S: Elem, G: Elem>(
         &self,
         k: &dyn Kernels<S, G>,
-        params: &dyn ParamBuf<S>,
-        moe: &MoeIdx,
-        index: &[u32],
-        h: &[S],
-        y: &mut [S],
+        pool: &mut dyn BufferPool,
+        i: usize,
+        n: usize,
+        a: &mut LayerActs<S>,
     ) {
-        let (c, f) = (self.config.hidden, self.config.intermediate);
-        for (x, rows) in expert_blocks(index, moe.experts.len()).filter(|(_, r)| !r.is_empty()) {
-            let w2 = &params[moe.experts[x].down.clone()];
-            let (hx, yx) = (&h[span(&rows, f)], &mut y[span(&rows, c)]);
-            k.matmul_forward(lin(rows.len(), f, c), hx, w2, None, yx, Accum::Overwrite);
-        }
+        let er = self.expert_rows(&a.router_index);
+        a.expert_in = self.buf(pool, self.slot(i, T::ExpertIn), n);
+        self.dispatch(
+            k,
+            pool,
+            n,
+            &a.ln2_out,
+            &a.router_index,
+            &er,
+            &mut a.expert_in,
+        );
+    }
+
+    /// Rows of the gated product the experts hold (the rest of the routed buffers' capacity
+    /// is unused), for rebuilding it.
+    pub(super) fn routed_used(&self, index: &[u32]) -> usize {
+        self.expert_rows(index).rows * self.config.intermediate
     }
 
     /// The load-balancing term of a micro-batch of `tokens` tokens, added to its loss sum
@@ -227,6 +357,72 @@ impl Llama {
         }
     }
 
+    /// The gradient of each copy's output with respect to its routing weight,
+    /// `⟨d out, y⟩ = ⟨d y·W2, h⟩` (`y` is not kept), into `sc.router_weights`; then the rows'
+    /// gradients `sc.rows` (d y) and `sc.swiglu` (d h) are scaled by the weights. Under expert
+    /// parallelism d y arrives with each copy's weight and the dots go back to the copies' ranks.
+    #[allow(clippy::too_many_arguments)]
+    fn routing_weight_grads<S: Elem, G: Elem>(
+        &self,
+        k: &dyn Kernels<S, G>,
+        pool: &mut dyn BufferPool,
+        params: &dyn ParamBuf<S>,
+        moe: &MoeIdx,
+        n: usize,
+        a: &LayerActs<S>,
+        sc: &mut GradScratch<S>,
+        er: &ExpertRows,
+    ) {
+        let (c, f) = (self.config.hidden, self.config.intermediate);
+        let index = &a.router_index;
+        let nk = index.len();
+        let e = moe.experts.len();
+        let down = |k: &dyn Kernels<S, G>, sc: &mut GradScratch<S>| {
+            for (x, rows) in er.blocks.iter().filter(|(_, r)| !r.is_empty()) {
+                let w2 = &params[moe.experts[*x].down.clone()];
+                let (dy, dh) = (&sc.rows[span(rows, c)], &mut sc.swiglu[span(rows, f)]);
+                k.matmul_backward_input(lin(rows.len(), f, c), dy, w2, dh, Accum::Overwrite);
+            }
+        };
+        k.permute(self.route(n, c), index, &sc.resid, &mut sc.rows[..nk * c]);
+        let (Some(ep), Some(arr)) = (&self.ep, &er.arrivals) else {
+            down(k, sc);
+            let (w, dots) = (&a.router_weights, &mut sc.router_weights);
+            k.row_dot(
+                self.route(n, f),
+                index,
+                &sc.swiglu[..nk * f],
+                &a.swiglu[..nk * f],
+                dots,
+            );
+            k.scale_rows(self.route(n, c), index, w, &mut sc.rows[..nk * c]);
+            k.scale_rows(self.route(n, f), index, w, &mut sc.swiglu[..nk * f]);
+            return;
+        };
+        let (mut send, mut recv) = self.ep_staging(pool, n);
+        let w1 = c + 1;
+        for (row, copy) in crate::kernels::routed_rows(index, e) {
+            widen(&sc.rows[row * c..][..c], &mut send[row * w1..][..c]);
+            send[row * w1 + c] = a.router_weights[copy];
+        }
+        ep.dispatch(&send, &er.counts, arr, &mut recv, w1);
+        to_expert_major(arr, &recv, w1, c, &mut sc.rows);
+        down(k, sc);
+        for (row, arrival) in arrival_of(arr) {
+            let dh = &sc.swiglu[row * f..][..f];
+            let h = &a.swiglu[row * f..][..f];
+            send[arrival] = dh.iter().zip(h).map(|(p, q)| p.to_f32() * q.to_f32()).sum();
+            let w = recv[arrival * w1 + c];
+            scale(&mut sc.rows[row * c..][..c], w);
+            scale(&mut sc.swiglu[row * f..][..f], w);
+        }
+        ep.combine(&send, &er.counts, arr, &mut recv, 1);
+        for (row, copy) in crate::kernels::routed_rows(index, e) {
+            sc.router_weights[copy] = recv[row];
+        }
+        self.free_ep_staging(pool, send, recv);
+    }
+
     /// The sparse MLP's backward. On entry `sc.resid` = d(layer output); on exit `sc.ln_out`
     /// holds d(ln2_out) and the router's and experts' gradients are accumulated.
     #[allow(clippy::too_many_arguments)]
@@ -245,68 +441,60 @@ impl Llama {
         let moe = self.params.layers[i].moe.as_ref().expect("a MoE layer");
         let e = moe.experts.len();
         let name = |t| self.slot(i, t);
-        let index = std::mem::take(&mut a.router_index);
-        let blocks = || expert_blocks(&index, e).filter(|(_, r)| !r.is_empty());
-        // d y (unweighted) per routed row, then d h = d y·W2 per expert.
-        k.permute(self.route(n, c), &index, &sc.resid, &mut sc.rows);
+        let er = self.expert_rows(&a.router_index);
+        let blocks = || er.blocks.iter().filter(|(_, r)| !r.is_empty());
+        self.routing_weight_grads(k, pool, params, moe, n, a, sc, &er);
         for (x, rows) in blocks() {
-            let w2 = &params[moe.experts[x].down.clone()];
-            let (dy, dh) = (&sc.rows[span(&rows, c)], &mut sc.swiglu[span(&rows, f)]);
-            k.matmul_backward_input(lin(rows.len(), f, c), dy, w2, dh, Accum::Overwrite);
-        }
-        // d weight_j = ⟨d out, y_j⟩ = ⟨d y·W2, h_j⟩: y itself is not kept.
-        k.row_dot(
-            self.route(n, f),
-            &index,
-            &sc.swiglu,
-            &a.swiglu,
-            &mut sc.router_weights,
-        );
-        // The weights scale the rows' gradients from here on.
-        let w = &a.router_weights;
-        k.scale_rows(self.route(n, c), &index, w, &mut sc.rows);
-        k.scale_rows(self.route(n, f), &index, w, &mut sc.swiglu);
-        for (x, rows) in blocks() {
-            let dw2 = &mut grads[moe.experts[x].down.clone()];
-            let (dy, h) = (&sc.rows[span(&rows, c)], &a.swiglu[span(&rows, f)]);
+            let dw2 = &mut grads[moe.experts[*x].down.clone()];
+            let (dy, h) = (&sc.rows[span(rows, c)], &a.swiglu[span(rows, f)]);
             k.matmul_backward_weight(lin(rows.len(), f, c), dy, h, dw2, None);
         }
         pool.free(name(T::Swiglu), std::mem::take(&mut a.swiglu));
-        k.swiglu_backward(&sc.swiglu, &a.gate, &a.up, &mut sc.gate, &mut sc.up);
+        let used = er.rows * f;
+        k.swiglu_backward(
+            &sc.swiglu[..used],
+            &a.gate[..used],
+            &a.up[..used],
+            &mut sc.gate[..used],
+            &mut sc.up[..used],
+        );
         pool.free(name(T::Gate), std::mem::take(&mut a.gate));
         pool.free(name(T::Up), std::mem::take(&mut a.up));
         for (x, rows) in blocks() {
-            let ex = &moe.experts[x];
+            let ex = &moe.experts[*x];
             let s = lin(rows.len(), c, f);
-            let xin = &a.expert_in[span(&rows, c)];
-            let (dg, du) = (&sc.gate[span(&rows, f)], &sc.up[span(&rows, f)]);
+            let xin = &a.expert_in[span(rows, c)];
+            let (dg, du) = (&sc.gate[span(rows, f)], &sc.up[span(rows, f)]);
             k.matmul_backward_weight(s, dg, xin, &mut grads[ex.gate.clone()], None);
             k.matmul_backward_weight(s, du, xin, &mut grads[ex.up.clone()], None);
-            let dx = &mut sc.rows[span(&rows, c)];
+            let dx = &mut sc.rows[span(rows, c)];
             k.matmul_backward_input(s, dg, &params[ex.gate.clone()], dx, Accum::Overwrite);
             k.matmul_backward_input(s, du, &params[ex.up.clone()], dx, Accum::Add);
         }
         pool.free(name(T::ExpertIn), std::mem::take(&mut a.expert_in));
         // The router: d logits from d weights and the load-balancing term, then its weight
         // and input gradients; the routed copies' gradients are summed onto its input's.
+        let index = std::mem::take(&mut a.router_index);
         let route = self.route(n, c);
-        let (logits, dw) = (&a.router_logits, &sc.router_weights);
-        let aux_dp = &self.router_load.state().aux_dp;
-        k.router_backward(route, logits, &index, dw, aux_dp, &mut sc.router_logits);
+        {
+            let (logits, dw) = (&a.router_logits, &sc.router_weights);
+            let aux_dp = &self.router_load.state().aux_dp;
+            k.router_backward(route, logits, &index, dw, aux_dp, &mut sc.router_logits);
+        }
         let router = moe.router.clone();
-        k.head_backward_weight(
-            lin(n, c, e),
-            &sc.router_logits,
-            &a.ln2_out,
-            &mut grads[router.clone()],
-        );
-        k.head_backward_input(
-            lin(n, c, e),
-            &sc.router_logits,
-            &params[router],
+        let dl = &sc.router_logits;
+        k.head_backward_weight(lin(n, c, e), dl, &a.ln2_out, &mut grads[router.clone()]);
+        k.head_backward_input(lin(n, c, e), dl, &params[router], &mut sc.ln_out);
+        self.collect(pool, n, &er, &mut sc.rows);
+        let nk = index.len();
+        k.unpermute(
+            route,
+            &index,
+            None,
+            &sc.rows[..nk * c],
             &mut sc.ln_out,
+            Accum::Add,
         );
-        k.unpermute(route, &index, None, &sc.rows, &mut sc.ln_out, Accum::Add);
         pool.free(name(T::RouterLogits), std::mem::take(&mut a.router_logits));
         pool.free(
             name(T::RouterWeights),

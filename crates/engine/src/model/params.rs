@@ -111,6 +111,16 @@ impl ParamTable {
     /// of a tied embedding), in the same order and with the same names; the others' ranges are
     /// empty, so layer `i` keeps its index.
     pub fn holding(cfg: &LlamaConfig, held: &dyn Fn(Placement) -> bool) -> Self {
+        Self::holding_experts(cfg, held, &|_| true)
+    }
+
+    /// [`ParamTable::holding`] of only the routed experts `experts` selects (an
+    /// expert-parallel rank's): the others' ranges are empty.
+    pub fn holding_experts(
+        cfg: &LlamaConfig,
+        held: &dyn Fn(Placement) -> bool,
+        experts: &dyn Fn(u64) -> bool,
+    ) -> Self {
         let head = held(Placement::Head);
         let mut entries = Vec::new();
         let mut off = 0usize;
@@ -118,7 +128,7 @@ impl ParamTable {
             let keep = match t.placement {
                 Placement::Embedding => held(t.placement) || (head && cfg.tie_embeddings),
                 p => held(p),
-            };
+            } && t.expert.is_none_or(experts);
             if keep {
                 let shape: Vec<usize> = t.shape.iter().map(|&d| d as usize).collect();
                 let numel = shape.iter().product();

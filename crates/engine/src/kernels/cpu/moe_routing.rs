@@ -3,26 +3,12 @@
 //! expert multiplies one contiguous block of rows, the weighted sum back per token, and their
 //! gradients. The load-balancing loss is Switch Transformer's (Fedus et al. 2021, eqs. 4–6).
 //!
-//! Copy `c = n·k + j` is token `n`'s j-th choice. Grouped, the rows of expert 0 come first,
-//! then expert 1's, …, each expert's in ascending `c`: the layout is a pure function of the
-//! router's indices, so forward and backward find the same row for a copy without storing a
-//! permutation.
+//! The routed rows' layout is [`crate::kernels::routed_rows`].
 
 use crate::dtype::Elem;
 use crate::kernels::{Accum, RouteShape};
 
-/// `(row, c)` for every routed copy, in grouped-row order.
-fn grouped(index: &[u32], experts: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
-    (0..experts as u32)
-        .flat_map(move |e| {
-            index
-                .iter()
-                .enumerate()
-                .filter(move |&(_, &x)| x == e)
-                .map(|(c, _)| c)
-        })
-        .enumerate()
-}
+use crate::kernels::routed_rows as grouped;
 
 /// Softmax of one row of router logits into `p` (f32, max-subtracted).
 fn softmax_row(logits: &[f32], p: &mut [f32]) {

@@ -1,0 +1,234 @@
+//! Expert parallelism (GShard, Lepikhin et al. 2020; Megatron-Core's all-to-all token
+//! dispatcher): each rank of a group of `ep` holds `E/ep` of every MoE layer's experts and all
+//! the dense weights, and trains on its own tokens. Per MoE layer:
+//!
+//! ```text
+//! forward   route locally → copies grouped by expert → all-to-all-v (each rank's copies for
+//!           rank p's experts go to p) → regroup expert-major → experts → back, source-major →
+//!           all-to-all-v → weighted sum per token
+//! backward  d out grouped, with each copy's routing weight → all-to-all-v → d h = d y·W2 and
+//!           ⟨d h, h⟩ per copy (the routing weights' gradient) → all-to-all-v back → router
+//!           backward at home; the experts' weight gradients and d input copies → all-to-all-v
+//!           back → summed per token
+//! ```
+//!
+//! Exact routing: nothing is dropped, so a rank's experts may receive anything from none to
+//! every rank's copies. Its routed buffers are sized for the most it can receive,
+//! [`ExpertParallel::capacity`] = tokens × ep × min(top_k, E/ep) rows, so that the memory plan
+//! is the allocation whatever the routing.
+//!
+//! The exchange is in f32 (16-bit activations widened, then rounded once on arrival), through
+//! the `comm.ep.send` / `comm.ep.recv` buffers.
+
+use super::config::{LlamaConfig, ModelError};
+use crate::dtype::Elem;
+use std::ops::Range;
+use std::rc::Rc;
+
+/// The expert-parallel group's exchange: `Communicator::all_to_all_v` (blocks of f32 in rank
+/// order, `send_counts[p]` to rank p, `recv_counts[s]` from rank s). A failure leaves `recv`
+/// as it was and is reported by the implementation after the pass.
+pub trait EpComm {
+    fn size(&self) -> usize;
+    fn rank(&self) -> usize;
+    fn exchange(
+        &self,
+        send: &[f32],
+        send_counts: &[usize],
+        recv: &mut [f32],
+        recv_counts: &[usize],
+    );
+}
+
+/// This rank's place in its expert-parallel group and the group's exchange.
+#[derive(Clone)]
+pub struct ExpertParallel {
+    pub size: usize,
+    pub rank: usize,
+    /// Experts per MoE layer of the whole model.
+    pub experts: usize,
+    comm: Rc<dyn EpComm>,
+}
+
+impl std::fmt::Debug for ExpertParallel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "ExpertParallel {{ rank {} of {} }}",
+            self.rank, self.size
+        )
+    }
+}
+
+/// Where the copies one rank receives sit: for each (source rank s, local expert j), its
+/// first row in arrival order (source-major), its first row expert-major, and its rows.
+pub(super) struct Arrivals {
+    pub blocks: Vec<(usize, usize, usize)>,
+    /// Rows per local expert, expert-major.
+    pub per_expert: Vec<Range<usize>>,
+    pub rows: usize,
+}
+
+impl ExpertParallel {
+    /// Rank `comm.rank()` of a group sharding `cfg`'s experts; refused when the model has no
+    /// experts or the group does not divide them.
+    pub fn new(cfg: &LlamaConfig, comm: Rc<dyn EpComm>) -> Result<Self, ModelError> {
+        let size = comm.size();
+        let Some(m) = cfg.moe else {
+            return Err(ModelError::Unsupported(format!(
+                "ep = {size}: expert parallelism needs a mixture-of-experts model"
+            )));
+        };
+        if !m.experts.is_multiple_of(size) {
+            return Err(ModelError::Config {
+                field: "num_local_experts",
+                value: m.experts.to_string(),
+                fix: format!(
+                    "expert parallelism gives each of the ep = {size} ranks as many experts: ep must divide it"
+                )
+                .into(),
+            });
+        }
+        Ok(ExpertParallel {
+            size,
+            rank: comm.rank(),
+            experts: m.experts,
+            comm,
+        })
+    }
+
+    /// Experts per rank.
+    pub fn per_rank(&self) -> usize {
+        self.experts / self.size
+    }
+
+    /// The experts this rank holds.
+    pub fn local(&self) -> Range<usize> {
+        self.rank * self.per_rank()..(self.rank + 1) * self.per_rank()
+    }
+
+    /// The most routed copies this rank's experts can receive in a micro-batch of `tokens`
+    /// tokens per rank: each rank sends each token here at most min(top_k, E/ep) times (a
+    /// token's choices are distinct experts).
+    pub fn capacity(&self, tokens: usize, top_k: usize) -> usize {
+        tokens * self.size * top_k.min(self.per_rank())
+    }
+
+    /// From this rank's copies per expert (`counts[e]`, every expert), the copies each rank
+    /// sends each of this rank's experts, and where they land.
+    pub(super) fn arrivals(&self, counts: &[usize]) -> Arrivals {
+        let el = self.per_rank();
+        let send: Vec<f32> = counts.iter().map(|&c| c as f32).collect();
+        let mut recv = vec![0.0f32; self.size * el];
+        let each = vec![el; self.size];
+        self.comm.exchange(&send, &each, &mut recv, &each);
+        // Counts are below 2^24 (tokens × top_k), exact in f32.
+        let n = |s: usize, j: usize| recv[s * el + j] as usize;
+        let per: Vec<usize> = (0..el)
+            .map(|j| (0..self.size).map(|s| n(s, j)).sum())
+            .collect();
+        let mut per_expert = Vec::with_capacity(el);
+        let mut at = 0;
+        for &p in &per {
+            per_expert.push(at..at + p);
+            at += p;
+        }
+        let mut blocks = Vec::with_capacity(self.size * el);
+        let (mut arrival, mut within) = (0, vec![0usize; el]);
+        for s in 0..self.size {
+            for j in 0..el {
+                let rows = n(s, j);
+                blocks.push((arrival, per_expert[j].start + within[j], rows));
+                arrival += rows;
+                within[j] += rows;
+            }
+        }
+        Arrivals {
+            blocks,
+            per_expert,
+            rows: at,
+        }
+    }
+
+    /// Sends this rank's grouped rows (`width` f32 each, `counts[e]` rows per expert) to the
+    /// ranks holding their experts; `recv` gets the arrivals, source-major.
+    pub(super) fn dispatch(
+        &self,
+        send: &[f32],
+        counts: &[usize],
+        a: &Arrivals,
+        recv: &mut [f32],
+        width: usize,
+    ) {
+        let sc = self.per_destination(counts, width);
+        let rc = self.per_source(a, width);
+        self.comm.exchange(send, &sc, recv, &rc);
+    }
+
+    /// The reverse of [`Self::dispatch`]: rows in arrival order go back to their ranks; `recv`
+    /// gets this rank's grouped rows.
+    pub(super) fn combine(
+        &self,
+        send: &[f32],
+        counts: &[usize],
+        a: &Arrivals,
+        recv: &mut [f32],
+        width: usize,
+    ) {
+        let sc = self.per_source(a, width);
+        let rc = self.per_destination(counts, width);
+        self.comm.exchange(send, &sc, recv, &rc);
+    }
+
+    fn per_destination(&self, counts: &[usize], width: usize) -> Vec<usize> {
+        counts
+            .chunks(self.per_rank())
+            .map(|c| c.iter().sum::<usize>() * width)
+            .collect()
+    }
+
+    fn per_source(&self, a: &Arrivals, width: usize) -> Vec<usize> {
+        a.blocks
+            .chunks(self.per_rank())
+            .map(|b| b.iter().map(|x| x.2).sum::<usize>() * width)
+            .collect()
+    }
+}
+
+/// Arrival-order f32 rows (`width` wide, the first `cols` of each taken) into expert-major
+/// `S` rows of `cols`.
+pub(super) fn to_expert_major<S: Elem>(
+    a: &Arrivals,
+    src: &[f32],
+    width: usize,
+    cols: usize,
+    dst: &mut [S],
+) {
+    for &(arrival, expert, rows) in &a.blocks {
+        for r in 0..rows {
+            let from = &src[(arrival + r) * width..][..cols];
+            let to = &mut dst[(expert + r) * cols..][..cols];
+            to.iter_mut()
+                .zip(from)
+                .for_each(|(t, f)| *t = S::from_f32(*f));
+        }
+    }
+}
+
+/// Expert-major `S` rows of `cols` into arrival-order f32 rows of `cols`.
+pub(super) fn to_arrival_order<S: Elem>(a: &Arrivals, src: &[S], cols: usize, dst: &mut [f32]) {
+    for &(arrival, expert, rows) in &a.blocks {
+        for r in 0..rows {
+            let from = &src[(expert + r) * cols..][..cols];
+            let to = &mut dst[(arrival + r) * cols..][..cols];
+            to.iter_mut().zip(from).for_each(|(t, f)| *t = f.to_f32());
+        }
+    }
+}
+
+/// The arrival-order position of each expert-major row.
+pub(super) fn arrival_of(a: &Arrivals) -> impl Iterator<Item = (usize, usize)> + '_ {
+    a.blocks
+        .iter()
+        .flat_map(|&(arrival, expert, rows)| (0..rows).map(move |r| (expert + r, arrival + r)))
+}
