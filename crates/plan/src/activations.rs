@@ -78,6 +78,8 @@ pub struct Dims {
     pub s_full: u64,
     pub t: u64,
     pub sp: bool,
+    /// Expert-parallel degree.
+    pub ep: u64,
 }
 
 impl Dims {
@@ -88,6 +90,7 @@ impl Dims {
             s_full: r.seq,
             t: l.tp,
             sp: l.sp && l.tp > 1,
+            ep: l.ep,
         }
     }
     /// Tokens on this rank.
@@ -113,7 +116,12 @@ impl Dims {
             positions: m.max_positions,
             experts: moe.map_or(0, |moe| moe.num_experts),
             top_k: moe.map_or(1, |moe| moe.top_k),
-            routed_rows: None,
+            // Under expert parallelism a rank's experts may receive from none to every rank's
+            // copies: the engine's routed buffers hold the most, tokens × ep × min(top_k, E/ep)
+            // (exact routing, nothing dropped; crates/engine/src/model/expert_parallel.rs).
+            routed_rows: moe.filter(|_| self.ep > 1).map(|moe| {
+                self.n() * self.ep * moe.top_k.min(moe.num_experts / self.ep)
+            }),
             ce_chunk_tokens: r.ce_chunk_tokens,
             tp: self.t,
             sp: self.sp,
@@ -509,11 +517,18 @@ pub fn edge_acts(m: &ModelSpec, r: &Recipe, l: &Layout, conv: Convention) -> Edg
                 moe_rows: match (0..m.layers).any(|i| m.is_moe_layer(i)) {
                     true => {
                         let td = d.table(m, r, true);
-                        let e = Edge::ExpertRows;
-                        vec![Act {
-                            numel: e.shape().numel(&td),
-                            ..buf(e, ws)
-                        }]
+                        // Expert parallelism's exchange buffers are used in the same spans.
+                        let exchange = match d.ep > 1 {
+                            true => &[Edge::EpSend, Edge::EpRecv][..],
+                            false => &[],
+                        };
+                        std::iter::once(Edge::ExpertRows)
+                            .chain(exchange.iter().copied())
+                            .map(|e| Act {
+                                numel: e.shape().numel(&td),
+                                ..buf(e, ws)
+                            })
+                            .collect()
                     }
                     false => vec![],
                 },

@@ -52,6 +52,17 @@ pub fn dp_bucket_len(bucket_bytes: u64, rank_params: u64, shards: u64) -> u64 {
         .next_multiple_of(shards.max(1))
 }
 
+/// Routed-expert parameters one rank holds: its 1/ep of the experts (of its 1/pp of the
+/// layers, its tensor-parallel slice).
+pub fn expert_params(m: &ModelSpec, l: &Layout) -> u64 {
+    let all: u64 = crate::inventory::inventory(m)
+        .iter()
+        .filter(|t| t.expert.is_some())
+        .map(|t| t.numel_tp(l.tp))
+        .sum();
+    all / l.ep / l.pp
+}
+
 #[allow(clippy::too_many_arguments)]
 pub fn comm_buffers(
     m: Option<&ModelSpec>,
@@ -117,10 +128,20 @@ pub fn comm_buffers(
     // ferrotron's data parallelism all-reduces gradients in f32 buckets (ZeRO-1/2:
     // reduce-scatters them), two in flight, each at most the rank's gradients
     // (`crates/train/src/data_parallel.rs`).
+    // Under expert parallelism the dense gradients are reduced over the dp × ep replicas and
+    // the experts' over the dp replicas of each expert, each in buckets of its own.
+    let experts = match (m, l.ep > 1) {
+        (Some(m), true) => expert_params(m, l),
+        _ => 0,
+    };
     if ferrotron && l.zero <= 2 && l.dense_replicas() > 1 {
         let shards = if l.zero >= 1 { l.dense_replicas() } else { 1 };
-        let len = dp_bucket_len(bucket_bytes, rank_params, shards);
+        let len = dp_bucket_len(bucket_bytes, rank_params - experts, shards);
         add("dp.grad_buckets", DType::F32, 2 * len, cb, false);
+    }
+    if ferrotron && experts > 0 && l.expert_replicas() > 1 {
+        let len = dp_bucket_len(bucket_bytes, experts, 1);
+        add("dp.expert_grad_buckets", DType::F32, 2 * len, cb, false);
     }
     // ferrotron's ZeRO-3 (`zero3.rs`): a bucket is a unit, so two buckets of the largest unit,
     // and one f32 buffer the parameters of a unit are all-gathered in (the next layer's
@@ -181,7 +202,8 @@ pub fn comm_buffers(
         add("cp.kv_ring", st, 2 * kv, cb, true);
     }
     // Expert parallelism: all-to-all dispatch and combine buffers of the routed tokens.
-    if let (Some(moe), true) = (m.moe, l.ep > 1) {
+    // (ferrotron's are the activation table's `comm.ep.send` / `comm.ep.recv`.)
+    if let (Some(moe), true, false) = (m.moe, l.ep > 1, ferrotron) {
         add("ep.all_to_all", st, 2 * n * moe.top_k * m.hidden, cb, true);
     }
     // fp8: the current layer's weights cast to fp8 for its GEMMs (per-tensor scaling). The

@@ -234,8 +234,10 @@ fn deepseek_plans_mla_latents_and_dense_then_moe_layers() {
     assert_eq!(act_bytes(&r, 0, "gate"), n * 10944 / 2 * 2);
     assert!(!has_act(&r, 0, "router_logits"));
     // Layer 1 routes n·6 token copies to experts of width 1408 / tp, plus the 2 shared
-    // experts (width 2816 / tp) on every token.
-    assert_eq!(act_bytes(&r, 1, "gate"), n * 6 * 1408 / 2 * 2);
+    // experts (width 2816 / tp) on every token. Under expert parallelism ferrotron routes
+    // exactly (nothing dropped), so a rank's routed buffers hold the most its 16 experts can
+    // receive: every one of the 4 ep ranks' n tokens, each at most min(6, 16) times.
+    assert_eq!(act_bytes(&r, 1, "gate"), n * 4 * 6 * 1408 / 2 * 2);
     assert_eq!(act_bytes(&r, 1, "shared.swiglu"), n * 2816 / 2 * 2);
     assert_eq!(act_bytes(&r, 1, "router_logits"), n * 64 * 4);
     // Each ep rank holds 64 / 4 = 16 experts of each of the 8 MoE layers of stage 0 (layers
