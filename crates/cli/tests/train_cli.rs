@@ -109,7 +109,7 @@ fn bad_train_input_exits_nonzero_with_one_line() {
         ),
         (
             vec!["train", "--dp", "2", "--cp", "2"],
-            "error: cp = 2: ferrotron train runs data, tensor and pipeline parallelism (--dp with --zero 1, 2 or 3, --tp, --pp) for now (the other layouts are next); `ferrotron plan --cp 2` predicts",
+            "error: cp = 2: ferrotron train runs data, tensor, pipeline and expert parallelism (--dp with --zero 1, 2 or 3, --tp, --pp, --ep) for now (the other layouts are next); `ferrotron plan --cp 2` predicts",
         ),
         (
             vec!["train", "--sp"],

@@ -55,14 +55,17 @@ pub trait Communicator: Send {
     /// Blocks of different sizes (expert parallelism's token dispatch): the first
     /// `send_counts[0]` elements of `send` go to rank 0, the next `send_counts[1]` to rank 1,
     /// …; from rank i come `recv_counts[i]` elements, placed in rank order at the start of
-    /// `recv`. Built on `send`/`recv`: each pair of ranks exchanges once, pairs in one global
-    /// order with the lower rank sending first, so blocking sends cannot deadlock.
+    /// `recv`. Each pair of ranks exchanges once, pairs in one global order with the lower
+    /// rank sending first, so no send waits on a rank that is itself sending. A block leaves
+    /// in `message` (a started send, handed back once received): reused for every block and
+    /// every call, it allocates nothing once it holds the largest block.
     fn all_to_all_v(
         &self,
         send: &[f32],
         send_counts: &[usize],
         recv: &mut [f32],
         recv_counts: &[usize],
+        message: &mut Vec<f32>,
     ) -> Result<()> {
         /// Tag of the exchange ("EP").
         const TAG: u32 = 0x4550;
@@ -95,13 +98,19 @@ pub trait Communicator: Send {
             let into = &mut recv[ro[p]..ro[p] + recv_counts[p]];
             if p == me {
                 into.copy_from_slice(out);
-            } else if me < p {
-                self.send(out, p, TAG)?;
+                continue;
+            }
+            message.clear();
+            message.extend_from_slice(out);
+            let letter = std::mem::take(message);
+            *message = if me < p {
+                let sent = self.send_start(letter, p, TAG);
                 self.recv(into, p, TAG)?;
+                sent.wait()?
             } else {
                 self.recv(into, p, TAG)?;
-                self.send(out, p, TAG)?;
-            }
+                self.send_start(letter, p, TAG).wait()?
+            };
         }
         Ok(())
     }

@@ -47,6 +47,19 @@ impl Grid {
         rank / stride % self.sizes[i]
     }
 
+    /// The ranks that share every coordinate of `rank` but those along `dims`, in rank order
+    /// (expert parallelism's dense replicas: the dp × ep ranks of a tensor-parallel position).
+    pub fn group_of(&self, rank: usize, dims: &[Dim]) -> Vec<usize> {
+        let fixed: Vec<Dim> = ORDER.into_iter().filter(|d| !dims.contains(d)).collect();
+        (0..self.world())
+            .filter(|&r| {
+                fixed
+                    .iter()
+                    .all(|&d| self.coord(r, d) == self.coord(rank, d))
+            })
+            .collect()
+    }
+
     /// The ranks of `rank`'s group along `d`, in order of their coordinate along `d`.
     pub fn group(&self, rank: usize, d: Dim) -> Vec<usize> {
         let i = Self::index(d);

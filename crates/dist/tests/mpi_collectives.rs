@@ -178,7 +178,8 @@ fn all_to_all_v(c: &MpiComm) -> Check {
     let sc: Vec<usize> = (0..p).map(|to| count(r, to)).collect();
     let rc: Vec<usize> = (0..p).map(|from| count(from, r)).collect();
     let mut got = vec![0.0; rc.iter().sum()];
-    c.all_to_all_v(&send, &sc, &mut got, &rc).map_err(err)?;
+    c.all_to_all_v(&send, &sc, &mut got, &rc, &mut Vec::new())
+        .map_err(err)?;
     let want: Vec<f32> = (0..p).flat_map(|from| block(from, r)).collect();
     same("all_to_all_v", &got, &want)
 }

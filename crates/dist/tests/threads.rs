@@ -265,10 +265,11 @@ fn all_to_all_v_moves_blocks_of_any_size() {
         let rc: Vec<usize> = (0..p).map(|from| count(from, r)).collect();
         // Room to spare: only the first Σ rc elements are written.
         let mut recv = vec![-1.0; rc.iter().sum::<usize>() + 2];
-        c.all_to_all_v(&send, &sc, &mut recv, &rc)
+        let mut message = Vec::new();
+        c.all_to_all_v(&send, &sc, &mut recv, &rc, &mut message)
             .map_err(|e| e.to_string())?;
         let bad = c
-            .all_to_all_v(&send, &sc[..2], &mut recv, &rc)
+            .all_to_all_v(&send, &sc[..2], &mut recv, &rc, &mut message)
             .unwrap_err()
             .to_string();
         Ok((recv, bad))

@@ -46,7 +46,9 @@ impl EpComm for Group {
         self.0.rank()
     }
     fn exchange(&self, send: &[f32], sc: &[usize], recv: &mut [f32], rc: &[usize]) {
-        self.0.all_to_all_v(send, sc, recv, rc).unwrap()
+        self.0
+            .all_to_all_v(send, sc, recv, rc, &mut Vec::new())
+            .unwrap()
     }
 }
 

@@ -67,6 +67,9 @@ pub struct EdgeActs {
     /// A MoE layer's routed rows (`act.moe.rows`): in each MoE layer's forward until its output
     /// exists, and in the backward with `scratch_rest`.
     pub moe_rows: Vec<Act>,
+    /// Expert parallelism's exchange buffers (`comm.ep.send`, `comm.ep.recv`): within each MoE
+    /// layer's forward and backward, gone at its marks.
+    pub ep_staging: Vec<Act>,
 }
 
 /// Shape facts shared by every formula: tokens of one micro-batch on one rank.
@@ -119,9 +122,9 @@ impl Dims {
             // Under expert parallelism a rank's experts may receive from none to every rank's
             // copies: the engine's routed buffers hold the most, tokens × ep × min(top_k, E/ep)
             // (exact routing, nothing dropped; crates/engine/src/model/expert_parallel.rs).
-            routed_rows: moe.filter(|_| self.ep > 1).map(|moe| {
-                self.n() * self.ep * moe.top_k.min(moe.num_experts / self.ep)
-            }),
+            routed_rows: moe
+                .filter(|_| self.ep > 1)
+                .map(|moe| self.n() * self.ep * moe.top_k.min(moe.num_experts / self.ep)),
             ce_chunk_tokens: r.ce_chunk_tokens,
             tp: self.t,
             sp: self.sp,
@@ -473,6 +476,20 @@ pub fn edge_acts(m: &ModelSpec, r: &Recipe, l: &Layout, conv: Convention) -> Edg
                 category,
             };
             let ws = Category::Workspace;
+            // A MoE layer's buffers outside the table's layer (none without MoE layers).
+            let moe_edges = |edges: &[Edge]| -> Vec<Act> {
+                if !(0..m.layers).any(|i| m.is_moe_layer(i)) {
+                    return vec![];
+                }
+                let td = d.table(m, r, true);
+                edges
+                    .iter()
+                    .map(|&e| Act {
+                        numel: e.shape().numel(&td),
+                        ..buf(e, ws)
+                    })
+                    .collect()
+            };
             // The activation gradients of the layer kind that needs the most bytes.
             let rest = [false, true]
                 .into_iter()
@@ -514,22 +531,9 @@ pub fn edge_acts(m: &ModelSpec, r: &Recipe, l: &Layout, conv: Convention) -> Edg
                 scratch_first: vec![buf(Edge::GradResid, ws)],
                 head_backward: vec![],
                 scratch_rest: rest,
-                moe_rows: match (0..m.layers).any(|i| m.is_moe_layer(i)) {
-                    true => {
-                        let td = d.table(m, r, true);
-                        // Expert parallelism's exchange buffers are used in the same spans.
-                        let exchange = match d.ep > 1 {
-                            true => &[Edge::EpSend, Edge::EpRecv][..],
-                            false => &[],
-                        };
-                        std::iter::once(Edge::ExpertRows)
-                            .chain(exchange.iter().copied())
-                            .map(|e| Act {
-                                numel: e.shape().numel(&td),
-                                ..buf(e, ws)
-                            })
-                            .collect()
-                    }
+                moe_rows: moe_edges(&[Edge::ExpertRows]),
+                ep_staging: match d.ep > 1 {
+                    true => moe_edges(&[Edge::EpSend, Edge::EpRecv]),
                     false => vec![],
                 },
             }
@@ -624,5 +628,6 @@ fn torchtitan_edges(m: &ModelSpec, r: &Recipe, d: &Dims) -> EdgeActs {
         ],
         scratch_rest: grad_scratch(m, r, d, false),
         moe_rows: vec![],
+        ep_staging: vec![],
     }
 }

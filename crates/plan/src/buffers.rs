@@ -202,9 +202,17 @@ pub fn comm_buffers(
         add("cp.kv_ring", st, 2 * kv, cb, true);
     }
     // Expert parallelism: all-to-all dispatch and combine buffers of the routed tokens.
-    // (ferrotron's are the activation table's `comm.ep.send` / `comm.ep.recv`.)
-    if let (Some(moe), true, false) = (m.moe, l.ep > 1, ferrotron) {
-        add("ep.all_to_all", st, 2 * n * moe.top_k * m.hidden, cb, true);
+    // (ferrotron's are the activation table's `comm.ep.send` / `comm.ep.recv`, and the one
+    // block in flight to a peer: at most every token's copies for the peer's experts, with
+    // their routing weights.)
+    if let (Some(moe), true) = (m.moe, l.ep > 1) {
+        match ferrotron {
+            true => {
+                let copies = n * moe.top_k.min(moe.num_experts / l.ep);
+                add("ep.message", DType::F32, copies * (m.hidden + 1), cb, true);
+            }
+            false => add("ep.all_to_all", st, 2 * n * moe.top_k * m.hidden, cb, true),
+        }
     }
     // fp8: the current layer's weights cast to fp8 for its GEMMs (per-tensor scaling). The
     // ferrotron engine quantises inside its GEMM workspace instead (measured, in the overhead).

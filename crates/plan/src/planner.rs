@@ -247,6 +247,7 @@ struct EdgeIds {
     head_backward: Vec<BufId>,
     scratch_rest: Vec<BufId>,
     moe_rows: Vec<BufId>,
+    ep_staging: Vec<BufId>,
 }
 
 fn add_acts(plan: &mut MemoryPlan, prefix: &str, acts: &[Act]) -> Vec<BufId> {
@@ -506,6 +507,7 @@ fn rank_plan(
         e.scratch_first = add_acts(&mut plan, "", &edge.scratch_first);
         e.scratch_rest = add_acts(&mut plan, "", &edge.scratch_rest);
         e.moe_rows = add_acts(&mut plan, "", &edge.moe_rows);
+        e.ep_staging = add_acts(&mut plan, "", &edge.ep_staging);
         if slotted {
             let boundary = Dims::new(r, l).n() * m.hidden / Dims::new(r, l).seq_shard();
             pp_comm = pp_buffers(&mut plan, l, stage, r.grad_acc, boundary);
@@ -564,6 +566,7 @@ fn rank_plan(
                         plan.alloc(&forward_transient[k]);
                         if k == 1 {
                             plan.alloc(&e.moe_rows);
+                            plan.alloc(&e.ep_staging);
                         }
                         if i + 1 < layers.end {
                             plan.alloc(at(&inputs[i as usize + 1], slot));
@@ -575,6 +578,7 @@ fn rank_plan(
                         // The experts' outputs are summed into the layer's output and freed
                         // before the mark.
                         if k == 1 {
+                            plan.free(&e.ep_staging);
                             plan.free(&e.moe_rows);
                         }
                         plan.mark(
@@ -621,6 +625,10 @@ fn rank_plan(
                     for i in l.chunk_layers(layer_count, g).rev() {
                         let k = kind[i as usize];
                         plan.alloc(&recompute_ids[k]);
+                        if k == 1 {
+                            plan.alloc(&e.ep_staging);
+                            plan.free(&e.ep_staging);
+                        }
                         plan.free(&recompute_ids[k]);
                         plan.free(at(&rests[i as usize], slot));
                         plan.free(at(&inputs[i as usize], slot));

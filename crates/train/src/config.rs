@@ -411,7 +411,7 @@ pub(crate) fn trainable_layout(flags: &LayoutFlags) -> Result<Layout, ConfigErro
     })?;
     let not_yet = |field: &'static str, v: String| {
         let problem = format!(
-            "ferrotron train runs data, tensor and pipeline parallelism (--dp with --zero 1, 2 or 3, --tp, --pp) for now (the other layouts are next); `ferrotron plan --{} {v}` predicts this layout's memory and time",
+            "ferrotron train runs data, tensor, pipeline and expert parallelism (--dp with --zero 1, 2 or 3, --tp, --pp, --ep) for now (the other layouts are next); `ferrotron plan --{} {v}` predicts this layout's memory and time",
             field.replace('_', "-")
         );
         Err(bad(field, v, &problem))
@@ -426,12 +426,19 @@ pub(crate) fn trainable_layout(flags: &LayoutFlags) -> Result<Layout, ConfigErro
         if v == 0 {
             return Err(bad(field, v, "must be a positive integer"));
         }
-        if v > 1 && !["dp", "tp", "pp"].contains(&field) {
+        if v > 1 && !["dp", "tp", "pp", "ep"].contains(&field) {
             return not_yet(field, v.to_string());
         }
     }
     if l.pp_virtual == 0 {
         return Err(bad("pp_virtual", 0, "must be a positive integer"));
+    }
+    if l.ep > 1 && l.zero >= 1 {
+        return Err(bad(
+            "zero",
+            l.zero,
+            "ZeRO does not shard expert-parallel runs yet: use --zero 0 with --ep",
+        ));
     }
     if l.sp && l.tp < 2 {
         return Err(bad(

@@ -179,6 +179,27 @@ pub struct Counters {
     exposed: Duration,
 }
 
+/// Expert parallelism's routed experts: their gradient ranges (sorted) and their own
+/// reduction over the ranks holding the same experts (none when no other rank does).
+struct Experts {
+    ranges: Vec<Range<usize>>,
+    inner: Option<Box<DataParallel>>,
+}
+
+/// The routed experts' parameter ranges of `table` (the ones it holds), sorted.
+pub fn expert_ranges(table: &ParamTable) -> Vec<Range<usize>> {
+    let mut out: Vec<Range<usize>> = table
+        .layers
+        .iter()
+        .filter_map(|l| l.moe.as_ref())
+        .flat_map(|m| m.experts.iter().flat_map(|e| [&e.gate, &e.up, &e.down]))
+        .filter(|r| !r.is_empty())
+        .cloned()
+        .collect();
+    out.sort_by_key(|r| r.start);
+    out
+}
+
 /// A bucket's f32 buffer, reused every step.
 struct Bucket {
     buf: Vec<f32>,
@@ -226,6 +247,8 @@ pub struct DataParallel {
     /// An untied LM head: its gradient is final once the head's forward has run, and goes
     /// into the buckets with the final norm's.
     untied_head: Option<Range<usize>>,
+    /// Expert parallelism: the routed experts' gradients, reduced apart.
+    experts: Option<Experts>,
     /// ZeRO-3: one bucket per unit ([`Buckets::Units`]), and its all-gather buffer (one unit,
     /// padded) and the bucket gathering in it.
     per_unit: bool,
@@ -254,12 +277,55 @@ impl DataParallel {
         buckets: Buckets,
         sharded: bool,
     ) -> Self {
+        Self::of(comm, table, buckets, sharded, &|_| true)
+    }
+
+    /// Expert parallelism (`--ep`): the dense gradients summed over `dense` (every dp × ep
+    /// replica), in buckets of `dense_len`; the routed experts' over `experts` (the dp ranks
+    /// holding the same experts; `None` when there is one), in buckets of `experts_len`.
+    pub fn expert_parallel(
+        dense: Box<dyn Communicator>,
+        experts: Option<Box<dyn Communicator>>,
+        table: &ParamTable,
+        (dense_len, experts_len): (usize, usize),
+    ) -> Self {
+        let ranges = expert_ranges(table);
+        let is_expert =
+            |r: &Range<usize>| ranges.binary_search_by_key(&r.start, |x| x.start).is_ok();
+        let mut dp = Self::of(dense, table, Buckets::Fixed(dense_len), false, &|r| {
+            !is_expert(r)
+        });
+        let inner = experts.map(|c| {
+            Box::new(Self::of(
+                c,
+                table,
+                Buckets::Fixed(experts_len),
+                false,
+                &is_expert,
+            ))
+        });
+        dp.experts = Some(Experts { ranges, inner });
+        dp
+    }
+
+    /// The reduction of the gradients `keep` selects.
+    fn of(
+        comm: Box<dyn Communicator>,
+        table: &ParamTable,
+        buckets: Buckets,
+        sharded: bool,
+        keep: &dyn Fn(&Range<usize>) -> bool,
+    ) -> Self {
         let (rank, ranks) = (comm.rank(), comm.size());
         let blocks = if sharded { ranks } else { 1 };
         let (layout, bucket_len) = match buckets {
             Buckets::Fixed(len) => {
                 let len = len.max(1);
-                (BucketLayout::new(&report_order(table), len, blocks), len)
+                let order: Vec<_> = report_order(table)
+                    .into_iter()
+                    .filter(|r| !r.is_empty() && keep(r))
+                    .collect();
+                (BucketLayout::new(&order, len, blocks), len)
             }
             Buckets::Units => {
                 let groups: Vec<_> = unit_groups(table).into_iter().map(|g| g.1).collect();
@@ -288,12 +354,16 @@ impl DataParallel {
             comm_bytes: 0.0,
             spans: Vec::new(),
             exposed: Duration::ZERO,
+            experts: None,
         }
     }
 
     /// The two buckets (as the plan allocates `dp.grad_buckets` with the gradients), and
     /// ZeRO-3's all-gather buffer (the plan's `zero3.gather`).
     pub fn allocate(&mut self) {
+        if let Some(inner) = self.experts.as_mut().and_then(|x| x.inner.as_mut()) {
+            inner.allocate();
+        }
         if self.per_unit {
             self.gather = vec![0.0; self.bucket_len];
         }
@@ -311,6 +381,15 @@ impl DataParallel {
 
     pub fn size(&self) -> usize {
         self.comm.size()
+    }
+
+    /// Under expert parallelism, this rank's place among the ranks holding its experts (0
+    /// when no other rank does, and without expert parallelism).
+    pub fn expert_rank(&self) -> (usize, usize) {
+        match self.experts.as_ref().and_then(|x| x.inner.as_ref()) {
+            Some(inner) => (inner.rank(), inner.size()),
+            None => (0, 1),
+        }
     }
 
     pub fn rank(&self) -> usize {
@@ -345,6 +424,19 @@ impl DataParallel {
     /// Gradients `range` are final on this rank: into their bucket, starting it once full.
     /// Sums that have arrived meanwhile are written back into `grads`.
     pub fn add<G: Elem>(&mut self, sums: &mut Sums<G>, mut range: Range<usize>) {
+        if let Some(x) = self.experts.as_mut() {
+            let mine = x
+                .ranges
+                .binary_search_by_key(&range.start, |r| r.start)
+                .is_ok();
+            if mine && !range.is_empty() {
+                // Held by this rank alone without data-parallel replicas: nothing to sum.
+                if let Some(inner) = x.inner.as_mut() {
+                    inner.add(sums, range);
+                }
+                return;
+            }
+        }
         // MPI progresses a started reduction only inside MPI calls: look in on the running
         // ones as the backward reports (a no-op for the threads backend's own worker).
         for f in &self.in_flight {
@@ -481,6 +573,13 @@ impl DataParallel {
     /// Ends the micro-batch's reduction: every bucket lands, and every gradient must have
     /// been summed exactly once.
     pub fn finish<G: Elem>(&mut self, sums: &mut Sums<G>) -> Result<()> {
+        if let Some(inner) = self.experts.as_mut().and_then(|x| x.inner.as_mut()) {
+            inner.finish(sums)?;
+            // One account of the step's communication.
+            self.comm_bytes += std::mem::take(&mut inner.comm_bytes);
+            self.exposed += std::mem::take(&mut inner.exposed);
+            self.spans.append(&mut inner.spans);
+        }
         while !self.in_flight.is_empty() {
             self.land_oldest(sums);
         }
@@ -586,6 +685,9 @@ impl DataParallel {
     pub fn poll(&self) {
         if let Some((_, p, _)) = &self.gathering {
             p.is_done();
+        }
+        if let Some(inner) = self.experts.as_ref().and_then(|x| x.inner.as_ref()) {
+            inner.poll();
         }
     }
 

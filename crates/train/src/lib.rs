@@ -7,6 +7,7 @@ pub mod config;
 pub mod data;
 pub mod data_parallel;
 pub mod eval;
+pub mod expert_parallel;
 pub mod heap;
 pub mod loss_scale;
 pub mod lr;

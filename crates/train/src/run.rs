@@ -4,6 +4,7 @@ use crate::checkpoint;
 use crate::config::CommBackend;
 use crate::config::{TrainArgs, TrainConfig};
 use crate::data::{Loader, LoaderConfig, Tokenizer, ValLoader};
+use crate::expert_parallel::EpGroup;
 use crate::metrics::{matmul_peak_gflops, peak_rss, MetricsWriter, StepMetrics};
 use crate::sample::{generate, SampleOptions};
 use crate::setup;
@@ -77,18 +78,23 @@ fn resume_config(args: &TrainArgs, saved: &TrainConfig) -> Result<TrainConfig> {
     c.parallel = crate::config::trainable_layout(&args.layout.clone().or(saved_layout))?;
     c.data.mbs = args.mbs.unwrap_or(c.data.mbs);
     c.data.grad_acc = args.grad_acc.unwrap_or(c.data.grad_acc);
-    let per_step = |c: &TrainConfig| c.data.mbs * c.data.grad_acc * c.parallel.dp;
+    // Every dp × ep rank is a replica training its own sequences.
+    let per_step = |c: &TrainConfig| c.data.mbs * c.data.grad_acc * c.parallel.dense_replicas();
+    let replicas = |c: &TrainConfig, eq: &str| match c.parallel.ep {
+        1 => format!("dp{eq}{}", c.parallel.dp),
+        ep => format!("dp{eq}{} × ep{eq}{ep}", c.parallel.dp),
+    };
     if per_step(&c) != per_step(saved) {
         bail!(
-            "mbs = {}: with grad_acc = {} and dp = {} a step trains {} sequences, the checkpoint's {} (mbs {} × grad_acc {} × dp {}); a resumed run keeps the sequences per step",
+            "mbs = {}: with grad_acc = {} and {} a step trains {} sequences, the checkpoint's {} (mbs {} × grad_acc {} × {}); a resumed run keeps the sequences per step",
             c.data.mbs,
             c.data.grad_acc,
-            c.parallel.dp,
+            replicas(&c, " = "),
             per_step(&c),
             per_step(saved),
             saved.data.mbs,
             saved.data.grad_acc,
-            saved.parallel.dp
+            replicas(saved, " ")
         );
     }
     if let Some(v) = args.threads {
@@ -204,8 +210,32 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
     // groups.
     let (dp, world) = (
         layout.dp as usize,
-        (layout.dp * layout.tp * layout.pp) as usize,
+        (layout.dp * layout.tp * layout.pp * layout.ep) as usize,
     );
+    if layout.ep > 1 {
+        // Expert parallelism needs experts to share out, evenly; refused once, before any
+        // rank starts.
+        let name = match &saved {
+            Some(l) => l.dir.join("config.json").to_string_lossy().to_string(),
+            None => args.resolve()?.model.name,
+        };
+        let spec = ferrotron_plan::presets::resolve(&name).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let Some(moe) = spec.moe else {
+            bail!(
+                "ep = {}: expert parallelism shares out a mixture of experts; model {} has none",
+                layout.ep,
+                spec.name
+            );
+        };
+        if moe.num_experts % layout.ep != 0 {
+            bail!(
+                "ep = {}: model {} has {} experts per layer; ep must divide them",
+                layout.ep,
+                spec.name,
+                moe.num_experts
+            );
+        }
+    }
     if layout.zero >= 2 {
         let name = match &saved {
             Some(l) => l.dir.join("config.json").to_string_lossy().to_string(),
@@ -382,17 +412,24 @@ fn run_mpi(
 /// pipeline (with, for tied embeddings, the group of the first and last stage), and its
 /// data-parallel group. Every rank of the world calls it (the splits are collective).
 #[allow(clippy::type_complexity)]
+/// A rank's groups in the grid.
+struct Groups {
+    tp: Option<Rc<TpGroup>>,
+    pp: Option<crate::pipeline::Pipeline>,
+    /// Data parallelism: the dense weights' replicas (under expert parallelism dp × ep).
+    dp: Option<Box<dyn ferrotron_dist::Communicator>>,
+    ep: Option<Rc<EpGroup>>,
+    /// Under expert parallelism, the dp ranks holding the same experts.
+    dp_experts: Option<Box<dyn ferrotron_dist::Communicator>>,
+}
+
 fn model_groups(
     world: &dyn ferrotron_dist::Communicator,
     rank: usize,
     cfg: &TrainConfig,
     grid: &ferrotron_dist::Grid,
     tied: bool,
-) -> Result<(
-    Option<Rc<TpGroup>>,
-    Option<crate::pipeline::Pipeline>,
-    Option<Box<dyn ferrotron_dist::Communicator>>,
-)> {
+) -> Result<Groups> {
     let l = &cfg.parallel;
     let group = |d| {
         world
@@ -423,9 +460,28 @@ fn model_groups(
         }
         false => None,
     };
-    let dp = match l.dp > 1 {
-        true => Some(group(Dim::Dp)?),
-        false => None,
+    let split = |members: Vec<usize>| {
+        world
+            .split_group(&members)
+            .map_err(|e| anyhow::anyhow!("{e}"))
+    };
+    let (dp, ep, dp_experts) = match l.ep > 1 {
+        true => (
+            Some(split(grid.group_of(rank, &[Dim::Dp, Dim::Ep]))?),
+            Some(Rc::new(EpGroup::new(group(Dim::Ep)?))),
+            match l.dp > 1 {
+                true => Some(group(Dim::Dp)?),
+                false => None,
+            },
+        ),
+        false => (
+            match l.dp > 1 {
+                true => Some(group(Dim::Dp)?),
+                false => None,
+            },
+            None,
+            None,
+        ),
     };
     let tp = match tp {
         Some(t) => {
@@ -445,7 +501,13 @@ fn model_groups(
     };
     // Every rank's groups have met before any rank measures its baseline.
     world.barrier().map_err(|e| anyhow::anyhow!("{e}"))?;
-    Ok((tp, pp, dp))
+    Ok(Groups {
+        tp,
+        pp,
+        dp,
+        ep,
+        dp_experts,
+    })
 }
 
 /// The training run of one rank (`ctx`: its data-parallel rank and communicator), from flags
@@ -528,9 +590,19 @@ fn run_rank(
     // The rank's groups in the grid (tp innermost, as the planner places them): a tensor-
     // parallel group shares its batch, the data-parallel replicas split it.
     let grid = ferrotron_dist::Grid::new(&cfg.parallel);
-    let (dp_rank, ranks) = (grid.coord(rank, Dim::Dp), cfg.parallel.dp as usize);
+    // Under expert parallelism every dp × ep rank is a data-parallel replica of the dense
+    // weights and trains its own slice.
+    let (dp_rank, ranks) = match cfg.parallel.ep > 1 {
+        true => {
+            let replicas = grid.group_of(rank, &[Dim::Dp, Dim::Ep]);
+            let me = replicas.iter().position(|&r| r == rank).expect("a member");
+            (me, replicas.len())
+        }
+        false => (grid.coord(rank, Dim::Dp), cfg.parallel.dp as usize),
+    };
+    let l = &cfg.parallel;
     let comms = match ctx.as_ref().map(|c| c.comm.as_ref()) {
-        Some(world) if cfg.parallel.tp > 1 || cfg.parallel.pp > 1 => Some(model_groups(
+        Some(world) if l.tp > 1 || l.pp > 1 || l.ep > 1 => Some(model_groups(
             world,
             rank,
             &cfg,
@@ -571,11 +643,13 @@ fn run_rank(
         .to_string(false)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let comms = match (ctx.map(|c| c.comm), comms) {
-        (Some(world), Some((tp, pp, dp))) => Comms {
-            dp,
-            tp,
-            pp,
+        (Some(world), Some(g)) => Comms {
+            dp: g.dp,
+            tp: g.tp,
+            pp: g.pp,
             world: Some(world),
+            ep: g.ep,
+            dp_experts: g.dp_experts,
         },
         (world, _) => Comms {
             dp: world,

@@ -6,7 +6,8 @@ use crate::alloc;
 use crate::arena::Arena;
 use crate::config::TrainConfig;
 use crate::data::{Loader, ValLoader};
-use crate::data_parallel::{Buckets, DataParallel, Gather, Segment, Sums};
+use crate::data_parallel::{expert_ranges, Buckets, DataParallel, Gather, Segment, Sums};
+use crate::expert_parallel::EpGroup;
 use crate::loss_scale::{DynamicLossScaler, ScaleUpdate};
 use crate::lr::LrSchedule;
 use crate::metrics::{RankMem, StepMetrics};
@@ -24,8 +25,8 @@ use anyhow::Result;
 use ferrotron_dist::Communicator;
 use ferrotron_engine::kernels::{AdamWParams, CpuKernels, Kernels, Rounding};
 use ferrotron_engine::model::{
-    BatchShape, GradBuf, GradsDone, Llama, LlamaConfig, LossSum, Stage, TensorParallel, TpComm,
-    Whole,
+    BatchShape, EpComm, ExpertParallel, GradBuf, GradsDone, Llama, LlamaConfig, LossSum, Stage,
+    TensorParallel, TpComm, Whole,
 };
 use ferrotron_engine::Elem;
 use ferrotron_plan::arena::{with_region, ArenaLayout};
@@ -67,6 +68,37 @@ pub struct Comms {
     /// The rank's pipeline group and its stage's program.
     pub pp: Option<Pipeline>,
     pub world: Option<Box<dyn Communicator>>,
+    /// Expert parallelism: the rank's expert-parallel group, and the ranks holding the same
+    /// experts (its data-parallel replicas; `None` without any), over which the experts'
+    /// gradients are summed (`dp` is then every dense replica).
+    pub ep: Option<Rc<EpGroup>>,
+    pub dp_experts: Option<Box<dyn Communicator>>,
+}
+
+/// Share `r` of `p` even shares of the elements of `ranges` (in order), as ranges.
+fn even_share(ranges: &[Range<usize>], r: usize, p: usize) -> Vec<Range<usize>> {
+    let n: usize = ranges.iter().map(|x| x.len()).sum();
+    let (lo, hi) = (n * r / p, n * (r + 1) / p);
+    let (mut out, mut at) = (Vec::new(), 0);
+    for x in ranges {
+        let (a, b) = (lo.max(at), hi.min(at + x.len()));
+        if a < b {
+            out.push(x.start + (a - at)..x.start + (b - at));
+        }
+        at += x.len();
+    }
+    out
+}
+
+/// The error of a tensor- or expert-parallel collective of the pass, if one failed.
+fn check_groups(tp: &Option<Rc<TpGroup>>, ep: &Option<Rc<EpGroup>>) -> Result<()> {
+    if let Some(tp) = tp {
+        tp.check()?;
+    }
+    if let Some(ep) = ep {
+        ep.check()?;
+    }
+    Ok(())
 }
 
 /// The `len` values of `full` (one per parameter) that `runs` update, at their offsets.
@@ -196,6 +228,8 @@ pub struct Trainer {
     pub dp: Option<DataParallel>,
     /// This rank's tensor-parallel group (the model's collectives go through it).
     tp: Option<Rc<TpGroup>>,
+    /// This rank's expert-parallel group (the model's exchanges go through it).
+    ep: Option<Rc<EpGroup>>,
     /// This rank's pipeline stage.
     pub pp: Option<Pipeline>,
     /// With tensor parallelism, every rank (for `rank_mem`), and a small buffer for it.
@@ -377,9 +411,14 @@ impl Trainer {
         // parallel rank takes its slice of the same weights.
         let whole_init = Llama::new(llama.clone()).params.init(cfg.data.seed, 0.02);
         let layers = llama.layers as u64;
-        let model = match tp_rank {
-            Some(tp) => Llama::tensor_parallel(tp)?,
-            None => Llama::new(llama),
+        let model = match (tp_rank, &comms.ep) {
+            (Some(tp), _) => Llama::tensor_parallel(tp)?,
+            (None, Some(ep)) => {
+                let group: Rc<dyn EpComm> = ep.clone();
+                let par = ExpertParallel::new(&llama, group)?;
+                Llama::expert_parallel(llama, par)
+            }
+            (None, None) => Llama::new(llama),
         };
         // A pipeline stage holds its layers (and the embedding or the head), as the planner
         // splits them.
@@ -403,16 +442,27 @@ impl Trainer {
             tp,
             pp,
             world,
+            ep,
+            dp_experts,
         } = comms;
         // Data parallelism: the buckets of the plan (`dp.grad_buckets`; ZeRO-3: one per unit),
         // and under ZeRO the shard of the optimizer states this rank keeps.
         let zero = cfg.parallel.zero;
+        let bucket_bytes = cfg.runtime.bucket_mb << 20;
         let dp = comm.map(|comm| {
             let shards = if zero >= 1 { comm.size() as u64 } else { 1 };
             let n = model.params.total as u64;
+            if ep.is_some() {
+                // The dense gradients over every replica, the experts' over theirs, each in
+                // buckets of their own (the plan's `dp.grad_buckets`, `dp.expert_grad_buckets`).
+                let experts: usize = expert_ranges(&model.params).iter().map(|r| r.len()).sum();
+                let len = |n: usize| dp_bucket_len(bucket_bytes, n as u64, 1) as usize;
+                let lens = (len(model.params.total - experts), len(experts));
+                return DataParallel::expert_parallel(comm, dp_experts, &model.params, lens);
+            }
             let buckets = match zero {
                 3.. => Buckets::Units,
-                _ => Buckets::Fixed(dp_bucket_len(cfg.runtime.bucket_mb << 20, n, shards) as usize),
+                _ => Buckets::Fixed(dp_bucket_len(bucket_bytes, n, shards) as usize),
             };
             DataParallel::new(comm, &model.params, buckets, zero >= 1)
         });
@@ -512,6 +562,7 @@ impl Trainer {
             trace_left,
             dp,
             tp,
+            ep,
             pp,
             world: world.map(|w| (w, Vec::new())),
             comm_planned,
@@ -587,9 +638,12 @@ impl Trainer {
             if let Some(dp) = &mut self.dp {
                 dp.allocate();
             }
-            // Tensor parallelism's staging buffer, as planned.
+            // Tensor parallelism's staging buffer and expert parallelism's message, as planned.
             if let (Some(tp), Some(b)) = (&self.tp, self.plan.plan.find("comm.tp.staging")) {
                 tp.allocate(b.numel as usize);
+            }
+            if let (Some(ep), Some(b)) = (&self.ep, self.plan.plan.find("comm.ep.message")) {
+                ep.allocate(b.numel as usize);
             }
             self.allocate_pipeline();
             self.pool.sample(step, Point::Grads);
@@ -760,9 +814,7 @@ impl Trainer {
                     loss_scale,
                 );
                 src.check()?;
-                if let Some(tp) = &self.tp {
-                    tp.check()?;
-                }
+                check_groups(&self.tp, &self.ep)?;
                 self.kernels.phase("forward", tf, step, mb);
                 let tb = Instant::now();
                 self.pool.enter(step, mb, Running::Backward);
@@ -817,9 +869,7 @@ impl Trainer {
                     }
                 }
                 src.check()?;
-                if let Some(tp) = &self.tp {
-                    tp.check()?;
-                }
+                check_groups(&self.tp, &self.ep)?;
                 self.pool.enter(step, mb, Running::Idle);
                 self.kernels.phase("backward", tb, step, mb);
                 loss.sum += l.sum;
@@ -872,6 +922,15 @@ impl Trainer {
         };
         if let Some(tp) = &self.tp {
             sum_sq = tp.sum_f64(sum_sq)?;
+        }
+        if let Some(ep) = &self.ep {
+            // Each expert's gradient is on one rank of the expert-parallel group (the dense
+            // ones on all): the group adds the experts' parts.
+            let experts: f64 = expert_ranges(&self.model.params)
+                .into_iter()
+                .map(|r| k.sum_squares(&grads[r]))
+                .sum();
+            sum_sq += ep.sum_f64(experts)? - experts;
         }
         if let Some(pp) = &mut self.pp {
             sum_sq = pp.sum_f64(sum_sq)?;
@@ -1014,9 +1073,7 @@ impl Trainer {
                 .model
                 .forward_eval_from(k, pool, src.get(), batch, tokens, targets);
             src.check()?;
-            if let Some(tp) = &self.tp {
-                tp.check()?;
-            }
+            check_groups(&self.tp, &self.ep)?;
             loss.sum += l.sum;
             loss.count += l.count;
         }
@@ -1073,9 +1130,18 @@ impl Trainer {
     /// (range of the whole model's parameters, offset in this rank's states, offset in its
     /// weights).
     pub fn written_blocks(&self) -> Vec<(Range<usize>, usize, usize)> {
-        let local = match self.sharded() {
-            true => self.runs.iter().map(|r| (r.params.clone(), r.at)).collect(),
-            false => {
+        let local = match (self.sharded(), &self.dp) {
+            (true, _) => self.runs.iter().map(|r| (r.params.clone(), r.at)).collect(),
+            // Expert parallelism: the dense weights shared out over every replica, each
+            // rank's experts over the ranks holding them.
+            (false, Some(dp)) if self.ep.is_some() => {
+                let (dense, experts) = self.dense_and_experts();
+                let (xr, xn) = dp.expert_rank();
+                let mut out = even_share(&dense, self.rank(), self.ranks());
+                out.extend(even_share(&experts, xr, xn));
+                out.into_iter().map(|r| (r.clone(), r.start)).collect()
+            }
+            (false, _) => {
                 let (n, p, r) = (self.model.params.total, self.ranks(), self.rank());
                 let part = n * r / p..n * (r + 1) / p;
                 vec![(part.clone(), part.start)]
@@ -1218,8 +1284,17 @@ impl Trainer {
         // once (a replicated norm from tensor-parallel rank 0, a tied embedding from the first
         // stage) into zeros, and the world sums them (adding zeros is exact).
         let mut whole = vec![0.0; part.whole.total];
-        if self.rank() == 0 {
-            for (l, f) in self.written_pieces() {
+        // Under expert parallelism each rank's experts come from the first of the ranks
+        // holding them.
+        let experts = expert_ranges(&self.model.params);
+        let expert_first = self.dp.as_ref().is_none_or(|d| d.expert_rank().0 == 0);
+        for (l, f) in self.written_pieces() {
+            let expert = experts.binary_search_by_key(&l.start, |r| r.start).is_ok();
+            let first = match (&self.ep, expert) {
+                (Some(_), true) => expert_first,
+                _ => self.rank() == 0,
+            };
+            if first {
                 whole[f].copy_from_slice(&mine[l]);
             }
         }
@@ -1231,6 +1306,23 @@ impl Trainer {
             .all_reduce_sum(&mut whole)
             .map_err(|e| anyhow::anyhow!("gathering the weights: {e}"))?;
         Ok(whole)
+    }
+
+    /// This rank's parameter ranges: the dense ones (merged where adjacent) and its experts'.
+    fn dense_and_experts(&self) -> (Vec<Range<usize>>, Vec<Range<usize>>) {
+        let experts = expert_ranges(&self.model.params);
+        let mut dense: Vec<Range<usize>> = Vec::new();
+        let mut at = 0;
+        for x in experts
+            .iter()
+            .chain([&(self.model.params.total..self.model.params.total)])
+        {
+            if at < x.start {
+                dense.push(at..x.start);
+            }
+            at = x.end;
+        }
+        (dense, experts)
     }
 
     /// The pieces (local range, whole range) of this rank's part that it writes: all of them

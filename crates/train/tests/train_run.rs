@@ -614,14 +614,13 @@ fn bad_input_is_one_clear_error() {
             .len(),
         1
     );
-    assert!(error(toml("[parallel]\nep = 2\n")).contains(
-        "ep = 2: ferrotron train runs data, tensor and pipeline parallelism (--dp with --zero 1, 2 or 3, --tp, --pp) for now"
-    ));
+    assert!(error(toml("[parallel]\nep = 2\n"))
+        .contains("ep = 2: expert parallelism shares out a mixture of experts; model "));
     assert!(error(toml("[parallel]\ntensor = 2\n")).contains("unknown field `tensor`"));
     let mut a = tiny_args(&out, 1);
     a.layout.cp = Some(4);
     assert!(error(a).contains(
-        "cp = 4: ferrotron train runs data, tensor and pipeline parallelism (--dp with --zero 1, 2 or 3, --tp, --pp) for now"
+        "cp = 4: ferrotron train runs data, tensor, pipeline and expert parallelism (--dp with --zero 1, 2 or 3, --tp, --pp, --ep) for now"
     ));
 }
 

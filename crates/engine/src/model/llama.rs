@@ -117,6 +117,12 @@ impl Llama {
         let local = ep.local();
         let held = &|e: u64| local.contains(&(e as usize));
         m.params = ParamTable::holding_experts(&m.config, &|_| true, held);
+        if ep.size > 1 {
+            // How its parameters map onto the whole model's (checkpoints, the first weights).
+            let whole = ParamTable::new(&m.config);
+            let pieces = super::tensor_parallel::shard_pieces(&whole, &m.params, 0);
+            m.part = Some(super::pipeline::Part { whole, pieces });
+        }
         m.ep = (ep.size > 1).then_some(ep);
         m
     }

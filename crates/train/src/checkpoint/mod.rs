@@ -40,12 +40,12 @@ pub struct TrainerState {
 /// The model's HF config.json (what transformers and `--model DIR` read back), for weights
 /// stored as `dtype`.
 pub fn hf_config(spec: &ModelSpec, dtype: DType) -> serde_json::Value {
-    let arch = if spec.model_type == "qwen2" {
-        "Qwen2ForCausalLM"
-    } else {
-        "LlamaForCausalLM"
+    let arch = match spec.model_type.as_str() {
+        "qwen2" => "Qwen2ForCausalLM",
+        "mixtral" => "MixtralForCausalLM",
+        _ => "LlamaForCausalLM",
     };
-    serde_json::json!({
+    let mut config = serde_json::json!({
         "architectures": [arch],
         "model_type": spec.model_type,
         "hidden_size": spec.hidden,
@@ -65,7 +65,21 @@ pub fn hf_config(spec: &ModelSpec, dtype: DType) -> serde_json::Value {
         // transformers 4 reads `torch_dtype`, 5 `dtype`.
         "torch_dtype": torch_dtype(dtype),
         "dtype": torch_dtype(dtype),
-    })
+    });
+    if let Some(moe) = spec.moe {
+        // MixtralConfig's: the experts are as wide as intermediate_size; the load-balancing
+        // loss is trained (output_router_logits, as ferrotron trains it).
+        let fields = serde_json::json!({
+            "num_local_experts": moe.num_experts,
+            "num_experts_per_tok": moe.top_k,
+            "router_aux_loss_coef": moe.aux_loss_coef,
+            "output_router_logits": true,
+        });
+        if let (Some(c), Some(f)) = (config.as_object_mut(), fields.as_object()) {
+            c.extend(f.clone());
+        }
+    }
+    config
 }
 
 fn torch_dtype(d: DType) -> &'static str {
