@@ -386,15 +386,24 @@ fn run_mpi(
     use ferrotron_dist::Communicator;
     let comm = ferrotron_dist::mpi::MpiComm::world().map_err(|e| anyhow::anyhow!("{e}"))?;
     let (rank, size) = (comm.rank(), comm.size());
-    let (dp, tp, pp) = (layout.dp as usize, layout.tp as usize, layout.pp as usize);
-    if size != dp * tp * pp && tp * pp == 1 {
+    let (dp, tp, pp, ep) = (
+        layout.dp as usize,
+        layout.tp as usize,
+        layout.pp as usize,
+        layout.ep as usize,
+    );
+    let world = dp * tp * pp * ep;
+    if size != world && tp * pp * ep == 1 {
         bail!("dp = {dp}: mpirun started {size} processes; pass --dp {size} (or mpirun -np {dp})");
     }
-    if size != dp * tp * pp {
+    if size != world && ep > 1 {
         bail!(
-            "dp × tp × pp = {dp} × {tp} × {pp} = {}: mpirun started {size} processes; run mpirun -np {}",
-            dp * tp * pp,
-            dp * tp * pp
+            "dp × ep × tp × pp = {dp} × {ep} × {tp} × {pp} = {world}: mpirun started {size} processes; run mpirun -np {world}"
+        );
+    }
+    if size != world {
+        bail!(
+            "dp × tp × pp = {dp} × {tp} × {pp} = {world}: mpirun started {size} processes; run mpirun -np {world}"
         );
     }
     let ctx = (size > 1).then(|| RankCtx {

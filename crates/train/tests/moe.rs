@@ -1,7 +1,8 @@
 //! A mixture of experts (Mixtral) in the trainer: it learns on the bundled corpus, every
-//! recompute policy follows the same trajectory, data-parallel ranks follow the one-rank
-//! trajectory of the same micro-batches, and every rank's measured peak is within 1% of its
-//! plan. (The model itself is golden-tested against transformers: crates/engine/tests/golden.rs.)
+//! recompute policy follows the same trajectory, data- and expert-parallel ranks follow the
+//! one-rank trajectory of the same micro-batches, checkpoints resume across those layouts, and
+//! every rank's measured peak is within 1% of its plan. (The model itself is golden-tested
+//! against transformers: crates/engine/tests/golden.rs.)
 
 mod common;
 use common::{rel, shards, tiny_moe_model, tmp};
@@ -109,6 +110,77 @@ fn data_parallel_ranks_follow_the_one_rank_trajectory() {
     }
 }
 
+/// The trajectory of `(dp, ep)` replicas of 4 sequences each, against one rank running the
+/// replicas' micro-batches in turn (the load-balancing loss is per micro-batch).
+fn same_trajectory(what: &str, one: &[StepMetrics], s: &[StepMetrics]) {
+    assert_eq!(one.len(), s.len(), "{what}");
+    for (x, y) in one.iter().zip(s) {
+        for (name, a, b) in [
+            ("loss", x.loss, y.loss),
+            ("grad norm", x.grad_norm, y.grad_norm),
+        ] {
+            assert!(
+                rel(a, b) < 1e-5,
+                "{what} step {}: {name} {a} vs {b}",
+                x.step
+            );
+        }
+    }
+}
+
+#[test]
+fn expert_parallel_ranks_follow_the_one_rank_trajectory() {
+    let with = |tag: &str, dp: u64, ep: u64, acc: u64, rc: &str| {
+        let mut a = args(&format!("moe-ep-{tag}"), 4);
+        (a.layout.dp, a.layout.ep, a.grad_acc) = (Some(dp), Some(ep), Some(acc));
+        a.recompute = Some(rc.into());
+        a
+    };
+    let one = train(with("one", 1, 1, 4, "none"));
+    for (dp, ep, acc, rc) in [(1, 2, 2, "none"), (2, 2, 1, "selective"), (1, 4, 1, "full")] {
+        let what = format!("dp {dp} ep {ep} × {acc} {rc}");
+        let s = train(with(&format!("{dp}-{ep}"), dp, ep, acc, rc));
+        same_trajectory(&what, &one, &s);
+        within_plan(&what, &s);
+        assert_eq!(
+            s[0].rank_mem.len(),
+            (dp * ep) as usize,
+            "{what}: one entry per rank"
+        );
+    }
+}
+
+#[test]
+fn an_expert_parallel_checkpoint_resumes_on_one_rank_and_back() {
+    // Two steps on dp 2 × ep 2, then the last two on one rank (4 micro-batches), and on ep 4:
+    // the trajectory of four steps on one rank.
+    let one = train({
+        let mut a = args("moe-ck-one", 4);
+        a.grad_acc = Some(4);
+        a
+    });
+    let ck = tmp("moe-ck").join("ck");
+    let mut a = args("moe-ck-first", 4);
+    (a.layout.dp, a.layout.ep, a.stop_after) = (Some(2), Some(2), Some(2));
+    a.checkpoint_dir = Some(ck.clone());
+    train(a);
+    for (tag, dp, ep, acc) in [("one", 1, 1, 4), ("ep4", 1, 4, 1)] {
+        let copy = tmp(&format!("moe-ck-{tag}")).join("ck");
+        std::fs::create_dir_all(&copy).unwrap();
+        for f in std::fs::read_dir(&ck).unwrap() {
+            let f = f.unwrap().path();
+            std::fs::copy(&f, copy.join(f.file_name().unwrap())).unwrap();
+        }
+        let mut a = args(&format!("moe-ck-{tag}-run"), 4);
+        (a.layout.dp, a.layout.ep, a.grad_acc) = (Some(dp), Some(ep), Some(acc));
+        // Its own checkpoints elsewhere: the resumed run's must not overwrite the first.
+        a.checkpoint_dir = Some(copy.with_file_name("next"));
+        a.resume = Some(copy);
+        let s = train(a);
+        same_trajectory(&format!("resumed on dp {dp} ep {ep}"), &one[2..], &s);
+    }
+}
+
 #[test]
 fn layouts_a_mixture_of_experts_cannot_run_are_refused() {
     for (tp, pp, zero, want) in [
@@ -125,4 +197,32 @@ fn layouts_a_mixture_of_experts_cannot_run_are_refused() {
         let err = run(a).unwrap_err().to_string();
         assert_eq!(err, want);
     }
+    // Expert parallelism: experts to share out, evenly, without ZeRO (for now).
+    let refused = |a: TrainArgs| {
+        let _turn = ONE_RUN_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+        run(a).unwrap_err().to_string()
+    };
+    let mut a = args("moe-refused-ep3", 2);
+    a.layout.ep = Some(3);
+    let model = a.model.clone().unwrap();
+    assert_eq!(
+        refused(a),
+        format!("ep = 3: model {model} has 4 experts per layer; ep must divide them")
+    );
+    let mut a = args("moe-refused-ep-zero", 2);
+    (a.layout.ep, a.layout.zero) = (Some(2), Some(1));
+    assert_eq!(
+        refused(a),
+        "zero = 1: ZeRO does not shard expert-parallel runs yet: use --zero 0 with --ep"
+    );
+    let mut a = args("moe-refused-ep-dense", 2);
+    let dense = common::tiny_model(&tmp("moe-refused-dense"), 8192, 128);
+    (a.model, a.layout.ep) = (Some(dense.to_string_lossy().into()), Some(2));
+    assert_eq!(
+        refused(a),
+        format!(
+            "ep = 2: expert parallelism shares out a mixture of experts; model {} has none",
+            dense.display()
+        )
+    );
 }

@@ -12,6 +12,8 @@
 #     alone,
 #   - dp 2 × pp 2 under AFAB, 1F1B and interleaved (v 3) with mpirun -np 4, and dp 2 × tp 2 ×
 #     sp × pp 2 with mpirun -np 8, agree with threads and with dp 2 alone,
+#   - a small Mixtral on dp 2 × ep 2 under mpirun -np 4 agrees with threads and with one rank,
+#     and its checkpoint resumes on ep 4,
 #   - mpirun's process count disagreeing with --dp fails at once with one line naming both.
 # Needs Open MPI (Debian: openmpi-bin libopenmpi-dev). Run by scripts/test.sh.
 set -euo pipefail
@@ -117,6 +119,37 @@ print(f"pipeline: mpirun -np {ranks} = threads within 1e-6, = dp 2 alone within 
 PY
 rm -rf "$OUT/pp-threads" "$OUT/pp-mpi"
 done
+
+echo "== expert parallelism: a small Mixtral on dp 2 × ep 2 (4 processes) = threads = one rank"
+# The one-rank reference runs the 4 replicas' micro-batches in turn (the load-balancing loss is
+# per micro-batch); the expert-parallel runs each write a checkpoint at step 2, and the MPI
+# one's resumes on ep 4 along the same trajectory.
+MOE=(train --model ferrotron-moe-16m --data "$OUT/data" --seq 64 --mbs 2 --eval-interval 0
+    --sample-tokens 0 --quiet --peak-gflops 100 --steps 4)
+"$BIN" "${MOE[@]}" --grad-acc 4 --out-dir "$OUT/moe-one" 2>"$OUT/moe.log" || { cat "$OUT/moe.log"; exit 1; }
+"$BIN" "${MOE[@]}" --dp 2 --ep 2 --out-dir "$OUT/moe-threads" 2>"$OUT/moe.log" || { cat "$OUT/moe.log"; exit 1; }
+timeout 300 "${MPIRUN4[@]}" "$BIN" "${MOE[@]}" --dp 2 --ep 2 --out-dir "$OUT/moe-mpi" \
+    2>"$OUT/moe-mpi.log" || { cat "$OUT/moe-mpi.log"; exit 1; }
+timeout 300 "${MPIRUN4[@]}" "$BIN" "${MOE[@]}" --dp 2 --ep 2 --stop-after 2 --out-dir "$OUT/moe-ck" \
+    --checkpoint-dir "$OUT/moe-ck/checkpoint" 2>"$OUT/moe-ck.log" || { cat "$OUT/moe-ck.log"; exit 1; }
+timeout 300 "${MPIRUN4[@]}" "$BIN" train --resume "$OUT/moe-ck/checkpoint" --data "$OUT/data" --dp 1 \
+    --ep 4 --quiet --peak-gflops 100 --out-dir "$OUT/moe-resumed" 2>"$OUT/moe-res.log" || { cat "$OUT/moe-res.log"; exit 1; }
+python3 - "$OUT/moe-one/metrics.jsonl" "$OUT/moe-threads/metrics.jsonl" "$OUT/moe-mpi/metrics.jsonl" "$OUT/moe-resumed/metrics.jsonl" <<'PY'
+import json, sys
+one, threads, mpi, resumed = ([json.loads(l) for l in open(p)] for p in sys.argv[1:5])
+for o, t, m in zip(one, threads, mpi):
+    for key in ("loss", "grad_norm"):
+        assert abs(t[key] - m[key]) / abs(t[key]) < 1e-6, (t["step"], key, t[key], m[key])
+        assert abs(o[key] - m[key]) / abs(o[key]) < 1e-5, (o["step"], key, o[key], m[key])
+    for r in (t, m):
+        assert len(r["rank_mem"]) == 4, r["rank_mem"]
+        for x in r["rank_mem"]:
+            assert abs(x["mem_peak_measured"] / x["mem_peak_planned"] - 1) < 0.01, x
+assert [r["step"] for r in resumed] == [3, 4], [r["step"] for r in resumed]
+for o, r in zip(one[2:], resumed):
+    assert abs(o["loss"] - r["loss"]) / abs(o["loss"]) < 1e-5, (o["loss"], r["loss"])
+print("expert parallelism: mpirun -np 4 (dp 2 × ep 2) = threads within 1e-6, = one rank within 1e-5; 4 ranks within 1% of their plans; its checkpoint resumes on ep 4 along the same trajectory")
+PY
 
 echo "== a checkpoint written by both processes in parallel (ZeRO-3), resumed re-sharded (ZeRO-1)"
 # Stopped after step 2 of 4, each rank writing its own blocks of one checkpoint; resumed on the
