@@ -47,6 +47,13 @@ pub struct StepMetrics {
     pub tp_comm_bytes: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tp_comm_bytes_planned: Option<u64>,
+    /// Expert parallelism: bytes this rank sent to other ranks in the token exchanges this
+    /// step, and the planner's prediction (which assumes balanced routing; the measured bytes
+    /// follow where the router sent the tokens).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ep_comm_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ep_comm_bytes_planned: Option<u64>,
     /// Pipeline parallelism: each stage's measured bubble this step (time blocked in its
     /// transfers over its time computing, stage order) and the planner's (p − 1)/(v·m).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

@@ -832,6 +832,13 @@ fn run_rank(
                 mb(m.tp_comm_bytes_planned)
             );
         }
+        if let Some(m) = steps.last().filter(|m| m.ep_comm_bytes.is_some()) {
+            eprintln!(
+                "expert parallel: {:.2} MB sent by rank 0 in the last step's token exchanges, planned {:.2} MB (balanced routing)",
+                mb(m.ep_comm_bytes),
+                mb(m.ep_comm_bytes_planned)
+            );
+        }
     }
     let weights = if sampling {
         Some(t.full_weights()?)

@@ -176,6 +176,11 @@ pub fn planned_tp_bytes(spec: &ModelSpec, c: &TrainConfig, kernel_workspace: u64
     planned_bytes(spec, c, kernel_workspace, Dim::Tp)
 }
 
+/// The planner's expert-parallel bytes per step and rank (the token all-to-alls).
+pub fn planned_ep_bytes(spec: &ModelSpec, c: &TrainConfig, kernel_workspace: u64) -> Result<f64> {
+    planned_bytes(spec, c, kernel_workspace, Dim::Ep)
+}
+
 fn planned_bytes(spec: &ModelSpec, c: &TrainConfig, kernel_workspace: u64, d: Dim) -> Result<f64> {
     use ferrotron_plan::cluster::{gpu, Cluster};
     let mut input = plan_input(spec, c, kernel_workspace);

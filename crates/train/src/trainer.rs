@@ -13,7 +13,9 @@ use crate::lr::LrSchedule;
 use crate::metrics::{RankMem, StepMetrics};
 use crate::pipeline::Pipeline;
 use crate::pool::{PlanPool, Point, Running, Sample, Timeline};
-use crate::setup::{checked_plan, planned_dp_bytes, planned_tp_bytes, recompute_flops_per_token};
+use crate::setup::{
+    checked_plan, planned_dp_bytes, planned_ep_bytes, planned_tp_bytes, recompute_flops_per_token,
+};
 use crate::tensor_parallel::{self as tpar, TpGroup};
 use crate::trace::{Event, Tracing};
 use crate::weights::Flat;
@@ -238,6 +240,8 @@ pub struct Trainer {
     comm_planned: Option<u64>,
     /// The planner's tensor-parallel bytes per step and rank.
     tp_planned: Option<u64>,
+    /// The planner's expert-parallel bytes per step and rank.
+    ep_planned: Option<u64>,
 }
 
 /// What one optimizer step did.
@@ -519,6 +523,10 @@ impl Trainer {
             Some(_) => Some(planned_tp_bytes(&spec, &cfg, ws)?.round() as u64),
             None => None,
         };
+        let ep_planned = match &ep {
+            Some(_) => Some(planned_ep_bytes(&spec, &cfg, ws)?.round() as u64),
+            None => None,
+        };
         let comm_planned = match dp {
             Some(_) => Some(planned_dp_bytes(&spec, &cfg, ws)?.round() as u64),
             None => None,
@@ -567,6 +575,7 @@ impl Trainer {
             world: world.map(|w| (w, Vec::new())),
             comm_planned,
             tp_planned,
+            ep_planned,
             runs,
             opt_len,
             windows,
@@ -730,6 +739,8 @@ impl Trainer {
                 comm_bytes_planned: self.comm_planned,
                 tp_comm_bytes: self.tp.as_ref().map(|t| t.bytes.take().round() as u64),
                 tp_comm_bytes_planned: self.tp_planned,
+                ep_comm_bytes: self.ep.as_ref().map(|e| e.bytes.take().round() as u64),
+                ep_comm_bytes_planned: self.ep_planned,
                 pp_bubble,
                 pp_bubble_planned,
                 comm_exposed_ms: comm_exposed,
