@@ -984,7 +984,7 @@ impl Llama {
         k.swiglu_backward(&sc.swiglu, &a.gate, &a.up, &mut sc.gate, &mut sc.up);
         pool.free(name(T::Gate), std::mem::take(&mut a.gate));
         pool.free(name(T::Up), std::mem::take(&mut a.up));
-        let x2 = self.gathered_rows(&a.ln2_out, full.as_deref_mut());
+        let x2 = self.gathered_rows(&a.ln2_out, full);
         k.matmul_backward_weight(lin(c, f), &sc.gate, x2, &mut grads[li.wg.clone()], None);
         k.matmul_backward_weight(lin(c, f), &sc.up, x2, &mut grads[li.wu.clone()], None);
         pool.free(name(T::Ln2Out), std::mem::take(&mut a.ln2_out));

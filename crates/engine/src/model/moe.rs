@@ -153,6 +153,7 @@ impl Llama {
 
     /// The copies of `x` (`[N, C]`) this rank's experts take, expert-major, into `rows`: its
     /// own grouped by expert, or (expert parallelism) every rank's for its experts.
+    #[allow(clippy::too_many_arguments)]
     fn dispatch<S: Elem, G: Elem>(
         &self,
         k: &dyn Kernels<S, G>,

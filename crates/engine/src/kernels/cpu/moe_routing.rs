@@ -116,8 +116,8 @@ pub fn router_backward(
             aux_dp[x] + routed
         };
         let dot: f32 = (0..e).map(|x| dl[x] * dp(x)).sum();
-        for x in 0..e {
-            dl[x] *= dp(x) - dot;
+        for (x, d) in dl.iter_mut().enumerate() {
+            *d *= dp(x) - dot;
         }
     }
 }
