@@ -88,6 +88,7 @@ fn main() {
             n,
             in_features: i,
             out_features: o,
+            ragged: false,
         };
         let fl = 2.0 * (n * i * o) as f64 / 1e9;
         // (portable, onednn) for f32, then for bf16.

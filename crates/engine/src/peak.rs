@@ -20,6 +20,7 @@ pub fn matmul_gflops<S: Elem>(m: usize, n: usize, k: usize, reps: usize) -> f64 
         n: m,
         in_features: k,
         out_features: n,
+        ragged: false,
     };
     let kernels: &dyn Kernels<S> = &CpuKernels::PLAIN;
     let mut best = f64::INFINITY;

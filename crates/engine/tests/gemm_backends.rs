@@ -65,6 +65,7 @@ fn compare<S: Elem, G: Elem>(rng: &mut Rng, (n, i, o): (usize, usize, usize)) {
         n,
         in_features: i,
         out_features: o,
+        ragged: false,
     };
     let tag = |op: &str| format!("{op} {n}x{i}->{o} {:?}/{:?}", S::DTYPE, G::DTYPE);
     let (x, w, b, dy): (Vec<S>, Vec<S>, Vec<S>, Vec<S>) = (

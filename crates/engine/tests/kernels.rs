@@ -118,6 +118,7 @@ fn matmul_forward_matches_naive() {
             n,
             in_features: i,
             out_features: o,
+            ragged: false,
         };
         let x = rng.vec(n * i, 1.0);
         let w = rng.vec(o * i, 0.5);
@@ -148,6 +149,7 @@ fn matmul_backward_matches_finite_differences() {
         n,
         in_features: i,
         out_features: o,
+        ragged: false,
     };
     let x = rng.vec(n * i, 1.0);
     let w = rng.vec(o * i, 1.0);
@@ -198,6 +200,7 @@ fn matmul_backward_large_matches_naive() {
         n,
         in_features: i,
         out_features: o,
+        ragged: false,
     };
     let x = rng.vec(n * i, 1.0);
     let w = rng.vec(o * i, 1.0);
@@ -244,6 +247,7 @@ fn matmul_long_reductions_match_naive() {
         n,
         in_features: i,
         out_features: o,
+        ragged: false,
     };
     let x = rng.vec(n * i, 1.0);
     let w = rng.vec(o * i, 1.0);

@@ -148,6 +148,7 @@ const FWD: MatmulShape = MatmulShape {
     n: 640,
     in_features: 384,
     out_features: 3000,
+    ragged: false,
 };
 /// Weight-gradient shape: a reduction over n = 9000 > STAGED_MAX_DEPTH tokens (two depth
 /// chunks of 4500), each too large for one staged call.
@@ -155,6 +156,7 @@ const BWW: MatmulShape = MatmulShape {
     n: 9000,
     in_features: 256,
     out_features: 640,
+    ragged: false,
 };
 
 /// The shapes really exercise the staged path's blocking: several row tiles or column panels
@@ -652,6 +654,7 @@ fn fp8_matmul_case<S: Elem>(seed: u64) {
         n: 300,
         in_features: 256,
         out_features: 200,
+        ragged: false,
     };
     let (n, i, o) = (s.n, s.in_features, s.out_features);
     let t = format!("{:?}", S::DTYPE);

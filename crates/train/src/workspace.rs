@@ -26,6 +26,7 @@ fn shapes(c: &LlamaConfig, n: usize, chunk: usize) -> Vec<MatmulShape> {
         n,
         in_features,
         out_features,
+        ragged: false,
     })
     .collect()
 }

@@ -39,6 +39,10 @@ pub struct MatmulShape {
     pub n: usize,
     pub in_features: usize,
     pub out_features: usize,
+    /// The row count changes from call to call (a mixture of experts' rows per expert): a
+    /// backend that compiles a kernel per shape runs such a product as pieces of a few fixed
+    /// shapes instead of compiling one for every count.
+    pub ragged: bool,
 }
 
 /// RMSNorm over rows of length `c`.

@@ -90,6 +90,7 @@ mod tests {
             n: 2,
             in_features: 3,
             out_features: 4,
+            ragged: false,
         };
         let (x, w, dy) = (vec![1.0; 6], vec![0.5; 12], vec![0.25; 8]);
         let (mut dx, mut dw) = (vec![0.0; 6], vec![0.0; 12]);

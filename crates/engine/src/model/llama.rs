@@ -380,6 +380,7 @@ impl Llama {
             n,
             in_features: inf,
             out_features: outf,
+            ragged: false,
         };
 
         // ---- attention block ----
@@ -640,6 +641,7 @@ impl Llama {
                 n: rows,
                 in_features: c,
                 out_features: vocab,
+                ragged: false,
             };
             let h = &mut out[r0 * c..(r0 + rows) * c];
             let lg = &mut logits[..rows * vocab];
@@ -849,6 +851,7 @@ impl Llama {
             n,
             in_features: inf,
             out_features: outf,
+            ragged: false,
         };
 
         // Under sequence parallelism `sc.resid` holds this rank's rows: the row-parallel
@@ -976,6 +979,7 @@ impl Llama {
             n,
             in_features: inf,
             out_features: outf,
+            ragged: false,
         };
         let dout = self.gathered_rows(&sc.resid, full.as_deref_mut());
         k.matmul_backward_weight(lin(f, c), dout, &a.swiglu, &mut grads[li.wd.clone()], None);
@@ -1129,6 +1133,7 @@ impl Llama {
             n: rows,
             in_features: c,
             out_features: self.config.vocab,
+            ragged: false,
         };
         let w = &params[self.params.lm_head.clone()];
         match &self.tp {

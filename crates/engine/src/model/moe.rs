@@ -248,7 +248,7 @@ impl Llama {
         a.up = self.buf(pool, name(T::Up), n);
         for (x, rows) in er.blocks.iter().filter(|(_, r)| !r.is_empty()) {
             let (w, xin) = (&moe.experts[*x], &a.expert_in[span(rows, c)]);
-            let s = lin(rows.len(), c, f);
+            let s = ragged(rows.len(), c, f);
             let gate = &mut a.gate[span(rows, f)];
             k.matmul_forward(
                 s,
@@ -272,7 +272,7 @@ impl Llama {
         for (x, rows) in er.blocks.iter().filter(|(_, r)| !r.is_empty()) {
             let w2 = &params[moe.experts[*x].down.clone()];
             let (hx, yx) = (&a.swiglu[span(rows, f)], &mut y[span(rows, c)]);
-            k.matmul_forward(lin(rows.len(), f, c), hx, w2, None, yx, Accum::Overwrite);
+            k.matmul_forward(ragged(rows.len(), f, c), hx, w2, None, yx, Accum::Overwrite);
         }
         self.collect(pool, n, &er, &mut y);
         let mut out = self.buf(pool, self.output_name(i), n);
@@ -382,7 +382,7 @@ impl Llama {
             for (x, rows) in er.blocks.iter().filter(|(_, r)| !r.is_empty()) {
                 let w2 = &params[moe.experts[*x].down.clone()];
                 let (dy, dh) = (&sc.rows[span(rows, c)], &mut sc.swiglu[span(rows, f)]);
-                k.matmul_backward_input(lin(rows.len(), f, c), dy, w2, dh, Accum::Overwrite);
+                k.matmul_backward_input(ragged(rows.len(), f, c), dy, w2, dh, Accum::Overwrite);
             }
         };
         k.permute(self.route(n, c), index, &sc.resid, &mut sc.rows[..nk * c]);
@@ -448,7 +448,7 @@ impl Llama {
         for (x, rows) in blocks() {
             let dw2 = &mut grads[moe.experts[*x].down.clone()];
             let (dy, h) = (&sc.rows[span(rows, c)], &a.swiglu[span(rows, f)]);
-            k.matmul_backward_weight(lin(rows.len(), f, c), dy, h, dw2, None);
+            k.matmul_backward_weight(ragged(rows.len(), f, c), dy, h, dw2, None);
         }
         pool.free(name(T::Swiglu), std::mem::take(&mut a.swiglu));
         let used = er.rows * f;
@@ -463,7 +463,7 @@ impl Llama {
         pool.free(name(T::Up), std::mem::take(&mut a.up));
         for (x, rows) in blocks() {
             let ex = &moe.experts[*x];
-            let s = lin(rows.len(), c, f);
+            let s = ragged(rows.len(), c, f);
             let xin = &a.expert_in[span(rows, c)];
             let (dg, du) = (&sc.gate[span(rows, f)], &sc.up[span(rows, f)]);
             k.matmul_backward_weight(s, dg, xin, &mut grads[ex.gate.clone()], None);
@@ -510,6 +510,15 @@ fn lin(n: usize, in_features: usize, out_features: usize) -> MatmulShape {
         n,
         in_features,
         out_features,
+        ragged: false,
+    }
+}
+
+/// An expert's product: its row count changes with the routing.
+fn ragged(n: usize, in_features: usize, out_features: usize) -> MatmulShape {
+    MatmulShape {
+        ragged: true,
+        ..lin(n, in_features, out_features)
     }
 }
 

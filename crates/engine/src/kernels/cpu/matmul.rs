@@ -231,6 +231,7 @@ pub fn forward<S: Elem, Y: Elem>(
         n,
         in_features: k,
         out_features: o,
+        ragged,
     } = s;
     assert_eq!(x.len(), n * k, "matmul x len");
     assert_eq!(w.len(), o * k, "matmul w len");
@@ -240,18 +241,47 @@ pub fn forward<S: Elem, Y: Elem>(
     }
     let f = kernels.fp8.map(|f| f.forward);
     // y[n,o] = x[n,k] · Wᵀ[k,o];  Wᵀ[i][j] = W[j*k + i] → strides (1, k).
-    gemm(
-        n,
-        o,
-        k,
-        y,
-        o,
-        Operand::new(x, (k, 1)).fp8(f),
-        Operand::new(w, (1, k)).fp8(f),
-        y_accum == Accum::Add,
-        bias,
-        kernels.gemm,
-    );
+    for (at, m) in pieces(n, ragged) {
+        gemm(
+            m,
+            o,
+            k,
+            &mut y[at * o..(at + m) * o],
+            o,
+            Operand::new(&x[at * k..(at + m) * k], (k, 1)).fp8(f),
+            Operand::new(w, (1, k)).fp8(f),
+            y_accum == Accum::Add,
+            bias,
+            kernels.gemm,
+        );
+    }
+}
+
+/// Rows `(first, count)` a product of `n` rows runs as: all at once, or for a ragged product
+/// blocks of 256 rows and the rest in powers of two (1000 = 3 × 256 + 128 + 64 + 16 + 8), so
+/// that a backend compiling a kernel per shape (oneDNN) compiles at most nine per product
+/// family however the row count changes (a mixture of experts changed it every step, and a
+/// kernel per count grew a 16M-parameter Mixtral's resident memory past 5 GiB in 60 steps).
+/// Rows are independent, so the pieces give the whole product's values; a weight gradient
+/// sums its pieces' contributions in turn.
+fn pieces(n: usize, ragged: bool) -> impl Iterator<Item = (usize, usize)> {
+    const BLOCK: usize = 256;
+    let (blocks, rest) = match ragged {
+        true => (n / BLOCK, n % BLOCK),
+        false => (0, n),
+    };
+    let whole = (!ragged && n > 0).then_some(n);
+    let binary = (0..usize::BITS)
+        .rev()
+        .map(|b| 1usize << b)
+        .filter(move |&bit| ragged && rest & bit != 0);
+    std::iter::repeat_n(BLOCK, blocks)
+        .chain(whole)
+        .chain(binary)
+        .scan(0, |at, m| {
+            *at += m;
+            Some((*at - m, m))
+        })
 }
 
 /// `dx (=|+=) dy·W`.
@@ -268,23 +298,26 @@ pub fn backward_input<S: Elem, Y: Elem>(
         n,
         in_features: k,
         out_features: o,
+        ragged,
     } = s;
     assert_eq!(dy.len(), n * o, "matmul dy len");
     assert_eq!(w.len(), o * k, "matmul w len");
     assert_eq!(dx.len(), n * k, "matmul dx len");
     // dx[n,k] = dy[n,o] · W[o,k]
-    gemm(
-        n,
-        k,
-        o,
-        dx,
-        k,
-        Operand::new(dy, (o, 1)).fp8(fp8.map(|f| f.gradient)),
-        Operand::new(w, (k, 1)).fp8(fp8.map(|f| f.forward)),
-        dx_accum == Accum::Add,
-        None,
-        kernels.gemm,
-    );
+    for (at, m) in pieces(n, ragged) {
+        gemm(
+            m,
+            k,
+            o,
+            &mut dx[at * k..(at + m) * k],
+            k,
+            Operand::new(&dy[at * o..(at + m) * o], (o, 1)).fp8(fp8.map(|f| f.gradient)),
+            Operand::new(w, (k, 1)).fp8(fp8.map(|f| f.forward)),
+            dx_accum == Accum::Add,
+            None,
+            kernels.gemm,
+        );
+    }
 }
 
 /// `dW += dyᵀ·x`, `dbias += Σ dy`.
@@ -301,23 +334,26 @@ pub fn backward_weight<S: Elem, Y: Elem, G: Elem>(
         n,
         in_features: k,
         out_features: o,
+        ragged,
     } = s;
     assert_eq!(dy.len(), n * o, "matmul dy len");
     assert_eq!(x.len(), n * k, "matmul x len");
     assert_eq!(dw.len(), o * k, "matmul dw len");
     // dW[o,k] += dyᵀ[o,n] · x[n,k];  dyᵀ[i][j] = dy[j*o + i] → strides (1, o).
-    gemm(
-        o,
-        k,
-        n,
-        dw,
-        k,
-        Operand::new(dy, (1, o)).fp8(fp8.map(|f| f.gradient)),
-        Operand::new(x, (k, 1)).fp8(fp8.map(|f| f.forward)),
-        true,
-        None,
-        kernels.gemm,
-    );
+    for (at, m) in pieces(n, ragged) {
+        gemm(
+            o,
+            k,
+            m,
+            dw,
+            k,
+            Operand::new(&dy[at * o..(at + m) * o], (1, o)).fp8(fp8.map(|f| f.gradient)),
+            Operand::new(&x[at * k..(at + m) * k], (k, 1)).fp8(fp8.map(|f| f.forward)),
+            true,
+            None,
+            kernels.gemm,
+        );
+    }
     if let Some(db) = dbias {
         assert_eq!(db.len(), o, "matmul dbias len");
         bias_backward(dy, o, db);
@@ -344,4 +380,33 @@ fn bias_backward<Y: Elem, G: Elem>(dy: &[Y], o: usize, db: &mut [G]) {
             .zip(acc.iter())
             .for_each(|(d, a)| *d = G::from_f32(*a));
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ragged_products_run_in_a_few_shapes_that_tile_the_rows() {
+        let p: Vec<_> = pieces(1000, true).collect();
+        assert_eq!(
+            p,
+            [
+                (0, 256),
+                (256, 256),
+                (512, 256),
+                (768, 128),
+                (896, 64),
+                (960, 32),
+                (992, 8)
+            ]
+        );
+        assert_eq!(pieces(1000, false).collect::<Vec<_>>(), [(0, 1000)]);
+        assert_eq!(pieces(0, true).count(), 0);
+        // Every count up to 4096 uses only 256 and the powers of two below it.
+        let shapes: std::collections::BTreeSet<usize> = (1..4096)
+            .flat_map(|n| pieces(n, true).map(|p| p.1))
+            .collect();
+        assert_eq!(shapes.len(), 9);
+    }
 }

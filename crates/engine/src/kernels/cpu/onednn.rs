@@ -75,38 +75,6 @@ pub enum Dt {
     F32 = 3,
 }
 
-impl Dt {
-    fn bytes(self) -> usize {
-        match self {
-            Dt::Bf16 => 2,
-            Dt::F32 => 4,
-        }
-    }
-}
-
-/// Shapes the primitive cache takes before a new shape is run as pieces of cached ones.
-///
-/// Each primitive holds JIT-compiled code (about a megabyte); a dense model has a few dozen
-/// shapes, but a mixture of experts multiplies each expert's rows, a count that changes every
-/// step, and caching every count grew a 16M-parameter Mixtral's resident memory past 5 GiB in
-/// 60 steps. Past this many shapes, a product whose row or inner dimension is not a power of
-/// two runs as its binary pieces (1000 rows = 512 + 256 + 128 + 64 + 32 + 8), so at most one
-/// primitive per power of two is added per shape family.
-const CACHED_SHAPES: usize = 128;
-
-/// `x` as a sum of distinct powers of two, largest first, with each piece's offset.
-fn binary_pieces(x: usize) -> impl Iterator<Item = (usize, usize)> {
-    (0..usize::BITS)
-        .rev()
-        .map(|b| 1usize << b)
-        .filter(move |&bit| x & bit != 0)
-        .scan(0usize, |off, bit| {
-            let at = *off;
-            *off += bit;
-            Some((at, bit))
-        })
-}
-
 /// Declares [`Api`]: one function pointer per `dnnl_*` symbol, resolved by [`Api::resolve`].
 macro_rules! api {
     ($($name:ident: fn($($arg:ty),*) -> $ret:ty;)*) => {
@@ -496,76 +464,6 @@ impl Onednn {
         rhs: *const c_void,
         bias: *const c_void,
     ) -> bool {
-        let full = {
-            let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-            cache.len() >= CACHED_SHAPES && !cache.contains_key(p)
-        };
-        let (ib, ob) = (p.inputs.bytes(), p.output.bytes());
-        if full && !p.m.is_power_of_two() {
-            // Rows are independent: each piece of rows is its own product.
-            let pieces: Vec<(usize, Product)> = binary_pieces(p.m)
-                .map(|(at, m)| (at, Product { m, ..*p }))
-                .collect();
-            return self.runnable(pieces.iter().map(|x| &x.1))
-                && pieces.iter().all(|(at, q)| unsafe {
-                    self.execute(
-                        q,
-                        dst.byte_add(at * p.dst.0 * ob),
-                        lhs.byte_add(at * p.lhs.0 * ib),
-                        rhs,
-                        bias,
-                    )
-                });
-        }
-        if full && !p.k.is_power_of_two() {
-            // The inner dimension: pieces summed into dst, the bias added once.
-            let pieces: Vec<(usize, Product)> = binary_pieces(p.k)
-                .enumerate()
-                .map(|(i, (at, k))| {
-                    let first = i == 0;
-                    let accumulate = p.accumulate || !first;
-                    let bias = p.bias && first;
-                    (
-                        at,
-                        Product {
-                            k,
-                            accumulate,
-                            bias,
-                            ..*p
-                        },
-                    )
-                })
-                .collect();
-            return self.runnable(pieces.iter().map(|x| &x.1))
-                && pieces.iter().all(|(at, q)| unsafe {
-                    let b = if q.bias { bias } else { std::ptr::null() };
-                    self.execute_one(
-                        q,
-                        dst,
-                        lhs.byte_add(at * p.lhs.1 * ib),
-                        rhs.byte_add(at * p.rhs.0 * ib),
-                        b,
-                    )
-                });
-        }
-        unsafe { self.execute_one(p, dst, lhs, rhs, bias) }
-    }
-
-    /// Whether every product has a primitive: checked before the first piece runs, so that a
-    /// split product either runs whole or writes nothing.
-    fn runnable<'a>(&self, mut products: impl Iterator<Item = &'a Product>) -> bool {
-        products.all(|q| self.primitive(q).is_some())
-    }
-
-    /// [`Onednn::execute`] of one cached primitive.
-    unsafe fn execute_one(
-        &self,
-        p: &Product,
-        dst: *mut c_void,
-        lhs: *const c_void,
-        rhs: *const c_void,
-        bias: *const c_void,
-    ) -> bool {
         let Some(mm) = self.primitive(p) else {
             return false;
         };
@@ -629,27 +527,5 @@ impl Onednn {
         }
         drop(scratch);
         ran
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn binary_pieces_tile_the_range() {
-        let p: Vec<_> = binary_pieces(1000).collect();
-        assert_eq!(
-            p,
-            [
-                (0, 512),
-                (512, 256),
-                (768, 128),
-                (896, 64),
-                (960, 32),
-                (992, 8)
-            ]
-        );
-        assert_eq!(binary_pieces(64).collect::<Vec<_>>(), [(0, 64)]);
     }
 }
