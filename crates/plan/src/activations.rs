@@ -70,6 +70,9 @@ pub struct EdgeActs {
     /// Expert parallelism's exchange buffers (`comm.ep.send`, `comm.ep.recv`): within each MoE
     /// layer's forward and backward, gone at its marks.
     pub ep_staging: Vec<Act>,
+    /// Context parallelism's ring-attention buffers (`comm.cp.block`, `comm.cp.next`,
+    /// `act.cp.acc`): within each layer's attention, forward and backward.
+    pub cp_ring: Vec<Act>,
 }
 
 /// Shape facts shared by every formula: tokens of one micro-batch on one rank.
@@ -83,6 +86,8 @@ pub struct Dims {
     pub sp: bool,
     /// Expert-parallel degree.
     pub ep: u64,
+    /// Context-parallel degree.
+    pub cp: u64,
 }
 
 impl Dims {
@@ -94,6 +99,7 @@ impl Dims {
             t: l.tp,
             sp: l.sp && l.tp > 1,
             ep: l.ep,
+            cp: l.cp,
         }
     }
     /// Tokens on this rank.
@@ -536,6 +542,12 @@ pub fn edge_acts(m: &ModelSpec, r: &Recipe, l: &Layout, conv: Convention) -> Edg
                     true => moe_edges(&[Edge::EpSend, Edge::EpRecv]),
                     false => vec![],
                 },
+                cp_ring: match d.cp > 1 {
+                    true => [Edge::CpBlock, Edge::CpNext, Edge::CpAcc]
+                        .map(|e| buf(e, ws))
+                        .to_vec(),
+                    false => vec![],
+                },
             }
         }
         Convention::MegatronLm => {
@@ -629,5 +641,6 @@ fn torchtitan_edges(m: &ModelSpec, r: &Recipe, d: &Dims) -> EdgeActs {
         scratch_rest: grad_scratch(m, r, d, false),
         moe_rows: vec![],
         ep_staging: vec![],
+        cp_ring: vec![],
     }
 }

@@ -155,8 +155,10 @@ pub fn comm_buffers(
     // residual stream, [b·s, h] (`crates/train/src/tensor_parallel.rs`).
     if ferrotron && l.tp > 1 {
         if let Some(m) = m {
-            let chunk = (r.mbs * r.seq).min(r.ce_chunk_tokens);
-            let len = (r.mbs * r.seq * m.hidden).max(3 * l.tp * chunk);
+            // (A micro-batch's tokens on this rank: 1/cp of each sequence.)
+            let tokens = r.mbs * r.seq / l.cp;
+            let chunk = tokens.min(r.ce_chunk_tokens);
+            let len = (tokens * m.hidden).max(3 * l.tp * chunk);
             add("tp.staging", DType::F32, len, cb, true);
         }
     }
@@ -196,10 +198,16 @@ pub fn comm_buffers(
         );
     }
     // Ring attention receives the next K and V chunk while computing on the current one.
+    // (ferrotron's blocks are the activation table's `comm.cp.block` and `comm.cp.next`; each
+    // pass sends a copy from one f32 message buffer, a block with its gradients at most:
+    // `crates/train/src/context_parallel.rs`.)
     if l.cp > 1 {
         let kv_t = m.kv_heads_tp(l.tp);
         let kv = n * kv_t * (m.head_dim + m.v_head_dim);
-        add("cp.kv_ring", st, 2 * kv, cb, true);
+        match ferrotron {
+            true => add("cp.message", DType::F32, 2 * kv, cb, true),
+            false => add("cp.kv_ring", st, 2 * kv, cb, true),
+        }
     }
     // Expert parallelism: all-to-all dispatch and combine buffers of the routed tokens.
     // (ferrotron's are the activation table's `comm.ep.send` / `comm.ep.recv`, and the one

@@ -248,6 +248,7 @@ struct EdgeIds {
     scratch_rest: Vec<BufId>,
     moe_rows: Vec<BufId>,
     ep_staging: Vec<BufId>,
+    cp_ring: Vec<BufId>,
 }
 
 fn add_acts(plan: &mut MemoryPlan, prefix: &str, acts: &[Act]) -> Vec<BufId> {
@@ -508,6 +509,7 @@ fn rank_plan(
         e.scratch_rest = add_acts(&mut plan, "", &edge.scratch_rest);
         e.moe_rows = add_acts(&mut plan, "", &edge.moe_rows);
         e.ep_staging = add_acts(&mut plan, "", &edge.ep_staging);
+        e.cp_ring = add_acts(&mut plan, "", &edge.cp_ring);
         if slotted {
             let boundary = Dims::new(r, l).n() * m.hidden / Dims::new(r, l).seq_shard();
             pp_comm = pp_buffers(&mut plan, l, stage, r.grad_acc, boundary);
@@ -564,6 +566,7 @@ fn rank_plan(
                         let k = kind[i as usize];
                         plan.alloc(at(&rests[i as usize], slot));
                         plan.alloc(&forward_transient[k]);
+                        plan.alloc(&e.cp_ring);
                         if k == 1 {
                             plan.alloc(&e.moe_rows);
                             plan.alloc(&e.ep_staging);
@@ -581,6 +584,7 @@ fn rank_plan(
                             plan.free(&e.ep_staging);
                             plan.free(&e.moe_rows);
                         }
+                        plan.free(&e.cp_ring);
                         plan.mark(
                             step,
                             Phase::Forward,
@@ -625,6 +629,8 @@ fn rank_plan(
                     for i in l.chunk_layers(layer_count, g).rev() {
                         let k = kind[i as usize];
                         plan.alloc(&recompute_ids[k]);
+                        plan.alloc(&e.cp_ring);
+                        plan.free(&e.cp_ring);
                         if k == 1 {
                             plan.alloc(&e.ep_staging);
                             plan.free(&e.ep_staging);

@@ -57,6 +57,9 @@ pub enum Width {
     HalfRotary,
     /// A routed row and its routing weight (expert parallelism's exchange): hidden + 1.
     HiddenAndWeight,
+    /// A ring-attention block (context parallelism): its keys and values and, in the backward,
+    /// their gradients travelling with them: 2·(k + v).
+    RingBlock,
     /// A vocabulary-parallel cross-entropy's row statistics: this rank's three (max, Σ exp,
     /// target logit) and every rank's, gathered: 3·(t + 1).
     CeStats,
@@ -168,6 +171,7 @@ impl Shape {
             Width::HalfRotary => d.rotary_dim / 2,
             Width::CeStats => 3 * (t + 1),
             Width::HiddenAndWeight => d.hidden + 1,
+            Width::RingBlock => 2 * (d.k_rank + d.v_rank),
         };
         let div = match self.split {
             Split::Whole => 1,
@@ -184,7 +188,7 @@ use Rows::{HeadChunk, Positions, Routed, Tokens};
 use Split::{Sequence, Tensor, Whole};
 use Width::{
     CeStats, Experts, Ffn, HalfRotary, Heads, Hidden, HiddenAndWeight, KRank, ODim, One, QDim,
-    TopK, VRank, Vocab,
+    RingBlock, TopK, VRank, Vocab,
 };
 
 macro_rules! table {
@@ -343,6 +347,13 @@ table! {
         /// weights, in the backward), then the rows coming back; in f32.
         EpSend = "comm.ep.send": Shape::new(F32, Routed, HiddenAndWeight, Whole);
         EpRecv = "comm.ep.recv": Shape::new(F32, Routed, HiddenAndWeight, Whole);
+        /// Context parallelism only (ring attention): the key/value block a rank attends to
+        /// now, the one arriving from the previous rank of the ring (each with its gradients
+        /// in the backward), and the running attention output (forward) or query gradient
+        /// (backward) in f32; within each layer's attention.
+        CpBlock = "comm.cp.block": Shape::new(F32, Tokens, RingBlock, Whole);
+        CpNext = "comm.cp.next": Shape::new(F32, Tokens, RingBlock, Whole);
+        CpAcc = "act.cp.acc": Shape::new(F32, Tokens, QDim, Tensor);
     }
 }
 

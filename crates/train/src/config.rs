@@ -411,7 +411,7 @@ pub(crate) fn trainable_layout(flags: &LayoutFlags) -> Result<Layout, ConfigErro
     })?;
     let not_yet = |field: &'static str, v: String| {
         let problem = format!(
-            "ferrotron train runs data, tensor, pipeline and expert parallelism (--dp with --zero 1, 2 or 3, --tp, --pp, --ep) for now (the other layouts are next); `ferrotron plan --{} {v}` predicts this layout's memory and time",
+            "ferrotron train runs data, tensor, pipeline, context and expert parallelism (--dp with --zero 1, 2 or 3, --tp, --pp, --cp, --ep) but not this yet; `ferrotron plan --{} {v}` predicts this layout's memory and time",
             field.replace('_', "-")
         );
         Err(bad(field, v, &problem))
@@ -426,9 +426,20 @@ pub(crate) fn trainable_layout(flags: &LayoutFlags) -> Result<Layout, ConfigErro
         if v == 0 {
             return Err(bad(field, v, "must be a positive integer"));
         }
-        if v > 1 && !["dp", "tp", "pp", "ep"].contains(&field) {
-            return not_yet(field, v.to_string());
-        }
+    }
+    if l.cp > 1 && l.pp > 1 {
+        return Err(bad(
+            "cp",
+            l.cp,
+            "context parallelism does not run with pipeline stages yet: use --cp or --pp, not both",
+        ));
+    }
+    if l.cp > 1 && l.ep > 1 {
+        return Err(bad(
+            "cp",
+            l.cp,
+            "context parallelism does not run with expert parallelism yet: use --cp or --ep, not both",
+        ));
     }
     if l.pp_virtual == 0 {
         return Err(bad("pp_virtual", 0, "must be a positive integer"));

@@ -4,6 +4,7 @@ pub mod alloc;
 pub mod arena;
 pub mod checkpoint;
 pub mod config;
+pub mod context_parallel;
 pub mod data;
 pub mod data_parallel;
 pub mod eval;

@@ -3,6 +3,7 @@
 use crate::checkpoint;
 use crate::config::CommBackend;
 use crate::config::{TrainArgs, TrainConfig};
+use crate::context_parallel::CpGroup;
 use crate::data::{Loader, LoaderConfig, Tokenizer, ValLoader};
 use crate::expert_parallel::EpGroup;
 use crate::metrics::{matmul_peak_gflops, peak_rss, MetricsWriter, StepMetrics};
@@ -14,6 +15,7 @@ use crate::trace;
 use crate::trainer::{Comms, Trainer};
 use anyhow::{bail, Context, Result};
 use ferrotron_dist::Dim;
+use ferrotron_engine::kernels::SeqPart;
 use ferrotron_plan::Precision;
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -78,8 +80,11 @@ fn resume_config(args: &TrainArgs, saved: &TrainConfig) -> Result<TrainConfig> {
     c.parallel = crate::config::trainable_layout(&args.layout.clone().or(saved_layout))?;
     c.data.mbs = args.mbs.unwrap_or(c.data.mbs);
     c.data.grad_acc = args.grad_acc.unwrap_or(c.data.grad_acc);
-    // Every dp × ep rank is a replica training its own sequences.
-    let per_step = |c: &TrainConfig| c.data.mbs * c.data.grad_acc * c.parallel.dense_replicas();
+    // Every dp × ep rank is a replica training its own sequences (the cp ranks of a replica
+    // share them).
+    let per_step = |c: &TrainConfig| {
+        c.data.mbs * c.data.grad_acc * c.parallel.dense_replicas() / c.parallel.cp
+    };
     let replicas = |c: &TrainConfig, eq: &str| match c.parallel.ep {
         1 => format!("dp{eq}{}", c.parallel.dp),
         ep => format!("dp{eq}{} × ep{eq}{ep}", c.parallel.dp),
@@ -210,7 +215,7 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
     // groups.
     let (dp, world) = (
         layout.dp as usize,
-        (layout.dp * layout.tp * layout.pp * layout.ep) as usize,
+        (layout.dp * layout.tp * layout.pp * layout.cp * layout.ep) as usize,
     );
     if layout.ep > 1 {
         // Expert parallelism needs experts to share out, evenly; refused once, before any
@@ -246,6 +251,35 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
             bail!(
                 "zero = {}: ZeRO-2/3 of a mixture-of-experts model is not supported; use --zero 0 or 1",
                 layout.zero
+            );
+        }
+    }
+    if layout.cp > 1 {
+        // A sequence context parallelism cannot cut evenly, or a model it does not run, is
+        // refused once, before any rank starts.
+        let cfg = match &saved {
+            Some(l) => resume_config(&args, &l.state.config)?,
+            None => args.resolve()?,
+        };
+        let chunks = 2 * layout.cp;
+        if cfg.data.seq % chunks != 0 {
+            bail!(
+                "seq = {}: context parallelism over cp = {} cuts each sequence into 2·cp = {chunks} equal chunks; use a multiple of {chunks}",
+                cfg.data.seq,
+                layout.cp
+            );
+        }
+        let name = match &saved {
+            Some(l) => l.dir.join("config.json").to_string_lossy().to_string(),
+            None => cfg.model.name.clone(),
+        };
+        let spec = ferrotron_plan::presets::resolve(&name).map_err(|e| anyhow::anyhow!("{e}"))?;
+        if spec.moe.is_some() {
+            // The load-balancing loss is a statistic of each micro-batch's tokens, which the
+            // context-parallel ranks share.
+            bail!(
+                "cp = {}: context parallelism of a mixture-of-experts model is not supported yet; run it with --dp or --ep",
+                layout.cp
             );
         }
     }
@@ -386,19 +420,25 @@ fn run_mpi(
     use ferrotron_dist::Communicator;
     let comm = ferrotron_dist::mpi::MpiComm::world().map_err(|e| anyhow::anyhow!("{e}"))?;
     let (rank, size) = (comm.rank(), comm.size());
-    let (dp, tp, pp, ep) = (
+    let (dp, tp, pp, cp, ep) = (
         layout.dp as usize,
         layout.tp as usize,
         layout.pp as usize,
+        layout.cp as usize,
         layout.ep as usize,
     );
-    let world = dp * tp * pp * ep;
-    if size != world && tp * pp * ep == 1 {
+    let world = dp * tp * pp * cp * ep;
+    if size != world && tp * pp * cp * ep == 1 {
         bail!("dp = {dp}: mpirun started {size} processes; pass --dp {size} (or mpirun -np {dp})");
     }
     if size != world && ep > 1 {
         bail!(
             "dp × ep × tp × pp = {dp} × {ep} × {tp} × {pp} = {world}: mpirun started {size} processes; run mpirun -np {world}"
+        );
+    }
+    if size != world && cp > 1 {
+        bail!(
+            "dp × cp × tp = {dp} × {cp} × {tp} = {world}: mpirun started {size} processes; run mpirun -np {world}"
         );
     }
     if size != world {
@@ -430,6 +470,8 @@ struct Groups {
     ep: Option<Rc<EpGroup>>,
     /// Under expert parallelism, the dp ranks holding the same experts.
     dp_experts: Option<Box<dyn ferrotron_dist::Communicator>>,
+    /// Context parallelism's ring (the dense replicas are then dp × cp).
+    cp: Option<Rc<CpGroup>>,
 }
 
 fn model_groups(
@@ -474,6 +516,10 @@ fn model_groups(
             .split_group(&members)
             .map_err(|e| anyhow::anyhow!("{e}"))
     };
+    let cp = match l.cp > 1 {
+        true => Some(Rc::new(CpGroup::new(group(Dim::Cp)?))),
+        false => None,
+    };
     let (dp, ep, dp_experts) = match l.ep > 1 {
         true => (
             Some(split(grid.group_of(rank, &[Dim::Dp, Dim::Ep]))?),
@@ -483,9 +529,10 @@ fn model_groups(
                 false => None,
             },
         ),
+        // Under context parallelism the dp × cp ranks hold the same weights.
         false => (
-            match l.dp > 1 {
-                true => Some(group(Dim::Dp)?),
+            match l.dp * l.cp > 1 {
+                true => Some(split(grid.group_of(rank, &[Dim::Dp, Dim::Cp]))?),
                 false => None,
             },
             None,
@@ -516,6 +563,7 @@ fn model_groups(
         dp,
         ep,
         dp_experts,
+        cp,
     })
 }
 
@@ -611,7 +659,7 @@ fn run_rank(
     };
     let l = &cfg.parallel;
     let comms = match ctx.as_ref().map(|c| c.comm.as_ref()) {
-        Some(world) if l.tp > 1 || l.pp > 1 || l.ep > 1 => Some(model_groups(
+        Some(world) if l.tp > 1 || l.pp > 1 || l.ep > 1 || l.cp > 1 => Some(model_groups(
             world,
             rank,
             &cfg,
@@ -623,6 +671,11 @@ fn run_rank(
     let lcfg = LoaderConfig::new(cfg.data.mbs as usize, cfg.data.seq as usize, cfg.data.seed);
     // Each data-parallel rank trains its own slice of every global batch; all of them
     // evaluate the same validation batches.
+    // A context-parallel rank takes its share of each of its replica's sequences.
+    let part = SeqPart {
+        rank: grid.coord(rank, Dim::Cp),
+        ranks: l.cp as usize,
+    };
     let train_cfg = lcfg.clone().with_rank(dp_rank, ranks);
     let loader = match &loaded {
         // The saved position of the global order, dealt to this rank of this layout.
@@ -632,13 +685,13 @@ fn run_rank(
             loader
         }
         None => Loader::new(train, train_cfg)?,
-    };
+    }
+    .with_context_parallel(part)?;
     let val = match (val, cfg.observability.eval_interval) {
-        (Some(v), i) if i > 0 => Some(ValLoader::new(
-            v,
-            lcfg,
-            Some(cfg.observability.eval_batches as usize),
-        )?),
+        (Some(v), i) if i > 0 => Some(
+            ValLoader::new(v, lcfg, Some(cfg.observability.eval_batches as usize))?
+                .with_context_parallel(part)?,
+        ),
         _ => None,
     };
     let peak_gflops = match ctx.as_ref().and_then(|c| c.peak_gflops) {
@@ -659,6 +712,7 @@ fn run_rank(
             world: Some(world),
             ep: g.ep,
             dp_experts: g.dp_experts,
+            cp: g.cp,
         },
         (world, _) => Comms {
             dp: world,

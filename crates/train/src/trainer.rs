@@ -5,6 +5,7 @@
 use crate::alloc;
 use crate::arena::Arena;
 use crate::config::TrainConfig;
+use crate::context_parallel::CpGroup;
 use crate::data::{Loader, ValLoader};
 use crate::data_parallel::{expert_ranges, Buckets, DataParallel, Gather, Segment, Sums};
 use crate::expert_parallel::EpGroup;
@@ -27,8 +28,8 @@ use anyhow::Result;
 use ferrotron_dist::Communicator;
 use ferrotron_engine::kernels::{AdamWParams, CpuKernels, Kernels, Rounding};
 use ferrotron_engine::model::{
-    BatchShape, EpComm, ExpertParallel, GradBuf, GradsDone, Llama, LlamaConfig, LossSum, Stage,
-    TensorParallel, TpComm, Whole,
+    BatchShape, ContextParallel, CpComm, EpComm, ExpertParallel, GradBuf, GradsDone, Llama,
+    LlamaConfig, LossSum, Stage, TensorParallel, TpComm, Whole,
 };
 use ferrotron_engine::Elem;
 use ferrotron_plan::arena::{with_region, ArenaLayout};
@@ -75,6 +76,8 @@ pub struct Comms {
     /// gradients are summed (`dp` is then every dense replica).
     pub ep: Option<Rc<EpGroup>>,
     pub dp_experts: Option<Box<dyn Communicator>>,
+    /// Context parallelism: the rank's ring (`dp` is then every dp × cp replica).
+    pub cp: Option<Rc<CpGroup>>,
 }
 
 /// Share `r` of `p` even shares of the elements of `ranges` (in order), as ranges.
@@ -93,12 +96,19 @@ fn even_share(ranges: &[Range<usize>], r: usize, p: usize) -> Vec<Range<usize>> 
 }
 
 /// The error of a tensor- or expert-parallel collective of the pass, if one failed.
-fn check_groups(tp: &Option<Rc<TpGroup>>, ep: &Option<Rc<EpGroup>>) -> Result<()> {
+fn check_groups(
+    tp: &Option<Rc<TpGroup>>,
+    ep: &Option<Rc<EpGroup>>,
+    cp: &Option<Rc<CpGroup>>,
+) -> Result<()> {
     if let Some(tp) = tp {
         tp.check()?;
     }
     if let Some(ep) = ep {
         ep.check()?;
+    }
+    if let Some(cp) = cp {
+        cp.check()?;
     }
     Ok(())
 }
@@ -232,6 +242,8 @@ pub struct Trainer {
     tp: Option<Rc<TpGroup>>,
     /// This rank's expert-parallel group (the model's exchanges go through it).
     ep: Option<Rc<EpGroup>>,
+    /// This rank's context-parallel ring (the model's attention passes blocks through it).
+    cp: Option<Rc<CpGroup>>,
     /// This rank's pipeline stage.
     pub pp: Option<Pipeline>,
     /// With tensor parallelism, every rank (for `rank_mem`), and a small buffer for it.
@@ -362,7 +374,8 @@ impl Trainer {
             CpuKernels::PLAIN
         };
         Kernels::<f32>::warm_up(&cpu);
-        let n = (cfg.data.mbs * cfg.data.seq) as usize;
+        // This rank's tokens of a micro-batch: under context parallelism 1/cp of each sequence.
+        let n = (cfg.data.mbs * cfg.data.seq / cfg.parallel.cp) as usize;
         // The products this rank runs: its slice of the model under tensor parallelism.
         let tp_size = comms.tp.as_ref().map_or(1, |t| t.size());
         let local = ferrotron_engine::model::tensor_parallel::shard_config(&llama, tp_size)?;
@@ -439,6 +452,18 @@ impl Trainer {
             )
             .with_ce_chunk_tokens(cfg.runtime.ce_chunk as usize)
             .with_recompute(cfg.runtime.recompute);
+        // Context parallelism: attention as a ring over the group, RoPE at this rank's
+        // positions.
+        let model = match &comms.cp {
+            Some(cp) => {
+                let ring: Rc<dyn CpComm> = cp.clone();
+                let seq = cfg.data.seq as usize;
+                model
+                    .context_parallel(ContextParallel::new(ring), seq)
+                    .map_err(anyhow::Error::msg)?
+            }
+            None => model,
+        };
         let init = tpar::slice_of(&model, &whole_init);
         drop(whole_init);
         let Comms {
@@ -448,6 +473,7 @@ impl Trainer {
             world,
             ep,
             dp_experts,
+            cp,
         } = comms;
         // Data parallelism: the buckets of the plan (`dp.grad_buckets`; ZeRO-3: one per unit),
         // and under ZeRO the shard of the optimizer states this rank keeps.
@@ -571,6 +597,7 @@ impl Trainer {
             dp,
             tp,
             ep,
+            cp,
             pp,
             world: world.map(|w| (w, Vec::new())),
             comm_planned,
@@ -614,10 +641,11 @@ impl Trainer {
         }
     }
 
+    /// A micro-batch on this rank: under context parallelism its share of each sequence.
     fn batch(&self) -> BatchShape {
         BatchShape {
             b: self.cfg.data.mbs as usize,
-            t: self.cfg.data.seq as usize,
+            t: (self.cfg.data.seq / self.cfg.parallel.cp) as usize,
         }
     }
 
@@ -653,6 +681,9 @@ impl Trainer {
             }
             if let (Some(ep), Some(b)) = (&self.ep, self.plan.plan.find("comm.ep.message")) {
                 ep.allocate(b.numel as usize);
+            }
+            if let (Some(cp), Some(b)) = (&self.cp, self.plan.plan.find("comm.cp.message")) {
+                cp.allocate(b.numel as usize);
             }
             self.allocate_pipeline();
             self.pool.sample(step, Point::Grads);
@@ -825,7 +856,7 @@ impl Trainer {
                     loss_scale,
                 );
                 src.check()?;
-                check_groups(&self.tp, &self.ep)?;
+                check_groups(&self.tp, &self.ep, &self.cp)?;
                 self.kernels.phase("forward", tf, step, mb);
                 let tb = Instant::now();
                 self.pool.enter(step, mb, Running::Backward);
@@ -880,7 +911,7 @@ impl Trainer {
                     }
                 }
                 src.check()?;
-                check_groups(&self.tp, &self.ep)?;
+                check_groups(&self.tp, &self.ep, &self.cp)?;
                 self.pool.enter(step, mb, Running::Idle);
                 self.kernels.phase("backward", tb, step, mb);
                 loss.sum += l.sum;
@@ -1026,10 +1057,12 @@ impl Trainer {
         Ok((loss, grad_norm, lr, None))
     }
 
-    /// Tokens of one optimizer step over all data-parallel ranks.
+    /// Tokens of one optimizer step over all data-parallel ranks (under context parallelism
+    /// the dp × cp ranks, each holding 1/cp of its sequences).
     pub fn global_batch_tokens(&self) -> u64 {
         let ranks = self.dp.as_ref().map_or(1, |d| d.size()) as u64;
-        self.cfg.data.grad_acc * self.cfg.data.mbs * self.cfg.data.seq * ranks
+        let b = self.batch();
+        self.cfg.data.grad_acc * (b.b * b.t) as u64 * ranks
     }
 
     /// Mean validation loss over the fixed validation batches (under ZeRO-3 every rank must
@@ -1084,12 +1117,17 @@ impl Trainer {
                 .model
                 .forward_eval_from(k, pool, src.get(), batch, tokens, targets);
             src.check()?;
-            check_groups(&self.tp, &self.ep)?;
+            check_groups(&self.tp, &self.ep, &self.cp)?;
             loss.sum += l.sum;
             loss.count += l.count;
         }
         if let (Some(dp), Some(c)) = (dp, saved) {
             dp.borrow_mut().set_counters(c);
+        }
+        // Each context-parallel rank evaluated its share of the tokens.
+        if let Some(cp) = &self.cp {
+            let [sum, count] = cp.sum_f64([loss.sum, loss.count as f64])?;
+            (loss.sum, loss.count) = (sum, count.round() as usize);
         }
         Ok(loss)
     }

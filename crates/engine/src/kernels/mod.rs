@@ -114,6 +114,46 @@ impl AttnShape {
     }
 }
 
+/// Which tokens of a sequence a rank holds under context parallelism's load-balanced split
+/// (the "zigzag" of Megatron-LM's context parallelism and of Llama 3's, Dubey et al. 2024
+/// §3.3.2): a sequence of `T` tokens is cut into `2·ranks` chunks and rank `r` holds chunks
+/// `r` and `2·ranks − 1 − r`, in that order, so that every rank gets the same share of the
+/// causal triangle. One rank (`ranks == 1`) holds the sequence as it is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SeqPart {
+    pub rank: usize,
+    pub ranks: usize,
+}
+
+impl SeqPart {
+    /// The whole sequence, on one rank.
+    pub const WHOLE: SeqPart = SeqPart { rank: 0, ranks: 1 };
+
+    /// The position in its sequence of local token `i` of a rank holding `t` tokens (`t`
+    /// even when the sequence is split).
+    #[inline]
+    pub fn position(&self, i: usize, t: usize) -> usize {
+        if self.ranks == 1 {
+            return i;
+        }
+        let c = t / 2;
+        match i < c {
+            true => self.rank * c + i,
+            false => (2 * self.ranks - 1 - self.rank) * c + (i - c),
+        }
+    }
+}
+
+/// One step of ring attention (context parallelism): this rank's queries `[B,T,H,D]` (tokens
+/// `q` of the split) against a key/value block `[B,T,KV,D]` of the same length holding tokens
+/// `kv`; a key is visible to a query when its position is not after the query's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RingShape {
+    pub attn: AttnShape,
+    pub q: SeqPart,
+    pub kv: SeqPart,
+}
+
 /// Fused softmax + cross-entropy over `rows` rows of `vocab` logits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CeShape {
@@ -376,6 +416,41 @@ macro_rules! kernel_interface {
                     dq: &mut [S],
                     dk: &mut [S],
                     dv: &mut [S],
+                );
+
+                /// One step of ring attention (Liu et al. 2023; `s` says which tokens the queries
+                /// and the block are): this rank's queries against a key/value block received
+                /// in f32, merged into the running output `o` (f32, normalised) and `lse` by
+                /// their log-sum-exp, as the online softmax merges tiles (Dao 2023). With
+                /// `first` the running values are overwritten. A query that sees no key of the
+                /// block keeps its values.
+                #[allow(clippy::too_many_arguments)]
+                fn attention_forward_ring(
+                    &self,
+                    s: RingShape,
+                    q: &[S],
+                    k: &[f32],
+                    v: &[f32],
+                    o: &mut [f32],
+                    lse: &mut [f32],
+                    first: bool,
+                );
+                /// The block's part of the attention gradient, from the final `o` and `lse`
+                /// (of every block): adds into `dq` (this rank's queries) and into `dk`, `dv`
+                /// (the block's, which travel the ring with it), all f32.
+                #[allow(clippy::too_many_arguments)]
+                fn attention_backward_ring(
+                    &self,
+                    s: RingShape,
+                    q: &[S],
+                    k: &[f32],
+                    v: &[f32],
+                    o: &[S],
+                    lse: &[f32],
+                    d_o: &[S],
+                    dq: &mut [f32],
+                    dk: &mut [f32],
+                    dv: &mut [f32],
                 );
 
                 // ---- SwiGLU (Shazeer 2020) ----

@@ -63,6 +63,9 @@ pub struct Llama {
     pub(super) router_load: super::moe::RouterLoad,
     /// This rank's expert-parallel group (`params` then holds only its experts).
     pub ep: Option<super::expert_parallel::ExpertParallel>,
+    /// This rank's context-parallel group (attention runs as a ring, `rope` is turned to the
+    /// rank's tokens: `super::context_parallel`).
+    pub cp: Option<super::context_parallel::ContextParallel>,
 }
 
 /// `matmul_backward_weight` with an optional bias grad living in the same flat buffer.
@@ -104,6 +107,7 @@ impl Llama {
             part: None,
             router_load: Default::default(),
             ep: None,
+            cp: None,
         }
     }
 
@@ -436,7 +440,7 @@ impl Llama {
         let ashape = self.attn_shape(batch);
         let mut attn_lse = self.buf(pool, name(T::AttnLse), n);
         let mut attn_out = self.buf(pool, name(T::AttnOut), n);
-        k.attention_forward(ashape, &q, &kk, &v, &mut attn_out, &mut attn_lse);
+        self.attention(k, pool, ashape, (&q, &kk, &v), &mut attn_out, &mut attn_lse);
         // resid_mid = attn_out·Woᵀ, then + input: the residual add is its own step, after the
         // projection is complete, because a row-parallel o_proj (tensor parallelism) must
         // all-reduce its partial sums between the two; fused, the residual would be added tp
@@ -901,17 +905,12 @@ impl Llama {
             &mut sc.attn_out,
             Accum::Overwrite,
         );
-        k.attention_backward(
+        self.attention_backward(
+            k,
+            pool,
             self.attn_shape(batch),
-            &a.q,
-            &a.k,
-            &a.v,
-            &a.attn_out,
-            &a.attn_lse,
-            &sc.attn_out,
-            &mut sc.q,
-            &mut sc.k,
-            &mut sc.v,
+            (&a.q, &a.k, &a.v, &a.attn_out, &a.attn_lse, &sc.attn_out),
+            (&mut sc.q, &mut sc.k, &mut sc.v),
         );
         pool.free(name(T::AttnOut), a.attn_out);
         pool.free(name(T::AttnLse), a.attn_lse);

@@ -3,6 +3,7 @@
 pub mod activations;
 pub mod buffers;
 pub mod config;
+pub mod context_parallel;
 pub mod expert_parallel;
 pub mod grad_buf;
 pub mod llama;
@@ -17,6 +18,7 @@ pub mod tensor_parallel;
 pub use activations::{Activations, BatchShape, LayerActs, LossSum};
 pub use buffers::{Boundary, Buf, BufName, BufferPool, HeapPool, PoolEvent, BUF_ALIGN};
 pub use config::{LlamaConfig, ModelError, MoeConfig};
+pub use context_parallel::{ContextParallel, CpComm};
 pub use expert_parallel::{EpComm, ExpertParallel};
 pub use grad_buf::{two_mut, GradBuf, Whole};
 pub use llama::{Llama, DEFAULT_CE_CHUNK_TOKENS};

@@ -25,6 +25,7 @@ use super::build::{find_shards, Split};
 use super::error::{DataError, Result};
 use super::rng::{epoch_seed, mix64, SplitMix64};
 use super::shard::Shard;
+use ferrotron_engine::kernels::SeqPart;
 
 /// A set of validated shards read as one stream of windows.
 #[derive(Debug)]
@@ -275,6 +276,64 @@ pub struct LoaderState {
     pub dataset_fingerprint: u64,
 }
 
+/// Context parallelism's share of every sequence: a batch is read whole into `inputs` and
+/// `targets` (allocated with the loader, before any step), then this rank's tokens of each
+/// sequence are picked out (the load-balanced split of `ferrotron_engine::kernels::SeqPart`).
+#[derive(Debug)]
+struct CpShare {
+    part: SeqPart,
+    inputs: Vec<u32>,
+    targets: Vec<u32>,
+}
+
+impl CpShare {
+    fn new(part: SeqPart, cfg: &LoaderConfig) -> Result<Self> {
+        let chunks = 2 * part.ranks;
+        if !cfg.seq_len.is_multiple_of(chunks) {
+            return Err(DataError::InvalidArgument(format!(
+                "seq_len = {}: context parallelism over cp = {} cuts each sequence into 2·cp = {chunks} equal chunks; use a multiple of {chunks}",
+                cfg.seq_len, part.ranks
+            )));
+        }
+        let n = cfg.batch_size * cfg.seq_len;
+        Ok(CpShare {
+            part,
+            inputs: vec![0; n],
+            targets: vec![0; n],
+        })
+    }
+
+    /// Tokens of this rank per batch.
+    fn local(&self, cfg: &LoaderConfig) -> usize {
+        cfg.batch_size * cfg.seq_len / self.part.ranks
+    }
+
+    /// This rank's tokens of every sequence of the whole batch held.
+    fn pick(&self, seq: usize, inputs: &mut [u32], targets: &mut [u32]) {
+        let tl = seq / self.part.ranks;
+        let rows = inputs
+            .chunks_exact_mut(tl)
+            .zip(targets.chunks_exact_mut(tl));
+        for (b, (ins, tgts)) in rows.enumerate() {
+            for (i, (x, y)) in ins.iter_mut().zip(tgts.iter_mut()).enumerate() {
+                let p = b * seq + self.part.position(i, tl);
+                (*x, *y) = (self.inputs[p], self.targets[p]);
+            }
+        }
+    }
+}
+
+fn check_lens(inputs: &[u32], targets: &[u32], n: usize, what: &str) -> Result<()> {
+    if inputs.len() != n || targets.len() != n {
+        return Err(DataError::InvalidArgument(format!(
+            "batch buffers have {} and {} elements, expected {what} = {n}",
+            inputs.len(),
+            targets.len()
+        )));
+    }
+    Ok(())
+}
+
 /// Deterministic, seeded, resumable training batches.
 #[derive(Debug)]
 pub struct Loader {
@@ -286,6 +345,8 @@ pub struct Loader {
     cursor: u64,
     batches: u64,
     scratch: Vec<u32>,
+    /// Context parallelism: this rank's share of each sequence.
+    cp: Option<CpShare>,
 }
 
 /// The window order of `epoch`: a permutation of `0..windows` (see the module docs).
@@ -311,7 +372,17 @@ impl Loader {
             epoch: 0,
             cursor: 0,
             batches: 0,
+            cp: None,
         })
+    }
+
+    /// The same loader for a rank of a context-parallel group: each batch holds `part`'s
+    /// tokens of every sequence (`batch_size × seq_len / cp` of them).
+    pub fn with_context_parallel(mut self, part: SeqPart) -> Result<Self> {
+        self.cp = (part.ranks > 1)
+            .then(|| CpShare::new(part, &self.cfg))
+            .transpose()?;
+        Ok(self)
     }
 
     /// A loader positioned exactly where `state` was saved (config taken from the state).
@@ -391,17 +462,30 @@ impl Loader {
     }
 
     /// Writes the next batch into `inputs` and `targets` (each `batch_size × seq_len`).
+    /// Under context parallelism, this rank's share of it (`batch_size × seq_len / cp`).
     pub fn next_into(&mut self, inputs: &mut [u32], targets: &mut [u32]) -> Result<()> {
-        let n = self.cfg.batch_size * self.cfg.seq_len;
-        if inputs.len() != n || targets.len() != n {
-            return Err(DataError::InvalidArgument(format!(
-                "batch buffers have {} and {} elements, expected batch_size × seq_len = {n}",
-                inputs.len(),
-                targets.len()
-            )));
+        match self.cp.take() {
+            Some(mut cp) => {
+                let r = check_lens(
+                    inputs,
+                    targets,
+                    cp.local(&self.cfg),
+                    "batch_size × seq_len / cp",
+                );
+                if r.is_ok() {
+                    self.fill(&mut cp.inputs, &mut cp.targets);
+                    cp.pick(self.cfg.seq_len, inputs, targets);
+                }
+                self.cp = Some(cp);
+                r
+            }
+            None => {
+                let n = self.cfg.batch_size * self.cfg.seq_len;
+                check_lens(inputs, targets, n, "batch_size × seq_len")?;
+                self.fill(inputs, targets);
+                Ok(())
+            }
         }
-        self.fill(inputs, targets);
-        Ok(())
     }
 
     fn fill(&mut self, inputs: &mut [u32], targets: &mut [u32]) {
@@ -461,6 +545,8 @@ pub struct ValLoader {
     index: WindowIndex,
     num_batches: usize,
     total_windows_used: u64,
+    /// Context parallelism: this rank's share of each sequence.
+    cp: Option<std::cell::RefCell<CpShare>>,
 }
 
 impl ValLoader {
@@ -486,7 +572,17 @@ impl ValLoader {
             cfg: config,
             index,
             num_batches,
+            cp: None,
         })
+    }
+
+    /// The same batches for a rank of a context-parallel group (see
+    /// [`Loader::with_context_parallel`]).
+    pub fn with_context_parallel(mut self, part: SeqPart) -> Result<Self> {
+        self.cp = (part.ranks > 1)
+            .then(|| CpShare::new(part, &self.cfg).map(std::cell::RefCell::new))
+            .transpose()?;
+        Ok(self)
     }
 
     /// Number of batches in the fixed set.
@@ -507,13 +603,31 @@ impl ValLoader {
     /// Batch `i` of the set (`i < num_batches`).
     pub fn batch(&self, i: usize) -> Batch {
         let mut b = Batch::zeros(self.cfg.batch_size, self.cfg.seq_len);
-        self.batch_into(i, &mut b.inputs, &mut b.targets)
+        self.whole_batch_into(i, &mut b.inputs, &mut b.targets)
             .expect("buffers sized by Batch::zeros");
         b
     }
 
     /// Writes batch `i` into `inputs`/`targets` (each `batch_size × seq_len`).
+    /// Under context parallelism, this rank's share of it (`batch_size × seq_len / cp`).
     pub fn batch_into(&self, i: usize, inputs: &mut [u32], targets: &mut [u32]) -> Result<()> {
+        if let Some(cp) = &self.cp {
+            let mut cp = cp.borrow_mut();
+            let n = cp.local(&self.cfg);
+            check_lens(inputs, targets, n, "batch_size × seq_len / cp")?;
+            let CpShare {
+                inputs: all,
+                targets: next,
+                ..
+            } = &mut *cp;
+            self.whole_batch_into(i, all, next)?;
+            cp.pick(self.cfg.seq_len, inputs, targets);
+            return Ok(());
+        }
+        self.whole_batch_into(i, inputs, targets)
+    }
+
+    fn whole_batch_into(&self, i: usize, inputs: &mut [u32], targets: &mut [u32]) -> Result<()> {
         let t = self.cfg.seq_len;
         let n = self.cfg.batch_size * t;
         if i >= self.num_batches {
@@ -522,13 +636,7 @@ impl ValLoader {
                 self.num_batches
             )));
         }
-        if inputs.len() != n || targets.len() != n {
-            return Err(DataError::InvalidArgument(format!(
-                "batch buffers have {} and {} elements, expected batch_size × seq_len = {n}",
-                inputs.len(),
-                targets.len()
-            )));
-        }
+        check_lens(inputs, targets, n, "batch_size × seq_len")?;
         let mut scratch = vec![0u32; t + 1];
         let first = (i * self.cfg.world_size + self.cfg.rank) * self.cfg.batch_size;
         for b in 0..self.cfg.batch_size {

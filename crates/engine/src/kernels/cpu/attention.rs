@@ -29,7 +29,7 @@ use super::simd::{dot, exp_f32, SendPtr};
 use super::tile_gemm::product as tile;
 use crate::dispatch_fma;
 use crate::dtype::Elem;
-use crate::kernels::AttnShape;
+use crate::kernels::{AttnShape, RingShape, SeqPart};
 use rayon::prelude::*;
 
 /// Query rows per tile.
@@ -55,7 +55,7 @@ fn check(s: &AttnShape) {
 
 /// Online-softmax update of one tile of raw scores `Kⱼ·Qᵢᵀ`, stored transposed: `st[c·BR + r]`
 /// for key `j0 + c` (`c < nc`) and query `i0 + r` (`r < nr`). Scales and causally masks the
-/// scores, then per query (a column of `st`, so the loops run across queries and vectorise):
+/// scores (key `c` is visible to query `r` when `kp[c] ≤ qp[r]`, their positions), then per query (a column of `st`, so the loops run across queries and vectorise):
 /// updates the running max `m` and sum `l`, rescales the query's output row of `acc` (`d`
 /// wide), and turns the scores into unnormalised probabilities in place. Each query's sum
 /// runs over its keys in order from zero, as a row-wise loop would.
@@ -64,7 +64,7 @@ fn check(s: &AttnShape) {
 fn softmax_cols_generic<const F: bool>(
     st: &mut [f32],
     (nr, nc): (usize, usize),
-    (i0, j0): (usize, usize),
+    (qp, kp): (&[u32], &[u32]),
     scale: f32,
     acc: &mut [f32],
     d: usize,
@@ -75,10 +75,11 @@ fn softmax_cols_generic<const F: bool>(
     // would keep them scalar.
     let mut m_new = *m;
     let m_new = &mut m_new[..nr];
-    for c in 0..nc {
+    let qp = &qp[..nr];
+    for (c, &kc) in kp[..nc].iter().enumerate() {
         let row = &mut st[c * BR..c * BR + nr];
-        for (r, (x, mn)) in row.iter_mut().zip(m_new.iter_mut()).enumerate() {
-            *x = if j0 + c <= i0 + r {
+        for ((x, mn), &qr) in row.iter_mut().zip(m_new.iter_mut()).zip(qp) {
+            *x = if kc <= qr {
                 *x * scale
             } else {
                 f32::NEG_INFINITY
@@ -116,7 +117,7 @@ fn softmax_cols_generic<const F: bool>(
         }
     }
 }
-dispatch_fma!(fn softmax_cols => softmax_cols_generic(st: &mut [f32], nrc: (usize, usize), origin: (usize, usize), scale: f32, acc: &mut [f32], d: usize, m: &mut [f32; BR], l: &mut [f32; BR]));
+dispatch_fma!(fn softmax_cols => softmax_cols_generic(st: &mut [f32], nrc: (usize, usize), pos: (&[u32], &[u32]), scale: f32, acc: &mut [f32], d: usize, m: &mut [f32; BR], l: &mut [f32; BR]));
 
 /// `P = exp(S·scale − lse)` and `dS = scale·P ⊙ (dP − D)` for one tile stored transposed as in
 /// [`softmax_cols`] (`S` in `st`, `dP` in `dpt`), causally masked (masked entries zeroed);
@@ -126,17 +127,17 @@ fn grad_cols_generic<const F: bool>(
     st: &mut [f32],
     dpt: &mut [f32],
     (nr, nc): (usize, usize),
-    (i0, j0): (usize, usize),
+    (qp, kp): (&[u32], &[u32]),
     scale: f32,
     lse: &[f32],
     di: &[f32],
 ) {
-    let (lse, di) = (&lse[..nr], &di[..nr]);
-    for c in 0..nc {
+    let (lse, di, qp) = (&lse[..nr], &di[..nr], &qp[..nr]);
+    for (c, &kc) in kp[..nc].iter().enumerate() {
         let s = &mut st[c * BR..c * BR + nr];
         let dp = &mut dpt[c * BR..c * BR + nr];
         for r in 0..nr {
-            if j0 + c <= i0 + r {
+            if kc <= qp[r] {
                 let p = exp_f32::<F>(s[r] * scale - lse[r]);
                 s[r] = p;
                 dp[r] = scale * p * (dp[r] - di[r]);
@@ -147,7 +148,7 @@ fn grad_cols_generic<const F: bool>(
         }
     }
 }
-dispatch_fma!(fn grad_cols => grad_cols_generic(st: &mut [f32], dpt: &mut [f32], nrc: (usize, usize), origin: (usize, usize), scale: f32, lse: &[f32], di: &[f32]));
+dispatch_fma!(fn grad_cols => grad_cols_generic(st: &mut [f32], dpt: &mut [f32], nrc: (usize, usize), pos: (&[u32], &[u32]), scale: f32, lse: &[f32], di: &[f32]));
 
 #[inline(always)]
 fn dot_generic<const F: bool>(a: &[f32], b: &[f32]) -> f32 {
@@ -200,7 +201,103 @@ fn transposed<'a, S: Elem>(
 /// Task-local f32 tiles: transposed scores, the output accumulator, and staged `Qᵀ`, k and v.
 type Tiles = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
 
+/// Which tokens the queries and the keys are (see [`SeqPart`]), and so which keys a query
+/// sees.
+#[derive(Clone, Copy)]
+struct Parts {
+    q: SeqPart,
+    kv: SeqPart,
+    t: usize,
+}
+
+impl Parts {
+    fn causal(t: usize) -> Self {
+        Parts {
+            q: SeqPart::WHOLE,
+            kv: SeqPart::WHOLE,
+            t,
+        }
+    }
+
+    /// Positions of queries `i0..i0 + nr` into `qp`; returns the latest.
+    fn queries(&self, i0: usize, nr: usize, qp: &mut [u32; BR]) -> u32 {
+        for (r, p) in qp.iter_mut().enumerate().take(nr) {
+            *p = self.q.position(i0 + r, self.t) as u32;
+        }
+        qp[..nr].iter().copied().max().unwrap_or(0)
+    }
+
+    /// Positions of the keys of the tile at `j0` into `kp`, and how many of them to take: up
+    /// to the last one visible from position `latest` (0: none is). The keys after it are
+    /// left out rather than masked, so that the causal case runs the tiles the plain loop
+    /// `j0 < i0 + nr` runs, to the same bits.
+    fn keys(&self, j0: usize, latest: u32, kp: &mut [u32; BC]) -> usize {
+        let nc = BC.min(self.t - j0);
+        let mut take = 0;
+        for (c, p) in kp.iter_mut().enumerate().take(nc) {
+            *p = self.kv.position(j0 + c, self.t) as u32;
+            if *p <= latest {
+                take = c + 1;
+            }
+        }
+        take
+    }
+}
+
+/// `dst (=|+=) src`, rounding once into `O`.
+fn put<O: Elem>(src: &[f32], dst: &mut [O], add: bool) {
+    match add {
+        true => dst
+            .iter_mut()
+            .zip(src)
+            .for_each(|(d, s)| *d = O::from_f32(d.to_f32() + s)),
+        false => O::store(src, dst),
+    }
+}
+
 pub fn forward<S: Elem>(s: AttnShape, q: &[S], k: &[S], v: &[S], o: &mut [S], lse: &mut [f32]) {
+    forward_core(s, Parts::causal(s.t), q, k, v, o, lse, false)
+}
+
+/// One step of ring attention: see `Kernels::attention_forward_ring`.
+pub fn forward_ring<S: Elem>(
+    s: RingShape,
+    q: &[S],
+    k: &[f32],
+    v: &[f32],
+    o: &mut [f32],
+    lse: &mut [f32],
+    first: bool,
+) {
+    let a = s.attn;
+    assert!(
+        s.q.ranks == 1 || a.t.is_multiple_of(2),
+        "ring attention: {} tokens do not split into two chunks",
+        a.t
+    );
+    let parts = Parts {
+        q: s.q,
+        kv: s.kv,
+        t: a.t,
+    };
+    forward_core(a, parts, q, k, v, o, lse, !first)
+}
+
+/// The forward over queries of type `S`, keys and values of type `K`, into `o` of type `O`.
+/// With `merge`, the online softmax starts from the running output and log-sum-exp already in
+/// `o` and `lse` (the state `m = lse`, `l = 1`, `acc = o` is the same softmax), so that the
+/// keys of this call are merged into those of earlier calls.
+#[allow(clippy::too_many_arguments)]
+fn forward_core<S: Elem, K: Elem, O: Elem>(
+    s: AttnShape,
+    parts: Parts,
+    q: &[S],
+    k: &[K],
+    v: &[K],
+    o: &mut [O],
+    lse: &mut [f32],
+    merge: bool,
+) {
     check(&s);
     assert_eq!(q.len(), s.q_len(), "attention q len");
     assert_eq!(k.len(), s.kv_len(), "attention k len");
@@ -231,13 +328,28 @@ pub fn forward<S: Elem>(s: AttnShape, q: &[S], k: &[S], v: &[S], o: &mut [S], ls
             let nr = BR.min(t - i0);
             let q0 = ((b * t + i0) * hh + h) * d;
             let qt = transposed(q, q0, nr, qs, d, qtb);
+            let (mut qp, mut kp) = ([0u32; BR], [0u32; BC]);
+            let latest = parts.queries(i0, nr, &mut qp);
             let mut m = [f32::NEG_INFINITY; BR];
             let mut l = [0.0f32; BR];
             acc[..nr * d].fill(0.0);
-            let kend = i0 + nr; // keys 0..kend are visible to some row of the block
+            if merge {
+                for r in 0..nr {
+                    let i = i0 + r;
+                    // SAFETY: row (b, i, h) of o and entry (b, h, i) of lse belong to this task.
+                    let orow = unsafe { op.slice_mut(((b * t + i) * hh + h) * d, d) };
+                    O::load(orow, &mut acc[r * d..(r + 1) * d]);
+                    m[r] = unsafe { *lp.ptr().add((b * hh + h) * t + i) };
+                    l[r] = 1.0;
+                }
+            }
             let mut j0 = 0;
-            while j0 < kend {
-                let nc = BC.min(kend - j0);
+            while j0 < t {
+                let nc = parts.keys(j0, latest, &mut kp);
+                if nc == 0 {
+                    j0 += BC;
+                    continue;
+                }
                 let k0 = ((b * t + j0) * kv + kvh) * d;
                 let (kt, kst) = rows_f32(k, k0, nc, ks, d, kb);
                 let (vt, vst) = rows_f32(v, k0, nc, ks, d, vb);
@@ -255,10 +367,10 @@ pub fn forward<S: Elem>(s: AttnShape, q: &[S], k: &[S], v: &[S], o: &mut [S], ls
                         false,
                     )
                 };
-                softmax_cols(st, (nr, nc), (i0, j0), scale, acc, d, &mut m, &mut l);
+                softmax_cols(st, (nr, nc), (&qp, &kp), scale, acc, d, &mut m, &mut l);
                 // O += P V_j, P read from Sᵀ by columns
                 unsafe { tile((nr, d, nc), acc.as_mut_ptr(), d, st, (1, BR), vt, vst, true) };
-                j0 += nc;
+                j0 += BC;
             }
             for r in 0..nr {
                 let i = i0 + r;
@@ -266,7 +378,7 @@ pub fn forward<S: Elem>(s: AttnShape, q: &[S], k: &[S], v: &[S], o: &mut [S], ls
                 let orow = unsafe { op.slice_mut(((b * t + i) * hh + h) * d, d) };
                 let inv = 1.0 / l[r];
                 for (x, a) in orow.iter_mut().zip(&acc[r * d..(r + 1) * d]) {
-                    *x = S::from_f32(a * inv);
+                    *x = O::from_f32(a * inv);
                 }
                 unsafe { *lp.ptr().add((b * hh + h) * t + i) = m[r] + l[r].ln() };
             }
@@ -286,6 +398,47 @@ pub fn backward<S: Elem>(
     dq: &mut [S],
     dk: &mut [S],
     dv: &mut [S],
+) {
+    let parts = Parts::causal(s.t);
+    backward_core(s, parts, q, k, v, o, lse, d_o, (dq, dk, dv), false)
+}
+
+/// One step of ring attention's backward: see `Kernels::attention_backward_ring`.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_ring<S: Elem>(
+    s: RingShape,
+    q: &[S],
+    k: &[f32],
+    v: &[f32],
+    o: &[S],
+    lse: &[f32],
+    d_o: &[S],
+    dq: &mut [f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
+) {
+    let parts = Parts {
+        q: s.q,
+        kv: s.kv,
+        t: s.attn.t,
+    };
+    backward_core(s.attn, parts, q, k, v, o, lse, d_o, (dq, dk, dv), true)
+}
+
+/// The backward over queries (and `o`, `dO`) of type `S`, keys and values of type `K`, into
+/// gradients of type `D`, overwritten or (`add`) added to.
+#[allow(clippy::too_many_arguments)]
+fn backward_core<S: Elem, K: Elem, D: Elem>(
+    s: AttnShape,
+    parts: Parts,
+    q: &[S],
+    k: &[K],
+    v: &[K],
+    o: &[S],
+    lse: &[f32],
+    d_o: &[S],
+    (dq, dk, dv): (&mut [D], &mut [D], &mut [D]),
+    add: bool,
 ) {
     check(&s);
     for (name, n, len) in [
@@ -330,6 +483,7 @@ pub fn backward<S: Elem>(
         |((st, dpt), (dk_acc, dv_acc, dq_acc), (qtb, dotb), (qb, kb, vb, ob, dob)), task| {
             let (b, kvh) = (task / kv, task % kv);
             let kvrow = |j: usize| ((b * t + j) * kv + kvh) * d;
+            let (mut qp, mut kp) = ([0u32; BR], [0u32; BC]);
             dk_acc.fill(0.0);
             dv_acc.fill(0.0);
             for h in kvh * group..(kvh + 1) * group {
@@ -343,15 +497,19 @@ pub fn backward<S: Elem>(
                     let (or, ost) = rows_f32(o, q0, nr, qs, d, ob);
                     let qt = transposed(q, q0, nr, qs, d, qtb);
                     let dot = transposed(d_o, q0, nr, qs, d, dotb);
+                    let latest = parts.queries(i0, nr, &mut qp);
                     let mut di = [0.0f32; BR];
                     for (r, x) in di.iter_mut().enumerate().take(nr) {
                         *x = dot_d(&dor[r * dost..r * dost + d], &or[r * ost..r * ost + d]);
                     }
                     dq_acc[..nr * d].fill(0.0);
-                    let kend = i0 + nr;
                     let mut j0 = 0;
-                    while j0 < kend {
-                        let nc = BC.min(kend - j0);
+                    while j0 < t {
+                        let nc = parts.keys(j0, latest, &mut kp);
+                        if nc == 0 {
+                            j0 += BC;
+                            continue;
+                        }
                         let (kt, kst) = rows_f32(k, kvrow(j0), nc, ks, d, kb);
                         let (vt, vst) = rows_f32(v, kvrow(j0), nc, ks, d, vb);
                         // SAFETY (all tiles below): every destination is task-local.
@@ -379,7 +537,7 @@ pub fn backward<S: Elem>(
                             );
                         }
                         let lse_i = &lse_h[i0..i0 + nr];
-                        grad_cols(st, dpt, (nr, nc), (i0, j0), scale, lse_i, &di);
+                        grad_cols(st, dpt, (nr, nc), (&qp, &kp), scale, lse_i, &di);
                         unsafe {
                             // dV_j += Pᵀ dO_i ; dK_j += dSᵀ Q_i ; dQ_i += dS K_j  (dS already scaled)
                             let (dvj, dkj) = (dv_acc.as_mut_ptr(), dk_acc.as_mut_ptr());
@@ -405,24 +563,28 @@ pub fn backward<S: Elem>(
                                 true,
                             );
                         }
-                        j0 += nc;
+                        j0 += BC;
                     }
                     for r in 0..nr {
                         // SAFETY: dq row (b, i0 + r, h) belongs to this task (h in its group).
                         let row = unsafe { dqp.slice_mut(q0 + r * qs, d) };
-                        S::store(&dq_acc[r * d..(r + 1) * d], row);
+                        put(&dq_acc[r * d..(r + 1) * d], row, add);
                     }
                     i0 += nr;
                 }
             }
             for j in 0..t {
                 // SAFETY: the (b, ·, kvh) rows of dk/dv belong to this task.
-                S::store(&dk_acc[j * d..(j + 1) * d], unsafe {
-                    dkp.slice_mut(kvrow(j), d)
-                });
-                S::store(&dv_acc[j * d..(j + 1) * d], unsafe {
-                    dvp.slice_mut(kvrow(j), d)
-                });
+                put(
+                    &dk_acc[j * d..(j + 1) * d],
+                    unsafe { dkp.slice_mut(kvrow(j), d) },
+                    add,
+                );
+                put(
+                    &dv_acc[j * d..(j + 1) * d],
+                    unsafe { dvp.slice_mut(kvrow(j), d) },
+                    add,
+                );
             }
         },
     );
@@ -501,7 +663,10 @@ mod tests {
         let acc0 = random(BR * d, 16, 1.0);
         let m0: [f32; BR] =
             std::array::from_fn(|r| if r % 7 == 0 { f32::NEG_INFINITY } else { 1.5 });
-        for origin in [(0, 0), (64, 0)] {
+        for (i0, j0) in [(0, 0), (64, 0)] {
+            let qp: [u32; BR] = std::array::from_fn(|r| (i0 + r) as u32);
+            let kp: [u32; BC] = std::array::from_fn(|c| (j0 + c) as u32);
+            let origin = (&qp[..], &kp[..]);
             agree("attention online softmax tile", 1e-5, || {
                 let (mut st, mut acc) = (s0.clone(), acc0.clone());
                 let (mut m, mut l) = (m0, [3.0f32; BR]);
@@ -531,5 +696,121 @@ mod tests {
         agree("attention row dot", 1e-5, || {
             vec![dot_d(&s0, &acc0[..s0.len().min(acc0.len())])]
         });
+    }
+
+    /// Ring attention over `ranks` ranks (each rank's queries against every rank's block,
+    /// merged step by step; every block's dK, dV summed over the ranks) equals causal attention
+    /// over the whole sequence, forward and backward, on sequences whose chunks do not fill
+    /// the tiles.
+    #[test]
+    fn ring_steps_equal_the_whole_sequence() {
+        for ranks in [2usize, 3] {
+            let (b, c, hh, kv, d) = (2, 40, 4, 2, 16);
+            let (tl, t) = (2 * c, 2 * c * ranks);
+            let whole = AttnShape {
+                b,
+                t,
+                heads: hh,
+                kv_heads: kv,
+                head_dim: d,
+            };
+            let local = AttnShape { t: tl, ..whole };
+            let (q, k, v, d_o) = (
+                random(whole.q_len(), 31, 1.0),
+                random(whole.kv_len(), 32, 1.0),
+                random(whole.kv_len(), 33, 1.0),
+                random(whole.q_len(), 34, 1.0),
+            );
+            let mut o = vec![0.0f32; whole.q_len()];
+            let mut lse = vec![0.0f32; whole.lse_len()];
+            forward(whole, &q, &k, &v, &mut o, &mut lse);
+            let (mut dq, mut dk, mut dv) = (
+                vec![0.0f32; whole.q_len()],
+                vec![0.0f32; whole.kv_len()],
+                vec![0.0f32; whole.kv_len()],
+            );
+            backward(whole, &q, &k, &v, &o, &lse, &d_o, &mut dq, &mut dk, &mut dv);
+            let part = |r| SeqPart { rank: r, ranks };
+            // Rows `[b, i, ·]` of rank r's tokens, `w` wide, from a whole-sequence tensor.
+            let rows = |x: &[f32], r: usize, w: usize| -> Vec<f32> {
+                let mut out = Vec::new();
+                for bi in 0..b {
+                    for i in 0..tl {
+                        let p = part(r).position(i, tl);
+                        out.extend_from_slice(&x[(bi * t + p) * w..(bi * t + p + 1) * w]);
+                    }
+                }
+                out
+            };
+            let (qw, kw) = (hh * d, kv * d);
+            let (mut dk_ring, mut dv_ring) = (vec![0.0f32; dk.len()], vec![0.0f32; dv.len()]);
+            let blocks: Vec<_> = (0..ranks)
+                .map(|r| (rows(&k, r, kw), rows(&v, r, kw)))
+                .collect();
+            let mut grads =
+                vec![(vec![0.0f32; local.kv_len()], vec![0.0f32; local.kv_len()]); ranks];
+            for r in 0..ranks {
+                let (ql, dol) = (rows(&q, r, qw), rows(&d_o, r, qw));
+                let mut ol = vec![0.0f32; local.q_len()];
+                let mut lsel = vec![0.0f32; local.lse_len()];
+                for step in 0..ranks {
+                    let src = (r + ranks - step) % ranks;
+                    let s = RingShape {
+                        attn: local,
+                        q: part(r),
+                        kv: part(src),
+                    };
+                    let (kb, vb) = &blocks[src];
+                    forward_ring(s, &ql, kb, vb, &mut ol, &mut lsel, step == 0);
+                }
+                let close = |what: &str, a: &[f32], e: &[f32]| {
+                    for (x, y) in a.iter().zip(e) {
+                        assert!(
+                            (x - y).abs() <= 2e-5 * (1.0 + y.abs()),
+                            "cp {ranks} rank {r} {what}: {x} vs {y}"
+                        );
+                    }
+                };
+                close("o", &ol, &rows(&o, r, qw));
+                let lse_r: Vec<f32> = (0..b * hh)
+                    .flat_map(|bh| {
+                        let lse = &lse;
+                        (0..tl).map(move |i| lse[bh * t + part(r).position(i, tl)])
+                    })
+                    .collect();
+                close("lse", &lsel, &lse_r);
+                let mut dql = vec![0.0f32; local.q_len()];
+                for step in 0..ranks {
+                    let src = (r + ranks - step) % ranks;
+                    let s = RingShape {
+                        attn: local,
+                        q: part(r),
+                        kv: part(src),
+                    };
+                    let (kb, vb) = &blocks[src];
+                    let (dkb, dvb) = &mut grads[src];
+                    backward_ring(s, &ql, kb, vb, &ol, &lsel, &dol, &mut dql, dkb, dvb);
+                }
+                close("dq", &dql, &rows(&dq, r, qw));
+            }
+            for (r, (dkb, dvb)) in grads.iter().enumerate() {
+                for bi in 0..b {
+                    for i in 0..tl {
+                        let p = part(r).position(i, tl);
+                        let (at, from) = ((bi * t + p) * kw, (bi * tl + i) * kw);
+                        dk_ring[at..at + kw].copy_from_slice(&dkb[from..from + kw]);
+                        dv_ring[at..at + kw].copy_from_slice(&dvb[from..from + kw]);
+                    }
+                }
+            }
+            for (what, a, e) in [("dk", &dk_ring, &dk), ("dv", &dv_ring, &dv)] {
+                for (x, y) in a.iter().zip(e.iter()) {
+                    assert!(
+                        (x - y).abs() <= 2e-5 * (1.0 + y.abs()),
+                        "cp {ranks} {what}: {x} vs {y}"
+                    );
+                }
+            }
+        }
     }
 }

@@ -21,7 +21,7 @@ pub mod vocab_parallel_ce;
 
 use super::{
     Accum, AdamWParams, AttnShape, CeShape, CeShardShape, Kernels, Limits, MatmulShape, NormShape,
-    RopeShape, RopeTable, Rounding, RouteShape,
+    RingShape, RopeShape, RopeTable, Rounding, RouteShape,
 };
 use crate::dtype::Elem;
 pub use gemm_select::Gemm;
@@ -190,6 +190,33 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CpuKernels {
         dv: &mut [S],
     ) {
         attention::backward(s, q, k, v, o, lse, d_o, dq, dk, dv)
+    }
+    fn attention_forward_ring(
+        &self,
+        s: RingShape,
+        q: &[S],
+        k: &[f32],
+        v: &[f32],
+        o: &mut [f32],
+        lse: &mut [f32],
+        first: bool,
+    ) {
+        attention::forward_ring(s, q, k, v, o, lse, first)
+    }
+    fn attention_backward_ring(
+        &self,
+        s: RingShape,
+        q: &[S],
+        k: &[f32],
+        v: &[f32],
+        o: &[S],
+        lse: &[f32],
+        d_o: &[S],
+        dq: &mut [f32],
+        dk: &mut [f32],
+        dv: &mut [f32],
+    ) {
+        attention::backward_ring(s, q, k, v, o, lse, d_o, dq, dk, dv)
     }
     fn swiglu_forward(&self, gate: &[S], up: &[S], h: &mut [S]) {
         swiglu::forward(gate, up, h)

@@ -1,0 +1,237 @@
+//! Context parallelism: a sequence split over the `cp` ranks of a group, attention computed as
+//! ring attention (Liu et al. 2023, "Ring Attention with Blockwise Transformers"; Megatron-LM's
+//! context parallelism; the playbook's "Context parallelism" section).
+//!
+//! Every op of a layer but attention works token by token, so each rank runs them on its own
+//! tokens. Attention needs every earlier key: the ranks pass their key/value blocks around a
+//! ring, and each merges the attention of its queries to each block into a running output by
+//! the blocks' log-sum-exp (the online softmax of flash attention, one block at a time):
+//!
+//! ```text
+//! forward   step 0: own block; step s: block of rank r − s, received from rank r − 1 while
+//!           rank r + 1 receives the one just used. o and lse merged in f32, o rounded once.
+//! backward  step s: the same blocks with their dK, dV travelling along: this rank adds its
+//!           queries' part to them and to its own dQ; after the last step one more pass
+//!           brings each block's dK, dV home.
+//! ```
+//!
+//! Load balance (the causal mask makes late tokens cost more): the sequence is cut into
+//! `2·cp` chunks and rank `r` holds chunks `r` and `2·cp − 1 − r` ([`SeqPart`]), as Megatron-LM
+//! and Llama 3 do. RoPE rotates each token by its position in the sequence: the rank's
+//! RoPE table holds, in row `i`, the angles of its local token `i`'s position.
+//!
+//! Blocks travel in f32 through the plan's `comm.cp.block` / `comm.cp.next`, the running
+//! output (forward) and query gradient (backward) accumulate in `act.cp.acc`.
+
+use super::buffers::{Buf, BufName, BufferPool};
+use super::llama::Llama;
+use crate::dtype::Elem;
+use crate::kernels::{AttnShape, Kernels, RingShape, RopeTable, SeqPart};
+use ferrotron_plan::tensors::Edge;
+use std::rc::Rc;
+
+/// The ring of a context-parallel group. A failure leaves `recv` as it was and is reported by
+/// the implementation after the pass (the trainer checks).
+pub trait CpComm {
+    fn size(&self) -> usize;
+    fn rank(&self) -> usize;
+    /// Sends `send` to the next rank of the ring (`rank + 1`) and receives the previous
+    /// rank's block of the same length into `recv`.
+    fn pass(&self, send: &[f32], recv: &mut [f32]);
+}
+
+/// This rank's place in its context-parallel group, and the group's ring.
+#[derive(Clone)]
+pub struct ContextParallel {
+    pub size: usize,
+    pub rank: usize,
+    comm: Rc<dyn CpComm>,
+}
+
+impl std::fmt::Debug for ContextParallel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "ContextParallel {{ rank {} of {} }}",
+            self.rank, self.size
+        )
+    }
+}
+
+impl ContextParallel {
+    pub fn new(comm: Rc<dyn CpComm>) -> Self {
+        ContextParallel {
+            size: comm.size(),
+            rank: comm.rank(),
+            comm,
+        }
+    }
+
+    /// The tokens rank `r` of the group holds.
+    pub fn part_of(&self, r: usize) -> SeqPart {
+        SeqPart {
+            rank: r,
+            ranks: self.size,
+        }
+    }
+
+    /// The tokens this rank holds.
+    pub fn part(&self) -> SeqPart {
+        self.part_of(self.rank)
+    }
+
+    /// Tokens per rank of a sequence of `seq`; the sequence must cut into `2·cp` equal
+    /// chunks.
+    pub fn local_len(&self, seq: usize) -> Result<usize, String> {
+        let chunks = 2 * self.size;
+        match seq.is_multiple_of(chunks) {
+            true => Ok(seq / self.size),
+            false => Err(format!(
+                "seq = {seq}: context parallelism over cp = {} cuts each sequence into 2·cp = {chunks} equal chunks; use a multiple of {chunks}",
+                self.size
+            )),
+        }
+    }
+
+    /// `full`'s rows for this rank's `t` local tokens: row `i` holds the angles of local token
+    /// `i`'s position; the rows past `t` are `full`'s, so the table keeps its planned size.
+    pub fn rope(&self, full: &RopeTable, t: usize) -> RopeTable {
+        let half = full.head_dim / 2;
+        let (mut cos, mut sin) = (full.cos.clone(), full.sin.clone());
+        let part = self.part();
+        for i in 0..t {
+            let p = part.position(i, t);
+            cos[i * half..(i + 1) * half].copy_from_slice(&full.cos[p * half..(p + 1) * half]);
+            sin[i * half..(i + 1) * half].copy_from_slice(&full.sin[p * half..(p + 1) * half]);
+        }
+        RopeTable { cos, sin, ..*full }
+    }
+
+    /// The rank whose block this rank holds at ring step `step`.
+    fn source(&self, step: usize) -> usize {
+        (self.rank + self.size - step % self.size) % self.size
+    }
+
+    fn ring(&self, s: AttnShape, step: usize) -> RingShape {
+        RingShape {
+            attn: s,
+            q: self.part(),
+            kv: self.part_of(self.source(step)),
+        }
+    }
+}
+
+/// The three ring buffers of one attention (forward or backward).
+struct RingBufs {
+    block: Buf<f32>,
+    next: Buf<f32>,
+    acc: Buf<f32>,
+}
+
+impl Llama {
+    /// With context parallelism, this model's RoPE table turned to the rank's tokens of
+    /// sequences of `seq` (see [`ContextParallel::rope`]).
+    pub fn context_parallel(mut self, cp: ContextParallel, seq: usize) -> Result<Self, String> {
+        if cp.size > 1 {
+            let t = cp.local_len(seq)?;
+            self.rope = cp.rope(&self.rope, t);
+            self.cp = Some(cp);
+        }
+        Ok(self)
+    }
+
+    fn ring_bufs(&self, pool: &mut dyn BufferPool, n: usize) -> RingBufs {
+        RingBufs {
+            block: self.buf(pool, BufName::Edge(Edge::CpBlock), n),
+            next: self.buf(pool, BufName::Edge(Edge::CpNext), n),
+            acc: self.buf(pool, BufName::Edge(Edge::CpAcc), n),
+        }
+    }
+
+    fn free_ring_bufs(&self, pool: &mut dyn BufferPool, b: RingBufs) {
+        pool.free(BufName::Edge(Edge::CpBlock), b.block);
+        pool.free(BufName::Edge(Edge::CpNext), b.next);
+        pool.free(BufName::Edge(Edge::CpAcc), b.acc);
+    }
+
+    /// Causal attention of this rank's tokens: the plain kernel on one rank, the ring under
+    /// context parallelism.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attention<S: Elem, G: Elem>(
+        &self,
+        k: &dyn Kernels<S, G>,
+        pool: &mut dyn BufferPool,
+        s: AttnShape,
+        (q, kk, v): (&[S], &[S], &[S]),
+        o: &mut [S],
+        lse: &mut [f32],
+    ) {
+        let Some(cp) = &self.cp else {
+            return k.attention_forward(s, q, kk, v, o, lse);
+        };
+        let kvl = s.kv_len();
+        let mut b = self.ring_bufs(pool, s.b * s.t);
+        widen(kk, &mut b.block[..kvl]);
+        widen(v, &mut b.block[kvl..2 * kvl]);
+        for step in 0..cp.size {
+            if step > 0 {
+                cp.comm.pass(&b.block[..2 * kvl], &mut b.next[..2 * kvl]);
+                std::mem::swap(&mut b.block, &mut b.next);
+            }
+            let (kb, vb) = b.block[..2 * kvl].split_at(kvl);
+            let acc = &mut b.acc[..s.q_len()];
+            k.attention_forward_ring(cp.ring(s, step), q, kb, vb, acc, lse, step == 0);
+        }
+        S::store(&b.acc[..s.q_len()], o);
+        self.free_ring_bufs(pool, b);
+    }
+
+    /// The backward of [`Llama::attention`]: overwrites `dq`, `dk`, `dv`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attention_backward<S: Elem, G: Elem>(
+        &self,
+        k: &dyn Kernels<S, G>,
+        pool: &mut dyn BufferPool,
+        s: AttnShape,
+        (q, kk, v, o, lse, d_o): (&[S], &[S], &[S], &[S], &[f32], &[S]),
+        (dq, dk, dv): (&mut [S], &mut [S], &mut [S]),
+    ) {
+        let Some(cp) = &self.cp else {
+            return k.attention_backward(s, q, kk, v, o, lse, d_o, dq, dk, dv);
+        };
+        let kvl = s.kv_len();
+        let mut b = self.ring_bufs(pool, s.b * s.t);
+        // A block travels as [K | V | dK | dV].
+        widen(kk, &mut b.block[..kvl]);
+        widen(v, &mut b.block[kvl..2 * kvl]);
+        b.block[2 * kvl..4 * kvl].fill(0.0);
+        b.acc[..s.q_len()].fill(0.0);
+        for step in 0..cp.size {
+            if step > 0 {
+                cp.comm.pass(&b.block[..4 * kvl], &mut b.next[..4 * kvl]);
+                std::mem::swap(&mut b.block, &mut b.next);
+            }
+            let (kv, grads) = b.block[..4 * kvl].split_at_mut(2 * kvl);
+            let (kb, vb) = kv.split_at(kvl);
+            let (dkb, dvb) = grads.split_at_mut(kvl);
+            let dqa = &mut b.acc[..s.q_len()];
+            let r = cp.ring(s, step);
+            k.attention_backward_ring(r, q, kb, vb, o, lse, d_o, dqa, dkb, dvb);
+        }
+        // The block held last is the next rank's: its gradients go home, and this rank's
+        // arrive from the previous one.
+        if cp.size > 1 {
+            cp.comm
+                .pass(&b.block[2 * kvl..4 * kvl], &mut b.next[2 * kvl..4 * kvl]);
+            std::mem::swap(&mut b.block, &mut b.next);
+        }
+        S::store(&b.acc[..s.q_len()], dq);
+        S::store(&b.block[2 * kvl..3 * kvl], dk);
+        S::store(&b.block[3 * kvl..4 * kvl], dv);
+        self.free_ring_bufs(pool, b);
+    }
+}
+
+fn widen<S: Elem>(x: &[S], f: &mut [f32]) {
+    f.iter_mut().zip(x).for_each(|(o, x)| *o = x.to_f32());
+}
