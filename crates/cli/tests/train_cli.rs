@@ -108,8 +108,8 @@ fn bad_train_input_exits_nonzero_with_one_line() {
             "model = llama-9b: neither a built-in preset nor a config.json file",
         ),
         (
-            vec!["train", "--dp", "2", "--cp", "2"],
-            "error: cp = 2: ferrotron train runs data, tensor, pipeline and expert parallelism (--dp with --zero 1, 2 or 3, --tp, --pp, --ep) for now (the other layouts are next); `ferrotron plan --cp 2` predicts",
+            vec!["train", "--cp", "2", "--pp", "2"],
+            "error: cp = 2: context parallelism does not run with pipeline stages yet: use --cp or --pp, not both",
         ),
         (
             vec!["train", "--sp"],

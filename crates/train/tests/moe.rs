@@ -148,6 +148,13 @@ fn expert_parallel_ranks_follow_the_one_rank_trajectory() {
             "{what}: one entry per rank"
         );
     }
+    // dp 4 × ep 4: 16 ranks, each expert on 4 of them, against one rank running the 16
+    // replicas' micro-batches in turn.
+    let one = train(with("one16", 1, 1, 16, "none"));
+    let s = train(with("4-4", 4, 4, 1, "none"));
+    same_trajectory("dp 4 ep 4", &one, &s);
+    within_plan("dp 4 ep 4", &s);
+    assert_eq!(s[0].rank_mem.len(), 16, "dp 4 ep 4: one entry per rank");
 }
 
 #[test]

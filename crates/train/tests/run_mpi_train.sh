@@ -14,6 +14,8 @@
 #     sp × pp 2 with mpirun -np 8, agree with threads and with dp 2 alone,
 #   - a small Mixtral on dp 2 × ep 2 under mpirun -np 4 agrees with threads and with one rank,
 #     and its checkpoint resumes on ep 4,
+#   - dp 2 × cp 2 (ring attention between processes) under mpirun -np 4 agrees with threads and
+#     with dp 2 alone, and its checkpoint resumes on cp 4,
 #   - mpirun's process count disagreeing with --dp fails at once with one line naming both.
 # Needs Open MPI (Debian: openmpi-bin libopenmpi-dev). Run by scripts/test.sh.
 set -euo pipefail
@@ -149,6 +151,33 @@ assert [r["step"] for r in resumed] == [3, 4], [r["step"] for r in resumed]
 for o, r in zip(one[2:], resumed):
     assert abs(o["loss"] - r["loss"]) / abs(o["loss"]) < 1e-5, (o["loss"], r["loss"])
 print("expert parallelism: mpirun -np 4 (dp 2 × ep 2) = threads within 1e-6, = one rank within 1e-5; 4 ranks within 1% of their plans; its checkpoint resumes on ep 4 along the same trajectory")
+PY
+
+echo "== context parallelism: dp 2 × cp 2 (4 processes) = threads = dp 2 alone"
+# Ring attention between processes; a checkpoint written at step 2 resumes on cp 4 (one
+# replica of 4 sequences a micro-batch: the same sequences per step) along the same trajectory.
+"$BIN" "${COMMON[@]}" --cp 2 --zero 1 --steps 4 --out-dir "$OUT/cp-threads" 2>"$OUT/cp.log" || { cat "$OUT/cp.log"; exit 1; }
+timeout 300 "${MPIRUN4[@]}" "$BIN" "${COMMON[@]}" --cp 2 --zero 1 --steps 4 --out-dir "$OUT/cp-mpi" \
+    2>"$OUT/cp-mpi.log" || { cat "$OUT/cp-mpi.log"; exit 1; }
+timeout 300 "${MPIRUN4[@]}" "$BIN" "${COMMON[@]}" --cp 2 --zero 1 --steps 4 --stop-after 2 \
+    --out-dir "$OUT/cp-ck" --checkpoint-dir "$OUT/cp-ck/checkpoint" 2>"$OUT/cp-ck.log" || { cat "$OUT/cp-ck.log"; exit 1; }
+timeout 300 "${MPIRUN4[@]}" "$BIN" train --resume "$OUT/cp-ck/checkpoint" --data "$OUT/data" --dp 1 \
+    --cp 4 --zero 0 --mbs 4 --quiet --peak-gflops 100 --out-dir "$OUT/cp-resumed" 2>"$OUT/cp-res.log" || { cat "$OUT/cp-res.log"; exit 1; }
+python3 - "$OUT/cp-threads/metrics.jsonl" "$OUT/cp-mpi/metrics.jsonl" "$OUT/threads1/metrics.jsonl" "$OUT/cp-resumed/metrics.jsonl" <<'PY'
+import json, sys
+threads, mpi, dp_only, resumed = ([json.loads(l) for l in open(p)] for p in sys.argv[1:5])
+assert len(mpi) == 4, len(mpi)
+for t, m, d in zip(threads, mpi, dp_only):
+    for key in ("loss", "grad_norm"):
+        assert abs(t[key] - m[key]) / abs(t[key]) < 1e-6, (t["step"], key, t[key], m[key])
+        assert abs(d[key] - m[key]) / abs(d[key]) < 1e-5, (d["step"], key, d[key], m[key])
+    assert len(m["rank_mem"]) == 4, m["rank_mem"]
+    for x in m["rank_mem"]:
+        assert abs(x["mem_peak_measured"] / x["mem_peak_planned"] - 1) < 0.01, x
+assert [r["step"] for r in resumed] == [3, 4], [r["step"] for r in resumed]
+for d, r in zip(dp_only[2:], resumed):
+    assert abs(d["loss"] - r["loss"]) / abs(d["loss"]) < 1e-5, (d["loss"], r["loss"])
+print("context parallelism: mpirun -np 4 (dp 2 × cp 2) = threads within 1e-6, = dp 2 alone within 1e-5; 4 ranks within 1% of their plans; its checkpoint resumes on cp 4 along the same trajectory")
 PY
 
 echo "== a checkpoint written by both processes in parallel (ZeRO-3), resumed re-sharded (ZeRO-1)"

@@ -618,9 +618,9 @@ fn bad_input_is_one_clear_error() {
         .contains("ep = 2: expert parallelism shares out a mixture of experts; model "));
     assert!(error(toml("[parallel]\ntensor = 2\n")).contains("unknown field `tensor`"));
     let mut a = tiny_args(&out, 1);
-    a.layout.cp = Some(4);
+    a.layout.offload = Some("optimizer".into());
     assert!(error(a).contains(
-        "cp = 4: ferrotron train runs data, tensor, pipeline and expert parallelism (--dp with --zero 1, 2 or 3, --tp, --pp, --ep) for now"
+        "offload = optimizer: ferrotron train runs data, tensor, pipeline, context and expert parallelism (--dp with --zero 1, 2 or 3, --tp, --pp, --cp, --ep) but not this yet"
     ));
 }
 
