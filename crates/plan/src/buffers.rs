@@ -140,7 +140,9 @@ pub fn comm_buffers(
         add("dp.grad_buckets", DType::F32, 2 * len, cb, false);
     }
     if ferrotron && experts > 0 && l.expert_replicas() > 1 {
-        let len = dp_bucket_len(bucket_bytes, experts, 1);
+        // (Under ZeRO-1 the experts' states shard over their replicas, in blocks of them.)
+        let shards = if l.zero >= 1 { l.expert_replicas() } else { 1 };
+        let len = dp_bucket_len(bucket_bytes, experts, shards);
         add("dp.expert_grad_buckets", DType::F32, 2 * len, cb, false);
     }
     // ferrotron's ZeRO-3 (`zero3.rs`): a bucket is a unit, so two buckets of the largest unit,

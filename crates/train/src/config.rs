@@ -444,13 +444,6 @@ pub(crate) fn trainable_layout(flags: &LayoutFlags) -> Result<Layout, ConfigErro
     if l.pp_virtual == 0 {
         return Err(bad("pp_virtual", 0, "must be a positive integer"));
     }
-    if l.ep > 1 && l.zero >= 1 {
-        return Err(bad(
-            "zero",
-            l.zero,
-            "ZeRO does not shard expert-parallel runs yet: use --zero 0 with --ep",
-        ));
-    }
     if l.sp && l.tp < 2 {
         return Err(bad(
             "sp",

@@ -283,26 +283,30 @@ impl DataParallel {
     /// Expert parallelism (`--ep`): the dense gradients summed over `dense` (every dp × ep
     /// replica), in buckets of `dense_len`; the routed experts' over `experts` (the dp ranks
     /// holding the same experts; `None` when there is one), in buckets of `experts_len`.
+    /// With `sharded` (ZeRO-1) each group shards what it reduces, as Megatron-Core's
+    /// distributed optimizer shards the dense states over the data-parallel group and the
+    /// experts' over the expert-data-parallel group: a rank's states are its dense blocks,
+    /// then its blocks of its experts (offset past the dense ones).
     pub fn expert_parallel(
         dense: Box<dyn Communicator>,
         experts: Option<Box<dyn Communicator>>,
         table: &ParamTable,
         (dense_len, experts_len): (usize, usize),
+        sharded: bool,
     ) -> Self {
         let ranges = expert_ranges(table);
         let is_expert =
             |r: &Range<usize>| ranges.binary_search_by_key(&r.start, |x| x.start).is_ok();
-        let mut dp = Self::of(dense, table, Buckets::Fixed(dense_len), false, &|r| {
+        let mut dp = Self::of(dense, table, Buckets::Fixed(dense_len), sharded, &|r| {
             !is_expert(r)
         });
+        let base = dp.shard.as_ref().map_or(0, |s| s.len);
         let inner = experts.map(|c| {
-            Box::new(Self::of(
-                c,
-                table,
-                Buckets::Fixed(experts_len),
-                false,
-                &is_expert,
-            ))
+            let mut inner = Self::of(c, table, Buckets::Fixed(experts_len), sharded, &is_expert);
+            if let Some(s) = inner.shard.as_mut() {
+                s.segments.iter_mut().for_each(|g| g.at += base);
+            }
+            Box::new(inner)
         });
         dp.experts = Some(Experts { ranges, inner });
         dp
@@ -403,9 +407,18 @@ impl DataParallel {
             .map_err(|e| anyhow!("data-parallel barrier: {e}"))
     }
 
-    /// This rank's ZeRO-1 shard (`None` without ZeRO).
+    /// This rank's ZeRO-1 shard (`None` without ZeRO; under expert parallelism, of the dense
+    /// gradients).
     pub fn shard(&self) -> Option<&Shard> {
         self.shard.as_ref()
+    }
+
+    /// Under expert parallelism with ZeRO-1, this rank's shard of its experts among their
+    /// data-parallel replicas (its segments' offsets follow the dense shard's); `None` without
+    /// replicas (the rank holds its experts' states whole) or without ZeRO.
+    pub fn expert_shard(&self) -> Option<&Shard> {
+        let inner = self.experts.as_ref()?.inner.as_ref()?;
+        inner.shard.as_ref()
     }
 
     /// The gradient ranges a backward report makes final (with the final norm's, an untied
@@ -603,6 +616,12 @@ impl DataParallel {
     /// every rank's block (the updated parameters after the optimizer step; the full optimizer
     /// states for a checkpoint). Uses a gradient bucket, idle once the step's sums have landed.
     pub fn all_gather(&mut self, io: &mut dyn Gather) -> Result<()> {
+        if let Some(inner) = self.experts.as_mut().and_then(|x| x.inner.as_mut()) {
+            inner.all_gather(io)?;
+            self.comm_bytes += std::mem::take(&mut inner.comm_bytes);
+            self.exposed += std::mem::take(&mut inner.exposed);
+            self.spans.append(&mut inner.spans);
+        }
         let Some(shard) = &self.shard else {
             return Ok(());
         };

@@ -485,10 +485,19 @@ impl Trainer {
             if ep.is_some() {
                 // The dense gradients over every replica, the experts' over theirs, each in
                 // buckets of their own (the plan's `dp.grad_buckets`, `dp.expert_grad_buckets`).
+                // Under ZeRO-1 each in blocks of its group's ranks.
                 let experts: usize = expert_ranges(&model.params).iter().map(|r| r.len()).sum();
-                let len = |n: usize| dp_bucket_len(bucket_bytes, n as u64, 1) as usize;
-                let lens = (len(model.params.total - experts), len(experts));
-                return DataParallel::expert_parallel(comm, dp_experts, &model.params, lens);
+                let shards = |c: Option<&dyn Communicator>| match zero {
+                    0 => 1,
+                    _ => c.map_or(1, |c| c.size()) as u64,
+                };
+                let len = |n: usize, s: u64| dp_bucket_len(bucket_bytes, n as u64, s) as usize;
+                let lens = (
+                    len(model.params.total - experts, shards(Some(comm.as_ref()))),
+                    len(experts, shards(dp_experts.as_deref())),
+                );
+                let (table, sharded) = (&model.params, zero >= 1);
+                return DataParallel::expert_parallel(comm, dp_experts, table, lens, sharded);
             }
             let buckets = match zero {
                 3.. => Buckets::Units,
@@ -508,13 +517,34 @@ impl Trainer {
         };
         let (runs, opt_len): (Vec<OptRun>, usize) = match dp.as_ref().and_then(|d| d.shard()) {
             Some(shard) => {
-                let runs = shard.segments.iter().map(|g| OptRun {
-                    decay: decays(&g.params),
-                    replicated: tpar::is_replicated(&model, &g.params),
-                    params: g.params.clone(),
-                    at: g.at,
-                });
-                (runs.collect(), shard.len)
+                let run = |params: Range<usize>, at: usize| OptRun {
+                    decay: decays(&params),
+                    replicated: tpar::is_replicated(&model, &params),
+                    params,
+                    at,
+                };
+                let mut runs: Vec<OptRun> = (shard.segments.iter())
+                    .map(|g| run(g.params.clone(), g.at))
+                    .collect();
+                let mut len = shard.len;
+                // Expert parallelism: after the dense blocks, this rank's blocks of its experts
+                // (whole when no other rank holds them).
+                if ep.is_some() {
+                    match dp.as_ref().and_then(|d| d.expert_shard()) {
+                        Some(x) => {
+                            runs.extend(x.segments.iter().map(|g| run(g.params.clone(), g.at)));
+                            len += x.len;
+                        }
+                        None => {
+                            for r in expert_ranges(&model.params) {
+                                let n = r.len();
+                                runs.push(run(r, len));
+                                len += n;
+                            }
+                        }
+                    }
+                }
+                (runs, len)
             }
             None => {
                 let runs = model.params.entries.iter().map(|e| OptRun {
@@ -965,9 +995,10 @@ impl Trainer {
         if let Some(tp) = &self.tp {
             sum_sq = tp.sum_f64(sum_sq)?;
         }
-        if let Some(ep) = &self.ep {
+        if let (Some(ep), None) = (&self.ep, sharded) {
             // Each expert's gradient is on one rank of the expert-parallel group (the dense
-            // ones on all): the group adds the experts' parts.
+            // ones on all): the group adds the experts' parts. (Under ZeRO-1 every block of
+            // every gradient is in exactly one rank's shard: the sum below adds them.)
             let experts: f64 = expert_ranges(&self.model.params)
                 .into_iter()
                 .map(|r| k.sum_squares(&grads[r]))

@@ -124,15 +124,16 @@ done
 
 echo "== expert parallelism: a small Mixtral on dp 2 × ep 2 (4 processes) = threads = one rank"
 # The one-rank reference runs the 4 replicas' micro-batches in turn (the load-balancing loss is
-# per micro-batch); the expert-parallel runs each write a checkpoint at step 2, and the MPI
-# one's resumes on ep 4 along the same trajectory.
+# per micro-batch); the MPI run under ZeRO-1 (dense states sharded over the 4 replicas, each
+# expert's over its 2) writes a checkpoint at step 2, which resumes on ep 4 along the same
+# trajectory.
 MOE=(train --model ferrotron-moe-16m --data "$OUT/data" --seq 64 --mbs 2 --eval-interval 0
     --sample-tokens 0 --quiet --peak-gflops 100 --steps 4)
 "$BIN" "${MOE[@]}" --grad-acc 4 --out-dir "$OUT/moe-one" 2>"$OUT/moe.log" || { cat "$OUT/moe.log"; exit 1; }
 "$BIN" "${MOE[@]}" --dp 2 --ep 2 --out-dir "$OUT/moe-threads" 2>"$OUT/moe.log" || { cat "$OUT/moe.log"; exit 1; }
 timeout 300 "${MPIRUN4[@]}" "$BIN" "${MOE[@]}" --dp 2 --ep 2 --out-dir "$OUT/moe-mpi" \
     2>"$OUT/moe-mpi.log" || { cat "$OUT/moe-mpi.log"; exit 1; }
-timeout 300 "${MPIRUN4[@]}" "$BIN" "${MOE[@]}" --dp 2 --ep 2 --stop-after 2 --out-dir "$OUT/moe-ck" \
+timeout 300 "${MPIRUN4[@]}" "$BIN" "${MOE[@]}" --dp 2 --ep 2 --zero 1 --stop-after 2 --out-dir "$OUT/moe-ck" \
     --checkpoint-dir "$OUT/moe-ck/checkpoint" 2>"$OUT/moe-ck.log" || { cat "$OUT/moe-ck.log"; exit 1; }
 timeout 300 "${MPIRUN4[@]}" "$BIN" train --resume "$OUT/moe-ck/checkpoint" --data "$OUT/data" --dp 1 \
     --ep 4 --quiet --peak-gflops 100 --out-dir "$OUT/moe-resumed" 2>"$OUT/moe-res.log" || { cat "$OUT/moe-res.log"; exit 1; }
