@@ -121,6 +121,9 @@ impl ContextParallel {
     }
 }
 
+/// What attention's backward reads: q, k, v, o, lse and dO.
+type Saved<'a, S> = (&'a [S], &'a [S], &'a [S], &'a [S], &'a [f32], &'a [S]);
+
 /// The three ring buffers of one attention (forward or backward).
 struct RingBufs {
     block: Buf<f32>,
@@ -193,7 +196,7 @@ impl Llama {
         k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
         s: AttnShape,
-        (q, kk, v, o, lse, d_o): (&[S], &[S], &[S], &[S], &[f32], &[S]),
+        (q, kk, v, o, lse, d_o): Saved<S>,
         (dq, dk, dv): (&mut [S], &mut [S], &mut [S]),
     ) {
         let Some(cp) = &self.cp else {
