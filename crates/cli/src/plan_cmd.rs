@@ -142,6 +142,10 @@ pub struct PlanArgs {
     /// data-parallel reduction time [default: 25].
     #[arg(long, allow_negative_numbers = true)]
     pub bucket_mb: Option<u64>,
+    /// A mixture of experts' capacity factor: each expert takes at most ⌈cf · tokens · top_k /
+    /// E⌉ of a micro-batch's routed copies, the rest are dropped [default: exact routing].
+    #[arg(long, allow_negative_numbers = true)]
+    pub capacity_factor: Option<f64>,
     /// Print JSON instead of the table.
     #[arg(long)]
     #[serde(skip)]
@@ -179,7 +183,7 @@ impl PlanArgs {
         merge!(self, file; model, params, largest_layer, seq, max_seq, mbs, grad_acc, gbs, precision, optimizer, recompute,
             dp, tp, pp, cp, ep, zero, sp, pp_schedule, pp_virtual, pp_layers, offload, gpu, gpus_per_node,
             cluster, attention, flops_convention, convention, overhead_gib, fragmentation, ce_chunk,
-            bucket_mb, html);
+            bucket_mb, capacity_factor, html);
         Ok(self)
     }
 }
@@ -256,6 +260,7 @@ pub fn input_from(a: &PlanArgs) -> Result<Resolved> {
         fragmentation: a.fragmentation,
         ce_chunk: a.ce_chunk,
         bucket_mb: a.bucket_mb,
+        capacity_factor: a.capacity_factor,
     };
     Ok(settings.resolve(model)?)
 }

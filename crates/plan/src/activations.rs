@@ -75,6 +75,13 @@ pub struct EdgeActs {
     pub cp_ring: Vec<Act>,
 }
 
+/// The most routed copies of `tokens` tokens one expert takes under capacity factor `cf`:
+/// ⌈cf · tokens · top_k / E⌉ (Fedus et al. 2021, Switch Transformer eq. 3, with top-k copies
+/// per token as GShard counts them); the copies past it are dropped.
+pub fn expert_capacity(cf: f64, tokens: u64, top_k: u64, experts: u64) -> u64 {
+    (cf * (tokens * top_k) as f64 / experts as f64).ceil() as u64
+}
+
 /// Shape facts shared by every formula: tokens of one micro-batch on one rank.
 pub struct Dims {
     pub b: u64,
@@ -128,9 +135,19 @@ impl Dims {
             // Under expert parallelism a rank's experts may receive from none to every rank's
             // copies: the engine's routed buffers hold the most, tokens × ep × min(top_k, E/ep)
             // (exact routing, nothing dropped; crates/engine/src/model/expert_parallel.rs).
-            routed_rows: moe
-                .filter(|_| self.ep > 1)
-                .map(|moe| self.n() * self.ep * moe.top_k.min(moe.num_experts / self.ep)),
+            // A capacity factor bounds them by every expert's capacity, E · C (each rank sends
+            // an expert at most C copies).
+            routed_rows: moe.and_then(|moe| {
+                let (n, k, e) = (self.n(), moe.top_k, moe.num_experts);
+                let exact = match self.ep > 1 {
+                    true => n * self.ep * k.min(e / self.ep),
+                    false => n * k,
+                };
+                let rows = r
+                    .capacity_factor
+                    .map_or(exact, |cf| exact.min(e * expert_capacity(cf, n, k, e)));
+                (self.ep > 1 || rows != n * k).then_some(rows)
+            }),
             ce_chunk_tokens: r.ce_chunk_tokens,
             tp: self.t,
             sp: self.sp,

@@ -77,6 +77,8 @@ pub struct Settings {
     pub fragmentation: Option<f64>,
     pub ce_chunk: Option<u64>,
     pub bucket_mb: Option<u64>,
+    /// A mixture of experts' capacity factor (exact routing without).
+    pub capacity_factor: Option<f64>,
 }
 
 /// A plan input with the cluster it runs on and the FLOPs convention for MFU.
@@ -361,7 +363,11 @@ impl Settings {
             optimizer: parse(&self.optimizer, Optimizer::Adamw)?,
             recompute: parse(&self.recompute, Recompute::None)?,
             ce_chunk_tokens: self.ce_chunk.unwrap_or(1024),
+            capacity_factor: self.capacity_factor,
         };
+        if recipe.capacity_factor.is_some() {
+            recipe.validate()?;
+        }
         check_limits(&recipe, &layout)?;
         let g = self.overhead_gib.unwrap_or(1.0);
         if !(0.0..=1024.0).contains(&g) {

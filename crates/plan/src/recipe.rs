@@ -115,6 +115,9 @@ pub struct Recipe {
     pub recompute: Recompute,
     /// Rows of logits materialised at once by the chunked cross-entropy (ferrotron engine).
     pub ce_chunk_tokens: u64,
+    /// A mixture of experts' capacity factor (`None`: exact routing, no copy dropped): each
+    /// expert takes at most ⌈cf · tokens · top_k / E⌉ of a micro-batch's routed copies.
+    pub capacity_factor: Option<f64>,
 }
 
 impl Default for Recipe {
@@ -127,6 +130,7 @@ impl Default for Recipe {
             optimizer: Optimizer::Adamw,
             recompute: Recompute::None,
             ce_chunk_tokens: 1024,
+            capacity_factor: None,
         }
     }
 }
@@ -147,6 +151,16 @@ impl Recipe {
             if v == 0 {
                 return Err(PlanError::setting(field, v, "must be a positive integer"));
             }
+        }
+        if let Some(cf) = self
+            .capacity_factor
+            .filter(|cf| !(cf.is_finite() && *cf > 0.0))
+        {
+            return Err(PlanError::setting(
+                "capacity_factor",
+                cf,
+                "must be a positive number (1.0: each expert takes its even share of the copies)",
+            ));
         }
         Ok(())
     }

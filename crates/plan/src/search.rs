@@ -220,6 +220,7 @@ pub fn search(spec: &SearchSpec) -> Result<SearchResult> {
             optimizer: spec.optimizer,
             recompute: Recompute::None,
             ce_chunk_tokens: spec.ce_chunk_tokens,
+            capacity_factor: None,
         },
         layout: Layout::default(),
         convention: spec.convention,

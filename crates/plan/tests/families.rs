@@ -254,6 +254,43 @@ fn deepseek_plans_mla_latents_and_dense_then_moe_layers() {
 }
 
 #[test]
+fn a_capacity_factor_bounds_the_routed_buffers_by_every_experts_capacity() {
+    // Mixtral 8x7B, 4096 tokens, top-2 of 8: capacity ⌈cf · 4096 · 2 / 8⌉ copies per expert
+    // (Fedus et al. 2021 eq. 3). One rank routes at most n·k = 8192 copies: cf 0.5 bounds them
+    // by 8 · 512 = 4096 rows; cf 1.25 by 8 · 1280 = 10240, more than n·k, so no bound.
+    let with = |cf: Option<f64>, ep: u64| {
+        let recipe = Recipe {
+            seq: 4096,
+            mbs: 1,
+            recompute: Recompute::None,
+            capacity_factor: cf,
+            ..Recipe::default()
+        };
+        let layout = Layout {
+            ep,
+            ..Layout::default()
+        };
+        plan(&input(
+            "mixtral-8x7b",
+            recipe,
+            layout,
+            Convention::Ferrotron,
+        ))
+        .unwrap()
+    };
+    let n = 4096u64;
+    let gate = |r: &PlanResult| act_bytes(r, 0, "gate") / (14336 * 2);
+    assert_eq!(gate(&with(None, 1)), n * 2);
+    assert_eq!(gate(&with(Some(0.5), 1)), 8 * 512);
+    assert_eq!(gate(&with(Some(1.25), 1)), n * 2);
+    // Under ep 4 exact routing must hold what every rank may send a rank's 2 experts:
+    // 4 · n · min(2, 2); with cf 1.0 each rank sends an expert at most 1024 copies, so a
+    // rank's two experts receive at most 2 · 4 · 1024 = E · C.
+    assert_eq!(gate(&with(None, 4)), 4 * n * 2);
+    assert_eq!(gate(&with(Some(1.0), 4)), 8 * 1024);
+}
+
+#[test]
 fn qwen2_moe_plans_shared_expert_and_its_gate() {
     let r = ferrotron_plan("qwen1.5-moe-a2.7b", Layout::default());
     let n = 4096u64;

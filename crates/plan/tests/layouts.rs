@@ -72,7 +72,8 @@ fn tp_beyond_kv_heads_replicates_one_head_per_rank() {
     assert_eq!(numel(rank, "act.layers.0.v"), n * d);
     assert_eq!(numel(rank, "act.layers.0.q"), n * 2 * d);
     assert_eq!(numel(rank, "grad.act.k"), n * d);
-    // Context parallelism passes the rank's one K and one V head around the ring.
+    // Context parallelism passes the rank's one K and one V head around the ring, with their
+    // gradients in the backward: ferrotron's ring blocks and its message buffer (f32).
     let cp = run(
         "llama-3-8b",
         Layout {
@@ -81,7 +82,8 @@ fn tp_beyond_kv_heads_replicates_one_head_per_rank() {
             ..Layout::default()
         },
     );
-    assert_eq!(numel(cp.worst(), "comm.cp.kv_ring"), 2 * (n / 2) * 2 * d);
+    assert_eq!(numel(cp.worst(), "comm.cp.block"), (n / 2) * 2 * (d + d));
+    assert_eq!(numel(cp.worst(), "comm.cp.message"), (n / 2) * 2 * (d + d));
 }
 
 #[test]

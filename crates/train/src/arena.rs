@@ -241,6 +241,7 @@ mod tests {
                 optimizer: Optimizer::Adamw,
                 recompute: rc,
                 ce_chunk_tokens: 16,
+                capacity_factor: None,
             },
             layout: Layout::default(),
             convention: Convention::Ferrotron,

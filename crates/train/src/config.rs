@@ -89,6 +89,11 @@ pub struct TrainArgs {
     /// config.json and --tokenizer to its tokenizer.json. The optimizer starts fresh at step 0.
     #[arg(long)]
     pub init_from: Option<PathBuf>,
+    /// A mixture of experts' capacity factor: each expert takes at most ⌈cf · tokens · top_k /
+    /// E⌉ of a micro-batch's routed copies (per rank), the rest are dropped, and the routed
+    /// buffers shrink to match [default: exact routing, nothing dropped].
+    #[arg(long, allow_negative_numbers = true)]
+    pub capacity_factor: Option<f64>,
     /// JSON lines, one per step [default: OUT_DIR/metrics.jsonl].
     #[arg(long)]
     pub metrics: Option<PathBuf>,
@@ -196,6 +201,9 @@ pub struct ModelConfig {
     /// The model folder whose weights the run started from (`--init-from`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub init_from: Option<PathBuf>,
+    /// A mixture of experts' capacity factor (`--capacity-factor`; none: exact routing).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity_factor: Option<f64>,
 }
 
 /// What the model sees and in what order: the shards and the batch shape. The seed is here
@@ -497,7 +505,10 @@ pub fn toml_error(path: &std::path::Path, text: &str, e: &toml::de::Error) -> St
 /// [`TrainConfig`]'s sections (`runtime` holds what none of the others does). `[parallel]` holds
 /// the planner's layout flags and is read as they are.
 pub const SECTIONS: &[(&str, &[&str])] = &[
-    ("model", &["model", "tokenizer", "init_from"]),
+    (
+        "model",
+        &["model", "tokenizer", "init_from", "capacity_factor"],
+    ),
     ("data", &["data", "seq", "mbs", "grad_acc", "seed"]),
     (
         "optimizer",
@@ -641,7 +652,7 @@ impl TrainArgs {
         } else {
             toml::from_str(&text).map_err(|e| toml_error(&path, &text, &e))?
         };
-        merge!(self, file; model, data, tokenizer, init_from, seq, mbs, grad_acc, steps, stop_after, lr, min_lr_ratio,
+        merge!(self, file; model, data, tokenizer, init_from, capacity_factor, seq, mbs, grad_acc, steps, stop_after, lr, min_lr_ratio,
             warmup, decay_steps, weight_decay, beta1, beta2, eps, clip, seed, threads, eval_interval,
             eval_batches, out_dir, checkpoint_dir, checkpoint_interval, metrics, ce_chunk, recompute, bucket_mb,
             precision, fp32_grad_acc, stochastic_rounding, loss_scale_init,
@@ -715,6 +726,7 @@ impl TrainArgs {
                 name: model,
                 tokenizer,
                 init_from: self.init_from.clone(),
+                capacity_factor: self.capacity_factor,
             },
             data: DataConfig {
                 dir: self.data.clone(),
@@ -790,8 +802,9 @@ impl TrainArgs {
                 "must be positive when eval_interval > 0",
             ));
         }
+        let cf = c.model.capacity_factor.map(|cf| ("capacity_factor", cf));
         let positive = [("lr", c.optimizer.lr), ("eps", c.optimizer.eps)];
-        for (field, v) in positive {
+        for (field, v) in positive.into_iter().chain(cf) {
             if !(v.is_finite() && v > 0.0) {
                 return Err(bad(field, v, "must be a positive number"));
             }

@@ -61,6 +61,7 @@ pub fn plan_input(spec: &ModelSpec, c: &TrainConfig, kernel_workspace: u64) -> P
             optimizer: Optimizer::Adamw,
             recompute: c.runtime.recompute,
             ce_chunk_tokens: c.runtime.ce_chunk,
+            capacity_factor: c.model.capacity_factor,
         },
         layout: c.parallel.clone(),
         convention: Convention::Ferrotron,
@@ -263,6 +264,12 @@ pub fn model(c: &TrainConfig, tok: &Tokenizer) -> Result<(ModelSpec, LlamaConfig
             spec.name,
             spec.vocab,
             tok.vocab_size()
+        );
+    }
+    if let (Some(cf), None) = (c.model.capacity_factor, spec.moe) {
+        bail!(
+            "capacity_factor = {cf}: a capacity bounds each expert's routed tokens; model {} has no experts",
+            spec.name
         );
     }
     if c.data.seq > spec.max_positions {

@@ -451,7 +451,8 @@ impl Trainer {
                 &held,
             )
             .with_ce_chunk_tokens(cfg.runtime.ce_chunk as usize)
-            .with_recompute(cfg.runtime.recompute);
+            .with_recompute(cfg.runtime.recompute)
+            .with_capacity_factor(cfg.model.capacity_factor);
         // Context parallelism: attention as a ring over the group, RoPE at this rank's
         // positions.
         let model = match &comms.cp {

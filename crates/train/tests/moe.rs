@@ -255,3 +255,56 @@ fn layouts_a_mixture_of_experts_cannot_run_are_refused() {
         )
     );
 }
+
+#[test]
+fn a_capacity_factor_drops_copies_and_shrinks_the_routed_buffers() {
+    let with = |tag: &str, dp: u64, ep: u64, acc: u64, cf: Option<f64>| {
+        let mut a = args(&format!("moe-cf-{tag}"), 4);
+        (a.layout.dp, a.layout.ep, a.grad_acc) = (Some(dp), Some(ep), Some(acc));
+        a.capacity_factor = cf;
+        train(a)
+    };
+    // Each rank drops its own micro-batch's copies past the capacity, as one rank does with
+    // each micro-batch in turn.
+    let one = with("one", 1, 1, 4, Some(1.0));
+    let exact = with("one-exact", 1, 1, 4, None);
+    assert!(
+        rel(one[0].loss, exact[0].loss) > 1e-6,
+        "cf 1.0 dropped nothing: {} vs {}",
+        one[0].loss,
+        exact[0].loss
+    );
+    let s = with("dp2-ep2", 2, 2, 1, Some(1.0));
+    same_trajectory("cf 1.0 dp 2 ep 2", &one, &s);
+    within_plan("cf 1.0 dp 2 ep 2", &s);
+    // Under ep 4 a rank's routed buffers hold every expert's capacity instead of the most
+    // exact routing could send it.
+    let (roomy, bounded) = (
+        with("ep4", 1, 4, 1, None),
+        with("ep4-cf", 1, 4, 1, Some(1.0)),
+    );
+    within_plan("cf 1.0 ep 4", &bounded);
+    let plan = |s: &[StepMetrics]| s[3].rank_mem[0].mem_peak_planned;
+    assert!(
+        plan(&bounded) < plan(&roomy),
+        "ep 4 plans {} B with cf 1.0, {} B without",
+        plan(&bounded),
+        plan(&roomy)
+    );
+    let refused = |cf: f64, dense: bool| {
+        let mut a = args(&format!("moe-cf-bad-{cf}-{dense}"), 2);
+        if dense {
+            let m = common::tiny_model(&tmp(&format!("moe-cf-dense-{cf}")), 8192, 128);
+            a.model = Some(m.to_string_lossy().into());
+        }
+        a.capacity_factor = Some(cf);
+        let _turn = ONE_RUN_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+        run(a).unwrap_err().to_string()
+    };
+    assert_eq!(
+        refused(0.0, false),
+        "capacity_factor = 0: must be a positive number"
+    );
+    assert!(refused(1.0, true)
+        .starts_with("capacity_factor = 1: a capacity bounds each expert's routed tokens; model "));
+}

@@ -63,11 +63,22 @@ pub struct RouteShape {
     pub width: usize,
     /// Renormalise the chosen probabilities to sum to 1 (Mixtral).
     pub norm_topk: bool,
+    /// The most copies each expert takes from these tokens (a capacity factor's
+    /// ⌈cf · tokens · top_k / experts⌉, Fedus et al. 2021 §2.1); the copies past it, in token
+    /// order, are dropped ([`DROPPED`]). `None`: exact routing, nothing dropped.
+    pub capacity: Option<usize>,
 }
+
+/// Marks a routed copy its expert had no room for (see [`RouteShape::capacity`]): the
+/// router's choice stays in the low bits (its probability still counts in the renormalised
+/// weights and in their gradient), but the copy is no expert's row ([`routed_rows`] skips it),
+/// so it adds nothing to its token's output, as Switch Transformer and Megatron-Core drop
+/// tokens over capacity.
+pub const DROPPED: u32 = 1 << 31;
 
 /// The layout of a MoE layer's routed rows, for every backend: copy `c = n·k + j` (token n's
 /// j-th choice) has row `r`, the rows grouped by expert (expert 0's first), each expert's in
-/// ascending `c`. Yields `(r, c)` in row order. A pure function of the router's choices, so
+/// ascending `c`; a [`DROPPED`] copy has none. Yields `(r, c)` in row order. A pure function of the router's choices, so
 /// forward and backward find the same row for a copy without storing a permutation.
 pub fn routed_rows(index: &[u32], experts: usize) -> impl Iterator<Item = (usize, usize)> + '_ {
     (0..experts as u32)

@@ -63,6 +63,8 @@ pub struct Llama {
     pub(super) router_load: super::moe::RouterLoad,
     /// This rank's expert-parallel group (`params` then holds only its experts).
     pub ep: Option<super::expert_parallel::ExpertParallel>,
+    /// A MoE model's capacity factor (`None`: exact routing; see `super::moe`).
+    pub capacity_factor: Option<f64>,
     /// This rank's context-parallel group (attention runs as a ring, `rope` is turned to the
     /// rank's tokens: `super::context_parallel`).
     pub cp: Option<super::context_parallel::ContextParallel>,
@@ -108,6 +110,7 @@ impl Llama {
             router_load: Default::default(),
             ep: None,
             cp: None,
+            capacity_factor: None,
         }
     }
 
@@ -264,15 +267,36 @@ impl Llama {
             positions: c.max_pos as u64,
             experts: c.moe.map_or(0, |m| m.experts as u64),
             top_k: c.moe.map_or(1, |m| m.top_k as u64),
-            routed_rows: self
-                .ep
-                .as_ref()
-                .zip(c.moe)
-                .map(|(ep, m)| ep.capacity(tokens, m.top_k) as u64),
+            routed_rows: self.routed_rows(tokens),
             ce_chunk_tokens: self.ce_chunk_tokens as u64,
             tp: self.tp.as_ref().map_or(1, |t| t.size as u64),
             sp: self.sp().is_some(),
         }
+    }
+
+    /// Rows of a MoE layer's routed buffers when they are not tokens × top-k: an
+    /// expert-parallel rank's room for the most its experts can receive, and with a capacity
+    /// factor no more than every expert's capacity (E · C: under expert parallelism each rank
+    /// sends an expert at most C copies, so its rank receives at most ep · C for each of its
+    /// E/ep experts). The planner's `routed_rows` is the same.
+    fn routed_rows(&self, tokens: usize) -> Option<u64> {
+        let m = self.config.moe?;
+        let exact = match &self.ep {
+            Some(ep) => ep.capacity(tokens, m.top_k),
+            None => tokens * m.top_k,
+        };
+        let rows = match self.expert_capacity(tokens) {
+            Some(c) => exact.min(m.experts * c),
+            None => exact,
+        };
+        (self.ep.is_some() || rows != tokens * m.top_k).then_some(rows as u64)
+    }
+
+    /// With a capacity factor (a MoE model): each expert takes at most ⌈cf · tokens · top_k /
+    /// E⌉ of a micro-batch's copies, the rest are dropped.
+    pub fn with_capacity_factor(mut self, cf: Option<f64>) -> Self {
+        self.capacity_factor = cf;
+        self
     }
 
     /// Elements of buffer `name` for `tokens` tokens, as the table gives them.

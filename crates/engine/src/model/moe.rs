@@ -24,7 +24,7 @@ use super::llama::Llama;
 use super::param_buf::ParamBuf;
 use super::params::MoeIdx;
 use crate::dtype::Elem;
-use crate::kernels::{Accum, Kernels, MatmulShape, RouteShape};
+use crate::kernels::{Accum, Kernels, MatmulShape, RouteShape, DROPPED};
 use ferrotron_plan::tensors::{Edge, LayerTensor as T};
 use std::ops::Range;
 use std::sync::Mutex;
@@ -63,15 +63,19 @@ impl RouterLoad {
 struct ExpertRows {
     /// This rank's copies per expert (every expert of the model).
     counts: Vec<usize>,
+    /// This rank's routed copies (its tokens' copies that no capacity dropped).
+    own: usize,
     blocks: Vec<(usize, Range<usize>)>,
     rows: usize,
     arrivals: Option<Arrivals>,
 }
 
-/// Copies per expert.
+/// Copies per expert (the dropped ones are no expert's).
 fn expert_counts(index: &[u32], experts: usize) -> Vec<usize> {
     let mut counts = vec![0; experts];
-    index.iter().for_each(|&x| counts[x as usize] += 1);
+    for &x in index.iter().filter(|&&x| x & DROPPED == 0) {
+        counts[x as usize] += 1;
+    }
     counts
 }
 
@@ -96,7 +100,22 @@ impl Llama {
             top_k: m.top_k,
             width,
             norm_topk: m.norm_topk,
+            capacity: self.expert_capacity(tokens),
         }
+    }
+
+    /// With a capacity factor `cf`, the most copies of `tokens` tokens each expert takes:
+    /// ⌈cf · tokens · top_k / E⌉ (Fedus et al. 2021, eq. 3: "expert capacity"), the planner's
+    /// `ferrotron_plan::activations::expert_capacity`.
+    pub fn expert_capacity(&self, tokens: usize) -> Option<usize> {
+        let m = self.config.moe?;
+        let cf = self.capacity_factor?;
+        Some(ferrotron_plan::activations::expert_capacity(
+            cf,
+            tokens as u64,
+            m.top_k as u64,
+            m.experts as u64,
+        ) as usize)
     }
 
     /// Starts a micro-batch's load-balancing statistics (at its embedding).
@@ -126,6 +145,7 @@ impl Llama {
                     })
                     .collect();
                 ExpertRows {
+                    own: at,
                     counts,
                     blocks,
                     rows: at,
@@ -142,6 +162,7 @@ impl Llama {
                     .map(|(j, r)| (first + j, r.clone()))
                     .collect();
                 ExpertRows {
+                    own: counts.iter().sum(),
                     counts,
                     blocks,
                     rows: a.rows,
@@ -165,7 +186,7 @@ impl Llama {
         rows: &mut [S],
     ) {
         let c = self.config.hidden;
-        let nk = index.len();
+        let nk = er.own;
         k.permute(self.route(n, c), index, x, &mut rows[..nk * c]);
         if let (Some(ep), Some(a)) = (&self.ep, &er.arrivals) {
             let (mut send, mut recv) = self.ep_staging(pool, n);
@@ -277,7 +298,7 @@ impl Llama {
         self.collect(pool, n, &er, &mut y);
         let mut out = self.buf(pool, self.output_name(i), n);
         let (weights, index) = (Some(&a.router_weights[..]), &a.router_index);
-        let nk = index.len();
+        let nk = er.own;
         let route = self.route(n, c);
         k.unpermute(
             route,
@@ -376,8 +397,10 @@ impl Llama {
     ) {
         let (c, f) = (self.config.hidden, self.config.intermediate);
         let index = &a.router_index;
-        let nk = index.len();
+        let nk = er.own;
         let e = moe.experts.len();
+        // A dropped copy added nothing to the output: its weight's gradient is 0.
+        sc.router_weights.fill(0.0);
         let down = |k: &dyn Kernels<S, G>, sc: &mut GradScratch<S>| {
             for (x, rows) in er.blocks.iter().filter(|(_, r)| !r.is_empty()) {
                 let w2 = &params[moe.experts[*x].down.clone()];
@@ -487,7 +510,7 @@ impl Llama {
         k.head_backward_weight(lin(n, c, e), dl, &a.ln2_out, &mut grads[router.clone()]);
         k.head_backward_input(lin(n, c, e), dl, &params[router], &mut sc.ln_out);
         self.collect(pool, n, &er, &mut sc.rows);
-        let nk = index.len();
+        let nk = er.own;
         k.unpermute(
             route,
             &index,

@@ -6,7 +6,12 @@
 //! The routed rows' layout is [`crate::kernels::routed_rows`].
 
 use crate::dtype::Elem;
-use crate::kernels::{Accum, RouteShape};
+use crate::kernels::{Accum, RouteShape, DROPPED};
+
+/// The most experts a router may have (the per-call capacity counts live on the stack).
+pub const MAX_EXPERTS: usize = 1024;
+/// The most experts a token may be routed to.
+const MAX_TOP_K: usize = 64;
 
 use crate::kernels::routed_rows as grouped;
 
@@ -24,7 +29,9 @@ fn softmax_row(logits: &[f32], p: &mut [f32]) {
 /// Per token: `p = softmax(logits)`; its `k` largest (ties to the lower expert), largest
 /// first, into `index`; their probabilities into `weights`, divided by their sum when
 /// `s.norm_topk`. `load` `[2E]` accumulates Σ_n p (first E) and the count of copies routed
-/// to each expert (last E), the load-balancing loss's two factors.
+/// to each expert (last E), the load-balancing loss's two factors (counted before any copy is
+/// dropped: the router's choices). With `s.capacity`, a copy whose expert already took that
+/// many of these tokens' copies is marked [`DROPPED`] (token order: "drop by position").
 pub fn router_forward(
     s: RouteShape,
     logits: &[f32],
@@ -36,6 +43,8 @@ pub fn router_forward(
     assert_eq!(logits.len(), s.tokens * e, "router logits len");
     assert!(weights.len() == s.tokens * k && index.len() == s.tokens * k);
     assert_eq!(load.len(), 2 * e, "router load len");
+    assert!(e <= MAX_EXPERTS, "{e} experts: at most {MAX_EXPERTS}");
+    let mut taken = [0usize; MAX_EXPERTS];
     // The layer keeps the logits; the backward recomputes the softmax from them.
     for n in 0..s.tokens {
         let row = &logits[n * e..(n + 1) * e];
@@ -62,9 +71,14 @@ pub fn router_forward(
             load[x] += (l - max).exp() / sum;
         }
         for j in 0..k {
-            w[j] = (row[idx[j] as usize] - max).exp() / sum;
+            let x = idx[j] as usize;
+            w[j] = (row[x] - max).exp() / sum;
             chosen_sum += w[j];
-            load[e + idx[j] as usize] += 1.0;
+            load[e + x] += 1.0;
+            match s.capacity {
+                Some(cap) if taken[x] >= cap => idx[j] |= DROPPED,
+                _ => taken[x] += 1,
+            }
         }
         if s.norm_topk {
             w.iter_mut().for_each(|x| *x /= chosen_sum);
@@ -76,7 +90,8 @@ pub fn router_forward(
 /// through the load-balancing loss, `aux_dp` `[E]` (the same for every token):
 /// `dp = aux_dp + scatter(dweights)` (through the renormalisation when `s.norm_topk`:
 /// `dp_j = (dw_j − Σ_i w_i·dw_i) / Σ_sel p`), then the softmax's backward
-/// `dlogit = p ⊙ (dp − p·dp)`.
+/// `dlogit = p ⊙ (dp − p·dp)`. A dropped copy's choice counts (its `dweights` entry is 0: it
+/// added nothing to the output).
 pub fn router_backward(
     s: RouteShape,
     logits: &[f32],
@@ -95,6 +110,12 @@ pub fn router_backward(
             &mut dlogits[n * e..(n + 1) * e],
         );
         let (idx, dw) = (&index[n * k..(n + 1) * k], &dweights[n * k..(n + 1) * k]);
+        let mut choice = [0u32; MAX_TOP_K];
+        assert!(k <= MAX_TOP_K, "top-{k}: at most {MAX_TOP_K}");
+        for (c, &x) in choice.iter_mut().zip(idx) {
+            *c = x & !DROPPED;
+        }
+        let idx = &choice[..k];
         // `dl` holds p while dp is built in the caller-visible order below.
         softmax_row(row, dl);
         let chosen: f32 = idx.iter().map(|&x| dl[x as usize]).sum();
@@ -126,7 +147,7 @@ pub fn router_backward(
 /// [`unpermute`] without weights).
 pub fn permute<S: Elem>(s: RouteShape, index: &[u32], x: &[S], rows: &mut [S]) {
     let (w, k) = (s.width, s.top_k);
-    assert!(x.len() == s.tokens * w && rows.len() == s.tokens * k * w);
+    assert!(x.len() == s.tokens * w && rows.len() <= s.tokens * k * w);
     for (r, c) in grouped(index, s.experts) {
         let n = c / k;
         rows[r * w..(r + 1) * w].copy_from_slice(&x[n * w..(n + 1) * w]);
@@ -144,7 +165,7 @@ pub fn unpermute<S: Elem>(
     accum: Accum,
 ) {
     let (w, k) = (s.width, s.top_k);
-    assert!(y.len() == s.tokens * w && rows.len() == s.tokens * k * w);
+    assert!(y.len() == s.tokens * w && rows.len() <= s.tokens * k * w);
     if accum == Accum::Overwrite {
         y.fill(S::from_f32(0.0));
     }
@@ -163,7 +184,7 @@ pub fn unpermute<S: Elem>(
 /// `rows[row_c] *= weights[c]` (rows of `s.width`).
 pub fn scale_rows<S: Elem>(s: RouteShape, index: &[u32], weights: &[f32], rows: &mut [S]) {
     let w = s.width;
-    assert_eq!(rows.len(), s.tokens * s.top_k * w, "routed rows len");
+    assert!(rows.len() <= s.tokens * s.top_k * w, "routed rows len");
     for (r, c) in grouped(index, s.experts) {
         for v in &mut rows[r * w..(r + 1) * w] {
             *v = S::from_f32(v.to_f32() * weights[c]);
@@ -174,9 +195,65 @@ pub fn scale_rows<S: Elem>(s: RouteShape, index: &[u32], weights: &[f32], rows: 
 /// `out[c] = ⟨a[row_c], b[row_c]⟩` in f32 (rows of `s.width`).
 pub fn row_dot<S: Elem>(s: RouteShape, index: &[u32], a: &[S], b: &[S], out: &mut [f32]) {
     let w = s.width;
-    assert!(a.len() == s.tokens * s.top_k * w && b.len() == a.len());
+    assert!(a.len() <= s.tokens * s.top_k * w && b.len() == a.len());
     for (r, c) in grouped(index, s.experts) {
         let (x, y) = (&a[r * w..(r + 1) * w], &b[r * w..(r + 1) * w]);
         out[c] = x.iter().zip(y).map(|(p, q)| p.to_f32() * q.to_f32()).sum();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::routed_rows;
+
+    /// Six tokens' logits over 3 experts, every token preferring expert 0, then 1.
+    fn shape(capacity: Option<usize>) -> RouteShape {
+        RouteShape {
+            tokens: 6,
+            experts: 3,
+            top_k: 2,
+            width: 1,
+            norm_topk: true,
+            capacity,
+        }
+    }
+
+    fn route(capacity: Option<usize>) -> (Vec<f32>, Vec<u32>, Vec<f32>) {
+        let logits: Vec<f32> = (0..6).flat_map(|n| [2.0, 1.0, 0.1 * n as f32]).collect();
+        let (mut w, mut idx, mut load) = (vec![0.0; 12], vec![0; 12], vec![0.0; 6]);
+        router_forward(shape(capacity), &logits, &mut w, &mut idx, &mut load);
+        (w, idx, load)
+    }
+
+    #[test]
+    fn a_capacity_drops_the_later_tokens_copies_and_keeps_their_weights() {
+        let (w0, exact, load0) = route(None);
+        let (w, idx, load) = route(Some(4));
+        // Exact routing: every token to experts 0 and 1. With room for 4 copies per expert,
+        // tokens 4 and 5 find both full: their copies are dropped, their choices kept.
+        assert!(exact.chunks(2).all(|c| c == [0, 1]), "{exact:?}");
+        for (c, (&x, &e)) in idx.iter().zip(&exact).enumerate() {
+            let want = if c >= 8 { e | DROPPED } else { e };
+            assert_eq!(x, want, "copy {c}");
+        }
+        // The weights and the load-balancing statistics are the router's choices.
+        assert_eq!(w, w0);
+        assert_eq!(load, load0);
+        // Dropped copies are no expert's rows.
+        let rows: Vec<_> = routed_rows(&idx, 3).collect();
+        assert_eq!(rows.len(), 8);
+        assert!(rows.iter().all(|&(_, c)| c < 8));
+        // The router's backward reads the choice under the mark: with no gradient for the
+        // dropped copies' weights, it equals the exact routing's with those entries zeroed.
+        let logits: Vec<f32> = (0..6).flat_map(|n| [2.0, 1.0, 0.1 * n as f32]).collect();
+        let dw: Vec<f32> = (0..12)
+            .map(|c| if c >= 8 { 0.0 } else { 0.1 * c as f32 - 0.3 })
+            .collect();
+        let aux = [0.01, 0.02, 0.03];
+        let (mut a, mut b) = (vec![0.0; 18], vec![0.0; 18]);
+        router_backward(shape(Some(4)), &logits, &idx, &dw, &aux, &mut a);
+        router_backward(shape(None), &logits, &exact, &dw, &aux, &mut b);
+        assert_eq!(a, b);
     }
 }
