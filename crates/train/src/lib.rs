@@ -12,6 +12,7 @@ pub mod expert_parallel;
 pub mod heap;
 pub mod loss_scale;
 pub mod lr;
+pub mod message_group;
 pub mod metrics;
 pub mod pipeline;
 pub mod pool;

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod fixture;
+pub mod moe;
 
 /// xorshift64* — deterministic, dependency-free.
 pub struct Rng(u64);

@@ -1,0 +1,103 @@
+//! What the trainer's expert- and context-parallel groups share: a communicator, the one f32
+//! message buffer the plan gives the group (`comm.ep.message`, `comm.cp.message`; allocated with
+//! the first step, so exchanges allocate nothing), the bytes this rank sent, and the first
+//! failure of an exchange, recorded during the engine's pass (which cannot return errors) and
+//! reported after it ([`MessageGroup::check`]), so a dead rank stops the step instead of
+//! hanging it.
+
+use anyhow::{anyhow, Result};
+use ferrotron_dist::Communicator;
+use std::cell::{Cell, RefCell, RefMut};
+
+pub struct MessageGroup {
+    pub comm: Box<dyn Communicator>,
+    message: RefCell<Vec<f32>>,
+    failed: RefCell<Option<String>>,
+    /// Bytes this rank sent to other ranks since the counter was last taken.
+    pub bytes: Cell<f64>,
+    /// Every rank's few values of a small sum, reused.
+    small: RefCell<Vec<f32>>,
+}
+
+impl MessageGroup {
+    pub fn new(comm: Box<dyn Communicator>) -> Self {
+        MessageGroup {
+            comm,
+            message: RefCell::new(Vec::new()),
+            failed: RefCell::new(None),
+            bytes: Cell::new(0.0),
+            small: RefCell::new(Vec::new()),
+        }
+    }
+
+    /// The message buffer of the plan (`len` f32).
+    pub fn allocate(&self, len: usize) {
+        let mut m = self.message.borrow_mut();
+        if m.capacity() < len {
+            *m = Vec::with_capacity(len);
+        }
+    }
+
+    /// The planned message buffer, for one exchange.
+    pub fn message(&self) -> RefMut<'_, Vec<f32>> {
+        self.message.borrow_mut()
+    }
+
+    /// Whether an exchange of this pass failed (the later ones are skipped).
+    pub fn failed(&self) -> bool {
+        self.failed.borrow().is_some()
+    }
+
+    /// Records an exchange's failure, reported by [`MessageGroup::check`].
+    pub fn fail(&self, what: &str, e: impl std::fmt::Display) {
+        self.failed
+            .borrow_mut()
+            .get_or_insert(format!("{what}: {e}"));
+    }
+
+    /// Counts `bytes` sent.
+    pub fn sent(&self, bytes: f64) {
+        self.bytes.set(self.bytes.get() + bytes);
+    }
+
+    /// The error of an exchange that failed during the pass, if one did.
+    pub fn check(&self) -> Result<()> {
+        match self.failed.borrow_mut().take() {
+            Some(e) => Err(anyhow!(e)),
+            None => Ok(()),
+        }
+    }
+
+    /// The sums over the group of a few per-rank f64 values (each travels as two f32: its
+    /// rounding and the rest), the same on every rank.
+    pub fn sum_f64s<const N: usize>(&self, x: [f64; N], what: &str) -> Result<[f64; N]> {
+        let mut mine = [0.0f32; 8];
+        assert!(2 * N <= mine.len(), "at most four sums at once");
+        for (i, v) in x.iter().enumerate() {
+            let hi = *v as f32;
+            (mine[2 * i], mine[2 * i + 1]) = (hi, (v - hi as f64) as f32);
+        }
+        let mut small = self.small.borrow_mut();
+        let all = crate::data_parallel::gather_small(
+            self.comm.as_ref(),
+            &mut small,
+            &mine[..2 * N],
+            what,
+        )?;
+        let mut out = [0.0f64; N];
+        for rank in all.chunks(2 * N) {
+            for (i, o) in out.iter_mut().enumerate() {
+                *o += rank[2 * i] as f64 + rank[2 * i + 1] as f64;
+            }
+        }
+        Ok(out)
+    }
+
+    pub fn size(&self) -> usize {
+        self.comm.size()
+    }
+
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+}
