@@ -1,9 +1,9 @@
 //! The trainer's context-parallel group, as the engine calls it (`CpComm`,
-//! `crates/engine/src/model/context_parallel.rs`): each pass of the ring copies the block into
-//! the plan's `comm.cp.message`, hands it to the next rank (`send_start`, so no rank waits for
-//! its peer before receiving) and receives the previous rank's block; bytes are counted, and a
-//! failure is recorded and reported after the pass ([`MessageGroup::check`]), so a dead rank stops
-//! the step instead of hanging it.
+//! `crates/engine/src/model/context_parallel.rs`): a pass copies the block into the plan's
+//! `comm.cp.message` and hands it to the next rank (`send_start`, so the engine computes on the
+//! block while it travels and no rank waits for its peer before receiving), then receives the
+//! previous rank's block; bytes are counted, and a failure is recorded and reported after the
+//! pass ([`MessageGroup::check`]), so a dead rank stops the step instead of hanging it.
 //!
 //! The ranks of a group hold the same weights (their gradients are reduced with the
 //! data-parallel replicas', over dp × cp) and different tokens of the same sequences; the
@@ -11,13 +11,14 @@
 
 use crate::message_group::MessageGroup;
 use anyhow::Result;
-use ferrotron_dist::Communicator;
+use ferrotron_dist::{Communicator, Pending};
 use ferrotron_engine::model::CpComm;
+use std::cell::RefCell;
 
 /// The tag of the ring's messages (below MPI's smallest allowed tag bound, 32767).
 const RING_TAG: u32 = 0x4350;
 
-pub struct CpGroup(MessageGroup);
+pub struct CpGroup(MessageGroup, RefCell<Option<Pending>>);
 
 impl std::ops::Deref for CpGroup {
     type Target = MessageGroup;
@@ -28,7 +29,7 @@ impl std::ops::Deref for CpGroup {
 
 impl CpGroup {
     pub fn new(comm: Box<dyn Communicator>) -> Self {
-        CpGroup(MessageGroup::new(comm))
+        CpGroup(MessageGroup::new(comm), RefCell::new(None))
     }
 
     /// The sums over the group of per-rank f64 values (an evaluation's loss sum and count:
@@ -47,24 +48,30 @@ impl CpComm for CpGroup {
         self.comm.rank()
     }
 
-    fn pass(&self, send: &[f32], recv: &mut [f32]) {
+    fn send_next(&self, send: &[f32]) {
         if self.failed() {
             return;
         }
         let (size, rank) = (self.comm.size(), self.comm.rank());
-        let (next, prev) = ((rank + 1) % size, (rank + size - 1) % size);
-        let mut message = self.message();
-        let mut out = std::mem::take(&mut *message);
+        let mut out = std::mem::take(&mut *self.message());
         // Within the planned capacity: no allocation.
         out.clear();
         out.extend_from_slice(send);
-        let pending = self.comm.send_start(out, next, RING_TAG);
-        let received = self.comm.recv(recv, prev, RING_TAG);
+        let pending = self.comm.send_start(out, (rank + 1) % size, RING_TAG);
+        self.sent(4.0 * send.len() as f64);
+        let earlier = self.1.borrow_mut().replace(pending);
+        assert!(earlier.is_none(), "one ring message in flight at a time");
+    }
+
+    fn recv_prev(&self, recv: &mut [f32]) {
+        let Some(pending) = self.1.borrow_mut().take() else {
+            // A failed pass started no send.
+            return;
+        };
+        let (size, rank) = (self.comm.size(), self.comm.rank());
+        let received = self.comm.recv(recv, (rank + size - 1) % size, RING_TAG);
         match (received, pending.wait()) {
-            (Ok(()), Ok(back)) => {
-                *message = back;
-                self.sent(4.0 * send.len() as f64);
-            }
+            (Ok(()), Ok(back)) => *self.message() = back,
             (Err(e), _) | (_, Err(e)) => self.fail("context-parallel ring", e),
         }
     }

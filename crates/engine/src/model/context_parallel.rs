@@ -8,8 +8,10 @@
 //! the blocks' log-sum-exp (the online softmax of flash attention, one block at a time):
 //!
 //! ```text
-//! forward   step 0: own block; step s: block of rank r − s, received from rank r − 1 while
-//!           rank r + 1 receives the one just used. o and lse merged in f32, o rounded once.
+//! forward   step 0: own block; step s: block of rank r − s. Each step first starts sending
+//!           its block on to rank r + 1, computes on it meanwhile, then receives the next
+//!           from rank r − 1 (the transfer hides behind the step's attention). o and lse
+//!           merged in f32, o rounded once.
 //! backward  step s: the same blocks with their dK, dV travelling along: this rank adds its
 //!           queries' part to them and to its own dQ; after the last step one more pass
 //!           brings each block's dK, dV home.
@@ -35,9 +37,17 @@ use std::rc::Rc;
 pub trait CpComm {
     fn size(&self) -> usize;
     fn rank(&self) -> usize;
-    /// Sends `send` to the next rank of the ring (`rank + 1`) and receives the previous
-    /// rank's block of the same length into `recv`.
-    fn pass(&self, send: &[f32], recv: &mut [f32]);
+    /// Starts sending (a copy of) `send` to the next rank of the ring (`rank + 1`): `send`
+    /// may be read and written at once.
+    fn send_next(&self, send: &[f32]);
+    /// Receives the previous rank's block (as long as the last one sent) into `recv`, and
+    /// waits for this rank's send to be taken.
+    fn recv_prev(&self, recv: &mut [f32]);
+    /// Both, one after the other.
+    fn pass(&self, send: &[f32], recv: &mut [f32]) {
+        self.send_next(send);
+        self.recv_prev(recv);
+    }
 }
 
 /// This rank's place in its context-parallel group, and the group's ring.
@@ -177,13 +187,17 @@ impl Llama {
         widen(kk, &mut b.block[..kvl]);
         widen(v, &mut b.block[kvl..2 * kvl]);
         for step in 0..cp.size {
-            if step > 0 {
-                cp.comm.pass(&b.block[..2 * kvl], &mut b.next[..2 * kvl]);
-                std::mem::swap(&mut b.block, &mut b.next);
+            let more = step + 1 < cp.size;
+            if more {
+                cp.comm.send_next(&b.block[..2 * kvl]);
             }
             let (kb, vb) = b.block[..2 * kvl].split_at(kvl);
             let acc = &mut b.acc[..s.q_len()];
             k.attention_forward_ring(cp.ring(s, step), q, kb, vb, acc, lse, step == 0);
+            if more {
+                cp.comm.recv_prev(&mut b.next[..2 * kvl]);
+                std::mem::swap(&mut b.block, &mut b.next);
+            }
         }
         S::store(&b.acc[..s.q_len()], o);
         self.free_ring_bufs(pool, b);
