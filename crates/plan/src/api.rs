@@ -398,6 +398,7 @@ impl Settings {
                 recipe,
                 layout,
                 convention,
+                runtime: crate::runtime::Runtime::of(convention),
                 overhead,
                 bucket_bytes,
             },

@@ -6,7 +6,9 @@ use crate::inventory::{Placement, Tensor};
 use crate::layout::{Layout, Offload};
 use crate::memory::Category;
 use crate::model::ModelSpec;
-use crate::recipe::{DType, Precision, Recipe};
+use crate::planner::PlanInput;
+use crate::recipe::{DType, Precision};
+use crate::runtime::Runtime;
 use crate::zero3::{Sizes, Unit};
 
 /// A buffer and when it first appears (then it stays: these are reused workspaces).
@@ -63,17 +65,24 @@ pub fn expert_params(m: &ModelSpec, l: &Layout) -> u64 {
     all / l.ep / l.pp
 }
 
-#[allow(clippy::too_many_arguments)]
+/// The communication buffers of one rank of `x` holding `rank_params` parameters. Each buffer is
+/// keyed on what decides it: the runtime's communicator (`x.runtime`: ferrotron's trainer or
+/// the framework), or, where the tensors exchanged already sit in the engine's activation
+/// table, the convention (`x.convention`).
 pub fn comm_buffers(
+    x: &PlanInput,
     m: Option<&ModelSpec>,
-    r: &Recipe,
-    l: &Layout,
     units: Units,
-    bucket_bytes: u64,
     rank_params: u64,
-    conv: Convention,
     zero3: Option<Sizes>,
 ) -> Vec<CommBuf> {
+    let (r, l, conv, bucket_bytes) = (&x.recipe, &x.layout, x.convention, x.bucket_bytes);
+    // ferrotron's trainer runs the step's communication (`runtime.rs`).
+    let trainer = x.runtime == Runtime::Ferrotron;
+    // ferrotron's engine holds the tensors sequence, context and expert parallelism exchange in
+    // its activation table (`act.sp.full`, `comm.cp.*`, `comm.ep.*`), whichever runtime moves
+    // them.
+    let engine_table = conv == Convention::Ferrotron;
     let st = r.precision.storage();
     let unit = units.embedding.max(units.head).max(units.layer);
     let mut out = Vec::new();
@@ -94,8 +103,7 @@ pub fn comm_buffers(
     // gradients before its reduce-scatter.
     // (With pipelining a ZeRO-3 stage holds all its parameters for the step instead: states.rs.)
     // (ferrotron's own ZeRO-3 is below; over one rank it has nothing to shard or gather.)
-    let ferrotron_zero3 =
-        conv == Convention::Ferrotron && (zero3.is_some() || l.dense_replicas() == 1);
+    let ferrotron_zero3 = trainer && (zero3.is_some() || l.dense_replicas() == 1);
     let generic_zero3 = !ferrotron_zero3 && l.zero >= 3 && l.pp == 1;
     if generic_zero3 || l.offload == Offload::Params {
         // DeepSpeed's estimator counts the gathered layer once ("4*largest_layer_params").
@@ -110,7 +118,6 @@ pub fn comm_buffers(
     }
     // ZeRO-2 reduce-scatters gradients bucket by bucket; two buckets in flight overlap
     // communication with the backward (PyTorch DDP's default bucket_cap_mb = 25).
-    let ferrotron = conv == Convention::Ferrotron;
     if conv == Convention::DeepSpeed {
         // `contiguous_gradients`: one `reduce_bucket_size` bucket in the 16-bit dtype.
         if matches!(l.zero, 1 | 2) && l.dense_replicas() > 1 {
@@ -122,11 +129,11 @@ pub fn comm_buffers(
                 false,
             );
         }
-    } else if l.zero == 2 && l.dense_replicas() > 1 && !ferrotron {
+    } else if l.zero == 2 && l.dense_replicas() > 1 && !trainer {
         add("zero2.grad_buckets", DType::U8, 2 * bucket_bytes, cb, false);
     }
-    // ferrotron's data parallelism all-reduces gradients in f32 buckets (ZeRO-1/2:
-    // reduce-scatters them), two in flight, each at most the rank's gradients
+    // ferrotron's trainer all-reduces gradients in f32 buckets (ZeRO-1/2: reduce-scatters
+    // them), two in flight, each at most the rank's gradients
     // (`crates/train/src/data_parallel.rs`).
     // Under expert parallelism the dense gradients are reduced over the dp × ep replicas and
     // the experts' over the dp replicas of each expert, each in buckets of its own.
@@ -134,12 +141,12 @@ pub fn comm_buffers(
         (Some(m), true) => expert_params(m, l),
         _ => 0,
     };
-    if ferrotron && l.zero <= 2 && l.dense_replicas() > 1 {
+    if trainer && l.zero <= 2 && l.dense_replicas() > 1 {
         let shards = if l.zero >= 1 { l.dense_replicas() } else { 1 };
         let len = dp_bucket_len(bucket_bytes, rank_params - experts, shards);
         add("dp.grad_buckets", DType::F32, 2 * len, cb, false);
     }
-    if ferrotron && experts > 0 && l.expert_replicas() > 1 {
+    if trainer && experts > 0 && l.expert_replicas() > 1 {
         // (Under ZeRO-1 the experts' states shard over their replicas, in blocks of them.)
         let shards = if l.zero >= 1 { l.expert_replicas() } else { 1 };
         let len = dp_bucket_len(bucket_bytes, experts, shards);
@@ -152,10 +159,10 @@ pub fn comm_buffers(
         add("dp.grad_buckets", DType::F32, 2 * z.bucket, cb, false);
         add("zero3.gather", DType::F32, z.bucket, cb, true);
     }
-    // ferrotron's tensor parallelism all-reduces activations (and gathers the cross-entropy's
-    // row statistics) through one f32 buffer, in place: the largest is a micro-batch of the
-    // residual stream, [b·s, h] (`crates/train/src/tensor_parallel.rs`).
-    if ferrotron && l.tp > 1 {
+    // ferrotron's trainer all-reduces tensor-parallel activations (and gathers the
+    // cross-entropy's row statistics) through one f32 buffer, in place: the largest is a
+    // micro-batch of the residual stream, [b·s, h] (`crates/train/src/tensor_parallel.rs`).
+    if trainer && l.tp > 1 {
         if let Some(m) = m {
             // (A micro-batch's tokens on this rank: 1/cp of each sequence.)
             let tokens = r.mbs * r.seq / l.cp;
@@ -164,13 +171,14 @@ pub fn comm_buffers(
             add("tp.staging", DType::F32, len, cb, true);
         }
     }
-    // ferrotron's ZeRO-2 keeps full gradients only in three windows that the backward reuses:
-    // the embedding's, the head's and one layer's (`crates/train/src/zero2.rs`); the head's
-    // forward writes the LM head's gradient, so they exist from the first forward.
+    // ferrotron's trainer under ZeRO-2 keeps full gradients only in three windows that the
+    // backward reuses: the embedding's, the head's and one layer's
+    // (`crates/train/src/zero2.rs`); the head's forward writes the LM head's gradient, so they
+    // exist from the first forward.
     // (With pipelining, ZeRO-2 keeps the stage's gradients unsharded over the step: states.rs.)
     // ZeRO-3 reduces gradients the same way.
     let zero2 = l.zero == 2 && l.pp == 1 && l.dense_replicas() > 1;
-    if ferrotron && (zero2 || zero3.is_some()) {
+    if trainer && (zero2 || zero3.is_some()) {
         let gt = if r.precision.fp32_grad_acc() {
             r.precision.engine_grads()
         } else {
@@ -184,13 +192,13 @@ pub fn comm_buffers(
     let n = d.n();
     // Sequence parallelism all-gathers the sequence-sharded norm output before the
     // column-parallel GEMMs (Korthikanti et al. 2022 §4.2.2). (ferrotron's engine gathers
-    // into its activation scratch `act.sp.full`, through `comm.tp.staging`.)
-    if d.sp && !ferrotron {
+    // into its activation scratch `act.sp.full`; its trainer through `comm.tp.staging`.)
+    if d.sp && !engine_table {
         add("sp.allgather", st, n * m.hidden, cb, true);
     }
     // Pipeline point-to-point: one send and one receive buffer of the boundary activation.
     // (ferrotron's trainer sends from a few f32 buffers per direction: `planner::pp_buffers`.)
-    if l.pp > 1 && !ferrotron {
+    if l.pp > 1 && !trainer {
         add(
             "pp.send_recv",
             st,
@@ -200,28 +208,30 @@ pub fn comm_buffers(
         );
     }
     // Ring attention receives the next K and V chunk while computing on the current one.
-    // (ferrotron's blocks are the activation table's `comm.cp.block` and `comm.cp.next`; each
-    // pass sends a copy from one f32 message buffer, a block with its gradients at most:
-    // `crates/train/src/context_parallel.rs`.)
+    // (ferrotron's engine holds its blocks in the activation table, `comm.cp.block` and
+    // `comm.cp.next`; its trainer sends each pass's copy from one f32 message buffer, a block
+    // with its gradients at most: `crates/train/src/context_parallel.rs`.)
     if l.cp > 1 {
         let kv_t = m.kv_heads_tp(l.tp);
         let kv = n * kv_t * (m.head_dim + m.v_head_dim);
-        match ferrotron {
-            true => add("cp.message", DType::F32, 2 * kv, cb, true),
-            false => add("cp.kv_ring", st, 2 * kv, cb, true),
+        if trainer {
+            add("cp.message", DType::F32, 2 * kv, cb, true);
+        }
+        if !engine_table {
+            add("cp.kv_ring", st, 2 * kv, cb, true);
         }
     }
     // Expert parallelism: all-to-all dispatch and combine buffers of the routed tokens.
-    // (ferrotron's are the activation table's `comm.ep.send` / `comm.ep.recv`, and the one
-    // block in flight to a peer: at most every token's copies for the peer's experts, with
-    // their routing weights.)
+    // (ferrotron's engine holds them in the activation table, `comm.ep.send` / `comm.ep.recv`;
+    // its trainer sends the one block in flight to a peer from a message buffer: at most every
+    // token's copies for the peer's experts, with their routing weights.)
     if let (Some(moe), true) = (m.moe, l.ep > 1) {
-        match ferrotron {
-            true => {
-                let copies = n * moe.top_k.min(moe.num_experts / l.ep);
-                add("ep.message", DType::F32, copies * (m.hidden + 1), cb, true);
-            }
-            false => add("ep.all_to_all", st, 2 * n * moe.top_k * m.hidden, cb, true),
+        if trainer {
+            let copies = n * moe.top_k.min(moe.num_experts / l.ep);
+            add("ep.message", DType::F32, copies * (m.hidden + 1), cb, true);
+        }
+        if !engine_table {
+            add("ep.all_to_all", st, 2 * n * moe.top_k * m.hidden, cb, true);
         }
     }
     // fp8: the current layer's weights cast to fp8 for its GEMMs (per-tensor scaling). The

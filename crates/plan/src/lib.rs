@@ -27,6 +27,7 @@ pub mod planner;
 pub mod presets;
 pub mod recipe;
 pub mod report;
+pub mod runtime;
 pub mod sac;
 pub mod schedule;
 pub mod search;
@@ -48,5 +49,6 @@ pub use memory::{Breakdown, Category, MemoryPlan};
 pub use model::ModelSpec;
 pub use planner::{plan, plan_extremes, ModelSource, PlanInput, PlanResult, RankPlan};
 pub use recipe::{DType, Optimizer, Precision, Recipe, Recompute};
+pub use runtime::Runtime;
 
 pub const GIB: f64 = (1u64 << 30) as f64;

@@ -11,6 +11,7 @@ use crate::layout::{Layout, PpSchedule};
 use crate::memory::{Breakdown, BufId, MemoryPlan, Phase, Sweep};
 use crate::model::ModelSpec;
 use crate::recipe::Recipe;
+use crate::runtime::Runtime;
 use crate::schedule::{order, send_buffers, simulated_micro_batches, slots, Direction, Work};
 use crate::states::{add_states, RankElems};
 use crate::tensors::{Edge, LayerTensor, LAYER_PREFIX, WORKSPACE_PREFIX};
@@ -46,7 +47,12 @@ pub struct PlanInput {
     pub model: ModelSource,
     pub recipe: Recipe,
     pub layout: Layout,
+    /// Whose kernels and buffers: the memory accounting.
     pub convention: Convention,
+    /// Whose communication: ferrotron's trainer or the convention's framework (`runtime.rs`).
+    /// The trainer's own plan names `Runtime::Ferrotron`; `Runtime::of(convention)` is the
+    /// default everywhere else.
+    pub runtime: Runtime,
     pub overhead: Overhead,
     /// ZeRO-2 gradient bucket size in bytes.
     pub bucket_bytes: u64,
@@ -110,6 +116,7 @@ pub fn plan_extremes(input: &PlanInput) -> Result<PlanResult> {
 fn plan_impl(input: &PlanInput, extremes: bool) -> Result<PlanResult> {
     let (r, l) = (&input.recipe, &input.layout);
     r.validate()?;
+    input.runtime.validate(input.convention)?;
     let spec = match &input.model {
         ModelSource::Spec(m) => Some(m),
         ModelSource::Params(0) | ModelSource::Counted { params: 0, .. } => {
@@ -335,7 +342,7 @@ fn rank_plan(
     e.dense += vocab_padding(conv, spec, l, stage);
     let on_stage = |p: Placement| spec.is_some_and(|m| stage_of(p, m, l) == stage);
     // ferrotron's own ZeRO-3 (its trainer's): dense models, without pipelining.
-    let zero3 = (crate::zero3::applies(conv, l, e.expert) && spec.is_some()).then(|| {
+    let zero3 = (crate::zero3::applies(input.runtime, l, e.expert) && spec.is_some()).then(|| {
         let lens = crate::zero3::unit_lens(tensors, l.tp, on_stage);
         crate::zero3::Sizes::of(&lens, l.dense_replicas())
     });
@@ -351,16 +358,7 @@ fn rank_plan(
         },
         (None, _) => Units::default(),
     };
-    let comm = comm_buffers(
-        spec,
-        r,
-        l,
-        units,
-        input.bucket_bytes,
-        e.dense + e.expert,
-        conv,
-        zero3,
-    );
+    let comm = comm_buffers(input, spec, units, e.dense + e.expert, zero3);
     let mut comm_fwd = Vec::new();
     let mut comm_bwd = Vec::new();
     for c in &comm {
@@ -373,8 +371,9 @@ fn rank_plan(
     }
 
     // The stage's program: its order of forward and backward work, and the in-flight slot of
-    // each (ferrotron names every slot's buffers apart for its arena; elsewhere one name is
-    // allocated as many times as micro-batches are in flight).
+    // each (ferrotron's trainer names every slot's buffers apart for its arena, and sends from
+    // buffers of its own: `crates/train/src/pipeline.rs`; elsewhere one name is allocated as
+    // many times as micro-batches are in flight).
     let m_sim = {
         let s = simulated_micro_batches(l, stage, r.grad_acc);
         if l.pp_schedule == PpSchedule::Interleaved {
@@ -384,7 +383,7 @@ fn rank_plan(
         }
     };
     let work = order(l, stage, m_sim);
-    let slotted = conv == Convention::Ferrotron && l.pp > 1 && spec.is_some();
+    let slotted = input.runtime == Runtime::Ferrotron && l.pp > 1 && spec.is_some();
     let slot_of = match slotted {
         true => slots(&work),
         false => vec![0; work.len()],
@@ -513,12 +512,12 @@ fn rank_plan(
         if slotted {
             let boundary = Dims::new(r, l).n() * m.hidden / Dims::new(r, l).seq_shard();
             pp_comm = pp_buffers(&mut plan, l, stage, r.grad_acc, boundary);
-            // Sequence parallelism's gather scratch serves every layer and the head; a stage
-            // without the embedding (which holds it from its forward to its backward) holds
-            // it through each piece of work.
-            if stage != 0 {
-                sp_scratch = add_acts(&mut plan, "", &edge.embedding);
-            }
+        }
+        // The engine's sequence-parallel gather scratch serves every layer and the head; a
+        // pipeline stage without the embedding (which holds it from its forward to its
+        // backward) holds it through each piece of work.
+        if conv == Convention::Ferrotron && l.pp > 1 && stage != 0 {
+            sp_scratch = add_acts(&mut plan, "", &edge.embedding);
         }
     }
     plan.alloc(&e.persistent);

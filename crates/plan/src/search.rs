@@ -224,6 +224,7 @@ pub fn search(spec: &SearchSpec) -> Result<SearchResult> {
         },
         layout: Layout::default(),
         convention: spec.convention,
+        runtime: crate::runtime::Runtime::of(spec.convention),
         overhead: spec.overhead,
         bucket_bytes: spec.bucket_bytes,
     };

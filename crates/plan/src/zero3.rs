@@ -16,9 +16,9 @@
 //!
 //! The windows are valid for one step (the optimizer changes every parameter after it).
 
-use crate::convention::Convention;
 use crate::inventory::{Placement, Tensor};
 use crate::layout::Layout;
+use crate::runtime::Runtime;
 use std::collections::BTreeMap;
 
 /// A part of the model that ZeRO-3 gathers at once.
@@ -151,10 +151,11 @@ pub fn layer_gathers_per_step(layers: usize, micro_batches: u64) -> Vec<u64> {
     total
 }
 
-/// Whether a rank runs ferrotron's own ZeRO-3 (its trainer's): under its convention, sharded
-/// over more than one rank, dense (no expert shards), without pipelining.
-pub fn applies(conv: Convention, l: &Layout, expert_elems: u64) -> bool {
-    conv == Convention::Ferrotron
+/// Whether a rank runs ferrotron's own ZeRO-3: under its trainer (`Runtime::Ferrotron`, not
+/// merely its convention: an FSDP run costed with the engine's kernels gathers as FSDP does),
+/// sharded over more than one rank, dense (no expert shards), without pipelining.
+pub fn applies(runtime: Runtime, l: &Layout, expert_elems: u64) -> bool {
+    runtime == Runtime::Ferrotron
         && l.zero >= 3
         && l.pp == 1
         && l.dense_replicas() > 1
@@ -210,7 +211,7 @@ pub fn unit_lens(
     out
 }
 
-/// A rank's ZeRO-3 memory under ferrotron's convention (see the module docs).
+/// A rank's ZeRO-3 memory under ferrotron's trainer (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Sizes {
     /// Elements of its shard of the parameters, gradients, master weights and optimizer states

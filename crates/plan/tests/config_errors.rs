@@ -241,7 +241,7 @@ proptest! {
                 let recipe = Recipe { seq: 64.min(m.max_positions), ..Recipe::default() };
                 let layout = Layout { tp, pp, ..Layout::default() };
                 let x = PlanInput { model: ModelSource::Spec(m), recipe, layout,
-                    convention: Convention::Ferrotron,
+                    convention: Convention::Ferrotron, runtime: Runtime::Ferrotron,
                     overhead: ferrotron_plan::hardware::Overhead::NONE, bucket_bytes: 1 << 20 };
                 let _ = plan(&x);
             }

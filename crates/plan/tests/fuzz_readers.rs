@@ -14,7 +14,9 @@ use ferrotron_plan::api::{plan_json, search_json};
 use ferrotron_plan::cluster::ClusterFile;
 use ferrotron_plan::hardware::Overhead;
 use ferrotron_plan::presets::{preset_json, resolve};
-use ferrotron_plan::{plan, Convention, Layout, ModelSource, ModelSpec, PlanInput, Recipe};
+use ferrotron_plan::{
+    plan, Convention, Layout, ModelSource, ModelSpec, PlanInput, Recipe, Runtime,
+};
 use mutate::{
     bounded, config, each_extreme_number, json_mutations, mutate, mutate_json, mutations,
 };
@@ -93,6 +95,7 @@ fn plan_small(m: ModelSpec) -> Result<(), TestCaseError> {
         recipe,
         layout: Layout::default(),
         convention: Convention::Ferrotron,
+        runtime: Runtime::Ferrotron,
         overhead: Overhead::NONE,
         bucket_bytes: 1 << 20,
     };

@@ -100,7 +100,11 @@ fn gpu_of(table: &str) -> &'static str {
     }
 }
 
-fn predict(r: &Row, spec: ModelSpec, conv: Convention, gpu_name: &str) -> time::TimeReport {
+/// A row's step as llm-foundry ran it: the MPT's kernels costed as ferrotron's engine runs them
+/// (fused elementwise kernels, flash attention: the `ferrotron` convention), its communication
+/// as Composer's PyTorch FSDP runs it (`Runtime::Framework`: per-micro-batch gathers of every
+/// layer for the forward and again for the backward, not ferrotron's ZeRO-3 windows).
+fn predict(r: &Row, spec: ModelSpec, gpu_name: &str) -> time::TimeReport {
     let x = PlanInput {
         model: ModelSource::Spec(spec),
         recipe: Recipe {
@@ -120,7 +124,8 @@ fn predict(r: &Row, spec: ModelSpec, conv: Convention, gpu_name: &str) -> time::
             zero: r.zero,
             ..Layout::default()
         },
-        convention: conv,
+        convention: Convention::Ferrotron,
+        runtime: Runtime::Framework,
         overhead: Overhead::NONE,
         bucket_bytes: 25 << 20,
     };
@@ -170,7 +175,7 @@ fn llm_foundry_mpt_throughput() {
         let spec = mpt(&r.model, r.seq);
         let c = inventory::count(&spec, &inventory::inventory(&spec));
         assert_eq!(c.total, r.params, "MPT-{} at seq {}", r.model, r.seq);
-        let t = predict(r, spec, Convention::Ferrotron, gpu_of(&r.table));
+        let t = predict(r, spec, gpu_of(&r.table));
         let what = format!(
             "{} s{} g{} mbs{} ga{}{}",
             r.model,
@@ -266,6 +271,7 @@ fn torchtitan_rows() -> Vec<Compared> {
                     ..Layout::default()
                 },
                 convention: Convention::Torchtitan,
+                runtime: Runtime::Framework,
                 overhead: Overhead::NONE,
                 bucket_bytes: 25 << 20,
             };
@@ -320,6 +326,7 @@ fn torchtitan_h100_llama_memory_and_throughput() {
                 ..Layout::default()
             },
             convention: Convention::Torchtitan,
+            runtime: Runtime::Framework,
             overhead: Overhead::NONE,
             bucket_bytes: 25 << 20,
         };

@@ -172,6 +172,7 @@ fn step(m: ModelSpec, tp: u64) -> time::TimeReport {
             ..Layout::default()
         },
         convention: Convention::Ferrotron,
+        runtime: Runtime::Ferrotron,
         overhead: Overhead::NONE,
         bucket_bytes: 25 << 20,
     };

@@ -13,6 +13,7 @@ fn input(model: ModelSource, recipe: Recipe, layout: Layout, convention: Convent
         recipe,
         layout,
         convention,
+        runtime: Runtime::of(convention),
         overhead: Overhead::NONE,
         bucket_bytes: 25 << 20,
     }

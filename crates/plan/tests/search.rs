@@ -30,6 +30,7 @@ fn returns_feasible_layouts_ranked_by_tokens_per_second() {
             recipe: c.recipe.clone(),
             layout: c.layout.clone(),
             convention: s.convention,
+            runtime: Runtime::of(s.convention),
             overhead: s.overhead,
             bucket_bytes: s.bucket_bytes,
         };

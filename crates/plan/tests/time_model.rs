@@ -347,6 +347,47 @@ fn zero_communication_volumes_follow_the_zero_paper() {
 }
 
 #[test]
+fn the_runtime_not_the_convention_picks_the_zero3_schedule() {
+    // ferrotron's kernels under PyTorch FSDP (the llm-foundry rows of `measured_runs.rs`) gather
+    // as every framework's ZeRO-3 does, 1.5× the data-parallel volume, into FSDP's unit
+    // buffers; ferrotron's trainer gathers what its windows do not hold, into its windows.
+    let run = |zero, runtime| {
+        let layout = Layout {
+            dp: 8,
+            zero,
+            ..Layout::default()
+        };
+        let mut x = input(
+            "llama-3-8b",
+            recipe(1, 1, Recompute::None),
+            layout,
+            Convention::Ferrotron,
+        );
+        x.runtime = runtime;
+        x
+    };
+    let dp_bytes = |x: &PlanInput| {
+        let t = estimate(x, &h100(8), FlopsConvention::Ferrotron).unwrap();
+        t.unwrap().comm_of(Dim::Dp).bytes
+    };
+    let fsdp = run(3, Runtime::Framework);
+    let trainer = run(3, Runtime::Ferrotron);
+    let z0 = dp_bytes(&run(0, Runtime::Framework));
+    assert!(close(dp_bytes(&fsdp), 1.5 * z0, 1e-12));
+    assert!(dp_bytes(&trainer) < dp_bytes(&fsdp));
+    let holds = |x: &PlanInput, name: &str| plan(x).unwrap().worst().plan.find(name).is_some();
+    assert!(holds(&fsdp, "comm.zero3.gathered_params"));
+    assert!(!holds(&fsdp, "zero3.param_windows"));
+    assert!(holds(&trainer, "zero3.param_windows"));
+    assert!(!holds(&trainer, "comm.zero3.gathered_params"));
+    // ferrotron's trainer runs only ferrotron's engine.
+    let mut titan = run(3, Runtime::Ferrotron);
+    titan.convention = Convention::Torchtitan;
+    assert!(plan(&titan).is_err());
+    assert!(estimate(&titan, &h100(8), FlopsConvention::Ferrotron).is_err());
+}
+
+#[test]
 fn tensor_parallel_traffic_and_node_crossings() {
     let l = |sp| Layout {
         dp: 1,
@@ -406,6 +447,7 @@ fn bare_parameter_counts_have_no_time_model() {
         recipe: Recipe::default(),
         layout: Layout::default(),
         convention: Convention::ZeroPaper,
+        runtime: Runtime::Framework,
         overhead: ferrotron_plan::hardware::Overhead::NONE,
         bucket_bytes: 25 << 20,
     };

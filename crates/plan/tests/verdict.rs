@@ -6,7 +6,7 @@ use ferrotron_plan::api::plan_json;
 use ferrotron_plan::hardware::gpu;
 use ferrotron_plan::planner::plan;
 use ferrotron_plan::report::build;
-use ferrotron_plan::{Convention, Layout, ModelSource, PlanInput, Precision, Recipe};
+use ferrotron_plan::{Convention, Layout, ModelSource, PlanInput, Precision, Recipe, Runtime};
 use serde_json::{json, Value};
 
 fn u(v: &Value) -> u64 {
@@ -230,6 +230,7 @@ fn without_a_cluster_the_cost_is_stated_in_words() {
         },
         layout: Layout::default(),
         convention: Convention::Ferrotron,
+        runtime: Runtime::Ferrotron,
         overhead: ferrotron_plan::hardware::Overhead::GPU_DEFAULT,
         bucket_bytes: 25 << 20,
     };

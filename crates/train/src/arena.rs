@@ -227,6 +227,7 @@ mod tests {
     use ferrotron_plan::hardware::Overhead;
     use ferrotron_plan::{
         plan, Convention, Layout, ModelSource, Optimizer, PlanInput, Precision, Recipe, Recompute,
+        Runtime,
     };
 
     fn arena(rc: Recompute) -> (Arena, ArenaLayout, MemoryPlan) {
@@ -245,6 +246,7 @@ mod tests {
             },
             layout: Layout::default(),
             convention: Convention::Ferrotron,
+            runtime: Runtime::Ferrotron,
             overhead: Overhead::NONE,
             bucket_bytes: 0,
         };

@@ -11,7 +11,7 @@ use ferrotron_plan::hardware::Overhead;
 use ferrotron_plan::presets::resolve;
 use ferrotron_plan::{
     plan, Convention, DType, ModelSource, ModelSpec, Optimizer, PlanInput, Precision, RankPlan,
-    Recipe, Recompute,
+    Recipe, Recompute, Runtime,
 };
 use std::path::{Path, PathBuf};
 
@@ -65,6 +65,8 @@ pub fn plan_input(spec: &ModelSpec, c: &TrainConfig, kernel_workspace: u64) -> P
         },
         layout: c.parallel.clone(),
         convention: Convention::Ferrotron,
+        // This trainer's own communication: its buckets, windows and ZeRO-3 schedule.
+        runtime: Runtime::Ferrotron,
         overhead: Overhead {
             context_bytes: kernel_workspace,
             ..Overhead::NONE

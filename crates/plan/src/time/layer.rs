@@ -339,6 +339,10 @@ fn one_layer_cost(tm: &TimeModel, x: &PlanInput, e: &Efficiency, layer: u64) -> 
     // (EleutherAI/gpt-neox `ParallelTransformerLayer` with `gpt_j_residual`: "we can do a
     // single allreduce after we add mlp / attn outputs"); its backward still all-reduces the
     // input gradient of each column-parallel branch.
+    // Where the collectives fall is the engine's program, not the runtime's: ferrotron's model
+    // issues its own tensor-parallel collectives (`crates/engine/src/model/tensor_parallel.rs`;
+    // the trainer only carries them), consistent with what its activation table saves, so the
+    // counts below follow the convention.
     if t > 1 {
         out.comm.tp_bytes = nf * h * st;
         out.comm.tp_fwd = if m.parallel_block { 1.0 } else { 2.0 };
@@ -405,8 +409,8 @@ pub(super) fn edge_costs(tm: &TimeModel, x: &PlanInput, e: &Efficiency) -> (Edge
         bwd: e.mem(3.0 * st * nf * h / shard) + hb + e.mem((4.0 + st) * logits),
         // The vocabulary-parallel head's backward all-reduces its input gradient (Megatron's
         // `copy_to_tensor_model_parallel_region`); its cross-entropy exchanges per-row
-        // statistics: ferrotron all-gathers three f32 per row and rank
-        // (`kernels::cpu::vocab_parallel_ce`).
+        // statistics: ferrotron's engine all-gathers three f32 per row and rank
+        // (`kernels::cpu::vocab_parallel_ce`; `act.ce_stats` in its activation table).
         tp_collectives: if t > 1 { 1.0 } else { 0.0 },
         tp_extra_bytes: match (t > 1, x.convention) {
             (true, Convention::Ferrotron) => crate::comm::bytes_per_rank(

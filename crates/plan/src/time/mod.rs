@@ -89,6 +89,7 @@ pub fn estimate(
         return Ok(None);
     };
     x.recipe.validate()?;
+    x.runtime.validate(x.convention)?;
     x.layout.validate(Some(spec), &x.recipe)?;
     let tensors = inventory(spec);
     let tm = TimeModel::new(spec, &tensors);
@@ -190,7 +191,7 @@ pub fn estimate_with(
         grad_bytes,
         param_bytes,
         st,
-        conv: x.convention,
+        runtime: x.runtime,
     };
     let tails: Vec<(u64, Tail)> = costs
         .iter()

@@ -41,7 +41,8 @@ pub(super) struct TailInputs<'a> {
     pub(super) param_bytes: f64,
     /// Bytes of a stored (16-bit or 32-bit) weight element.
     pub(super) st: f64,
-    pub(super) conv: crate::convention::Convention,
+    /// Whose ZeRO-3 schedule runs (`zero3::applies`).
+    pub(super) runtime: crate::runtime::Runtime,
 }
 
 impl TailInputs<'_> {
@@ -114,7 +115,7 @@ impl TailInputs<'_> {
                 }
                 dp.what = "gradient reduce-scatter in every micro-batch's backward (ZeRO-2), overlapping it".into();
             }
-            _ if crate::zero3::applies(self.conv, l, expert) => {
+            _ if crate::zero3::applies(self.runtime, l, expert) => {
                 // ferrotron's ZeRO-3 executes `zero3.rs`: each unit's parameters gathered when
                 // its windows do not hold it, each unit's gradients reduce-scattered every
                 // micro-batch, units padded to whole blocks; prefetched, overlapping compute.

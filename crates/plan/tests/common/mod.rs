@@ -11,6 +11,7 @@ pub fn input(model: &str, recipe: Recipe, layout: Layout, convention: Convention
         recipe,
         layout,
         convention,
+        runtime: Runtime::of(convention),
         overhead: Overhead::NONE,
         bucket_bytes: 25 << 20,
     }
