@@ -54,6 +54,12 @@ pub struct StepMetrics {
     pub ep_comm_bytes: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ep_comm_bytes_planned: Option<u64>,
+    /// Context parallelism: bytes this rank sent around the ring this step (key/value blocks,
+    /// and their gradients in the backward), and the planner's prediction.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cp_comm_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cp_comm_bytes_planned: Option<u64>,
     /// Pipeline parallelism: each stage's measured bubble this step (time blocked in its
     /// transfers over its time computing, stage order) and the planner's (p − 1)/(v·m).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

@@ -886,6 +886,13 @@ fn run_rank(
                 mb(m.tp_comm_bytes_planned)
             );
         }
+        if let Some(m) = steps.last().filter(|m| m.cp_comm_bytes.is_some()) {
+            eprintln!(
+                "context parallel: {:.2} MB sent per rank around the ring in the last step, planned {:.2} MB",
+                mb(m.cp_comm_bytes),
+                mb(m.cp_comm_bytes_planned)
+            );
+        }
         if let Some(m) = steps.last().filter(|m| m.ep_comm_bytes.is_some()) {
             eprintln!(
                 "expert parallel: {:.2} MB sent by rank 0 in the last step's token exchanges, planned {:.2} MB (balanced routing)",

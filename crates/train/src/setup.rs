@@ -184,6 +184,11 @@ pub fn planned_ep_bytes(spec: &ModelSpec, c: &TrainConfig, kernel_workspace: u64
     planned_bytes(spec, c, kernel_workspace, Dim::Ep)
 }
 
+/// The planner's bytes per step a rank sends around the context-parallel ring.
+pub fn planned_cp_bytes(spec: &ModelSpec, c: &TrainConfig, kernel_workspace: u64) -> Result<f64> {
+    planned_bytes(spec, c, kernel_workspace, Dim::Cp)
+}
+
 fn planned_bytes(spec: &ModelSpec, c: &TrainConfig, kernel_workspace: u64, d: Dim) -> Result<f64> {
     use ferrotron_plan::cluster::{gpu, Cluster};
     let mut input = plan_input(spec, c, kernel_workspace);

@@ -15,7 +15,8 @@ use crate::metrics::{RankMem, StepMetrics};
 use crate::pipeline::Pipeline;
 use crate::pool::{PlanPool, Point, Running, Sample, Timeline};
 use crate::setup::{
-    checked_plan, planned_dp_bytes, planned_ep_bytes, planned_tp_bytes, recompute_flops_per_token,
+    checked_plan, planned_cp_bytes, planned_dp_bytes, planned_ep_bytes, planned_tp_bytes,
+    recompute_flops_per_token,
 };
 use crate::tensor_parallel::{self as tpar, TpGroup};
 use crate::trace::{Event, Tracing};
@@ -254,6 +255,8 @@ pub struct Trainer {
     tp_planned: Option<u64>,
     /// The planner's expert-parallel bytes per step and rank.
     ep_planned: Option<u64>,
+    /// The planner's context-parallel (ring) bytes per step and rank.
+    cp_planned: Option<u64>,
 }
 
 /// What one optimizer step did.
@@ -584,6 +587,10 @@ impl Trainer {
             Some(_) => Some(planned_ep_bytes(&spec, &cfg, ws)?.round() as u64),
             None => None,
         };
+        let cp_planned = match &cp {
+            Some(_) => Some(planned_cp_bytes(&spec, &cfg, ws)?.round() as u64),
+            None => None,
+        };
         let comm_planned = match dp {
             Some(_) => Some(planned_dp_bytes(&spec, &cfg, ws)?.round() as u64),
             None => None,
@@ -634,6 +641,7 @@ impl Trainer {
             comm_planned,
             tp_planned,
             ep_planned,
+            cp_planned,
             runs,
             opt_len,
             windows,
@@ -803,6 +811,8 @@ impl Trainer {
                 tp_comm_bytes_planned: self.tp_planned,
                 ep_comm_bytes: self.ep.as_ref().map(|e| e.bytes.take().round() as u64),
                 ep_comm_bytes_planned: self.ep_planned,
+                cp_comm_bytes: self.cp.as_ref().map(|c| c.bytes.take().round() as u64),
+                cp_comm_bytes_planned: self.cp_planned,
                 pp_bubble,
                 pp_bubble_planned,
                 comm_exposed_ms: comm_exposed,
@@ -1109,6 +1119,7 @@ impl Trainer {
         let dp = self.dp.take().map(RefCell::new);
         // Not the step's communication.
         let tp_bytes = self.tp.as_ref().map(|t| t.bytes.get());
+        let cp_bytes = self.cp.as_ref().map(|c| c.bytes.get());
         let loss = match &mut params {
             Flat::F32(p) => self.eval_typed(p, dp.as_ref()),
             Flat::Bf16(p) => self.eval_typed(p, dp.as_ref()),
@@ -1117,6 +1128,9 @@ impl Trainer {
         self.dp = dp.map(RefCell::into_inner);
         if let (Some(t), Some(b)) = (&self.tp, tp_bytes) {
             t.bytes.set(b);
+        }
+        if let (Some(c), Some(b)) = (&self.cp, cp_bytes) {
+            c.bytes.set(b);
         }
         self.params = params;
         self.kernels.phase("eval", te, self.step, 0);

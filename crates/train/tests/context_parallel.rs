@@ -53,6 +53,15 @@ fn context_parallel_ranks_follow_the_one_rank_trajectory() {
         assert_follows(&one, &s, 1e-5, true, &what);
         assert_eq!(s[0].rank_mem.len(), (cp * dp * tp) as usize, "{what}");
         for y in &s {
+            // The ring sends what the planner prices: per layer and micro-batch, cp − 1 K/V
+            // blocks forward (again in a full recomputation's replay), cp − 1 blocks with their
+            // gradients backward and one last pass of the gradients home.
+            assert!(y.cp_comm_bytes.is_some_and(|b| b > 0), "{what}");
+            assert_eq!(
+                y.cp_comm_bytes, y.cp_comm_bytes_planned,
+                "{what} step {}",
+                y.step
+            );
             for r in &y.rank_mem {
                 // Under full recomputation this tiny model's peak is a few MB, where the ~50 KB
                 // a process allocates outside any plan (one rank too) is over 1%: there the
@@ -95,6 +104,10 @@ fn context_parallel_ranks_evaluate_the_one_rank_validation_loss() {
     let vals = |s: &[StepMetrics]| s.iter().filter_map(|m| m.val_loss).collect::<Vec<_>>();
     let (a, b) = (vals(&one), vals(&two));
     assert_eq!(a.len(), 3, "steps 2, 4 and the last");
+    // The evaluation's ring passes are not the step's communication.
+    assert!(two
+        .iter()
+        .all(|y| y.cp_comm_bytes == y.cp_comm_bytes_planned));
     for (x, y) in a.iter().zip(&b) {
         assert!(rel(*x, *y) < 1e-5, "validation loss {x} vs {y}");
     }
@@ -115,6 +128,12 @@ fn context_parallelism_runs_in_16_bit_precisions() {
         let what = format!("{precision} cp 2");
         assert_follows(&one, &two, 2e-3, false, &what);
         assert_within_plans(&two, &what);
+        // Blocks travel in f32 whatever the storage type, as planned.
+        assert!(
+            two.iter()
+                .all(|y| y.cp_comm_bytes == y.cp_comm_bytes_planned),
+            "{what}"
+        );
     }
 }
 

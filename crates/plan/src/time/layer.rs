@@ -28,9 +28,12 @@ pub(super) struct LayerComm {
     /// f32 elements of the layer's norm gradients all-reduced once they are final (ferrotron
     /// under sequence parallelism: each rank's hold only its tokens' share).
     pub(super) tp_norm_elems: f64,
-    /// CP: bytes of one ring step (this rank's K and V chunk); steps per forward.
+    /// CP: bytes of one ring step (this rank's K and V chunk); steps per forward; passes of
+    /// half a step's bytes after the backward's last step (ferrotron's ring sends each
+    /// block's dK, dV home: 1).
     pub(super) cp_bytes: f64,
     pub(super) cp_steps: f64,
+    pub(super) cp_home: f64,
     /// EP: bytes of one all-to-all (this rank's routed tokens); all-to-alls per forward.
     pub(super) ep_bytes: f64,
     pub(super) ep_fwd: f64,
@@ -131,6 +134,7 @@ impl LayerCost {
                 tp_norm_elems: self.comm.tp_norm_elems,
                 cp_bytes: self.comm.cp_bytes,
                 cp_steps: self.comm.cp_steps,
+                cp_home: self.comm.cp_home,
                 // Dense layers have no all-to-all: the mean layer has the MoE layers' share.
                 ep_bytes: self.comm.ep_bytes.max(o.comm.ep_bytes),
                 ep_fwd: c(self.comm.ep_fwd, o.comm.ep_fwd),
@@ -366,6 +370,12 @@ fn one_layer_cost(tm: &TimeModel, x: &PlanInput, e: &Efficiency, layer: u64) -> 
         // Ring attention (Liu et al. 2023): cp − 1 steps, each passing this rank's K and V chunk.
         out.comm.cp_bytes = nf * (kv_l * (d + dv)) as f64 * st;
         out.comm.cp_steps = (l.cp - 1) as f64;
+        // ferrotron's engine (crates/engine/src/model/context_parallel.rs) passes each block
+        // with its dK, dV in the backward, then once more to bring them home.
+        out.comm.cp_home = match x.convention {
+            Convention::Ferrotron => 1.0,
+            _ => 0.0,
+        };
     }
     if l.ep > 1 && moe_layer {
         // Dispatch and combine all-to-alls of the n·k routed token copies (Lepikhin et al. 2021).

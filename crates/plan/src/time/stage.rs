@@ -106,10 +106,13 @@ impl StageInputs<'_> {
             let step = crate::comm::time(Collective::SendRecv, lc.comm.cp_bytes, 2, cp_link);
             let fwd = lc.comm.cp_steps * step;
             let passes_f = if lc.recompute_comm { 2.0 } else { 1.0 };
-            let bwd = 2.0 * fwd;
+            // The backward passes each block with its gradients (twice the bytes), and
+            // ferrotron's brings the gradients home with one more pass.
+            let bwd = 2.0 * fwd + lc.comm.cp_home * step;
             let (attn_f, attn_b) = (lc.attn_fwd_s, lc.attn_bwd_s);
             let exposed = passes_f * overlap::exposed(fwd, attn_f) + overlap::exposed(bwd, attn_b);
-            let bytes = (passes_f + 2.0) * lc.comm.cp_steps * lc.comm.cp_bytes;
+            let passes = (passes_f + 2.0) * lc.comm.cp_steps + lc.comm.cp_home;
+            let bytes = passes * lc.comm.cp_bytes;
             s.cp = (bytes * k, (passes_f * fwd + bwd) * k, exposed * k);
         }
         if lc.comm.ep_fwd > 0.0 {
