@@ -63,6 +63,10 @@ impl CpComm for CpGroup {
         assert!(earlier.is_none(), "one ring message in flight at a time");
     }
 
+    fn sum(&self, x: &mut [f32]) {
+        self.sum_f32s(x, "context-parallel router statistics");
+    }
+
     fn recv_prev(&self, recv: &mut [f32]) {
         let Some(pending) = self.1.borrow_mut().take() else {
             // A failed pass started no send.

@@ -93,6 +93,25 @@ impl MessageGroup {
         Ok(out)
     }
 
+    /// Sums `x` over the group element by element, in rank order (the same bits on every
+    /// rank), through the reused small buffer; a failure is recorded like an exchange's.
+    pub fn sum_f32s(&self, x: &mut [f32], what: &str) {
+        if self.failed() {
+            return;
+        }
+        let mut small = self.small.borrow_mut();
+        let n = x.len();
+        match crate::data_parallel::gather_small(self.comm.as_ref(), &mut small, x, what) {
+            Ok(all) => {
+                x.fill(0.0);
+                for rank in all.chunks(n) {
+                    x.iter_mut().zip(rank).for_each(|(s, v)| *s += v);
+                }
+            }
+            Err(e) => self.fail(what, e),
+        }
+    }
+
     pub fn size(&self) -> usize {
         self.comm.size()
     }

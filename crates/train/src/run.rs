@@ -255,8 +255,8 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         }
     }
     if layout.cp > 1 {
-        // A sequence context parallelism cannot cut evenly, or a model it does not run, is
-        // refused once, before any rank starts.
+        // A sequence context parallelism cannot cut evenly is refused once, before any rank
+        // starts.
         let cfg = match &saved {
             Some(l) => resume_config(&args, &l.state.config)?,
             None => args.resolve()?,
@@ -266,19 +266,6 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
             bail!(
                 "seq = {}: context parallelism over cp = {} cuts each sequence into 2·cp = {chunks} equal chunks; use a multiple of {chunks}",
                 cfg.data.seq,
-                layout.cp
-            );
-        }
-        let name = match &saved {
-            Some(l) => l.dir.join("config.json").to_string_lossy().to_string(),
-            None => cfg.model.name.clone(),
-        };
-        let spec = ferrotron_plan::presets::resolve(&name).map_err(|e| anyhow::anyhow!("{e}"))?;
-        if spec.moe.is_some() {
-            // The load-balancing loss is a statistic of each micro-batch's tokens, which the
-            // context-parallel ranks share.
-            bail!(
-                "cp = {}: context parallelism of a mixture-of-experts model is not supported yet; run it with --dp or --ep",
                 layout.cp
             );
         }

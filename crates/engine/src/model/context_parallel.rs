@@ -43,6 +43,9 @@ pub trait CpComm {
     /// Receives the previous rank's block (as long as the last one sent) into `recv`, and
     /// waits for this rank's send to be taken.
     fn recv_prev(&self, recv: &mut [f32]);
+    /// Sums `x` over the group, element by element in rank order (every rank gets the same
+    /// bits): a MoE layer's load-balancing statistics of the micro-batch the ranks share.
+    fn sum(&self, x: &mut [f32]);
     /// Both, one after the other.
     fn pass(&self, send: &[f32], recv: &mut [f32]) {
         self.send_next(send);
@@ -69,6 +72,11 @@ impl std::fmt::Debug for ContextParallel {
 }
 
 impl ContextParallel {
+    /// Sums `x` over the group ([`CpComm::sum`]).
+    pub fn sum(&self, x: &mut [f32]) {
+        self.comm.sum(x)
+    }
+
     pub fn new(comm: Rc<dyn CpComm>) -> Self {
         ContextParallel {
             size: comm.size(),

@@ -356,7 +356,15 @@ impl Llama {
         };
         let mut s = self.router_load.state();
         let e = m.experts;
-        let rows = s.rows.max(1) as f64;
+        // Under context parallelism the ring's ranks hold one micro-batch's tokens between
+        // them: its statistics, rows and targets are their sums (every rank then computes the
+        // same term, and adds its targets' share of it).
+        let mut totals = [s.rows as f32, loss.count as f32];
+        if let Some(cp) = &self.cp {
+            cp.sum(&mut s.load);
+            cp.sum(&mut totals);
+        }
+        let rows = (totals[0] as f64).max(1.0);
         let (p, count) = s.load.split_at(e);
         // E · Σ_e (count_e / rows) · (Σp_e / rows).
         let aux: f64 = e as f64
@@ -367,7 +375,7 @@ impl Llama {
         let coef = m.aux_loss_coef as f64;
         let share = match num_target_tokens {
             0 => 0.0,
-            t => loss.count as f64 / t as f64,
+            t => totals[1] as f64 / t as f64,
         };
         // d(coef·share·aux)/d p_{row, e} = coef·share·E·count_e / rows².
         let g = coef * share * e as f64 / (rows * rows) * loss_scale as f64;
