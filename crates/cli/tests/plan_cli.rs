@@ -252,6 +252,14 @@ fn bad_input_gives_one_clear_line() {
             "zero = 4: ZeRO stages are 0, 1, 2 or 3",
         ),
         (
+            vec!["--model", "llama-3-8b", "--capacity-factor", "1.0"],
+            "capacity_factor = 1: a capacity bounds each expert's routed tokens; model llama-3-8b has no experts",
+        ),
+        (
+            vec!["--model", "mixtral-8x7b", "--capacity-factor", "0"],
+            "capacity_factor = 0: must be a positive number (1.0: each expert takes its even share of the copies)",
+        ),
+        (
             vec!["--model", "llama-3-8b", "--seq", "-5"],
             "invalid value '-5' for '--seq",
         ),

@@ -365,8 +365,21 @@ impl Settings {
             ce_chunk_tokens: self.ce_chunk.unwrap_or(1024),
             capacity_factor: self.capacity_factor,
         };
-        if recipe.capacity_factor.is_some() {
+        if let Some(cf) = recipe.capacity_factor {
             recipe.validate()?;
+            // A capacity bounds each expert's routed copies: a model must have experts.
+            if let ModelSource::Spec(m) = &model {
+                if m.moe.is_none() {
+                    return Err(PlanError::setting(
+                        "capacity_factor",
+                        cf,
+                        format!(
+                            "a capacity bounds each expert's routed tokens; model {} has no experts",
+                            m.name
+                        ),
+                    ));
+                }
+            }
         }
         check_limits(&recipe, &layout)?;
         let g = self.overhead_gib.unwrap_or(1.0);
