@@ -435,13 +435,6 @@ pub(crate) fn trainable_layout(flags: &LayoutFlags) -> Result<Layout, ConfigErro
             return Err(bad(field, v, "must be a positive integer"));
         }
     }
-    if l.cp > 1 && l.pp > 1 {
-        return Err(bad(
-            "cp",
-            l.cp,
-            "context parallelism does not run with pipeline stages yet: use --cp or --pp, not both",
-        ));
-    }
     if l.cp > 1 && l.ep > 1 {
         return Err(bad(
             "cp",

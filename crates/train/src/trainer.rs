@@ -1125,6 +1125,16 @@ impl Trainer {
             Flat::Bf16(p) => self.eval_typed(p, dp.as_ref()),
             Flat::F16(p) => self.eval_typed(p, dp.as_ref()),
         };
+        // Each context-parallel rank evaluated its share of the tokens (pipelined or not).
+        let loss = match (&self.cp, loss) {
+            (Some(cp), Ok(l)) => cp
+                .sum_f64([l.sum, l.count as f64])
+                .map(|[sum, count]| LossSum {
+                    sum,
+                    count: count.round() as usize,
+                }),
+            (_, l) => l,
+        };
         self.dp = dp.map(RefCell::into_inner);
         if let (Some(t), Some(b)) = (&self.tp, tp_bytes) {
             t.bytes.set(b);
@@ -1169,11 +1179,6 @@ impl Trainer {
         }
         if let (Some(dp), Some(c)) = (dp, saved) {
             dp.borrow_mut().set_counters(c);
-        }
-        // Each context-parallel rank evaluated its share of the tokens.
-        if let Some(cp) = &self.cp {
-            let [sum, count] = cp.sum_f64([loss.sum, loss.count as f64])?;
-            (loss.sum, loss.count) = (sum, count.round() as usize);
         }
         Ok(loss)
     }

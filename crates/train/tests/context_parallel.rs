@@ -33,25 +33,27 @@ fn train(tag: &str, mbs: u64, edit: &dyn Fn(&mut TrainArgs)) -> Vec<StepMetrics>
 #[test]
 fn context_parallel_ranks_follow_the_one_rank_trajectory() {
     let one = train("cp-one", 4, &|_| {});
-    // (cp, dp, tp with sp, ZeRO, recompute)
-    for (cp, dp, tp, zero, rc) in [
-        (2, 1, 1, 0, "none"),
-        (2, 1, 1, 0, "selective"),
-        (2, 1, 1, 0, "full"),
-        (4, 1, 1, 0, "none"),
-        (2, 2, 1, 1, "none"),
-        (2, 2, 1, 3, "selective"),
-        (2, 1, 2, 0, "none"),
+    // (cp, dp, tp with sp, pp (1F1B), ZeRO, recompute)
+    for (cp, dp, tp, pp, zero, rc) in [
+        (2, 1, 1, 1, 0, "none"),
+        (2, 1, 1, 1, 0, "selective"),
+        (2, 1, 1, 1, 0, "full"),
+        (4, 1, 1, 1, 0, "none"),
+        (2, 2, 1, 1, 1, "none"),
+        (2, 2, 1, 1, 3, "selective"),
+        (2, 1, 2, 1, 0, "none"),
+        (2, 1, 1, 2, 0, "none"),
+        (2, 2, 2, 2, 1, "full"),
     ] {
-        let what = format!("cp {cp} dp {dp} tp {tp} ZeRO-{zero} {rc}");
+        let what = format!("cp {cp} dp {dp} tp {tp} pp {pp} ZeRO-{zero} {rc}");
         let s = train(&what.replace(' ', "-"), 4 / dp, &|a| {
             (a.layout.cp, a.layout.dp, a.layout.tp) = (Some(cp), Some(dp), Some(tp));
-            (a.layout.zero, a.layout.sp) = (Some(zero), Some(tp > 1));
+            (a.layout.zero, a.layout.sp, a.layout.pp) = (Some(zero), Some(tp > 1), Some(pp));
             a.recompute = Some(rc.into());
         });
         assert_eq!(s.len(), 5, "{what}");
         assert_follows(&one, &s, 1e-5, true, &what);
-        assert_eq!(s[0].rank_mem.len(), (cp * dp * tp) as usize, "{what}");
+        assert_eq!(s[0].rank_mem.len(), (cp * dp * tp * pp) as usize, "{what}");
         for y in &s {
             // The ring sends what the planner prices: per layer and micro-batch, cp − 1 K/V
             // blocks forward (again in a full recomputation's replay), cp − 1 blocks with their
@@ -94,22 +96,29 @@ fn activation_memory_falls_with_cp() {
 
 #[test]
 fn context_parallel_ranks_evaluate_the_one_rank_validation_loss() {
-    let eval = |cp: u64| {
-        train(&format!("cp-eval-{cp}"), 4, &|a| {
-            a.layout.cp = Some(cp);
+    let eval = |cp: u64, pp: u64| {
+        train(&format!("cp-eval-{cp}-{pp}"), 4, &|a| {
+            (a.layout.cp, a.layout.pp) = (Some(cp), Some(pp));
             (a.eval_interval, a.eval_batches) = (Some(2), Some(2));
         })
     };
-    let (one, two) = (eval(1), eval(2));
+    let one = eval(1, 1);
     let vals = |s: &[StepMetrics]| s.iter().filter_map(|m| m.val_loss).collect::<Vec<_>>();
-    let (a, b) = (vals(&one), vals(&two));
+    let a = vals(&one);
     assert_eq!(a.len(), 3, "steps 2, 4 and the last");
-    // The evaluation's ring passes are not the step's communication.
-    assert!(two
-        .iter()
-        .all(|y| y.cp_comm_bytes == y.cp_comm_bytes_planned));
-    for (x, y) in a.iter().zip(&b) {
-        assert!(rel(*x, *y) < 1e-5, "validation loss {x} vs {y}");
+    // Also through the pipeline's evaluation (each stage's ring).
+    for pp in [1, 2] {
+        let two = eval(2, pp);
+        // The evaluation's ring passes are not the step's communication.
+        assert!(two
+            .iter()
+            .all(|y| y.cp_comm_bytes == y.cp_comm_bytes_planned));
+        for (x, y) in a.iter().zip(&vals(&two)) {
+            assert!(
+                rel(*x, *y) < 1e-5,
+                "cp 2 pp {pp}: validation loss {x} vs {y}"
+            );
+        }
     }
 }
 
@@ -202,10 +211,6 @@ fn layouts_context_parallelism_cannot_run_are_refused_with_the_fix() {
     assert_eq!(
         bad(&|a| a.seq = Some(30)),
         "seq = 30: context parallelism over cp = 2 cuts each sequence into 2·cp = 4 equal chunks; use a multiple of 4"
-    );
-    assert_eq!(
-        bad(&|a| a.layout.pp = Some(2)),
-        "cp = 2: context parallelism does not run with pipeline stages yet: use --cp or --pp, not both"
     );
     let moe_dir = out.join("moe");
     std::fs::create_dir_all(&moe_dir).unwrap();

@@ -15,7 +15,8 @@
 #   - a small Mixtral on dp 2 × ep 2 under mpirun -np 4 agrees with threads and with one rank,
 #     and its checkpoint resumes on ep 4,
 #   - dp 2 × cp 2 (ring attention between processes) under mpirun -np 4 agrees with threads and
-#     with dp 2 alone, and its checkpoint resumes on cp 4,
+#     with dp 2 alone, and its checkpoint resumes on cp 4; dp 2 × tp 2 × sp × cp 2 × pp 2 under
+#     mpirun -np 16 agrees with dp 2 alone,
 #   - mpirun's process count disagreeing with --dp fails at once with one line naming both.
 # Needs Open MPI (Debian: openmpi-bin libopenmpi-dev). Run by scripts/test.sh.
 set -euo pipefail
@@ -164,6 +165,24 @@ timeout 300 "${MPIRUN4[@]}" "$BIN" "${COMMON[@]}" --cp 2 --zero 1 --steps 4 --st
     --out-dir "$OUT/cp-ck" --checkpoint-dir "$OUT/cp-ck/checkpoint" 2>"$OUT/cp-ck.log" || { cat "$OUT/cp-ck.log"; exit 1; }
 timeout 300 "${MPIRUN4[@]}" "$BIN" train --resume "$OUT/cp-ck/checkpoint" --data "$OUT/data" --dp 1 \
     --cp 4 --zero 0 --mbs 4 --quiet --peak-gflops 100 --out-dir "$OUT/cp-resumed" 2>"$OUT/cp-res.log" || { cat "$OUT/cp-res.log"; exit 1; }
+# 4D: dp 2 × tp 2 × sp × cp 2 × pp 2 on 16 processes, against dp 2 alone.
+MPIRUN16=("${MPIRUN[@]}")
+MPIRUN16[2]=16
+timeout 300 "${MPIRUN16[@]}" "$BIN" "${COMMON[@]}" --cp 2 --tp 2 --sp --pp 2 --zero 1 --steps 4 \
+    --out-dir "$OUT/cp-4d" 2>"$OUT/cp-4d.log" || { cat "$OUT/cp-4d.log"; exit 1; }
+python3 - "$OUT/cp-4d/metrics.jsonl" "$OUT/threads1/metrics.jsonl" <<'PY'
+import json, sys
+four_d, dp_only = ([json.loads(l) for l in open(p)] for p in sys.argv[1:3])
+assert len(four_d) == 4, len(four_d)
+for m, d in zip(four_d, dp_only):
+    for key in ("loss", "grad_norm"):
+        assert abs(d[key] - m[key]) / abs(d[key]) < 1e-5, (d["step"], key, d[key], m[key])
+    assert len(m["rank_mem"]) == 16, m["rank_mem"]
+    for x in m["rank_mem"]:
+        assert abs(x["mem_peak_measured"] / x["mem_peak_planned"] - 1) < 0.01, x
+    assert m["cp_comm_bytes"] == m["cp_comm_bytes_planned"], m
+print("4D: mpirun -np 16 (dp 2 × tp 2 × sp × cp 2 × pp 2) = dp 2 alone within 1e-5; 16 ranks within 1% of their plans; ring bytes as planned")
+PY
 python3 - "$OUT/cp-threads/metrics.jsonl" "$OUT/cp-mpi/metrics.jsonl" "$OUT/threads1/metrics.jsonl" "$OUT/cp-resumed/metrics.jsonl" <<'PY'
 import json, sys
 threads, mpi, dp_only, resumed = ([json.loads(l) for l in open(p)] for p in sys.argv[1:5])
