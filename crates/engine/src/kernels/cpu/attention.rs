@@ -753,13 +753,18 @@ mod tests {
                 let (ql, dol) = (rows(&q, r, qw), rows(&d_o, r, qw));
                 let mut ol = vec![0.0f32; local.q_len()];
                 let mut lsel = vec![0.0f32; local.lse_len()];
-                for step in 0..ranks {
+                // Step `step` of rank r's ring: the block of rank r − step, and its shape.
+                let ring = |step: usize| {
                     let src = (r + ranks - step) % ranks;
                     let s = RingShape {
                         attn: local,
                         q: part(r),
                         kv: part(src),
                     };
+                    (src, s)
+                };
+                for step in 0..ranks {
+                    let (src, s) = ring(step);
                     let (kb, vb) = &blocks[src];
                     forward_ring(s, &ql, kb, vb, &mut ol, &mut lsel, step == 0);
                 }
@@ -781,12 +786,7 @@ mod tests {
                 close("lse", &lsel, &lse_r);
                 let mut dql = vec![0.0f32; local.q_len()];
                 for step in 0..ranks {
-                    let src = (r + ranks - step) % ranks;
-                    let s = RingShape {
-                        attn: local,
-                        q: part(r),
-                        kv: part(src),
-                    };
+                    let (src, s) = ring(step);
                     let (kb, vb) = &blocks[src];
                     let (dkb, dvb) = &mut grads[src];
                     backward_ring(s, &ql, kb, vb, &ol, &lsel, &dol, &mut dql, dkb, dvb);
