@@ -108,8 +108,8 @@ fn bad_train_input_exits_nonzero_with_one_line() {
             "model = llama-9b: neither a built-in preset nor a config.json file",
         ),
         (
-            vec!["train", "--cp", "2", "--pp", "2"],
-            "error: cp = 2: context parallelism does not run with pipeline stages yet: use --cp or --pp, not both",
+            vec!["train", "--cp", "2", "--ep", "2"],
+            "error: cp = 2: context parallelism does not run with expert parallelism yet: use --cp or --ep, not both",
         ),
         (
             vec!["train", "--sp"],
