@@ -166,30 +166,18 @@ pub fn check_slots(plan: &RankPlan, pp: &crate::pipeline::Pipeline, layers: usiz
     Ok(())
 }
 
-/// The planner's data-parallel communication per step and rank, in bytes as the ring
-/// algorithms send them (`ferrotron_plan::comm::bytes_per_rank`), for this run's layout. The
-/// byte count does not depend on the hardware, so any cluster serves for the estimate.
-pub fn planned_dp_bytes(spec: &ModelSpec, c: &TrainConfig, kernel_workspace: u64) -> Result<f64> {
-    planned_bytes(spec, c, kernel_workspace, Dim::Dp)
-}
-
-/// The planner's tensor-parallel communication per step and rank (the model's activation
-/// collectives), as [`planned_dp_bytes`] counts the data-parallel one.
-pub fn planned_tp_bytes(spec: &ModelSpec, c: &TrainConfig, kernel_workspace: u64) -> Result<f64> {
-    planned_bytes(spec, c, kernel_workspace, Dim::Tp)
-}
-
-/// The planner's expert-parallel bytes per step and rank (the token all-to-alls).
-pub fn planned_ep_bytes(spec: &ModelSpec, c: &TrainConfig, kernel_workspace: u64) -> Result<f64> {
-    planned_bytes(spec, c, kernel_workspace, Dim::Ep)
-}
-
-/// The planner's bytes per step a rank sends around the context-parallel ring.
-pub fn planned_cp_bytes(spec: &ModelSpec, c: &TrainConfig, kernel_workspace: u64) -> Result<f64> {
-    planned_bytes(spec, c, kernel_workspace, Dim::Cp)
-}
-
-fn planned_bytes(spec: &ModelSpec, c: &TrainConfig, kernel_workspace: u64, d: Dim) -> Result<f64> {
+/// The planner's communication per step of a rank of pipeline stage `stage` over `d` (dp:
+/// gradient reductions and ZeRO gathers; tp: the model's activation collectives; ep: the token
+/// all-to-alls; cp: the ring's blocks), in bytes as the ring algorithms send them
+/// (`ferrotron_plan::comm::bytes_per_rank`), for this run's layout. The byte count does not
+/// depend on the hardware, so any cluster serves for the estimate.
+pub fn planned_bytes(
+    spec: &ModelSpec,
+    c: &TrainConfig,
+    kernel_workspace: u64,
+    d: Dim,
+    stage: usize,
+) -> Result<f64> {
     use ferrotron_plan::cluster::{gpu, Cluster};
     let mut input = plan_input(spec, c, kernel_workspace);
     // The trainer reduces gradients and gathers parameters through f32 buffers whatever the
@@ -198,7 +186,7 @@ fn planned_bytes(spec: &ModelSpec, c: &TrainConfig, kernel_workspace: u64, d: Di
     let cluster = Cluster::of(gpu("h100")?, 8)?;
     let fc = ferrotron_plan::flops::FlopsConvention::Ferrotron;
     let t = ferrotron_plan::time::estimate(&input, &cluster, fc)?;
-    Ok(t.map_or(0.0, |t| t.comm_of(d).bytes))
+    Ok(t.map_or(0.0, |t| t.bytes_on_stage(d, stage)))
 }
 
 /// Train and validation token data: `--data DIR` of shards, or the bundled corpus tokenized into

@@ -14,10 +14,7 @@ use crate::lr::LrSchedule;
 use crate::metrics::{RankMem, StepMetrics};
 use crate::pipeline::Pipeline;
 use crate::pool::{PlanPool, Point, Running, Sample, Timeline};
-use crate::setup::{
-    checked_plan, planned_cp_bytes, planned_dp_bytes, planned_ep_bytes, planned_tp_bytes,
-    recompute_flops_per_token,
-};
+use crate::setup::{checked_plan, planned_bytes, recompute_flops_per_token};
 use crate::tensor_parallel::{self as tpar, TpGroup};
 use crate::trace::{Event, Tracing};
 use crate::weights::Flat;
@@ -26,7 +23,7 @@ use crate::workspace::{self, KernelWorkspace};
 use crate::zero2::GradWindows;
 use crate::zero3::{Source, Zero3};
 use anyhow::Result;
-use ferrotron_dist::Communicator;
+use ferrotron_dist::{Communicator, Dim};
 use ferrotron_engine::kernels::{AdamWParams, CpuKernels, Kernels, Rounding};
 use ferrotron_engine::model::{
     BatchShape, ContextParallel, CpComm, EpComm, ExpertParallel, GradBuf, GradsDone, Llama,
@@ -580,19 +577,19 @@ impl Trainer {
         let extra = pp.as_ref().map_or(0, |p| p.slots_of(0) as usize - 1);
         let batches = (0..extra).map(|_| (vec![0; n], vec![0; n])).collect();
         let tp_planned = match &tp {
-            Some(_) => Some(planned_tp_bytes(&spec, &cfg, ws)?.round() as u64),
+            Some(_) => Some(planned_bytes(&spec, &cfg, ws, Dim::Tp, stage)?.round() as u64),
             None => None,
         };
         let ep_planned = match &ep {
-            Some(_) => Some(planned_ep_bytes(&spec, &cfg, ws)?.round() as u64),
+            Some(_) => Some(planned_bytes(&spec, &cfg, ws, Dim::Ep, stage)?.round() as u64),
             None => None,
         };
         let cp_planned = match &cp {
-            Some(_) => Some(planned_cp_bytes(&spec, &cfg, ws)?.round() as u64),
+            Some(_) => Some(planned_bytes(&spec, &cfg, ws, Dim::Cp, stage)?.round() as u64),
             None => None,
         };
         let comm_planned = match dp {
-            Some(_) => Some(planned_dp_bytes(&spec, &cfg, ws)?.round() as u64),
+            Some(_) => Some(planned_bytes(&spec, &cfg, ws, Dim::Dp, stage)?.round() as u64),
             None => None,
         };
         let (arena, placed) = Arena::of_plan(&plan.plan, model.config.layers)?;

@@ -130,6 +130,10 @@ fn pipeline_stages_follow_the_one_rank_trajectory_within_their_plans() {
             }
             let ranks = (l.dp * l.tp * l.pp) as usize;
             assert_eq!(y.rank_mem.len(), ranks, "{what}: one entry per rank");
+            // The first stage's bytes are its own stage's plan (the embedding's stage, not the
+            // head's that paces the pipeline).
+            assert_eq!(y.tp_comm_bytes, y.tp_comm_bytes_planned, "{what}");
+            assert_eq!(y.comm_bytes, y.comm_bytes_planned, "{what}");
             // Each stage measured its bubble; the planner's is (p − 1)/(v·m).
             assert_eq!(y.pp_bubble.len(), l.pp as usize, "{what}");
             let m = (4 / l.dp) as f64;

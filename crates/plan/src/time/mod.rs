@@ -197,6 +197,14 @@ pub fn estimate_with(
         .iter()
         .map(|(st_, s)| (*st_, tails_in.tail(*st_, s)))
         .collect();
+    // What a rank of each stage sends (the trainer compares its own with what it measures).
+    let stage_bytes: Vec<[f64; 4]> = (0..l.pp)
+        .map(|st_| {
+            let s = stages_in.stage_mb(st_);
+            let dp = tails_in.tail(st_, &s).dp.bytes;
+            [mb * s.tp.0, mb * s.cp.0, mb * s.ep.0, dp]
+        })
+        .collect();
     let (_, tail) = tails
         .iter()
         .max_by(|a, b| {
@@ -334,6 +342,7 @@ pub fn estimate_with(
         ));
     }
     TimeReport {
+        stage_bytes,
         gpus,
         cluster: cluster.name.clone(),
         gpu: cluster.gpu.name.clone(),

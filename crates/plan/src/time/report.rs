@@ -47,8 +47,13 @@ pub struct TimeReport {
     pub flops_per_token: Vec<(FlopsConvention, f64)>,
     pub breakdown: TimeBreakdown,
     pub compute_detail: ComputeDetail,
-    /// Per dimension (tp, cp, ep, dp, pp), per rank per step.
+    /// Per dimension (tp, cp, ep, dp, pp), per rank per step (of the stage that paces the
+    /// pipeline).
     pub comm: Vec<(Dim, DimComm)>,
+    /// Bytes a rank of each pipeline stage sends per step over tp, cp, ep and dp, stage order
+    /// (stages differ: the first holds the embedding, the last the head, uneven splits their
+    /// layers).
+    pub stage_bytes: Vec<[f64; 4]>,
     /// (p − 1)/(v·m): the bubble over the ideal pipeline time.
     pub bubble_fraction: f64,
     /// The stage that paces the pipeline.
@@ -57,6 +62,19 @@ pub struct TimeReport {
 }
 
 impl TimeReport {
+    /// Bytes a rank of pipeline stage `stage` sends per step over `d` (tp, cp, ep or dp; the
+    /// pacing stage's for pp).
+    pub fn bytes_on_stage(&self, d: Dim, stage: usize) -> f64 {
+        let at = match d {
+            Dim::Tp => 0,
+            Dim::Cp => 1,
+            Dim::Ep => 2,
+            Dim::Dp => 3,
+            Dim::Pp => return self.comm_of(d).bytes,
+        };
+        self.stage_bytes[stage][at]
+    }
+
     pub fn comm_of(&self, d: Dim) -> &DimComm {
         &self
             .comm
