@@ -82,6 +82,23 @@ pub fn expert_capacity(cf: f64, tokens: u64, top_k: u64, experts: u64) -> u64 {
     (cf * (tokens * top_k) as f64 / experts as f64).ceil() as u64
 }
 
+/// Rows of a MoE layer's routed tensors on a rank with `tokens` tokens, when they are not
+/// tokens × top_k (the planner's table and the engine's buffers both use it). Under expert
+/// parallelism a rank's experts may receive from none to every rank's copies: the routed
+/// buffers hold the most, tokens × ep × min(top_k, E/ep) (exact routing, nothing dropped;
+/// crates/engine/src/model/expert_parallel.rs). A capacity factor bounds them by every
+/// expert's capacity, E · C (each rank sends an expert at most C copies).
+pub fn routed_rows(tokens: u64, top_k: u64, experts: u64, ep: u64, cf: Option<f64>) -> Option<u64> {
+    let exact = match ep > 1 {
+        true => tokens * ep * top_k.min(experts / ep),
+        false => tokens * top_k,
+    };
+    let rows = cf.map_or(exact, |cf| {
+        exact.min(experts * expert_capacity(cf, tokens, top_k, experts))
+    });
+    (ep > 1 || rows != tokens * top_k).then_some(rows)
+}
+
 /// Shape facts shared by every formula: tokens of one micro-batch on one rank.
 pub struct Dims {
     pub b: u64,
@@ -132,21 +149,14 @@ impl Dims {
             positions: m.max_positions,
             experts: moe.map_or(0, |moe| moe.num_experts),
             top_k: moe.map_or(1, |moe| moe.top_k),
-            // Under expert parallelism a rank's experts may receive from none to every rank's
-            // copies: the engine's routed buffers hold the most, tokens × ep × min(top_k, E/ep)
-            // (exact routing, nothing dropped; crates/engine/src/model/expert_parallel.rs).
-            // A capacity factor bounds them by every expert's capacity, E · C (each rank sends
-            // an expert at most C copies).
             routed_rows: moe.and_then(|moe| {
-                let (n, k, e) = (self.n(), moe.top_k, moe.num_experts);
-                let exact = match self.ep > 1 {
-                    true => n * self.ep * k.min(e / self.ep),
-                    false => n * k,
-                };
-                let rows = r
-                    .capacity_factor
-                    .map_or(exact, |cf| exact.min(e * expert_capacity(cf, n, k, e)));
-                (self.ep > 1 || rows != n * k).then_some(rows)
+                routed_rows(
+                    self.n(),
+                    moe.top_k,
+                    moe.num_experts,
+                    self.ep,
+                    r.capacity_factor,
+                )
             }),
             ce_chunk_tokens: r.ce_chunk_tokens,
             tp: self.t,

@@ -18,18 +18,25 @@ use std::cell::RefCell;
 /// The tag of the ring's messages (below MPI's smallest allowed tag bound, 32767).
 const RING_TAG: u32 = 0x4350;
 
-pub struct CpGroup(MessageGroup, RefCell<Option<Pending>>);
+pub struct CpGroup {
+    group: MessageGroup,
+    /// The send of the block in flight, finished by the next `recv_prev`.
+    sending: RefCell<Option<Pending>>,
+}
 
 impl std::ops::Deref for CpGroup {
     type Target = MessageGroup;
     fn deref(&self) -> &MessageGroup {
-        &self.0
+        &self.group
     }
 }
 
 impl CpGroup {
     pub fn new(comm: Box<dyn Communicator>) -> Self {
-        CpGroup(MessageGroup::new(comm), RefCell::new(None))
+        CpGroup {
+            group: MessageGroup::new(comm),
+            sending: RefCell::new(None),
+        }
     }
 
     /// The sums over the group of per-rank f64 values (an evaluation's loss sum and count:
@@ -59,7 +66,7 @@ impl CpComm for CpGroup {
         out.extend_from_slice(send);
         let pending = self.comm.send_start(out, (rank + 1) % size, RING_TAG);
         self.sent(4.0 * send.len() as f64);
-        let earlier = self.1.borrow_mut().replace(pending);
+        let earlier = self.sending.borrow_mut().replace(pending);
         assert!(earlier.is_none(), "one ring message in flight at a time");
     }
 
@@ -68,7 +75,7 @@ impl CpComm for CpGroup {
     }
 
     fn recv_prev(&self, recv: &mut [f32]) {
-        let Some(pending) = self.1.borrow_mut().take() else {
+        let Some(pending) = self.sending.borrow_mut().take() else {
             // A failed pass started no send.
             return;
         };

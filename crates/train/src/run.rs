@@ -261,14 +261,10 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
             Some(l) => resume_config(&args, &l.state.config)?,
             None => args.resolve()?,
         };
-        let chunks = 2 * layout.cp;
-        if cfg.data.seq % chunks != 0 {
-            bail!(
-                "seq = {}: context parallelism over cp = {} cuts each sequence into 2·cp = {chunks} equal chunks; use a multiple of {chunks}",
-                cfg.data.seq,
-                layout.cp
-            );
-        }
+        let ranks = layout.cp as usize;
+        SeqPart { rank: 0, ranks }
+            .local_len(cfg.data.seq as usize)
+            .map_err(anyhow::Error::msg)?;
     }
     if layout.tp > 1 {
         // A model tensor parallelism cannot split is refused once, before any rank starts.

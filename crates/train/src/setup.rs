@@ -166,18 +166,17 @@ pub fn check_slots(plan: &RankPlan, pp: &crate::pipeline::Pipeline, layers: usiz
     Ok(())
 }
 
-/// The planner's communication per step of a rank of pipeline stage `stage` over `d` (dp:
-/// gradient reductions and ZeRO gathers; tp: the model's activation collectives; ep: the token
-/// all-to-alls; cp: the ring's blocks), in bytes as the ring algorithms send them
-/// (`ferrotron_plan::comm::bytes_per_rank`), for this run's layout. The byte count does not
-/// depend on the hardware, so any cluster serves for the estimate.
+/// The planner's communication per step of a rank of pipeline stage `stage`, by dimension
+/// (dp: gradient reductions and ZeRO gathers; tp: the model's activation collectives; ep: the
+/// token all-to-alls; cp: the ring's blocks), in bytes as the ring algorithms send them
+/// (`ferrotron_plan::comm::bytes_per_rank`), for this run's layout: one estimate, read per
+/// dimension. The byte count does not depend on the hardware, so any cluster serves.
 pub fn planned_bytes(
     spec: &ModelSpec,
     c: &TrainConfig,
     kernel_workspace: u64,
-    d: Dim,
     stage: usize,
-) -> Result<f64> {
+) -> Result<impl Fn(Dim) -> u64> {
     use ferrotron_plan::cluster::{gpu, Cluster};
     let mut input = plan_input(spec, c, kernel_workspace);
     // The trainer reduces gradients and gathers parameters through f32 buffers whatever the
@@ -186,7 +185,11 @@ pub fn planned_bytes(
     let cluster = Cluster::of(gpu("h100")?, 8)?;
     let fc = ferrotron_plan::flops::FlopsConvention::Ferrotron;
     let t = ferrotron_plan::time::estimate(&input, &cluster, fc)?;
-    Ok(t.map_or(0.0, |t| t.bytes_on_stage(d, stage)))
+    Ok(move |d| {
+        t.as_ref()
+            .map_or(0.0, |t| t.bytes_on_stage(d, stage))
+            .round() as u64
+    })
 }
 
 /// Train and validation token data: `--data DIR` of shards, or the bundled corpus tokenized into

@@ -576,22 +576,22 @@ impl Trainer {
         // The other in-flight micro-batches' batches (the plan's `data.tokens@s`).
         let extra = pp.as_ref().map_or(0, |p| p.slots_of(0) as usize - 1);
         let batches = (0..extra).map(|_| (vec![0; n], vec![0; n])).collect();
-        let tp_planned = match &tp {
-            Some(_) => Some(planned_bytes(&spec, &cfg, ws, Dim::Tp, stage)?.round() as u64),
-            None => None,
-        };
-        let ep_planned = match &ep {
-            Some(_) => Some(planned_bytes(&spec, &cfg, ws, Dim::Ep, stage)?.round() as u64),
-            None => None,
-        };
-        let cp_planned = match &cp {
-            Some(_) => Some(planned_bytes(&spec, &cfg, ws, Dim::Cp, stage)?.round() as u64),
-            None => None,
-        };
-        let comm_planned = match dp {
-            Some(_) => Some(planned_bytes(&spec, &cfg, ws, Dim::Dp, stage)?.round() as u64),
-            None => None,
-        };
+        // What each group of this rank sends per step, as planned for its stage (one rank
+        // alone sends nothing: no estimate).
+        let (tp_planned, ep_planned, cp_planned, comm_planned) =
+            match tp.is_some() || ep.is_some() || cp.is_some() || dp.is_some() {
+                true => {
+                    let planned = planned_bytes(&spec, &cfg, ws, stage)?;
+                    let of = |on: bool, d| on.then(|| planned(d));
+                    (
+                        of(tp.is_some(), Dim::Tp),
+                        of(ep.is_some(), Dim::Ep),
+                        of(cp.is_some(), Dim::Cp),
+                        of(dp.is_some(), Dim::Dp),
+                    )
+                }
+                false => (None, None, None, None),
+            };
         let (arena, placed) = Arena::of_plan(&plan.plan, model.config.layers)?;
         // ZeRO-3: this rank's shard of the weights, then the (zeroed) windows.
         let weights = |init: Vec<f32>| match &zero3 {

@@ -140,6 +140,19 @@ impl SeqPart {
     /// The whole sequence, on one rank.
     pub const WHOLE: SeqPart = SeqPart { rank: 0, ranks: 1 };
 
+    /// Tokens each rank holds of a sequence of `seq`: refused unless the sequence cuts into
+    /// `2·ranks` equal chunks.
+    pub fn local_len(&self, seq: usize) -> Result<usize, String> {
+        let chunks = 2 * self.ranks;
+        match self.ranks == 1 || seq.is_multiple_of(chunks) {
+            true => Ok(seq / self.ranks),
+            false => Err(format!(
+                "seq = {seq}: context parallelism over cp = {} cuts each sequence into 2·cp = {chunks} equal chunks; use a multiple of {chunks}",
+                self.ranks
+            )),
+        }
+    }
+
     /// The position in its sequence of local token `i` of a rank holding `t` tokens (`t`
     /// even when the sequence is split).
     #[inline]

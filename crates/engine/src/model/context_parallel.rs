@@ -98,19 +98,6 @@ impl ContextParallel {
         self.part_of(self.rank)
     }
 
-    /// Tokens per rank of a sequence of `seq`; the sequence must cut into `2·cp` equal
-    /// chunks.
-    pub fn local_len(&self, seq: usize) -> Result<usize, String> {
-        let chunks = 2 * self.size;
-        match seq.is_multiple_of(chunks) {
-            true => Ok(seq / self.size),
-            false => Err(format!(
-                "seq = {seq}: context parallelism over cp = {} cuts each sequence into 2·cp = {chunks} equal chunks; use a multiple of {chunks}",
-                self.size
-            )),
-        }
-    }
-
     /// `full`'s rows for this rank's `t` local tokens: row `i` holds the angles of local token
     /// `i`'s position; the rows past `t` are `full`'s, so the table keeps its planned size.
     pub fn rope(&self, full: &RopeTable, t: usize) -> RopeTable {
@@ -154,7 +141,7 @@ impl Llama {
     /// sequences of `seq` (see [`ContextParallel::rope`]).
     pub fn context_parallel(mut self, cp: ContextParallel, seq: usize) -> Result<Self, String> {
         if cp.size > 1 {
-            let t = cp.local_len(seq)?;
+            let t = cp.part().local_len(seq)?;
             self.rope = cp.rope(&self.rope, t);
             self.cp = Some(cp);
         }
@@ -192,8 +179,8 @@ impl Llama {
         };
         let kvl = s.kv_len();
         let mut b = self.ring_bufs(pool, s.b * s.t);
-        widen(kk, &mut b.block[..kvl]);
-        widen(v, &mut b.block[kvl..2 * kvl]);
+        S::load(kk, &mut b.block[..kvl]);
+        S::load(v, &mut b.block[kvl..2 * kvl]);
         for step in 0..cp.size {
             let more = step + 1 < cp.size;
             if more {
@@ -227,8 +214,8 @@ impl Llama {
         let kvl = s.kv_len();
         let mut b = self.ring_bufs(pool, s.b * s.t);
         // A block travels as [K | V | dK | dV].
-        widen(kk, &mut b.block[..kvl]);
-        widen(v, &mut b.block[kvl..2 * kvl]);
+        S::load(kk, &mut b.block[..kvl]);
+        S::load(v, &mut b.block[kvl..2 * kvl]);
         b.block[2 * kvl..4 * kvl].fill(0.0);
         b.acc[..s.q_len()].fill(0.0);
         for step in 0..cp.size {
@@ -255,8 +242,4 @@ impl Llama {
         S::store(&b.block[3 * kvl..4 * kvl], dv);
         self.free_ring_bufs(pool, b);
     }
-}
-
-fn widen<S: Elem>(x: &[S], f: &mut [f32]) {
-    f.iter_mut().zip(x).for_each(|(o, x)| *o = x.to_f32());
 }

@@ -14,8 +14,9 @@
 //!
 //! Exact routing: nothing is dropped, so a rank's experts may receive anything from none to
 //! every rank's copies. Its routed buffers are sized for the most it can receive,
-//! [`ExpertParallel::capacity`] = tokens × ep × min(top_k, E/ep) rows, so that the memory plan
-//! is the allocation whatever the routing.
+//! tokens × ep × min(top_k, E/ep) rows (each rank sends each token here at most min(top_k,
+//! E/ep) times: a token's choices are distinct experts; `ferrotron_plan::activations::
+//! routed_rows`), so that the memory plan is the allocation whatever the routing.
 //!
 //! The exchange is in f32 (16-bit activations widened, then rounded once on arrival), through
 //! the `comm.ep.send` / `comm.ep.recv` buffers.
@@ -105,13 +106,6 @@ impl ExpertParallel {
     /// The experts this rank holds.
     pub fn local(&self) -> Range<usize> {
         self.rank * self.per_rank()..(self.rank + 1) * self.per_rank()
-    }
-
-    /// The most routed copies this rank's experts can receive in a micro-batch of `tokens`
-    /// tokens per rank: each rank sends each token here at most min(top_k, E/ep) times (a
-    /// token's choices are distinct experts).
-    pub fn capacity(&self, tokens: usize, top_k: usize) -> usize {
-        tokens * self.size * top_k.min(self.per_rank())
     }
 
     /// From this rank's copies per expert (`counts[e]`, every expert), the copies each rank

@@ -274,22 +274,14 @@ impl Llama {
         }
     }
 
-    /// Rows of a MoE layer's routed buffers when they are not tokens × top-k: an
-    /// expert-parallel rank's room for the most its experts can receive, and with a capacity
-    /// factor no more than every expert's capacity (E · C: under expert parallelism each rank
-    /// sends an expert at most C copies, so its rank receives at most ep · C for each of its
-    /// E/ep experts). The planner's `routed_rows` is the same.
+    /// Rows of a MoE layer's routed buffers when they are not tokens × top-k: the planner's
+    /// [`ferrotron_plan::activations::routed_rows`] (an expert-parallel rank's room for the most
+    /// its experts can receive, bounded by every expert's capacity under a capacity factor).
     fn routed_rows(&self, tokens: usize) -> Option<u64> {
         let m = self.config.moe?;
-        let exact = match &self.ep {
-            Some(ep) => ep.capacity(tokens, m.top_k),
-            None => tokens * m.top_k,
-        };
-        let rows = match self.expert_capacity(tokens) {
-            Some(c) => exact.min(m.experts * c),
-            None => exact,
-        };
-        (self.ep.is_some() || rows != tokens * m.top_k).then_some(rows as u64)
+        let ep = self.ep.as_ref().map_or(1, |e| e.size) as u64;
+        let (k, e) = (m.top_k as u64, m.experts as u64);
+        ferrotron_plan::activations::routed_rows(tokens as u64, k, e, ep, self.capacity_factor)
     }
 
     /// With a capacity factor (a MoE model): each expert takes at most ⌈cf · tokens · top_k /

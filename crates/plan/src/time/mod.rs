@@ -137,17 +137,10 @@ pub fn estimate_with(
         links: (cp_link, ep_link, pp_link),
     };
 
-    let last = l.pp - 1;
-    // The first and last stages are the slowest of an even split (they add the embedding and
-    // the head); an uneven one (`pp_layers`) can make any stage the slowest.
-    let stages: Vec<u64> = if l.pp == 1 {
-        vec![0]
-    } else if l.pp_layers.is_empty() {
-        vec![0, last]
-    } else {
-        (0..l.pp).collect()
-    };
-    let costs: Vec<(u64, StageMb)> = stages.iter().map(|&s| (s, stages_in.stage_mb(s))).collect();
+    // Every stage: the slowest paces the pipeline (of an even split the first or the last,
+    // which add the embedding and the head; of an uneven one any), and a rank compares what
+    // it sends with its own stage's (`stage_bytes`).
+    let costs: Vec<(u64, StageMb)> = (0..l.pp).map(|s| (s, stages_in.stage_mb(s))).collect();
     let (slow_stage, slow) = costs
         .iter()
         .copied()
@@ -197,13 +190,11 @@ pub fn estimate_with(
         .iter()
         .map(|(st_, s)| (*st_, tails_in.tail(*st_, s)))
         .collect();
-    // What a rank of each stage sends (the trainer compares its own with what it measures).
-    let stage_bytes: Vec<[f64; 4]> = (0..l.pp)
-        .map(|st_| {
-            let s = stages_in.stage_mb(st_);
-            let dp = tails_in.tail(st_, &s).dp.bytes;
-            [mb * s.tp.0, mb * s.cp.0, mb * s.ep.0, dp]
-        })
+    // What a rank of each stage sends, stage order.
+    let stage_bytes: Vec<[f64; 4]> = costs
+        .iter()
+        .zip(&tails)
+        .map(|((_, s), (_, t))| [mb * s.tp.0, mb * s.cp.0, mb * s.ep.0, t.dp.bytes])
         .collect();
     let (_, tail) = tails
         .iter()

@@ -288,13 +288,8 @@ struct CpShare {
 
 impl CpShare {
     fn new(part: SeqPart, cfg: &LoaderConfig) -> Result<Self> {
-        let chunks = 2 * part.ranks;
-        if !cfg.seq_len.is_multiple_of(chunks) {
-            return Err(DataError::InvalidArgument(format!(
-                "seq_len = {}: context parallelism over cp = {} cuts each sequence into 2·cp = {chunks} equal chunks; use a multiple of {chunks}",
-                cfg.seq_len, part.ranks
-            )));
-        }
+        part.local_len(cfg.seq_len)
+            .map_err(DataError::InvalidArgument)?;
         let n = cfg.batch_size * cfg.seq_len;
         Ok(CpShare {
             part,
