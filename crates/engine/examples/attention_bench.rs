@@ -7,6 +7,7 @@
 
 use ferrotron_engine::dtype::Elem;
 use ferrotron_engine::kernels::cpu::simd::{limit_tier, Tier};
+use ferrotron_engine::kernels::{AsView, AsViewMut};
 use ferrotron_engine::kernels::{AttnShape, CpuKernels, Kernels};
 use half::bf16;
 use std::time::Instant;
@@ -35,10 +36,28 @@ fn time<S: Elem>(s: AttnShape, tiers: &[Tier], reps: usize) -> Vec<(f64, f64)> {
         for (&tier, best) in tiers.iter().zip(best.iter_mut()) {
             limit_tier(tier);
             let t0 = Instant::now();
-            k.attention_forward(s, &q, &kk, &v, &mut o, &mut lse);
+            k.attention_forward(
+                s,
+                q.view(),
+                kk.view(),
+                v.view(),
+                o.view_mut(),
+                lse.view_mut(),
+            );
             best.0 = best.0.min(t0.elapsed().as_secs_f64());
             let t0 = Instant::now();
-            k.attention_backward(s, &q, &kk, &v, &o, &lse, &o, &mut dq, &mut dk, &mut dv);
+            k.attention_backward(
+                s,
+                q.view(),
+                kk.view(),
+                v.view(),
+                o.view(),
+                lse.view(),
+                o.view(),
+                dq.view_mut(),
+                dk.view_mut(),
+                dv.view_mut(),
+            );
             best.1 = best.1.min(t0.elapsed().as_secs_f64());
         }
     }

@@ -7,6 +7,7 @@
 //! (`DNNL_VERBOSE=1` makes oneDNN print the implementation of every product.)
 use ferrotron_engine::dtype::Elem;
 use ferrotron_engine::kernels::{Accum, CpuKernels, Gemm, Kernels, MatmulShape};
+use ferrotron_engine::kernels::{AsView, AsViewMut};
 use half::bf16;
 use std::time::Instant;
 
@@ -32,13 +33,13 @@ fn directions<S: Elem>(s: MatmulShape, head: bool, gemm: Gemm) -> [Box<dyn FnMut
         let (mut dx, mut dw) = (vec![S::default(); n * i], vec![S::default(); o * i]);
         return [
             timed(Box::new(move || {
-                Kernels::<S>::head_forward(&k, s, &x1, &w1, &mut y)
+                Kernels::<S>::head_forward(&k, s, x1.view(), w1.view(), y.view_mut())
             })),
             timed(Box::new(move || {
-                Kernels::<S>::head_backward_input(&k, s, &dy, &w2, &mut dx)
+                Kernels::<S>::head_backward_input(&k, s, dy.view(), w2.view(), dx.view_mut())
             })),
             timed(Box::new(move || {
-                Kernels::<S>::head_backward_weight(&k, s, &dy2, &x2, &mut dw)
+                Kernels::<S>::head_backward_weight(&k, s, dy2.view(), x2.view(), dw.view_mut())
             })),
         ];
     }
@@ -48,13 +49,28 @@ fn directions<S: Elem>(s: MatmulShape, head: bool, gemm: Gemm) -> [Box<dyn FnMut
     let (mut dx, mut dw) = (vec![S::default(); n * i], vec![S::default(); o * i]);
     [
         timed(Box::new(move || {
-            Kernels::<S>::matmul_forward(&k, s, &x1, &w1, None, &mut y, Accum::Overwrite)
+            Kernels::<S>::matmul_forward(
+                &k,
+                s,
+                x1.view(),
+                w1.view(),
+                None,
+                y.view_mut(),
+                Accum::Overwrite,
+            )
         })),
         timed(Box::new(move || {
-            Kernels::<S>::matmul_backward_input(&k, s, &dy, &w2, &mut dx, Accum::Overwrite)
+            Kernels::<S>::matmul_backward_input(
+                &k,
+                s,
+                dy.view(),
+                w2.view(),
+                dx.view_mut(),
+                Accum::Overwrite,
+            )
         })),
         timed(Box::new(move || {
-            Kernels::<S>::matmul_backward_weight(&k, s, &dy2, &x2, &mut dw, None)
+            Kernels::<S>::matmul_backward_weight(&k, s, dy2.view(), x2.view(), dw.view_mut(), None)
         })),
     ]
 }

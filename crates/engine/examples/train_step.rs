@@ -9,6 +9,7 @@
 //! attention = 12·L·(H·D)·T²·B (full T×T, PaLM convention); "causal" halves the attention term.
 
 use ferrotron_engine::kernels::{AdamWParams, CpuKernels, Kernels, Profiled, NO_PARAMS};
+use ferrotron_engine::kernels::{AsView, AsViewMut};
 use ferrotron_engine::model::{BatchShape, HeapPool, Llama, LlamaConfig};
 use std::time::Instant;
 
@@ -84,8 +85,8 @@ fn main() {
         let t_fwd = t0.elapsed().as_secs_f64();
         model.backward(kd, &mut pool, &params, &mut grads, acts, &tokens);
         let t_bwd = t0.elapsed().as_secs_f64() - t_fwd;
-        let norm = kd.sum_squares(&grads).sqrt();
-        kd.scale(&mut grads, (1.0 / (norm + 1e-6)).min(1.0) as f32);
+        let norm = kd.sum_squares(grads.view()).sqrt();
+        kd.scale(grads.view_mut(), (1.0 / (norm + 1e-6)).min(1.0) as f32);
         let h = AdamWParams {
             lr: 1e-3,
             beta1: 0.9,
@@ -95,7 +96,14 @@ fn main() {
             grad_scale: 1.0,
             step: step as u64 + 1,
         };
-        kd.adamw_step(h, &mut params, &grads, &mut m, &mut vv, NO_PARAMS);
+        kd.adamw_step(
+            h,
+            params.view_mut(),
+            grads.view(),
+            m.view_mut(),
+            vv.view_mut(),
+            NO_PARAMS,
+        );
         let dt = t0.elapsed().as_secs_f64();
         if step > 0 {
             times.push(dt);

@@ -3,6 +3,7 @@
 
 use crate::dtype::Elem;
 use crate::kernels::{Accum, CpuKernels, Kernels, MatmulShape};
+use crate::kernels::{AsView, AsViewMut};
 use std::time::Instant;
 
 /// GFLOP/s of `y[m,n] = x[m,k]·Wᵀ` (W `[n,k]`, the `nn.Linear` layout the model uses) with
@@ -26,7 +27,7 @@ pub fn matmul_gflops<S: Elem>(m: usize, n: usize, k: usize, reps: usize) -> f64 
     let mut best = f64::INFINITY;
     for r in 0..=reps {
         let t0 = Instant::now();
-        kernels.matmul_forward(s, &x, &w, None, &mut y, Accum::Overwrite);
+        kernels.matmul_forward(s, x.view(), w.view(), None, y.view_mut(), Accum::Overwrite);
         let dt = t0.elapsed().as_secs_f64();
         if r > 0 {
             best = best.min(dt);

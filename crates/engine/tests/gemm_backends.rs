@@ -14,6 +14,7 @@ mod common;
 use common::Rng;
 use ferrotron_engine::kernels::cpu::onednn::{self, Dt, Product};
 use ferrotron_engine::kernels::{Accum, CpuKernels, Elem, Gemm, Kernels, MatmulShape};
+use ferrotron_engine::kernels::{AsView, AsViewMut};
 use half::bf16;
 
 const PORTABLE: CpuKernels = CpuKernels::PLAIN.with_gemm(Gemm::Portable);
@@ -83,21 +84,21 @@ fn compare<S: Elem, G: Elem>(rng: &mut Rng, (n, i, o): (usize, usize, usize)) {
         let mut out = Vec::new();
         for accum in [Accum::Overwrite, Accum::Add] {
             let mut y = y0.clone();
-            k.matmul_forward(s, &x, &w, Some(&b), &mut y, accum);
+            k.matmul_forward(s, x.view(), w.view(), Some(b.view()), y.view_mut(), accum);
             let mut y_nb = y0.clone();
-            k.matmul_forward(s, &x, &w, None, &mut y_nb, accum);
+            k.matmul_forward(s, x.view(), w.view(), None, y_nb.view_mut(), accum);
             let mut dx = dx0.clone();
-            k.matmul_backward_input(s, &dy, &w, &mut dx, accum);
+            k.matmul_backward_input(s, dy.view(), w.view(), dx.view_mut(), accum);
             out.push((y, y_nb, dx));
         }
         let (mut dw, mut db) = (dw0.clone(), db0.clone());
-        k.matmul_backward_weight(s, &dy, &x, &mut dw, Some(&mut db));
+        k.matmul_backward_weight(s, dy.view(), x.view(), dw.view_mut(), Some(db.view_mut()));
         let mut logits = vec![0.0f32; n * o];
-        k.head_forward(s, &x, &w, &mut logits);
+        k.head_forward(s, x.view(), w.view(), logits.view_mut());
         let mut hdx = dx0.clone();
-        k.head_backward_input(s, &dlogits, &w, &mut hdx);
+        k.head_backward_input(s, dlogits.view(), w.view(), hdx.view_mut());
         let mut hdw = dw0.clone();
-        k.head_backward_weight(s, &dlogits, &x, &mut hdw);
+        k.head_backward_weight(s, dlogits.view(), x.view(), hdw.view_mut());
         (out, dw, db, logits, hdx, hdw)
     };
     let (got, want) = (run(kernels[0]), run(kernels[1]));

@@ -16,6 +16,7 @@ mod common;
 use common::fixture::{f32s, load, load_params, num_targets, read};
 use common::rel_err;
 use ferrotron_engine::kernels::{AdamWParams, CpuKernels, Kernels, NO_PARAMS};
+use ferrotron_engine::kernels::{AsView, AsViewMut};
 use ferrotron_engine::model::HeapPool;
 use safetensors::SafeTensors;
 
@@ -139,10 +140,10 @@ fn check_adamw_trajectory(name: &str) {
         );
         f.model
             .backward(k, &mut pool, &params, &mut grads, acts, &f.tokens);
-        let norm = k.sum_squares(&grads).sqrt();
+        let norm = k.sum_squares(grads.view()).sqrt();
         // torch.nn.utils.clip_grad_norm_: coef = min(1, max_norm / (norm + 1e-6)), always applied.
         let coef = (max_norm / (norm + 1e-6)).min(1.0);
-        k.scale(&mut grads, coef as f32);
+        k.scale(grads.view_mut(), coef as f32);
         let s = (step - 1) as usize;
         let (le, ne) = (
             (loss.mean() - want_losses[s]).abs() / want_losses[s],
@@ -168,7 +169,14 @@ fn check_adamw_trajectory(name: &str) {
             grad_scale: 1.0,
             step,
         };
-        k.adamw_step(h, &mut params, &grads, &mut m, &mut v, NO_PARAMS);
+        k.adamw_step(
+            h,
+            params.view_mut(),
+            grads.view(),
+            m.view_mut(),
+            v.view_mut(),
+            NO_PARAMS,
+        );
     }
     let pb = read(&f.dir, &format!("params_after_{steps}.safetensors"));
     let want = load_params(&f.model, &pb);

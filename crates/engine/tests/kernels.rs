@@ -12,6 +12,7 @@ use ferrotron_engine::kernels::{
     Accum, AdamWParams, AttnShape, CeShape, CpuKernels, Kernels, MatmulShape, NormShape, RopeShape,
     RopeTable, IGNORE_INDEX, NO_PARAMS,
 };
+use ferrotron_engine::kernels::{AsView, AsViewMut};
 
 use ferrotron_engine::kernels::cpu::matmul::{sgemm, MAX_DEPTH};
 
@@ -126,12 +127,26 @@ fn matmul_forward_matches_naive() {
         let bias64 = to64(&b);
         let want = matmul_ref(&to64(&x), &to64(&w), bias.then_some(&bias64[..]), n, i, o);
         let mut y = vec![f32::NAN; n * o];
-        K.matmul_forward(s, &x, &w, bias.then_some(&b[..]), &mut y, Accum::Overwrite);
+        K.matmul_forward(
+            s,
+            x.view(),
+            w.view(),
+            bias.then_some(b.view()),
+            y.view_mut(),
+            Accum::Overwrite,
+        );
         assert_close("matmul y", &y, &want, 1e-5);
         // Accumulate mode adds onto a residual.
         let resid = rng.vec(n * o, 1.0);
         let mut y2 = resid.clone();
-        K.matmul_forward(s, &x, &w, bias.then_some(&b[..]), &mut y2, Accum::Add);
+        K.matmul_forward(
+            s,
+            x.view(),
+            w.view(),
+            bias.then_some(b.view()),
+            y2.view_mut(),
+            Accum::Add,
+        );
         let want2: Vec<f64> = want
             .iter()
             .zip(&resid)
@@ -172,12 +187,12 @@ fn matmul_backward_matches_finite_differences() {
     let (mut dw, mut db, mut dx) = (w0.clone(), b0.clone(), vec![f32::NAN; n * i]);
     K.matmul_backward(
         s,
-        &dy,
-        &x,
-        &w,
-        Some((&mut dx, Accum::Overwrite)),
-        &mut dw,
-        Some(&mut db),
+        dy.view(),
+        x.view(),
+        w.view(),
+        Some((dx.view_mut(), Accum::Overwrite)),
+        dw.view_mut(),
+        Some(db.view_mut()),
     );
     let plus = |g: &[f64], base: &[f32]| -> Vec<f64> {
         g.iter().zip(base).map(|(a, b)| a + *b as f64).collect()
@@ -187,7 +202,15 @@ fn matmul_backward_matches_finite_differences() {
     assert_close("dbias (accumulated)", &db, &plus(&gb, &b0), 1e-4);
     let mut dx2 = x0.clone();
     let mut dw2 = vec![0.0; o * i];
-    K.matmul_backward(s, &dy, &x, &w, Some((&mut dx2, Accum::Add)), &mut dw2, None);
+    K.matmul_backward(
+        s,
+        dy.view(),
+        x.view(),
+        w.view(),
+        Some((dx2.view_mut(), Accum::Add)),
+        dw2.view_mut(),
+        None,
+    );
     assert_close("dx (accumulated)", &dx2, &plus(&gx, &x0), 1e-4);
     assert_close("dW", &dw2, &gw, 1e-4);
 }
@@ -210,12 +233,12 @@ fn matmul_backward_large_matches_naive() {
     let mut db = vec![0.0; o];
     K.matmul_backward(
         s,
-        &dy,
-        &x,
-        &w,
-        Some((&mut dx, Accum::Overwrite)),
-        &mut dw,
-        Some(&mut db),
+        dy.view(),
+        x.view(),
+        w.view(),
+        Some((dx.view_mut(), Accum::Overwrite)),
+        dw.view_mut(),
+        Some(db.view_mut()),
     );
     let (x64, w64, dy64) = (to64(&x), to64(&w), to64(&dy));
     let mut gx = vec![0.0; n * i];
@@ -267,14 +290,14 @@ fn matmul_long_reductions_match_naive() {
         }
     }
     let mut dx = dx0.clone();
-    K.matmul_backward_input(s, &dy, &w, &mut dx, Accum::Overwrite);
+    K.matmul_backward_input(s, dy.view(), w.view(), dx.view_mut(), Accum::Overwrite);
     assert_close("dx overwrite", &dx, &gx, 1e-5);
     let mut dx = dx0.clone();
-    K.matmul_backward_input(s, &dy, &w, &mut dx, Accum::Add);
+    K.matmul_backward_input(s, dy.view(), w.view(), dx.view_mut(), Accum::Add);
     let gx_add: Vec<f64> = gx.iter().zip(&dx0).map(|(g, d)| g + *d as f64).collect();
     assert_close("dx add", &dx, &gx_add, 1e-5);
     let mut dw = dw0.clone();
-    K.matmul_backward_weight(s, &dy, &x, &mut dw, None);
+    K.matmul_backward_weight(s, dy.view(), x.view(), dw.view_mut(), None);
     let gw_add: Vec<f64> = gw.iter().zip(&dw0).map(|(g, d)| g + *d as f64).collect();
     assert_close("dW", &dw, &gw_add, 1e-5);
 }
@@ -305,7 +328,7 @@ fn rmsnorm_forward_and_backward() {
         let (x64, w64, dy64) = (to64(&x), to64(&w), to64(&dy));
         let mut out = vec![0.0; n * c];
         let mut rstd = vec![0.0; n];
-        K.rmsnorm_forward(s, &x, &w, &mut out, &mut rstd);
+        K.rmsnorm_forward(s, x.view(), w.view(), out.view_mut(), rstd.view_mut());
         assert_close(
             "rmsnorm out",
             &out,
@@ -327,13 +350,31 @@ fn rmsnorm_forward_and_backward() {
         let dw0 = rng.vec(c, 1.0);
         let mut dw = dw0.clone();
         let mut dx = vec![f32::NAN; n * c];
-        K.rmsnorm_backward(s, &dy, &x, &w, &rstd, &mut dx, Accum::Overwrite, &mut dw);
+        K.rmsnorm_backward(
+            s,
+            dy.view(),
+            x.view(),
+            w.view(),
+            rstd.view(),
+            dx.view_mut(),
+            Accum::Overwrite,
+            dw.view_mut(),
+        );
         assert_close("rmsnorm dx", &dx, &gx, 1e-4);
         let gw_acc: Vec<f64> = gw.iter().zip(&dw0).map(|(a, b)| a + *b as f64).collect();
         assert_close("rmsnorm dw (accumulated)", &dw, &gw_acc, 1e-4);
         let base = rng.vec(n * c, 1.0);
         let mut dx2 = base.clone();
-        K.rmsnorm_backward(s, &dy, &x, &w, &rstd, &mut dx2, Accum::Add, &mut dw);
+        K.rmsnorm_backward(
+            s,
+            dy.view(),
+            x.view(),
+            w.view(),
+            rstd.view(),
+            dx2.view_mut(),
+            Accum::Add,
+            dw.view_mut(),
+        );
         let gx_acc: Vec<f64> = gx.iter().zip(&base).map(|(a, b)| a + *b as f64).collect();
         assert_close("rmsnorm dx (accumulated)", &dx2, &gx_acc, 1e-4);
     }
@@ -379,7 +420,7 @@ fn rope_forward_and_backward() {
     let table = RopeTable::new(d, 16, theta);
     let x = rng.vec(b * t * h * d, 1.0);
     let mut y = x.clone();
-    K.rope_forward(s, &table, &mut y);
+    K.rope_forward(s, &table, y.view_mut());
     // The table is computed in f32 like HF (angle = f32(pos)·f32(inv_freq)), hence 1e-5 vs f64.
     assert_close(
         "rope fwd",
@@ -393,10 +434,10 @@ fn rope_forward_and_backward() {
         dot64(&rope_ref(x, b, t, h, d, theta as f64), &dy64)
     });
     let mut dx = dy.clone();
-    K.rope_backward(s, &table, &mut dx);
+    K.rope_backward(s, &table, dx.view_mut());
     assert_close("rope bwd", &dx, &g, 1e-4);
     // Round trip: backward is the inverse rotation.
-    K.rope_backward(s, &table, &mut y);
+    K.rope_backward(s, &table, y.view_mut());
     assert_close("rope roundtrip", &y, &to64(&x), 1e-6);
 }
 
@@ -514,7 +555,14 @@ fn attention_forward_matches_naive_softmax() {
         let (o_ref, lse_ref) = attn_ref(s, &to64(&q), &to64(&k), &to64(&v));
         let mut o = vec![f32::NAN; s.q_len()];
         let mut lse = vec![f32::NAN; s.lse_len()];
-        K.attention_forward(s, &q, &k, &v, &mut o, &mut lse);
+        K.attention_forward(
+            s,
+            q.view(),
+            k.view(),
+            v.view(),
+            o.view_mut(),
+            lse.view_mut(),
+        );
         assert_close("attn o", &o, &o_ref, 2e-5);
         assert_close("attn lse", &lse, &lse_ref, 2e-5);
     }
@@ -563,13 +611,31 @@ fn attention_backward_matches_finite_differences() {
     let gv = fd_grad(&v64, &mut |x| f(&q64, &k64, x));
     let mut o = vec![0.0; s.q_len()];
     let mut lse = vec![0.0; s.lse_len()];
-    K.attention_forward(s, &q, &k, &v, &mut o, &mut lse);
+    K.attention_forward(
+        s,
+        q.view(),
+        k.view(),
+        v.view(),
+        o.view_mut(),
+        lse.view_mut(),
+    );
     let (mut dq, mut dk, mut dv) = (
         vec![f32::NAN; s.q_len()],
         vec![f32::NAN; s.kv_len()],
         vec![f32::NAN; s.kv_len()],
     );
-    K.attention_backward(s, &q, &k, &v, &o, &lse, &d_o, &mut dq, &mut dk, &mut dv);
+    K.attention_backward(
+        s,
+        q.view(),
+        k.view(),
+        v.view(),
+        o.view(),
+        lse.view(),
+        d_o.view(),
+        dq.view_mut(),
+        dk.view_mut(),
+        dv.view_mut(),
+    );
     assert_close("attn dq", &dq, &gq, 1e-4);
     assert_close("attn dk", &dk, &gk, 1e-4);
     assert_close("attn dv", &dv, &gv, 1e-4);
@@ -600,13 +666,31 @@ fn attention_backward_large_matches_naive_analytic() {
         let [gq, gk, gv] = attn_ref_backward(s, &to64(&q), &to64(&k), &to64(&v), &to64(&d_o));
         let mut o = vec![0.0; s.q_len()];
         let mut lse = vec![0.0; s.lse_len()];
-        K.attention_forward(s, &q, &k, &v, &mut o, &mut lse);
+        K.attention_forward(
+            s,
+            q.view(),
+            k.view(),
+            v.view(),
+            o.view_mut(),
+            lse.view_mut(),
+        );
         let (mut dq, mut dk, mut dv) = (
             vec![f32::NAN; s.q_len()],
             vec![f32::NAN; s.kv_len()],
             vec![f32::NAN; s.kv_len()],
         );
-        K.attention_backward(s, &q, &k, &v, &o, &lse, &d_o, &mut dq, &mut dk, &mut dv);
+        K.attention_backward(
+            s,
+            q.view(),
+            k.view(),
+            v.view(),
+            o.view(),
+            lse.view(),
+            d_o.view(),
+            dq.view_mut(),
+            dk.view_mut(),
+            dv.view_mut(),
+        );
         assert_close("attn dq", &dq, &gq, 1e-4);
         assert_close("attn dk", &dk, &gk, 1e-4);
         assert_close("attn dv", &dv, &gv, 1e-4);
@@ -629,7 +713,7 @@ fn swiglu_forward_and_backward() {
     let g = rng.vec(n, 6.0);
     let u = rng.vec(n, 2.0);
     let mut h = vec![0.0; n];
-    K.swiglu_forward(&g, &u, &mut h);
+    K.swiglu_forward(g.view(), u.view(), h.view_mut());
     assert_close("swiglu h", &h, &swiglu_ref(&to64(&g), &to64(&u)), 2e-6);
     // Backward by finite differences on a small slice (the op is elementwise).
     let m = 300;
@@ -638,7 +722,13 @@ fn swiglu_forward_and_backward() {
     let gg = fd_grad(&g64, &mut |x| dot64(&swiglu_ref(x, &u64_), &dh64));
     let gu = fd_grad(&u64_, &mut |x| dot64(&swiglu_ref(&g64, x), &dh64));
     let (mut dg, mut du) = (vec![f32::NAN; m], vec![f32::NAN; m]);
-    K.swiglu_backward(&dh, &g[..m], &u[..m], &mut dg, &mut du);
+    K.swiglu_backward(
+        dh.view(),
+        g.view().slice(..m),
+        u.view().slice(..m),
+        dg.view_mut(),
+        du.view_mut(),
+    );
     assert_close("swiglu dgate", &dg, &gg, 1e-5);
     assert_close("swiglu dup", &du, &gu, 1e-5);
 }
@@ -652,7 +742,7 @@ fn embedding_forward_and_backward() {
     let wte = rng.vec(vocab * c, 1.0);
     let tokens: Vec<u32> = (0..n).map(|_| rng.below(vocab as u32)).collect();
     let mut out = vec![0.0; n * c];
-    K.embedding_forward(&tokens, &wte, c, &mut out);
+    K.embedding_forward(tokens.view(), wte.view(), c, out.view_mut());
     for (r, &t) in tokens.iter().enumerate() {
         assert_eq!(
             &out[r * c..(r + 1) * c],
@@ -662,7 +752,7 @@ fn embedding_forward_and_backward() {
     let dout = rng.vec(n * c, 1.0);
     let base = rng.vec(vocab * c, 1.0);
     let mut dwte = base.clone();
-    K.embedding_backward(&tokens, &dout, c, &mut dwte);
+    K.embedding_backward(tokens.view(), dout.view(), c, dwte.view_mut());
     let mut want = to64(&base);
     for (r, &t) in tokens.iter().enumerate() {
         for e in 0..c {
@@ -681,7 +771,7 @@ fn elementwise_ops() {
     let a = rng.vec(n, 1.0);
     let b = rng.vec(n, 1.0);
     let mut out = vec![0.0; n];
-    K.add(&a, &b, &mut out);
+    K.add(a.view(), b.view(), out.view_mut());
     let want: Vec<f64> = a
         .iter()
         .zip(&b)
@@ -689,26 +779,26 @@ fn elementwise_ops() {
         .collect();
     assert_close("add", &out, &want, 1e-7);
     let mut acc = a.clone();
-    K.add_inplace(&mut acc, &b);
+    K.add_inplace(acc.view_mut(), b.view());
     assert_close("add_inplace", &acc, &want, 1e-7);
     let mut c = vec![0.0; n];
-    K.copy(&a, &mut c);
+    K.copy(a.view(), c.view_mut());
     assert_eq!(c, a);
-    K.scale(&mut c, 0.5);
+    K.scale(c.view_mut(), 0.5);
     assert_close(
         "scale",
         &c,
         &a.iter().map(|x| *x as f64 * 0.5).collect::<Vec<_>>(),
         1e-7,
     );
-    let ss = K.sum_squares(&a);
+    let ss = K.sum_squares(a.view());
     let want_ss: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum();
     assert!(
         ((ss - want_ss) / want_ss).abs() < 1e-6,
         "sum_squares {ss} vs {want_ss}"
     );
     let mut bf = vec![half::bf16::ZERO; n];
-    Kernels::<half::bf16>::round_params(&CpuKernels::PLAIN, &a, &mut bf);
+    Kernels::<half::bf16>::round_params(&CpuKernels::PLAIN, a.view(), bf.view_mut());
     let back: Vec<f32> = bf.iter().map(|x| x.to_f32()).collect();
     // bf16 keeps 8 significant bits: round-to-nearest error ≤ half an ulp ≤ 2^-8 relative.
     for (x, y) in a.iter().zip(&back) {
@@ -749,7 +839,7 @@ fn cross_entropy_loss_and_gradient() {
     // Forward only: logits untouched.
     let mut z = logits.clone();
     let mut losses = vec![f32::NAN; rows];
-    let sum = K.cross_entropy(s, &mut z, &targets, &mut losses, None);
+    let sum = K.cross_entropy(s, z.view_mut(), targets.view(), losses.view_mut(), None);
     assert_eq!(z, logits);
     assert_close("ce losses", &losses, &want, 2e-6);
     assert!(
@@ -759,7 +849,13 @@ fn cross_entropy_loss_and_gradient() {
     // With gradient: d(scale·Σ loss)/dz.
     let scale = 1.0 / 7.0;
     let mut z = logits.clone();
-    let sum2 = K.cross_entropy(s, &mut z, &targets, &mut losses, Some(scale));
+    let sum2 = K.cross_entropy(
+        s,
+        z.view_mut(),
+        targets.view(),
+        losses.view_mut(),
+        Some(scale),
+    );
     assert!((sum2 - sum).abs() < 1e-9);
     let g = fd_grad(&z64, &mut |x| {
         ce_ref(x, &targets, v).iter().sum::<f64>() * scale as f64
@@ -782,9 +878,9 @@ fn cross_entropy_large_vocab_rows() {
     let mut losses = vec![0.0; rows];
     K.cross_entropy(
         CeShape { rows, vocab: v },
-        &mut z,
-        &targets,
-        &mut losses,
+        z.view_mut(),
+        targets.view(),
+        losses.view_mut(),
         Some(1.0),
     );
     assert_close("ce losses (V=50257)", &losses, &want, 1e-5);
@@ -816,7 +912,14 @@ fn adamw_matches_torch_formula() {
     for step in 1..=5u64 {
         let g = rng.vec(n, 0.1);
         let h = AdamWParams { step, ..h0 };
-        K.adamw_step(h, &mut p, &g, &mut m, &mut v, NO_PARAMS);
+        K.adamw_step(
+            h,
+            p.view_mut(),
+            g.view(),
+            m.view_mut(),
+            v.view_mut(),
+            NO_PARAMS,
+        );
         // torch.optim.AdamW (Loshchilov & Hutter 2019), in f64.
         let (bc1, bc2) = (
             1.0 - h.beta1.powi(step as i32),

@@ -33,6 +33,7 @@ use ferrotron_engine::kernels::{
     Accum, AdamWParams, AttnShape, CpuKernels, Elem, Kernels, MatmulShape, NormShape, RopeShape,
     RopeTable, Rounding,
 };
+use ferrotron_engine::kernels::{AsView, AsViewMut};
 use ferrotron_engine::numerics::fp8::{amax, round_trip, scale_for, Fp8Format};
 use ferrotron_plan::DType;
 use half::{bf16, f16};
@@ -189,7 +190,14 @@ fn matmul_forward_case<S: Elem>(seed: u64, with_bias_add: bool) {
     let (mut want, mut absum) = dot_ref(&x64, &w64, n, o, i, 0..i);
     let mut y = y0.clone();
     if with_bias_add {
-        k.matmul_forward(s, &x, &w, Some(&b), &mut y, Accum::Add);
+        k.matmul_forward(
+            s,
+            x.view(),
+            w.view(),
+            Some(b.view()),
+            y.view_mut(),
+            Accum::Add,
+        );
         for (r, (wr, ar)) in want.chunks_mut(o).zip(absum.chunks_mut(o)).enumerate() {
             for c in 0..o {
                 let extra = y0[r * o + c].to_f32() as f64 + b[c].to_f32() as f64;
@@ -198,7 +206,7 @@ fn matmul_forward_case<S: Elem>(seed: u64, with_bias_add: bool) {
             }
         }
     } else {
-        k.matmul_forward(s, &x, &w, None, &mut y, Accum::Overwrite);
+        k.matmul_forward(s, x.view(), w.view(), None, y.view_mut(), Accum::Overwrite);
     }
     let tag = if with_bias_add { "bias, add" } else { "plain" };
     check_bound(
@@ -222,7 +230,7 @@ fn matmul_backward_input_case<S: Elem>(seed: u64, accum: Accum) {
     let wt = materialise(i, o, |c, j| w[j * i + c].to_f32() as f64);
     let (mut want, mut absum) = dot_ref(&widen64(&dy), &wt, n, i, o, 0..o);
     let mut dx = dx0.clone();
-    k.matmul_backward_input(s, &dy, &w, &mut dx, accum);
+    k.matmul_backward_input(s, dy.view(), w.view(), dx.view_mut(), accum);
     if accum == Accum::Add {
         for ((wv, av), d0) in want.iter_mut().zip(absum.iter_mut()).zip(&dx0) {
             *wv += d0.to_f32() as f64;
@@ -283,7 +291,7 @@ fn matmul_backward_weight_run<S: Elem, G: Elem>(seed: u64) -> Bww<G> {
         }
     }
     let (mut dw, mut db) = (dw0, db0);
-    k.matmul_backward_weight(s, &dy, &x, &mut dw, Some(&mut db));
+    k.matmul_backward_weight(s, dy.view(), x.view(), dw.view_mut(), Some(db.view_mut()));
     Bww {
         dw,
         dw_want: want,
@@ -446,17 +454,35 @@ fn bf16_rmsnorm_matches_f32_within_one_rounding() {
     let (xf, wf, dyf) = (widen(&x), widen(&w), widen(&dy));
 
     let (mut out, mut rstd) = (vec![bf16::ZERO; s.n * s.c], vec![0.0f32; s.n]);
-    KB.rmsnorm_forward(s, &x, &w, &mut out, &mut rstd);
+    KB.rmsnorm_forward(s, x.view(), w.view(), out.view_mut(), rstd.view_mut());
     let (mut outf, mut rstdf) = (vec![0.0f32; s.n * s.c], vec![0.0f32; s.n]);
-    KF.rmsnorm_forward(s, &xf, &wf, &mut outf, &mut rstdf);
+    KF.rmsnorm_forward(s, xf.view(), wf.view(), outf.view_mut(), rstdf.view_mut());
     check_one_rounding("rmsnorm out", &out, &outf);
     assert_eq!(rstd, rstdf, "rstd is f32 in both");
 
     for accum in [Accum::Overwrite, Accum::Add] {
         let (mut dx, mut dw) = (dx0.clone(), dw0.clone());
-        KB.rmsnorm_backward(s, &dy, &x, &w, &rstd, &mut dx, accum, &mut dw);
+        KB.rmsnorm_backward(
+            s,
+            dy.view(),
+            x.view(),
+            w.view(),
+            rstd.view(),
+            dx.view_mut(),
+            accum,
+            dw.view_mut(),
+        );
         let (mut dxf, mut dwf) = (widen(&dx0), widen(&dw0));
-        KF.rmsnorm_backward(s, &dyf, &xf, &wf, &rstd, &mut dxf, accum, &mut dwf);
+        KF.rmsnorm_backward(
+            s,
+            dyf.view(),
+            xf.view(),
+            wf.view(),
+            rstd.view(),
+            dxf.view_mut(),
+            accum,
+            dwf.view_mut(),
+        );
         check_one_rounding(&format!("rmsnorm dx ({accum:?})"), &dx, &dxf);
         check_one_rounding(&format!("rmsnorm dw ({accum:?})"), &dw, &dwf);
     }
@@ -471,14 +497,26 @@ fn bf16_swiglu_matches_f32_within_one_rounding() {
     let dh: Vec<bf16> = rand_vec(&mut rng, n, 1.0);
     let (gf, uf, dhf) = (widen(&gate), widen(&up), widen(&dh));
     let mut h = vec![bf16::ZERO; n];
-    KB.swiglu_forward(&gate, &up, &mut h);
+    KB.swiglu_forward(gate.view(), up.view(), h.view_mut());
     let mut hf = vec![0.0f32; n];
-    KF.swiglu_forward(&gf, &uf, &mut hf);
+    KF.swiglu_forward(gf.view(), uf.view(), hf.view_mut());
     check_one_rounding("swiglu h", &h, &hf);
     let (mut dg, mut du) = (vec![bf16::ZERO; n], vec![bf16::ZERO; n]);
-    KB.swiglu_backward(&dh, &gate, &up, &mut dg, &mut du);
+    KB.swiglu_backward(
+        dh.view(),
+        gate.view(),
+        up.view(),
+        dg.view_mut(),
+        du.view_mut(),
+    );
     let (mut dgf, mut duf) = (vec![0.0f32; n], vec![0.0f32; n]);
-    KF.swiglu_backward(&dhf, &gf, &uf, &mut dgf, &mut duf);
+    KF.swiglu_backward(
+        dhf.view(),
+        gf.view(),
+        uf.view(),
+        dgf.view_mut(),
+        duf.view_mut(),
+    );
     check_one_rounding("swiglu dgate", &dg, &dgf);
     check_one_rounding("swiglu dup", &du, &duf);
 }
@@ -495,14 +533,14 @@ fn bf16_rope_matches_f32_within_one_rounding() {
     let mut rng = Rng::new(22);
     let x: Vec<bf16> = rand_vec(&mut rng, s.b * s.t * s.heads * s.head_dim, 3.0);
     let mut y = x.clone();
-    KB.rope_forward(s, &table, &mut y);
+    KB.rope_forward(s, &table, y.view_mut());
     let mut yf = widen(&x);
-    KF.rope_forward(s, &table, &mut yf);
+    KF.rope_forward(s, &table, yf.view_mut());
     check_one_rounding("rope forward", &y, &yf);
     let mut d = x.clone();
-    KB.rope_backward(s, &table, &mut d);
+    KB.rope_backward(s, &table, d.view_mut());
     let mut df = widen(&x);
-    KF.rope_backward(s, &table, &mut df);
+    KF.rope_backward(s, &table, df.view_mut());
     check_one_rounding("rope backward", &d, &df);
 }
 
@@ -524,9 +562,23 @@ fn bf16_attention_matches_f32_within_one_rounding() {
     let (qf, kf, vf, dof) = (widen(&q), widen(&k), widen(&v), widen(&d_o));
 
     let (mut o, mut lse) = (vec![bf16::ZERO; s.q_len()], vec![0.0f32; s.lse_len()]);
-    KB.attention_forward(s, &q, &k, &v, &mut o, &mut lse);
+    KB.attention_forward(
+        s,
+        q.view(),
+        k.view(),
+        v.view(),
+        o.view_mut(),
+        lse.view_mut(),
+    );
     let (mut of, mut lsef) = (vec![0.0f32; s.q_len()], vec![0.0f32; s.lse_len()]);
-    KF.attention_forward(s, &qf, &kf, &vf, &mut of, &mut lsef);
+    KF.attention_forward(
+        s,
+        qf.view(),
+        kf.view(),
+        vf.view(),
+        of.view_mut(),
+        lsef.view_mut(),
+    );
     check_one_rounding("attention o", &o, &of);
     let lse_err = lse
         .iter()
@@ -544,7 +596,18 @@ fn bf16_attention_matches_f32_within_one_rounding() {
         vec![bf16::ZERO; s.kv_len()],
         vec![bf16::ZERO; s.kv_len()],
     );
-    KB.attention_backward(s, &q, &k, &v, &o, &lse, &d_o, &mut dq, &mut dk, &mut dv);
+    KB.attention_backward(
+        s,
+        q.view(),
+        k.view(),
+        v.view(),
+        o.view(),
+        lse.view(),
+        d_o.view(),
+        dq.view_mut(),
+        dk.view_mut(),
+        dv.view_mut(),
+    );
     let (mut dqf, mut dkf, mut dvf) = (
         vec![0.0f32; s.q_len()],
         vec![0.0f32; s.kv_len()],
@@ -552,15 +615,15 @@ fn bf16_attention_matches_f32_within_one_rounding() {
     );
     KF.attention_backward(
         s,
-        &qf,
-        &kf,
-        &vf,
-        &widen(&o),
-        &lse,
-        &dof,
-        &mut dqf,
-        &mut dkf,
-        &mut dvf,
+        qf.view(),
+        kf.view(),
+        vf.view(),
+        widen(&o).view(),
+        lse.view(),
+        dof.view(),
+        dqf.view_mut(),
+        dkf.view_mut(),
+        dvf.view_mut(),
     );
     check_one_rounding("attention dq", &dq, &dqf);
     check_one_rounding("attention dk", &dk, &dkf);
@@ -598,7 +661,7 @@ fn bf16_embedding_backward_sums_in_f32_and_rounds_once() {
     let dout: Vec<bf16> = rand_vec(&mut rng, tokens.len() * c, 1.0);
     let dwte0: Vec<bf16> = rand_vec(&mut rng, vocab * c, 0.5);
     let mut dwte = dwte0.clone();
-    KB.embedding_backward(&tokens, &dout, c, &mut dwte);
+    KB.embedding_backward(tokens.view(), dout.view(), c, dwte.view_mut());
 
     let mut once_differs_from_each = 0;
     for t in 0..vocab {
@@ -690,7 +753,14 @@ fn fp8_matmul_case<S: Elem>(seed: u64) {
         }
     }
     let mut y = vec![S::from_f32(0.0); n * o];
-    k.matmul_forward(s, &x, &w, Some(&b), &mut y, Accum::Overwrite);
+    k.matmul_forward(
+        s,
+        x.view(),
+        w.view(),
+        Some(b.view()),
+        y.view_mut(),
+        Accum::Overwrite,
+    );
     check_bound(&format!("{t} fp8 matmul_forward"), &y, &want, &absum, None);
     // Against the unquantised product most outputs would fail that bound (the comparison
     // really sees the quantisation).
@@ -711,7 +781,7 @@ fn fp8_matmul_case<S: Elem>(seed: u64) {
     let qwt = materialise(i, o, |c, j| qw[j * i + c]);
     let (want, absum) = dot_ref(&qdy, &qwt, n, i, o, 0..o);
     let mut dx = vec![S::from_f32(0.0); n * i];
-    k.matmul_backward_input(s, &dy, &w, &mut dx, Accum::Overwrite);
+    k.matmul_backward_input(s, dy.view(), w.view(), dx.view_mut(), Accum::Overwrite);
     check_bound(
         &format!("{t} fp8 matmul_backward_input"),
         &dx,
@@ -725,7 +795,7 @@ fn fp8_matmul_case<S: Elem>(seed: u64) {
     let qxt = materialise(i, n, |c, p| qx[p * i + c]);
     let (want, absum) = dot_ref(&qdyt, &qxt, o, i, n, 0..n);
     let (mut dw, mut db) = (vec![S::from_f32(0.0); o * i], vec![S::from_f32(0.0); o]);
-    k.matmul_backward_weight(s, &dy, &x, &mut dw, Some(&mut db));
+    k.matmul_backward_weight(s, dy.view(), x.view(), dw.view_mut(), Some(db.view_mut()));
     check_bound(
         &format!("{t} fp8 matmul_backward_weight"),
         &dw,
@@ -798,11 +868,11 @@ impl<G: Elem> AdamState<G> {
     fn step(&mut self, k: &dyn Kernels<bf16, G>, h: AdamWParams, r: Rounding) {
         k.adamw_step(
             h,
-            &mut self.master,
-            &self.grads,
-            &mut self.m,
-            &mut self.v,
-            Some((&mut self.params, r)),
+            self.master.view_mut(),
+            self.grads.view(),
+            self.m.view_mut(),
+            self.v.view_mut(),
+            Some((self.params.view_mut(), r)),
         );
     }
 }

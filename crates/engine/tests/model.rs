@@ -4,7 +4,7 @@
 mod common;
 
 use common::{rel_err, to64, Rng};
-use ferrotron_engine::kernels::{CpuKernels, Kernels, IGNORE_INDEX};
+use ferrotron_engine::kernels::{AsView, CpuKernels, Kernels, View, IGNORE_INDEX};
 use ferrotron_engine::model::{
     BatchShape, BufName, BufferPool, HeapPool, Llama, LlamaConfig, Recompute,
 };
@@ -386,7 +386,7 @@ fn stage_entry_points_compose_to_the_whole_step_bit_for_bit() {
                 GradsDone::Embedding(_) => "embed".to_string(),
             })
         };
-        let p = &mut WholeParams(&params[..]);
+        let p = &mut WholeParams::host(&params);
         // Stage A forward.
         let x = model.embed_forward(k, &mut pool, p, &tokens);
         let (acts_a, x) = model.layers_forward(k, &mut pool, p, batch, 0..cut, x);
@@ -451,7 +451,7 @@ fn the_model_asks_for_each_units_parameters_in_the_order_zero3_gathers_them() {
         log: Vec<Unit>,
     }
     impl ParamBuf<f32> for Asked<'_> {
-        fn slice(&self, r: std::ops::Range<usize>) -> &[f32] {
+        fn slice(&self, r: std::ops::Range<usize>) -> View<'_, f32> {
             let t = &self.model.params;
             let inside = |u: &std::ops::Range<usize>| r.start >= u.start && r.end <= u.end;
             let ok = match self.log.last() {
@@ -461,7 +461,7 @@ fn the_model_asks_for_each_units_parameters_in_the_order_zero3_gathers_them() {
                 None => false,
             };
             assert!(ok, "{r:?} read while {:?} was asked for", self.log.last());
-            &self.all[r]
+            self.all[r].view()
         }
     }
     impl ParamSource<f32> for Asked<'_> {
@@ -485,7 +485,7 @@ fn the_model_asks_for_each_units_parameters_in_the_order_zero3_gathers_them() {
             model: &model,
             log: vec![],
         };
-        let g = &mut ferrotron_engine::model::Whole(&mut grads);
+        let g = &mut ferrotron_engine::model::Whole::host(&mut grads);
         let (acts, _) =
             model.forward_train_scaled(k, &mut pool, &mut src, g, batch, &tokens, &targets, 8, 1.0);
         let done = &mut |_: GradsDone, _: &mut dyn GradBuf<f32>| {};

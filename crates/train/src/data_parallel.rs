@@ -473,7 +473,7 @@ impl DataParallel {
                 return;
             }
             let dst = &mut b.buf[at..at + piece.len()];
-            for (d, s) in dst.iter_mut().zip(&sums.grads[piece.clone()]) {
+            for (d, s) in dst.iter_mut().zip(sums.grads.slice(piece.clone()).host()) {
                 *d = s.to_f32();
             }
             b.next += 1;
@@ -556,12 +556,15 @@ impl DataParallel {
                     }
                     (Some(s), None) => {
                         for seg in &s.segments[s.of_bucket[index].clone()] {
-                            put(&mut sums.grads[seg.params.clone()], seg.in_bucket);
+                            put(
+                                sums.grads.slice_mut(seg.params.clone()).host_mut(),
+                                seg.in_bucket,
+                            );
                         }
                     }
                     (None, _) => {
                         for (r, at) in &self.layout.pieces[index] {
-                            put(&mut sums.grads[r.clone()], *at);
+                            put(sums.grads.slice_mut(r.clone()).host_mut(), *at);
                         }
                     }
                 }

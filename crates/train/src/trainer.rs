@@ -24,7 +24,9 @@ use crate::zero2::GradWindows;
 use crate::zero3::{Source, Zero3};
 use anyhow::Result;
 use ferrotron_dist::{Communicator, Dim};
-use ferrotron_engine::kernels::{AdamWParams, CpuKernels, Kernels, Rounding};
+use ferrotron_engine::kernels::{
+    AdamWParams, AsView, AsViewMut, CpuKernels, Kernels, Rounding, View,
+};
 use ferrotron_engine::model::{
     BatchShape, ContextParallel, CpComm, EpComm, ExpertParallel, GradBuf, GradsDone, Llama,
     LlamaConfig, LossSum, Stage, TensorParallel, TpComm, Whole,
@@ -277,10 +279,10 @@ fn norms_of(d: &GradsDone) -> [Range<usize>; 2] {
 
 /// The parts of `g` (the gradients of parameters `params`) outside `skip`.
 fn outside<'a, G>(
-    g: &'a [G],
+    g: View<'a, G>,
     params: &Range<usize>,
     skip: Option<&Range<usize>>,
-) -> impl Iterator<Item = &'a [G]> {
+) -> impl Iterator<Item = View<'a, G>> {
     let (lo, hi) = match skip {
         Some(c) => (
             c.start.clamp(params.start, params.end) - params.start,
@@ -288,7 +290,7 @@ fn outside<'a, G>(
         ),
         None => (g.len(), g.len()),
     };
-    [&g[..lo], &g[hi.max(lo)..]].into_iter()
+    [g.slice(..lo), g.slice(hi.max(lo)..)].into_iter()
 }
 
 /// Every rank's planned and measured peak, rank order.
@@ -865,7 +867,7 @@ impl Trainer {
                 &mut units
             }
             None => {
-                whole = Whole(full);
+                whole = Whole::host(full);
                 &mut whole
             }
         };
@@ -910,7 +912,7 @@ impl Trainer {
                         let done = &mut |d: GradsDone, g: &mut dyn GradBuf<G>| {
                             if let Some(tp) = sp {
                                 for r in norms_of(&d).into_iter().filter(|r| !r.is_empty()) {
-                                    tp.sum(&mut g[r]);
+                                    tp.sum(g.slice_mut(r));
                                 }
                             }
                             let mut sums = Sums {
@@ -939,7 +941,7 @@ impl Trainer {
                         let done = &mut |d: GradsDone, g: &mut dyn GradBuf<G>| {
                             if let (Some(tp), true) = (sp, mb == last_mb) {
                                 for r in norms_of(&d).into_iter().filter(|r| !r.is_empty()) {
-                                    tp.sum(&mut g[r]);
+                                    tp.sum(g.slice_mut(r));
                                 }
                             }
                         };
@@ -970,10 +972,10 @@ impl Trainer {
         });
         // The reduced gradient of each run the optimizer updates: under ZeRO-2 and 3 in the
         // shard, else where the backward wrote it.
-        let grad_of = |r: &OptRun| -> &[G] {
+        let grad_of = |r: &OptRun| -> View<'_, G> {
             match zero2 {
-                true => &shard[r.at..r.at + r.params.len()],
-                false => &grads[r.params.clone()],
+                true => shard.view().slice(r.at..r.at + r.params.len()),
+                false => grads.slice(r.params.clone()),
             }
         };
         // Σg² of the scaled gradients: inf or NaN exactly when some gradient is (the check
@@ -987,7 +989,7 @@ impl Trainer {
         let copied = self.model.copied();
         let sharded = dp.filter(|d| d.borrow().shard().is_some());
         let mut sum_sq = match (&self.tp, sharded, &copied) {
-            (None, None, None) => k.sum_squares(&grads[0..self.model.params.total]),
+            (None, None, None) => k.sum_squares(grads.slice(0..self.model.params.total)),
             _ => self
                 .runs
                 .iter()
@@ -1009,7 +1011,7 @@ impl Trainer {
             // every gradient is in exactly one rank's shard: the sum below adds them.)
             let experts: f64 = expert_ranges(&self.model.params)
                 .into_iter()
-                .map(|r| k.sum_squares(&grads[r]))
+                .map(|r| k.sum_squares(grads.slice(r)))
                 .sum();
             sum_sq += ep.sum_f64(experts)? - experts;
         }
@@ -1069,20 +1071,21 @@ impl Trainer {
             let s = *at..at + r.len();
             // ZeRO-3 keeps the weights of its shard at the states' offsets.
             let w = if zero3 { s.clone() } else { r.clone() };
-            let (m, v) = (&mut opt.m[s.clone()], &mut opt.v[s.clone()]);
+            let m = opt.m.view_mut().slice_mut(s.clone());
+            let v = opt.v.view_mut().slice_mut(s.clone());
             match &mut self.master {
                 Some(master) => k.adamw_step(
                     h,
-                    &mut master[s],
+                    master.view_mut().slice_mut(s),
                     grad_of(run),
                     m,
                     v,
-                    Some((&mut params[w], rounding)),
+                    Some((params.view_mut().slice_mut(w), rounding)),
                 ),
                 None => {
                     let w = S::as_f32_mut(&mut params[w])
                         .expect("without master weights the weights are f32");
-                    k.adamw_step(h, w, grad_of(run), m, v, None)
+                    k.adamw_step(h, w.view_mut(), grad_of(run), m, v, None)
                 }
             }
         }

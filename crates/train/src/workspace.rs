@@ -6,6 +6,7 @@
 
 use crate::alloc;
 use ferrotron_engine::kernels::{Accum, CpuKernels, Kernels, MatmulShape};
+use ferrotron_engine::kernels::{AsView, AsViewMut};
 use ferrotron_engine::model::LlamaConfig;
 use ferrotron_engine::Elem;
 
@@ -95,13 +96,15 @@ fn once<S: Elem, G: Elem>(
         // Both modes: oneDNN runs `+=` as another primitive (a sum post-op), whose scratchpad
         // may differ.
         for accum in [Accum::Overwrite, Accum::Add] {
-            during(l, &mut || k.matmul_forward(s, &x, &w, None, &mut y, accum));
             during(l, &mut || {
-                k.matmul_backward_input(s, &y, &w, &mut dx, accum)
+                k.matmul_forward(s, x.view(), w.view(), None, y.view_mut(), accum)
+            });
+            during(l, &mut || {
+                k.matmul_backward_input(s, y.view(), w.view(), dx.view_mut(), accum)
             });
         }
         during(l, &mut || {
-            k.matmul_backward_weight(s, &y, &x, &mut dw, None)
+            k.matmul_backward_weight(s, y.view(), x.view(), dw.view_mut(), None)
         });
     }
     let (x, w) = (v(s.n * s.in_features), v(s.out_features * s.in_features));
@@ -109,8 +112,14 @@ fn once<S: Elem, G: Elem>(
     let mut dx = v(s.n * s.in_features);
     let mut dw = vec![G::default(); s.out_features * s.in_features];
     let h = &mut ws.head;
-    during(h, &mut || k.head_forward(s, &x, &w, &mut logits));
-    during(h, &mut || k.head_backward_input(s, &logits, &w, &mut dx));
-    during(h, &mut || k.head_backward_weight(s, &logits, &x, &mut dw));
+    during(h, &mut || {
+        k.head_forward(s, x.view(), w.view(), logits.view_mut())
+    });
+    during(h, &mut || {
+        k.head_backward_input(s, logits.view(), w.view(), dx.view_mut())
+    });
+    during(h, &mut || {
+        k.head_backward_weight(s, logits.view(), x.view(), dw.view_mut())
+    });
     ws
 }

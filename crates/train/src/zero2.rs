@@ -12,6 +12,7 @@
 //!
 //! They are the plan's `comm.zero2.grad_windows`: embedding + head + the largest layer.
 
+use ferrotron_engine::kernels::{View, ViewMut};
 use ferrotron_engine::model::{two_mut, GradBuf, ParamTable};
 use ferrotron_engine::Elem;
 use std::ops::Range;
@@ -68,7 +69,7 @@ impl GradWindows {
         let (head, layer) = rest.split_at_mut(self.head.len());
         UnitGrads {
             w: self,
-            parts: [embed, head, layer],
+            parts: [embed.into(), head.into(), layer.into()],
         }
     }
 
@@ -76,13 +77,14 @@ impl GradWindows {
     pub fn clear<G: Elem>(&self, g: &mut dyn GradBuf<G>) {
         let first_layer = self.layers.start..self.layers.start + self.layer_len;
         for r in [&self.embed, &self.head, &first_layer] {
-            g[r.clone()].fill(G::from_f32(0.0));
+            g.slice_mut(r.clone()).host_mut().fill(G::from_f32(0.0));
         }
     }
 
     /// Zeroes the layer window, for the next layer's backward.
     pub fn clear_layer<G: Elem>(&self, g: &mut dyn GradBuf<G>) {
-        g[self.layers.start..self.layers.start + self.layer_len].fill(G::from_f32(0.0));
+        let layer = self.layers.start..self.layers.start + self.layer_len;
+        g.slice_mut(layer).host_mut().fill(G::from_f32(0.0));
     }
 
     /// The range of the layer window that `r` maps to, if `r` is a layer's.
@@ -99,7 +101,7 @@ impl GradWindows {
 pub struct UnitGrads<'a, G> {
     w: &'a GradWindows,
     /// Embedding, head, layer.
-    parts: [&'a mut [G]; 3],
+    parts: [ViewMut<'a, G>; 3],
 }
 
 impl<G> UnitGrads<'_, G> {
@@ -121,18 +123,18 @@ impl<G> UnitGrads<'_, G> {
 }
 
 impl<G> GradBuf<G> for UnitGrads<'_, G> {
-    fn slice(&self, r: Range<usize>) -> &[G] {
+    fn slice(&self, r: Range<usize>) -> View<'_, G> {
         let (i, r) = self.find(&r);
-        &self.parts[i][r]
+        self.parts[i].as_view().slice(r)
     }
-    fn slice_mut(&mut self, r: Range<usize>) -> &mut [G] {
+    fn slice_mut(&mut self, r: Range<usize>) -> ViewMut<'_, G> {
         let (i, r) = self.find(&r);
-        &mut self.parts[i][r]
+        self.parts[i].rb().slice_mut(r)
     }
-    fn pair_mut(&mut self, a: Range<usize>, b: Range<usize>) -> (&mut [G], &mut [G]) {
+    fn pair_mut(&mut self, a: Range<usize>, b: Range<usize>) -> (ViewMut<'_, G>, ViewMut<'_, G>) {
         let ((i, a), (j, b)) = (self.find(&a), self.find(&b));
         assert_eq!(i, j, "a weight and its bias live in one window");
-        two_mut(self.parts[i], a, b)
+        two_mut(self.parts[i].rb(), a, b)
     }
 }
 
@@ -168,9 +170,9 @@ mod tests {
         let mut buf = vec![0.0f32; w.len()];
         let mut v = w.view(&mut buf);
         // The same tensor of two layers is the same memory.
-        v.slice_mut(t.layers[0].wq.clone())[0] = 1.0;
-        assert_eq!(v.slice(t.layers[1].wq.clone())[0], 1.0);
-        v.slice_mut(t.lm_head.clone())[0] = 2.0;
+        v.slice_mut(t.layers[0].wq.clone()).host_mut()[0] = 1.0;
+        assert_eq!(v.slice(t.layers[1].wq.clone()).host()[0], 1.0);
+        v.slice_mut(t.lm_head.clone()).host_mut()[0] = 2.0;
         assert_eq!(buf[t.embed.len() + t.norm.len()], 2.0);
     }
 }

@@ -13,6 +13,7 @@
 use crate::data_parallel::DataParallel;
 use crate::zero2::GradWindows;
 use anyhow::{bail, Result};
+use ferrotron_engine::kernels::{AsView, View};
 use ferrotron_engine::model::{ParamBuf, ParamSource, ParamTable, Unit, WholeParams};
 use ferrotron_engine::Elem;
 use ferrotron_plan::zero3::{eval_sequence, next_layer, train_sequence, LayerWindows};
@@ -193,9 +194,9 @@ impl<S: Elem> Gathered<'_, S> {
 }
 
 impl<S: Elem> ParamBuf<S> for Gathered<'_, S> {
-    fn slice(&self, r: Range<usize>) -> &[S] {
+    fn slice(&self, r: Range<usize>) -> View<'_, S> {
         match self.z.unit_of(&r, self.layer) {
-            Some((u, slot)) => &self.windows[self.z.place(u, slot, &r)],
+            Some((u, slot)) => self.windows[self.z.place(u, slot, &r)].view(),
             None => panic!(
                 "parameters {r:?} read outside the ZeRO-3 windows (layer {:?} asked for)",
                 self.layer
@@ -277,7 +278,7 @@ impl<'a, S: Elem> Source<'a, S> {
                 let (shard, windows) = params.split_at_mut(shard_len);
                 Source::Gathered(z.source(dp, shard, windows))
             }
-            _ => Source::Whole(WholeParams(params)),
+            _ => Source::Whole(WholeParams::host(params)),
         }
     }
 

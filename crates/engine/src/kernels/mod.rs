@@ -1,9 +1,11 @@
 //! The kernel interface: every op the model needs, forward and backward.
 //!
 //! The model (`crate::model`) calls only this trait, so a CUDA backend can implement the same
-//! trait later without touching the model code. Math is f32 on host slices; tensors are stored
-//! as the trait's element types (f32, bf16, f16; see [`crate::dtype`]); each op takes a small
-//! shape struct so that adding strides later extends a struct instead of every signature.
+//! trait without touching the model code. Ops take device-neutral views ([`View`],
+//! [`ViewMut`]: `view.rs`) of buffers in whatever memory the backend runs on, never host
+//! slices; math is f32; tensors are stored as the trait's element types (f32, bf16, f16; see
+//! [`crate::dtype`]); each op takes a small shape struct so that adding strides later extends a
+//! struct instead of every signature.
 //!
 //! Layout conventions (HF Llama / PyTorch):
 //! - Linear weights are `[out_features, in_features]` row-major (`nn.Linear`), so `y = x·Wᵀ + b`.
@@ -13,15 +15,19 @@
 //!   activation gradients take an explicit [`Accum`] flag.
 
 pub mod cpu;
+pub mod device_check;
 pub mod event_log;
 pub mod observe;
 pub mod profile;
+pub mod view;
 
 pub use crate::dtype::Elem;
 pub use cpu::{CpuKernels, Gemm};
+pub use device_check::{emulated, emulated_mut, DevicePool, OnDevice};
 pub use event_log::{Event, EventLog, Tracing, COMM_TRACK};
 pub use observe::{Observed, OpObserver};
 pub use profile::{OpTime, OpTotals, Profiled};
+pub use view::{AsView, AsViewMut, Memory, View, ViewMut};
 
 /// Whether an op overwrites its output or adds into it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -318,10 +324,10 @@ macro_rules! kernel_interface {
                 fn matmul_forward(
                     &self,
                     s: MatmulShape,
-                    x: &[S],
-                    w: &[S],
-                    bias: Option<&[S]>,
-                    y: &mut [S],
+                    x: View<'_, S>,
+                    w: View<'_, S>,
+                    bias: Option<View<'_, S>>,
+                    y: ViewMut<'_, S>,
                     y_accum: Accum,
                 );
                 /// `dx (=|+=) dy·W`, `dW += dyᵀ·x`, `dbias += Σ_rows dy`. `dx = None` skips the
@@ -330,12 +336,12 @@ macro_rules! kernel_interface {
                 fn matmul_backward(
                     &self,
                     s: MatmulShape,
-                    dy: &[S],
-                    x: &[S],
-                    w: &[S],
-                    dx: Option<(&mut [S], Accum)>,
-                    dw: &mut [G],
-                    dbias: Option<&mut [G]>,
+                    dy: View<'_, S>,
+                    x: View<'_, S>,
+                    w: View<'_, S>,
+                    dx: Option<(ViewMut<'_, S>, Accum)>,
+                    dw: ViewMut<'_, G>,
+                    dbias: Option<ViewMut<'_, G>>,
                 ) {
                     self.matmul_backward_weight(s, dy, x, dw, dbias);
                     if let Some((dx, acc)) = dx {
@@ -346,40 +352,40 @@ macro_rules! kernel_interface {
                 fn matmul_backward_weight(
                     &self,
                     s: MatmulShape,
-                    dy: &[S],
-                    x: &[S],
-                    dw: &mut [G],
-                    dbias: Option<&mut [G]>,
+                    dy: View<'_, S>,
+                    x: View<'_, S>,
+                    dw: ViewMut<'_, G>,
+                    dbias: Option<ViewMut<'_, G>>,
                 );
                 /// `dx (=|+=) dy·W`. Split from the weight grad so that `dx` may reuse `x`'s
                 /// storage once the weight grad has consumed it (the fused LM-head does this).
                 fn matmul_backward_input(
                     &self,
                     s: MatmulShape,
-                    dy: &[S],
-                    w: &[S],
-                    dx: &mut [S],
+                    dy: View<'_, S>,
+                    w: View<'_, S>,
+                    dx: ViewMut<'_, S>,
                     dx_accum: Accum,
                 );
 
                 // ---- the LM head: f32 logits (and their gradient), and never fp8 GEMM inputs ----
                 /// `logits = x·Wᵀ`.
-                fn head_forward(&self, s: MatmulShape, x: &[S], w: &[S], logits: &mut [f32]);
+                fn head_forward(&self, s: MatmulShape, x: View<'_, S>, w: View<'_, S>, logits: ViewMut<'_, f32>);
                 /// `dW += dlogitsᵀ·x`.
                 fn head_backward_weight(
                     &self,
                     s: MatmulShape,
-                    dlogits: &[f32],
-                    x: &[S],
-                    dw: &mut [G],
+                    dlogits: View<'_, f32>,
+                    x: View<'_, S>,
+                    dw: ViewMut<'_, G>,
                 );
                 /// `dx = dlogits·W`.
                 fn head_backward_input(
                     &self,
                     s: MatmulShape,
-                    dlogits: &[f32],
-                    w: &[S],
-                    dx: &mut [S],
+                    dlogits: View<'_, f32>,
+                    w: View<'_, S>,
+                    dx: ViewMut<'_, S>,
                 );
 
                 // ---- RMSNorm (Zhang & Sennrich 2019) ----
@@ -387,32 +393,32 @@ macro_rules! kernel_interface {
                 fn rmsnorm_forward(
                     &self,
                     s: NormShape,
-                    x: &[S],
-                    w: &[S],
-                    out: &mut [S],
-                    rstd: &mut [f32],
+                    x: View<'_, S>,
+                    w: View<'_, S>,
+                    out: ViewMut<'_, S>,
+                    rstd: ViewMut<'_, f32>,
                 );
                 /// `dx (=|+=) rstd·(dy⊙w − x̂·mean(dy⊙w⊙x̂))`, `dw += Σ_rows dy⊙x̂`, `x̂ = x·rstd`.
                 #[allow(clippy::too_many_arguments)]
                 fn rmsnorm_backward(
                     &self,
                     s: NormShape,
-                    dy: &[S],
-                    x: &[S],
-                    w: &[S],
-                    rstd: &[f32],
-                    dx: &mut [S],
+                    dy: View<'_, S>,
+                    x: View<'_, S>,
+                    w: View<'_, S>,
+                    rstd: View<'_, f32>,
+                    dx: ViewMut<'_, S>,
                     dx_accum: Accum,
-                    dw: &mut [G],
+                    dw: ViewMut<'_, G>,
                 );
 
                 // ---- rotary embeddings ----
                 /// Rotate `x` `[B,T,heads,D]` in place; position of token t is t (each sequence
                 /// from 0).
-                fn rope_forward(&self, s: RopeShape, table: &RopeTable, x: &mut [S]);
+                fn rope_forward(&self, s: RopeShape, table: &RopeTable, x: ViewMut<'_, S>);
                 /// Inverse rotation (the rotation is orthogonal, so its transpose is its
                 /// inverse).
-                fn rope_backward(&self, s: RopeShape, table: &RopeTable, dx: &mut [S]);
+                fn rope_backward(&self, s: RopeShape, table: &RopeTable, dx: ViewMut<'_, S>);
 
                 // ---- causal GQA attention, flash style (Dao et al. 2022) ----
                 /// `o = softmax(q·kᵀ/√D + causal mask)·v`, saves `lse` `[B,H,T]`; no T×T matrix
@@ -420,26 +426,26 @@ macro_rules! kernel_interface {
                 fn attention_forward(
                     &self,
                     s: AttnShape,
-                    q: &[S],
-                    k: &[S],
-                    v: &[S],
-                    o: &mut [S],
-                    lse: &mut [f32],
+                    q: View<'_, S>,
+                    k: View<'_, S>,
+                    v: View<'_, S>,
+                    o: ViewMut<'_, S>,
+                    lse: ViewMut<'_, f32>,
                 );
                 /// Overwrites dq, dk, dv, recomputing probabilities from q, k and lse.
                 #[allow(clippy::too_many_arguments)]
                 fn attention_backward(
                     &self,
                     s: AttnShape,
-                    q: &[S],
-                    k: &[S],
-                    v: &[S],
-                    o: &[S],
-                    lse: &[f32],
-                    d_o: &[S],
-                    dq: &mut [S],
-                    dk: &mut [S],
-                    dv: &mut [S],
+                    q: View<'_, S>,
+                    k: View<'_, S>,
+                    v: View<'_, S>,
+                    o: View<'_, S>,
+                    lse: View<'_, f32>,
+                    d_o: View<'_, S>,
+                    dq: ViewMut<'_, S>,
+                    dk: ViewMut<'_, S>,
+                    dv: ViewMut<'_, S>,
                 );
 
                 /// One step of ring attention (Liu et al. 2023; `s` says which tokens the queries
@@ -452,11 +458,11 @@ macro_rules! kernel_interface {
                 fn attention_forward_ring(
                     &self,
                     s: RingShape,
-                    q: &[S],
-                    k: &[f32],
-                    v: &[f32],
-                    o: &mut [f32],
-                    lse: &mut [f32],
+                    q: View<'_, S>,
+                    k: View<'_, f32>,
+                    v: View<'_, f32>,
+                    o: ViewMut<'_, f32>,
+                    lse: ViewMut<'_, f32>,
                     first: bool,
                 );
                 /// The block's part of the attention gradient, from the final `o` and `lse`
@@ -466,28 +472,28 @@ macro_rules! kernel_interface {
                 fn attention_backward_ring(
                     &self,
                     s: RingShape,
-                    q: &[S],
-                    k: &[f32],
-                    v: &[f32],
-                    o: &[S],
-                    lse: &[f32],
-                    d_o: &[S],
-                    dq: &mut [f32],
-                    dk: &mut [f32],
-                    dv: &mut [f32],
+                    q: View<'_, S>,
+                    k: View<'_, f32>,
+                    v: View<'_, f32>,
+                    o: View<'_, S>,
+                    lse: View<'_, f32>,
+                    d_o: View<'_, S>,
+                    dq: ViewMut<'_, f32>,
+                    dk: ViewMut<'_, f32>,
+                    dv: ViewMut<'_, f32>,
                 );
 
                 // ---- SwiGLU (Shazeer 2020) ----
                 /// `h = silu(gate) ⊙ up`.
-                fn swiglu_forward(&self, gate: &[S], up: &[S], h: &mut [S]);
+                fn swiglu_forward(&self, gate: View<'_, S>, up: View<'_, S>, h: ViewMut<'_, S>);
                 /// Overwrites `dgate`, `dup` from `dh`.
                 fn swiglu_backward(
                     &self,
-                    dh: &[S],
-                    gate: &[S],
-                    up: &[S],
-                    dgate: &mut [S],
-                    dup: &mut [S],
+                    dh: View<'_, S>,
+                    gate: View<'_, S>,
+                    up: View<'_, S>,
+                    dgate: ViewMut<'_, S>,
+                    dup: ViewMut<'_, S>,
                 );
 
                 // ---- mixture-of-experts routing (see `cpu/moe_routing.rs`) ----
@@ -496,82 +502,85 @@ macro_rules! kernel_interface {
                 fn router_forward(
                     &self,
                     s: RouteShape,
-                    logits: &[f32],
-                    weights: &mut [f32],
-                    index: &mut [u32],
-                    load: &mut [f32],
+                    logits: View<'_, f32>,
+                    weights: ViewMut<'_, f32>,
+                    index: ViewMut<'_, u32>,
+                    load: ViewMut<'_, f32>,
                 );
                 /// Overwrites `dlogits` from `dweights` and the load-balancing loss's
                 /// gradient per probability `aux_dp` `[E]`.
                 fn router_backward(
                     &self,
                     s: RouteShape,
-                    logits: &[f32],
-                    index: &[u32],
-                    dweights: &[f32],
-                    aux_dp: &[f32],
-                    dlogits: &mut [f32],
+                    logits: View<'_, f32>,
+                    index: View<'_, u32>,
+                    dweights: View<'_, f32>,
+                    aux_dp: View<'_, f32>,
+                    dlogits: ViewMut<'_, f32>,
                 );
                 /// The token copies grouped by expert: `rows[row] = x[token]`.
-                fn permute(&self, s: RouteShape, index: &[u32], x: &[S], rows: &mut [S]);
+                fn permute(&self, s: RouteShape, index: View<'_, u32>, x: View<'_, S>, rows: ViewMut<'_, S>);
                 /// `y[token] (=|+=) Σ_j weight_j·rows[row_j]` (weights of 1 without).
                 fn unpermute(
                     &self,
                     s: RouteShape,
-                    index: &[u32],
-                    weights: Option<&[f32]>,
-                    rows: &[S],
-                    y: &mut [S],
+                    index: View<'_, u32>,
+                    weights: Option<View<'_, f32>>,
+                    rows: View<'_, S>,
+                    y: ViewMut<'_, S>,
                     accum: Accum,
                 );
                 /// `rows[row_c] *= weights[c]`.
-                fn scale_rows(&self, s: RouteShape, index: &[u32], weights: &[f32], rows: &mut [S]);
+                fn scale_rows(&self, s: RouteShape, index: View<'_, u32>, weights: View<'_, f32>, rows: ViewMut<'_, S>);
                 /// `out[c] = ⟨a[row_c], b[row_c]⟩`.
-                fn row_dot(&self, s: RouteShape, index: &[u32], a: &[S], b: &[S], out: &mut [f32]);
+                fn row_dot(&self, s: RouteShape, index: View<'_, u32>, a: View<'_, S>, b: View<'_, S>, out: ViewMut<'_, f32>);
 
                 // ---- token embedding ----
                 /// `out[n, :] = wte[tokens[n], :]`.
-                fn embedding_forward(&self, tokens: &[u32], wte: &[S], c: usize, out: &mut [S]);
+                fn embedding_forward(&self, tokens: View<'_, u32>, wte: View<'_, S>, c: usize, out: ViewMut<'_, S>);
                 /// `dwte[tokens[n], :] += dout[n, :]` (a token's rows are summed in f32 first).
-                fn embedding_backward(&self, tokens: &[u32], dout: &[S], c: usize, dwte: &mut [G]);
+                fn embedding_backward(&self, tokens: View<'_, u32>, dout: View<'_, S>, c: usize, dwte: ViewMut<'_, G>);
                 /// Vocabulary-parallel embedding (Shoeybi et al. 2019 §3): `wte` holds rows
                 /// `first..` of the table; a token outside them gets a zero row (the tensor-
                 /// parallel group's all-reduce fills it in).
                 fn embedding_forward_shard(
                     &self,
-                    tokens: &[u32],
-                    wte: &[S],
+                    tokens: View<'_, u32>,
+                    wte: View<'_, S>,
                     c: usize,
                     first: usize,
-                    out: &mut [S],
+                    out: ViewMut<'_, S>,
                 );
                 /// `dwte[t − first, :] += dout[n, :]` for the tokens `t` of this shard.
                 fn embedding_backward_shard(
                     &self,
-                    tokens: &[u32],
-                    dout: &[S],
+                    tokens: View<'_, u32>,
+                    dout: View<'_, S>,
                     c: usize,
                     first: usize,
-                    dwte: &mut [G],
+                    dwte: ViewMut<'_, G>,
                 );
 
                 // ---- elementwise ----
                 /// `out = a + b`.
-                fn add(&self, a: &[S], b: &[S], out: &mut [S]);
+                fn add(&self, a: View<'_, S>, b: View<'_, S>, out: ViewMut<'_, S>);
                 /// `acc += x`.
-                fn add_inplace(&self, acc: &mut [S], x: &[S]);
+                fn add_inplace(&self, acc: ViewMut<'_, S>, x: View<'_, S>);
                 /// `dst = src`.
-                fn copy(&self, src: &[S], dst: &mut [S]);
+                fn copy(&self, src: View<'_, S>, dst: ViewMut<'_, S>);
                 /// `x *= s` over gradients.
-                fn scale(&self, x: &mut [G], s: f32);
+                fn scale(&self, x: ViewMut<'_, G>, s: f32);
                 /// `Σ x²` over gradients, accumulated in f64 (global grad norm = sqrt of the sum
                 /// over all shards); inf or NaN if any element is (the loss scaler's overflow
                 /// check).
-                fn sum_squares(&self, x: &[G]) -> f64;
+                fn sum_squares(&self, x: View<'_, G>) -> f64;
                 /// `dst = round(src)`: parameters from the fp32 master weights.
-                fn round_params(&self, src: &[f32], dst: &mut [S]);
+                fn round_params(&self, src: View<'_, f32>, dst: ViewMut<'_, S>);
 
                 // ---- loss ----
+                /// How many of `targets` are counted by the loss (those below `vocab`; the
+                /// rest are ignored, as [`IGNORE_INDEX`] is).
+                fn count_targets(&self, targets: View<'_, u32>, vocab: usize) -> usize;
                 /// Per row: `loss = logsumexp(logits) − logits[target]` written to `losses` (0
                 /// for ignored rows); returns their sum (f64). If `dlogits_scale` is `Some(s)`,
                 /// overwrites `logits` with `s·(softmax(logits) − onehot(target))` (zeros for
@@ -579,9 +588,9 @@ macro_rules! kernel_interface {
                 fn cross_entropy(
                     &self,
                     s: CeShape,
-                    logits: &mut [f32],
-                    targets: &[u32],
-                    losses: &mut [f32],
+                    logits: ViewMut<'_, f32>,
+                    targets: View<'_, u32>,
+                    losses: ViewMut<'_, f32>,
                     dlogits_scale: Option<f32>,
                 ) -> f64;
                 /// Vocabulary-parallel cross-entropy, first half (Megatron-LM's
@@ -591,9 +600,9 @@ macro_rules! kernel_interface {
                 fn ce_shard_stats(
                     &self,
                     s: CeShardShape,
-                    logits: &mut [f32],
-                    targets: &[u32],
-                    stats: &mut [f32],
+                    logits: ViewMut<'_, f32>,
+                    targets: View<'_, u32>,
+                    stats: ViewMut<'_, f32>,
                     keep_exp: bool,
                 );
                 /// Second half, from every rank's `stats` gathered in rank order (`all`,
@@ -605,11 +614,11 @@ macro_rules! kernel_interface {
                 fn ce_shard_finish(
                     &self,
                     s: CeShardShape,
-                    logits: &mut [f32],
-                    targets: &[u32],
-                    all: &[f32],
+                    logits: ViewMut<'_, f32>,
+                    targets: View<'_, u32>,
+                    all: View<'_, f32>,
                     rank: usize,
-                    losses: &mut [f32],
+                    losses: ViewMut<'_, f32>,
                     dlogits_scale: Option<f32>,
                 ) -> f64;
 
@@ -622,11 +631,11 @@ macro_rules! kernel_interface {
                 fn adamw_step(
                     &self,
                     h: AdamWParams,
-                    master: &mut [f32],
-                    grads: &[G],
-                    m: &mut [f32],
-                    v: &mut [f32],
-                    params: Option<(&mut [S], Rounding)>,
+                    master: ViewMut<'_, f32>,
+                    grads: View<'_, G>,
+                    m: ViewMut<'_, f32>,
+                    v: ViewMut<'_, f32>,
+                    params: Option<(ViewMut<'_, S>, Rounding)>,
                 );
             }
         }
@@ -658,4 +667,4 @@ macro_rules! kernels_trait {
 kernel_interface!(kernels_trait);
 
 /// `adamw_step`'s last argument for fp32 training (the weights are the master weights).
-pub const NO_PARAMS: Option<(&mut [f32], Rounding)> = None;
+pub const NO_PARAMS: Option<(ViewMut<'static, f32>, Rounding)> = None;

@@ -96,14 +96,14 @@ mod tests {
         let (mut dx, mut dw) = (vec![0.0; 6], vec![0.0; 12]);
         kd.matmul_backward(
             s,
-            &dy,
-            &x,
-            &w,
-            Some((&mut dx, Accum::Overwrite)),
-            &mut dw,
+            dy.view(),
+            x.view(),
+            w.view(),
+            Some((dx.view_mut(), Accum::Overwrite)),
+            dw.view_mut(),
             None,
         );
-        assert_eq!(kd.sum_squares(&dw), 12.0 * 0.25);
+        assert_eq!(kd.sum_squares(dw.view()), 12.0 * 0.25);
         let names: Vec<_> = k.report().iter().map(|(name, _)| *name).collect();
         assert_eq!(
             names,

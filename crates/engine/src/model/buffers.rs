@@ -6,6 +6,7 @@
 //! and so sees exactly the live bytes the memory plan predicts.
 
 use crate::dtype::Elem;
+use crate::kernels::{AsView, AsViewMut, Memory, View, ViewMut};
 use std::alloc::Layout;
 use std::fmt;
 use std::ptr::NonNull;
@@ -47,15 +48,18 @@ impl Plain for u32 {
 /// Alignment of every buffer's memory (a cache line; every element type divides it).
 pub const BUF_ALIGN: usize = 64;
 
-/// A buffer of `len` elements handed out by a [`BufferPool`]: its own heap block, or a view of
-/// the pool's arena at the offset the memory plan gives it. It dereferences to a slice, so the
-/// model and the kernels read and write it as one; it goes back with [`BufferPool::free`]
-/// (dropping it instead leaks a heap block and leaves an arena's accounting live).
+/// A buffer of `len` elements handed out by a [`BufferPool`]: its own heap block, or a part of
+/// the pool's arena at the offset the memory plan gives it, in the pool's [`Memory`]. The
+/// kernels read and write it through views (`buf.view()`, `buf.view_mut()`); host code may also
+/// dereference a host buffer to a slice (a device buffer refuses). It goes back with
+/// [`BufferPool::free`] (dropping it instead leaks a heap block and leaves an arena's
+/// accounting live).
 pub struct Buf<T> {
     ptr: NonNull<T>,
     len: usize,
     /// Allocated from the heap by `dyn BufferPool::alloc` (freed there too), not a view.
     heap: bool,
+    mem: Memory,
 }
 
 // SAFETY: a `Buf` is the only handle to its memory (a heap block it owns, or an arena region
@@ -70,7 +74,22 @@ impl<T> Buf<T> {
             ptr: NonNull::dangling(),
             len: 0,
             heap: false,
+            mem: Memory::Host,
         }
+    }
+
+    /// Where its memory lives.
+    pub fn memory(&self) -> Memory {
+        self.mem
+    }
+
+    /// Its elements (read without touching its memory, wherever that is).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 }
 
@@ -80,19 +99,32 @@ impl<T> Default for Buf<T> {
     }
 }
 
+impl<T> AsView<T> for Buf<T> {
+    fn view(&self) -> View<'_, T> {
+        // SAFETY: `ptr` is valid for `len` initialised elements of `mem` while the buffer is
+        // live (`dyn BufferPool::alloc` fills every element before handing it out).
+        unsafe { View::from_raw_parts(self.ptr, self.len, self.mem) }
+    }
+}
+
+impl<T> AsViewMut<T> for Buf<T> {
+    fn view_mut(&mut self) -> ViewMut<'_, T> {
+        // SAFETY: as in `view`, and no other live `Buf` overlaps this one.
+        unsafe { ViewMut::from_raw_parts(self.ptr, self.len, self.mem) }
+    }
+}
+
 impl<T> std::ops::Deref for Buf<T> {
     type Target = [T];
+    /// The host slice (a buffer in device memory refuses, naming it).
     fn deref(&self) -> &[T] {
-        // SAFETY: `ptr` is valid for `len` initialised elements while the buffer is live
-        // (`dyn BufferPool::alloc` fills every element before handing it out).
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+        self.view().host()
     }
 }
 
 impl<T> std::ops::DerefMut for Buf<T> {
     fn deref_mut(&mut self) -> &mut [T] {
-        // SAFETY: as in `deref`, and no other live `Buf` overlaps this one.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+        self.view_mut().host_mut()
     }
 }
 
@@ -120,6 +152,10 @@ pub trait BufferPool {
     fn place(&mut self, _name: BufName, _bytes: u64) -> Option<NonNull<u8>> {
         None
     }
+    /// Where the region [`place`](#method.place) hands out lives (a heap block is the host's).
+    fn memory(&self) -> Memory {
+        Memory::Host
+    }
     /// The engine passed a phase boundary of the micro-batch.
     fn boundary(&mut self, _b: Boundary) {}
     /// Fill new buffers with NaN instead of zeros (tests that every buffer is written before it
@@ -140,19 +176,24 @@ impl dyn BufferPool + '_ {
         let bytes = size as u64;
         self.will_alloc(name, bytes);
         let poison = self.poison();
-        let (ptr, heap) = match self.place(name, bytes) {
-            Some(p) => (p.cast::<T>(), false),
-            None if size == 0 => (NonNull::dangling(), false),
+        let (ptr, heap, mem) = match self.place(name, bytes) {
+            Some(p) => (p.cast::<T>(), false, self.memory()),
+            None if size == 0 => (NonNull::dangling(), false, Memory::Host),
             None => {
                 // Zeroed memory keeps a read-before-write bug deterministic.
                 // SAFETY: the layout has a non-zero size.
                 let p = unsafe { std::alloc::alloc_zeroed(heap_layout(size)) };
                 let p = NonNull::new(p.cast::<T>())
                     .unwrap_or_else(|| std::alloc::handle_alloc_error(heap_layout(size)));
-                (p, true)
+                (p, true, Memory::Host)
             }
         };
-        let mut buf = Buf { ptr, len, heap };
+        let mut buf = Buf {
+            ptr,
+            len,
+            heap,
+            mem,
+        };
         // A placed buffer's bytes are whatever its region held last: every bit pattern of the
         // element types is a value, and the model writes before it reads (`poison` tests it).
         if poison {

@@ -28,7 +28,9 @@
 use super::buffers::{Buf, BufName, BufferPool};
 use super::llama::Llama;
 use crate::dtype::Elem;
-use crate::kernels::{AttnShape, Kernels, RingShape, RopeTable, SeqPart};
+use crate::kernels::{
+    AsView, AsViewMut, AttnShape, Kernels, RingShape, RopeTable, SeqPart, View, ViewMut,
+};
 use ferrotron_plan::tensors::Edge;
 use std::rc::Rc;
 
@@ -127,7 +129,14 @@ impl ContextParallel {
 }
 
 /// What attention's backward reads: q, k, v, o, lse and dO.
-type Saved<'a, S> = (&'a [S], &'a [S], &'a [S], &'a [S], &'a [f32], &'a [S]);
+type Saved<'a, S> = (
+    View<'a, S>,
+    View<'a, S>,
+    View<'a, S>,
+    View<'a, S>,
+    View<'a, f32>,
+    View<'a, S>,
+);
 
 /// The three ring buffers of one attention (forward or backward).
 struct RingBufs {
@@ -170,13 +179,16 @@ impl Llama {
         k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
         s: AttnShape,
-        (q, kk, v): (&[S], &[S], &[S]),
-        o: &mut [S],
-        lse: &mut [f32],
+        (q, kk, v): (View<'_, S>, View<'_, S>, View<'_, S>),
+        o: ViewMut<'_, S>,
+        mut lse: ViewMut<'_, f32>,
     ) {
         let Some(cp) = &self.cp else {
             return k.attention_forward(s, q, kk, v, o, lse);
         };
+        // The ring's blocks are staged in host memory, as every communication group's are
+        // (threads, MPI); a device ring is a device communicator's (NCCL).
+        let (kk, v, o) = (kk.host(), v.host(), o.host_mut());
         let kvl = s.kv_len();
         let mut b = self.ring_bufs(pool, s.b * s.t);
         S::load(kk, &mut b.block[..kvl]);
@@ -186,9 +198,9 @@ impl Llama {
             if more {
                 cp.comm.send_next(&b.block[..2 * kvl]);
             }
-            let (kb, vb) = b.block[..2 * kvl].split_at(kvl);
-            let acc = &mut b.acc[..s.q_len()];
-            k.attention_forward_ring(cp.ring(s, step), q, kb, vb, acc, lse, step == 0);
+            let (kb, vb) = b.block.view().slice(..2 * kvl).split_at(kvl);
+            let acc = b.acc.view_mut().slice_mut(..s.q_len());
+            k.attention_forward_ring(cp.ring(s, step), q, kb, vb, acc, lse.rb(), step == 0);
             if more {
                 cp.comm.recv_prev(&mut b.next[..2 * kvl]);
                 std::mem::swap(&mut b.block, &mut b.next);
@@ -206,11 +218,14 @@ impl Llama {
         pool: &mut dyn BufferPool,
         s: AttnShape,
         (q, kk, v, o, lse, d_o): Saved<S>,
-        (dq, dk, dv): (&mut [S], &mut [S], &mut [S]),
+        (dq, dk, dv): (ViewMut<'_, S>, ViewMut<'_, S>, ViewMut<'_, S>),
     ) {
         let Some(cp) = &self.cp else {
             return k.attention_backward(s, q, kk, v, o, lse, d_o, dq, dk, dv);
         };
+        // Staged in host memory, as the forward's ring.
+        let (kk, v) = (kk.host(), v.host());
+        let (dq, dk, dv) = (dq.host_mut(), dk.host_mut(), dv.host_mut());
         let kvl = s.kv_len();
         let mut b = self.ring_bufs(pool, s.b * s.t);
         // A block travels as [K | V | dK | dV].
@@ -223,10 +238,14 @@ impl Llama {
                 cp.comm.pass(&b.block[..4 * kvl], &mut b.next[..4 * kvl]);
                 std::mem::swap(&mut b.block, &mut b.next);
             }
-            let (kv, grads) = b.block[..4 * kvl].split_at_mut(2 * kvl);
-            let (kb, vb) = kv.split_at(kvl);
+            let (kv, grads) = b
+                .block
+                .view_mut()
+                .slice_mut(..4 * kvl)
+                .split_at_mut(2 * kvl);
+            let (kb, vb) = kv.into_view().split_at(kvl);
             let (dkb, dvb) = grads.split_at_mut(kvl);
-            let dqa = &mut b.acc[..s.q_len()];
+            let dqa = b.acc.view_mut().slice_mut(..s.q_len());
             let r = cp.ring(s, step);
             k.attention_backward_ring(r, q, kb, vb, o, lse, d_o, dqa, dkb, dvb);
         }

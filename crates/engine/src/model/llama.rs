@@ -33,7 +33,8 @@ use super::stages::{GradsDone, HeadActs};
 use super::tensor_parallel::TensorParallel;
 use crate::dtype::Elem;
 use crate::kernels::{
-    Accum, AttnShape, CeShape, CeShardShape, Kernels, MatmulShape, NormShape, RopeShape, RopeTable,
+    Accum, AsView, AsViewMut, AttnShape, CeShape, CeShardShape, Kernels, MatmulShape, NormShape,
+    RopeShape, RopeTable, View, ViewMut,
 };
 use ferrotron_plan::tensors::{self, Edge, LayerTensor as T};
 use std::ops::Range;
@@ -74,8 +75,8 @@ pub struct Llama {
 fn weight_grad<S: Elem, G: Elem>(
     k: &dyn Kernels<S, G>,
     s: MatmulShape,
-    dy: &[S],
-    x: &[S],
+    dy: View<'_, S>,
+    x: View<'_, S>,
     grads: &mut dyn GradBuf<G>,
     w: &Range<usize>,
     b: &Option<Range<usize>>,
@@ -85,12 +86,12 @@ fn weight_grad<S: Elem, G: Elem>(
             let (dw, db) = grads.pair_mut(w.clone(), b.clone());
             k.matmul_backward_weight(s, dy, x, dw, Some(db));
         }
-        None => k.matmul_backward_weight(s, dy, x, &mut grads[w.clone()], None),
+        None => k.matmul_backward_weight(s, dy, x, grads.slice_mut(w.clone()), None),
     }
 }
 
-fn opt<'a, S>(params: &'a dyn ParamBuf<S>, r: &Option<Range<usize>>) -> Option<&'a [S]> {
-    r.as_ref().map(|r| &params[r.clone()])
+fn opt<'a, S>(params: &'a dyn ParamBuf<S>, r: &Option<Range<usize>>) -> Option<View<'a, S>> {
+    r.as_ref().map(|r| params.slice(r.clone()))
 }
 
 impl Llama {
@@ -151,7 +152,7 @@ impl Llama {
 
     /// Sums a row-parallel product's partial result over the tensor-parallel group (nothing
     /// on one rank).
-    pub(super) fn tp_sum<S: Elem>(&self, buf: &mut [S]) {
+    pub(super) fn tp_sum<S: Elem>(&self, buf: ViewMut<'_, S>) {
         if let Some(tp) = &self.tp {
             tp.sum(buf);
         }
@@ -184,13 +185,13 @@ impl Llama {
     /// into `full` under sequence parallelism, else `local` itself.
     pub(super) fn gathered_rows<'a, S: Elem>(
         &self,
-        local: &'a [S],
+        local: View<'a, S>,
         full: Option<&'a mut Buf<S>>,
-    ) -> &'a [S] {
+    ) -> View<'a, S> {
         match (self.sp(), full) {
             (Some(tp), Some(f)) => {
-                tp.gather_rows(local, f);
-                f
+                tp.gather_rows(local, f.view_mut());
+                f.view()
             }
             _ => local,
         }
@@ -202,16 +203,16 @@ impl Llama {
     fn row_parallel<S: Elem>(
         &self,
         full: Option<&mut Buf<S>>,
-        out: &mut [S],
-        product: impl FnOnce(&mut [S]),
+        mut out: ViewMut<'_, S>,
+        product: impl FnOnce(ViewMut<'_, S>),
     ) {
         match (self.sp(), full) {
             (Some(tp), Some(f)) => {
-                product(f);
-                tp.scatter_rows(f, out);
+                product(f.view_mut());
+                tp.scatter_rows(f.view(), out);
             }
             _ => {
-                product(out);
+                product(out.rb());
                 self.tp_sum(out);
             }
         }
@@ -221,19 +222,19 @@ impl Llama {
     /// place, or under sequence parallelism reduce-scattered into the first rows of `full`.
     fn input_grad<'a, S: Elem>(
         &self,
-        partial: &'a mut [S],
+        mut partial: ViewMut<'a, S>,
         full: Option<&'a mut Buf<S>>,
         rows: usize,
-    ) -> &'a [S] {
+    ) -> View<'a, S> {
         match (self.sp(), full) {
             (Some(tp), Some(f)) => {
-                let local = &mut f[..rows * self.config.hidden];
-                tp.scatter_rows(partial, local);
-                local
+                let mut local = f.view_mut().slice_mut(..rows * self.config.hidden);
+                tp.scatter_rows(partial.as_view(), local.rb());
+                local.into_view()
             }
             _ => {
-                self.tp_sum(partial);
-                partial
+                self.tp_sum(partial.rb());
+                partial.into_view()
             }
         }
     }
@@ -321,8 +322,8 @@ impl Llama {
         assert_eq!(params.len(), self.params.total, "params buffer length");
     }
 
-    fn check_batch(&self, batch: BatchShape, tokens: &[u32]) {
-        assert_eq!(tokens.len(), batch.n(), "tokens must hold B·T ids");
+    fn check_batch(&self, batch: BatchShape, tokens: &(impl AsView<u32> + ?Sized)) {
+        assert_eq!(tokens.view().len(), batch.n(), "tokens must hold B·T ids");
         if let Some(tp) = self.sp() {
             assert!(
                 batch.n().is_multiple_of(tp.size),
@@ -395,7 +396,7 @@ impl Llama {
         let (n, c, f) = (batch.n(), cfg.hidden, cfg.intermediate);
         let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
         let name = |t| self.slot(i, t);
-        let p = |r: &Range<usize>| &params[r.clone()];
+        let p = |r: &Range<usize>| params.slice(r.clone());
         let lin = |inf, outf| MatmulShape {
             n,
             in_features: inf,
@@ -412,19 +413,19 @@ impl Llama {
         let mut ln1_out = self.buf(pool, name(T::Ln1Out), n);
         k.rmsnorm_forward(
             self.norm(nl),
-            &input,
+            input.view(),
             p(&li.ln1),
-            &mut ln1_out,
-            &mut ln1_rstd,
+            ln1_out.view_mut(),
+            ln1_rstd.view_mut(),
         );
-        let x1 = self.gathered_rows(&ln1_out, full.as_mut());
+        let x1 = self.gathered_rows(ln1_out.view(), full.as_mut());
         let mut q = self.buf(pool, name(T::Q), n);
         k.matmul_forward(
             lin(c, qd),
             x1,
             p(&li.wq),
             opt(params, &li.bq),
-            &mut q,
+            q.view_mut(),
             Accum::Overwrite,
         );
         let mut kk = self.buf(pool, name(T::K), n);
@@ -433,7 +434,7 @@ impl Llama {
             x1,
             p(&li.wk),
             opt(params, &li.bk),
-            &mut kk,
+            kk.view_mut(),
             Accum::Overwrite,
         );
         let mut v = self.buf(pool, name(T::V), n);
@@ -442,7 +443,7 @@ impl Llama {
             x1,
             p(&li.wv),
             opt(params, &li.bv),
-            &mut v,
+            v.view_mut(),
             Accum::Overwrite,
         );
         let rs = |heads| RopeShape {
@@ -451,31 +452,46 @@ impl Llama {
             heads,
             head_dim: cfg.head_dim,
         };
-        k.rope_forward(rs(cfg.heads), &self.rope, &mut q);
-        k.rope_forward(rs(cfg.kv_heads), &self.rope, &mut kk);
+        k.rope_forward(rs(cfg.heads), &self.rope, q.view_mut());
+        k.rope_forward(rs(cfg.kv_heads), &self.rope, kk.view_mut());
         let ashape = self.attn_shape(batch);
         let mut attn_lse = self.buf(pool, name(T::AttnLse), n);
         let mut attn_out = self.buf(pool, name(T::AttnOut), n);
-        self.attention(k, pool, ashape, (&q, &kk, &v), &mut attn_out, &mut attn_lse);
+        let qkv = (q.view(), kk.view(), v.view());
+        self.attention(
+            k,
+            pool,
+            ashape,
+            qkv,
+            attn_out.view_mut(),
+            attn_lse.view_mut(),
+        );
         // resid_mid = attn_out·Woᵀ, then + input: the residual add is its own step, after the
         // projection is complete, because a row-parallel o_proj (tensor parallelism) must
         // all-reduce its partial sums between the two; fused, the residual would be added tp
         // times.
         let mut resid_mid = self.buf(pool, name(T::ResidMid), n);
-        self.row_parallel(full.as_mut(), &mut resid_mid, |y| {
-            k.matmul_forward(lin(qd, c), &attn_out, p(&li.wo), None, y, Accum::Overwrite)
+        self.row_parallel(full.as_mut(), resid_mid.view_mut(), |y| {
+            k.matmul_forward(
+                lin(qd, c),
+                attn_out.view(),
+                p(&li.wo),
+                None,
+                y,
+                Accum::Overwrite,
+            )
         });
-        k.add_inplace(&mut resid_mid, &input);
+        k.add_inplace(resid_mid.view_mut(), input.view());
 
         // ---- MLP block ----
         let mut ln2_rstd = self.buf(pool, name(T::Ln2Rstd), n);
         let mut ln2_out = self.buf(pool, name(T::Ln2Out), n);
         k.rmsnorm_forward(
             self.norm(nl),
-            &resid_mid,
+            resid_mid.view(),
             p(&li.ln2),
-            &mut ln2_out,
-            &mut ln2_rstd,
+            ln2_out.view_mut(),
+            ln2_rstd.view_mut(),
         );
         if self.config.moe.is_some() {
             let mut acts = LayerActs {
@@ -491,25 +507,46 @@ impl Llama {
                 ln2_rstd,
                 ..LayerActs::default()
             };
-            let out = self.moe_forward(k, pool, params, i, n, &ln2_out, &mut acts, output);
+            let out = self.moe_forward(k, pool, params, i, n, ln2_out.view(), &mut acts, output);
             acts.ln2_out = ln2_out;
             self.free_sp_full(pool, full);
             return (acts, out);
         }
-        let x2 = self.gathered_rows(&ln2_out, full.as_mut());
+        let x2 = self.gathered_rows(ln2_out.view(), full.as_mut());
         let mut gate = self.buf(pool, name(T::Gate), n);
-        k.matmul_forward(lin(c, f), x2, p(&li.wg), None, &mut gate, Accum::Overwrite);
+        k.matmul_forward(
+            lin(c, f),
+            x2,
+            p(&li.wg),
+            None,
+            gate.view_mut(),
+            Accum::Overwrite,
+        );
         let mut up = self.buf(pool, name(T::Up), n);
-        k.matmul_forward(lin(c, f), x2, p(&li.wu), None, &mut up, Accum::Overwrite);
+        k.matmul_forward(
+            lin(c, f),
+            x2,
+            p(&li.wu),
+            None,
+            up.view_mut(),
+            Accum::Overwrite,
+        );
         let mut swiglu = self.buf(pool, name(T::Swiglu), n);
-        k.swiglu_forward(&gate, &up, &mut swiglu);
+        k.swiglu_forward(gate.view(), up.view(), swiglu.view_mut());
         let out = output.then(|| {
             // out = swiglu·Wdᵀ, then + resid_mid (explicit, as for o_proj above).
             let mut out = self.buf(pool, self.output_name(i), n);
-            self.row_parallel(full.as_mut(), &mut out, |y| {
-                k.matmul_forward(lin(f, c), &swiglu, p(&li.wd), None, y, Accum::Overwrite)
+            self.row_parallel(full.as_mut(), out.view_mut(), |y| {
+                k.matmul_forward(
+                    lin(f, c),
+                    swiglu.view(),
+                    p(&li.wd),
+                    None,
+                    y,
+                    Accum::Overwrite,
+                )
             });
-            k.add_inplace(&mut out, &resid_mid);
+            k.add_inplace(out.view_mut(), resid_mid.view());
             out
         });
         self.free_sp_full(pool, full);
@@ -572,24 +609,24 @@ impl Llama {
                 let mut a = a;
                 let li: &LayerIdx = &self.params.layers[i];
                 let n = batch.n();
-                let p = |r: &Range<usize>| &params[r.clone()];
+                let p = |r: &Range<usize>| params.slice(r.clone());
                 // The norm kernel recomputes rstd along with the output; it rewrites the kept
                 // rstd with the same value (same input, same reduction order).
                 a.ln1_out = self.buf(pool, self.slot(i, T::Ln1Out), n);
                 k.rmsnorm_forward(
                     self.norm(self.rows(n)),
-                    &a.input,
+                    a.input.view(),
                     p(&li.ln1),
-                    &mut a.ln1_out,
-                    &mut a.ln1_rstd,
+                    a.ln1_out.view_mut(),
+                    a.ln1_rstd.view_mut(),
                 );
                 a.ln2_out = self.buf(pool, self.slot(i, T::Ln2Out), n);
                 k.rmsnorm_forward(
                     self.norm(self.rows(n)),
-                    &a.resid_mid,
+                    a.resid_mid.view(),
                     p(&li.ln2),
-                    &mut a.ln2_out,
-                    &mut a.ln2_rstd,
+                    a.ln2_out.view_mut(),
+                    a.ln2_rstd.view_mut(),
                 );
                 // The gated product of the rows in use (a MoE layer's routed buffers have
                 // room for the most its experts can receive).
@@ -601,7 +638,11 @@ impl Llama {
                     None => a.gate.len(),
                 };
                 a.swiglu = self.buf(pool, self.slot(i, T::Swiglu), n);
-                k.swiglu_forward(&a.gate[..used], &a.up[..used], &mut a.swiglu[..used]);
+                k.swiglu_forward(
+                    a.gate.view().slice(..used),
+                    a.up.view().slice(..used),
+                    a.swiglu.view_mut().slice_mut(..used),
+                );
                 a
             }
         }
@@ -615,32 +656,37 @@ impl Llama {
         k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
         params: &dyn ParamBuf<S>,
-        final_input: &[S],
-        targets: &[u32],
+        final_input: &Buf<S>,
+        targets: &(impl AsView<u32> + ?Sized),
         mut grad: Option<(&mut dyn GradBuf<G>, f32)>,
     ) -> (Buf<f32>, Buf<S>, LossSum) {
         let (c, vocab) = (self.config.hidden, self.config.vocab);
-        let n = targets.len();
+        let n = targets.view().len();
         let (rstd_name, out_name) = (
             BufName::Edge(Edge::FinalNormRstd),
             BufName::Edge(Edge::FinalNormOut),
         );
         let mut rstd = self.buf(pool, rstd_name, n);
         let mut out = self.buf(pool, out_name, n);
-        let w_norm = &params[self.params.norm.clone()];
+        let w_norm = params.slice(self.params.norm.clone());
+        let final_input = final_input.view();
         // Under sequence parallelism the final norm runs on this rank's rows, gathered for the
         // vocabulary-parallel head, which runs on every token.
         let nl = self.rows(n);
         let mut full = self.sp_full::<S>(pool, n);
         match (self.sp(), full.as_mut()) {
             (Some(tp), Some(f)) => {
-                let local = &mut f[..nl * c];
-                k.rmsnorm_forward(self.norm(nl), final_input, w_norm, local, &mut rstd);
-                tp.gather_rows(local, &mut out);
+                let mut local = f.view_mut().slice_mut(..nl * c);
+                let norm = self.norm(nl);
+                k.rmsnorm_forward(norm, final_input, w_norm, local.rb(), rstd.view_mut());
+                tp.gather_rows(local.as_view(), out.view_mut());
             }
-            _ => k.rmsnorm_forward(self.norm(n), final_input, w_norm, &mut out, &mut rstd),
+            _ => {
+                let norm = self.norm(n);
+                k.rmsnorm_forward(norm, final_input, w_norm, out.view_mut(), rstd.view_mut())
+            }
         }
-        let w_lm = &params[self.params.lm_head.clone()];
+        let w_lm = params.slice(self.params.lm_head.clone());
         let chunk = n.min(self.ce_chunk_tokens);
         let (logits_name, losses_name) = (
             BufName::Edge(Edge::LogitsChunk),
@@ -663,11 +709,12 @@ impl Llama {
                 out_features: vocab,
                 ragged: false,
             };
-            let h = &mut out[r0 * c..(r0 + rows) * c];
-            let lg = &mut logits[..rows * vocab];
-            k.head_forward(s, h, w_lm, lg);
+            let mut h = out.view_mut().slice_mut(r0 * c..(r0 + rows) * c);
+            let mut lg = logits.view_mut().slice_mut(..rows * vocab);
+            k.head_forward(s, h.as_view(), w_lm, lg.rb());
             let scale = grad.as_ref().map(|g| g.1);
-            let (t, l) = (&targets[r0..r0 + rows], &mut losses[r0..r0 + rows]);
+            let t = targets.view().slice(r0..r0 + rows);
+            let l = losses.view_mut().slice_mut(r0..r0 + rows);
             total += match (&self.tp, stats.as_mut()) {
                 (Some(tp), Some(st)) => {
                     // Vocabulary-parallel: this rank's three statistics per row, then every
@@ -678,17 +725,21 @@ impl Llama {
                         first: tp.vocab_first(),
                         full_vocab: tp.full.vocab,
                     };
-                    let (mine, all) = st.split_at_mut(3 * chunk);
-                    let (mine, all) = (&mut mine[..3 * rows], &mut all[..3 * rows * tp.size]);
-                    k.ce_shard_stats(ce, lg, t, mine, scale.is_some());
-                    tp.gather_rows(mine, all);
-                    k.ce_shard_finish(ce, lg, t, all, tp.rank, l, scale)
+                    let (mine, all) = st.view_mut().split_at_mut(3 * chunk);
+                    let (mut mine, mut all) = (
+                        mine.slice_mut(..3 * rows),
+                        all.slice_mut(..3 * rows * tp.size),
+                    );
+                    k.ce_shard_stats(ce, lg.rb(), t, mine.rb(), scale.is_some());
+                    tp.gather_rows(mine.as_view(), all.rb());
+                    k.ce_shard_finish(ce, lg.rb(), t, all.as_view(), tp.rank, l, scale)
                 }
-                _ => k.cross_entropy(CeShape { rows, vocab }, lg, t, l, scale),
+                _ => k.cross_entropy(CeShape { rows, vocab }, lg.rb(), t, l, scale),
             };
             if let Some((grads, _)) = grad.as_mut() {
-                k.head_backward_weight(s, lg, h, &mut grads[self.params.lm_head.clone()]);
-                k.head_backward_input(s, lg, w_lm, h);
+                let dw = grads.slice_mut(self.params.lm_head.clone());
+                k.head_backward_weight(s, lg.as_view(), h.as_view(), dw);
+                k.head_backward_input(s, lg.as_view(), w_lm, h.rb());
                 // The vocabulary-parallel head's input gradient is partial: summed chunk by
                 // chunk, or under sequence parallelism reduce-scattered once below.
                 if self.sp().is_none() {
@@ -699,9 +750,9 @@ impl Llama {
         }
         if let (Some(tp), Some(f), true) = (self.sp(), full.as_mut(), grad.is_some()) {
             // This rank's rows of d(final norm output), at the front of `out`.
-            let local = &mut f[..nl * c];
-            tp.scatter_rows(&out, local);
-            out[..nl * c].copy_from_slice(local);
+            let mut local = f.view_mut().slice_mut(..nl * c);
+            tp.scatter_rows(out.view(), local.rb());
+            k.copy(local.as_view(), out.view_mut().slice_mut(..nl * c));
         }
         self.free_sp_full(pool, full);
         pool.boundary(Boundary::Loss);
@@ -710,11 +761,7 @@ impl Llama {
         if let Some(st) = stats {
             pool.free(stats_name, st);
         }
-        let full_vocab = self.full_config().vocab;
-        let count = targets
-            .iter()
-            .filter(|&&t| (t as usize) < full_vocab)
-            .count();
+        let count = k.count_targets(targets.view(), self.full_config().vocab);
         (rstd, out, LossSum { sum: total, count })
     }
 
@@ -732,8 +779,8 @@ impl Llama {
         params: &[S],
         grads: &mut [G],
         batch: BatchShape,
-        tokens: &[u32],
-        targets: &[u32],
+        tokens: &(impl AsView<u32> + ?Sized),
+        targets: &(impl AsView<u32> + ?Sized),
         num_target_tokens: usize,
     ) -> (Activations<S>, LossSum) {
         assert_eq!(grads.len(), self.params.total, "grads buffer length");
@@ -741,8 +788,8 @@ impl Llama {
         self.forward_train_scaled(
             k,
             pool,
-            &mut WholeParams(params),
-            &mut Whole(grads),
+            &mut WholeParams::host(params),
+            &mut Whole::host(grads),
             batch,
             tokens,
             targets,
@@ -762,13 +809,13 @@ impl Llama {
         params: &mut dyn ParamSource<S>,
         grads: &mut dyn GradBuf<G>,
         batch: BatchShape,
-        tokens: &[u32],
-        targets: &[u32],
+        tokens: &(impl AsView<u32> + ?Sized),
+        targets: &(impl AsView<u32> + ?Sized),
         num_target_tokens: usize,
         loss_scale: f32,
     ) -> (Activations<S>, LossSum) {
         self.check_batch(batch, tokens);
-        assert_eq!(targets.len(), batch.n(), "targets must hold B·T ids");
+        assert_eq!(targets.view().len(), batch.n(), "targets must hold B·T ids");
         // The stages (`super::stages`) in order.
         let x = self.embed_forward(k, pool, params, tokens);
         let (layers, x) = self.layers_forward(k, pool, params, batch, 0..self.config.layers, x);
@@ -801,14 +848,14 @@ impl Llama {
         params: &[S],
         grads: &mut [G],
         acts: Activations<S>,
-        tokens: &[u32],
+        tokens: &(impl AsView<u32> + ?Sized),
     ) {
         // Nobody listens for finished gradients.
         let done = &mut |_: GradsDone, _: &mut dyn GradBuf<G>| {};
         assert_eq!(grads.len(), self.params.total, "grads buffer length");
         self.check_params(params);
-        let whole = &mut WholeParams(params);
-        self.backward_notify(k, pool, whole, &mut Whole(grads), acts, tokens, done);
+        let whole = &mut WholeParams::host(params);
+        self.backward_notify(k, pool, whole, &mut Whole::host(grads), acts, tokens, done);
     }
 
     /// [`Llama::backward`], calling `done` with the gradients each time some of them are
@@ -822,10 +869,14 @@ impl Llama {
         params: &mut dyn ParamSource<S>,
         grads: &mut dyn GradBuf<G>,
         acts: Activations<S>,
-        tokens: &[u32],
+        tokens: &(impl AsView<u32> + ?Sized),
         done: &mut dyn FnMut(GradsDone, &mut dyn GradBuf<G>),
     ) {
-        assert_eq!(tokens.len(), acts.batch.n(), "tokens must hold B·T ids");
+        assert_eq!(
+            tokens.view().len(),
+            acts.batch.n(),
+            "tokens must hold B·T ids"
+        );
         // The stages (`super::stages`) in order.
         let Activations {
             batch,
@@ -866,7 +917,7 @@ impl Llama {
         let (n, c) = (batch.n(), cfg.hidden);
         let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
         let name = |t| self.slot(i, t);
-        let p = |r: &Range<usize>| &params[r.clone()];
+        let p = |r: &Range<usize>| params.slice(r.clone());
         let lin = |inf, outf| MatmulShape {
             n,
             in_features: inf,
@@ -890,43 +941,50 @@ impl Llama {
             self.dense_mlp_backward(k, pool, params, grads, i, n, &mut a, sc, full.as_mut());
         }
         // Column-parallel gate/up: each rank's input gradient is partial (Megatron's `f`).
-        let dln2 = self.input_grad(&mut sc.ln_out, full.as_mut(), nl);
+        let dln2 = self.input_grad(sc.ln_out.view_mut(), full.as_mut(), nl);
         // resid_mid feeds both ln2 and the skip connection: d resid_mid = d out + ln2'(d ln2_out).
         k.rmsnorm_backward(
             self.norm(nl),
             dln2,
-            &a.resid_mid,
+            a.resid_mid.view(),
             p(&li.ln2),
-            &a.ln2_rstd,
-            &mut sc.resid,
+            a.ln2_rstd.view(),
+            sc.resid.view_mut(),
             Accum::Add,
-            &mut grads[li.ln2.clone()],
+            grads.slice_mut(li.ln2.clone()),
         );
         pool.free(name(T::ResidMid), a.resid_mid);
         pool.free(name(T::Ln2Rstd), a.ln2_rstd);
 
         // ---- attention block: resid_mid = input + o_proj(attn(q, k, v)) ----
-        let dmid = self.gathered_rows(&sc.resid, full.as_mut());
+        let dmid = self.gathered_rows(sc.resid.view(), full.as_mut());
         k.matmul_backward_weight(
             lin(qd, c),
             dmid,
-            &a.attn_out,
-            &mut grads[li.wo.clone()],
+            a.attn_out.view(),
+            grads.slice_mut(li.wo.clone()),
             None,
         );
         k.matmul_backward_input(
             lin(qd, c),
             dmid,
             p(&li.wo),
-            &mut sc.attn_out,
+            sc.attn_out.view_mut(),
             Accum::Overwrite,
         );
         self.attention_backward(
             k,
             pool,
             self.attn_shape(batch),
-            (&a.q, &a.k, &a.v, &a.attn_out, &a.attn_lse, &sc.attn_out),
-            (&mut sc.q, &mut sc.k, &mut sc.v),
+            (
+                a.q.view(),
+                a.k.view(),
+                a.v.view(),
+                a.attn_out.view(),
+                a.attn_lse.view(),
+                sc.attn_out.view(),
+            ),
+            (sc.q.view_mut(), sc.k.view_mut(), sc.v.view_mut()),
         );
         pool.free(name(T::AttnOut), a.attn_out);
         pool.free(name(T::AttnLse), a.attn_lse);
@@ -939,32 +997,44 @@ impl Llama {
             heads,
             head_dim: cfg.head_dim,
         };
-        k.rope_backward(rs(cfg.heads), &self.rope, &mut sc.q);
-        k.rope_backward(rs(cfg.kv_heads), &self.rope, &mut sc.k);
-        let x1 = self.gathered_rows(&a.ln1_out, full.as_mut());
-        weight_grad(k, lin(c, qd), &sc.q, x1, grads, &li.wq, &li.bq);
-        weight_grad(k, lin(c, kvd), &sc.k, x1, grads, &li.wk, &li.bk);
-        weight_grad(k, lin(c, kvd), &sc.v, x1, grads, &li.wv, &li.bv);
+        k.rope_backward(rs(cfg.heads), &self.rope, sc.q.view_mut());
+        k.rope_backward(rs(cfg.kv_heads), &self.rope, sc.k.view_mut());
+        let x1 = self.gathered_rows(a.ln1_out.view(), full.as_mut());
+        weight_grad(k, lin(c, qd), sc.q.view(), x1, grads, &li.wq, &li.bq);
+        weight_grad(k, lin(c, kvd), sc.k.view(), x1, grads, &li.wk, &li.bk);
+        weight_grad(k, lin(c, kvd), sc.v.view(), x1, grads, &li.wv, &li.bv);
         pool.free(name(T::Ln1Out), a.ln1_out);
         k.matmul_backward_input(
             lin(c, qd),
-            &sc.q,
+            sc.q.view(),
             p(&li.wq),
-            &mut sc.ln_out,
+            sc.ln_out.view_mut(),
             Accum::Overwrite,
         );
-        k.matmul_backward_input(lin(c, kvd), &sc.k, p(&li.wk), &mut sc.ln_out, Accum::Add);
-        k.matmul_backward_input(lin(c, kvd), &sc.v, p(&li.wv), &mut sc.ln_out, Accum::Add);
-        let dln1 = self.input_grad(&mut sc.ln_out, full.as_mut(), nl);
+        k.matmul_backward_input(
+            lin(c, kvd),
+            sc.k.view(),
+            p(&li.wk),
+            sc.ln_out.view_mut(),
+            Accum::Add,
+        );
+        k.matmul_backward_input(
+            lin(c, kvd),
+            sc.v.view(),
+            p(&li.wv),
+            sc.ln_out.view_mut(),
+            Accum::Add,
+        );
+        let dln1 = self.input_grad(sc.ln_out.view_mut(), full.as_mut(), nl);
         k.rmsnorm_backward(
             self.norm(nl),
             dln1,
-            &a.input,
+            a.input.view(),
             p(&li.ln1),
-            &a.ln1_rstd,
-            &mut sc.resid,
+            a.ln1_rstd.view(),
+            sc.resid.view_mut(),
             Accum::Add,
-            &mut grads[li.ln1.clone()],
+            grads.slice_mut(li.ln1.clone()),
         );
         self.free_sp_full(pool, full);
         pool.free(name(T::Ln1Rstd), a.ln1_rstd);
@@ -989,32 +1059,68 @@ impl Llama {
         let li: &LayerIdx = &self.params.layers[i];
         let (c, f) = (self.config.hidden, self.config.intermediate);
         let name = |t| self.slot(i, t);
-        let p = |r: &Range<usize>| &params[r.clone()];
+        let p = |r: &Range<usize>| params.slice(r.clone());
         let lin = |inf, outf| MatmulShape {
             n,
             in_features: inf,
             out_features: outf,
             ragged: false,
         };
-        let dout = self.gathered_rows(&sc.resid, full.as_deref_mut());
-        k.matmul_backward_weight(lin(f, c), dout, &a.swiglu, &mut grads[li.wd.clone()], None);
-        k.matmul_backward_input(lin(f, c), dout, p(&li.wd), &mut sc.swiglu, Accum::Overwrite);
+        let dout = self.gathered_rows(sc.resid.view(), full.as_deref_mut());
+        k.matmul_backward_weight(
+            lin(f, c),
+            dout,
+            a.swiglu.view(),
+            grads.slice_mut(li.wd.clone()),
+            None,
+        );
+        k.matmul_backward_input(
+            lin(f, c),
+            dout,
+            p(&li.wd),
+            sc.swiglu.view_mut(),
+            Accum::Overwrite,
+        );
         pool.free(name(T::Swiglu), std::mem::take(&mut a.swiglu));
-        k.swiglu_backward(&sc.swiglu, &a.gate, &a.up, &mut sc.gate, &mut sc.up);
+        k.swiglu_backward(
+            sc.swiglu.view(),
+            a.gate.view(),
+            a.up.view(),
+            sc.gate.view_mut(),
+            sc.up.view_mut(),
+        );
         pool.free(name(T::Gate), std::mem::take(&mut a.gate));
         pool.free(name(T::Up), std::mem::take(&mut a.up));
-        let x2 = self.gathered_rows(&a.ln2_out, full);
-        k.matmul_backward_weight(lin(c, f), &sc.gate, x2, &mut grads[li.wg.clone()], None);
-        k.matmul_backward_weight(lin(c, f), &sc.up, x2, &mut grads[li.wu.clone()], None);
+        let x2 = self.gathered_rows(a.ln2_out.view(), full);
+        k.matmul_backward_weight(
+            lin(c, f),
+            sc.gate.view(),
+            x2,
+            grads.slice_mut(li.wg.clone()),
+            None,
+        );
+        k.matmul_backward_weight(
+            lin(c, f),
+            sc.up.view(),
+            x2,
+            grads.slice_mut(li.wu.clone()),
+            None,
+        );
         pool.free(name(T::Ln2Out), std::mem::take(&mut a.ln2_out));
         k.matmul_backward_input(
             lin(c, f),
-            &sc.gate,
+            sc.gate.view(),
             p(&li.wg),
-            &mut sc.ln_out,
+            sc.ln_out.view_mut(),
             Accum::Overwrite,
         );
-        k.matmul_backward_input(lin(c, f), &sc.up, p(&li.wu), &mut sc.ln_out, Accum::Add);
+        k.matmul_backward_input(
+            lin(c, f),
+            sc.up.view(),
+            p(&li.wu),
+            sc.ln_out.view_mut(),
+            Accum::Add,
+        );
     }
 
     /// Evaluation forward (no gradients): loss sum over the batch; layer activations are
@@ -1025,11 +1131,11 @@ impl Llama {
         pool: &mut dyn BufferPool,
         params: &[S],
         batch: BatchShape,
-        tokens: &[u32],
-        targets: &[u32],
+        tokens: &(impl AsView<u32> + ?Sized),
+        targets: &(impl AsView<u32> + ?Sized),
     ) -> LossSum {
         self.check_params(params);
-        let whole = &mut WholeParams(params);
+        let whole = &mut WholeParams::host(params);
         self.forward_eval_from(k, pool, whole, batch, tokens, targets)
     }
 
@@ -1041,11 +1147,11 @@ impl Llama {
         pool: &mut dyn BufferPool,
         params: &mut dyn ParamSource<S>,
         batch: BatchShape,
-        tokens: &[u32],
-        targets: &[u32],
+        tokens: &(impl AsView<u32> + ?Sized),
+        targets: &(impl AsView<u32> + ?Sized),
     ) -> LossSum {
         self.check_batch(batch, tokens);
-        assert_eq!(targets.len(), batch.n(), "targets must hold B·T ids");
+        assert_eq!(targets.view().len(), batch.n(), "targets must hold B·T ids");
         let x = self.trunk_no_grad(k, pool, params, batch, tokens);
         self.head_eval(k, pool, params, x, targets)
     }
@@ -1058,11 +1164,11 @@ impl Llama {
         pool: &mut dyn BufferPool,
         params: &[S],
         batch: BatchShape,
-        tokens: &[u32],
+        tokens: &(impl AsView<u32> + ?Sized),
         logits: &mut [f32],
     ) {
         self.check_params(params);
-        let params = &mut WholeParams(params);
+        let params = &mut WholeParams::host(params);
         self.check_batch(batch, tokens);
         let (c, vocab, b) = (self.config.hidden, self.full_config().vocab, batch.b);
         assert_eq!(logits.len(), b * vocab, "logits must be [B, V]");
@@ -1076,7 +1182,7 @@ impl Llama {
         }
         drop(xs);
         pool.free(BufName::Edge(Edge::FinalNormInput), x);
-        self.logits_of(k, pool, params.unit(Unit::Head), &last, logits);
+        self.logits_of(k, pool, params.unit(Unit::Head), last.view(), logits);
         pool.free(last_name, last);
     }
 
@@ -1088,7 +1194,7 @@ impl Llama {
         pool: &mut dyn BufferPool,
         params: &[S],
         batch: BatchShape,
-        tokens: &[u32],
+        tokens: &(impl AsView<u32> + ?Sized),
         logits: &mut [f32],
     ) {
         self.check_params(params);
@@ -1098,9 +1204,9 @@ impl Llama {
             batch.n() * self.full_config().vocab,
             "logits must be [B·T, V]"
         );
-        let whole = &mut WholeParams(params);
+        let whole = &mut WholeParams::host(params);
         let x = self.trunk_no_grad(k, pool, whole, batch, tokens);
-        self.logits_of(k, pool, whole, &self.all_rows(&x), logits);
+        self.logits_of(k, pool, whole, self.all_rows(&x).view(), logits);
         pool.free(BufName::Edge(Edge::FinalNormInput), x);
     }
 
@@ -1110,7 +1216,7 @@ impl Llama {
         match self.sp() {
             Some(tp) => {
                 let mut all = vec![S::from_f32(0.0); x.len() * tp.size];
-                tp.gather_rows(x, &mut all);
+                tp.gather_rows(x.view(), all.view_mut());
                 std::borrow::Cow::Owned(all)
             }
             None => std::borrow::Cow::Borrowed(x),
@@ -1123,7 +1229,7 @@ impl Llama {
         k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
         params: &dyn ParamBuf<S>,
-        hidden: &[S],
+        hidden: View<'_, S>,
         logits: &mut [f32],
     ) {
         let c = self.config.hidden;
@@ -1140,9 +1246,12 @@ impl Llama {
         k.rmsnorm_forward(
             self.norm(rows),
             hidden,
-            &params[self.params.norm.clone()],
-            &mut out,
-            all_rstd.as_deref_mut().unwrap_or(&mut rstd),
+            params.slice(self.params.norm.clone()),
+            out.view_mut(),
+            match all_rstd.as_mut() {
+                Some(all) => all.view_mut(),
+                None => rstd.view_mut(),
+            },
         );
         let s = MatmulShape {
             n: rows,
@@ -1150,17 +1259,17 @@ impl Llama {
             out_features: self.config.vocab,
             ragged: false,
         };
-        let w = &params[self.params.lm_head.clone()];
+        let w = params.slice(self.params.lm_head.clone());
         match &self.tp {
-            None => k.head_forward(s, &out, w, logits),
+            None => k.head_forward(s, out.view(), w, logits.view_mut()),
             Some(tp) => {
                 // Sampling and tests only (no training plan has whole logits): this rank's
                 // vocabulary slice, gathered and laid out row by row.
                 let v = self.config.vocab;
                 let mut mine = vec![0.0; rows * v];
-                k.head_forward(s, &out, w, &mut mine);
+                k.head_forward(s, out.view(), w, mine.view_mut());
                 let mut all = vec![0.0; rows * v * tp.size];
-                tp.gather_rows(&mine, &mut all);
+                tp.gather_rows(mine.view(), all.view_mut());
                 for (r, part) in all.chunks(rows * v).enumerate() {
                     for (i, row) in part.chunks(v).enumerate() {
                         let at = i * v * tp.size + r * v;
@@ -1180,7 +1289,7 @@ impl Llama {
         pool: &mut dyn BufferPool,
         params: &mut dyn ParamSource<S>,
         batch: BatchShape,
-        tokens: &[u32],
+        tokens: &(impl AsView<u32> + ?Sized),
     ) -> Buf<S> {
         let x = self.embed_forward(k, pool, params, tokens);
         self.layers_no_grad(k, pool, params, batch, 0..self.config.layers, x)
@@ -1213,7 +1322,7 @@ impl Llama {
         pool: &mut dyn BufferPool,
         params: &mut dyn ParamSource<S>,
         x: Buf<S>,
-        targets: &[u32],
+        targets: &(impl AsView<u32> + ?Sized),
     ) -> LossSum {
         let p = params.unit(Unit::Head);
         let (rstd, out, loss) = self.head(k, pool, p, &x, targets, None);

@@ -24,7 +24,7 @@ use super::llama::Llama;
 use super::param_buf::ParamBuf;
 use super::params::MoeIdx;
 use crate::dtype::Elem;
-use crate::kernels::{Accum, Kernels, MatmulShape, RouteShape, DROPPED};
+use crate::kernels::{Accum, AsView, AsViewMut, Kernels, MatmulShape, RouteShape, View, DROPPED};
 use ferrotron_plan::tensors::{Edge, LayerTensor as T};
 use std::ops::Range;
 use std::sync::Mutex;
@@ -180,14 +180,15 @@ impl Llama {
         k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
         n: usize,
-        x: &[S],
+        x: View<'_, S>,
         index: &[u32],
         er: &ExpertRows,
         rows: &mut [S],
     ) {
         let c = self.config.hidden;
         let nk = er.own;
-        k.permute(self.route(n, c), index, x, &mut rows[..nk * c]);
+        let rows_in = rows.view_mut().slice_mut(..nk * c);
+        k.permute(self.route(n, c), index.view(), x, rows_in);
         if let (Some(ep), Some(a)) = (&self.ep, &er.arrivals) {
             let (mut send, mut recv) = self.ep_staging(pool, n);
             widen(&rows[..nk * c], &mut send[..nk * c]);
@@ -238,7 +239,7 @@ impl Llama {
         params: &dyn ParamBuf<S>,
         i: usize,
         n: usize,
-        x2: &[S],
+        x2: View<'_, S>,
         a: &mut LayerActs<S>,
         output: bool,
     ) -> Option<Buf<S>> {
@@ -247,8 +248,8 @@ impl Llama {
         let e = moe.experts.len();
         let name = |t| self.slot(i, t);
         a.router_logits = self.buf(pool, name(T::RouterLogits), n);
-        let router = &params[moe.router.clone()];
-        k.head_forward(lin(n, c, e), x2, router, &mut a.router_logits);
+        let router = params.slice(moe.router.clone());
+        k.head_forward(lin(n, c, e), x2, router, a.router_logits.view_mut());
         a.router_weights = self.buf(pool, name(T::RouterWeights), n);
         a.router_index = self.buf(pool, name(T::RouterIndex), n);
         {
@@ -256,10 +257,10 @@ impl Llama {
             s.rows += n;
             k.router_forward(
                 self.route(n, c),
-                &a.router_logits,
-                &mut a.router_weights,
-                &mut a.router_index,
-                &mut s.load,
+                a.router_logits.view(),
+                a.router_weights.view_mut(),
+                a.router_index.view_mut(),
+                s.load.view_mut(),
             );
         }
         let er = self.expert_rows(&a.router_index);
@@ -268,47 +269,53 @@ impl Llama {
         a.gate = self.buf(pool, name(T::Gate), n);
         a.up = self.buf(pool, name(T::Up), n);
         for (x, rows) in er.blocks.iter().filter(|(_, r)| !r.is_empty()) {
-            let (w, xin) = (&moe.experts[*x], &a.expert_in[span(rows, c)]);
+            let (w, xin) = (&moe.experts[*x], a.expert_in.view().slice(span(rows, c)));
             let s = ragged(rows.len(), c, f);
-            let gate = &mut a.gate[span(rows, f)];
+            let gate = a.gate.view_mut().slice_mut(span(rows, f));
+            let wg = params.slice(w.gate.clone());
+            k.matmul_forward(s, xin, wg, None, gate, Accum::Overwrite);
+            let up = a.up.view_mut().slice_mut(span(rows, f));
             k.matmul_forward(
                 s,
                 xin,
-                &params[w.gate.clone()],
+                params.slice(w.up.clone()),
                 None,
-                gate,
+                up,
                 Accum::Overwrite,
             );
-            let up = &mut a.up[span(rows, f)];
-            k.matmul_forward(s, xin, &params[w.up.clone()], None, up, Accum::Overwrite);
         }
         a.swiglu = self.buf(pool, name(T::Swiglu), n);
         let used = er.rows * f;
-        k.swiglu_forward(&a.gate[..used], &a.up[..used], &mut a.swiglu[..used]);
+        k.swiglu_forward(
+            a.gate.view().slice(..used),
+            a.up.view().slice(..used),
+            a.swiglu.view_mut().slice_mut(..used),
+        );
         if !output {
             return None;
         }
         let ys = BufName::Edge(Edge::ExpertRows);
         let mut y = self.buf(pool, ys, n);
         for (x, rows) in er.blocks.iter().filter(|(_, r)| !r.is_empty()) {
-            let w2 = &params[moe.experts[*x].down.clone()];
-            let (hx, yx) = (&a.swiglu[span(rows, f)], &mut y[span(rows, c)]);
+            let w2 = params.slice(moe.experts[*x].down.clone());
+            let hx = a.swiglu.view().slice(span(rows, f));
+            let yx = y.view_mut().slice_mut(span(rows, c));
             k.matmul_forward(ragged(rows.len(), f, c), hx, w2, None, yx, Accum::Overwrite);
         }
         self.collect(pool, n, &er, &mut y);
         let mut out = self.buf(pool, self.output_name(i), n);
-        let (weights, index) = (Some(&a.router_weights[..]), &a.router_index);
+        let (weights, index) = (Some(a.router_weights.view()), a.router_index.view());
         let nk = er.own;
         let route = self.route(n, c);
         k.unpermute(
             route,
             index,
             weights,
-            &y[..nk * c],
-            &mut out,
+            y.view().slice(..nk * c),
+            out.view_mut(),
             Accum::Overwrite,
         );
-        k.add_inplace(&mut out, &a.resid_mid);
+        k.add_inplace(out.view_mut(), a.resid_mid.view());
         pool.free(ys, y);
         Some(out)
     }
@@ -329,7 +336,7 @@ impl Llama {
             k,
             pool,
             n,
-            &a.ln2_out,
+            a.ln2_out.view(),
             &a.router_index,
             &er,
             &mut a.expert_in,
@@ -411,24 +418,28 @@ impl Llama {
         sc.router_weights.fill(0.0);
         let down = |k: &dyn Kernels<S, G>, sc: &mut GradScratch<S>| {
             for (x, rows) in er.blocks.iter().filter(|(_, r)| !r.is_empty()) {
-                let w2 = &params[moe.experts[*x].down.clone()];
-                let (dy, dh) = (&sc.rows[span(rows, c)], &mut sc.swiglu[span(rows, f)]);
+                let w2 = params.slice(moe.experts[*x].down.clone());
+                let dy = sc.rows.view().slice(span(rows, c));
+                let dh = sc.swiglu.view_mut().slice_mut(span(rows, f));
                 k.matmul_backward_input(ragged(rows.len(), f, c), dy, w2, dh, Accum::Overwrite);
             }
         };
-        k.permute(self.route(n, c), index, &sc.resid, &mut sc.rows[..nk * c]);
+        let rows_in = sc.rows.view_mut().slice_mut(..nk * c);
+        k.permute(self.route(n, c), index.view(), sc.resid.view(), rows_in);
         let (Some(ep), Some(arr)) = (&self.ep, &er.arrivals) else {
             down(k, sc);
-            let (w, dots) = (&a.router_weights, &mut sc.router_weights);
+            let (index, w) = (index.view(), a.router_weights.view());
             k.row_dot(
                 self.route(n, f),
                 index,
-                &sc.swiglu[..nk * f],
-                &a.swiglu[..nk * f],
-                dots,
+                sc.swiglu.view().slice(..nk * f),
+                a.swiglu.view().slice(..nk * f),
+                sc.router_weights.view_mut(),
             );
-            k.scale_rows(self.route(n, c), index, w, &mut sc.rows[..nk * c]);
-            k.scale_rows(self.route(n, f), index, w, &mut sc.swiglu[..nk * f]);
+            let rows_c = sc.rows.view_mut().slice_mut(..nk * c);
+            k.scale_rows(self.route(n, c), index, w, rows_c);
+            let rows_f = sc.swiglu.view_mut().slice_mut(..nk * f);
+            k.scale_rows(self.route(n, f), index, w, rows_f);
             return;
         };
         let (mut send, mut recv) = self.ep_staging(pool, n);
@@ -477,31 +488,38 @@ impl Llama {
         let blocks = || er.blocks.iter().filter(|(_, r)| !r.is_empty());
         self.routing_weight_grads(k, pool, params, moe, n, a, sc, &er);
         for (x, rows) in blocks() {
-            let dw2 = &mut grads[moe.experts[*x].down.clone()];
-            let (dy, h) = (&sc.rows[span(rows, c)], &a.swiglu[span(rows, f)]);
+            let dw2 = grads.slice_mut(moe.experts[*x].down.clone());
+            let (dy, h) = (
+                sc.rows.view().slice(span(rows, c)),
+                a.swiglu.view().slice(span(rows, f)),
+            );
             k.matmul_backward_weight(ragged(rows.len(), f, c), dy, h, dw2, None);
         }
         pool.free(name(T::Swiglu), std::mem::take(&mut a.swiglu));
         let used = er.rows * f;
         k.swiglu_backward(
-            &sc.swiglu[..used],
-            &a.gate[..used],
-            &a.up[..used],
-            &mut sc.gate[..used],
-            &mut sc.up[..used],
+            sc.swiglu.view().slice(..used),
+            a.gate.view().slice(..used),
+            a.up.view().slice(..used),
+            sc.gate.view_mut().slice_mut(..used),
+            sc.up.view_mut().slice_mut(..used),
         );
         pool.free(name(T::Gate), std::mem::take(&mut a.gate));
         pool.free(name(T::Up), std::mem::take(&mut a.up));
         for (x, rows) in blocks() {
             let ex = &moe.experts[*x];
             let s = ragged(rows.len(), c, f);
-            let xin = &a.expert_in[span(rows, c)];
-            let (dg, du) = (&sc.gate[span(rows, f)], &sc.up[span(rows, f)]);
-            k.matmul_backward_weight(s, dg, xin, &mut grads[ex.gate.clone()], None);
-            k.matmul_backward_weight(s, du, xin, &mut grads[ex.up.clone()], None);
-            let dx = &mut sc.rows[span(rows, c)];
-            k.matmul_backward_input(s, dg, &params[ex.gate.clone()], dx, Accum::Overwrite);
-            k.matmul_backward_input(s, du, &params[ex.up.clone()], dx, Accum::Add);
+            let xin = a.expert_in.view().slice(span(rows, c));
+            let (dg, du) = (
+                sc.gate.view().slice(span(rows, f)),
+                sc.up.view().slice(span(rows, f)),
+            );
+            k.matmul_backward_weight(s, dg, xin, grads.slice_mut(ex.gate.clone()), None);
+            k.matmul_backward_weight(s, du, xin, grads.slice_mut(ex.up.clone()), None);
+            let mut dx = sc.rows.view_mut().slice_mut(span(rows, c));
+            let (wg, wu) = (params.slice(ex.gate.clone()), params.slice(ex.up.clone()));
+            k.matmul_backward_input(s, dg, wg, dx.rb(), Accum::Overwrite);
+            k.matmul_backward_input(s, du, wu, dx, Accum::Add);
         }
         pool.free(name(T::ExpertIn), std::mem::take(&mut a.expert_in));
         // The router: d logits from d weights and the load-balancing term, then its weight
@@ -509,22 +527,28 @@ impl Llama {
         let index = std::mem::take(&mut a.router_index);
         let route = self.route(n, c);
         {
-            let (logits, dw) = (&a.router_logits, &sc.router_weights);
+            let (logits, dw) = (a.router_logits.view(), sc.router_weights.view());
             let aux_dp = &self.router_load.state().aux_dp;
-            k.router_backward(route, logits, &index, dw, aux_dp, &mut sc.router_logits);
+            let dl = sc.router_logits.view_mut();
+            k.router_backward(route, logits, index.view(), dw, aux_dp.view(), dl);
         }
         let router = moe.router.clone();
-        let dl = &sc.router_logits;
-        k.head_backward_weight(lin(n, c, e), dl, &a.ln2_out, &mut grads[router.clone()]);
-        k.head_backward_input(lin(n, c, e), dl, &params[router], &mut sc.ln_out);
+        let dl = sc.router_logits.view();
+        k.head_backward_weight(
+            lin(n, c, e),
+            dl,
+            a.ln2_out.view(),
+            grads.slice_mut(router.clone()),
+        );
+        k.head_backward_input(lin(n, c, e), dl, params.slice(router), sc.ln_out.view_mut());
         self.collect(pool, n, &er, &mut sc.rows);
         let nk = er.own;
         k.unpermute(
             route,
-            &index,
+            index.view(),
             None,
-            &sc.rows[..nk * c],
-            &mut sc.ln_out,
+            sc.rows.view().slice(..nk * c),
+            sc.ln_out.view_mut(),
             Accum::Add,
         );
         pool.free(name(T::RouterLogits), std::mem::take(&mut a.router_logits));

@@ -9,20 +9,15 @@
 //! `eval_sequence` (a forward without gradients), and reads the unit's parameters through the
 //! [`ParamBuf`] it gets.
 
+use crate::kernels::View;
 pub use ferrotron_plan::zero3::Unit;
-use std::ops::{Index, Range};
+use std::ops::Range;
 
-/// Parameters addressed by their range in the flat parameter order.
+/// Parameters addressed by their range in the flat parameter order, as views in the memory
+/// the kernels run on.
 pub trait ParamBuf<S> {
     /// The parameters `r` (every range the unit being computed reads).
-    fn slice(&self, r: Range<usize>) -> &[S];
-}
-
-impl<S> Index<Range<usize>> for dyn ParamBuf<S> + '_ {
-    type Output = [S];
-    fn index(&self, r: Range<usize>) -> &[S] {
-        self.slice(r)
-    }
+    fn slice(&self, r: Range<usize>) -> View<'_, S>;
 }
 
 /// Hands out the parameters of each unit as the model reaches it.
@@ -32,11 +27,18 @@ pub trait ParamSource<S> {
 }
 
 /// Every parameter, in one buffer of the flat order.
-pub struct WholeParams<'a, S>(pub &'a [S]);
+pub struct WholeParams<'a, S>(pub View<'a, S>);
+
+impl<'a, S> WholeParams<'a, S> {
+    /// Every parameter, in host memory.
+    pub fn host(params: &'a [S]) -> Self {
+        WholeParams(params.into())
+    }
+}
 
 impl<S> ParamBuf<S> for WholeParams<'_, S> {
-    fn slice(&self, r: Range<usize>) -> &[S] {
-        &self.0[r]
+    fn slice(&self, r: Range<usize>) -> View<'_, S> {
+        self.0.slice(r)
     }
 }
 

@@ -15,7 +15,7 @@ use super::llama::Llama;
 use super::param_buf::{ParamSource, Unit};
 use super::params::LayerIdx;
 use crate::dtype::Elem;
-use crate::kernels::{Accum, Kernels};
+use crate::kernels::{Accum, AsView, AsViewMut, Kernels};
 use ferrotron_plan::tensors::{Edge, LayerTensor};
 use std::ops::Range;
 
@@ -79,29 +79,30 @@ impl Llama {
         k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
         params: &mut dyn ParamSource<S>,
-        tokens: &[u32],
+        tokens: &(impl AsView<u32> + ?Sized),
     ) -> Buf<S> {
         let c = self.config.hidden;
         self.reset_router_load();
         let name = BufName::Layer(0, LayerTensor::Input);
-        let mut x = self.buf(pool, name, tokens.len());
+        let mut x = self.buf(pool, name, tokens.view().len());
         let p = params.unit(Unit::Embedding);
-        let wte = &p[self.params.embed.clone()];
+        let wte = p.slice(self.params.embed.clone());
+        let tokens = tokens.view();
         match &self.tp {
-            None => k.embedding_forward(tokens, wte, c, &mut x),
+            None => k.embedding_forward(tokens, wte, c, x.view_mut()),
             Some(tp) => {
                 // Vocabulary-parallel: this rank's rows, the others' tokens zero, summed (under
                 // sequence parallelism reduce-scattered to this rank's tokens).
                 let first = tp.vocab_first();
-                let mut full = self.sp_full::<S>(pool, tokens.len());
+                let mut full = self.sp_full::<S>(pool, tokens.view().len());
                 match full.as_mut() {
                     Some(f) => {
-                        k.embedding_forward_shard(tokens, wte, c, first, f);
-                        tp.scatter_rows(f, &mut x);
+                        k.embedding_forward_shard(tokens, wte, c, first, f.view_mut());
+                        tp.scatter_rows(f.view(), x.view_mut());
                     }
                     None => {
-                        k.embedding_forward_shard(tokens, wte, c, first, &mut x);
-                        self.tp_sum(&mut x);
+                        k.embedding_forward_shard(tokens, wte, c, first, x.view_mut());
+                        self.tp_sum(x.view_mut());
                     }
                 }
                 self.free_sp_full(pool, full);
@@ -165,7 +166,7 @@ impl Llama {
         params: &mut dyn ParamSource<S>,
         grads: &mut dyn GradBuf<G>,
         x: Buf<S>,
-        targets: &[u32],
+        targets: &(impl AsView<u32> + ?Sized),
         num_target_tokens: usize,
         loss_scale: f32,
     ) -> (HeadActs<S>, LossSum) {
@@ -206,13 +207,13 @@ impl Llama {
         let nl = self.rows(n);
         k.rmsnorm_backward(
             self.norm(nl),
-            &head.final_out_grad[..nl * self.config.hidden],
-            &head.final_input,
-            &params.unit(Unit::Head)[self.params.norm.clone()],
-            &head.final_rstd,
-            &mut resid,
+            head.final_out_grad.view().slice(..nl * self.config.hidden),
+            head.final_input.view(),
+            params.unit(Unit::Head).slice(self.params.norm.clone()),
+            head.final_rstd.view(),
+            resid.view_mut(),
             Accum::Overwrite,
-            &mut grads[self.params.norm.clone()],
+            grads.slice_mut(self.params.norm.clone()),
         );
         pool.free(g(Edge::FinalNormOut), head.final_out_grad);
         pool.free(g(Edge::FinalNormRstd), head.final_rstd);
@@ -257,19 +258,20 @@ impl Llama {
         k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
         grads: &mut dyn GradBuf<G>,
-        tokens: &[u32],
+        tokens: &(impl AsView<u32> + ?Sized),
         state: BackwardState<S>,
         done: &mut dyn FnMut(GradsDone, &mut dyn GradBuf<G>),
     ) {
         let c = self.config.hidden;
         let range = self.params.embed.clone();
+        let tokens = tokens.view();
         match &self.tp {
-            None => k.embedding_backward(tokens, &state.0.resid, c, &mut grads[range]),
+            None => k.embedding_backward(tokens, state.0.resid.view(), c, grads.slice_mut(range)),
             Some(tp) => {
                 let first = tp.vocab_first();
-                let mut full = self.sp_full::<S>(pool, tokens.len());
-                let d = self.gathered_rows(&state.0.resid, full.as_mut());
-                k.embedding_backward_shard(tokens, d, c, first, &mut grads[range]);
+                let mut full = self.sp_full::<S>(pool, tokens.view().len());
+                let d = self.gathered_rows(state.0.resid.view(), full.as_mut());
+                k.embedding_backward_shard(tokens, d, c, first, grads.slice_mut(range));
                 self.free_sp_full(pool, full);
             }
         }

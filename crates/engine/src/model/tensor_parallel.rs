@@ -20,6 +20,7 @@
 use super::config::{LlamaConfig, ModelError};
 use super::params::ParamTable;
 use crate::dtype::Elem;
+use crate::kernels::{View, ViewMut};
 use std::ops::Range;
 use std::rc::Rc;
 
@@ -110,7 +111,11 @@ impl TensorParallel {
 
     /// Sums a partial result over the group, in place (in f32, whatever `S`): a row-parallel
     /// product's, or (the trainer's) a norm's gradient shares under sequence parallelism.
-    pub fn sum<S: Elem>(&self, buf: &mut [S]) {
+    ///
+    /// The group's communicators (threads, MPI) stage through host memory, so the views are
+    /// read here as host slices; a device communicator (NCCL) would take the views themselves.
+    pub fn sum<S: Elem>(&self, buf: ViewMut<'_, S>) {
+        let buf = buf.host_mut();
         self.comm
             .run(TpOp::AllReduce, buf.len(), &mut |f, fill| match fill {
                 true => widen(buf, f),
@@ -119,7 +124,8 @@ impl TensorParallel {
     }
 
     /// Every rank's `local` rows, rank order, into `full` (sequence parallelism's gather).
-    pub(super) fn gather_rows<S: Elem>(&self, local: &[S], full: &mut [S]) {
+    pub(super) fn gather_rows<S: Elem>(&self, local: View<'_, S>, full: ViewMut<'_, S>) {
+        let (local, full) = (local.host(), full.host_mut());
         let (n, r) = (local.len(), self.rank);
         debug_assert_eq!(full.len(), n * self.size);
         self.comm
@@ -131,7 +137,8 @@ impl TensorParallel {
 
     /// This rank's block of the sum over ranks of `full` (every rank's partial result for
     /// every row), into `local` (sequence parallelism's reduce-scatter).
-    pub(super) fn scatter_rows<S: Elem>(&self, full: &[S], local: &mut [S]) {
+    pub(super) fn scatter_rows<S: Elem>(&self, full: View<'_, S>, local: ViewMut<'_, S>) {
+        let (full, local) = (full.host(), local.host_mut());
         let (n, r) = (local.len(), self.rank);
         debug_assert_eq!(full.len(), n * self.size);
         self.comm

@@ -69,7 +69,7 @@ impl Trainer {
         let layers = self.model.config.layers;
         let width = (0..pp.chunks()).map(|c| pp.slots_of(c)).max().unwrap_or(1);
         let mut held: Vec<Option<InFlight<S>>> = (0..pp.chunks() * width).map(|_| None).collect();
-        let mut src = WholeParams(params);
+        let mut src = WholeParams::host(params);
         let sp = self.model.tp.as_ref().filter(|t| t.sp);
         let mut loss = LossSum::default();
         let model = &self.model;
@@ -146,7 +146,7 @@ impl Trainer {
                     let done = &mut |d: GradsDone, g: &mut dyn GradBuf<G>| {
                         if let (Some(tp), true) = (sp, mb == last_mb) {
                             for r in norms_of(&d).into_iter().filter(|r| !r.is_empty()) {
-                                tp.sum(&mut g[r]);
+                                tp.sum(g.slice_mut(r));
                             }
                         }
                     };
@@ -202,7 +202,7 @@ impl Trainer {
     ) -> Result<()> {
         let embed = self.model.params.embed.clone();
         if !embed.is_empty() {
-            pp.sum_embedding(&mut grads[embed.clone()])?;
+            pp.sum_embedding(grads.slice_mut(embed.clone()).host_mut())?;
         }
         let Some(dp) = dp else {
             return Ok(());
@@ -259,7 +259,7 @@ impl Trainer {
         let k: &dyn Kernels<S> = &self.kernels;
         let layers = self.model.config.layers;
         let model = &self.model;
-        let mut src = WholeParams(params);
+        let mut src = WholeParams::host(params);
         if let Some(a) = &mut self.pool.arena {
             a.set_slot(0);
         }

@@ -21,7 +21,7 @@ pub mod vocab_parallel_ce;
 
 use super::{
     Accum, AdamWParams, AttnShape, CeShape, CeShardShape, Kernels, Limits, MatmulShape, NormShape,
-    RingShape, RopeShape, RopeTable, Rounding, RouteShape,
+    RingShape, RopeShape, RopeTable, Rounding, RouteShape, View, ViewMut,
 };
 use crate::dtype::Elem;
 pub use gemm_select::Gemm;
@@ -106,250 +106,450 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CpuKernels {
     fn matmul_forward(
         &self,
         s: MatmulShape,
-        x: &[S],
-        w: &[S],
-        bias: Option<&[S]>,
-        y: &mut [S],
+        x: View<'_, S>,
+        w: View<'_, S>,
+        bias: Option<View<'_, S>>,
+        y: ViewMut<'_, S>,
         y_accum: Accum,
     ) {
-        matmul::forward(s, x, w, bias, y, y_accum, self)
+        matmul::forward(
+            s,
+            x.host(),
+            w.host(),
+            bias.map(View::host),
+            y.host_mut(),
+            y_accum,
+            self,
+        )
     }
     fn matmul_backward_weight(
         &self,
         s: MatmulShape,
-        dy: &[S],
-        x: &[S],
-        dw: &mut [G],
-        dbias: Option<&mut [G]>,
+        dy: View<'_, S>,
+        x: View<'_, S>,
+        dw: ViewMut<'_, G>,
+        dbias: Option<ViewMut<'_, G>>,
     ) {
-        matmul::backward_weight(s, dy, x, dw, dbias, self)
+        matmul::backward_weight(
+            s,
+            dy.host(),
+            x.host(),
+            dw.host_mut(),
+            dbias.map(ViewMut::host_mut),
+            self,
+        )
     }
     fn matmul_backward_input(
         &self,
         s: MatmulShape,
-        dy: &[S],
-        w: &[S],
-        dx: &mut [S],
+        dy: View<'_, S>,
+        w: View<'_, S>,
+        dx: ViewMut<'_, S>,
         dx_accum: Accum,
     ) {
-        matmul::backward_input(s, dy, w, dx, dx_accum, self)
+        matmul::backward_input(s, dy.host(), w.host(), dx.host_mut(), dx_accum, self)
     }
-    fn head_forward(&self, s: MatmulShape, x: &[S], w: &[S], logits: &mut [f32]) {
-        matmul::forward(s, x, w, None, logits, Accum::Overwrite, &self.head())
+    fn head_forward(
+        &self,
+        s: MatmulShape,
+        x: View<'_, S>,
+        w: View<'_, S>,
+        logits: ViewMut<'_, f32>,
+    ) {
+        matmul::forward(
+            s,
+            x.host(),
+            w.host(),
+            None,
+            logits.host_mut(),
+            Accum::Overwrite,
+            &self.head(),
+        )
     }
-    fn head_backward_weight(&self, s: MatmulShape, dlogits: &[f32], x: &[S], dw: &mut [G]) {
-        matmul::backward_weight(s, dlogits, x, dw, None, &self.head())
+    fn head_backward_weight(
+        &self,
+        s: MatmulShape,
+        dlogits: View<'_, f32>,
+        x: View<'_, S>,
+        dw: ViewMut<'_, G>,
+    ) {
+        matmul::backward_weight(
+            s,
+            dlogits.host(),
+            x.host(),
+            dw.host_mut(),
+            None,
+            &self.head(),
+        )
     }
-    fn head_backward_input(&self, s: MatmulShape, dlogits: &[f32], w: &[S], dx: &mut [S]) {
-        matmul::backward_input(s, dlogits, w, dx, Accum::Overwrite, &self.head())
+    fn head_backward_input(
+        &self,
+        s: MatmulShape,
+        dlogits: View<'_, f32>,
+        w: View<'_, S>,
+        dx: ViewMut<'_, S>,
+    ) {
+        matmul::backward_input(
+            s,
+            dlogits.host(),
+            w.host(),
+            dx.host_mut(),
+            Accum::Overwrite,
+            &self.head(),
+        )
     }
-    fn rmsnorm_forward(&self, s: NormShape, x: &[S], w: &[S], out: &mut [S], rstd: &mut [f32]) {
-        rmsnorm::forward(s, x, w, out, rstd)
+    fn rmsnorm_forward(
+        &self,
+        s: NormShape,
+        x: View<'_, S>,
+        w: View<'_, S>,
+        out: ViewMut<'_, S>,
+        rstd: ViewMut<'_, f32>,
+    ) {
+        rmsnorm::forward(s, x.host(), w.host(), out.host_mut(), rstd.host_mut())
     }
     fn rmsnorm_backward(
         &self,
         s: NormShape,
-        dy: &[S],
-        x: &[S],
-        w: &[S],
-        rstd: &[f32],
-        dx: &mut [S],
+        dy: View<'_, S>,
+        x: View<'_, S>,
+        w: View<'_, S>,
+        rstd: View<'_, f32>,
+        dx: ViewMut<'_, S>,
         dx_accum: Accum,
-        dw: &mut [G],
+        dw: ViewMut<'_, G>,
     ) {
-        rmsnorm::backward(s, dy, x, w, rstd, dx, dx_accum, dw)
+        rmsnorm::backward(
+            s,
+            dy.host(),
+            x.host(),
+            w.host(),
+            rstd.host(),
+            dx.host_mut(),
+            dx_accum,
+            dw.host_mut(),
+        )
     }
-    fn rope_forward(&self, s: RopeShape, table: &RopeTable, x: &mut [S]) {
-        rope::forward(s, table, x)
+    fn rope_forward(&self, s: RopeShape, table: &RopeTable, x: ViewMut<'_, S>) {
+        rope::forward(s, table, x.host_mut())
     }
-    fn rope_backward(&self, s: RopeShape, table: &RopeTable, dx: &mut [S]) {
-        rope::backward(s, table, dx)
+    fn rope_backward(&self, s: RopeShape, table: &RopeTable, dx: ViewMut<'_, S>) {
+        rope::backward(s, table, dx.host_mut())
     }
     fn attention_forward(
         &self,
         s: AttnShape,
-        q: &[S],
-        k: &[S],
-        v: &[S],
-        o: &mut [S],
-        lse: &mut [f32],
+        q: View<'_, S>,
+        k: View<'_, S>,
+        v: View<'_, S>,
+        o: ViewMut<'_, S>,
+        lse: ViewMut<'_, f32>,
     ) {
-        attention::forward(s, q, k, v, o, lse)
+        attention::forward(
+            s,
+            q.host(),
+            k.host(),
+            v.host(),
+            o.host_mut(),
+            lse.host_mut(),
+        )
     }
     fn attention_backward(
         &self,
         s: AttnShape,
-        q: &[S],
-        k: &[S],
-        v: &[S],
-        o: &[S],
-        lse: &[f32],
-        d_o: &[S],
-        dq: &mut [S],
-        dk: &mut [S],
-        dv: &mut [S],
+        q: View<'_, S>,
+        k: View<'_, S>,
+        v: View<'_, S>,
+        o: View<'_, S>,
+        lse: View<'_, f32>,
+        d_o: View<'_, S>,
+        dq: ViewMut<'_, S>,
+        dk: ViewMut<'_, S>,
+        dv: ViewMut<'_, S>,
     ) {
-        attention::backward(s, q, k, v, o, lse, d_o, dq, dk, dv)
+        attention::backward(
+            s,
+            q.host(),
+            k.host(),
+            v.host(),
+            o.host(),
+            lse.host(),
+            d_o.host(),
+            dq.host_mut(),
+            dk.host_mut(),
+            dv.host_mut(),
+        )
     }
     fn attention_forward_ring(
         &self,
         s: RingShape,
-        q: &[S],
-        k: &[f32],
-        v: &[f32],
-        o: &mut [f32],
-        lse: &mut [f32],
+        q: View<'_, S>,
+        k: View<'_, f32>,
+        v: View<'_, f32>,
+        o: ViewMut<'_, f32>,
+        lse: ViewMut<'_, f32>,
         first: bool,
     ) {
-        attention::forward_ring(s, q, k, v, o, lse, first)
+        attention::forward_ring(
+            s,
+            q.host(),
+            k.host(),
+            v.host(),
+            o.host_mut(),
+            lse.host_mut(),
+            first,
+        )
     }
     fn attention_backward_ring(
         &self,
         s: RingShape,
-        q: &[S],
-        k: &[f32],
-        v: &[f32],
-        o: &[S],
-        lse: &[f32],
-        d_o: &[S],
-        dq: &mut [f32],
-        dk: &mut [f32],
-        dv: &mut [f32],
+        q: View<'_, S>,
+        k: View<'_, f32>,
+        v: View<'_, f32>,
+        o: View<'_, S>,
+        lse: View<'_, f32>,
+        d_o: View<'_, S>,
+        dq: ViewMut<'_, f32>,
+        dk: ViewMut<'_, f32>,
+        dv: ViewMut<'_, f32>,
     ) {
-        attention::backward_ring(s, q, k, v, o, lse, d_o, dq, dk, dv)
+        attention::backward_ring(
+            s,
+            q.host(),
+            k.host(),
+            v.host(),
+            o.host(),
+            lse.host(),
+            d_o.host(),
+            dq.host_mut(),
+            dk.host_mut(),
+            dv.host_mut(),
+        )
     }
-    fn swiglu_forward(&self, gate: &[S], up: &[S], h: &mut [S]) {
-        swiglu::forward(gate, up, h)
+    fn swiglu_forward(&self, gate: View<'_, S>, up: View<'_, S>, h: ViewMut<'_, S>) {
+        swiglu::forward(gate.host(), up.host(), h.host_mut())
     }
-    fn swiglu_backward(&self, dh: &[S], gate: &[S], up: &[S], dgate: &mut [S], dup: &mut [S]) {
-        swiglu::backward(dh, gate, up, dgate, dup)
+    fn swiglu_backward(
+        &self,
+        dh: View<'_, S>,
+        gate: View<'_, S>,
+        up: View<'_, S>,
+        dgate: ViewMut<'_, S>,
+        dup: ViewMut<'_, S>,
+    ) {
+        swiglu::backward(
+            dh.host(),
+            gate.host(),
+            up.host(),
+            dgate.host_mut(),
+            dup.host_mut(),
+        )
     }
     fn router_forward(
         &self,
         s: RouteShape,
-        logits: &[f32],
-        weights: &mut [f32],
-        index: &mut [u32],
-        load: &mut [f32],
+        logits: View<'_, f32>,
+        weights: ViewMut<'_, f32>,
+        index: ViewMut<'_, u32>,
+        load: ViewMut<'_, f32>,
     ) {
-        moe_routing::router_forward(s, logits, weights, index, load)
+        moe_routing::router_forward(
+            s,
+            logits.host(),
+            weights.host_mut(),
+            index.host_mut(),
+            load.host_mut(),
+        )
     }
     fn router_backward(
         &self,
         s: RouteShape,
-        logits: &[f32],
-        index: &[u32],
-        dweights: &[f32],
-        aux_dp: &[f32],
-        dlogits: &mut [f32],
+        logits: View<'_, f32>,
+        index: View<'_, u32>,
+        dweights: View<'_, f32>,
+        aux_dp: View<'_, f32>,
+        dlogits: ViewMut<'_, f32>,
     ) {
-        moe_routing::router_backward(s, logits, index, dweights, aux_dp, dlogits)
+        moe_routing::router_backward(
+            s,
+            logits.host(),
+            index.host(),
+            dweights.host(),
+            aux_dp.host(),
+            dlogits.host_mut(),
+        )
     }
-    fn permute(&self, s: RouteShape, index: &[u32], x: &[S], rows: &mut [S]) {
-        moe_routing::permute(s, index, x, rows)
+    fn permute(&self, s: RouteShape, index: View<'_, u32>, x: View<'_, S>, rows: ViewMut<'_, S>) {
+        moe_routing::permute(s, index.host(), x.host(), rows.host_mut())
     }
     fn unpermute(
         &self,
         s: RouteShape,
-        index: &[u32],
-        weights: Option<&[f32]>,
-        rows: &[S],
-        y: &mut [S],
+        index: View<'_, u32>,
+        weights: Option<View<'_, f32>>,
+        rows: View<'_, S>,
+        y: ViewMut<'_, S>,
         accum: Accum,
     ) {
-        moe_routing::unpermute(s, index, weights, rows, y, accum)
+        moe_routing::unpermute(
+            s,
+            index.host(),
+            weights.map(View::host),
+            rows.host(),
+            y.host_mut(),
+            accum,
+        )
     }
-    fn scale_rows(&self, s: RouteShape, index: &[u32], weights: &[f32], rows: &mut [S]) {
-        moe_routing::scale_rows(s, index, weights, rows)
+    fn scale_rows(
+        &self,
+        s: RouteShape,
+        index: View<'_, u32>,
+        weights: View<'_, f32>,
+        rows: ViewMut<'_, S>,
+    ) {
+        moe_routing::scale_rows(s, index.host(), weights.host(), rows.host_mut())
     }
-    fn row_dot(&self, s: RouteShape, index: &[u32], a: &[S], b: &[S], out: &mut [f32]) {
-        moe_routing::row_dot(s, index, a, b, out)
+    fn row_dot(
+        &self,
+        s: RouteShape,
+        index: View<'_, u32>,
+        a: View<'_, S>,
+        b: View<'_, S>,
+        out: ViewMut<'_, f32>,
+    ) {
+        moe_routing::row_dot(s, index.host(), a.host(), b.host(), out.host_mut())
     }
-    fn embedding_forward(&self, tokens: &[u32], wte: &[S], c: usize, out: &mut [S]) {
-        embedding::forward(tokens, wte, c, out)
+    fn embedding_forward(
+        &self,
+        tokens: View<'_, u32>,
+        wte: View<'_, S>,
+        c: usize,
+        out: ViewMut<'_, S>,
+    ) {
+        embedding::forward(tokens.host(), wte.host(), c, out.host_mut())
     }
-    fn embedding_backward(&self, tokens: &[u32], dout: &[S], c: usize, dwte: &mut [G]) {
-        embedding::backward(tokens, dout, c, dwte)
+    fn embedding_backward(
+        &self,
+        tokens: View<'_, u32>,
+        dout: View<'_, S>,
+        c: usize,
+        dwte: ViewMut<'_, G>,
+    ) {
+        embedding::backward(tokens.host(), dout.host(), c, dwte.host_mut())
     }
     fn embedding_forward_shard(
         &self,
-        tokens: &[u32],
-        wte: &[S],
+        tokens: View<'_, u32>,
+        wte: View<'_, S>,
         c: usize,
         first: usize,
-        out: &mut [S],
+        out: ViewMut<'_, S>,
     ) {
-        embedding::forward_shard(tokens, wte, c, first, out)
+        embedding::forward_shard(tokens.host(), wte.host(), c, first, out.host_mut())
     }
     fn embedding_backward_shard(
         &self,
-        tokens: &[u32],
-        dout: &[S],
+        tokens: View<'_, u32>,
+        dout: View<'_, S>,
         c: usize,
         first: usize,
-        dwte: &mut [G],
+        dwte: ViewMut<'_, G>,
     ) {
-        embedding::backward_shard(tokens, dout, c, first, dwte)
+        embedding::backward_shard(tokens.host(), dout.host(), c, first, dwte.host_mut())
     }
-    fn add(&self, a: &[S], b: &[S], out: &mut [S]) {
-        elementwise::add(a, b, out)
+    fn add(&self, a: View<'_, S>, b: View<'_, S>, out: ViewMut<'_, S>) {
+        elementwise::add(a.host(), b.host(), out.host_mut())
     }
-    fn add_inplace(&self, acc: &mut [S], x: &[S]) {
-        elementwise::add_inplace(acc, x)
+    fn add_inplace(&self, acc: ViewMut<'_, S>, x: View<'_, S>) {
+        elementwise::add_inplace(acc.host_mut(), x.host())
     }
-    fn copy(&self, src: &[S], dst: &mut [S]) {
-        elementwise::copy(src, dst)
+    fn copy(&self, src: View<'_, S>, dst: ViewMut<'_, S>) {
+        elementwise::copy(src.host(), dst.host_mut())
     }
-    fn scale(&self, x: &mut [G], s: f32) {
-        elementwise::scale(x, s)
+    fn scale(&self, x: ViewMut<'_, G>, s: f32) {
+        elementwise::scale(x.host_mut(), s)
     }
-    fn sum_squares(&self, x: &[G]) -> f64 {
-        elementwise::sum_squares(x)
+    fn sum_squares(&self, x: View<'_, G>) -> f64 {
+        elementwise::sum_squares(x.host())
     }
-    fn round_params(&self, src: &[f32], dst: &mut [S]) {
-        elementwise::round_into(src, dst)
+    fn round_params(&self, src: View<'_, f32>, dst: ViewMut<'_, S>) {
+        elementwise::round_into(src.host(), dst.host_mut())
+    }
+    fn count_targets(&self, targets: View<'_, u32>, vocab: usize) -> usize {
+        targets
+            .host()
+            .iter()
+            .filter(|&&t| (t as usize) < vocab)
+            .count()
     }
     fn cross_entropy(
         &self,
         s: CeShape,
-        logits: &mut [f32],
-        targets: &[u32],
-        losses: &mut [f32],
+        logits: ViewMut<'_, f32>,
+        targets: View<'_, u32>,
+        losses: ViewMut<'_, f32>,
         dlogits_scale: Option<f32>,
     ) -> f64 {
-        cross_entropy::cross_entropy(s, logits, targets, losses, dlogits_scale)
+        cross_entropy::cross_entropy(
+            s,
+            logits.host_mut(),
+            targets.host(),
+            losses.host_mut(),
+            dlogits_scale,
+        )
     }
     fn ce_shard_stats(
         &self,
         s: CeShardShape,
-        logits: &mut [f32],
-        targets: &[u32],
-        stats: &mut [f32],
+        logits: ViewMut<'_, f32>,
+        targets: View<'_, u32>,
+        stats: ViewMut<'_, f32>,
         keep_exp: bool,
     ) {
-        vocab_parallel_ce::stats(s, logits, targets, stats, keep_exp)
+        vocab_parallel_ce::stats(
+            s,
+            logits.host_mut(),
+            targets.host(),
+            stats.host_mut(),
+            keep_exp,
+        )
     }
     fn ce_shard_finish(
         &self,
         s: CeShardShape,
-        logits: &mut [f32],
-        targets: &[u32],
-        all: &[f32],
+        logits: ViewMut<'_, f32>,
+        targets: View<'_, u32>,
+        all: View<'_, f32>,
         rank: usize,
-        losses: &mut [f32],
+        losses: ViewMut<'_, f32>,
         dlogits_scale: Option<f32>,
     ) -> f64 {
-        vocab_parallel_ce::finish(s, logits, targets, all, rank, losses, dlogits_scale)
+        vocab_parallel_ce::finish(
+            s,
+            logits.host_mut(),
+            targets.host(),
+            all.host(),
+            rank,
+            losses.host_mut(),
+            dlogits_scale,
+        )
     }
     fn adamw_step(
         &self,
         h: AdamWParams,
-        master: &mut [f32],
-        grads: &[G],
-        m: &mut [f32],
-        v: &mut [f32],
-        params: Option<(&mut [S], Rounding)>,
+        master: ViewMut<'_, f32>,
+        grads: View<'_, G>,
+        m: ViewMut<'_, f32>,
+        v: ViewMut<'_, f32>,
+        params: Option<(ViewMut<'_, S>, Rounding)>,
     ) {
-        adamw::step(h, master, grads, m, v, params)
+        adamw::step(
+            h,
+            master.host_mut(),
+            grads.host(),
+            m.host_mut(),
+            v.host_mut(),
+            params.map(|(v, r)| (v.host_mut(), r)),
+        )
     }
 }
