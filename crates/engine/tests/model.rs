@@ -11,21 +11,7 @@ use ferrotron_engine::model::{
 use std::collections::HashMap;
 
 fn cfg(tie: bool, bias: bool) -> LlamaConfig {
-    LlamaConfig {
-        hidden: 64,
-        intermediate: 96,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 16,
-        layers: 2,
-        vocab: 80,
-        rope_theta: 10000.0,
-        rms_eps: 1e-5,
-        tie_embeddings: tie,
-        qkv_bias: bias,
-        max_pos: 64,
-        moe: None,
-    }
+    common::dense_cfg(tie, bias)
 }
 
 fn data(rng: &mut Rng, n: usize, vocab: u32) -> (Vec<u32>, Vec<u32>) {

@@ -54,6 +54,59 @@ fn bounds(r: impl RangeBounds<usize>, len: usize) -> (usize, usize) {
     (start, end)
 }
 
+/// The pointer and length of elements `r` of `len` elements at `ptr`.
+#[track_caller]
+fn sub<T>(ptr: NonNull<T>, len: usize, r: impl RangeBounds<usize>) -> (NonNull<T>, usize) {
+    let (start, end) = bounds(r, len);
+    // SAFETY: `start <= len`, so the offset stays inside (or one past) the view.
+    (
+        unsafe { NonNull::new_unchecked(ptr.as_ptr().add(start)) },
+        end - start,
+    )
+}
+
+/// What both kinds of view have: construction from raw parts (with the contract `$safety`),
+/// length and memory.
+macro_rules! view_basics {
+    ($view:ident, $safety:literal) => {
+        impl<'a, T> $view<'a, T> {
+            /// A view of `len` elements at `ptr` in `mem`.
+            ///
+            /// # Safety
+            #[doc = $safety]
+            pub unsafe fn from_raw_parts(ptr: NonNull<T>, len: usize, mem: Memory) -> Self {
+                $view {
+                    ptr,
+                    len,
+                    mem,
+                    _borrow: PhantomData,
+                }
+            }
+
+            pub fn len(&self) -> usize {
+                self.len
+            }
+
+            pub fn is_empty(&self) -> bool {
+                self.len == 0
+            }
+
+            pub fn memory(&self) -> Memory {
+                self.mem
+            }
+        }
+    };
+}
+
+view_basics!(
+    View,
+    "`ptr` must address `len` initialised elements in `mem` that stay valid and unwritten for `'a`."
+);
+view_basics!(
+    ViewMut,
+    "`ptr` must address `len` initialised elements in `mem` that stay valid for `'a` and that nothing else reads or writes while the view lives."
+);
+
 /// A host-side use of memory that lives elsewhere: a bug in whoever paired the buffer with a
 /// host backend or host code, so it stops the program with both named.
 #[cold]
@@ -82,32 +135,6 @@ unsafe impl<T: Sync> Send for View<'_, T> {}
 unsafe impl<T: Sync> Sync for View<'_, T> {}
 
 impl<'a, T> View<'a, T> {
-    /// A view of `len` elements at `ptr` in `mem`.
-    ///
-    /// # Safety
-    /// `ptr` must address `len` initialised elements in `mem` that stay valid and unwritten
-    /// for `'a`.
-    pub unsafe fn from_raw_parts(ptr: NonNull<T>, len: usize, mem: Memory) -> Self {
-        View {
-            ptr,
-            len,
-            mem,
-            _borrow: PhantomData,
-        }
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    pub fn memory(&self) -> Memory {
-        self.mem
-    }
-
     /// The first element's address in the view's memory (a device address on a device).
     pub fn as_ptr(&self) -> *const T {
         self.ptr.as_ptr()
@@ -116,14 +143,8 @@ impl<'a, T> View<'a, T> {
     /// The elements `r` of this view (panics out of bounds, as slice indexing does).
     #[track_caller]
     pub fn slice(self, r: impl RangeBounds<usize>) -> View<'a, T> {
-        let (start, end) = bounds(r, self.len);
-        // SAFETY: `start <= len`, so the offset stays inside (or one past) the view.
-        let ptr = unsafe { NonNull::new_unchecked(self.ptr.as_ptr().add(start)) };
-        View {
-            ptr,
-            len: end - start,
-            ..self
-        }
+        let (ptr, len) = sub(self.ptr, self.len, r);
+        View { ptr, len, ..self }
     }
 
     /// The first `mid` elements and the rest.
@@ -169,32 +190,6 @@ unsafe impl<T: Send> Send for ViewMut<'_, T> {}
 unsafe impl<T: Sync> Sync for ViewMut<'_, T> {}
 
 impl<'a, T> ViewMut<'a, T> {
-    /// A writable view of `len` elements at `ptr` in `mem`.
-    ///
-    /// # Safety
-    /// `ptr` must address `len` initialised elements in `mem` that stay valid for `'a` and
-    /// that nothing else reads or writes while the view lives.
-    pub unsafe fn from_raw_parts(ptr: NonNull<T>, len: usize, mem: Memory) -> Self {
-        ViewMut {
-            ptr,
-            len,
-            mem,
-            _borrow: PhantomData,
-        }
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    pub fn memory(&self) -> Memory {
-        self.mem
-    }
-
     /// The first element's address in the view's memory (a device address on a device).
     pub fn as_mut_ptr(&mut self) -> *mut T {
         self.ptr.as_ptr()
@@ -221,31 +216,16 @@ impl<'a, T> ViewMut<'a, T> {
     /// The elements `r` of this view (panics out of bounds, as slice indexing does).
     #[track_caller]
     pub fn slice_mut(self, r: impl RangeBounds<usize>) -> ViewMut<'a, T> {
-        let (start, end) = bounds(r, self.len);
-        // SAFETY: `start <= len`, so the offset stays inside (or one past) the view.
-        let ptr = unsafe { NonNull::new_unchecked(self.ptr.as_ptr().add(start)) };
-        ViewMut {
-            ptr,
-            len: end - start,
-            ..self
-        }
+        let (ptr, len) = sub(self.ptr, self.len, r);
+        ViewMut { ptr, len, ..self }
     }
 
     /// The first `mid` elements and the rest, both writable.
     #[track_caller]
     pub fn split_at_mut(self, mid: usize) -> (ViewMut<'a, T>, ViewMut<'a, T>) {
-        assert!(
-            mid <= self.len,
-            "split at {mid} of a view of {} elements",
-            self.len
-        );
-        let rest = ViewMut {
-            // SAFETY: `mid <= len`; the halves do not overlap.
-            ptr: unsafe { NonNull::new_unchecked(self.ptr.as_ptr().add(mid)) },
-            len: self.len - mid,
-            ..self
-        };
-        (ViewMut { len: mid, ..self }, rest)
+        let (ptr, len) = sub(self.ptr, self.len, mid..);
+        // The halves do not overlap: the borrow splits as `<[T]>::split_at_mut`'s does.
+        (ViewMut { len: mid, ..self }, ViewMut { ptr, len, ..self })
     }
 
     /// The host slice it is; panics naming the memory when that is a device's.

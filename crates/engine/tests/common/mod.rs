@@ -80,3 +80,23 @@ pub fn fd_grad(x: &[f64], f: &mut dyn FnMut(&[f64]) -> f64) -> Vec<f64> {
 pub fn dot64(a: &[f64], b: &[f64]) -> f64 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
+
+/// The small dense Llama of the model-level tests: GQA (4 query, 2 key/value heads), 2 layers,
+/// tied or untied head, with or without q/k/v bias.
+pub fn dense_cfg(tie: bool, bias: bool) -> ferrotron_engine::model::LlamaConfig {
+    ferrotron_engine::model::LlamaConfig {
+        hidden: 64,
+        intermediate: 96,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+        layers: 2,
+        vocab: 80,
+        rope_theta: 10000.0,
+        rms_eps: 1e-5,
+        tie_embeddings: tie,
+        qkv_bias: bias,
+        max_pos: 64,
+        moe: None,
+    }
+}
