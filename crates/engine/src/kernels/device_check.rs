@@ -106,37 +106,18 @@ not_memory!(
     &RopeTable,
 );
 
-/// Emits `impl Kernels for OnDevice` from the kernel interface's list: hooks forwarded as they
-/// are, every op with each argument passed through [`HostArg`].
+/// Every argument of an op passed through [`HostArg`], then to the inner backend.
+macro_rules! on_device_op {
+    ($s:ident, $name:ident, $($arg:ident),*) => {
+        $s.inner.$name($(HostArg::host_arg($arg, stringify!($name))),*)
+    };
+}
+
+/// `impl Kernels for OnDevice`, generated from the kernel interface's list.
 macro_rules! on_device_kernels {
-    (hooks { $($hook:tt)* } ops { $($op:tt)* }) => {
-        impl<S: Elem, G: Elem, K: Kernels<S, G>> Kernels<S, G> for OnDevice<K> {
-            on_device_kernels!(@each hook $($hook)*);
-            on_device_kernels!(@each op $($op)*);
-        }
+    ($($list:tt)*) => {
+        wrapper_kernels!([K: Kernels<S, G>] OnDevice<K>, on_device_op; $($list)*);
     };
-    (@each $kind:ident) => {};
-    (@each $kind:ident $(#[$attr:meta])* fn $name:ident $args:tt $(-> $ret:ty)?; $($rest:tt)*) => {
-        on_device_kernels!(@$kind required $name $args ($($ret)?));
-        on_device_kernels!(@each $kind $($rest)*);
-    };
-    (@each $kind:ident $(#[$attr:meta])* fn $name:ident $args:tt $(-> $ret:ty)? $default:block
-     $($rest:tt)*) => {
-        on_device_kernels!(@$kind provided $name $args ($($ret)?));
-        on_device_kernels!(@each $kind $($rest)*);
-    };
-    (@hook $_provided:ident $name:ident (&self $(, $arg:ident: $ty:ty)* $(,)?) ($($ret:ty)?)) => {
-        fn $name(&self $(, $arg: $ty)*) $(-> $ret)? {
-            self.inner.$name($($arg),*)
-        }
-    };
-    (@op required $name:ident (&self $(, $arg:ident: $ty:ty)* $(,)?) ($($ret:ty)?)) => {
-        fn $name(&self $(, $arg: $ty)*) $(-> $ret)? {
-            self.inner.$name($(HostArg::host_arg($arg, stringify!($name))),*)
-        }
-    };
-    // A composite op keeps the trait's default, which calls the checked parts.
-    (@op provided $($_:tt)*) => {};
 }
 kernel_interface!(on_device_kernels);
 

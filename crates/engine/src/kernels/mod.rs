@@ -644,6 +644,45 @@ macro_rules! kernel_interface {
 // Path-based export, so that generators in other modules can name it (`super::kernel_interface!`).
 pub(crate) use kernel_interface;
 
+/// Emits `impl Kernels<S, G> for` a wrapper backend whose inner backend is `self.inner`, from
+/// the kernel interface's list: `wrapper_kernels!([generics] Type, call; hooks {..} ops {..})`.
+/// Hooks go to the inner backend as they are; every op without a default body becomes
+/// `call!(self, op_name, arg, ..)`; an op with a default (a composite) keeps it, so the wrapper
+/// sees its parts. `@each` walks the entries, since an entry ends in either `;` or a body.
+macro_rules! wrapper_kernels {
+    ([$($gen:tt)*] $ty:ty, $call:ident; hooks { $($hook:tt)* } ops { $($op:tt)* }) => {
+        impl<S: Elem, G: Elem, $($gen)*> Kernels<S, G> for $ty {
+            wrapper_kernels!(@each $call hook $($hook)*);
+            wrapper_kernels!(@each $call op $($op)*);
+        }
+    };
+    (@each $call:ident $kind:ident) => {};
+    (@each $call:ident $kind:ident $(#[$attr:meta])* fn $name:ident $args:tt $(-> $ret:ty)?;
+     $($rest:tt)*) => {
+        wrapper_kernels!(@$kind $call required $name $args ($($ret)?));
+        wrapper_kernels!(@each $call $kind $($rest)*);
+    };
+    (@each $call:ident $kind:ident $(#[$attr:meta])* fn $name:ident $args:tt $(-> $ret:ty)?
+     $default:block $($rest:tt)*) => {
+        wrapper_kernels!(@$kind $call provided $name $args ($($ret)?));
+        wrapper_kernels!(@each $call $kind $($rest)*);
+    };
+    (@hook $call:ident $_provided:ident $name:ident (&self $(, $arg:ident: $ty:ty)* $(,)?)
+     ($($ret:ty)?)) => {
+        fn $name(&self $(, $arg: $ty)*) $(-> $ret)? {
+            self.inner.$name($($arg),*)
+        }
+    };
+    (@op $call:ident required $name:ident (&self $(, $arg:ident: $ty:ty)* $(,)?)
+     ($($ret:ty)?)) => {
+        fn $name(&self $(, $arg: $ty)*) $(-> $ret)? {
+            $call!(self, $name, $($arg),*)
+        }
+    };
+    (@op $call:ident provided $($_:tt)*) => {};
+}
+pub(crate) use wrapper_kernels;
+
 /// Emits the [`Kernels`] trait from the list: both sections verbatim, defaults included.
 macro_rules! kernels_trait {
     (hooks { $($hook:tt)* } ops { $($op:tt)* }) => {

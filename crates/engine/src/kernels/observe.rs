@@ -37,40 +37,20 @@ impl<K, O: OpObserver> Observed<K, O> {
     }
 }
 
-/// Emits `impl Kernels for Observed` from the kernel interface's list, one method at a time
-/// (`@each` walks the entries, since an entry ends in either `;` or a default body).
+/// An op is observed under its own name, the string traces and profiles report. (A composite
+/// op keeps the trait's default, which calls the wrapper's own methods, so the observer sees
+/// its parts: `matmul_backward` shows as its weight and input halves.)
+macro_rules! observe_op {
+    ($s:ident, $name:ident, $($arg:ident),*) => {
+        $s.time(stringify!($name), || $s.inner.$name($($arg),*))
+    };
+}
+
+/// `impl Kernels for Observed`, generated from the kernel interface's list.
 macro_rules! observed_kernels {
-    (hooks { $($hook:tt)* } ops { $($op:tt)* }) => {
-        impl<S: Elem, G: Elem, K: Kernels<S, G>, O: OpObserver> Kernels<S, G> for Observed<K, O> {
-            observed_kernels!(@each hook $($hook)*);
-            observed_kernels!(@each op $($op)*);
-        }
+    ($($list:tt)*) => {
+        wrapper_kernels!([K: Kernels<S, G>, O: OpObserver] Observed<K, O>, observe_op; $($list)*);
     };
-    (@each $kind:ident) => {};
-    (@each $kind:ident $(#[$attr:meta])* fn $name:ident $args:tt $(-> $ret:ty)?; $($rest:tt)*) => {
-        observed_kernels!(@$kind required $name $args ($($ret)?));
-        observed_kernels!(@each $kind $($rest)*);
-    };
-    (@each $kind:ident $(#[$attr:meta])* fn $name:ident $args:tt $(-> $ret:ty)? $default:block
-     $($rest:tt)*) => {
-        observed_kernels!(@$kind provided $name $args ($($ret)?));
-        observed_kernels!(@each $kind $($rest)*);
-    };
-    // A hook is the inner backend's, default or not, and is not an op to observe.
-    (@hook $_provided:ident $name:ident (&self $(, $arg:ident: $ty:ty)* $(,)?) ($($ret:ty)?)) => {
-        fn $name(&self $(, $arg: $ty)*) $(-> $ret)? {
-            self.inner.$name($($arg),*)
-        }
-    };
-    // An op is observed under its own name, the string traces and profiles report.
-    (@op required $name:ident (&self $(, $arg:ident: $ty:ty)* $(,)?) ($($ret:ty)?)) => {
-        fn $name(&self $(, $arg: $ty)*) $(-> $ret)? {
-            self.time(stringify!($name), || self.inner.$name($($arg),*))
-        }
-    };
-    // A composite op keeps the trait's default, which calls the wrapper's own methods, so the
-    // observer sees its parts (`matmul_backward` shows as its weight and input halves).
-    (@op provided $($_:tt)*) => {};
 }
 kernel_interface!(observed_kernels);
 
