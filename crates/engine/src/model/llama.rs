@@ -958,19 +958,16 @@ impl Llama {
 
         // ---- attention block: resid_mid = input + o_proj(attn(q, k, v)) ----
         let dmid = self.gathered_rows(sc.resid.view(), full.as_mut());
-        k.matmul_backward_weight(
+        let dwo = grads.slice_mut(li.wo.clone());
+        let dx = Some((sc.attn_out.view_mut(), Accum::Overwrite));
+        k.matmul_backward(
             lin(qd, c),
             dmid,
             a.attn_out.view(),
-            grads.slice_mut(li.wo.clone()),
-            None,
-        );
-        k.matmul_backward_input(
-            lin(qd, c),
-            dmid,
             p(&li.wo),
-            sc.attn_out.view_mut(),
-            Accum::Overwrite,
+            dx,
+            dwo,
+            None,
         );
         self.attention_backward(
             k,
@@ -1067,20 +1064,9 @@ impl Llama {
             ragged: false,
         };
         let dout = self.gathered_rows(sc.resid.view(), full.as_deref_mut());
-        k.matmul_backward_weight(
-            lin(f, c),
-            dout,
-            a.swiglu.view(),
-            grads.slice_mut(li.wd.clone()),
-            None,
-        );
-        k.matmul_backward_input(
-            lin(f, c),
-            dout,
-            p(&li.wd),
-            sc.swiglu.view_mut(),
-            Accum::Overwrite,
-        );
+        let dwd = grads.slice_mut(li.wd.clone());
+        let dx = Some((sc.swiglu.view_mut(), Accum::Overwrite));
+        k.matmul_backward(lin(f, c), dout, a.swiglu.view(), p(&li.wd), dx, dwd, None);
         pool.free(name(T::Swiglu), std::mem::take(&mut a.swiglu));
         k.swiglu_backward(
             sc.swiglu.view(),
