@@ -90,6 +90,19 @@ fn weight_grad<S: Elem, G: Elem>(
     }
 }
 
+/// The input gradient of products that read one input (q, k and v; gate and up): the sum of
+/// each product's `dy·W`, written by the first and added by the rest, in order.
+fn shared_input_grad<S: Elem, G: Elem>(
+    k: &dyn Kernels<S, G>,
+    parts: &[(MatmulShape, View<'_, S>, View<'_, S>)],
+    mut dx: ViewMut<'_, S>,
+) {
+    for (i, &(s, dy, w)) in parts.iter().enumerate() {
+        let acc = if i == 0 { Accum::Overwrite } else { Accum::Add };
+        k.matmul_backward_input(s, dy, w, dx.rb(), acc);
+    }
+}
+
 fn opt<'a, S>(params: &'a dyn ParamBuf<S>, r: &Option<Range<usize>>) -> Option<View<'a, S>> {
     r.as_ref().map(|r| params.slice(r.clone()))
 }
@@ -1001,27 +1014,12 @@ impl Llama {
         weight_grad(k, lin(c, kvd), sc.k.view(), x1, grads, &li.wk, &li.bk);
         weight_grad(k, lin(c, kvd), sc.v.view(), x1, grads, &li.wv, &li.bv);
         pool.free(name(T::Ln1Out), a.ln1_out);
-        k.matmul_backward_input(
-            lin(c, qd),
-            sc.q.view(),
-            p(&li.wq),
-            sc.ln_out.view_mut(),
-            Accum::Overwrite,
-        );
-        k.matmul_backward_input(
-            lin(c, kvd),
-            sc.k.view(),
-            p(&li.wk),
-            sc.ln_out.view_mut(),
-            Accum::Add,
-        );
-        k.matmul_backward_input(
-            lin(c, kvd),
-            sc.v.view(),
-            p(&li.wv),
-            sc.ln_out.view_mut(),
-            Accum::Add,
-        );
+        let qkv = [
+            (lin(c, qd), sc.q.view(), p(&li.wq)),
+            (lin(c, kvd), sc.k.view(), p(&li.wk)),
+            (lin(c, kvd), sc.v.view(), p(&li.wv)),
+        ];
+        shared_input_grad(k, &qkv, sc.ln_out.view_mut());
         let dln1 = self.input_grad(sc.ln_out.view_mut(), full.as_mut(), nl);
         k.rmsnorm_backward(
             self.norm(nl),
@@ -1093,20 +1091,11 @@ impl Llama {
             None,
         );
         pool.free(name(T::Ln2Out), std::mem::take(&mut a.ln2_out));
-        k.matmul_backward_input(
-            lin(c, f),
-            sc.gate.view(),
-            p(&li.wg),
-            sc.ln_out.view_mut(),
-            Accum::Overwrite,
-        );
-        k.matmul_backward_input(
-            lin(c, f),
-            sc.up.view(),
-            p(&li.wu),
-            sc.ln_out.view_mut(),
-            Accum::Add,
-        );
+        let gate_up = [
+            (lin(c, f), sc.gate.view(), p(&li.wg)),
+            (lin(c, f), sc.up.view(), p(&li.wu)),
+        ];
+        shared_input_grad(k, &gate_up, sc.ln_out.view_mut());
     }
 
     /// Evaluation forward (no gradients): loss sum over the batch; layer activations are
