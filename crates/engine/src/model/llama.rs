@@ -92,7 +92,7 @@ fn weight_grad<S: Elem, G: Elem>(
 
 /// The input gradient of products that read one input (q, k and v; gate and up): the sum of
 /// each product's `dy·W`, written by the first and added by the rest, in order.
-fn shared_input_grad<S: Elem, G: Elem>(
+pub(super) fn shared_input_grad<S: Elem, G: Elem>(
     k: &dyn Kernels<S, G>,
     parts: &[(MatmulShape, View<'_, S>, View<'_, S>)],
     mut dx: ViewMut<'_, S>,
@@ -229,6 +229,26 @@ impl Llama {
                 self.tp_sum(out);
             }
         }
+    }
+
+    /// `out = x·Wᵀ + resid`: a row-parallel projection (o_proj, down_proj) into this rank's rows
+    /// of the residual stream, then the residual added as its own step, once the projection's
+    /// partial sums are complete (added before them, it would count tp times).
+    #[allow(clippy::too_many_arguments)]
+    fn projection_residual<S: Elem, G: Elem>(
+        &self,
+        k: &dyn Kernels<S, G>,
+        full: Option<&mut Buf<S>>,
+        s: MatmulShape,
+        x: View<'_, S>,
+        w: View<'_, S>,
+        resid: View<'_, S>,
+        mut out: ViewMut<'_, S>,
+    ) {
+        self.row_parallel(full, out.rb(), |y| {
+            k.matmul_forward(s, x, w, None, y, Accum::Overwrite)
+        });
+        k.add_inplace(out, resid);
     }
 
     /// The gradient of a column-parallel block's input, `partial` over the group: summed in
@@ -484,17 +504,17 @@ impl Llama {
         // all-reduce its partial sums between the two; fused, the residual would be added tp
         // times.
         let mut resid_mid = self.buf(pool, name(T::ResidMid), n);
-        self.row_parallel(full.as_mut(), resid_mid.view_mut(), |y| {
-            k.matmul_forward(
-                lin(qd, c),
-                attn_out.view(),
-                p(&li.wo),
-                None,
-                y,
-                Accum::Overwrite,
-            )
-        });
-        k.add_inplace(resid_mid.view_mut(), input.view());
+        let (o, wo) = (attn_out.view(), p(&li.wo));
+        let resid = input.view();
+        self.projection_residual(
+            k,
+            full.as_mut(),
+            lin(qd, c),
+            o,
+            wo,
+            resid,
+            resid_mid.view_mut(),
+        );
 
         // ---- MLP block ----
         let mut ln2_rstd = self.buf(pool, name(T::Ln2Rstd), n);
@@ -549,17 +569,8 @@ impl Llama {
         let out = output.then(|| {
             // out = swiglu·Wdᵀ, then + resid_mid (explicit, as for o_proj above).
             let mut out = self.buf(pool, self.output_name(i), n);
-            self.row_parallel(full.as_mut(), out.view_mut(), |y| {
-                k.matmul_forward(
-                    lin(f, c),
-                    swiglu.view(),
-                    p(&li.wd),
-                    None,
-                    y,
-                    Accum::Overwrite,
-                )
-            });
-            k.add_inplace(out.view_mut(), resid_mid.view());
+            let (h, wd, resid) = (swiglu.view(), p(&li.wd), resid_mid.view());
+            self.projection_residual(k, full.as_mut(), lin(f, c), h, wd, resid, out.view_mut());
             out
         });
         self.free_sp_full(pool, full);

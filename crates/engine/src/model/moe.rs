@@ -20,7 +20,7 @@ use super::activations::{GradScratch, LayerActs, LossSum};
 use super::buffers::{Buf, BufName, BufferPool};
 use super::expert_parallel::{arrival_of, to_arrival_order, to_expert_major, Arrivals};
 use super::grad_buf::GradBuf;
-use super::llama::Llama;
+use super::llama::{shared_input_grad, Llama};
 use super::param_buf::ParamBuf;
 use super::params::MoeIdx;
 use crate::dtype::Elem;
@@ -516,10 +516,9 @@ impl Llama {
             );
             k.matmul_backward_weight(s, dg, xin, grads.slice_mut(ex.gate.clone()), None);
             k.matmul_backward_weight(s, du, xin, grads.slice_mut(ex.up.clone()), None);
-            let mut dx = sc.rows.view_mut().slice_mut(span(rows, c));
             let (wg, wu) = (params.slice(ex.gate.clone()), params.slice(ex.up.clone()));
-            k.matmul_backward_input(s, dg, wg, dx.rb(), Accum::Overwrite);
-            k.matmul_backward_input(s, du, wu, dx, Accum::Add);
+            let dx = sc.rows.view_mut().slice_mut(span(rows, c));
+            shared_input_grad(k, &[(s, dg, wg), (s, du, wu)], dx);
         }
         pool.free(name(T::ExpertIn), std::mem::take(&mut a.expert_in));
         // The router: d logits from d weights and the load-balancing term, then its weight

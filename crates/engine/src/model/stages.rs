@@ -84,17 +84,17 @@ impl Llama {
         let c = self.config.hidden;
         self.reset_router_load();
         let name = BufName::Layer(0, LayerTensor::Input);
-        let mut x = self.buf(pool, name, tokens.view().len());
+        let tokens = tokens.view();
+        let mut x = self.buf(pool, name, tokens.len());
         let p = params.unit(Unit::Embedding);
         let wte = p.slice(self.params.embed.clone());
-        let tokens = tokens.view();
         match &self.tp {
             None => k.embedding_forward(tokens, wte, c, x.view_mut()),
             Some(tp) => {
                 // Vocabulary-parallel: this rank's rows, the others' tokens zero, summed (under
                 // sequence parallelism reduce-scattered to this rank's tokens).
                 let first = tp.vocab_first();
-                let mut full = self.sp_full::<S>(pool, tokens.view().len());
+                let mut full = self.sp_full::<S>(pool, tokens.len());
                 match full.as_mut() {
                     Some(f) => {
                         k.embedding_forward_shard(tokens, wte, c, first, f.view_mut());
@@ -269,7 +269,7 @@ impl Llama {
             None => k.embedding_backward(tokens, state.0.resid.view(), c, grads.slice_mut(range)),
             Some(tp) => {
                 let first = tp.vocab_first();
-                let mut full = self.sp_full::<S>(pool, tokens.view().len());
+                let mut full = self.sp_full::<S>(pool, tokens.len());
                 let d = self.gathered_rows(state.0.resid.view(), full.as_mut());
                 k.embedding_backward_shard(tokens, d, c, first, grads.slice_mut(range));
                 self.free_sp_full(pool, full);
