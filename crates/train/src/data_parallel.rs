@@ -761,8 +761,8 @@ impl DataParallel {
     }
 
     /// Every rank's `(planned, measured)` bytes, rank order.
-    pub fn gather_mem(&mut self, planned: u64, measured: u64) -> Result<Vec<(u64, u64)>> {
-        gather_mem(self.comm.as_ref(), &mut self.small, planned, measured)
+    pub fn gather_mem(&mut self, mine: [u64; 3]) -> Result<Vec<[u64; 3]>> {
+        gather_mem(self.comm.as_ref(), &mut self.small, mine)
     }
 }
 
@@ -785,22 +785,22 @@ pub(crate) fn gather_small<'a>(
     Ok(small)
 }
 
-/// Every rank of `comm`'s `(planned, measured)` bytes, rank order (exact: each u64 travels
-/// as two 24-bit halves, which f32 holds exactly).
+/// Every rank of `comm`'s `[planned, measured, kernel workspace]` bytes, rank order (exact:
+/// each u64 travels as two 24-bit halves, which f32 holds exactly).
 pub fn gather_mem(
     comm: &dyn Communicator,
     small: &mut Vec<f32>,
-    planned: u64,
-    measured: u64,
-) -> Result<Vec<(u64, u64)>> {
-    let split = |b: u64| [(b >> 24) as f32, (b & 0xFF_FFFF) as f32];
-    let [a, b] = split(planned);
-    let [c, d] = split(measured);
-    let all = gather_small(comm, small, &[a, b, c, d], "memory")?;
-    let join = |h: f32, l: f32| ((h as u64) << 24) | l as u64;
+    mine: [u64; 3],
+) -> Result<Vec<[u64; 3]>> {
+    let mut halves = [0f32; 6];
+    for (h, b) in halves.chunks_mut(2).zip(mine) {
+        h.copy_from_slice(&[(b >> 24) as f32, (b & 0xFF_FFFF) as f32]);
+    }
+    let all = gather_small(comm, small, &halves, "memory")?;
+    let join = |h: &[f32]| ((h[0] as u64) << 24) | h[1] as u64;
     Ok(all
-        .chunks(4)
-        .map(|c| (join(c[0], c[1]), join(c[2], c[3])))
+        .chunks(6)
+        .map(|c| [join(&c[0..2]), join(&c[2..4]), join(&c[4..6])])
         .collect())
 }
 

@@ -76,6 +76,10 @@ pub struct RankMem {
     pub rank: usize,
     pub mem_peak_planned: u64,
     pub mem_peak_measured: u64,
+    /// The kernel workspace measured at start-up and included in the plan (`workspace`):
+    /// the plan's one measured input, so a plan that is off can be traced to it.
+    #[serde(default)]
+    pub kernel_workspace: u64,
 }
 
 pub struct MetricsWriter {

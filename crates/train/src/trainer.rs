@@ -293,14 +293,15 @@ fn outside<'a, G>(
     [g.slice(..lo), g.slice(hi.max(lo)..)].into_iter()
 }
 
-/// Every rank's planned and measured peak, rank order.
-fn rank_mems(all: &[(u64, u64)]) -> Vec<RankMem> {
+/// Every rank's planned and measured peak and kernel workspace, rank order.
+fn rank_mems(all: &[[u64; 3]]) -> Vec<RankMem> {
     all.iter()
         .enumerate()
-        .map(|(rank, &(p, m))| RankMem {
+        .map(|(rank, &[p, m, w])| RankMem {
             rank,
             mem_peak_planned: p,
             mem_peak_measured: m,
+            kernel_workspace: w,
         })
         .collect()
 }
@@ -741,28 +742,21 @@ impl Trainer {
         let secs = t0.elapsed().as_secs_f64();
         let measured = alloc::peak().saturating_sub(self.baseline);
         let (mut rank_mem, mut comm_bytes, mut comm_exposed) = (Vec::new(), None, None);
-        let (mut planned_max, mut measured_max) = (planned, measured);
-        let world = match &mut self.world {
-            Some((w, small)) => Some(crate::data_parallel::gather_mem(
-                w.as_ref(),
-                small,
-                planned,
-                measured,
-            )?),
-            None => None,
+        let mine = [planned, measured, self.plan.overhead];
+        let all = match (&mut self.world, &mut self.dp) {
+            (Some((w, small)), _) => {
+                Some(crate::data_parallel::gather_mem(w.as_ref(), small, mine)?)
+            }
+            (None, Some(dp)) => Some(dp.gather_mem(mine)?),
+            (None, None) => None,
         };
-        if let Some(all) = &world {
+        let (mut planned_max, mut measured_max) = (planned, measured);
+        if let Some(all) = &all {
             rank_mem = rank_mems(all);
-            planned_max = all.iter().map(|r| r.0).max().unwrap_or(planned);
-            measured_max = all.iter().map(|r| r.1).max().unwrap_or(measured);
+            planned_max = all.iter().map(|r| r[0]).max().unwrap_or(planned);
+            measured_max = all.iter().map(|r| r[1]).max().unwrap_or(measured);
         }
         if let Some(dp) = &mut self.dp {
-            if world.is_none() {
-                let all = dp.gather_mem(planned, measured)?;
-                rank_mem = rank_mems(&all);
-                planned_max = all.iter().map(|r| r.0).max().unwrap_or(planned);
-                measured_max = all.iter().map(|r| r.1).max().unwrap_or(measured);
-            }
             comm_bytes = Some(std::mem::take(&mut dp.comm_bytes).round() as u64);
             comm_exposed = Some(std::mem::take(&mut dp.exposed).as_secs_f64() * 1e3);
             for c in &dp.spans {

@@ -116,11 +116,13 @@ for t, m, d in zip(threads, mpi, dp_only):
     for run, r in (("threads", t), ("mpirun", m)):
         assert len(r["rank_mem"]) == ranks, r["rank_mem"]
         for x in r["rank_mem"]:
-            # Which run and step, and every rank's excess over its plan (bytes), so that a
-            # rank over its plan can be told from a run-wide effect.
+            # Which run and step, and every rank's excess over its plan and its measured
+            # kernel workspace (bytes), so that a rank over its plan can be told from a
+            # run-wide effect, and a plan that is off from a measurement that is.
             assert abs(x["mem_peak_measured"] / x["mem_peak_planned"] - 1) < 0.01, (
                 run, r["step"], x,
-                [y["mem_peak_measured"] - y["mem_peak_planned"] for y in r["rank_mem"]])
+                [(y["mem_peak_measured"] - y["mem_peak_planned"], y["kernel_workspace"])
+                 for y in r["rank_mem"]])
         assert len(r["pp_bubble"]) == 2, r
 print(f"pipeline: mpirun -np {ranks} = threads within 1e-6, = dp 2 alone within 1e-5; {ranks} ranks within 1% of their plans; bubble {m['pp_bubble']} (planned {m['pp_bubble_planned']})")
 PY
