@@ -15,6 +15,8 @@
 //!   activation gradients take an explicit [`Accum`] flag.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod device_check;
 pub mod event_log;
 pub mod observe;

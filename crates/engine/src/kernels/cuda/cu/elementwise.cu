@@ -1,0 +1,64 @@
+// Elementwise ops (kernels/cpu/elementwise.rs): adds, copies, gradient scaling, the rounding
+// of parameters from the f32 master weights, and the squared sum of a gradient buffer.
+
+template <typename E>
+__device__ void add_impl(const typename E::T* a, const typename E::T* b, typename E::T* out, u64 n) {
+    FOR_EACH(i, n) PUT(E, out, i, GET(E, a, i) + GET(E, b, i));
+}
+template <typename E>
+__device__ void add_inplace_impl(typename E::T* acc, const typename E::T* x, u64 n) {
+    FOR_EACH(i, n) PUT(E, acc, i, GET(E, acc, i) + GET(E, x, i));
+}
+template <typename E>
+__device__ void scale_impl(typename E::T* x, u64 n, float s) {
+    FOR_EACH(i, n) PUT(E, x, i, GET(E, x, i) * s);
+}
+template <typename E>
+__device__ void round_params_impl(const float* src, typename E::T* dst, u64 n) {
+    FOR_EACH(i, n) PUT(E, dst, i, src[i]);
+}
+
+// Σ x² of each block's part into `partial[blockIdx.x]` (f64); the host adds the blocks in
+// order, so the result does not depend on timing. inf/NaN propagate (the overflow check).
+template <typename E>
+__device__ void sum_squares_impl(const typename E::T* x, u64 n, double* partial) {
+    __shared__ double scratch[32];
+    double s = 0.0;
+    FOR_EACH(i, n) {
+        double v = (double)GET(E, x, i);
+        s += v * v;
+    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    s = warp_sum_f64(s);
+    if (lane == 0) scratch[warp] = s;
+    __syncthreads();
+    if (warp == 0) {
+        s = lane < warps ? scratch[lane] : 0.0;
+        s = warp_sum_f64(s);
+        if (lane == 0) partial[blockIdx.x] = s;
+    }
+}
+
+#define ELEMENTWISE(E, sfx)                                                                         \
+    extern "C" __global__ void add_##sfx(const E::T* a, const E::T* b, E::T* out, u64 n) {           \
+        add_impl<E>(a, b, out, n);                                                                  \
+    }                                                                                               \
+    extern "C" __global__ void add_inplace_##sfx(E::T* acc, const E::T* x, u64 n) {                 \
+        add_inplace_impl<E>(acc, x, n);                                                             \
+    }                                                                                               \
+    extern "C" __global__ void scale_##sfx(E::T* x, u64 n, float s) { scale_impl<E>(x, n, s); }     \
+    extern "C" __global__ void round_params_##sfx(const float* src, E::T* dst, u64 n) {             \
+        round_params_impl<E>(src, dst, n);                                                          \
+    }                                                                                               \
+    extern "C" __global__ void sum_squares_##sfx(const E::T* x, u64 n, double* partial) {           \
+        sum_squares_impl<E>(x, n, partial);                                                         \
+    }
+FOR_STORAGE(ELEMENTWISE)
+
+// How many targets the loss counts (those below `vocab`): integer adds, exact in any order.
+extern "C" __global__ void count_targets(const u32* targets, u64 n, u32 vocab, u64* count) {
+    u64 c = 0;
+    FOR_EACH(i, n) c += targets[i] < vocab;
+    for (int o = 16; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
+    if ((threadIdx.x & 31) == 0 && c) atomicAdd(count, c);
+}

@@ -1,0 +1,115 @@
+//! Opening the GPU: the driver, a context on one device, its stream, and the backend's
+//! kernels compiled for it. Everything that can be missing is reported in one line that says
+//! what is missing and what to do, never a panic (cudarc itself panics when a library it
+//! calls cannot be loaded, so presence is checked first).
+
+use super::source;
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
+use cudarc::nvrtc::Ptx;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Why `--device cuda` cannot run here.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    #[error("--device cuda: no NVIDIA driver on this machine (libcuda.so.1 not found); run on a machine with an NVIDIA GPU, or use --device cpu")]
+    NoDriver,
+    #[error("--device cuda: the NVIDIA driver found no GPU {ordinal} ({detail}); check nvidia-smi and CUDA_VISIBLE_DEVICES, or use --device cpu")]
+    NoDevice { ordinal: usize, detail: String },
+    #[error("--device cuda: {0}")]
+    Compile(#[from] source::CompileError),
+    #[error("--device cuda: {what}: {detail}")]
+    Driver { what: &'static str, detail: String },
+}
+
+fn driver(what: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> DeviceError {
+    move |e| DeviceError::Driver {
+        what,
+        detail: format!("{e:?}"),
+    }
+}
+
+/// Whether the driver library loads (without creating anything).
+pub fn driver_present() -> bool {
+    // SAFETY: a dlopen probe, as cudarc does before its first call.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// The `sm_XY` NVRTC compiles for, from a compute capability.
+pub fn arch(major: i32, minor: i32) -> &'static str {
+    match (major, minor) {
+        (8, 0) => "sm_80",
+        (8, 6) => "sm_86",
+        (8, 9) => "sm_89",
+        (9, 0) => "sm_90",
+        (10, 0) => "sm_100",
+        (12, 0) => "sm_120",
+        // Once per process: the name must outlive NVRTC's options.
+        _ => Box::leak(format!("sm_{major}{minor}").into_boxed_str()),
+    }
+}
+
+/// One GPU, ready to run the backend's kernels.
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub name: String,
+    pub arch: &'static str,
+    _module: Arc<CudaModule>,
+    functions: HashMap<String, CudaFunction>,
+}
+
+impl Gpu {
+    /// Device `ordinal`: a context, its default stream, and every kernel compiled and loaded.
+    pub fn open(ordinal: usize) -> Result<Gpu, DeviceError> {
+        if !driver_present() {
+            return Err(DeviceError::NoDriver);
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| DeviceError::NoDevice {
+            ordinal,
+            detail: format!("{e:?}"),
+        })?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(driver("reading the compute capability"))?;
+        let name = ctx.name().map_err(driver("reading the device name"))?;
+        let arch = arch(major, minor);
+        let ptx = source::compile(arch)?;
+        let module = ctx
+            .load_module(Ptx::from_src(ptx))
+            .map_err(driver("loading the compiled kernels"))?;
+        let mut functions = HashMap::new();
+        for f in source::entry_points() {
+            let func = module
+                .load_function(&f)
+                .map_err(driver("finding a kernel in the compiled program"))?;
+            functions.insert(f, func);
+        }
+        let stream = ctx.default_stream();
+        Ok(Gpu {
+            ctx,
+            stream,
+            name,
+            arch,
+            _module: module,
+            functions,
+        })
+    }
+
+    /// The kernel `name` (one of [`source::entry_points`]).
+    pub fn function(&self, name: &str) -> &CudaFunction {
+        self.functions
+            .get(name)
+            .unwrap_or_else(|| panic!("CUDA kernel {name} is not in the program (source.rs)"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn arch_names_follow_the_compute_capability() {
+        assert_eq!(super::arch(9, 0), "sm_90");
+        assert_eq!(super::arch(8, 0), "sm_80");
+        assert_eq!(super::arch(7, 5), "sm_75");
+    }
+}

@@ -1,0 +1,13 @@
+//! The CUDA backend (`--features cuda`; issue #14): the kernel interface on one NVIDIA GPU.
+//!
+//! - `source`: the CUDA C++ kernels (`cu/`), compiled at run time by NVRTC for the GPU found.
+//! - `device`: the driver, a context and stream, and the compiled program, with one clear
+//!   error for each thing that can be missing.
+//!
+//! cudarc loads the driver, NVRTC and cuBLASLt at run time (`dynamic-loading`), so this
+//! builds with no CUDA toolkit and a machine without a GPU runs the CPU backend as before.
+
+pub mod device;
+pub mod source;
+
+pub use device::{DeviceError, Gpu};
