@@ -6,7 +6,7 @@ use std::fmt;
 use std::str::FromStr;
 
 /// Storage element types the plan uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum DType {
     F32,

@@ -288,6 +288,8 @@ pub struct Limits {
     pub backend: &'static str,
     /// Largest attention `head_dim`.
     pub max_head_dim: usize,
+    /// Whether it has the mixture-of-experts ops (router, permute, …).
+    pub experts: bool,
 }
 
 /// The kernel interface, listed once: every method of [`Kernels`] with its signature and docs.

@@ -217,6 +217,17 @@ impl LlamaConfig {
                 .into(),
             });
         }
+        if let (Some(m), false) = (self.moe, limits.experts) {
+            return Err(ModelError::Config {
+                field: "moe.experts",
+                value: m.experts.to_string(),
+                fix: format!(
+                    "the {} backend has no mixture-of-experts kernels yet; train this model on the CPU",
+                    limits.backend
+                )
+                .into(),
+            });
+        }
         Ok(())
     }
 

@@ -25,27 +25,7 @@ pub fn step<S: Elem, G: Elem>(
         grads.len() == n && m.len() == n && v.len() == n,
         "adamw lens"
     );
-    assert!(h.step >= 1, "adamw step is 1-based");
-    let t = h.step.min(i32::MAX as u64) as i32;
-    // torch computes the corrections as Python floats (f64), then uses them as scalars.
-    let bc1 = 1.0 - h.beta1.powi(t);
-    let bc2 = 1.0 - h.beta2.powi(t);
-    let step_size = (h.lr / bc1) as f32;
-    let bc2_sqrt = bc2.sqrt() as f32;
-    let decay = (1.0 - h.lr * h.weight_decay) as f32;
-    let w = (1.0 - h.beta1) as f32;
-    let (b2, one_m_b2) = (h.beta2 as f32, (1.0 - h.beta2) as f32);
-    let eps = h.eps as f32;
-    let c = Consts {
-        decay,
-        w,
-        b2,
-        one_m_b2,
-        eps,
-        step_size,
-        bc2_sqrt,
-        grad_scale: h.grad_scale,
-    };
+    let c = Consts::of(h);
     let Some((out, rounding)) = out else {
         params
             .par_chunks_mut(CHUNK)
@@ -75,8 +55,11 @@ pub fn step<S: Elem, G: Elem>(
         });
 }
 
-#[derive(Clone, Copy)]
-struct Consts {
+/// The step's scalars in f32, as torch computes them (f64 Python floats, then cast). `repr(C)`:
+/// the CUDA kernel takes the same struct (`kernels/cuda/cu/adamw.cu`, `AdamConsts`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[repr(C)]
+pub(crate) struct Consts {
     decay: f32,
     w: f32,
     b2: f32,
@@ -85,6 +68,26 @@ struct Consts {
     step_size: f32,
     bc2_sqrt: f32,
     grad_scale: f32,
+}
+
+impl Consts {
+    pub(crate) fn of(h: AdamWParams) -> Consts {
+        assert!(h.step >= 1, "adamw step is 1-based");
+        let t = h.step.min(i32::MAX as u64) as i32;
+        // torch computes the corrections as Python floats (f64), then uses them as scalars.
+        let bc1 = 1.0 - h.beta1.powi(t);
+        let bc2 = 1.0 - h.beta2.powi(t);
+        Consts {
+            decay: (1.0 - h.lr * h.weight_decay) as f32,
+            w: (1.0 - h.beta1) as f32,
+            b2: h.beta2 as f32,
+            one_m_b2: (1.0 - h.beta2) as f32,
+            eps: h.eps as f32,
+            step_size: (h.lr / bc1) as f32,
+            bc2_sqrt: bc2.sqrt() as f32,
+            grad_scale: h.grad_scale,
+        }
+    }
 }
 
 #[inline(always)]

@@ -100,6 +100,7 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CpuKernels {
         Limits {
             backend: "CPU",
             max_head_dim: attention::MAX_HEAD_DIM,
+            experts: true,
         }
     }
 

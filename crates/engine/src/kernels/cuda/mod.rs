@@ -7,7 +7,12 @@
 //! cudarc loads the driver, NVRTC and cuBLASLt at run time (`dynamic-loading`), so this
 //! builds with no CUDA toolkit and a machine without a GPU runs the CPU backend as before.
 
+pub mod backend;
 pub mod device;
+pub mod gemm;
+pub mod memory;
 pub mod source;
 
+pub use backend::CudaKernels;
 pub use device::{DeviceError, Gpu};
+pub use memory::{download, upload, CudaPool, DeviceBlock};

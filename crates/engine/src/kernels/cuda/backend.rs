@@ -1,0 +1,841 @@
+//! [`CudaKernels`]: the kernel interface on one GPU. Products go to cuBLASLt (`gemm`), every
+//! other op to the CUDA C++ kernels (`cu/`, compiled by NVRTC at start-up); all work runs in
+//! order on the device's legacy default stream, so an op that returns a value to the host
+//! (the loss sum, a squared norm, a count) waits for the work before it and nothing else.
+//!
+//! Not here yet, each refused before a step starts rather than failing in one:
+//! - the mixture-of-experts ops ([`Limits::experts`] is false, so `check_backend` refuses a
+//!   MoE model);
+//! - ring attention and the vocabulary-parallel cross-entropy, which only multi-rank layouts
+//!   call: they need a GPU communicator (NCCL, issue #15), and the trainer refuses
+//!   `--device cuda` with more than one rank.
+
+use super::device::{DeviceError, Gpu};
+use super::gemm::{self, Lt, Product};
+use super::memory::{download, DeviceBlock};
+use crate::dtype::Elem;
+use crate::kernels::cpu::adamw::Consts;
+use crate::kernels::*;
+use cudarc::driver::{result, DeviceRepr, LaunchConfig, PushKernelArg};
+use ferrotron_plan::DType;
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+/// Threads per block of the elementwise and per-row kernels.
+const BLOCK: u32 = 256;
+/// Blocks of the squared-sum reduction: fixed, so its partition and therefore its result do
+/// not depend on the buffer's length or the GPU.
+const SUM_BLOCKS: u32 = 264;
+
+/// The kernels' `AttnDims` (`cu/attention.cu`).
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct AttnDims {
+    b: u64,
+    t: u64,
+    heads: u64,
+    kv_heads: u64,
+    d: u64,
+    scale: f32,
+}
+// SAFETY: plain `repr(C)` data matching the CUDA struct.
+unsafe impl DeviceRepr for AttnDims {}
+// SAFETY: as above (`AdamConsts` in `cu/adamw.cu`).
+unsafe impl DeviceRepr for Consts {}
+
+/// Device scratch the ops need beyond their arguments, each grown to the largest request and
+/// kept (the backend's workspace, charged to the plan's overhead with cuBLASLt's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Scratch {
+    /// 16-bit copies of the LM head's f32 logit gradients for its products.
+    HeadStaging,
+    /// The attention backward's Δ = dO·O per query row.
+    AttnDelta,
+    /// The embedding backward's positions grouped by token.
+    Tokens,
+    /// Partial sums and counts read back by the host.
+    Partials,
+}
+
+/// A host RoPE table's address, length, head dim and last entries.
+type RopeKey = (usize, usize, usize, u32);
+
+/// The CUDA backend.
+pub struct CudaKernels {
+    gpu: Gpu,
+    lt: Lt,
+    _lt_workspace: DeviceBlock,
+    scratch: Mutex<HashMap<Scratch, DeviceBlock>>,
+    /// RoPE tables uploaded, keyed by the host table's identity.
+    rope: Mutex<HashMap<RopeKey, (DeviceBlock, DeviceBlock)>>,
+}
+
+impl CudaKernels {
+    /// The backend on GPU `ordinal`: context, compiled kernels, cuBLASLt and its workspace.
+    pub fn open(ordinal: usize) -> Result<CudaKernels, DeviceError> {
+        let gpu = Gpu::open(ordinal)?;
+        let ws = DeviceBlock::new(&gpu.ctx, gemm::WORKSPACE_BYTES).map_err(|detail| {
+            DeviceError::Driver {
+                what: "the cuBLASLt workspace",
+                detail,
+            }
+        })?;
+        let lt = Lt::new(ws.ptr(), ws.bytes()).map_err(|detail| DeviceError::Driver {
+            what: "cuBLASLt",
+            detail,
+        })?;
+        Ok(CudaKernels {
+            gpu,
+            lt,
+            _lt_workspace: ws,
+            scratch: Mutex::new(HashMap::new()),
+            rope: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    /// Device bytes the backend holds beyond the model's buffers: cuBLASLt's workspace and
+    /// the scratch grown so far.
+    pub fn workspace_bytes(&self) -> u64 {
+        let scratch: usize = lock(&self.scratch).values().map(DeviceBlock::bytes).sum();
+        (gemm::WORKSPACE_BYTES + scratch) as u64
+    }
+
+    /// Scratch `which` of at least `bytes`, as a device address.
+    fn scratch(&self, which: Scratch, bytes: usize) -> u64 {
+        let mut s = lock(&self.scratch);
+        if s.get(&which).is_none_or(|b| b.bytes() < bytes) {
+            s.remove(&which);
+            let b = DeviceBlock::new(&self.gpu.ctx, bytes)
+                .unwrap_or_else(|e| panic!("CUDA backend scratch {which:?}: {e}"));
+            s.insert(which, b);
+        }
+        s[&which].ptr()
+    }
+
+    /// A product on cuBLASLt, operands of type `ab`, output of type `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn product(
+        &self,
+        op: &str,
+        p: Product,
+        ab: DType,
+        out: DType,
+        a: u64,
+        b: u64,
+        d: u64,
+        acc: bool,
+    ) {
+        self.bind();
+        let stream = self.gpu.stream.cu_stream() as cudarc::cublaslt::sys::cudaStream_t;
+        // SAFETY: the pointers are device views the op was handed, of the sizes its shape
+        // gives; the stream is the backend's, of the handle's context.
+        unsafe { self.lt.run(p, ab, out, a, b, d, acc, stream) }
+            .unwrap_or_else(|e| panic!("CUDA op {op}: {e}"));
+    }
+
+    fn bind(&self) {
+        self.gpu
+            .ctx
+            .bind_to_thread()
+            .unwrap_or_else(|e| panic!("CUDA context: {e:?}"));
+    }
+
+    /// The device copy of a RoPE table (uploaded once per table).
+    fn rope_table(&self, t: &RopeTable) -> (u64, u64) {
+        let key = (
+            t.cos.as_ptr() as usize,
+            t.cos.len(),
+            t.head_dim,
+            t.cos.last().map_or(0, |x| x.to_bits()) ^ t.sin.last().map_or(0, |x| x.to_bits()),
+        );
+        let mut r = lock(&self.rope);
+        let (c, s) = r.entry(key).or_insert_with(|| {
+            let up = |v: &[f32]| {
+                super::memory::upload(&self.gpu.ctx, v)
+                    .unwrap_or_else(|e| panic!("CUDA RoPE table: {e}"))
+            };
+            (up(&t.cos), up(&t.sin))
+        });
+        (c.ptr(), s.ptr())
+    }
+
+    fn rope<S: Elem>(&self, s: RopeShape, table: &RopeTable, mut x: ViewMut<'_, S>, sign: f32) {
+        let (cos, sin) = self.rope_table(table);
+        let pairs = (s.b * s.t * s.heads * s.head_dim / 2) as u64;
+        let x = dev_mut(&mut x, "rope");
+        let (t, heads, d) = (s.t as u64, s.heads as u64, s.head_dim as u64);
+        launch!(self, name::<S>("rope"), elementwise(pairs); x, cos, sin, t, heads, d, pairs, sign);
+    }
+
+    /// `out` (16-bit S) = `src` (f32), for the LM head's products: the staging copy.
+    fn stage_head<S: Elem>(&self, dlogits: View<'_, f32>) -> u64 {
+        if S::DTYPE == DType::F32 {
+            return dev(&dlogits, "head");
+        }
+        let n = dlogits.len() as u64;
+        let out = self.scratch(Scratch::HeadStaging, dlogits.len() * size_of::<S>());
+        let src = dev(&dlogits, "head");
+        launch!(self, name::<S>("round_params"), elementwise(n); src, out, n);
+        out
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A kernel launch: `launch!(self, name, config; arg, ..)`, each argument a local passed by
+/// reference (cudarc keeps pointers to them until the launch).
+macro_rules! launch {
+    ($s:expr, $name:expr, $cfg:expr; $($arg:expr),* $(,)?) => {{
+        let name: String = $name;
+        let f = $s.gpu.function(&name);
+        let mut b = $s.gpu.stream.launch_builder(f);
+        $(let a = $arg; b.arg(&a);)*
+        // SAFETY: the arguments match the kernel's signature (`cu/`), device pointers come
+        // from views of device memory with the lengths the kernel reads.
+        unsafe { b.launch($cfg) }.unwrap_or_else(|e| panic!("CUDA kernel {name}: {e:?}"));
+    }};
+}
+use launch;
+
+/// An entry point's name for storage type `S` (`cu/common.cuh`'s suffixes).
+fn name<S: Elem>(base: &str) -> String {
+    format!("{base}_{}", sfx(S::DTYPE))
+}
+
+/// For a (storage, gradient) pair.
+fn name2<S: Elem, G: Elem>(base: &str) -> String {
+    format!("{base}_{}_{}", sfx(S::DTYPE), sfx(G::DTYPE))
+}
+
+fn sfx(t: DType) -> &'static str {
+    match t {
+        DType::F32 => "f32",
+        DType::Bf16 => "bf16",
+        DType::F16 => "f16",
+        other => panic!("the CUDA backend stores no {other:?} tensors"),
+    }
+}
+
+/// The device address of a view, which must be device memory.
+fn dev<T>(v: &View<'_, T>, op: &str) -> u64 {
+    assert!(
+        matches!(v.memory(), Memory::Device(_)),
+        "op {op} was handed {} on the CUDA backend: every buffer must be GPU memory",
+        v.memory()
+    );
+    v.as_ptr() as u64
+}
+
+fn dev_mut<T>(v: &mut ViewMut<'_, T>, op: &str) -> u64 {
+    dev(&v.as_view(), op)
+}
+
+fn elementwise(n: u64) -> LaunchConfig {
+    let blocks = n.div_ceil(BLOCK as u64).clamp(1, 65_535 * 16) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// One block per row.
+fn per_row(rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows.max(1) as u32, 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// One warp per row, four warps a block.
+fn per_warp(rows: u64) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (rows.div_ceil(4).max(1) as u32, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn attn_dims(s: AttnShape) -> AttnDims {
+    AttnDims {
+        b: s.b as u64,
+        t: s.t as u64,
+        heads: s.heads as u64,
+        kv_heads: s.kv_heads as u64,
+        d: s.head_dim as u64,
+        scale: 1.0 / (s.head_dim as f32).sqrt(),
+    }
+}
+
+/// Positions of `tokens` grouped by token id, in position order within a token:
+/// `(order, starts)`, token group `k` being `order[starts[k]..starts[k + 1]]`.
+pub fn group_by_token(tokens: &[u32]) -> (Vec<u32>, Vec<u32>) {
+    let mut order: Vec<u32> = (0..tokens.len() as u32).collect();
+    order.sort_by_key(|&i| (tokens[i as usize], i));
+    let mut starts = vec![];
+    for (k, &i) in order.iter().enumerate() {
+        if k == 0 || tokens[i as usize] != tokens[order[k - 1] as usize] {
+            starts.push(k as u32);
+        }
+    }
+    starts.push(order.len() as u32);
+    (order, starts)
+}
+
+const NEEDS_NCCL: &str = "multi-rank layouts on GPUs need the NCCL communicator (issue #15)";
+const NO_EXPERTS: &str =
+    "the CUDA backend has no mixture-of-experts kernels yet (check_backend refuses MoE models)";
+
+impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
+    fn limits(&self) -> Limits {
+        Limits {
+            backend: "CUDA",
+            max_head_dim: 128,
+            experts: false,
+        }
+    }
+
+    fn matmul_forward(
+        &self,
+        s: MatmulShape,
+        x: View<'_, S>,
+        w: View<'_, S>,
+        bias: Option<View<'_, S>>,
+        mut y: ViewMut<'_, S>,
+        y_accum: Accum,
+    ) {
+        let op = "matmul_forward";
+        let (x, w, y) = (dev(&x, op), dev(&w, op), dev_mut(&mut y, op));
+        let acc = y_accum == Accum::Add;
+        self.product(op, gemm::forward(s), S::DTYPE, S::DTYPE, w, x, y, acc);
+        if let Some(bias) = bias {
+            let (bias, rows, cols) = (dev(&bias, op), s.n as u64, s.out_features as u64);
+            launch!(self, name::<S>("bias_add"), elementwise(rows * cols); y, bias, rows, cols);
+        }
+    }
+
+    fn matmul_backward_weight(
+        &self,
+        s: MatmulShape,
+        dy: View<'_, S>,
+        x: View<'_, S>,
+        mut dw: ViewMut<'_, G>,
+        dbias: Option<ViewMut<'_, G>>,
+    ) {
+        let op = "matmul_backward_weight";
+        let (dyp, xp, dwp) = (dev(&dy, op), dev(&x, op), dev_mut(&mut dw, op));
+        self.product(
+            op,
+            gemm::backward_weight(s),
+            S::DTYPE,
+            G::DTYPE,
+            xp,
+            dyp,
+            dwp,
+            true,
+        );
+        if let Some(mut db) = dbias {
+            let (db, rows, cols) = (dev_mut(&mut db, op), s.n as u64, s.out_features as u64);
+            let cfg = elementwise(cols);
+            launch!(self, name2::<S, G>("bias_grad"), cfg; dyp, db, rows, cols);
+        }
+    }
+
+    fn matmul_backward_input(
+        &self,
+        s: MatmulShape,
+        dy: View<'_, S>,
+        w: View<'_, S>,
+        mut dx: ViewMut<'_, S>,
+        dx_accum: Accum,
+    ) {
+        let op = "matmul_backward_input";
+        let (dy, w, dx) = (dev(&dy, op), dev(&w, op), dev_mut(&mut dx, op));
+        let acc = dx_accum == Accum::Add;
+        self.product(
+            op,
+            gemm::backward_input(s),
+            S::DTYPE,
+            S::DTYPE,
+            w,
+            dy,
+            dx,
+            acc,
+        );
+    }
+
+    fn head_forward(
+        &self,
+        s: MatmulShape,
+        x: View<'_, S>,
+        w: View<'_, S>,
+        mut logits: ViewMut<'_, f32>,
+    ) {
+        let op = "head_forward";
+        let (x, w, l) = (dev(&x, op), dev(&w, op), dev_mut(&mut logits, op));
+        self.product(op, gemm::forward(s), S::DTYPE, DType::F32, w, x, l, false);
+    }
+
+    // The head's products take the f32 logit gradients rounded to S (for 16-bit S), as
+    // PyTorch's autocast does; the CPU multiplies them in f32 (a difference within the
+    // 16-bit type's rounding).
+    fn head_backward_weight(
+        &self,
+        s: MatmulShape,
+        dlogits: View<'_, f32>,
+        x: View<'_, S>,
+        mut dw: ViewMut<'_, G>,
+    ) {
+        let op = "head_backward_weight";
+        let dl = self.stage_head::<S>(dlogits);
+        let (x, dw) = (dev(&x, op), dev_mut(&mut dw, op));
+        self.product(
+            op,
+            gemm::backward_weight(s),
+            S::DTYPE,
+            G::DTYPE,
+            x,
+            dl,
+            dw,
+            true,
+        );
+    }
+
+    fn head_backward_input(
+        &self,
+        s: MatmulShape,
+        dlogits: View<'_, f32>,
+        w: View<'_, S>,
+        mut dx: ViewMut<'_, S>,
+    ) {
+        let op = "head_backward_input";
+        let dl = self.stage_head::<S>(dlogits);
+        let (w, dx) = (dev(&w, op), dev_mut(&mut dx, op));
+        self.product(
+            op,
+            gemm::backward_input(s),
+            S::DTYPE,
+            S::DTYPE,
+            w,
+            dl,
+            dx,
+            false,
+        );
+    }
+
+    fn rmsnorm_forward(
+        &self,
+        s: NormShape,
+        x: View<'_, S>,
+        w: View<'_, S>,
+        mut out: ViewMut<'_, S>,
+        mut rstd: ViewMut<'_, f32>,
+    ) {
+        let op = "rmsnorm_forward";
+        let (x, w) = (dev(&x, op), dev(&w, op));
+        let (o, r, c) = (dev_mut(&mut out, op), dev_mut(&mut rstd, op), s.c as u64);
+        launch!(self, name::<S>(op), per_row(s.n); x, w, o, r, c, s.eps);
+    }
+
+    fn rmsnorm_backward(
+        &self,
+        s: NormShape,
+        dy: View<'_, S>,
+        x: View<'_, S>,
+        w: View<'_, S>,
+        rstd: View<'_, f32>,
+        mut dx: ViewMut<'_, S>,
+        dx_accum: Accum,
+        mut dw: ViewMut<'_, G>,
+    ) {
+        let op = "rmsnorm_backward";
+        let (dy, x, w, r) = (dev(&dy, op), dev(&x, op), dev(&w, op), dev(&rstd, op));
+        let (dx, dw) = (dev_mut(&mut dx, op), dev_mut(&mut dw, op));
+        let (n, c, acc) = (s.n as u64, s.c as u64, (dx_accum == Accum::Add) as i32);
+        launch!(self, name::<S>("rmsnorm_backward_input"), per_row(s.n); dy, x, w, r, dx, c, acc);
+        launch!(self, name2::<S, G>("rmsnorm_backward_weight"), elementwise(c); dy, x, r, dw, n, c);
+    }
+
+    fn rope_forward(&self, s: RopeShape, table: &RopeTable, x: ViewMut<'_, S>) {
+        self.rope(s, table, x, 1.0);
+    }
+
+    fn rope_backward(&self, s: RopeShape, table: &RopeTable, dx: ViewMut<'_, S>) {
+        self.rope(s, table, dx, -1.0);
+    }
+
+    fn attention_forward(
+        &self,
+        s: AttnShape,
+        q: View<'_, S>,
+        k: View<'_, S>,
+        v: View<'_, S>,
+        mut o: ViewMut<'_, S>,
+        mut lse: ViewMut<'_, f32>,
+    ) {
+        let op = "attention_forward";
+        let (q, k, v) = (dev(&q, op), dev(&k, op), dev(&v, op));
+        let (o, l, d) = (dev_mut(&mut o, op), dev_mut(&mut lse, op), attn_dims(s));
+        let rows = (s.b * s.heads * s.t) as u64;
+        launch!(self, name::<S>(op), per_warp(rows); d, q, k, v, o, l);
+    }
+
+    fn attention_backward(
+        &self,
+        s: AttnShape,
+        q: View<'_, S>,
+        k: View<'_, S>,
+        v: View<'_, S>,
+        o: View<'_, S>,
+        lse: View<'_, f32>,
+        d_o: View<'_, S>,
+        mut dq: ViewMut<'_, S>,
+        mut dk: ViewMut<'_, S>,
+        mut dv: ViewMut<'_, S>,
+    ) {
+        let op = "attention_backward";
+        let (q, k, v, o) = (dev(&q, op), dev(&k, op), dev(&v, op), dev(&o, op));
+        let (l, d_o) = (dev(&lse, op), dev(&d_o, op));
+        let (dq, dk, dv) = (
+            dev_mut(&mut dq, op),
+            dev_mut(&mut dk, op),
+            dev_mut(&mut dv, op),
+        );
+        let delta = self.scratch(Scratch::AttnDelta, s.lse_len() * 4);
+        let d = attn_dims(s);
+        let q_rows = (s.b * s.heads * s.t) as u64;
+        launch!(self, name::<S>("attention_backward_q"), per_warp(q_rows); d, q, k, v, o, l, d_o, dq, delta);
+        let kv_rows = (s.b * s.kv_heads * s.t) as u64;
+        launch!(self, name::<S>("attention_backward_kv"), per_warp(kv_rows); d, q, k, v, l, d_o, delta, dk, dv);
+    }
+
+    fn attention_forward_ring(
+        &self,
+        _: RingShape,
+        _: View<'_, S>,
+        _: View<'_, f32>,
+        _: View<'_, f32>,
+        _: ViewMut<'_, f32>,
+        _: ViewMut<'_, f32>,
+        _: bool,
+    ) {
+        panic!("attention_forward_ring: {NEEDS_NCCL}")
+    }
+
+    fn attention_backward_ring(
+        &self,
+        _: RingShape,
+        _: View<'_, S>,
+        _: View<'_, f32>,
+        _: View<'_, f32>,
+        _: View<'_, S>,
+        _: View<'_, f32>,
+        _: View<'_, S>,
+        _: ViewMut<'_, f32>,
+        _: ViewMut<'_, f32>,
+        _: ViewMut<'_, f32>,
+    ) {
+        panic!("attention_backward_ring: {NEEDS_NCCL}")
+    }
+
+    fn swiglu_forward(&self, gate: View<'_, S>, up: View<'_, S>, mut h: ViewMut<'_, S>) {
+        let op = "swiglu_forward";
+        let n = h.len() as u64;
+        let (g, u, h) = (dev(&gate, op), dev(&up, op), dev_mut(&mut h, op));
+        launch!(self, name::<S>(op), elementwise(n); g, u, h, n);
+    }
+
+    fn swiglu_backward(
+        &self,
+        dh: View<'_, S>,
+        gate: View<'_, S>,
+        up: View<'_, S>,
+        mut dgate: ViewMut<'_, S>,
+        mut dup: ViewMut<'_, S>,
+    ) {
+        let op = "swiglu_backward";
+        let n = dh.len() as u64;
+        let (dh, g, u) = (dev(&dh, op), dev(&gate, op), dev(&up, op));
+        let (dg, du) = (dev_mut(&mut dgate, op), dev_mut(&mut dup, op));
+        launch!(self, name::<S>(op), elementwise(n); dh, g, u, dg, du, n);
+    }
+
+    fn router_forward(
+        &self,
+        _: RouteShape,
+        _: View<'_, f32>,
+        _: ViewMut<'_, f32>,
+        _: ViewMut<'_, u32>,
+        _: ViewMut<'_, f32>,
+    ) {
+        panic!("router_forward: {NO_EXPERTS}")
+    }
+    fn router_backward(
+        &self,
+        _: RouteShape,
+        _: View<'_, f32>,
+        _: View<'_, u32>,
+        _: View<'_, f32>,
+        _: View<'_, f32>,
+        _: ViewMut<'_, f32>,
+    ) {
+        panic!("router_backward: {NO_EXPERTS}")
+    }
+    fn permute(&self, _: RouteShape, _: View<'_, u32>, _: View<'_, S>, _: ViewMut<'_, S>) {
+        panic!("permute: {NO_EXPERTS}")
+    }
+    fn unpermute(
+        &self,
+        _: RouteShape,
+        _: View<'_, u32>,
+        _: Option<View<'_, f32>>,
+        _: View<'_, S>,
+        _: ViewMut<'_, S>,
+        _: Accum,
+    ) {
+        panic!("unpermute: {NO_EXPERTS}")
+    }
+    fn scale_rows(&self, _: RouteShape, _: View<'_, u32>, _: View<'_, f32>, _: ViewMut<'_, S>) {
+        panic!("scale_rows: {NO_EXPERTS}")
+    }
+    fn row_dot(
+        &self,
+        _: RouteShape,
+        _: View<'_, u32>,
+        _: View<'_, S>,
+        _: View<'_, S>,
+        _: ViewMut<'_, f32>,
+    ) {
+        panic!("row_dot: {NO_EXPERTS}")
+    }
+
+    fn embedding_forward(
+        &self,
+        tokens: View<'_, u32>,
+        wte: View<'_, S>,
+        c: usize,
+        out: ViewMut<'_, S>,
+    ) {
+        Kernels::<S, G>::embedding_forward_shard(self, tokens, wte, c, 0, out)
+    }
+
+    fn embedding_backward(
+        &self,
+        tokens: View<'_, u32>,
+        dout: View<'_, S>,
+        c: usize,
+        dwte: ViewMut<'_, G>,
+    ) {
+        Kernels::<S, G>::embedding_backward_shard(self, tokens, dout, c, 0, dwte)
+    }
+
+    fn embedding_forward_shard(
+        &self,
+        tokens: View<'_, u32>,
+        wte: View<'_, S>,
+        c: usize,
+        first: usize,
+        mut out: ViewMut<'_, S>,
+    ) {
+        let op = "embedding_forward";
+        let (n, rows) = (tokens.len() as u64, (wte.len() / c.max(1)) as u64);
+        let (t, w, o) = (dev(&tokens, op), dev(&wte, op), dev_mut(&mut out, op));
+        let (c, first) = (c as u64, first as u64);
+        launch!(self, name::<S>(op), elementwise(n * c); t, w, o, n, c, first, rows);
+    }
+
+    fn embedding_backward_shard(
+        &self,
+        tokens: View<'_, u32>,
+        dout: View<'_, S>,
+        c: usize,
+        first: usize,
+        mut dwte: ViewMut<'_, G>,
+    ) {
+        let op = "embedding_backward";
+        if tokens.is_empty() {
+            return;
+        }
+        // The grouping is built on the host from the ids (a few KiB each way).
+        let (order, starts) = group_by_token(&download(tokens));
+        let groups = starts.len() - 1;
+        let bytes = (order.len() + starts.len()) * 4;
+        let base = self.scratch(Scratch::Tokens, bytes);
+        // SAFETY: the scratch holds `bytes`; the copies finish before the launch below on the
+        // same (legacy default) stream.
+        unsafe {
+            result::memcpy_htod_sync(base, &order).expect("embedding grouping upload");
+            result::memcpy_htod_sync(base + 4 * order.len() as u64, &starts)
+                .expect("embedding grouping upload");
+        }
+        let rows = (dwte.len() / c.max(1)) as u64;
+        let (t, d, dw) = (dev(&tokens, op), dev(&dout, op), dev_mut(&mut dwte, op));
+        let (ord, st, c, first) = (base, base + 4 * order.len() as u64, c as u64, first as u64);
+        launch!(self, name2::<S, G>(op), per_row(groups); t, ord, st, d, dw, c, first, rows);
+    }
+
+    fn add(&self, a: View<'_, S>, b: View<'_, S>, mut out: ViewMut<'_, S>) {
+        let n = out.len() as u64;
+        let (a, b, o) = (dev(&a, "add"), dev(&b, "add"), dev_mut(&mut out, "add"));
+        launch!(self, name::<S>("add"), elementwise(n); a, b, o, n);
+    }
+
+    fn add_inplace(&self, mut acc: ViewMut<'_, S>, x: View<'_, S>) {
+        let n = acc.len() as u64;
+        let (a, x) = (dev_mut(&mut acc, "add_inplace"), dev(&x, "add_inplace"));
+        launch!(self, name::<S>("add_inplace"), elementwise(n); a, x, n);
+    }
+
+    fn copy(&self, src: View<'_, S>, mut dst: ViewMut<'_, S>) {
+        assert_eq!(src.len(), dst.len(), "copy lens");
+        let (s, d) = (dev(&src, "copy"), dev_mut(&mut dst, "copy"));
+        self.bind();
+        // SAFETY: both are device buffers of `len` elements.
+        unsafe {
+            result::memcpy_dtod_async(
+                d,
+                s,
+                src.len() * size_of::<S>(),
+                self.gpu.stream.cu_stream(),
+            )
+        }
+        .unwrap_or_else(|e| panic!("CUDA op copy: {e:?}"));
+    }
+
+    fn scale(&self, mut x: ViewMut<'_, G>, s: f32) {
+        let n = x.len() as u64;
+        let x = dev_mut(&mut x, "scale");
+        launch!(self, name::<G>("scale"), elementwise(n); x, n, s);
+    }
+
+    fn sum_squares(&self, x: View<'_, G>) -> f64 {
+        let n = x.len() as u64;
+        let partial = self.scratch(Scratch::Partials, SUM_BLOCKS as usize * 8);
+        let x = dev(&x, "sum_squares");
+        let cfg = LaunchConfig {
+            grid_dim: (SUM_BLOCKS, 1, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(self, name::<G>("sum_squares"), cfg; x, n, partial);
+        let mut sums = vec![0f64; SUM_BLOCKS as usize];
+        // SAFETY: the partials scratch holds SUM_BLOCKS f64; the copy waits for the kernel.
+        unsafe { result::memcpy_dtoh_sync(&mut sums, partial) }.expect("sum_squares read-back");
+        sums.iter().sum()
+    }
+
+    fn round_params(&self, src: View<'_, f32>, mut dst: ViewMut<'_, S>) {
+        let n = dst.len() as u64;
+        let (s, d) = (dev(&src, "round_params"), dev_mut(&mut dst, "round_params"));
+        launch!(self, name::<S>("round_params"), elementwise(n); s, d, n);
+    }
+
+    fn count_targets(&self, targets: View<'_, u32>, vocab: usize) -> usize {
+        let n = targets.len() as u64;
+        let count = self.scratch(Scratch::Partials, SUM_BLOCKS as usize * 8);
+        self.bind();
+        // SAFETY: the scratch holds at least 8 bytes.
+        unsafe { result::memset_d8_sync(count, 0, 8) }.expect("count_targets reset");
+        let (t, vocab) = (dev(&targets, "count_targets"), vocab as u32);
+        launch!(self, "count_targets".to_string(), elementwise(n); t, n, vocab, count);
+        let mut c = [0u64];
+        // SAFETY: as above; the copy waits for the kernel.
+        unsafe { result::memcpy_dtoh_sync(&mut c, count) }.expect("count_targets read-back");
+        c[0] as usize
+    }
+
+    fn cross_entropy(
+        &self,
+        s: CeShape,
+        mut logits: ViewMut<'_, f32>,
+        targets: View<'_, u32>,
+        mut losses: ViewMut<'_, f32>,
+        dlogits_scale: Option<f32>,
+    ) -> f64 {
+        let op = "cross_entropy";
+        let (z, t) = (dev_mut(&mut logits, op), dev(&targets, op));
+        let l = dev_mut(&mut losses, op);
+        let (vocab, grad, scale) = (
+            s.vocab as u64,
+            dlogits_scale.is_some() as i32,
+            dlogits_scale.unwrap_or(0.0),
+        );
+        launch!(self, op.to_string(), per_row(s.rows); z, t, l, vocab, grad, scale);
+        // Summed in row order on the host, as the CPU does: the same rounding.
+        download(losses.as_view()).iter().map(|&l| l as f64).sum()
+    }
+
+    fn ce_shard_stats(
+        &self,
+        _: CeShardShape,
+        _: ViewMut<'_, f32>,
+        _: View<'_, u32>,
+        _: ViewMut<'_, f32>,
+        _: bool,
+    ) {
+        panic!("ce_shard_stats: {NEEDS_NCCL}")
+    }
+
+    fn ce_shard_finish(
+        &self,
+        _: CeShardShape,
+        _: ViewMut<'_, f32>,
+        _: View<'_, u32>,
+        _: View<'_, f32>,
+        _: usize,
+        _: ViewMut<'_, f32>,
+        _: Option<f32>,
+    ) -> f64 {
+        panic!("ce_shard_finish: {NEEDS_NCCL}")
+    }
+
+    fn adamw_step(
+        &self,
+        h: AdamWParams,
+        mut master: ViewMut<'_, f32>,
+        grads: View<'_, G>,
+        mut m: ViewMut<'_, f32>,
+        mut v: ViewMut<'_, f32>,
+        params: Option<(ViewMut<'_, S>, Rounding)>,
+    ) {
+        let op = "adamw_step";
+        let n = master.len() as u64;
+        assert!(
+            grads.len() == n as usize && m.len() == n as usize && v.len() == n as usize,
+            "adamw lens"
+        );
+        let c = Consts::of(h);
+        let (p, g) = (dev_mut(&mut master, op), dev(&grads, op));
+        let (m, v) = (dev_mut(&mut m, op), dev_mut(&mut v, op));
+        let (out, rounding, seed) = match params {
+            None => (0u64, 0i32, 0u64),
+            Some((mut o, r)) => {
+                assert_eq!(o.len(), n as usize, "adamw params out len");
+                let o = dev_mut(&mut o, op);
+                match r {
+                    Rounding::Nearest => (o, 1, 0),
+                    Rounding::Stochastic { seed } => (o, 2, seed),
+                }
+            }
+        };
+        launch!(self, name2::<S, G>("adamw"), elementwise(n); c, p, g, m, v, out, n, rounding, seed, h.step);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn positions_are_grouped_by_token_in_order() {
+        let (order, starts) = super::group_by_token(&[5, 2, 5, 9, 2, 5]);
+        assert_eq!(order, [1, 4, 0, 2, 5, 3]);
+        assert_eq!(starts, [0, 2, 5, 6]);
+        assert_eq!(super::group_by_token(&[]), (vec![], vec![0]));
+    }
+}

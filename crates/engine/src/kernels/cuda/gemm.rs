@@ -1,0 +1,335 @@
+//! The linear layers' products on cuBLASLt.
+//!
+//! The engine's matrices are row-major (`nn.Linear`: `W [out, in]`, activations `[N, C]`);
+//! cuBLASLt's are column-major. A row-major `M [r, c]` is the column-major `Mᵀ [c, r]` with the
+//! same leading dimension, so each product is written as the transposed one (`(A·B)ᵀ = Bᵀ·Aᵀ`)
+//! with no copy. [`Product`] is that description, built by [`forward`], [`backward_input`] and
+//! [`backward_weight`]; [`reference`] computes it on the host by cuBLAS's definition, which is
+//! how the mapping is tested against the CPU backend without a GPU.
+//!
+//! Arithmetic: f32 accumulation always (`CUBLAS_COMPUTE_32F`; TF32 is not enabled, so fp32
+//! products are IEEE fp32 as on the CPU); bf16/f16 operands multiply as stored. `+=` outputs
+//! use β = 1, so a gradient of a 16-bit type is rounded once per call, as on the CPU.
+
+use crate::kernels::MatmulShape;
+use cudarc::cublaslt::{result as lt, sys};
+use ferrotron_plan::DType;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Mutex;
+
+/// One column-major operand: `rows × cols` stored with leading dimension `ld`, used as is or
+/// transposed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Operand {
+    pub rows: usize,
+    pub cols: usize,
+    pub ld: usize,
+    pub trans: bool,
+}
+
+/// `D [m, n] = op(A) [m, k] · op(B) [k, n] (+ D)`, column-major.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Product {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub a: Operand,
+    pub b: Operand,
+}
+
+fn plain(rows: usize, cols: usize) -> Operand {
+    Operand {
+        rows,
+        cols,
+        ld: rows,
+        trans: false,
+    }
+}
+
+fn transposed(rows: usize, cols: usize) -> Operand {
+    Operand {
+        trans: true,
+        ..plain(rows, cols)
+    }
+}
+
+/// `Y [n, out] = X [n, in] · W [out, in]ᵀ`, as `Yᵀ [out, n] = op(W: [in, out])ᵀ · Xᵀ [in, n]`:
+/// A = W (transposed), B = X.
+pub fn forward(s: MatmulShape) -> Product {
+    Product {
+        m: s.out_features,
+        n: s.n,
+        k: s.in_features,
+        a: transposed(s.in_features, s.out_features),
+        b: plain(s.in_features, s.n),
+    }
+}
+
+/// `dX [n, in] = dY [n, out] · W [out, in]`, as `dXᵀ [in, n] = W' [in, out] · dYᵀ [out, n]`:
+/// A = W, B = dY.
+pub fn backward_input(s: MatmulShape) -> Product {
+    Product {
+        m: s.in_features,
+        n: s.n,
+        k: s.out_features,
+        a: plain(s.in_features, s.out_features),
+        b: plain(s.out_features, s.n),
+    }
+}
+
+/// `dW [out, in] = dY [n, out]ᵀ · X [n, in]`, as `dWᵀ [in, out] = Xᵀ [in, n] · op(dYᵀ: [out, n])ᵀ`:
+/// A = X, B = dY (transposed).
+pub fn backward_weight(s: MatmulShape) -> Product {
+    Product {
+        m: s.in_features,
+        n: s.out_features,
+        k: s.n,
+        a: plain(s.in_features, s.n),
+        b: transposed(s.out_features, s.n),
+    }
+}
+
+/// `d = op(a)·op(b) + beta·d` by cuBLAS's definition (column-major, `M[r, c]` at `r + c·ld`),
+/// on the host: the specification the GPU's products are tested against.
+pub fn reference(p: &Product, a: &[f32], b: &[f32], d: &mut [f32], beta: f32) {
+    let at = |o: &Operand, m: &[f32], r: usize, c: usize| match o.trans {
+        false => m[r + c * o.ld],
+        true => m[c + r * o.ld],
+    };
+    for j in 0..p.n {
+        for i in 0..p.m {
+            let s: f32 = (0..p.k)
+                .map(|l| at(&p.a, a, i, l) * at(&p.b, b, l, j))
+                .sum();
+            let o = &mut d[i + j * p.m];
+            *o = s + beta * *o;
+        }
+    }
+}
+
+fn cuda_type(t: DType) -> sys::cudaDataType {
+    match t {
+        DType::F32 => sys::cudaDataType::CUDA_R_32F,
+        DType::Bf16 => sys::cudaDataType::CUDA_R_16BF,
+        DType::F16 => sys::cudaDataType::CUDA_R_16F,
+        other => panic!("no cuBLASLt product for {other:?} operands on this backend"),
+    }
+}
+
+/// Key of a product's chosen algorithm: its shape and types, and whether it accumulates.
+type AlgoKey = (Product, DType, DType, bool);
+
+/// A cuBLASLt handle with its workspace, and the algorithm chosen for each product seen.
+pub struct Lt {
+    handle: sys::cublasLtHandle_t,
+    workspace: *mut c_void,
+    workspace_bytes: usize,
+    algos: Mutex<HashMap<AlgoKey, sys::cublasLtMatmulAlgo_t>>,
+}
+
+// SAFETY: the handle is used from one stream at a time (the backend's), and cuBLASLt handles
+// may be shared between threads that way; the algorithm cache is behind a mutex.
+unsafe impl Send for Lt {}
+unsafe impl Sync for Lt {}
+
+/// cuBLASLt's recommended workspace for Hopper (the cuBLAS documentation, "cublasLtMatmul":
+/// 32 MiB on sm_90); the backend charges it to the plan's overhead.
+pub const WORKSPACE_BYTES: usize = 32 << 20;
+
+impl Lt {
+    /// A handle with `workspace` (device memory of `workspace_bytes`, owned by the caller).
+    pub fn new(workspace: u64, workspace_bytes: usize) -> Result<Lt, String> {
+        // SAFETY: a probe of the library, as cudarc does before its first call.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(
+                "cuBLASLt (libcublasLt.so) is not installed: install the CUDA toolkit's cuBLAS"
+                    .into(),
+            );
+        }
+        let handle = lt::create_handle().map_err(|e| format!("cuBLASLt handle: {e:?}"))?;
+        Ok(Lt {
+            handle,
+            workspace: workspace as *mut c_void,
+            workspace_bytes,
+            algos: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// `d = op(a)·op(b) (+ d)` on `stream`, `a`/`b` of type `ab`, `d` of type `out`.
+    ///
+    /// # Safety
+    /// `a`, `b` and `d` are device addresses of at least the operands' sizes, and `stream` is a
+    /// live stream of the context this handle was made in.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn run(
+        &self,
+        p: Product,
+        ab: DType,
+        out: DType,
+        a: u64,
+        b: u64,
+        d: u64,
+        accumulate: bool,
+        stream: sys::cudaStream_t,
+    ) -> Result<(), String> {
+        let err = |what: &'static str| move |e: lt::CublasError| format!("cuBLASLt {what}: {e:?}");
+        let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
+        let layout = |t: DType, rows: usize, cols: usize, ld: usize| {
+            lt::create_matrix_layout(cuda_type(t), rows as u64, cols as u64, ld as i64)
+        };
+        // The TRANSA/TRANSB attributes are cublasOperation_t, an int32: CUBLAS_OP_N = 0,
+        // CUBLAS_OP_T = 1 (cublas_api.h).
+        let op = |t: bool| t as i32;
+        let desc = lt::create_matmul_desc(
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            sys::cudaDataType::CUDA_R_32F,
+        )
+        .map_err(err("descriptor"))?;
+        let a_l = layout(ab, p.a.rows, p.a.cols, p.a.ld).map_err(err("layout A"))?;
+        let b_l = layout(ab, p.b.rows, p.b.cols, p.b.ld).map_err(err("layout B"))?;
+        let d_l = layout(out, p.m, p.n, p.m).map_err(err("layout D"))?;
+        // SAFETY: descriptors created above and destroyed below; pointers and stream are the
+        // caller's (this function's contract).
+        let r = unsafe {
+            let (ta, tb) = (op(p.a.trans), op(p.b.trans));
+            let attr = sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA;
+            lt::set_matmul_desc_attribute(desc, attr, (&ta as *const i32).cast(), size_of_val(&ta))
+                .map_err(err("transa"))?;
+            let attr = sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB;
+            lt::set_matmul_desc_attribute(desc, attr, (&tb as *const i32).cast(), size_of_val(&tb))
+                .map_err(err("transb"))?;
+            let algo = self.algo((p, ab, out, accumulate), desc, a_l, b_l, d_l)?;
+            lt::matmul(
+                self.handle,
+                desc,
+                (&alpha as *const f32).cast(),
+                (&beta as *const f32).cast(),
+                a as *const c_void,
+                a_l,
+                b as *const c_void,
+                b_l,
+                d as *const c_void,
+                d_l,
+                d as *mut c_void,
+                d_l,
+                &algo,
+                self.workspace,
+                self.workspace_bytes,
+                stream,
+            )
+            .map_err(err("matmul"))
+        };
+        // SAFETY: created above, not used after.
+        unsafe {
+            let _ = lt::destroy_matrix_layout(a_l);
+            let _ = lt::destroy_matrix_layout(b_l);
+            let _ = lt::destroy_matrix_layout(d_l);
+            let _ = lt::destroy_matmul_desc(desc);
+        }
+        r
+    }
+
+    /// The fastest algorithm cuBLASLt's heuristic offers for this product within the
+    /// workspace, chosen once per shape and kept.
+    unsafe fn algo(
+        &self,
+        key: AlgoKey,
+        desc: sys::cublasLtMatmulDesc_t,
+        a: sys::cublasLtMatrixLayout_t,
+        b: sys::cublasLtMatrixLayout_t,
+        d: sys::cublasLtMatrixLayout_t,
+    ) -> Result<sys::cublasLtMatmulAlgo_t, String> {
+        let mut algos = self.algos.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(a) = algos.get(&key) {
+            return Ok(*a);
+        }
+        let pref = lt::create_matmul_pref().map_err(|e| format!("cuBLASLt preference: {e:?}"))?;
+        let ws = self.workspace_bytes;
+        let attr =
+            sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES;
+        let r = lt::set_matmul_pref_attribute(
+            pref,
+            attr,
+            (&ws as *const usize).cast(),
+            size_of_val(&ws),
+        )
+        .and_then(|_| lt::get_matmul_algo_heuristic(self.handle, desc, a, b, d, d, pref));
+        let _ = lt::destroy_matmul_pref(pref);
+        let found = r.map_err(|e| format!("cuBLASLt has no algorithm for {key:?}: {e:?}"))?;
+        algos.insert(key, found.algo);
+        Ok(found.algo)
+    }
+}
+
+impl Drop for Lt {
+    fn drop(&mut self) {
+        // SAFETY: created in `new`, destroyed once.
+        unsafe {
+            let _ = lt::destroy_handle(self.handle);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::{Accum, AsView, AsViewMut, CpuKernels, Kernels};
+
+    fn random(len: usize, seed: u32) -> Vec<f32> {
+        (0..len)
+            .map(|i| {
+                ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8) as f32
+                    / (1u32 << 24) as f32
+                    - 0.5
+            })
+            .collect()
+    }
+
+    fn close(a: &[f32], b: &[f32], what: &str) {
+        assert_eq!(a.len(), b.len(), "{what}: lengths");
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            assert!(
+                (x - y).abs() <= 1e-5 * (1.0 + y.abs()),
+                "{what}[{i}]: {x} vs {y}"
+            );
+        }
+    }
+
+    /// The three products, read by cuBLAS's column-major definition on the engine's row-major
+    /// buffers, are the CPU backend's products (including `+=`).
+    #[test]
+    fn the_column_major_products_are_the_engines_row_major_ones() {
+        let cpu = CpuKernels::PLAIN;
+        let k: &dyn Kernels<f32> = &cpu;
+        for (n, i, o) in [(5, 7, 3), (16, 8, 24), (1, 33, 2)] {
+            let s = MatmulShape {
+                n,
+                in_features: i,
+                out_features: o,
+                ragged: false,
+            };
+            let (x, w, dy) = (random(n * i, 1), random(o * i, 2), random(n * o, 3));
+            for accum in [false, true] {
+                let acc = if accum { Accum::Add } else { Accum::Overwrite };
+                let mut want = random(n * o, 4);
+                let mut got = want.clone();
+                k.matmul_forward(s, x.view(), w.view(), None, want.view_mut(), acc);
+                reference(&forward(s), &w, &x, &mut got, accum as u8 as f32);
+                close(&got, &want, "forward");
+
+                let mut want = random(n * i, 5);
+                let mut got = want.clone();
+                k.matmul_backward_input(s, dy.view(), w.view(), want.view_mut(), acc);
+                reference(&backward_input(s), &w, &dy, &mut got, accum as u8 as f32);
+                close(&got, &want, "backward input");
+            }
+            // Weight gradients always accumulate.
+            let mut want = random(o * i, 6);
+            let mut got = want.clone();
+            k.matmul_backward_weight(s, dy.view(), x.view(), want.view_mut(), None);
+            reference(&backward_weight(s), &x, &dy, &mut got, 1.0);
+            close(&got, &want, "backward weight");
+        }
+    }
+}

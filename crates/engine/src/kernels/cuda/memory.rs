@@ -1,0 +1,144 @@
+//! Device memory: one allocation ([`DeviceBlock`]), views of it tagged with the device, a
+//! [`CudaPool`] that places the model's buffers in device memory, and copies to and from the
+//! host.
+
+use crate::kernels::{Memory, View, ViewMut};
+use crate::model::{BufName, BufferPool, BUF_ALIGN};
+use cudarc::driver::{result, CudaContext};
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+/// One device allocation, zero-filled, freed on drop.
+pub struct DeviceBlock {
+    ctx: Arc<CudaContext>,
+    ptr: u64,
+    bytes: usize,
+}
+
+// SAFETY: a device address and the context it belongs to; every use binds the context first.
+unsafe impl Send for DeviceBlock {}
+unsafe impl Sync for DeviceBlock {}
+
+impl DeviceBlock {
+    /// `bytes` of zeroed device memory (at least one byte, so the address is never null).
+    pub fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<DeviceBlock, String> {
+        let n = bytes.max(1);
+        ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
+        // SAFETY: the context is bound; the memory is set before it is handed out.
+        let ptr = unsafe {
+            let p = result::malloc_sync(n).map_err(|e| {
+                format!("cannot allocate {n} bytes of GPU memory ({e:?}): the plan does not fit this GPU")
+            })?;
+            result::memset_d8_sync(p, 0, n).map_err(|e| format!("{e:?}"))?;
+            p
+        };
+        Ok(DeviceBlock {
+            ctx: ctx.clone(),
+            ptr,
+            bytes,
+        })
+    }
+
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    fn ordinal(&self) -> u32 {
+        self.ctx.ordinal() as u32
+    }
+
+    /// The block as `len` elements of `T`.
+    pub fn view<T>(&self, len: usize) -> View<'_, T> {
+        assert!(
+            len * size_of::<T>() <= self.bytes.max(1),
+            "view past the block"
+        );
+        // SAFETY: within the block, which outlives the view; tagged as device memory, so the
+        // host never reads it through the view.
+        unsafe { View::from_raw_parts(nn(self.ptr), len, Memory::Device(self.ordinal())) }
+    }
+
+    pub fn view_mut<T>(&mut self, len: usize) -> ViewMut<'_, T> {
+        assert!(
+            len * size_of::<T>() <= self.bytes.max(1),
+            "view past the block"
+        );
+        // SAFETY: as `view`, and unique through `&mut self`.
+        unsafe { ViewMut::from_raw_parts(nn(self.ptr), len, Memory::Device(self.ordinal())) }
+    }
+}
+
+fn nn<T>(p: u64) -> NonNull<T> {
+    NonNull::new(p as usize as *mut T).expect("a device allocation is never at address 0")
+}
+
+impl Drop for DeviceBlock {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new`, freed once; errors at teardown have nowhere to go.
+        unsafe {
+            let _ = self.ctx.bind_to_thread();
+            let _ = result::free_sync(self.ptr);
+        }
+    }
+}
+
+/// `host` copied to a new device block.
+pub fn upload<T: Copy>(ctx: &Arc<CudaContext>, host: &[T]) -> Result<DeviceBlock, String> {
+    let b = DeviceBlock::new(ctx, std::mem::size_of_val(host))?;
+    // SAFETY: the block holds exactly `host`'s bytes.
+    unsafe { result::memcpy_htod_sync(b.ptr, host) }.map_err(|e| format!("{e:?}"))?;
+    Ok(b)
+}
+
+/// A device view's elements, on the host (waits for the work before it on the legacy default
+/// stream, which every kernel of the backend runs on).
+pub fn download<T: Copy + Default>(v: View<'_, T>) -> Vec<T> {
+    assert!(
+        matches!(v.memory(), Memory::Device(_)),
+        "download of {}",
+        v.memory()
+    );
+    let mut out = vec![T::default(); v.len()];
+    // SAFETY: the view's bytes are device memory of its length.
+    unsafe { result::memcpy_dtoh_sync(&mut out, v.as_ptr() as u64) }
+        .unwrap_or_else(|e| panic!("copying {} elements from the GPU: {e:?}", v.len()));
+    out
+}
+
+/// A pool whose buffers are device memory: each a block of its own, kept until the pool is
+/// dropped (as `DevicePool`, its host emulation, does). For tests and tools; the trainer
+/// places buffers in its planned arena instead.
+pub struct CudaPool {
+    ctx: Arc<CudaContext>,
+    blocks: Vec<DeviceBlock>,
+}
+
+impl CudaPool {
+    pub fn new(ctx: &Arc<CudaContext>) -> CudaPool {
+        CudaPool {
+            ctx: ctx.clone(),
+            blocks: Vec::new(),
+        }
+    }
+}
+
+impl BufferPool for CudaPool {
+    fn did_alloc(&mut self, _: BufName, _: u64) {}
+    fn did_free(&mut self, _: BufName, _: u64) {}
+    fn place(&mut self, name: BufName, bytes: u64) -> Option<NonNull<u8>> {
+        // cuMemAlloc aligns to 256 bytes at least, more than BUF_ALIGN.
+        const _: () = assert!(BUF_ALIGN <= 256);
+        let b = DeviceBlock::new(&self.ctx, bytes as usize)
+            .unwrap_or_else(|e| panic!("GPU buffer {name:?}: {e}"));
+        let p = nn(b.ptr);
+        self.blocks.push(b);
+        Some(p)
+    }
+    fn memory(&self) -> Memory {
+        Memory::Device(self.ctx.ordinal() as u32)
+    }
+}

@@ -1,0 +1,610 @@
+//! The CUDA backend against the CPU backend (which the golden fixtures check against
+//! PyTorch): every op the dense model uses, fp32 and bf16, then whole training steps of the
+//! model with every recompute policy. Needs a GPU: skips with a message where the driver or a
+//! GPU is missing (CI has neither; run it on the GPU machine: scripts/cuda_check.sh).
+//!
+//! Tolerances, relative to each tensor's largest entry (`common::rel_err`): fp32 1e-5 for
+//! elementwise and per-row ops and 1e-4 for products and attention (different summation
+//! orders and FMA contraction); bf16 2e-2 (one bf16 rounding, 2^-8, either way, plus
+//! products of rounded operands).
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use common::{assert_close, to64, Rng};
+use ferrotron_engine::dtype::Elem;
+use ferrotron_engine::kernels::cuda::{download, upload, CudaKernels, CudaPool, DeviceBlock};
+use ferrotron_engine::kernels::*;
+use ferrotron_engine::model::{
+    BatchShape, GradBuf, GradsDone, HeapPool, Llama, Recompute, Whole, WholeParams,
+};
+use half::bf16;
+
+fn gpu() -> Option<CudaKernels> {
+    match CudaKernels::open(0) {
+        Ok(k) => Some(k),
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            None
+        }
+    }
+}
+
+/// Device copies and host copies of test tensors.
+struct On<'k> {
+    k: &'k CudaKernels,
+}
+
+impl On<'_> {
+    fn up<T: Copy>(&self, host: &[T]) -> DeviceBlock {
+        upload(&self.k.gpu().ctx, host).expect("upload")
+    }
+}
+
+fn f32s<S: Elem>(x: &[S]) -> Vec<f32> {
+    x.iter().map(|v| v.to_f32()).collect()
+}
+
+fn stored<S: Elem>(x: &[f32]) -> Vec<S> {
+    x.iter().map(|&v| S::from_f32(v)).collect()
+}
+
+#[track_caller]
+fn same<S: Elem>(what: &str, got: &DeviceBlock, want: &[S], tol: f64) {
+    let g: Vec<S> = download(got.view(want.len()));
+    assert_close(what, &f32s(&g), &to64(&f32s(want)), tol);
+}
+
+/// Every dense op once, on the CPU and on the GPU, from the same inputs.
+fn ops<S: Elem>(k: &CudaKernels, tol: f64, tol_product: f64) {
+    let t = std::any::type_name::<S>();
+    let on = On { k };
+    let cpu = CpuKernels::PLAIN;
+    let c: &dyn Kernels<S> = &cpu;
+    let g: &dyn Kernels<S> = k;
+    let mut rng = Rng::new(7);
+    let mut r = |n: usize, s: f32| stored::<S>(&rng.vec(n, s));
+
+    // Products, with a bias and with `+=`, and the LM head's.
+    let s = MatmulShape {
+        n: 37,
+        in_features: 96,
+        out_features: 80,
+        ragged: false,
+    };
+    let (x, w, b, dy) = (
+        r(37 * 96, 1.0),
+        r(80 * 96, 0.2),
+        r(80, 0.5),
+        r(37 * 80, 1.0),
+    );
+    let (dx, dw, db) = (d(&on, &x), d(&on, &w), d(&on, &b));
+    let ddy = d(&on, &dy);
+    for acc in [Accum::Overwrite, Accum::Add] {
+        let mut y = r(37 * 80, 1.0);
+        let mut gy = on.up(&y);
+        c.matmul_forward(s, x.view(), w.view(), Some(b.view()), y.view_mut(), acc);
+        g.matmul_forward(
+            s,
+            dx.view(x.len()),
+            dw.view(w.len()),
+            Some(db.view(80)),
+            gy.view_mut(y.len()),
+            acc,
+        );
+        same(&format!("{t} matmul_forward {acc:?}"), &gy, &y, tol_product);
+
+        let mut gx = r(x.len(), 1.0);
+        let mut ggx = on.up(&gx);
+        c.matmul_backward_input(s, dy.view(), w.view(), gx.view_mut(), acc);
+        g.matmul_backward_input(
+            s,
+            ddy.view(dy.len()),
+            dw.view(w.len()),
+            ggx.view_mut(gx.len()),
+            acc,
+        );
+        same(
+            &format!("{t} matmul_backward_input {acc:?}"),
+            &ggx,
+            &gx,
+            tol_product,
+        );
+    }
+    let (mut gw, mut gb) = (r(w.len(), 0.1), r(80, 0.1));
+    let (mut ggw, mut ggb) = (on.up(&gw), on.up(&gb));
+    c.matmul_backward_weight(s, dy.view(), x.view(), gw.view_mut(), Some(gb.view_mut()));
+    g.matmul_backward_weight(
+        s,
+        ddy.view(dy.len()),
+        dx.view(x.len()),
+        ggw.view_mut(gw.len()),
+        Some(ggb.view_mut(80)),
+    );
+    same(
+        &format!("{t} matmul_backward_weight"),
+        &ggw,
+        &gw,
+        tol_product,
+    );
+    same(
+        &format!("{t} matmul_backward_weight bias"),
+        &ggb,
+        &gb,
+        tol_product,
+    );
+
+    let mut logits = vec![0f32; 37 * 80];
+    let mut gl = on.up(&logits);
+    c.head_forward(s, x.view(), w.view(), logits.view_mut());
+    g.head_forward(
+        s,
+        dx.view(x.len()),
+        dw.view(w.len()),
+        gl.view_mut(logits.len()),
+    );
+    same(&format!("{t} head_forward"), &gl, &logits, tol_product);
+    let dl: Vec<f32> = f32s(&dy);
+    let gdl = on.up(&dl);
+    let (mut hw, mut hx) = (r(w.len(), 0.1), r(x.len(), 0.0));
+    let (mut ghw, mut ghx) = (on.up(&hw), on.up(&hx));
+    c.head_backward_weight(s, dl.view(), x.view(), hw.view_mut());
+    g.head_backward_weight(
+        s,
+        gdl.view(dl.len()),
+        dx.view(x.len()),
+        ghw.view_mut(hw.len()),
+    );
+    same(&format!("{t} head_backward_weight"), &ghw, &hw, tol_product);
+    c.head_backward_input(s, dl.view(), w.view(), hx.view_mut());
+    g.head_backward_input(
+        s,
+        gdl.view(dl.len()),
+        dw.view(w.len()),
+        ghx.view_mut(hx.len()),
+    );
+    same(&format!("{t} head_backward_input"), &ghx, &hx, tol_product);
+
+    // RMSNorm.
+    let ns = NormShape {
+        n: 29,
+        c: 300,
+        eps: 1e-5,
+    };
+    let (nx, nw, ndy) = (r(29 * 300, 2.0), r(300, 1.0), r(29 * 300, 1.0));
+    let (dnx, dnw, dndy) = (d(&on, &nx), d(&on, &nw), d(&on, &ndy));
+    let (mut out, mut rstd) = (r(nx.len(), 0.0), vec![0f32; 29]);
+    let (mut gout, mut grstd) = (on.up(&out), on.up(&rstd));
+    c.rmsnorm_forward(ns, nx.view(), nw.view(), out.view_mut(), rstd.view_mut());
+    g.rmsnorm_forward(
+        ns,
+        dnx.view(nx.len()),
+        dnw.view(300),
+        gout.view_mut(out.len()),
+        grstd.view_mut(29),
+    );
+    same(&format!("{t} rmsnorm_forward"), &gout, &out, tol);
+    same(&format!("{t} rmsnorm rstd"), &grstd, &rstd, 1e-5);
+    for acc in [Accum::Overwrite, Accum::Add] {
+        let (mut ndx, mut ndw) = (r(nx.len(), 1.0), r(300, 0.1));
+        let (mut gndx, mut gndw) = (on.up(&ndx), on.up(&ndw));
+        c.rmsnorm_backward(
+            ns,
+            ndy.view(),
+            nx.view(),
+            nw.view(),
+            rstd.view(),
+            ndx.view_mut(),
+            acc,
+            ndw.view_mut(),
+        );
+        g.rmsnorm_backward(
+            ns,
+            dndy.view(ndy.len()),
+            dnx.view(nx.len()),
+            dnw.view(300),
+            grstd.view(29),
+            gndx.view_mut(ndx.len()),
+            acc,
+            gndw.view_mut(300),
+        );
+        same(
+            &format!("{t} rmsnorm_backward dx {acc:?}"),
+            &gndx,
+            &ndx,
+            tol,
+        );
+        same(
+            &format!("{t} rmsnorm_backward dw {acc:?}"),
+            &gndw,
+            &ndw,
+            tol_product,
+        );
+    }
+
+    // RoPE there and back.
+    let rs = RopeShape {
+        b: 2,
+        t: 17,
+        heads: 3,
+        head_dim: 64,
+    };
+    let table = RopeTable::new(64, 32, 10_000.0);
+    let mut rx = r(2 * 17 * 3 * 64, 1.0);
+    let mut grx = on.up(&rx);
+    c.rope_forward(rs, &table, rx.view_mut());
+    g.rope_forward(rs, &table, grx.view_mut(rx.len()));
+    same(&format!("{t} rope_forward"), &grx, &rx, tol);
+    c.rope_backward(rs, &table, rx.view_mut());
+    g.rope_backward(rs, &table, grx.view_mut(rx.len()));
+    same(&format!("{t} rope_backward"), &grx, &rx, tol);
+
+    // Attention with grouped queries, a head dim below and at the kernel's largest.
+    for (heads, kv, hd) in [(4, 2, 64), (2, 1, 128), (3, 3, 48)] {
+        let a = AttnShape {
+            b: 2,
+            t: 33,
+            heads,
+            kv_heads: kv,
+            head_dim: hd,
+        };
+        let (q, kk, v, dout) = (
+            r(a.q_len(), 1.0),
+            r(a.kv_len(), 1.0),
+            r(a.kv_len(), 1.0),
+            r(a.q_len(), 1.0),
+        );
+        let (gq, gk, gv, gdo) = (d(&on, &q), d(&on, &kk), d(&on, &v), d(&on, &dout));
+        let (mut o, mut lse) = (r(a.q_len(), 0.0), vec![0f32; a.lse_len()]);
+        let (mut go, mut glse) = (on.up(&o), on.up(&lse));
+        c.attention_forward(
+            a,
+            q.view(),
+            kk.view(),
+            v.view(),
+            o.view_mut(),
+            lse.view_mut(),
+        );
+        g.attention_forward(
+            a,
+            gq.view(q.len()),
+            gk.view(kk.len()),
+            gv.view(v.len()),
+            go.view_mut(o.len()),
+            glse.view_mut(lse.len()),
+        );
+        let what = format!("{t} attention H{heads} KV{kv} D{hd}");
+        same(&format!("{what} o"), &go, &o, tol_product);
+        same(&format!("{what} lse"), &glse, &lse, 1e-5);
+        let (mut dq, mut dk, mut dv) = (r(q.len(), 0.0), r(kk.len(), 0.0), r(v.len(), 0.0));
+        let (mut gdq, mut gdk, mut gdv) = (on.up(&dq), on.up(&dk), on.up(&dv));
+        c.attention_backward(
+            a,
+            q.view(),
+            kk.view(),
+            v.view(),
+            o.view(),
+            lse.view(),
+            dout.view(),
+            dq.view_mut(),
+            dk.view_mut(),
+            dv.view_mut(),
+        );
+        g.attention_backward(
+            a,
+            gq.view(q.len()),
+            gk.view(kk.len()),
+            gv.view(v.len()),
+            go.view(o.len()),
+            glse.view(lse.len()),
+            gdo.view(dout.len()),
+            gdq.view_mut(dq.len()),
+            gdk.view_mut(dk.len()),
+            gdv.view_mut(dv.len()),
+        );
+        same(&format!("{what} dq"), &gdq, &dq, tol_product);
+        same(&format!("{what} dk"), &gdk, &dk, tol_product);
+        same(&format!("{what} dv"), &gdv, &dv, tol_product);
+    }
+
+    // SwiGLU, elementwise ops.
+    let n = 1000;
+    let (ga, up, dh) = (r(n, 3.0), r(n, 1.0), r(n, 1.0));
+    let (gga, gup, gdh) = (d(&on, &ga), d(&on, &up), d(&on, &dh));
+    let mut h = r(n, 0.0);
+    let mut gh = on.up(&h);
+    c.swiglu_forward(ga.view(), up.view(), h.view_mut());
+    g.swiglu_forward(gga.view(n), gup.view(n), gh.view_mut(n));
+    same(&format!("{t} swiglu_forward"), &gh, &h, tol);
+    let (mut dga, mut dup) = (r(n, 0.0), r(n, 0.0));
+    let (mut gdga, mut gdup) = (on.up(&dga), on.up(&dup));
+    c.swiglu_backward(
+        dh.view(),
+        ga.view(),
+        up.view(),
+        dga.view_mut(),
+        dup.view_mut(),
+    );
+    g.swiglu_backward(
+        gdh.view(n),
+        gga.view(n),
+        gup.view(n),
+        gdga.view_mut(n),
+        gdup.view_mut(n),
+    );
+    same(&format!("{t} swiglu_backward dgate"), &gdga, &dga, tol);
+    same(&format!("{t} swiglu_backward dup"), &gdup, &dup, tol);
+    c.add(ga.view(), up.view(), h.view_mut());
+    g.add(gga.view(n), gup.view(n), gh.view_mut(n));
+    same(&format!("{t} add"), &gh, &h, tol);
+    c.add_inplace(h.view_mut(), dh.view());
+    g.add_inplace(gh.view_mut(n), gdh.view(n));
+    same(&format!("{t} add_inplace"), &gh, &h, tol);
+    c.copy(up.view(), h.view_mut());
+    g.copy(gup.view(n), gh.view_mut(n));
+    same(&format!("{t} copy"), &gh, &h, 0.0);
+    c.scale(h.view_mut(), 0.37);
+    g.scale(gh.view_mut(n), 0.37);
+    same(&format!("{t} scale"), &gh, &h, tol);
+    let want = c.sum_squares(ga.view());
+    let got = g.sum_squares(gga.view(n));
+    assert!(
+        (got - want).abs() <= 1e-12 * want,
+        "{t} sum_squares: {got} vs {want}"
+    );
+    let master = rng_vec(n);
+    let gmaster = on.up(&master);
+    c.round_params(master.view(), h.view_mut());
+    g.round_params(gmaster.view(n), gh.view_mut(n));
+    same(&format!("{t} round_params"), &gh, &h, 0.0);
+
+    // Embedding, with repeated tokens; its backward into a table.
+    let (vocab, cdim) = (50, 24);
+    let mut trng = Rng::new(3);
+    let tokens: Vec<u32> = (0..64).map(|_| trng.below(vocab as u32)).collect();
+    let gt = on.up(&tokens);
+    let wte = r(vocab * cdim, 1.0);
+    let gwte = on.up(&wte);
+    let mut e = r(64 * cdim, 0.0);
+    let mut ge = on.up(&e);
+    c.embedding_forward(tokens.view(), wte.view(), cdim, e.view_mut());
+    g.embedding_forward(
+        gt.view(64),
+        gwte.view(wte.len()),
+        cdim,
+        ge.view_mut(e.len()),
+    );
+    same(&format!("{t} embedding_forward"), &ge, &e, 0.0);
+    let de = r(64 * cdim, 1.0);
+    let gde = on.up(&de);
+    let mut dwte = r(wte.len(), 0.1);
+    let mut gdwte = on.up(&dwte);
+    c.embedding_backward(tokens.view(), de.view(), cdim, dwte.view_mut());
+    g.embedding_backward(
+        gt.view(64),
+        gde.view(de.len()),
+        cdim,
+        gdwte.view_mut(dwte.len()),
+    );
+    same(&format!("{t} embedding_backward"), &gdwte, &dwte, tol);
+
+    // Cross-entropy with an ignored row, loss only and with its gradient.
+    let ce = CeShape {
+        rows: 9,
+        vocab: 1000,
+    };
+    let mut targets: Vec<u32> = (0..9).map(|_| trng.below(1000)).collect();
+    targets[4] = IGNORE_INDEX;
+    let gtg = on.up(&targets);
+    assert_eq!(
+        Kernels::<S>::count_targets(k, gtg.view(9), 1000),
+        8,
+        "{t} count_targets"
+    );
+    for scale in [None, Some(0.125f32)] {
+        let mut z = rng_vec(9 * 1000)
+            .iter()
+            .map(|x| x * 8.0)
+            .collect::<Vec<f32>>();
+        let mut gz = on.up(&z);
+        let (mut l, mut gl) = (vec![0f32; 9], on.up(&[0f32; 9]));
+        let want = c.cross_entropy(ce, z.view_mut(), targets.view(), l.view_mut(), scale);
+        let got = g.cross_entropy(ce, gz.view_mut(z.len()), gtg.view(9), gl.view_mut(9), scale);
+        assert!(
+            (got - want).abs() <= 1e-5 * want.abs(),
+            "{t} cross_entropy: {got} vs {want}"
+        );
+        same(&format!("{t} cross_entropy losses"), &gl, &l, 1e-5);
+        same(
+            &format!("{t} cross_entropy dlogits {scale:?}"),
+            &gz,
+            &z,
+            1e-5,
+        );
+    }
+}
+
+fn rng_vec(n: usize) -> Vec<f32> {
+    Rng::new(n as u64).vec(n, 1.0)
+}
+
+fn d<T: Copy>(on: &On<'_>, host: &[T]) -> DeviceBlock {
+    on.up(host)
+}
+
+/// AdamW: fp32 in place, and bf16 parameters rounded to nearest and stochastically (the same
+/// counter-based noise as the CPU: a rounding differs only where the f32 update itself does).
+fn adamw<S: Elem, G: Elem>(k: &CudaKernels) {
+    let on = On { k };
+    let n = 3000;
+    let h = AdamWParams {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        step: 3,
+        grad_scale: 0.5,
+    };
+    let mut rng = Rng::new(5);
+    let grads: Vec<G> = rng.vec(n, 1.0).iter().map(|&x| G::from_f32(x)).collect();
+    let gg = on.up(&grads);
+    for rounding in [Rounding::Nearest, Rounding::Stochastic { seed: 9 }] {
+        let (mut p, mut m, mut v) = (
+            rng.vec(n, 1.0),
+            rng.vec(n, 0.1),
+            rng.vec(n, 0.01).iter().map(|x| x.abs()).collect::<Vec<_>>(),
+        );
+        let (mut gp, mut gm, mut gv) = (on.up(&p), on.up(&m), on.up(&v));
+        let mut out = vec![S::default(); n];
+        let mut gout = on.up(&out);
+        let cpu = CpuKernels::PLAIN;
+        let c: &dyn Kernels<S, G> = &cpu;
+        let g: &dyn Kernels<S, G> = k;
+        c.adamw_step(
+            h,
+            p.view_mut(),
+            grads.view(),
+            m.view_mut(),
+            v.view_mut(),
+            Some((out.view_mut(), rounding)),
+        );
+        g.adamw_step(
+            h,
+            gp.view_mut(n),
+            gg.view(n),
+            gm.view_mut(n),
+            gv.view_mut(n),
+            Some((gout.view_mut(n), rounding)),
+        );
+        let what = format!("adamw {} {rounding:?}", std::any::type_name::<S>());
+        same(&format!("{what} master"), &gp, &p, 1e-6);
+        same(&format!("{what} m"), &gm, &m, 1e-6);
+        same(&format!("{what} v"), &gv, &v, 1e-6);
+        let got: Vec<S> = download(gout.view(n));
+        let differ = got.iter().zip(&out).filter(|(a, b)| a != b).count();
+        assert!(
+            differ <= n / 100,
+            "{what}: {differ} of {n} rounded parameters differ from the CPU's"
+        );
+    }
+}
+
+#[test]
+fn every_dense_op_follows_the_cpu() {
+    let Some(k) = gpu() else { return };
+    eprintln!("GPU: {} ({})", k.gpu().name, k.gpu().arch);
+    ops::<f32>(&k, 1e-5, 1e-4);
+    ops::<bf16>(&k, 2e-2, 2e-2);
+    adamw::<f32, f32>(&k);
+    adamw::<bf16, bf16>(&k);
+    adamw::<bf16, f32>(&k);
+}
+
+/// Loss sums of a training micro-batch and an evaluation, and the gradients: on the CPU, or on
+/// the GPU with every parameter, gradient, activation and token id in device memory.
+fn step<S: Elem>(
+    model: &Llama,
+    k: Option<&CudaKernels>,
+    params: &[S],
+    tokens: &[u32],
+    targets: &[u32],
+) -> (f64, f64, Vec<S>) {
+    let batch = BatchShape { b: 2, t: 24 };
+    let nt = targets.iter().filter(|&&t| t != IGNORE_INDEX).count();
+    let done = &mut |_: GradsDone, _: &mut dyn GradBuf<S>| {};
+    match k {
+        None => {
+            let cpu = CpuKernels::PLAIN;
+            let mut grads = vec![S::from_f32(0.0); model.num_params()];
+            let mut pool = HeapPool::new();
+            let src = &mut WholeParams::host(params);
+            let g = &mut Whole::host(&mut grads);
+            let (acts, loss) = model
+                .forward_train_scaled(&cpu, &mut pool, src, g, batch, tokens, targets, nt, 1.0);
+            model.backward_notify(&cpu, &mut pool, src, g, acts, tokens, done);
+            let eval = model.forward_eval_from(&cpu, &mut pool, src, batch, tokens, targets);
+            (loss.sum, eval.sum, grads)
+        }
+        Some(k) => {
+            let on = On { k };
+            let (p, tok, tgt) = (on.up(params), on.up(tokens), on.up(targets));
+            let mut gr = on.up(&vec![S::from_f32(0.0); model.num_params()]);
+            let mut pool = CudaPool::new(&k.gpu().ctx);
+            let (tok, tgt) = (
+                tok.view::<u32>(tokens.len()),
+                tgt.view::<u32>(targets.len()),
+            );
+            let src = &mut WholeParams(p.view::<S>(params.len()));
+            let g = &mut Whole(gr.view_mut(params.len()));
+            let (acts, loss) =
+                model.forward_train_scaled(k, &mut pool, src, g, batch, &tok, &tgt, nt, 1.0);
+            model.backward_notify(k, &mut pool, src, g, acts, &tok, done);
+            let eval = model.forward_eval_from(k, &mut pool, src, batch, &tok, &tgt);
+            drop(pool);
+            (loss.sum, eval.sum, download(gr.view(params.len())))
+        }
+    }
+}
+
+#[test]
+fn training_steps_follow_the_cpu() {
+    let Some(k) = gpu() else { return };
+    let mut rng = Rng::new(11);
+    let tokens: Vec<u32> = (0..48).map(|_| rng.below(80)).collect();
+    let mut targets: Vec<u32> = (0..48).map(|_| rng.below(80)).collect();
+    targets[5] = IGNORE_INDEX;
+    for (tie, bias) in [(true, true), (false, false)] {
+        for rc in [Recompute::None, Recompute::Selective, Recompute::Full] {
+            let model = Llama::new(common::dense_cfg(tie, bias)).with_recompute(rc);
+            let what = format!("fp32 tied {tie} bias {bias} {rc:?}");
+            let params = model.params.init(3, 0.1);
+            let want = step::<f32>(&model, None, &params, &tokens, &targets);
+            let got = step::<f32>(&model, Some(&k), &params, &tokens, &targets);
+            assert!(
+                (got.0 - want.0).abs() <= 1e-5 * want.0,
+                "{what}: loss {} vs {}",
+                got.0,
+                want.0
+            );
+            assert!(
+                (got.1 - want.1).abs() <= 1e-5 * want.1,
+                "{what}: eval loss {} vs {}",
+                got.1,
+                want.1
+            );
+            assert_close(&format!("{what}: gradients"), &got.2, &to64(&want.2), 1e-4);
+        }
+    }
+    let model = Llama::new(common::dense_cfg(false, true)).with_recompute(Recompute::Selective);
+    let params: Vec<bf16> = stored(&model.params.init(3, 0.1));
+    let want = step::<bf16>(&model, None, &params, &tokens, &targets);
+    let got = step::<bf16>(&model, Some(&k), &params, &tokens, &targets);
+    assert!(
+        (got.0 - want.0).abs() <= 2e-2 * want.0,
+        "bf16: loss {} vs {}",
+        got.0,
+        want.0
+    );
+    assert_close(
+        "bf16: gradients",
+        &f32s(&got.2),
+        &to64(&f32s(&want.2)),
+        5e-2,
+    );
+}
+
+#[test]
+fn a_host_buffer_handed_to_the_gpu_is_refused_naming_the_op() {
+    let Some(k) = gpu() else { return };
+    let (mut acc, x) = (vec![1.0f32; 4], vec![2.0f32; 4]);
+    let err = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        Kernels::<f32>::add_inplace(&k, acc.view_mut(), x.view())
+    }))
+    .expect_err("a host slice must be refused");
+    let msg = err.downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(
+        msg.contains("op add_inplace was handed host memory on the CUDA backend"),
+        "{msg}"
+    );
+}
