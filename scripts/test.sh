@@ -49,3 +49,12 @@ else
         echo "== MPI backend: Open MPI not installed and no root or sudo to install it: skipped"
     fi
 fi
+# The CUDA backend (issue #14) without a GPU: built with --features cuda (no toolkit needed),
+# linted, every kernel compiled by NVRTC for sm_90 and sm_80 (NVRTC from the
+# nvidia-cuda-nvrtc wheel), its GPU tests skipping, and --device cuda refused in one line.
+# FERROTRON_CUDA=0 skips it.
+if [ "${FERROTRON_CUDA:-1}" = 0 ]; then
+    echo "== CUDA backend: skipped (FERROTRON_CUDA=0)"
+else
+    bash scripts/cuda_check.sh
+fi

@@ -124,6 +124,15 @@ fn bad_train_input_exits_nonzero_with_one_line() {
             "error: comm = mpi: not started by mpirun or srun; run `mpirun -np 2 ferrotron train --dp 2`, or --comm threads",
         ),
         (
+            // Built without CUDA: the rebuild to ask for; with it and no GPU: the driver.
+            vec!["train", "--device", "cuda"],
+            "error: device = cuda: this ferrotron was built without CUDA; build it with `cargo build --release --features cuda`, or use --device cpu",
+        ),
+        (
+            vec!["train", "--device", "gpu"],
+            "invalid value 'gpu' for '--device <DEVICE>'",
+        ),
+        (
             vec!["train", "--comm", "nccl"],
             "invalid value 'nccl' for '--comm <COMM>'",
         ),

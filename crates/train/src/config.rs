@@ -156,6 +156,10 @@ pub struct TrainArgs {
     #[arg(long, value_enum)]
     #[serde(skip)]
     pub comm: Option<CommBackend>,
+    /// Where the step runs: cpu, or cuda (one NVIDIA GPU; a build with `--features cuda`).
+    #[arg(long, value_enum, default_value_t)]
+    #[serde(skip)]
+    pub device: crate::device::Device,
     /// The parallel layout, the same flags as `ferrotron plan` (one rank until the distributed
     /// trainer lands).
     #[command(flatten)]

@@ -7,6 +7,7 @@ pub mod config;
 pub mod context_parallel;
 pub mod data;
 pub mod data_parallel;
+pub mod device;
 pub mod eval;
 pub mod expert_parallel;
 pub mod heap;

@@ -217,6 +217,7 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         layout.dp as usize,
         (layout.dp * layout.tp * layout.pp * layout.cp * layout.ep) as usize,
     );
+    crate::device::check(args.device, world)?;
     if layout.ep > 1 {
         // Expert parallelism needs experts to share out, evenly; refused once, before any
         // rank starts.

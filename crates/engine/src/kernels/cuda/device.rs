@@ -12,13 +12,13 @@ use std::sync::Arc;
 /// Why `--device cuda` cannot run here.
 #[derive(Debug, thiserror::Error)]
 pub enum DeviceError {
-    #[error("--device cuda: no NVIDIA driver on this machine (libcuda.so.1 not found); run on a machine with an NVIDIA GPU, or use --device cpu")]
+    #[error("device = cuda: no NVIDIA driver on this machine (libcuda.so.1 not found); run on a machine with an NVIDIA GPU, or use --device cpu")]
     NoDriver,
-    #[error("--device cuda: the NVIDIA driver found no GPU {ordinal} ({detail}); check nvidia-smi and CUDA_VISIBLE_DEVICES, or use --device cpu")]
+    #[error("device = cuda: the NVIDIA driver found no GPU {ordinal} ({detail}); check nvidia-smi and CUDA_VISIBLE_DEVICES, or use --device cpu")]
     NoDevice { ordinal: usize, detail: String },
-    #[error("--device cuda: {0}")]
+    #[error("device = cuda: {0}")]
     Compile(#[from] source::CompileError),
-    #[error("--device cuda: {what}: {detail}")]
+    #[error("device = cuda: {what}: {detail}")]
     Driver { what: &'static str, detail: String },
 }
 

@@ -141,7 +141,10 @@ impl Lt {
     /// A handle with `workspace` (device memory of `workspace_bytes`, owned by the caller).
     pub fn new(workspace: u64, workspace_bytes: usize) -> Result<Lt, String> {
         // SAFETY: a probe of the library, as cudarc does before its first call.
-        if !unsafe { sys::is_culib_present() } {
+        let names = ["libcublasLt.so", "libcublasLt.so.13", "libcublasLt.so.12"];
+        if !super::libs::load("FERROTRON_CUBLASLT", &names, || unsafe {
+            sys::is_culib_present()
+        }) {
             return Err(
                 "cuBLASLt (libcublasLt.so) is not installed: install the CUDA toolkit's cuBLAS"
                     .into(),

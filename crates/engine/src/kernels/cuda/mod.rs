@@ -10,6 +10,7 @@
 pub mod backend;
 pub mod device;
 pub mod gemm;
+mod libs;
 pub mod memory;
 pub mod source;
 

@@ -8,7 +8,6 @@
 //! a GPU (`tests/cuda_source.rs`).
 
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
-use std::path::{Path, PathBuf};
 
 /// The whole program: the shared header first, then each op family's file.
 pub fn program() -> String {
@@ -105,52 +104,14 @@ pub fn compile_program(src: String, arch: &'static str) -> Result<String, Compil
         })
 }
 
-/// Where libnvrtc may be besides the loader's path: FERROTRON_NVRTC (the file), the CUDA
-/// toolkit, and the PyPI wheels (`nvidia-cuda-nvrtc`; torch brings them too).
-fn nvrtc_candidates() -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    if let Some(p) = std::env::var_os("FERROTRON_NVRTC") {
-        out.push(PathBuf::from(p));
-    }
-    let mut dirs: Vec<PathBuf> = Vec::new();
-    if let Some(h) = std::env::var_os("CUDA_HOME") {
-        dirs.push(Path::new(&h).join("lib64"));
-    }
-    dirs.push("/usr/local/cuda/lib64".into());
-    // The repository's own venv (tests/reference/setup_venv.sh) and the user's.
-    for root in [".venv", "../../.venv"] {
-        dirs.push(Path::new(root).join("lib/python3.11/site-packages/nvidia/cu13/lib"));
-        dirs.push(Path::new(root).join("lib/python3.11/site-packages/nvidia/cuda_nvrtc/lib"));
-    }
-    for d in dirs {
-        for name in ["libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"] {
-            out.push(d.join(name));
-        }
-    }
-    out
-}
-
-/// Whether NVRTC can be loaded: from the loader's path, or else from the first candidate
-/// file that loads, kept loaded (global) so that cudarc's own `dlopen` by soname finds it.
+/// Whether NVRTC can be loaded (see [`super::libs`]).
 pub fn nvrtc_present() -> bool {
-    // SAFETY: probing the library is what cudarc does before every call; it runs no code of
-    // the library beyond its initialisers.
-    if unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        return true;
-    }
-    for p in nvrtc_candidates() {
-        let Some(s) = p.to_str().and_then(|s| std::ffi::CString::new(s).ok()) else {
-            continue;
-        };
-        // SAFETY: a plain dlopen of a file path; a handle that loads stays open for the
-        // process (never closed), which is what makes the soname lookup find it.
-        let h = unsafe { libc::dlopen(s.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
-        if !h.is_null() {
-            // SAFETY: as above.
-            return unsafe { cudarc::nvrtc::sys::is_culib_present() };
-        }
-    }
-    false
+    // SAFETY: a dlopen probe, as cudarc does before its first call.
+    super::libs::load(
+        "FERROTRON_NVRTC",
+        &["libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"],
+        || unsafe { cudarc::nvrtc::sys::is_culib_present() },
+    )
 }
 
 #[cfg(test)]
