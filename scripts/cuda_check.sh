@@ -61,11 +61,13 @@ for l in sys.stdin:
         cp "$bin" "$out/$t"
     done
     strip "$out"/*
+    cp scripts/cuda_compare.py "$out/"
     cat >"$out/run.sh" <<'RUN'
 #!/usr/bin/env bash
 # On the GPU machine: the CUDA backend against the CPU backend (built by
-# scripts/cuda_check.sh bundle). cuBLASLt and NVRTC come from the CUDA install or PyTorch's
-# wheels.
+# scripts/cuda_check.sh bundle), then the trainer on the GPU against the CPU: the default
+# model for 20 steps in fp32 and bf16, losses and planned vs measured memory compared
+# (cuda_compare.py). cuBLASLt and NVRTC come from the CUDA install or PyTorch's wheels.
 set -uo pipefail
 cd "$(dirname "$0")"
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
@@ -73,7 +75,18 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 rc=0
 ./cuda_source --nocapture || rc=1
 ./cuda_backend --nocapture --test-threads 1 || rc=1
-./ferrotron train --device cuda --steps 1 2>&1 | tail -1
+out=${OUT:-/tmp}/cuda-train
+for p in fp32 bf16; do
+    for d in cpu cuda; do
+        # The CPU's MFU is not the point here: a fixed peak skips measuring it. The GPU's
+        # comes from the planner's table.
+        peak=(); [ "$d" = cpu ] && peak=(--peak-gflops 100)
+        ./ferrotron train --device "$d" --precision "$p" --steps 20 --eval-interval 10 \
+            --sample-tokens 0 --quiet "${peak[@]}" --out-dir "$out/$p-$d" 2>"$out-$p-$d.log" ||
+            { rc=1; tail -5 "$out-$p-$d.log"; }
+    done
+    python3 cuda_compare.py "$p" "$out/$p-cpu/metrics.jsonl" "$out/$p-cuda/metrics.jsonl" || rc=1
+done
 exit $rc
 RUN
     chmod +x "$out/run.sh"

@@ -11,6 +11,7 @@
 //! names.
 
 use anyhow::bail;
+use ferrotron_engine::kernels::{DeviceAlloc, Memory};
 use ferrotron_engine::model::{BufName, BUF_ALIGN};
 use ferrotron_plan::arena::{arena_layout, ArenaLayout};
 use ferrotron_plan::memory::{Category, Op, Phase};
@@ -19,6 +20,7 @@ use ferrotron_plan::MemoryPlan;
 use std::alloc::Layout;
 use std::collections::HashMap;
 use std::ptr::NonNull;
+use std::sync::Arc;
 
 /// Where one buffer lives in the region.
 #[derive(Clone, Copy, Debug)]
@@ -51,6 +53,8 @@ pub struct Arena {
     live: Vec<Live>,
     /// Bytes of live buffers (as planned, without alignment padding).
     in_use: u64,
+    /// The device the region lives on (`None`: the host's heap).
+    device: Option<Arc<dyn DeviceAlloc>>,
 }
 
 // SAFETY: the arena owns its region; buffers handed out are used by the thread that runs the
@@ -118,8 +122,50 @@ impl Arena {
             slots,
             slot: 0,
             in_use: 0,
+            device: None,
         };
         Ok((arena, placed))
+    }
+
+    /// Places the region in `device`'s memory from now on (before any buffer is placed).
+    pub fn on_device(&mut self, device: Arc<dyn DeviceAlloc>) {
+        assert!(
+            self.region.is_none(),
+            "internal: the arena moves while in use"
+        );
+        self.device = Some(device);
+    }
+
+    /// Where the buffers placed here live.
+    pub fn memory(&self) -> Memory {
+        self.device.as_ref().map_or(Memory::Host, |d| d.memory())
+    }
+
+    fn alloc_region(&self) -> NonNull<u8> {
+        match &self.device {
+            Some(d) => d.alloc(self.layout.size()).unwrap_or_else(|e| {
+                panic!(
+                    "the activation arena ({} bytes, as planned): {e}",
+                    self.layout.size()
+                )
+            }),
+            None => {
+                // SAFETY: the layout has a non-zero size.
+                let p = unsafe { std::alloc::alloc(self.layout) };
+                NonNull::new(p).unwrap_or_else(|| std::alloc::handle_alloc_error(self.layout))
+            }
+        }
+    }
+
+    fn free_region(&mut self) {
+        if let Some(p) = self.region.take() {
+            match &self.device {
+                // SAFETY: allocated by `alloc_region` with this size.
+                Some(d) => unsafe { d.free(p, self.layout.size()) },
+                // SAFETY: allocated in `alloc_region` with this layout.
+                None => unsafe { std::alloc::dealloc(p.as_ptr(), self.layout) },
+            }
+        }
     }
 
     /// Bytes of the region while it is held, else 0.
@@ -171,11 +217,10 @@ impl Arena {
                 o.name, o.start, o.end
             );
         }
-        let region = *self.region.get_or_insert_with(|| {
-            // SAFETY: the layout has a non-zero size.
-            let p = unsafe { std::alloc::alloc(self.layout) };
-            NonNull::new(p).unwrap_or_else(|| std::alloc::handle_alloc_error(self.layout))
-        });
+        if self.region.is_none() {
+            self.region = Some(self.alloc_region());
+        }
+        let region = self.region.expect("allocated above");
         self.live.push(Live {
             start,
             end,
@@ -194,21 +239,17 @@ impl Arena {
             self.live.swap_remove(i);
             self.in_use -= bytes;
         }
-        if self.live.is_empty() {
-            if let Some(p) = self.region.take() {
-                // SAFETY: allocated in `place` with this layout.
-                unsafe { std::alloc::dealloc(p.as_ptr(), self.layout) };
-            }
+        // A GPU keeps its region: its allocator would synchronise the device every micro-batch.
+        let keep = self.device.as_ref().is_some_and(|d| d.keeps_regions());
+        if self.live.is_empty() && !keep {
+            self.free_region();
         }
     }
 }
 
 impl Drop for Arena {
     fn drop(&mut self) {
-        if let Some(p) = self.region.take() {
-            // SAFETY: allocated in `place` with this layout.
-            unsafe { std::alloc::dealloc(p.as_ptr(), self.layout) };
-        }
+        self.free_region();
     }
 }
 

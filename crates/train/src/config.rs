@@ -861,7 +861,7 @@ mod tests {
     #[test]
     fn every_setting_flag_has_exactly_one_section() {
         // How this invocation runs, not what it trains: flags only, never in a file.
-        let not_settings = ["config", "resume", "quiet", "comm", "help"];
+        let not_settings = ["config", "resume", "quiet", "comm", "device", "help"];
         let flags: Vec<String> = Cli::command()
             .get_arguments()
             .map(|a| a.get_id().to_string())

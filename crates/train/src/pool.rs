@@ -9,6 +9,7 @@
 
 use crate::alloc;
 use crate::arena::Arena;
+use ferrotron_engine::kernels::Memory;
 use ferrotron_engine::model::{Boundary, BufName, BufferPool};
 use std::ptr::NonNull;
 
@@ -153,6 +154,9 @@ impl BufferPool for PlanPool {
     }
     fn place(&mut self, name: BufName, bytes: u64) -> Option<NonNull<u8>> {
         self.arena.as_mut().map(|a| a.place(name, bytes))
+    }
+    fn memory(&self) -> Memory {
+        self.arena.as_ref().map_or(Memory::Host, Arena::memory)
     }
     fn boundary(&mut self, b: Boundary) {
         let running = self.timeline.as_ref().map_or(Running::Idle, |t| t.running);

@@ -680,6 +680,8 @@ fn run_rank(
     };
     let peak_gflops = match ctx.as_ref().and_then(|c| c.peak_gflops) {
         Some(share) => share,
+        // A GPU's peak is its own, from the planner's table (`Trainer::new`), not the CPU's.
+        None if args.device == crate::device::Device::Cuda => args.peak_gflops.unwrap_or(0.0),
         None => args
             .peak_gflops
             .unwrap_or_else(|| matmul_peak_gflops(bf16_products(&cfg))),
@@ -703,7 +705,18 @@ fn run_rank(
             ..Comms::default()
         },
     };
-    let mut t = Trainer::new(cfg.clone(), spec, llama, loader, val, peak_gflops, comms)?;
+    let mut t = Trainer::new(
+        cfg.clone(),
+        spec,
+        llama,
+        loader,
+        val,
+        comms,
+        crate::device::Machine {
+            device: args.device,
+            peak_gflops,
+        },
+    )?;
     if let Some(l) = &loaded {
         let exactly = checkpoint::hf::Dtypes::Exactly(t.params.dtype());
         let weights = checkpoint::load_weights(&l.dir, t.whole_params(), exactly)?;
@@ -725,6 +738,8 @@ fn run_rank(
     if loaded.is_some() {
         t.disable_timeline();
     }
+    // Initialised or loaded: the state goes to the device the step runs on.
+    t.to_device()?;
     // Files are written only once everything has been read and checked: a refused checkpoint
     // or config leaves the output directory as it was.
     let mut metrics = match rank {
@@ -817,7 +832,7 @@ fn run_rank(
         let due = (cfg.checkpoint.interval > 0 && t.step % cfg.checkpoint.interval == 0) || last;
         if let (Some(dir), true) = (&cfg.checkpoint.dir, due) {
             // Every rank writes the blocks it holds.
-            checkpoint::save(dir, &t, &tokenizer_json, tok.name())
+            t.with_host_state(|t| checkpoint::save(dir, t, &tokenizer_json, tok.name()))
                 .with_context(|| format!("writing checkpoint {}", dir.display()))?;
         }
         steps.push(out.metrics);
@@ -886,7 +901,7 @@ fn run_rank(
         }
     }
     let weights = if sampling {
-        Some(t.full_weights()?)
+        Some(t.with_host_state(Trainer::full_weights)?)
     } else {
         None
     };

@@ -8,6 +8,8 @@ use crate::config::TrainConfig;
 use crate::context_parallel::CpGroup;
 use crate::data::{Loader, ValLoader};
 use crate::data_parallel::{expert_ranges, Buckets, DataParallel, Gather, Segment, Sums};
+use crate::device::Machine;
+use crate::device_state::{DevFlat, DeviceState};
 use crate::expert_parallel::EpGroup;
 use crate::loss_scale::{DynamicLossScaler, ScaleUpdate};
 use crate::lr::LrSchedule;
@@ -18,14 +20,15 @@ use crate::setup::{checked_plan, planned_bytes, recompute_flops_per_token};
 use crate::tensor_parallel::{self as tpar, TpGroup};
 use crate::trace::{Event, Tracing};
 use crate::weights::Flat;
-use crate::with_flat_types;
 use crate::workspace::{self, KernelWorkspace};
 use crate::zero2::GradWindows;
 use crate::zero3::{Source, Zero3};
+use crate::{with_dev_types, with_flat_types};
 use anyhow::Result;
 use ferrotron_dist::{Communicator, Dim};
 use ferrotron_engine::kernels::{
-    AdamWParams, AsView, AsViewMut, CpuKernels, Kernels, Rounding, View,
+    AdamWParams, AsView, AsViewMut, Backend, CpuKernels, DeviceAlloc, DeviceBuf, Kernels, Rounding,
+    View, ViewMut,
 };
 use ferrotron_engine::model::{
     BatchShape, ContextParallel, CpComm, EpComm, ExpertParallel, GradBuf, GradsDone, Llama,
@@ -41,6 +44,7 @@ use ferrotron_plan::{ModelSpec, RankPlan};
 use std::cell::RefCell;
 use std::ops::Range;
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::Instant;
 
 mod pipeline_step;
@@ -188,8 +192,14 @@ pub struct Trainer {
     pub cfg: TrainConfig,
     pub spec: ModelSpec,
     pub model: Llama,
-    /// The CPU backend, behind a tracer that records only while `--trace` asks.
-    kernels: Tracing<CpuKernels>,
+    /// The backend (the CPU, or a device), behind a tracer that records only while `--trace`
+    /// asks.
+    kernels: Tracing<Backend>,
+    /// The state on the device when the step runs on one (`--device`): then the host fields
+    /// `params`, `master`, `grads` and `opt` stay empty while training.
+    dev: Option<DeviceState>,
+    /// The device's memory (`None`: the step runs on the CPU).
+    device_alloc: Option<Arc<dyn DeviceAlloc>>,
     /// The weights in their storage type (f32, bf16, f16).
     pub params: Flat,
     /// fp32 master weights (mixed precision only): the optimizer updates these and rounds
@@ -293,6 +303,35 @@ fn outside<'a, G>(
     [g.slice(..lo), g.slice(hi.max(lo)..)].into_iter()
 }
 
+/// The micro-batch's token ids and targets where the step reads them: the loader's host
+/// buffers, or on the device, copied there first.
+fn batch_views<'a>(
+    dev: &'a mut Option<DeviceState>,
+    tokens: &'a [u32],
+    targets: &'a [u32],
+) -> (View<'a, u32>, View<'a, u32>) {
+    match dev {
+        Some(d) => {
+            d.tokens.copy_from_host(tokens);
+            d.targets.copy_from_host(targets);
+            (d.tokens.view(), d.targets.view())
+        }
+        None => (tokens.view(), targets.view()),
+    }
+}
+
+/// Weights stored as f32 (no master copy) as the f32 buffer AdamW updates in place.
+fn as_f32<S: Elem>(mut w: ViewMut<'_, S>) -> ViewMut<'_, f32> {
+    assert!(
+        S::DTYPE == ferrotron_plan::DType::F32,
+        "without master weights the weights are f32"
+    );
+    let (len, mem) = (w.len(), w.memory());
+    let p = std::ptr::NonNull::new(w.as_mut_ptr().cast::<f32>()).expect("a view is never null");
+    // SAFETY: S is f32 (checked above): the same elements, borrowed as `w` was.
+    unsafe { ViewMut::from_raw_parts(p, len, mem) }
+}
+
 /// Every rank's planned and measured peak and kernel workspace, rank order.
 fn rank_mems(all: &[[u64; 3]]) -> Vec<RankMem> {
     all.iter()
@@ -366,9 +405,13 @@ impl Trainer {
         llama: LlamaConfig,
         loader: Loader,
         val: Option<ValLoader>,
-        peak_gflops: f64,
         comms: Comms,
+        machine: Machine,
     ) -> Result<Self> {
+        let Machine {
+            device,
+            peak_gflops,
+        } = machine;
         // Per-thread kernel state (gemm's packing slabs) is a fixed cost of the process, like
         // the thread pool: create it now so it falls into the baseline.
         let cpu = if cfg.precision.kind == Precision::Fp8 {
@@ -382,16 +425,26 @@ impl Trainer {
         // The products this rank runs: its slice of the model under tensor parallelism.
         let tp_size = comms.tp.as_ref().map_or(1, |t| t.size());
         let local = ferrotron_engine::model::tensor_parallel::shard_config(&llama, tp_size)?;
-        let kernel_workspace = measure_workspace(
-            &cpu,
-            cfg.precision.kind,
-            &local,
-            n,
-            cfg.runtime.ce_chunk as usize,
-        );
+        let chunk = cfg.runtime.ce_chunk as usize;
+        let kernel_workspace = measure_workspace(&cpu, cfg.precision.kind, &local, n, chunk);
+        let gemm = cpu.gemm.describe();
+        let (backend, device_alloc) = crate::device::open(device, cpu)?;
+        // What the chosen backend runs (the CPU's limits were checked with the config).
+        let limits = Kernels::<f32>::limits(&backend);
+        llama
+            .check_backend(limits)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        if limits.backend == "CUDA" {
+            if cfg.precision.kind == Precision::Fp8 {
+                anyhow::bail!("precision = fp8: fp8 products on the GPU are issue #15's (cuBLASLt fp8); use bf16 there, or fp8 on the CPU");
+            }
+            if cfg.observability.memory_timeline.is_some() {
+                anyhow::bail!("memory_timeline: the timeline samples the host's heap, not the GPU's memory; drop --memory-timeline with --device cuda");
+            }
+        }
         // Observability buffers are outside the plan: reserve them before the baseline, so the
         // measured bytes stay comparable with the plan.
-        let kernels = Tracing::new(cpu);
+        let kernels = Tracing::new(backend);
         let trace_left = if cfg.observability.trace.is_some() {
             cfg.observability.trace_steps
         } else {
@@ -562,6 +615,16 @@ impl Trainer {
         };
         let window_len = windows.as_ref().map_or(0, |w| w.len());
         let param_windows = zero3.as_ref().map_or(0, |z| z.len());
+        // A GPU's workspace is its own (cuBLASLt's, and scratch reserved now).
+        let rows = cfg.runtime.ce_chunk as usize;
+        let gpu = crate::device::gpu_workspace(&kernels.inner, &model, rows, n, cfg.precision.kind);
+        let kernel_workspace = match &gpu {
+            Some((w, ..)) => KernelWorkspace {
+                layers: *w,
+                head: *w,
+            },
+            None => kernel_workspace,
+        };
         let ws = kernel_workspace.max();
         let plan = checked_plan(
             &spec,
@@ -621,6 +684,8 @@ impl Trainer {
             targets: vec![0; n],
             batches,
             kernels,
+            dev: None,
+            device_alloc: None,
             grads: None,
             master,
             scaler,
@@ -649,8 +714,12 @@ impl Trainer {
             schedule,
             flops_per_token,
             hw_flops_per_token,
-            peak_flops: peak_gflops * 1e9,
-            gemm: cpu.gemm.describe(),
+            // On a GPU without `--peak-gflops`: its dense peak from the planner's table.
+            peak_flops: match gpu.as_ref().and_then(|g| g.2) {
+                Some(p) if peak_gflops == 0.0 => p,
+                _ => peak_gflops * 1e9,
+            },
+            gemm: gpu.as_ref().map_or(gemm, |g| g.1.clone()),
             baseline,
             params,
             model,
@@ -659,6 +728,10 @@ impl Trainer {
             val,
             cfg,
         };
+        if let (Some(d), Some(a)) = (&device_alloc, &mut t.pool.arena) {
+            a.on_device(d.clone());
+        }
+        t.device_alloc = device_alloc;
         t.pool.sample(1, Point::Init);
         Ok(t)
     }
@@ -691,24 +764,34 @@ impl Trainer {
     /// One optimizer step over `grad_acc` micro-batches.
     pub fn train_step(&mut self) -> Result<StepOutput> {
         alloc::reset_peak();
+        if let Some(d) = &self.device_alloc {
+            d.reset_peak();
+        }
         if self.trace_left > 0 {
             self.trace_left -= 1;
             self.kernels.start(0);
         } else {
             self.kernels.stop();
         }
-        let planned = self.planned_peak[self.opt.is_some() as usize];
+        let planned = self.planned_peak[self.has_opt() as usize];
         let t0 = Instant::now();
         let step = self.step + 1;
         // Gradients appear before the first forward: the fused LM head accumulates into them.
-        if self.grads.is_none() {
+        let no_grads = match &self.dev {
+            Some(d) => d.grads.is_none(),
+            None => self.grads.is_none(),
+        };
+        if no_grads {
             let gt = self.cfg.precision.kind.engine_grads();
             let len = match &self.windows {
                 // ZeRO-2: this rank's shard of the reduced gradients, then the windows.
                 Some(w) => self.opt_len + w.len(),
-                None => self.params.len(),
+                None => self.model.params.total,
             };
-            self.grads = Some(Flat::zeros(gt, len));
+            match &mut self.dev {
+                Some(d) => d.grads = Some(DevFlat::zeros(&d.alloc, gt, len)?),
+                None => self.grads = Some(Flat::zeros(gt, len)),
+            }
             // The plan's `dp.grad_buckets` (and ZeRO-3's `zero3.gather`) appear with the
             // gradients.
             if let Some(dp) = &mut self.dp {
@@ -729,18 +812,41 @@ impl Trainer {
         }
         let ran_with = self.scaler.as_ref().map(|s| s.scale);
         // The typed buffers leave `self` for the step (moving a Vec moves no memory).
-        let mut params = std::mem::replace(&mut self.params, Flat::F32(Vec::new()));
-        let mut grads = self.grads.take().expect("gradients exist");
-        grads.fill_zero();
-        let r = with_flat_types!(&mut params, &mut grads, |p, g| self.step_typed(step, p, g));
-        self.params = params;
-        self.grads = Some(grads);
+        let r = match self.dev.as_mut() {
+            Some(d) => {
+                let mut params = d.params.take().expect("the weights are on the device");
+                let mut grads = d.grads.take().expect("gradients exist");
+                grads.zero();
+                let r = with_dev_types!(&mut params, &mut grads, |p, g| {
+                    self.step_typed(step, p.view_mut(), g.view_mut())
+                });
+                let d = self.dev.as_mut().expect("still on the device");
+                (d.params, d.grads) = (Some(params), Some(grads));
+                r
+            }
+            None => {
+                let mut params = std::mem::replace(&mut self.params, Flat::F32(Vec::new()));
+                let mut grads = self.grads.take().expect("gradients exist");
+                grads.fill_zero();
+                let r = with_flat_types!(&mut params, &mut grads, |p, g| {
+                    self.step_typed(step, p.view_mut(), g.view_mut())
+                });
+                self.params = params;
+                self.grads = Some(grads);
+                r
+            }
+        };
         let (loss, grad_norm, lr, overflow) = r?;
         let k = &self.kernels;
         k.phase("step", t0, step, 0);
         self.step += 1;
         let secs = t0.elapsed().as_secs_f64();
-        let measured = alloc::peak().saturating_sub(self.baseline);
+        // A GPU's memory is counted by its allocator (the state, the arena) plus the backend's
+        // workspace; the host's (and an emulated device's) by the tracking allocator.
+        let measured = match self.device_alloc.as_ref().and_then(|d| d.peak()) {
+            Some(peak) => peak + self.plan.overhead,
+            None => alloc::peak().saturating_sub(self.baseline),
+        };
         let (mut rank_mem, mut comm_bytes, mut comm_exposed) = (Vec::new(), None, None);
         let mine = [planned, measured, self.plan.overhead];
         let all = match (&mut self.world, &mut self.dp) {
@@ -820,8 +926,8 @@ impl Trainer {
     fn step_typed<S: Elem, G: Elem>(
         &mut self,
         step: u64,
-        params: &mut [S],
-        grads: &mut [G],
+        params: ViewMut<'_, S>,
+        grads: ViewMut<'_, G>,
     ) -> Result<(LossSum, f64, f64, Option<ScaleUpdate>)> {
         // The loader never pads, so every position has a target: the loss of each micro-batch
         // is normalised by the target count of the whole step (every rank's), and summing
@@ -838,8 +944,8 @@ impl Trainer {
     fn step_shared<S: Elem, G: Elem>(
         &mut self,
         step: u64,
-        params: &mut [S],
-        grads: &mut [G],
+        mut params: ViewMut<'_, S>,
+        grads: ViewMut<'_, G>,
         dp: Option<&RefCell<DataParallel>>,
         num_targets: usize,
     ) -> Result<(LossSum, f64, f64, Option<ScaleUpdate>)> {
@@ -853,25 +959,30 @@ impl Trainer {
         let zero2 = self.windows.is_some();
         let zero3 = self.zero3.is_some();
         let (shard, full) = grads.split_at_mut(if zero2 { self.opt_len } else { 0 });
+        // The shard is data parallelism's, on the host (empty without ZeRO-2).
+        let shard: &mut [G] = if zero2 { shard.host_mut() } else { &mut [] };
         let windows = self.windows.clone();
         let (mut units, mut whole);
         let grads: &mut dyn GradBuf<G> = match &windows {
+            // ZeRO-2 and 3 run with data parallelism, on the CPU.
             Some(w) => {
-                units = w.view(full);
+                units = w.view(full.host_mut());
                 &mut units
             }
             None => {
-                whole = Whole::host(full);
+                whole = Whole(full);
                 &mut whole
             }
         };
         if self.pp.is_some() {
+            let params = params.rb().host_mut();
             loss = self.pipeline_work(step, params, grads, dp, num_targets, loss_scale)?;
         } else {
             // ZeRO-3: the weights of the last step are stale in every window.
-            let mut src = Source::new(params, self.zero3.as_mut(), dp, self.opt_len);
+            let mut src = Source::new(params.rb(), self.zero3.as_mut(), dp, self.opt_len);
             for mb in 0..self.cfg.data.grad_acc {
                 self.loader.next_into(&mut self.tokens, &mut self.targets)?;
+                let (tokens, targets) = batch_views(&mut self.dev, &self.tokens, &self.targets);
                 let tf = Instant::now();
                 self.pool.enter(step, mb, Running::Forward);
                 if let Some(w) = &windows {
@@ -884,8 +995,8 @@ impl Trainer {
                     src.get(),
                     grads,
                     batch,
-                    &self.tokens,
-                    &self.targets,
+                    &tokens,
+                    &targets,
                     num_targets,
                     loss_scale,
                 );
@@ -894,7 +1005,7 @@ impl Trainer {
                 self.kernels.phase("forward", tf, step, mb);
                 let tb = Instant::now();
                 self.pool.enter(step, mb, Running::Backward);
-                let (pool, tokens) = (&mut self.pool, &self.tokens);
+                let pool = &mut self.pool;
                 // Sequence parallelism leaves each rank its tokens' share of the norms'
                 // gradients: summed over the group once they are final (as reduced below).
                 let sp = self.model.tp.as_ref().filter(|t| t.sp);
@@ -924,7 +1035,7 @@ impl Trainer {
                         };
                         let src = src.get();
                         self.model
-                            .backward_notify(k, pool, src, grads, acts, tokens, done);
+                            .backward_notify(k, pool, src, grads, acts, &tokens, done);
                         let mut sums = Sums {
                             grads: &mut *grads,
                             shard,
@@ -941,7 +1052,7 @@ impl Trainer {
                         };
                         let src = src.get();
                         self.model
-                            .backward_notify(k, pool, src, grads, acts, tokens, done);
+                            .backward_notify(k, pool, src, grads, acts, &tokens, done);
                     }
                 }
                 src.check()?;
@@ -959,11 +1070,30 @@ impl Trainer {
         let to = Instant::now();
         let lr = self.schedule.at(self.step);
         let n = self.opt_len;
-        // Adam's moments exist from the first optimizer step on, taken or skipped.
-        let opt = self.opt.get_or_insert_with(|| AdamState {
-            m: vec![0.0; n],
-            v: vec![0.0; n],
-        });
+        // Adam's moments exist from the first optimizer step on, taken or skipped; with the
+        // master weights, where the state lives.
+        let (mut m_all, mut v_all, mut master) = match &mut self.dev {
+            Some(d) => {
+                if d.opt.is_none() {
+                    let z = || DeviceBuf::zeros(&d.alloc, n).map_err(anyhow::Error::msg);
+                    d.opt = Some((z()?, z()?));
+                }
+                let (m, v) = d.opt.as_mut().expect("created above");
+                (
+                    m.view_mut(),
+                    v.view_mut(),
+                    d.master.as_mut().map(|m| m.view_mut()),
+                )
+            }
+            None => {
+                let opt = self.opt.get_or_insert_with(|| AdamState {
+                    m: vec![0.0; n],
+                    v: vec![0.0; n],
+                });
+                let master = self.master.as_mut().map(|m| m.view_mut());
+                (opt.m.view_mut(), opt.v.view_mut(), master)
+            }
+        };
         // The reduced gradient of each run the optimizer updates: under ZeRO-2 and 3 in the
         // shard, else where the backward wrote it.
         let grad_of = |r: &OptRun| -> View<'_, G> {
@@ -1065,28 +1195,28 @@ impl Trainer {
             let s = *at..at + r.len();
             // ZeRO-3 keeps the weights of its shard at the states' offsets.
             let w = if zero3 { s.clone() } else { r.clone() };
-            let m = opt.m.view_mut().slice_mut(s.clone());
-            let v = opt.v.view_mut().slice_mut(s.clone());
-            match &mut self.master {
+            let m = m_all.rb().slice_mut(s.clone());
+            let v = v_all.rb().slice_mut(s.clone());
+            match &mut master {
                 Some(master) => k.adamw_step(
                     h,
-                    master.view_mut().slice_mut(s),
+                    master.rb().slice_mut(s),
                     grad_of(run),
                     m,
                     v,
-                    Some((params.view_mut().slice_mut(w), rounding)),
+                    Some((params.rb().slice_mut(w), rounding)),
                 ),
                 None => {
-                    let w = S::as_f32_mut(&mut params[w])
-                        .expect("without master weights the weights are f32");
-                    k.adamw_step(h, w.view_mut(), grad_of(run), m, v, None)
+                    let w = as_f32(params.rb().slice_mut(w));
+                    k.adamw_step(h, w, grad_of(run), m, v, None)
                 }
             }
         }
         // ZeRO-1 and 2: every rank updated its blocks; the ranks gather the others'. (ZeRO-3
         // gathers each unit when it is next needed.)
         if let (Some(dp), false) = (dp, zero3) {
-            dp.borrow_mut().all_gather(&mut GatherParams(params))?;
+            dp.borrow_mut()
+                .all_gather(&mut GatherParams(params.host_mut()))?;
         }
         self.kernels.phase("optimizer", to, step, 0);
         self.pool.sample(step, Point::Optimizer);
@@ -1114,10 +1244,20 @@ impl Trainer {
         // Not the step's communication.
         let tp_bytes = self.tp.as_ref().map(|t| t.bytes.get());
         let cp_bytes = self.cp.as_ref().map(|c| c.bytes.get());
-        let loss = match &mut params {
-            Flat::F32(p) => self.eval_typed(p, dp.as_ref()),
-            Flat::Bf16(p) => self.eval_typed(p, dp.as_ref()),
-            Flat::F16(p) => self.eval_typed(p, dp.as_ref()),
+        let on_device = self.dev.as_mut().and_then(|d| d.params.take());
+        let loss = match (&mut params, on_device) {
+            (_, Some(mut p)) => {
+                let l = match &mut p {
+                    DevFlat::F32(p) => self.eval_typed(p.view_mut(), dp.as_ref()),
+                    DevFlat::Bf16(p) => self.eval_typed(p.view_mut(), dp.as_ref()),
+                    DevFlat::F16(p) => self.eval_typed(p.view_mut(), dp.as_ref()),
+                };
+                self.dev.as_mut().expect("on the device").params = Some(p);
+                l
+            }
+            (Flat::F32(p), None) => self.eval_typed(p.view_mut(), dp.as_ref()),
+            (Flat::Bf16(p), None) => self.eval_typed(p.view_mut(), dp.as_ref()),
+            (Flat::F16(p), None) => self.eval_typed(p.view_mut(), dp.as_ref()),
         };
         // Each context-parallel rank evaluated its share of the tokens (pipelined or not).
         let loss = match (&self.cp, loss) {
@@ -1143,12 +1283,12 @@ impl Trainer {
 
     fn eval_typed<S: Elem>(
         &mut self,
-        params: &mut [S],
+        params: ViewMut<'_, S>,
         dp: Option<&RefCell<DataParallel>>,
     ) -> Result<LossSum> {
         if self.pp.is_some() {
             self.allocate_pipeline();
-            return self.pipeline_eval(params);
+            return self.pipeline_eval(params.host_mut());
         }
         let Some(val) = &self.val else {
             return Ok(LossSum::default());
@@ -1161,11 +1301,11 @@ impl Trainer {
         for i in 0..val.num_batches() {
             val.batch_into(i, &mut self.tokens, &mut self.targets)?;
             let (k, pool) = (&self.kernels, &mut self.pool);
-            let (tokens, targets) = (&self.tokens, &self.targets);
+            let (tokens, targets) = batch_views(&mut self.dev, &self.tokens, &self.targets);
             src.begin(true);
             let l = self
                 .model
-                .forward_eval_from(k, pool, src.get(), batch, tokens, targets);
+                .forward_eval_from(k, pool, src.get(), batch, &tokens, &targets);
             src.check()?;
             check_groups(&self.tp, &self.ep, &self.cp)?;
             loss.sum += l.sum;
@@ -1477,6 +1617,70 @@ impl Trainer {
             true => shard_of(&self.runs, self.opt_len, &full),
             false => full,
         }
+    }
+
+    /// Whether Adam's moments exist (from the first optimizer step on), wherever they live.
+    fn has_opt(&self) -> bool {
+        match &self.dev {
+            Some(d) => d.opt.is_some(),
+            None => self.opt.is_some(),
+        }
+    }
+
+    /// Moves the weights, master weights and any optimizer states to the device the run
+    /// chose (nothing on the CPU): called once they are initialised or loaded. From then on
+    /// the host holds none of them, as it would not on a GPU.
+    pub fn to_device(&mut self) -> Result<()> {
+        let Some(alloc) = self.device_alloc.clone() else {
+            return Ok(());
+        };
+        let n = self.cfg.data.mbs as usize * self.cfg.data.seq as usize;
+        let e = anyhow::Error::msg;
+        let params = Some(DevFlat::from_host(&alloc, &self.params)?);
+        let master = (self.master.take())
+            .map(|m| DeviceBuf::from_host(&alloc, &m).map_err(e))
+            .transpose()?;
+        let opt = (self.opt.take())
+            .map(|o| -> Result<_> {
+                let m = DeviceBuf::from_host(&alloc, &o.m).map_err(e)?;
+                Ok((m, DeviceBuf::from_host(&alloc, &o.v).map_err(e)?))
+            })
+            .transpose()?;
+        self.params = Flat::zeros(self.params.dtype(), 0);
+        self.dev = Some(DeviceState {
+            params,
+            master,
+            grads: None,
+            opt,
+            tokens: DeviceBuf::zeros(&alloc, n).map_err(e)?,
+            targets: DeviceBuf::zeros(&alloc, n).map_err(e)?,
+            alloc,
+        });
+        Ok(())
+    }
+
+    /// Runs `f` with the weights, master weights and optimizer states on the host (copied
+    /// from the device for it, and dropped after, when the run is on one): a checkpoint or a
+    /// sample reads them there.
+    pub fn with_host_state<R>(&mut self, f: impl FnOnce(&mut Trainer) -> R) -> R {
+        let Some(d) = &self.dev else {
+            return f(self);
+        };
+        let dtype = self.params.dtype();
+        self.params = d
+            .params
+            .as_ref()
+            .expect("the weights are on the device")
+            .to_host();
+        self.master = d.master.as_ref().map(DeviceBuf::to_host);
+        self.opt = (d.opt.as_ref()).map(|(m, v)| AdamState {
+            m: m.to_host(),
+            v: v.to_host(),
+        });
+        let r = f(self);
+        self.params = Flat::zeros(dtype, 0);
+        (self.master, self.opt) = (None, None);
+        r
     }
 
     /// Kernel workspace included in the plan (see `workspace`).

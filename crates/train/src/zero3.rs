@@ -13,7 +13,7 @@
 use crate::data_parallel::DataParallel;
 use crate::zero2::GradWindows;
 use anyhow::{bail, Result};
-use ferrotron_engine::kernels::{AsView, View};
+use ferrotron_engine::kernels::{AsView, View, ViewMut};
 use ferrotron_engine::model::{ParamBuf, ParamSource, ParamTable, Unit, WholeParams};
 use ferrotron_engine::Elem;
 use ferrotron_plan::zero3::{eval_sequence, next_layer, train_sequence, LayerWindows};
@@ -267,7 +267,7 @@ impl<'a, S: Elem> Source<'a, S> {
     /// `shard_len` elements are this rank's shard and the rest the windows, which hold nothing
     /// valid yet (the weights changed since they were gathered, or may have).
     pub fn new(
-        params: &'a mut [S],
+        params: ViewMut<'a, S>,
         zero3: Option<&'a mut Zero3>,
         dp: Option<&'a RefCell<DataParallel>>,
         shard_len: usize,
@@ -275,10 +275,11 @@ impl<'a, S: Elem> Source<'a, S> {
         match (zero3, dp) {
             (Some(z), Some(dp)) => {
                 z.invalidate();
-                let (shard, windows) = params.split_at_mut(shard_len);
+                // ZeRO-3 gathers through the host (data parallelism runs on the CPU).
+                let (shard, windows) = params.host_mut().split_at_mut(shard_len);
                 Source::Gathered(z.source(dp, shard, windows))
             }
-            _ => Source::Whole(WholeParams::host(params)),
+            _ => Source::Whole(WholeParams(params.into_view())),
         }
     }
 

@@ -14,18 +14,22 @@
 //! - Backward ops *accumulate* into parameter gradients (gradient accumulation relies on it);
 //!   activation gradients take an explicit [`Accum`] flag.
 
+pub mod backend;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod device_check;
+pub mod device_memory;
 pub mod event_log;
 pub mod observe;
 pub mod profile;
 pub mod view;
 
 pub use crate::dtype::Elem;
+pub use backend::Backend;
 pub use cpu::{CpuKernels, Gemm};
 pub use device_check::{emulated, emulated_mut, DevicePool, OnDevice};
+pub use device_memory::{DeviceAlloc, DeviceBuf, EmulatedDevice};
 pub use event_log::{Event, EventLog, Tracing, COMM_TRACK};
 pub use observe::{Observed, OpObserver};
 pub use profile::{OpTime, OpTotals, Profiled};

@@ -97,11 +97,30 @@ impl CudaKernels {
         &self.gpu
     }
 
-    /// Device bytes the backend holds beyond the model's buffers: cuBLASLt's workspace and
-    /// the scratch grown so far.
+    /// Device bytes the backend holds beyond the model's buffers: cuBLASLt's workspace, the
+    /// scratch grown so far and the RoPE tables.
     pub fn workspace_bytes(&self) -> u64 {
         let scratch: usize = lock(&self.scratch).values().map(DeviceBlock::bytes).sum();
-        (gemm::WORKSPACE_BYTES + scratch) as u64
+        let rope: usize = lock(&self.rope)
+            .values()
+            .map(|(c, s)| c.bytes() + s.bytes())
+            .sum();
+        (gemm::WORKSPACE_BYTES + scratch + rope) as u64
+    }
+
+    /// Allocates now the scratch a model's step needs at most, so that none is allocated
+    /// during a step (the plan charges it with cuBLASLt's workspace: [`workspace_bytes`]):
+    /// `rows`·`vocab` 16-bit logit gradients of an LM-head chunk (`staging`: 2 bytes, or 0 for
+    /// f32), the attention backward's `lse_len` Δs, `tokens` token ids grouped, and the
+    /// model's RoPE table.
+    ///
+    /// [`workspace_bytes`]: Self::workspace_bytes
+    pub fn reserve(&self, staging: usize, lse_len: usize, tokens: usize, rope: &RopeTable) {
+        self.rope_table(rope);
+        self.scratch(Scratch::HeadStaging, staging.max(1));
+        self.scratch(Scratch::AttnDelta, lse_len * 4);
+        self.scratch(Scratch::Tokens, (2 * tokens + 1) * 4);
+        self.scratch(Scratch::Partials, SUM_BLOCKS as usize * 8);
     }
 
     /// Scratch `which` of at least `bytes`, as a device address.

@@ -6,6 +6,7 @@ use crate::kernels::{Memory, View, ViewMut};
 use crate::model::{BufName, BufferPool, BUF_ALIGN};
 use cudarc::driver::{result, CudaContext};
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
 /// One device allocation, zero-filled, freed on drop.
@@ -140,5 +141,69 @@ impl BufferPool for CudaPool {
     }
     fn memory(&self) -> Memory {
         Memory::Device(self.ctx.ordinal() as u32)
+    }
+}
+
+/// The GPU's memory as the trainer's device state lives in it (`DeviceAlloc`).
+#[derive(Debug)]
+pub struct CudaAlloc {
+    pub ctx: Arc<CudaContext>,
+    /// Bytes allocated through it now, and the most since the last reset.
+    live: AtomicU64,
+    peak: AtomicU64,
+}
+
+impl CudaAlloc {
+    pub fn new(ctx: Arc<CudaContext>) -> CudaAlloc {
+        CudaAlloc {
+            ctx,
+            live: AtomicU64::new(0),
+            peak: AtomicU64::new(0),
+        }
+    }
+}
+
+impl crate::kernels::DeviceAlloc for CudaAlloc {
+    fn memory(&self) -> Memory {
+        Memory::Device(self.ctx.ordinal() as u32)
+    }
+    fn alloc(&self, bytes: usize) -> Result<NonNull<u8>, String> {
+        let b = DeviceBlock::new(&self.ctx, bytes)?;
+        let p = nn(b.ptr);
+        // Owned by the caller from here: `free` returns it.
+        std::mem::forget(b);
+        let now = self.live.fetch_add(bytes as u64, Relaxed) + bytes as u64;
+        self.peak.fetch_max(now, Relaxed);
+        Ok(p)
+    }
+    unsafe fn free(&self, p: NonNull<u8>, bytes: usize) {
+        let _ = self.ctx.bind_to_thread();
+        let _ = result::free_sync(p.as_ptr() as u64);
+        self.live.fetch_sub(bytes as u64, Relaxed);
+    }
+    fn peak(&self) -> Option<u64> {
+        Some(self.peak.load(Relaxed))
+    }
+    fn reset_peak(&self) {
+        self.peak.store(self.live.load(Relaxed), Relaxed);
+    }
+    unsafe fn upload(&self, dst: NonNull<u8>, src: &[u8]) {
+        let _ = self.ctx.bind_to_thread();
+        result::memcpy_htod_sync(dst.as_ptr() as u64, src)
+            .unwrap_or_else(|e| panic!("copying {} bytes to the GPU: {e:?}", src.len()));
+    }
+    unsafe fn download(&self, dst: &mut [u8], src: NonNull<u8>) {
+        let _ = self.ctx.bind_to_thread();
+        let n = dst.len();
+        result::memcpy_dtoh_sync(dst, src.as_ptr() as u64)
+            .unwrap_or_else(|e| panic!("copying {n} bytes from the GPU: {e:?}"));
+    }
+    unsafe fn zero(&self, p: NonNull<u8>, bytes: usize) {
+        let _ = self.ctx.bind_to_thread();
+        result::memset_d8_sync(p.as_ptr() as u64, 0, bytes)
+            .unwrap_or_else(|e| panic!("zeroing {bytes} bytes of GPU memory: {e:?}"));
+    }
+    fn keeps_regions(&self) -> bool {
+        true
     }
 }

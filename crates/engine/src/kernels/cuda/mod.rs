@@ -16,4 +16,4 @@ pub mod source;
 
 pub use backend::CudaKernels;
 pub use device::{DeviceError, Gpu};
-pub use memory::{download, upload, CudaPool, DeviceBlock};
+pub use memory::{download, upload, CudaAlloc, CudaPool, DeviceBlock};

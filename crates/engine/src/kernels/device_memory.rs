@@ -1,0 +1,182 @@
+//! Memory on a device, as the trainer holds its state there: an allocator ([`DeviceAlloc`]) of
+//! zeroed regions with copies to and from the host, and a typed buffer of it
+//! ([`DeviceBuf`]). Two allocators: [`EmulatedDevice`], host memory tagged as a device's (the
+//! host cannot read it through a view: `view.rs`), with which the trainer's device path is
+//! tested on any machine, and the CUDA one (`cuda::memory::CudaAlloc`).
+
+use super::{Memory, View, ViewMut};
+use crate::model::BUF_ALIGN;
+use std::alloc::Layout;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+/// Allocates and copies a device's memory.
+pub trait DeviceAlloc: Send + Sync + std::fmt::Debug {
+    /// Where the regions live.
+    fn memory(&self) -> Memory;
+    /// `bytes` zeroed bytes (at least one), aligned to [`BUF_ALIGN`]; an error says why not.
+    fn alloc(&self, bytes: usize) -> Result<NonNull<u8>, String>;
+    /// # Safety
+    /// `p` came from `alloc(bytes)` of this allocator and is not used after.
+    unsafe fn free(&self, p: NonNull<u8>, bytes: usize);
+    /// # Safety
+    /// `dst` is this device's memory with room for `src`.
+    unsafe fn upload(&self, dst: NonNull<u8>, src: &[u8]);
+    /// # Safety
+    /// `src` is this device's memory of at least `dst.len()` bytes.
+    unsafe fn download(&self, dst: &mut [u8], src: NonNull<u8>);
+    /// Sets `bytes` bytes at `p` to zero.
+    ///
+    /// # Safety
+    /// `p` is this device's memory of at least `bytes` bytes.
+    unsafe fn zero(&self, p: NonNull<u8>, bytes: usize);
+    /// Highest bytes allocated through this allocator since [`reset_peak`](Self::reset_peak),
+    /// where the host's tracking allocator cannot see them (a GPU's memory); `None` when it
+    /// can (emulated device memory is host memory).
+    fn peak(&self) -> Option<u64> {
+        None
+    }
+    fn reset_peak(&self) {}
+    /// Whether a region freed between micro-batches is better kept (a GPU's allocator
+    /// synchronises the device; the host's is cheap).
+    fn keeps_regions(&self) -> bool {
+        false
+    }
+}
+
+fn layout(bytes: usize) -> Layout {
+    Layout::from_size_align(bytes.max(1), BUF_ALIGN).expect("device region size overflows")
+}
+
+/// A device whose memory is the host's, tagged `Device(ordinal)`.
+#[derive(Clone, Copy, Debug)]
+pub struct EmulatedDevice {
+    pub ordinal: u32,
+}
+
+impl DeviceAlloc for EmulatedDevice {
+    fn memory(&self) -> Memory {
+        Memory::Device(self.ordinal)
+    }
+    fn alloc(&self, bytes: usize) -> Result<NonNull<u8>, String> {
+        // SAFETY: a non-zero size.
+        NonNull::new(unsafe { std::alloc::alloc_zeroed(layout(bytes)) })
+            .ok_or_else(|| format!("cannot allocate {bytes} bytes"))
+    }
+    unsafe fn free(&self, p: NonNull<u8>, bytes: usize) {
+        std::alloc::dealloc(p.as_ptr(), layout(bytes))
+    }
+    unsafe fn upload(&self, dst: NonNull<u8>, src: &[u8]) {
+        std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_ptr(), src.len())
+    }
+    unsafe fn download(&self, dst: &mut [u8], src: NonNull<u8>) {
+        std::ptr::copy_nonoverlapping(src.as_ptr(), dst.as_mut_ptr(), dst.len())
+    }
+    unsafe fn zero(&self, p: NonNull<u8>, bytes: usize) {
+        std::ptr::write_bytes(p.as_ptr(), 0, bytes)
+    }
+}
+
+/// `len` elements of `T` in a device's memory, zeroed at first, freed on drop.
+pub struct DeviceBuf<T> {
+    ptr: NonNull<T>,
+    len: usize,
+    dev: Arc<dyn DeviceAlloc>,
+}
+
+// SAFETY: the buffer owns its region as a Vec owns its heap block.
+unsafe impl<T: Send> Send for DeviceBuf<T> {}
+unsafe impl<T: Sync> Sync for DeviceBuf<T> {}
+
+impl<T: Copy + Default> DeviceBuf<T> {
+    pub fn zeros(dev: &Arc<dyn DeviceAlloc>, len: usize) -> Result<Self, String> {
+        let p = dev.alloc(len * size_of::<T>())?;
+        Ok(DeviceBuf {
+            ptr: p.cast(),
+            len,
+            dev: dev.clone(),
+        })
+    }
+
+    /// A device copy of `host`.
+    pub fn from_host(dev: &Arc<dyn DeviceAlloc>, host: &[T]) -> Result<Self, String> {
+        let b = Self::zeros(dev, host.len())?;
+        // SAFETY: the region holds `host`'s bytes; T is plain data (Copy).
+        unsafe {
+            let bytes = std::slice::from_raw_parts(host.as_ptr().cast::<u8>(), size_of_val(host));
+            b.dev.upload(b.ptr.cast(), bytes);
+        }
+        Ok(b)
+    }
+
+    /// The elements, on the host.
+    pub fn to_host(&self) -> Vec<T> {
+        let mut out = vec![T::default(); self.len];
+        // SAFETY: as `from_host`, the other way.
+        unsafe {
+            let bytes = std::slice::from_raw_parts_mut(
+                out.as_mut_ptr().cast::<u8>(),
+                size_of_val(&out[..]),
+            );
+            self.dev.download(bytes, self.ptr.cast());
+        }
+        out
+    }
+
+    /// Overwrites the buffer with `host` (the same length).
+    pub fn copy_from_host(&mut self, host: &[T]) {
+        assert_eq!(host.len(), self.len, "device copy lens");
+        // SAFETY: as `from_host`.
+        unsafe {
+            let bytes = std::slice::from_raw_parts(host.as_ptr().cast::<u8>(), size_of_val(host));
+            self.dev.upload(self.ptr.cast(), bytes);
+        }
+    }
+}
+
+impl<T> DeviceBuf<T> {
+    /// Every element set to zero bits (0.0 for the float types).
+    pub fn zero(&mut self) {
+        // SAFETY: the buffer's own bytes.
+        unsafe { self.dev.zero(self.ptr.cast(), self.len * size_of::<T>()) }
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn view(&self) -> View<'_, T> {
+        // SAFETY: the region holds `len` elements and outlives the borrow.
+        unsafe { View::from_raw_parts(self.ptr, self.len, self.dev.memory()) }
+    }
+    pub fn view_mut(&mut self) -> ViewMut<'_, T> {
+        // SAFETY: as `view`, unique through `&mut self`.
+        unsafe { ViewMut::from_raw_parts(self.ptr, self.len, self.dev.memory()) }
+    }
+}
+
+impl<T> Drop for DeviceBuf<T> {
+    fn drop(&mut self) {
+        // SAFETY: allocated by this allocator with this size, freed once.
+        unsafe { self.dev.free(self.ptr.cast(), self.len * size_of::<T>()) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_emulated_buffer_round_trips_and_refuses_host_reads() {
+        let dev: Arc<dyn DeviceAlloc> = Arc::new(EmulatedDevice { ordinal: 1 });
+        let mut b = DeviceBuf::from_host(&dev, &[1.0f32, 2.0, 3.0]).unwrap();
+        assert_eq!(b.to_host(), [1.0, 2.0, 3.0]);
+        b.copy_from_host(&[4.0, 5.0, 6.0]);
+        assert_eq!(b.to_host(), [4.0, 5.0, 6.0]);
+        assert_eq!(b.view().memory(), Memory::Device(1));
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| b.view().host()[0]));
+        assert!(r.is_err(), "a host read of device memory must stop");
+        assert_eq!(DeviceBuf::<u32>::zeros(&dev, 4).unwrap().to_host(), [0; 4]);
+    }
+}

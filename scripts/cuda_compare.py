@@ -1,0 +1,24 @@
+"""A trainer run on the GPU against the same run on the CPU (scripts/cuda_check.sh):
+every step's loss within the precision's band, and the GPU's measured memory within 1% of
+its plan. Usage: python3 cuda_compare.py PRECISION CPU_METRICS GPU_METRICS"""
+import json
+import sys
+
+precision, cpu_path, gpu_path = sys.argv[1:4]
+cpu = [json.loads(l) for l in open(cpu_path)]
+gpu = [json.loads(l) for l in open(gpu_path)]
+# fp32: the issue's 0.02 nats after 50 steps, held at every step here; bf16: a bf16 rounding
+# of the loss's scale, with summation orders that differ (cuBLASLt vs the gemm crate).
+band = {"fp32": 0.02, "bf16": 0.1}[precision]
+assert len(cpu) == len(gpu) > 0, (len(cpu), len(gpu))
+worst = 0.0
+for c, g in zip(cpu, gpu):
+    d = abs(c["loss"] - g["loss"])
+    worst = max(worst, d)
+    assert d <= band, f"{precision} step {c['step']}: loss {g['loss']} on the GPU vs {c['loss']}"
+    off = g["mem_peak_measured"] / g["mem_peak_planned"] - 1
+    assert abs(off) < 0.01, f"{precision} step {g['step']}: measured {g['mem_peak_measured']} vs planned {g['mem_peak_planned']}"
+last_c, last_g = cpu[-1], gpu[-1]
+print(f"{precision}: {len(gpu)} steps, loss within {worst:.4f} nats of the CPU (band {band}); "
+      f"last {last_g['loss']:.4f} vs {last_c['loss']:.4f}; GPU {last_g['tokens_per_s']:.0f} tok/s, "
+      f"MFU {100 * last_g['mfu']:.1f}%, memory {last_g['mem_peak_measured']} vs planned {last_g['mem_peak_planned']}")
