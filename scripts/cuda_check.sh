@@ -33,7 +33,8 @@ check)
     echo "== CUDA backend: clippy --features cuda"
     cargo clippy --release -p ferrotron-engine -p ferrotron-train -p ferrotron --features cuda --all-targets -- -D warnings
     echo "== CUDA backend: NVRTC compiles every kernel; the GPU tests skip without a GPU"
-    cargo test --release -p ferrotron-engine --features cuda --lib --test cuda_source --test cuda_backend -- cuda
+    cargo test --release -p ferrotron-engine --features cuda --lib -- cuda
+    cargo test --release -p ferrotron-engine --features cuda --test cuda_source --test cuda_backend -- --nocapture
     cargo test --release -p ferrotron-train --features cuda --lib device
     echo "== CUDA backend: ferrotron built with CUDA refuses --device cuda here in one line"
     cargo build --release -p ferrotron --features cuda

@@ -426,7 +426,11 @@ impl Trainer {
         let tp_size = comms.tp.as_ref().map_or(1, |t| t.size());
         let local = ferrotron_engine::model::tensor_parallel::shard_config(&llama, tp_size)?;
         let chunk = cfg.runtime.ce_chunk as usize;
-        let kernel_workspace = measure_workspace(&cpu, cfg.precision.kind, &local, n, chunk);
+        // The CPU kernels' workspace, measured (a GPU's is its own: `gpu_workspace` below).
+        let kernel_workspace = match device {
+            crate::device::Device::Cuda => KernelWorkspace::default(),
+            _ => measure_workspace(&cpu, cfg.precision.kind, &local, n, chunk),
+        };
         let gemm = cpu.gemm.describe();
         let (backend, device_alloc) = crate::device::open(device, cpu)?;
         // What the chosen backend runs (the CPU's limits were checked with the config).
@@ -838,6 +842,8 @@ impl Trainer {
         };
         let (loss, grad_norm, lr, overflow) = r?;
         let k = &self.kernels;
+        // A GPU's step ends when its last kernel does.
+        Kernels::<f32>::synchronize(k);
         k.phase("step", t0, step, 0);
         self.step += 1;
         let secs = t0.elapsed().as_secs_f64();

@@ -6,7 +6,7 @@
 //! path runs with the CUDA backend (`--device cuda`).
 
 mod common;
-use common::{assert_within_plans, tiny_args, tmp};
+use common::{assert_same_trajectory, assert_within_plans, tiny_args, tmp};
 use ferrotron_train::alloc::Tracking;
 use ferrotron_train::device::Device;
 use ferrotron_train::run::run;
@@ -117,17 +117,7 @@ fn a_device_checkpoint_resumes_on_the_device_and_on_the_cpu_exactly() {
             ..Default::default()
         };
         let resumed = run(a).unwrap();
-        for (r, s) in resumed.steps.iter().zip(&straight.steps[3..]) {
-            assert_eq!(r.step, s.step);
-            assert_eq!(
-                r.loss.to_bits(),
-                s.loss.to_bits(),
-                "{device:?} step {}: {} vs {}",
-                r.step,
-                r.loss,
-                s.loss
-            );
-        }
-        assert_eq!(resumed.steps.len(), 3, "{device:?}");
+        let what = format!("resumed on {device:?}");
+        assert_same_trajectory(&what, &resumed.steps, &straight.steps[3..]);
     }
 }

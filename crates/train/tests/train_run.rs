@@ -2,9 +2,8 @@
 //! resuming is bit-identical, and bad input gives one clear error.
 
 mod common;
-use common::{shards, tiny_args, tiny_model, tmp};
+use common::{assert_same_trajectory, shards, tiny_args, tiny_model, tmp};
 use ferrotron_train::config::TrainArgs;
-use ferrotron_train::metrics::StepMetrics;
 use ferrotron_train::run::run;
 use std::path::Path;
 
@@ -22,30 +21,6 @@ fn resume_args(ck: &Path, out: &Path, steps: Option<u64>, metrics_file: &str) ->
         quiet: true,
         peak_gflops: Some(100.0),
         ..TrainArgs::default()
-    }
-}
-
-/// Every step's loss and learning rate, bit for bit, in `a` and `b`.
-fn assert_same_trajectory(what: &str, a: &[StepMetrics], b: &[StepMetrics]) {
-    assert_eq!(a.len(), b.len(), "{what}: step counts");
-    for (x, y) in a.iter().zip(b) {
-        assert_eq!(x.step, y.step, "{what}");
-        assert_eq!(
-            x.loss.to_bits(),
-            y.loss.to_bits(),
-            "{what} step {}: loss {} vs {}",
-            x.step,
-            x.loss,
-            y.loss
-        );
-        assert_eq!(
-            x.lr.to_bits(),
-            y.lr.to_bits(),
-            "{what} step {}: lr {} vs {}",
-            x.step,
-            x.lr,
-            y.lr
-        );
     }
 }
 

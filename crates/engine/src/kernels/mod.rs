@@ -320,6 +320,10 @@ macro_rules! kernel_interface {
                 /// up front, so that it is part of a process's fixed baseline rather than
                 /// appearing mid-step.
                 fn warm_up(&self) {}
+                /// Waits until every op issued so far has finished (a GPU runs them
+                /// asynchronously; the CPU's have finished when they return), so that a host
+                /// timer read after it times the work.
+                fn synchronize(&self) {}
                 /// What this backend supports (see [`LlamaConfig::check_backend`]).
                 ///
                 /// [`LlamaConfig::check_backend`]: crate::model::LlamaConfig::check_backend

@@ -167,3 +167,31 @@ pub fn assert_within_plans(steps: &[ferrotron_train::metrics::StepMetrics], what
         }
     }
 }
+
+/// Every step's loss and learning rate, bit for bit, in `a` and `b`.
+pub fn assert_same_trajectory(
+    what: &str,
+    a: &[ferrotron_train::metrics::StepMetrics],
+    b: &[ferrotron_train::metrics::StepMetrics],
+) {
+    assert_eq!(a.len(), b.len(), "{what}: step counts");
+    for (x, y) in a.iter().zip(b) {
+        assert_eq!(x.step, y.step, "{what}");
+        assert_eq!(
+            x.loss.to_bits(),
+            y.loss.to_bits(),
+            "{what} step {}: loss {} vs {}",
+            x.step,
+            x.loss,
+            y.loss
+        );
+        assert_eq!(
+            x.lr.to_bits(),
+            y.lr.to_bits(),
+            "{what} step {}: lr {} vs {}",
+            x.step,
+            x.lr,
+            y.lr
+        );
+    }
+}

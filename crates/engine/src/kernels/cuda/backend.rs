@@ -11,7 +11,7 @@
 //!   `--device cuda` with more than one rank.
 
 use super::device::{DeviceError, Gpu};
-use super::gemm::{self, Lt, Product};
+use super::gemm::{self, Call, Lt};
 use super::memory::{download, DeviceBlock};
 use crate::dtype::Elem;
 use crate::kernels::cpu::adamw::Consts;
@@ -135,25 +135,13 @@ impl CudaKernels {
         s[&which].ptr()
     }
 
-    /// A product on cuBLASLt, operands of type `ab`, output of type `out`.
-    #[allow(clippy::too_many_arguments)]
-    fn product(
-        &self,
-        op: &str,
-        p: Product,
-        ab: DType,
-        out: DType,
-        a: u64,
-        b: u64,
-        d: u64,
-        acc: bool,
-    ) {
+    /// A product on cuBLASLt.
+    fn product(&self, op: &str, c: Call) {
         self.bind();
         let stream = self.gpu.stream.cu_stream() as cudarc::cublaslt::sys::cudaStream_t;
         // SAFETY: the pointers are device views the op was handed, of the sizes its shape
         // gives; the stream is the backend's, of the handle's context.
-        unsafe { self.lt.run(p, ab, out, a, b, d, acc, stream) }
-            .unwrap_or_else(|e| panic!("CUDA op {op}: {e}"));
+        unsafe { self.lt.run(c, stream) }.unwrap_or_else(|e| panic!("CUDA op {op}: {e}"));
     }
 
     fn bind(&self) {
@@ -313,6 +301,11 @@ const NO_EXPERTS: &str =
     "the CUDA backend has no mixture-of-experts kernels yet (check_backend refuses MoE models)";
 
 impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
+    fn synchronize(&self) {
+        self.bind();
+        (self.gpu.stream.synchronize()).unwrap_or_else(|e| panic!("CUDA stream: {e:?}"));
+    }
+
     fn limits(&self) -> Limits {
         Limits {
             backend: "CUDA",
@@ -333,7 +326,18 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         let op = "matmul_forward";
         let (x, w, y) = (dev(&x, op), dev(&w, op), dev_mut(&mut y, op));
         let acc = y_accum == Accum::Add;
-        self.product(op, gemm::forward(s), S::DTYPE, S::DTYPE, w, x, y, acc);
+        self.product(
+            op,
+            Call {
+                p: gemm::forward(s),
+                ab: S::DTYPE,
+                out: S::DTYPE,
+                a: w,
+                b: x,
+                d: y,
+                accumulate: acc,
+            },
+        );
         if let Some(bias) = bias {
             let (bias, rows, cols) = (dev(&bias, op), s.n as u64, s.out_features as u64);
             launch!(self, name::<S>("bias_add"), elementwise(rows * cols); y, bias, rows, cols);
@@ -352,13 +356,15 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         let (dyp, xp, dwp) = (dev(&dy, op), dev(&x, op), dev_mut(&mut dw, op));
         self.product(
             op,
-            gemm::backward_weight(s),
-            S::DTYPE,
-            G::DTYPE,
-            xp,
-            dyp,
-            dwp,
-            true,
+            Call {
+                p: gemm::backward_weight(s),
+                ab: S::DTYPE,
+                out: G::DTYPE,
+                a: xp,
+                b: dyp,
+                d: dwp,
+                accumulate: true,
+            },
         );
         if let Some(mut db) = dbias {
             let (db, rows, cols) = (dev_mut(&mut db, op), s.n as u64, s.out_features as u64);
@@ -380,13 +386,15 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         let acc = dx_accum == Accum::Add;
         self.product(
             op,
-            gemm::backward_input(s),
-            S::DTYPE,
-            S::DTYPE,
-            w,
-            dy,
-            dx,
-            acc,
+            Call {
+                p: gemm::backward_input(s),
+                ab: S::DTYPE,
+                out: S::DTYPE,
+                a: w,
+                b: dy,
+                d: dx,
+                accumulate: acc,
+            },
         );
     }
 
@@ -399,7 +407,18 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
     ) {
         let op = "head_forward";
         let (x, w, l) = (dev(&x, op), dev(&w, op), dev_mut(&mut logits, op));
-        self.product(op, gemm::forward(s), S::DTYPE, DType::F32, w, x, l, false);
+        self.product(
+            op,
+            Call {
+                p: gemm::forward(s),
+                ab: S::DTYPE,
+                out: DType::F32,
+                a: w,
+                b: x,
+                d: l,
+                accumulate: false,
+            },
+        );
     }
 
     // The head's products take the f32 logit gradients rounded to S (for 16-bit S), as
@@ -417,13 +436,15 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         let (x, dw) = (dev(&x, op), dev_mut(&mut dw, op));
         self.product(
             op,
-            gemm::backward_weight(s),
-            S::DTYPE,
-            G::DTYPE,
-            x,
-            dl,
-            dw,
-            true,
+            Call {
+                p: gemm::backward_weight(s),
+                ab: S::DTYPE,
+                out: G::DTYPE,
+                a: x,
+                b: dl,
+                d: dw,
+                accumulate: true,
+            },
         );
     }
 
@@ -439,13 +460,15 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         let (w, dx) = (dev(&w, op), dev_mut(&mut dx, op));
         self.product(
             op,
-            gemm::backward_input(s),
-            S::DTYPE,
-            S::DTYPE,
-            w,
-            dl,
-            dx,
-            false,
+            Call {
+                p: gemm::backward_input(s),
+                ab: S::DTYPE,
+                out: S::DTYPE,
+                a: w,
+                b: dl,
+                d: dx,
+                accumulate: false,
+            },
         );
     }
 

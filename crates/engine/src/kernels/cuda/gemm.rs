@@ -117,6 +117,19 @@ fn cuda_type(t: DType) -> sys::cudaDataType {
     }
 }
 
+/// One product to run: its description, the device addresses of A, B and D, the type of A and
+/// B (`ab`) and of D (`out`), and whether D accumulates (β = 1) or is overwritten.
+#[derive(Clone, Copy, Debug)]
+pub struct Call {
+    pub p: Product,
+    pub ab: DType,
+    pub out: DType,
+    pub a: u64,
+    pub b: u64,
+    pub d: u64,
+    pub accumulate: bool,
+}
+
 /// Key of a product's chosen algorithm: its shape and types, and whether it accumulates.
 type AlgoKey = (Product, DType, DType, bool);
 
@@ -159,23 +172,21 @@ impl Lt {
         })
     }
 
-    /// `d = op(a)·op(b) (+ d)` on `stream`, `a`/`b` of type `ab`, `d` of type `out`.
+    /// `d = op(a)·op(b) (+ d)` on `stream`.
     ///
     /// # Safety
-    /// `a`, `b` and `d` are device addresses of at least the operands' sizes, and `stream` is a
-    /// live stream of the context this handle was made in.
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn run(
-        &self,
-        p: Product,
-        ab: DType,
-        out: DType,
-        a: u64,
-        b: u64,
-        d: u64,
-        accumulate: bool,
-        stream: sys::cudaStream_t,
-    ) -> Result<(), String> {
+    /// The call's `a`, `b` and `d` are device addresses of at least the operands' sizes, and
+    /// `stream` is a live stream of the context this handle was made in.
+    pub unsafe fn run(&self, c: Call, stream: sys::cudaStream_t) -> Result<(), String> {
+        let Call {
+            p,
+            ab,
+            out,
+            a,
+            b,
+            d,
+            accumulate,
+        } = c;
         let err = |what: &'static str| move |e: lt::CublasError| format!("cuBLASLt {what}: {e:?}");
         let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
         let layout = |t: DType, rows: usize, cols: usize, ld: usize| {
