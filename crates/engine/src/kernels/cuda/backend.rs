@@ -11,7 +11,7 @@
 //!   `--device cuda` with more than one rank.
 
 use super::device::{DeviceError, Gpu};
-use super::gemm::{self, Call, Lt};
+use super::gemm::{self, Call, Lt, Product};
 use super::memory::{download, DeviceBlock};
 use crate::dtype::Elem;
 use crate::kernels::cpu::adamw::Consts;
@@ -135,10 +135,21 @@ impl CudaKernels {
         s[&which].ptr()
     }
 
-    /// A product on cuBLASLt.
-    fn product(&self, op: &str, c: Call) {
+    /// The product `p` on cuBLASLt: operands A and B of type `types.0`, D of `types.1`, at
+    /// device addresses `[a, b, d]`; D accumulates with `acc`.
+    fn product(&self, op: &str, p: Product, types: (DType, DType), [a, b, d]: [u64; 3], acc: bool) {
         self.bind();
         let stream = self.gpu.stream.cu_stream() as cudarc::cublaslt::sys::cudaStream_t;
+        let (ab, out) = types;
+        let c = Call {
+            p,
+            ab,
+            out,
+            a,
+            b,
+            d,
+            accumulate: acc,
+        };
         // SAFETY: the pointers are device views the op was handed, of the sizes its shape
         // gives; the stream is the backend's, of the handle's context.
         unsafe { self.lt.run(c, stream) }.unwrap_or_else(|e| panic!("CUDA op {op}: {e}"));
@@ -326,18 +337,7 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         let op = "matmul_forward";
         let (x, w, y) = (dev(&x, op), dev(&w, op), dev_mut(&mut y, op));
         let acc = y_accum == Accum::Add;
-        self.product(
-            op,
-            Call {
-                p: gemm::forward(s),
-                ab: S::DTYPE,
-                out: S::DTYPE,
-                a: w,
-                b: x,
-                d: y,
-                accumulate: acc,
-            },
-        );
+        self.product(op, gemm::forward(s), (S::DTYPE, S::DTYPE), [w, x, y], acc);
         if let Some(bias) = bias {
             let (bias, rows, cols) = (dev(&bias, op), s.n as u64, s.out_features as u64);
             launch!(self, name::<S>("bias_add"), elementwise(rows * cols); y, bias, rows, cols);
@@ -356,15 +356,10 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         let (dyp, xp, dwp) = (dev(&dy, op), dev(&x, op), dev_mut(&mut dw, op));
         self.product(
             op,
-            Call {
-                p: gemm::backward_weight(s),
-                ab: S::DTYPE,
-                out: G::DTYPE,
-                a: xp,
-                b: dyp,
-                d: dwp,
-                accumulate: true,
-            },
+            gemm::backward_weight(s),
+            (S::DTYPE, G::DTYPE),
+            [xp, dyp, dwp],
+            true,
         );
         if let Some(mut db) = dbias {
             let (db, rows, cols) = (dev_mut(&mut db, op), s.n as u64, s.out_features as u64);
@@ -386,15 +381,10 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         let acc = dx_accum == Accum::Add;
         self.product(
             op,
-            Call {
-                p: gemm::backward_input(s),
-                ab: S::DTYPE,
-                out: S::DTYPE,
-                a: w,
-                b: dy,
-                d: dx,
-                accumulate: acc,
-            },
+            gemm::backward_input(s),
+            (S::DTYPE, S::DTYPE),
+            [w, dy, dx],
+            acc,
         );
     }
 
@@ -409,15 +399,10 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         let (x, w, l) = (dev(&x, op), dev(&w, op), dev_mut(&mut logits, op));
         self.product(
             op,
-            Call {
-                p: gemm::forward(s),
-                ab: S::DTYPE,
-                out: DType::F32,
-                a: w,
-                b: x,
-                d: l,
-                accumulate: false,
-            },
+            gemm::forward(s),
+            (S::DTYPE, DType::F32),
+            [w, x, l],
+            false,
         );
     }
 
@@ -436,15 +421,10 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         let (x, dw) = (dev(&x, op), dev_mut(&mut dw, op));
         self.product(
             op,
-            Call {
-                p: gemm::backward_weight(s),
-                ab: S::DTYPE,
-                out: G::DTYPE,
-                a: x,
-                b: dl,
-                d: dw,
-                accumulate: true,
-            },
+            gemm::backward_weight(s),
+            (S::DTYPE, G::DTYPE),
+            [x, dl, dw],
+            true,
         );
     }
 
@@ -460,15 +440,10 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         let (w, dx) = (dev(&w, op), dev_mut(&mut dx, op));
         self.product(
             op,
-            Call {
-                p: gemm::backward_input(s),
-                ab: S::DTYPE,
-                out: S::DTYPE,
-                a: w,
-                b: dl,
-                d: dx,
-                accumulate: false,
-            },
+            gemm::backward_input(s),
+            (S::DTYPE, S::DTYPE),
+            [w, dl, dx],
+            false,
         );
     }
 
