@@ -4,7 +4,9 @@
 //! scripts/test.sh installs). Skips with a message where NVRTC is absent.
 #![cfg(feature = "cuda")]
 
-use ferrotron_engine::kernels::cuda::source::{compile, entry_points, nvrtc_present};
+use ferrotron_engine::kernels::cuda::source::{
+    compile, compile_program, entry_points, nvrtc_present, program,
+};
 
 #[test]
 fn every_kernel_compiles_for_hopper_and_ampere() {
@@ -15,7 +17,8 @@ fn every_kernel_compiles_for_hopper_and_ampere() {
         return;
     }
     for arch in ["sm_90", "sm_80"] {
-        let ptx = compile(arch).unwrap_or_else(|e| panic!("{e}"));
+        // Compiled, never from the cache (`compile`'s, tested below).
+        let ptx = compile_program(program(), arch).unwrap_or_else(|e| panic!("{e}"));
         assert!(
             ptx.contains(&format!(".target {arch}")),
             "{arch}: {}",
@@ -37,7 +40,7 @@ fn a_compile_error_names_the_line() {
         return;
     }
     // The same compiler path with a broken program: the error carries NVRTC's log.
-    let err = ferrotron_engine::kernels::cuda::source::compile_program(
+    let err = compile_program(
         "extern \"C\" __global__ void k() { undefined_thing(); }".into(),
         "sm_90",
     )
@@ -48,4 +51,27 @@ fn a_compile_error_names_the_line() {
         "{msg}"
     );
     assert!(msg.contains("undefined_thing"), "{msg}");
+}
+
+#[test]
+fn a_compiled_program_is_cached_and_read_back() {
+    if !nvrtc_present() {
+        eprintln!("skipped: NVRTC not found");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("ferrotron-ptx-cache-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    // SAFETY: set before any other thread of this test reads it (the other tests do not).
+    unsafe { std::env::set_var("FERROTRON_CACHE", &dir) };
+    let first = compile("sm_90").unwrap();
+    let files: Vec<_> = std::fs::read_dir(dir.join("cuda"))
+        .unwrap()
+        .flatten()
+        .collect();
+    assert_eq!(files.len(), 1, "one cached program: {files:?}");
+    // The second compile is the file: changed on disk, the change comes back.
+    let marked = format!("{first}// cached\n");
+    std::fs::write(files[0].path(), &marked).unwrap();
+    assert_eq!(compile("sm_90").unwrap(), marked);
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -78,20 +78,65 @@ pub enum CompileError {
 /// The program as PTX for `arch` (`"sm_90"`). Arithmetic is IEEE (no fast math, precise
 /// division and square root, no flush to zero) so that results follow the CPU backend's
 /// within rounding; contraction into FMA is allowed, as the CPU's FMA tier does.
+///
+/// From the on-disk cache when this exact program was compiled for `arch` before
+/// (`$FERROTRON_CACHE/cuda`, else `~/.cache/ferrotron/cuda`; keyed by a hash of the source, the
+/// options and `arch`), else compiled and stored there, so a run starts without NVRTC's
+/// seconds (and a cached program loads even where NVRTC is missing).
 pub fn compile(arch: &'static str) -> Result<String, CompileError> {
-    compile_program(program(), arch)
+    let src = program();
+    let file = cache_dir().map(|d| d.join(format!("{:016x}-{arch}.ptx", cache_key(&src, arch))));
+    if let Some(ptx) = file.as_ref().and_then(|f| std::fs::read_to_string(f).ok()) {
+        return Ok(ptx);
+    }
+    let ptx = compile_program(src, arch)?;
+    if let Some(f) = file {
+        // Written whole, then renamed into place: a reader never sees half a file.
+        let tmp = f.with_extension(format!("tmp{}", std::process::id()));
+        let stored = f.parent().map(std::fs::create_dir_all).transpose().is_ok()
+            && std::fs::write(&tmp, &ptx).is_ok()
+            && std::fs::rename(&tmp, &f).is_ok();
+        if !stored {
+            let _ = std::fs::remove_file(&tmp);
+        }
+    }
+    Ok(ptx)
 }
+
+/// Where compiled programs are kept (`None`: nowhere, compile every time).
+pub fn cache_dir() -> Option<std::path::PathBuf> {
+    let root = match std::env::var_os("FERROTRON_CACHE") {
+        Some(d) => std::path::PathBuf::from(d),
+        None => std::path::Path::new(&std::env::var_os("HOME")?).join(".cache/ferrotron"),
+    };
+    Some(root.join("cuda"))
+}
+
+/// FNV-1a over the source, the compile options and the architecture: stable across builds
+/// and Rust versions (unlike `DefaultHasher`), so a cache outlives the binary that wrote it.
+fn cache_key(src: &str, arch: &str) -> u64 {
+    let opts = format!("{OPTIONS:?}");
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in [src, &opts, arch].iter().flat_map(|s| s.bytes()) {
+        h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// NVRTC's flush-to-zero, precise square root, precise division and FMA contraction.
+const OPTIONS: [bool; 4] = [false, true, true, true];
 
 /// `src` as PTX for `arch`, with the backend's options ([`compile`]).
 pub fn compile_program(src: String, arch: &'static str) -> Result<String, CompileError> {
     if !nvrtc_present() {
         return Err(CompileError::NoNvrtc);
     }
+    let [ftz, prec_sqrt, prec_div, fmad] = OPTIONS.map(Some);
     let opts = CompileOptions {
-        ftz: Some(false),
-        prec_sqrt: Some(true),
-        prec_div: Some(true),
-        fmad: Some(true),
+        ftz,
+        prec_sqrt,
+        prec_div,
+        fmad,
         arch: Some(arch),
         options: vec!["--std=c++17".into()],
         ..Default::default()
