@@ -8,7 +8,9 @@
 #   bash scripts/cuda_check.sh bundle     # here, before a GPU session: the test binaries and
 #                                         # ferrotron built with CUDA, stripped, in target/cuda-check
 #   bash target/cuda-check/run.sh         # on the GPU machine (no Rust there): every op and
-#                                         # training step against the CPU backend
+#                                         # training step against the CPU backend, then the
+#                                         # trainer on GPU vs CPU
+#   bash target/cuda-check/bench_gpu.sh   # there too: ferrotron vs PyTorch on the same GPU
 #
 # NVRTC comes from the CUDA toolkit when there is one, else from the `nvidia-cuda-nvrtc` wheel,
 # installed here into target/nvrtc (about 60 MB, once).
@@ -62,7 +64,7 @@ for l in sys.stdin:
         cp "$bin" "$out/$t"
     done
     strip "$out"/*
-    cp scripts/cuda_compare.py "$out/"
+    cp scripts/cuda_compare.py scripts/bench_gpu.sh tests/reference/bench_pytorch.py "$out/"
     cat >"$out/run.sh" <<'RUN'
 #!/usr/bin/env bash
 # On the GPU machine: the CUDA backend against the CPU backend (built by

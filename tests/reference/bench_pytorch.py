@@ -1,6 +1,10 @@
 #!/usr/bin/env python3
-"""PyTorch CPU training-step baseline for ferrotron (LlamaForCausalLM, AdamW; fp32, or bf16
-autocast as the peer of `ferrotron train --precision bf16`).
+"""PyTorch training-step baseline for ferrotron (LlamaForCausalLM, AdamW; fp32, or bf16
+autocast as the peer of `ferrotron train --precision bf16`), on the CPU or (`--device cuda`)
+the GPU: there with SDPA and `torch.optim.AdamW(fused=True)`, the peer issue #14 names.
+
+  python3 tests/reference/bench_pytorch.py --device cuda --config smollm135m --seq 2048 --mbs 8 --precision bf16
+  python3 tests/reference/bench_pytorch.py --device cuda --config llama1b --seq 2048 --mbs 4 --precision bf16
 
   .venv/bin/python tests/reference/bench_pytorch.py --config small --steps 5
   .venv/bin/python tests/reference/bench_pytorch.py --config small --steps 5 --precision bf16
@@ -75,7 +79,22 @@ CONFIGS = {
         mbs=4,
     ),
 }
+# (c) Llama-3.2-1B shape (tied embeddings, as released)
+CONFIGS["llama1b"] = dict(
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    tie_word_embeddings=True,
+    seq=2048,
+    mbs=4,
+)
 ALIASES = {"a": "small", "b": "smollm135m"}
+# Dense bf16 tensor-core peak (FLOP/s) by GPU name, as the planner's table has them
+# (crates/plan/src/cluster.rs): the MFU denominator on a GPU.
+GPU_BF16_PEAK = {"h200": 989.4e12, "h100": 989.4e12, "a100": 312e12}
 
 
 def matmul_params(cfg: LlamaConfig) -> int:
@@ -112,7 +131,10 @@ def main() -> int:
     ap.add_argument("--no-peak", action="store_true", help="skip the torch.mm peak measurement")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = ap.parse_args()
+    dev = torch.device(args.device)
+    cuda = args.device == "cuda"
 
     name = ALIASES.get(args.config, args.config)
     spec = dict(CONFIGS[name])
@@ -131,18 +153,20 @@ def main() -> int:
         use_cache=False,
         **spec,
     )
-    model = LlamaForCausalLM(cfg).to(torch.float32)
+    model = LlamaForCausalLM(cfg).to(torch.float32).to(dev)
     model.config._attn_implementation = args.attn
     model.train()
     n_params = sum(p.numel() for p in model.parameters())
     n_matmul = matmul_params(cfg)
 
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                            fused=cuda)
     V = cfg.vocab_size
-    tokens = torch.randint(0, V, (mbs, seq + 1))
+    tokens = torch.randint(0, V, (mbs, seq + 1), device=dev)
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16")
+    autocast = torch.autocast(args.device, dtype=torch.bfloat16, enabled=args.precision == "bf16")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def step() -> float:
         opt.zero_grad(set_to_none=True)
@@ -152,7 +176,9 @@ def main() -> int:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        return loss.item()
+        loss = loss.item()
+        sync()
+        return loss
 
     print(
         f"config {name}: params {n_params/1e6:.2f}M (matmul {n_matmul/1e6:.2f}M), "
@@ -162,7 +188,12 @@ def main() -> int:
     )
     # Peak measured before and after the timed loop; the max is used (less noise from
     # other load on a shared machine).
-    peak_before = None if args.no_peak else measure_matmul_peak()
+    gpu_peak = None
+    if cuda:
+        name_ = torch.cuda.get_device_name().lower()
+        gpu_peak = next((v for k, v in GPU_BF16_PEAK.items() if k in name_), None)
+        torch.cuda.reset_peak_memory_stats()
+    peak_before = None if args.no_peak or cuda else measure_matmul_peak()
     for i in range(args.warmup):
         t0 = time.perf_counter()
         loss = step()
@@ -182,8 +213,12 @@ def main() -> int:
     attention = 12 * L * h_attn * seq * seq * mbs
     flops = dense + attention
     med = statistics.median(times)
-    peak_after = None if args.no_peak else measure_matmul_peak()
-    peak = None if args.no_peak else max(peak_before, peak_after)
+    peak_after = None if args.no_peak or cuda else measure_matmul_peak()
+    peak = None if args.no_peak or cuda else max(peak_before, peak_after)
+    if cuda and gpu_peak:
+        # Model FLOPs, causal-aware (the issue's MFU), against the dense bf16 peak.
+        peak = gpu_peak / 1e9
+        flops = dense + attention // 2
     achieved = flops / med / 1e9
     rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
     res = {
@@ -211,6 +246,9 @@ def main() -> int:
         "matmul_peak_before_after_gflops": None if peak is None else [peak_before, peak_after],
         "mfu": None if peak is None else achieved / peak,
         "peak_rss_mib": rss_mib,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "gpu_peak_allocated_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
+        "gpu_peak_reserved_mib": torch.cuda.max_memory_reserved() / 2**20 if cuda else None,
         "losses": [round(l, 4) for l in losses],
         "loadavg_1m": os.getloadavg()[0],
         "cpu": platform.processor() or platform.machine(),

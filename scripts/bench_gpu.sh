@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# ferrotron on the GPU against PyTorch on the same GPU, side by side (issue #14's acceptance):
+# bf16, seq 2048, SmolLM-135M and Llama-3.2-1B shapes from random init; rounds interleaved
+# (ferrotron, then PyTorch, per shape); per shape the median tokens/s of each side, their
+# ratio, MFU (model FLOPs, causal-aware, against the GPU's dense bf16 peak) and peak memory.
+#   bash bench_gpu.sh [rounds]        # in target/cuda-check on the GPU machine
+# ferrotron is the bundle's binary (scripts/cuda_check.sh bundle); PyTorch is the machine's
+# python3 with transformers (tests/reference/bench_pytorch.py --device cuda: SDPA, fused AdamW).
+set -euo pipefail
+cd "$(dirname "$0")"
+rounds=${1:-3}
+export LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+OUT=${OUT:-$(mktemp -d)}
+RESULTS="$OUT/bench_gpu.jsonl"
+: >"$RESULTS"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+for round in $(seq "$rounds"); do
+    for shape in "smollm-135m smollm135m 8" "llama-3.2-1b llama1b 4"; do
+        read -r preset peer mbs <<<"$shape"
+        dir="$OUT/$preset-$round"
+        ./ferrotron train --device cuda --model "$preset" --seq 2048 --mbs "$mbs" --precision bf16 \
+            --steps 8 --warmup 2 --eval-interval 0 --sample-tokens 0 --quiet --out-dir "$dir" 2>"$dir.log" ||
+            { tail -5 "$dir.log"; exit 1; }
+        theirs=$(python3 bench_pytorch.py --device cuda --config "$peer" --seq 2048 --mbs "$mbs" \
+            --precision bf16 --steps 7 --warmup 2 2>/dev/null | tail -1)
+        python3 - "$round" "$preset" "$dir/metrics.jsonl" "$theirs" >>"$RESULTS" <<'PY'
+import json, statistics, sys
+round_, preset, path, theirs = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+rows = [json.loads(l) for l in open(path)][1:]  # the first step warms up
+print(json.dumps({"round": int(round_), "shape": preset,
+    "ferrotron_tok_s": statistics.median(r["tokens_per_s"] for r in rows),
+    "ferrotron_mfu": statistics.median(r["mfu"] for r in rows),
+    "ferrotron_mem_mib": rows[-1]["mem_peak_measured"] / 2**20,
+    "ferrotron_planned_mib": rows[-1]["mem_peak_planned"] / 2**20,
+    "pytorch_tok_s": theirs["tokens_per_s"], "pytorch_mfu": theirs["mfu"],
+    "pytorch_alloc_mib": theirs["gpu_peak_allocated_mib"], "pytorch_reserved_mib": theirs["gpu_peak_reserved_mib"],
+    "device": theirs["device"], "torch": theirs["torch"]}))
+PY
+        tail -1 "$RESULTS"
+    done
+done
+python3 - "$RESULTS" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+for shape in dict.fromkeys(r["shape"] for r in rows):
+    rs = [r for r in rows if r["shape"] == shape]
+    med = lambda k: statistics.median(r[k] for r in rs)
+    ratio = statistics.median(r["ferrotron_tok_s"] / r["pytorch_tok_s"] for r in rs)
+    print(f"{shape} bf16 seq 2048 on {rs[0]['device']}: ferrotron {med('ferrotron_tok_s'):.0f} tok/s "
+          f"(MFU {100*med('ferrotron_mfu'):.1f}%, {max(r['ferrotron_mem_mib'] for r in rs):.0f} MiB, planned "
+          f"{rs[-1]['ferrotron_planned_mib']:.0f}) vs PyTorch {rs[0]['torch']} {med('pytorch_tok_s'):.0f} tok/s "
+          f"(MFU {100*med('pytorch_mfu'):.1f}%, {max(r['pytorch_alloc_mib'] for r in rs):.0f} MiB allocated, "
+          f"{max(r['pytorch_reserved_mib'] for r in rs):.0f} reserved): ratio {ratio:.2f}x over {len(rs)} rounds")
+PY
