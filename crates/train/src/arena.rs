@@ -168,6 +168,16 @@ impl Arena {
         }
     }
 
+    /// Frees the region if no buffer is live. A device keeps its region across micro-batches
+    /// (`DeviceAlloc::keeps_regions`); the trainer gives it back where the plan has no
+    /// activations (the optimizer step, after an evaluation), so the memory is the plan's there
+    /// too: at step 1 Adam's new moments would otherwise sit on top of it.
+    pub fn trim(&mut self) {
+        if self.live.is_empty() {
+            self.free_region();
+        }
+    }
+
     /// Bytes of the region while it is held, else 0.
     pub fn held(&self) -> u64 {
         if self.region.is_some() {

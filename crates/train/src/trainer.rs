@@ -1069,6 +1069,10 @@ impl Trainer {
                 loss.count += l.count;
             }
         }
+        // The micro-batches are done: no activations until the next step.
+        if let Some(a) = &mut self.pool.arena {
+            a.trim();
+        }
         let k: &dyn Kernels<S, G> = &self.kernels;
         if let Some(dp) = dp {
             (loss.sum, loss.count) = dp.borrow_mut().sum_loss(loss.sum, loss.count)?;
@@ -1283,6 +1287,9 @@ impl Trainer {
             c.bytes.set(b);
         }
         self.params = params;
+        if let Some(a) = &mut self.pool.arena {
+            a.trim();
+        }
         self.kernels.phase("eval", te, self.step, 0);
         Ok(Some(loss?.mean()))
     }

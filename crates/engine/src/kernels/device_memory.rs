@@ -75,6 +75,11 @@ impl DeviceAlloc for EmulatedDevice {
     unsafe fn zero(&self, p: NonNull<u8>, bytes: usize) {
         std::ptr::write_bytes(p.as_ptr(), 0, bytes)
     }
+    /// As a GPU does: the emulation runs the GPU's allocation policy, so its memory tests
+    /// cover it.
+    fn keeps_regions(&self) -> bool {
+        true
+    }
 }
 
 /// `len` elements of `T` in a device's memory, zeroed at first, freed on drop.
