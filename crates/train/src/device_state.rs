@@ -73,8 +73,8 @@ macro_rules! with_dev_types {
 }
 
 /// Everything the trainer keeps on the device.
+/// (Its memory is the trainer's `device_alloc`.)
 pub struct DeviceState {
-    pub alloc: Arc<dyn DeviceAlloc>,
     /// The weights (out of it while a step or an evaluation runs on them).
     pub params: Option<DevFlat>,
     pub master: Option<DeviceBuf<f32>>,

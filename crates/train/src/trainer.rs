@@ -620,8 +620,8 @@ impl Trainer {
         let window_len = windows.as_ref().map_or(0, |w| w.len());
         let param_windows = zero3.as_ref().map_or(0, |z| z.len());
         // A GPU's workspace is its own (cuBLASLt's, and scratch reserved now).
-        let rows = cfg.runtime.ce_chunk as usize;
-        let gpu = crate::device::gpu_workspace(&kernels.inner, &model, rows, n, cfg.precision.kind);
+        let gpu =
+            crate::device::gpu_workspace(&kernels.inner, &model, chunk, n, cfg.precision.kind);
         let kernel_workspace = match &gpu {
             Some((w, ..)) => KernelWorkspace {
                 layers: *w,
@@ -792,9 +792,9 @@ impl Trainer {
                 Some(w) => self.opt_len + w.len(),
                 None => self.model.params.total,
             };
-            match &mut self.dev {
-                Some(d) => d.grads = Some(DevFlat::zeros(&d.alloc, gt, len)?),
-                None => self.grads = Some(Flat::zeros(gt, len)),
+            match (&mut self.dev, &self.device_alloc) {
+                (Some(d), Some(a)) => d.grads = Some(DevFlat::zeros(a, gt, len)?),
+                _ => self.grads = Some(Flat::zeros(gt, len)),
             }
             // The plan's `dp.grad_buckets` (and ZeRO-3's `zero3.gather`) appear with the
             // gradients.
@@ -1082,10 +1082,10 @@ impl Trainer {
         let n = self.opt_len;
         // Adam's moments exist from the first optimizer step on, taken or skipped; with the
         // master weights, where the state lives.
-        let (mut m_all, mut v_all, mut master) = match &mut self.dev {
-            Some(d) => {
+        let (mut m_all, mut v_all, mut master) = match (&mut self.dev, &self.device_alloc) {
+            (Some(d), Some(a)) => {
                 if d.opt.is_none() {
-                    let z = || DeviceBuf::zeros(&d.alloc, n).map_err(anyhow::Error::msg);
+                    let z = || DeviceBuf::zeros(a, n).map_err(anyhow::Error::msg);
                     d.opt = Some((z()?, z()?));
                 }
                 let (m, v) = d.opt.as_mut().expect("created above");
@@ -1095,7 +1095,7 @@ impl Trainer {
                     d.master.as_mut().map(|m| m.view_mut()),
                 )
             }
-            None => {
+            _ => {
                 let opt = self.opt.get_or_insert_with(|| AdamState {
                     m: vec![0.0; n],
                     v: vec![0.0; n],
@@ -1647,7 +1647,7 @@ impl Trainer {
         let Some(alloc) = self.device_alloc.clone() else {
             return Ok(());
         };
-        let n = self.cfg.data.mbs as usize * self.cfg.data.seq as usize;
+        let n = self.tokens.len();
         let e = anyhow::Error::msg;
         let params = Some(DevFlat::from_host(&alloc, &self.params)?);
         let master = (self.master.take())
@@ -1667,7 +1667,6 @@ impl Trainer {
             opt,
             tokens: DeviceBuf::zeros(&alloc, n).map_err(e)?,
             targets: DeviceBuf::zeros(&alloc, n).map_err(e)?,
-            alloc,
         });
         Ok(())
     }
