@@ -48,19 +48,31 @@ enum Cmd {
 /// write error instead. Not for `serve`, where a client that hangs up must not kill the server
 /// (there the ignored signal turns into an error on that one connection).
 fn quiet_on_closed_pipe() {
+    // POSIX: SIGPIPE is 13 on Linux, macOS and the BSDs; SIG_DFL is 0.
+    set_signal(13, 0);
+}
+
+/// A write past the file-size limit (`ulimit -f`) fails with EFBIG instead of killing the
+/// process with SIGXFSZ, so a checkpoint that cannot be written is an error that names the
+/// file, and the previous checkpoint stays the latest (Linux: SIGXFSZ is 25; SIG_IGN is 1).
+fn file_size_limit_is_an_error() {
+    #[cfg(target_os = "linux")]
+    set_signal(25, 1);
+}
+
+fn set_signal(signum: i32, handler: usize) {
     #[cfg(unix)]
     {
         extern "C" {
             fn signal(signum: i32, handler: usize) -> usize;
         }
-        // POSIX: SIGPIPE is 13 on Linux, macOS and the BSDs; SIG_DFL is 0.
-        const SIGPIPE: i32 = 13;
-        const SIG_DFL: usize = 0;
-        // SAFETY: restores the default disposition of one signal before any thread exists.
+        // SAFETY: sets the disposition of one signal before any thread exists.
         unsafe {
-            signal(SIGPIPE, SIG_DFL);
+            signal(signum, handler);
         }
     }
+    #[cfg(not(unix))]
+    let _ = (signum, handler);
 }
 
 fn main() {
@@ -68,6 +80,7 @@ fn main() {
     if !matches!(cli.cmd, Cmd::Serve(_)) {
         quiet_on_closed_pipe();
     }
+    file_size_limit_is_an_error();
     let result = match cli.cmd {
         Cmd::Plan(args) => plan_cmd::dispatch(args),
         Cmd::Serve(args) => serve_cmd::run(args),

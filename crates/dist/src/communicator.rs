@@ -142,6 +142,12 @@ pub trait Communicator: Send {
     /// in the sub-group; every member calls it with the same list): a tensor- or data-parallel
     /// group of the rank grid.
     fn split_group(&self, members: &[usize]) -> Result<Box<dyn Communicator>>;
+    /// [`Communicator::split_group`], naming the sub-group (`tp`, `dp`, …) for whoever reports
+    /// on it (the watchdog's timeout line); a backend that keeps no names ignores `name`.
+    fn split_named(&self, members: &[usize], name: &str) -> Result<Box<dyn Communicator>> {
+        let _ = name;
+        self.split_group(members)
+    }
 }
 
 /// How a backend's operation in flight completes (the MPI backend's requests; the threads
@@ -156,6 +162,8 @@ pub trait Completion: Send {
 /// An operation in flight.
 pub struct Pending {
     inner: Inner,
+    /// Who waits for it, in what, on which group: armed with the watchdog while waiting.
+    watch: Option<(usize, &'static str, std::sync::Arc<str>)>,
 }
 
 enum Inner {
@@ -183,6 +191,7 @@ impl Pending {
                 timeout,
                 rank,
             }),
+            watch: None,
         }
     }
 
@@ -190,11 +199,22 @@ impl Pending {
     pub fn from_completion(c: Box<dyn Completion>) -> Self {
         Pending {
             inner: Inner::Backend(std::cell::RefCell::new(c)),
+            watch: None,
         }
+    }
+
+    /// The same operation, its wait armed with the watchdog as `rank`'s `op` on `group`.
+    pub fn watched(mut self, rank: usize, op: &'static str, group: std::sync::Arc<str>) -> Self {
+        self.watch = Some((rank, op, group));
+        self
     }
 
     /// Waits for the operation; returns its buffer.
     pub fn wait(self) -> Result<Vec<f32>> {
+        let _armed = self
+            .watch
+            .as_ref()
+            .map(|(rank, op, group)| crate::watchdog::watch(*rank, op, group));
         match self.inner {
             Inner::Channel(c) => c.wait(),
             Inner::Backend(c) => c.into_inner().wait(),

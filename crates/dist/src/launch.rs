@@ -8,3 +8,11 @@ pub fn launched_by_mpirun() -> bool {
         .iter()
         .any(|v| std::env::var_os(v).is_some())
 }
+
+/// This process's rank in its launcher's world, read from the environment (Open MPI's, PMI's
+/// or PMIx's variable), before MPI is initialised: `None` when no launcher started it.
+pub fn world_rank_from_env() -> Option<usize> {
+    ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.parse().ok())
+}

@@ -11,7 +11,9 @@ pub mod launch;
 pub mod mpi;
 mod shapes;
 pub mod threads;
+pub mod watchdog;
 
 pub use communicator::{CommError, Communicator, Completion, Pending};
 pub use grid::{Dim, Grid};
 pub use launch::launched_by_mpirun;
+pub use watchdog::Watched;

@@ -29,8 +29,8 @@
 //!   dropping its communicators); a process that exits without it (an error returned from
 //!   `main`, `std::process::exit`) calls `MPI_Abort` at exit, naming its rank — finalising
 //!   there would wait for ranks that wait for it, and hang the job.
-//!   There is no [`CommError::Timeout`]: a rank that hangs alive hangs the job (use
-//!   `mpirun --timeout`).
+//!   There is no [`CommError::Timeout`]: a rank that hangs alive is caught by the watchdog
+//!   (`crate::watchdog`, `--comm-timeout`), which calls [`abort_job`] from its own thread.
 //! - Threads: MPI is initialised with `MPI_THREAD_MULTIPLE` when the library offers it
 //!   (Debian's Open MPI does), at least `MPI_THREAD_SERIALIZED`. A communicator is `Send` and
 //!   not `Sync`: it can move to another thread, but one communicator is never used by two
@@ -122,8 +122,9 @@ pub fn finalize() -> Result<()> {
     check(unsafe { ffi::ft_finalize() }, 0, "finalize")
 }
 
-/// `MPI_Abort` on the world after printing `msg`: every rank of the job goes down.
-fn abort_job(msg: &str) -> ! {
+/// `MPI_Abort` on the world after printing `msg`: every rank of the job goes down (the
+/// watchdog's expiry under MPI: callable from any thread at `MPI_THREAD_MULTIPLE`).
+pub fn abort_job(msg: &str) -> ! {
     let msg = CString::new(msg.replace('\0', " ")).expect("no NUL left");
     // SAFETY: a valid C string; ft_abort does not return.
     unsafe { ffi::ft_abort(msg.as_ptr() as *const c_char, 1) };

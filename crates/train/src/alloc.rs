@@ -96,16 +96,18 @@ pub fn reset_rank_peak(rank: usize) {
 unsafe impl GlobalAlloc for Tracking {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         let p = System.alloc(layout);
-        if !p.is_null() {
-            grew(layout.size());
+        if p.is_null() {
+            out_of_memory(layout.size());
         }
+        grew(layout.size());
         p
     }
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         let p = System.alloc_zeroed(layout);
-        if !p.is_null() {
-            grew(layout.size());
+        if p.is_null() {
+            out_of_memory(layout.size());
         }
+        grew(layout.size());
         p
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
@@ -114,15 +116,54 @@ unsafe impl GlobalAlloc for Tracking {
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         let p = System.realloc(ptr, layout, new_size);
-        if !p.is_null() {
-            if new_size >= layout.size() {
-                grew(new_size - layout.size());
-            } else {
-                shrank(layout.size() - new_size);
-            }
+        if p.is_null() {
+            out_of_memory(new_size);
+        }
+        if new_size >= layout.size() {
+            grew(new_size - layout.size());
+        } else {
+            shrank(layout.size() - new_size);
         }
         p
     }
+}
+
+/// An allocation the system refused: one line and exit status 1, instead of Rust's abort
+/// (SIGABRT after `memory allocation of N bytes failed`). A trainer refuses a plan that does
+/// not fit before it allocates (`fit`); this is what is left when memory runs out anyway
+/// (another process took it meanwhile). Nothing in ferrotron asks for memory fallibly
+/// (`try_reserve`), so a null from the system is always the end. The line is formatted on the
+/// stack: nothing may be allocated here.
+#[cold]
+fn out_of_memory(size: usize) -> ! {
+    use std::io::Write;
+    struct Line {
+        buf: [u8; 400],
+        len: usize,
+    }
+    impl std::fmt::Write for Line {
+        fn write_str(&mut self, s: &str) -> std::fmt::Result {
+            let n = s.len().min(self.buf.len() - self.len);
+            self.buf[self.len..self.len + n].copy_from_slice(&s.as_bytes()[..n]);
+            self.len += n;
+            Ok(())
+        }
+    }
+    let mut line = Line {
+        buf: [0; 400],
+        len: 0,
+    };
+    let mib = |b: usize| b as f64 / (1u64 << 20) as f64;
+    let _ = std::fmt::Write::write_fmt(
+        &mut line,
+        format_args!(
+            "error: out of memory: the system refused {size} bytes ({:.1} MiB) with {:.1} MiB in use; free memory on this machine, or lower the plan's peak (--recompute full, a smaller --mbs with --grad-acc, --precision bf16)\n",
+            mib(size),
+            mib(LIVE.load(Relaxed))
+        ),
+    );
+    let _ = std::io::stderr().write_all(&line.buf[..line.len]);
+    std::process::exit(1)
 }
 
 /// Live heap bytes now, of the calling thread's rank when it has one (see [`set_rank`]), else

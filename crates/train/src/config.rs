@@ -80,6 +80,24 @@ pub struct TrainArgs {
     /// Write a checkpoint every N steps (0: only at the end when a checkpoint dir is set).
     #[arg(long, allow_negative_numbers = true)]
     pub checkpoint_interval: Option<u64>,
+    /// Keep the K newest checkpoints as CHECKPOINT_DIR/step-NNNNNNNN, with
+    /// CHECKPOINT_DIR/latest naming the newest complete one (--resume CHECKPOINT_DIR follows
+    /// it) [default: one checkpoint, CHECKPOINT_DIR itself, replaced by each save].
+    #[arg(long, allow_negative_numbers = true)]
+    pub keep_checkpoints: Option<u64>,
+    /// Write checkpoints on a background thread from a host snapshot, so the step does not
+    /// wait for the disk (false: write before the next step starts) [default: true].
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub async_checkpoint: Option<bool>,
+    /// Seconds a rank waits in a collective or for a message before it names itself, the
+    /// operation, the group and the step, and takes the job down so a scheduler can restart
+    /// it from the last checkpoint (as PyTorch's NCCL timeout) [default: 600].
+    #[arg(long, allow_negative_numbers = true)]
+    pub comm_timeout: Option<f64>,
+    /// Stop after this many consecutive steps skipped for a non-finite loss or gradient
+    /// (fp32 and bf16; fp16's loss scaler handles its own overflows) [default: 5].
+    #[arg(long, allow_negative_numbers = true)]
+    pub max_skipped_steps: Option<u64>,
     /// Continue from a checkpoint directory up to --steps.
     #[arg(long)]
     #[serde(skip)]
@@ -270,6 +288,24 @@ pub struct RuntimeConfig {
     /// MiB of gradients per data-parallel all-reduce bucket.
     #[serde(default = "default_bucket_mb")]
     pub bucket_mb: u64,
+    /// Seconds any communication may wait before the job is taken down (`--comm-timeout`).
+    #[serde(default = "default_comm_timeout")]
+    pub comm_timeout: f64,
+    /// Consecutive non-finite steps skipped before the run stops (`--max-skipped-steps`).
+    #[serde(default = "default_max_skipped")]
+    pub max_skipped_steps: u64,
+}
+
+fn default_comm_timeout() -> f64 {
+    600.0
+}
+
+fn default_max_skipped() -> u64 {
+    5
+}
+
+fn default_true() -> bool {
+    true
 }
 
 fn default_bucket_mb() -> u64 {
@@ -283,6 +319,16 @@ pub struct CheckpointConfig {
     /// Every N steps (0: only at the end when `dir` is set).
     #[serde(rename = "checkpoint_interval")]
     pub interval: u64,
+    /// Step-numbered checkpoints kept (`--keep-checkpoints`; none: `dir` itself is the one).
+    #[serde(
+        default,
+        rename = "keep_checkpoints",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub keep: Option<u64>,
+    /// Saves written on a background thread (`--async-checkpoint`).
+    #[serde(default = "default_true", rename = "async_checkpoint")]
+    pub asynchronous: bool,
 }
 
 /// What the run reports about itself; none of it changes the training.
@@ -535,9 +581,24 @@ pub const SECTIONS: &[(&str, &[&str])] = &[
     ),
     (
         "runtime",
-        &["threads", "ce_chunk", "recompute", "bucket_mb"],
+        &[
+            "threads",
+            "ce_chunk",
+            "recompute",
+            "bucket_mb",
+            "comm_timeout",
+            "max_skipped_steps",
+        ],
     ),
-    ("checkpoint", &["checkpoint_dir", "checkpoint_interval"]),
+    (
+        "checkpoint",
+        &[
+            "checkpoint_dir",
+            "checkpoint_interval",
+            "keep_checkpoints",
+            "async_checkpoint",
+        ],
+    ),
     (
         "observability",
         &[
@@ -651,7 +712,8 @@ impl TrainArgs {
         };
         merge!(self, file; model, data, tokenizer, init_from, capacity_factor, seq, mbs, grad_acc, steps, stop_after, lr, min_lr_ratio,
             warmup, decay_steps, weight_decay, beta1, beta2, eps, clip, seed, threads, eval_interval,
-            eval_batches, out_dir, checkpoint_dir, checkpoint_interval, metrics, ce_chunk, recompute, bucket_mb,
+            eval_batches, out_dir, checkpoint_dir, checkpoint_interval, keep_checkpoints,
+            async_checkpoint, comm_timeout, max_skipped_steps, metrics, ce_chunk, recompute, bucket_mb,
             precision, fp32_grad_acc, stochastic_rounding, loss_scale_init,
             loss_scale_growth_interval,
             peak_gflops, sample_tokens, memory_timeline, memory_timeline_steps, trace,
@@ -755,11 +817,15 @@ impl TrainArgs {
                 ce_chunk: self.ce_chunk.unwrap_or(1024),
                 recompute,
                 bucket_mb: self.bucket_mb.unwrap_or(default_bucket_mb()),
+                comm_timeout: self.comm_timeout.unwrap_or(default_comm_timeout()),
+                max_skipped_steps: self.max_skipped_steps.unwrap_or(default_max_skipped()),
             },
             parallel,
             checkpoint: CheckpointConfig {
                 dir: self.checkpoint_dir.clone(),
                 interval: self.checkpoint_interval.unwrap_or(0),
+                keep: self.keep_checkpoints,
+                asynchronous: self.async_checkpoint.unwrap_or(true),
             },
             observability: ObservabilityConfig {
                 metrics: self
@@ -822,6 +888,28 @@ impl TrainArgs {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(bad(field, v, "must be a non-negative number (0 disables)"));
             }
+        }
+        let t = c.runtime.comm_timeout;
+        if !(t.is_finite() && t > 0.0) {
+            return Err(bad(
+                "comm_timeout",
+                t,
+                "must be a positive number of seconds, e.g. 600",
+            ));
+        }
+        if c.checkpoint.keep == Some(0) {
+            return Err(bad(
+                "keep_checkpoints",
+                0,
+                "must be at least 1 (leave it out to keep one checkpoint in CHECKPOINT_DIR itself)",
+            ));
+        }
+        if let (Some(k), None) = (c.checkpoint.keep, &c.checkpoint.dir) {
+            return Err(bad(
+                "keep_checkpoints",
+                k,
+                "keeps checkpoints in a directory: add --checkpoint-dir DIR",
+            ));
         }
         if let Some(p) = self.peak_gflops {
             if !(p.is_finite() && p > 0.0) {

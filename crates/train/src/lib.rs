@@ -11,6 +11,7 @@ pub mod device;
 pub mod device_state;
 pub mod eval;
 pub mod expert_parallel;
+pub mod fit;
 pub mod heap;
 pub mod loss_scale;
 pub mod lr;

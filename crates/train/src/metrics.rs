@@ -23,7 +23,9 @@ pub struct StepMetrics {
     /// fp16: the loss scale this step ran with.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss_scale: Option<f32>,
-    /// fp16: the gradients overflowed and the optimizer step was skipped.
+    /// The optimizer step was skipped on every rank: fp16's gradients overflowed, or (fp32,
+    /// bf16) the loss or gradient norm was not finite (`--max-skipped-steps` in a row stop
+    /// the run).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub skipped: bool,
     /// Data parallelism: every rank's planned and measured peak (the top-level pair is the

@@ -20,7 +20,7 @@ use ferrotron_plan::Precision;
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::rc::Rc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 const MIB: f64 = (1u64 << 20) as f64;
 
@@ -31,6 +31,9 @@ pub struct RunSummary {
     pub planned_peak: u64,
     pub measured_peak: u64,
     pub sample: Option<String>,
+    /// The checkpoint given to `--resume` had already reached the run's last step: nothing was
+    /// trained (a requeued job rerunning its command ends here, successfully).
+    pub already_complete: bool,
 }
 
 /// Settings a resumed run may change; everything else comes from the checkpoint.
@@ -129,6 +132,18 @@ fn resume_config(args: &TrainArgs, saved: &TrainConfig) -> Result<TrainConfig> {
     if let Some(v) = args.checkpoint_interval {
         c.checkpoint.interval = v;
     }
+    if let Some(v) = args.keep_checkpoints {
+        c.checkpoint.keep = Some(v);
+    }
+    if let Some(v) = args.async_checkpoint {
+        c.checkpoint.asynchronous = v;
+    }
+    if let Some(v) = args.comm_timeout {
+        c.runtime.comm_timeout = v;
+    }
+    if let Some(v) = args.max_skipped_steps {
+        c.runtime.max_skipped_steps = v;
+    }
     if let Some(v) = args.sample_tokens {
         c.observability.sample_tokens = v;
     }
@@ -179,10 +194,6 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// How long a rank waits in a collective for the others (a step of the largest model this
-/// trainer runs on a CPU takes well under this; a dead rank is reported instead of waited for).
-const RANK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
-
 /// This process's part in a data-parallel run.
 pub struct RankCtx {
     pub rank: usize,
@@ -207,6 +218,11 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
     // A resumed run keeps the checkpoint's layout unless the flags give one.
     // The checkpoint is read before any rank starts, so a bad one fails once.
     let saved = args.resume.as_deref().map(checkpoint::open).transpose()?;
+    if let Some(l) = &saved {
+        if let Some(done) = already_complete(&args, l)? {
+            return Ok(done);
+        }
+    }
     let layout = match &saved {
         Some(l) => resume_config(&args, &l.state.config)?.parallel,
         None => crate::config::trainable_layout(&args.layout)?,
@@ -317,6 +333,28 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
             );
         }
     }
+    if args.device != crate::device::Device::Cuda {
+        // A plan larger than the memory left is refused before any rank allocates (a GPU's
+        // budget is its own).
+        let cfg = match &saved {
+            Some(l) => resume_config(&args, &l.state.config)?,
+            None => args.resolve()?,
+        };
+        let spec = match &saved {
+            Some(l) => l.spec.clone(),
+            None => ferrotron_plan::presets::resolve(&cfg.model.name)
+                .map_err(|e| anyhow::anyhow!("{e}"))?,
+        };
+        // Under mpirun this process is one rank of those on its node; as threads, all of them.
+        let here = match ferrotron_dist::launched_by_mpirun() {
+            true => std::env::var("OMPI_COMM_WORLD_LOCAL_SIZE")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(1),
+            false => world as u64,
+        };
+        crate::fit::check(&spec, &cfg, here)?;
+    }
     if use_mpi(args.comm.unwrap_or(CommBackend::Auto), dp)? {
         #[cfg(feature = "mpi")]
         return run_mpi(args, saved, &layout);
@@ -340,26 +378,30 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         .peak_gflops
         .unwrap_or_else(|| matmul_peak_gflops(bf16_products(&cfg)));
     let per_rank = (threads / world).max(1);
+    // A rank stuck alive is caught by the watchdog, which ends the process; the threads
+    // backend's own deadline (a wait that returns an error) comes later, as a backstop.
+    let timeout = Duration::from_secs_f64(cfg.runtime.comm_timeout);
+    ferrotron_dist::watchdog::start(timeout, ferrotron_dist::watchdog::exit_process);
+    let backstop = timeout + Duration::from_secs(30);
     // Each rank's thread and its communicator's worker charge what they allocate to the rank.
     let tag = |rank| crate::alloc::set_rank(Some(rank));
-    let results =
-        ferrotron_dist::threads::run_tagged(world, RANK_TIMEOUT, tag, move |rank, comm| {
-            let ctx = RankCtx {
-                rank,
-                comm: Box::new(comm),
-                peak_gflops: Some(peak / world as f64),
-            };
-            // Each rank computes on a pool of its own share of the threads, tagged as the rank's:
-            // its kernels neither crowd the other ranks' nor charge memory to them.
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(per_rank)
-                .thread_name(move |i| format!("rank {rank} worker {i}"))
-                .start_handler(move |_| crate::alloc::set_rank(Some(rank)))
-                .build()
-                .map_err(|e| format!("rank {rank}: thread pool: {e}"))?;
-            let saved = saved.clone();
-            pool.install(|| run_rank(args.clone(), saved, Some(ctx)).map_err(|e| format!("{e:#}")))
-        });
+    let results = ferrotron_dist::threads::run_tagged(world, backstop, tag, move |rank, comm| {
+        let ctx = RankCtx {
+            rank,
+            comm: Box::new(ferrotron_dist::Watched::new(Box::new(comm), "world", rank)),
+            peak_gflops: Some(peak / world as f64),
+        };
+        // Each rank computes on a pool of its own share of the threads, tagged as the rank's:
+        // its kernels neither crowd the other ranks' nor charge memory to them.
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(per_rank)
+            .thread_name(move |i| format!("rank {rank} worker {i}"))
+            .start_handler(move |_| crate::alloc::set_rank(Some(rank)))
+            .build()
+            .map_err(|e| format!("rank {rank}: thread pool: {e}"))?;
+        let saved = saved.clone();
+        pool.install(|| run_rank(args.clone(), saved, Some(ctx)).map_err(|e| format!("{e:#}")))
+    });
     let mut summary = None;
     for (rank, r) in results.into_iter().enumerate() {
         match r {
@@ -369,6 +411,41 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         }
     }
     summary.context("rank 0 returned nothing")
+}
+
+/// A resumed run whose checkpoint already reached the run's last step (`--steps`, or
+/// `--stop-after`): a scheduler that requeues a finished job reruns its command, which must
+/// succeed. Says so in one line (once per job: rank 0 of an `mpirun`) and trains nothing.
+fn already_complete(args: &TrainArgs, l: &checkpoint::Loaded) -> Result<Option<RunSummary>> {
+    let cfg = resume_config(args, &l.state.config)?;
+    let last = cfg.optimizer.last_step();
+    if l.state.step < last {
+        return Ok(None);
+    }
+    if ferrotron_dist::launch::world_rank_from_env().unwrap_or(0) == 0 {
+        let part = match cfg.optimizer.stop_after {
+            Some(n) if n < cfg.optimizer.steps => format!(
+                " (--stop-after {n} of --steps {}; raise --stop-after to train the next part)",
+                cfg.optimizer.steps
+            ),
+            _ => format!(
+                " of --steps {} (pass a larger --steps to train further)",
+                cfg.optimizer.steps
+            ),
+        };
+        eprintln!(
+            "run complete: checkpoint {} is at step {}{part}; nothing to do",
+            l.dir.display(),
+            l.state.step
+        );
+    }
+    Ok(Some(RunSummary {
+        steps: Vec::new(),
+        planned_peak: 0,
+        measured_peak: 0,
+        sample: None,
+        already_complete: true,
+    }))
 }
 
 /// Whether this process is one rank of an MPI job, or why `--comm` cannot be: MPI needs the
@@ -430,9 +507,18 @@ fn run_mpi(
             "dp × tp × pp = {dp} × {tp} × {pp} = {world}: mpirun started {size} processes; run mpirun -np {world}"
         );
     }
+    let cfg = match &saved {
+        Some(l) => resume_config(&args, &l.state.config)?,
+        None => args.resolve()?,
+    };
+    // MPI has no deadline of its own: the watchdog's expiry is `MPI_Abort`, which mpirun
+    // turns into the end of every process (a stopped one included).
+    let timeout = std::time::Duration::from_secs_f64(cfg.runtime.comm_timeout);
+    ferrotron_dist::watchdog::start(timeout, ferrotron_dist::mpi::abort_job);
     let ctx = (size > 1).then(|| RankCtx {
         rank,
-        comm: Box::new(comm) as Box<dyn Communicator>,
+        comm: Box::new(ferrotron_dist::Watched::new(Box::new(comm), "world", rank))
+            as Box<dyn Communicator>,
         peak_gflops: None,
     });
     let summary = run_rank(args, saved, ctx)?;
@@ -466,9 +552,9 @@ fn model_groups(
     tied: bool,
 ) -> Result<Groups> {
     let l = &cfg.parallel;
-    let group = |d| {
+    let group = |d: Dim| {
         world
-            .split_group(&grid.group(rank, d))
+            .split_named(&grid.group(rank, d), d.name())
             .map_err(|e| anyhow::anyhow!("{e}"))
     };
     let tp = match l.tp > 1 {
@@ -489,15 +575,15 @@ fn model_groups(
             let ends = [stages[0], stages[stages.len() - 1]];
             Some(
                 world
-                    .split_group(&ends)
+                    .split_named(&ends, "embedding")
                     .map_err(|e| anyhow::anyhow!("{e}"))?,
             )
         }
         false => None,
     };
-    let split = |members: Vec<usize>| {
+    let split = |members: Vec<usize>, name: &str| {
         world
-            .split_group(&members)
+            .split_named(&members, name)
             .map_err(|e| anyhow::anyhow!("{e}"))
     };
     let cp = match l.cp > 1 {
@@ -506,7 +592,7 @@ fn model_groups(
     };
     let (dp, ep, dp_experts) = match l.ep > 1 {
         true => (
-            Some(split(grid.group_of(rank, &[Dim::Dp, Dim::Ep]))?),
+            Some(split(grid.group_of(rank, &[Dim::Dp, Dim::Ep]), "dp×ep")?),
             Some(Rc::new(EpGroup::new(group(Dim::Ep)?))),
             match l.dp > 1 {
                 true => Some(group(Dim::Dp)?),
@@ -516,7 +602,7 @@ fn model_groups(
         // Under context parallelism the dp × cp ranks hold the same weights.
         false => (
             match l.dp * l.cp > 1 {
-                true => Some(split(grid.group_of(rank, &[Dim::Dp, Dim::Cp]))?),
+                true => Some(split(grid.group_of(rank, &[Dim::Dp, Dim::Cp]), "dp×cp")?),
                 false => None,
             },
             None,
@@ -584,13 +670,6 @@ fn run_rank(
     }
     let last_step = cfg.optimizer.last_step();
     if let Some(l) = &loaded {
-        if l.state.step >= cfg.optimizer.steps {
-            bail!(
-                "steps = {}: the checkpoint is already at step {}; pass a larger --steps to continue",
-                cfg.optimizer.steps,
-                l.state.step
-            );
-        }
         cfg.optimizer.check_stop_after(l.state.step)?;
         schedule_change(&l.state.config, &cfg, l.state.step);
     }
@@ -731,7 +810,9 @@ fn run_rank(
             t.scaler = l.state.loss_scaler.clone().or(t.scaler.take());
         }
         t.step = l.state.step;
-        eprintln!("resumed from {} at step {}", l.dir.display(), t.step);
+        if rank == 0 {
+            eprintln!("resumed from {} at step {}", l.dir.display(), t.step);
+        }
     } else if let Some(dir) = &cfg.model.init_from {
         init_weights(&mut t, dir)?;
     }
@@ -774,14 +855,32 @@ fn run_rank(
     let started = Instant::now();
     let first_step = t.step;
     let mut steps = Vec::new();
+    // Steps skipped in a row for a non-finite loss or gradient (fp32, bf16).
+    let mut skipped_run = 0u64;
     while t.step < last_step {
         let mut out = t.train_step()?;
-        if !out.metrics.loss.is_finite() {
-            bail!(
-                "loss became {} at step {}: lower --lr or raise --warmup",
-                out.metrics.loss,
-                t.step
-            );
+        if out.non_finite {
+            skipped_run += 1;
+            if !quiet {
+                eprintln!(
+                    "{}step {}: non-finite loss or gradient norm ({}): update skipped on every rank ({skipped_run} in a row)",
+                    if tty { "\n" } else { "" },
+                    t.step,
+                    out.metrics.grad_norm
+                );
+            }
+            if skipped_run >= cfg.runtime.max_skipped_steps {
+                let first = t
+                    .non_finite_gradient()
+                    .map_or("a gradient".to_string(), |n| format!("the gradient of {n}"));
+                bail!(
+                    "step {}: {skipped_run} consecutive steps had a non-finite loss or gradient (first non-finite on rank {rank}: {first}); stopping (max_skipped_steps = {}): lower --lr, raise --warmup or --clip, or resume from the last checkpoint",
+                    t.step,
+                    cfg.runtime.max_skipped_steps
+                );
+            }
+        } else {
+            skipped_run = 0;
         }
         let last = t.step == last_step;
         if cfg.observability.eval_interval > 0
@@ -832,8 +931,16 @@ fn run_rank(
         let due = (cfg.checkpoint.interval > 0 && t.step % cfg.checkpoint.interval == 0) || last;
         if let (Some(dir), true) = (&cfg.checkpoint.dir, due) {
             // Every rank writes the blocks it holds.
-            t.with_host_state(|t| checkpoint::save(dir, t, &tokenizer_json, tok.name()))
-                .with_context(|| format!("writing checkpoint {}", dir.display()))?;
+            t.with_host_state(|t| {
+                checkpoint::save_as_configured(&cfg.checkpoint, t, &tokenizer_json, tok.name())
+            })
+            .with_context(|| {
+                format!(
+                    "writing the checkpoint of step {} into {} (the previous checkpoint is intact)",
+                    t.step,
+                    dir.display()
+                )
+            })?;
         }
         steps.push(out.metrics);
         finish_observability(&cfg, &mut t, false)?;
@@ -924,6 +1031,7 @@ fn run_rank(
         planned_peak: planned,
         measured_peak: measured,
         sample,
+        already_complete: false,
     })
 }
 
@@ -1044,6 +1152,8 @@ pub fn data(
 /// `ferrotron sample`: continue a prompt from a checkpoint.
 pub fn sample_from(dir: &std::path::Path, prompt: &str, o: &SampleOptions) -> Result<String> {
     let l = checkpoint::open(dir)?;
+    // A `--keep-checkpoints` directory: its newest checkpoint.
+    let dir = l.dir.as_path();
     let tok = Tokenizer::from_file(dir.join("tokenizer.json"))?;
     let model = ferrotron_engine::model::Llama::new(setup::llama_config(&l.spec)?);
     // Sampling computes in f32 whatever the checkpoint's storage type.

@@ -274,6 +274,43 @@ pub struct StepOutput {
     pub tokens: u64,
     /// The loss scaler's decision (fp16), when the step overflowed: skipped, scale backed off.
     pub overflow: Option<ScaleUpdate>,
+    /// fp32 and bf16: the loss or the gradient norm was not finite, so no rank updated its
+    /// weights (fp16's overflows are `overflow`).
+    pub non_finite: bool,
+}
+
+/// The test-only switch `FERROTRON_TEST_NAN_STEPS=3,4`: every rank writes a NaN into the first
+/// gradient it holds at those steps, after the reductions, as a NaN reduced from any rank would
+/// be (the non-finite guard's tests; a host run only).
+fn injected_nan(step: u64) -> bool {
+    std::env::var("FERROTRON_TEST_NAN_STEPS").is_ok_and(|v| {
+        v.split(',')
+            .any(|s| s.trim().parse::<u64>().is_ok_and(|n| n == step))
+    })
+}
+
+/// The test-only switch `FERROTRON_TEST_STALL=RANK:STEP`: that rank stops at the start of
+/// that step and never goes on, alive (what SIGSTOP does to one process of an mpirun job, for
+/// a rank that is a thread): the watchdog's tests.
+fn stall_if_asked(rank: usize, step: u64) {
+    let asked = std::env::var("FERROTRON_TEST_STALL").is_ok_and(|v| {
+        v.split_once(':')
+            .is_some_and(|(r, s)| r.parse() == Ok(rank) && s.parse() == Ok(step))
+    });
+    if asked {
+        loop {
+            std::thread::sleep(std::time::Duration::from_secs(1));
+        }
+    }
+}
+
+/// What the typed step computed.
+struct Stepped {
+    loss: LossSum,
+    grad_norm: f64,
+    lr: f64,
+    overflow: Option<ScaleUpdate>,
+    non_finite: bool,
 }
 
 /// The norms whose gradients a backward step has just completed (the parameters sequence
@@ -780,6 +817,8 @@ impl Trainer {
         let planned = self.planned_peak[self.has_opt() as usize];
         let t0 = Instant::now();
         let step = self.step + 1;
+        ferrotron_dist::watchdog::set_step(self.world_rank(), step);
+        stall_if_asked(self.world_rank(), step);
         // Gradients appear before the first forward: the fused LM head accumulates into them.
         let no_grads = match &self.dev {
             Some(d) => d.grads.is_none(),
@@ -840,7 +879,13 @@ impl Trainer {
                 r
             }
         };
-        let (loss, grad_norm, lr, overflow) = r?;
+        let Stepped {
+            loss,
+            grad_norm,
+            lr,
+            overflow,
+            non_finite,
+        } = r?;
         let k = &self.kernels;
         // A GPU's step ends when its last kernel does.
         Kernels::<f32>::synchronize(k);
@@ -894,6 +939,7 @@ impl Trainer {
         Ok(StepOutput {
             tokens,
             overflow,
+            non_finite,
             metrics: StepMetrics {
                 step: self.step,
                 loss: loss.mean(),
@@ -908,7 +954,7 @@ impl Trainer {
                 mem_peak_planned: planned_max,
                 val_loss: None,
                 loss_scale: ran_with,
-                skipped: overflow.is_some(),
+                skipped: overflow.is_some() || non_finite,
                 rank_mem,
                 comm_bytes,
                 comm_bytes_planned: self.comm_planned,
@@ -934,7 +980,7 @@ impl Trainer {
         step: u64,
         params: ViewMut<'_, S>,
         grads: ViewMut<'_, G>,
-    ) -> Result<(LossSum, f64, f64, Option<ScaleUpdate>)> {
+    ) -> Result<Stepped> {
         // The loader never pads, so every position has a target: the loss of each micro-batch
         // is normalised by the target count of the whole step (every rank's), and summing
         // micro-batch gradients gives the gradient of the global mean loss.
@@ -954,7 +1000,7 @@ impl Trainer {
         grads: ViewMut<'_, G>,
         dp: Option<&RefCell<DataParallel>>,
         num_targets: usize,
-    ) -> Result<(LossSum, f64, f64, Option<ScaleUpdate>)> {
+    ) -> Result<Stepped> {
         let batch = self.batch();
         let k: &dyn Kernels<S, G> = &self.kernels;
         let loss_scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
@@ -1073,6 +1119,13 @@ impl Trainer {
         if let Some(a) = &mut self.pool.arena {
             a.trim();
         }
+        if injected_nan(step) && self.dev.is_none() {
+            let nan = G::from_f32(f32::NAN);
+            match zero2 {
+                true => shard[0] = nan,
+                false => grads.slice_mut(0..1).host_mut()[0] = nan,
+            }
+        }
         let k: &dyn Kernels<S, G> = &self.kernels;
         if let Some(dp) = dp {
             (loss.sum, loss.count) = dp.borrow_mut().sum_loss(loss.sum, loss.count)?;
@@ -1157,13 +1210,28 @@ impl Trainer {
         }
         let unscale = 1.0 / loss_scale as f64;
         let grad_norm = sum_sq.sqrt() * unscale;
+        let skipped = |overflow, non_finite| Stepped {
+            loss,
+            grad_norm,
+            lr,
+            overflow,
+            non_finite,
+        };
         if let Some(scaler) = &mut self.scaler {
             let u = scaler.update(sum_sq.is_finite());
             if !u.step_taken {
                 self.kernels.phase("optimizer", to, step, 0);
                 self.pool.sample(step, Point::Optimizer);
-                return Ok((loss, grad_norm, lr, Some(u)));
+                return Ok(skipped(Some(u), false));
             }
+        } else if !sum_sq.is_finite() {
+            // fp32 and bf16: a NaN or infinity anywhere makes Σg² non-finite, and Σg² is the
+            // same number on every rank (summed over every group above), so every rank skips
+            // this update together and the replicas stay identical. A non-finite loss gives
+            // non-finite gradients through the cross-entropy's backward.
+            self.kernels.phase("optimizer", to, step, 0);
+            self.pool.sample(step, Point::Optimizer);
+            return Ok(skipped(None, true));
         }
         // Global-norm clipping as torch.nn.utils.clip_grad_norm_: scale by
         // max_norm / (norm + 1e-6) when that is below 1, folded with the unscaling into the
@@ -1230,7 +1298,39 @@ impl Trainer {
         }
         self.kernels.phase("optimizer", to, step, 0);
         self.pool.sample(step, Point::Optimizer);
-        Ok((loss, grad_norm, lr, None))
+        Ok(Stepped {
+            loss,
+            grad_norm,
+            lr,
+            overflow: None,
+            non_finite: false,
+        })
+    }
+
+    /// The first tensor whose gradient on this rank is not finite, in the order the backward
+    /// produces them (the output end first), by name: where a run of skipped steps went wrong.
+    /// `None` when this rank holds no such gradient, or holds its gradients on a device.
+    pub fn non_finite_gradient(&self) -> Option<String> {
+        let grads = self.grads.as_ref()?;
+        let zero2 = self.windows.is_some();
+        self.model.params.entries.iter().rev().find_map(|e| {
+            let r = e.range();
+            let bad = self.runs.iter().any(|run| {
+                let (lo, hi) = (run.params.start.max(r.start), run.params.end.min(r.end));
+                // Under ZeRO-2 and 3 the reduced gradients are in the shard, at the run's offset.
+                let at = if zero2 {
+                    run.at + lo - run.params.start
+                } else {
+                    lo
+                };
+                lo < hi
+                    && grads
+                        .to_f32(at..at + hi - lo)
+                        .iter()
+                        .any(|x| !x.is_finite())
+            });
+            bad.then(|| e.name.clone())
+        })
     }
 
     /// Tokens of one optimizer step over all data-parallel ranks (under context parallelism

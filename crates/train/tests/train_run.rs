@@ -205,7 +205,14 @@ fn a_flat_trainer_state_from_before_the_sections_resumes_bit_identically() {
     }
     // Keys added since the fixture was written: each has a default, so the old file, which
     // lacks them, still loads (as this test goes on to show).
-    b["config"].as_object_mut().unwrap().remove("bucket_mb");
+    for key in [
+        "bucket_mb",
+        "comm_timeout",
+        "max_skipped_steps",
+        "async_checkpoint",
+    ] {
+        b["config"].as_object_mut().unwrap().remove(key);
+    }
     let parallel = b["config"]["parallel"].as_object_mut().unwrap();
     parallel.remove("pp_layers");
     assert_eq!(a, b);
@@ -306,9 +313,20 @@ fn stop_after_ends_a_run_early_on_its_full_schedule() {
     assert!(error(a).contains(
         "stop_after = 13: beyond steps = 12: raise --steps (the schedule's length) or lower --stop-after"
     ));
+    // A finished run's command run again (a requeued job): success, nothing trained or
+    // written.
     let mut r = resume_args(&ck, &split, None, "m3.jsonl");
     r.stop_after = Some(12);
-    assert!(error(r).contains("steps = 12: the checkpoint is already at step 12"));
+    let again = run(r).unwrap();
+    assert!(again.already_complete && again.steps.is_empty());
+    assert!(
+        !split.join("m3.jsonl").exists(),
+        "a complete run wrote metrics"
+    );
+    // A part already done (--stop-after 5 again on a checkpoint at step 12) is complete too.
+    let mut r = resume_args(&ck, &split, None, "m4.jsonl");
+    r.stop_after = Some(5);
+    assert!(run(r).unwrap().already_complete);
 }
 
 #[test]
@@ -631,8 +649,10 @@ fn bad_checkpoints_are_refused() {
     };
     let keep = |_: &Path| {};
     // Already at the requested step.
+    // Already at the requested step: complete, and nothing written.
     let r = resume_args(&good, &out.join("at"), Some(2), "m.jsonl");
-    assert!(error(r).contains("steps = 2: the checkpoint is already at step 2"));
+    assert!(run(r).unwrap().already_complete);
+    assert!(!out.join("at").exists());
     // Another model's flags.
     assert!(case(&keep, Some("ferrotron-12m")).contains("a different architecture"));
     // One flipped bit in the weights.

@@ -227,6 +227,9 @@ pub fn verify_if_checkpoint(dir: &Path) -> Result<()> {
 /// A model folder: a ferrotron checkpoint (manifest verified) or a Hugging Face folder of a
 /// supported family, weights widened to f32.
 pub fn load_model(dir: &Path) -> Result<HfModel> {
+    // A `--keep-checkpoints` directory: its newest checkpoint.
+    let resolved = super::keep::resolve(dir);
+    let dir = resolved.as_path();
     if !dir.is_dir() {
         bail!(
             "{}: not a directory (pass a model folder with config.json)",

@@ -5,6 +5,7 @@
 //! and by every rank in parallel, each its own blocks (`parallel`).
 
 pub mod hf;
+pub mod keep;
 pub mod manifest;
 pub mod parallel;
 
@@ -98,6 +99,36 @@ pub(super) fn safetensors_dtype(d: DType) -> Dtype {
     }
 }
 
+/// Saves the trainer's checkpoint as `c` says, every rank taking part: into `c.dir` itself
+/// (replacing the previous one), or with `--keep-checkpoints K` into `c.dir/step-NNNNNNNN`,
+/// then `c.dir/latest` moved to it and the oldest beyond K removed. A save that fails (a full
+/// disk, a file-size limit, a read-only directory) leaves the previous checkpoint as it was,
+/// still the one a resume finds, and returns one line naming the file and the error.
+pub fn save_as_configured(
+    c: &crate::config::CheckpointConfig,
+    t: &Trainer,
+    tokenizer_json: &str,
+    tokenizer_name: &str,
+) -> Result<()> {
+    let Some(root) = &c.dir else {
+        return Ok(());
+    };
+    let Some(k) = c.keep else {
+        return save(root, t, tokenizer_json, tokenizer_name);
+    };
+    let dir = keep::step_dir(root, t.step);
+    if t.world_rank() == 0 {
+        std::fs::create_dir_all(root)
+            .with_context(|| format!("cannot create {}", root.display()))?;
+    }
+    save(&dir, t, tokenizer_json, tokenizer_name)?;
+    if t.world_rank() == 0 {
+        keep::set_latest(root, &dir)?;
+        keep::prune(root, k)?;
+    }
+    Ok(())
+}
+
 /// Writes `DIR` atomically, every rank taking part (each must call it): rank 0 makes a temp
 /// directory beside it and the weight and optimizer files with their headers; every rank writes
 /// the blocks it holds into them (`parallel`: ZeRO's shards are never gathered); rank 0 adds the
@@ -116,6 +147,27 @@ pub fn save(dir: &Path, t: &Trainer, tokenizer_json: &str, tokenizer_name: &str)
         .to_string();
     // Named by the step, not a process id, so ranks in other processes find it.
     let tmp = parent.join(format!(".{name}.tmp-step{}", t.step));
+    let rank = t.world_rank();
+    let written = write_all(dir, parent, &name, &tmp, t, tokenizer_json, tokenizer_name);
+    if written.is_err() && rank == 0 {
+        // Nothing half-written stays behind; the previous checkpoint was never touched (it is
+        // moved aside only once the new one is complete).
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    written
+}
+
+/// [`save`]'s work, every rank's part.
+#[allow(clippy::too_many_arguments)]
+fn write_all(
+    dir: &Path,
+    parent: &Path,
+    name: &str,
+    tmp: &Path,
+    t: &Trainer,
+    tokenizer_json: &str,
+    tokenizer_name: &str,
+) -> Result<()> {
     // The whole model's tensors, whatever slice of them this rank holds.
     let table = t.whole_params();
     let weights = FlatFile::new(
@@ -145,8 +197,8 @@ pub fn save(dir: &Path, t: &Trainer, tokenizer_json: &str, tokenizer_name: &str)
         std::fs::create_dir_all(parent)
             .with_context(|| format!("cannot create {}", parent.display()))?;
         recover(dir, true)?;
-        let _ = std::fs::remove_dir_all(&tmp);
-        std::fs::create_dir(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+        let _ = std::fs::remove_dir_all(tmp);
+        std::fs::create_dir(tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
         // The weights in their storage type (a bf16 model is a bf16 checkpoint, as on the
         // Hub); the fp32 master copy, when there is one, goes with the optimizer state.
         weights.create(&model_file)?;
@@ -158,7 +210,7 @@ pub fn save(dir: &Path, t: &Trainer, tokenizer_json: &str, tokenizer_name: &str)
     write_blocks(t, &weights, &model_file, &states, &opt_file)?;
     t.barrier()?;
     if rank == 0 {
-        finish(dir, parent, &name, &tmp, t, tokenizer_json, tokenizer_name)?;
+        finish(dir, parent, name, tmp, t, tokenizer_json, tokenizer_name)?;
     }
     // No rank goes on (to train, or to the next save) before the checkpoint is in place.
     t.barrier()
@@ -336,6 +388,9 @@ fn bad(dir: &Path, what: impl std::fmt::Display) -> anyhow::Error {
 /// Reads the trainer state and model config of `dir`, after checking every file against the
 /// manifest (and finishing a save that was interrupted).
 pub fn open(dir: &Path) -> Result<Loaded> {
+    // A `--keep-checkpoints` directory opens as its newest complete checkpoint.
+    let resolved = keep::resolve(dir);
+    let dir = resolved.as_path();
     recover(dir, false)?;
     if manifest::present(dir) {
         manifest::verify(dir).map_err(|e| bad(dir, e))?;

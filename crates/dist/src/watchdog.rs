@@ -1,0 +1,259 @@
+//! The communication watchdog (`--comm-timeout`): every wait on another rank — a collective,
+//! a message, an operation in flight — has a deadline. A rank stuck alive (stopped with
+//! SIGSTOP, deadlocked, blocked on a slow filesystem) would otherwise hold every other rank in
+//! its next collective forever: MPI has no timeout of its own. Past the deadline the waiting
+//! rank names itself, the operation, the group and the step in one line and takes the whole
+//! job down, so a scheduler can restart it from the last checkpoint. This is PyTorch's NCCL
+//! watchdog (`TORCH_NCCL_ASYNC_ERROR_HANDLING`, `timeout=` of `init_process_group`) for
+//! ferrotron's backends.
+//!
+//! One thread per process watches every rank of the process (the threads backend runs several
+//! ranks in one): a wait registers itself ([`watch`]) and unregisters when it returns (the
+//! guard's drop), so an armed wait costs two short lock holds and no system call. The thread
+//! wakes a few times per timeout; what it does on expiry is the launcher's choice
+//! ([`start`]): under MPI, `MPI_Abort` (mpirun then ends every process, a stopped one
+//! included), with threads, the process's exit.
+//!
+//! [`Watched`] puts any communicator under the watchdog, with the name of its group.
+
+use crate::communicator::{Communicator, Pending, Result};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// What the job does when a wait expires: print `line` and end every rank. Never returns.
+pub type Expire = fn(line: &str) -> !;
+
+struct Wait {
+    rank: usize,
+    op: &'static str,
+    group: Arc<str>,
+    since: Instant,
+}
+
+struct Shared {
+    timeout: Duration,
+    expire: Expire,
+    next: u64,
+    waits: HashMap<u64, Wait>,
+    /// Each rank's current training step (0 before the first).
+    steps: HashMap<usize, u64>,
+}
+
+static STATE: OnceLock<Mutex<Option<Shared>>> = OnceLock::new();
+
+fn state() -> std::sync::MutexGuard<'static, Option<Shared>> {
+    STATE
+        .get_or_init(|| Mutex::new(None))
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+/// Arms the watchdog of this process with `timeout` and what to do on expiry (later calls
+/// change both; the thread starts once). Before it is started, [`watch`] records nothing.
+pub fn start(timeout: Duration, expire: Expire) {
+    let mut s = state();
+    let first = s.is_none();
+    let (next, waits, steps) = match s.take() {
+        Some(old) => (old.next, old.waits, old.steps),
+        None => (0, HashMap::new(), HashMap::new()),
+    };
+    *s = Some(Shared {
+        timeout,
+        expire,
+        next,
+        waits,
+        steps,
+    });
+    drop(s);
+    if first {
+        std::thread::Builder::new()
+            .name("comm watchdog".into())
+            .spawn(watch_loop)
+            .expect("spawn the communication watchdog");
+    }
+}
+
+/// Records that `rank` is now training step `step` (named in a timeout's line).
+pub fn set_step(rank: usize, step: u64) {
+    if let Some(s) = state().as_mut() {
+        s.steps.insert(rank, step);
+    }
+}
+
+/// An armed wait: unregistered when dropped.
+pub struct Guard(Option<u64>);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        if let (Some(id), Some(s)) = (self.0, state().as_mut()) {
+            s.waits.remove(&id);
+        }
+    }
+}
+
+/// Arms a wait of `rank` in `op` on `group` until the guard is dropped.
+pub fn watch(rank: usize, op: &'static str, group: &Arc<str>) -> Guard {
+    let mut s = state();
+    let Some(s) = s.as_mut() else {
+        return Guard(None);
+    };
+    let id = s.next;
+    s.next += 1;
+    s.waits.insert(
+        id,
+        Wait {
+            rank,
+            op,
+            group: group.clone(),
+            since: Instant::now(),
+        },
+    );
+    Guard(Some(id))
+}
+
+/// The line a rank prints when its wait expired.
+pub fn timeout_line(rank: usize, op: &str, group: &str, step: u64, waited: Duration) -> String {
+    format!(
+        "rank {rank}: comm timeout: {op} on group {group} at step {step} got no answer within {:.0} s (comm_timeout): a rank of the group is stuck, stopped or dead; taking the job down — restart it from the last checkpoint",
+        waited.as_secs_f64()
+    )
+}
+
+fn watch_loop() {
+    loop {
+        let (tick, expired) = {
+            let s = state();
+            let Some(s) = s.as_ref() else { return };
+            // Several looks per timeout: a wait is caught within a tenth of it (at most 1 s)
+            // of its deadline.
+            let tick = (s.timeout / 10).clamp(Duration::from_millis(10), Duration::from_secs(1));
+            let late = s
+                .waits
+                .values()
+                .filter(|w| w.since.elapsed() > s.timeout)
+                .min_by_key(|w| w.since);
+            let expired = late.map(|w| {
+                let step = s.steps.get(&w.rank).copied().unwrap_or(0);
+                let line = timeout_line(w.rank, w.op, &w.group, step, s.timeout);
+                (s.expire, line)
+            });
+            (tick, expired)
+        };
+        if let Some((expire, line)) = expired {
+            expire(&line);
+        }
+        std::thread::sleep(tick);
+    }
+}
+
+/// The expiry of a job whose ranks are threads of this process: the line, then the process's
+/// exit (status 1), which ends every rank at once.
+pub fn exit_process(line: &str) -> ! {
+    eprintln!("error: {line}");
+    std::process::exit(1)
+}
+
+/// A communicator under the watchdog, named by its group (`dp`, `tp`, `pp`, …), so a timeout
+/// says which group hung. Every call that waits on other ranks is armed; the operations it
+/// starts are armed when they are waited for.
+pub struct Watched {
+    inner: Box<dyn Communicator>,
+    group: Arc<str>,
+    /// The rank as the watchdog names it (its rank in the world).
+    world_rank: usize,
+}
+
+impl Watched {
+    pub fn new(inner: Box<dyn Communicator>, group: &str, world_rank: usize) -> Self {
+        Watched {
+            inner,
+            group: group.into(),
+            world_rank,
+        }
+    }
+
+    fn watch(&self, op: &'static str) -> Guard {
+        watch(self.world_rank, op, &self.group)
+    }
+
+    fn later(&self, op: &'static str, p: Pending) -> Pending {
+        p.watched(self.world_rank, op, self.group.clone())
+    }
+}
+
+impl Communicator for Watched {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<()> {
+        let _w = self.watch("all_reduce");
+        self.inner.all_reduce_sum(buf)
+    }
+    fn reduce_scatter_sum(&self, send: &[f32], recv: &mut [f32]) -> Result<()> {
+        let _w = self.watch("reduce_scatter");
+        self.inner.reduce_scatter_sum(send, recv)
+    }
+    fn all_gather(&self, send: &[f32], recv: &mut [f32]) -> Result<()> {
+        let _w = self.watch("all_gather");
+        self.inner.all_gather(send, recv)
+    }
+    fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<()> {
+        let _w = self.watch("broadcast");
+        self.inner.broadcast(buf, root)
+    }
+    fn all_to_all(&self, send: &[f32], recv: &mut [f32]) -> Result<()> {
+        let _w = self.watch("all_to_all");
+        self.inner.all_to_all(send, recv)
+    }
+    fn all_to_all_v(
+        &self,
+        send: &[f32],
+        send_counts: &[usize],
+        recv: &mut [f32],
+        recv_counts: &[usize],
+        message: &mut Vec<f32>,
+    ) -> Result<()> {
+        let _w = self.watch("all_to_all_v");
+        self.inner
+            .all_to_all_v(send, send_counts, recv, recv_counts, message)
+    }
+    fn send(&self, buf: &[f32], dst: usize, tag: u32) -> Result<()> {
+        let _w = self.watch("send");
+        self.inner.send(buf, dst, tag)
+    }
+    fn send_start(&self, buf: Vec<f32>, dst: usize, tag: u32) -> Pending {
+        self.later("send", self.inner.send_start(buf, dst, tag))
+    }
+    fn recv(&self, buf: &mut [f32], src: usize, tag: u32) -> Result<()> {
+        let _w = self.watch("recv");
+        self.inner.recv(buf, src, tag)
+    }
+    fn barrier(&self) -> Result<()> {
+        let _w = self.watch("barrier");
+        self.inner.barrier()
+    }
+    fn all_reduce_start(&self, buf: Vec<f32>) -> Pending {
+        self.later("all_reduce", self.inner.all_reduce_start(buf))
+    }
+    fn reduce_scatter_start(&self, buf: Vec<f32>) -> Pending {
+        self.later("reduce_scatter", self.inner.reduce_scatter_start(buf))
+    }
+    fn all_gather_start(&self, buf: Vec<f32>) -> Pending {
+        self.later("all_gather", self.inner.all_gather_start(buf))
+    }
+    fn abort(&self, cause: &str) {
+        self.inner.abort(cause)
+    }
+    fn split_group(&self, members: &[usize]) -> Result<Box<dyn Communicator>> {
+        self.split_named(members, &self.group)
+    }
+    fn split_named(&self, members: &[usize], name: &str) -> Result<Box<dyn Communicator>> {
+        let _w = self.watch("split_group");
+        let inner = self.inner.split_group(members)?;
+        Ok(Box::new(Watched::new(inner, name, self.world_rank)))
+    }
+}
