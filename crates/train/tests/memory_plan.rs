@@ -31,6 +31,109 @@ fn default_model_planned_vs_measured_within_one_percent() {
             assert!(w[0].0 > w[1].0 && w[0].1 > w[1].1, "{precision}: {peaks:?}");
         }
     }
+    // The smallest models leak the least in bytes and the most in percent: a character-level
+    // Llama of 0.8M parameters, on one rank and on several layouts, each rank within 1% or
+    // 64 KiB of its own plan, whichever is larger (#34).
+    tiny_char_model_within_its_plan();
+}
+
+/// A character-level tokenizer (one token per character of the corpus, no merges), as in the
+/// char-level Shakespeare examples.
+fn char_tokenizer(dir: &std::path::Path, text: &str) -> std::path::PathBuf {
+    let mut chars: Vec<char> = text.chars().collect();
+    chars.sort_unstable();
+    chars.dedup();
+    let vocab: serde_json::Map<String, serde_json::Value> = chars
+        .iter()
+        .enumerate()
+        .map(|(i, c)| (c.to_string(), serde_json::json!(i)))
+        .collect();
+    let tok = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": null, "post_processor": null, "decoder": null,
+        "model": {"type": "BPE", "dropout": null, "unk_token": null,
+            "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": false,
+            "byte_fallback": false, "vocab": vocab, "merges": []}
+    });
+    let p = dir.join("tokenizer.json");
+    std::fs::write(&p, tok.to_string()).unwrap();
+    p
+}
+
+fn tiny_char_model_within_its_plan() {
+    use ferrotron_train::data::{build_shards, Tokenizer};
+    let out = common::tmp("memory-char");
+    let corpus = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../data/corpus/shakespeare.txt"
+    ))
+    .unwrap();
+    let text = out.join("text.txt");
+    std::fs::write(&text, &corpus[..400_000]).unwrap();
+    let tokenizer = char_tokenizer(&out, &corpus);
+    let shards = out.join("shards");
+    let tok = Tokenizer::from_file(&tokenizer).unwrap();
+    build_shards(&[&text], &tok, &shards, 0.05).unwrap();
+    // 4 layers of width 128, the vocabulary rounded up to an even size for tp 2: 0.8M
+    // parameters.
+    let vocab = tok.vocab_size().next_multiple_of(2);
+    let cfg = serde_json::json!({
+        "model_type": "llama", "hidden_size": 128, "intermediate_size": 344,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 4,
+        "vocab_size": vocab, "max_position_embeddings": 256, "tie_word_embeddings": false,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0
+    });
+    let model = out.join("config.json");
+    std::fs::write(&model, cfg.to_string()).unwrap();
+    let layouts: [&[(&str, u64)]; 5] = [
+        &[("mbs", 12)],
+        &[("mbs", 6), ("dp", 2)],
+        &[("mbs", 6), ("dp", 2), ("zero", 3)],
+        &[("mbs", 12), ("tp", 2)],
+        &[("mbs", 3), ("pp", 2), ("grad_acc", 4)],
+    ];
+    for layout in layouts {
+        let mut args = common::default_model_args(&out, 3, "none");
+        args.model = Some(model.to_string_lossy().into());
+        args.tokenizer = Some(tokenizer.clone());
+        args.data = Some(shards.clone());
+        args.seq = Some(64);
+        for &(k, v) in layout {
+            match k {
+                "mbs" => args.mbs = Some(v),
+                "grad_acc" => args.grad_acc = Some(v),
+                "dp" => args.layout.dp = Some(v),
+                "tp" => args.layout.tp = Some(v),
+                "pp" => args.layout.pp = Some(v),
+                "zero" => args.layout.zero = Some(v),
+                _ => unreachable!(),
+            }
+        }
+        let s = run(args).unwrap();
+        for m in &s.steps {
+            let ranks: Vec<(u64, u64)> = match m.rank_mem.is_empty() {
+                true => vec![(m.mem_peak_planned, m.mem_peak_measured)],
+                false => m
+                    .rank_mem
+                    .iter()
+                    .map(|r| (r.mem_peak_planned, r.mem_peak_measured))
+                    .collect(),
+            };
+            for (rank, (planned, measured)) in ranks.into_iter().enumerate() {
+                let bound = (planned / 100).max(64 << 10);
+                eprintln!(
+                    "char model {layout:?} step {} rank {rank}: planned {planned} measured {measured} ({:+})",
+                    m.step,
+                    measured as i64 - planned as i64
+                );
+                assert!(
+                    measured.abs_diff(planned) <= bound,
+                    "char model {layout:?} step {} rank {rank}: measured {measured} planned {planned}",
+                    m.step
+                );
+            }
+        }
+    }
 }
 
 /// Runs 2 steps under `precision` and `rc`; returns the (planned, measured) peak of step 2.

@@ -17,7 +17,9 @@
 #   - dp 2 × cp 2 (ring attention between processes) under mpirun -np 4 agrees with threads and
 #     with dp 2 alone, and its checkpoint resumes on cp 4; dp 2 × tp 2 × sp × cp 2 × pp 2 under
 #     mpirun -np 16 agrees with dp 2 alone,
-#   - mpirun's process count disagreeing with --dp fails at once with one line naming both.
+#   - mpirun's process count disagreeing with --dp fails at once with one line naming both,
+#   - a rank killed with SIGKILL, or stopped with SIGSTOP (the watchdog, --comm-timeout), ends
+#     the whole job.
 # Needs Open MPI (Debian: openmpi-bin libopenmpi-dev). Run by scripts/test.sh.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
@@ -260,3 +262,40 @@ if [ -z "$victim" ] || [ "$rc" -eq 0 ] || [ "$took" -gt 30 ]; then
     cat "$OUT/kill.log"; exit 1
 fi
 echo "killed pid $victim after $((killed_at - start))s: mpirun exited $rc ${took}s later"
+
+echo "== a rank stopped with SIGSTOP is caught by the watchdog (--comm-timeout 5)"
+# A stopped rank is alive: MPI alone would wait for it forever. The other rank's watchdog must
+# name itself, the operation, the group and the step, and MPI_Abort the job; mpirun then ends
+# every process, the stopped one included, within the timeout + 30 s.
+MARK="$OUT/stopped"
+set +e
+timeout 120 "${MPIRUN[@]}" "$BIN" "${COMMON[@]}" --steps 100000 --comm-timeout 5 \
+    --out-dir "$MARK" >"$OUT/stop.log" 2>&1 &
+job=$!
+pids=""
+for _ in $(seq 1 120); do
+    pids="$(pgrep -f -- "--out-dir $MARK" | while read -r p; do
+        [ "$(cat /proc/"$p"/comm 2>/dev/null)" = ferrotron ] && echo "$p"; done)"
+    [ "$(wc -w <<<"$pids")" -ge 2 ] && [ -s "$MARK/metrics.jsonl" ] && break
+    sleep 0.5
+done
+victim="$(tail -1 <<<"$pids")"
+stopped_at=$(date +%s)
+kill -STOP "$victim"
+wait "$job"
+rc=$?
+set -e
+took=$(($(date +%s) - stopped_at))
+# mpirun has returned; its processes may take a moment more to be reaped.
+for _ in $(seq 1 20); do
+    left="$(for p in $pids; do [ -d /proc/"$p" ] && echo "$p"; done)"
+    [ -z "$left" ] && break
+    sleep 0.5
+done
+if [ -n "$left" ]; then kill -9 $left 2>/dev/null || true; fi
+if [ -z "$victim" ] || [ "$rc" -eq 0 ] || [ "$took" -gt 35 ] || [ -n "$left" ] ||
+    ! grep -q "comm timeout: .* on group world at step [0-9]* got no answer within 5 s (comm_timeout)" "$OUT/stop.log"; then
+    echo "expected the watchdog to end the job within 35 s of the stop (victim '$victim', rc $rc, ${took}s, left '$left'):"
+    cat "$OUT/stop.log"; exit 1
+fi
+echo "stopped pid $victim: $(grep -m1 -o 'rank [0-9]*: comm timeout: .*step [0-9]*' "$OUT/stop.log"); mpirun exited $rc ${took}s later, no process left"
