@@ -79,26 +79,46 @@ pub fn coarse(sweep: &Sweep, overhead: &Overhead) -> Vec<TimelinePoint> {
     out
 }
 
-/// Why step 2 peaks higher than step 1, in numbers from this plan.
+/// Why step 2 peaks higher than step 1 (or, where the first optimizer step is the peak, why
+/// step 1 does), in numbers from this plan: the peak of each step is the highest of its points.
 pub fn step2_explanation(
     points: &[TimelinePoint],
     optimizer_bytes: u64,
     grad_bytes: u64,
 ) -> String {
-    let get = |name: &str| points.iter().find(|p| p.phase == name).map(|p| p.bytes);
-    let (Some(s1), Some(s2)) = (get("step 1: backward peak"), get("step 2: backward peak")) else {
+    let step_peak = |step: u64| {
+        let prefix = format!("step {step}: ");
+        points
+            .iter()
+            .filter(|p| p.phase.starts_with(&prefix))
+            .max_by_key(|p| p.bytes)
+    };
+    let (Some(s1), Some(s2)) = (step_peak(1), step_peak(2)) else {
         return String::new();
     };
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    if s2.bytes <= s1.bytes {
+        return format!(
+            "Step 1 peaks at its {} ({:.2} GiB), above step 2 ({:.2} GiB, at its {}): the first \
+             optimizer step creates the optimizer states ({:.2} GiB) while the step's gradients \
+             ({:.2} GiB) and buffers are still live; later steps reuse them.",
+            s1.phase.trim_start_matches("step 1: "),
+            gib(s1.bytes),
+            gib(s2.bytes),
+            s2.phase.trim_start_matches("step 2: "),
+            gib(optimizer_bytes),
+            gib(grad_bytes)
+        );
+    }
     format!(
         "Step 2 peaks {:.2} GiB above step 1 ({:.2} vs {:.2} GiB): the optimizer states \
          ({:.2} GiB) are created lazily by the first optimizer step, so they are live during \
          step 2's forward and backward but not step 1's; the gradients ({:.2} GiB) appear \
          during step 1 and are kept (zeroed, not freed) between steps, so step 2's forward also \
          starts from a higher floor.",
-        gib(s2.saturating_sub(s1)),
-        gib(s2),
-        gib(s1),
+        gib(s2.bytes - s1.bytes),
+        gib(s2.bytes),
+        gib(s1.bytes),
         gib(optimizer_bytes),
         gib(grad_bytes)
     )

@@ -70,6 +70,8 @@ pub struct TrainArgs {
     /// Evaluate the validation loss every N steps (0: never).
     #[arg(long, allow_negative_numbers = true)]
     pub eval_interval: Option<u64>,
+    /// Global batches (mbs × grad_acc × dp sequences each) in the validation set: the same
+    /// tokens whatever the layout, so val losses compare across layouts [default: 4].
     #[arg(long, allow_negative_numbers = true)]
     pub eval_batches: Option<u64>,
     /// Output directory (metrics, checkpoints by default) [default: runs/default].

@@ -90,6 +90,7 @@ pub fn evaluate(model: &Llama, params: &[f32], seqs: &[Vec<u32>]) -> Result<Eval
 
 /// `ferrotron eval --checkpoint DIR --tokens FILE`.
 pub fn eval_dir(dir: &Path, tokens: &Path) -> Result<EvalResult> {
+    ferrotron_engine::kernels::cpu::gemm_select::check_env().map_err(anyhow::Error::msg)?;
     let seqs = read_sequences(tokens)?;
     let m = load_model(dir)?;
     evaluate(&m.model, &m.params, &seqs)

@@ -49,6 +49,19 @@ pub struct RunData {
     pub timeline: Option<TimelineFile>,
 }
 
+/// The run's metrics: RUN_DIR/metrics.jsonl, or where its plan.json says `--metrics` put them.
+fn metrics_path(dir: &Path) -> std::path::PathBuf {
+    let here = dir.join("metrics.jsonl");
+    if here.is_file() {
+        return here;
+    }
+    std::fs::read_to_string(dir.join("plan.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .and_then(|v| v.get("metrics")?.as_str().map(std::path::PathBuf::from))
+        .unwrap_or(here)
+}
+
 /// Reads RUN_DIR; a directory without metrics.jsonl is not a run.
 pub fn load(dir: &Path) -> Result<RunData> {
     if !dir.is_dir() {
@@ -57,7 +70,7 @@ pub fn load(dir: &Path) -> Result<RunData> {
             dir.display()
         );
     }
-    let mp = dir.join("metrics.jsonl");
+    let mp = metrics_path(dir);
     let text = std::fs::read_to_string(&mp).map_err(|e| {
         anyhow::anyhow!(
             "run_dir = {}: cannot read metrics.jsonl ({e}); pass the --out-dir of a `ferrotron train` run",

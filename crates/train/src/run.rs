@@ -212,6 +212,7 @@ fn bf16_products(c: &TrainConfig) -> bool {
 /// `ferrotron train`: one rank, or with `--dp N` N ranks as threads of this process (the
 /// threads backend), each training its slice of every global batch; rank 0 writes the outputs.
 pub fn run(args: TrainArgs) -> Result<RunSummary> {
+    ferrotron_engine::kernels::cpu::gemm_select::check_env().map_err(anyhow::Error::msg)?;
     crate::heap::keep_freed_pages();
     // The `--config` file is read once, here; the ranks get the merged flags.
     let args = args.merged().map_err(anyhow::Error::msg)?;
@@ -457,6 +458,9 @@ fn use_mpi(comm: CommBackend, dp: usize) -> Result<bool> {
     match comm {
         CommBackend::Mpi | CommBackend::Auto if launched && !built => bail!(
             "comm = mpi: mpirun started this ferrotron, which was built without MPI; build it with `cargo build --release -p ferrotron --features mpi`"
+        ),
+        CommBackend::Mpi if !built => bail!(
+            "comm = mpi: this ferrotron was built without MPI; build it with `cargo build --release -p ferrotron --features mpi`, then run `mpirun -np {dp} ferrotron train --dp {dp}` (or use --comm threads)"
         ),
         CommBackend::Mpi if !launched => bail!(
             "comm = mpi: not started by mpirun or srun; run `mpirun -np {dp} ferrotron train --dp {dp}`, or --comm threads"
@@ -732,8 +736,7 @@ fn run_rank(
         _ => None,
     };
     let lcfg = LoaderConfig::new(cfg.data.mbs as usize, cfg.data.seq as usize, cfg.data.seed);
-    // Each data-parallel rank trains its own slice of every global batch; all of them
-    // evaluate the same validation batches.
+    // Each data-parallel rank trains its own slice of every global batch.
     // A context-parallel rank takes its share of each of its replica's sequences.
     let part = SeqPart {
         rank: grid.coord(rank, Dim::Cp),
@@ -750,10 +753,15 @@ fn run_rank(
         None => Loader::new(train, train_cfg)?,
     }
     .with_context_parallel(part)?;
+    // The validation set is `eval_batches` global batches (mbs × grad_acc × dp sequences
+    // each, what every layout of a run shares) of evenly spread windows: each data-parallel
+    // rank evaluates its share, micro-batch by micro-batch, and the losses add up over the
+    // group (`Trainer::evaluate`), so a layout does not change the tokens evaluated.
+    let val_cfg = lcfg.with_rank(dp_rank, ranks);
+    let val_batches = cfg.observability.eval_batches * cfg.data.grad_acc;
     let val = match (val, cfg.observability.eval_interval) {
         (Some(v), i) if i > 0 => Some(
-            ValLoader::new(v, lcfg, Some(cfg.observability.eval_batches as usize))?
-                .with_context_parallel(part)?,
+            ValLoader::new(v, val_cfg, Some(val_batches as usize))?.with_context_parallel(part)?,
         ),
         _ => None,
     };
@@ -836,16 +844,25 @@ fn run_rank(
     let w = t.plan.sweep.at_peak;
     if rank == 0 {
         eprintln!(
-        "model {}: {} parameters; memory plan peak {:.1} MiB (params {:.1}, grads {:.1}, adam {:.1}, activations {:.1}, workspace {:.1}, gemm workspace {:.1}); matmul peak {:.1} GFLOP/s; gemm: {}",
+        "model {}: {} parameters; memory plan peak {:.1} MiB (params {:.1}, grads {:.1}{}, adam {:.1}, activations {:.1}, workspace {:.1}, gemm workspace {:.1}{}); matmul peak {:.1} GFLOP/s; gemm: {}",
         cfg.model.name,
         t.whole_params().total,
         t.planned_peak() as f64 / MIB,
         w.params as f64 / MIB,
         w.grads as f64 / MIB,
+        // Mixed precision's fp32 copy of the weights, and the buffers the ranks talk through.
+        match w.master {
+            0 => String::new(),
+            m => format!(", fp32 master {:.1}", m as f64 / MIB),
+        },
         w.optimizer as f64 / MIB,
         w.activations() as f64 / MIB,
         w.workspace as f64 / MIB,
         t.kernel_workspace() as f64 / MIB,
+        match w.comm_buffers {
+            0 => String::new(),
+            c => format!(", comm buffers {:.1}", c as f64 / MIB),
+        },
         peak_gflops,
         t.gemm
     );
@@ -954,7 +971,7 @@ fn run_rank(
     let timed: Vec<&StepMetrics> = steps.iter().skip(1).collect();
     if rank == 0 {
         eprintln!(
-        "done: {} steps in {:.1}s | median {:.0} tok/s, MFU {:.1}% | peak memory planned {:.2} MiB, measured {:.2} MiB ({:+.2}%) over a baseline of {:.1} MiB | peak RSS {:.1} MiB",
+        "done: {} steps in {:.1}s | median {:.0} tok/s, MFU {:.1}% | peak memory planned {:.2} MiB, measured {:.2} MiB ({:+.2}%) over a baseline of {:.1} MiB | {}",
         steps.len(),
         started.elapsed().as_secs_f64(),
         median(timed.iter().map(|m| m.tokens_per_s).collect()),
@@ -963,7 +980,7 @@ fn run_rank(
         measured as f64 / MIB,
         (measured as f64 / planned.max(1) as f64 - 1.0) * 100.0,
         t.baseline as f64 / MIB,
-        peak_rss().unwrap_or(0) as f64 / MIB
+        rss_line(&steps, planned)
     );
         let mb = |b: Option<u64>| b.unwrap_or(0) as f64 / 1e6;
         if let Some(m) = steps.last().filter(|m| m.comm_bytes.is_some()) {
@@ -1035,6 +1052,29 @@ fn run_rank(
     })
 }
 
+/// The process's peak RSS against what it planned: the plans of the ranks it runs (every rank
+/// of a threads run, its own under mpirun) plus the stated constant of `fit::RSS_OVERHEAD`.
+fn rss_line(steps: &[StepMetrics], planned: u64) -> String {
+    let Some(rss) = peak_rss() else {
+        return "peak RSS unknown on this system".into();
+    };
+    let here = match (ferrotron_dist::launched_by_mpirun(), steps.last()) {
+        (false, Some(m)) if !m.rank_mem.is_empty() => {
+            m.rank_mem.iter().map(|r| r.mem_peak_planned).sum()
+        }
+        _ => planned,
+    };
+    let bound = here + crate::fit::RSS_OVERHEAD;
+    format!(
+        "peak RSS {:.1} MiB = plan {:.1} + {:.1} MiB, {} the bound of plan + {:.0} MiB",
+        rss as f64 / MIB,
+        here as f64 / MIB,
+        (rss as f64 - here as f64) / MIB,
+        if rss <= bound { "within" } else { "OVER" },
+        crate::fit::RSS_OVERHEAD as f64 / MIB
+    )
+}
+
 /// `--init-from`: the weights of a model folder (its config.json is the run's model, checked
 /// tensor by tensor), as the fp32 master copy under mixed precision and rounded into the
 /// storage type.
@@ -1068,6 +1108,10 @@ fn write_plan(cfg: &TrainConfig, t: &Trainer) -> Result<()> {
         "params": t.model.num_params(),
         "planned_peak_steps": [t.planned_peak_step(1), t.planned_peak_step(2)],
         "rank": t.plan,
+        // Where the per-step records went (`--metrics` may put them outside the run
+        // directory): `ferrotron report` follows it.
+        "metrics": std::path::absolute(&cfg.observability.metrics)
+            .unwrap_or_else(|_| cfg.observability.metrics.clone()),
     });
     std::fs::write(&p, serde_json::to_string(&v)?)
         .with_context(|| format!("cannot write {}", p.display()))
@@ -1151,6 +1195,7 @@ pub fn data(
 
 /// `ferrotron sample`: continue a prompt from a checkpoint.
 pub fn sample_from(dir: &std::path::Path, prompt: &str, o: &SampleOptions) -> Result<String> {
+    ferrotron_engine::kernels::cpu::gemm_select::check_env().map_err(anyhow::Error::msg)?;
     let l = checkpoint::open(dir)?;
     // A `--keep-checkpoints` directory: its newest checkpoint.
     let dir = l.dir.as_path();

@@ -1379,6 +1379,15 @@ impl Trainer {
                 }),
             (_, l) => l,
         };
+        // Each data-parallel rank evaluated its share of the validation sequences (the set is
+        // one rank's at the same global micro-batch, so val losses compare across layouts).
+        let loss = match (&dp, loss) {
+            (Some(dp), Ok(l)) => dp
+                .borrow_mut()
+                .sum_loss(l.sum, l.count)
+                .map(|(sum, count)| LossSum { sum, count }),
+            (_, l) => l,
+        };
         self.dp = dp.map(RefCell::into_inner);
         if let (Some(t), Some(b)) = (&self.tp, tp_bytes) {
             t.bytes.set(b);

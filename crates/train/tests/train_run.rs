@@ -718,3 +718,32 @@ fn bad_checkpoints_are_refused() {
     r.resume = Some(shards().to_path_buf());
     assert!(error(r).contains("not a ferrotron checkpoint directory"));
 }
+
+#[test]
+fn validation_is_the_same_tokens_whatever_the_layout() {
+    // One rank at mbs 4, dp 2 × mbs 2 and mbs 2 × grad_acc 2 train the same global batch: their
+    // validation sets must be the same sequences, so their val losses agree (to the sums'
+    // rounding).
+    let val = |name: &str, layout: &dyn Fn(&mut TrainArgs)| {
+        let out = tmp(name);
+        let mut a = tiny_args(&out, 2);
+        a.eval_interval = Some(2);
+        layout(&mut a);
+        run(a).unwrap().steps[1].val_loss.unwrap()
+    };
+    let one = val("val-one", &|_| {});
+    let dp = val("val-dp", &|a| {
+        a.layout.dp = Some(2);
+        a.mbs = Some(2);
+    });
+    let acc = val("val-acc", &|a| {
+        a.mbs = Some(2);
+        a.grad_acc = Some(2);
+    });
+    for (name, v) in [("dp 2 × mbs 2", dp), ("mbs 2 × grad_acc 2", acc)] {
+        assert!(
+            ((v - one) / one).abs() < 1e-5,
+            "{name}: val loss {v} vs one rank's {one}"
+        );
+    }
+}

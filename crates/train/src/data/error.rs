@@ -10,12 +10,12 @@ pub type Result<T, E = DataError> = std::result::Result<T, E>;
 /// Everything that can go wrong while tokenizing, writing, reading or batching token data.
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
-    /// An operating-system I/O error on `path`.
-    #[error("{}: {source}", .path.display())]
+    /// An operating-system I/O error on `path`. The OS error is part of the message, not a
+    /// `source` too, so a chain printed with `{:#}` says it once.
+    #[error("{}: {error}", .path.display())]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
 
     /// The file does not start with the shard magic bytes.
@@ -101,7 +101,7 @@ impl DataError {
     pub fn io(path: impl AsRef<Path>, source: std::io::Error) -> Self {
         DataError::Io {
             path: path.as_ref().to_path_buf(),
-            source,
+            error: source,
         }
     }
 }

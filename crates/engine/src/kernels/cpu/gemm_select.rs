@@ -43,18 +43,34 @@ struct Choice {
     bf16: Option<&'static Onednn>,
 }
 
-/// `FERROTRON_GEMM`, read once; an unknown value is reported once and means `auto`.
+/// `FERROTRON_GEMM`, read once (unset or empty: `auto`).
 fn requested() -> Gemm {
     static REQUESTED: OnceLock<Gemm> = OnceLock::new();
-    *REQUESTED.get_or_init(|| match std::env::var("FERROTRON_GEMM").as_deref() {
-        Ok("portable") => Gemm::Portable,
-        Ok("onednn") => Gemm::Onednn,
-        Ok("auto") | Ok("") | Err(_) => Gemm::Auto,
-        Ok(other) => {
-            eprintln!("note: FERROTRON_GEMM={other:?} is not portable|onednn|auto: using auto");
-            Gemm::Auto
-        }
+    *REQUESTED.get_or_init(|| {
+        let v = std::env::var("FERROTRON_GEMM").unwrap_or_default();
+        parse_requested(&v).unwrap_or(Gemm::Auto)
     })
+}
+
+/// A `FERROTRON_GEMM` value, or the one line that says what is wrong with it.
+pub fn parse_requested(v: &str) -> Result<Gemm, String> {
+    match v {
+        "portable" => Ok(Gemm::Portable),
+        "onednn" => Ok(Gemm::Onednn),
+        "auto" | "" => Ok(Gemm::Auto),
+        other => Err(format!(
+            "FERROTRON_GEMM = {other:?}: expected one of portable, onednn, auto (or leave it unset)"
+        )),
+    }
+}
+
+/// Refuses a `FERROTRON_GEMM` the process cannot honour, before anything runs: a typo would
+/// otherwise silently measure the wrong kernels.
+pub fn check_env() -> Result<(), String> {
+    match std::env::var("FERROTRON_GEMM") {
+        Ok(v) => parse_requested(&v).map(|_| ()),
+        Err(_) => Ok(()),
+    }
 }
 
 impl Gemm {
