@@ -28,17 +28,19 @@ pub struct SampleArgs {
     /// Checkpoint directory written by `ferrotron train --checkpoint-dir`.
     #[arg(long)]
     pub checkpoint: PathBuf,
+    /// Text the generated tokens continue.
     #[arg(long, default_value = "ROMEO:")]
     pub prompt: String,
     /// Tokens to generate.
     #[arg(long, default_value_t = 200)]
     pub tokens: usize,
-    /// 0 means greedy.
+    /// Softmax temperature of the sampling; 0 means greedy.
     #[arg(long, default_value_t = 0.8, allow_negative_numbers = true)]
     pub temperature: f32,
     /// Sample among the k most likely tokens (0: all).
     #[arg(long, default_value_t = 40)]
     pub top_k: usize,
+    /// Seed of the sampling's random numbers.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
 }

@@ -6,6 +6,8 @@
 use crate::loss_scale::LossScaleConfig;
 use clap::Args;
 use ferrotron_plan::error::one_line;
+// Re-exported: `toml_error` was defined here before the planner's settings files needed it.
+pub use ferrotron_plan::toml_file::{toml_error, toml_message};
 use ferrotron_plan::{Layout, LayoutFlags, Offload, Precision, Recompute};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -14,7 +16,8 @@ use std::path::PathBuf;
 #[derive(Args, Deserialize, Default, Debug, Clone)]
 #[serde(deny_unknown_fields)]
 pub struct TrainArgs {
-    /// TOML file with any of these settings.
+    /// TOML file with any of these settings (keys are the flag names with `_` for `-`, in the
+    /// tables of configs/train-default.toml); flags given here win [default: none].
     #[arg(long)]
     #[serde(skip)]
     pub config: Option<PathBuf>,
@@ -28,65 +31,80 @@ pub struct TrainArgs {
     /// HF tokenizer.json [default: the bundled BPE tokenizer].
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
+    /// Tokens per sequence [default: 256].
     #[arg(long, allow_negative_numbers = true)]
     pub seq: Option<u64>,
+    /// Sequences per micro-batch on each data-parallel rank [default: 8].
     #[arg(long, allow_negative_numbers = true)]
     pub mbs: Option<u64>,
+    /// Micro-batches per optimizer step (gradient accumulation) [default: 1].
     #[arg(long, allow_negative_numbers = true)]
     pub grad_acc: Option<u64>,
     /// Optimizer steps to train, and the length of the learning-rate schedule (with --resume:
-    /// the new total, over which the schedule then decays).
+    /// the new total, over which the schedule then decays) [default: 150].
     #[arg(long, allow_negative_numbers = true)]
     pub steps: Option<u64>,
     /// End this run after step N, keeping the schedule of --steps (a long run done in parts:
-    /// resume the checkpoint to go on).
+    /// resume the checkpoint to go on) [default: --steps].
     #[arg(long, allow_negative_numbers = true)]
     pub stop_after: Option<u64>,
+    /// Peak learning rate, reached after the warmup [default: 3e-3].
     #[arg(long, allow_negative_numbers = true)]
     pub lr: Option<f64>,
+    /// The cosine schedule's final learning rate as a fraction of --lr [default: 0.1].
     #[arg(long, allow_negative_numbers = true)]
     pub min_lr_ratio: Option<f64>,
+    /// Steps of linear learning-rate warmup [default: 15].
     #[arg(long, allow_negative_numbers = true)]
     pub warmup: Option<u64>,
     /// Length of the cosine schedule [default: --steps].
     #[arg(long, allow_negative_numbers = true)]
     pub decay_steps: Option<u64>,
+    /// AdamW's decoupled weight decay [default: 0.1].
     #[arg(long, allow_negative_numbers = true)]
     pub weight_decay: Option<f64>,
+    /// AdamW's β1, the decay of the first moment [default: 0.9].
     #[arg(long, allow_negative_numbers = true)]
     pub beta1: Option<f64>,
+    /// AdamW's β2, the decay of the second moment [default: 0.95].
     #[arg(long, allow_negative_numbers = true)]
     pub beta2: Option<f64>,
+    /// AdamW's ε, added to the second moment's square root [default: 1e-8].
     #[arg(long, allow_negative_numbers = true)]
     pub eps: Option<f64>,
-    /// Global gradient-norm clip (0 disables).
+    /// Global gradient-norm clip (0 disables) [default: 1.0].
     #[arg(long, allow_negative_numbers = true)]
     pub clip: Option<f64>,
+    /// Seed of the weight initialisation and the order of the batches [default: 1337].
     #[arg(long, allow_negative_numbers = true)]
     pub seed: Option<u64>,
     /// Worker threads [default: all cores].
     #[arg(long, allow_negative_numbers = true)]
     pub threads: Option<u64>,
-    /// Evaluate the validation loss every N steps (0: never).
+    /// Evaluate the validation loss every N steps (0: never) [default: 25].
     #[arg(long, allow_negative_numbers = true)]
     pub eval_interval: Option<u64>,
+    /// Validation micro-batches per evaluation [default: 4].
     #[arg(long, allow_negative_numbers = true)]
     pub eval_batches: Option<u64>,
     /// Output directory (metrics, checkpoints by default) [default: runs/default].
     #[arg(long)]
     pub out_dir: Option<PathBuf>,
+    /// Directory the checkpoints are written to [default: none, no checkpoint].
     #[arg(long)]
     pub checkpoint_dir: Option<PathBuf>,
-    /// Write a checkpoint every N steps (0: only at the end when a checkpoint dir is set).
+    /// Write a checkpoint every N steps (0: only at the end when a checkpoint dir is set)
+    /// [default: 0].
     #[arg(long, allow_negative_numbers = true)]
     pub checkpoint_interval: Option<u64>,
-    /// Continue from a checkpoint directory up to --steps.
+    /// Continue from a checkpoint directory up to --steps [default: none, a new run].
     #[arg(long)]
     #[serde(skip)]
     pub resume: Option<PathBuf>,
     /// Start from the weights of a model folder (a Hugging Face model of a supported family, or
     /// a ferrotron checkpoint) instead of a random initialisation; --model defaults to its
-    /// config.json and --tokenizer to its tokenizer.json. The optimizer starts fresh at step 0.
+    /// config.json and --tokenizer to its tokenizer.json. The optimizer starts fresh at step 0
+    /// [default: none, random weights].
     #[arg(long)]
     pub init_from: Option<PathBuf>,
     /// A mixture of experts' capacity factor: each expert takes at most ⌈cf · tokens · top_k /
@@ -97,7 +115,7 @@ pub struct TrainArgs {
     /// JSON lines, one per step [default: OUT_DIR/metrics.jsonl].
     #[arg(long)]
     pub metrics: Option<PathBuf>,
-    /// Rows of logits materialised at once by the chunked cross-entropy.
+    /// Rows of logits materialised at once by the chunked cross-entropy [default: 1024].
     #[arg(long, allow_negative_numbers = true)]
     pub ce_chunk: Option<u64>,
     /// Data parallelism: MiB of gradients per all-reduce bucket (two in flight) [default: 25,
@@ -114,11 +132,12 @@ pub struct TrainArgs {
     /// GEMM inputs quantised to e4m3/e5m2 with per-tensor current scaling) [default: fp32].
     #[arg(long)]
     pub precision: Option<String>,
-    /// With bf16: accumulate gradients in fp32 (18 instead of 16 bytes per parameter).
+    /// With bf16: accumulate gradients in fp32 (18 instead of 16 bytes per parameter)
+    /// [default: false].
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub fp32_grad_acc: Option<bool>,
     /// With 16-bit precisions: round the updated master weights into the 16-bit weights
-    /// stochastically (seeded, reproducible) instead of to nearest.
+    /// stochastically (seeded, reproducible) instead of to nearest [default: false].
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub stochastic_rounding: Option<bool>,
     /// fp16: the loss scaler's initial scale [default: 65536].
@@ -130,21 +149,21 @@ pub struct TrainArgs {
     /// Peak matmul GFLOP/s of this machine for MFU [default: measured once, cached].
     #[arg(long, allow_negative_numbers = true)]
     pub peak_gflops: Option<f64>,
-    /// Tokens to sample at the end of training (0: none).
+    /// Tokens to sample at the end of training (0: none) [default: 0].
     #[arg(long, allow_negative_numbers = true)]
     pub sample_tokens: Option<u64>,
     /// Measured vs planned live bytes at every phase boundary of the first steps, as JSON
     /// [default: OUT_DIR/memory_timeline.json; not recorded on --resume].
     #[arg(long)]
     pub memory_timeline: Option<PathBuf>,
-    /// Steps the memory timeline covers (0: none).
+    /// Steps the memory timeline covers (0: none) [default: 2].
     #[arg(long, allow_negative_numbers = true)]
     pub memory_timeline_steps: Option<u64>,
     /// Chrome trace (Perfetto, chrome://tracing) of every kernel call and phase of the first
     /// steps [default: none].
     #[arg(long)]
     pub trace: Option<PathBuf>,
-    /// Steps the trace covers.
+    /// Steps the trace covers [default: 3].
     #[arg(long, allow_negative_numbers = true)]
     pub trace_steps: Option<u64>,
     /// Hide the progress line.
@@ -152,7 +171,8 @@ pub struct TrainArgs {
     #[serde(skip)]
     pub quiet: bool,
     /// How data-parallel ranks talk: mpi (one process per rank, under mpirun or srun), threads
-    /// (ranks as threads of this process) or auto (mpi when launched by mpirun, else threads).
+    /// (ranks as threads of this process) or auto (mpi when launched by mpirun, else threads)
+    /// [default: auto].
     #[arg(long, value_enum)]
     #[serde(skip)]
     pub comm: Option<CommBackend>,
@@ -160,8 +180,7 @@ pub struct TrainArgs {
     #[arg(long, value_enum, default_value_t)]
     #[serde(skip)]
     pub device: crate::device::Device,
-    /// The parallel layout, the same flags as `ferrotron plan` (one rank until the distributed
-    /// trainer lands).
+    /// The parallel layout, the same flags as `ferrotron plan`.
     #[command(flatten)]
     #[serde(skip)]
     pub layout: LayoutFlags,
@@ -476,28 +495,6 @@ pub(crate) fn trainable_layout(flags: &LayoutFlags) -> Result<Layout, ConfigErro
     Ok(l)
 }
 
-/// A TOML file's parse error as one line: `FILE:LINE:COLUMN: message`. The `toml` crate's
-/// message alone has no position and spans several lines ("invalid string\nexpected ...").
-pub fn toml_error(path: &std::path::Path, text: &str, e: &toml::de::Error) -> String {
-    let message = toml_message(e.message());
-    match e.span() {
-        Some(span) => {
-            let before = &text.as_bytes()[..span.start.min(text.len())];
-            let line = before.iter().filter(|&&b| b == b'\n').count() + 1;
-            let line_start = before
-                .iter()
-                .rposition(|&b| b == b'\n')
-                .map_or(0, |i| i + 1);
-            let column = String::from_utf8_lossy(&before[line_start..])
-                .chars()
-                .count()
-                + 1;
-            format!("{}:{line}:{column}: {message}", path.display())
-        }
-        None => format!("{}: {message}", path.display()),
-    }
-}
-
 /// The tables of a `--config` file and the flag-named keys each holds, in the order of
 /// [`TrainConfig`]'s sections (`runtime` holds what none of the others does). `[parallel]` holds
 /// the planner's layout flags and is read as they are.
@@ -611,17 +608,6 @@ fn flatten_sections(file: &mut toml::Table) -> Result<bool, String> {
         }
     }
     Ok(found)
-}
-
-/// The `toml` crate's several lines of message as one.
-fn toml_message(message: &str) -> String {
-    let message = message
-        .lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty())
-        .collect::<Vec<_>>()
-        .join("; ");
-    one_line(&message).into_owned()
 }
 
 macro_rules! merge {
