@@ -166,6 +166,10 @@ pub struct TrainArgs {
     /// Steps the trace covers [default: 3].
     #[arg(long, allow_negative_numbers = true)]
     pub trace_steps: Option<u64>,
+    /// Also write every metric as TensorBoard event files into this directory
+    /// (`tensorboard --logdir DIR`) [default: none].
+    #[arg(long)]
+    pub tensorboard: Option<PathBuf>,
     /// Hide the progress line.
     #[arg(long)]
     #[serde(skip)]
@@ -322,6 +326,8 @@ pub struct ObservabilityConfig {
     pub trace: Option<PathBuf>,
     #[serde(default = "default_trace_steps")]
     pub trace_steps: u64,
+    #[serde(default)]
+    pub tensorboard: Option<PathBuf>,
 }
 
 fn default_precision() -> Precision {
@@ -548,6 +554,7 @@ pub const SECTIONS: &[(&str, &[&str])] = &[
             "memory_timeline_steps",
             "trace",
             "trace_steps",
+            "tensorboard",
         ],
     ),
 ];
@@ -641,7 +648,7 @@ impl TrainArgs {
             precision, fp32_grad_acc, stochastic_rounding, loss_scale_init,
             loss_scale_growth_interval,
             peak_gflops, sample_tokens, memory_timeline, memory_timeline_steps, trace,
-            trace_steps);
+            trace_steps, tensorboard);
         self.layout = self.layout.or(file.parallel.take().unwrap_or_default());
         Ok(self)
     }
@@ -762,6 +769,7 @@ impl TrainArgs {
                     .unwrap_or_else(default_timeline_steps),
                 trace: self.trace.clone(),
                 trace_steps: self.trace_steps.unwrap_or_else(default_trace_steps),
+                tensorboard: self.tensorboard.clone(),
             },
         };
         for (field, v) in [

@@ -743,10 +743,10 @@ fn run_rank(
     // Files are written only once everything has been read and checked: a refused checkpoint
     // or config leaves the output directory as it was.
     let mut metrics = match rank {
-        0 => Some(MetricsWriter::open(
-            &cfg.observability.metrics,
-            loaded.is_some(),
-        )?),
+        0 => Some(
+            MetricsWriter::open(&cfg.observability.metrics, loaded.is_some())?
+                .with_tensorboard(cfg.observability.tensorboard.as_deref())?,
+        ),
         _ => None,
     };
     if rank == 0 {
