@@ -230,9 +230,17 @@ pub struct Event {
     pub values: Vec<(String, f32)>,
 }
 
-/// Reads protobuf fields: `(field number, wire type, payload)`; a varint's payload is its
-/// value, fixed widths their little-endian bytes.
-fn fields(mut b: &[u8]) -> Result<Vec<(u64, u8, Vec<u8>, u64)>> {
+/// One protobuf field as read: a varint's value in `varint`, other payloads in `bytes`
+/// (fixed widths little-endian).
+struct Field {
+    number: u64,
+    wire: u8,
+    bytes: Vec<u8>,
+    varint: u64,
+}
+
+/// Reads the fields of one protobuf message.
+fn fields(mut b: &[u8]) -> Result<Vec<Field>> {
     fn read_varint(b: &mut &[u8]) -> Result<u64> {
         let mut v = 0u64;
         for shift in (0..64).step_by(7) {
@@ -251,6 +259,12 @@ fn fields(mut b: &[u8]) -> Result<Vec<(u64, u8, Vec<u8>, u64)>> {
     while !b.is_empty() {
         let key = read_varint(&mut b)?;
         let (field, wire) = (key >> 3, (key & 7) as u8);
+        let field_of = |bytes, varint| Field {
+            number: field,
+            wire,
+            bytes,
+            varint,
+        };
         let take = |b: &mut &[u8], n: usize| -> Result<Vec<u8>> {
             if b.len() < n {
                 bail!("field {field}: {n} bytes announced, {} left", b.len());
@@ -262,14 +276,14 @@ fn fields(mut b: &[u8]) -> Result<Vec<(u64, u8, Vec<u8>, u64)>> {
         match wire {
             0 => {
                 let v = read_varint(&mut b)?;
-                out.push((field, wire, vec![], v));
+                out.push(field_of(vec![], v));
             }
-            1 => out.push((field, wire, take(&mut b, 8)?, 0)),
+            1 => out.push(field_of(take(&mut b, 8)?, 0)),
             2 => {
                 let n = read_varint(&mut b)? as usize;
-                out.push((field, wire, take(&mut b, n)?, 0));
+                out.push(field_of(take(&mut b, n)?, 0));
             }
-            5 => out.push((field, wire, take(&mut b, 4)?, 0)),
+            5 => out.push(field_of(take(&mut b, 4)?, 0)),
             w => bail!("field {field}: wire type {w} is not used by event files"),
         }
     }
@@ -283,19 +297,31 @@ fn decode_event(data: &[u8]) -> Result<Event> {
         file_version: None,
         values: vec![],
     };
-    for (field, wire, bytes, v) in fields(data)? {
-        match (field, wire) {
+    for Field {
+        number,
+        wire,
+        bytes,
+        varint: v,
+    } in fields(data)?
+    {
+        match (number, wire) {
             (1, 1) => e.wall_time = f64::from_le_bytes(bytes.try_into().unwrap_or_default()),
             (2, 0) => e.step = v,
             (3, 2) => e.file_version = Some(String::from_utf8(bytes)?),
             (5, 2) => {
-                for (f, w, value, _) in fields(&bytes)? {
-                    if (f, w) != (1, 2) {
+                for value in fields(&bytes)? {
+                    if (value.number, value.wire) != (1, 2) {
                         continue;
                     }
                     let (mut tag, mut x) = (String::new(), None);
-                    for (f, w, b, _) in fields(&value)? {
-                        match (f, w) {
+                    for Field {
+                        number,
+                        wire,
+                        bytes: b,
+                        ..
+                    } in fields(&value.bytes)?
+                    {
+                        match (number, wire) {
                             (1, 2) => tag = String::from_utf8(b)?,
                             (2, 5) => {
                                 x = Some(f32::from_le_bytes(b.try_into().unwrap_or_default()))
