@@ -1041,13 +1041,19 @@ pub fn data(
     Ok(())
 }
 
-/// `ferrotron sample`: continue a prompt from a checkpoint.
-pub fn sample_from(dir: &std::path::Path, prompt: &str, o: &SampleOptions) -> Result<String> {
+/// `ferrotron sample`: continue a prompt from a checkpoint, each piece of text given to
+/// `on_text` as it is generated.
+pub fn sample_from(
+    dir: &std::path::Path,
+    prompt: &str,
+    o: &SampleOptions,
+    on_text: &mut dyn FnMut(&str),
+) -> Result<String> {
     let l = checkpoint::open(dir)?;
     let tok = Tokenizer::from_file(dir.join("tokenizer.json"))?;
     let model = ferrotron_engine::model::Llama::new(setup::llama_config(&l.spec)?);
     // Sampling computes in f32 whatever the checkpoint's storage type.
     let widened = checkpoint::hf::Dtypes::Widened;
     let weights = checkpoint::load_weights(dir, &model.params, widened)?.into_f32();
-    generate(&model, &weights, &tok, prompt, o)
+    crate::sample::generate_streaming(&model, &weights, &tok, prompt, o, on_text)
 }
