@@ -1,5 +1,7 @@
 //! The `ferrotron` command line.
 
+#[cfg(test)]
+mod help_lines;
 mod http;
 mod plan_cmd;
 mod report_cmd;
@@ -31,11 +33,13 @@ enum Cmd {
     Plan(plan_cmd::PlanCmd),
     /// Serve the interactive planner page and its JSON API (loopback by default).
     Serve(serve_cmd::ServeArgs),
-    /// Train a Llama-family model on one rank (CPU), from its memory plan.
+    /// Train a Llama-family or Mixtral model from its memory plan: any layout of dp, tp, sp, pp,
+    /// cp, ep and ZeRO, its ranks as threads or mpirun processes, on the CPU or one GPU
+    /// (--device cuda).
     Train(Box<ferrotron_train::config::TrainArgs>),
-    /// Tokenize text files into token shards.
+    /// Tokenize text files into train and validation token shards for `train --data`.
     Data(train_cmd::DataArgs),
-    /// Generate text from a checkpoint.
+    /// Generate text from a checkpoint, continuing a prompt.
     Sample(train_cmd::SampleArgs),
     /// Mean next-token loss of a checkpoint or Hugging Face model over token sequences.
     Eval(train_cmd::EvalArgs),

@@ -1,69 +1,16 @@
 //! `ferrotron plan search`: the layouts of N GPUs that fit, ranked by predicted tokens/s.
 
-use crate::plan_cmd::{load_cluster, load_model};
 use anyhow::Result;
 use clap::Args;
-use ferrotron_plan::api::{search_to_json, SearchSettings};
+use ferrotron_plan::api::search_to_json;
 use ferrotron_plan::search::{search, SearchResult, SearchSpec};
-use std::path::PathBuf;
+use ferrotron_plan::SearchFlags;
 
+/// The search's flags ([`SearchFlags`], shared with Python's keywords) and the output format.
 #[derive(Args, Debug)]
 pub struct SearchArgs {
-    /// Built-in preset name or path to an HF config.json.
-    #[arg(long, allow_negative_numbers = true)]
-    pub model: Option<String>,
-    /// Number of GPUs to lay out.
-    #[arg(long, allow_negative_numbers = true)]
-    pub gpus: Option<u64>,
-    /// GPUs per node [default: 8].
-    #[arg(long, allow_negative_numbers = true)]
-    pub gpus_per_node: Option<u64>,
-    /// GPU kind [default: h100].
-    #[arg(long, allow_negative_numbers = true)]
-    pub gpu: Option<String>,
-    /// Cluster file (TOML); --gpu and --gpus-per-node win over it.
-    #[arg(long)]
-    pub cluster: Option<PathBuf>,
-    /// Fused attention kernel for the time model: flash2 | triton [default: flash2].
-    #[arg(long, allow_negative_numbers = true)]
-    pub attention: Option<String>,
-    /// Sequence length [default: min(4096, model max positions)].
-    #[arg(long, allow_negative_numbers = true)]
-    pub seq: Option<u64>,
-    /// Context length the run extends the model to: overrides its max_position_embeddings.
-    #[arg(long, allow_negative_numbers = true)]
-    pub max_seq: Option<u64>,
-    /// Global batch in tokens per optimizer step [default: seq × gpus].
-    #[arg(long, allow_negative_numbers = true)]
-    pub gbs_tokens: Option<u64>,
-    /// fp32 | bf16 | bf16-fp32grads | fp16 | fp8 [default: bf16].
-    #[arg(long, allow_negative_numbers = true)]
-    pub precision: Option<String>,
-    /// adamw | sgd [default: adamw].
-    #[arg(long, allow_negative_numbers = true)]
-    pub optimizer: Option<String>,
-    /// Memory convention: ferrotron | megatron | zero-paper | playbook | torchtitan |
-    /// megatron-lm | deepspeed [default: ferrotron].
-    #[arg(long, allow_negative_numbers = true)]
-    pub convention: Option<String>,
-    /// FLOPs convention for MFU [default: ferrotron].
-    #[arg(long, allow_negative_numbers = true)]
-    pub flops_convention: Option<String>,
-    /// Fraction of GPU memory a layout may use [default: 0.8].
-    #[arg(long, allow_negative_numbers = true)]
-    pub margin: Option<f64>,
-    /// How many layouts to show [default: 5].
-    #[arg(long, allow_negative_numbers = true)]
-    pub top: Option<u64>,
-    /// Largest micro-batch to try [default: 64].
-    #[arg(long, allow_negative_numbers = true)]
-    pub max_mbs: Option<u64>,
-    /// Runtime context per rank in GiB [default: 1.0].
-    #[arg(long, allow_negative_numbers = true)]
-    pub overhead_gib: Option<f64>,
-    /// Fragmentation margin as a fraction of allocated memory [default: 0.05].
-    #[arg(long, allow_negative_numbers = true)]
-    pub fragmentation: Option<f64>,
+    #[command(flatten)]
+    pub flags: SearchFlags,
     /// Print JSON instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -150,32 +97,7 @@ pub fn render(r: &SearchResult, s: &SearchSpec) -> String {
 }
 
 pub fn run(a: SearchArgs) -> Result<()> {
-    let model = match &a.model {
-        Some(m) => Some(load_model(m)?),
-        None => None,
-    };
-    let settings = SearchSettings {
-        model: None,
-        config: None,
-        gpus: a.gpus,
-        gpu: a.gpu.clone(),
-        gpus_per_node: a.gpus_per_node,
-        cluster: a.cluster.as_deref().map(load_cluster).transpose()?,
-        attention: a.attention.clone(),
-        seq: a.seq,
-        max_seq: a.max_seq,
-        gbs_tokens: a.gbs_tokens,
-        precision: a.precision.clone(),
-        optimizer: a.optimizer.clone(),
-        convention: a.convention.clone(),
-        flops_convention: a.flops_convention.clone(),
-        margin: a.margin,
-        top: a.top,
-        max_mbs: a.max_mbs,
-        overhead_gib: a.overhead_gib,
-        fragmentation: a.fragmentation,
-    };
-    let spec = settings.resolve(model)?;
+    let spec = a.flags.resolve(None)?;
     let r = search(&spec)?;
     if a.json {
         println!(

@@ -28,17 +28,20 @@ pub struct SampleArgs {
     /// Checkpoint directory written by `ferrotron train --checkpoint-dir`.
     #[arg(long)]
     pub checkpoint: PathBuf,
+    /// Text the generated tokens continue.
     #[arg(long, default_value = "ROMEO:")]
     pub prompt: String,
-    /// Tokens to generate.
+    /// Tokens to generate, printed as they come; with the prompt's they must fit the model's
+    /// context (max_position_embeddings).
     #[arg(long, default_value_t = 200)]
     pub tokens: usize,
-    /// 0 means greedy.
+    /// Softmax temperature of the sampling; 0 means greedy.
     #[arg(long, default_value_t = 0.8, allow_negative_numbers = true)]
     pub temperature: f32,
     /// Sample among the k most likely tokens (0: all).
     #[arg(long, default_value_t = 40)]
     pub top_k: usize,
+    /// Seed of the sampling's random numbers.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
 }
@@ -95,7 +98,25 @@ pub fn sample(a: SampleArgs) -> Result<()> {
         seed: a.seed,
         context: usize::MAX,
     };
-    let text = run::sample_from(&a.checkpoint, &a.prompt, &o)?;
-    println!("{}{}", a.prompt, text);
+    // The prompt, then each token's text as it comes (flushed: a terminal shows it at once);
+    // nothing on stdout when the checkpoint or the request is refused.
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let mut started = false;
+    let mut failed = None;
+    run::sample_from(&a.checkpoint, &a.prompt, &o, &mut |piece| {
+        if failed.is_none() {
+            let head = if started { "" } else { a.prompt.as_str() };
+            started = true;
+            failed = write!(out, "{head}{piece}").and_then(|_| out.flush()).err();
+        }
+    })?;
+    if let Some(e) = failed {
+        return Err(e.into());
+    }
+    if !started {
+        write!(out, "{}", a.prompt)?;
+    }
+    writeln!(out)?;
     Ok(())
 }

@@ -85,6 +85,24 @@ fn data_train_checkpoint_sample() {
         s.starts_with("JULIET:") && s.len() > "JULIET:".len(),
         "{s:?}"
     );
+    // More tokens than the model's context holds: one line naming the limit, nothing printed.
+    let o = ferrotron(&[
+        "sample",
+        "--checkpoint",
+        ck.to_str().unwrap(),
+        "--prompt",
+        "JULIET:",
+        "--tokens",
+        "1000000",
+    ]);
+    let err = text(&o);
+    assert!(!o.status.success() && o.stdout.is_empty(), "{err}");
+    assert!(
+        err.starts_with("error: tokens = 1000000: the prompt's ")
+            && err.contains("tokens plus 1000000 pass the model's context of")
+            && err.trim().lines().count() == 1,
+        "{err}"
+    );
 }
 
 #[test]

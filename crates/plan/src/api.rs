@@ -21,7 +21,7 @@ use serde::{Deserialize, Deserializer};
 use serde_json::{json, Value};
 
 /// Accepts `7.5e9`, `"7.5e9"` or `7500000000` for a parameter count.
-fn string_or_number<'de, D: Deserializer<'de>>(
+pub(crate) fn string_or_number<'de, D: Deserializer<'de>>(
     d: D,
 ) -> std::result::Result<Option<String>, D::Error> {
     let v = Option::<Value>::deserialize(d)?;

@@ -43,6 +43,10 @@ pub enum PlanError {
         value: String,
         problem: String,
     },
+    /// A settings file that cannot be read or parsed: the message names the file (and the
+    /// line and column of a parse error).
+    #[error("{0}")]
+    File(String),
     #[error("unknown preset `{}`; run `ferrotron plan --list-presets` for the built-in names, or pass a path to a config.json", one_line(.0))]
     UnknownPreset(String),
 }

@@ -30,7 +30,7 @@ pub struct LayoutFlags {
     /// ZeRO stage 0..3 [default: 0].
     #[cfg_attr(feature = "cli", arg(long, allow_negative_numbers = true))]
     pub zero: Option<u64>,
-    /// Sequence parallelism (with tp > 1); `--sp` alone means true.
+    /// Sequence parallelism (with tp > 1); `--sp` alone means true [default: false].
     #[cfg_attr(
         feature = "cli",
         arg(long, num_args = 0..=1, default_missing_value = "true")

@@ -6,6 +6,8 @@
 use crate::loss_scale::LossScaleConfig;
 use clap::Args;
 use ferrotron_plan::error::one_line;
+// Re-exported: `toml_error` was defined here before the planner's settings files needed it.
+pub use ferrotron_plan::toml_file::{toml_error, toml_message};
 use ferrotron_plan::{Layout, LayoutFlags, Offload, Precision, Recompute};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -14,7 +16,8 @@ use std::path::PathBuf;
 #[derive(Args, Deserialize, Default, Debug, Clone)]
 #[serde(deny_unknown_fields)]
 pub struct TrainArgs {
-    /// TOML file with any of these settings.
+    /// TOML file with any of these settings (keys are the flag names with `_` for `-`, in the
+    /// tables of configs/train-default.toml); flags given here win [default: none].
     #[arg(long)]
     #[serde(skip)]
     pub config: Option<PathBuf>,
@@ -28,46 +31,57 @@ pub struct TrainArgs {
     /// HF tokenizer.json [default: the bundled BPE tokenizer].
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
+    /// Tokens per sequence [default: 256].
     #[arg(long, allow_negative_numbers = true)]
     pub seq: Option<u64>,
+    /// Sequences per micro-batch on each data-parallel rank [default: 8].
     #[arg(long, allow_negative_numbers = true)]
     pub mbs: Option<u64>,
+    /// Micro-batches per optimizer step (gradient accumulation) [default: 1].
     #[arg(long, allow_negative_numbers = true)]
     pub grad_acc: Option<u64>,
     /// Optimizer steps to train, and the length of the learning-rate schedule (with --resume:
-    /// the new total, over which the schedule then decays).
+    /// the new total, over which the schedule then decays) [default: 150].
     #[arg(long, allow_negative_numbers = true)]
     pub steps: Option<u64>,
     /// End this run after step N, keeping the schedule of --steps (a long run done in parts:
-    /// resume the checkpoint to go on).
+    /// resume the checkpoint to go on) [default: --steps].
     #[arg(long, allow_negative_numbers = true)]
     pub stop_after: Option<u64>,
+    /// Peak learning rate, reached after the warmup [default: 3e-3].
     #[arg(long, allow_negative_numbers = true)]
     pub lr: Option<f64>,
+    /// The cosine schedule's final learning rate as a fraction of --lr [default: 0.1].
     #[arg(long, allow_negative_numbers = true)]
     pub min_lr_ratio: Option<f64>,
+    /// Steps of linear learning-rate warmup [default: 15].
     #[arg(long, allow_negative_numbers = true)]
     pub warmup: Option<u64>,
     /// Length of the cosine schedule [default: --steps].
     #[arg(long, allow_negative_numbers = true)]
     pub decay_steps: Option<u64>,
+    /// AdamW's decoupled weight decay [default: 0.1].
     #[arg(long, allow_negative_numbers = true)]
     pub weight_decay: Option<f64>,
+    /// AdamW's β1, the decay of the first moment [default: 0.9].
     #[arg(long, allow_negative_numbers = true)]
     pub beta1: Option<f64>,
+    /// AdamW's β2, the decay of the second moment [default: 0.95].
     #[arg(long, allow_negative_numbers = true)]
     pub beta2: Option<f64>,
+    /// AdamW's ε, added to the second moment's square root [default: 1e-8].
     #[arg(long, allow_negative_numbers = true)]
     pub eps: Option<f64>,
-    /// Global gradient-norm clip (0 disables).
+    /// Global gradient-norm clip (0 disables) [default: 1.0].
     #[arg(long, allow_negative_numbers = true)]
     pub clip: Option<f64>,
+    /// Seed of the weight initialisation and the order of the batches [default: 1337].
     #[arg(long, allow_negative_numbers = true)]
     pub seed: Option<u64>,
     /// Worker threads [default: all cores].
     #[arg(long, allow_negative_numbers = true)]
     pub threads: Option<u64>,
-    /// Evaluate the validation loss every N steps (0: never).
+    /// Evaluate the validation loss every N steps (0: never) [default: 25].
     #[arg(long, allow_negative_numbers = true)]
     pub eval_interval: Option<u64>,
     /// Global batches (mbs × grad_acc × dp sequences each) in the validation set: the same
@@ -77,9 +91,11 @@ pub struct TrainArgs {
     /// Output directory (metrics, checkpoints by default) [default: runs/default].
     #[arg(long)]
     pub out_dir: Option<PathBuf>,
+    /// Directory the checkpoints are written to [default: none, no checkpoint].
     #[arg(long)]
     pub checkpoint_dir: Option<PathBuf>,
-    /// Write a checkpoint every N steps (0: only at the end when a checkpoint dir is set).
+    /// Write a checkpoint every N steps (0: only at the end when a checkpoint dir is set)
+    /// [default: 0].
     #[arg(long, allow_negative_numbers = true)]
     pub checkpoint_interval: Option<u64>,
     /// Keep the K newest checkpoints as CHECKPOINT_DIR/step-NNNNNNNN, with
@@ -87,10 +103,6 @@ pub struct TrainArgs {
     /// it) [default: one checkpoint, CHECKPOINT_DIR itself, replaced by each save].
     #[arg(long, allow_negative_numbers = true)]
     pub keep_checkpoints: Option<u64>,
-    /// Write checkpoints on a background thread from a host snapshot, so the step does not
-    /// wait for the disk (false: write before the next step starts) [default: true].
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
-    pub async_checkpoint: Option<bool>,
     /// Seconds a rank waits in a collective or for a message before it names itself, the
     /// operation, the group and the step, and takes the job down so a scheduler can restart
     /// it from the last checkpoint (as PyTorch's NCCL timeout) [default: 600].
@@ -100,13 +112,14 @@ pub struct TrainArgs {
     /// (fp32 and bf16; fp16's loss scaler handles its own overflows) [default: 5].
     #[arg(long, allow_negative_numbers = true)]
     pub max_skipped_steps: Option<u64>,
-    /// Continue from a checkpoint directory up to --steps.
+    /// Continue from a checkpoint directory up to --steps [default: none, a new run].
     #[arg(long)]
     #[serde(skip)]
     pub resume: Option<PathBuf>,
     /// Start from the weights of a model folder (a Hugging Face model of a supported family, or
     /// a ferrotron checkpoint) instead of a random initialisation; --model defaults to its
-    /// config.json and --tokenizer to its tokenizer.json. The optimizer starts fresh at step 0.
+    /// config.json and --tokenizer to its tokenizer.json. The optimizer starts fresh at step 0
+    /// [default: none, random weights].
     #[arg(long)]
     pub init_from: Option<PathBuf>,
     /// A mixture of experts' capacity factor: each expert takes at most ⌈cf · tokens · top_k /
@@ -117,7 +130,7 @@ pub struct TrainArgs {
     /// JSON lines, one per step [default: OUT_DIR/metrics.jsonl].
     #[arg(long)]
     pub metrics: Option<PathBuf>,
-    /// Rows of logits materialised at once by the chunked cross-entropy.
+    /// Rows of logits materialised at once by the chunked cross-entropy [default: 1024].
     #[arg(long, allow_negative_numbers = true)]
     pub ce_chunk: Option<u64>,
     /// Data parallelism: MiB of gradients per all-reduce bucket (two in flight) [default: 25,
@@ -134,11 +147,12 @@ pub struct TrainArgs {
     /// GEMM inputs quantised to e4m3/e5m2 with per-tensor current scaling) [default: fp32].
     #[arg(long)]
     pub precision: Option<String>,
-    /// With bf16: accumulate gradients in fp32 (18 instead of 16 bytes per parameter).
+    /// With bf16: accumulate gradients in fp32 (18 instead of 16 bytes per parameter)
+    /// [default: false].
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub fp32_grad_acc: Option<bool>,
     /// With 16-bit precisions: round the updated master weights into the 16-bit weights
-    /// stochastically (seeded, reproducible) instead of to nearest.
+    /// stochastically (seeded, reproducible) instead of to nearest [default: false].
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub stochastic_rounding: Option<bool>,
     /// fp16: the loss scaler's initial scale [default: 65536].
@@ -150,29 +164,34 @@ pub struct TrainArgs {
     /// Peak matmul GFLOP/s of this machine for MFU [default: measured once, cached].
     #[arg(long, allow_negative_numbers = true)]
     pub peak_gflops: Option<f64>,
-    /// Tokens to sample at the end of training (0: none).
+    /// Tokens to sample at the end of training (0: none) [default: 0].
     #[arg(long, allow_negative_numbers = true)]
     pub sample_tokens: Option<u64>,
     /// Measured vs planned live bytes at every phase boundary of the first steps, as JSON
     /// [default: OUT_DIR/memory_timeline.json; not recorded on --resume].
     #[arg(long)]
     pub memory_timeline: Option<PathBuf>,
-    /// Steps the memory timeline covers (0: none).
+    /// Steps the memory timeline covers (0: none) [default: 2].
     #[arg(long, allow_negative_numbers = true)]
     pub memory_timeline_steps: Option<u64>,
     /// Chrome trace (Perfetto, chrome://tracing) of every kernel call and phase of the first
     /// steps [default: none].
     #[arg(long)]
     pub trace: Option<PathBuf>,
-    /// Steps the trace covers.
+    /// Steps the trace covers [default: 3].
     #[arg(long, allow_negative_numbers = true)]
     pub trace_steps: Option<u64>,
+    /// Also write every metric as TensorBoard event files into this directory
+    /// (`tensorboard --logdir DIR`) [default: none].
+    #[arg(long)]
+    pub tensorboard: Option<PathBuf>,
     /// Hide the progress line.
     #[arg(long)]
     #[serde(skip)]
     pub quiet: bool,
     /// How data-parallel ranks talk: mpi (one process per rank, under mpirun or srun), threads
-    /// (ranks as threads of this process) or auto (mpi when launched by mpirun, else threads).
+    /// (ranks as threads of this process) or auto (mpi when launched by mpirun, else threads)
+    /// [default: auto].
     #[arg(long, value_enum)]
     #[serde(skip)]
     pub comm: Option<CommBackend>,
@@ -180,8 +199,7 @@ pub struct TrainArgs {
     #[arg(long, value_enum, default_value_t)]
     #[serde(skip)]
     pub device: crate::device::Device,
-    /// The parallel layout, the same flags as `ferrotron plan` (one rank until the distributed
-    /// trainer lands).
+    /// The parallel layout, the same flags as `ferrotron plan`.
     #[command(flatten)]
     #[serde(skip)]
     pub layout: LayoutFlags,
@@ -306,10 +324,6 @@ fn default_max_skipped() -> u64 {
     5
 }
 
-fn default_true() -> bool {
-    true
-}
-
 fn default_bucket_mb() -> u64 {
     25
 }
@@ -328,9 +342,6 @@ pub struct CheckpointConfig {
         skip_serializing_if = "Option::is_none"
     )]
     pub keep: Option<u64>,
-    /// Saves written on a background thread (`--async-checkpoint`).
-    #[serde(default = "default_true", rename = "async_checkpoint")]
-    pub asynchronous: bool,
 }
 
 /// What the run reports about itself; none of it changes the training.
@@ -351,6 +362,8 @@ pub struct ObservabilityConfig {
     pub trace: Option<PathBuf>,
     #[serde(default = "default_trace_steps")]
     pub trace_steps: u64,
+    #[serde(default)]
+    pub tensorboard: Option<PathBuf>,
 }
 
 fn default_precision() -> Precision {
@@ -524,28 +537,6 @@ pub(crate) fn trainable_layout(flags: &LayoutFlags) -> Result<Layout, ConfigErro
     Ok(l)
 }
 
-/// A TOML file's parse error as one line: `FILE:LINE:COLUMN: message`. The `toml` crate's
-/// message alone has no position and spans several lines ("invalid string\nexpected ...").
-pub fn toml_error(path: &std::path::Path, text: &str, e: &toml::de::Error) -> String {
-    let message = toml_message(e.message());
-    match e.span() {
-        Some(span) => {
-            let before = &text.as_bytes()[..span.start.min(text.len())];
-            let line = before.iter().filter(|&&b| b == b'\n').count() + 1;
-            let line_start = before
-                .iter()
-                .rposition(|&b| b == b'\n')
-                .map_or(0, |i| i + 1);
-            let column = String::from_utf8_lossy(&before[line_start..])
-                .chars()
-                .count()
-                + 1;
-            format!("{}:{line}:{column}: {message}", path.display())
-        }
-        None => format!("{}: {message}", path.display()),
-    }
-}
-
 /// The tables of a `--config` file and the flag-named keys each holds, in the order of
 /// [`TrainConfig`]'s sections (`runtime` holds what none of the others does). `[parallel]` holds
 /// the planner's layout flags and is read as they are.
@@ -594,12 +585,7 @@ pub const SECTIONS: &[(&str, &[&str])] = &[
     ),
     (
         "checkpoint",
-        &[
-            "checkpoint_dir",
-            "checkpoint_interval",
-            "keep_checkpoints",
-            "async_checkpoint",
-        ],
+        &["checkpoint_dir", "checkpoint_interval", "keep_checkpoints"],
     ),
     (
         "observability",
@@ -614,6 +600,7 @@ pub const SECTIONS: &[(&str, &[&str])] = &[
             "memory_timeline_steps",
             "trace",
             "trace_steps",
+            "tensorboard",
         ],
     ),
 ];
@@ -676,17 +663,6 @@ fn flatten_sections(file: &mut toml::Table) -> Result<bool, String> {
     Ok(found)
 }
 
-/// The `toml` crate's several lines of message as one.
-fn toml_message(message: &str) -> String {
-    let message = message
-        .lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty())
-        .collect::<Vec<_>>()
-        .join("; ");
-    one_line(&message).into_owned()
-}
-
 macro_rules! merge {
     ($cli:ident, $file:ident; $($f:ident),*) => { $( if $cli.$f.is_none() { $cli.$f = $file.$f.take(); } )* };
 }
@@ -715,11 +691,11 @@ impl TrainArgs {
         merge!(self, file; model, data, tokenizer, init_from, capacity_factor, seq, mbs, grad_acc, steps, stop_after, lr, min_lr_ratio,
             warmup, decay_steps, weight_decay, beta1, beta2, eps, clip, seed, threads, eval_interval,
             eval_batches, out_dir, checkpoint_dir, checkpoint_interval, keep_checkpoints,
-            async_checkpoint, comm_timeout, max_skipped_steps, metrics, ce_chunk, recompute, bucket_mb,
+            comm_timeout, max_skipped_steps, metrics, ce_chunk, recompute, bucket_mb,
             precision, fp32_grad_acc, stochastic_rounding, loss_scale_init,
             loss_scale_growth_interval,
             peak_gflops, sample_tokens, memory_timeline, memory_timeline_steps, trace,
-            trace_steps);
+            trace_steps, tensorboard);
         self.layout = self.layout.or(file.parallel.take().unwrap_or_default());
         Ok(self)
     }
@@ -827,7 +803,6 @@ impl TrainArgs {
                 dir: self.checkpoint_dir.clone(),
                 interval: self.checkpoint_interval.unwrap_or(0),
                 keep: self.keep_checkpoints,
-                asynchronous: self.async_checkpoint.unwrap_or(true),
             },
             observability: ObservabilityConfig {
                 metrics: self
@@ -844,6 +819,7 @@ impl TrainArgs {
                     .unwrap_or_else(default_timeline_steps),
                 trace: self.trace.clone(),
                 trace_steps: self.trace_steps.unwrap_or_else(default_trace_steps),
+                tensorboard: self.tensorboard.clone(),
             },
         };
         for (field, v) in [

@@ -24,6 +24,7 @@ pub mod run;
 pub mod sample;
 pub mod setup;
 pub mod tensor_parallel;
+pub mod tensorboard;
 pub mod timeline;
 pub mod trace;
 pub mod trainer;

@@ -86,6 +86,8 @@ pub struct RankMem {
 
 pub struct MetricsWriter {
     file: std::io::BufWriter<std::fs::File>,
+    /// `--tensorboard`: the same values as event files.
+    tensorboard: Option<crate::tensorboard::TensorBoardWriter>,
 }
 
 impl MetricsWriter {
@@ -103,13 +105,25 @@ impl MetricsWriter {
             .map_err(|e| anyhow::anyhow!("metrics = {}: cannot open: {e}", path.display()))?;
         Ok(MetricsWriter {
             file: std::io::BufWriter::new(file),
+            tensorboard: None,
         })
+    }
+
+    /// Also writes each step's metrics as TensorBoard events into `dir` (a new event file).
+    pub fn with_tensorboard(mut self, dir: Option<&Path>) -> anyhow::Result<Self> {
+        if let Some(dir) = dir {
+            self.tensorboard = Some(crate::tensorboard::TensorBoardWriter::create(dir)?);
+        }
+        Ok(self)
     }
 
     pub fn write(&mut self, m: &StepMetrics) -> anyhow::Result<()> {
         serde_json::to_writer(&mut self.file, m)?;
         self.file.write_all(b"\n")?;
         self.file.flush()?;
+        if let Some(tb) = &mut self.tensorboard {
+            tb.write(m)?;
+        }
         Ok(())
     }
 }

@@ -135,9 +135,6 @@ fn resume_config(args: &TrainArgs, saved: &TrainConfig) -> Result<TrainConfig> {
     if let Some(v) = args.keep_checkpoints {
         c.checkpoint.keep = Some(v);
     }
-    if let Some(v) = args.async_checkpoint {
-        c.checkpoint.asynchronous = v;
-    }
     if let Some(v) = args.comm_timeout {
         c.runtime.comm_timeout = v;
     }
@@ -832,10 +829,10 @@ fn run_rank(
     // Files are written only once everything has been read and checked: a refused checkpoint
     // or config leaves the output directory as it was.
     let mut metrics = match rank {
-        0 => Some(MetricsWriter::open(
-            &cfg.observability.metrics,
-            loaded.is_some(),
-        )?),
+        0 => Some(
+            MetricsWriter::open(&cfg.observability.metrics, loaded.is_some())?
+                .with_tensorboard(cfg.observability.tensorboard.as_deref())?,
+        ),
         _ => None,
     };
     if rank == 0 {
@@ -1193,8 +1190,14 @@ pub fn data(
     Ok(())
 }
 
-/// `ferrotron sample`: continue a prompt from a checkpoint.
-pub fn sample_from(dir: &std::path::Path, prompt: &str, o: &SampleOptions) -> Result<String> {
+/// `ferrotron sample`: continue a prompt from a checkpoint, each piece of text given to
+/// `on_text` as it is generated.
+pub fn sample_from(
+    dir: &std::path::Path,
+    prompt: &str,
+    o: &SampleOptions,
+    on_text: &mut dyn FnMut(&str),
+) -> Result<String> {
     ferrotron_engine::kernels::cpu::gemm_select::check_env().map_err(anyhow::Error::msg)?;
     let l = checkpoint::open(dir)?;
     // A `--keep-checkpoints` directory: its newest checkpoint.
@@ -1204,5 +1207,5 @@ pub fn sample_from(dir: &std::path::Path, prompt: &str, o: &SampleOptions) -> Re
     // Sampling computes in f32 whatever the checkpoint's storage type.
     let widened = checkpoint::hf::Dtypes::Widened;
     let weights = checkpoint::load_weights(dir, &model.params, widened)?.into_f32();
-    generate(&model, &weights, &tok, prompt, o)
+    crate::sample::generate_streaming(&model, &weights, &tok, prompt, o, on_text)
 }

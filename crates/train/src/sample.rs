@@ -11,7 +11,9 @@ pub struct SampleOptions {
     pub temperature: f32,
     pub top_k: usize,
     pub seed: u64,
-    /// Longest context fed to the model (the oldest tokens are dropped beyond it).
+    /// Longest context fed to the model (the oldest tokens are dropped beyond it). `usize::MAX`:
+    /// the model's whole context, and a prompt plus `tokens` longer than it is refused (what
+    /// `ferrotron sample` asks for: nothing is silently forgotten).
     pub context: usize,
 }
 
@@ -62,6 +64,31 @@ pub fn generate(
     prompt: &str,
     o: &SampleOptions,
 ) -> Result<String> {
+    generate_streaming(model, params, tok, prompt, o, &mut |_| {})
+}
+
+/// The prompt's tokens plus the tokens asked for must fit the model's context when sampling
+/// is not to slide a window over it.
+fn check_context(prompt: usize, tokens: usize, max_pos: usize) -> Result<()> {
+    if prompt.saturating_add(tokens) > max_pos {
+        bail!(
+            "tokens = {tokens}: the prompt's {prompt} tokens plus {tokens} pass the model's context of {max_pos} positions (max_position_embeddings); ask for at most {} tokens",
+            max_pos.saturating_sub(prompt)
+        );
+    }
+    Ok(())
+}
+
+/// As [`generate`], giving each new piece of text to `on_text` as soon as it decodes (a
+/// token that ends inside a multi-byte character waits for the next one).
+pub fn generate_streaming(
+    model: &Llama,
+    params: &[f32],
+    tok: &Tokenizer,
+    prompt: &str,
+    o: &SampleOptions,
+    on_text: &mut dyn FnMut(&str),
+) -> Result<String> {
     let mut ids = tok.encode(prompt)?;
     if ids.is_empty() {
         match tok.eos_id().or(tok.bos_id()) {
@@ -70,6 +97,10 @@ pub fn generate(
         }
     }
     let start = ids.len();
+    if o.context == usize::MAX {
+        check_context(start, o.tokens, model.config.max_pos)?;
+    }
+    let mut printed = String::new();
     let mut rng = SplitMix64::new(o.seed);
     let mut pool = HeapPool::new();
     let mut logits = vec![0.0f32; model.config.vocab];
@@ -93,6 +124,33 @@ pub fn generate(
             break;
         }
         ids.push(next);
+        let text = tok.decode(&ids[start..])?;
+        if let Some(new) = text.strip_prefix(printed.as_str()) {
+            if !new.is_empty() && !new.ends_with('\u{FFFD}') {
+                on_text(new);
+                printed = text;
+            }
+        }
     }
-    Ok(tok.decode(&ids[start..])?)
+    let text = tok.decode(&ids[start..])?;
+    if let Some(rest) = text.strip_prefix(printed.as_str()) {
+        if !rest.is_empty() {
+            on_text(rest);
+        }
+    }
+    Ok(text)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_prompt_and_tokens_past_the_context_are_refused() {
+        assert!(super::check_context(3, 253, 256).is_ok());
+        let e = super::check_context(3, 2000, 256).unwrap_err().to_string();
+        assert_eq!(e, "tokens = 2000: the prompt's 3 tokens plus 2000 pass the model's context of 256 positions (max_position_embeddings); ask for at most 253 tokens");
+        assert!(super::check_context(300, 1, 256)
+            .unwrap_err()
+            .to_string()
+            .ends_with("ask for at most 0 tokens"));
+    }
 }
