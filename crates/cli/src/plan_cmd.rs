@@ -99,9 +99,17 @@ pub struct PlanArgs {
     /// Model chunks per stage for the interleaved schedule.
     #[arg(long, allow_negative_numbers = true)]
     pub pp_virtual: Option<u64>,
-    /// Layers per pipeline stage, e.g. 7,8*14,7 (126 layers on 16 stages) [default: even].
+    /// Layers per pipeline stage, e.g. 7,8*14,7 (126 layers on 16 stages), or per model chunk
+    /// (pp × pp-virtual counts, model order) [default: even].
     #[arg(long, allow_negative_numbers = true)]
     pub pp_layers: Option<String>,
+    /// Layers of the first pipeline stage, the others sharing the rest evenly (Megatron-LM's
+    /// --decoder-first-pipeline-num-layers).
+    #[arg(long, allow_negative_numbers = true)]
+    pub pp_first_layers: Option<u64>,
+    /// Layers of the last pipeline stage (Megatron-LM's --decoder-last-pipeline-num-layers).
+    #[arg(long, allow_negative_numbers = true)]
+    pub pp_last_layers: Option<u64>,
     /// none | optimizer | params.
     #[arg(long, allow_negative_numbers = true)]
     pub offload: Option<String>,
@@ -181,7 +189,7 @@ impl PlanArgs {
         let mut file: PlanArgs =
             toml::from_str(&text).map_err(|e| anyhow::anyhow!(toml_error(&path, &text, &e)))?;
         merge!(self, file; model, params, largest_layer, seq, max_seq, mbs, grad_acc, gbs, precision, optimizer, recompute,
-            dp, tp, pp, cp, ep, zero, sp, pp_schedule, pp_virtual, pp_layers, offload, gpu, gpus_per_node,
+            dp, tp, pp, cp, ep, zero, sp, pp_schedule, pp_virtual, pp_layers, pp_first_layers, pp_last_layers, offload, gpu, gpus_per_node,
             cluster, attention, flops_convention, convention, overhead_gib, fragmentation, ce_chunk,
             bucket_mb, capacity_factor, html);
         Ok(self)
@@ -249,6 +257,8 @@ pub fn input_from(a: &PlanArgs) -> Result<Resolved> {
         pp_schedule: a.pp_schedule.clone(),
         pp_virtual: a.pp_virtual,
         pp_layers: a.pp_layers.clone(),
+        pp_first_layers: a.pp_first_layers,
+        pp_last_layers: a.pp_last_layers,
         offload: a.offload.clone(),
         gpu: a.gpu.clone(),
         gpus_per_node: a.gpus_per_node,

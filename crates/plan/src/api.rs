@@ -65,6 +65,8 @@ pub struct Settings {
     pub pp_schedule: Option<String>,
     pub pp_virtual: Option<u64>,
     pub pp_layers: Option<String>,
+    pub pp_first_layers: Option<u64>,
+    pub pp_last_layers: Option<u64>,
     pub offload: Option<String>,
     pub gpu: Option<String>,
     pub gpus_per_node: Option<u64>,
@@ -324,6 +326,8 @@ impl Settings {
             pp_schedule: self.pp_schedule.clone(),
             pp_virtual: self.pp_virtual,
             pp_layers: self.pp_layers.clone(),
+            pp_first_layers: self.pp_first_layers,
+            pp_last_layers: self.pp_last_layers,
             offload: self.offload.clone(),
         }
         .resolve()?;

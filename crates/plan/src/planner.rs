@@ -165,7 +165,7 @@ fn plan_impl(input: &PlanInput, extremes: bool) -> Result<PlanResult> {
         ),
     };
     // An uneven split can load a middle stage most: then every stage is simulated.
-    let stages: Vec<u64> = if extremes && l.pp > 2 && l.pp_layers.is_empty() {
+    let stages: Vec<u64> = if extremes && l.pp > 2 && !l.uneven() {
         vec![0, l.pp - 1]
     } else {
         (0..l.pp).collect()

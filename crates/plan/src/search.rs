@@ -280,8 +280,8 @@ pub fn search(spec: &SearchSpec) -> Result<SearchResult> {
                                         sp: tp > 1,
                                         pp_schedule: sched,
                                         pp_virtual: v,
-                                        pp_layers: vec![],
                                         offload: Offload::None,
+                                        ..Layout::default()
                                     };
                                     if x.layout.validate(Some(m), &x.recipe).is_err() {
                                         continue;

@@ -87,7 +87,7 @@ impl<'a> TimeModel<'a> {
     }
 
     pub(super) fn rank_elems(&self, l: &Layout, stage: u64) -> RankElems {
-        if !l.pp_layers.is_empty() {
+        if l.uneven() {
             // The cache key does not hold an uneven split (the search never makes one).
             return rank_elems(Some(self.spec), self.tensors, l, stage, 0);
         }
