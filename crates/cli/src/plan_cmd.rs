@@ -332,6 +332,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         input,
         cluster,
         flops,
+        notes,
     } = input_from(&args)?;
     let result = plan(&input)?;
     if args.inventory {
@@ -341,7 +342,10 @@ pub fn run(args: PlanArgs) -> Result<()> {
         println!("total {}", result.params.total);
         return Ok(());
     }
-    let report = build_with_time(&input, &result, &cluster, flops, args.html.is_some())?;
+    let mut report = build_with_time(&input, &result, &cluster, flops, args.html.is_some())?;
+    if let Some(t) = report.time.as_mut() {
+        t.notes.extend(notes);
+    }
     if let Some(path) = &args.html {
         write_atomic(path, &to_html(&report))?;
     }

@@ -89,6 +89,8 @@ pub struct Resolved {
     pub input: PlanInput,
     pub cluster: Cluster,
     pub flops: FlopsConvention,
+    /// How the settings were completed (`--pp-layers auto`'s proposal), for the report.
+    pub notes: Vec<String>,
 }
 
 /// The model with its `max_position_embeddings` replaced by `--max-seq`: the context a run
@@ -325,7 +327,7 @@ impl Settings {
             sp: self.sp,
             pp_schedule: self.pp_schedule.clone(),
             pp_virtual: self.pp_virtual,
-            pp_layers: self.pp_layers.clone(),
+            pp_layers: self.pp_layers.clone().filter(|s| s.trim() != "auto"),
             pp_first_layers: self.pp_first_layers,
             pp_last_layers: self.pp_last_layers,
             offload: self.offload.clone(),
@@ -409,18 +411,26 @@ impl Settings {
                 PlanError::setting("bucket_mb", self.bucket_mb.unwrap_or(0), "too large")
             })?;
         let cluster = self.cluster()?;
+        let mut input = PlanInput {
+            model,
+            recipe,
+            layout,
+            convention,
+            runtime: crate::runtime::Runtime::of(convention),
+            overhead,
+            bucket_bytes,
+        };
+        let mut notes = vec![];
+        if self.pp_layers.as_deref().map(str::trim) == Some("auto") {
+            let (split, why) = crate::balance::propose(&input, &cluster)?;
+            input.layout.pp_layers = split;
+            notes = why;
+        }
         Ok(Resolved {
-            input: PlanInput {
-                model,
-                recipe,
-                layout,
-                convention,
-                runtime: crate::runtime::Runtime::of(convention),
-                overhead,
-                bucket_bytes,
-            },
+            input,
             cluster,
             flops,
+            notes,
         })
     }
 }

@@ -411,9 +411,31 @@ impl Layout {
     }
 }
 
+/// Writes layer counts as `--pp-layers` reads them, runs as `n*k` (`7,8*14,7`).
+pub fn format_pp_layers(counts: &[u64]) -> String {
+    let mut parts: Vec<String> = vec![];
+    let mut i = 0;
+    while i < counts.len() {
+        let k = counts[i..].iter().take_while(|&&n| n == counts[i]).count();
+        parts.push(match k {
+            1 => counts[i].to_string(),
+            _ => format!("{}*{k}", counts[i]),
+        });
+        i += k;
+    }
+    parts.join(",")
+}
+
 /// Parses `--pp-layers`: comma-separated layer counts, `n*k` for k stages of n layers
 /// (`7,8*14,7` is 16 stages).
 pub fn parse_pp_layers(s: &str) -> Result<Vec<u64>> {
+    if s.trim() == "auto" {
+        return Err(PlanError::setting(
+            "pp_layers",
+            s,
+            "`ferrotron plan --pp-layers auto` proposes a split; give the layer counts its layout line prints",
+        ));
+    }
     let bad = || {
         PlanError::setting(
             "pp_layers",

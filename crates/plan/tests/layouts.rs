@@ -222,6 +222,15 @@ fn pp_layers_errors_name_the_flag_and_the_fix() {
         layout::parse_pp_layers("7,8*14,7").unwrap(),
         [vec![7], vec![8; 14], vec![7]].concat()
     );
+    assert_eq!(layout::format_pp_layers(&[7, 8, 8, 8, 7]), "7,8*3,7");
+    assert_eq!(
+        layout::parse_pp_layers(&layout::format_pp_layers(&[3, 4, 4, 2, 2])).unwrap(),
+        [3, 4, 4, 2, 2]
+    );
+    assert_eq!(
+        layout::parse_pp_layers("auto").unwrap_err().to_string(),
+        "pp_layers = auto: `ferrotron plan --pp-layers auto` proposes a split; give the layer counts its layout line prints"
+    );
     assert_eq!(
         layout::parse_pp_layers("7,x").unwrap_err().to_string(),
         "pp_layers = 7,x: expected layer counts per stage separated by commas, n*k for k stages of n (e.g. 7,8*14,7)"

@@ -102,12 +102,13 @@ fn split(x: &PlanInput) -> String {
         _ if l.pp_virtual > 1 => return format!(" (v = {})", l.pp_virtual),
         _ => return String::new(),
     };
-    let each: Vec<String> = (0..l.pp * l.pp_virtual)
-        .map(|g| l.chunk_layer_count(layers, g).to_string())
+    let each: Vec<u64> = (0..l.pp * l.pp_virtual)
+        .map(|g| l.chunk_layer_count(layers, g))
         .collect();
+    let each = crate::layout::format_pp_layers(&each);
     match l.pp_virtual {
-        1 => format!(" (layers per stage {})", each.join(",")),
-        v => format!(" (v = {v}; layers per model chunk {})", each.join(",")),
+        1 => format!(" (layers per stage {each})"),
+        v => format!(" (v = {v}; layers per model chunk {each})"),
     }
 }
 
