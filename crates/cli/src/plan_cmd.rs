@@ -110,6 +110,11 @@ pub struct PlanArgs {
     /// Layers of the last pipeline stage (Megatron-LM's --decoder-last-pipeline-num-layers).
     #[arg(long, allow_negative_numbers = true)]
     pub pp_last_layers: Option<u64>,
+    /// Expert-parallel all-to-alls overlapped with another micro-batch's compute, as
+    /// DeepSeek-V3's DualPipe runs them (default: exposed, as Megatron-LM's default); `--ep-overlap`
+    /// alone means true.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub ep_overlap: Option<bool>,
     /// none | optimizer | params.
     #[arg(long, allow_negative_numbers = true)]
     pub offload: Option<String>,
@@ -189,7 +194,7 @@ impl PlanArgs {
         let mut file: PlanArgs =
             toml::from_str(&text).map_err(|e| anyhow::anyhow!(toml_error(&path, &text, &e)))?;
         merge!(self, file; model, params, largest_layer, seq, max_seq, mbs, grad_acc, gbs, precision, optimizer, recompute,
-            dp, tp, pp, cp, ep, zero, sp, pp_schedule, pp_virtual, pp_layers, pp_first_layers, pp_last_layers, offload, gpu, gpus_per_node,
+            dp, tp, pp, cp, ep, zero, sp, pp_schedule, pp_virtual, pp_layers, pp_first_layers, pp_last_layers, ep_overlap, offload, gpu, gpus_per_node,
             cluster, attention, flops_convention, convention, overhead_gib, fragmentation, ce_chunk,
             bucket_mb, capacity_factor, html);
         Ok(self)
@@ -259,6 +264,7 @@ pub fn input_from(a: &PlanArgs) -> Result<Resolved> {
         pp_layers: a.pp_layers.clone(),
         pp_first_layers: a.pp_first_layers,
         pp_last_layers: a.pp_last_layers,
+        ep_overlap: a.ep_overlap,
         offload: a.offload.clone(),
         gpu: a.gpu.clone(),
         gpus_per_node: a.gpus_per_node,

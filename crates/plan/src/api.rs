@@ -68,6 +68,8 @@ pub struct Settings {
     pub pp_first_layers: Option<u64>,
     pub pp_last_layers: Option<u64>,
     pub offload: Option<String>,
+    /// Expert-parallel all-to-alls overlapped with compute (DeepSeek-V3's DualPipe).
+    pub ep_overlap: Option<bool>,
     pub gpu: Option<String>,
     pub gpus_per_node: Option<u64>,
     pub cluster: Option<ClusterFile>,
@@ -333,6 +335,10 @@ impl Settings {
             offload: self.offload.clone(),
         }
         .resolve()?;
+        let layout = Layout {
+            ep_overlap: self.ep_overlap.unwrap_or(false),
+            ..layout
+        };
         let mbs = self.mbs.unwrap_or(1);
         let grad_acc = match (self.gbs, self.grad_acc) {
             (None, ga) => ga.unwrap_or(1),

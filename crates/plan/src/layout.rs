@@ -62,6 +62,11 @@ pub struct Layout {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pp_last_layers: Option<u64>,
     pub offload: Offload,
+    /// Expert-parallel all-to-alls overlapped with another micro-batch's compute (DeepSeek-V3's
+    /// DualPipe, arXiv 2412.19437 §3.2.1) instead of exposed; a planner setting (`--ep-overlap`),
+    /// not one of the trainer's.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub ep_overlap: bool,
 }
 
 impl Default for Layout {
@@ -80,6 +85,7 @@ impl Default for Layout {
             pp_first_layers: None,
             pp_last_layers: None,
             offload: Offload::None,
+            ep_overlap: false,
         }
     }
 }
@@ -205,6 +211,13 @@ impl Layout {
                 "zero",
                 self.zero,
                 "ZeRO stages are 0, 1, 2 or 3",
+            ));
+        }
+        if self.ep_overlap && self.ep == 1 {
+            return Err(PlanError::setting(
+                "ep_overlap",
+                true,
+                "overlaps expert-parallel all-to-alls: add --ep 2 or more",
             ));
         }
         if self.pp_virtual > 1 && self.pp_schedule != PpSchedule::Interleaved {

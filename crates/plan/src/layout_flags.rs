@@ -87,6 +87,7 @@ impl LayoutFlags {
             pp_first_layers: self.pp_first_layers,
             pp_last_layers: self.pp_last_layers,
             offload: parse(&self.offload, Offload::None)?,
+            ep_overlap: false,
         })
     }
 

@@ -79,6 +79,40 @@ fn link_of(c: &Cluster, gs: &[Group], d: Dim) -> (Link, &'static str) {
     )
 }
 
+/// The share of the modelled all-to-all bytes (every routed copy, `precision`'s storage type,
+/// (ep − 1)/ep of them leaving the rank) that a DeepSeek-V3-style exchange sends over its
+/// slowest link (DeepSeek-AI 2024, arXiv 2412.19437):
+/// - node-limited routing (§3.2.2): with one expert group per node of the EP group
+///   (`n_group` = its nodes), a token reaches at most `topk_group` = M nodes, and crosses the
+///   network once per node (then NVLink forwards it to the node's GPUs): M·(G − 1)/G copies
+///   per token over the network against k·(ep − 1)/ep;
+/// - fp8 dispatch (§3.3.2, "we quantize the activation before MoE up-projections into FP8 and
+///   then apply dispatch components"): with fp8 training the dispatch moves 1 byte per element
+///   plus one fp32 scale per 128 (1.03 bytes), the combine stays bf16: half of the pair's
+///   all-to-alls at 1.03/2 of the bytes.
+fn ep_volume(m: &crate::model::ModelSpec, x: &PlanInput, g: &Group, gpus_per_node: u64) -> f64 {
+    let Some(moe) = m.moe else { return 1.0 };
+    let ep = x.layout.ep;
+    let mut share = 1.0;
+    let nodes = if g.crosses_nodes {
+        (ep * g.stride).div_ceil(gpus_per_node)
+    } else {
+        1
+    };
+    if let Some((groups, limit)) = moe.routing_groups {
+        if ep > 1 && nodes > 1 && groups == nodes {
+            let limited = limit as f64 * (nodes - 1) as f64 / nodes as f64;
+            let all = moe.top_k as f64 * (ep - 1) as f64 / ep as f64;
+            share *= (limited / all).min(1.0);
+        }
+    }
+    if x.recipe.precision == crate::recipe::Precision::Fp8 {
+        let st = x.recipe.precision.storage().bytes() as f64;
+        share *= (1.0 + (1.0 + 4.0 / 128.0) / st) / 2.0;
+    }
+    share
+}
+
 /// What every stage's per-micro-batch cost is computed from: the mean layer's, the
 /// embedding's and the head's costs, the TP collective and the links (one derivation for the
 /// step estimate and the split proposal, `balance.rs`).
@@ -94,7 +128,9 @@ struct StageSetup {
 impl StageSetup {
     fn new(tm: &TimeModel, x: &PlanInput, cluster: &Cluster, e: &Efficiency, gs: &[Group]) -> Self {
         let l = &x.layout;
-        let lc = layer_cost(tm, x, e);
+        let mut lc = layer_cost(tm, x, e);
+        let ep_group = gs.iter().find(|g| g.dim == Dim::Ep).expect("all dims");
+        lc.comm.ep_bytes *= ep_volume(tm.spec, x, ep_group, cluster.gpus_per_node);
         let (emb, head) = edge_costs(tm, x, e);
         let (tp_link, tp_where) = link_of(cluster, gs, Dim::Tp);
         let (cp_link, cp_where) = link_of(cluster, gs, Dim::Cp);
@@ -374,9 +410,12 @@ fn estimate_from(
         crosses_nodes: gs[2].crosses_nodes,
         bytes: mb * slow.ep.0,
         s: mb * slow.ep.1,
-        exposed_s: mb * slow.ep.1,
+        exposed_s: mb * slow.ep.2,
         what: if l.ep > 1 {
-            format!("token dispatch/combine all-to-alls, 2 per MoE layer forward and 2 backward ({ep_where}, exposed)")
+            format!(
+                "token dispatch/combine all-to-alls, 2 per MoE layer forward and 2 backward ({ep_where}, {})",
+                if l.ep_overlap { "overlapping another micro-batch's compute" } else { "exposed" }
+            )
         } else {
             "no expert parallelism".into()
         },
