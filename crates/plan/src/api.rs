@@ -464,7 +464,10 @@ pub fn plan_json(body: Value) -> Result<Value> {
     } else {
         plan(&r.input)?
     };
-    let rep = build_with_time(&r.input, &result, &r.cluster, r.flops, false)?;
+    let mut rep = build_with_time(&r.input, &result, &r.cluster, r.flops, false)?;
+    if let Some(t) = rep.time.as_mut() {
+        t.notes.extend(r.notes.iter().cloned());
+    }
     let mut v = to_json(&rep);
     v["settings"] = json!({
         "recipe": r.input.recipe,
