@@ -126,8 +126,8 @@ impl Layout {
             return last.unwrap_or(0);
         }
         let named = first.is_some() as u64 + last.is_some() as u64;
-        let rest = layers.saturating_sub(first.unwrap_or(0) + last.unwrap_or(0));
-        rest / (self.pp - named).max(1)
+        let rest = layers.saturating_sub(first.unwrap_or(0).saturating_add(last.unwrap_or(0)));
+        rest / self.pp.saturating_sub(named).max(1)
     }
 
     /// Layers of model chunk `g` (of pp × pp_virtual; chunk g sits on stage g mod pp).
@@ -384,7 +384,7 @@ impl Layout {
             ));
         }
         let named = first.is_some() as u64 + last.is_some() as u64;
-        let edges = first.unwrap_or(0) + last.unwrap_or(0);
+        let edges = first.unwrap_or(0).saturating_add(last.unwrap_or(0));
         let others = p - named;
         let fix = "(Megatron-LM's rule: the other stages share the rest evenly; else give every stage's layers with --pp-layers)";
         if edges > layers || (others == 0 && edges != layers) {
@@ -393,7 +393,7 @@ impl Layout {
                 given,
                 format!(
                     "the first and last stage's {edges} layers leave {} for the other {others} stages of a {layers}-layer model {fix}",
-                    layers as i64 - edges as i64
+                    layers as i128 - edges as i128
                 ),
             ));
         }
