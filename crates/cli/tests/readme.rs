@@ -4,8 +4,8 @@
 //!
 //! The lines of the resume chain (those naming a checkpoint directory, or resuming) run exactly
 //! as written. Every other `train` line (a layout, a precision) runs as written plus
-//! `--stop-after 1 --eval-interval 0`: one step proves the flags are accepted and the layout
-//! starts and trains, without the 150 default steps. Lines that need what CI lacks are left
+//! `--stop-after 1 --eval-interval 0` (and `--seq 64` where it sets none): one step proves the
+//! flags are accepted and the layout starts and trains, without the 150 default steps. Lines that need what CI lacks are left
 //! out and listed in `skipped`: `mpirun` (the MPI tests run those layouts), a GPU, a Python
 //! script, or a placeholder path.
 
@@ -81,6 +81,10 @@ fn the_readme_trainer_commands_run_as_written() {
         let mut args = words(&line)[1..].to_vec();
         if args[0] == "train" && !chain(&line) {
             args.extend(["--stop-after", "1", "--eval-interval", "0", "--quiet"].map(String::from));
+            // Shorter sequences where the line sets none: the layout is what is checked.
+            if !args.iter().any(|a| a == "--seq") {
+                args.extend(["--seq", "64"].map(String::from));
+            }
         }
         let o = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
             .args(&args)

@@ -65,7 +65,11 @@ pub struct Settings {
     pub pp_schedule: Option<String>,
     pub pp_virtual: Option<u64>,
     pub pp_layers: Option<String>,
+    pub pp_first_layers: Option<u64>,
+    pub pp_last_layers: Option<u64>,
     pub offload: Option<String>,
+    /// Expert-parallel all-to-alls overlapped with compute (DeepSeek-V3's DualPipe).
+    pub ep_overlap: Option<bool>,
     pub gpu: Option<String>,
     pub gpus_per_node: Option<u64>,
     pub cluster: Option<ClusterFile>,
@@ -87,6 +91,8 @@ pub struct Resolved {
     pub input: PlanInput,
     pub cluster: Cluster,
     pub flops: FlopsConvention,
+    /// How the settings were completed (`--pp-layers auto`'s proposal), for the report.
+    pub notes: Vec<String>,
 }
 
 /// The model with its `max_position_embeddings` replaced by `--max-seq`: the context a run
@@ -323,10 +329,16 @@ impl Settings {
             sp: self.sp,
             pp_schedule: self.pp_schedule.clone(),
             pp_virtual: self.pp_virtual,
-            pp_layers: self.pp_layers.clone(),
+            pp_layers: self.pp_layers.clone().filter(|s| s.trim() != "auto"),
+            pp_first_layers: self.pp_first_layers,
+            pp_last_layers: self.pp_last_layers,
             offload: self.offload.clone(),
         }
         .resolve()?;
+        let layout = Layout {
+            ep_overlap: self.ep_overlap.unwrap_or(false),
+            ..layout
+        };
         let mbs = self.mbs.unwrap_or(1);
         let grad_acc = match (self.gbs, self.grad_acc) {
             (None, ga) => ga.unwrap_or(1),
@@ -405,18 +417,26 @@ impl Settings {
                 PlanError::setting("bucket_mb", self.bucket_mb.unwrap_or(0), "too large")
             })?;
         let cluster = self.cluster()?;
+        let mut input = PlanInput {
+            model,
+            recipe,
+            layout,
+            convention,
+            runtime: crate::runtime::Runtime::of(convention),
+            overhead,
+            bucket_bytes,
+        };
+        let mut notes = vec![];
+        if self.pp_layers.as_deref().map(str::trim) == Some("auto") {
+            let (split, why) = crate::balance::propose(&input, &cluster)?;
+            input.layout.pp_layers = split;
+            notes = why;
+        }
         Ok(Resolved {
-            input: PlanInput {
-                model,
-                recipe,
-                layout,
-                convention,
-                runtime: crate::runtime::Runtime::of(convention),
-                overhead,
-                bucket_bytes,
-            },
+            input,
             cluster,
             flops,
+            notes,
         })
     }
 }
@@ -444,7 +464,10 @@ pub fn plan_json(body: Value) -> Result<Value> {
     } else {
         plan(&r.input)?
     };
-    let rep = build_with_time(&r.input, &result, &r.cluster, r.flops, false)?;
+    let mut rep = build_with_time(&r.input, &result, &r.cluster, r.flops, false)?;
+    if let Some(t) = rep.time.as_mut() {
+        t.notes.extend(r.notes.iter().cloned());
+    }
     let mut v = to_json(&rep);
     v["settings"] = json!({
         "recipe": r.input.recipe,

@@ -44,13 +44,29 @@ pub struct Layout {
     pub pp_schedule: PpSchedule,
     /// Model chunks per pipeline stage (only with the interleaved schedule).
     pub pp_virtual: u64,
-    /// Layers of each pipeline stage, first to last (`--pp-layers 7,8*14,7`); empty: L / p
-    /// each. Llama 3 405B ran 126 layers on 16 stages with one layer fewer on the first and
-    /// the last, which also hold the embedding and the LM head (Llama Team 2024, arXiv
-    /// 2407.21783 §3.3.2). A stage may hold 0 layers (an embedding- or head-only stage).
+    /// Layers of each pipeline stage, first to last (`--pp-layers 7,8*14,7`: pp counts), or
+    /// of each model chunk in model order (pp × pp_virtual counts; chunk g sits on stage
+    /// g mod pp); empty: L / (p·v) each. With pp counts and virtual stages, a stage's layers
+    /// split evenly over its chunks (Megatron-LM's rule). Llama 3 405B ran 126 layers on 16
+    /// stages with one layer fewer on the first and the last, which also hold the embedding
+    /// and the LM head, while interleaving (Llama Team 2024, arXiv 2407.21783 §3.3.2). A stage
+    /// or chunk may hold 0 layers (an embedding- or head-only one).
     #[serde(default)]
     pub pp_layers: Vec<u64>,
+    /// Megatron-LM's first/last-stage form (`--decoder-first-pipeline-num-layers`,
+    /// `--decoder-last-pipeline-num-layers`): the first (last) stage holds this many layers,
+    /// the other stages the rest evenly; with virtual stages each stage's layers split evenly
+    /// over its chunks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pp_first_layers: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pp_last_layers: Option<u64>,
     pub offload: Offload,
+    /// Expert-parallel all-to-alls overlapped with another micro-batch's compute (DeepSeek-V3's
+    /// DualPipe, arXiv 2412.19437 §3.2.1) instead of exposed; a planner setting (`--ep-overlap`),
+    /// not one of the trainer's.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub ep_overlap: bool,
 }
 
 impl Default for Layout {
@@ -66,7 +82,10 @@ impl Default for Layout {
             pp_schedule: PpSchedule::OneFOneB,
             pp_virtual: 1,
             pp_layers: vec![],
+            pp_first_layers: None,
+            pp_last_layers: None,
             offload: Offload::None,
+            ep_overlap: false,
         }
     }
 }
@@ -89,19 +108,56 @@ impl Layout {
         self.dp * self.cp
     }
 
+    /// Whether the layers are split unevenly (a `pp_layers` list or the first/last form).
+    pub fn uneven(&self) -> bool {
+        !self.pp_layers.is_empty()
+            || self.pp_first_layers.is_some()
+            || self.pp_last_layers.is_some()
+    }
+
+    /// Layers pipeline stage `stage` holds under the first/last form (Megatron-LM's
+    /// `get_num_layers_to_build`: the stages not named share the rest evenly).
+    fn first_last_stage_layers(&self, layers: u64, stage: u64) -> u64 {
+        let (first, last) = (self.pp_first_layers, self.pp_last_layers);
+        if stage == 0 && first.is_some() {
+            return first.unwrap_or(0);
+        }
+        if stage == self.pp - 1 && last.is_some() {
+            return last.unwrap_or(0);
+        }
+        let named = first.is_some() as u64 + last.is_some() as u64;
+        let rest = layers.saturating_sub(first.unwrap_or(0).saturating_add(last.unwrap_or(0)));
+        rest / self.pp.saturating_sub(named).max(1)
+    }
+
+    /// Layers of model chunk `g` (of pp × pp_virtual; chunk g sits on stage g mod pp).
+    pub fn chunk_layer_count(&self, layers: u64, g: u64) -> u64 {
+        let (p, v) = (self.pp, self.pp_virtual);
+        let n = self.pp_layers.len() as u64;
+        if n == p * v {
+            self.pp_layers[g as usize]
+        } else if n == p {
+            self.pp_layers[(g % p) as usize] / v
+        } else if self.pp_first_layers.is_some() || self.pp_last_layers.is_some() {
+            self.first_last_stage_layers(layers, g % p) / v
+        } else {
+            layers / (p * v)
+        }
+    }
+
     /// The layers of model chunk `g` (of pp × pp_virtual; chunk g sits on stage g mod pp) for a
-    /// model of `layers` layers: L/(p·v) consecutive layers each, or the `pp_layers` split.
+    /// model of `layers` layers: L/(p·v) consecutive layers each, or the uneven split's.
     pub fn chunk_layers(&self, layers: u64, g: u64) -> std::ops::Range<u64> {
-        if self.pp_layers.is_empty() {
+        if !self.uneven() {
             let per = layers / (self.pp * self.pp_virtual);
             return g * per..(g + 1) * per;
         }
-        let start: u64 = self.pp_layers[..g as usize].iter().sum();
-        start..start + self.pp_layers[g as usize]
+        let start: u64 = (0..g).map(|h| self.chunk_layer_count(layers, h)).sum();
+        start..start + self.chunk_layer_count(layers, g)
     }
 
     /// Which pipeline stage holds part `p` of a model of `layers` layers. Model chunk g (of
-    /// p·v) holds layers [g·L/(pv), (g+1)·L/(pv)) (or the `pp_layers` split) and sits on stage
+    /// p·v) holds layers [g·L/(pv), (g+1)·L/(pv)) (or the uneven split's) and sits on stage
     /// g mod p; the embedding is on the first stage, the final norm and LM head on the last.
     pub fn stage_of(&self, p: crate::inventory::Placement, layers: u64) -> u64 {
         use crate::inventory::Placement;
@@ -109,10 +165,14 @@ impl Layout {
         match p {
             Placement::Embedding => 0,
             Placement::Head => self.pp - 1,
-            Placement::Layer(i) if self.pp_layers.is_empty() => (i / (layers / chunks)) % self.pp,
+            Placement::Layer(i) if !self.uneven() => (i / (layers / chunks)) % self.pp,
             Placement::Layer(i) => {
+                let mut end = 0;
                 (0..chunks)
-                    .find(|&g| self.chunk_layers(layers, g).contains(&i))
+                    .find(|&g| {
+                        end += self.chunk_layer_count(layers, g);
+                        i < end
+                    })
                     .unwrap_or(0)
                     % self.pp
             }
@@ -153,6 +213,13 @@ impl Layout {
                 "ZeRO stages are 0, 1, 2 or 3",
             ));
         }
+        if self.ep_overlap && self.ep == 1 {
+            return Err(PlanError::setting(
+                "ep_overlap",
+                true,
+                "overlaps expert-parallel all-to-alls: add --ep 2 or more",
+            ));
+        }
         if self.pp_virtual > 1 && self.pp_schedule != PpSchedule::Interleaved {
             return Err(PlanError::setting(
                 "pp_virtual",
@@ -187,7 +254,7 @@ impl Layout {
                 ),
             ));
         }
-        if !self.pp_layers.is_empty() {
+        if self.uneven() {
             self.validate_pp_layers(m.layers)?;
         } else if m.layers % (self.pp * self.pp_virtual) != 0 {
             return Err(PlanError::setting(
@@ -233,6 +300,10 @@ impl Layout {
 
 impl Layout {
     fn validate_pp_layers(&self, layers: u64) -> Result<()> {
+        let (p, v) = (self.pp, self.pp_virtual);
+        if self.pp_layers.is_empty() {
+            return self.validate_first_last(layers);
+        }
         let list = || {
             self.pp_layers
                 .iter()
@@ -240,21 +311,34 @@ impl Layout {
                 .collect::<Vec<_>>()
                 .join(",")
         };
-        if self.pp_virtual > 1 {
+        if let Some((flag, n)) = [
+            ("pp_first_layers", self.pp_first_layers),
+            ("pp_last_layers", self.pp_last_layers),
+        ]
+        .into_iter()
+        .find_map(|(f, n)| n.map(|n| (f, n)))
+        {
             return Err(PlanError::setting(
-                "pp_layers",
-                list(),
-                "an uneven split needs pp_virtual 1 (drop --pp-virtual or --pp-layers)",
+                flag,
+                n,
+                "goes without --pp-layers (give either every stage's layers or the first and last stage's)",
             ));
         }
-        if self.pp_layers.len() as u64 != self.pp {
+        let n = self.pp_layers.len() as u64;
+        if n != p && n != p * v {
+            let per_chunk = if v > 1 {
+                format!(
+                    ", or pp × pp_virtual = {} counts, one per model chunk",
+                    p * v
+                )
+            } else {
+                String::new()
+            };
             return Err(PlanError::setting(
                 "pp_layers",
                 list(),
                 format!(
-                    "gives {} stages but pp is {} (one layer count per stage, e.g. 7,8*14,7)",
-                    self.pp_layers.len(),
-                    self.pp
+                    "gives {n} stages but pp is {p} (one layer count per stage, e.g. 7,8*14,7{per_chunk})"
                 ),
             ));
         }
@@ -266,13 +350,105 @@ impl Layout {
                 format!("adds up to {sum} layers but the model has {layers}"),
             ));
         }
+        if n == p && v > 1 {
+            if let Some(s) = (0..p).find(|&s| !self.pp_layers[s as usize].is_multiple_of(v)) {
+                return Err(PlanError::setting(
+                    "pp_layers",
+                    list(),
+                    format!(
+                        "stage {s}'s {} layers do not split evenly over pp_virtual = {v} model chunks (give one count per model chunk: {} counts in model order)",
+                        self.pp_layers[s as usize],
+                        p * v
+                    ),
+                ));
+            }
+        }
         Ok(())
     }
+
+    /// Megatron-LM's first/last form: the named stages' counts, the rest evenly over the
+    /// others, and every stage's count a multiple of pp_virtual (its chunks split it evenly).
+    fn validate_first_last(&self, layers: u64) -> Result<()> {
+        let (p, v) = (self.pp, self.pp_virtual);
+        let (first, last) = (self.pp_first_layers, self.pp_last_layers);
+        let (flag, given) = match (first, last) {
+            (Some(f), _) => ("pp_first_layers", f),
+            (None, Some(l)) => ("pp_last_layers", l),
+            (None, None) => return Ok(()),
+        };
+        if p < 2 {
+            return Err(PlanError::setting(
+                flag,
+                given,
+                "names a pipeline stage's layers: add --pp 2 or more",
+            ));
+        }
+        let named = first.is_some() as u64 + last.is_some() as u64;
+        let edges = first.unwrap_or(0).saturating_add(last.unwrap_or(0));
+        let others = p - named;
+        let fix = "(Megatron-LM's rule: the other stages share the rest evenly; else give every stage's layers with --pp-layers)";
+        if edges > layers || (others == 0 && edges != layers) {
+            return Err(PlanError::setting(
+                flag,
+                given,
+                format!(
+                    "the first and last stage's {edges} layers leave {} for the other {others} stages of a {layers}-layer model {fix}",
+                    layers as i128 - edges as i128
+                ),
+            ));
+        }
+        if others > 0 && !(layers - edges).is_multiple_of(others) {
+            return Err(PlanError::setting(
+                flag,
+                given,
+                format!(
+                    "the other {others} stages cannot share the remaining {} layers evenly {fix}",
+                    layers - edges
+                ),
+            ));
+        }
+        if let Some(s) =
+            (0..p).find(|&s| !self.first_last_stage_layers(layers, s).is_multiple_of(v))
+        {
+            return Err(PlanError::setting(
+                flag,
+                given,
+                format!(
+                    "stage {s}'s {} layers do not split evenly over pp_virtual = {v} model chunks (give one count per model chunk with --pp-layers: {} counts in model order)",
+                    self.first_last_stage_layers(layers, s),
+                    p * v
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Writes layer counts as `--pp-layers` reads them, runs as `n*k` (`7,8*14,7`).
+pub fn format_pp_layers(counts: &[u64]) -> String {
+    let mut parts: Vec<String> = vec![];
+    let mut i = 0;
+    while i < counts.len() {
+        let k = counts[i..].iter().take_while(|&&n| n == counts[i]).count();
+        parts.push(match k {
+            1 => counts[i].to_string(),
+            _ => format!("{}*{k}", counts[i]),
+        });
+        i += k;
+    }
+    parts.join(",")
 }
 
 /// Parses `--pp-layers`: comma-separated layer counts, `n*k` for k stages of n layers
 /// (`7,8*14,7` is 16 stages).
 pub fn parse_pp_layers(s: &str) -> Result<Vec<u64>> {
+    if s.trim() == "auto" {
+        return Err(PlanError::setting(
+            "pp_layers",
+            s,
+            "`ferrotron plan --pp-layers auto` proposes a split; give the layer counts its layout line prints",
+        ));
+    }
     let bad = || {
         PlanError::setting(
             "pp_layers",

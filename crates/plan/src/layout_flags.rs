@@ -42,9 +42,20 @@ pub struct LayoutFlags {
     /// Model chunks per stage for the interleaved schedule [default: 1].
     #[cfg_attr(feature = "cli", arg(long, allow_negative_numbers = true))]
     pub pp_virtual: Option<u64>,
-    /// Layers per pipeline stage, e.g. `7,8*14,7` (126 layers on 16 stages) [default: even].
+    /// Layers per pipeline stage, e.g. `7,8*14,7` (126 layers on 16 stages), or per model chunk
+    /// (pp × pp-virtual counts, model order) [default: even].
     #[cfg_attr(feature = "cli", arg(long, allow_negative_numbers = true))]
     pub pp_layers: Option<String>,
+    /// Layers of the first pipeline stage, the others sharing the rest evenly (Megatron-LM's
+    /// `--decoder-first-pipeline-num-layers`). Not written when not given: a saved config
+    /// reads as it did before the flag existed.
+    #[cfg_attr(feature = "cli", arg(long, allow_negative_numbers = true))]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pp_first_layers: Option<u64>,
+    /// Layers of the last pipeline stage (Megatron-LM's `--decoder-last-pipeline-num-layers`).
+    #[cfg_attr(feature = "cli", arg(long, allow_negative_numbers = true))]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pp_last_layers: Option<u64>,
     /// none | optimizer | params [default: none].
     #[cfg_attr(feature = "cli", arg(long, allow_negative_numbers = true))]
     pub offload: Option<String>,
@@ -76,7 +87,10 @@ impl LayoutFlags {
                 Some(s) => crate::layout::parse_pp_layers(s)?,
                 None => vec![],
             },
+            pp_first_layers: self.pp_first_layers,
+            pp_last_layers: self.pp_last_layers,
             offload: parse(&self.offload, Offload::None)?,
+            ep_overlap: false,
         })
     }
 
@@ -97,6 +111,8 @@ impl LayoutFlags {
             pp_schedule,
             pp_virtual,
             pp_layers,
+            pp_first_layers,
+            pp_last_layers,
             offload
         );
         self
@@ -118,6 +134,8 @@ impl From<&Layout> for LayoutFlags {
             pp_schedule: Some(l.pp_schedule.to_string()),
             pp_virtual: Some(l.pp_virtual),
             pp_layers: (!layers.is_empty()).then(|| layers.join(",")),
+            pp_first_layers: l.pp_first_layers,
+            pp_last_layers: l.pp_last_layers,
             offload: Some(l.offload.to_string()),
         }
     }
@@ -136,6 +154,7 @@ mod tests {
             pp_schedule: Some("interleaved".into()),
             pp_virtual: Some(2),
             pp_layers: Some("1,2*2".into()),
+            pp_last_layers: Some(3),
             offload: Some("optimizer".into()),
             sp: Some(true),
             tp: Some(2),
@@ -144,6 +163,7 @@ mod tests {
         .resolve()
         .unwrap();
         assert_eq!(l.pp_layers, [1, 2, 2]);
+        assert_eq!(l.pp_last_layers, Some(3));
         assert_eq!(LayoutFlags::from(&l).resolve().unwrap(), l);
         assert_eq!(
             LayoutFlags::from(&Layout::default()).resolve().unwrap(),

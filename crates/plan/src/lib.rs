@@ -9,6 +9,7 @@ pub mod allocator;
 pub mod api;
 pub mod arena;
 pub mod attention_kernel;
+pub mod balance;
 pub mod buffers;
 pub mod cluster;
 pub mod comm;

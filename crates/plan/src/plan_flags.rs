@@ -90,9 +90,26 @@ pub struct PlanFlags {
     /// Model chunks per stage for the interleaved schedule [default: 1].
     #[cfg_attr(feature = "cli", arg(long, allow_negative_numbers = true))]
     pub pp_virtual: Option<u64>,
-    /// Layers per pipeline stage, e.g. 7,8*14,7 (126 layers on 16 stages) [default: even].
+    /// Layers per pipeline stage, e.g. 7,8*14,7 (126 layers on 16 stages), or per model chunk
+    /// (pp × pp-virtual counts, model order), or auto (balanced stage times) [default: even].
     #[cfg_attr(feature = "cli", arg(long, allow_negative_numbers = true))]
     pub pp_layers: Option<String>,
+    /// Layers of the first pipeline stage, the others sharing the rest evenly (Megatron-LM's
+    /// --decoder-first-pipeline-num-layers) [default: an even share].
+    #[cfg_attr(feature = "cli", arg(long, allow_negative_numbers = true))]
+    pub pp_first_layers: Option<u64>,
+    /// Layers of the last pipeline stage (Megatron-LM's --decoder-last-pipeline-num-layers)
+    /// [default: an even share].
+    #[cfg_attr(feature = "cli", arg(long, allow_negative_numbers = true))]
+    pub pp_last_layers: Option<u64>,
+    /// Expert-parallel all-to-alls overlapped with another micro-batch's compute, as
+    /// DeepSeek-V3's DualPipe runs them; `--ep-overlap` alone means true [default: false,
+    /// exposed, as Megatron-LM's default].
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, num_args = 0..=1, default_missing_value = "true")
+    )]
+    pub ep_overlap: Option<bool>,
     /// none | optimizer | params [default: none].
     #[cfg_attr(feature = "cli", arg(long, allow_negative_numbers = true))]
     pub offload: Option<String>,
@@ -155,7 +172,7 @@ impl PlanFlags {
         };
         let mut file: PlanFlags = read_toml("config", path)?;
         merge!(self, file; model, params, largest_layer, seq, max_seq, mbs, grad_acc, gbs, precision, optimizer, recompute,
-            dp, tp, pp, cp, ep, zero, sp, pp_schedule, pp_virtual, pp_layers, offload, gpu, gpus_per_node,
+            dp, tp, pp, cp, ep, zero, sp, pp_schedule, pp_virtual, pp_layers, pp_first_layers, pp_last_layers, ep_overlap, offload, gpu, gpus_per_node,
             cluster, attention, flops_convention, convention, overhead_gib, fragmentation, ce_chunk,
             bucket_mb, capacity_factor, html);
         Ok(self)
@@ -198,6 +215,9 @@ impl PlanFlags {
             pp_schedule: self.pp_schedule.clone(),
             pp_virtual: self.pp_virtual,
             pp_layers: self.pp_layers.clone(),
+            pp_first_layers: self.pp_first_layers,
+            pp_last_layers: self.pp_last_layers,
+            ep_overlap: self.ep_overlap,
             offload: self.offload.clone(),
             gpu: self.gpu.clone(),
             gpus_per_node: self.gpus_per_node,
@@ -221,7 +241,12 @@ impl PlanFlags {
     /// The report of `result` (the plan of `r`), as `ferrotron plan` prints it. With `--html`
     /// the report also holds the sequence-length sweep the page draws, and is written there.
     pub fn report(&self, r: &Resolved, result: &PlanResult) -> Result<Report> {
-        let report = build_with_time(&r.input, result, &r.cluster, r.flops, self.html.is_some())?;
+        let mut report =
+            build_with_time(&r.input, result, &r.cluster, r.flops, self.html.is_some())?;
+        // How the settings were completed (`--pp-layers auto`'s proposal).
+        if let Some(t) = report.time.as_mut() {
+            t.notes.extend(r.notes.iter().cloned());
+        }
         if let Some(path) = &self.html {
             write_atomic(path, &to_html(&report))?;
         }

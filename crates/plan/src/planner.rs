@@ -164,11 +164,10 @@ fn plan_impl(input: &PlanInput, extremes: bool) -> Result<PlanResult> {
             },
         ),
     };
-    // An uneven split can load a middle stage most: then every stage is simulated.
-    let stages: Vec<u64> = if extremes && l.pp > 2 && l.pp_layers.is_empty() {
-        vec![0, l.pp - 1]
-    } else {
-        (0..l.pp).collect()
+    let stages: Vec<u64> = match (spec, extremes && l.pp > 2) {
+        (Some(m), true) if l.uneven() => uneven_candidates(l, m.layers),
+        (_, true) => vec![0, l.pp - 1],
+        _ => (0..l.pp).collect(),
     };
     let ranks: Vec<RankPlan> = stages
         .into_iter()
@@ -183,6 +182,31 @@ fn plan_impl(input: &PlanInput, extremes: bool) -> Result<PlanResult> {
         ranks,
         most_loaded,
     })
+}
+
+/// The stages that can be the most loaded under an uneven split: the first and the last (the
+/// embedding, the head) and, of the middle stages holding the same chunks' layer counts, the
+/// earliest: it holds the same states and buffers as the later ones and no fewer micro-batches
+/// in flight (every schedule's warm-up shrinks along the pipeline, `schedule::warmup`). A
+/// middle stage can then be the most loaded (126 layers on 16 stages, 7 on the first: stage 1
+/// holds 15 micro-batches of 8 layers, stage 0 16 of 7).
+fn uneven_candidates(l: &Layout, layers: u64) -> Vec<u64> {
+    let counts = |s: u64| -> Vec<u64> {
+        (0..l.pp_virtual)
+            .map(|c| l.chunk_layer_count(layers, c * l.pp + s))
+            .collect()
+    };
+    let mut seen: Vec<Vec<u64>> = vec![];
+    let mut out = vec![0];
+    for s in 1..l.pp - 1 {
+        let c = counts(s);
+        if !seen.contains(&c) {
+            seen.push(c);
+            out.push(s);
+        }
+    }
+    out.push(l.pp - 1);
+    out
 }
 
 /// Which pipeline stage a tensor lives on ([`Layout::stage_of`]).

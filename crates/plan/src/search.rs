@@ -27,7 +27,7 @@ use crate::model::ModelSpec;
 use crate::planner::{plan_extremes, rank_elems, ModelSource, PlanInput};
 use crate::recipe::{Optimizer, Precision, Recipe, Recompute};
 use crate::states::add_states;
-use crate::time::{estimate_with, TimeModel, TimeReport};
+use crate::time::{estimate_balanced, TimeModel, TimeReport};
 use serde::Serialize;
 
 /// Fraction of device memory a layout may plan to use: published large runs keep about 20%
@@ -131,6 +131,12 @@ pub fn flags(l: &Layout, r: &Recipe) -> String {
     }
     if l.pp_virtual > 1 {
         f.push(format!("--pp-virtual {}", l.pp_virtual));
+    }
+    if !l.pp_layers.is_empty() {
+        f.push(format!(
+            "--pp-layers {}",
+            crate::layout::format_pp_layers(&l.pp_layers)
+        ));
     }
     if l.zero > 0 {
         f.push(format!("--zero {}", l.zero));
@@ -280,15 +286,17 @@ pub fn search(spec: &SearchSpec) -> Result<SearchResult> {
                                         sp: tp > 1,
                                         pp_schedule: sched,
                                         pp_virtual: v,
-                                        pp_layers: vec![],
                                         offload: Offload::None,
+                                        ..Layout::default()
                                     };
                                     if x.layout.validate(Some(m), &x.recipe).is_err() {
                                         continue;
                                     }
-                                    let t = estimate_with(
+                                    // Priced with the split `--pp-layers auto` proposes for
+                                    // time (`balance.rs`).
+                                    let t = estimate_balanced(
                                         &tm,
-                                        &x,
+                                        &mut x,
                                         &spec.cluster,
                                         spec.flops,
                                         &per_token,

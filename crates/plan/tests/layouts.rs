@@ -211,16 +211,194 @@ fn pp_layers_errors_name_the_flag_and_the_fix() {
         "pp_layers = 16,16: gives 2 stages but pp is 3 (one layer count per stage, e.g. 7,8*14,7)"
     );
     assert_eq!(
-        err(2, vec![16, 16], 2),
-        "pp_layers = 16,16: an uneven split needs pp_virtual 1 (drop --pp-virtual or --pp-layers)"
+        err(2, vec![10, 11, 11], 2),
+        "pp_layers = 10,11,11: gives 3 stages but pp is 2 (one layer count per stage, e.g. 7,8*14,7, or pp × pp_virtual = 4 counts, one per model chunk)"
+    );
+    assert_eq!(
+        err(2, vec![15, 17], 2),
+        "pp_layers = 15,17: stage 0's 15 layers do not split evenly over pp_virtual = 2 model chunks (give one count per model chunk: 4 counts in model order)"
     );
     assert_eq!(
         layout::parse_pp_layers("7,8*14,7").unwrap(),
         [vec![7], vec![8; 14], vec![7]].concat()
     );
+    assert_eq!(layout::format_pp_layers(&[7, 8, 8, 8, 7]), "7,8*3,7");
+    assert_eq!(
+        layout::parse_pp_layers(&layout::format_pp_layers(&[3, 4, 4, 2, 2])).unwrap(),
+        [3, 4, 4, 2, 2]
+    );
+    assert_eq!(
+        layout::parse_pp_layers("auto").unwrap_err().to_string(),
+        "pp_layers = auto: `ferrotron plan --pp-layers auto` proposes a split; give the layer counts its layout line prints"
+    );
     assert_eq!(
         layout::parse_pp_layers("7,x").unwrap_err().to_string(),
         "pp_layers = 7,x: expected layer counts per stage separated by commas, n*k for k stages of n (e.g. 7,8*14,7)"
+    );
+}
+
+/// The layers whose activations a rank of `r` holds (`act.layers.{i}.input`), sorted.
+fn activation_layers(r: &RankPlan) -> Vec<u64> {
+    let mut v: Vec<u64> = r
+        .plan
+        .buffers
+        .iter()
+        .filter_map(|b| b.name.strip_prefix("act.layers."))
+        .filter_map(|s| s.split('.').next())
+        .filter_map(|s| s.parse().ok())
+        .collect();
+    v.sort();
+    v.dedup();
+    v
+}
+
+fn interleaved(pp: u64, v: u64) -> Layout {
+    Layout {
+        pp,
+        pp_virtual: v,
+        pp_schedule: PpSchedule::Interleaved,
+        ..Layout::default()
+    }
+}
+
+#[test]
+fn uneven_stages_with_virtual_stages_hold_each_chunk_given() {
+    // Llama 3 405B interleaved with the first and last stage one layer lighter (arXiv
+    // 2407.21783 §3.3.2), as a per-chunk list: 16 stages × 2 chunks, the first chunk (stage
+    // 0) and the last (stage 15) 3 layers, the 30 others 4: 126 layers.
+    let layout = Layout {
+        tp: 8,
+        pp_layers: [vec![3], vec![4; 30], vec![3]].concat(),
+        ..interleaved(16, 2)
+    };
+    let mut r = recipe();
+    r.grad_acc = 16;
+    let res = plan(&input(
+        "llama-3.1-405b",
+        r,
+        layout.clone(),
+        Convention::Ferrotron,
+    ))
+    .unwrap();
+    // Chunk g sits on stage g mod 16: stage 0 runs chunks 0 (layers 0..3) and 16 (63..67),
+    // stage 15 chunks 15 (59..63) and 31 (123..126); each holds its chunks' layers and the
+    // next chunk's first input it sends on (Megatron-LM's interleaving, Narayanan et al. 2021
+    // §2.2). The `act.layers.N.*` names include a layer's input held as the previous layer's
+    // output: the held set is the chunks' layers, each followed by one.
+    assert_eq!(layout.stage_layer_count(126, 0), 7);
+    assert_eq!(layout.stage_layer_count(126, 7), 8);
+    assert_eq!(layout.stage_layer_count(126, 15), 7);
+    let held0 = activation_layers(&res.ranks[0]);
+    for i in (0..3).chain(63..67) {
+        assert!(held0.contains(&i), "stage 0 holds layer {i}: {held0:?}");
+    }
+    assert!(!held0.iter().any(|i| (8..60).contains(i)), "{held0:?}");
+    let held15 = activation_layers(&res.ranks[15]);
+    for i in (59..63).chain(123..126) {
+        assert!(held15.contains(&i), "stage 15 holds layer {i}: {held15:?}");
+    }
+    // Parameters follow the chunks: stage 0 the embedding and 7 layers, stage 7 8 layers,
+    // stage 15 7 layers and the head.
+    let layer = stage_elems("llama-3.1-405b", 8, |p| p == Placement::Layer(1));
+    let emb = stage_elems("llama-3.1-405b", 8, |p| p == Placement::Embedding);
+    let head = stage_elems("llama-3.1-405b", 8, |p| p == Placement::Head);
+    assert_eq!(numel(&res.ranks[0], "params"), emb + 7 * layer);
+    assert_eq!(numel(&res.ranks[7], "params"), 8 * layer);
+    assert_eq!(numel(&res.ranks[15], "params"), head + 7 * layer);
+}
+
+#[test]
+fn megatrons_first_last_form_and_a_per_stage_list_split_each_stage_over_its_chunks() {
+    // 32 layers, 4 stages × 2 chunks, first and last stage 6 layers: the middle two 10 each
+    // (Megatron-LM's rule), each stage's layers split evenly over its chunks: chunk layers
+    // 3,5,5,3, 3,5,5,3 in model order.
+    let first_last = Layout {
+        pp_first_layers: Some(6),
+        pp_last_layers: Some(6),
+        ..interleaved(4, 2)
+    };
+    let per_stage = Layout {
+        pp_layers: vec![6, 10, 10, 6],
+        ..interleaved(4, 2)
+    };
+    let per_chunk = Layout {
+        pp_layers: vec![3, 5, 5, 3, 3, 5, 5, 3],
+        ..interleaved(4, 2)
+    };
+    let counts = |l: &Layout| (0..8).map(|g| l.chunk_layers(32, g)).collect::<Vec<_>>();
+    assert_eq!(counts(&first_last), counts(&per_chunk));
+    assert_eq!(counts(&per_stage), counts(&per_chunk));
+    assert_eq!(per_chunk.chunk_layers(32, 4), 16..19);
+    let peaks =
+        |l: Layout| -> Vec<u64> { run("llama-3-8b", l).ranks.iter().map(|r| r.peak).collect() };
+    let want = peaks(per_chunk);
+    assert_eq!(peaks(first_last), want);
+    assert_eq!(peaks(per_stage), want);
+    // Only the first stage named: 8 layers on it leaves 24, 8 on each of the other three.
+    let first = Layout {
+        pp: 4,
+        pp_first_layers: Some(8),
+        ..Layout::default()
+    };
+    assert_eq!(counts(&first)[..4], [0..8, 8..16, 16..24, 24..32]);
+    let first = Layout {
+        pp_first_layers: Some(2),
+        ..first
+    };
+    assert_eq!(counts(&first)[..4], [0..2, 2..12, 12..22, 22..32]);
+}
+
+#[test]
+fn first_last_form_errors_name_the_flag_and_the_fix() {
+    let err = |layout: Layout| {
+        plan(&input(
+            "llama-3-8b",
+            recipe(),
+            layout,
+            Convention::Ferrotron,
+        ))
+        .unwrap_err()
+        .to_string()
+    };
+    assert_eq!(
+        err(Layout {
+            pp_first_layers: Some(7),
+            pp: 4,
+            ..Layout::default()
+        }),
+        "pp_first_layers = 7: the other 3 stages cannot share the remaining 25 layers evenly (Megatron-LM's rule: the other stages share the rest evenly; else give every stage's layers with --pp-layers)"
+    );
+    assert_eq!(
+        err(Layout {
+            pp_first_layers: Some(5),
+            pp_last_layers: Some(5),
+            ..interleaved(4, 2)
+        }),
+        "pp_first_layers = 5: stage 0's 5 layers do not split evenly over pp_virtual = 2 model chunks (give one count per model chunk with --pp-layers: 8 counts in model order)"
+    );
+    assert_eq!(
+        err(Layout {
+            pp_last_layers: Some(40),
+            pp: 2,
+            ..Layout::default()
+        }),
+        "pp_last_layers = 40: the first and last stage's 40 layers leave -8 for the other 1 stages of a 32-layer model (Megatron-LM's rule: the other stages share the rest evenly; else give every stage's layers with --pp-layers)"
+    );
+    assert_eq!(
+        err(Layout {
+            pp_first_layers: Some(8),
+            ..Layout::default()
+        }),
+        "pp_first_layers = 8: names a pipeline stage's layers: add --pp 2 or more"
+    );
+    assert_eq!(
+        err(Layout {
+            pp: 2,
+            pp_layers: vec![16, 16],
+            pp_last_layers: Some(16),
+            ..Layout::default()
+        }),
+        "pp_last_layers = 16: goes without --pp-layers (give either every stage's layers or the first and last stage's)"
     );
 }
 

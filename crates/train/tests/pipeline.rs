@@ -59,6 +59,8 @@ struct Layout {
     v: u64,
     sp: bool,
     zero: u64,
+    /// `--pp-layers` (None: even).
+    layers: Option<&'static str>,
 }
 
 const ONE: Layout = Layout {
@@ -69,6 +71,7 @@ const ONE: Layout = Layout {
     v: 1,
     sp: false,
     zero: 0,
+    layers: None,
 };
 
 fn train(tag: &str, l: &Layout) -> Vec<StepMetrics> {
@@ -81,9 +84,29 @@ fn train(tag: &str, l: &Layout) -> Vec<StepMetrics> {
     (a.layout.zero, a.layout.sp) = (Some(l.zero), Some(l.sp));
     a.layout.pp_schedule = Some(l.schedule.into());
     a.layout.pp_virtual = Some(l.v);
+    a.layout.pp_layers = l.layers.map(Into::into);
     // Validation runs through the pipeline too (forward only, chunk by chunk).
     a.eval_interval = Some(2);
     run(a).unwrap().steps
+}
+
+#[test]
+fn uneven_model_chunks_follow_the_one_rank_trajectory_within_their_plans() {
+    // 6 layers on 2 stages × 2 chunks, one count per chunk in model order: stage 0 runs
+    // chunks 0 (1 layer) and 2 (2 layers), stage 1 chunks 1 (2) and 3 (1, and the head) —
+    // the planner's `Layout::chunk_layers`, which the trainer's stages follow.
+    let one = train("pp-uneven-one", &ONE);
+    let l = Layout {
+        pp: 2,
+        schedule: "interleaved",
+        v: 2,
+        layers: Some("1,2,2,1"),
+        ..ONE
+    };
+    let s = train("pp-uneven-chunks", &l);
+    assert_eq!(s.len(), 5);
+    assert_follows(&one, &s, 1e-5, true, "pp 2 v 2 layers 1,2,2,1");
+    assert_within_plans(&s, "pp 2 v 2 layers 1,2,2,1");
 }
 
 #[test]

@@ -121,6 +121,7 @@ impl LlamaConfig {
             router_bias: false,
             norm_topk: m.norm_topk,
             aux_loss_coef: m.aux_loss_coef as f64,
+            routing_groups: None,
         });
         ModelSpec {
             name: "engine".into(),

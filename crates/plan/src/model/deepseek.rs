@@ -38,6 +38,10 @@ pub(super) fn read(f: &Fields, model_type: &str) -> Result<ModelSpec> {
             || f.string_or("topk_method", "greedy")? == "noaux_tc",
         norm_topk: f.boolean_or("norm_topk_prob", false)?,
         aux_loss_coef: f.coefficient_or("aux_loss_alpha", 0.001)?,
+        routing_groups: match (f.count_or("n_group", 1)?, f.count_or("topk_group", 1)?) {
+            (g, k) if g > 1 && k < g => Some((g, k)),
+            _ => None,
+        },
     };
     // Layer i has routed experts iff i >= first_k_dense_replace and i % moe_layer_freq == 0
     // (modeling_deepseek.py DeepseekV2DecoderLayer).

@@ -85,6 +85,11 @@ pub struct MoeSpec {
     /// Weight of the load-balancing loss in the training loss (`router_aux_loss_coef`; Fedus
     /// et al. 2021, Switch Transformer eqs. 4–6).
     pub aux_loss_coef: f64,
+    /// Group-limited routing (`n_group`, `topk_group`): the experts form `n_group` groups and
+    /// a token's experts come from at most `topk_group` of them. DeepSeek-V3 trains it as
+    /// node-limited routing, one group per node: each token reaches at most 4 nodes
+    /// (arXiv 2412.19437 §2.1.2, §3.2.2). `None`: ungrouped.
+    pub routing_groups: Option<(u64, u64)>,
 }
 
 /// Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434 §2.1): queries and keys/values

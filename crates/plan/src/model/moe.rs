@@ -25,6 +25,7 @@ pub(super) fn read(
                 router_bias: false,
                 norm_topk: true,
                 // MixtralConfig's default.
+                routing_groups: None,
                 aux_loss_coef: f.coefficient_or("router_aux_loss_coef", 0.001)?,
             };
             Ok((Some(moe), vec![]))
@@ -48,6 +49,7 @@ pub(super) fn read(
                 shared_gate: shared > 0,
                 router_bias: false,
                 norm_topk: f.boolean_or("norm_topk_prob", false)?,
+                routing_groups: None,
                 aux_loss_coef: f.coefficient_or("router_aux_loss_coef", 0.001)?,
             };
             let step = f.positive_or("decoder_sparse_step", 1)?;

@@ -94,6 +94,24 @@ impl Report {
     }
 }
 
+/// The schedule's virtual stages and an uneven split's layers per model chunk, model order.
+fn split(x: &PlanInput) -> String {
+    let l = &x.layout;
+    let layers = match &x.model {
+        ModelSource::Spec(m) if l.uneven() => m.layers,
+        _ if l.pp_virtual > 1 => return format!(" (v = {})", l.pp_virtual),
+        _ => return String::new(),
+    };
+    let each: Vec<u64> = (0..l.pp * l.pp_virtual)
+        .map(|g| l.chunk_layer_count(layers, g))
+        .collect();
+    let each = crate::layout::format_pp_layers(&each);
+    match l.pp_virtual {
+        1 => format!(" (layers per stage {each})"),
+        v => format!(" (v = {v}; layers per model chunk {each})"),
+    }
+}
+
 fn settings(x: &PlanInput) -> Vec<(String, String)> {
     let (r, l) = (&x.recipe, &x.layout);
     let gbs = l.global_batch(r);
@@ -131,14 +149,7 @@ fn settings(x: &PlanInput) -> Vec<(String, String)> {
                 l.zero,
                 if l.sp { "on" } else { "off" },
                 l.pp_schedule,
-                if l.pp_virtual > 1 {
-                    format!(" (v = {})", l.pp_virtual)
-                } else if !l.pp_layers.is_empty() {
-                    let each: Vec<String> = l.pp_layers.iter().map(u64::to_string).collect();
-                    format!(" (layers per stage {})", each.join(","))
-                } else {
-                    String::new()
-                },
+                split(x),
                 l.offload
             ),
         ),

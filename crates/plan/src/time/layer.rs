@@ -65,8 +65,9 @@ pub(super) struct EdgeCost {
     pub(super) tp_extra_bytes: f64,
 }
 
-/// (tp, ep, pp, v, stage): what a rank's element counts depend on.
-pub(super) type ElemsKey = (u64, u64, u64, u64, u64);
+/// (tp, ep, pp, v, stage, the stage's chunks' layer ranges under an uneven split): what a
+/// rank's element counts depend on.
+pub(super) type ElemsKey = (u64, u64, u64, u64, u64, Vec<(u64, u64)>);
 
 /// What the step-time model needs from a plan input, precomputed once per model.
 pub struct TimeModel<'a> {
@@ -87,11 +88,14 @@ impl<'a> TimeModel<'a> {
     }
 
     pub(super) fn rank_elems(&self, l: &Layout, stage: u64) -> RankElems {
-        if !l.pp_layers.is_empty() {
-            // The cache key does not hold an uneven split (the search never makes one).
-            return rank_elems(Some(self.spec), self.tensors, l, stage, 0);
-        }
-        let key = (l.tp, l.ep, l.pp, l.pp_virtual, stage);
+        let ranges = match l.uneven() {
+            true => (0..l.pp_virtual)
+                .map(|c| l.chunk_layers(self.spec.layers, c * l.pp + stage))
+                .map(|r| (r.start, r.end))
+                .collect(),
+            false => vec![],
+        };
+        let key = (l.tp, l.ep, l.pp, l.pp_virtual, stage, ranges);
         *self
             .elems
             .borrow_mut()

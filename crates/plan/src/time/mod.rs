@@ -60,7 +60,7 @@ use crate::convention::Convention;
 use crate::error::Result;
 use crate::flops::FlopsConvention;
 use crate::inventory::inventory;
-use crate::layout::{Offload, PpSchedule};
+use crate::layout::{Layout, Offload, PpSchedule};
 use crate::planner::ModelSource;
 use crate::planner::PlanInput;
 use layer::{edge_costs, layer_cost};
@@ -77,6 +77,165 @@ fn link_of(c: &Cluster, gs: &[Group], d: Dim) -> (Link, &'static str) {
             "intra-node"
         },
     )
+}
+
+/// The share of the modelled all-to-all bytes (every routed copy, `precision`'s storage type,
+/// (ep − 1)/ep of them leaving the rank) that a DeepSeek-V3-style exchange sends over its
+/// slowest link (DeepSeek-AI 2024, arXiv 2412.19437):
+/// - node-limited routing (§3.2.2): with one expert group per node of the EP group
+///   (`n_group` = its nodes), a token reaches at most `topk_group` = M nodes, and crosses the
+///   network once per node (then NVLink forwards it to the node's GPUs): M·(G − 1)/G copies
+///   per token over the network against k·(ep − 1)/ep;
+/// - fp8 dispatch (§3.3.2, "we quantize the activation before MoE up-projections into FP8 and
+///   then apply dispatch components"): with fp8 training the dispatch moves 1 byte per element
+///   plus one fp32 scale per 128 (1.03 bytes), the combine stays bf16: half of the pair's
+///   all-to-alls at 1.03/2 of the bytes.
+fn ep_volume(m: &crate::model::ModelSpec, x: &PlanInput, g: &Group, gpus_per_node: u64) -> f64 {
+    let Some(moe) = m.moe else { return 1.0 };
+    let ep = x.layout.ep;
+    let mut share = 1.0;
+    let nodes = if g.crosses_nodes {
+        (ep * g.stride).div_ceil(gpus_per_node)
+    } else {
+        1
+    };
+    if let Some((groups, limit)) = moe.routing_groups {
+        if ep > 1 && nodes > 1 && groups == nodes {
+            let limited = limit as f64 * (nodes - 1) as f64 / nodes as f64;
+            let all = moe.top_k as f64 * (ep - 1) as f64 / ep as f64;
+            share *= (limited / all).min(1.0);
+        }
+    }
+    if x.recipe.precision == crate::recipe::Precision::Fp8 {
+        let st = x.recipe.precision.storage().bytes() as f64;
+        share *= (1.0 + (1.0 + 4.0 / 128.0) / st) / 2.0;
+    }
+    share
+}
+
+/// What every stage's per-micro-batch cost is computed from: the mean layer's, the
+/// embedding's and the head's costs, the TP collective and the links (one derivation for the
+/// step estimate and the split proposal, `balance.rs`).
+struct StageSetup {
+    lc: layer::LayerCost,
+    emb: layer::EdgeCost,
+    head: layer::EdgeCost,
+    tp: (Collective, f64, f64),
+    links: (Link, Link, Link),
+    wheres: [&'static str; 4],
+}
+
+impl StageSetup {
+    fn new(tm: &TimeModel, x: &PlanInput, cluster: &Cluster, e: &Efficiency, gs: &[Group]) -> Self {
+        let l = &x.layout;
+        let mut lc = layer_cost(tm, x, e);
+        let ep_group = gs.iter().find(|g| g.dim == Dim::Ep).expect("all dims");
+        lc.comm.ep_bytes *= ep_volume(tm.spec, x, ep_group, cluster.gpus_per_node);
+        let (emb, head) = edge_costs(tm, x, e);
+        let (tp_link, tp_where) = link_of(cluster, gs, Dim::Tp);
+        let (cp_link, cp_where) = link_of(cluster, gs, Dim::Cp);
+        let (ep_link, ep_where) = link_of(cluster, gs, Dim::Ep);
+        let (pp_link, pp_where) = link_of(cluster, gs, Dim::Pp);
+        let tp_coll = if l.sp && l.tp > 1 {
+            // All-gather + reduce-scatter pairs move what one all-reduce moves.
+            Collective::AllGather
+        } else {
+            Collective::AllReduce
+        };
+        let tp_one = crate::comm::time(tp_coll, lc.comm.tp_bytes, l.tp, tp_link);
+        let tp_one_bytes = crate::comm::bytes_per_rank(tp_coll, lc.comm.tp_bytes, l.tp);
+        StageSetup {
+            lc,
+            emb,
+            head,
+            tp: (tp_coll, tp_one, tp_one_bytes),
+            links: (cp_link, ep_link, pp_link),
+            wheres: [tp_where, cp_where, ep_where, pp_where],
+        }
+    }
+
+    fn inputs<'a>(
+        &'a self,
+        layout: &'a Layout,
+        recipe: &'a crate::recipe::Recipe,
+        m: &'a crate::model::ModelSpec,
+        st: f64,
+    ) -> StageInputs<'a> {
+        StageInputs {
+            lc: &self.lc,
+            emb: &self.emb,
+            head: &self.head,
+            layout,
+            recipe,
+            model: m,
+            st,
+            tp: self.tp,
+            links: self.links,
+        }
+    }
+}
+
+/// Seconds per micro-batch of each pipeline stage as a line in its layer count: (what the
+/// stage costs without layers — the embedding on the first, the final norm, LM head and
+/// cross-entropy on the last, the pipeline sends — and what each layer adds). The split
+/// proposal (`balance.rs`) balances these; the step estimate prices the split it gets.
+pub fn stage_lines(tm: &TimeModel, x: &PlanInput, cluster: &Cluster) -> Vec<(f64, f64)> {
+    let e = Efficiency::of(cluster, x.recipe.precision);
+    let gs = groups(&x.layout, cluster.gpus_per_node);
+    lines_of(&StageSetup::new(tm, x, cluster, &e, &gs), tm, x)
+}
+
+fn lines_of(setup: &StageSetup, tm: &TimeModel, x: &PlanInput) -> Vec<(f64, f64)> {
+    let st = x.recipe.precision.storage().bytes() as f64;
+    let p = x.layout.pp;
+    // The same layout with 0 and with 1 layer on every stage (`stage_mb` is linear in them).
+    let with = |k: u64| Layout {
+        pp_layers: vec![k; p as usize],
+        pp_virtual: 1,
+        pp_first_layers: None,
+        pp_last_layers: None,
+        ..x.layout.clone()
+    };
+    let (none, one) = (with(0), with(1));
+    let (a, b) = (
+        setup.inputs(&none, &x.recipe, tm.spec, st),
+        setup.inputs(&one, &x.recipe, tm.spec, st),
+    );
+    let v = x.layout.pp_virtual as f64;
+    (0..p)
+        .map(|s| {
+            let (a, b) = (a.stage_mb(s), b.stage_mb(s));
+            // The sends are per model chunk: v of them whatever the layers.
+            let fixed = a.total() + (v - 1.0) * a.pp.1;
+            (fixed, b.total() - a.total())
+        })
+        .collect()
+}
+
+/// As [`estimate_with`], for the split `--pp-layers auto` proposes (`balance.rs`), which it
+/// writes into `x.layout.pp_layers` (left empty where it is the even split): the layout
+/// search's inner loop, sharing the stage costs between the proposal and the estimate.
+pub fn estimate_balanced(
+    tm: &TimeModel,
+    x: &mut PlanInput,
+    cluster: &Cluster,
+    fc: FlopsConvention,
+    per_token: &[(FlopsConvention, f64)],
+) -> TimeReport {
+    let e = Efficiency::of(cluster, x.recipe.precision);
+    let gs = groups(&x.layout, cluster.gpus_per_node);
+    let setup = StageSetup::new(tm, x, cluster, &e, &gs);
+    let (l, layers) = (&x.layout, tm.spec.layers);
+    if l.pp > 1 {
+        let lines = lines_of(&setup, tm, x);
+        let split = crate::balance::chunks_of(
+            &crate::balance::balance_stages(&lines, layers),
+            l.pp_virtual,
+        );
+        let even = split.iter().all(|&n| n * l.pp * l.pp_virtual == layers);
+        x.layout.pp_layers = if even { vec![] } else { split };
+    }
+    estimate_from(tm, x, cluster, fc, per_token, e, gs, setup)
 }
 
 /// Estimates one step. `None` without an architecture (a bare `--params` count).
@@ -105,38 +264,30 @@ pub fn estimate_with(
     fc: FlopsConvention,
     per_token: &[(FlopsConvention, f64)],
 ) -> TimeReport {
+    let e = Efficiency::of(cluster, x.recipe.precision);
+    let gs = groups(&x.layout, cluster.gpus_per_node);
+    let setup = StageSetup::new(tm, x, cluster, &e, &gs);
+    estimate_from(tm, x, cluster, fc, per_token, e, gs, setup)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn estimate_from(
+    tm: &TimeModel,
+    x: &PlanInput,
+    cluster: &Cluster,
+    fc: FlopsConvention,
+    per_token: &[(FlopsConvention, f64)],
+    e: Efficiency,
+    gs: Vec<Group>,
+    setup: StageSetup,
+) -> TimeReport {
     let (m, r, l) = (tm.spec, &x.recipe, &x.layout);
-    let e = Efficiency::of(cluster, r.precision);
     let st = r.precision.storage().bytes() as f64;
-    let gs = groups(l, cluster.gpus_per_node);
-    let lc = layer_cost(tm, x, &e);
-    let (emb, head) = edge_costs(tm, x, &e);
-    let (tp_link, tp_where) = link_of(cluster, &gs, Dim::Tp);
-    let (cp_link, cp_where) = link_of(cluster, &gs, Dim::Cp);
-    let (ep_link, ep_where) = link_of(cluster, &gs, Dim::Ep);
-    let (pp_link, pp_where) = link_of(cluster, &gs, Dim::Pp);
-    let tp_coll = if l.sp && l.tp > 1 {
-        // All-gather + reduce-scatter pairs move what one all-reduce moves.
-        Collective::AllGather
-    } else {
-        Collective::AllReduce
-    };
-    let tp_one = crate::comm::time(tp_coll, lc.comm.tp_bytes, l.tp, tp_link);
-    let tp_one_bytes = crate::comm::bytes_per_rank(tp_coll, lc.comm.tp_bytes, l.tp);
+    let (lc, emb, head) = (&setup.lc, &setup.emb, &setup.head);
+    let [tp_where, cp_where, ep_where, pp_where] = setup.wheres;
+    let pp_link = setup.links.2;
     let v = l.pp_virtual as f64;
-
-    let stages_in = StageInputs {
-        lc: &lc,
-        emb: &emb,
-        head: &head,
-        layout: l,
-        recipe: r,
-        model: m,
-        st,
-        tp: (tp_coll, tp_one, tp_one_bytes),
-        links: (cp_link, ep_link, pp_link),
-    };
-
+    let stages_in = setup.inputs(l, r, m, st);
     // Every stage: the slowest paces the pipeline (of an even split the first or the last,
     // which add the embedding and the head; of an uneven one any), and a rank compares what
     // it sends with its own stage's (`stage_bytes`).
@@ -259,9 +410,12 @@ pub fn estimate_with(
         crosses_nodes: gs[2].crosses_nodes,
         bytes: mb * slow.ep.0,
         s: mb * slow.ep.1,
-        exposed_s: mb * slow.ep.1,
+        exposed_s: mb * slow.ep.2,
         what: if l.ep > 1 {
-            format!("token dispatch/combine all-to-alls, 2 per MoE layer forward and 2 backward ({ep_where}, exposed)")
+            format!(
+                "token dispatch/combine all-to-alls, 2 per MoE layer forward and 2 backward ({ep_where}, {})",
+                if l.ep_overlap { "overlapping another micro-batch's compute" } else { "exposed" }
+            )
         } else {
             "no expert parallelism".into()
         },

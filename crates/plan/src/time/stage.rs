@@ -19,14 +19,15 @@ pub(super) struct StageMb {
     pub(super) backward_s: f64,
     pub(super) tp: (f64, f64),
     pub(super) cp: (f64, f64, f64),
-    pub(super) ep: (f64, f64),
+    /// Bytes, seconds and seconds on the critical path.
+    pub(super) ep: (f64, f64, f64),
     pub(super) pp: (f64, f64),
 }
 
 impl StageMb {
     /// Seconds on the critical path per micro-batch.
     pub(super) fn total(&self) -> f64 {
-        self.compute.s() + self.recompute.s() + self.tp.1 + self.cp.2 + self.ep.1 + self.pp.1
+        self.compute.s() + self.recompute.s() + self.tp.1 + self.cp.2 + self.ep.2 + self.pp.1
     }
 }
 
@@ -119,7 +120,17 @@ impl StageInputs<'_> {
             let one = crate::comm::time(Collective::AllToAll, lc.comm.ep_bytes, l.ep, ep_link);
             let b1 = crate::comm::bytes_per_rank(Collective::AllToAll, lc.comm.ep_bytes, l.ep);
             let count = lc.comm.ep_fwd * if lc.recompute_comm { 3.0 } else { 2.0 };
-            s.ep = (count * b1 * k, count * one * k);
+            let per_layer = count * one;
+            // Exposed, as Megatron-LM runs them by default; overlapped (`--ep-overlap`), as
+            // DeepSeek-V3's DualPipe runs a micro-batch's dispatch and combine under another
+            // micro-batch's forward and backward (DeepSeek-AI 2024, arXiv 2412.19437
+            // §3.2.1), they cost what `overlap::exposed` says against the layer's compute.
+            let exposed = if l.ep_overlap {
+                overlap::exposed(per_layer, (lc.fwd + lc.bwd + lc.recompute).s())
+            } else {
+                per_layer
+            };
+            s.ep = (count * b1 * k, per_layer * k, exposed * k);
         }
         if l.pp > 1 {
             // One activation send forward and one gradient send backward per model chunk,
