@@ -47,12 +47,13 @@ pub struct LayoutFlags {
     #[cfg_attr(feature = "cli", arg(long, allow_negative_numbers = true))]
     pub pp_layers: Option<String>,
     /// Layers of the first pipeline stage, the others sharing the rest evenly (Megatron-LM's
-    /// `--decoder-first-pipeline-num-layers`). Not written when not given: a saved config
-    /// reads as it did before the flag existed.
+    /// `--decoder-first-pipeline-num-layers`) [default: an even share]. Not written when not
+    /// given: a saved config reads as it did before the flag existed.
     #[cfg_attr(feature = "cli", arg(long, allow_negative_numbers = true))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pp_first_layers: Option<u64>,
-    /// Layers of the last pipeline stage (Megatron-LM's `--decoder-last-pipeline-num-layers`).
+    /// Layers of the last pipeline stage (Megatron-LM's `--decoder-last-pipeline-num-layers`)
+    /// [default: an even share].
     #[cfg_attr(feature = "cli", arg(long, allow_negative_numbers = true))]
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pp_last_layers: Option<u64>,
