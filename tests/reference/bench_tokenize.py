@@ -108,7 +108,7 @@ def read_shards(d):
             count = struct.unpack_from("<Q", b, 24)[0]
             a = array.array("H" if width == 2 else "I")
             a.frombytes(b[HEADER : HEADER + count * width])
-            out.extend(a)
+            out.extend(array.array("I", a))
     return out
 
 

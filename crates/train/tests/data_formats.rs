@@ -79,7 +79,9 @@ fn write_parquet(path: &Path, column: &str, docs: &[String], rows: usize) {
     for (g, group) in docs.chunks(rows).enumerate() {
         let mut rg = w.next_row_group().unwrap();
         let mut col = rg.next_column().unwrap().unwrap();
-        let ids: Vec<i64> = (0..group.len() as i64).map(|i| g as i64 * 100 + i).collect();
+        let ids: Vec<i64> = (0..group.len() as i64)
+            .map(|i| g as i64 * 100 + i)
+            .collect();
         col.typed::<Int64Type>()
             .write_batch(&ids, None, None)
             .unwrap();
@@ -175,7 +177,10 @@ fn a_parquet_file_written_by_pyarrow_reads() {
         want.push(0);
     }
     assert_eq!(stream(dir.path()), want);
-    assert_eq!(s.documents, docs.iter().filter(|d| !d.is_empty()).count() as u64);
+    assert_eq!(
+        s.documents,
+        docs.iter().filter(|d| !d.is_empty()).count() as u64
+    );
 }
 
 #[test]
@@ -184,9 +189,17 @@ fn directory_trees_are_read_recursively_in_name_order() {
     let root = dir.path().join("data");
     fs::create_dir_all(root.join("b/inner")).unwrap();
     fs::create_dir_all(root.join("a")).unwrap();
-    fs::write(root.join("b/inner/3.jsonl"), json_line("text", "three") + "\n").unwrap();
+    fs::write(
+        root.join("b/inner/3.jsonl"),
+        json_line("text", "three") + "\n",
+    )
+    .unwrap();
     fs::write(root.join("b/2.txt"), "two\n").unwrap();
-    fs::write(root.join("a/1.jsonl.gz"), gzip(json_line("text", "one").as_bytes())).unwrap();
+    fs::write(
+        root.join("a/1.jsonl.gz"),
+        gzip(json_line("text", "one").as_bytes()),
+    )
+    .unwrap();
     fs::write(root.join("c.txt"), "four\n").unwrap();
     fs::write(root.join("notes.md"), "not an input").unwrap();
     let tok = Tokenizer::bundled().unwrap();
@@ -386,7 +399,8 @@ fn a_null_parquet_value_names_its_row() {
     use parquet::schema::parser::parse_message_type;
     let dir = TempDir::new("null-row");
     let p = dir.path().join("n.parquet");
-    let schema = Arc::new(parse_message_type("message m { optional binary text (UTF8); }").unwrap());
+    let schema =
+        Arc::new(parse_message_type("message m { optional binary text (UTF8); }").unwrap());
     let mut w = SerializedFileWriter::new(
         fs::File::create(&p).unwrap(),
         schema,

@@ -10,7 +10,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use ferrotron_train::alloc;
-use ferrotron_train::data::{build_shards_with, BuildOptions, Tokenizer};
+use ferrotron_train::data::{build_shards_with, BuildOptions, Tokenizer, MEMORY_BOUND_MIB};
 
 #[global_allocator]
 static A: alloc::Tracking = alloc::Tracking;
@@ -106,6 +106,40 @@ fn the_heap_peak_of_a_build_does_not_grow_with_its_input() {
         // ... and under half of what the old build held: all of the input, then 4 bytes a
         // token besides (8 MiB + 9.6 to 10 MiB here).
         let held = fs::metadata(&large).unwrap().len() + 4 * n_large;
-        assert!(p_large < held / 2, "{name}: {p_large} bytes, old build {held}");
+        assert!(
+            p_large < held / 2,
+            "{name}: {p_large} bytes, old build {held}"
+        );
+    }
+}
+
+/// Highest resident set of this process so far (Linux), in bytes.
+fn vm_hwm() -> Option<u64> {
+    let status = fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+#[test]
+fn a_build_with_the_default_options_stays_under_the_stated_bound() {
+    let dir = TempDir::new("data-bound");
+    let input = dir.path().join("docs.jsonl");
+    jsonl(&input, 8);
+    let tok = Tokenizer::bundled().unwrap();
+    build_shards_with(
+        &[&input],
+        &tok,
+        dir.path().join("out"),
+        &BuildOptions::default(),
+    )
+    .unwrap();
+    // The whole test process (harness, tokenizer, the other test's leftovers included).
+    if let Some(hwm) = vm_hwm() {
+        assert!(
+            hwm < MEMORY_BOUND_MIB << 20,
+            "peak RSS {:.1} MiB, stated bound {MEMORY_BOUND_MIB} MiB",
+            hwm as f64 / 1048576.0
+        );
     }
 }

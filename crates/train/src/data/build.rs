@@ -51,9 +51,13 @@ use super::shard::{remove_orphan_temps, write_atomic, ShardInfo, SHARD_EXT};
 use super::spool::Spool;
 use super::tokenizer::Tokenizer;
 
-/// Peak RSS, in MiB, that tokenizing stays under with the default [`BuildOptions`] and the
-/// bundled tokenizer, whatever the input size (measured; docs/BENCHMARKS.md, "Tokenizing").
-pub const MEMORY_BOUND_MIB: u64 = 192;
+/// Peak RSS, in MiB, that a build stays under with the default [`BuildOptions`] and the
+/// bundled tokenizer, whatever the input size: measured 52-63 MiB for `ferrotron data` on
+/// inputs from 5 MiB to 2 GiB (docs/BENCHMARKS.md, "Tokenizing"); the margin covers a batch
+/// whose chunks are all in flight at once on a machine with many cores (the `Encoding`s and
+/// pre-tokenizer buffers of `tokenizers` take up to about 75 bytes per byte of text in flight,
+/// 75 MiB for a 1 MiB batch).
+pub const MEMORY_BOUND_MIB: u64 = 128;
 
 /// Separator between documents inside one text file.
 pub const DOC_SEPARATOR: &str = "<|endoftext|>";
@@ -324,10 +328,8 @@ impl Encoder<'_> {
         self.spool.push(&self.ids)?;
         self.text.clear();
         self.pieces.clear();
-        self.progress.update(
-            self.bytes_before + self.bytes_read.get(),
-            self.spool.len(),
-        );
+        self.progress
+            .update(self.bytes_before + self.bytes_read.get(), self.spool.len());
         Ok(())
     }
 }
@@ -417,7 +419,9 @@ pub fn build_shards_from(
         cut: tokenizer.newline_cuts_are_exact(),
         chunk_bytes: opts.chunk_bytes.max(1),
         batch_bytes: opts.batch_bytes.max(1),
-        bos: tokenizer.bos_id().filter(|&b| Some(b) != tokenizer.eos_id()),
+        bos: tokenizer
+            .bos_id()
+            .filter(|&b| Some(b) != tokenizer.eos_id()),
         eos: tokenizer.eos_id(),
         text: String::new(),
         pieces: Vec::new(),

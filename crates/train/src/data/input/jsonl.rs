@@ -11,7 +11,7 @@ use std::io::BufRead;
 
 use serde::de::{self, DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
-use super::{open_stream, read_error, Piece, ReadContext, Read, Source};
+use super::{open_stream, read_error, Piece, Read, ReadContext, Source};
 use crate::data::error::{DataError, Result};
 
 /// What a line's object holds under the text field.
@@ -198,7 +198,9 @@ mod tests {
             Some("a\"b".to_string())
         );
         assert_eq!(t("   ").unwrap(), None);
-        assert!(t(r#"{"body": "x"}"#).unwrap_err().starts_with("no \"text\" field"));
+        assert!(t(r#"{"body": "x"}"#)
+            .unwrap_err()
+            .starts_with("no \"text\" field"));
         assert!(t(r#"{"text": 5}"#)
             .unwrap_err()
             .starts_with("field \"text\" is a number, not a string"));

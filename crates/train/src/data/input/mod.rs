@@ -108,7 +108,9 @@ fn source_of(path: PathBuf, explicit: bool) -> Result<Option<Source>> {
         None if explicit => (Format::Text, Compression::None),
         None => return Ok(None),
     };
-    let size = fs::metadata(&path).map_err(|e| DataError::io(&path, e))?.len();
+    let size = fs::metadata(&path)
+        .map_err(|e| DataError::io(&path, e))?
+        .len();
     Ok(Some(Source {
         path,
         format,

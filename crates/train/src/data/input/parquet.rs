@@ -15,7 +15,7 @@ use parquet::column::reader::ColumnReader;
 use parquet::data_type::ByteArray;
 use parquet::file::reader::{FileReader, SerializedFileReader};
 
-use super::{Piece, ReadContext, Read, Source};
+use super::{Piece, Read, ReadContext, Source};
 use crate::data::error::{DataError, Result};
 
 /// Rows decoded per call into the column reader.
@@ -108,9 +108,11 @@ pub fn read(src: &Source, cx: &mut ReadContext<'_>) -> Result<Read> {
                 break;
             }
             let mut next = values.iter();
+            // A row's value is there when its definition level is the column's maximum.
+            let present = |i: usize| max_def == 0 || defs[i] == max_def;
             for i in 0..rows {
                 let r = row + i as u64;
-                if max_def > 0 && defs[i] < max_def {
+                if !present(i) {
                     return Err(bad(
                         src,
                         format!(

@@ -11,8 +11,8 @@
 //! to the end of what has been read, so the rest of the document is known to be non-empty
 //! (the last piece alone drops the final newline).
 
-use super::{open_stream, read_error, Piece, ReadContext, Source};
 use super::Read as Stats;
+use super::{open_stream, read_error, Piece, ReadContext, Source};
 use crate::data::build::DOC_SEPARATOR;
 use crate::data::error::{DataError, Result};
 use std::io::Read;
