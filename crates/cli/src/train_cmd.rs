@@ -9,7 +9,8 @@ use std::path::PathBuf;
 
 #[derive(Args, Debug)]
 pub struct DataArgs {
-    /// Text files, or directories of .txt files.
+    /// Input files (.txt, .jsonl, .jsonl.gz, .jsonl.zst, .parquet), or directories of them
+    /// (read recursively, in name order).
     #[arg(long, num_args = 1.., required = true)]
     pub input: Vec<PathBuf>,
     /// Output directory for train_*.tok / val_*.tok shards.
@@ -21,6 +22,10 @@ pub struct DataArgs {
     /// Fraction of tokens held out for validation.
     #[arg(long, default_value_t = 0.05, allow_negative_numbers = true)]
     pub val_fraction: f64,
+    /// JSON Lines field / Parquet column holding the document text (a nested Parquet column
+    /// by its dotted path).
+    #[arg(long, default_value = "text")]
+    pub text_field: String,
 }
 
 #[derive(Args, Debug)]
@@ -81,7 +86,15 @@ pub fn train(args: TrainArgs) -> Result<()> {
 }
 
 pub fn data(a: DataArgs) -> Result<()> {
-    run::data(&a.input, &a.out, a.tokenizer.as_deref(), a.val_fraction)
+    use std::io::IsTerminal;
+    let opts = ferrotron_train::data::BuildOptions {
+        val_fraction: a.val_fraction,
+        text_field: a.text_field,
+        // The bar is for people watching; logs and pipes get the summary only.
+        progress: std::io::stderr().is_terminal(),
+        ..Default::default()
+    };
+    run::data(&a.input, &a.out, a.tokenizer.as_deref(), &opts)
 }
 
 pub fn sample(a: SampleArgs) -> Result<()> {

@@ -1174,18 +1174,18 @@ fn finish_observability(cfg: &TrainConfig, t: &mut Trainer, end: bool) -> Result
     Ok(())
 }
 
-/// `ferrotron data`: text files to token shards.
+/// `ferrotron data`: text, JSON Lines and Parquet files to token shards.
 pub fn data(
     inputs: &[PathBuf],
     out: &std::path::Path,
     tokenizer: Option<&std::path::Path>,
-    val_fraction: f64,
+    opts: &crate::data::BuildOptions,
 ) -> Result<()> {
     if inputs.is_empty() {
-        bail!("no input files: pass text files or directories of .txt files");
+        bail!("no input files: pass files (.txt, .jsonl, .jsonl.gz, .jsonl.zst, .parquet) or directories of them");
     }
     let tok = Tokenizer::load(tokenizer)?;
-    let summary = crate::data::build_shards(inputs, &tok, out, val_fraction)?;
+    let summary = crate::data::build_shards_with(inputs, &tok, out, opts)?;
     print!("{summary}");
     Ok(())
 }

@@ -2,7 +2,9 @@
 //! plan), the tokenizer and the data.
 
 use crate::config::TrainConfig;
-use crate::data::{build_shards_with, find_shards, BuildOptions, Split, TokenDataset, Tokenizer};
+use crate::data::{
+    build_shards_from, find_shards, BuildOptions, Source, Split, TokenDataset, Tokenizer,
+};
 use anyhow::{bail, Context, Result};
 use ferrotron_engine::kernels::{CpuKernels, Kernels};
 use ferrotron_engine::model::{Llama, LlamaConfig};
@@ -234,12 +236,14 @@ fn bundled_shards(out_dir: &Path, tok: &Tokenizer) -> Result<PathBuf> {
     if ready {
         return Ok(dir);
     }
-    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let text = dir.join("corpus.txt");
-    std::fs::write(&text, BUNDLED_CORPUS)
-        .with_context(|| format!("cannot write {}", text.display()))?;
-    let summary = build_shards_with(&[&text], tok, &dir, &BuildOptions::default())?;
-    std::fs::remove_file(&text).ok();
+    // The streaming path of `ferrotron data`, reading the embedded bytes: its memory is the
+    // build's stated bound (data::build), not the corpus's size.
+    let corpus = Source::text("bundled:data/corpus/shakespeare.txt", BUNDLED_CORPUS);
+    // Under glibc's defaults, then trimmed: the tokenizer's transient memory must not stay
+    // resident in the rayon workers' arenas for the whole run (crate::heap, #34).
+    let summary = crate::heap::with_default_malloc(|| {
+        build_shards_from(&[corpus], tok, &dir, &BuildOptions::default())
+    })?;
     std::fs::write(&stamp, tok.name())?;
     eprintln!(
         "tokenized the bundled corpus: {} train + {} val tokens -> {}",

@@ -100,6 +100,7 @@ fn directories_shard_limits_and_stale_cleanup() {
         val_fraction: 0.0,
         max_shard_tokens: 100,
         chunk_bytes: 64,
+        ..BuildOptions::default()
     };
     let s = build_shards_with(&[&input], &tok, &out, &opts).unwrap();
     assert_eq!(s.inputs, vec![input.join("a.txt"), input.join("b.txt")]);

@@ -1,18 +1,21 @@
-//! Text files → token shards (`ferrotron data`).
+//! Input files → token shards (`ferrotron data`, and the trainer's first run on the bundled
+//! corpus): one streaming pipeline with bounded memory.
 //!
 //! Rules:
-//! - An input is a UTF-8 text file, or a directory whose `*.txt` files are taken in name order.
-//! - Documents are the input files, further split on the separator [`DOC_SEPARATOR`]
-//!   (`<|endoftext|>`, as in GPT-2 style corpora). One newline at each end of a document is
-//!   dropped (the line breaks around a separator line, and a file's final newline). Empty
-//!   documents are dropped.
+//! - Inputs are `.txt`, `.jsonl`, `.jsonl.gz`, `.jsonl.zst` and `.parquet` files, or
+//!   directories of them (recursive, name order); see [`super::input`] for how each is read.
+//! - In text files, documents are separated by [`DOC_SEPARATOR`] (`<|endoftext|>`, as in
+//!   GPT-2 style corpora); one newline at each end of a document is dropped (the line breaks
+//!   around a separator line, and a file's final newline). In JSON Lines and Parquet every
+//!   record's text field is a document. Empty documents are dropped.
 //! - Each document is encoded on its own; the tokenizer's EOS (if any) follows every document,
 //!   and its BOS (if any, and different from EOS) precedes it.
 //! - The last `val_fraction` of the token stream (rounded, at least one token when the fraction
 //!   is positive) goes to the validation split, the rest to the training split. Each split is
 //!   written as shards of at most [`BuildOptions::max_shard_tokens`] tokens named
-//!   `train_0000.tok`, `val_0000.tok`, ...; a `summary.json` describes the result. Old shards
-//!   of the same naming pattern left in `out_dir` by an earlier run are removed afterwards.
+//!   `train_0000.tok`, `val_0000.tok`, ... (u16 tokens, u32 when the vocabulary has more than
+//!   65,536 ids); a `summary.json` describes the result. Old shards of the same naming pattern
+//!   left in `out_dir` by an earlier run are removed afterwards.
 //!
 //! Long documents are encoded in chunks of about [`BuildOptions::chunk_bytes`] bytes, cut
 //! right after a newline that sits between two visible ASCII characters. For GPT-2 style
@@ -22,16 +25,39 @@
 //! probe texts at load; e.g. SentencePiece-style tokenizers that prepend a space marker to
 //! each input fail it and get whole documents).
 //!
-//! The token stream is held in memory (4 bytes per token) before it is split and written.
+//! Streaming, and the memory bound: the readers hand documents on as they read them; about
+//! [`BuildOptions::batch_bytes`] of text is gathered, encoded on every core at once
+//! (`tokenizers`' batch encoding on the rayon pool), and its tokens appended to the on-disk
+//! stream of [`super::spool`], which places the validation split when the input ends. Nothing
+//! grows with the input: peak memory is the tokenizer, one batch of text with its encodings in
+//! flight (the Hugging Face `Encoding`s cost tens of bytes per input byte, which is what the
+//! batch size bounds), and fixed read and write buffers. Measured peak RSS of `ferrotron data`
+//! stays under [`MEMORY_BOUND_MIB`] MiB with the defaults (docs/BENCHMARKS.md, "Tokenizing").
+//! The bound assumes no single document larger than a batch that cannot be cut: a JSON Lines
+//! line, a Parquet value, or a text document without the newlines above (or any text
+//! document, for a tokenizer whose newline cuts are not exact) is held whole.
 
+use std::cell::Cell;
 use std::fs;
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 
 use serde::{Deserialize, Serialize};
 
 use super::error::{DataError, Result};
-use super::shard::{write_atomic, ShardInfo, ShardWriter, SHARD_EXT};
+use super::input::{self, Piece, ReadContext, Source};
+use super::progress::Progress;
+use super::shard::{remove_orphan_temps, write_atomic, ShardInfo, SHARD_EXT};
+use super::spool::Spool;
 use super::tokenizer::Tokenizer;
+
+/// Peak RSS, in MiB, that a build stays under with the default [`BuildOptions`] and the
+/// bundled tokenizer, whatever the input size: measured 52-63 MiB for `ferrotron data` on
+/// inputs from 5 MiB to 2 GiB (docs/BENCHMARKS.md, "Tokenizing"); the margin covers a batch
+/// whose chunks are all in flight at once on a machine with many cores (the `Encoding`s and
+/// pre-tokenizer buffers of `tokenizers` take up to about 75 bytes per byte of text in flight,
+/// 75 MiB for a 1 MiB batch).
+pub const MEMORY_BOUND_MIB: u64 = 128;
 
 /// Separator between documents inside one text file.
 pub const DOC_SEPARATOR: &str = "<|endoftext|>";
@@ -48,6 +74,13 @@ pub struct BuildOptions {
     pub max_shard_tokens: u64,
     /// Target size of the text pieces encoded in parallel.
     pub chunk_bytes: usize,
+    /// Text gathered before a batch is encoded (on every core at once); with the encodings in
+    /// flight, this is what bounds the memory of a build.
+    pub batch_bytes: usize,
+    /// JSON Lines field / Parquet column that holds the document text.
+    pub text_field: String,
+    /// Draw a progress bar on stderr.
+    pub progress: bool,
 }
 
 impl Default for BuildOptions {
@@ -55,7 +88,10 @@ impl Default for BuildOptions {
         BuildOptions {
             val_fraction: 0.05,
             max_shard_tokens: 1 << 28,
-            chunk_bytes: 1 << 18,
+            chunk_bytes: 1 << 15,
+            batch_bytes: 1 << 20,
+            text_field: "text".into(),
+            progress: false,
         }
     }
 }
@@ -63,14 +99,15 @@ impl Default for BuildOptions {
 /// What [`build_shards`] did.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Summary {
-    /// Text files read, in order.
+    /// Files read, in order.
     pub inputs: Vec<PathBuf>,
     pub tokenizer: String,
     pub vocab_size: u32,
     pub eos_id: Option<u32>,
     pub bos_id: Option<u32>,
     pub documents: u64,
-    /// UTF-8 bytes of text read (separators included).
+    /// UTF-8 bytes of text read: whole text files (separators included), the text fields of
+    /// JSON Lines and Parquet records.
     pub input_bytes: u64,
     /// All tokens written (train + val, EOS/BOS included).
     pub tokens: u64,
@@ -224,85 +261,77 @@ pub fn chunk_document(doc: &str, target: usize) -> Vec<&str> {
     out
 }
 
-fn expand_inputs<P: AsRef<Path>>(inputs: &[P]) -> Result<Vec<PathBuf>> {
-    let mut files = Vec::new();
-    for input in inputs {
-        let input = input.as_ref();
-        let meta = fs::metadata(input).map_err(|e| DataError::io(input, e))?;
-        if meta.is_dir() {
-            let mut txt = Vec::new();
-            for entry in fs::read_dir(input).map_err(|e| DataError::io(input, e))? {
-                let p = entry.map_err(|e| DataError::io(input, e))?.path();
-                if p.is_file() && p.extension().is_some_and(|e| e == "txt") {
-                    txt.push(p);
-                }
-            }
-            if txt.is_empty() {
-                return Err(DataError::InvalidArgument(format!(
-                    "{}: directory has no *.txt files to tokenize",
-                    input.display()
-                )));
-            }
-            txt.sort();
-            files.extend(txt);
-        } else {
-            files.push(input.to_path_buf());
-        }
-    }
-    if files.is_empty() {
-        return Err(DataError::InvalidArgument(
-            "no input text files given (pass at least one file or directory)".into(),
-        ));
-    }
-    Ok(files)
+/// Gathers pieces of documents into batches, encodes each batch on every core, and appends
+/// the tokens (with BOS/EOS around documents) to the stream.
+struct Encoder<'t> {
+    tok: &'t Tokenizer,
+    /// Long pieces may be cut at newlines (see the module docs).
+    cut: bool,
+    chunk_bytes: usize,
+    batch_bytes: usize,
+    bos: Option<u32>,
+    eos: Option<u32>,
+    /// The batch's text, and each piece's byte range in it with its first/last flags.
+    text: String,
+    pieces: Vec<(usize, usize, bool, bool)>,
+    ids: Vec<u32>,
+    spool: Spool,
+    progress: Progress,
+    /// Stored bytes of the sources before the current one, and of the current one so far.
+    bytes_before: u64,
+    bytes_read: Rc<Cell<u64>>,
 }
 
-/// Tokenizes every document of one text, appending to `out`; returns the document count.
-fn encode_text(
-    text: &str,
-    tok: &Tokenizer,
-    opts: &BuildOptions,
-    out: &mut Vec<u32>,
-) -> Result<u64> {
-    let docs = split_documents(text);
-    let bos = tok.bos_id().filter(|&b| Some(b) != tok.eos_id());
-    // Encode a bounded group of chunks at a time: parallel, but memory stays bounded.
-    const GROUP: usize = 64;
-    for doc in &docs {
-        if let Some(b) = bos {
-            out.push(b);
+impl Encoder<'_> {
+    fn add(&mut self, p: Piece<'_>) -> Result<()> {
+        let start = self.text.len();
+        self.text.push_str(p.text);
+        self.pieces.push((start, self.text.len(), p.first, p.last));
+        if self.text.len() >= self.batch_bytes {
+            self.flush()?;
         }
-        let chunks = if tok.newline_cuts_are_exact() {
-            chunk_document(doc, opts.chunk_bytes)
-        } else {
-            vec![*doc]
-        };
-        for group in chunks.chunks(GROUP) {
-            for ids in tok.encode_batch(group)? {
-                out.extend_from_slice(&ids);
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        if self.pieces.is_empty() {
+            return Ok(());
+        }
+        let mut chunks: Vec<&str> = Vec::new();
+        let mut counts = Vec::with_capacity(self.pieces.len());
+        for &(s, e, _, _) in &self.pieces {
+            let t = &self.text[s..e];
+            let before = chunks.len();
+            if self.cut {
+                chunks.extend(chunk_document(t, self.chunk_bytes));
+            } else {
+                chunks.push(t);
+            }
+            counts.push(chunks.len() - before);
+        }
+        let encoded = self.tok.encode_batch(&chunks)?;
+        drop(chunks);
+        let mut enc = encoded.iter();
+        self.ids.clear();
+        for (&(_, _, first, last), n) in self.pieces.iter().zip(counts) {
+            if let (true, Some(b)) = (first, self.bos) {
+                self.ids.push(b);
+            }
+            for ids in enc.by_ref().take(n) {
+                self.ids.extend_from_slice(ids);
+            }
+            if let (true, Some(e)) = (last, self.eos) {
+                self.ids.push(e);
             }
         }
-        if let Some(e) = tok.eos_id() {
-            out.push(e);
-        }
+        drop(encoded);
+        self.spool.push(&self.ids)?;
+        self.text.clear();
+        self.pieces.clear();
+        self.progress
+            .update(self.bytes_before + self.bytes_read.get(), self.spool.len());
+        Ok(())
     }
-    Ok(docs.len() as u64)
-}
-
-fn write_split(
-    out_dir: &Path,
-    split: Split,
-    tokens: &[u32],
-    vocab_size: u32,
-    max_shard_tokens: u64,
-) -> Result<Vec<ShardInfo>> {
-    let mut infos = Vec::new();
-    for (i, chunk) in tokens.chunks(max_shard_tokens as usize).enumerate() {
-        let mut w = ShardWriter::create(out_dir.join(split.shard_name(i)), vocab_size)?;
-        w.push(chunk)?;
-        infos.push(w.finish()?);
-    }
-    Ok(infos)
 }
 
 /// Removes shards of `split` in `dir` that are not in `keep` (left over by an earlier run).
@@ -337,7 +366,12 @@ pub fn build_shards_with<P: AsRef<Path>>(
     out_dir: impl AsRef<Path>,
     opts: &BuildOptions,
 ) -> Result<Summary> {
-    let out_dir = out_dir.as_ref();
+    check_options(opts)?;
+    let sources = input::expand(inputs)?;
+    build_shards_from(&sources, tokenizer, out_dir, opts)
+}
+
+fn check_options(opts: &BuildOptions) -> Result<()> {
     let f = opts.val_fraction;
     if !(f.is_finite() && (0.0..1.0).contains(&f)) {
         return Err(DataError::InvalidArgument(format!(
@@ -349,23 +383,80 @@ pub fn build_shards_with<P: AsRef<Path>>(
             "max_shard_tokens = 0: use at least 1".into(),
         ));
     }
-    let files = expand_inputs(inputs)?;
-    fs::create_dir_all(out_dir).map_err(|e| DataError::io(out_dir, e))?;
+    if opts.text_field.is_empty() {
+        return Err(DataError::InvalidArgument(
+            "text field is empty: name the JSON field or Parquet column that holds the text, \
+             e.g. --text-field text"
+                .into(),
+        ));
+    }
+    Ok(())
+}
 
-    let mut tokens: Vec<u32> = Vec::new();
+/// [`build_shards_with`] over sources already listed (files, or text in memory such as the
+/// bundled corpus): the one streaming path of every build.
+pub fn build_shards_from(
+    sources: &[Source],
+    tokenizer: &Tokenizer,
+    out_dir: impl AsRef<Path>,
+    opts: &BuildOptions,
+) -> Result<Summary> {
+    check_options(opts)?;
+    let out_dir = out_dir.as_ref();
+    if sources.is_empty() {
+        return Err(DataError::InvalidArgument(
+            "no input text files given (pass at least one file or directory)".into(),
+        ));
+    }
+    fs::create_dir_all(out_dir).map_err(|e| DataError::io(out_dir, e))?;
+    remove_orphan_temps(out_dir)?;
+
+    let vocab = tokenizer.vocab_size();
+    let total: u64 = sources.iter().map(|s| s.size).sum();
+    let bytes_read = Rc::new(Cell::new(0));
+    let mut enc = Encoder {
+        tok: tokenizer,
+        cut: tokenizer.newline_cuts_are_exact(),
+        chunk_bytes: opts.chunk_bytes.max(1),
+        batch_bytes: opts.batch_bytes.max(1),
+        bos: tokenizer
+            .bos_id()
+            .filter(|&b| Some(b) != tokenizer.eos_id()),
+        eos: tokenizer.eos_id(),
+        text: String::new(),
+        pieces: Vec::new(),
+        ids: Vec::new(),
+        spool: Spool::new(out_dir, vocab, opts.max_shard_tokens),
+        progress: Progress::new(total, opts.progress),
+        bytes_before: 0,
+        bytes_read: bytes_read.clone(),
+    };
     let mut documents = 0u64;
     let mut input_bytes = 0u64;
-    for path in &files {
-        let bytes = fs::read(path).map_err(|e| DataError::io(path, e))?;
-        input_bytes += bytes.len() as u64;
-        let text = std::str::from_utf8(&bytes).map_err(|e| DataError::NotUtf8 {
-            path: path.clone(),
-            offset: e.valid_up_to() as u64,
-        })?;
-        documents += encode_text(text, tokenizer, opts, &mut tokens)?;
+    for src in sources {
+        bytes_read.set(0);
+        let mut sink = |p: Piece<'_>| enc.add(p);
+        let mut cx = ReadContext {
+            sink: &mut sink,
+            max_piece: if tokenizer.newline_cuts_are_exact() {
+                opts.chunk_bytes.max(1)
+            } else {
+                0
+            },
+            text_field: &opts.text_field,
+            bytes_read: bytes_read.clone(),
+        };
+        let read = input::read_source(src, &mut cx)?;
+        documents += read.documents;
+        input_bytes += read.text_bytes;
+        enc.bytes_before += src.size;
+        bytes_read.set(0);
     }
+    enc.flush()?;
+    enc.progress.finish();
 
-    let n = tokens.len() as u64;
+    let n = enc.spool.len();
+    let f = opts.val_fraction;
     let n_val = if f > 0.0 {
         ((n as f64 * f).round() as u64).max(1)
     } else {
@@ -384,15 +475,12 @@ pub fn build_shards_with<P: AsRef<Path>>(
         )));
     }
     let n_train = n - n_val;
-    let vocab = tokenizer.vocab_size();
-    let (train, val) = tokens.split_at(n_train as usize);
-    let train_shards = write_split(out_dir, Split::Train, train, vocab, opts.max_shard_tokens)?;
-    let val_shards = write_split(out_dir, Split::Val, val, vocab, opts.max_shard_tokens)?;
+    let (train_shards, val_shards) = enc.spool.finish(n_train)?;
     remove_stale(out_dir, Split::Train, &train_shards)?;
     remove_stale(out_dir, Split::Val, &val_shards)?;
 
     let summary = Summary {
-        inputs: files,
+        inputs: sources.iter().map(|s| s.path.clone()).collect(),
         tokenizer: tokenizer.name().to_string(),
         vocab_size: vocab,
         eos_id: tokenizer.eos_id(),

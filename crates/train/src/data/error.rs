@@ -80,6 +80,11 @@ pub enum DataError {
     #[error("{}: not valid UTF-8 at byte {offset} (input text files must be UTF-8)", .path.display())]
     NotUtf8 { path: PathBuf, offset: u64 },
 
+    /// An input file holds something its reader cannot take; the message names the line or
+    /// row and the fix.
+    #[error("{}: {message}", .path.display())]
+    BadInput { path: PathBuf, message: String },
+
     /// The tokenizer could not be loaded or failed to encode/decode.
     #[error("tokenizer {source_name}: {}", one_line(.message))]
     Tokenizer {

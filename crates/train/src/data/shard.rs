@@ -22,7 +22,7 @@
 //! error naming the file and the problem, never a panic.
 
 use std::fs::{self, File};
-use std::io::{BufWriter, Seek, SeekFrom, Write};
+use std::io::{BufReader, BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -278,6 +278,179 @@ impl ShardWriter {
         })
         // Drop runs next: the temporary file is already renamed, so removing it is a no-op.
     }
+
+    /// Flushes and closes the temporary file without publishing it: the shard waits, holding no
+    /// buffer, until [`SealedShard::finish_split`] decides how many of its tokens it keeps
+    /// (the streaming build seals each full shard before it knows where validation starts).
+    pub(crate) fn seal(mut self) -> Result<SealedShard> {
+        let file = self.file.take().expect("writer is open until finish");
+        let res = file
+            .into_inner()
+            .map_err(|e| e.into_error())
+            .and_then(|f| f.sync_all());
+        res.map_err(|e| DataError::io(&self.tmp, e))?;
+        Ok(SealedShard {
+            path: self.path.clone(),
+            tmp: std::mem::take(&mut self.tmp),
+            vocab_size: self.vocab_size,
+            dtype: self.dtype,
+            tokens: self.tokens,
+            checksum: self.hasher.finish(),
+        })
+        // Drop of `self` removes `self.tmp`, now an empty path: a no-op.
+    }
+}
+
+/// A complete but unpublished shard: its tokens are in a temporary file next to `path`, with a
+/// placeholder header. Dropping it removes the file.
+pub(crate) struct SealedShard {
+    path: PathBuf,
+    tmp: PathBuf,
+    vocab_size: u32,
+    dtype: TokenDtype,
+    tokens: u64,
+    checksum: u64,
+}
+
+/// Tokens read back from a temporary shard at a time (256 KiB of u16).
+const READ_BACK_TOKENS: usize = 1 << 17;
+
+impl SealedShard {
+    /// Number of tokens in the file.
+    pub(crate) fn len(&self) -> u64 {
+        self.tokens
+    }
+
+    /// Publishes the first `keep` tokens as the shard at its path and hands the tokens after
+    /// them, in order, to `tail` (read back from the file in blocks of [`READ_BACK_TOKENS`]).
+    /// `keep == 0` publishes nothing and returns `None`. A shorter shard is truncated in place
+    /// and its checksum recomputed over what it keeps.
+    pub(crate) fn finish_split(
+        mut self,
+        keep: u64,
+        tail: &mut dyn FnMut(&[u32]) -> Result<()>,
+    ) -> Result<Option<ShardInfo>> {
+        let keep = keep.min(self.tokens);
+        let w = self.dtype.width() as u64;
+        let io = |e| DataError::io(&self.tmp, e);
+        let mut file = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&self.tmp)
+            .map_err(io)?;
+        if keep < self.tokens {
+            file.seek(SeekFrom::Start(HEADER_LEN as u64 + keep * w))
+                .map_err(io)?;
+            let mut r = BufReader::with_capacity(1 << 16, &mut file);
+            let mut bytes = vec![0u8; READ_BACK_TOKENS * w as usize];
+            let mut ids = Vec::with_capacity(READ_BACK_TOKENS);
+            let mut left = self.tokens - keep;
+            while left > 0 {
+                let n = left.min(READ_BACK_TOKENS as u64) as usize;
+                let b = &mut bytes[..n * w as usize];
+                r.read_exact(b).map_err(io)?;
+                ids.clear();
+                decode_tokens(self.dtype, b, &mut ids);
+                tail(&ids)?;
+                left -= n as u64;
+            }
+        }
+        if keep == 0 {
+            return Ok(None);
+        }
+        let checksum = if keep == self.tokens {
+            self.checksum
+        } else {
+            file.set_len(HEADER_LEN as u64 + keep * w).map_err(io)?;
+            file.seek(SeekFrom::Start(HEADER_LEN as u64)).map_err(io)?;
+            let mut h = Fnv1a64::new();
+            let mut r = BufReader::with_capacity(1 << 16, &mut file);
+            let mut block = vec![0u8; 1 << 16];
+            let mut left = keep * w;
+            while left > 0 {
+                let n = left.min(block.len() as u64) as usize;
+                r.read_exact(&mut block[..n]).map_err(io)?;
+                h.update(&block[..n]);
+                left -= n as u64;
+            }
+            h.finish()
+        };
+        let header = encode_header(self.vocab_size, self.dtype, keep, checksum);
+        file.seek(SeekFrom::Start(0)).map_err(io)?;
+        file.write_all(&header).map_err(io)?;
+        file.sync_all().map_err(io)?;
+        drop(file);
+        fs::rename(&self.tmp, &self.path).map_err(|e| DataError::io(&self.path, e))?;
+        self.tmp = PathBuf::new();
+        Ok(Some(ShardInfo {
+            path: self.path.clone(),
+            vocab_size: self.vocab_size,
+            dtype: self.dtype,
+            tokens: keep,
+            checksum,
+            bytes: HEADER_LEN as u64 + keep * w,
+        }))
+    }
+}
+
+impl Drop for SealedShard {
+    fn drop(&mut self) {
+        if !self.tmp.as_os_str().is_empty() {
+            let _ = fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+/// Appends the little-endian tokens of `bytes` to `out`.
+fn decode_tokens(dtype: TokenDtype, bytes: &[u8], out: &mut Vec<u32>) {
+    match dtype {
+        TokenDtype::U16 => out.extend(
+            bytes
+                .chunks_exact(2)
+                .map(|c| u32::from(u16::from_le_bytes([c[0], c[1]]))),
+        ),
+        TokenDtype::U32 => out.extend(
+            bytes
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        ),
+    }
+}
+
+/// Removes temporary shard and summary files (`.NAME.PID.N.tmp`) that a process which no
+/// longer runs left in `dir` (it was killed before it could publish or delete them). Files of
+/// a live process are left alone, so two builds never delete each other's work. Liveness is
+/// read from `/proc`; where there is none, nothing is removed.
+pub(crate) fn remove_orphan_temps(dir: &Path) -> Result<()> {
+    if !Path::new("/proc/self").exists() {
+        return Ok(());
+    }
+    let Ok(entries) = fs::read_dir(dir) else {
+        return Ok(());
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let Some(pid) = temp_owner(name) else {
+            continue;
+        };
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            let p = entry.path();
+            fs::remove_file(&p).map_err(|e| DataError::io(&p, e))?;
+        }
+    }
+    Ok(())
+}
+
+/// The process id in a temporary name made by [`temp_path_for`] (`.NAME.PID.N.tmp`).
+fn temp_owner(name: &str) -> Option<u32> {
+    let rest = name.strip_prefix('.')?.strip_suffix(".tmp")?;
+    let mut parts = rest.rsplitn(3, '.');
+    let n = parts.next()?;
+    let pid = parts.next()?;
+    let _base = parts.next()?;
+    (n.bytes().all(|b| b.is_ascii_digit()) && !n.is_empty()).then_some(())?;
+    pid.parse().ok()
 }
 
 impl Drop for ShardWriter {
