@@ -292,3 +292,27 @@ fn a_plan_larger_than_the_machine_is_refused_before_allocating() {
     );
     assert!(!out.exists(), "a refused run wrote {}", out.display());
 }
+
+#[test]
+fn the_default_run_stays_within_its_plan_plus_the_stated_constant() {
+    // The README's main command on a fresh output directory (the first run tokenizes the
+    // bundled corpus), shortened to 2 steps: its peak RSS within the plan + fit::RSS_OVERHEAD,
+    // as its last line says.
+    let dir = tempfile::tempdir().unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .args(["train", "--steps", "2", "--eval-interval", "0", "--quiet"])
+        .arg("--out-dir")
+        .arg(dir.path().join("fresh"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    let done = err
+        .lines()
+        .find(|l| l.starts_with("done: "))
+        .unwrap_or_default();
+    assert!(
+        done.contains(", within the bound of plan + 96 MiB"),
+        "{done}"
+    );
+}

@@ -139,7 +139,9 @@ fn bad_train_input_exits_nonzero_with_one_line() {
         ),
         (
             vec!["train", "--dp", "2", "--comm", "mpi"],
-            "error: comm = mpi: not started by mpirun or srun; run `mpirun -np 2 ferrotron train --dp 2`, or --comm threads",
+            // This test's binary is built without MPI: the rebuild comes first (the mpirun
+            // command alone would start a binary that refuses it).
+            "error: comm = mpi: this ferrotron was built without MPI; build it with `cargo build --release -p ferrotron --features mpi`, then run `mpirun -np 2 ferrotron train --dp 2` (or use --comm threads)",
         ),
         (
             // Built without CUDA: the rebuild to ask for; with it and no GPU: the driver.
