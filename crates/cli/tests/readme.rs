@@ -72,7 +72,13 @@ fn the_readme_trainer_commands_run_as_written() {
     let mut skipped = Vec::new();
     for line in trainer_block() {
         // `data` lines tokenize the user's own files (their tests: crates/train/tests/data_*).
-        let needs = ["mpirun", "path/to", "python3", "--device cuda", "ferrotron data "];
+        let needs = [
+            "mpirun",
+            "path/to",
+            "python3",
+            "--device cuda",
+            "ferrotron data ",
+        ];
         if !line.starts_with("./target/release/ferrotron ")
             || needs.iter().any(|n| line.contains(n))
         {

@@ -995,7 +995,7 @@ mod tests {
         );
         assert_eq!(
             err("[checkpoint]\ninterval = 5\n"),
-            "FILE: [checkpoint] interval: unknown key (expected one of checkpoint_dir, checkpoint_interval)"
+            "FILE: [checkpoint] interval: unknown key (expected one of checkpoint_dir, checkpoint_interval, keep_checkpoints)"
         );
         assert_eq!(
             err("seq = 64\n[data]\nseq = 32\n"),

@@ -215,6 +215,12 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
     let args = args.merged().map_err(anyhow::Error::msg)?;
     // A resumed run keeps the checkpoint's layout unless the flags give one.
     // The checkpoint is read before any rank starts, so a bad one fails once.
+    if let (Some(_), Some(d)) = (&args.resume, &args.init_from) {
+        bail!(
+            "init_from = {}: a resumed run takes its weights from the checkpoint; pass --resume or --init-from, not both",
+            d.display()
+        );
+    }
     let saved = args.resume.as_deref().map(checkpoint::open).transpose()?;
     if let Some(l) = &saved {
         if let Some(done) = already_complete(&args, l)? {

@@ -71,6 +71,9 @@ fn ranks_as_threads_are_measured_apart() {
 
     // Two trainers at once, each a rank with its own tagged thread pool: each measures its own
     // peak, within 1% of its own plan (process-wide counters would see both, about twice it).
+    // The shared token shards are built first, untagged: the streaming build hands buffers
+    // between its threads, which would skew a rank's counters had a rank's thread built them.
+    common::shards();
     let trainers: Vec<_> = [10usize, 11]
         .into_iter()
         .map(|r| {

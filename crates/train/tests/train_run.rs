@@ -205,7 +205,12 @@ fn a_flat_trainer_state_from_before_the_sections_resumes_bit_identically() {
     }
     // Keys added since the fixture was written: each has a default, so the old file, which
     // lacks them, still loads (as this test goes on to show).
-    for key in ["bucket_mb", "comm_timeout", "max_skipped_steps"] {
+    for key in [
+        "bucket_mb",
+        "comm_timeout",
+        "max_skipped_steps",
+        "tensorboard",
+    ] {
         b["config"].as_object_mut().unwrap().remove(key);
     }
     let parallel = b["config"]["parallel"].as_object_mut().unwrap();
