@@ -78,6 +78,7 @@ fn the_readme_trainer_commands_run_as_written() {
             "python3",
             "--device cuda",
             "ferrotron data ",
+            "runs/shards",
         ];
         if !line.starts_with("./target/release/ferrotron ")
             || needs.iter().any(|n| line.contains(n))
