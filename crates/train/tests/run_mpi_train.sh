@@ -235,6 +235,18 @@ if [ "$rc" -eq 0 ] || ! grep -q "dp = 4: mpirun started 2 processes; pass --dp 2
 fi
 echo "refused: $(grep -m1 'dp = 4' <<<"$out")"
 
+# Sets `pids` to the ferrotron processes of the job writing to $MARK, once both run and one
+# step is written (at most 60 s).
+wait_for_ranks() {
+    pids=""
+    for _ in $(seq 1 120); do
+        pids="$(pgrep -f -- "--out-dir $MARK" | while read -r p; do
+            [ "$(cat /proc/"$p"/comm 2>/dev/null)" = ferrotron ] && echo "$p"; done)"
+        [ "$(wc -w <<<"$pids")" -ge 2 ] && [ -s "$MARK/metrics.jsonl" ] && break
+        sleep 0.5
+    done
+}
+
 echo "== a rank killed with SIGKILL takes the whole job down"
 # A long run whose ranks carry a marker in their command line; once it has written a step,
 # kill one rank's process.
@@ -243,13 +255,7 @@ start=$(date +%s)
 set +e
 timeout 120 "${MPIRUN[@]}" "$BIN" "${COMMON[@]}" --steps 100000 --out-dir "$MARK" >"$OUT/kill.log" 2>&1 &
 job=$!
-pids=""
-for _ in $(seq 1 120); do
-    pids="$(pgrep -f -- "--out-dir $MARK" | while read -r p; do
-        [ "$(cat /proc/"$p"/comm 2>/dev/null)" = ferrotron ] && echo "$p"; done)"
-    [ "$(wc -w <<<"$pids")" -ge 2 ] && [ -s "$MARK/metrics.jsonl" ] && break
-    sleep 0.5
-done
+wait_for_ranks
 victim="$(tail -1 <<<"$pids")"
 killed_at=$(date +%s)
 kill -9 "$victim"
@@ -272,13 +278,7 @@ set +e
 timeout 120 "${MPIRUN[@]}" "$BIN" "${COMMON[@]}" --steps 100000 --comm-timeout 5 \
     --out-dir "$MARK" >"$OUT/stop.log" 2>&1 &
 job=$!
-pids=""
-for _ in $(seq 1 120); do
-    pids="$(pgrep -f -- "--out-dir $MARK" | while read -r p; do
-        [ "$(cat /proc/"$p"/comm 2>/dev/null)" = ferrotron ] && echo "$p"; done)"
-    [ "$(wc -w <<<"$pids")" -ge 2 ] && [ -s "$MARK/metrics.jsonl" ] && break
-    sleep 0.5
-done
+wait_for_ranks
 victim="$(tail -1 <<<"$pids")"
 stopped_at=$(date +%s)
 kill -STOP "$victim"
@@ -288,7 +288,7 @@ set -e
 took=$(($(date +%s) - stopped_at))
 # mpirun has returned; its processes may take a moment more to be reaped.
 for _ in $(seq 1 20); do
-    left="$(for p in $pids; do [ -d /proc/"$p" ] && echo "$p"; done)"
+    left="$(for p in $pids; do [ -d /proc/"$p" ] && echo "$p"; done; true)"
     [ -z "$left" ] && break
     sleep 0.5
 done

@@ -136,6 +136,21 @@ pub fn save_as_configured(
 /// the layout that wrote it, the checkpoint holds every parameter's weights and states, in the
 /// files one rank would write.
 pub fn save(dir: &Path, t: &Trainer, tokenizer_json: &str, tokenizer_name: &str) -> Result<()> {
+    let (parent, name) = parent_and_name(dir)?;
+    // Named by the step, not a process id, so ranks in other processes find it.
+    let tmp = parent.join(format!(".{name}.tmp-step{}", t.step));
+    let rank = t.world_rank();
+    let written = write_all(dir, &tmp, t, tokenizer_json, tokenizer_name);
+    if written.is_err() && rank == 0 {
+        // Nothing half-written stays behind; the previous checkpoint was never touched (it is
+        // moved aside only once the new one is complete).
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    written
+}
+
+/// The directory a checkpoint `dir` sits in (`.` for a bare name) and its own name.
+fn parent_and_name(dir: &Path) -> Result<(&Path, String)> {
     let parent = dir
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -145,29 +160,18 @@ pub fn save(dir: &Path, t: &Trainer, tokenizer_json: &str, tokenizer_name: &str)
         .context("checkpoint dir has no name")?
         .to_string_lossy()
         .to_string();
-    // Named by the step, not a process id, so ranks in other processes find it.
-    let tmp = parent.join(format!(".{name}.tmp-step{}", t.step));
-    let rank = t.world_rank();
-    let written = write_all(dir, parent, &name, &tmp, t, tokenizer_json, tokenizer_name);
-    if written.is_err() && rank == 0 {
-        // Nothing half-written stays behind; the previous checkpoint was never touched (it is
-        // moved aside only once the new one is complete).
-        let _ = std::fs::remove_dir_all(&tmp);
-    }
-    written
+    Ok((parent, name))
 }
 
-/// [`save`]'s work, every rank's part.
-#[allow(clippy::too_many_arguments)]
+/// [`save`]'s work into `tmp`, every rank's part.
 fn write_all(
     dir: &Path,
-    parent: &Path,
-    name: &str,
     tmp: &Path,
     t: &Trainer,
     tokenizer_json: &str,
     tokenizer_name: &str,
 ) -> Result<()> {
+    let (parent, _) = parent_and_name(dir)?;
     // The whole model's tensors, whatever slice of them this rank holds.
     let table = t.whole_params();
     let weights = FlatFile::new(
@@ -210,7 +214,7 @@ fn write_all(
     write_blocks(t, &weights, &model_file, &states, &opt_file)?;
     t.barrier()?;
     if rank == 0 {
-        finish(dir, parent, name, tmp, t, tokenizer_json, tokenizer_name)?;
+        finish(dir, tmp, t, tokenizer_json, tokenizer_name)?;
     }
     // No rank goes on (to train, or to the next save) before the checkpoint is in place.
     t.barrier()
@@ -272,13 +276,12 @@ fn write_blocks(
 /// Rank 0, once every rank's blocks are on disk: the small files, the manifest, the rename.
 fn finish(
     dir: &Path,
-    parent: &Path,
-    name: &str,
     tmp: &Path,
     t: &Trainer,
     tokenizer_json: &str,
     tokenizer_name: &str,
 ) -> Result<()> {
+    let (parent, name) = parent_and_name(dir)?;
     let state = TrainerState {
         format: FORMAT.into(),
         step: t.step,
