@@ -12,6 +12,7 @@
 //! The binary (and each test that measures) installs it:
 //! `#[global_allocator] static A: ferrotron_train::alloc::Tracking = ferrotron_train::alloc::Tracking;`
 
+use crate::big_blocks;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering::Relaxed};
@@ -92,10 +93,15 @@ pub fn reset_rank_peak(rank: usize) {
     }
 }
 
-// SAFETY: every call forwards to the system allocator unchanged; only counters are added.
+// SAFETY: large blocks come from `big_blocks` (mapped, page-aligned, released there with the
+// same size), everything else from the system allocator unchanged; only counters are added.
 unsafe impl GlobalAlloc for Tracking {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let p = System.alloc(layout);
+        let p = if big_blocks::is_big(layout.size(), layout.align()) {
+            big_blocks::alloc(layout.size(), false)
+        } else {
+            System.alloc(layout)
+        };
         if p.is_null() {
             out_of_memory(layout.size());
         }
@@ -103,7 +109,11 @@ unsafe impl GlobalAlloc for Tracking {
         p
     }
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        let p = System.alloc_zeroed(layout);
+        let p = if big_blocks::is_big(layout.size(), layout.align()) {
+            big_blocks::alloc(layout.size(), true)
+        } else {
+            System.alloc_zeroed(layout)
+        };
         if p.is_null() {
             out_of_memory(layout.size());
         }
@@ -111,19 +121,32 @@ unsafe impl GlobalAlloc for Tracking {
         p
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        System.dealloc(ptr, layout);
+        if big_blocks::is_big(layout.size(), layout.align()) {
+            big_blocks::free(ptr, layout.size());
+        } else {
+            System.dealloc(ptr, layout);
+        }
         shrank(layout.size());
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let p = System.realloc(ptr, layout, new_size);
-        if p.is_null() {
-            out_of_memory(new_size);
+        let big = |size| big_blocks::is_big(size, layout.align());
+        if !big(layout.size()) && !big(new_size) {
+            let p = System.realloc(ptr, layout, new_size);
+            if p.is_null() {
+                out_of_memory(new_size);
+            }
+            if new_size >= layout.size() {
+                grew(new_size - layout.size());
+            } else {
+                shrank(layout.size() - new_size);
+            }
+            return p;
         }
-        if new_size >= layout.size() {
-            grew(new_size - layout.size());
-        } else {
-            shrank(layout.size() - new_size);
-        }
+        // A large block on either side: a new block, the bytes copied, the old one freed.
+        let new_layout = Layout::from_size_align_unchecked(new_size, layout.align());
+        let p = self.alloc(new_layout);
+        std::ptr::copy_nonoverlapping(ptr, p, layout.size().min(new_size));
+        self.dealloc(ptr, layout);
         p
     }
 }

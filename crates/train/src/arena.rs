@@ -4,8 +4,8 @@
 //! The region is the lifetime class "one micro-batch": it is allocated when the first of its
 //! buffers is asked for (the embedding's output) and freed when the last goes back (the
 //! backward's scratch), so the process holds it exactly while the plan has activations live,
-//! and the tracking allocator sees one allocation of exactly the planned size. (glibc keeps the
-//! freed region for the next micro-batch: `heap::keep_freed_pages`.) Inside it, each request is
+//! and the tracking allocator sees one allocation of exactly the planned size. (The tracking
+//! allocator keeps the freed region for the next micro-batch: `big_blocks`.) Inside it, each request is
 //! checked against the plan: the name must be a plan buffer, the size the planned size, and the
 //! bytes must overlap no buffer still live. A mismatch is an engine bug and panics with both
 //! names.

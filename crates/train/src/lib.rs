@@ -2,6 +2,7 @@
 
 pub mod alloc;
 pub mod arena;
+pub mod big_blocks;
 pub mod checkpoint;
 pub mod config;
 pub mod context_parallel;
