@@ -103,6 +103,11 @@ pub struct TrainArgs {
     /// it) [default: one checkpoint, CHECKPOINT_DIR itself, replaced by each save].
     #[arg(long, allow_negative_numbers = true)]
     pub keep_checkpoints: Option<u64>,
+    /// Save checkpoints in the background: each save copies this rank's weights and optimizer
+    /// states into a staging buffer in the memory plan, and training goes on while a thread
+    /// writes them; a kill still leaves the previous checkpoint [default: false].
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub async_checkpoint: Option<bool>,
     /// Seconds a rank waits in a collective or for a message before it names itself, the
     /// operation, the group and the step, and takes the job down so a scheduler can restart
     /// it from the last checkpoint (as PyTorch's NCCL timeout) [default: 600].
@@ -342,6 +347,13 @@ pub struct CheckpointConfig {
         skip_serializing_if = "Option::is_none"
     )]
     pub keep: Option<u64>,
+    /// Saves written by a background thread from a staging buffer (`--async-checkpoint`).
+    #[serde(default, rename = "async_checkpoint", skip_serializing_if = "is_false")]
+    pub background: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 /// What the run reports about itself; none of it changes the training.
@@ -585,7 +597,12 @@ pub const SECTIONS: &[(&str, &[&str])] = &[
     ),
     (
         "checkpoint",
-        &["checkpoint_dir", "checkpoint_interval", "keep_checkpoints"],
+        &[
+            "checkpoint_dir",
+            "checkpoint_interval",
+            "keep_checkpoints",
+            "async_checkpoint",
+        ],
     ),
     (
         "observability",
@@ -691,7 +708,7 @@ impl TrainArgs {
         merge!(self, file; model, data, tokenizer, init_from, capacity_factor, seq, mbs, grad_acc, steps, stop_after, lr, min_lr_ratio,
             warmup, decay_steps, weight_decay, beta1, beta2, eps, clip, seed, threads, eval_interval,
             eval_batches, out_dir, checkpoint_dir, checkpoint_interval, keep_checkpoints,
-            comm_timeout, max_skipped_steps, metrics, ce_chunk, recompute, bucket_mb,
+            async_checkpoint, comm_timeout, max_skipped_steps, metrics, ce_chunk, recompute, bucket_mb,
             precision, fp32_grad_acc, stochastic_rounding, loss_scale_init,
             loss_scale_growth_interval,
             peak_gflops, sample_tokens, memory_timeline, memory_timeline_steps, trace,
@@ -803,6 +820,7 @@ impl TrainArgs {
                 dir: self.checkpoint_dir.clone(),
                 interval: self.checkpoint_interval.unwrap_or(0),
                 keep: self.keep_checkpoints,
+                background: self.async_checkpoint.unwrap_or(false),
             },
             observability: ObservabilityConfig {
                 metrics: self
@@ -880,6 +898,13 @@ impl TrainArgs {
                 "keep_checkpoints",
                 0,
                 "must be at least 1 (leave it out to keep one checkpoint in CHECKPOINT_DIR itself)",
+            ));
+        }
+        if let (true, None) = (c.checkpoint.background, &c.checkpoint.dir) {
+            return Err(bad(
+                "async_checkpoint",
+                true,
+                "saves checkpoints in the background: add --checkpoint-dir DIR",
             ));
         }
         if let (Some(k), None) = (c.checkpoint.keep, &c.checkpoint.dir) {
@@ -995,7 +1020,7 @@ mod tests {
         );
         assert_eq!(
             err("[checkpoint]\ninterval = 5\n"),
-            "FILE: [checkpoint] interval: unknown key (expected one of checkpoint_dir, checkpoint_interval, keep_checkpoints)"
+            "FILE: [checkpoint] interval: unknown key (expected one of checkpoint_dir, checkpoint_interval, keep_checkpoints, async_checkpoint)"
         );
         assert_eq!(
             err("seq = 64\n[data]\nseq = 32\n"),

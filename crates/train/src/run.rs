@@ -832,6 +832,11 @@ fn run_rank(
     }
     // Initialised or loaded: the state goes to the device the step runs on.
     t.to_device()?;
+    // --async-checkpoint: its staging buffer, in the plan, allocated before the first step.
+    let mut background = cfg
+        .checkpoint
+        .background
+        .then(|| checkpoint::background::Background::new(&mut t));
     // Files are written only once everything has been read and checked: a refused checkpoint
     // or config leaves the output directory as it was.
     let mut metrics = match rank {
@@ -949,7 +954,12 @@ fn run_rank(
             eprintln!("{line}");
         }
         let due = (cfg.checkpoint.interval > 0 && t.step % cfg.checkpoint.interval == 0) || last;
-        if let (Some(dir), true) = (&cfg.checkpoint.dir, due) {
+        let stalled = Instant::now();
+        if let (Some(b), true) = (&mut background, due) {
+            // Every rank stages the blocks it holds; a thread writes them (a previous save's
+            // failure comes back here, naming its step).
+            t.with_host_state(|t| b.save(&cfg.checkpoint, t, &tokenizer_json, tok.name()))?;
+        } else if let (Some(dir), true) = (&cfg.checkpoint.dir, due) {
             // Every rank writes the blocks it holds.
             t.with_host_state(|t| {
                 checkpoint::save_as_configured(&cfg.checkpoint, t, &tokenizer_json, tok.name())
@@ -962,10 +972,28 @@ fn run_rank(
                 )
             })?;
         }
+        if due && cfg.checkpoint.dir.is_some() && rank == 0 && !quiet {
+            // What a save costs the run: the time the step loop waited for it.
+            let how = match &background {
+                Some(b) => format!(
+                    "{:.2} s of it for the previous save to finish; staged, written in the background",
+                    b.waited_for_previous.as_secs_f64()
+                ),
+                None => "written".into(),
+            };
+            eprintln!(
+                "checkpoint of step {}: training waited {:.2} s ({how})",
+                t.step,
+                stalled.elapsed().as_secs_f64()
+            );
+        }
         steps.push(out.metrics);
         finish_observability(&cfg, &mut t, false)?;
     }
     finish_observability(&cfg, &mut t, true)?;
+    if let Some(b) = &mut background {
+        b.wait()?;
+    }
     if tty {
         eprintln!();
     }

@@ -1810,6 +1810,26 @@ impl Trainer {
     }
 
     /// Planned peak bytes of step 1 (no optimizer states yet) or any later step.
+    /// Adds to this rank's memory plan a buffer of `bytes` live from before the first step to
+    /// the end (a checkpoint's staging buffer), which the caller allocates now.
+    pub fn plan_persistent(&mut self, name: &str, bytes: u64) {
+        use ferrotron_plan::memory::{Category, Op};
+        let plan = &mut self.plan;
+        let id = plan.plan.add(
+            name,
+            ferrotron_plan::DType::U8,
+            bytes,
+            Category::CommBuffers,
+        );
+        plan.plan.program.insert(0, Op::Alloc(id));
+        plan.sweep = plan.plan.sweep();
+        plan.at_peak = plan.sweep.at_peak;
+        plan.peak += bytes;
+        for p in &mut self.planned_peak {
+            *p += bytes;
+        }
+    }
+
     pub fn planned_peak_step(&self, step: u64) -> u64 {
         self.planned_peak[(step > 1) as usize]
     }

@@ -27,12 +27,14 @@ pub struct Manifest {
     pub files: BTreeMap<String, FileEntry>,
 }
 
-/// Size and SHA-256 (lower-case hex) of a file, read in 1 MiB blocks.
+/// Size and SHA-256 (lower-case hex) of a file, read in 64 KiB blocks through a buffer on the
+/// stack: an asynchronous save digests its files while the next step runs, and must not
+/// allocate outside the plan meanwhile.
 fn digest(path: &Path) -> Result<FileEntry> {
     let mut f =
         std::fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
     let mut h = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
+    let mut buf = [0u8; 64 << 10];
     let mut bytes = 0u64;
     loop {
         let n = f

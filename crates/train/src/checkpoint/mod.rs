@@ -4,6 +4,7 @@
 //! atomically (temp directory + rename, with recovery of a save interrupted between renames)
 //! and by every rank in parallel, each its own blocks (`parallel`).
 
+pub mod background;
 pub mod hf;
 pub mod keep;
 pub mod manifest;
@@ -136,9 +137,7 @@ pub fn save_as_configured(
 /// the layout that wrote it, the checkpoint holds every parameter's weights and states, in the
 /// files one rank would write.
 pub fn save(dir: &Path, t: &Trainer, tokenizer_json: &str, tokenizer_name: &str) -> Result<()> {
-    let (parent, name) = parent_and_name(dir)?;
-    // Named by the step, not a process id, so ranks in other processes find it.
-    let tmp = parent.join(format!(".{name}.tmp-step{}", t.step));
+    let tmp = tmp_dir(dir, t.step)?;
     let rank = t.world_rank();
     let written = write_all(dir, &tmp, t, tokenizer_json, tokenizer_name);
     if written.is_err() && rank == 0 {
@@ -147,6 +146,13 @@ pub fn save(dir: &Path, t: &Trainer, tokenizer_json: &str, tokenizer_name: &str)
         let _ = std::fs::remove_dir_all(&tmp);
     }
     written
+}
+
+/// The temp directory a save of `step` into `dir` writes: named by the step, not a process
+/// id, so ranks in other processes find it.
+fn tmp_dir(dir: &Path, step: u64) -> Result<PathBuf> {
+    let (parent, name) = parent_and_name(dir)?;
+    Ok(parent.join(format!(".{name}.tmp-step{step}")))
 }
 
 /// The directory a checkpoint `dir` sits in (`.` for a bare name) and its own name.
@@ -171,7 +177,51 @@ fn write_all(
     tokenizer_json: &str,
     tokenizer_name: &str,
 ) -> Result<()> {
+    prepare(dir, tmp, t)?;
+    let (weights, states) = layouts(t);
+    write_blocks(t, &weights, &states, tmp)?;
+    t.barrier()?;
+    if t.world_rank() == 0 {
+        finish(dir, tmp, &SmallFiles::of(t, tokenizer_json, tokenizer_name))?;
+    }
+    // No rank goes on (to train, or to the next save) before the checkpoint is in place.
+    t.barrier()
+}
+
+/// Every rank, before writing blocks: rank 0 clears what an interrupted save left, makes the
+/// temp directory and the two block files with their headers (sized, data still zero); then
+/// every rank waits for them.
+fn prepare(dir: &Path, tmp: &Path, t: &Trainer) -> Result<()> {
     let (parent, _) = parent_and_name(dir)?;
+    if t.world_rank() == 0 {
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("cannot create {}", parent.display()))?;
+        recover(dir, true)?;
+        let _ = std::fs::remove_dir_all(tmp);
+        std::fs::create_dir(tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+        let (weights, states) = layouts(t);
+        // The weights in their storage type (a bf16 model is a bf16 checkpoint, as on the
+        // Hub); the fp32 master copy, when there is one, goes with the optimizer state.
+        weights.create(&tmp.join("model.safetensors"))?;
+        if t.opt.is_some() {
+            states.create(&tmp.join(OPTIMIZER))?;
+        }
+    }
+    t.barrier()
+}
+
+const OPTIMIZER: &str = "optimizer.safetensors";
+
+/// The two files every rank writes blocks into.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockFile {
+    Model,
+    Optimizer,
+}
+
+/// The layouts of the two block files of `t`'s checkpoint: the weights in their storage type,
+/// and the AdamW moments (with mixed precision also the fp32 master weights) of every parameter.
+fn layouts(t: &Trainer) -> (FlatFile, FlatFile) {
     // The whole model's tensors, whatever slice of them this rank holds.
     let table = t.whole_params();
     let weights = FlatFile::new(
@@ -182,82 +232,60 @@ fn write_all(
             .map(|e| (e.name.clone(), e.shape.clone()))
             .collect::<Vec<_>>(),
     );
-    // The AdamW moments and, with mixed precision, the fp32 master weights, of every parameter.
     let n = table.total;
-    let mut names = vec!["exp_avg", "exp_avg_sq"];
-    if t.master.is_some() {
-        names.push("master");
-    }
     let states = FlatFile::new(
         DType::F32,
-        &names
+        &state_names(t)
             .iter()
             .map(|s| (s.to_string(), vec![n]))
             .collect::<Vec<_>>(),
     );
-    let (model_file, opt_file) = (tmp.join("model.safetensors"), tmp.join(OPTIMIZER));
-    let rank = t.world_rank();
-    if rank == 0 {
-        std::fs::create_dir_all(parent)
-            .with_context(|| format!("cannot create {}", parent.display()))?;
-        recover(dir, true)?;
-        let _ = std::fs::remove_dir_all(tmp);
-        std::fs::create_dir(tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
-        // The weights in their storage type (a bf16 model is a bf16 checkpoint, as on the
-        // Hub); the fp32 master copy, when there is one, goes with the optimizer state.
-        weights.create(&model_file)?;
-        if t.opt.is_some() {
-            states.create(&opt_file)?;
-        }
-    }
-    t.barrier()?;
-    write_blocks(t, &weights, &model_file, &states, &opt_file)?;
-    t.barrier()?;
-    if rank == 0 {
-        finish(dir, tmp, t, tokenizer_json, tokenizer_name)?;
-    }
-    // No rank goes on (to train, or to the next save) before the checkpoint is in place.
-    t.barrier()
+    (weights, states)
 }
 
-const OPTIMIZER: &str = "optimizer.safetensors";
+fn state_names(t: &Trainer) -> Vec<&'static str> {
+    let mut names = vec!["exp_avg", "exp_avg_sq"];
+    if t.master.is_some() {
+        names.push("master");
+    }
+    names
+}
 
-/// This rank's blocks of the weights and optimizer states, each at its offset in the files
-/// rank 0 created, synced to disk before the rank reports done.
-fn write_blocks(
+/// Bytes of this rank's blocks in both files: what [`emit_blocks`] hands out, and what an
+/// asynchronous save stages (`background`).
+pub fn block_bytes(t: &Trainer) -> u64 {
+    let elems: usize = t.written_blocks().iter().map(|(r, ..)| r.len()).sum();
+    // The optimizer's states exist from the first step on (AdamW creates them lazily), before
+    // any save.
+    let states = 4 * state_names(t).len() as u64;
+    elems as u64 * (t.params.dtype().bytes() + states)
+}
+
+/// This rank's blocks of the weights and optimizer states, each handed to `out` with its file
+/// and byte offset (encoded in chunks through one small buffer).
+fn emit_blocks(
     t: &Trainer,
     weights: &FlatFile,
-    model_file: &Path,
     states: &FlatFile,
-    opt_file: &Path,
-) -> Result<()> {
+    out: &mut dyn FnMut(BlockFile, u64, &[u8]) -> std::io::Result<()>,
+) -> std::io::Result<()> {
     let blocks = t.written_blocks();
-    if blocks.is_empty() {
-        return Ok(());
-    }
-    let rank = t.world_rank();
     let mut buf = Vec::new();
-    fn io(p: &Path) -> impl Fn(std::io::Error) -> anyhow::Error + '_ {
-        move |e| anyhow::anyhow!("cannot write {}: {e}", p.display())
-    }
-    let f = parallel::open_for_blocks(model_file, rank)?;
     for (r, _, from) in &blocks {
         let from = *from;
-        parallel::write_flat(
+        let mut to = |offset, bytes: &[u8]| out(BlockFile::Model, offset, bytes);
+        parallel::emit_flat(
             weights,
-            &f,
             r.start,
             &t.params,
             from..from + r.len(),
             &mut buf,
-        )
-        .map_err(io(model_file))?;
+            &mut to,
+        )?;
     }
-    f.sync_data().map_err(io(model_file))?;
     let Some(opt) = &t.opt else {
         return Ok(());
     };
-    let f = parallel::open_for_blocks(opt_file, rank)?;
     let mut tensors = vec![("exp_avg", &opt.m), ("exp_avg_sq", &opt.v)];
     if let Some(m) = &t.master {
         tensors.push(("master", m));
@@ -265,48 +293,147 @@ fn write_blocks(
     for (name, values) in tensors {
         let base = states.range(name).expect("the layout names it").start;
         for (r, at, _) in &blocks {
-            states
-                .write(&f, base + r.start, &values[*at..*at + r.len()], &mut buf)
-                .map_err(io(opt_file))?;
+            let mut to = |offset, bytes: &[u8]| out(BlockFile::Optimizer, offset, bytes);
+            states.emit(
+                base + r.start,
+                &values[*at..*at + r.len()],
+                &mut buf,
+                &mut to,
+            )?;
         }
     }
-    f.sync_data().map_err(io(opt_file))
+    Ok(())
+}
+
+/// This rank's blocks written at their offsets in the files rank 0 created, synced to disk
+/// before the rank reports done.
+fn write_blocks(t: &Trainer, weights: &FlatFile, states: &FlatFile, tmp: &Path) -> Result<()> {
+    if t.written_blocks().is_empty() {
+        return Ok(());
+    }
+    let files = BlockFiles::open(tmp, t.world_rank(), t.opt.is_some())?;
+    let mut failed = None;
+    emit_blocks(t, weights, states, &mut |which, offset, bytes| {
+        files
+            .write(which, offset, bytes)
+            .inspect_err(|_| failed = Some(which))
+    })
+    .map_err(|e| files.error(failed.unwrap_or(BlockFile::Model), e))?;
+    files.sync()
+}
+
+/// A rank's handles on the two block files of a save in progress.
+pub struct BlockFiles {
+    model: (PathBuf, std::fs::File),
+    opt: Option<(PathBuf, std::fs::File)>,
+}
+
+impl BlockFiles {
+    /// Opens the files rank 0 created in `tmp` (the optimizer's when the run has one).
+    pub fn open(tmp: &Path, rank: usize, with_opt: bool) -> Result<Self> {
+        let at = |name: &str| -> Result<(PathBuf, std::fs::File)> {
+            let p = tmp.join(name);
+            let f = parallel::open_for_blocks(&p, rank)?;
+            Ok((p, f))
+        };
+        Ok(Self {
+            model: at("model.safetensors")?,
+            opt: with_opt.then(|| at(OPTIMIZER)).transpose()?,
+        })
+    }
+
+    fn file(&self, which: BlockFile) -> &(PathBuf, std::fs::File) {
+        match (which, &self.opt) {
+            (BlockFile::Optimizer, Some(o)) => o,
+            _ => &self.model,
+        }
+    }
+
+    pub fn write(&self, which: BlockFile, offset: u64, bytes: &[u8]) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        self.file(which).1.write_all_at(bytes, offset)
+    }
+
+    /// One line naming the file a write failed on.
+    pub fn error(&self, which: BlockFile, e: std::io::Error) -> anyhow::Error {
+        anyhow::anyhow!("cannot write {}: {e}", self.file(which).0.display())
+    }
+
+    /// Both files synced to disk.
+    pub fn sync(&self) -> Result<()> {
+        for (p, f) in std::iter::once(&self.model).chain(&self.opt) {
+            f.sync_data()
+                .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", p.display()))?;
+        }
+        Ok(())
+    }
+}
+
+/// The small files of a checkpoint, rendered at the step it saves (an asynchronous save
+/// renders them before training goes on, and writes them later).
+pub struct SmallFiles {
+    trainer_state: String,
+    config: String,
+    tokenizer: String,
+    with_opt: bool,
+}
+
+impl SmallFiles {
+    pub fn of(t: &Trainer, tokenizer_json: &str, tokenizer_name: &str) -> Self {
+        let state = TrainerState {
+            format: FORMAT.into(),
+            step: t.step,
+            config: t.cfg.clone(),
+            loader: t.loader.state(),
+            params: t.whole_params().total as u64,
+            tokenizer: tokenizer_name.into(),
+            loss_scaler: t.scaler.clone(),
+        };
+        Self {
+            trainer_state: pretty(&state),
+            config: pretty(&hf_config(&t.spec, t.params.dtype())),
+            tokenizer: tokenizer_json.to_string(),
+            with_opt: t.opt.is_some(),
+        }
+    }
+}
+
+/// Pretty JSON of checkpoint metadata (plain structs and strings: serialising cannot fail).
+fn pretty(v: &impl Serialize) -> String {
+    serde_json::to_string_pretty(v).expect("checkpoint metadata serialises")
+}
+
+impl SmallFiles {
+    /// Writes them into `tmp` (rank 0).
+    fn write(&self, tmp: &Path) -> Result<()> {
+        for (name, text) in [
+            ("trainer_state.json", &self.trainer_state),
+            ("config.json", &self.config),
+            ("tokenizer.json", &self.tokenizer),
+        ] {
+            let p = tmp.join(name);
+            std::fs::write(&p, text).with_context(|| format!("cannot write {}", p.display()))?;
+        }
+        Ok(())
+    }
 }
 
 /// Rank 0, once every rank's blocks are on disk: the small files, the manifest, the rename.
-fn finish(
-    dir: &Path,
-    tmp: &Path,
-    t: &Trainer,
-    tokenizer_json: &str,
-    tokenizer_name: &str,
-) -> Result<()> {
+fn finish(dir: &Path, tmp: &Path, small: &SmallFiles) -> Result<()> {
+    small.write(tmp)?;
+    seal(dir, tmp, small.with_opt)
+}
+
+/// Rank 0, once every file of `tmp` is written: the manifest, then the rename into `dir`.
+fn seal(dir: &Path, tmp: &Path, with_opt: bool) -> Result<()> {
     let (parent, name) = parent_and_name(dir)?;
-    let state = TrainerState {
-        format: FORMAT.into(),
-        step: t.step,
-        config: t.cfg.clone(),
-        loader: t.loader.state(),
-        params: t.whole_params().total as u64,
-        tokenizer: tokenizer_name.into(),
-        loss_scaler: t.scaler.clone(),
-    };
-    std::fs::write(
-        tmp.join("trainer_state.json"),
-        serde_json::to_string_pretty(&state)?,
-    )?;
-    std::fs::write(
-        tmp.join("config.json"),
-        serde_json::to_string_pretty(&hf_config(&t.spec, t.params.dtype()))?,
-    )?;
-    std::fs::write(tmp.join("tokenizer.json"), tokenizer_json)?;
     let mut files = vec![
         "model.safetensors",
         "trainer_state.json",
         "config.json",
         "tokenizer.json",
     ];
-    if t.opt.is_some() {
+    if with_opt {
         files.push(OPTIMIZER);
     }
     manifest::write(tmp, &files)?;

@@ -101,6 +101,21 @@ impl FlatFile {
         values: &[T],
         buf: &mut Vec<u8>,
     ) -> std::io::Result<()> {
+        self.emit(at, values, buf, &mut |offset, bytes| {
+            file.write_all_at(bytes, offset)
+        })
+    }
+
+    /// Encodes `values` at element `at` of the flat vector in chunks through `buf`, handing
+    /// each chunk and its byte offset in the file to `out` (a file write, or a copy into an
+    /// asynchronous save's staging buffer).
+    pub fn emit<T: LeBytes>(
+        &self,
+        at: usize,
+        values: &[T],
+        buf: &mut Vec<u8>,
+        out: &mut dyn FnMut(u64, &[u8]) -> std::io::Result<()>,
+    ) -> std::io::Result<()> {
         const CHUNK: usize = 1 << 16;
         debug_assert_eq!(T::SIZE, self.elem);
         debug_assert!(at + values.len() <= self.numel);
@@ -110,7 +125,7 @@ impl FlatFile {
                 v.put(buf);
             }
             let offset = self.header.len() + (at + i * CHUNK) * self.elem;
-            file.write_all_at(buf, offset as u64)?;
+            out(offset as u64, buf)?;
         }
         Ok(())
     }
@@ -143,19 +158,19 @@ impl LeBytes for f16 {
     }
 }
 
-/// Writes elements `from` of `src` at element `at` of `layout`'s flat vector.
-pub fn write_flat(
+/// Emits elements `from` of `src` at element `at` of `layout`'s flat vector (`FlatFile::emit`).
+pub fn emit_flat(
     layout: &FlatFile,
-    file: &File,
     at: usize,
     src: &Flat,
     from: Range<usize>,
     buf: &mut Vec<u8>,
+    out: &mut dyn FnMut(u64, &[u8]) -> std::io::Result<()>,
 ) -> std::io::Result<()> {
     match src {
-        Flat::F32(v) => layout.write(file, at, &v[from], buf),
-        Flat::Bf16(v) => layout.write(file, at, &v[from], buf),
-        Flat::F16(v) => layout.write(file, at, &v[from], buf),
+        Flat::F32(v) => layout.emit(at, &v[from], buf, out),
+        Flat::Bf16(v) => layout.emit(at, &v[from], buf, out),
+        Flat::F16(v) => layout.emit(at, &v[from], buf, out),
     }
 }
 
@@ -281,8 +296,9 @@ mod tests {
         let src = Flat::from_f32(DType::Bf16, &[1.0, -2.0, 0.5, 4.0, 8.0, -0.25]);
         let f = open_for_blocks(&path, 0).unwrap();
         let mut buf = Vec::new();
-        write_flat(&layout, &f, 2, &src, 2..6, &mut buf).unwrap();
-        write_flat(&layout, &f, 0, &src, 0..2, &mut buf).unwrap();
+        let mut to_file = |offset, bytes: &[u8]| f.write_all_at(bytes, offset);
+        emit_flat(&layout, 2, &src, 2..6, &mut buf, &mut to_file).unwrap();
+        emit_flat(&layout, 0, &src, 0..2, &mut buf, &mut to_file).unwrap();
         let bytes = std::fs::read(&path).unwrap();
         let st = SafeTensors::deserialize(&bytes).unwrap();
         assert_eq!(st.tensor("w").unwrap().data(), src.le_bytes(0..6));
