@@ -256,7 +256,8 @@ fn narayanan_2021_table1_a100() {
 /// here adds 29M of 176B), tied embeddings padded to 250,880 rows. `--pp-partition-method
 /// 'type:transformer|embedding'` balances 72 units (70 layers, the embedding at each end) over
 /// 12 stages: 5 layers with the embedding, 6 × 10, 5 with the head. Jean Zay's nodes have four
-/// 100 Gb/s Omni-Path links (BLOOM paper, arXiv 2211.05100 §3.4.1): 50 Gb/s per GPU.
+/// 100 Gb/s Omni-Path links (BLOOM paper, arXiv 2211.05100, its hardware description): 50 Gb/s
+/// per GPU.
 fn bloom() -> time::TimeReport {
     let m = gpt(14336, 112, 70, 2048, 250_880, true);
     assert!(

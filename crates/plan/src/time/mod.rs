@@ -485,7 +485,7 @@ fn estimate_from(
         ),
         format!("ranks placed tp innermost, then cp, ep, dp, pp; {}", cluster.describe()),
         format!(
-            "overlapped collectives (data-parallel reduction, ZeRO gathers, CP ring) slow the compute they overlap by {:.1}% (NCCL runs on the SMs)",
+            "overlapped collectives (data-parallel reduction, ZeRO gathers, CP ring, and the --tp/--pp/--param-gather/--ep overlaps asked for) slow the compute they overlap by {:.1}% (NCCL runs on the SMs)",
             OVERLAP_SLOWDOWN * 100.0
         ),
     ];
