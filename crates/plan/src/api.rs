@@ -70,6 +70,12 @@ pub struct Settings {
     pub offload: Option<String>,
     /// Expert-parallel all-to-alls overlapped with compute (DeepSeek-V3's DualPipe).
     pub ep_overlap: Option<bool>,
+    /// Tensor-parallel collectives overlapped with the GEMMs (Megatron-LM's --tp-comm-overlap).
+    pub tp_overlap: Option<bool>,
+    /// ZeRO-1/2's parameter all-gather overlapped with the next forward (--overlap-param-gather).
+    pub param_gather_overlap: Option<bool>,
+    /// Pipeline sends overlapped with compute (--overlap-p2p-communication, interleaved only).
+    pub pp_overlap: Option<bool>,
     pub gpu: Option<String>,
     pub gpus_per_node: Option<u64>,
     pub cluster: Option<ClusterFile>,
@@ -337,6 +343,9 @@ impl Settings {
         .resolve()?;
         let layout = Layout {
             ep_overlap: self.ep_overlap.unwrap_or(false),
+            tp_overlap: self.tp_overlap.unwrap_or(false),
+            param_gather_overlap: self.param_gather_overlap.unwrap_or(false),
+            pp_overlap: self.pp_overlap.unwrap_or(false),
             ..layout
         };
         let mbs = self.mbs.unwrap_or(1);

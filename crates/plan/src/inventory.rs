@@ -406,6 +406,11 @@ fn gpt2(m: &ModelSpec, b: &mut Builder) {
     }
     b.push("transformer.ln_f.weight".into(), &[c], Placement::Head, REP);
     b.push("transformer.ln_f.bias".into(), &[c], Placement::Head, REP);
+    // GPT2LMHeadModel always ties it (the reader sets `tie_embeddings`); a Megatron-LM GPT run
+    // with `--untie-embeddings-and-output-weights` does not.
+    if !m.tie_embeddings {
+        b.push(names::LM_HEAD.into(), &[v, c], Placement::Head, COL);
+    }
 }
 
 /// Parameter counts. `active` is, for a mixture of experts, the parameters one token's forward

@@ -67,6 +67,24 @@ pub struct Layout {
     /// not one of the trainer's.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub ep_overlap: bool,
+    /// Tensor-parallel all-gathers and reduce-scatters overlapped with the GEMMs they feed
+    /// (Megatron-LM's `--tp-comm-overlap`, Transformer Engine's userbuffers; NeMo's default in
+    /// its performance recipes) instead of exposed; a planner setting (`--tp-overlap`), not one
+    /// of the trainer's. Megatron-LM allows it only with sequence parallelism.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub tp_overlap: bool,
+    /// ZeRO-1/2's all-gather of the updated parameters overlapped with the next step's first
+    /// forward (Megatron-LM's `--overlap-param-gather`, with its distributed optimizer: each
+    /// bucket is gathered as the forward reaches it) instead of exposed after the optimizer
+    /// step; a planner setting (`--param-gather-overlap`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub param_gather_overlap: bool,
+    /// Pipeline sends and receives overlapped with the next model chunk's forward or backward
+    /// (Megatron-LM's `--overlap-p2p-communication`, on by default but only in the interleaved
+    /// schedule: "Overlap P2P communication is disabled if not using the interleaved schedule",
+    /// `arguments.py`) instead of on the critical path; a planner setting (`--pp-overlap`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub pp_overlap: bool,
 }
 
 impl Default for Layout {
@@ -86,6 +104,9 @@ impl Default for Layout {
             pp_last_layers: None,
             offload: Offload::None,
             ep_overlap: false,
+            tp_overlap: false,
+            param_gather_overlap: false,
+            pp_overlap: false,
         }
     }
 }
@@ -218,6 +239,29 @@ impl Layout {
                 "ep_overlap",
                 true,
                 "overlaps expert-parallel all-to-alls: add --ep 2 or more",
+            ));
+        }
+        if self.tp_overlap && (self.tp == 1 || !self.sp) {
+            // Megatron-LM's arguments.py: "Tensor parallel communication/GEMM overlap can
+            // happen only when sequence parallelism is enabled".
+            return Err(PlanError::setting(
+                "tp_overlap",
+                true,
+                "overlaps the all-gathers and reduce-scatters of sequence parallelism: add --tp 2 or more and --sp",
+            ));
+        }
+        if self.param_gather_overlap && !(self.zero == 1 || self.zero == 2) {
+            return Err(PlanError::setting(
+                "param_gather_overlap",
+                true,
+                "overlaps the parameter all-gather of ZeRO-1/2 (Megatron-LM's distributed optimizer): add --zero 1",
+            ));
+        }
+        if self.pp_overlap && (self.pp == 1 || self.pp_schedule != PpSchedule::Interleaved) {
+            return Err(PlanError::setting(
+                "pp_overlap",
+                true,
+                "Megatron-LM overlaps pipeline sends only in the interleaved schedule: add --pp 2 or more and --pp-schedule interleaved",
             ));
         }
         if self.pp_virtual > 1 && self.pp_schedule != PpSchedule::Interleaved {

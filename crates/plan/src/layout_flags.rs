@@ -92,6 +92,9 @@ impl LayoutFlags {
             pp_last_layers: self.pp_last_layers,
             offload: parse(&self.offload, Offload::None)?,
             ep_overlap: false,
+            tp_overlap: false,
+            param_gather_overlap: false,
+            pp_overlap: false,
         })
     }
 

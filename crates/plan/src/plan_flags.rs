@@ -110,6 +110,30 @@ pub struct PlanFlags {
         arg(long, num_args = 0..=1, default_missing_value = "true")
     )]
     pub ep_overlap: Option<bool>,
+    /// Tensor-parallel all-gathers and reduce-scatters overlapped with the GEMMs (Megatron-LM's
+    /// --tp-comm-overlap; needs --sp); `--tp-overlap` alone means true [default: false,
+    /// exposed, as Megatron-LM's default].
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, num_args = 0..=1, default_missing_value = "true")
+    )]
+    pub tp_overlap: Option<bool>,
+    /// ZeRO-1/2's parameter all-gather overlapped with the next step's first forward
+    /// (Megatron-LM's --overlap-param-gather; needs --zero 1 or 2); `--param-gather-overlap`
+    /// alone means true [default: false, exposed after the optimizer step].
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, num_args = 0..=1, default_missing_value = "true")
+    )]
+    pub param_gather_overlap: Option<bool>,
+    /// Pipeline sends overlapped with the next model chunk's compute (Megatron-LM's
+    /// --overlap-p2p-communication; needs --pp-schedule interleaved); `--pp-overlap` alone
+    /// means true [default: false, on the critical path].
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, num_args = 0..=1, default_missing_value = "true")
+    )]
+    pub pp_overlap: Option<bool>,
     /// none | optimizer | params [default: none].
     #[cfg_attr(feature = "cli", arg(long, allow_negative_numbers = true))]
     pub offload: Option<String>,
@@ -172,7 +196,7 @@ impl PlanFlags {
         };
         let mut file: PlanFlags = read_toml("config", path)?;
         merge!(self, file; model, params, largest_layer, seq, max_seq, mbs, grad_acc, gbs, precision, optimizer, recompute,
-            dp, tp, pp, cp, ep, zero, sp, pp_schedule, pp_virtual, pp_layers, pp_first_layers, pp_last_layers, ep_overlap, offload, gpu, gpus_per_node,
+            dp, tp, pp, cp, ep, zero, sp, pp_schedule, pp_virtual, pp_layers, pp_first_layers, pp_last_layers, ep_overlap, tp_overlap, param_gather_overlap, pp_overlap, offload, gpu, gpus_per_node,
             cluster, attention, flops_convention, convention, overhead_gib, fragmentation, ce_chunk,
             bucket_mb, capacity_factor, html);
         Ok(self)
@@ -218,6 +242,9 @@ impl PlanFlags {
             pp_first_layers: self.pp_first_layers,
             pp_last_layers: self.pp_last_layers,
             ep_overlap: self.ep_overlap,
+            tp_overlap: self.tp_overlap,
+            param_gather_overlap: self.param_gather_overlap,
+            pp_overlap: self.pp_overlap,
             offload: self.offload.clone(),
             gpu: self.gpu.clone(),
             gpus_per_node: self.gpus_per_node,

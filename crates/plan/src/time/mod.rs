@@ -24,7 +24,8 @@
 //!   selective replays what the memory convention drops (Korthikanti et al. §5: the attention
 //!   core for Megatron-style layers; the norms and the MLP activation in ferrotron's engine).
 //! - Communication (`comm.rs`): TP collectives and EP all-to-alls are exposed (Megatron-LM 2022
-//!   does not overlap them); CP ring exchanges overlap the attention kernels they feed; DP
+//!   does not overlap them) unless `tp_overlap` (Megatron-LM's `--tp-comm-overlap`) or
+//!   `ep_overlap` (DeepSeek-V3's DualPipe) hides them under compute; CP ring exchanges overlap the attention kernels they feed; DP
 //!   gradient reduction is bucketed and overlaps the last micro-batch's backward (Li et al. 2020,
 //!   "PyTorch Distributed", §3.2.3); ZeRO-3 gathers are prefetched and overlap each
 //!   micro-batch's compute; ZeRO-1/2 parameter all-gathers after the optimizer step are exposed;
@@ -206,7 +207,7 @@ fn lines_of(setup: &StageSetup, tm: &TimeModel, x: &PlanInput) -> Vec<(f64, f64)
         .map(|s| {
             let (a, b) = (a.stage_mb(s), b.stage_mb(s));
             // The sends are per model chunk: v of them whatever the layers.
-            let fixed = a.total() + (v - 1.0) * a.pp.1;
+            let fixed = a.total() + (v - 1.0) * a.pp.2;
             (fixed, b.total() - a.total())
         })
         .collect()
@@ -361,10 +362,15 @@ fn estimate_from(
         crosses_nodes: gs[4].crosses_nodes,
         bytes: mb * slow.pp.0,
         s: mb * slow.pp.1,
-        exposed_s: mb * slow.pp.1,
+        exposed_s: mb * slow.pp.2,
         what: if l.pp > 1 {
             format!(
-                "activation/gradient sends per micro-batch and model chunk ({pp_where}, on the critical path)"
+                "activation/gradient sends per micro-batch and model chunk ({pp_where}, {})",
+                if l.pp_overlap {
+                    "overlapping the next chunk's compute"
+                } else {
+                    "on the critical path"
+                }
             )
         } else {
             "no pipeline parallelism".into()
@@ -377,22 +383,30 @@ fn estimate_from(
         pp.what
             .push_str("; tied-embedding gradient all-reduce between first and last stage");
     }
-    let tp =
-        DimComm {
-            group: l.tp,
-            crosses_nodes: gs[0].crosses_nodes,
-            bytes: mb * slow.tp.0,
-            s: mb * slow.tp.1,
-            exposed_s: mb * slow.tp.1,
-            what: if l.tp > 1 {
-                format!(
-                "{} of the activations, 2 per layer forward and 2 backward ({tp_where}, exposed)",
-                if l.sp { "all-gathers + reduce-scatters" } else { "all-reduces" }
+    let tp = DimComm {
+        group: l.tp,
+        crosses_nodes: gs[0].crosses_nodes,
+        bytes: mb * slow.tp.0,
+        s: mb * slow.tp.1,
+        exposed_s: mb * slow.tp.2,
+        what: if l.tp > 1 {
+            format!(
+                "{} of the activations, 2 per layer forward and 2 backward ({tp_where}, {})",
+                if l.sp {
+                    "all-gathers + reduce-scatters"
+                } else {
+                    "all-reduces"
+                },
+                if l.tp_overlap {
+                    "overlapping the layers' GEMMs"
+                } else {
+                    "exposed"
+                }
             )
-            } else {
-                "no tensor parallelism".into()
-            },
-        };
+        } else {
+            "no tensor parallelism".into()
+        },
+    };
     let cp = DimComm {
         group: l.cp,
         crosses_nodes: gs[1].crosses_nodes,
@@ -471,7 +485,7 @@ fn estimate_from(
         ),
         format!("ranks placed tp innermost, then cp, ep, dp, pp; {}", cluster.describe()),
         format!(
-            "overlapped collectives (data-parallel reduction, ZeRO gathers, CP ring) slow the compute they overlap by {:.1}% (NCCL runs on the SMs)",
+            "overlapped collectives (data-parallel reduction, ZeRO gathers, CP ring, and the --tp/--pp/--param-gather/--ep overlaps asked for) slow the compute they overlap by {:.1}% (NCCL runs on the SMs)",
             OVERLAP_SLOWDOWN * 100.0
         ),
     ];

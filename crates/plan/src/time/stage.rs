@@ -17,17 +17,19 @@ pub(super) struct StageMb {
     pub(super) compute: Cost,
     pub(super) recompute: Cost,
     pub(super) backward_s: f64,
-    pub(super) tp: (f64, f64),
+    /// Bytes, seconds and seconds on the critical path.
+    pub(super) tp: (f64, f64, f64),
     pub(super) cp: (f64, f64, f64),
     /// Bytes, seconds and seconds on the critical path.
     pub(super) ep: (f64, f64, f64),
-    pub(super) pp: (f64, f64),
+    /// Bytes, seconds and seconds on the critical path.
+    pub(super) pp: (f64, f64, f64),
 }
 
 impl StageMb {
     /// Seconds on the critical path per micro-batch.
     pub(super) fn total(&self) -> f64 {
-        self.compute.s() + self.recompute.s() + self.tp.1 + self.cp.2 + self.ep.2 + self.pp.1
+        self.compute.s() + self.recompute.s() + self.tp.2 + self.cp.2 + self.ep.2 + self.pp.2
     }
 }
 
@@ -68,6 +70,10 @@ impl StageInputs<'_> {
         // Norm gradients all-reduced once per step, or after every micro-batch when ZeRO-2/3
         // reduce each micro-batch's gradients (this is one micro-batch's share).
         let per_step = if l.zero >= 2 { 1.0 } else { r.grad_acc as f64 };
+        // The layers' own collectives, which `--tp-overlap` hides under their GEMMs; the
+        // embedding's and the head's stay exposed (Megatron-LM's output layer is not a
+        // Transformer Engine module, so its userbuffers overlap does not cover it).
+        let layer_tp_count = tp_count;
         let mut norm_elems = lc.comm.tp_norm_elems * k;
         let mut tp_extra = 0.0;
         if stage == 0 {
@@ -98,10 +104,19 @@ impl StageInputs<'_> {
             } else {
                 1.0
             };
-            s.tp = (
-                tp_count * tp_one_bytes * per + tp_extra,
-                tp_count * tp_one * per,
-            );
+            let all = tp_count * tp_one * per;
+            // Megatron-LM's `--tp-comm-overlap` splits each all-gather and reduce-scatter into
+            // chunks pipelined with the GEMM that consumes or produces it (Transformer
+            // Engine's userbuffers); the collectives then cost what `overlap::exposed` says
+            // against the layers' compute, the rest stays exposed.
+            let exposed = if l.tp_overlap {
+                let layers = layer_tp_count * tp_one * per;
+                let compute = (lc.fwd + lc.bwd + lc.recompute).s() * k;
+                overlap::exposed(layers, compute) + (all - layers)
+            } else {
+                all
+            };
+            s.tp = (tp_count * tp_one_bytes * per + tp_extra, all, exposed);
         }
         if l.cp > 1 {
             let step = crate::comm::time(Collective::SendRecv, lc.comm.cp_bytes, 2, cp_link);
@@ -137,7 +152,16 @@ impl StageInputs<'_> {
             // split over the tp ranks (Narayanan et al. 2021 §4.1, scatter/gather).
             let bytes = (r.mbs * r.seq / l.cp) as f64 * m.hidden as f64 * st / l.tp as f64;
             let one = crate::comm::time(Collective::SendRecv, bytes, 2, pp_link);
-            s.pp = (2.0 * v * bytes, 2.0 * v * one);
+            let all = 2.0 * v * one;
+            // Megatron-LM's `--overlap-p2p-communication` posts each chunk's send and receive
+            // before the next chunk's forward or backward and waits after it, so they cost
+            // what `overlap::exposed` says against the stage's compute.
+            let exposed = if l.pp_overlap {
+                overlap::exposed(all, (s.compute + s.recompute).s())
+            } else {
+                all
+            };
+            s.pp = (2.0 * v * bytes, all, exposed);
         }
         s
     }

@@ -177,13 +177,23 @@ impl TailInputs<'_> {
             }
         }
         if l.zero == 1 || l.zero == 2 {
-            // Updated parameter shards are all-gathered after the optimizer step: exposed.
+            // Updated parameter shards are all-gathered after the optimizer step: exposed, or
+            // (Megatron-LM's `--overlap-param-gather`) bucket by bucket under the next step's
+            // first forward of this stage, slowed as `overlap::exposed` says.
             let before = dp.s;
             dp.add(Collective::AllGather, dn * param_bytes, rd, dp_link, 1.0);
             dp.add(Collective::AllGather, en * param_bytes, re, ep_dp_link, 1.0);
-            exposed += dp.s - before;
-            dp.what
-                .push_str("; parameter all-gather after the optimizer step (exposed)");
+            let gather = dp.s - before;
+            if l.param_gather_overlap {
+                let forward = (s.compute + s.recompute).s() - s.backward_s;
+                exposed += overlap::exposed(gather, forward);
+                dp.what
+                    .push_str("; parameter all-gather overlapping the next step's first forward");
+            } else {
+                exposed += gather;
+                dp.what
+                    .push_str("; parameter all-gather after the optimizer step (exposed)");
+            }
         }
         if rd <= 1 && re <= 1 {
             dp.what = "no data parallelism".into();
