@@ -64,11 +64,16 @@ pub const ALLOC_CAP: usize = 64 << 20;
 /// Runs `f` and fails the case if it took longer than [`CASE_BUDGET`] or made an allocation
 /// larger than [`ALLOC_CAP`] on this thread. The largest block, not the total, is what a
 /// hostile length field drives (`Vec::with_capacity(n)`, or a vector grown to n by doubling).
+/// Time is this thread's CPU time where Linux tells it (wall time elsewhere): a machine
+/// loaded by other builds stretched the wall time of a 0.02 s case past the budget.
 pub fn bounded<T>(what: &str, f: impl FnOnce() -> T) -> Result<T, TestCaseError> {
     LARGEST.with(|c| c.set(0));
-    let t = Instant::now();
+    let (t, cpu) = (Instant::now(), thread_cpu());
     let out = f();
-    let dt = t.elapsed();
+    let dt = match (cpu, thread_cpu()) {
+        (Some(a), Some(b)) => b.saturating_sub(a),
+        _ => t.elapsed(),
+    };
     let largest = LARGEST.with(Cell::get);
     if dt > CASE_BUDGET {
         return Err(TestCaseError::fail(format!(
@@ -81,6 +86,17 @@ pub fn bounded<T>(what: &str, f: impl FnOnce() -> T) -> Result<T, TestCaseError>
         )));
     }
     Ok(out)
+}
+
+/// CPU time of the calling thread (user + system, in the kernel's 10 ms ticks), from
+/// /proc/thread-self/stat: fields 14 and 15, counted after the command name's closing ')'.
+fn thread_cpu() -> Option<Duration> {
+    let stat = std::fs::read_to_string("/proc/thread-self/stat").ok()?;
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    // USER_HZ is 100 on every Linux ABI (sysconf(_SC_CLK_TCK)).
+    Some(Duration::from_millis(ticks * 10))
 }
 
 thread_local! {

@@ -328,6 +328,38 @@ fn non_finite_steps_are_skipped_then_stop_the_run() {
 }
 
 #[test]
+fn an_asynchronous_checkpoints_staging_buffer_counts_in_the_fit_check() {
+    // The default model fits 700 MiB (plan 499 + 96 for the process), not with a staging
+    // buffer of its weights and AdamW moments beside it.
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let o = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .args([
+            "train",
+            "--steps",
+            "1",
+            "--async-checkpoint",
+            "--checkpoint-dir",
+        ])
+        .arg(dir.path().join("ck"))
+        .arg("--out-dir")
+        .arg(&out)
+        .env("FERROTRON_HOST_MEMORY", (700u64 << 20).to_string())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    let need: f64 = err
+        .strip_prefix("error: the plan needs ")
+        .and_then(|s| s.split(" MiB").next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("{err}"));
+    assert!(need > 700.0, "{err}");
+    assert!(err.contains("but this machine can give 700 MiB: nothing was allocated; try "));
+    assert!(!out.exists(), "a refused run wrote {}", out.display());
+}
+
+#[test]
 fn a_plan_larger_than_the_machine_is_refused_before_allocating() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("out");

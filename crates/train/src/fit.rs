@@ -78,16 +78,24 @@ pub fn check(spec: &ModelSpec, c: &TrainConfig, ranks_here: u64) -> Result<()> {
     // stage); with one rank kind, all of them are it.
     let kinds = plan.ranks.len() as u64;
     let per_kind = (ranks_here / kinds).max(1);
-    let need: u64 = plan.ranks.iter().map(|r| r.peak * per_kind).sum::<u64>() + RSS_OVERHEAD;
+    // `--async-checkpoint` stages a rank's blocks, at most the weights and optimizer states it
+    // holds (the trainer plans the exact size once its blocks are known).
+    let staging = |r: &ferrotron_plan::planner::RankPlan| match c.checkpoint.background {
+        true => r.at_peak.params + r.at_peak.master + r.at_peak.optimizer,
+        false => 0,
+    };
+    let peak = |r: &ferrotron_plan::planner::RankPlan| r.peak + staging(r);
+    let need: u64 = plan.ranks.iter().map(|r| peak(r) * per_kind).sum::<u64>() + RSS_OVERHEAD;
     if need <= avail {
         return Ok(());
     }
-    let most = plan.ranks[plan.most_loaded].peak;
+    let most = peak(&plan.ranks[plan.most_loaded]);
     // The fixes are planned for one rank with this machine's share per rank.
     let share = avail.saturating_sub(RSS_OVERHEAD) / ranks_here.max(1);
     let mut machine = gpu("h100").map_err(|e| anyhow::anyhow!("{e}"))?;
     machine.name = "this machine".into();
-    machine.capacity = share;
+    // The staging buffer goes with every fix alike: the fixes must fit beside it.
+    machine.capacity = share.saturating_sub(staging(&plan.ranks[plan.most_loaded]));
     let v = ferrotron_plan::verdict::verdict(&input, most, &machine, None)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let fixes: Vec<String> = v
