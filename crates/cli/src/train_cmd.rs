@@ -37,7 +37,7 @@ pub struct SampleArgs {
     #[arg(long, default_value = "ROMEO:")]
     pub prompt: String,
     /// File of prompts, one per line (blank lines skipped), each continued in turn (each from
-    /// --seed, as if alone) and printed followed by a blank line; replaces --prompt.
+    /// --seed, as if alone), the samples apart by a blank line (instead of --prompt).
     #[arg(long, conflicts_with = "prompt")]
     pub prompts: Option<PathBuf>,
     /// Tokens to generate, printed as they come; with the prompt's they must fit the model's
