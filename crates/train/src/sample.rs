@@ -175,7 +175,7 @@ impl<'m> Sampler<'m> {
         // A window that slides shifts every position: the cache only serves generations that
         // fit in it whole.
         let window = o.context.min(max_pos);
-        let cached = o.kv_cache && o.tokens > 0 && positions < window;
+        let cached = o.kv_cache && o.tokens > 0 && positions <= window;
         let cache = cached.then(|| KvCache::new(model, 1, positions));
         Ok(Sampler {
             model,

@@ -45,4 +45,26 @@ fn pieces_come_token_by_token_and_make_up_the_text() {
     long.tokens = 1 << 20;
     let e = sample_from(&out.join("ck"), "ROMEO:", &long, &mut |_| {}).unwrap_err();
     assert!(e.to_string().contains("pass the model's context of"), "{e}");
+    // Up to the last position the context has: the cache holds them all, and the text is the
+    // recomputed one.
+    let most: usize = e
+        .to_string()
+        .rsplit("at most ")
+        .next()
+        .unwrap()
+        .trim_end_matches(" tokens")
+        .parse()
+        .unwrap();
+    let edge = SampleOptions {
+        tokens: most,
+        ..o.clone()
+    };
+    let cached = sample_from(&out.join("ck"), "ROMEO:", &edge, &mut |_| {}).unwrap();
+    let edge = SampleOptions {
+        kv_cache: false,
+        ..edge
+    };
+    let plain = sample_from(&out.join("ck"), "ROMEO:", &edge, &mut |_| {}).unwrap();
+    assert_eq!(cached, plain);
+    assert!(cached.len() >= text.len(), "{cached:?}");
 }
