@@ -4,7 +4,7 @@ use anyhow::Result;
 use clap::Args;
 use ferrotron_train::config::TrainArgs;
 use ferrotron_train::run;
-use ferrotron_train::sample::SampleOptions;
+use ferrotron_train::sample::{self, SampleOptions};
 use std::path::PathBuf;
 
 #[derive(Args, Debug)]
@@ -36,6 +36,10 @@ pub struct SampleArgs {
     /// Text the generated tokens continue.
     #[arg(long, default_value = "ROMEO:")]
     pub prompt: String,
+    /// File of prompts, one per line (blank lines skipped), each continued in turn (each from
+    /// --seed, as if alone), the samples apart by a blank line (instead of --prompt).
+    #[arg(long, conflicts_with = "prompt")]
+    pub prompts: Option<PathBuf>,
     /// Tokens to generate, printed as they come; with the prompt's they must fit the model's
     /// context (max_position_embeddings).
     #[arg(long, default_value_t = 200)]
@@ -49,6 +53,10 @@ pub struct SampleArgs {
     /// Seed of the sampling's random numbers.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Recompute the whole prefix for every token instead of decoding over a KV cache (the
+    /// same tokens, quadratically slower: for comparison).
+    #[arg(long)]
+    pub no_kv_cache: bool,
 }
 
 #[derive(Args)]
@@ -110,26 +118,35 @@ pub fn sample(a: SampleArgs) -> Result<()> {
         top_k: a.top_k,
         seed: a.seed,
         context: usize::MAX,
+        kv_cache: !a.no_kv_cache,
     };
-    // The prompt, then each token's text as it comes (flushed: a terminal shows it at once);
+    let prompts = match &a.prompts {
+        Some(file) => sample::read_prompts(file)?,
+        None => vec![a.prompt.clone()],
+    };
+    let m = sample::SampleModel::open(&a.checkpoint)?;
+    let texts: Vec<&str> = prompts.iter().map(String::as_str).collect();
+    let mut sampler = sample::Sampler::new(&m.model, &m.weights, &m.tok, &o, &texts)?;
+    // Each prompt, then each token's text as it comes (flushed: a terminal shows it at once);
     // nothing on stdout when the checkpoint or the request is refused.
     use std::io::Write;
     let mut out = std::io::stdout().lock();
-    let mut started = false;
-    let mut failed = None;
-    run::sample_from(&a.checkpoint, &a.prompt, &o, &mut |piece| {
-        if failed.is_none() {
-            let head = if started { "" } else { a.prompt.as_str() };
-            started = true;
-            failed = write!(out, "{head}{piece}").and_then(|_| out.flush()).err();
+    for (i, prompt) in prompts.iter().enumerate() {
+        if i > 0 {
+            writeln!(out)?;
         }
-    })?;
-    if let Some(e) = failed {
-        return Err(e.into());
+        write!(out, "{prompt}")?;
+        out.flush()?;
+        let mut failed = None;
+        sampler.generate(i, &mut |piece| {
+            if failed.is_none() {
+                failed = write!(out, "{piece}").and_then(|_| out.flush()).err();
+            }
+        })?;
+        if let Some(e) = failed {
+            return Err(e.into());
+        }
+        writeln!(out)?;
     }
-    if !started {
-        write!(out, "{}", a.prompt)?;
-    }
-    writeln!(out)?;
     Ok(())
 }

@@ -68,6 +68,8 @@ fn the_readme_trainer_commands_run_as_written() {
     }
     // The eval example's token sequences.
     std::fs::write(cwd.join("seqs.json"), "[[1, 5, 9, 12, 7], [2, 7, 30, 4]]").unwrap();
+    // The batch sampling example's prompts.
+    std::fs::write(cwd.join("prompts.txt"), "ROMEO:\nJULIET:\n").unwrap();
     let mut ran = Vec::new();
     let mut skipped = Vec::new();
     for line in trainer_block() {

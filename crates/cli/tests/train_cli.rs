@@ -85,6 +85,38 @@ fn data_train_checkpoint_sample() {
         s.starts_with("JULIET:") && s.len() > "JULIET:".len(),
         "{s:?}"
     );
+    // A file of prompts: each continued in turn, as it would be alone, a blank line apart.
+    let alone = |prompt: &str| {
+        let ck = ck.to_str().unwrap();
+        let args = [
+            "sample",
+            "--checkpoint",
+            ck,
+            "--tokens",
+            "8",
+            "--temperature",
+            "0",
+        ];
+        let o = ferrotron(&[&args[..], &["--prompt", prompt]].concat());
+        assert!(o.status.success(), "{}", text(&o));
+        String::from_utf8_lossy(&o.stdout).to_string()
+    };
+    let prompts = ck.parent().unwrap().join("prompts.txt");
+    std::fs::write(&prompts, "JULIET:\n\nROMEO:\n").unwrap();
+    let o = ferrotron(&[
+        "sample",
+        "--checkpoint",
+        ck.to_str().unwrap(),
+        "--prompts",
+        prompts.to_str().unwrap(),
+        "--tokens",
+        "8",
+        "--temperature",
+        "0",
+    ]);
+    assert!(o.status.success(), "{}", text(&o));
+    let both = String::from_utf8_lossy(&o.stdout).to_string();
+    assert_eq!(both, format!("{}\n{}", alone("JULIET:"), alone("ROMEO:")));
     // More tokens than the model's context holds: one line naming the limit, nothing printed.
     let o = ferrotron(&[
         "sample",
@@ -175,6 +207,10 @@ fn bad_train_input_exits_nonzero_with_one_line() {
         (
             vec!["sample", "--checkpoint", "/nonexistent/ck"],
             "not a ferrotron checkpoint directory",
+        ),
+        (
+            vec!["sample", "--checkpoint", "/nonexistent/ck", "--prompts", "/nonexistent/p.txt"],
+            "error: --prompts /nonexistent/p.txt: No such file or directory (os error 2)\n",
         ),
         (
             vec![

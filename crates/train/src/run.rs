@@ -1080,6 +1080,7 @@ fn run_rank(
             top_k: 40,
             seed: cfg.data.seed,
             context: cfg.data.seq as usize,
+            kv_cache: true,
         };
         let text = generate(&t.whole_model(), &weights, &tok, "ROMEO:", &o)?;
         eprintln!("sample (temperature 0.8, top-k 40):\nROMEO:{text}");
@@ -1245,14 +1246,6 @@ pub fn sample_from(
     o: &SampleOptions,
     on_text: &mut dyn FnMut(&str),
 ) -> Result<String> {
-    ferrotron_engine::kernels::cpu::gemm_select::check_env().map_err(anyhow::Error::msg)?;
-    let l = checkpoint::open(dir)?;
-    // A `--keep-checkpoints` directory: its newest checkpoint.
-    let dir = l.dir.as_path();
-    let tok = Tokenizer::from_file(dir.join("tokenizer.json"))?;
-    let model = ferrotron_engine::model::Llama::new(setup::llama_config(&l.spec)?);
-    // Sampling computes in f32 whatever the checkpoint's storage type.
-    let widened = checkpoint::hf::Dtypes::Widened;
-    let weights = checkpoint::load_weights(dir, &model.params, widened)?.into_f32();
-    crate::sample::generate_streaming(&model, &weights, &tok, prompt, o, on_text)
+    let m = crate::sample::SampleModel::open(dir)?;
+    crate::sample::generate_streaming(&m.model, &m.weights, &m.tok, prompt, o, on_text)
 }

@@ -93,6 +93,7 @@ not_memory!(
     NormShape,
     RopeShape,
     AttnShape,
+    CachedAttnShape,
     RingShape,
     RouteShape,
     CeShape,

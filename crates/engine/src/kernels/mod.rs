@@ -137,6 +137,27 @@ impl AttnShape {
     }
 }
 
+/// Attention of new tokens against a KV cache (inference decoding, Pope et al. 2022,
+/// "Efficiently Scaling Transformer Inference" §2): `attn.t` new queries q `[B, t, H, D]` at
+/// positions `pos..pos + t` of their sequences, over the keys and values of positions
+/// `0..pos + t`, which the cache k/v `[B, capacity, KV, D]` holds in its first rows (the new
+/// tokens' already written). Query `i` sees the keys of positions `≤ pos + i`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CachedAttnShape {
+    /// `attn.t`: the new tokens.
+    pub attn: AttnShape,
+    /// Position of the first new token (tokens already in the cache).
+    pub pos: usize,
+    /// Positions the cache has room for.
+    pub capacity: usize,
+}
+
+impl CachedAttnShape {
+    pub fn cache_len(&self) -> usize {
+        self.attn.b * self.capacity * self.attn.kv_heads * self.attn.head_dim
+    }
+}
+
 /// Which tokens of a sequence a rank holds under context parallelism's load-balanced split
 /// (the "zigzag" of Megatron-LM's context parallelism and of Llama 3's, Dubey et al. 2024
 /// §3.3.2): a sequence of `T` tokens is cut into `2·ranks` chunks and rank `r` holds chunks
@@ -458,6 +479,17 @@ macro_rules! kernel_interface {
                     dq: ViewMut<'_, S>,
                     dk: ViewMut<'_, S>,
                     dv: ViewMut<'_, S>,
+                );
+
+                /// Causal GQA attention of new tokens over a KV cache ([`CachedAttnShape`]):
+                /// writes `o` `[B, t, H, D]`; saves no `lse` (inference has no backward).
+                fn attention_forward_cached(
+                    &self,
+                    s: CachedAttnShape,
+                    q: View<'_, S>,
+                    k_cache: View<'_, S>,
+                    v_cache: View<'_, S>,
+                    o: ViewMut<'_, S>,
                 );
 
                 /// One step of ring attention (Liu et al. 2023; `s` says which tokens the queries

@@ -26,6 +26,7 @@ use super::activations::{Activations, BatchShape, GradScratch, LayerActs, LossSu
 use super::buffers::{Boundary, Buf, BufName, BufferPool};
 use super::config::LlamaConfig;
 use super::grad_buf::{GradBuf, Whole};
+use super::kv_cache::KvCache;
 use super::param_buf::{ParamBuf, ParamSource, Unit, WholeParams};
 use super::params::{LayerIdx, ParamTable};
 use super::recompute::{dropped, layer_tensors, Recompute};
@@ -401,7 +402,22 @@ impl Llama {
         batch: BatchShape,
         input: Buf<S>,
     ) -> (LayerActs<S>, Buf<S>) {
-        let (mut acts, out) = self.layer_body(k, pool, params, i, batch, input, true);
+        self.layer_forward_over(k, pool, params, i, batch, input, None)
+    }
+
+    /// [`Llama::layer_forward`], attending over a KV cache when given one.
+    #[allow(clippy::too_many_arguments)]
+    fn layer_forward_over<S: Elem, G: Elem>(
+        &self,
+        k: &dyn Kernels<S, G>,
+        pool: &mut dyn BufferPool,
+        params: &dyn ParamBuf<S>,
+        i: usize,
+        batch: BatchShape,
+        input: Buf<S>,
+        cache: Option<&mut KvCache<S>>,
+    ) -> (LayerActs<S>, Buf<S>) {
+        let (mut acts, out) = self.layer_body(k, pool, params, i, batch, input, true, cache);
         pool.boundary(Boundary::Forward { layer: i as u32 });
         // The workspace of the dropped tensors goes once the output exists.
         for field in dropped(self.recompute, self.config.moe.is_some()) {
@@ -412,7 +428,9 @@ impl Llama {
 
     /// The layer's forward computation. Every tensor goes to its [`Llama::slot`]. With
     /// `output = false` (the replay of full recomputation) the output projection into the
-    /// residual stream is skipped: the backward needs every tensor but the output.
+    /// residual stream is skipped: the backward needs every tensor but the output. With a KV
+    /// cache (inference) the tokens sit at the positions after the cached ones and attend over
+    /// those too; `attn_lse` is then left unwritten (nothing reads it without a backward).
     #[allow(clippy::too_many_arguments)]
     fn layer_body<S: Elem, G: Elem>(
         &self,
@@ -423,6 +441,7 @@ impl Llama {
         batch: BatchShape,
         input: Buf<S>,
         output: bool,
+        cache: Option<&mut KvCache<S>>,
     ) -> (LayerActs<S>, Option<Buf<S>>) {
         let cfg = &self.config;
         let li: &LayerIdx = &self.params.layers[i];
@@ -485,20 +504,24 @@ impl Llama {
             heads,
             head_dim: cfg.head_dim,
         };
-        k.rope_forward(rs(cfg.heads), &self.rope, q.view_mut());
-        k.rope_forward(rs(cfg.kv_heads), &self.rope, kk.view_mut());
+        let rope = cache.as_deref().map_or(&self.rope, KvCache::rope);
+        k.rope_forward(rs(cfg.heads), rope, q.view_mut());
+        k.rope_forward(rs(cfg.kv_heads), rope, kk.view_mut());
         let ashape = self.attn_shape(batch);
         let mut attn_lse = self.buf(pool, name(T::AttnLse), n);
         let mut attn_out = self.buf(pool, name(T::AttnOut), n);
         let qkv = (q.view(), kk.view(), v.view());
-        self.attention(
-            k,
-            pool,
-            ashape,
-            qkv,
-            attn_out.view_mut(),
-            attn_lse.view_mut(),
-        );
+        match cache {
+            None => self.attention(
+                k,
+                pool,
+                ashape,
+                qkv,
+                attn_out.view_mut(),
+                attn_lse.view_mut(),
+            ),
+            Some(c) => c.attend(k, i, ashape, qkv.0, qkv.1, qkv.2, attn_out.view_mut()),
+        }
         // resid_mid = attn_out·Woᵀ, then + input: the residual add is its own step, after the
         // projection is complete, because a row-parallel o_proj (tensor parallelism) must
         // all-reduce its partial sums between the two; fused, the residual would be added tp
@@ -628,7 +651,10 @@ impl Llama {
     ) -> LayerActs<S> {
         match self.recompute {
             Recompute::None => a,
-            Recompute::Full => self.layer_body(k, pool, params, i, batch, a.input, false).0,
+            Recompute::Full => {
+                self.layer_body(k, pool, params, i, batch, a.input, false, None)
+                    .0
+            }
             Recompute::Selective => {
                 let mut a = a;
                 let li: &LayerIdx = &self.params.layers[i];
@@ -1143,7 +1169,8 @@ impl Llama {
     }
 
     /// Inference forward for sampling: writes the logits of the last position of each of the
-    /// B sequences into `logits` `[B, V]`. No KV cache: the whole prefix is recomputed.
+    /// B sequences into `logits` `[B, V]`. No KV cache: the whole prefix is recomputed (see
+    /// [`Llama::forward_cached`] for decoding with one).
     pub fn forward_logits_last<S: Elem>(
         &self,
         k: &dyn Kernels<S>,
@@ -1156,9 +1183,23 @@ impl Llama {
         self.check_params(params);
         let params = &mut WholeParams::host(params);
         self.check_batch(batch, tokens);
+        let x = self.trunk_no_grad(k, pool, params, batch, tokens);
+        self.last_logits(k, pool, params.unit(Unit::Head), batch, x, logits);
+    }
+
+    /// The last layer's output `x` `[B·T, C]` → the logits `[B, V]` of each sequence's last
+    /// token.
+    pub(super) fn last_logits<S: Elem>(
+        &self,
+        k: &dyn Kernels<S>,
+        pool: &mut dyn BufferPool,
+        params: &dyn ParamBuf<S>,
+        batch: BatchShape,
+        x: Buf<S>,
+        logits: &mut [f32],
+    ) {
         let (c, vocab, b) = (self.config.hidden, self.full_config().vocab, batch.b);
         assert_eq!(logits.len(), b * vocab, "logits must be [B, V]");
-        let x = self.trunk_no_grad(k, pool, params, batch, tokens);
         let xs = self.all_rows(&x);
         let last_name = BufName::Edge(Edge::LastHidden);
         let mut last = self.buf(pool, last_name, b);
@@ -1168,7 +1209,7 @@ impl Llama {
         }
         drop(xs);
         pool.free(BufName::Edge(Edge::FinalNormInput), x);
-        self.logits_of(k, pool, params.unit(Unit::Head), last.view(), logits);
+        self.logits_of(k, pool, params, last.view(), logits);
         pool.free(last_name, last);
     }
 
@@ -1290,11 +1331,28 @@ impl Llama {
         params: &mut dyn ParamSource<S>,
         batch: BatchShape,
         layers: Range<usize>,
+        x: Buf<S>,
+    ) -> Buf<S> {
+        self.layers_no_grad_over(k, pool, params, batch, layers, x, None)
+    }
+
+    /// [`Llama::layers_no_grad`], attending over a KV cache when given one (inference
+    /// decoding: `super::kv_cache`).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn layers_no_grad_over<S: Elem, G: Elem>(
+        &self,
+        k: &dyn Kernels<S, G>,
+        pool: &mut dyn BufferPool,
+        params: &mut dyn ParamSource<S>,
+        batch: BatchShape,
+        layers: Range<usize>,
         mut x: Buf<S>,
+        mut cache: Option<&mut KvCache<S>>,
     ) -> Buf<S> {
         for i in layers {
             let p = params.unit(Unit::Layer(i));
-            let (acts, out) = self.layer_forward(k, pool, p, i, batch, x);
+            let kv = cache.as_deref_mut();
+            let (acts, out) = self.layer_forward_over(k, pool, p, i, batch, x, kv);
             self.free_layer(pool, i, acts);
             x = out;
         }

@@ -39,7 +39,7 @@ const BC: usize = 64;
 /// Largest supported head dim.
 pub const MAX_HEAD_DIM: usize = 512;
 
-fn check(s: &AttnShape) {
+pub(super) fn check(s: &AttnShape) {
     assert!(
         s.kv_heads > 0 && s.heads.is_multiple_of(s.kv_heads),
         "heads {} not a multiple of kv_heads {}",

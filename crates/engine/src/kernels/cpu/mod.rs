@@ -4,6 +4,7 @@
 
 pub mod adamw;
 pub mod attention;
+pub mod attention_cached;
 pub mod cross_entropy;
 pub mod elementwise;
 pub mod embedding;
@@ -20,8 +21,8 @@ pub mod tile_gemm;
 pub mod vocab_parallel_ce;
 
 use super::{
-    Accum, AdamWParams, AttnShape, CeShape, CeShardShape, Kernels, Limits, MatmulShape, NormShape,
-    RingShape, RopeShape, RopeTable, Rounding, RouteShape, View, ViewMut,
+    Accum, AdamWParams, AttnShape, CachedAttnShape, CeShape, CeShardShape, Kernels, Limits,
+    MatmulShape, NormShape, RingShape, RopeShape, RopeTable, Rounding, RouteShape, View, ViewMut,
 };
 use crate::dtype::Elem;
 pub use gemm_select::Gemm;
@@ -280,6 +281,16 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CpuKernels {
             dk.host_mut(),
             dv.host_mut(),
         )
+    }
+    fn attention_forward_cached(
+        &self,
+        s: CachedAttnShape,
+        q: View<'_, S>,
+        k_cache: View<'_, S>,
+        v_cache: View<'_, S>,
+        o: ViewMut<'_, S>,
+    ) {
+        attention_cached::forward(s, q.host(), k_cache.host(), v_cache.host(), o.host_mut())
     }
     fn attention_forward_ring(
         &self,

@@ -8,7 +8,8 @@
 //!   MoE model);
 //! - ring attention and the vocabulary-parallel cross-entropy, which only multi-rank layouts
 //!   call: they need a GPU communicator (NCCL, issue #15), and the trainer refuses
-//!   `--device cuda` with more than one rank.
+//!   `--device cuda` with more than one rank;
+//! - attention over a KV cache, which only `ferrotron sample` calls, on the CPU backend.
 
 use super::device::{DeviceError, Gpu};
 use super::gemm::{self, Call, Lt, Product};
@@ -531,6 +532,17 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         launch!(self, name::<S>("attention_backward_q"), per_warp(q_rows); d, q, k, v, o, l, d_o, dq, delta);
         let kv_rows = (s.b * s.kv_heads * s.t) as u64;
         launch!(self, name::<S>("attention_backward_kv"), per_warp(kv_rows); d, q, k, v, l, d_o, delta, dk, dv);
+    }
+
+    fn attention_forward_cached(
+        &self,
+        _: CachedAttnShape,
+        _: View<'_, S>,
+        _: View<'_, S>,
+        _: View<'_, S>,
+        _: ViewMut<'_, S>,
+    ) {
+        panic!("attention_forward_cached: sampling with a KV cache runs on the CPU backend")
     }
 
     fn attention_forward_ring(
