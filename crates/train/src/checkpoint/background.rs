@@ -82,11 +82,15 @@ struct Job {
     timeout: Duration,
 }
 
+/// A save in flight: its step, its directory, and the thread writing it (which hands the
+/// staging buffer back).
+type Writer = (u64, PathBuf, JoinHandle<(Staging, Result<()>)>);
+
 /// One rank's asynchronous saves.
 pub struct Background {
     /// The staging buffer while no save is in flight (a writer thread owns it meanwhile).
     idle: Option<Staging>,
-    writer: Option<(u64, PathBuf, JoinHandle<(Staging, Result<()>)>)>,
+    writer: Option<Writer>,
     /// How long the last `save` waited for the save before it to finish.
     pub waited_for_previous: Duration,
 }
@@ -98,6 +102,8 @@ impl Background {
         let bytes = block_bytes(t);
         t.plan_persistent(STAGING, bytes);
         // Touched now, at start-up: the first save must not fault its pages in on the step.
+        // (`vec![0; n]` would map zero pages without touching them.)
+        #[allow(clippy::slow_vector_initialization)]
         let mut buf = Vec::with_capacity(bytes as usize);
         buf.resize(bytes as usize, 0u8);
         buf.clear();

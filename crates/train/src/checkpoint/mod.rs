@@ -219,6 +219,9 @@ pub enum BlockFile {
     Optimizer,
 }
 
+/// Where encoded blocks go: a file write, or a copy into an asynchronous save's staging buffer.
+type BlockSink<'a> = dyn FnMut(BlockFile, u64, &[u8]) -> std::io::Result<()> + 'a;
+
 /// The layouts of the two block files of `t`'s checkpoint: the weights in their storage type,
 /// and the AdamW moments (with mixed precision also the fp32 master weights) of every parameter.
 fn layouts(t: &Trainer) -> (FlatFile, FlatFile) {
@@ -267,7 +270,7 @@ fn emit_blocks(
     t: &Trainer,
     weights: &FlatFile,
     states: &FlatFile,
-    out: &mut dyn FnMut(BlockFile, u64, &[u8]) -> std::io::Result<()>,
+    out: &mut BlockSink,
 ) -> std::io::Result<()> {
     let blocks = t.written_blocks();
     let mut buf = Vec::new();
