@@ -11,7 +11,7 @@
 
 use crate::message_group::MessageGroup;
 use anyhow::Result;
-use ferrotron_dist::{Communicator, Pending};
+use ferrotron_dist::{AsViewMut, Communicator, Pending};
 use ferrotron_engine::model::CpComm;
 use std::cell::RefCell;
 
@@ -80,7 +80,9 @@ impl CpComm for CpGroup {
             return;
         };
         let (size, rank) = (self.comm.size(), self.comm.rank());
-        let received = self.comm.recv(recv, (rank + size - 1) % size, RING_TAG);
+        let received = self
+            .comm
+            .recv(recv.view_mut(), (rank + size - 1) % size, RING_TAG);
         match (received, pending.wait()) {
             (Ok(()), Ok(back)) => *self.message() = back,
             (Err(e), _) | (_, Err(e)) => self.fail("context-parallel ring", e),

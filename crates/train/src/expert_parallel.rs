@@ -6,7 +6,7 @@
 
 use crate::message_group::MessageGroup;
 use anyhow::Result;
-use ferrotron_dist::Communicator;
+use ferrotron_dist::{AsView, AsViewMut, Communicator};
 use ferrotron_engine::model::EpComm;
 
 pub struct EpGroup(MessageGroup);
@@ -44,7 +44,10 @@ impl EpComm for EpGroup {
             return;
         }
         let mut message = self.message();
-        match self.comm.all_to_all_v(send, sc, recv, rc, &mut message) {
+        match self
+            .comm
+            .all_to_all_v(send.view(), sc, recv.view_mut(), rc, &mut message)
+        {
             Ok(()) => {
                 let me = self.comm.rank();
                 let out: usize = sc.iter().sum::<usize>() - sc[me];

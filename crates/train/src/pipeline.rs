@@ -13,7 +13,7 @@
 
 use crate::data_parallel::gather_small;
 use anyhow::{anyhow, Result};
-use ferrotron_dist::{Communicator, Pending};
+use ferrotron_dist::{AsViewMut, Communicator, Pending};
 use ferrotron_engine::Elem;
 use ferrotron_plan::schedule::{messages, order, slots, Direction, Message, Work};
 use ferrotron_plan::Layout;
@@ -142,7 +142,7 @@ impl Pipeline {
         for (to, from, tag) in [(next, prev, TAG[0]), (prev, next, TAG[1])] {
             let sent = self.comm.send_start(vec![0.0], to, tag);
             self.comm
-                .recv(&mut got, from, tag)
+                .recv(got.view_mut(), from, tag)
                 .map_err(|e| anyhow!("pipeline warm-up: {e}"))?;
             sent.wait().map_err(|e| anyhow!("pipeline warm-up: {e}"))?;
         }
@@ -215,7 +215,7 @@ impl Pipeline {
             Direction::Backward => (m.chunk + 1) % p,
         } as usize;
         let mut buf = std::mem::take(&mut self.recv);
-        let r = self.waited(|s| s.comm.recv(&mut buf, from, TAG[lane(m.dir)]));
+        let r = self.waited(|s| s.comm.recv(buf.view_mut(), from, TAG[lane(m.dir)]));
         r.map_err(|e| anyhow!("pipeline receive from stage {from}: {e}"))?;
         x.iter_mut()
             .zip(&buf)

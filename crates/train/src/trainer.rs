@@ -1659,7 +1659,7 @@ impl Trainer {
             .as_ref()
             .expect("a model split over ranks has a world");
         world
-            .all_reduce_sum(&mut whole)
+            .all_reduce_sum(whole.view_mut())
             .map_err(|e| anyhow::anyhow!("gathering the weights: {e}"))?;
         Ok(whole)
     }
