@@ -10,7 +10,6 @@
 //! loader gives each its share ([`crate::data::loader`]).
 
 use crate::message_group::MessageGroup;
-use anyhow::Result;
 use ferrotron_dist::{AsViewMut, Communicator, Pending};
 use ferrotron_engine::model::CpComm;
 use std::cell::RefCell;
@@ -37,12 +36,6 @@ impl CpGroup {
             group: MessageGroup::new(comm),
             sending: RefCell::new(None),
         }
-    }
-
-    /// The sums over the group of per-rank f64 values (an evaluation's loss sum and count:
-    /// each rank holds its tokens' part), the same on every rank.
-    pub fn sum_f64<const N: usize>(&self, x: [f64; N]) -> Result<[f64; N]> {
-        self.sum_f64s(x, "context-parallel sum")
     }
 }
 

@@ -24,6 +24,7 @@ pub mod report;
 pub mod run;
 pub mod sample;
 pub mod setup;
+pub mod small_sums;
 pub mod tensor_parallel;
 pub mod tensorboard;
 pub mod timeline;

@@ -537,27 +537,13 @@ fn run_mpi(
 /// innermost, pp outermost, as the planner places them): its tensor-parallel group, its
 /// pipeline (with, for tied embeddings, the group of the first and last stage), and its
 /// data-parallel group. Every rank of the world calls it (the splits are collective).
-#[allow(clippy::type_complexity)]
-/// A rank's groups in the grid.
-struct Groups {
-    tp: Option<Rc<TpGroup>>,
-    pp: Option<crate::pipeline::Pipeline>,
-    /// Data parallelism: the dense weights' replicas (under expert parallelism dp × ep).
-    dp: Option<Box<dyn ferrotron_dist::Communicator>>,
-    ep: Option<Rc<EpGroup>>,
-    /// Under expert parallelism, the dp ranks holding the same experts.
-    dp_experts: Option<Box<dyn ferrotron_dist::Communicator>>,
-    /// Context parallelism's ring (the dense replicas are then dp × cp).
-    cp: Option<Rc<CpGroup>>,
-}
-
 fn model_groups(
     world: &dyn ferrotron_dist::Communicator,
     rank: usize,
     cfg: &TrainConfig,
     grid: &ferrotron_dist::Grid,
     tied: bool,
-) -> Result<Groups> {
+) -> Result<Comms> {
     let l = &cfg.parallel;
     let group = |d: Dim| {
         world
@@ -634,13 +620,15 @@ fn model_groups(
     };
     // Every rank's groups have met before any rank measures its baseline.
     world.barrier().map_err(|e| anyhow::anyhow!("{e}"))?;
-    Ok(Groups {
+    Ok(Comms {
         tp,
         pp,
         dp,
         ep,
         dp_experts,
         cp,
+        // The caller's (the groups were split from it).
+        world: None,
     })
 }
 
@@ -782,13 +770,8 @@ fn run_rank(
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let comms = match (ctx.map(|c| c.comm), comms) {
         (Some(world), Some(g)) => Comms {
-            dp: g.dp,
-            tp: g.tp,
-            pp: g.pp,
             world: Some(world),
-            ep: g.ep,
-            dp_experts: g.dp_experts,
-            cp: g.cp,
+            ..g
         },
         (world, _) => Comms {
             dp: world,

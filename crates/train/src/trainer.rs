@@ -17,6 +17,7 @@ use crate::metrics::{RankMem, StepMetrics};
 use crate::pipeline::Pipeline;
 use crate::pool::{PlanPool, Point, Running, Sample, Timeline};
 use crate::setup::{checked_plan, planned_bytes, recompute_flops_per_token};
+use crate::small_sums::SmallSums;
 use crate::tensor_parallel::{self as tpar, TpGroup};
 use crate::trace::{Event, Tracing};
 use crate::weights::Flat;
@@ -901,9 +902,7 @@ impl Trainer {
         let (mut rank_mem, mut comm_bytes, mut comm_exposed) = (Vec::new(), None, None);
         let mine = [planned, measured, self.plan.overhead];
         let all = match (&mut self.world, &mut self.dp) {
-            (Some((w, small)), _) => {
-                Some(crate::data_parallel::gather_mem(w.as_ref(), small, mine)?)
-            }
+            (Some((w, small)), _) => Some(crate::small_sums::gather_mem(w.as_ref(), small, mine)?),
             (None, Some(dp)) => Some(dp.gather_mem(mine)?),
             (None, None) => None,
         };
@@ -1190,7 +1189,7 @@ impl Trainer {
                 .sum(),
         };
         if let Some(tp) = &self.tp {
-            sum_sq = tp.sum_f64(sum_sq)?;
+            [sum_sq] = tp.sum_f64([sum_sq], "tensor-parallel gradient norm")?;
         }
         if let (Some(ep), None) = (&self.ep, sharded) {
             // Each expert's gradient is on one rank of the expert-parallel group (the dense
@@ -1200,13 +1199,15 @@ impl Trainer {
                 .into_iter()
                 .map(|r| k.sum_squares(grads.slice(r)))
                 .sum();
-            sum_sq += ep.sum_f64(experts)? - experts;
+            sum_sq += ep.sum_f64([experts], "expert-parallel gradient norm")?[0] - experts;
         }
         if let Some(pp) = &mut self.pp {
-            sum_sq = pp.sum_f64(sum_sq)?;
+            [sum_sq] = pp.sum_f64([sum_sq], "pipeline gradient norm")?;
         }
         if let Some(dp) = dp.filter(|d| d.borrow().shard().is_some()) {
-            sum_sq = dp.borrow_mut().sum_f64(sum_sq)?;
+            [sum_sq] = dp
+                .borrow()
+                .sum_f64([sum_sq], "data-parallel gradient norm")?;
         }
         let unscale = 1.0 / loss_scale as f64;
         let grad_norm = sum_sq.sqrt() * unscale;
@@ -1372,7 +1373,7 @@ impl Trainer {
         // Each context-parallel rank evaluated its share of the tokens (pipelined or not).
         let loss = match (&self.cp, loss) {
             (Some(cp), Ok(l)) => cp
-                .sum_f64([l.sum, l.count as f64])
+                .sum_f64([l.sum, l.count as f64], "context-parallel sum")
                 .map(|[sum, count]| LossSum {
                     sum,
                     count: count.round() as usize,
