@@ -298,7 +298,7 @@ fn a_device_view_is_a_usage_error_on_a_host_backend() {
     use ferrotron_dist::{Memory, ViewMut};
     use std::ptr::NonNull;
     let out = run(1, T, |_, c: ThreadComm| {
-        let mut x = vec![0.0f32; 4];
+        let mut x = [0.0f32; 4];
         // SAFETY: the backend refuses the view before it would read it.
         let dev = unsafe {
             ViewMut::from_raw_parts(NonNull::from(&mut x[..]).cast(), 4, Memory::Device(0))

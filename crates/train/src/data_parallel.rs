@@ -803,6 +803,15 @@ pub fn report_order(table: &ParamTable) -> Vec<Range<usize>> {
     unit_groups(table).into_iter().flat_map(|g| g.1).collect()
 }
 
+impl SmallSums for DataParallel {
+    fn comm(&self) -> &dyn Communicator {
+        self.comm.as_ref()
+    }
+    fn small(&self) -> RefMut<'_, Vec<f32>> {
+        self.small.borrow_mut()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -846,14 +855,5 @@ mod tests {
             vec![only],
             "rank 3's block of the last bucket is padding"
         );
-    }
-}
-
-impl SmallSums for DataParallel {
-    fn comm(&self) -> &dyn Communicator {
-        self.comm.as_ref()
-    }
-    fn small(&self) -> RefMut<'_, Vec<f32>> {
-        self.small.borrow_mut()
     }
 }

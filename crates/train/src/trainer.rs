@@ -2,8 +2,6 @@
 //! clipping, AdamW with a warm-up + cosine schedule, validation, and the measured memory of
 //! every step against the plan.
 
-use crate::alloc;
-use crate::arena::Arena;
 use crate::config::TrainConfig;
 use crate::context_parallel::CpGroup;
 use crate::data::{Loader, ValLoader};
@@ -11,17 +9,21 @@ use crate::data_parallel::{expert_ranges, Buckets, DataParallel, Gather, Segment
 use crate::device::Machine;
 use crate::device_state::{DevFlat, DeviceState};
 use crate::expert_parallel::EpGroup;
-use crate::loss_scale::{DynamicLossScaler, ScaleUpdate};
-use crate::lr::LrSchedule;
-use crate::metrics::{RankMem, StepMetrics};
+use crate::memory::alloc;
+use crate::memory::arena::Arena;
+use crate::memory::pool::{PlanPool, Point, Running, Sample, Timeline};
+use crate::memory::workspace::{self, KernelWorkspace};
+use crate::observe::metrics::{RankMem, StepMetrics};
+use crate::observe::trace::{Event, Tracing};
+use crate::optim::loss_scale::{DynamicLossScaler, ScaleUpdate};
+use crate::optim::lr::LrSchedule;
+pub use crate::optim::step::AdamState;
+use crate::optim::step::{adamw, global_sum_sq, grad_scale, NormGroups, OptRun, States};
 use crate::pipeline::Pipeline;
-use crate::pool::{PlanPool, Point, Running, Sample, Timeline};
 use crate::setup::{checked_plan, planned_bytes, recompute_flops_per_token};
 use crate::small_sums::SmallSums;
 use crate::tensor_parallel::{self as tpar, TpGroup};
-use crate::trace::{Event, Tracing};
 use crate::weights::Flat;
-use crate::workspace::{self, KernelWorkspace};
 use crate::zero2::GradWindows;
 use crate::zero3::{Source, Zero3};
 use crate::{with_dev_types, with_flat_types};
@@ -49,23 +51,6 @@ use std::sync::Arc;
 use std::time::Instant;
 
 mod pipeline_step;
-
-/// AdamW's two moments, allocated by the first optimizer step (as torch.optim does).
-pub struct AdamState {
-    pub m: Vec<f32>,
-    pub v: Vec<f32>,
-}
-
-/// A run of parameters the optimizer updates: `params` of the flat buffers, at `at` in the
-/// optimizer states and master weights (the same offsets unless ZeRO-1 shards them), and
-/// whether weight decay applies.
-struct OptRun {
-    params: Range<usize>,
-    at: usize,
-    decay: bool,
-    /// A norm replicated over the tensor-parallel group (its gradient norm counts it once).
-    replicated: bool,
-}
 
 /// A rank's communicators: its data-parallel group, its tensor-parallel group, and (with
 /// tensor parallelism) the world, over which every rank's memory is reported.
@@ -356,18 +341,6 @@ fn batch_views<'a>(
         }
         None => (tokens.view(), targets.view()),
     }
-}
-
-/// Weights stored as f32 (no master copy) as the f32 buffer AdamW updates in place.
-fn as_f32<S: Elem>(mut w: ViewMut<'_, S>) -> ViewMut<'_, f32> {
-    assert!(
-        S::DTYPE == ferrotron_plan::DType::F32,
-        "without master weights the weights are f32"
-    );
-    let (len, mem) = (w.len(), w.memory());
-    let p = std::ptr::NonNull::new(w.as_mut_ptr().cast::<f32>()).expect("a view is never null");
-    // SAFETY: S is f32 (checked above): the same elements, borrowed as `w` was.
-    unsafe { ViewMut::from_raw_parts(p, len, mem) }
 }
 
 /// Every rank's planned and measured peak and kernel workspace, rank order.
@@ -1134,7 +1107,7 @@ impl Trainer {
         let n = self.opt_len;
         // Adam's moments exist from the first optimizer step on, taken or skipped; with the
         // master weights, where the state lives.
-        let (mut m_all, mut v_all, mut master) = match (&mut self.dev, &self.device_alloc) {
+        let (m_all, v_all, master) = match (&mut self.dev, &self.device_alloc) {
             (Some(d), Some(a)) => {
                 if d.opt.is_none() {
                     let z = || DeviceBuf::zeros(a, n).map_err(anyhow::Error::msg);
@@ -1174,7 +1147,7 @@ impl Trainer {
         let tp_share = 1.0 / self.tp.as_ref().map_or(1, |t| t.size()) as f64;
         let copied = self.model.copied();
         let sharded = dp.filter(|d| d.borrow().shard().is_some());
-        let mut sum_sq = match (&self.tp, sharded, &copied) {
+        let local = match (&self.tp, sharded, &copied) {
             (None, None, None) => k.sum_squares(grads.slice(0..self.model.params.total)),
             _ => self
                 .runs
@@ -1188,27 +1161,26 @@ impl Trainer {
                 })
                 .sum(),
         };
-        if let Some(tp) = &self.tp {
-            [sum_sq] = tp.sum_f64([sum_sq], "tensor-parallel gradient norm")?;
-        }
-        if let (Some(ep), None) = (&self.ep, sharded) {
-            // Each expert's gradient is on one rank of the expert-parallel group (the dense
-            // ones on all): the group adds the experts' parts. (Under ZeRO-1 every block of
-            // every gradient is in exactly one rank's shard: the sum below adds them.)
-            let experts: f64 = expert_ranges(&self.model.params)
-                .into_iter()
-                .map(|r| k.sum_squares(grads.slice(r)))
-                .sum();
-            sum_sq += ep.sum_f64([experts], "expert-parallel gradient norm")?[0] - experts;
-        }
-        if let Some(pp) = &mut self.pp {
-            [sum_sq] = pp.sum_f64([sum_sq], "pipeline gradient norm")?;
-        }
-        if let Some(dp) = dp.filter(|d| d.borrow().shard().is_some()) {
-            [sum_sq] = dp
-                .borrow()
-                .sum_f64([sum_sq], "data-parallel gradient norm")?;
-        }
+        // Each expert's gradient is on one rank of the expert-parallel group (the dense ones on
+        // all). (Under ZeRO-1 every block of every gradient is in exactly one rank's shard: the
+        // data-parallel sum adds them.)
+        let experts = match (&self.ep, sharded) {
+            (Some(ep), None) => Some((
+                &**ep,
+                expert_ranges(&self.model.params)
+                    .into_iter()
+                    .map(|r| k.sum_squares(grads.slice(r)))
+                    .sum(),
+            )),
+            _ => None,
+        };
+        let groups = NormGroups {
+            tp: self.tp.as_deref(),
+            ep: experts,
+            pp: self.pp.as_ref(),
+            dp_shards: sharded,
+        };
+        let sum_sq = global_sum_sq(local, groups)?;
         let unscale = 1.0 / loss_scale as f64;
         let grad_norm = sum_sq.sqrt() * unscale;
         let skipped = |overflow, non_finite| Stepped {
@@ -1234,63 +1206,38 @@ impl Trainer {
             self.pool.sample(step, Point::Optimizer);
             return Ok(skipped(None, true));
         }
-        // Global-norm clipping as torch.nn.utils.clip_grad_norm_: scale by
-        // max_norm / (norm + 1e-6) when that is below 1, folded with the unscaling into the
-        // factor AdamW applies as it reads each gradient.
-        let mut grad_scale = unscale;
-        if self.cfg.optimizer.clip > 0.0 {
-            let coef = self.cfg.optimizer.clip / (grad_norm + 1e-6);
-            if coef < 1.0 {
-                grad_scale *= coef;
-            }
-        }
-        let rounding = if self.cfg.precision.stochastic_rounding {
-            Rounding::Stochastic {
+        // Clipping, folded with the unscaling into the factor AdamW applies to each gradient.
+        let o = &self.cfg.optimizer;
+        let rounding = match self.cfg.precision.stochastic_rounding {
+            true => Rounding::Stochastic {
                 seed: self.cfg.data.seed,
-            }
-        } else {
-            Rounding::Nearest
+            },
+            false => Rounding::Nearest,
         };
-        for run in &self.runs {
-            let OptRun {
-                params: r,
-                at,
-                decay,
-                ..
-            } = run;
-            let h = AdamWParams {
-                lr,
-                beta1: self.cfg.optimizer.beta1,
-                beta2: self.cfg.optimizer.beta2,
-                eps: self.cfg.optimizer.eps,
-                weight_decay: if *decay {
-                    self.cfg.optimizer.weight_decay
-                } else {
-                    0.0
-                },
-                step: self.step + 1,
-                grad_scale: grad_scale as f32,
-            };
-            let s = *at..at + r.len();
-            // ZeRO-3 keeps the weights of its shard at the states' offsets.
-            let w = if zero3 { s.clone() } else { r.clone() };
-            let m = m_all.rb().slice_mut(s.clone());
-            let v = v_all.rb().slice_mut(s.clone());
-            match &mut master {
-                Some(master) => k.adamw_step(
-                    h,
-                    master.rb().slice_mut(s),
-                    grad_of(run),
-                    m,
-                    v,
-                    Some((params.rb().slice_mut(w), rounding)),
-                ),
-                None => {
-                    let w = as_f32(params.rb().slice_mut(w));
-                    k.adamw_step(h, w, grad_of(run), m, v, None)
-                }
-            }
-        }
+        let h = AdamWParams {
+            lr,
+            beta1: o.beta1,
+            beta2: o.beta2,
+            eps: o.eps,
+            weight_decay: o.weight_decay,
+            step: self.step + 1,
+            grad_scale: grad_scale(unscale, grad_norm, o.clip) as f32,
+        };
+        let states = States {
+            m: m_all,
+            v: v_all,
+            master,
+        };
+        adamw(
+            k,
+            &self.runs,
+            h,
+            rounding,
+            zero3,
+            states,
+            params.rb(),
+            grad_of,
+        );
         // ZeRO-1 and 2: every rank updated its blocks; the ranks gather the others'. (ZeRO-3
         // gathers each unit when it is next needed.)
         if let (Some(dp), false) = (dp, zero3) {

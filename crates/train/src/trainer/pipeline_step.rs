@@ -5,7 +5,7 @@
 
 use super::{norms_of, Trainer};
 use crate::data_parallel::{DataParallel, Sums};
-use crate::pool::Running;
+use crate::memory::pool::Running;
 use crate::small_sums::SmallSums;
 use anyhow::Result;
 use ferrotron_engine::kernels::Kernels;
