@@ -1,5 +1,10 @@
 //! The collectives every backend provides, on `f32` buffers (16-bit gradients are widened by
-//! the caller, as reductions accumulate in f32 anyway). Every rank of a group must call the
+//! the caller, as reductions accumulate in f32 anyway). The blocking collectives and
+//! point-to-point messages take device-neutral views ([`View`], [`ViewMut`], the same ones the
+//! engine's kernels take), so a GPU communicator (NCCL) is one more backend reading device
+//! views; the host backends (threads, MPI) read host views and answer a view of device memory
+//! with [`CommError::Usage`] naming it. The operations in flight (`*_start`) still own a host
+//! `Vec` while the collective runs. Every rank of a group must call the
 //! same collectives in the same order (MPI's rule). Every rank gets bit-identical results and a
 //! run is reproducible: the threads backend sums in rank order; MPI (Open MPI, as the MPI tests
 //! check) picks its reduction order from the group size and buffer length (fixed for a given
@@ -7,6 +12,8 @@
 //! rounding).
 
 use std::time::Duration;
+
+pub use ferrotron_view::{AsView, AsViewMut, Memory, View, ViewMut};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CommError {
@@ -41,17 +48,17 @@ pub trait Communicator: Send {
     /// Ranks in the group.
     fn size(&self) -> usize;
     /// Every rank's `buf` replaced by the element-wise sum over ranks.
-    fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<()>;
+    fn all_reduce_sum(&self, buf: ViewMut<'_, f32>) -> Result<()>;
     /// The sum over ranks of `send` (size × `recv.len()` elements), of which this rank keeps
     /// block `rank` in `recv`.
-    fn reduce_scatter_sum(&self, send: &[f32], recv: &mut [f32]) -> Result<()>;
+    fn reduce_scatter_sum(&self, send: View<'_, f32>, recv: ViewMut<'_, f32>) -> Result<()>;
     /// Every rank's `send` (equal lengths), concatenated in rank order into `recv`.
-    fn all_gather(&self, send: &[f32], recv: &mut [f32]) -> Result<()>;
+    fn all_gather(&self, send: View<'_, f32>, recv: ViewMut<'_, f32>) -> Result<()>;
     /// `root`'s `buf` into every rank's `buf`.
-    fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<()>;
+    fn broadcast(&self, buf: ViewMut<'_, f32>, root: usize) -> Result<()>;
     /// Block `j` of this rank's `send` goes to rank `j`, which puts it at block `rank` of its
     /// `recv` (equal block sizes).
-    fn all_to_all(&self, send: &[f32], recv: &mut [f32]) -> Result<()>;
+    fn all_to_all(&self, send: View<'_, f32>, recv: ViewMut<'_, f32>) -> Result<()>;
     /// Blocks of different sizes (expert parallelism's token dispatch): the first
     /// `send_counts[0]` elements of `send` go to rank 0, the next `send_counts[1]` to rank 1,
     /// …; from rank i come `recv_counts[i]` elements, placed in rank order at the start of
@@ -61,15 +68,19 @@ pub trait Communicator: Send {
     /// every call, it allocates nothing once it holds the largest block.
     fn all_to_all_v(
         &self,
-        send: &[f32],
+        send: View<'_, f32>,
         send_counts: &[usize],
-        recv: &mut [f32],
+        recv: ViewMut<'_, f32>,
         recv_counts: &[usize],
         message: &mut Vec<f32>,
     ) -> Result<()> {
         /// Tag of the exchange ("EP").
         const TAG: u32 = 0x4550;
         let (me, size) = (self.rank(), self.size());
+        // This default stages blocks through a host `message`: host views only (a device
+        // backend overrides it with its own exchange).
+        let send = host(send, me, "all_to_all_v")?;
+        let recv = host_mut(recv, me, "all_to_all_v")?;
         crate::shapes::all_to_all_v(size, (send.len(), send_counts), (recv.len(), recv_counts))
             .and_then(|()| match send_counts[me] == recv_counts[me] {
                 true => Ok(()),
@@ -105,24 +116,24 @@ pub trait Communicator: Send {
             let letter = std::mem::take(message);
             *message = if me < p {
                 let sent = self.send_start(letter, p, TAG);
-                self.recv(into, p, TAG)?;
+                self.recv(into.into(), p, TAG)?;
                 sent.wait()?
             } else {
-                self.recv(into, p, TAG)?;
+                self.recv(into.into(), p, TAG)?;
                 self.send_start(letter, p, TAG).wait()?
             };
         }
         Ok(())
     }
     /// `buf` to rank `dst`, matched by its `recv` with the same `tag`.
-    fn send(&self, buf: &[f32], dst: usize, tag: u32) -> Result<()>;
+    fn send(&self, buf: View<'_, f32>, dst: usize, tag: u32) -> Result<()>;
     /// Starts sending `buf` to rank `dst` (matched by its `recv` with `tag`) and returns at
     /// once; `Pending::wait` hands the buffer back when it may be reused. A pipeline stage
     /// sends from a few planned buffers this way and allocates nothing per message. Messages
     /// from one rank to another with one tag are received in the order they were sent.
     fn send_start(&self, buf: Vec<f32>, dst: usize, tag: u32) -> Pending;
     /// A message from rank `src` with `tag`, of exactly `buf.len()` elements.
-    fn recv(&self, buf: &mut [f32], src: usize, tag: u32) -> Result<()>;
+    fn recv(&self, buf: ViewMut<'_, f32>, src: usize, tag: u32) -> Result<()>;
     fn barrier(&self) -> Result<()>;
     /// Starts an all-reduce of `buf` that completes while this rank goes on computing (the
     /// overlap of gradient buckets with the backward); `Pending::wait` returns the buffer.
@@ -147,6 +158,27 @@ pub trait Communicator: Send {
     fn split_named(&self, members: &[usize], name: &str) -> Result<Box<dyn Communicator>> {
         let _ = name;
         self.split_group(members)
+    }
+}
+
+/// The host slice of `v`, or a [`CommError::Usage`] naming its memory: what a host backend
+/// (threads, MPI) answers a view of device memory with.
+pub fn host<'a>(v: View<'a, f32>, rank: usize, op: &'static str) -> Result<&'a [f32]> {
+    v.try_host().map_err(|m| off_host(m, rank, op))
+}
+
+/// [`host`], writable.
+pub fn host_mut<'a>(v: ViewMut<'a, f32>, rank: usize, op: &'static str) -> Result<&'a mut [f32]> {
+    v.try_host_mut().map_err(|m| off_host(m, rank, op))
+}
+
+fn off_host(m: Memory, rank: usize, op: &'static str) -> CommError {
+    CommError::Usage {
+        rank,
+        op,
+        problem: format!(
+            "the buffer is in {m}, which this host communicator cannot read (use a device communicator)"
+        ),
     }
 }
 

@@ -2,7 +2,8 @@
 //! parallel trainers use, the rank [`Grid`] of a planner `Layout` (its groups are slices of
 //! it), and backends: [`threads`] (ranks as threads of one process, for one machine and for
 //! tests) and, with the `mpi` feature, `mpi` (one process per rank, launched by `mpirun`).
-//! NCCL (GPUs) will implement the same trait.
+//! The collectives take device-neutral views (crate `ferrotron-view`, the ones the engine's
+//! kernels take), so NCCL (GPUs) will be one more backend of the same trait.
 
 pub mod communicator;
 pub mod grid;
@@ -13,7 +14,9 @@ mod shapes;
 pub mod threads;
 pub mod watchdog;
 
-pub use communicator::{CommError, Communicator, Completion, Pending};
+pub use communicator::{
+    AsView, AsViewMut, CommError, Communicator, Completion, Memory, Pending, View, ViewMut,
+};
 pub use grid::{Dim, Grid};
 pub use launch::launched_by_mpirun;
 pub use watchdog::Watched;

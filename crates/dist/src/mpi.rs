@@ -36,7 +36,9 @@
 //!   not `Sync`: it can move to another thread, but one communicator is never used by two
 //!   threads at once.
 
-use crate::communicator::{CommError, Communicator, Completion, Pending, Result};
+use crate::communicator::{
+    host, host_mut, CommError, Communicator, Completion, Pending, Result, View, ViewMut,
+};
 use crate::shapes;
 use std::cell::{Cell, RefCell};
 use std::ffi::{c_char, c_int, c_void, CString};
@@ -362,7 +364,8 @@ impl Communicator for MpiComm {
         self.size
     }
 
-    fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<()> {
+    fn all_reduce_sum(&self, buf: ViewMut<'_, f32>) -> Result<()> {
+        let buf = host_mut(buf, self.world_rank, "all_reduce_sum")?;
         let n = self.count("all_reduce_sum", buf.len())?;
         // SAFETY: `buf` holds n elements for the duration of the blocking call.
         self.check(
@@ -371,7 +374,9 @@ impl Communicator for MpiComm {
         )
     }
 
-    fn reduce_scatter_sum(&self, send: &[f32], recv: &mut [f32]) -> Result<()> {
+    fn reduce_scatter_sum(&self, send: View<'_, f32>, recv: ViewMut<'_, f32>) -> Result<()> {
+        let send = host(send, self.world_rank, "reduce_scatter_sum")?;
+        let recv = host_mut(recv, self.world_rank, "reduce_scatter_sum")?;
         let b = recv.len();
         shapes::reduce_scatter(self.size, send.len(), b)
             .map_err(|e| self.usage("reduce_scatter_sum", e))?;
@@ -383,7 +388,9 @@ impl Communicator for MpiComm {
         )
     }
 
-    fn all_gather(&self, send: &[f32], recv: &mut [f32]) -> Result<()> {
+    fn all_gather(&self, send: View<'_, f32>, recv: ViewMut<'_, f32>) -> Result<()> {
+        let send = host(send, self.world_rank, "all_gather")?;
+        let recv = host_mut(recv, self.world_rank, "all_gather")?;
         shapes::all_gather(self.size, send.len(), recv.len())
             .map_err(|e| self.usage("all_gather", e))?;
         let n = self.count("all_gather", send.len())?;
@@ -395,7 +402,8 @@ impl Communicator for MpiComm {
         )
     }
 
-    fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<()> {
+    fn broadcast(&self, buf: ViewMut<'_, f32>, root: usize) -> Result<()> {
+        let buf = host_mut(buf, self.world_rank, "broadcast")?;
         shapes::member(self.size, root, "root").map_err(|e| self.usage("broadcast", e))?;
         let n = self.count("broadcast", buf.len())?;
         // SAFETY: buf holds n elements.
@@ -405,7 +413,9 @@ impl Communicator for MpiComm {
         )
     }
 
-    fn all_to_all(&self, send: &[f32], recv: &mut [f32]) -> Result<()> {
+    fn all_to_all(&self, send: View<'_, f32>, recv: ViewMut<'_, f32>) -> Result<()> {
+        let send = host(send, self.world_rank, "all_to_all")?;
+        let recv = host_mut(recv, self.world_rank, "all_to_all")?;
         let p = self.size;
         shapes::all_to_all(p, send.len(), recv.len()).map_err(|e| self.usage("all_to_all", e))?;
         let b = self.count("all_to_all", send.len() / p)?;
@@ -417,7 +427,8 @@ impl Communicator for MpiComm {
         )
     }
 
-    fn send(&self, buf: &[f32], dst: usize, tag: u32) -> Result<()> {
+    fn send(&self, buf: View<'_, f32>, dst: usize, tag: u32) -> Result<()> {
+        let buf = host(buf, self.world_rank, "send")?;
         self.reap_sends()?;
         let copy = buf.to_vec();
         let req = self.isend(&copy, dst, tag)?;
@@ -438,7 +449,8 @@ impl Communicator for MpiComm {
         }
     }
 
-    fn recv(&self, buf: &mut [f32], src: usize, tag: u32) -> Result<()> {
+    fn recv(&self, buf: ViewMut<'_, f32>, src: usize, tag: u32) -> Result<()> {
+        let buf = host_mut(buf, self.world_rank, "recv")?;
         shapes::member(self.size, src, "source").map_err(|e| self.usage("recv", e))?;
         if tag > self.tag_ub {
             return Err(self.usage(

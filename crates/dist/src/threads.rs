@@ -13,7 +13,9 @@
 //! with [`CommError::PeerFailed`] naming it. A rank that stops without a word is caught by the
 //! timeout.
 
-use crate::communicator::{CommError, Communicator, Pending, Result};
+use crate::communicator::{
+    host, host_mut, CommError, Communicator, Pending, Result, View, ViewMut,
+};
 use crate::shapes;
 use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc;
@@ -452,7 +454,8 @@ impl Communicator for ThreadComm {
         self.members.len()
     }
 
-    fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<()> {
+    fn all_reduce_sum(&self, buf: ViewMut<'_, f32>) -> Result<()> {
+        let buf = host_mut(buf, self.world_rank, "all_reduce_sum")?;
         let out = self.submit("all_reduce_sum", buf.to_vec(), |s, me| {
             sum_in_place(s, me);
             None
@@ -462,7 +465,9 @@ impl Communicator for ThreadComm {
         Ok(())
     }
 
-    fn reduce_scatter_sum(&self, send: &[f32], recv: &mut [f32]) -> Result<()> {
+    fn reduce_scatter_sum(&self, send: View<'_, f32>, recv: ViewMut<'_, f32>) -> Result<()> {
+        let send = host(send, self.world_rank, "reduce_scatter_sum")?;
+        let recv = host_mut(recv, self.world_rank, "reduce_scatter_sum")?;
         let b = recv.len();
         shapes::reduce_scatter(self.size(), send.len(), b)
             .map_err(|e| self.usage("reduce_scatter_sum", e))?;
@@ -473,7 +478,9 @@ impl Communicator for ThreadComm {
         Ok(())
     }
 
-    fn all_gather(&self, send: &[f32], recv: &mut [f32]) -> Result<()> {
+    fn all_gather(&self, send: View<'_, f32>, recv: ViewMut<'_, f32>) -> Result<()> {
+        let send = host(send, self.world_rank, "all_gather")?;
+        let recv = host_mut(recv, self.world_rank, "all_gather")?;
         shapes::all_gather(self.size(), send.len(), recv.len())
             .map_err(|e| self.usage("all_gather", e))?;
         // In place on this rank's own buffer, as `reduce_scatter_sum`.
@@ -484,7 +491,8 @@ impl Communicator for ThreadComm {
         Ok(())
     }
 
-    fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<()> {
+    fn broadcast(&self, buf: ViewMut<'_, f32>, root: usize) -> Result<()> {
+        let buf = host_mut(buf, self.world_rank, "broadcast")?;
         shapes::member(self.size(), root, "root").map_err(|e| self.usage("broadcast", e))?;
         let mine = if self.me == root {
             buf.to_vec()
@@ -507,7 +515,9 @@ impl Communicator for ThreadComm {
         Ok(())
     }
 
-    fn all_to_all(&self, send: &[f32], recv: &mut [f32]) -> Result<()> {
+    fn all_to_all(&self, send: View<'_, f32>, recv: ViewMut<'_, f32>) -> Result<()> {
+        let send = host(send, self.world_rank, "all_to_all")?;
+        let recv = host_mut(recv, self.world_rank, "all_to_all")?;
         let p = self.size();
         shapes::all_to_all(p, send.len(), recv.len()).map_err(|e| self.usage("all_to_all", e))?;
         let b = send.len() / p;
@@ -519,7 +529,8 @@ impl Communicator for ThreadComm {
         })
     }
 
-    fn send(&self, buf: &[f32], dst: usize, tag: u32) -> Result<()> {
+    fn send(&self, buf: View<'_, f32>, dst: usize, tag: u32) -> Result<()> {
+        let buf = host(buf, self.world_rank, "send")?;
         shapes::member(self.size(), dst, "destination").map_err(|e| self.usage("send", e))?;
         let to = self.members[dst];
         if let Some(e) = self.world.failure() {
@@ -543,7 +554,8 @@ impl Communicator for ThreadComm {
         Pending::new(rx, self.world.timeout, self.world_rank)
     }
 
-    fn recv(&self, buf: &mut [f32], src: usize, tag: u32) -> Result<()> {
+    fn recv(&self, buf: ViewMut<'_, f32>, src: usize, tag: u32) -> Result<()> {
+        let buf = host_mut(buf, self.world_rank, "recv")?;
         shapes::member(self.size(), src, "source").map_err(|e| self.usage("recv", e))?;
         let from = self.members[src];
         let key = (from, self.world_rank, tag);

@@ -16,7 +16,7 @@
 //!
 //! [`Watched`] puts any communicator under the watchdog, with the name of its group.
 
-use crate::communicator::{Communicator, Pending, Result};
+use crate::communicator::{Communicator, Pending, Result, View, ViewMut};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -189,31 +189,31 @@ impl Communicator for Watched {
     fn size(&self) -> usize {
         self.inner.size()
     }
-    fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<()> {
+    fn all_reduce_sum(&self, buf: ViewMut<'_, f32>) -> Result<()> {
         let _w = self.watch("all_reduce");
         self.inner.all_reduce_sum(buf)
     }
-    fn reduce_scatter_sum(&self, send: &[f32], recv: &mut [f32]) -> Result<()> {
+    fn reduce_scatter_sum(&self, send: View<'_, f32>, recv: ViewMut<'_, f32>) -> Result<()> {
         let _w = self.watch("reduce_scatter");
         self.inner.reduce_scatter_sum(send, recv)
     }
-    fn all_gather(&self, send: &[f32], recv: &mut [f32]) -> Result<()> {
+    fn all_gather(&self, send: View<'_, f32>, recv: ViewMut<'_, f32>) -> Result<()> {
         let _w = self.watch("all_gather");
         self.inner.all_gather(send, recv)
     }
-    fn broadcast(&self, buf: &mut [f32], root: usize) -> Result<()> {
+    fn broadcast(&self, buf: ViewMut<'_, f32>, root: usize) -> Result<()> {
         let _w = self.watch("broadcast");
         self.inner.broadcast(buf, root)
     }
-    fn all_to_all(&self, send: &[f32], recv: &mut [f32]) -> Result<()> {
+    fn all_to_all(&self, send: View<'_, f32>, recv: ViewMut<'_, f32>) -> Result<()> {
         let _w = self.watch("all_to_all");
         self.inner.all_to_all(send, recv)
     }
     fn all_to_all_v(
         &self,
-        send: &[f32],
+        send: View<'_, f32>,
         send_counts: &[usize],
-        recv: &mut [f32],
+        recv: ViewMut<'_, f32>,
         recv_counts: &[usize],
         message: &mut Vec<f32>,
     ) -> Result<()> {
@@ -221,14 +221,14 @@ impl Communicator for Watched {
         self.inner
             .all_to_all_v(send, send_counts, recv, recv_counts, message)
     }
-    fn send(&self, buf: &[f32], dst: usize, tag: u32) -> Result<()> {
+    fn send(&self, buf: View<'_, f32>, dst: usize, tag: u32) -> Result<()> {
         let _w = self.watch("send");
         self.inner.send(buf, dst, tag)
     }
     fn send_start(&self, buf: Vec<f32>, dst: usize, tag: u32) -> Pending {
         self.later("send", self.inner.send_start(buf, dst, tag))
     }
-    fn recv(&self, buf: &mut [f32], src: usize, tag: u32) -> Result<()> {
+    fn recv(&self, buf: ViewMut<'_, f32>, src: usize, tag: u32) -> Result<()> {
         let _w = self.watch("recv");
         self.inner.recv(buf, src, tag)
     }

@@ -8,7 +8,7 @@
 //! the others wait in an all-reduce; the job must go down, non-zero, naming rank 1.
 
 use ferrotron_dist::mpi::{finalize, launched_by_mpirun, MpiComm};
-use ferrotron_dist::{CommError, Communicator, Dim, Grid};
+use ferrotron_dist::{AsView, AsViewMut, CommError, Communicator, Dim, Grid};
 use ferrotron_plan::Layout;
 
 type Check = std::result::Result<(), String>;
@@ -77,7 +77,7 @@ fn err(e: CommError) -> String {
 /// Whether every rank of `c` holds the same bits in `v` (gathered, compared on each rank).
 fn same_everywhere(c: &MpiComm, what: &str, v: &[f32]) -> Check {
     let mut all = vec![0.0f32; v.len() * c.size()];
-    c.all_gather(v, &mut all).map_err(err)?;
+    c.all_gather(v.view(), all.view_mut()).map_err(err)?;
     for (q, chunk) in all.chunks(v.len().max(1)).enumerate() {
         if chunk.iter().zip(v).any(|(a, b)| a.to_bits() != b.to_bits()) {
             return Err(format!("{what}: rank {q} has other bits than this rank"));
@@ -90,16 +90,16 @@ fn all_reduce(c: &MpiComm, info: &mut Vec<String>) -> Check {
     let (r, p) = (c.rank(), c.size());
     for n in [1usize, 12, 4099, 1 << 20] {
         let mut x = exact(r, n);
-        c.all_reduce_sum(&mut x).map_err(err)?;
+        c.all_reduce_sum(x.view_mut()).map_err(err)?;
         same(
             &format!("all_reduce n={n} exact"),
             &x,
             &serial_sum(p, n, exact),
         )?;
         let mut y = inexact(r, n);
-        c.all_reduce_sum(&mut y).map_err(err)?;
+        c.all_reduce_sum(y.view_mut()).map_err(err)?;
         let mut y2 = inexact(r, n);
-        c.all_reduce_sum(&mut y2).map_err(err)?;
+        c.all_reduce_sum(y2.view_mut()).map_err(err)?;
         let want = serial_sum(p, n, inexact);
         close(&format!("all_reduce n={n}"), &y, &want, 1e-6)?;
         same(&format!("all_reduce n={n} run to run"), &y2, &y)?;
@@ -117,13 +117,14 @@ fn reduce_scatter(c: &MpiComm) -> Check {
     let b = 1000;
     let n = b * p;
     let mut part = vec![0.0; b];
-    c.reduce_scatter_sum(&exact(r, n), &mut part).map_err(err)?;
+    c.reduce_scatter_sum(exact(r, n).view(), part.view_mut())
+        .map_err(err)?;
     same(
         "reduce_scatter exact",
         &part,
         &serial_sum(p, n, exact)[r * b..(r + 1) * b],
     )?;
-    c.reduce_scatter_sum(&inexact(r, n), &mut part)
+    c.reduce_scatter_sum(inexact(r, n).view(), part.view_mut())
         .map_err(err)?;
     close(
         "reduce_scatter",
@@ -136,7 +137,8 @@ fn reduce_scatter(c: &MpiComm) -> Check {
 fn all_gather(c: &MpiComm) -> Check {
     let (r, p, n) = (c.rank(), c.size(), 12);
     let mut g = vec![0.0; n * p];
-    c.all_gather(&inexact(r, n), &mut g).map_err(err)?;
+    c.all_gather(inexact(r, n).view(), g.view_mut())
+        .map_err(err)?;
     let want: Vec<f32> = (0..p).flat_map(|q| inexact(q, n)).collect();
     same("all_gather", &g, &want)
 }
@@ -149,7 +151,7 @@ fn broadcast(c: &MpiComm) -> Check {
     } else {
         vec![0.0; n]
     };
-    c.broadcast(&mut b, root).map_err(err)?;
+    c.broadcast(b.view_mut(), root).map_err(err)?;
     same("broadcast", &b, &inexact(root, n))
 }
 
@@ -157,7 +159,8 @@ fn all_to_all(c: &MpiComm) -> Check {
     let (r, p) = (c.rank(), c.size());
     let b = 5;
     let mut got = vec![0.0; b * p];
-    c.all_to_all(&inexact(r, b * p), &mut got).map_err(err)?;
+    c.all_to_all(inexact(r, b * p).view(), got.view_mut())
+        .map_err(err)?;
     let want: Vec<f32> = (0..p)
         .flat_map(|q| inexact(q, b * p)[r * b..(r + 1) * b].to_vec())
         .collect();
@@ -178,7 +181,7 @@ fn all_to_all_v(c: &MpiComm) -> Check {
     let sc: Vec<usize> = (0..p).map(|to| count(r, to)).collect();
     let rc: Vec<usize> = (0..p).map(|from| count(from, r)).collect();
     let mut got = vec![0.0; rc.iter().sum()];
-    c.all_to_all_v(&send, &sc, &mut got, &rc, &mut Vec::new())
+    c.all_to_all_v(send.view(), &sc, got.view_mut(), &rc, &mut Vec::new())
         .map_err(err)?;
     let want: Vec<f32> = (0..p).flat_map(|from| block(from, r)).collect();
     same("all_to_all_v", &got, &want)
@@ -190,23 +193,23 @@ fn send_recv(c: &MpiComm) -> Check {
     // A ring: everyone sends first. Small messages, then one far above the eager limit
     // (send does not wait for the receiver, as in the threads backend).
     for n in [3usize, 1 << 20] {
-        c.send(&inexact(r, n), next, 7).map_err(err)?;
+        c.send(inexact(r, n).view(), next, 7).map_err(err)?;
         let mut got = vec![0.0; n];
-        c.recv(&mut got, prev, 7).map_err(err)?;
+        c.recv(got.view_mut(), prev, 7).map_err(err)?;
         same(&format!("ring n={n}"), &got, &inexact(prev, n))?;
     }
     // Tags keep messages apart: received in the other order than sent.
-    c.send(&[1.0], next, 1).map_err(err)?;
-    c.send(&[2.0, 2.0], next, 2).map_err(err)?;
+    c.send([1.0].view(), next, 1).map_err(err)?;
+    c.send([2.0, 2.0].view(), next, 2).map_err(err)?;
     let mut two = [0.0; 2];
-    c.recv(&mut two, prev, 2).map_err(err)?;
+    c.recv(two.view_mut(), prev, 2).map_err(err)?;
     let mut one = [0.0; 1];
-    c.recv(&mut one, prev, 1).map_err(err)?;
+    c.recv(one.view_mut(), prev, 1).map_err(err)?;
     same("tags", &[one[0], two[0], two[1]], &[1.0, 2.0, 2.0])?;
     // A message of the wrong length is a usage error (and is consumed).
-    c.send(&[1.0; 5], next, 9).map_err(err)?;
+    c.send([1.0; 5].view(), next, 9).map_err(err)?;
     let mut three = [0.0; 3];
-    let e = c.recv(&mut three, prev, 9).map_err(err);
+    let e = c.recv(three.view_mut(), prev, 9).map_err(err);
     let want =
         format!("rank {r}: recv: message from rank {prev} (tag 9) has 5 elements, the buffer 3");
     if e != Err(want.clone()) {
@@ -227,7 +230,7 @@ fn started_all_reduce(c: &MpiComm) -> Check {
         second.is_done();
     }
     let mut third = vec![1.0f32];
-    c.all_reduce_sum(&mut third).map_err(err)?;
+    c.all_reduce_sum(third.view_mut()).map_err(err)?;
     if busy <= 0.0 {
         return Err("busy".into());
     }
@@ -292,9 +295,9 @@ fn grid_split(c: &MpiComm) -> Check {
     let tp = c.split(&grid.group(r, Dim::Tp)).map_err(err)?;
     let dp = c.split(&grid.group(r, Dim::Dp)).map_err(err)?;
     let mut a = vec![r as f32];
-    tp.all_reduce_sum(&mut a).map_err(err)?;
+    tp.all_reduce_sum(a.view_mut()).map_err(err)?;
     let mut b = vec![r as f32];
-    dp.all_reduce_sum(&mut b).map_err(err)?;
+    dp.all_reduce_sum(b.view_mut()).map_err(err)?;
     let sum = |d: Dim| grid.group(r, d).iter().sum::<usize>() as f32;
     let want = (
         sum(Dim::Tp),
@@ -324,7 +327,7 @@ fn grid_split(c: &MpiComm) -> Check {
     let members = grid.group(r, Dim::Dp);
     let n = 8;
     let mut x = inexact(r, n);
-    dp.all_reduce_sum(&mut x).map_err(err)?;
+    dp.all_reduce_sum(x.view_mut()).map_err(err)?;
     let mut want = vec![0.0f32; n];
     for &m in &members {
         for (w, v) in want.iter_mut().zip(inexact(m, n)) {
@@ -333,17 +336,18 @@ fn grid_split(c: &MpiComm) -> Check {
     }
     close("dp all_reduce", &x, &want, 1e-6)?;
     let mut g = vec![0.0; dp.size() * n];
-    dp.all_gather(&inexact(r, n), &mut g).map_err(err)?;
+    dp.all_gather(inexact(r, n).view(), g.view_mut())
+        .map_err(err)?;
     let want_g: Vec<f32> = members.iter().flat_map(|&m| inexact(m, n)).collect();
     same("dp all_gather", &g, &want_g)?;
     let mut bc = inexact(r, n);
-    tp.broadcast(&mut bc, 1).map_err(err)?;
+    tp.broadcast(bc.view_mut(), 1).map_err(err)?;
     same("tp broadcast", &bc, &inexact(grid.group(r, Dim::Tp)[1], n))?;
     // Point to point inside a group: ranks are the group's.
     let other = 1 - tp.rank();
-    tp.send(&[r as f32], other, 3).map_err(err)?;
+    tp.send([r as f32].view(), other, 3).map_err(err)?;
     let mut got = [0.0];
-    tp.recv(&mut got, other, 3).map_err(err)?;
+    tp.recv(got.view_mut(), other, 3).map_err(err)?;
     same(
         "tp send/recv",
         &got,
@@ -364,11 +368,11 @@ fn on_another_thread(c: &MpiComm) -> Check {
     let copy = c.split(&all).map_err(err)?;
     let t = std::thread::spawn(move || {
         let mut x = vec![r as f32; 3];
-        copy.all_reduce_sum(&mut x).map(|_| x).map_err(err)
+        copy.all_reduce_sum(x.view_mut()).map(|_| x).map_err(err)
     });
     let mut y = vec![1.0f32];
     if MpiComm::thread_multiple() {
-        c.all_reduce_sum(&mut y).map_err(err)?;
+        c.all_reduce_sum(y.view_mut()).map_err(err)?;
     } else {
         y[0] = p as f32;
     }
@@ -381,7 +385,7 @@ fn usage_errors(c: &MpiComm) -> Check {
     let (r, p) = (c.rank(), c.size());
     let mut part = vec![0.0f32; 2];
     let e = c
-        .reduce_scatter_sum(&[1.0; 3], &mut part)
+        .reduce_scatter_sum([1.0; 3].view(), part.view_mut())
         .map(|_| ())
         .map_err(err);
     let want =
@@ -401,7 +405,7 @@ fn usage_errors(c: &MpiComm) -> Check {
     {
         return Err(format!("split without this rank: {e:?}"));
     }
-    let e = c.broadcast(&mut [0.0], p).map_err(err);
+    let e = c.broadcast([0.0].view_mut(), p).map_err(err);
     if !e.as_ref().is_err_and(|e| e.contains("is not in a group")) {
         return Err(format!("broadcast root out of range: {e:?}"));
     }
@@ -434,7 +438,7 @@ fn main() {
             c.abort("data shard unreadable");
         }
         let mut x = vec![1.0f32; 8];
-        let out = c.all_reduce_sum(&mut x);
+        let out = c.all_reduce_sum(x.view_mut());
         eprintln!("rank {r}: survived a failed rank: {out:?}");
         std::process::exit(0);
     }
@@ -472,7 +476,7 @@ fn main() {
             failed[i] = 1.0;
         }
     }
-    if let Err(e) = c.all_reduce_sum(&mut failed) {
+    if let Err(e) = c.all_reduce_sum(failed.view_mut()) {
         eprintln!("rank {r}: tallying: {e}");
         std::process::exit(1);
     }

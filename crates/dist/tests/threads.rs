@@ -3,7 +3,7 @@
 //! with its name instead of a hang.
 
 use ferrotron_dist::threads::{run, ThreadComm};
-use ferrotron_dist::{CommError, Communicator, Dim, Grid};
+use ferrotron_dist::{AsView, AsViewMut, CommError, Communicator, Dim, Grid};
 use ferrotron_plan::Layout;
 use std::time::{Duration, Instant};
 
@@ -26,19 +26,21 @@ fn collectives_match_serial_references() {
         let e = |x: CommError| x.to_string();
         assert_eq!((c.rank(), c.size()), (r, p));
         let mut sum = data(r, n);
-        c.all_reduce_sum(&mut sum).map_err(e)?;
+        c.all_reduce_sum(sum.view_mut()).map_err(e)?;
         let mut part = vec![0.0; n / p];
-        c.reduce_scatter_sum(&data(r, n), &mut part).map_err(e)?;
+        c.reduce_scatter_sum(data(r, n).view(), part.view_mut())
+            .map_err(e)?;
         let mut gathered = vec![0.0; n * p];
-        c.all_gather(&data(r, n), &mut gathered).map_err(e)?;
+        c.all_gather(data(r, n).view(), gathered.view_mut())
+            .map_err(e)?;
         let mut b = if r == 2 { data(2, n) } else { vec![0.0; n] };
-        c.broadcast(&mut b, 2).map_err(e)?;
+        c.broadcast(b.view_mut(), 2).map_err(e)?;
         let mut a2a = vec![0.0; n];
-        c.all_to_all(&data(r, n), &mut a2a).map_err(e)?;
+        c.all_to_all(data(r, n).view(), a2a.view_mut()).map_err(e)?;
         // A ring of point-to-point messages: to the next rank, from the previous one.
-        c.send(&data(r, 3), (r + 1) % p, 7).map_err(e)?;
+        c.send(data(r, 3).view(), (r + 1) % p, 7).map_err(e)?;
         let mut got = vec![0.0; 3];
-        c.recv(&mut got, (r + p - 1) % p, 7).map_err(e)?;
+        c.recv(got.view_mut(), (r + p - 1) % p, 7).map_err(e)?;
         c.barrier().map_err(e)?;
         Ok((sum, part, gathered, b, a2a, got))
     }));
@@ -90,9 +92,9 @@ fn groups_of_a_layout_grid_reduce_apart() {
         let tp = world.split(&g.group(r, Dim::Tp)).map_err(e)?;
         let dp = world.split(&g.group(r, Dim::Dp)).map_err(e)?;
         let mut a = vec![r as f32];
-        tp.all_reduce_sum(&mut a).map_err(e)?;
+        tp.all_reduce_sum(a.view_mut()).map_err(e)?;
         let mut b = vec![r as f32];
-        dp.all_reduce_sum(&mut b).map_err(e)?;
+        dp.all_reduce_sum(b.view_mut()).map_err(e)?;
         Ok((a[0], b[0], tp.rank(), dp.rank()))
     }));
     assert_eq!(out[0], (1.0, 2.0, 0, 0));
@@ -122,7 +124,7 @@ fn a_started_all_reduce_completes_while_the_rank_computes() {
         // Work while the reductions run, then a blocking collective after them.
         let busy: f64 = (0..200_000).map(|i| (i as f64).sqrt()).sum();
         let mut third = vec![1.0f32];
-        c.all_reduce_sum(&mut third).map_err(e)?;
+        c.all_reduce_sum(third.view_mut()).map_err(e)?;
         assert!(busy > 0.0);
         let a = first.wait().map_err(e)?;
         let b = second.wait().map_err(e)?;
@@ -176,7 +178,7 @@ fn a_failing_rank_takes_the_job_down_naming_itself() {
             return Err("data shard unreadable".into());
         }
         let mut x = vec![1.0f32; 8];
-        c.all_reduce_sum(&mut x).map_err(|e| e.to_string())?;
+        c.all_reduce_sum(x.view_mut()).map_err(|e| e.to_string())?;
         Ok(())
     });
     assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
@@ -216,10 +218,10 @@ fn a_failing_rank_takes_the_job_down_naming_itself() {
 fn bad_calls_are_usage_errors() {
     let out = run(2, T, |r, c: ThreadComm| {
         let mut x = vec![0.0f32; 3 + r];
-        let e = c.all_reduce_sum(&mut x).unwrap_err().to_string();
+        let e = c.all_reduce_sum(x.view_mut()).unwrap_err().to_string();
         let mut part = vec![0.0f32; 2];
         let e2 = c
-            .reduce_scatter_sum(&[1.0; 3], &mut part)
+            .reduce_scatter_sum([1.0; 3].view(), part.view_mut())
             .unwrap_err()
             .to_string();
         let e3 = c
@@ -266,10 +268,10 @@ fn all_to_all_v_moves_blocks_of_any_size() {
         // Room to spare: only the first Σ rc elements are written.
         let mut recv = vec![-1.0; rc.iter().sum::<usize>() + 2];
         let mut message = Vec::new();
-        c.all_to_all_v(&send, &sc, &mut recv, &rc, &mut message)
+        c.all_to_all_v(send.view(), &sc, recv.view_mut(), &rc, &mut message)
             .map_err(|e| e.to_string())?;
         let bad = c
-            .all_to_all_v(&send, &sc[..2], &mut recv, &rc, &mut message)
+            .all_to_all_v(send.view(), &sc[..2], recv.view_mut(), &rc, &mut message)
             .unwrap_err()
             .to_string();
         Ok((recv, bad))
@@ -287,4 +289,27 @@ fn all_to_all_v_moves_blocks_of_any_size() {
             format!("rank {r}: all_to_all_v: 2 send and 3 receive counts for a group of 3")
         );
     }
+}
+
+/// The threads backend reads host memory: a view of device memory (what a GPU communicator
+/// would take) is refused with a usage error naming the memory, never read as a host address.
+#[test]
+fn a_device_view_is_a_usage_error_on_a_host_backend() {
+    use ferrotron_dist::{Memory, ViewMut};
+    use std::ptr::NonNull;
+    let out = run(1, T, |_, c: ThreadComm| {
+        let mut x = [0.0f32; 4];
+        // SAFETY: the backend refuses the view before it would read it.
+        let dev = unsafe {
+            ViewMut::from_raw_parts(NonNull::from(&mut x[..]).cast(), 4, Memory::Device(0))
+        };
+        Ok(c.all_reduce_sum(dev).unwrap_err().to_string())
+    });
+    assert_eq!(
+        out[0].as_deref(),
+        Ok(
+            "rank 0: all_reduce_sum: the buffer is in device 0 memory, which this host \
+         communicator cannot read (use a device communicator)"
+        )
+    );
 }

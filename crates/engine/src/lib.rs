@@ -1,4 +1,4 @@
-//! ferrotron-engine: kernels (one trait, CPU backend now) and the Llama model
+//! ferrotron-engine: kernels (one trait; CPU and CUDA backends) and the Llama model
 //! (forward + backward, llm.c style named activation buffers).
 
 pub mod dtype;

@@ -3,7 +3,7 @@
 //! [`SECTIONS`] or, as in the first files, all at the top level); flags win over the file.
 //! The resolved [`TrainConfig`] has the same sections.
 
-use crate::loss_scale::LossScaleConfig;
+use crate::optim::loss_scale::LossScaleConfig;
 use clap::Args;
 use ferrotron_plan::error::one_line;
 // Re-exported: `toml_error` was defined here before the planner's settings files needed it.

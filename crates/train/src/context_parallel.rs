@@ -10,8 +10,7 @@
 //! loader gives each its share ([`crate::data::loader`]).
 
 use crate::message_group::MessageGroup;
-use anyhow::Result;
-use ferrotron_dist::{Communicator, Pending};
+use ferrotron_dist::{AsViewMut, Communicator, Pending};
 use ferrotron_engine::model::CpComm;
 use std::cell::RefCell;
 
@@ -37,12 +36,6 @@ impl CpGroup {
             group: MessageGroup::new(comm),
             sending: RefCell::new(None),
         }
-    }
-
-    /// The sums over the group of per-rank f64 values (an evaluation's loss sum and count:
-    /// each rank holds its tokens' part), the same on every rank.
-    pub fn sum_f64<const N: usize>(&self, x: [f64; N]) -> Result<[f64; N]> {
-        self.sum_f64s(x, "context-parallel sum")
     }
 }
 
@@ -80,7 +73,9 @@ impl CpComm for CpGroup {
             return;
         };
         let (size, rank) = (self.comm.size(), self.comm.rank());
-        let received = self.comm.recv(recv, (rank + size - 1) % size, RING_TAG);
+        let received = self
+            .comm
+            .recv(recv.view_mut(), (rank + size - 1) % size, RING_TAG);
         match (received, pending.wait()) {
             (Ok(()), Ok(back)) => *self.message() = back,
             (Err(e), _) | (_, Err(e)) => self.fail("context-parallel ring", e),

@@ -24,11 +24,13 @@
 //! The buckets are laid out once, from the order in which the backward reports gradients final
 //! ([`report_order`]); [`DataParallel::add`] checks every report against that layout.
 
+use crate::small_sums::{gather_mem, gather_small, SmallSums};
 use anyhow::{anyhow, bail, Result};
 use ferrotron_dist::{Communicator, Pending};
 use ferrotron_engine::model::{GradBuf, GradsDone, ParamTable, Unit};
 use ferrotron_engine::Elem;
 use ferrotron_plan::comm::{bytes_per_rank, Collective};
+use std::cell::{RefCell, RefMut};
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::time::{Duration, Instant};
@@ -256,7 +258,7 @@ pub struct DataParallel {
     gathering: Option<(usize, Pending, Instant)>,
     /// Every rank's few values of the step's small collectives (loss, gradient norm, peak
     /// bytes), reused every step.
-    small: Vec<f32>,
+    small: RefCell<Vec<f32>>,
     /// Bytes this rank sent this step, as the ring algorithms send them
     /// (`ferrotron_plan::comm::bytes_per_rank`: the planner's formula).
     pub comm_bytes: f64,
@@ -340,7 +342,7 @@ impl DataParallel {
         };
         let shard = sharded.then(|| Shard::new(&layout, rank, ranks));
         DataParallel {
-            small: Vec::with_capacity(4 * ranks),
+            small: RefCell::new(Vec::with_capacity(4 * ranks)),
             comm,
             bucket_len,
             layout,
@@ -737,23 +739,15 @@ impl DataParallel {
         }
     }
 
-    /// The sum over ranks of a per-rank f64 (ZeRO-1's Σg² of each shard), the same on every
-    /// rank: each value travels as two f32 (its rounding and the rest), summed in f64 in rank
-    /// order.
-    pub fn sum_f64(&mut self, x: f64) -> Result<f64> {
-        let hi = x as f32;
-        let all =
-            self.gather_small(&[hi, (x - hi as f64) as f32], "data-parallel gradient norm")?;
-        Ok(all.chunks(2).map(|c| c[0] as f64 + c[1] as f64).sum())
-    }
-
-    fn gather_small(&mut self, mine: &[f32], what: &str) -> Result<&[f32]> {
-        gather_small(self.comm.as_ref(), &mut self.small, mine, what)
-    }
-
     /// The loss sum and target count of every rank, summed (each rank reports the same).
     pub fn sum_loss(&mut self, sum: f64, count: usize) -> Result<(f64, usize)> {
-        let all = self.gather_small(&[sum as f32, count as f32], "data-parallel loss")?;
+        let mut small = self.small.borrow_mut();
+        let all = gather_small(
+            self.comm.as_ref(),
+            &mut small,
+            &[sum as f32, count as f32],
+            "data-parallel loss",
+        )?;
         let (sum, count) = all
             .chunks(2)
             .fold((0.0, 0.0), |(s, c), x| (s + x[0], c + x[1]));
@@ -762,46 +756,8 @@ impl DataParallel {
 
     /// Every rank's `(planned, measured)` bytes, rank order.
     pub fn gather_mem(&mut self, mine: [u64; 3]) -> Result<Vec<[u64; 3]>> {
-        gather_mem(self.comm.as_ref(), &mut self.small, mine)
+        gather_mem(self.comm.as_ref(), &mut self.small.borrow_mut(), mine)
     }
-}
-
-/// Every rank's `mine` (a few values), rank order, in the rank's `small` buffer: in place, so
-/// the step allocates nothing for it.
-pub(crate) fn gather_small<'a>(
-    comm: &dyn Communicator,
-    small: &'a mut Vec<f32>,
-    mine: &[f32],
-    what: &str,
-) -> Result<&'a [f32]> {
-    let (n, me) = (mine.len(), comm.rank());
-    let mut buf = std::mem::take(small);
-    buf.resize(n * comm.size(), 0.0);
-    buf[me * n..(me + 1) * n].copy_from_slice(mine);
-    *small = comm
-        .all_gather_start(buf)
-        .wait()
-        .map_err(|e| anyhow!("{what} all-gather: {e}"))?;
-    Ok(small)
-}
-
-/// Every rank of `comm`'s `[planned, measured, kernel workspace]` bytes, rank order (exact:
-/// each u64 travels as two 24-bit halves, which f32 holds exactly).
-pub fn gather_mem(
-    comm: &dyn Communicator,
-    small: &mut Vec<f32>,
-    mine: [u64; 3],
-) -> Result<Vec<[u64; 3]>> {
-    let mut halves = [0f32; 6];
-    for (h, b) in halves.chunks_mut(2).zip(mine) {
-        h.copy_from_slice(&[(b >> 24) as f32, (b & 0xFF_FFFF) as f32]);
-    }
-    let all = gather_small(comm, small, &halves, "memory")?;
-    let join = |h: &[f32]| ((h[0] as u64) << 24) | h[1] as u64;
-    Ok(all
-        .chunks(6)
-        .map(|c| [join(&c[0..2]), join(&c[2..4]), join(&c[4..6])])
-        .collect())
 }
 
 /// A collective started at `start` landed now; the rank blocked on it from `waited`.
@@ -845,6 +801,15 @@ pub fn unit_groups(table: &ParamTable) -> Vec<(Unit, Vec<Range<usize>>)> {
 /// [`unit_groups`], one after the other.
 pub fn report_order(table: &ParamTable) -> Vec<Range<usize>> {
     unit_groups(table).into_iter().flat_map(|g| g.1).collect()
+}
+
+impl SmallSums for DataParallel {
+    fn comm(&self) -> &dyn Communicator {
+        self.comm.as_ref()
+    }
+    fn small(&self) -> RefMut<'_, Vec<f32>> {
+        self.small.borrow_mut()
+    }
 }
 
 #[cfg(test)]

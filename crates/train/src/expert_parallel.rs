@@ -5,8 +5,7 @@
 //! ([`MessageGroup::check`]).
 
 use crate::message_group::MessageGroup;
-use anyhow::Result;
-use ferrotron_dist::Communicator;
+use ferrotron_dist::{AsView, AsViewMut, Communicator};
 use ferrotron_engine::model::EpComm;
 
 pub struct EpGroup(MessageGroup);
@@ -21,12 +20,6 @@ impl std::ops::Deref for EpGroup {
 impl EpGroup {
     pub fn new(comm: Box<dyn Communicator>) -> Self {
         EpGroup(MessageGroup::new(comm))
-    }
-
-    /// The sum over the group of a per-rank f64 (the experts' part of the gradient norm), the
-    /// same on every rank.
-    pub fn sum_f64(&self, x: f64) -> Result<f64> {
-        Ok(self.sum_f64s([x], "expert-parallel gradient norm")?[0])
     }
 }
 
@@ -44,7 +37,10 @@ impl EpComm for EpGroup {
             return;
         }
         let mut message = self.message();
-        match self.comm.all_to_all_v(send, sc, recv, rc, &mut message) {
+        match self
+            .comm
+            .all_to_all_v(send.view(), sc, recv.view_mut(), rc, &mut message)
+        {
             Ok(()) => {
                 let me = self.comm.rank();
                 let out: usize = sc.iter().sum::<usize>() - sc[me];

@@ -5,6 +5,7 @@
 //! reported after it ([`MessageGroup::check`]), so a dead rank stops the step instead of
 //! hanging it.
 
+use crate::small_sums::SmallSums;
 use anyhow::{anyhow, Result};
 use ferrotron_dist::Communicator;
 use std::cell::{Cell, RefCell, RefMut};
@@ -68,31 +69,6 @@ impl MessageGroup {
         }
     }
 
-    /// The sums over the group of a few per-rank f64 values (each travels as two f32: its
-    /// rounding and the rest), the same on every rank.
-    pub fn sum_f64s<const N: usize>(&self, x: [f64; N], what: &str) -> Result<[f64; N]> {
-        let mut mine = [0.0f32; 8];
-        assert!(2 * N <= mine.len(), "at most four sums at once");
-        for (i, v) in x.iter().enumerate() {
-            let hi = *v as f32;
-            (mine[2 * i], mine[2 * i + 1]) = (hi, (v - hi as f64) as f32);
-        }
-        let mut small = self.small.borrow_mut();
-        let all = crate::data_parallel::gather_small(
-            self.comm.as_ref(),
-            &mut small,
-            &mine[..2 * N],
-            what,
-        )?;
-        let mut out = [0.0f64; N];
-        for rank in all.chunks(2 * N) {
-            for (i, o) in out.iter_mut().enumerate() {
-                *o += rank[2 * i] as f64 + rank[2 * i + 1] as f64;
-            }
-        }
-        Ok(out)
-    }
-
     /// Sums `x` over the group element by element, in rank order (the same bits on every
     /// rank), through the reused small buffer; a failure is recorded like an exchange's.
     pub fn sum_f32s(&self, x: &mut [f32], what: &str) {
@@ -101,7 +77,7 @@ impl MessageGroup {
         }
         let mut small = self.small.borrow_mut();
         let n = x.len();
-        match crate::data_parallel::gather_small(self.comm.as_ref(), &mut small, x, what) {
+        match crate::small_sums::gather_small(self.comm.as_ref(), &mut small, x, what) {
             Ok(all) => {
                 x.fill(0.0);
                 for rank in all.chunks(n) {
@@ -118,5 +94,14 @@ impl MessageGroup {
 
     pub fn rank(&self) -> usize {
         self.comm.rank()
+    }
+}
+
+impl SmallSums for MessageGroup {
+    fn comm(&self) -> &dyn Communicator {
+        self.comm.as_ref()
+    }
+    fn small(&self) -> RefMut<'_, Vec<f32>> {
+        self.small.borrow_mut()
     }
 }

@@ -11,9 +11,9 @@
 //! time a stage spends blocked in those transfers is its share of the bubble, reported next to
 //! the planner's (p − 1)/(v·m) (Narayanan et al. 2021, §2.2).
 
-use crate::data_parallel::gather_small;
+use crate::small_sums::{gather_small, SmallSums};
 use anyhow::{anyhow, Result};
-use ferrotron_dist::{Communicator, Pending};
+use ferrotron_dist::{AsViewMut, Communicator, Pending};
 use ferrotron_engine::Elem;
 use ferrotron_plan::schedule::{messages, order, slots, Direction, Message, Work};
 use ferrotron_plan::Layout;
@@ -57,7 +57,7 @@ pub struct Pipeline {
     pub span: Duration,
     /// Spans blocked (start, end), for the trace.
     pub waits: Vec<(Instant, Instant)>,
-    small: Vec<f32>,
+    small: std::cell::RefCell<Vec<f32>>,
 }
 
 impl Pipeline {
@@ -91,7 +91,7 @@ impl Pipeline {
             idle: Duration::ZERO,
             span: Duration::ZERO,
             waits: Vec::with_capacity(4 * m as usize * layout.pp_virtual as usize + 8),
-            small: Vec::new(),
+            small: Default::default(),
         }
     }
 
@@ -142,7 +142,7 @@ impl Pipeline {
         for (to, from, tag) in [(next, prev, TAG[0]), (prev, next, TAG[1])] {
             let sent = self.comm.send_start(vec![0.0], to, tag);
             self.comm
-                .recv(&mut got, from, tag)
+                .recv(got.view_mut(), from, tag)
                 .map_err(|e| anyhow!("pipeline warm-up: {e}"))?;
             sent.wait().map_err(|e| anyhow!("pipeline warm-up: {e}"))?;
         }
@@ -151,7 +151,7 @@ impl Pipeline {
                 .wait()
                 .map_err(|e| anyhow!("pipeline warm-up: {e}"))?;
         }
-        self.sum_f64(0.0)?;
+        self.sum_f64([0.0], "pipeline warm-up sum")?;
         Ok(())
     }
 
@@ -215,7 +215,7 @@ impl Pipeline {
             Direction::Backward => (m.chunk + 1) % p,
         } as usize;
         let mut buf = std::mem::take(&mut self.recv);
-        let r = self.waited(|s| s.comm.recv(&mut buf, from, TAG[lane(m.dir)]));
+        let r = self.waited(|s| s.comm.recv(buf.view_mut(), from, TAG[lane(m.dir)]));
         r.map_err(|e| anyhow!("pipeline receive from stage {from}: {e}"))?;
         x.iter_mut()
             .zip(&buf)
@@ -267,18 +267,6 @@ impl Pipeline {
         Ok(())
     }
 
-    /// The sum over the stages of a per-stage f64 (each value as two f32, summed in f64).
-    pub fn sum_f64(&mut self, x: f64) -> Result<f64> {
-        let hi = x as f32;
-        let all = gather_small(
-            self.comm.as_ref(),
-            &mut self.small,
-            &[hi, (x - hi as f64) as f32],
-            "pipeline sum",
-        )?;
-        Ok(all.chunks(2).map(|c| c[0] as f64 + c[1] as f64).sum())
-    }
-
     /// Every stage's bubble of the step just run (stage order): its time blocked in transfers
     /// over its time computing, the measure of the planner's (p − 1)/(v·m). Resets the
     /// counters.
@@ -286,17 +274,22 @@ impl Pipeline {
         let (idle, span) = (self.idle.as_secs_f64(), self.span.as_secs_f64());
         (self.idle, self.span) = (Duration::ZERO, Duration::ZERO);
         let mine = (idle / (span - idle).max(1e-9)) as f32;
-        let all = gather_small(
-            self.comm.as_ref(),
-            &mut self.small,
-            &[mine],
-            "pipeline bubble",
-        )?;
+        let mut small = self.small.borrow_mut();
+        let all = gather_small(self.comm.as_ref(), &mut small, &[mine], "pipeline bubble")?;
         Ok(all.iter().map(|&b| b as f64).collect())
     }
 
     /// The planner's bubble: (p − 1)/(v·m) of the ideal compute time.
     pub fn planned_bubble(&self, m: u64) -> f64 {
         (self.layout.pp - 1) as f64 / (self.layout.pp_virtual * m) as f64
+    }
+}
+
+impl SmallSums for Pipeline {
+    fn comm(&self) -> &dyn Communicator {
+        self.comm.as_ref()
+    }
+    fn small(&self) -> std::cell::RefMut<'_, Vec<f32>> {
+        self.small.borrow_mut()
     }
 }

@@ -6,12 +6,12 @@ use crate::config::{TrainArgs, TrainConfig};
 use crate::context_parallel::CpGroup;
 use crate::data::{Loader, LoaderConfig, Tokenizer, ValLoader};
 use crate::expert_parallel::EpGroup;
-use crate::metrics::{matmul_peak_gflops, peak_rss, MetricsWriter, StepMetrics};
+use crate::memory::timeline;
+use crate::observe::metrics::{matmul_peak_gflops, peak_rss, MetricsWriter, StepMetrics};
+use crate::observe::trace;
 use crate::sample::{generate, SampleOptions};
 use crate::setup;
 use crate::tensor_parallel::TpGroup;
-use crate::timeline;
-use crate::trace;
 use crate::trainer::{Comms, Trainer};
 use anyhow::{bail, Context, Result};
 use ferrotron_dist::Dim;
@@ -157,7 +157,7 @@ fn resume_config(args: &TrainArgs, saved: &TrainConfig) -> Result<TrainConfig> {
 /// `from` steps were trained with (before that point the two agree, and the run equals one
 /// uninterrupted run of the new length).
 fn schedule_change(saved: &TrainConfig, now: &TrainConfig, from: u64) {
-    let lr = |c: &TrainConfig| crate::lr::LrSchedule::of(c);
+    let lr = |c: &TrainConfig| crate::optim::lr::LrSchedule::of(c);
     let (old, new) = (lr(saved), lr(now));
     if old != new && (0..from).any(|s| old.at(s) != new.at(s)) {
         eprintln!(
@@ -210,7 +210,7 @@ fn bf16_products(c: &TrainConfig) -> bool {
 /// threads backend), each training its slice of every global batch; rank 0 writes the outputs.
 pub fn run(args: TrainArgs) -> Result<RunSummary> {
     ferrotron_engine::kernels::cpu::gemm_select::check_env().map_err(anyhow::Error::msg)?;
-    crate::heap::keep_library_blocks();
+    crate::memory::heap::keep_library_blocks();
     // The `--config` file is read once, here; the ranks get the merged flags.
     let args = args.merged().map_err(anyhow::Error::msg)?;
     // A resumed run keeps the checkpoint's layout unless the flags give one.
@@ -388,7 +388,7 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
     ferrotron_dist::watchdog::start(timeout, ferrotron_dist::watchdog::exit_process);
     let backstop = timeout + Duration::from_secs(30);
     // Each rank's thread and its communicator's worker charge what they allocate to the rank.
-    let tag = |rank| crate::alloc::set_rank(Some(rank));
+    let tag = |rank| crate::memory::alloc::set_rank(Some(rank));
     let results = ferrotron_dist::threads::run_tagged(world, backstop, tag, move |rank, comm| {
         let ctx = RankCtx {
             rank,
@@ -400,7 +400,7 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(per_rank)
             .thread_name(move |i| format!("rank {rank} worker {i}"))
-            .start_handler(move |_| crate::alloc::set_rank(Some(rank)))
+            .start_handler(move |_| crate::memory::alloc::set_rank(Some(rank)))
             .build()
             .map_err(|e| format!("rank {rank}: thread pool: {e}"))?;
         let saved = saved.clone();
@@ -537,27 +537,13 @@ fn run_mpi(
 /// innermost, pp outermost, as the planner places them): its tensor-parallel group, its
 /// pipeline (with, for tied embeddings, the group of the first and last stage), and its
 /// data-parallel group. Every rank of the world calls it (the splits are collective).
-#[allow(clippy::type_complexity)]
-/// A rank's groups in the grid.
-struct Groups {
-    tp: Option<Rc<TpGroup>>,
-    pp: Option<crate::pipeline::Pipeline>,
-    /// Data parallelism: the dense weights' replicas (under expert parallelism dp × ep).
-    dp: Option<Box<dyn ferrotron_dist::Communicator>>,
-    ep: Option<Rc<EpGroup>>,
-    /// Under expert parallelism, the dp ranks holding the same experts.
-    dp_experts: Option<Box<dyn ferrotron_dist::Communicator>>,
-    /// Context parallelism's ring (the dense replicas are then dp × cp).
-    cp: Option<Rc<CpGroup>>,
-}
-
 fn model_groups(
     world: &dyn ferrotron_dist::Communicator,
     rank: usize,
     cfg: &TrainConfig,
     grid: &ferrotron_dist::Grid,
     tied: bool,
-) -> Result<Groups> {
+) -> Result<Comms> {
     let l = &cfg.parallel;
     let group = |d: Dim| {
         world
@@ -634,13 +620,15 @@ fn model_groups(
     };
     // Every rank's groups have met before any rank measures its baseline.
     world.barrier().map_err(|e| anyhow::anyhow!("{e}"))?;
-    Ok(Groups {
+    Ok(Comms {
         tp,
         pp,
         dp,
         ep,
         dp_experts,
         cp,
+        // The caller's (the groups were split from it).
+        world: None,
     })
 }
 
@@ -782,13 +770,8 @@ fn run_rank(
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let comms = match (ctx.map(|c| c.comm), comms) {
         (Some(world), Some(g)) => Comms {
-            dp: g.dp,
-            tp: g.tp,
-            pp: g.pp,
             world: Some(world),
-            ep: g.ep,
-            dp_experts: g.dp_experts,
-            cp: g.cp,
+            ..g
         },
         (world, _) => Comms {
             dp: world,
@@ -1004,7 +987,7 @@ fn run_rank(
     let cpu = args.device == crate::device::Device::Cpu;
     if mfu > 100.0 && rank == 0 && args.peak_gflops.is_none() && cpu {
         let cached = peak_gflops;
-        let factor = crate::metrics::remeasure_low_peak(bf16_products(&cfg), cached);
+        let factor = crate::observe::metrics::remeasure_low_peak(bf16_products(&cfg), cached);
         if factor < 1.0 {
             eprintln!(
                 "note: MFU {mfu:.1}% was against a cached matmul peak measured while the machine was busy; measured again, {:.1} GFLOP/s per rank, kept for the next run",

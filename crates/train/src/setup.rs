@@ -240,9 +240,10 @@ fn bundled_shards(out_dir: &Path, tok: &Tokenizer) -> Result<PathBuf> {
     // build's stated bound (data::build), not the corpus's size.
     let corpus = Source::text("bundled:data/corpus/shakespeare.txt", BUNDLED_CORPUS);
     // Trimmed after: the tokenizer's transient memory must not stay resident in the rayon
-    // workers' arenas for the whole run (crate::heap, #34).
-    let summary =
-        crate::heap::trimmed(|| build_shards_from(&[corpus], tok, &dir, &BuildOptions::default()))?;
+    // workers' arenas for the whole run (crate::memory::heap, #34).
+    let summary = crate::memory::heap::trimmed(|| {
+        build_shards_from(&[corpus], tok, &dir, &BuildOptions::default())
+    })?;
     std::fs::write(&stamp, tok.name())?;
     eprintln!(
         "tokenized the bundled corpus: {} train + {} val tokens -> {}",

@@ -6,12 +6,13 @@
 
 use anyhow::anyhow;
 type Result<T, E = anyhow::Error> = std::result::Result<T, E>;
+use crate::small_sums::SmallSums;
 use ferrotron_dist::Communicator;
 use ferrotron_engine::model::tensor_parallel::replicated;
 use ferrotron_engine::model::tensor_parallel::TpOp;
 use ferrotron_engine::model::{Llama, TpComm};
 use ferrotron_plan::comm::{bytes_per_rank, Collective};
-use std::cell::{Cell, RefCell};
+use std::cell::{Cell, RefCell, RefMut};
 use std::ops::Range;
 
 /// A tensor-parallel group as the engine calls it.
@@ -111,26 +112,6 @@ impl TpGroup {
         }
     }
 
-    /// The sum over the group of a per-rank f64, the same on every rank (two f32 halves, as
-    /// `DataParallel::sum_f64`).
-    pub fn sum_f64(&self, x: f64) -> Result<f64> {
-        let hi = x as f32;
-        let (mine, me) = ([hi, (x - hi as f64) as f32], self.comm.rank());
-        let fill = |s: &mut [f32]| s[2 * me..2 * me + 2].copy_from_slice(&mine);
-        let start = |c: &dyn Communicator, b| c.all_gather_start(b);
-        let out = self.staged(
-            2 * self.comm.size(),
-            fill,
-            start,
-            "gradient norm all-gather",
-        );
-        self.check()?;
-        let out = out.expect("checked");
-        let sum = out.chunks(2).map(|c| c[0] as f64 + c[1] as f64).sum();
-        self.restore(out);
-        Ok(sum)
-    }
-
     pub fn size(&self) -> usize {
         self.comm.size()
     }
@@ -191,5 +172,15 @@ pub fn is_replicated(model: &Llama, r: &Range<usize>) -> bool {
     match &model.tp {
         Some(tp) => replicated(&tp.whole, &model.params, r.start),
         None => false,
+    }
+}
+
+/// Small sums (the gradient norm's) gather in the planned staging buffer.
+impl SmallSums for TpGroup {
+    fn comm(&self) -> &dyn Communicator {
+        self.comm.as_ref()
+    }
+    fn small(&self) -> RefMut<'_, Vec<f32>> {
+        self.staging.borrow_mut()
     }
 }

@@ -2,8 +2,6 @@
 //! clipping, AdamW with a warm-up + cosine schedule, validation, and the measured memory of
 //! every step against the plan.
 
-use crate::alloc;
-use crate::arena::Arena;
 use crate::config::TrainConfig;
 use crate::context_parallel::CpGroup;
 use crate::data::{Loader, ValLoader};
@@ -11,16 +9,21 @@ use crate::data_parallel::{expert_ranges, Buckets, DataParallel, Gather, Segment
 use crate::device::Machine;
 use crate::device_state::{DevFlat, DeviceState};
 use crate::expert_parallel::EpGroup;
-use crate::loss_scale::{DynamicLossScaler, ScaleUpdate};
-use crate::lr::LrSchedule;
-use crate::metrics::{RankMem, StepMetrics};
+use crate::memory::alloc;
+use crate::memory::arena::Arena;
+use crate::memory::pool::{PlanPool, Point, Running, Sample, Timeline};
+use crate::memory::workspace::{self, KernelWorkspace};
+use crate::observe::metrics::{RankMem, StepMetrics};
+use crate::observe::trace::{Event, Tracing};
+use crate::optim::loss_scale::{DynamicLossScaler, ScaleUpdate};
+use crate::optim::lr::LrSchedule;
+pub use crate::optim::step::AdamState;
+use crate::optim::step::{adamw, global_sum_sq, grad_scale, NormGroups, OptRun, States};
 use crate::pipeline::Pipeline;
-use crate::pool::{PlanPool, Point, Running, Sample, Timeline};
 use crate::setup::{checked_plan, planned_bytes, recompute_flops_per_token};
+use crate::small_sums::SmallSums;
 use crate::tensor_parallel::{self as tpar, TpGroup};
-use crate::trace::{Event, Tracing};
 use crate::weights::Flat;
-use crate::workspace::{self, KernelWorkspace};
 use crate::zero2::GradWindows;
 use crate::zero3::{Source, Zero3};
 use crate::{with_dev_types, with_flat_types};
@@ -47,24 +50,14 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Instant;
 
+mod evaluate;
+mod memory_report;
 mod pipeline_step;
+mod update;
+mod zero_gather;
 
-/// AdamW's two moments, allocated by the first optimizer step (as torch.optim does).
-pub struct AdamState {
-    pub m: Vec<f32>,
-    pub v: Vec<f32>,
-}
-
-/// A run of parameters the optimizer updates: `params` of the flat buffers, at `at` in the
-/// optimizer states and master weights (the same offsets unless ZeRO-1 shards them), and
-/// whether weight decay applies.
-struct OptRun {
-    params: Range<usize>,
-    at: usize,
-    decay: bool,
-    /// A norm replicated over the tensor-parallel group (its gradient norm counts it once).
-    replicated: bool,
-}
+use memory_report::{measure_workspace, rank_mems, step_peaks, trace_capacity};
+use zero_gather::{gather_weights, shard_of, GatherParams};
 
 /// A rank's communicators: its data-parallel group, its tensor-parallel group, and (with
 /// tensor parallelism) the world, over which every rank's memory is reported.
@@ -115,77 +108,6 @@ fn check_groups(
         cp.check()?;
     }
     Ok(())
-}
-
-/// The `len` values of `full` (one per parameter) that `runs` update, at their offsets.
-fn shard_of(runs: &[OptRun], len: usize, full: &[f32]) -> Vec<f32> {
-    let mut out = vec![0.0; len];
-    for r in runs {
-        out[r.at..r.at + r.params.len()].copy_from_slice(&full[r.params.clone()]);
-    }
-    out
-}
-
-/// Every weight as f32, gathered from ZeRO-3's shards (the first `shard_len` elements of
-/// `params`).
-fn gather_weights(
-    dp: &mut DataParallel,
-    params: &Flat,
-    shard_len: usize,
-    n: usize,
-) -> Result<Vec<f32>> {
-    match params {
-        Flat::F32(p) => gather_full(dp, &p[..shard_len], n),
-        Flat::Bf16(p) => gather_full(dp, &p[..shard_len], n),
-        Flat::F16(p) => gather_full(dp, &p[..shard_len], n),
-    }
-}
-
-/// The parameters after the ZeRO-1 all-gather: this rank's blocks read from them, every
-/// rank's written into them.
-struct GatherParams<'a, S>(&'a mut [S]);
-
-impl<S: Elem> Gather for GatherParams<'_, S> {
-    fn own(&self, seg: &Segment, out: &mut [f32]) {
-        for (o, p) in out.iter_mut().zip(&self.0[seg.params.clone()]) {
-            *o = p.to_f32();
-        }
-    }
-    fn put(&mut self, r: Range<usize>, values: &[f32]) {
-        for (p, v) in self.0[r].iter_mut().zip(values) {
-            *p = S::from_f32(*v);
-        }
-    }
-}
-
-/// A sharded optimizer state (or ZeRO-3's weights) gathered into one of every parameter.
-struct GatherShard<'a, S> {
-    shard: &'a [S],
-    full: Vec<f32>,
-}
-
-impl<S: Elem> Gather for GatherShard<'_, S> {
-    fn own(&self, seg: &Segment, out: &mut [f32]) {
-        for (o, x) in out
-            .iter_mut()
-            .zip(&self.shard[seg.at..seg.at + seg.params.len()])
-        {
-            *o = x.to_f32();
-        }
-    }
-    fn put(&mut self, r: Range<usize>, values: &[f32]) {
-        self.full[r].copy_from_slice(values);
-    }
-}
-
-/// Every parameter's value of a sharded state (all ranks call it: an all-gather).
-fn gather_full<S: Elem>(dp: &mut DataParallel, shard: &[S], n: usize) -> Result<Vec<f32>> {
-    let mut g = GatherShard {
-        shard,
-        full: vec![0.0; n],
-    };
-    dp.all_gather(&mut g)?;
-    Ok(g.full)
 }
 
 pub struct Trainer {
@@ -355,82 +277,6 @@ fn batch_views<'a>(
         }
         None => (tokens.view(), targets.view()),
     }
-}
-
-/// Weights stored as f32 (no master copy) as the f32 buffer AdamW updates in place.
-fn as_f32<S: Elem>(mut w: ViewMut<'_, S>) -> ViewMut<'_, f32> {
-    assert!(
-        S::DTYPE == ferrotron_plan::DType::F32,
-        "without master weights the weights are f32"
-    );
-    let (len, mem) = (w.len(), w.memory());
-    let p = std::ptr::NonNull::new(w.as_mut_ptr().cast::<f32>()).expect("a view is never null");
-    // SAFETY: S is f32 (checked above): the same elements, borrowed as `w` was.
-    unsafe { ViewMut::from_raw_parts(p, len, mem) }
-}
-
-/// Every rank's planned and measured peak and kernel workspace, rank order.
-fn rank_mems(all: &[[u64; 3]]) -> Vec<RankMem> {
-    all.iter()
-        .enumerate()
-        .map(|(rank, &[p, m, w])| RankMem {
-            rank,
-            mem_peak_planned: p,
-            mem_peak_measured: m,
-            kernel_workspace: w,
-        })
-        .collect()
-}
-
-/// The kernel workspace of a precision's types (see `workspace`).
-fn measure_workspace(
-    k: &CpuKernels,
-    p: Precision,
-    c: &LlamaConfig,
-    n: usize,
-    chunk: usize,
-) -> KernelWorkspace {
-    use half::{bf16, f16};
-    match p {
-        Precision::Fp32 => workspace::measure::<f32, f32>(k, c, n, chunk),
-        Precision::Bf16 | Precision::Fp8 => workspace::measure::<bf16, bf16>(k, c, n, chunk),
-        Precision::Bf16Fp32grads => workspace::measure::<bf16, f32>(k, c, n, chunk),
-        Precision::Fp16 => workspace::measure::<f16, f16>(k, c, n, chunk),
-    }
-}
-
-/// Planned peak of steps 1 and 2. The kernel workspace is live only while a product runs: the
-/// layers' in the forward and backward phases, the LM head's in the loss phase, none at the
-/// optimizer step (where step 1 allocates the Adam states and no GEMM runs). The plan's
-/// overhead term is the larger of the two, the bound for a phase nobody tells it about.
-///
-/// The marks are those of the plan as the allocator sees it, with the activation arena held
-/// whole from a micro-batch's first buffer to its last (`ferrotron_plan::arena::with_region`).
-fn step_peaks(plan: &RankPlan, arena: &ArenaLayout, ws: KernelWorkspace) -> [u64; 2] {
-    let mut out = [plan.overhead; 2];
-    let held = with_region(&plan.plan, arena).sweep();
-    for m in &held.marks {
-        let i = (m.step as usize).saturating_sub(1).min(1);
-        let peak = match m.phase {
-            Phase::Init => continue,
-            Phase::Optimizer => m.live,
-            Phase::Loss => m.max_since_previous + ws.head,
-            Phase::Forward | Phase::Backward => m.max_since_previous + ws.layers,
-        };
-        out[i] = out[i].max(peak);
-    }
-    out
-}
-
-/// Expected events of `steps` traced steps, with any evaluation: about 50 kernel calls per layer
-/// per micro-batch forward and backward, four per LM-head chunk, one AdamW call per tensor.
-fn trace_capacity(cfg: &TrainConfig, c: &LlamaConfig, steps: u64) -> usize {
-    let n = (cfg.data.mbs * cfg.data.seq) as usize;
-    let chunks = n.div_ceil(cfg.runtime.ce_chunk.max(1) as usize);
-    let per_mb = 64 * c.layers + 8 * chunks + 32;
-    let tensors = 16 * c.layers + 8;
-    let eval = cfg.observability.eval_batches as usize * (32 * c.layers + 4 * chunks + 8);
-    steps as usize * (cfg.data.grad_acc as usize * per_mb + tensors + 16 + eval)
 }
 
 impl Trainer {
@@ -901,9 +747,7 @@ impl Trainer {
         let (mut rank_mem, mut comm_bytes, mut comm_exposed) = (Vec::new(), None, None);
         let mine = [planned, measured, self.plan.overhead];
         let all = match (&mut self.world, &mut self.dp) {
-            (Some((w, small)), _) => {
-                Some(crate::data_parallel::gather_mem(w.as_ref(), small, mine)?)
-            }
+            (Some((w, small)), _) => Some(crate::small_sums::gather_mem(w.as_ref(), small, mine)?),
             (None, Some(dp)) => Some(dp.gather_mem(mine)?),
             (None, None) => None,
         };
@@ -1009,7 +853,6 @@ impl Trainer {
         // ZeRO-2 and 3: the gradient buffer is this rank's shard, then the windows the
         // backward writes into (see `zero2`); otherwise it holds every gradient.
         let zero2 = self.windows.is_some();
-        let zero3 = self.zero3.is_some();
         let (shard, full) = grads.split_at_mut(if zero2 { self.opt_len } else { 0 });
         // The shard is data parallelism's, on the host (empty without ZeRO-2).
         let shard: &mut [G] = if zero2 { shard.host_mut() } else { &mut [] };
@@ -1126,185 +969,7 @@ impl Trainer {
                 false => grads.slice_mut(0..1).host_mut()[0] = nan,
             }
         }
-        let k: &dyn Kernels<S, G> = &self.kernels;
-        if let Some(dp) = dp {
-            (loss.sum, loss.count) = dp.borrow_mut().sum_loss(loss.sum, loss.count)?;
-        }
-        let to = Instant::now();
-        let lr = self.schedule.at(self.step);
-        let n = self.opt_len;
-        // Adam's moments exist from the first optimizer step on, taken or skipped; with the
-        // master weights, where the state lives.
-        let (mut m_all, mut v_all, mut master) = match (&mut self.dev, &self.device_alloc) {
-            (Some(d), Some(a)) => {
-                if d.opt.is_none() {
-                    let z = || DeviceBuf::zeros(a, n).map_err(anyhow::Error::msg);
-                    d.opt = Some((z()?, z()?));
-                }
-                let (m, v) = d.opt.as_mut().expect("created above");
-                (
-                    m.view_mut(),
-                    v.view_mut(),
-                    d.master.as_mut().map(|m| m.view_mut()),
-                )
-            }
-            _ => {
-                let opt = self.opt.get_or_insert_with(|| AdamState {
-                    m: vec![0.0; n],
-                    v: vec![0.0; n],
-                });
-                let master = self.master.as_mut().map(|m| m.view_mut());
-                (opt.m.view_mut(), opt.v.view_mut(), master)
-            }
-        };
-        // The reduced gradient of each run the optimizer updates: under ZeRO-2 and 3 in the
-        // shard, else where the backward wrote it.
-        let grad_of = |r: &OptRun| -> View<'_, G> {
-            match zero2 {
-                true => shard.view().slice(r.at..r.at + r.params.len()),
-                false => grads.slice(r.params.clone()),
-            }
-        };
-        // Σg² of the scaled gradients: inf or NaN exactly when some gradient is (the check
-        // torch's GradScaler makes before unscaling). Under ZeRO each rank holds the sums of
-        // its shard only: the ranks add their parts.
-        // Under tensor parallelism each rank holds its slices and a copy of every norm: the
-        // slices add up over the group, the norms count once (1/t of them per rank).
-        // Under pipelining each stage holds its part; the last stage's copy of a tied
-        // embedding counts once, on the first stage.
-        let tp_share = 1.0 / self.tp.as_ref().map_or(1, |t| t.size()) as f64;
-        let copied = self.model.copied();
-        let sharded = dp.filter(|d| d.borrow().shard().is_some());
-        let mut sum_sq = match (&self.tp, sharded, &copied) {
-            (None, None, None) => k.sum_squares(grads.slice(0..self.model.params.total)),
-            _ => self
-                .runs
-                .iter()
-                .map(|r| {
-                    let share = if r.replicated { tp_share } else { 1.0 };
-                    outside(grad_of(r), &r.params, copied.as_ref())
-                        .map(|g| k.sum_squares(g))
-                        .sum::<f64>()
-                        * share
-                })
-                .sum(),
-        };
-        if let Some(tp) = &self.tp {
-            sum_sq = tp.sum_f64(sum_sq)?;
-        }
-        if let (Some(ep), None) = (&self.ep, sharded) {
-            // Each expert's gradient is on one rank of the expert-parallel group (the dense
-            // ones on all): the group adds the experts' parts. (Under ZeRO-1 every block of
-            // every gradient is in exactly one rank's shard: the sum below adds them.)
-            let experts: f64 = expert_ranges(&self.model.params)
-                .into_iter()
-                .map(|r| k.sum_squares(grads.slice(r)))
-                .sum();
-            sum_sq += ep.sum_f64(experts)? - experts;
-        }
-        if let Some(pp) = &mut self.pp {
-            sum_sq = pp.sum_f64(sum_sq)?;
-        }
-        if let Some(dp) = dp.filter(|d| d.borrow().shard().is_some()) {
-            sum_sq = dp.borrow_mut().sum_f64(sum_sq)?;
-        }
-        let unscale = 1.0 / loss_scale as f64;
-        let grad_norm = sum_sq.sqrt() * unscale;
-        let skipped = |overflow, non_finite| Stepped {
-            loss,
-            grad_norm,
-            lr,
-            overflow,
-            non_finite,
-        };
-        if let Some(scaler) = &mut self.scaler {
-            let u = scaler.update(sum_sq.is_finite());
-            if !u.step_taken {
-                self.kernels.phase("optimizer", to, step, 0);
-                self.pool.sample(step, Point::Optimizer);
-                return Ok(skipped(Some(u), false));
-            }
-        } else if !sum_sq.is_finite() {
-            // fp32 and bf16: a NaN or infinity anywhere makes Σg² non-finite, and Σg² is the
-            // same number on every rank (summed over every group above), so every rank skips
-            // this update together and the replicas stay identical. A non-finite loss gives
-            // non-finite gradients through the cross-entropy's backward.
-            self.kernels.phase("optimizer", to, step, 0);
-            self.pool.sample(step, Point::Optimizer);
-            return Ok(skipped(None, true));
-        }
-        // Global-norm clipping as torch.nn.utils.clip_grad_norm_: scale by
-        // max_norm / (norm + 1e-6) when that is below 1, folded with the unscaling into the
-        // factor AdamW applies as it reads each gradient.
-        let mut grad_scale = unscale;
-        if self.cfg.optimizer.clip > 0.0 {
-            let coef = self.cfg.optimizer.clip / (grad_norm + 1e-6);
-            if coef < 1.0 {
-                grad_scale *= coef;
-            }
-        }
-        let rounding = if self.cfg.precision.stochastic_rounding {
-            Rounding::Stochastic {
-                seed: self.cfg.data.seed,
-            }
-        } else {
-            Rounding::Nearest
-        };
-        for run in &self.runs {
-            let OptRun {
-                params: r,
-                at,
-                decay,
-                ..
-            } = run;
-            let h = AdamWParams {
-                lr,
-                beta1: self.cfg.optimizer.beta1,
-                beta2: self.cfg.optimizer.beta2,
-                eps: self.cfg.optimizer.eps,
-                weight_decay: if *decay {
-                    self.cfg.optimizer.weight_decay
-                } else {
-                    0.0
-                },
-                step: self.step + 1,
-                grad_scale: grad_scale as f32,
-            };
-            let s = *at..at + r.len();
-            // ZeRO-3 keeps the weights of its shard at the states' offsets.
-            let w = if zero3 { s.clone() } else { r.clone() };
-            let m = m_all.rb().slice_mut(s.clone());
-            let v = v_all.rb().slice_mut(s.clone());
-            match &mut master {
-                Some(master) => k.adamw_step(
-                    h,
-                    master.rb().slice_mut(s),
-                    grad_of(run),
-                    m,
-                    v,
-                    Some((params.rb().slice_mut(w), rounding)),
-                ),
-                None => {
-                    let w = as_f32(params.rb().slice_mut(w));
-                    k.adamw_step(h, w, grad_of(run), m, v, None)
-                }
-            }
-        }
-        // ZeRO-1 and 2: every rank updated its blocks; the ranks gather the others'. (ZeRO-3
-        // gathers each unit when it is next needed.)
-        if let (Some(dp), false) = (dp, zero3) {
-            dp.borrow_mut()
-                .all_gather(&mut GatherParams(params.host_mut()))?;
-        }
-        self.kernels.phase("optimizer", to, step, 0);
-        self.pool.sample(step, Point::Optimizer);
-        Ok(Stepped {
-            loss,
-            grad_norm,
-            lr,
-            overflow: None,
-            non_finite: false,
-        })
+        self.update(step, params, &*grads, shard, dp, loss)
     }
 
     /// The first tensor whose gradient on this rank is not finite, in the order the backward
@@ -1339,104 +1004,6 @@ impl Trainer {
         let ranks = self.dp.as_ref().map_or(1, |d| d.size()) as u64;
         let b = self.batch();
         self.cfg.data.grad_acc * (b.b * b.t) as u64 * ranks
-    }
-
-    /// Mean validation loss over the fixed validation batches (under ZeRO-3 every rank must
-    /// call it: the units are gathered).
-    pub fn evaluate(&mut self) -> Result<Option<f64>> {
-        if self.val.is_none() {
-            return Ok(None);
-        }
-        let te = Instant::now();
-        // The weights and the group leave `self` for the evaluation (moving moves no memory).
-        let mut params = std::mem::replace(&mut self.params, Flat::F32(Vec::new()));
-        let dp = self.dp.take().map(RefCell::new);
-        // Not the step's communication.
-        let tp_bytes = self.tp.as_ref().map(|t| t.bytes.get());
-        let cp_bytes = self.cp.as_ref().map(|c| c.bytes.get());
-        let on_device = self.dev.as_mut().and_then(|d| d.params.take());
-        let loss = match (&mut params, on_device) {
-            (_, Some(mut p)) => {
-                let l = match &mut p {
-                    DevFlat::F32(p) => self.eval_typed(p.view_mut(), dp.as_ref()),
-                    DevFlat::Bf16(p) => self.eval_typed(p.view_mut(), dp.as_ref()),
-                    DevFlat::F16(p) => self.eval_typed(p.view_mut(), dp.as_ref()),
-                };
-                self.dev.as_mut().expect("on the device").params = Some(p);
-                l
-            }
-            (Flat::F32(p), None) => self.eval_typed(p.view_mut(), dp.as_ref()),
-            (Flat::Bf16(p), None) => self.eval_typed(p.view_mut(), dp.as_ref()),
-            (Flat::F16(p), None) => self.eval_typed(p.view_mut(), dp.as_ref()),
-        };
-        // Each context-parallel rank evaluated its share of the tokens (pipelined or not).
-        let loss = match (&self.cp, loss) {
-            (Some(cp), Ok(l)) => cp
-                .sum_f64([l.sum, l.count as f64])
-                .map(|[sum, count]| LossSum {
-                    sum,
-                    count: count.round() as usize,
-                }),
-            (_, l) => l,
-        };
-        // Each data-parallel rank evaluated its share of the validation sequences (the set is
-        // one rank's at the same global micro-batch, so val losses compare across layouts).
-        let loss = match (&dp, loss) {
-            (Some(dp), Ok(l)) => dp
-                .borrow_mut()
-                .sum_loss(l.sum, l.count)
-                .map(|(sum, count)| LossSum { sum, count }),
-            (_, l) => l,
-        };
-        self.dp = dp.map(RefCell::into_inner);
-        if let (Some(t), Some(b)) = (&self.tp, tp_bytes) {
-            t.bytes.set(b);
-        }
-        if let (Some(c), Some(b)) = (&self.cp, cp_bytes) {
-            c.bytes.set(b);
-        }
-        self.params = params;
-        if let Some(a) = &mut self.pool.arena {
-            a.trim();
-        }
-        self.kernels.phase("eval", te, self.step, 0);
-        Ok(Some(loss?.mean()))
-    }
-
-    fn eval_typed<S: Elem>(
-        &mut self,
-        params: ViewMut<'_, S>,
-        dp: Option<&RefCell<DataParallel>>,
-    ) -> Result<LossSum> {
-        if self.pp.is_some() {
-            self.allocate_pipeline();
-            return self.pipeline_eval(params.host_mut());
-        }
-        let Some(val) = &self.val else {
-            return Ok(LossSum::default());
-        };
-        let batch = self.batch();
-        // Outside the step: its gathers are not the step's communication.
-        let saved = dp.map(|d| d.borrow().counters());
-        let mut src = Source::new(params, self.zero3.as_mut(), dp, self.opt_len);
-        let mut loss = LossSum::default();
-        for i in 0..val.num_batches() {
-            val.batch_into(i, &mut self.tokens, &mut self.targets)?;
-            let (k, pool) = (&self.kernels, &mut self.pool);
-            let (tokens, targets) = batch_views(&mut self.dev, &self.tokens, &self.targets);
-            src.begin(true);
-            let l = self
-                .model
-                .forward_eval_from(k, pool, src.get(), batch, &tokens, &targets);
-            src.check()?;
-            check_groups(&self.tp, &self.ep, &self.cp)?;
-            loss.sum += l.sum;
-            loss.count += l.count;
-        }
-        if let (Some(dp), Some(c)) = (dp, saved) {
-            dp.borrow_mut().set_counters(c);
-        }
-        Ok(loss)
     }
 
     /// The memory timeline's samples so far (`None` when it is off).
@@ -1659,7 +1226,7 @@ impl Trainer {
             .as_ref()
             .expect("a model split over ranks has a world");
         world
-            .all_reduce_sum(&mut whole)
+            .all_reduce_sum(whole.view_mut())
             .map_err(|e| anyhow::anyhow!("gathering the weights: {e}"))?;
         Ok(whole)
     }

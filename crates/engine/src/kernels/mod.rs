@@ -2,7 +2,7 @@
 //!
 //! The model (`crate::model`) calls only this trait, so a CUDA backend can implement the same
 //! trait without touching the model code. Ops take device-neutral views ([`View`],
-//! [`ViewMut`]: `view.rs`) of buffers in whatever memory the backend runs on, never host
+//! [`ViewMut`]: crate `ferrotron-view`) of buffers in whatever memory the backend runs on, never host
 //! slices; math is f32; tensors are stored as the trait's element types (f32, bf16, f16; see
 //! [`crate::dtype`]); each op takes a small shape struct so that adding strides later extends a
 //! struct instead of every signature.
@@ -23,7 +23,9 @@ pub mod device_memory;
 pub mod event_log;
 pub mod observe;
 pub mod profile;
-pub mod view;
+/// The views live in their own crate (`crates/view`) so that communicators (`ferrotron-dist`)
+/// take the same ones without depending on the engine.
+pub use ferrotron_view as view;
 
 pub use crate::dtype::Elem;
 pub use backend::Backend;

@@ -3,7 +3,7 @@
 //! whose gradients are put back where the whole model has them.
 
 use ferrotron_dist::threads::{self, ThreadComm};
-use ferrotron_dist::Communicator;
+use ferrotron_dist::{AsView, AsViewMut, Communicator};
 use ferrotron_engine::kernels::{CpuKernels, Kernels, IGNORE_INDEX};
 use ferrotron_engine::model::{
     BatchShape, EpComm, ExpertParallel, HeapPool, Llama, LlamaConfig, MoeConfig,
@@ -45,7 +45,7 @@ impl EpComm for Group {
     }
     fn exchange(&self, send: &[f32], sc: &[usize], recv: &mut [f32], rc: &[usize]) {
         self.0
-            .all_to_all_v(send, sc, recv, rc, &mut Vec::new())
+            .all_to_all_v(send.view(), sc, recv.view_mut(), rc, &mut Vec::new())
             .unwrap()
     }
 }

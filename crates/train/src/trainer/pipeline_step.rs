@@ -5,7 +5,8 @@
 
 use super::{norms_of, Trainer};
 use crate::data_parallel::{DataParallel, Sums};
-use crate::pool::Running;
+use crate::memory::pool::Running;
+use crate::small_sums::SmallSums;
 use anyhow::Result;
 use ferrotron_engine::kernels::Kernels;
 use ferrotron_engine::model::{
@@ -41,8 +42,7 @@ impl Trainer {
         pp.span += t0.elapsed();
         let r = r.and_then(|loss| {
             self.settle(&mut pp, grads, dp)?;
-            let sum = pp.sum_f64(loss.sum)?;
-            let count = pp.sum_f64(loss.count as f64)?;
+            let [sum, count] = pp.sum_f64([loss.sum, loss.count as f64], "pipeline loss")?;
             Ok(LossSum {
                 sum,
                 count: count.round() as usize,
@@ -233,8 +233,7 @@ impl Trainer {
     pub(super) fn pipeline_eval<S: Elem>(&mut self, params: &mut [S]) -> Result<LossSum> {
         let mut pp = self.pp.take().expect("a pipeline stage");
         let r = self.eval_stage(&mut pp, params).and_then(|loss| {
-            let sum = pp.sum_f64(loss.sum)?;
-            let count = pp.sum_f64(loss.count as f64)?;
+            let [sum, count] = pp.sum_f64([loss.sum, loss.count as f64], "pipeline loss")?;
             Ok(LossSum {
                 sum,
                 count: count.round() as usize,

@@ -4,7 +4,7 @@
 //! It is real memory at the step's peak, so the plan includes it: measured once at startup by
 //! running this model's matmul shapes under the tracking allocator.
 
-use crate::alloc;
+use crate::memory::alloc;
 use ferrotron_engine::kernels::{Accum, CpuKernels, Kernels, MatmulShape};
 use ferrotron_engine::kernels::{AsView, AsViewMut};
 use ferrotron_engine::model::LlamaConfig;

@@ -1,4 +1,5 @@
-//! Device-neutral buffer views: what the kernel interface takes instead of host slices.
+//! ferrotron-view: device-neutral buffer views, what the kernel interface (`ferrotron-engine`)
+//! and the communicators (`ferrotron-dist`) take instead of host slices.
 //!
 //! A [`View`] (read) or [`ViewMut`] (write) is a typed, bounds-checked, borrow-checked window
 //! of `len` elements in some memory: the host's, or an accelerator's ([`Memory`]). The model
@@ -162,6 +163,15 @@ impl<'a, T> View<'a, T> {
             m => not_host(m),
         }
     }
+
+    /// The host slice it is, or the memory it lives in when that is a device's (for a host
+    /// backend that answers a misplaced buffer with an error rather than a panic).
+    pub fn try_host(self) -> Result<&'a [T], Memory> {
+        match self.mem {
+            Memory::Host => Ok(self.host()),
+            m => Err(m),
+        }
+    }
 }
 
 impl<'a, T> From<&'a [T]> for View<'a, T> {
@@ -237,6 +247,14 @@ impl<'a, T> ViewMut<'a, T> {
             m => not_host(m),
         }
     }
+
+    /// The host slice it is, or the memory it lives in when that is a device's.
+    pub fn try_host_mut(self) -> Result<&'a mut [T], Memory> {
+        match self.mem {
+            Memory::Host => Ok(self.host_mut()),
+            m => Err(m),
+        }
+    }
 }
 
 impl<'a, T> From<&'a mut [T]> for ViewMut<'a, T> {
@@ -260,7 +278,7 @@ impl<T> fmt::Debug for ViewMut<'_, T> {
 }
 
 /// Whatever a [`View`] can be taken of: host slices (and so `Vec`s and arrays), the pool's
-/// buffers (`model::Buf`, in whatever memory the pool placed them).
+/// buffers (the engine's `model::Buf`, in whatever memory the pool placed them).
 pub trait AsView<T> {
     fn view(&self) -> View<'_, T>;
 }
@@ -347,6 +365,7 @@ mod tests {
             View::from_raw_parts(NonNull::from(&data).cast::<f32>(), 4, Memory::Device(1))
         };
         assert_eq!(v.slice(1..3).memory(), Memory::Device(1));
+        assert_eq!(v.try_host().unwrap_err(), Memory::Device(1));
         let _ = v.host();
     }
 }

@@ -12,7 +12,7 @@
 //! The binary (and each test that measures) installs it:
 //! `#[global_allocator] static A: ferrotron_train::alloc::Tracking = ferrotron_train::alloc::Tracking;`
 
-use crate::big_blocks;
+use crate::memory::big_blocks;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering::Relaxed};

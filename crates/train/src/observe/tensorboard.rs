@@ -18,7 +18,7 @@
 //! true) and `skipped_steps`, the count so far. tests/reference/tensorboard_check.py reads the
 //! files with TensorBoard's own `EventAccumulator` and compares them with `metrics.jsonl`.
 
-use crate::metrics::StepMetrics;
+use crate::observe::metrics::StepMetrics;
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 use std::io::Write;
@@ -393,13 +393,13 @@ mod tests {
             loss_scale: None,
             skipped,
             rank_mem: vec![
-                crate::metrics::RankMem {
+                crate::observe::metrics::RankMem {
                     rank: 0,
                     mem_peak_planned: 100,
                     mem_peak_measured: 90,
                     kernel_workspace: 0,
                 },
-                crate::metrics::RankMem {
+                crate::observe::metrics::RankMem {
                     rank: 1,
                     mem_peak_planned: 101,
                     mem_peak_measured: 91,

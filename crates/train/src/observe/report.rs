@@ -3,8 +3,8 @@
 //! (the memory plan) and memory_timeline.json (measured vs planned live bytes). Plots are inline
 //! SVG; the font is embedded, so the page looks the same on a machine without fonts.
 
-use crate::metrics::StepMetrics;
-use crate::timeline::TimelineFile;
+use crate::memory::timeline::TimelineFile;
+use crate::observe::metrics::StepMetrics;
 use anyhow::{bail, Context, Result};
 use ferrotron_plan::report::svg::{esc, hbars, xy_chart, Series, XyAxes, FONT_FAMILY};
 use std::fmt::Write;
@@ -13,7 +13,7 @@ use std::path::Path;
 /// DejaVu Sans, subset to printable ASCII and a few symbols (° µ × · – — −) with fontTools'
 /// pyftsubset (13 KiB). License: Bitstream Vera license, DejaVu changes public domain; the full
 /// text is in crates/train/assets/DejaVuSans-LICENSE.txt.
-const FONT: &[u8] = include_bytes!("../assets/DejaVuSans-subset.ttf");
+const FONT: &[u8] = include_bytes!("../../assets/DejaVuSans-subset.ttf");
 
 const MIB: f64 = (1u64 << 20) as f64;
 

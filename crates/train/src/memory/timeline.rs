@@ -2,7 +2,7 @@
 //! boundary of the first steps (see `pool::Timeline`) next to the plan's prediction for the
 //! same point, matched by the plan's `Mark` label.
 
-use crate::pool::{Point, Sample};
+use crate::memory::pool::{Point, Sample};
 use anyhow::{Context, Result};
 use ferrotron_plan::memory::Phase;
 use ferrotron_plan::RankPlan;

@@ -7,8 +7,8 @@
 //! live buffers rather than the whole region: so at every mark it is compared with the plan's
 //! live bytes at that mark, and any byte allocated outside the plan shows as a difference.
 
-use crate::alloc;
-use crate::arena::Arena;
+use crate::memory::alloc;
+use crate::memory::arena::Arena;
 use ferrotron_engine::kernels::Memory;
 use ferrotron_engine::model::{Boundary, BufName, BufferPool};
 use std::ptr::NonNull;

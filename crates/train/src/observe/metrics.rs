@@ -87,7 +87,7 @@ pub struct RankMem {
 pub struct MetricsWriter {
     file: std::io::BufWriter<std::fs::File>,
     /// `--tensorboard`: the same values as event files.
-    tensorboard: Option<crate::tensorboard::TensorBoardWriter>,
+    tensorboard: Option<crate::observe::tensorboard::TensorBoardWriter>,
 }
 
 impl MetricsWriter {
@@ -112,7 +112,7 @@ impl MetricsWriter {
     /// Also writes each step's metrics as TensorBoard events into `dir` (a new event file).
     pub fn with_tensorboard(mut self, dir: Option<&Path>) -> anyhow::Result<Self> {
         if let Some(dir) = dir {
-            self.tensorboard = Some(crate::tensorboard::TensorBoardWriter::create(dir)?);
+            self.tensorboard = Some(crate::observe::tensorboard::TensorBoardWriter::create(dir)?);
         }
         Ok(self)
     }

@@ -1,0 +1,105 @@
+//! The validation loss: each data-parallel rank evaluates its share of the windows,
+//! micro-batch by micro-batch (through the pipeline when the model is split into stages), and
+//! the losses add up over the groups.
+
+use super::*;
+
+impl Trainer {
+    /// Mean validation loss over the fixed validation batches (under ZeRO-3 every rank must
+    /// call it: the units are gathered).
+    pub fn evaluate(&mut self) -> Result<Option<f64>> {
+        if self.val.is_none() {
+            return Ok(None);
+        }
+        let te = Instant::now();
+        // The weights and the group leave `self` for the evaluation (moving moves no memory).
+        let mut params = std::mem::replace(&mut self.params, Flat::F32(Vec::new()));
+        let dp = self.dp.take().map(RefCell::new);
+        // Not the step's communication.
+        let tp_bytes = self.tp.as_ref().map(|t| t.bytes.get());
+        let cp_bytes = self.cp.as_ref().map(|c| c.bytes.get());
+        let on_device = self.dev.as_mut().and_then(|d| d.params.take());
+        let loss = match (&mut params, on_device) {
+            (_, Some(mut p)) => {
+                let l = match &mut p {
+                    DevFlat::F32(p) => self.eval_typed(p.view_mut(), dp.as_ref()),
+                    DevFlat::Bf16(p) => self.eval_typed(p.view_mut(), dp.as_ref()),
+                    DevFlat::F16(p) => self.eval_typed(p.view_mut(), dp.as_ref()),
+                };
+                self.dev.as_mut().expect("on the device").params = Some(p);
+                l
+            }
+            (Flat::F32(p), None) => self.eval_typed(p.view_mut(), dp.as_ref()),
+            (Flat::Bf16(p), None) => self.eval_typed(p.view_mut(), dp.as_ref()),
+            (Flat::F16(p), None) => self.eval_typed(p.view_mut(), dp.as_ref()),
+        };
+        // Each context-parallel rank evaluated its share of the tokens (pipelined or not).
+        let loss = match (&self.cp, loss) {
+            (Some(cp), Ok(l)) => cp
+                .sum_f64([l.sum, l.count as f64], "context-parallel sum")
+                .map(|[sum, count]| LossSum {
+                    sum,
+                    count: count.round() as usize,
+                }),
+            (_, l) => l,
+        };
+        // Each data-parallel rank evaluated its share of the validation sequences (the set is
+        // one rank's at the same global micro-batch, so val losses compare across layouts).
+        let loss = match (&dp, loss) {
+            (Some(dp), Ok(l)) => dp
+                .borrow_mut()
+                .sum_loss(l.sum, l.count)
+                .map(|(sum, count)| LossSum { sum, count }),
+            (_, l) => l,
+        };
+        self.dp = dp.map(RefCell::into_inner);
+        if let (Some(t), Some(b)) = (&self.tp, tp_bytes) {
+            t.bytes.set(b);
+        }
+        if let (Some(c), Some(b)) = (&self.cp, cp_bytes) {
+            c.bytes.set(b);
+        }
+        self.params = params;
+        if let Some(a) = &mut self.pool.arena {
+            a.trim();
+        }
+        self.kernels.phase("eval", te, self.step, 0);
+        Ok(Some(loss?.mean()))
+    }
+
+    fn eval_typed<S: Elem>(
+        &mut self,
+        params: ViewMut<'_, S>,
+        dp: Option<&RefCell<DataParallel>>,
+    ) -> Result<LossSum> {
+        if self.pp.is_some() {
+            self.allocate_pipeline();
+            return self.pipeline_eval(params.host_mut());
+        }
+        let Some(val) = &self.val else {
+            return Ok(LossSum::default());
+        };
+        let batch = self.batch();
+        // Outside the step: its gathers are not the step's communication.
+        let saved = dp.map(|d| d.borrow().counters());
+        let mut src = Source::new(params, self.zero3.as_mut(), dp, self.opt_len);
+        let mut loss = LossSum::default();
+        for i in 0..val.num_batches() {
+            val.batch_into(i, &mut self.tokens, &mut self.targets)?;
+            let (k, pool) = (&self.kernels, &mut self.pool);
+            let (tokens, targets) = batch_views(&mut self.dev, &self.tokens, &self.targets);
+            src.begin(true);
+            let l = self
+                .model
+                .forward_eval_from(k, pool, src.get(), batch, &tokens, &targets);
+            src.check()?;
+            check_groups(&self.tp, &self.ep, &self.cp)?;
+            loss.sum += l.sum;
+            loss.count += l.count;
+        }
+        if let (Some(dp), Some(c)) = (dp, saved) {
+            dp.borrow_mut().set_counters(c);
+        }
+        Ok(loss)
+    }
+}

@@ -1,0 +1,68 @@
+//! A rank's memory against its plan: every rank's planned and measured peaks, the kernels'
+//! workspace measured once, the planned peak of a step, and the trace's capacity.
+
+use super::*;
+
+/// Every rank's planned and measured peak and kernel workspace, rank order.
+pub(super) fn rank_mems(all: &[[u64; 3]]) -> Vec<RankMem> {
+    all.iter()
+        .enumerate()
+        .map(|(rank, &[p, m, w])| RankMem {
+            rank,
+            mem_peak_planned: p,
+            mem_peak_measured: m,
+            kernel_workspace: w,
+        })
+        .collect()
+}
+
+/// The kernel workspace of a precision's types (see `workspace`).
+pub(super) fn measure_workspace(
+    k: &CpuKernels,
+    p: Precision,
+    c: &LlamaConfig,
+    n: usize,
+    chunk: usize,
+) -> KernelWorkspace {
+    use half::{bf16, f16};
+    match p {
+        Precision::Fp32 => workspace::measure::<f32, f32>(k, c, n, chunk),
+        Precision::Bf16 | Precision::Fp8 => workspace::measure::<bf16, bf16>(k, c, n, chunk),
+        Precision::Bf16Fp32grads => workspace::measure::<bf16, f32>(k, c, n, chunk),
+        Precision::Fp16 => workspace::measure::<f16, f16>(k, c, n, chunk),
+    }
+}
+
+/// Planned peak of steps 1 and 2. The kernel workspace is live only while a product runs: the
+/// layers' in the forward and backward phases, the LM head's in the loss phase, none at the
+/// optimizer step (where step 1 allocates the Adam states and no GEMM runs). The plan's
+/// overhead term is the larger of the two, the bound for a phase nobody tells it about.
+///
+/// The marks are those of the plan as the allocator sees it, with the activation arena held
+/// whole from a micro-batch's first buffer to its last (`ferrotron_plan::arena::with_region`).
+pub(super) fn step_peaks(plan: &RankPlan, arena: &ArenaLayout, ws: KernelWorkspace) -> [u64; 2] {
+    let mut out = [plan.overhead; 2];
+    let held = with_region(&plan.plan, arena).sweep();
+    for m in &held.marks {
+        let i = (m.step as usize).saturating_sub(1).min(1);
+        let peak = match m.phase {
+            Phase::Init => continue,
+            Phase::Optimizer => m.live,
+            Phase::Loss => m.max_since_previous + ws.head,
+            Phase::Forward | Phase::Backward => m.max_since_previous + ws.layers,
+        };
+        out[i] = out[i].max(peak);
+    }
+    out
+}
+
+/// Expected events of `steps` traced steps, with any evaluation: about 50 kernel calls per layer
+/// per micro-batch forward and backward, four per LM-head chunk, one AdamW call per tensor.
+pub(super) fn trace_capacity(cfg: &TrainConfig, c: &LlamaConfig, steps: u64) -> usize {
+    let n = (cfg.data.mbs * cfg.data.seq) as usize;
+    let chunks = n.div_ceil(cfg.runtime.ce_chunk.max(1) as usize);
+    let per_mb = 64 * c.layers + 8 * chunks + 32;
+    let tensors = 16 * c.layers + 8;
+    let eval = cfg.observability.eval_batches as usize * (32 * c.layers + 4 * chunks + 8);
+    steps as usize * (cfg.data.grad_acc as usize * per_mb + tensors + 16 + eval)
+}

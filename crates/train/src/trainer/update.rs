@@ -1,0 +1,201 @@
+//! The update that ends a training step, after its micro-batches: the loss summed over the
+//! data-parallel group, Adam's state where it lives (host or device), the global gradient
+//! norm and the loss scale's verdict, AdamW (`crate::optim::step`), and ZeRO-1/2's all-gather
+//! of the updated parameters.
+
+use super::*;
+
+impl Trainer {
+    /// The update of step `step` from the summed gradients `grads` (under ZeRO-2 and 3 the
+    /// rank's `shard` of them) and the micro-batches' `loss`.
+    pub(super) fn update<S: Elem, G: Elem>(
+        &mut self,
+        step: u64,
+        mut params: ViewMut<'_, S>,
+        grads: &dyn GradBuf<G>,
+        shard: &[G],
+        dp: Option<&RefCell<DataParallel>>,
+        mut loss: LossSum,
+    ) -> Result<Stepped> {
+        let loss_scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
+        let zero2 = self.windows.is_some();
+        let zero3 = self.zero3.is_some();
+        let k: &dyn Kernels<S, G> = &self.kernels;
+        if let Some(dp) = dp {
+            (loss.sum, loss.count) = dp.borrow_mut().sum_loss(loss.sum, loss.count)?;
+        }
+        let to = Instant::now();
+        let lr = self.schedule.at(self.step);
+        let n = self.opt_len;
+        let states = adam_states(
+            &mut self.dev,
+            self.device_alloc.as_ref(),
+            &mut self.opt,
+            &mut self.master,
+            n,
+        )?;
+        // The reduced gradient of each run the optimizer updates: under ZeRO-2 and 3 in the
+        // shard, else where the backward wrote it.
+        let grad_of = |r: &OptRun| -> View<'_, G> {
+            match zero2 {
+                true => shard.view().slice(r.at..r.at + r.params.len()),
+                false => grads.slice(r.params.clone()),
+            }
+        };
+        // Σg² of the scaled gradients: inf or NaN exactly when some gradient is (the check
+        // torch's GradScaler makes before unscaling). Under ZeRO each rank holds the sums of
+        // its shard only: the ranks add their parts.
+        // Under tensor parallelism each rank holds its slices and a copy of every norm: the
+        // slices add up over the group, the norms count once (1/t of them per rank).
+        // Under pipelining each stage holds its part; the last stage's copy of a tied
+        // embedding counts once, on the first stage.
+        let tp_share = 1.0 / self.tp.as_ref().map_or(1, |t| t.size()) as f64;
+        let copied = self.model.copied();
+        let sharded = dp.filter(|d| d.borrow().shard().is_some());
+        let local = match (&self.tp, sharded, &copied) {
+            (None, None, None) => k.sum_squares(grads.slice(0..self.model.params.total)),
+            _ => self
+                .runs
+                .iter()
+                .map(|r| {
+                    let share = if r.replicated { tp_share } else { 1.0 };
+                    outside(grad_of(r), &r.params, copied.as_ref())
+                        .map(|g| k.sum_squares(g))
+                        .sum::<f64>()
+                        * share
+                })
+                .sum(),
+        };
+        // Each expert's gradient is on one rank of the expert-parallel group (the dense ones on
+        // all). (Under ZeRO-1 every block of every gradient is in exactly one rank's shard: the
+        // data-parallel sum adds them.)
+        let experts = match (&self.ep, sharded) {
+            (Some(ep), None) => Some((
+                &**ep,
+                expert_ranges(&self.model.params)
+                    .into_iter()
+                    .map(|r| k.sum_squares(grads.slice(r)))
+                    .sum(),
+            )),
+            _ => None,
+        };
+        let groups = NormGroups {
+            tp: self.tp.as_deref(),
+            ep: experts,
+            pp: self.pp.as_ref(),
+            dp_shards: sharded,
+        };
+        let sum_sq = global_sum_sq(local, groups)?;
+        let unscale = 1.0 / loss_scale as f64;
+        let grad_norm = sum_sq.sqrt() * unscale;
+        let skipped = |overflow, non_finite| Stepped {
+            loss,
+            grad_norm,
+            lr,
+            overflow,
+            non_finite,
+        };
+        if let Some(scaler) = &mut self.scaler {
+            let u = scaler.update(sum_sq.is_finite());
+            if !u.step_taken {
+                self.kernels.phase("optimizer", to, step, 0);
+                self.pool.sample(step, Point::Optimizer);
+                return Ok(skipped(Some(u), false));
+            }
+        } else if !sum_sq.is_finite() {
+            // fp32 and bf16: a NaN or infinity anywhere makes Σg² non-finite, and Σg² is the
+            // same number on every rank (summed over every group above), so every rank skips
+            // this update together and the replicas stay identical. A non-finite loss gives
+            // non-finite gradients through the cross-entropy's backward.
+            self.kernels.phase("optimizer", to, step, 0);
+            self.pool.sample(step, Point::Optimizer);
+            return Ok(skipped(None, true));
+        }
+        // Clipping, folded with the unscaling into the factor AdamW applies to each gradient.
+        let scale = grad_scale(unscale, grad_norm, self.cfg.optimizer.clip);
+        let (h, rounding) = adamw_params(&self.cfg, lr, self.step + 1, scale);
+        adamw(
+            k,
+            &self.runs,
+            h,
+            rounding,
+            zero3,
+            states,
+            params.rb(),
+            grad_of,
+        );
+        // ZeRO-1 and 2: every rank updated its blocks; the ranks gather the others'. (ZeRO-3
+        // gathers each unit when it is next needed.)
+        if let (Some(dp), false) = (dp, zero3) {
+            dp.borrow_mut()
+                .all_gather(&mut GatherParams(params.host_mut()))?;
+        }
+        self.kernels.phase("optimizer", to, step, 0);
+        self.pool.sample(step, Point::Optimizer);
+        Ok(Stepped {
+            loss,
+            grad_norm,
+            lr,
+            overflow: None,
+            non_finite: false,
+        })
+    }
+}
+
+/// Adam's moments and the master weights where the state lives (the device's or the host's):
+/// the moments exist from the first optimizer step on, taken or skipped.
+fn adam_states<'a>(
+    dev: &'a mut Option<DeviceState>,
+    device_alloc: Option<&Arc<dyn DeviceAlloc>>,
+    opt: &'a mut Option<AdamState>,
+    master: &'a mut Option<Vec<f32>>,
+    n: usize,
+) -> Result<States<'a>> {
+    Ok(match (dev, device_alloc) {
+        (Some(d), Some(a)) => {
+            if d.opt.is_none() {
+                let z = || DeviceBuf::zeros(a, n).map_err(anyhow::Error::msg);
+                d.opt = Some((z()?, z()?));
+            }
+            let (m, v) = d.opt.as_mut().expect("created above");
+            States {
+                m: m.view_mut(),
+                v: v.view_mut(),
+                master: d.master.as_mut().map(|m| m.view_mut()),
+            }
+        }
+        _ => {
+            let opt = opt.get_or_insert_with(|| AdamState {
+                m: vec![0.0; n],
+                v: vec![0.0; n],
+            });
+            States {
+                m: opt.m.view_mut(),
+                v: opt.v.view_mut(),
+                master: master.as_mut().map(|m| m.view_mut()),
+            }
+        }
+    })
+}
+
+/// AdamW's hyper-parameters for update `step` (1-based; the runs without decay zero its
+/// weight decay) and how it rounds 16-bit weights.
+fn adamw_params(cfg: &TrainConfig, lr: f64, step: u64, grad_scale: f64) -> (AdamWParams, Rounding) {
+    let o = &cfg.optimizer;
+    let rounding = match cfg.precision.stochastic_rounding {
+        true => Rounding::Stochastic {
+            seed: cfg.data.seed,
+        },
+        false => Rounding::Nearest,
+    };
+    let h = AdamWParams {
+        lr,
+        beta1: o.beta1,
+        beta2: o.beta2,
+        eps: o.eps,
+        weight_decay: o.weight_decay,
+        step,
+        grad_scale: grad_scale as f32,
+    };
+    (h, rounding)
+}

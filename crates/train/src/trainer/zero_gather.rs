@@ -1,0 +1,76 @@
+//! ZeRO's gathers as the trainer uses them: the parameters after ZeRO-1/2's all-gather, a
+//! sharded optimizer state (or ZeRO-3's weights) gathered into one value per parameter, and
+//! the shard of a whole-model state that this rank updates.
+
+use super::*;
+
+/// The `len` values of `full` (one per parameter) that `runs` update, at their offsets.
+pub(super) fn shard_of(runs: &[OptRun], len: usize, full: &[f32]) -> Vec<f32> {
+    let mut out = vec![0.0; len];
+    for r in runs {
+        out[r.at..r.at + r.params.len()].copy_from_slice(&full[r.params.clone()]);
+    }
+    out
+}
+
+/// Every weight as f32, gathered from ZeRO-3's shards (the first `shard_len` elements of
+/// `params`).
+pub(super) fn gather_weights(
+    dp: &mut DataParallel,
+    params: &Flat,
+    shard_len: usize,
+    n: usize,
+) -> Result<Vec<f32>> {
+    match params {
+        Flat::F32(p) => gather_full(dp, &p[..shard_len], n),
+        Flat::Bf16(p) => gather_full(dp, &p[..shard_len], n),
+        Flat::F16(p) => gather_full(dp, &p[..shard_len], n),
+    }
+}
+
+/// The parameters after the ZeRO-1 all-gather: this rank's blocks read from them, every
+/// rank's written into them.
+pub(super) struct GatherParams<'a, S>(pub(super) &'a mut [S]);
+
+impl<S: Elem> Gather for GatherParams<'_, S> {
+    fn own(&self, seg: &Segment, out: &mut [f32]) {
+        for (o, p) in out.iter_mut().zip(&self.0[seg.params.clone()]) {
+            *o = p.to_f32();
+        }
+    }
+    fn put(&mut self, r: Range<usize>, values: &[f32]) {
+        for (p, v) in self.0[r].iter_mut().zip(values) {
+            *p = S::from_f32(*v);
+        }
+    }
+}
+
+/// A sharded optimizer state (or ZeRO-3's weights) gathered into one of every parameter.
+struct GatherShard<'a, S> {
+    shard: &'a [S],
+    full: Vec<f32>,
+}
+
+impl<S: Elem> Gather for GatherShard<'_, S> {
+    fn own(&self, seg: &Segment, out: &mut [f32]) {
+        for (o, x) in out
+            .iter_mut()
+            .zip(&self.shard[seg.at..seg.at + seg.params.len()])
+        {
+            *o = x.to_f32();
+        }
+    }
+    fn put(&mut self, r: Range<usize>, values: &[f32]) {
+        self.full[r].copy_from_slice(values);
+    }
+}
+
+/// Every parameter's value of a sharded state (all ranks call it: an all-gather).
+fn gather_full<S: Elem>(dp: &mut DataParallel, shard: &[S], n: usize) -> Result<Vec<f32>> {
+    let mut g = GatherShard {
+        shard,
+        full: vec![0.0; n],
+    };
+    dp.all_gather(&mut g)?;
+    Ok(g.full)
+}
