@@ -225,6 +225,21 @@ for s, r in zip(straight[2:], resumed):
 print("resumed under mpirun on ZeRO-1 from a ZeRO-3 checkpoint: steps 3-4 follow the straight run")
 PY
 
+echo "== asynchronous checkpoints under mpirun: each process's writer thread, rank 0's rename"
+# Two saves (steps 2 and 4) of two processes, each staged and written in the background, rank 0
+# waiting for the other's marker file: byte for byte the threads backend's synchronous ones.
+timeout 300 "${MPIRUN[@]}" "$BIN" "${COMMON[@]}" --zero 1 --steps 4 --checkpoint-interval 2 \
+    --async-checkpoint --out-dir "$OUT/async" --checkpoint-dir "$OUT/async/checkpoint" \
+    2>"$OUT/async.log" || { cat "$OUT/async.log"; exit 1; }
+timeout 300 "$BIN" "${COMMON[@]}" --zero 1 --steps 4 --checkpoint-interval 2 \
+    --out-dir "$OUT/sync" --checkpoint-dir "$OUT/sync/checkpoint" \
+    2>"$OUT/sync.log" || { cat "$OUT/sync.log"; exit 1; }
+for f in model.safetensors optimizer.safetensors; do
+    cmp "$OUT/async/checkpoint/$f" "$OUT/sync/checkpoint/$f"
+done
+if ls -a "$OUT/async" | grep -q '\.tmp-'; then echo "a temp directory was left"; exit 1; fi
+echo "asynchronous checkpoints under mpirun -np 2 = the threads backend's synchronous ones, byte for byte"
+
 echo "== mpirun -np 2 with --dp 4 is refused"
 set +e
 out="$(timeout 60 "${MPIRUN[@]}" "$BIN" train --steps 1 --dp 4 --quiet --out-dir "$OUT/bad" 2>&1)"
