@@ -17,7 +17,8 @@
 //! share is already required (`parallel`).
 
 use super::{
-    block_bytes, emit_blocks, keep, layouts, prepare, seal, BlockFile, BlockFiles, SmallFiles,
+    block_bytes, emit_blocks, keep_after, layouts, prepare, seal, target, BlockFile, BlockFiles,
+    Kept, SmallFiles,
 };
 use crate::config::CheckpointConfig;
 use crate::trainer::Trainer;
@@ -77,7 +78,7 @@ struct Job {
     with_opt: bool,
     /// Rank 0's: it puts the checkpoint in place, then does the `--keep-checkpoints`
     /// bookkeeping when there is some.
-    finish: Option<Option<(PathBuf, u64)>>,
+    finish: Option<Kept>,
     /// How long rank 0 waits for the other ranks' markers (the run's `--comm-timeout`).
     timeout: Duration,
 }
@@ -134,15 +135,8 @@ impl Background {
         let Some(root) = &c.dir else {
             return Ok(());
         };
-        let (dir, keep) = match c.keep {
-            Some(k) => (keep::step_dir(root, t.step), Some((root.clone(), k))),
-            None => (root.clone(), None),
-        };
+        let (dir, kept) = target(root, c.keep, t)?;
         let rank = t.world_rank();
-        if rank == 0 && keep.is_some() {
-            std::fs::create_dir_all(root)
-                .with_context(|| format!("cannot create {}", root.display()))?;
-        }
         let tmp = super::tmp_dir(&dir, t.step)?;
         let mut staging = self.idle.take().expect("no save in flight");
         let small = (rank == 0).then(|| SmallFiles::of(t, tokenizer_json, tokenizer_name));
@@ -164,7 +158,7 @@ impl Background {
             rank,
             world: t.world_size(),
             with_opt: t.opt.is_some(),
-            finish: (rank == 0).then_some(keep),
+            finish: (rank == 0).then_some(kept),
             timeout: Duration::from_secs_f64(t.cfg.runtime.comm_timeout),
         };
         let handle = std::thread::Builder::new()
@@ -243,11 +237,7 @@ fn write(job: &Job, staging: &Staging) -> Result<()> {
             let _ = std::fs::remove_file(marker(&job.tmp, r, true));
         }
         seal(&job.dir, &job.tmp, job.with_opt)?;
-        if let Some((root, k)) = keep {
-            keep::set_latest(root, &job.dir)?;
-            keep::prune(root, *k)?;
-        }
-        Ok(())
+        keep_after(keep.as_ref(), &job.dir)
     });
     if done.is_err() {
         let _ = std::fs::remove_dir_all(&job.tmp);

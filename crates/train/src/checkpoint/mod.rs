@@ -114,18 +114,36 @@ pub fn save_as_configured(
     let Some(root) = &c.dir else {
         return Ok(());
     };
-    let Some(k) = c.keep else {
-        return save(root, t, tokenizer_json, tokenizer_name);
+    let (dir, kept) = target(root, c.keep, t)?;
+    save(&dir, t, tokenizer_json, tokenizer_name)?;
+    if t.world_rank() == 0 {
+        keep_after(kept.as_ref(), &dir)?;
+    }
+    Ok(())
+}
+
+/// With `--keep-checkpoints K`: the root and K.
+type Kept = Option<(PathBuf, u64)>;
+
+/// Where a save of `t` under `root` goes: `root` itself, or with `keep` its step directory
+/// (rank 0 creates `root` then).
+fn target(root: &Path, keep: Option<u64>, t: &Trainer) -> Result<(PathBuf, Kept)> {
+    let Some(k) = keep else {
+        return Ok((root.to_path_buf(), None));
     };
-    let dir = keep::step_dir(root, t.step);
     if t.world_rank() == 0 {
         std::fs::create_dir_all(root)
             .with_context(|| format!("cannot create {}", root.display()))?;
     }
-    save(&dir, t, tokenizer_json, tokenizer_name)?;
-    if t.world_rank() == 0 {
-        keep::set_latest(root, &dir)?;
-        keep::prune(root, k)?;
+    Ok((keep::step_dir(root, t.step), Some((root.to_path_buf(), k))))
+}
+
+/// Rank 0, once the save into `dir` is in place: `latest` moved to it, the oldest beyond K
+/// removed.
+fn keep_after(kept: Option<&(PathBuf, u64)>, dir: &Path) -> Result<()> {
+    if let Some((root, k)) = kept {
+        keep::set_latest(root, dir)?;
+        keep::prune(root, *k)?;
     }
     Ok(())
 }

@@ -154,10 +154,7 @@ pub fn matmul_peak_gflops(bf16_storage: bool) -> f64 {
     // first one's cache.
     static MEASURING: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _one_at_a_time = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
-    let threads = rayon::current_num_threads();
-    let gemm = ferrotron_engine::kernels::Gemm::Auto;
-    let bf16 = bf16_storage && gemm.runs_bf16_natively();
-    let name = gemm.describe();
+    let (threads, name, bf16) = peak_kernel(bf16_storage);
     let cache_path = |threads| cache_path(threads, &name, bf16);
     let cached = cache_path(threads)
         .and_then(|p| std::fs::read_to_string(p).ok())
@@ -170,6 +167,14 @@ pub fn matmul_peak_gflops(bf16_storage: bool) -> f64 {
     let g = measure(bf16);
     save(cache_path(threads), g, threads);
     g
+}
+
+/// What a matmul peak is measured on: the thread count, the GEMM kernel's name, and whether
+/// its products are bf16 (with 16-bit storage, where oneDNN runs bf16 natively).
+fn peak_kernel(bf16_storage: bool) -> (usize, String, bool) {
+    let gemm = ferrotron_engine::kernels::Gemm::Auto;
+    let bf16 = bf16_storage && gemm.runs_bf16_natively();
+    (rayon::current_num_threads(), gemm.describe(), bf16)
 }
 
 fn measure(bf16: bool) -> f64 {
@@ -197,14 +202,12 @@ fn save(path: Option<PathBuf>, gflops: f64, threads: usize) {
 /// keeps the higher of the two in the cache for the next run, and returns the factor by which
 /// this run's MFU figures shrink against it (1 when the cached peak stands).
 pub fn remeasure_low_peak(bf16_storage: bool, cached: f64) -> f64 {
-    let threads = rayon::current_num_threads();
-    let gemm = ferrotron_engine::kernels::Gemm::Auto;
-    let bf16 = bf16_storage && gemm.runs_bf16_natively();
+    let (threads, name, bf16) = peak_kernel(bf16_storage);
     let fresh = measure(bf16);
     if fresh <= cached {
         return 1.0;
     }
-    save(cache_path(threads, &gemm.describe(), bf16), fresh, threads);
+    save(cache_path(threads, &name, bf16), fresh, threads);
     cached / fresh
 }
 
