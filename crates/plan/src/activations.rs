@@ -73,6 +73,10 @@ pub struct EdgeActs {
     /// Context parallelism's ring-attention buffers (`comm.cp.block`, `comm.cp.next`,
     /// `act.cp.acc`): within each layer's attention, forward and backward.
     pub cp_ring: Vec<Act>,
+    /// Sequence parallelism's gather/scatter scratch (`act.sp.full`): the engine takes it for
+    /// each use (the embedding's reduce-scatter, each layer's gathers, the head, each
+    /// backward) and gives it back before the next mark.
+    pub sp_scratch: Vec<Act>,
 }
 
 /// The most routed copies of `tokens` tokens one expert takes under capacity factor `cf`:
@@ -538,9 +542,8 @@ pub fn edge_acts(m: &ModelSpec, r: &Recipe, l: &Layout, conv: Convention) -> Edg
                     buf(Edge::RopeCos, ws),
                     buf(Edge::RopeSin, ws),
                 ],
-                // Sequence parallelism's gather/scatter scratch, from the embedding's
-                // reduce-scatter to its backward's all-gather.
-                embedding: match d.sp && t > 1 {
+                embedding: vec![],
+                sp_scratch: match d.sp && t > 1 {
                     true => vec![buf(Edge::SpFull, ws)],
                     false => vec![],
                 },
@@ -669,5 +672,6 @@ fn torchtitan_edges(m: &ModelSpec, r: &Recipe, d: &Dims) -> EdgeActs {
         moe_rows: vec![],
         ep_staging: vec![],
         cp_ring: vec![],
+        sp_scratch: vec![],
     }
 }

@@ -537,12 +537,9 @@ fn rank_plan(
             let boundary = Dims::new(r, l).n() * m.hidden / Dims::new(r, l).seq_shard();
             pp_comm = pp_buffers(&mut plan, l, stage, r.grad_acc, boundary);
         }
-        // The engine's sequence-parallel gather scratch serves every layer and the head; a
-        // pipeline stage without the embedding (which holds it from its forward to its
-        // backward) holds it through each piece of work.
-        if conv == Convention::Ferrotron && l.pp > 1 && stage != 0 {
-            sp_scratch = add_acts(&mut plan, "", &edge.embedding);
-        }
+        // The engine's sequence-parallel gather scratch serves the embedding, every layer and
+        // the head, one use at a time.
+        sp_scratch = add_acts(&mut plan, "", &edge.sp_scratch);
     }
     plan.alloc(&e.persistent);
     plan.mark(1, Phase::Init, "model init");
@@ -565,7 +562,6 @@ fn rank_plan(
         for (w, &slot) in work.iter().zip(&slot_of) {
             match *w {
                 Work::F { mb, chunk } => {
-                    plan.alloc(&sp_scratch);
                     if !comm_fwd_allocated {
                         plan.alloc(&comm_fwd);
                         comm_fwd_allocated = true;
@@ -585,8 +581,14 @@ fn rank_plan(
                     {
                         plan.alloc(at(first, slot));
                     }
+                    if g == 0 {
+                        // The embedding's reduce-scatter to this rank's rows.
+                        plan.alloc(&sp_scratch);
+                        plan.free(&sp_scratch);
+                    }
                     for i in layers.clone() {
                         let k = kind[i as usize];
+                        plan.alloc(&sp_scratch);
                         plan.alloc(at(&rests[i as usize], slot));
                         plan.alloc(&forward_transient[k]);
                         plan.alloc(&e.cp_ring);
@@ -608,6 +610,7 @@ fn rank_plan(
                             plan.free(&e.moe_rows);
                         }
                         plan.free(&e.cp_ring);
+                        plan.free(&sp_scratch);
                         plan.mark(
                             step,
                             Phase::Forward,
@@ -624,14 +627,15 @@ fn rank_plan(
                             plan.alloc(at(&e.final_input, slot));
                         }
                         plan.alloc(at(&e.head, slot));
+                        plan.alloc(&sp_scratch);
                         plan.alloc(&e.loss);
+                        plan.free(&sp_scratch);
                         plan.mark(step, Phase::Loss, format!("step {step} mb {mb} loss"));
                         plan.free(&e.loss);
                     }
                     if spec.is_none() {
                         plan.mark(step, Phase::Forward, format!("step {step} mb {mb} forward"));
                     }
-                    plan.free(&sp_scratch);
                 }
                 Work::B { mb, chunk } => {
                     if !grads_allocated {
@@ -639,7 +643,6 @@ fn rank_plan(
                         grads_allocated = true;
                     }
                     let g = chunk * l.pp + stage;
-                    plan.alloc(&sp_scratch);
                     plan.alloc(&e.scratch_first);
                     if g == chunks - 1 {
                         plan.alloc(&e.head_backward);
@@ -652,12 +655,14 @@ fn rank_plan(
                     for i in l.chunk_layers(layer_count, g).rev() {
                         let k = kind[i as usize];
                         plan.alloc(&recompute_ids[k]);
+                        plan.alloc(&sp_scratch);
                         plan.alloc(&e.cp_ring);
                         plan.free(&e.cp_ring);
                         if k == 1 {
                             plan.alloc(&e.ep_staging);
                             plan.free(&e.ep_staging);
                         }
+                        plan.free(&sp_scratch);
                         plan.free(&recompute_ids[k]);
                         plan.free(at(&rests[i as usize], slot));
                         plan.free(at(&inputs[i as usize], slot));
@@ -668,12 +673,14 @@ fn rank_plan(
                         );
                     }
                     if g == 0 {
+                        // The embedding's backward gathers the rows' gradients.
+                        plan.alloc(&sp_scratch);
+                        plan.free(&sp_scratch);
                         plan.free(at(&e.embedding, slot));
                     }
                     plan.free(&e.moe_rows);
                     plan.free(&e.scratch_rest);
                     plan.free(&e.scratch_first);
-                    plan.free(&sp_scratch);
                     if spec.is_none() {
                         plan.mark(
                             step,

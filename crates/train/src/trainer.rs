@@ -513,6 +513,7 @@ impl Trainer {
             None => kernel_workspace,
         };
         let ws = kernel_workspace.max();
+        let before_plan = alloc::live();
         let plan = checked_plan(
             &spec,
             &model,
@@ -523,6 +524,12 @@ impl Trainer {
             param_windows,
             stage,
         )?;
+        // The plan itself (its buffer table and marks, ~28 KB on the default model) is the
+        // process's bookkeeping, not a buffer it lists: it joins the baseline, as measured.
+        let baseline = baseline + alloc::live().saturating_sub(before_plan);
+        if let Some(t) = &mut timeline {
+            t.set_baseline(baseline);
+        }
         if let Some(pp) = &pp {
             crate::setup::check_slots(&plan, pp, model.config.layers)?;
         }
