@@ -385,14 +385,12 @@ impl Trainer {
         let stage = comms.pp.as_ref().map_or(0, |p| p.stage);
         let layout = cfg.parallel.clone();
         let held = move |p| layout.stage_of(p, layers) == stage as u64;
+        let stages = cfg.parallel.pp as usize;
+        // The stage's parameter tables replace the whole model's, some of them built before
+        // the baseline (the tensor-parallel rank's map).
+        let (model, tables) =
+            alloc::bookkeeping(|| model.pipeline_stage(Stage { stage, stages }, &held));
         let model = model
-            .pipeline_stage(
-                Stage {
-                    stage,
-                    stages: cfg.parallel.pp as usize,
-                },
-                &held,
-            )
             .with_ce_chunk_tokens(cfg.runtime.ce_chunk as usize)
             .with_recompute(cfg.runtime.recompute)
             .with_capacity_factor(cfg.model.capacity_factor);
@@ -513,20 +511,23 @@ impl Trainer {
             None => kernel_workspace,
         };
         let ws = kernel_workspace.max();
-        let before_plan = alloc::live();
-        let plan = checked_plan(
-            &spec,
-            &model,
-            &cfg,
-            ws,
-            opt_len,
-            window_len,
-            param_windows,
-            stage,
-        )?;
-        // The plan itself (its buffer table and marks, ~28 KB on the default model) is the
-        // process's bookkeeping, not a buffer it lists: it joins the baseline, as measured.
-        let baseline = baseline + alloc::live().saturating_sub(before_plan);
+        let (plan, plan_bytes) = alloc::bookkeeping(|| {
+            checked_plan(
+                &spec,
+                &model,
+                &cfg,
+                ws,
+                opt_len,
+                window_len,
+                param_windows,
+                stage,
+            )
+        });
+        let plan = plan?;
+        // The plan itself (its buffer table and marks, ~28 KB on the default model) and the
+        // stage's tables are the process's bookkeeping, not buffers it lists: they join the
+        // baseline, as measured.
+        let baseline = baseline.saturating_add_signed(plan_bytes + tables);
         if let Some(t) = &mut timeline {
             t.set_baseline(baseline);
         }
