@@ -47,6 +47,7 @@ mod fp8;
 mod layer;
 mod overlap;
 mod report;
+mod ring;
 mod stage;
 mod tail;
 

@@ -5,6 +5,7 @@
 use super::cost::Cost;
 use super::layer::{EdgeCost, LayerCost};
 use super::overlap;
+use super::ring;
 use crate::cluster::Link;
 use crate::comm::Collective;
 use crate::layout::Layout;
@@ -120,16 +121,17 @@ impl StageInputs<'_> {
         }
         if l.cp > 1 {
             let step = crate::comm::time(Collective::SendRecv, lc.comm.cp_bytes, 2, cp_link);
-            let fwd = lc.comm.cp_steps * step;
             let passes_f = if lc.recompute_comm { 2.0 } else { 1.0 };
-            // The backward passes each block with its gradients (twice the bytes), and
-            // ferrotron's brings the gradients home with one more pass.
-            let bwd = 2.0 * fwd + lc.comm.cp_home * step;
-            let (attn_f, attn_b) = (lc.attn_fwd_s, lc.attn_bwd_s);
-            let exposed = passes_f * overlap::exposed(fwd, attn_f) + overlap::exposed(bwd, attn_b);
-            let passes = (passes_f + 2.0) * lc.comm.cp_steps + lc.comm.cp_home;
+            // Each block's exchange runs under one block's attention (`ring.rs`); the backward
+            // passes each block with its gradients, and ferrotron's brings the gradients home
+            // with one more pass.
+            let blocks = lc.comm.cp_steps + 1.0;
+            let (rot, home) = (lc.comm.cp_rotation, lc.comm.cp_home);
+            let (ef, eb) = ring::exposed(rot, step, blocks, lc.attn_fwd_s, lc.attn_bwd_s, home);
+            let (pf, pb) = ring::passes(rot, blocks, home);
+            let passes = passes_f * pf + pb;
             let bytes = passes * lc.comm.cp_bytes;
-            s.cp = (bytes * k, (passes_f * fwd + bwd) * k, exposed * k);
+            s.cp = (bytes * k, passes * step * k, (passes_f * ef + eb) * k);
         }
         if lc.comm.ep_fwd > 0.0 {
             let one = crate::comm::time(Collective::AllToAll, lc.comm.ep_bytes, l.ep, ep_link);
