@@ -357,7 +357,7 @@ fn torchtitan_3d_and_long_context_throughput_and_memory() {
     // What this model reaches (docs/FORMULAS.md); the long-context rows and the 1F1B 405B
     // memory are the residuals named there.
     assert!(
-        t_mean <= 0.105,
+        t_mean <= 0.10,
         "throughput mean |error| {:.1}%",
         t_mean * 100.0
     );
@@ -366,11 +366,7 @@ fn torchtitan_3d_and_long_context_throughput_and_memory() {
         "throughput max |error| {:.1}%",
         t_max * 100.0
     );
-    assert!(
-        m_mean <= 0.07,
-        "memory mean |error| {:.1}%",
-        m_mean * 100.0
-    );
+    assert!(m_mean <= 0.07, "memory mean |error| {:.1}%", m_mean * 100.0);
     assert!(m_max <= 0.16, "memory max |error| {:.1}%", m_max * 100.0);
 }
 
@@ -398,4 +394,28 @@ fn the_cp_rows_pay_for_the_ring_block_by_block() {
     let per_token =
         |r: &time::TimeReport| r.compute_detail.memory_bound_s / r.tokens_per_step as f64;
     assert!(per_token(&cp8) > 1.1 * per_token(&cp1));
+}
+
+#[test]
+fn float8_tensor_parallelism_gathers_in_float8() {
+    // Table 4's layout: with Float8 the layers' sequence-parallel all-gathers move 1 byte per
+    // element and the reduce-scatters 2, so the pairs move 3/4 of the bf16 bytes (the
+    // embedding's and the head's collectives, a sliver here, stay in bf16).
+    let cluster = Cluster::of(gpu("h100-96").unwrap(), 8).unwrap();
+    let tp_bytes = |float8: bool| {
+        let mut x = input(&ROWS[8]);
+        if !float8 {
+            x.recipe.precision = Precision::Bf16;
+        }
+        let t = estimate(&x, &cluster, FlopsConvention::Ferrotron)
+            .unwrap()
+            .unwrap();
+        t.comm
+            .iter()
+            .find(|(d, _)| *d == cluster::Dim::Tp)
+            .map(|(_, c)| c.bytes)
+            .unwrap()
+    };
+    let ratio = tp_bytes(true) / tp_bytes(false);
+    assert!((0.75..0.76).contains(&ratio), "{ratio}");
 }

@@ -29,6 +29,9 @@ pub(super) struct LayerComm {
     /// f32 elements of the layer's norm gradients all-reduced once they are final (ferrotron
     /// under sequence parallelism: each rank's hold only its tokens' share).
     pub(super) tp_norm_elems: f64,
+    /// Bytes of the layers' sequence-parallel all-gathers per byte of `tp_bytes`: 1, or the
+    /// float8 share under torchao's Float8 tensor parallelism.
+    pub(super) tp_gather_share: f64,
     /// CP: bytes of one ring step (this rank's K and V chunk); steps per forward; passes of
     /// half a step's bytes after the backward's last step (ferrotron's ring sends each
     /// block's dK, dV home: 1).
@@ -139,6 +142,7 @@ impl LayerCost {
                 tp_bwd: self.comm.tp_bwd,
                 tp_replay: self.comm.tp_replay,
                 tp_norm_elems: self.comm.tp_norm_elems,
+                tp_gather_share: self.comm.tp_gather_share,
                 cp_bytes: self.comm.cp_bytes,
                 cp_steps: self.comm.cp_steps,
                 cp_home: self.comm.cp_home,
@@ -375,6 +379,15 @@ fn one_layer_cost(tm: &TimeModel, x: &PlanInput, e: &Efficiency, layer: u64) -> 
             Convention::Ferrotron => 1.0,
             _ => out.comm.tp_fwd,
         };
+        out.comm.tp_gather_share = 1.0;
+        if x.convention == Convention::Torchtitan && sp && r.precision == Precision::Fp8 {
+            // torchtitan's Float8 TP plan (torchao `float8_tensor_parallel.py` at eab345c, the
+            // runs' version): `PrepareFloat8ModuleInput` casts the attention's and the MLP's
+            // input to float8 before its all-gather, and `Float8RowwiseParallel` casts the
+            // output gradient to float8 before the backward's all-gather
+            // (`NoopFwToFloat8BwDynamic`); the reduce-scatters stay in the stored dtype.
+            out.comm.tp_gather_share = 1.0 / st;
+        }
         if x.convention == Convention::Ferrotron && l.sp {
             // ferrotron's backward under sequence parallelism (units of one all-gather +
             // reduce-scatter pair): per block it gathers the output gradient and the saved
