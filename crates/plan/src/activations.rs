@@ -671,7 +671,36 @@ fn torchtitan_edges(m: &ModelSpec, r: &Recipe, d: &Dims) -> EdgeActs {
         scratch_rest: grad_scratch(m, r, d, false),
         moe_rows: vec![],
         ep_staging: vec![],
-        cp_ring: vec![],
+        cp_ring: torch_ring_buffers(m, r, d),
         sp_scratch: vec![],
     }
+}
+
+/// PyTorch's ring attention under torchtitan (`torch.distributed.tensor.experimental.
+/// _attention` with torchtitan's default `allgather` rotation, commit 9dec370): within a layer's
+/// attention backward (its forward holds less) a rank holds the K and V of all cp ranks,
+/// all-gathered in the stored dtype (`_AllGatherRotater`; passed at the query heads, after
+/// `repeat_kv`), the fp32 accumulators of dQ, dK and dV (`accum_dtype = float32`), and the
+/// fp32 dK, dV it sends on and the ones it receives (`torch.cat` of the accumulators into
+/// `dkv_rotater`'s buffer; `_AllToAllRotater`).
+fn torch_ring_buffers(m: &ModelSpec, r: &Recipe, d: &Dims) -> Vec<Act> {
+    if d.cp <= 1 {
+        return vec![];
+    }
+    let heads = m.heads.div_ceil(d.t);
+    let (q, kv) = (
+        d.n() * heads * m.head_dim,
+        d.n() * heads * (m.head_dim + m.v_head_dim),
+    );
+    let ws = Category::Workspace;
+    vec![
+        bytes(
+            "comm.cp.kv_gathered",
+            d.cp * kv * r.precision.storage().bytes(),
+            ws,
+        ),
+        bytes("act.cp.grad_q_fp32", 4 * q, ws),
+        bytes("act.cp.grad_kv_fp32", 4 * kv, ws),
+        bytes("comm.cp.grad_kv_send_recv_fp32", 2 * 4 * kv, ws),
+    ]
 }

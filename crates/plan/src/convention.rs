@@ -63,6 +63,20 @@ impl Convention {
         matches!(self, Convention::Megatron | Convention::MegatronLm)
     }
 
+    /// The communication overlaps the framework offers as settings, which `plan search` turns
+    /// on wherever a layout allows them (each only shortens the step: `overlap::exposed` never
+    /// exceeds the collective, and none changes the memory plan): Megatron-LM's
+    /// `--tp-comm-overlap`, `--overlap-param-gather` and `--overlap-p2p-communication`;
+    /// torchtitan's async TP (`enable_async_tensor_parallel`). ferrotron's engine and the
+    /// formula conventions offer none. (tp, param gather, pp)
+    pub fn offered_overlaps(self) -> (bool, bool, bool) {
+        match self {
+            Convention::MegatronLm => (true, true, true),
+            Convention::Torchtitan => (true, false, false),
+            _ => (false, false, false),
+        }
+    }
+
     pub fn describe(self) -> &'static str {
         match self {
             Convention::Ferrotron => "ferrotron engine (named buffer inventory, flash attention, chunked CE)",

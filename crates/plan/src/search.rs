@@ -141,6 +141,15 @@ pub fn flags(l: &Layout, r: &Recipe) -> String {
     if l.zero > 0 {
         f.push(format!("--zero {}", l.zero));
     }
+    for (on, flag) in [
+        (l.tp_overlap, "--tp-overlap"),
+        (l.param_gather_overlap, "--param-gather-overlap"),
+        (l.pp_overlap, "--pp-overlap"),
+    ] {
+        if on {
+            f.push(flag.into());
+        }
+    }
     f.push(format!("--recompute {}", r.recompute));
     f.push(format!("--mbs {} --grad-acc {}", r.mbs, r.grad_acc));
     f.join(" ")
@@ -234,6 +243,8 @@ pub fn search(spec: &SearchSpec) -> Result<SearchResult> {
         overhead: spec.overhead,
         bucket_bytes: spec.bucket_bytes,
     };
+    // The overlaps the convention's framework offers, on wherever a layout allows them.
+    let (tp_ov, pg_ov, pp_ov) = spec.convention.offered_overlaps();
     let mut all: Vec<(Layout, Recipe, TimeReport)> = Vec::new();
     for &tp in &tps {
         for &cp in &cps {
@@ -287,6 +298,9 @@ pub fn search(spec: &SearchSpec) -> Result<SearchResult> {
                                         pp_schedule: sched,
                                         pp_virtual: v,
                                         offload: Offload::None,
+                                        tp_overlap: tp_ov && tp > 1,
+                                        param_gather_overlap: pg_ov && (zero == 1 || zero == 2),
+                                        pp_overlap: pp_ov && sched == PpSchedule::Interleaved,
                                         ..Layout::default()
                                     };
                                     if x.layout.validate(Some(m), &x.recipe).is_err() {

@@ -104,3 +104,66 @@ fn impossible_or_malformed_searches_name_the_field() {
         .to_string()
         .starts_with("margin = 1.5"));
 }
+
+#[test]
+fn the_search_turns_on_the_overlaps_the_convention_offers() {
+    // Megatron-LM offers all three; each layout gets those it allows, and the winner's flags
+    // reproduce its plan (the overlaps included).
+    let mut s = spec("llama-3-8b", 32, "a100-40", 4096, 1 << 21);
+    s.convention = Convention::MegatronLm;
+    s.top_k = 20;
+    let r = search(&s).unwrap();
+    for c in &r.top {
+        let l = &c.layout;
+        assert_eq!(l.tp_overlap, l.tp > 1, "{}", c.flags);
+        assert_eq!(
+            l.param_gather_overlap,
+            l.zero == 1 || l.zero == 2,
+            "{}",
+            c.flags
+        );
+        assert_eq!(
+            l.pp_overlap,
+            l.pp_schedule == PpSchedule::Interleaved,
+            "{}",
+            c.flags
+        );
+        assert_eq!(c.flags.contains("--tp-overlap"), l.tp_overlap);
+        // Each overlap only shortens the step: the same layout without them is no faster.
+        let mut x = PlanInput {
+            model: ModelSource::Spec(s.model.clone()),
+            recipe: c.recipe.clone(),
+            layout: c.layout.clone(),
+            convention: s.convention,
+            runtime: Runtime::of(s.convention),
+            overhead: s.overhead,
+            bucket_bytes: s.bucket_bytes,
+        };
+        let with = time::estimate(&x, &s.cluster, s.flops).unwrap().unwrap();
+        x.layout.tp_overlap = false;
+        x.layout.param_gather_overlap = false;
+        x.layout.pp_overlap = false;
+        let without = time::estimate(&x, &s.cluster, s.flops).unwrap().unwrap();
+        assert!(with.step_s <= without.step_s, "{}", c.flags);
+    }
+    assert!(r.top.iter().any(|c| c.layout.tp_overlap), "{}", r.reason);
+    assert!(
+        r.top.iter().any(|c| c.layout.param_gather_overlap),
+        "{}",
+        r.reason
+    );
+    // torchtitan offers async TP only; ferrotron's engine none.
+    s.convention = Convention::Torchtitan;
+    let r = search(&s).unwrap();
+    assert!(r
+        .top
+        .iter()
+        .all(|c| !c.layout.param_gather_overlap && !c.layout.pp_overlap));
+    s.convention = Convention::Ferrotron;
+    let r = search(&s).unwrap();
+    assert!(
+        r.top.iter().all(|c| !c.flags.contains("overlap")),
+        "{}",
+        r.reason
+    );
+}

@@ -4,6 +4,7 @@
 use super::cost::{Cost, Efficiency};
 use super::elementwise::Traffic;
 use super::fp8;
+use super::ring::{self, Rotation};
 use crate::convention::Convention;
 use crate::inventory::{Placement, Tensor};
 use crate::layout::Layout;
@@ -28,12 +29,17 @@ pub(super) struct LayerComm {
     /// f32 elements of the layer's norm gradients all-reduced once they are final (ferrotron
     /// under sequence parallelism: each rank's hold only its tokens' share).
     pub(super) tp_norm_elems: f64,
+    /// Bytes of the layers' sequence-parallel all-gathers per byte of `tp_bytes`: 1, or the
+    /// float8 share under torchao's Float8 tensor parallelism.
+    pub(super) tp_gather_share: f64,
     /// CP: bytes of one ring step (this rank's K and V chunk); steps per forward; passes of
     /// half a step's bytes after the backward's last step (ferrotron's ring sends each
     /// block's dK, dV home: 1).
     pub(super) cp_bytes: f64,
     pub(super) cp_steps: f64,
     pub(super) cp_home: f64,
+    /// How the K/V blocks travel around the ring (`ring.rs`).
+    pub(super) cp_rotation: Rotation,
     /// EP: bytes of one all-to-all (this rank's routed tokens); all-to-alls per forward.
     pub(super) ep_bytes: f64,
     pub(super) ep_fwd: f64,
@@ -136,9 +142,11 @@ impl LayerCost {
                 tp_bwd: self.comm.tp_bwd,
                 tp_replay: self.comm.tp_replay,
                 tp_norm_elems: self.comm.tp_norm_elems,
+                tp_gather_share: self.comm.tp_gather_share,
                 cp_bytes: self.comm.cp_bytes,
                 cp_steps: self.comm.cp_steps,
                 cp_home: self.comm.cp_home,
+                cp_rotation: self.comm.cp_rotation,
                 // Dense layers have no all-to-all: the mean layer has the MoE layers' share.
                 ep_bytes: self.comm.ep_bytes.max(o.comm.ep_bytes),
                 ep_fwd: c(self.comm.ep_fwd, o.comm.ep_fwd),
@@ -333,6 +341,18 @@ fn one_layer_cost(tm: &TimeModel, x: &PlanInput, e: &Efficiency, layer: u64) -> 
         selective += norm_f * norms + act_f;
     }
 
+    if l.cp > 1 && x.convention == Convention::Torchtitan {
+        // PyTorch's ring attention merges each block's output in fp32 and accumulates each
+        // block's gradients (`ring.rs`); K and V are passed at the query heads (`repeat_kv`).
+        let kv = nf * (a_l * (d + dv)) as f64;
+        let (f, b) = ring::torch_merge_bytes(attn_elems, kv, st, l.cp as f64);
+        out.fwd += e.mem(f);
+        out.bwd += e.mem(b);
+        if op_sac {
+            selective += e.mem(f);
+        }
+    }
+
     out.recompute = match r.recompute {
         Recompute::None => Cost::default(),
         Recompute::Selective => selective,
@@ -359,6 +379,15 @@ fn one_layer_cost(tm: &TimeModel, x: &PlanInput, e: &Efficiency, layer: u64) -> 
             Convention::Ferrotron => 1.0,
             _ => out.comm.tp_fwd,
         };
+        out.comm.tp_gather_share = 1.0;
+        if x.convention == Convention::Torchtitan && sp && r.precision == Precision::Fp8 {
+            // torchtitan's Float8 TP plan (torchao `float8_tensor_parallel.py` at eab345c, the
+            // runs' version): `PrepareFloat8ModuleInput` casts the attention's and the MLP's
+            // input to float8 before its all-gather, and `Float8RowwiseParallel` casts the
+            // output gradient to float8 before the backward's all-gather
+            // (`NoopFwToFloat8BwDynamic`); the reduce-scatters stay in the stored dtype.
+            out.comm.tp_gather_share = 1.0 / st;
+        }
         if x.convention == Convention::Ferrotron && l.sp {
             // ferrotron's backward under sequence parallelism (units of one all-gather +
             // reduce-scatter pair): per block it gathers the output gradient and the saved
@@ -372,7 +401,14 @@ fn one_layer_cost(tm: &TimeModel, x: &PlanInput, e: &Efficiency, layer: u64) -> 
     }
     if l.cp > 1 {
         // Ring attention (Liu et al. 2023): cp − 1 steps, each passing this rank's K and V chunk.
-        out.comm.cp_bytes = nf * (kv_l * (d + dv)) as f64 * st;
+        // torchtitan's Llama repeats K and V to the query heads before SDPA (`repeat_kv` in
+        // `models/llama/model.py`), so PyTorch's ring passes them at a_l heads.
+        let passed_heads = match x.convention {
+            Convention::Torchtitan => a_l,
+            _ => kv_l,
+        };
+        let kv_elems = nf * (passed_heads * (d + dv)) as f64;
+        out.comm.cp_bytes = kv_elems * st;
         out.comm.cp_steps = (l.cp - 1) as f64;
         // ferrotron's engine (crates/engine/src/model/context_parallel.rs) passes each block
         // with its dK, dV in the backward, then once more to bring them home.
@@ -380,6 +416,9 @@ fn one_layer_cost(tm: &TimeModel, x: &PlanInput, e: &Efficiency, layer: u64) -> 
             Convention::Ferrotron => 1.0,
             _ => 0.0,
         };
+        if x.convention == Convention::Torchtitan {
+            out.comm.cp_rotation = Rotation::AllGather;
+        }
     }
     if l.ep > 1 && moe_layer {
         // Dispatch and combine all-to-alls of the n·k routed token copies (Lepikhin et al. 2021).

@@ -47,6 +47,7 @@ mod fp8;
 mod layer;
 mod overlap;
 mod report;
+mod ring;
 mod stage;
 mod tail;
 
@@ -65,7 +66,7 @@ use crate::layout::{Layout, Offload, PpSchedule};
 use crate::planner::ModelSource;
 use crate::planner::PlanInput;
 use layer::{edge_costs, layer_cost};
-use stage::{StageInputs, StageMb};
+use stage::{StageInputs, StageMb, TpCosts};
 use tail::{Tail, TailInputs, HOST_BW, PCIE_BW};
 
 fn link_of(c: &Cluster, gs: &[Group], d: Dim) -> (Link, &'static str) {
@@ -121,7 +122,7 @@ struct StageSetup {
     lc: layer::LayerCost,
     emb: layer::EdgeCost,
     head: layer::EdgeCost,
-    tp: (Collective, f64, f64),
+    tp: TpCosts,
     links: (Link, Link, Link),
     wheres: [&'static str; 4],
 }
@@ -145,11 +146,27 @@ impl StageSetup {
         };
         let tp_one = crate::comm::time(tp_coll, lc.comm.tp_bytes, l.tp, tp_link);
         let tp_one_bytes = crate::comm::bytes_per_rank(tp_coll, lc.comm.tp_bytes, l.tp);
+        // A layer's all-gather + reduce-scatter pair, as two halves, with the all-gather at
+        // its own width (`tp_gather_share`).
+        let gather = lc.comm.tp_bytes * lc.comm.tp_gather_share;
+        let (layer_one, layer_one_bytes) = match tp_coll {
+            Collective::AllGather => (
+                (crate::comm::time(tp_coll, gather, l.tp, tp_link) + tp_one) / 2.0,
+                (crate::comm::bytes_per_rank(tp_coll, gather, l.tp) + tp_one_bytes) / 2.0,
+            ),
+            _ => (tp_one, tp_one_bytes),
+        };
         StageSetup {
             lc,
             emb,
             head,
-            tp: (tp_coll, tp_one, tp_one_bytes),
+            tp: TpCosts {
+                coll: tp_coll,
+                one: tp_one,
+                one_bytes: tp_one_bytes,
+                layer_one,
+                layer_one_bytes,
+            },
             links: (cp_link, ep_link, pp_link),
             wheres: [tp_where, cp_where, ep_where, pp_where],
         }

@@ -5,6 +5,7 @@
 use super::cost::Cost;
 use super::layer::{EdgeCost, LayerCost};
 use super::overlap;
+use super::ring;
 use crate::cluster::Link;
 use crate::comm::Collective;
 use crate::layout::Layout;
@@ -43,10 +44,21 @@ pub(super) struct StageInputs<'a> {
     pub(super) model: &'a ModelSpec,
     /// Bytes of a stored activation element.
     pub(super) st: f64,
-    /// The TP collective, the time of one, and the bytes one moves per rank.
-    pub(super) tp: (Collective, f64, f64),
+    pub(super) tp: TpCosts,
     /// The CP, EP and PP links.
     pub(super) links: (Link, Link, Link),
+}
+
+/// The TP collective of a layer's activations (an all-reduce, or under sequence parallelism
+/// one member of an all-gather + reduce-scatter pair): seconds and bytes per rank of one, for
+/// the embedding's and the head's, and for the layers' (whose all-gathers may be narrower).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct TpCosts {
+    pub(super) coll: Collective,
+    pub(super) one: f64,
+    pub(super) one_bytes: f64,
+    pub(super) layer_one: f64,
+    pub(super) layer_one_bytes: f64,
 }
 
 impl StageInputs<'_> {
@@ -54,7 +66,13 @@ impl StageInputs<'_> {
     pub(super) fn stage_mb(&self, stage: u64) -> StageMb {
         let (lc, emb, head) = (self.lc, self.emb, self.head);
         let (l, r, m, st) = (self.layout, self.recipe, self.model, self.st);
-        let (tp_coll, tp_one, tp_one_bytes) = self.tp;
+        let TpCosts {
+            coll: tp_coll,
+            one: tp_one,
+            one_bytes: tp_one_bytes,
+            layer_one,
+            layer_one_bytes,
+        } = self.tp;
         let (cp_link, ep_link, pp_link) = self.links;
         let layers_per_stage = l.stage_layer_count(m.layers, stage) as f64;
         let v = l.pp_virtual as f64;
@@ -104,32 +122,35 @@ impl StageInputs<'_> {
             } else {
                 1.0
             };
-            let all = tp_count * tp_one * per;
+            let edges = tp_count - layer_tp_count;
+            let all = (layer_tp_count * layer_one + edges * tp_one) * per;
             // Megatron-LM's `--tp-comm-overlap` splits each all-gather and reduce-scatter into
             // chunks pipelined with the GEMM that consumes or produces it (Transformer
             // Engine's userbuffers); the collectives then cost what `overlap::exposed` says
             // against the layers' compute, the rest stays exposed.
             let exposed = if l.tp_overlap {
-                let layers = layer_tp_count * tp_one * per;
+                let layers = layer_tp_count * layer_one * per;
                 let compute = (lc.fwd + lc.bwd + lc.recompute).s() * k;
                 overlap::exposed(layers, compute) + (all - layers)
             } else {
                 all
             };
-            s.tp = (tp_count * tp_one_bytes * per + tp_extra, all, exposed);
+            let bytes = (layer_tp_count * layer_one_bytes + edges * tp_one_bytes) * per;
+            s.tp = (bytes + tp_extra, all, exposed);
         }
         if l.cp > 1 {
             let step = crate::comm::time(Collective::SendRecv, lc.comm.cp_bytes, 2, cp_link);
-            let fwd = lc.comm.cp_steps * step;
             let passes_f = if lc.recompute_comm { 2.0 } else { 1.0 };
-            // The backward passes each block with its gradients (twice the bytes), and
-            // ferrotron's brings the gradients home with one more pass.
-            let bwd = 2.0 * fwd + lc.comm.cp_home * step;
-            let (attn_f, attn_b) = (lc.attn_fwd_s, lc.attn_bwd_s);
-            let exposed = passes_f * overlap::exposed(fwd, attn_f) + overlap::exposed(bwd, attn_b);
-            let passes = (passes_f + 2.0) * lc.comm.cp_steps + lc.comm.cp_home;
+            // Each block's exchange runs under one block's attention (`ring.rs`); the backward
+            // passes each block with its gradients, and ferrotron's brings the gradients home
+            // with one more pass.
+            let blocks = lc.comm.cp_steps + 1.0;
+            let (rot, home) = (lc.comm.cp_rotation, lc.comm.cp_home);
+            let (ef, eb) = ring::exposed(rot, step, blocks, lc.attn_fwd_s, lc.attn_bwd_s, home);
+            let (pf, pb) = ring::passes(rot, blocks, home);
+            let passes = passes_f * pf + pb;
             let bytes = passes * lc.comm.cp_bytes;
-            s.cp = (bytes * k, (passes_f * fwd + bwd) * k, exposed * k);
+            s.cp = (bytes * k, passes * step * k, (passes_f * ef + eb) * k);
         }
         if lc.comm.ep_fwd > 0.0 {
             let one = crate::comm::time(Collective::AllToAll, lc.comm.ep_bytes, l.ep, ep_link);
