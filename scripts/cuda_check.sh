@@ -50,6 +50,17 @@ check)
     "error: device = cuda: "*) ;;
     *) echo "error: unexpected message"; exit 1 ;;
     esac
+    echo "== the GPU kit: built, and its run.sh stops at once without a driver (nothing passes by skipping)"
+    bash "$0" bundle
+    set +e
+    dry=$(OUT=$(mktemp -d) bash target/cuda-check/run.sh 2>&1)
+    code=$?
+    set -e
+    echo "$dry"
+    case "$code:$dry" in
+    "2:error: no NVIDIA driver on this machine"*) ;;
+    *) echo "error: run.sh without a GPU exited $code, not 2 with 'no NVIDIA driver'"; exit 1 ;;
+    esac
     ;;
 bundle)
     out=target/cuda-check
@@ -68,33 +79,61 @@ for l in sys.stdin:
     cp scripts/cuda_compare.py scripts/bench_gpu.sh tests/reference/bench_pytorch.py "$out/"
     cat >"$out/run.sh" <<'RUN'
 #!/usr/bin/env bash
-# On the GPU machine: the CUDA backend against the CPU backend (built by
-# scripts/cuda_check.sh bundle), then the trainer on the GPU against the CPU: the default
-# model for 20 steps in fp32 and bf16, losses and planned vs measured memory compared
-# (cuda_compare.py). cuBLASLt and NVRTC come from the CUDA install or PyTorch's wheels.
+# On the GPU machine (built by scripts/cuda_check.sh bundle; no Rust there): the CUDA backend
+# against the CPU backend, then the trainer on the GPU against the CPU: the default model for
+# 20 steps in fp32 and bf16, losses and planned vs measured memory compared (cuda_compare.py).
+# Each stage has its own time budget; $OUT/summary.txt (first) says what passed, with the GPU,
+# the driver and the libraries found; $OUT/stages.log holds every stage's output.
+# FERROTRON_GPU_REQUIRED=1: a test that would skip for want of a GPU or a library fails here,
+# and with no driver at all the kit stops at once, exit 2, so nothing passes by skipping.
 set -uo pipefail
 cd "$(dirname "$0")"
-export LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+export FERROTRON_GPU_REQUIRED=1
+OUT=${OUT:-$(mktemp -d)}
+summary="$OUT/summary.txt" log="$OUT/stages.log" work=$(mktemp -d)
+: >"$summary"
+: >"$log"
+if ! gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1); then
+    echo "error: no NVIDIA driver on this machine (nvidia-smi: ${gpu:-not found}): run.sh is for the GPU machine" | tee -a "$summary"
+    exit 2
+fi
+echo "gpu: $gpu" | tee -a "$summary"
 rc=0
-./cuda_source --nocapture || rc=1
-./cuda_backend --nocapture --test-threads 1 || rc=1
-out=${OUT:-/tmp}/cuda-train
+# stage NAME SECONDS COMMAND...: runs it within its budget, output to the log, verdict to the
+# summary.
+stage() {
+    local name=$1 budget=$2 t0=$SECONDS r
+    shift 2
+    echo "== $name" >>"$log"
+    if timeout "$budget" "$@" >>"$log" 2>&1; then r=ok; else r="FAILED (exit $?)"; rc=1; fi
+    echo "$name: $r in $((SECONDS - t0)) s (budget $budget s)" | tee -a "$summary"
+}
+stage "NVRTC compiles every kernel" 120 ./cuda_source --nocapture
+grep -h "^libraries:" "$log" | head -1 >>"$summary"
+stage "every op against the CPU" 240 ./cuda_backend --nocapture --test-threads 1
+common=(--steps 20 --eval-interval 10 --sample-tokens 0 --quiet)
 for p in fp32 bf16; do
-    for d in cpu cuda; do
-        # The CPU's MFU is not the point here: a fixed peak skips measuring it. The GPU's
-        # comes from the planner's table.
-        peak=(); [ "$d" = cpu ] && peak=(--peak-gflops 100)
-        ./ferrotron train --device "$d" --precision "$p" --steps 20 --eval-interval 10 \
-            --sample-tokens 0 --quiet "${peak[@]}" --out-dir "$out/$p-$d" 2>"$out-$p-$d.log" ||
-            { rc=1; tail -5 "$out-$p-$d.log"; }
-    done
-    python3 cuda_compare.py "$p" "$out/$p-cpu/metrics.jsonl" "$out/$p-cuda/metrics.jsonl" || rc=1
+    # The CPU's MFU is not the point here: a fixed peak skips measuring it. The GPU's comes
+    # from the planner's table.
+    stage "train $p on the CPU" 120 ./ferrotron train --device cpu --peak-gflops 100 \
+        --precision "$p" "${common[@]}" --out-dir "$work/$p-cpu"
+    stage "train $p on the GPU" 120 ./ferrotron train --device cuda \
+        --precision "$p" "${common[@]}" --out-dir "$work/$p-cuda"
+    stage "$p: the GPU's steps follow the CPU's" 30 python3 cuda_compare.py "$p" \
+        "$work/$p-cpu/metrics.jsonl" "$work/$p-cuda/metrics.jsonl"
 done
+echo "result: $([ $rc = 0 ] && echo ok || echo FAILED)" | tee -a "$summary"
 exit $rc
 RUN
     chmod +x "$out/run.sh"
-    du -sh "$out"
+    # One call to the GPU machine carries at most 64 MiB: the bundle and the tracked files.
+    bundle=$(du -sb "$out" | cut -f1)
+    tracked=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+    echo "bundle $((bundle >> 20)) MiB + tracked files $((tracked >> 20)) MiB (limit 64 MiB)"
+    if [ $((bundle + tracked)) -gt $((64 << 20)) ]; then
+        echo "error: the kit does not fit the 64 MiB one GPU call carries"
+        exit 1
+    fi
     echo "carry: target/cuda-check; run: bash target/cuda-check/run.sh"
     ;;
 *)

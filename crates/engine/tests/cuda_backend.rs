@@ -13,7 +13,7 @@ mod common;
 
 use common::{assert_close, to64, Rng};
 use ferrotron_engine::dtype::Elem;
-use ferrotron_engine::kernels::cuda::{download, upload, CudaKernels, CudaPool, DeviceBlock};
+use ferrotron_engine::kernels::cuda::{download, skip, upload, CudaKernels, CudaPool, DeviceBlock};
 use ferrotron_engine::kernels::*;
 use ferrotron_engine::model::{
     BatchShape, GradBuf, GradsDone, HeapPool, Llama, Recompute, Whole, WholeParams,
@@ -24,7 +24,7 @@ fn gpu() -> Option<CudaKernels> {
     match CudaKernels::open(0) {
         Ok(k) => Some(k),
         Err(e) => {
-            eprintln!("skipped: {e}");
+            skip::unavailable(&e.to_string());
             None
         }
     }

@@ -7,15 +7,19 @@
 use ferrotron_engine::kernels::cuda::source::{
     compile, compile_program, entry_points, nvrtc_present, program,
 };
+use ferrotron_engine::kernels::cuda::{libs, skip};
 
 #[test]
 fn every_kernel_compiles_for_hopper_and_ampere() {
     if !nvrtc_present() {
-        eprintln!(
-            "skipped: NVRTC not found (pip install nvidia-cuda-nvrtc, or set FERROTRON_NVRTC)"
+        skip::unavailable(
+            "NVRTC not found (pip install nvidia-cuda-nvrtc, or set FERROTRON_NVRTC)",
         );
         return;
     }
+    // Where the libraries came from, for the GPU kit's summary.
+    ferrotron_engine::kernels::cuda::device::driver_present();
+    eprintln!("libraries: {}", libs::found().join("; "));
     for arch in ["sm_90", "sm_80"] {
         // Compiled, never from the cache (`compile`'s, tested below).
         let ptx = compile_program(program(), arch).unwrap_or_else(|e| panic!("{e}"));
@@ -36,7 +40,7 @@ fn every_kernel_compiles_for_hopper_and_ampere() {
 #[test]
 fn a_compile_error_names_the_line() {
     if !nvrtc_present() {
-        eprintln!("skipped: NVRTC not found");
+        skip::unavailable("NVRTC not found");
         return;
     }
     // The same compiler path with a broken program: the error carries NVRTC's log.
@@ -56,7 +60,7 @@ fn a_compile_error_names_the_line() {
 #[test]
 fn a_compiled_program_is_cached_and_read_back() {
     if !nvrtc_present() {
-        eprintln!("skipped: NVRTC not found");
+        skip::unavailable("NVRTC not found");
         return;
     }
     let dir = std::env::temp_dir().join(format!("ferrotron-ptx-cache-{}", std::process::id()));

@@ -29,10 +29,15 @@ fn driver(what: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> Dev
     }
 }
 
-/// Whether the driver library loads (without creating anything).
+/// Whether the driver library loads (without creating anything): on the loader's path, or
+/// where NVIDIA's containers mount it (see [`super::libs`]).
 pub fn driver_present() -> bool {
     // SAFETY: a dlopen probe, as cudarc does before its first call.
-    unsafe { cudarc::driver::sys::is_culib_present() }
+    super::libs::load(
+        "FERROTRON_LIBCUDA",
+        &["libcuda.so.1", "libcuda.so"],
+        || unsafe { cudarc::driver::sys::is_culib_present() },
+    )
 }
 
 /// The `sm_XY` NVRTC compiles for, from a compute capability.

@@ -10,8 +10,9 @@
 pub mod backend;
 pub mod device;
 pub mod gemm;
-mod libs;
+pub mod libs;
 pub mod memory;
+pub mod skip;
 pub mod source;
 
 pub use backend::CudaKernels;
