@@ -735,18 +735,7 @@ impl TrainArgs {
                 .map_err(|_| bad("recompute", r, "expected one of none, selective, full"))?,
         };
         let precision = self.precision()?;
-        let mut loss_scale = LossScaleConfig::default();
-        if let Some(v) = self.loss_scale_init {
-            loss_scale.init_scale = v;
-        }
-        if let Some(v) = self.loss_scale_growth_interval {
-            loss_scale.growth_interval = v;
-        }
-        loss_scale.validate().map_err(|e| ConfigError {
-            field: "loss_scale",
-            value: String::new(),
-            problem: e,
-        })?;
+        let loss_scale = self.loss_scale()?;
         let parallel = trainable_layout(&self.layout)?;
         let tokens = self.mbs.unwrap_or(8) * self.seq.unwrap_or(256);
         if parallel.sp && !tokens.is_multiple_of(parallel.tp) {
@@ -840,80 +829,7 @@ impl TrainArgs {
                 tensorboard: self.tensorboard.clone(),
             },
         };
-        for (field, v) in [
-            ("seq", c.data.seq),
-            ("mbs", c.data.mbs),
-            ("grad_acc", c.data.grad_acc),
-            ("steps", c.optimizer.steps),
-            ("threads", c.runtime.threads),
-            ("ce_chunk", c.runtime.ce_chunk),
-            ("bucket_mb", c.runtime.bucket_mb),
-        ] {
-            if v == 0 {
-                return Err(bad(field, v, "must be a positive integer"));
-            }
-        }
-        c.optimizer.check_stop_after(0)?;
-        if c.observability.eval_interval > 0 && c.observability.eval_batches == 0 {
-            return Err(bad(
-                "eval_batches",
-                0,
-                "must be positive when eval_interval > 0",
-            ));
-        }
-        let cf = c.model.capacity_factor.map(|cf| ("capacity_factor", cf));
-        let positive = [("lr", c.optimizer.lr), ("eps", c.optimizer.eps)];
-        for (field, v) in positive.into_iter().chain(cf) {
-            if !(v.is_finite() && v > 0.0) {
-                return Err(bad(field, v, "must be a positive number"));
-            }
-        }
-        for (field, v) in [
-            ("beta1", c.optimizer.beta1),
-            ("beta2", c.optimizer.beta2),
-            ("min_lr_ratio", c.optimizer.min_lr_ratio),
-        ] {
-            if !(0.0..=1.0).contains(&v) {
-                return Err(bad(field, v, "must be in [0, 1]"));
-            }
-        }
-        for (field, v) in [
-            ("weight_decay", c.optimizer.weight_decay),
-            ("clip", c.optimizer.clip),
-        ] {
-            if !(v.is_finite() && v >= 0.0) {
-                return Err(bad(field, v, "must be a non-negative number (0 disables)"));
-            }
-        }
-        let t = c.runtime.comm_timeout;
-        if !(t.is_finite() && t > 0.0) {
-            return Err(bad(
-                "comm_timeout",
-                t,
-                "must be a positive number of seconds, e.g. 600",
-            ));
-        }
-        if c.checkpoint.keep == Some(0) {
-            return Err(bad(
-                "keep_checkpoints",
-                0,
-                "must be at least 1 (leave it out to keep one checkpoint in CHECKPOINT_DIR itself)",
-            ));
-        }
-        if let (true, None) = (c.checkpoint.background, &c.checkpoint.dir) {
-            return Err(bad(
-                "async_checkpoint",
-                true,
-                "saves checkpoints in the background: add --checkpoint-dir DIR",
-            ));
-        }
-        if let (Some(k), None) = (c.checkpoint.keep, &c.checkpoint.dir) {
-            return Err(bad(
-                "keep_checkpoints",
-                k,
-                "keeps checkpoints in a directory: add --checkpoint-dir DIR",
-            ));
-        }
+        validate(&c)?;
         if let Some(p) = self.peak_gflops {
             if !(p.is_finite() && p > 0.0) {
                 return Err(bad("peak_gflops", p, "must be a positive number"));
@@ -921,6 +837,103 @@ impl TrainArgs {
         }
         Ok(c)
     }
+
+    /// fp16's loss scaler, from its flags.
+    fn loss_scale(&self) -> Result<LossScaleConfig, ConfigError> {
+        let mut loss_scale = LossScaleConfig::default();
+        if let Some(v) = self.loss_scale_init {
+            loss_scale.init_scale = v;
+        }
+        if let Some(v) = self.loss_scale_growth_interval {
+            loss_scale.growth_interval = v;
+        }
+        loss_scale.validate().map_err(|e| ConfigError {
+            field: "loss_scale",
+            value: String::new(),
+            problem: e,
+        })?;
+        Ok(loss_scale)
+    }
+}
+
+/// The checks of a resolved config that need no flag of their own: positive counts, numbers in
+/// their ranges, checkpoint options that need a directory.
+fn validate(c: &TrainConfig) -> Result<(), ConfigError> {
+    for (field, v) in [
+        ("seq", c.data.seq),
+        ("mbs", c.data.mbs),
+        ("grad_acc", c.data.grad_acc),
+        ("steps", c.optimizer.steps),
+        ("threads", c.runtime.threads),
+        ("ce_chunk", c.runtime.ce_chunk),
+        ("bucket_mb", c.runtime.bucket_mb),
+    ] {
+        if v == 0 {
+            return Err(bad(field, v, "must be a positive integer"));
+        }
+    }
+    c.optimizer.check_stop_after(0)?;
+    if c.observability.eval_interval > 0 && c.observability.eval_batches == 0 {
+        return Err(bad(
+            "eval_batches",
+            0,
+            "must be positive when eval_interval > 0",
+        ));
+    }
+    let cf = c.model.capacity_factor.map(|cf| ("capacity_factor", cf));
+    let positive = [("lr", c.optimizer.lr), ("eps", c.optimizer.eps)];
+    for (field, v) in positive.into_iter().chain(cf) {
+        if !(v.is_finite() && v > 0.0) {
+            return Err(bad(field, v, "must be a positive number"));
+        }
+    }
+    for (field, v) in [
+        ("beta1", c.optimizer.beta1),
+        ("beta2", c.optimizer.beta2),
+        ("min_lr_ratio", c.optimizer.min_lr_ratio),
+    ] {
+        if !(0.0..=1.0).contains(&v) {
+            return Err(bad(field, v, "must be in [0, 1]"));
+        }
+    }
+    for (field, v) in [
+        ("weight_decay", c.optimizer.weight_decay),
+        ("clip", c.optimizer.clip),
+    ] {
+        if !(v.is_finite() && v >= 0.0) {
+            return Err(bad(field, v, "must be a non-negative number (0 disables)"));
+        }
+    }
+    let t = c.runtime.comm_timeout;
+    if !(t.is_finite() && t > 0.0) {
+        return Err(bad(
+            "comm_timeout",
+            t,
+            "must be a positive number of seconds, e.g. 600",
+        ));
+    }
+    if c.checkpoint.keep == Some(0) {
+        return Err(bad(
+            "keep_checkpoints",
+            0,
+            "must be at least 1 (leave it out to keep one checkpoint in CHECKPOINT_DIR itself)",
+        ));
+    }
+    if let (true, None) = (c.checkpoint.background, &c.checkpoint.dir) {
+        return Err(bad(
+            "async_checkpoint",
+            true,
+            "saves checkpoints in the background: add --checkpoint-dir DIR",
+        ));
+    }
+    if let (Some(k), None) = (c.checkpoint.keep, &c.checkpoint.dir) {
+        return Err(bad(
+            "keep_checkpoints",
+            k,
+            "keeps checkpoints in a directory: add --checkpoint-dir DIR",
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -3,43 +3,21 @@
 //! `comm.cp.message` and hands it to the next rank (`send_start`, so the engine computes on the
 //! block while it travels and no rank waits for its peer before receiving), then receives the
 //! previous rank's block; bytes are counted, and a failure is recorded and reported after the
-//! pass ([`MessageGroup::check`]), so a dead rank stops the step instead of hanging it.
+//! pass ([`Group::check`]), so a dead rank stops the step instead of hanging it.
 //!
 //! The ranks of a group hold the same weights (their gradients are reduced with the
 //! data-parallel replicas', over dp × cp) and different tokens of the same sequences; the
 //! loader gives each its share ([`crate::data::loader`]).
 
-use crate::message_group::MessageGroup;
-use ferrotron_dist::{AsViewMut, Communicator, Pending};
+use crate::group::Group;
+use ferrotron_dist::AsViewMut;
 use ferrotron_engine::model::CpComm;
-use std::cell::RefCell;
 
 /// The tag of the ring's messages (below MPI's smallest allowed tag bound, 32767).
 const RING_TAG: u32 = 0x4350;
 
-pub struct CpGroup {
-    group: MessageGroup,
-    /// The send of the block in flight, finished by the next `recv_prev`.
-    sending: RefCell<Option<Pending>>,
-}
-
-impl std::ops::Deref for CpGroup {
-    type Target = MessageGroup;
-    fn deref(&self) -> &MessageGroup {
-        &self.group
-    }
-}
-
-impl CpGroup {
-    pub fn new(comm: Box<dyn Communicator>) -> Self {
-        CpGroup {
-            group: MessageGroup::new(comm),
-            sending: RefCell::new(None),
-        }
-    }
-}
-
-impl CpComm for CpGroup {
+/// The ring as the engine calls it; the send in flight is the group's `sending`.
+impl CpComm for Group {
     fn size(&self) -> usize {
         self.comm.size()
     }
@@ -53,7 +31,7 @@ impl CpComm for CpGroup {
             return;
         }
         let (size, rank) = (self.comm.size(), self.comm.rank());
-        let mut out = std::mem::take(&mut *self.message());
+        let mut out = std::mem::take(&mut *self.buffer());
         // Within the planned capacity: no allocation.
         out.clear();
         out.extend_from_slice(send);
@@ -77,7 +55,7 @@ impl CpComm for CpGroup {
             .comm
             .recv(recv.view_mut(), (rank + size - 1) % size, RING_TAG);
         match (received, pending.wait()) {
-            (Ok(()), Ok(back)) => *self.message() = back,
+            (Ok(()), Ok(back)) => *self.buffer() = back,
             (Err(e), _) | (_, Err(e)) => self.fail("context-parallel ring", e),
         }
     }

@@ -2,28 +2,14 @@
 //! `crates/engine/src/model/expert_parallel.rs`): every exchange is the communicator's
 //! `all_to_all_v` through the plan's `comm.ep.message` (one block in flight at a time), its
 //! bytes counted, and a failure recorded and reported after the pass
-//! ([`MessageGroup::check`]).
+//! ([`Group::check`]).
 
-use crate::message_group::MessageGroup;
-use ferrotron_dist::{AsView, AsViewMut, Communicator};
+use crate::group::Group;
+use ferrotron_dist::{AsView, AsViewMut};
 use ferrotron_engine::model::EpComm;
 
-pub struct EpGroup(MessageGroup);
-
-impl std::ops::Deref for EpGroup {
-    type Target = MessageGroup;
-    fn deref(&self) -> &MessageGroup {
-        &self.0
-    }
-}
-
-impl EpGroup {
-    pub fn new(comm: Box<dyn Communicator>) -> Self {
-        EpGroup(MessageGroup::new(comm))
-    }
-}
-
-impl EpComm for EpGroup {
+/// The exchanges as the engine calls them.
+impl EpComm for Group {
     fn size(&self) -> usize {
         self.comm.size()
     }
@@ -36,7 +22,7 @@ impl EpComm for EpGroup {
         if self.failed() {
             return;
         }
-        let mut message = self.message();
+        let mut message = self.buffer();
         match self
             .comm
             .all_to_all_v(send.view(), sc, recv.view_mut(), rc, &mut message)

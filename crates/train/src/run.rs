@@ -3,15 +3,13 @@
 use crate::checkpoint;
 use crate::config::CommBackend;
 use crate::config::{TrainArgs, TrainConfig};
-use crate::context_parallel::CpGroup;
 use crate::data::{Loader, LoaderConfig, Tokenizer, ValLoader};
-use crate::expert_parallel::EpGroup;
+use crate::group::Group;
 use crate::memory::timeline;
 use crate::observe::metrics::{matmul_peak_gflops, peak_rss, MetricsWriter, StepMetrics};
 use crate::observe::trace;
 use crate::sample::{generate, SampleOptions};
 use crate::setup;
-use crate::tensor_parallel::TpGroup;
 use crate::trainer::{Comms, Trainer};
 use anyhow::{bail, Context, Result};
 use ferrotron_dist::Dim;
@@ -21,6 +19,9 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
+
+mod layout_checks;
+mod rank;
 
 const MIB: f64 = (1u64 << 20) as f64;
 
@@ -238,127 +239,7 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         (layout.dp * layout.tp * layout.pp * layout.cp * layout.ep) as usize,
     );
     crate::device::check(args.device, world)?;
-    if layout.ep > 1 {
-        // Expert parallelism needs experts to share out, evenly; refused once, before any
-        // rank starts.
-        let name = match &saved {
-            Some(l) => l.dir.join("config.json").to_string_lossy().to_string(),
-            None => args.resolve()?.model.name,
-        };
-        let spec = ferrotron_plan::presets::resolve(&name).map_err(|e| anyhow::anyhow!("{e}"))?;
-        let Some(moe) = spec.moe else {
-            bail!(
-                "ep = {}: expert parallelism shares out a mixture of experts; model {} has none",
-                layout.ep,
-                spec.name
-            );
-        };
-        if moe.num_experts % layout.ep != 0 {
-            bail!(
-                "ep = {}: model {} has {} experts per layer; ep must divide them",
-                layout.ep,
-                spec.name,
-                moe.num_experts
-            );
-        }
-    }
-    if layout.zero >= 2 {
-        let name = match &saved {
-            Some(l) => l.dir.join("config.json").to_string_lossy().to_string(),
-            None => args.resolve()?.model.name,
-        };
-        let spec = ferrotron_plan::presets::resolve(&name).map_err(|e| anyhow::anyhow!("{e}"))?;
-        if spec.moe.is_some() {
-            bail!(
-                "zero = {}: ZeRO-2/3 of a mixture-of-experts model is not supported; use --zero 0 or 1",
-                layout.zero
-            );
-        }
-    }
-    if layout.cp > 1 {
-        // A sequence context parallelism cannot cut evenly is refused once, before any rank
-        // starts.
-        let cfg = match &saved {
-            Some(l) => resume_config(&args, &l.state.config)?,
-            None => args.resolve()?,
-        };
-        let ranks = layout.cp as usize;
-        SeqPart { rank: 0, ranks }
-            .local_len(cfg.data.seq as usize)
-            .map_err(anyhow::Error::msg)?;
-    }
-    if layout.tp > 1 {
-        // A model tensor parallelism cannot split is refused once, before any rank starts.
-        let name = match &saved {
-            Some(l) => l.dir.join("config.json").to_string_lossy().to_string(),
-            None => args.resolve()?.model.name,
-        };
-        let spec = ferrotron_plan::presets::resolve(&name).map_err(|e| anyhow::anyhow!("{e}"))?;
-        let full = setup::llama_config(&spec)?;
-        ferrotron_engine::model::tensor_parallel::shard_config(&full, layout.tp as usize)?;
-    }
-    if layout.pp > 1 {
-        // A split or schedule the planner cannot lay out is refused once, before any rank
-        // starts, with the planner's words.
-        let cfg = match &saved {
-            Some(l) => resume_config(&args, &l.state.config)?,
-            None => args.resolve()?,
-        };
-        let spec = match &saved {
-            Some(l) => l.spec.clone(),
-            None => ferrotron_plan::presets::resolve(&cfg.model.name)
-                .map_err(|e| anyhow::anyhow!("{e}"))?,
-        };
-        if spec.moe.is_some() {
-            // The load-balancing loss couples every layer's routing in one micro-batch.
-            bail!(
-                "pp = {}: pipeline parallelism of a mixture-of-experts model is not supported; run it with --dp",
-                layout.pp
-            );
-        }
-        let input = setup::plan_input(&spec, &cfg, 0);
-        layout
-            .validate(Some(&spec), &input.recipe)
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
-        let chunks = layout.pp * layout.pp_virtual;
-        if let Some(g) = (0..chunks).find(|&g| layout.chunk_layers(spec.layers, g).is_empty()) {
-            bail!(
-                "pp_layers = {}: model chunk {g} has no layer; give every stage (and virtual stage) at least one",
-                layout.pp_layers.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(",")
-            );
-        }
-        let grad_acc = cfg.data.grad_acc;
-        if layout.pp_schedule == ferrotron_plan::layout::PpSchedule::Interleaved
-            && grad_acc % layout.pp != 0
-        {
-            bail!(
-                "grad_acc = {grad_acc}: the interleaved schedule needs micro-batches in multiples of pp = {}",
-                layout.pp
-            );
-        }
-    }
-    if args.device != crate::device::Device::Cuda {
-        // A plan larger than the memory left is refused before any rank allocates (a GPU's
-        // budget is its own).
-        let cfg = match &saved {
-            Some(l) => resume_config(&args, &l.state.config)?,
-            None => args.resolve()?,
-        };
-        let spec = match &saved {
-            Some(l) => l.spec.clone(),
-            None => ferrotron_plan::presets::resolve(&cfg.model.name)
-                .map_err(|e| anyhow::anyhow!("{e}"))?,
-        };
-        // Under mpirun this process is one rank of those on its node; as threads, all of them.
-        let here = match ferrotron_dist::launched_by_mpirun() {
-            true => std::env::var("OMPI_COMM_WORLD_LOCAL_SIZE")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(1),
-            false => world as u64,
-        };
-        crate::fit::check(&spec, &cfg, here)?;
-    }
+    layout_checks::check_layout(&args, saved.as_ref(), &layout, world)?;
     if use_mpi(args.comm.unwrap_or(CommBackend::Auto), dp)? {
         #[cfg(feature = "mpi")]
         return run_mpi(args, saved, &layout);
@@ -366,13 +247,30 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
     if world <= 1 {
         return run_rank(args, saved, None);
     }
+    let results = run_threads(args, saved, world)?;
+    let mut summary = None;
+    for (rank, r) in results.into_iter().enumerate() {
+        match r {
+            Ok(s) if rank == 0 => summary = Some(s),
+            Ok(_) => {}
+            Err(e) => bail!("rank {rank}: {e}"),
+        }
+    }
+    summary.context("rank 0 returned nothing")
+}
+
+/// The run as `world` ranks on threads of this process, each on its share of the cores and of
+/// the machine's matmul peak (measured once, on every thread), so MFU is against the
+/// machine's peak.
+fn run_threads(
+    args: TrainArgs,
+    saved: Option<checkpoint::Loaded>,
+    world: usize,
+) -> Result<Vec<Result<RunSummary, String>>> {
     // The ranks share this machine's cores: each computes on its share of the threads and has
     // its share of the machine's matmul peak (measured once, on every thread), so MFU is
     // against the machine's peak.
-    let cfg = match &saved {
-        Some(l) => resume_config(&args, &l.state.config)?,
-        None => args.resolve()?,
-    };
+    let cfg = layout_checks::config_of(&args, saved.as_ref())?;
     let threads = cfg.runtime.threads as usize;
     rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
@@ -406,15 +304,7 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         let saved = saved.clone();
         pool.install(|| run_rank(args.clone(), saved, Some(ctx)).map_err(|e| format!("{e:#}")))
     });
-    let mut summary = None;
-    for (rank, r) in results.into_iter().enumerate() {
-        match r {
-            Ok(s) if rank == 0 => summary = Some(s),
-            Ok(_) => {}
-            Err(e) => bail!("rank {rank}: {e}"),
-        }
-    }
-    summary.context("rank 0 returned nothing")
+    Ok(results)
 }
 
 /// A resumed run whose checkpoint already reached the run's last step (`--steps`, or
@@ -514,10 +404,7 @@ fn run_mpi(
             "dp × tp × pp = {dp} × {tp} × {pp} = {world}: mpirun started {size} processes; run mpirun -np {world}"
         );
     }
-    let cfg = match &saved {
-        Some(l) => resume_config(&args, &l.state.config)?,
-        None => args.resolve()?,
-    };
+    let cfg = layout_checks::config_of(&args, saved.as_ref())?;
     // MPI has no deadline of its own: the watchdog's expiry is `MPI_Abort`, which mpirun
     // turns into the end of every process (a stopped one included).
     let timeout = std::time::Duration::from_secs_f64(cfg.runtime.comm_timeout);
@@ -580,13 +467,13 @@ fn model_groups(
             .map_err(|e| anyhow::anyhow!("{e}"))
     };
     let cp = match l.cp > 1 {
-        true => Some(Rc::new(CpGroup::new(group(Dim::Cp)?))),
+        true => Some(Rc::new(Group::new(group(Dim::Cp)?))),
         false => None,
     };
     let (dp, ep, dp_experts) = match l.ep > 1 {
         true => (
             Some(split(grid.group_of(rank, &[Dim::Dp, Dim::Ep]), "dp×ep")?),
-            Some(Rc::new(EpGroup::new(group(Dim::Ep)?))),
+            Some(Rc::new(Group::new(group(Dim::Ep)?))),
             match l.dp > 1 {
                 true => Some(group(Dim::Dp)?),
                 false => None,
@@ -604,8 +491,8 @@ fn model_groups(
     };
     let tp = match tp {
         Some(t) => {
-            let t = TpGroup::new(t);
-            t.warm_up()?;
+            let t = Group::new(t);
+            t.warm_up("tensor-parallel")?;
             Some(Rc::new(t))
         }
         None => None,
@@ -641,80 +528,15 @@ fn run_rank(
     ctx: Option<RankCtx>,
 ) -> Result<RunSummary> {
     let rank = ctx.as_ref().map_or(0, |c| c.rank);
-    let resume = args.resume.clone();
     // Only rank 0 speaks and writes.
     let quiet = args.quiet || rank > 0;
-    if let (Some(_), Some(d)) = (&resume, &args.init_from) {
-        bail!(
-            "init_from = {}: a resumed run takes its weights from the checkpoint; pass --resume or --init-from, not both",
-            d.display()
-        );
-    }
-    let mut cfg = match &loaded {
-        Some(l) => resume_config(&args, &l.state.config)?,
-        None => args.resolve()?,
-    };
-    // Every rank takes part in gathering the weights for rank 0's sample (ZeRO-3 shards them).
-    let sampling = cfg.observability.sample_tokens > 0;
-    if rank > 0 {
-        // Rank 0 writes the outputs (the other ranks' memory is reported in its `rank_mem`);
-        // every rank records its trace, which rank 0 merges into one file, and writes its
-        // blocks of each checkpoint.
-        let o = &mut cfg.observability;
-        (o.memory_timeline, o.sample_tokens) = (None, 0);
-    }
+    let (cfg, sampling) = rank::config(&args, loaded.as_ref(), rank)?;
     let last_step = cfg.optimizer.last_step();
-    if let Some(l) = &loaded {
-        cfg.optimizer.check_stop_after(l.state.step)?;
-        schedule_change(&l.state.config, &cfg, l.state.step);
-    }
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(cfg.runtime.threads as usize)
-        .build_global()
-        .ok();
-    if rank == 0 {
-        print_config(&cfg);
-    }
-
-    let tok = match &loaded {
-        Some(l) => Tokenizer::from_file(l.dir.join("tokenizer.json"))?,
-        None => Tokenizer::load(cfg.model.tokenizer.as_deref())?,
-    };
-    let (spec, llama) = setup::model(&cfg, &tok)?;
-    if let Some(l) = &loaded {
-        if setup::llama_config(&l.spec)? != llama {
-            bail!(
-                "checkpoint {}: its config.json does not match model {}",
-                l.dir.display(),
-                cfg.model.name
-            );
-        }
-    }
-    // Rank 0 tokenizes the bundled corpus if it must; the others wait for it, then read it.
-    let barrier = || match &ctx {
-        Some(c) => c.comm.barrier().map_err(|e| anyhow::anyhow!("{e}")),
-        None => Ok(()),
-    };
-    if rank > 0 {
-        barrier()?;
-    }
-    let (train, val) = setup::datasets(&cfg, &tok, spec.vocab as u32)?;
-    if rank == 0 {
-        barrier()?;
-    }
+    let (tok, spec, llama, train, val) =
+        rank::model_and_data(&cfg, loaded.as_ref(), rank, ctx.as_ref())?;
     // The rank's groups in the grid (tp innermost, as the planner places them): a tensor-
     // parallel group shares its batch, the data-parallel replicas split it.
     let grid = ferrotron_dist::Grid::new(&cfg.parallel);
-    // Under expert parallelism every dp × ep rank is a data-parallel replica of the dense
-    // weights and trains its own slice.
-    let (dp_rank, ranks) = match cfg.parallel.ep > 1 {
-        true => {
-            let replicas = grid.group_of(rank, &[Dim::Dp, Dim::Ep]);
-            let me = replicas.iter().position(|&r| r == rank).expect("a member");
-            (me, replicas.len())
-        }
-        false => (grid.coord(rank, Dim::Dp), cfg.parallel.dp as usize),
-    };
     let l = &cfg.parallel;
     let comms = match ctx.as_ref().map(|c| c.comm.as_ref()) {
         Some(world) if l.tp > 1 || l.pp > 1 || l.ep > 1 || l.cp > 1 => Some(model_groups(
@@ -726,58 +548,13 @@ fn run_rank(
         )?),
         _ => None,
     };
-    let lcfg = LoaderConfig::new(cfg.data.mbs as usize, cfg.data.seq as usize, cfg.data.seed);
-    // Each data-parallel rank trains its own slice of every global batch.
-    // A context-parallel rank takes its share of each of its replica's sequences.
-    let part = SeqPart {
-        rank: grid.coord(rank, Dim::Cp),
-        ranks: l.cp as usize,
-    };
-    let train_cfg = lcfg.clone().with_rank(dp_rank, ranks);
-    let loader = match &loaded {
-        // The saved position of the global order, dealt to this rank of this layout.
-        Some(l) => {
-            let mut loader = Loader::new(train, train_cfg)?;
-            loader.restore_position(&l.state.loader)?;
-            loader
-        }
-        None => Loader::new(train, train_cfg)?,
-    }
-    .with_context_parallel(part)?;
-    // The validation set is `eval_batches` global batches (mbs × grad_acc × dp sequences
-    // each, what every layout of a run shares) of evenly spread windows: each data-parallel
-    // rank evaluates its share, micro-batch by micro-batch, and the losses add up over the
-    // group (`Trainer::evaluate`), so a layout does not change the tokens evaluated.
-    let val_cfg = lcfg.with_rank(dp_rank, ranks);
-    let val_batches = cfg.observability.eval_batches * cfg.data.grad_acc;
-    let val = match (val, cfg.observability.eval_interval) {
-        (Some(v), i) if i > 0 => Some(
-            ValLoader::new(v, val_cfg, Some(val_batches as usize))?.with_context_parallel(part)?,
-        ),
-        _ => None,
-    };
-    let peak_gflops = match ctx.as_ref().and_then(|c| c.peak_gflops) {
-        Some(share) => share,
-        // A GPU's peak is its own, from the planner's table (`Trainer::new`), not the CPU's.
-        None if args.device == crate::device::Device::Cuda => args.peak_gflops.unwrap_or(0.0),
-        None => args
-            .peak_gflops
-            .unwrap_or_else(|| matmul_peak_gflops(bf16_products(&cfg))),
-    };
+    let (loader, val) = rank::loaders(&cfg, loaded.as_ref(), rank, train, val)?;
+    let peak_gflops = rank::peak_gflops(ctx.as_ref(), &args, &cfg);
     let tokenizer_json = tok
         .inner()
         .to_string(false)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let comms = match (ctx.map(|c| c.comm), comms) {
-        (Some(world), Some(g)) => Comms {
-            world: Some(world),
-            ..g
-        },
-        (world, _) => Comms {
-            dp: world,
-            ..Comms::default()
-        },
-    };
+    let comms = rank::with_world(ctx.map(|c| c.comm), comms);
     let mut t = Trainer::new(
         cfg.clone(),
         spec,
@@ -790,29 +567,7 @@ fn run_rank(
             peak_gflops,
         },
     )?;
-    if let Some(l) = &loaded {
-        let exactly = checkpoint::hf::Dtypes::Exactly(t.params.dtype());
-        let weights = checkpoint::load_weights(&l.dir, t.whole_params(), exactly)?;
-        t.set_weights(weights);
-        let (n, blocks) = (t.whole_params().total, t.held_blocks());
-        let master = t.master.is_some();
-        let len = t.states_len();
-        if let Some((opt, master)) = checkpoint::load_optimizer(&l.dir, n, &blocks, len, master)? {
-            t.set_states(opt, master);
-        }
-        if t.scaler.is_some() {
-            t.scaler = l.state.loss_scaler.clone().or(t.scaler.take());
-        }
-        t.step = l.state.step;
-        if rank == 0 {
-            eprintln!("resumed from {} at step {}", l.dir.display(), t.step);
-        }
-    } else if let Some(dir) = &cfg.model.init_from {
-        init_weights(&mut t, dir)?;
-    }
-    if loaded.is_some() {
-        t.disable_timeline();
-    }
+    rank::load_state(&mut t, loaded.as_ref(), &cfg, rank)?;
     // Initialised or loaded: the state goes to the device the step runs on.
     t.to_device()?;
     // --async-checkpoint: its staging buffer, in the plan, allocated before the first step.
@@ -822,74 +577,29 @@ fn run_rank(
         .then(|| checkpoint::background::Background::new(&mut t));
     // Files are written only once everything has been read and checked: a refused checkpoint
     // or config leaves the output directory as it was.
-    let mut metrics = match rank {
-        0 => Some(
-            MetricsWriter::open(&cfg.observability.metrics, loaded.is_some())?
-                .with_tensorboard(cfg.observability.tensorboard.as_deref())?,
-        ),
-        _ => None,
-    };
+    let mut metrics = rank::metrics_writer(&cfg, rank, loaded.is_some())?;
     if rank == 0 {
         write_plan(&cfg, &t)?;
-    }
-    let w = t.plan.sweep.at_peak;
-    if rank == 0 {
-        eprintln!(
-        "model {}: {} parameters; memory plan peak {:.1} MiB (params {:.1}, grads {:.1}{}, adam {:.1}, activations {:.1}, workspace {:.1}, gemm workspace {:.1}{}); matmul peak {:.1} GFLOP/s; gemm: {}",
-        cfg.model.name,
-        t.whole_params().total,
-        t.planned_peak() as f64 / MIB,
-        w.params as f64 / MIB,
-        w.grads as f64 / MIB,
-        // Mixed precision's fp32 copy of the weights, and the buffers the ranks talk through.
-        match w.master {
-            0 => String::new(),
-            m => format!(", fp32 master {:.1}", m as f64 / MIB),
-        },
-        w.optimizer as f64 / MIB,
-        w.activations() as f64 / MIB,
-        w.workspace as f64 / MIB,
-        t.kernel_workspace() as f64 / MIB,
-        match w.comm_buffers {
-            0 => String::new(),
-            c => format!(", comm buffers {:.1}", c as f64 / MIB),
-        },
-        peak_gflops,
-        t.gemm
-    );
+        rank::print_plan(&cfg, &t, peak_gflops);
     }
 
     let tty = std::io::stderr().is_terminal() && !quiet;
     let started = Instant::now();
     let first_step = t.step;
+    let progress = rank::Progress {
+        first_step,
+        last_step,
+        started,
+        quiet,
+        tty,
+    };
     let mut steps = Vec::new();
     // Steps skipped in a row for a non-finite loss or gradient (fp32, bf16).
     let mut skipped_run = 0u64;
     while t.step < last_step {
         let mut out = t.train_step()?;
-        if out.non_finite {
-            skipped_run += 1;
-            if !quiet {
-                eprintln!(
-                    "{}step {}: non-finite loss or gradient norm ({}): update skipped on every rank ({skipped_run} in a row)",
-                    if tty { "\n" } else { "" },
-                    t.step,
-                    out.metrics.grad_norm
-                );
-            }
-            if skipped_run >= cfg.runtime.max_skipped_steps {
-                let first = t
-                    .non_finite_gradient()
-                    .map_or("a gradient".to_string(), |n| format!("the gradient of {n}"));
-                bail!(
-                    "step {}: {skipped_run} consecutive steps had a non-finite loss or gradient (first non-finite on rank {rank}: {first}); stopping (max_skipped_steps = {}): lower --lr, raise --warmup or --clip, or resume from the last checkpoint",
-                    t.step,
-                    cfg.runtime.max_skipped_steps
-                );
-            }
-        } else {
-            skipped_run = 0;
-        }
+        let how = (rank, quiet, tty);
+        rank::count_non_finite(&t, &out, &mut skipped_run, &cfg, how)?;
         let last = t.step == last_step;
         if cfg.observability.eval_interval > 0
             && (t.step % cfg.observability.eval_interval == 0 || last)
@@ -900,76 +610,11 @@ fn run_rank(
             w.write(&out.metrics)?;
         }
         if let (Some(u), false) = (out.overflow, quiet) {
-            eprintln!(
-                "{}step {}: fp16 gradients overflowed at loss scale {}: step skipped, scale -> {}",
-                if tty { "\n" } else { "" },
-                t.step,
-                u.old_scale,
-                u.new_scale
-            );
+            rank::print_overflow(&u, t.step, tty);
         }
-        let m = &out.metrics;
-        let done = (t.step - first_step) as f64;
-        let eta = started.elapsed().as_secs_f64() / done * (last_step - t.step) as f64;
-        let val = m
-            .val_loss
-            .map_or(String::new(), |v| format!(" | val {v:.4}"));
-        let line = format!(
-            "step {:>5}/{} | loss {:.4}{val} | lr {:.2e} | {:.0} tok/s | MFU {:.1}% | mem {:.1}/{:.1} MiB | ETA {}",
-            t.step,
-            cfg.optimizer.steps,
-            m.loss,
-            m.lr,
-            m.tokens_per_s,
-            m.mfu * 100.0,
-            m.mem_peak_measured as f64 / MIB,
-            m.mem_peak_planned as f64 / MIB,
-            fmt_eta(eta)
-        );
-        if tty {
-            eprint!("\r{line}\x1b[K");
-            if m.val_loss.is_some() {
-                eprintln!();
-            }
-        } else if !quiet
-            && (m.val_loss.is_some() || t.step % 10 == 0 || t.step == first_step + 1 || last)
-        {
-            eprintln!("{line}");
-        }
-        let due = (cfg.checkpoint.interval > 0 && t.step % cfg.checkpoint.interval == 0) || last;
-        let stalled = Instant::now();
-        if let (Some(b), true) = (&mut background, due) {
-            // Every rank stages the blocks it holds; a thread writes them (a previous save's
-            // failure comes back here, naming its step).
-            t.with_host_state(|t| b.save(&cfg.checkpoint, t, &tokenizer_json, tok.name()))?;
-        } else if let (Some(dir), true) = (&cfg.checkpoint.dir, due) {
-            // Every rank writes the blocks it holds.
-            t.with_host_state(|t| {
-                checkpoint::save_as_configured(&cfg.checkpoint, t, &tokenizer_json, tok.name())
-            })
-            .with_context(|| {
-                format!(
-                    "writing the checkpoint of step {} into {} (the previous checkpoint is intact)",
-                    t.step,
-                    dir.display()
-                )
-            })?;
-        }
-        if due && cfg.checkpoint.dir.is_some() && rank == 0 && !quiet {
-            // What a save costs the run: the time the step loop waited for it.
-            let how = match &background {
-                Some(b) => format!(
-                    "{:.2} s of it for the previous save to finish; staged, written in the background",
-                    b.waited_for_previous.as_secs_f64()
-                ),
-                None => "written".into(),
-            };
-            eprintln!(
-                "checkpoint of step {}: training waited {:.2} s ({how})",
-                t.step,
-                stalled.elapsed().as_secs_f64()
-            );
-        }
+        rank::print_progress(&t, &out, &cfg, &progress);
+        let (json, bg) = (&tokenizer_json, &mut background);
+        rank::save_if_due(&mut t, &cfg, bg, last, json, &tok, rank, quiet)?;
         steps.push(out.metrics);
         finish_observability(&cfg, &mut t, false)?;
     }
@@ -980,97 +625,9 @@ fn run_rank(
     if tty {
         eprintln!();
     }
-    let measured = steps.iter().map(|m| m.mem_peak_measured).max().unwrap_or(0);
-    let planned = steps.iter().map(|m| m.mem_peak_planned).max().unwrap_or(0);
-    let timed: Vec<&StepMetrics> = steps.iter().skip(1).collect();
-    let mut mfu = median(timed.iter().map(|m| m.mfu * 100.0).collect());
-    let cpu = args.device == crate::device::Device::Cpu;
-    if mfu > 100.0 && rank == 0 && args.peak_gflops.is_none() && cpu {
-        let cached = peak_gflops;
-        let factor = crate::observe::metrics::remeasure_low_peak(bf16_products(&cfg), cached);
-        if factor < 1.0 {
-            eprintln!(
-                "note: MFU {mfu:.1}% was against a cached matmul peak measured while the machine was busy; measured again, {:.1} GFLOP/s per rank, kept for the next run",
-                cached / factor
-            );
-            mfu *= factor;
-        }
-    }
-    if rank == 0 {
-        eprintln!(
-        "done: {} steps in {:.1}s | median {:.0} tok/s, MFU {:.1}% | peak memory planned {:.2} MiB, measured {:.2} MiB ({:+.2}%) over a baseline of {:.1} MiB | {}",
-        steps.len(),
-        started.elapsed().as_secs_f64(),
-        median(timed.iter().map(|m| m.tokens_per_s).collect()),
-        mfu,
-        planned as f64 / MIB,
-        measured as f64 / MIB,
-        (measured as f64 / planned.max(1) as f64 - 1.0) * 100.0,
-        t.baseline as f64 / MIB,
-        rss_line(&steps, planned)
-    );
-        let mb = |b: Option<u64>| b.unwrap_or(0) as f64 / 1e6;
-        if let Some(m) = steps.last().filter(|m| m.comm_bytes.is_some()) {
-            eprintln!(
-                "data parallel: {:.2} MB sent per rank in the last step, planned {:.2} MB",
-                mb(m.comm_bytes),
-                mb(m.comm_bytes_planned)
-            );
-        }
-        if let Some(m) = steps.last().filter(|m| !m.pp_bubble.is_empty()) {
-            // The median step's (the first steps warm up).
-            let mut by_step: Vec<&Vec<f64>> = steps.iter().map(|m| &m.pp_bubble).collect();
-            by_step.sort_by(|a, b| a.iter().sum::<f64>().total_cmp(&b.iter().sum::<f64>()));
-            let mid = by_step[by_step.len() / 2];
-            let each: Vec<String> = mid.iter().map(|b| format!("{:.1}%", b * 100.0)).collect();
-            eprintln!(
-                "pipeline bubble (median step): stages {} of their compute time blocked, planned (p − 1)/(v·m) = {:.1}%",
-                each.join(", "),
-                m.pp_bubble_planned.unwrap_or(0.0) * 100.0
-            );
-        }
-        if let Some(m) = steps.last().filter(|m| m.tp_comm_bytes.is_some()) {
-            eprintln!(
-                "tensor parallel: {:.2} MB sent per rank in the last step, planned {:.2} MB",
-                mb(m.tp_comm_bytes),
-                mb(m.tp_comm_bytes_planned)
-            );
-        }
-        if let Some(m) = steps.last().filter(|m| m.cp_comm_bytes.is_some()) {
-            eprintln!(
-                "context parallel: {:.2} MB sent per rank around the ring in the last step, planned {:.2} MB",
-                mb(m.cp_comm_bytes),
-                mb(m.cp_comm_bytes_planned)
-            );
-        }
-        if let Some(m) = steps.last().filter(|m| m.ep_comm_bytes.is_some()) {
-            eprintln!(
-                "expert parallel: {:.2} MB sent by rank 0 in the last step's token exchanges, planned {:.2} MB (balanced routing)",
-                mb(m.ep_comm_bytes),
-                mb(m.ep_comm_bytes_planned)
-            );
-        }
-    }
-    let weights = if sampling {
-        Some(t.with_host_state(Trainer::full_weights)?)
-    } else {
-        None
-    };
-    let sample = if let (Some(weights), 0) = (weights, rank) {
-        let o = SampleOptions {
-            tokens: cfg.observability.sample_tokens as usize,
-            temperature: 0.8,
-            top_k: 40,
-            seed: cfg.data.seed,
-            context: cfg.data.seq as usize,
-            kv_cache: true,
-        };
-        let text = generate(&t.whole_model(), &weights, &tok, "ROMEO:", &o)?;
-        eprintln!("sample (temperature 0.8, top-k 40):\nROMEO:{text}");
-        Some(text)
-    } else {
-        None
-    };
+    let at = (rank, peak_gflops, started);
+    let (planned, measured) = rank::report_done(&args, &cfg, &t, &steps, at);
+    let sample = rank::sample_text(&mut t, &cfg, &tok, sampling, rank)?;
     Ok(RunSummary {
         steps,
         planned_peak: planned,
@@ -1231,4 +788,23 @@ pub fn sample_from(
 ) -> Result<String> {
     let m = crate::sample::SampleModel::open(dir)?;
     crate::sample::generate_streaming(&m.model, &m.weights, &m.tok, prompt, o, on_text)
+}
+
+/// Each dimension's bytes sent in the last step, against the plan (stderr).
+fn comm_summary(m: &StepMetrics) {
+    for (dim, c) in m.comm.iter() {
+        let (what, by) = match dim {
+            Dim::Dp => ("data parallel", "per rank"),
+            Dim::Tp => ("tensor parallel", "per rank"),
+            Dim::Cp => ("context parallel", "per rank around the ring"),
+            // The plan assumes balanced routing; the exchanges follow the router.
+            Dim::Ep => ("expert parallel", "by rank 0 in the token exchanges"),
+            Dim::Pp => ("pipeline", "per rank"),
+        };
+        eprintln!(
+            "{what}: {:.2} MB sent {by} in the last step, planned {:.2} MB",
+            c.sent as f64 / 1e6,
+            c.planned as f64 / 1e6
+        );
+    }
 }

@@ -7,6 +7,7 @@
 
 mod common;
 use common::{assert_follows, assert_within_plans, rel, tiny_args, tiny_moe_model, tmp};
+use ferrotron_plan::cluster::Dim;
 use ferrotron_train::alloc::Tracking;
 use ferrotron_train::config::TrainArgs;
 use ferrotron_train::metrics::StepMetrics;
@@ -58,9 +59,10 @@ fn context_parallel_ranks_follow_the_one_rank_trajectory() {
             // The ring sends what the planner prices: per layer and micro-batch, cp − 1 K/V
             // blocks forward (again in a full recomputation's replay), cp − 1 blocks with their
             // gradients backward and one last pass of the gradients home.
-            assert!(y.cp_comm_bytes.is_some_and(|b| b > 0), "{what}");
+            assert!(y.comm_sent(Dim::Cp).is_some_and(|b| b > 0), "{what}");
             assert_eq!(
-                y.cp_comm_bytes, y.cp_comm_bytes_planned,
+                y.comm_sent(Dim::Cp),
+                y.comm_planned(Dim::Cp),
                 "{what} step {}",
                 y.step
             );
@@ -112,7 +114,7 @@ fn context_parallel_ranks_evaluate_the_one_rank_validation_loss() {
         // The evaluation's ring passes are not the step's communication.
         assert!(two
             .iter()
-            .all(|y| y.cp_comm_bytes == y.cp_comm_bytes_planned));
+            .all(|y| y.comm_sent(Dim::Cp) == y.comm_planned(Dim::Cp)));
         for (x, y) in a.iter().zip(&vals(&two)) {
             assert!(
                 rel(*x, *y) < 1e-5,
@@ -140,7 +142,7 @@ fn context_parallelism_runs_in_16_bit_precisions() {
         // Blocks travel in f32 whatever the storage type, as planned.
         assert!(
             two.iter()
-                .all(|y| y.cp_comm_bytes == y.cp_comm_bytes_planned),
+                .all(|y| y.comm_sent(Dim::Cp) == y.comm_planned(Dim::Cp)),
             "{what}"
         );
     }

@@ -5,6 +5,7 @@
 
 mod common;
 use common::{f32_tensors, tiny_args, tmp};
+use ferrotron_plan::cluster::Dim;
 use ferrotron_plan::comm::{bytes_per_rank, Collective};
 use ferrotron_train::alloc::Tracking;
 use ferrotron_train::metrics::StepMetrics;
@@ -114,7 +115,7 @@ fn data_parallel_ranks_follow_the_one_rank_trajectory() {
                         + bytes_per_rank(Collective::AllGather, unit_bytes, dp)
                 }
             };
-            assert_eq!(y.comm_bytes, Some(bytes.round() as u64), "{what}");
+            assert_eq!(y.comm_sent(Dim::Dp), Some(bytes.round() as u64), "{what}");
         }
     }
     // Each ZeRO stage changes every rank's peak by what the plan says: ZeRO-1 drops most of
@@ -188,8 +189,8 @@ fn the_planned_bytes_are_the_bytes_sent_in_every_precision() {
         a.precision = Some(precision.into());
         for m in run(a).unwrap().steps {
             let what = format!("{precision} ZeRO-{zero} step {}", m.step);
-            assert!(m.comm_bytes.is_some_and(|b| b > 0), "{what}");
-            assert_eq!(m.comm_bytes, m.comm_bytes_planned, "{what}");
+            assert!(m.comm_sent(Dim::Dp).is_some_and(|b| b > 0), "{what}");
+            assert_eq!(m.comm_sent(Dim::Dp), m.comm_planned(Dim::Dp), "{what}");
         }
     }
 }

@@ -6,6 +6,7 @@
 
 mod common;
 use common::{assert_follows, assert_within_plans, rel, shards, tmp};
+use ferrotron_plan::cluster::Dim;
 use ferrotron_train::alloc::Tracking;
 use ferrotron_train::config::TrainArgs;
 use ferrotron_train::metrics::StepMetrics;
@@ -155,8 +156,8 @@ fn pipeline_stages_follow_the_one_rank_trajectory_within_their_plans() {
             assert_eq!(y.rank_mem.len(), ranks, "{what}: one entry per rank");
             // The first stage's bytes are its own stage's plan (the embedding's stage, not the
             // head's that paces the pipeline).
-            assert_eq!(y.tp_comm_bytes, y.tp_comm_bytes_planned, "{what}");
-            assert_eq!(y.comm_bytes, y.comm_bytes_planned, "{what}");
+            assert_eq!(y.comm_sent(Dim::Tp), y.comm_planned(Dim::Tp), "{what}");
+            assert_eq!(y.comm_sent(Dim::Dp), y.comm_planned(Dim::Dp), "{what}");
             // Each stage measured its bubble; the planner's is (p − 1)/(v·m).
             assert_eq!(y.pp_bubble.len(), l.pp as usize, "{what}");
             let m = (4 / l.dp) as f64;

@@ -90,7 +90,7 @@ for t, m, d in zip(threads, mpi, dp_only):
     assert len(m["rank_mem"]) == 4, m["rank_mem"]
     for x in m["rank_mem"]:
         assert abs(x["mem_peak_measured"] / x["mem_peak_planned"] - 1) < 0.01, x
-    assert m["tp_comm_bytes"] == m["tp_comm_bytes_planned"], m
+    assert m["comm"]["tp"]["sent"] == m["comm"]["tp"]["planned"], m
 print("dp 2 x tp 2: mpirun -np 4 = threads within 1e-6, = dp 2 alone within 1e-5; 4 ranks within 1% of their plans; bytes as planned")
 PY
 rm -rf "$OUT/tp-threads" "$OUT/tp-mpi"
@@ -188,7 +188,7 @@ for m, d in zip(four_d, dp_only):
     assert len(m["rank_mem"]) == 16, m["rank_mem"]
     for x in m["rank_mem"]:
         assert abs(x["mem_peak_measured"] / x["mem_peak_planned"] - 1) < 0.01, x
-    assert m["cp_comm_bytes"] == m["cp_comm_bytes_planned"], m
+    assert m["comm"]["cp"]["sent"] == m["comm"]["cp"]["planned"], m
 print("4D: mpirun -np 16 (dp 2 × tp 2 × sp × cp 2 × pp 2) = dp 2 alone within 1e-5; 16 ranks within 1% of their plans; ring bytes as planned")
 PY
 python3 - "$OUT/cp-threads/metrics.jsonl" "$OUT/cp-mpi/metrics.jsonl" "$OUT/threads1/metrics.jsonl" "$OUT/cp-resumed/metrics.jsonl" <<'PY'

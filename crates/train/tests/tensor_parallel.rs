@@ -5,6 +5,7 @@
 
 mod common;
 use common::{assert_follows, assert_within_plans, f32_tensors, rel, tiny_args, tmp};
+use ferrotron_plan::cluster::Dim;
 use ferrotron_train::alloc::Tracking;
 use ferrotron_train::metrics::StepMetrics;
 use ferrotron_train::run::run;
@@ -81,8 +82,8 @@ fn tensor_parallel_ranks_follow_the_one_rank_trajectory() {
             // The model's collectives send what the planner prices: 4 activation all-reduces
             // per layer (one more in a full recomputation's replay), the embedding's and the
             // head's, and the cross-entropy's row statistics.
-            assert!(y.tp_comm_bytes.is_some_and(|b| b > 0), "{what}");
-            assert_eq!(y.tp_comm_bytes, y.tp_comm_bytes_planned, "{what}");
+            assert!(y.comm_sent(Dim::Tp).is_some_and(|b| b > 0), "{what}");
+            assert_eq!(y.comm_sent(Dim::Tp), y.comm_planned(Dim::Tp), "{what}");
             for r in &y.rank_mem {
                 // Under full recomputation this tiny model's peak is 4.9 MB, where the ~50 KB
                 // a process allocates outside any plan (one rank too) is 1.1%: there the bound
@@ -171,7 +172,8 @@ fn tensor_parallelism_runs_in_every_precision() {
         assert_within_plans(&two, &what);
         for y in &two {
             assert_eq!(
-                y.tp_comm_bytes, y.tp_comm_bytes_planned,
+                y.comm_sent(Dim::Tp),
+                y.comm_planned(Dim::Tp),
                 "{what} step {}",
                 y.step
             );

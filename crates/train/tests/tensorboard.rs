@@ -61,8 +61,8 @@ fn a_run_writes_the_metrics_as_tensorboard_scalars() {
             "mfu",
             "mem_peak_planned",
             "mem_peak_measured",
-            "comm_bytes",
-            "comm_bytes_planned",
+            "comm/dp/sent",
+            "comm/dp/planned",
         ] {
             assert_eq!(
                 Some(get(key)),
@@ -77,7 +77,7 @@ fn a_run_writes_the_metrics_as_tensorboard_scalars() {
                 assert_eq!(Some(get(&tag)), json(&format!("/{tag}")), "{tag}");
             }
         }
-        assert!(get("mem_peak_planned") > 0.0 && get("comm_bytes") > 0.0);
+        assert!(get("mem_peak_planned") > 0.0 && get("comm/dp/sent") > 0.0);
         match json("/val_loss") {
             Some(v) => assert_eq!(get("val_loss"), v),
             None => assert!(e.values.iter().all(|(t, _)| t != "val_loss")),

@@ -85,6 +85,16 @@ fn narrow<S: Elem>(f: &[f32], x: &mut [S]) {
     x.iter_mut().zip(f).for_each(|(x, o)| *x = S::from_f32(*o));
 }
 
+/// Sums `buf` over `comm`'s group in place, in f32 whatever `S` ([`TensorParallel::sum`]; the
+/// trainer's sequence-parallel norm sums call it with the group alone).
+pub fn all_reduce<S: Elem>(comm: &dyn TpComm, buf: ViewMut<'_, S>) {
+    let buf = buf.host_mut();
+    comm.run(TpOp::AllReduce, buf.len(), &mut |f, fill| match fill {
+        true => widen(buf, f),
+        false => narrow(f, buf),
+    });
+}
+
 impl TensorParallel {
     /// Rank `comm.rank()` of the group splitting `full` (refused when the group cannot
     /// split it: [`shard_config`]).
@@ -115,12 +125,7 @@ impl TensorParallel {
     /// The group's communicators (threads, MPI) stage through host memory, so the views are
     /// read here as host slices; a device communicator (NCCL) would take the views themselves.
     pub fn sum<S: Elem>(&self, buf: ViewMut<'_, S>) {
-        let buf = buf.host_mut();
-        self.comm
-            .run(TpOp::AllReduce, buf.len(), &mut |f, fill| match fill {
-                true => widen(buf, f),
-                false => narrow(f, buf),
-            });
+        all_reduce(self.comm.as_ref(), buf)
     }
 
     /// Every rank's `local` rows, rank order, into `full` (sequence parallelism's gather).

@@ -588,21 +588,7 @@ impl Shard {
                 actual: got,
             });
         }
-        let out_of_range = match dtype {
-            TokenDtype::U16 => body
-                .chunks_exact(2)
-                .map(|c| u32::from(u16::from_le_bytes([c[0], c[1]])))
-                .position(|t| t >= vocab_size),
-            TokenDtype::U32 => body
-                .chunks_exact(4)
-                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .position(|t| t >= vocab_size),
-        };
-        if let Some(i) = out_of_range {
-            let token = match dtype {
-                TokenDtype::U16 => u32::from(u16::from_le_bytes([body[2 * i], body[2 * i + 1]])),
-                TokenDtype::U32 => u32_at(body, 4 * i),
-            };
+        if let Some((i, token)) = out_of_range(body, dtype, vocab_size) {
             return Err(DataError::TokenOutOfRange {
                 path: p(),
                 index: i as u64,
@@ -710,4 +696,23 @@ impl Shard {
         self.read_into(0, &mut v);
         v
     }
+}
+
+/// The first token of `body` (tokens of `dtype`) at or above `vocab_size`, with its index.
+fn out_of_range(body: &[u8], dtype: TokenDtype, vocab_size: u32) -> Option<(usize, u32)> {
+    let i = match dtype {
+        TokenDtype::U16 => body
+            .chunks_exact(2)
+            .map(|c| u32::from(u16::from_le_bytes([c[0], c[1]])))
+            .position(|t| t >= vocab_size),
+        TokenDtype::U32 => body
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .position(|t| t >= vocab_size),
+    }?;
+    let token = match dtype {
+        TokenDtype::U16 => u32::from(u16::from_le_bytes([body[2 * i], body[2 * i + 1]])),
+        TokenDtype::U32 => u32_at(body, 4 * i),
+    };
+    Some((i, token))
 }

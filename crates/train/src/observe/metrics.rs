@@ -1,6 +1,8 @@
 //! Per-step metrics as JSON lines, and the machine's matmul peak for MFU.
 
+use ferrotron_plan::cluster::Dim;
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -32,36 +34,17 @@ pub struct StepMetrics {
     /// largest of each over the ranks).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub rank_mem: Vec<RankMem>,
-    /// Data parallelism: bytes this rank sent in its collectives this step (gradient
-    /// reductions, ZeRO's parameter all-gathers), as the ring algorithms send them.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub comm_bytes: Option<u64>,
-    /// The planner's prediction of `comm_bytes` for this layout.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub comm_bytes_planned: Option<u64>,
+    /// Bytes this rank sent this step in each parallel dimension it takes part in, keyed by
+    /// the dimension (`dp`: gradient reductions and ZeRO's parameter all-gathers, as the ring
+    /// algorithms send them; `tp`: the model's collectives; `ep`: the token exchanges, whose
+    /// plan assumes balanced routing; `cp`: the ring's key/value blocks and their gradients),
+    /// beside the planner's prediction for the layout.
+    #[serde(default, skip_serializing_if = "CommByDim::is_empty")]
+    pub comm: CommByDim,
     /// Data parallelism: milliseconds this rank was blocked waiting for its gradient
     /// reductions and parameter all-gathers (the communication not hidden behind compute).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub comm_exposed_ms: Option<f64>,
-    /// Tensor parallelism: bytes this rank sent in the model's collectives this step
-    /// (activation all-reduces, the cross-entropy's statistics), and the planner's prediction.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tp_comm_bytes: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tp_comm_bytes_planned: Option<u64>,
-    /// Expert parallelism: bytes this rank sent to other ranks in the token exchanges this
-    /// step, and the planner's prediction (which assumes balanced routing; the measured bytes
-    /// follow where the router sent the tokens).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ep_comm_bytes: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ep_comm_bytes_planned: Option<u64>,
-    /// Context parallelism: bytes this rank sent around the ring this step (key/value blocks,
-    /// and their gradients in the backward), and the planner's prediction.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cp_comm_bytes: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cp_comm_bytes_planned: Option<u64>,
     /// Pipeline parallelism: each stage's measured bubble this step (time blocked in its
     /// transfers over its time computing, stage order) and the planner's (p − 1)/(v·m).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -71,6 +54,87 @@ pub struct StepMetrics {
     /// The GEMM kernel the products ran on (`Gemm::describe`): results depend on it.
     #[serde(default)]
     pub gemm: String,
+}
+
+/// One dimension's bytes sent this step, and the planner's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CommBytes {
+    pub sent: u64,
+    pub planned: u64,
+}
+
+impl StepMetrics {
+    /// Bytes this rank sent in dimension `d` this step (`None`: it takes no part in one).
+    pub fn comm_sent(&self, d: Dim) -> Option<u64> {
+        self.comm.get(d).map(|c| c.sent)
+    }
+
+    /// The planner's prediction of [`StepMetrics::comm_sent`].
+    pub fn comm_planned(&self, d: Dim) -> Option<u64> {
+        self.comm.get(d).map(|c| c.planned)
+    }
+}
+
+/// A value per parallel dimension, in `Dim::ALL`'s order: a map keyed by the dimension that
+/// allocates nothing (the metrics of every step are kept for the run's summary, inside the
+/// measured memory), written in JSON as `{"tp": …, "dp": …}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CommByDim([Option<CommBytes>; 5]);
+
+/// `d`'s place in `Dim::ALL`.
+pub fn dim_index(d: Dim) -> usize {
+    Dim::ALL
+        .iter()
+        .position(|&x| x == d)
+        .expect("every Dim is in Dim::ALL")
+}
+
+impl CommByDim {
+    pub fn get(&self, d: Dim) -> Option<CommBytes> {
+        self.0[dim_index(d)]
+    }
+
+    pub fn insert(&mut self, d: Dim, c: CommBytes) {
+        self.0[dim_index(d)] = Some(c);
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.iter().all(Option::is_none)
+    }
+
+    /// The dimensions with a value, in `Dim::ALL`'s order.
+    pub fn iter(&self) -> impl Iterator<Item = (Dim, CommBytes)> + '_ {
+        (Dim::ALL.iter().zip(&self.0)).filter_map(|(d, c)| Some((*d, (*c)?)))
+    }
+}
+
+impl Serialize for CommByDim {
+    fn serialize<Ser: serde::Serializer>(&self, s: Ser) -> Result<Ser::Ok, Ser::Error> {
+        use serde::ser::SerializeMap;
+        let mut m = s.serialize_map(None)?;
+        for (d, c) in self.iter() {
+            m.serialize_entry(d.name(), &c)?;
+        }
+        m.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for CommByDim {
+    fn deserialize<De: serde::Deserializer<'de>>(d: De) -> Result<Self, De::Error> {
+        let named = BTreeMap::<String, CommBytes>::deserialize(d)?;
+        let mut out = CommByDim::default();
+        for (name, c) in named {
+            let Some(dim) = Dim::ALL.into_iter().find(|d| d.name() == name) else {
+                let dims: Vec<_> = Dim::ALL.iter().map(|d| d.name()).collect();
+                return Err(serde::de::Error::custom(format!(
+                    "comm: unknown dimension {name:?} (one of {})",
+                    dims.join(", ")
+                )));
+            };
+            out.insert(dim, c);
+        }
+        Ok(out)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -406,15 +406,16 @@ mod tests {
                     kernel_workspace: 0,
                 },
             ],
-            comm_bytes: Some(4096),
-            comm_bytes_planned: Some(4096),
+            comm: {
+                let mut c = crate::observe::metrics::CommByDim::default();
+                let dp = crate::observe::metrics::CommBytes {
+                    sent: 4096,
+                    planned: 4096,
+                };
+                c.insert(ferrotron_plan::cluster::Dim::Dp, dp);
+                c
+            },
             comm_exposed_ms: None,
-            tp_comm_bytes: None,
-            tp_comm_bytes_planned: None,
-            ep_comm_bytes: None,
-            ep_comm_bytes_planned: None,
-            cp_comm_bytes: None,
-            cp_comm_bytes_planned: None,
             pp_bubble: vec![0.5, 0.25],
             pp_bubble_planned: Some(0.5),
             gemm: "portable".into(),
@@ -464,7 +465,7 @@ mod tests {
                 "mem_peak_planned",
                 "mem_peak_measured",
                 "rank_mem/1/mem_peak_measured",
-                "comm_bytes",
+                "comm/dp/sent",
                 "pp_bubble/1",
                 "skipped",
                 "skipped_steps",

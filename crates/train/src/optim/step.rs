@@ -1,16 +1,9 @@
-//! The update of a step, after the gradients are summed: the global gradient norm, clipping,
-//! and AdamW over the runs of parameters this rank updates. The norm is the only part that
-//! knows the parallel groups: each that splits the gradients adds the parts of its ranks.
+//! The update of a step, after the gradients are summed: clipping and AdamW over the runs of
+//! parameters this rank updates (the global gradient norm's sum over the groups is the mesh's,
+//! `Mesh::global_sum_sq`).
 
-use crate::data_parallel::DataParallel;
-use crate::expert_parallel::EpGroup;
-use crate::pipeline::Pipeline;
-use crate::small_sums::SmallSums;
-use crate::tensor_parallel::TpGroup;
-use anyhow::Result;
 use ferrotron_engine::kernels::{AdamWParams, Kernels, Rounding, View, ViewMut};
 use ferrotron_engine::Elem;
-use std::cell::RefCell;
 use std::ops::Range;
 
 /// AdamW's two moments, allocated by the first optimizer step (as torch.optim does).
@@ -28,39 +21,6 @@ pub(crate) struct OptRun {
     pub decay: bool,
     /// A norm replicated over the tensor-parallel group (its gradient norm counts it once).
     pub replicated: bool,
-}
-
-/// The groups over which a rank's Σg² is only a part of the model's.
-pub(crate) struct NormGroups<'a> {
-    /// Each rank holds its slices (and 1/t of every replicated norm).
-    pub tp: Option<&'a TpGroup>,
-    /// Each expert's gradient is on one rank of the group (the dense ones on all): with the
-    /// experts' part of this rank's Σg², which the group adds.
-    pub ep: Option<(&'a EpGroup, f64)>,
-    /// Each stage holds its layers.
-    pub pp: Option<&'a Pipeline>,
-    /// Under ZeRO each rank holds the sums of its shard only.
-    pub dp_shards: Option<&'a RefCell<DataParallel>>,
-}
-
-/// The model's Σg² from this rank's part `local`, the same number on every rank.
-pub(crate) fn global_sum_sq(local: f64, g: NormGroups<'_>) -> Result<f64> {
-    let mut sum_sq = local;
-    if let Some(tp) = g.tp {
-        [sum_sq] = tp.sum_f64([sum_sq], "tensor-parallel gradient norm")?;
-    }
-    if let Some((ep, experts)) = g.ep {
-        sum_sq += ep.sum_f64([experts], "expert-parallel gradient norm")?[0] - experts;
-    }
-    if let Some(pp) = g.pp {
-        [sum_sq] = pp.sum_f64([sum_sq], "pipeline gradient norm")?;
-    }
-    if let Some(dp) = g.dp_shards {
-        [sum_sq] = dp
-            .borrow()
-            .sum_f64([sum_sq], "data-parallel gradient norm")?;
-    }
-    Ok(sum_sq)
 }
 
 /// The factor AdamW applies to each gradient as it reads it: the loss scale's `unscale`,

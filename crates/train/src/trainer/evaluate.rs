@@ -14,10 +14,9 @@ impl Trainer {
         let te = Instant::now();
         // The weights and the group leave `self` for the evaluation (moving moves no memory).
         let mut params = std::mem::replace(&mut self.params, Flat::F32(Vec::new()));
-        let dp = self.dp.take().map(RefCell::new);
+        let dp = self.mesh.dp.take().map(RefCell::new);
         // Not the step's communication.
-        let tp_bytes = self.tp.as_ref().map(|t| t.bytes.get());
-        let cp_bytes = self.cp.as_ref().map(|c| c.bytes.get());
+        let saved = self.mesh.save_bytes();
         let on_device = self.dev.as_mut().and_then(|d| d.params.take());
         let loss = match (&mut params, on_device) {
             (_, Some(mut p)) => {
@@ -34,7 +33,7 @@ impl Trainer {
             (Flat::F16(p), None) => self.eval_typed(p.view_mut(), dp.as_ref()),
         };
         // Each context-parallel rank evaluated its share of the tokens (pipelined or not).
-        let loss = match (&self.cp, loss) {
+        let loss = match (self.mesh.group(Dim::Cp), loss) {
             (Some(cp), Ok(l)) => cp
                 .sum_f64([l.sum, l.count as f64], "context-parallel sum")
                 .map(|[sum, count]| LossSum {
@@ -52,13 +51,8 @@ impl Trainer {
                 .map(|(sum, count)| LossSum { sum, count }),
             (_, l) => l,
         };
-        self.dp = dp.map(RefCell::into_inner);
-        if let (Some(t), Some(b)) = (&self.tp, tp_bytes) {
-            t.bytes.set(b);
-        }
-        if let (Some(c), Some(b)) = (&self.cp, cp_bytes) {
-            c.bytes.set(b);
-        }
+        self.mesh.dp = dp.map(RefCell::into_inner);
+        self.mesh.restore_bytes(saved);
         self.params = params;
         if let Some(a) = &mut self.pool.arena {
             a.trim();
@@ -72,7 +66,7 @@ impl Trainer {
         params: ViewMut<'_, S>,
         dp: Option<&RefCell<DataParallel>>,
     ) -> Result<LossSum> {
-        if self.pp.is_some() {
+        if self.mesh.pp.is_some() {
             self.allocate_pipeline();
             return self.pipeline_eval(params.host_mut());
         }
@@ -93,7 +87,7 @@ impl Trainer {
                 .model
                 .forward_eval_from(k, pool, src.get(), batch, &tokens, &targets);
             src.check()?;
-            check_groups(&self.tp, &self.ep, &self.cp)?;
+            self.mesh.check()?;
             loss.sum += l.sum;
             loss.count += l.count;
         }

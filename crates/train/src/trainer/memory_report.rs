@@ -66,3 +66,40 @@ pub(super) fn trace_capacity(cfg: &TrainConfig, c: &LlamaConfig, steps: u64) -> 
     let eval = cfg.observability.eval_batches as usize * (32 * c.layers + 4 * chunks + 8);
     steps as usize * (cfg.data.grad_acc as usize * per_mb + tensors + 16 + eval)
 }
+
+impl Trainer {
+    /// Kernel workspace included in the plan (see `workspace`).
+    pub fn kernel_workspace(&self) -> u64 {
+        self.plan.overhead
+    }
+
+    /// Planned peak bytes of step 1 (no optimizer states yet) or any later step.
+    /// Adds to this rank's memory plan a buffer of `bytes` live from before the first step to
+    /// the end (a checkpoint's staging buffer), which the caller allocates now.
+    pub fn plan_persistent(&mut self, name: &str, bytes: u64) {
+        use ferrotron_plan::memory::{Category, Op};
+        let plan = &mut self.plan;
+        let id = plan.plan.add(
+            name,
+            ferrotron_plan::DType::U8,
+            bytes,
+            Category::CommBuffers,
+        );
+        plan.plan.program.insert(0, Op::Alloc(id));
+        plan.sweep = plan.plan.sweep();
+        plan.at_peak = plan.sweep.at_peak;
+        plan.peak += bytes;
+        for p in &mut self.planned_peak {
+            *p += bytes;
+        }
+    }
+
+    pub fn planned_peak_step(&self, step: u64) -> u64 {
+        self.planned_peak[(step > 1) as usize]
+    }
+
+    /// Planned peak bytes of a step with optimizer states present (the steady-state step).
+    pub fn planned_peak(&self) -> u64 {
+        self.planned_peak[1]
+    }
+}

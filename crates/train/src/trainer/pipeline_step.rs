@@ -3,8 +3,9 @@
 //! optimizer: the tied embedding's two gradients, the data-parallel reduction of the stage's
 //! gradients, and the loss.
 
-use super::{norms_of, Trainer};
-use crate::data_parallel::{DataParallel, Sums};
+use super::Trainer;
+use crate::data_parallel::DataParallel;
+use crate::grad_sync::{GradSync, Local, Replicas, SeqParallelNorms};
 use crate::memory::pool::Running;
 use crate::small_sums::SmallSums;
 use anyhow::Result;
@@ -36,9 +37,13 @@ impl Trainer {
         num_targets: usize,
         loss_scale: f32,
     ) -> Result<LossSum> {
-        let mut pp = self.pp.take().expect("a pipeline stage");
+        let mut pp = self.mesh.pp.take().expect("a pipeline stage");
         let t0 = Instant::now();
         let r = self.run_stage(&mut pp, step, params, grads, num_targets, loss_scale);
+        let r = r.and_then(|loss| pp.flush().map(|_| loss));
+        if let Some(a) = &mut self.pool.arena {
+            a.set_slot(0);
+        }
         pp.span += t0.elapsed();
         let r = r.and_then(|loss| {
             self.settle(&mut pp, grads, dp)?;
@@ -48,7 +53,7 @@ impl Trainer {
                 count: count.round() as usize,
             })
         });
-        self.pp = Some(pp);
+        self.mesh.pp = Some(pp);
         r
     }
 
@@ -63,14 +68,15 @@ impl Trainer {
         loss_scale: f32,
     ) -> Result<LossSum> {
         let batch = self.batch();
-        let n = batch.n();
         let k: &dyn Kernels<S, G> = &self.kernels;
         let last_mb = self.cfg.data.grad_acc - 1;
-        let layers = self.model.config.layers;
         let width = (0..pp.chunks()).map(|c| pp.slots_of(c)).max().unwrap_or(1);
         let mut held: Vec<Option<InFlight<S>>> = (0..pp.chunks() * width).map(|_| None).collect();
         let mut src = WholeParams::host(params);
-        let sp = self.model.tp.as_ref().filter(|t| t.sp);
+        let mut norms = SeqParallelNorms {
+            tp: self.mesh.partial_norms(),
+            inner: Local,
+        };
         let mut loss = LossSum::default();
         let model = &self.model;
         for i in 0..pp.work.len() {
@@ -79,10 +85,8 @@ impl Trainer {
             if let Some(a) = &mut self.pool.arena {
                 a.set_slot(slot);
             }
-            let (mb, chunk) = match w {
-                Work::F { mb, chunk } | Work::B { mb, chunk } => (mb, chunk),
-            };
-            let range = pp.chunk_layers(chunk, layers);
+            let (Work::F { mb, chunk } | Work::B { mb, chunk }) = w;
+            let range = pp.chunk_layers(chunk, self.model.config.layers);
             let at = (chunk * width + slot) as usize;
             let b = pp.batch_slot[mb as usize];
             let t0 = Instant::now();
@@ -92,21 +96,15 @@ impl Trainer {
                     // Every stage reads each micro-batch (the loader's position stays the same
                     // on every rank): the first uses its tokens, the last its targets.
                     if chunk == 0 {
-                        let (t, y) = match b {
-                            0 => (&mut self.tokens, &mut self.targets),
-                            _ => {
-                                let (t, y) = &mut self.batches[b - 1];
-                                (t, y)
-                            }
-                        };
-                        self.loader.next_into(t, y)?;
+                        let slots = (&mut self.tokens, &mut self.targets, &mut self.batches[..]);
+                        load_slot(&mut self.loader, slots, b)?;
                     }
                     let (tokens, targets) = batch_of(&self.tokens, &self.targets, &self.batches, b);
                     let pool = &mut self.pool;
                     let x = match recv {
                         None => model.embed_forward(k, pool, &mut src, tokens),
                         Some(m) => {
-                            let mut x = model.layer_input(pool, range.start, n);
+                            let mut x = model.layer_input(pool, range.start, batch.n());
                             pp.recv(m, &mut x)?;
                             x
                         }
@@ -130,8 +128,7 @@ impl Trainer {
                                 num_targets,
                                 loss_scale,
                             );
-                            loss.sum += l.sum;
-                            loss.count += l.count;
+                            (loss.sum, loss.count) = (loss.sum + l.sum, loss.count + l.count);
                             Some(h)
                         }
                     };
@@ -143,11 +140,10 @@ impl Trainer {
                     let pool = &mut self.pool;
                     // Sequence parallelism leaves each rank its tokens' share of the norms'
                     // gradients: summed over the group once the last micro-batch's are in.
+                    let last = mb == last_mb;
                     let done = &mut |d: GradsDone, g: &mut dyn GradBuf<G>| {
-                        if let (Some(tp), true) = (sp, mb == last_mb) {
-                            for r in norms_of(&d).into_iter().filter(|r| !r.is_empty()) {
-                                tp.sum(g.slice_mut(r));
-                            }
+                        if GradSync::<G>::syncs(&norms, last) {
+                            norms.ready(d, g)
                         }
                     };
                     let mut state = match (f.head, recv) {
@@ -159,9 +155,7 @@ impl Trainer {
                             pp.recv(m, s.resid_grad_mut())?;
                             s
                         }
-                        (None, None) => {
-                            unreachable!("a chunk without the head receives a gradient")
-                        }
+                        (None, None) => unreachable!("a chunk without the head gets a gradient"),
                     };
                     model.layers_backward(
                         k, pool, &mut src, grads, batch, range, f.acts, &mut state, done,
@@ -180,13 +174,7 @@ impl Trainer {
                     self.kernels.phase("backward", t0, step, mb);
                 }
             }
-            if let Some(tp) = &self.tp {
-                tp.check()?;
-            }
-        }
-        pp.flush()?;
-        if let Some(a) = &mut self.pool.arena {
-            a.set_slot(0);
+            self.mesh.check()?;
         }
         Ok(loss)
     }
@@ -207,8 +195,7 @@ impl Trainer {
         let Some(dp) = dp else {
             return Ok(());
         };
-        let mut dp = dp.borrow_mut();
-        let mut sums = Sums { grads, shard: None };
+        let mut sync = Replicas(dp);
         // The stage's gradients in the order a backward completes them: the final norm, its
         // layers last first, the embedding (absent parts have empty ranges).
         let p = &self.model.params;
@@ -219,11 +206,9 @@ impl Trainer {
             .map(|i| GradsDone::Layer(i, &p.layers[i]));
         let embedding = (!embed.is_empty()).then_some(GradsDone::Embedding(&embed));
         for d in norm.into_iter().chain(layers).chain(embedding) {
-            for r in dp.ranges(&d) {
-                dp.add(&mut sums, r);
-            }
+            sync.ready(d, grads);
         }
-        dp.finish(&mut sums)
+        sync.finish(grads)
     }
 }
 
@@ -231,7 +216,7 @@ impl Trainer {
     /// The validation loss through the pipeline: each batch's forward, chunk by chunk, without
     /// gradients (every stage calls it; each reports the last stage's loss).
     pub(super) fn pipeline_eval<S: Elem>(&mut self, params: &mut [S]) -> Result<LossSum> {
-        let mut pp = self.pp.take().expect("a pipeline stage");
+        let mut pp = self.mesh.pp.take().expect("a pipeline stage");
         let r = self.eval_stage(&mut pp, params).and_then(|loss| {
             let [sum, count] = pp.sum_f64([loss.sum, loss.count as f64], "pipeline loss")?;
             Ok(LossSum {
@@ -241,7 +226,7 @@ impl Trainer {
         });
         pp.waits.clear();
         (pp.idle, pp.span) = Default::default();
-        self.pp = Some(pp);
+        self.mesh.pp = Some(pp);
         r
     }
 
@@ -292,9 +277,7 @@ impl Trainer {
                         loss.count += l.count;
                     }
                 }
-                if let Some(tp) = &self.tp {
-                    tp.check()?;
-                }
+                self.mesh.check()?;
             }
         }
         pp.flush()?;
@@ -313,4 +296,28 @@ fn batch_of<'a>(
         0 => (tokens, targets),
         _ => (&batches[b - 1].0, &batches[b - 1].1),
     }
+}
+
+/// Slot 0's tokens and targets, then the other batch slots'.
+type Slots<'a> = (
+    &'a mut Vec<u32>,
+    &'a mut Vec<u32>,
+    &'a mut [(Vec<u32>, Vec<u32>)],
+);
+
+/// The loader's next micro-batch into batch slot `b` (`slots`: slot 0's tokens and targets, then
+/// the other slots').
+fn load_slot(
+    loader: &mut crate::data::Loader,
+    (tokens, targets, batches): Slots<'_>,
+    b: usize,
+) -> Result<()> {
+    let (t, y) = match b {
+        0 => (tokens, targets),
+        _ => {
+            let (t, y) = &mut batches[b - 1];
+            (t, y)
+        }
+    };
+    Ok(loader.next_into(t, y)?)
 }

@@ -42,50 +42,16 @@ impl Trainer {
                 false => grads.slice(r.params.clone()),
             }
         };
-        // Σg² of the scaled gradients: inf or NaN exactly when some gradient is (the check
-        // torch's GradScaler makes before unscaling). Under ZeRO each rank holds the sums of
-        // its shard only: the ranks add their parts.
-        // Under tensor parallelism each rank holds its slices and a copy of every norm: the
-        // slices add up over the group, the norms count once (1/t of them per rank).
-        // Under pipelining each stage holds its part; the last stage's copy of a tied
-        // embedding counts once, on the first stage.
-        let tp_share = 1.0 / self.tp.as_ref().map_or(1, |t| t.size()) as f64;
-        let copied = self.model.copied();
         let sharded = dp.filter(|d| d.borrow().shard().is_some());
-        let local = match (&self.tp, sharded, &copied) {
-            (None, None, None) => k.sum_squares(grads.slice(0..self.model.params.total)),
-            _ => self
-                .runs
-                .iter()
-                .map(|r| {
-                    let share = if r.replicated { tp_share } else { 1.0 };
-                    outside(grad_of(r), &r.params, copied.as_ref())
-                        .map(|g| k.sum_squares(g))
-                        .sum::<f64>()
-                        * share
-                })
-                .sum(),
-        };
-        // Each expert's gradient is on one rank of the expert-parallel group (the dense ones on
-        // all). (Under ZeRO-1 every block of every gradient is in exactly one rank's shard: the
-        // data-parallel sum adds them.)
-        let experts = match (&self.ep, sharded) {
-            (Some(ep), None) => Some((
-                &**ep,
-                expert_ranges(&self.model.params)
-                    .into_iter()
-                    .map(|r| k.sum_squares(grads.slice(r)))
-                    .sum(),
-            )),
-            _ => None,
-        };
-        let groups = NormGroups {
-            tp: self.tp.as_deref(),
-            ep: experts,
-            pp: self.pp.as_ref(),
-            dp_shards: sharded,
-        };
-        let sum_sq = global_sum_sq(local, groups)?;
+        let sum_sq = grad_sum_sq(
+            k,
+            &self.model,
+            &self.runs,
+            &self.mesh,
+            grads,
+            &grad_of,
+            sharded,
+        )?;
         let unscale = 1.0 / loss_scale as f64;
         let grad_norm = sum_sq.sqrt() * unscale;
         let skipped = |overflow, non_finite| Stepped {
@@ -198,4 +164,53 @@ fn adamw_params(cfg: &TrainConfig, lr: f64, step: u64, grad_scale: f64) -> (Adam
         grad_scale: grad_scale as f32,
     };
     (h, rounding)
+}
+
+/// The model's Σg² from this rank's reduced gradients (`grad_of` each run's), the same number
+/// on every rank: each group that splits the gradients adds its ranks' parts.
+fn grad_sum_sq<'g, S: Elem, G: Elem>(
+    k: &dyn Kernels<S, G>,
+    model: &Llama,
+    runs: &[OptRun],
+    mesh: &Mesh,
+    grads: &dyn GradBuf<G>,
+    grad_of: &dyn Fn(&OptRun) -> View<'g, G>,
+    sharded: Option<&RefCell<DataParallel>>,
+) -> Result<f64> {
+    // Σg² of the scaled gradients: inf or NaN exactly when some gradient is (the check
+    // torch's GradScaler makes before unscaling). Under ZeRO each rank holds the sums of
+    // its shard only: the ranks add their parts.
+    // Under tensor parallelism each rank holds its slices and a copy of every norm: the
+    // slices add up over the group, the norms count once (1/t of them per rank).
+    // Under pipelining each stage holds its part; the last stage's copy of a tied
+    // embedding counts once, on the first stage.
+    let tp = mesh.group(Dim::Tp);
+    let tp_share = 1.0 / mesh.size(Dim::Tp) as f64;
+    let copied = model.copied();
+    let local = match (tp, sharded, &copied) {
+        (None, None, None) => k.sum_squares(grads.slice(0..model.params.total)),
+        _ => runs
+            .iter()
+            .map(|r| {
+                let share = if r.replicated { tp_share } else { 1.0 };
+                outside(grad_of(r), &r.params, copied.as_ref())
+                    .map(|g| k.sum_squares(g))
+                    .sum::<f64>()
+                    * share
+            })
+            .sum(),
+    };
+    // Each expert's gradient is on one rank of the expert-parallel group (the dense ones on
+    // all). (Under ZeRO-1 every block of every gradient is in exactly one rank's shard: the
+    // data-parallel sum adds them.)
+    let experts = match (mesh.group(Dim::Ep), sharded) {
+        (Some(_), None) => Some(
+            expert_ranges(&model.params)
+                .into_iter()
+                .map(|r| k.sum_squares(grads.slice(r)))
+                .sum(),
+        ),
+        _ => None,
+    };
+    mesh.global_sum_sq(local, experts, sharded)
 }

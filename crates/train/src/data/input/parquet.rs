@@ -43,43 +43,8 @@ pub fn read(src: &Source, cx: &mut ReadContext<'_>) -> Result<Read> {
             format!("not a readable Parquet file ({e}): check that it was written completely"),
         )
     })?;
-    let meta = reader.metadata();
-    let schema = meta.file_metadata().schema_descr();
     let field = cx.text_field;
-    let columns: Vec<String> = (0..schema.num_columns())
-        .map(|i| schema.column(i).path().string())
-        .collect();
-    let Some(index) = columns.iter().position(|c| c == field) else {
-        return Err(bad(
-            src,
-            format!(
-                "no column \"{field}\" (columns: {}): pass --text-field with the column that \
-                 holds the document text",
-                columns.join(", ")
-            ),
-        ));
-    };
-    let descr = schema.column(index);
-    if descr.physical_type() != PhysicalType::BYTE_ARRAY {
-        return Err(bad(
-            src,
-            format!(
-                "column \"{field}\" holds {} values, not strings: pass --text-field with a \
-                 string column",
-                descr.physical_type()
-            ),
-        ));
-    }
-    if descr.max_rep_level() > 0 {
-        return Err(bad(
-            src,
-            format!(
-                "column \"{field}\" is a list of strings, not one string per row: pass \
-                 --text-field with a string column"
-            ),
-        ));
-    }
-    let max_def = descr.max_def_level();
+    let (index, max_def) = text_column(src, &reader, field)?;
     let mut out = Read::default();
     let mut row = 0u64;
     let mut done_bytes = 0u64;
@@ -149,4 +114,49 @@ pub fn read(src: &Source, cx: &mut ReadContext<'_>) -> Result<Read> {
     }
     cx.bytes_read.set(src.size);
     Ok(out)
+}
+
+/// The column `field` of the file as the text column: its index and its maximum definition
+/// level (a row's value is there when its level is this maximum).
+fn text_column(
+    src: &Source,
+    reader: &SerializedFileReader<File>,
+    field: &str,
+) -> Result<(usize, i16)> {
+    let meta = reader.metadata();
+    let schema = meta.file_metadata().schema_descr();
+    let columns: Vec<String> = (0..schema.num_columns())
+        .map(|i| schema.column(i).path().string())
+        .collect();
+    let Some(index) = columns.iter().position(|c| c == field) else {
+        return Err(bad(
+            src,
+            format!(
+                "no column \"{field}\" (columns: {}): pass --text-field with the column that \
+                 holds the document text",
+                columns.join(", ")
+            ),
+        ));
+    };
+    let descr = schema.column(index);
+    if descr.physical_type() != PhysicalType::BYTE_ARRAY {
+        return Err(bad(
+            src,
+            format!(
+                "column \"{field}\" holds {} values, not strings: pass --text-field with a \
+                 string column",
+                descr.physical_type()
+            ),
+        ));
+    }
+    if descr.max_rep_level() > 0 {
+        return Err(bad(
+            src,
+            format!(
+                "column \"{field}\" is a list of strings, not one string per row: pass \
+                 --text-field with a string column"
+            ),
+        ));
+    }
+    Ok((index, descr.max_def_level()))
 }

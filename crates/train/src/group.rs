@@ -1,0 +1,138 @@
+//! The one group type of the trainer: a communicator, the one f32 buffer the plan gives the
+//! group (`comm.tp.staging`, `comm.ep.message`, `comm.cp.message`; allocated with the first
+//! step, so the model's collectives and exchanges allocate nothing), the bytes this rank sent,
+//! and the first failure of a collective, recorded during the engine's pass (which cannot
+//! return errors) and reported after it ([`Group::check`]), so a dead rank stops the step
+//! instead of hanging it. Each dimension's communication is beside its concept:
+//! `tensor_parallel.rs` (`TpComm`), `context_parallel.rs` (`CpComm`), `expert_parallel.rs`
+//! (`EpComm`) implement the engine's trait for this type.
+
+use crate::small_sums::SmallSums;
+use anyhow::{anyhow, Result};
+use ferrotron_dist::{Communicator, Pending};
+use std::cell::{Cell, RefCell, RefMut};
+
+pub struct Group {
+    pub comm: Box<dyn Communicator>,
+    buffer: RefCell<Vec<f32>>,
+    failed: RefCell<Option<String>>,
+    /// Bytes this rank sent to other ranks since the counter was last taken.
+    pub bytes: Cell<f64>,
+    /// Every rank's few values of a small sum during a pass (and before the planned buffer
+    /// exists), reused.
+    small: RefCell<Vec<f32>>,
+    /// A send in flight (the context-parallel ring's block), finished by the next receive.
+    pub(crate) sending: RefCell<Option<Pending>>,
+}
+
+impl Group {
+    pub fn new(comm: Box<dyn Communicator>) -> Self {
+        Group {
+            comm,
+            buffer: RefCell::new(Vec::new()),
+            failed: RefCell::new(None),
+            bytes: Cell::new(0.0),
+            small: RefCell::new(Vec::new()),
+            sending: RefCell::new(None),
+        }
+    }
+
+    /// Runs each kind of collective once on a tiny buffer, so what the backend sets up on
+    /// first use (its worker, channels, the group's meeting point) is part of the process's
+    /// baseline, before the plan's first buffer.
+    pub fn warm_up(&self, what: &str) -> Result<()> {
+        let n = self.comm.size();
+        let warm = |r: Result<Vec<f32>, ferrotron_dist::CommError>| {
+            r.map(drop)
+                .map_err(|e| anyhow!("{what} group warm-up: {e}"))
+        };
+        warm(self.comm.all_reduce_start(vec![0.0; n]).wait())?;
+        warm(self.comm.all_gather_start(vec![0.0; n]).wait())
+    }
+
+    /// The buffer of the plan (`len` f32).
+    pub fn allocate(&self, len: usize) {
+        let mut m = self.buffer.borrow_mut();
+        if m.capacity() < len {
+            *m = Vec::with_capacity(len);
+        }
+    }
+
+    /// The planned buffer, for one collective or exchange.
+    pub fn buffer(&self) -> RefMut<'_, Vec<f32>> {
+        self.buffer.borrow_mut()
+    }
+
+    /// Whether a collective of this pass failed (the later ones are skipped: the other ranks
+    /// are gone or going, and the trainer reports the failure after the pass).
+    pub fn failed(&self) -> bool {
+        self.failed.borrow().is_some()
+    }
+
+    /// Records a collective's failure, reported by [`Group::check`].
+    pub fn fail(&self, what: &str, e: impl std::fmt::Display) {
+        self.failed
+            .borrow_mut()
+            .get_or_insert_with(|| format!("{what}: {e}"));
+    }
+
+    /// Counts `bytes` sent.
+    pub fn sent(&self, bytes: f64) {
+        self.bytes.set(self.bytes.get() + bytes);
+    }
+
+    /// The bytes sent since the last call, rounded (the metrics' count).
+    pub fn take_bytes(&self) -> u64 {
+        self.bytes.take().round() as u64
+    }
+
+    /// The error of a collective that failed during the pass, if one did.
+    pub fn check(&self) -> Result<()> {
+        match self.failed.borrow_mut().take() {
+            Some(e) => Err(anyhow!(e)),
+            None => Ok(()),
+        }
+    }
+
+    /// Sums `x` over the group element by element, in rank order (the same bits on every
+    /// rank), through the reused small buffer; a failure is recorded like an exchange's.
+    pub fn sum_f32s(&self, x: &mut [f32], what: &str) {
+        if self.failed() {
+            return;
+        }
+        let mut small = self.small.borrow_mut();
+        let n = x.len();
+        match crate::small_sums::gather_small(self.comm.as_ref(), &mut small, x, what) {
+            Ok(all) => {
+                x.fill(0.0);
+                for rank in all.chunks(n) {
+                    x.iter_mut().zip(rank).for_each(|(s, v)| *s += v);
+                }
+            }
+            Err(e) => self.fail(what, e),
+        }
+    }
+
+    pub fn size(&self) -> usize {
+        self.comm.size()
+    }
+
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+}
+
+/// Small sums (a loss, the gradient norm's parts) run between passes: they gather in the
+/// planned buffer once it exists, so they allocate nothing outside the plan.
+impl SmallSums for Group {
+    fn comm(&self) -> &dyn Communicator {
+        self.comm.as_ref()
+    }
+    fn small(&self) -> RefMut<'_, Vec<f32>> {
+        let planned = self.buffer.borrow().capacity() > 0;
+        match planned {
+            true => self.buffer.borrow_mut(),
+            false => self.small.borrow_mut(),
+        }
+    }
+}

@@ -1,0 +1,335 @@
+//! What [`Trainer::new`] assembles, piece by piece, in the order the memory accounting needs
+//! (the backend and the observability buffers before the baseline, the model and its weights
+//! after): the backend, the rank's model, data parallelism's buckets and ZeRO shard, the runs
+//! of parameters the optimizer updates, the initial weights.
+
+use super::*;
+
+/// The backend a rank runs on, and what was measured or reserved before the baseline.
+pub(super) struct Opened {
+    pub kernels: Tracing<Backend>,
+    pub device_alloc: Option<Arc<dyn DeviceAlloc>>,
+    /// The CPU kernels' workspace, measured (a GPU's is its own: `gpu_workspace`).
+    pub kernel_workspace: KernelWorkspace,
+    pub gemm: String,
+    pub trace_left: u64,
+    pub timeline: Option<Timeline>,
+    /// This rank's tokens of a micro-batch, and the cross-entropy's chunk.
+    pub n: usize,
+    pub chunk: usize,
+}
+
+/// Opens the backend `device` for `llama` split over `tp_size` ranks: kernels warmed up, the
+/// workspace measured, the trace and the memory timeline reserved (all before the baseline).
+pub(super) fn open_backend(
+    cfg: &TrainConfig,
+    llama: &LlamaConfig,
+    device: crate::device::Device,
+    tp_size: usize,
+) -> Result<Opened> {
+    // Per-thread kernel state (gemm's packing slabs) is a fixed cost of the process, like
+    // the thread pool: create it now so it falls into the baseline.
+    let cpu = if cfg.precision.kind == Precision::Fp8 {
+        CpuKernels::FP8
+    } else {
+        CpuKernels::PLAIN
+    };
+    Kernels::<f32>::warm_up(&cpu);
+    // This rank's tokens of a micro-batch: under context parallelism 1/cp of each sequence.
+    let n = (cfg.data.mbs * cfg.data.seq / cfg.parallel.cp) as usize;
+    // The products this rank runs: its slice of the model under tensor parallelism.
+    let local = ferrotron_engine::model::tensor_parallel::shard_config(llama, tp_size)?;
+    let chunk = cfg.runtime.ce_chunk as usize;
+    // The CPU kernels' workspace, measured (a GPU's is its own: `gpu_workspace` below).
+    let kernel_workspace = match device {
+        crate::device::Device::Cuda => KernelWorkspace::default(),
+        _ => measure_workspace(&cpu, cfg.precision.kind, &local, n, chunk),
+    };
+    let gemm = cpu.gemm.describe();
+    let (backend, device_alloc) = crate::device::open(device, cpu)?;
+    // What the chosen backend runs (the CPU's limits were checked with the config).
+    let limits = Kernels::<f32>::limits(&backend);
+    llama
+        .check_backend(limits)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    if limits.backend == "CUDA" {
+        if cfg.precision.kind == Precision::Fp8 {
+            anyhow::bail!("precision = fp8: fp8 products on the GPU are issue #15's (cuBLASLt fp8); use bf16 there, or fp8 on the CPU");
+        }
+        if cfg.observability.memory_timeline.is_some() {
+            anyhow::bail!("memory_timeline: the timeline samples the host's heap, not the GPU's memory; drop --memory-timeline with --device cuda");
+        }
+    }
+    // Observability buffers are outside the plan: reserve them before the baseline, so the
+    // measured bytes stay comparable with the plan.
+    let kernels = Tracing::new(backend);
+    let trace_left = if cfg.observability.trace.is_some() {
+        cfg.observability.trace_steps
+    } else {
+        0
+    };
+    if trace_left > 0 {
+        kernels.start(trace_capacity(cfg, llama, trace_left));
+        kernels.stop();
+    }
+    // Without the tracking allocator there is nothing to sample.
+    let timeline = (cfg.observability.memory_timeline.is_some()
+        && cfg.observability.memory_timeline_steps > 0
+        && alloc::installed())
+    .then(|| {
+        Timeline::new(
+            0,
+            llama.layers,
+            cfg.observability.memory_timeline_steps,
+            cfg.data.grad_acc,
+        )
+    });
+    Ok(Opened {
+        kernels,
+        device_alloc,
+        kernel_workspace,
+        gemm,
+        trace_left,
+        timeline,
+        n,
+        chunk,
+    })
+}
+
+/// The rank's model (its tensor-parallel slice, its experts, its pipeline stage, its share of
+/// the context), its initial weights in the model's flat order, and the bytes its stage's
+/// parameter tables left behind (signed: they replace tables built before the baseline, the
+/// tensor-parallel rank's map), which are bookkeeping, not planned buffers.
+pub(super) fn rank_model(
+    cfg: &TrainConfig,
+    llama: LlamaConfig,
+    comms: &Comms,
+    tp_rank: Option<TensorParallel>,
+) -> Result<(Llama, Vec<f32>, i64)> {
+    // Initialisation of HF Llama: N(0, 0.02²) matrices, unit norms, zero biases; under mixed
+    // precision that is the fp32 master copy, and the weights are it rounded. A tensor-
+    // parallel rank takes its slice of the same weights.
+    let whole_init = Llama::new(llama.clone()).params.init(cfg.data.seed, 0.02);
+    let layers = llama.layers as u64;
+    let model = match (tp_rank, &comms.ep) {
+        (Some(tp), _) => Llama::tensor_parallel(tp)?,
+        (None, Some(ep)) => {
+            let group: Rc<dyn EpComm> = ep.clone();
+            let par = ExpertParallel::new(&llama, group)?;
+            Llama::expert_parallel(llama, par)
+        }
+        (None, None) => Llama::new(llama),
+    };
+    // A pipeline stage holds its layers (and the embedding or the head), as the planner
+    // splits them.
+    let stage = comms.pp.as_ref().map_or(0, |p| p.stage);
+    let layout = cfg.parallel.clone();
+    let held = move |p| layout.stage_of(p, layers) == stage as u64;
+    let stages = cfg.parallel.pp as usize;
+    let (model, tables) =
+        alloc::bookkeeping(|| model.pipeline_stage(Stage { stage, stages }, &held));
+    let model = model
+        .with_ce_chunk_tokens(cfg.runtime.ce_chunk as usize)
+        .with_recompute(cfg.runtime.recompute)
+        .with_capacity_factor(cfg.model.capacity_factor);
+    // Context parallelism: attention as a ring over the group, RoPE at this rank's
+    // positions.
+    let model = match &comms.cp {
+        Some(cp) => {
+            let ring: Rc<dyn CpComm> = cp.clone();
+            let seq = cfg.data.seq as usize;
+            model
+                .context_parallel(ContextParallel::new(ring), seq)
+                .map_err(anyhow::Error::msg)?
+        }
+        None => model,
+    };
+    let init = tpar::slice_of(&model, &whole_init);
+    drop(whole_init);
+    Ok((model, init, tables))
+}
+
+/// Data parallelism over `comm`: the buckets of the plan (`dp.grad_buckets`; ZeRO-3: one per
+/// unit), and under ZeRO the shard of the optimizer states this rank keeps.
+pub(super) fn data_parallel(
+    cfg: &TrainConfig,
+    model: &Llama,
+    comm: Box<dyn Communicator>,
+    experts_apart: bool,
+    dp_experts: Option<Box<dyn Communicator>>,
+) -> DataParallel {
+    let zero = cfg.parallel.zero;
+    let bucket_bytes = cfg.runtime.bucket_mb << 20;
+    let shards = if zero >= 1 { comm.size() as u64 } else { 1 };
+    let n = model.params.total as u64;
+    if experts_apart {
+        // The dense gradients over every replica, the experts' over theirs, each in
+        // buckets of their own (the plan's `dp.grad_buckets`, `dp.expert_grad_buckets`).
+        // Under ZeRO-1 each in blocks of its group's ranks.
+        let experts: usize = expert_ranges(&model.params).iter().map(|r| r.len()).sum();
+        let shards = |c: Option<&dyn Communicator>| match zero {
+            0 => 1,
+            _ => c.map_or(1, |c| c.size()) as u64,
+        };
+        let len = |n: usize, s: u64| dp_bucket_len(bucket_bytes, n as u64, s) as usize;
+        let lens = (
+            len(model.params.total - experts, shards(Some(comm.as_ref()))),
+            len(experts, shards(dp_experts.as_deref())),
+        );
+        let (table, sharded) = (&model.params, zero >= 1);
+        return DataParallel::expert_parallel(comm, dp_experts, table, lens, sharded);
+    }
+    let buckets = match zero {
+        3.. => Buckets::Units,
+        _ => Buckets::Fixed(dp_bucket_len(bucket_bytes, n, shards) as usize),
+    };
+    DataParallel::new(comm, &model.params, buckets, zero >= 1)
+}
+
+/// The runs of parameters the optimizer updates on this rank (every tensor, or its ZeRO
+/// shard), and the elements of its optimizer states.
+pub(super) fn opt_runs(
+    model: &Llama,
+    dp: Option<&DataParallel>,
+    experts_apart: bool,
+) -> (Vec<OptRun>, usize) {
+    let decays = |r: &Range<usize>| {
+        let e = model
+            .params
+            .entries
+            .iter()
+            .find(|e| e.range().contains(&r.start));
+        e.is_some_and(|e| e.is_matrix())
+    };
+    match dp.and_then(|d| d.shard()) {
+        Some(shard) => {
+            let run = |params: Range<usize>, at: usize| OptRun {
+                decay: decays(&params),
+                replicated: tpar::is_replicated(model, &params),
+                params,
+                at,
+            };
+            let mut runs: Vec<OptRun> = (shard.segments.iter())
+                .map(|g| run(g.params.clone(), g.at))
+                .collect();
+            let mut len = shard.len;
+            // Expert parallelism: after the dense blocks, this rank's blocks of its experts
+            // (whole when no other rank holds them).
+            if experts_apart {
+                match dp.and_then(|d| d.expert_shard()) {
+                    Some(x) => {
+                        runs.extend(x.segments.iter().map(|g| run(g.params.clone(), g.at)));
+                        len += x.len;
+                    }
+                    None => {
+                        for r in expert_ranges(&model.params) {
+                            let n = r.len();
+                            runs.push(run(r, len));
+                            len += n;
+                        }
+                    }
+                }
+            }
+            (runs, len)
+        }
+        None => {
+            let runs = model.params.entries.iter().map(|e| OptRun {
+                params: e.range(),
+                at: e.offset,
+                decay: e.is_matrix(),
+                replicated: tpar::is_replicated(model, &e.range()),
+            });
+            (runs.collect(), model.params.total)
+        }
+    }
+}
+
+/// The initial weights in their storage type, and under mixed precision the fp32 master
+/// copy (this rank's ZeRO shard of it).
+pub(super) fn initial_weights(
+    cfg: &TrainConfig,
+    runs: &[OptRun],
+    opt_len: usize,
+    zero3: Option<&Zero3>,
+    init: Vec<f32>,
+) -> (Flat, Option<Vec<f32>>) {
+    // ZeRO-3: this rank's shard of the weights, then the (zeroed) windows.
+    let weights = |init: Vec<f32>| match zero3 {
+        Some(z) => shard_of(runs, opt_len + z.len(), &init),
+        None => init,
+    };
+    if cfg.precision.kind.has_master() {
+        let master = shard_of(runs, opt_len, &init);
+        let storage = cfg.precision.kind.storage();
+        (Flat::from_f32(storage, &weights(init)), Some(master))
+    } else {
+        (Flat::F32(weights(init)), None)
+    }
+}
+
+/// This rank's place in its tensor-parallel group (with the tables mapping its slices onto
+/// the whole model): metadata of the process, like the data index.
+pub(super) fn tensor_parallel_rank(
+    llama: &LlamaConfig,
+    tp: Option<&Rc<Group>>,
+    sp: bool,
+) -> Result<Option<TensorParallel>> {
+    Ok(match tp {
+        Some(tp) => {
+            let group: Rc<dyn TpComm> = tp.clone();
+            Some(TensorParallel::new(llama.clone(), group)?.with_sp(sp))
+        }
+        None => None,
+    })
+}
+
+/// The GPU workspace a device reserves.
+type GpuWorkspace = Option<(u64, String, Option<f64>)>;
+
+/// The rank's memory plan (checked against what it allocates), with the kernel workspace it
+/// includes and the GPU's workspace and peak when the step runs on one. `states`: the
+/// optimizer states' length, ZeRO-2's gradient windows, ZeRO-3's parameter windows; `at`:
+/// this rank's tokens of a micro-batch, the cross-entropy's chunk, its pipeline stage.
+pub(super) fn rank_plan(
+    spec: &ModelSpec,
+    cfg: &TrainConfig,
+    kernels: &Tracing<Backend>,
+    model: &Llama,
+    kernel_workspace: KernelWorkspace,
+    (opt_len, windows, zero3): (usize, Option<&GradWindows>, Option<&Zero3>),
+    (n, chunk, stage): (usize, usize, usize),
+) -> Result<(RankPlan, KernelWorkspace, GpuWorkspace)> {
+    let window_len = windows.map_or(0, |w| w.len());
+    let param_windows = zero3.map_or(0, |z| z.len());
+    // A GPU's workspace is its own (cuBLASLt's, and scratch reserved now).
+    let gpu = crate::device::gpu_workspace(&kernels.inner, model, chunk, n, cfg.precision.kind);
+    let kernel_workspace = match &gpu {
+        Some((w, ..)) => KernelWorkspace {
+            layers: *w,
+            head: *w,
+        },
+        None => kernel_workspace,
+    };
+    let ws = kernel_workspace.max();
+    let plan = checked_plan(
+        spec,
+        model,
+        cfg,
+        ws,
+        opt_len,
+        window_len,
+        param_windows,
+        stage,
+    )?;
+    Ok((plan, kernel_workspace, gpu))
+}
+
+/// The pool the model's buffers come from: the rank's arena at the plan's offsets, and the
+/// memory timeline when it samples.
+pub(super) fn plan_pool(timeline: Option<Timeline>, arena: Arena) -> PlanPool {
+    PlanPool {
+        timeline,
+        arena: Some(arena),
+        ..PlanPool::default()
+    }
+}

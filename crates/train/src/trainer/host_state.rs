@@ -1,0 +1,80 @@
+//! Where the weights, master weights and optimizer states live: on the host, or (`--device`)
+//! moved to the device once initialised or loaded, and copied back for what reads them on the
+//! host (a checkpoint, a sample).
+
+use super::*;
+
+impl Trainer {
+    /// Whether Adam's moments exist (from the first optimizer step on), wherever they live.
+    pub(super) fn has_opt(&self) -> bool {
+        match &self.dev {
+            Some(d) => d.opt.is_some(),
+            None => self.opt.is_some(),
+        }
+    }
+
+    /// Moves the weights, master weights and any optimizer states to the device the run
+    /// chose (nothing on the CPU): called once they are initialised or loaded. From then on
+    /// the host holds none of them, as it would not on a GPU.
+    pub fn to_device(&mut self) -> Result<()> {
+        let Some(alloc) = self.device_alloc.clone() else {
+            return Ok(());
+        };
+        let n = self.tokens.len();
+        let e = anyhow::Error::msg;
+        let params = Some(DevFlat::from_host(&alloc, &self.params)?);
+        let master = (self.master.take())
+            .map(|m| DeviceBuf::from_host(&alloc, &m).map_err(e))
+            .transpose()?;
+        let opt = (self.opt.take())
+            .map(|o| -> Result<_> {
+                let m = DeviceBuf::from_host(&alloc, &o.m).map_err(e)?;
+                Ok((m, DeviceBuf::from_host(&alloc, &o.v).map_err(e)?))
+            })
+            .transpose()?;
+        self.params = Flat::zeros(self.params.dtype(), 0);
+        self.dev = Some(DeviceState {
+            params,
+            master,
+            grads: None,
+            opt,
+            tokens: DeviceBuf::zeros(&alloc, n).map_err(e)?,
+            targets: DeviceBuf::zeros(&alloc, n).map_err(e)?,
+        });
+        Ok(())
+    }
+
+    /// Runs `f` with the weights, master weights and optimizer states on the host (copied
+    /// from the device for it, and dropped after, when the run is on one): a checkpoint or a
+    /// sample reads them there.
+    pub fn with_host_state<R>(&mut self, f: impl FnOnce(&mut Trainer) -> R) -> R {
+        let Some(d) = &self.dev else {
+            return f(self);
+        };
+        let dtype = self.params.dtype();
+        self.params = d
+            .params
+            .as_ref()
+            .expect("the weights are on the device")
+            .to_host();
+        self.master = d.master.as_ref().map(DeviceBuf::to_host);
+        self.opt = (d.opt.as_ref()).map(|(m, v)| AdamState {
+            m: m.to_host(),
+            v: v.to_host(),
+        });
+        let r = f(self);
+        self.params = Flat::zeros(dtype, 0);
+        (self.master, self.opt) = (None, None);
+        r
+    }
+
+    /// The run's memory is the device's (`None`: the host's): the arena allocates there. The
+    /// state is initialised: the first sample of the timeline.
+    pub(super) fn place_on(&mut self, device_alloc: Option<Arc<dyn DeviceAlloc>>) {
+        if let (Some(d), Some(a)) = (&device_alloc, &mut self.pool.arena) {
+            a.on_device(d.clone());
+        }
+        self.device_alloc = device_alloc;
+        self.pool.sample(1, Point::Init);
+    }
+}
