@@ -13,7 +13,9 @@ pub mod gemm;
 mod libs;
 pub mod memory;
 pub mod source;
+pub mod staging;
 
 pub use backend::CudaKernels;
 pub use device::{DeviceError, Gpu};
 pub use memory::{download, upload, CudaAlloc, CudaPool, DeviceBlock};
+pub use staging::CudaCopy;
