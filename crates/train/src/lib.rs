@@ -16,6 +16,8 @@ pub mod expert_parallel;
 pub mod fit;
 pub mod memory;
 pub mod message_group;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 pub mod observe;
 pub mod optim;
 pub mod pipeline;
