@@ -9,7 +9,7 @@
 #                                         # ferrotron built with CUDA, stripped, in target/cuda-check
 #   bash target/cuda-check/run.sh         # on the GPU machine (no Rust there): every op and
 #                                         # training step against the CPU backend, then the
-#                                         # trainer on GPU vs CPU
+#                                         # trainer on GPU vs CPU, then NCCL at world size 1
 #   bash target/cuda-check/bench_gpu.sh   # there too: ferrotron vs PyTorch on the same GPU
 #
 # NVRTC comes from the CUDA toolkit when there is one, else from the `nvidia-cuda-nvrtc` wheel,
@@ -39,6 +39,8 @@ check)
     cargo test --release -p ferrotron-engine --features cuda --test cuda_source --test cuda_backend -- --nocapture
     # (The trainer's own refusal is checked below through the binary, as a user meets it: one
     # release build of ferrotron-train with CUDA instead of two, a lib test and the binary.)
+    echo "== NCCL communicator: builds; its world-size-1 tests skip without a GPU"
+    cargo test --release -p ferrotron-train --features cuda --test nccl -- --nocapture
     echo "== CUDA backend: ferrotron built with CUDA refuses --device cuda here in one line"
     cargo build --release -p ferrotron --features cuda
     if out=$(target/release/ferrotron train --device cuda --steps 1 2>&1); then
@@ -75,6 +77,13 @@ for l in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable"): print(m["executable"])' | tail -1)
         cp "$bin" "$out/$t"
     done
+    # The NCCL communicator's world-size-1 tests (issue #33), a train test binary.
+    bin=$(cargo test --release -p ferrotron-train --features cuda --test nccl --no-run --message-format=json 2>/dev/null |
+        python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable"): print(m["executable"])' | tail -1)
+    cp "$bin" "$out/nccl"
     strip "$out"/*
     cp scripts/cuda_compare.py scripts/bench_gpu.sh tests/reference/bench_pytorch.py "$out/"
     cat >"$out/run.sh" <<'RUN'
@@ -122,6 +131,16 @@ for p in fp32 bf16; do
     stage "$p: the GPU's steps follow the CPU's" 30 python3 cuda_compare.py "$p" \
         "$work/$p-cpu/metrics.jsonl" "$work/$p-cuda/metrics.jsonl"
 done
+# NCCL at world size 1 (issue #33), after the stages above so they run first. cudarc loads
+# libnccl.so by name and PyTorch's wheel holds libnccl.so.2: a link to it goes on
+# LD_LIBRARY_PATH. A missing NCCL fails this stage (FERROTRON_REQUIRE_NCCL), never skips it.
+nccl_lib=$(ls /opt/torch/.venv/lib/python3*/site-packages/nvidia/nccl/lib/libnccl.so.2 \
+    /usr/lib/x86_64-linux-gnu/libnccl.so.2 2>/dev/null | head -1)
+link=$(mktemp -d)
+[ -n "$nccl_lib" ] && ln -sf "$nccl_lib" "$link/libnccl.so"
+echo "nccl: ${nccl_lib:-libnccl.so.2 not found}" | tee -a "$summary"
+stage "NCCL at world size 1" 180 env LD_LIBRARY_PATH="$link:${LD_LIBRARY_PATH:-}" \
+    FERROTRON_REQUIRE_NCCL=1 ./nccl --nocapture --test-threads 1
 echo "result: $([ $rc = 0 ] && echo ok || echo FAILED)" | tee -a "$summary"
 exit $rc
 RUN

@@ -1,7 +1,8 @@
 //! ferrotron-dist: how ranks talk. A [`Communicator`] trait with the collectives the
 //! parallel trainers use, the rank [`Grid`] of a planner `Layout` (its groups are slices of
 //! it), and backends: [`threads`] (ranks as threads of one process, for one machine and for
-//! tests) and, with the `mpi` feature, `mpi` (one process per rank, launched by `mpirun`).
+//! tests) and, with the `mpi` feature, `mpi` (one process per rank, launched by `mpirun`);
+//! [`staged`] makes either take device views, through a host staging buffer.
 //! The collectives take device-neutral views (crate `ferrotron-view`, the ones the engine's
 //! kernels take), so NCCL (GPUs) will be one more backend of the same trait.
 
@@ -11,6 +12,7 @@ pub mod launch;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 mod shapes;
+pub mod staged;
 pub mod threads;
 pub mod watchdog;
 
@@ -19,4 +21,5 @@ pub use communicator::{
 };
 pub use grid::{Dim, Grid};
 pub use launch::launched_by_mpirun;
+pub use staged::Staged;
 pub use watchdog::Watched;

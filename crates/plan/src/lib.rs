@@ -15,6 +15,7 @@ pub mod cluster;
 pub mod comm;
 pub mod convention;
 pub mod deepspeed;
+pub mod disk_tier;
 pub mod error;
 pub mod flops;
 pub mod hardware;

@@ -117,6 +117,11 @@ pub struct TrainArgs {
     /// (fp32 and bf16; fp16's loss scaler handles its own overflows) [default: 5].
     #[arg(long, allow_negative_numbers = true)]
     pub max_skipped_steps: Option<u64>,
+    /// GiB of device memory the run may plan for (a smaller card, as PyTorch's
+    /// `set_per_process_memory_fraction`): a layout whose plan exceeds it is refused before
+    /// anything is allocated, with the planner's same-GPU fixes [default: no budget].
+    #[arg(long, allow_negative_numbers = true)]
+    pub device_memory: Option<f64>,
     /// Continue from a checkpoint directory up to --steps [default: none, a new run].
     #[arg(long)]
     #[serde(skip)]
@@ -319,6 +324,9 @@ pub struct RuntimeConfig {
     /// Consecutive non-finite steps skipped before the run stops (`--max-skipped-steps`).
     #[serde(default = "default_max_skipped")]
     pub max_skipped_steps: u64,
+    /// GiB of device memory the plan must fit (`--device-memory`; `fit::device_budget`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_memory: Option<f64>,
 }
 
 fn default_comm_timeout() -> f64 {
@@ -593,6 +601,7 @@ pub const SECTIONS: &[(&str, &[&str])] = &[
             "bucket_mb",
             "comm_timeout",
             "max_skipped_steps",
+            "device_memory",
         ],
     ),
     (
@@ -708,7 +717,7 @@ impl TrainArgs {
         merge!(self, file; model, data, tokenizer, init_from, capacity_factor, seq, mbs, grad_acc, steps, stop_after, lr, min_lr_ratio,
             warmup, decay_steps, weight_decay, beta1, beta2, eps, clip, seed, threads, eval_interval,
             eval_batches, out_dir, checkpoint_dir, checkpoint_interval, keep_checkpoints,
-            async_checkpoint, comm_timeout, max_skipped_steps, metrics, ce_chunk, recompute, bucket_mb,
+            async_checkpoint, comm_timeout, max_skipped_steps, device_memory, metrics, ce_chunk, recompute, bucket_mb,
             precision, fp32_grad_acc, stochastic_rounding, loss_scale_init,
             loss_scale_growth_interval,
             peak_gflops, sample_tokens, memory_timeline, memory_timeline_steps, trace,
@@ -803,6 +812,7 @@ impl TrainArgs {
                 bucket_mb: self.bucket_mb.unwrap_or(default_bucket_mb()),
                 comm_timeout: self.comm_timeout.unwrap_or(default_comm_timeout()),
                 max_skipped_steps: self.max_skipped_steps.unwrap_or(default_max_skipped()),
+                device_memory: self.device_memory,
             },
             parallel,
             checkpoint: CheckpointConfig {
@@ -881,8 +891,9 @@ fn validate(c: &TrainConfig) -> Result<(), ConfigError> {
         ));
     }
     let cf = c.model.capacity_factor.map(|cf| ("capacity_factor", cf));
+    let dm = c.runtime.device_memory.map(|g| ("device_memory", g));
     let positive = [("lr", c.optimizer.lr), ("eps", c.optimizer.eps)];
-    for (field, v) in positive.into_iter().chain(cf) {
+    for (field, v) in positive.into_iter().chain(cf).chain(dm) {
         if !(v.is_finite() && v > 0.0) {
             return Err(bad(field, v, "must be a positive number"));
         }

@@ -9,6 +9,12 @@
 //! backend; its own under `mpirun`, times the ranks on its node) plus [`RSS_OVERHEAD`], the
 //! process's own memory besides the plan (binary, thread stacks, allocator slack; measured on
 //! the default run, `docs/BENCHMARKS.md`).
+//!
+//! A device budget (`--device-memory GiB`, [`device_budget`]) is checked the same way against
+//! the most loaded rank's planned peak: a run plans against a smaller card than it has (as
+//! PyTorch's `torch.cuda.set_per_process_memory_fraction` caps its allocator) and is refused,
+//! with the planner's same-GPU fixes and their predicted peak and step time, before a byte of
+//! the model exists.
 
 use crate::config::TrainConfig;
 use anyhow::{bail, Result};
@@ -65,6 +71,7 @@ pub fn available() -> Option<u64> {
 /// Refuses a run whose plan, for the `ranks_here` ranks this process (or node) runs, does not
 /// fit [`available`] memory; names the planner's fixes that keep the rank count.
 pub fn check(spec: &ModelSpec, c: &TrainConfig, ranks_here: u64) -> Result<()> {
+    device_budget(spec, c)?;
     let Some(avail) = available() else {
         return Ok(());
     };
@@ -127,4 +134,133 @@ pub fn check(spec: &ModelSpec, c: &TrainConfig, ranks_here: u64) -> Result<()> {
         RSS_OVERHEAD as f64 / MIB,
         avail as f64 / MIB
     )
+}
+
+/// The card whose memory the fixes of a device budget are planned and timed on: an H100's
+/// compute and links (the planner's table), `budget` bytes of memory.
+const BUDGET_CARD: &str = "h100";
+
+/// Refuses a plan whose most loaded rank needs more than `--device-memory` GiB, naming the
+/// planner's fixes that keep the GPUs (offload, recompute, a smaller micro-batch, …) with their
+/// predicted peak and step time (on an H100 with that much memory).
+pub fn device_budget(spec: &ModelSpec, c: &TrainConfig) -> Result<()> {
+    let Some(gib) = c.runtime.device_memory else {
+        return Ok(());
+    };
+    let budget = (gib * GIB) as u64;
+    let input = crate::setup::plan_input(spec, c, 0);
+    // A configuration the planner refuses is left to the trainer's own checks.
+    let Ok(plan) = ferrotron_plan::planner::plan(&input) else {
+        return Ok(());
+    };
+    let most = plan.ranks[plan.most_loaded].peak;
+    if most <= budget {
+        return Ok(());
+    }
+    let anyhow = |e: ferrotron_plan::error::PlanError| anyhow::anyhow!("{e}");
+    let mut card = gpu(BUDGET_CARD).map_err(anyhow)?;
+    card.name = format!("a {gib} GiB {}", card.name);
+    card.capacity = budget;
+    let cluster = ferrotron_plan::cluster::Cluster::of(card.clone(), 8).map_err(anyhow)?;
+    let timing = ferrotron_plan::verdict::Timing {
+        cluster: &cluster,
+        flops: ferrotron_plan::flops::FlopsConvention::Ferrotron,
+    };
+    let v = ferrotron_plan::verdict::verdict(&input, most, &card, Some(timing)).map_err(anyhow)?;
+    let fixes: Vec<String> = v
+        .options
+        .iter()
+        .filter(|o| !o.adds_gpus)
+        .take(5)
+        .map(|o| {
+            let time = o
+                .step_s
+                .map(|t| format!(", {t:.3} s/step"))
+                .unwrap_or_default();
+            let fits = if o.fits { ", fits" } else { "" };
+            format!(
+                "{} (peak {:.2} GiB{time}{fits})",
+                o.flags,
+                o.peak as f64 / GIB
+            )
+        })
+        .collect();
+    let fixes = match fixes.is_empty() {
+        true => "none on the same GPUs: add GPUs, or a card with more memory".to_string(),
+        false => fixes.join("; "),
+    };
+    bail!(
+        "device_memory = {gib}: the plan's peak is {:.2} GiB on rank {} (more than {gib} GiB): nothing was allocated; same-GPU fixes (times predicted on {}): {fixes}",
+        most as f64 / GIB,
+        plan.most_loaded,
+        card.name
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::TrainArgs;
+
+    fn run(model: &str, gib: Option<f64>) -> (ModelSpec, TrainConfig) {
+        let c = TrainArgs {
+            model: Some(model.into()),
+            device_memory: gib,
+            ..Default::default()
+        }
+        .resolve()
+        .unwrap();
+        (ferrotron_plan::presets::resolve(model).unwrap(), c)
+    }
+
+    #[test]
+    fn a_device_budget_below_the_plan_is_refused_with_same_gpu_fixes() {
+        let (spec, c) = run("llama-3.2-1b", Some(16.0));
+        let plan = ferrotron_plan::planner::plan(&crate::setup::plan_input(&spec, &c, 0)).unwrap();
+        let peak = plan.ranks[plan.most_loaded].peak as f64 / GIB;
+        let msg = device_budget(&spec, &c).unwrap_err().to_string();
+        let head = format!(
+            "device_memory = 16: the plan's peak is {peak:.2} GiB on rank 0 (more than 16 GiB): nothing was allocated; same-GPU fixes (times predicted on a 16 GiB h100): "
+        );
+        let fixes = msg.strip_prefix(&head).unwrap_or_else(|| panic!("{msg}"));
+        // Each fix: `flags (peak P GiB, T s/step[, fits])`, below the plan's peak, timed.
+        let mut fitting = Vec::new();
+        for f in fixes.split("; ") {
+            let (flags, rest) = f.split_once(" (peak ").unwrap_or_else(|| panic!("{f}"));
+            let (p, rest) = rest.split_once(" GiB, ").unwrap();
+            let p: f64 = p.parse().unwrap();
+            assert!(p < peak, "{f}: not below the plan's {peak:.2} GiB");
+            assert!(rest.contains(" s/step"), "{f}: no predicted time");
+            assert_eq!(rest.ends_with(", fits)"), p <= 16.0, "{f}");
+            if p <= 16.0 {
+                fitting.push(flags);
+            }
+        }
+        // A 1.24B-parameter model in fp32 with AdamW: 16 bytes per parameter of weights,
+        // gradients and moments (18.4 GiB) before activations; moving the 8 bytes of moments to
+        // the host is what fits 16 GiB.
+        assert!(fitting.contains(&"--offload optimizer"), "{msg}");
+        assert!(fixes.contains("--recompute full (peak "), "{msg}");
+        // Just above the peak, and without a budget, the run goes on.
+        let (spec, c) = run("llama-3.2-1b", Some(peak + 0.01));
+        device_budget(&spec, &c).unwrap();
+        let (spec, c) = run("llama-3.2-1b", None);
+        device_budget(&spec, &c).unwrap();
+    }
+
+    #[test]
+    fn a_device_budget_must_be_positive() {
+        for bad in [0.0, -2.0, f64::NAN] {
+            let e = TrainArgs {
+                device_memory: Some(bad),
+                ..Default::default()
+            }
+            .resolve()
+            .unwrap_err();
+            assert_eq!(
+                e.to_string(),
+                format!("device_memory = {bad}: must be a positive number")
+            );
+        }
+    }
 }

@@ -18,6 +18,8 @@ pub mod grad_sync;
 pub mod group;
 pub mod memory;
 pub mod mesh;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 pub mod observe;
 pub mod optim;
 pub mod pipeline;

@@ -12,6 +12,10 @@
 //! Like `&[T]` and `&mut [T]`, a `View` is `Copy` and a `ViewMut` is unique: the borrow checker
 //! keeps two writers of one buffer apart whatever memory it lives in.
 
+mod device_copy;
+
+pub use device_copy::{copy_problem, DeviceCopy, HostStaging};
+
 use std::fmt;
 use std::marker::PhantomData;
 use std::ops::{Bound, RangeBounds};

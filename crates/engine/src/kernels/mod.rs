@@ -19,6 +19,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod device_check;
+pub mod device_copy;
 pub mod device_memory;
 pub mod event_log;
 pub mod observe;

@@ -1,0 +1,568 @@
+//! The NCCL communicator (`--features cuda`, issue #33): the collectives and messages of the
+//! [`Communicator`] trait on views of one GPU's memory, through NVIDIA's NCCL, which cudarc
+//! loads at run time (`dynamic-loading`), so this builds without NCCL and a machine without it
+//! runs the host communicators as before.
+//!
+//! - **Bootstrap**: rank 0 of an existing host communicator (threads or MPI) makes NCCL's
+//!   unique id and broadcasts it to the group's ranks, which join the NCCL communicator with it
+//!   (`ncclCommInitRank`), as llm.c shares its id through MPI. A sub-group is bootstrapped the
+//!   same way over the host communicator's sub-group.
+//! - **Streams**: NCCL runs on a communication stream of its own. Each call orders it after
+//!   the work already on the compute stream (the legacy default stream every kernel of the
+//!   CUDA backend runs on) by an event, and the compute stream's next work after the
+//!   collective by another: the host does not wait, and device work sees the result.
+//! - **All-to-all** (even and uneven) is a group of sends and receives (`ncclGroupStart` …
+//!   `ncclGroupEnd`), which NCCL runs as one operation, so no pair order is needed.
+//! - The overlapped `*_start` collectives own host `Vec`s, which NCCL cannot read: they run on
+//!   the host communicator the bootstrap came over. A started send (`send_start`, a host
+//!   buffer) is refused: its receiver would wait on NCCL.
+//! - NCCL refuses two ranks on one GPU, so the GPU machine (one GPU) runs it at world size 1;
+//!   ranks sharing a GPU use the host-staged communicator (`ferrotron_dist::Staged`).
+//!
+//! cudarc looks for NCCL as `libnccl.so` (and `.so.12`, …), while NCCL (PyTorch's
+//! `nvidia-nccl` wheel, `nvidia/nccl/lib`, and Debian's `libnccl2`) installs `libnccl.so.2`:
+//! a `libnccl.so` link to it in a directory on `LD_LIBRARY_PATH` lets cudarc find it
+//! (`scripts/cuda_check.sh` makes one on the GPU machine).
+
+use ferrotron_dist::communicator::{Completion, Memory, Pending, Result, View, ViewMut};
+use ferrotron_dist::{AsViewMut, CommError, Communicator};
+use ferrotron_engine::kernels::cuda::cudarc::driver::{
+    sys::CUevent_flags, CudaContext, CudaEvent, CudaStream,
+};
+use ferrotron_engine::kernels::cuda::cudarc::nccl::{result, sys};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+/// Whether NCCL loads (cudarc's probe by name; nothing is created).
+pub fn present() -> bool {
+    // SAFETY: a dlopen probe, as cudarc does before its first call.
+    unsafe { sys::is_culib_present() }
+}
+
+/// NCCL's version as `major * 10000 + minor * 100 + patch` (2.30.7: 23007).
+pub fn version() -> std::result::Result<i32, String> {
+    if !present() {
+        return Err(MISSING.into());
+    }
+    result::get_nccl_version().map_err(|e| format!("{e:?}"))
+}
+
+const MISSING: &str = "NCCL not found: cudarc loads libnccl.so by name, and NCCL installs libnccl.so.2 (PyTorch: site-packages/nvidia/nccl/lib); put a libnccl.so link to it in a directory on LD_LIBRARY_PATH";
+
+/// `what` failed with `e`, in words.
+fn driver<E: std::fmt::Debug>(what: &str) -> impl FnOnce(E) -> String + '_ {
+    move |e| format!("{what}: {e:?}")
+}
+
+/// A group of ranks, one GPU each, talking through NCCL.
+pub struct Nccl {
+    comm: sys::ncclComm_t,
+    /// The host communicator of the same ranks: the bootstrap, the barrier, the overlapped
+    /// collectives on host buffers, sub-groups.
+    host: Box<dyn Communicator>,
+    ctx: Arc<CudaContext>,
+    /// NCCL's stream, and the compute stream it is ordered against.
+    comm_stream: Arc<CudaStream>,
+    compute: Arc<CudaStream>,
+    /// Recorded on the compute stream before a call, on the communication stream after it.
+    before: CudaEvent,
+    after: CudaEvent,
+    aborted: AtomicBool,
+}
+
+// SAFETY: an NCCL communicator may be used from any thread, one at a time (the trait's rule:
+// every call binds the context first); the handle is owned here and destroyed once.
+unsafe impl Send for Nccl {}
+
+/// An operation refused before it started.
+struct Refused(Option<CommError>);
+
+impl Completion for Refused {
+    fn test(&mut self) -> bool {
+        true
+    }
+    fn wait(mut self: Box<Self>) -> Result<Vec<f32>> {
+        Err(self.0.take().expect("waited once"))
+    }
+}
+
+impl Nccl {
+    /// The NCCL communicator of `host`'s ranks, each on `ctx`'s GPU: a collective over `host`
+    /// (every rank calls it). Fails on every rank, in one line, when NCCL is missing here.
+    pub fn new(host: Box<dyn Communicator>, ctx: Arc<CudaContext>) -> Result<Nccl> {
+        let (me, size) = (host.rank(), host.size());
+        let fail = |host: &dyn Communicator, problem: String| {
+            host.abort(&problem);
+            CommError::Usage {
+                rank: me,
+                op: "nccl",
+                problem,
+            }
+        };
+        if !present() {
+            return Err(fail(&*host, MISSING.into()));
+        }
+        // The 128-byte unique id, one byte per f32 (exact), from rank 0.
+        let mut id = [0.0f32; 128];
+        if me == 0 {
+            let made = result::get_uniqueid()
+                .map_err(|e| fail(&*host, format!("making NCCL's unique id: {e:?}")))?;
+            for (f, &b) in id.iter_mut().zip(made.internal.iter()) {
+                *f = b as u8 as f32;
+            }
+        }
+        host.broadcast(id.view_mut(), 0)?;
+        let mut unique = sys::ncclUniqueId { internal: [0; 128] };
+        for (b, &f) in unique.internal.iter_mut().zip(id.iter()) {
+            *b = f as u8 as std::ffi::c_char;
+        }
+        let setup = || -> std::result::Result<_, String> {
+            ctx.bind_to_thread()
+                .map_err(driver("binding the context"))?;
+            let comm_stream = ctx.new_stream().map_err(driver("a stream for NCCL"))?;
+            let flags = Some(CUevent_flags::CU_EVENT_DISABLE_TIMING);
+            let before = ctx.new_event(flags).map_err(driver("an event"))?;
+            let after = ctx.new_event(flags).map_err(driver("an event"))?;
+            let mut comm = std::mem::MaybeUninit::uninit();
+            // SAFETY: the context is bound; `comm` is written by a successful init.
+            let comm = unsafe {
+                result::comm_init_rank(comm.as_mut_ptr(), size as i32, unique, me as i32)
+                    .map_err(driver("joining the NCCL communicator"))?;
+                comm.assume_init()
+            };
+            Ok((comm, comm_stream, before, after))
+        };
+        let (comm, comm_stream, before, after) = setup().map_err(|e| fail(&*host, e))?;
+        Ok(Nccl {
+            comm,
+            host,
+            compute: ctx.default_stream(),
+            ctx,
+            comm_stream,
+            before,
+            after,
+            aborted: AtomicBool::new(false),
+        })
+    }
+
+    fn usage(&self, op: &'static str, problem: String) -> CommError {
+        CommError::Usage {
+            rank: self.rank(),
+            op,
+            problem,
+        }
+    }
+
+    /// `mem` is this GPU's memory, else a usage error naming it.
+    fn check(&self, mem: Memory, op: &'static str) -> Result<()> {
+        let gpu = Memory::Device(self.ctx.ordinal() as u32);
+        if mem == gpu {
+            Ok(())
+        } else {
+            Err(self.usage(
+                op,
+                format!("the buffer is in {mem}, and this NCCL communicator runs on {gpu}"),
+            ))
+        }
+    }
+
+    fn failed(&self, op: &'static str, e: impl std::fmt::Debug) -> CommError {
+        CommError::PeerFailed {
+            rank: self.rank(),
+            cause: format!("{op}: NCCL: {e:?}"),
+        }
+    }
+
+    /// Runs `enqueue` (NCCL calls on the communication stream) ordered after the compute
+    /// stream's work, and the compute stream's next work after it.
+    fn ordered(
+        &self,
+        op: &'static str,
+        enqueue: impl FnOnce(sys::cudaStream_t) -> std::result::Result<(), result::NcclError>,
+    ) -> Result<()> {
+        if self.aborted.load(Ordering::Relaxed) {
+            return Err(self.failed(op, "the communicator was aborted"));
+        }
+        self.ctx.bind_to_thread().map_err(|e| self.failed(op, e))?;
+        self.before
+            .record(&self.compute)
+            .and_then(|()| self.comm_stream.wait(&self.before))
+            .map_err(|e| self.failed(op, e))?;
+        enqueue(self.comm_stream.cu_stream() as sys::cudaStream_t)
+            .map_err(|e| self.failed(op, e))?;
+        self.after
+            .record(&self.comm_stream)
+            .and_then(|()| self.compute.wait(&self.after))
+            .map_err(|e| self.failed(op, e))
+    }
+
+    /// Sends and receives as one NCCL group: `pairs` of (peer, send offset, send count, receive
+    /// offset, receive count), in elements of `send` and `recv`.
+    fn exchange(
+        &self,
+        op: &'static str,
+        send: View<'_, f32>,
+        mut recv: ViewMut<'_, f32>,
+        pairs: impl Iterator<Item = (usize, usize, usize, usize, usize)>,
+    ) -> Result<()> {
+        let (s, r) = (send.as_ptr(), recv.as_mut_ptr());
+        let comm = self.comm;
+        self.ordered(op, |stream| {
+            result::group_start()?;
+            for (peer, so, sn, ro, rn) in pairs {
+                // SAFETY: the offsets and counts lie within the views (checked by the caller),
+                // which are this GPU's memory and stay borrowed for the call; the compute
+                // stream waits for the group before reusing them.
+                unsafe {
+                    if sn > 0 {
+                        result::send(
+                            s.add(so).cast(),
+                            sn,
+                            sys::ncclDataType_t::ncclFloat32,
+                            peer as i32,
+                            comm,
+                            stream,
+                        )?;
+                    }
+                    if rn > 0 {
+                        result::recv(
+                            r.add(ro).cast(),
+                            rn,
+                            sys::ncclDataType_t::ncclFloat32,
+                            peer as i32,
+                            comm,
+                            stream,
+                        )?;
+                    }
+                }
+            }
+            result::group_end().map(drop)
+        })
+    }
+}
+
+impl Drop for Nccl {
+    fn drop(&mut self) {
+        if !self.aborted.swap(true, Ordering::Relaxed) {
+            // SAFETY: made in `new`, destroyed once; nothing to report at teardown.
+            unsafe {
+                let _ = self.ctx.bind_to_thread();
+                let _ = self.comm_stream.synchronize();
+                let _ = result::comm_destroy(self.comm);
+            }
+        }
+    }
+}
+
+impl Communicator for Nccl {
+    fn rank(&self) -> usize {
+        self.host.rank()
+    }
+
+    fn size(&self) -> usize {
+        self.host.size()
+    }
+
+    fn all_reduce_sum(&self, mut buf: ViewMut<'_, f32>) -> Result<()> {
+        self.check(buf.memory(), "all_reduce_sum")?;
+        let (p, n, comm) = (buf.as_mut_ptr(), buf.len(), self.comm);
+        self.ordered("all_reduce_sum", |stream| {
+            // SAFETY: in place on `n` elements of this GPU's memory.
+            unsafe {
+                result::all_reduce(
+                    p.cast_const().cast(),
+                    p.cast(),
+                    n,
+                    sys::ncclDataType_t::ncclFloat32,
+                    sys::ncclRedOp_t::ncclSum,
+                    comm,
+                    stream,
+                )
+            }
+            .map(drop)
+        })
+    }
+
+    fn reduce_scatter_sum(&self, send: View<'_, f32>, mut recv: ViewMut<'_, f32>) -> Result<()> {
+        const OP: &str = "reduce_scatter_sum";
+        self.check(send.memory(), OP)?;
+        self.check(recv.memory(), OP)?;
+        let m = recv.len();
+        if send.len() != self.size() * m {
+            return Err(self.usage(
+                OP,
+                format!(
+                    "send has {} elements, expected size {} × recv {m}",
+                    send.len(),
+                    self.size()
+                ),
+            ));
+        }
+        let (s, r, comm) = (send.as_ptr(), recv.as_mut_ptr(), self.comm);
+        self.ordered(OP, |stream| {
+            // SAFETY: `send` holds size × m elements, `recv` m, both this GPU's memory.
+            unsafe {
+                result::reduce_scatter(
+                    s.cast(),
+                    r.cast(),
+                    m,
+                    sys::ncclDataType_t::ncclFloat32,
+                    sys::ncclRedOp_t::ncclSum,
+                    comm,
+                    stream,
+                )
+            }
+            .map(drop)
+        })
+    }
+
+    fn all_gather(&self, send: View<'_, f32>, mut recv: ViewMut<'_, f32>) -> Result<()> {
+        const OP: &str = "all_gather";
+        self.check(send.memory(), OP)?;
+        self.check(recv.memory(), OP)?;
+        let m = send.len();
+        if recv.len() != self.size() * m {
+            return Err(self.usage(
+                OP,
+                format!("recv has {} elements, expected size × {m}", recv.len()),
+            ));
+        }
+        let (s, r, comm) = (send.as_ptr(), recv.as_mut_ptr(), self.comm);
+        self.ordered(OP, |stream| {
+            // SAFETY: `send` holds m elements, `recv` size × m, both this GPU's memory.
+            unsafe {
+                result::all_gather(
+                    s.cast(),
+                    r.cast(),
+                    m,
+                    sys::ncclDataType_t::ncclFloat32,
+                    comm,
+                    stream,
+                )
+            }
+            .map(drop)
+        })
+    }
+
+    fn broadcast(&self, mut buf: ViewMut<'_, f32>, root: usize) -> Result<()> {
+        self.check(buf.memory(), "broadcast")?;
+        if root >= self.size() {
+            return Err(self.usage(
+                "broadcast",
+                format!("root {root} is not in a group of {}", self.size()),
+            ));
+        }
+        let (p, n, comm) = (buf.as_mut_ptr(), buf.len(), self.comm);
+        self.ordered("broadcast", |stream| {
+            // SAFETY: in place on `n` elements of this GPU's memory.
+            unsafe {
+                result::broadcast(
+                    p.cast_const().cast(),
+                    p.cast(),
+                    n,
+                    sys::ncclDataType_t::ncclFloat32,
+                    root as i32,
+                    comm,
+                    stream,
+                )
+            }
+            .map(drop)
+        })
+    }
+
+    fn all_to_all(&self, send: View<'_, f32>, recv: ViewMut<'_, f32>) -> Result<()> {
+        const OP: &str = "all_to_all";
+        self.check(send.memory(), OP)?;
+        self.check(recv.memory(), OP)?;
+        let size = self.size();
+        if !send.len().is_multiple_of(size) || recv.len() != send.len() {
+            return Err(self.usage(
+                OP,
+                format!(
+                    "send {} and recv {} must be equal and divisible by {size}",
+                    send.len(),
+                    recv.len()
+                ),
+            ));
+        }
+        let b = send.len() / size;
+        self.exchange(OP, send, recv, (0..size).map(|j| (j, j * b, b, j * b, b)))
+    }
+
+    fn all_to_all_v(
+        &self,
+        send: View<'_, f32>,
+        send_counts: &[usize],
+        recv: ViewMut<'_, f32>,
+        recv_counts: &[usize],
+        _message: &mut Vec<f32>,
+    ) -> Result<()> {
+        const OP: &str = "all_to_all_v";
+        self.check(send.memory(), OP)?;
+        self.check(recv.memory(), OP)?;
+        let (me, size) = (self.rank(), self.size());
+        let (s, r) = (
+            send_counts.iter().sum::<usize>(),
+            recv_counts.iter().sum::<usize>(),
+        );
+        if send_counts.len() != size || recv_counts.len() != size {
+            return Err(self.usage(
+                OP,
+                format!(
+                    "{} send and {} receive counts for a group of {size}",
+                    send_counts.len(),
+                    recv_counts.len()
+                ),
+            ));
+        }
+        if s > send.len() || r > recv.len() {
+            return Err(self.usage(
+                OP,
+                format!(
+                    "counts of {s} to send and {r} to receive exceed the buffers ({}, {})",
+                    send.len(),
+                    recv.len()
+                ),
+            ));
+        }
+        if send_counts[me] != recv_counts[me] {
+            return Err(self.usage(
+                OP,
+                format!(
+                    "this rank sends itself {} elements but expects {}",
+                    send_counts[me], recv_counts[me]
+                ),
+            ));
+        }
+        let offsets = |c: &[usize]| -> Vec<usize> {
+            c.iter()
+                .scan(0, |at, &n| {
+                    *at += n;
+                    Some(*at - n)
+                })
+                .collect()
+        };
+        let (so, ro) = (offsets(send_counts), offsets(recv_counts));
+        let pairs = (0..size).map(|j| (j, so[j], send_counts[j], ro[j], recv_counts[j]));
+        self.exchange(OP, send, recv, pairs)
+    }
+
+    /// To another rank: NCCL sends to this rank only inside a group (the all-to-all), where
+    /// the matching receive is enqueued with it; alone it would wait forever.
+    fn send(&self, buf: View<'_, f32>, dst: usize, _tag: u32) -> Result<()> {
+        self.check(buf.memory(), "send")?;
+        self.peer(dst, "send", "destination")?;
+        let (p, n, comm) = (buf.as_ptr(), buf.len(), self.comm);
+        self.ordered("send", |stream| {
+            // SAFETY: `n` elements of this GPU's memory.
+            unsafe {
+                result::send(
+                    p.cast(),
+                    n,
+                    sys::ncclDataType_t::ncclFloat32,
+                    dst as i32,
+                    comm,
+                    stream,
+                )
+            }
+            .map(drop)
+        })
+    }
+
+    fn send_start(&self, buf: Vec<f32>, _dst: usize, _tag: u32) -> Pending {
+        let e = self.usage(
+            "send_start",
+            format!(
+                "a started send of {} host elements: NCCL sends device views (send), which its receiver waits on",
+                buf.len()
+            ),
+        );
+        Pending::from_completion(Box::new(Refused(Some(e))))
+    }
+
+    /// NCCL matches messages by order between two ranks, not by tag.
+    fn recv(&self, mut buf: ViewMut<'_, f32>, src: usize, _tag: u32) -> Result<()> {
+        self.check(buf.memory(), "recv")?;
+        self.peer(src, "recv", "source")?;
+        let (p, n, comm) = (buf.as_mut_ptr(), buf.len(), self.comm);
+        self.ordered("recv", |stream| {
+            // SAFETY: `n` elements of this GPU's memory.
+            unsafe {
+                result::recv(
+                    p.cast(),
+                    n,
+                    sys::ncclDataType_t::ncclFloat32,
+                    src as i32,
+                    comm,
+                    stream,
+                )
+            }
+            .map(drop)
+        })
+    }
+
+    /// Every rank's NCCL work so far finished, then the host group's barrier.
+    fn barrier(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .and_then(|()| self.comm_stream.synchronize())
+            .map_err(|e| self.failed("barrier", e))?;
+        self.host.barrier()
+    }
+
+    fn all_reduce_start(&self, buf: Vec<f32>) -> Pending {
+        self.host.all_reduce_start(buf)
+    }
+
+    fn reduce_scatter_start(&self, buf: Vec<f32>) -> Pending {
+        self.host.reduce_scatter_start(buf)
+    }
+
+    fn all_gather_start(&self, buf: Vec<f32>) -> Pending {
+        self.host.all_gather_start(buf)
+    }
+
+    /// The host group learns of the failure; NCCL's work in flight is aborted, so a rank
+    /// waiting in a collective returns.
+    fn abort(&self, cause: &str) {
+        self.host.abort(cause);
+        if !self.aborted.swap(true, Ordering::Relaxed) {
+            // SAFETY: the communicator made in `new`, aborted once (and then never destroyed).
+            unsafe {
+                let _ = self.ctx.bind_to_thread();
+                let _ = result::comm_abort(self.comm);
+            }
+        }
+    }
+
+    fn split_group(&self, members: &[usize]) -> Result<Box<dyn Communicator>> {
+        let host = self.host.split_group(members)?;
+        Ok(Box::new(Nccl::new(host, self.ctx.clone())?))
+    }
+
+    fn split_named(&self, members: &[usize], name: &str) -> Result<Box<dyn Communicator>> {
+        let host = self.host.split_named(members, name)?;
+        Ok(Box::new(Nccl::new(host, self.ctx.clone())?))
+    }
+}
+
+impl Nccl {
+    /// `peer` is another rank of the group (see [`Nccl::send`]).
+    fn peer(&self, peer: usize, op: &'static str, what: &str) -> Result<()> {
+        if peer >= self.size() {
+            Err(self.usage(
+                op,
+                format!("{what} {peer} is not in a group of {}", self.size()),
+            ))
+        } else if peer == self.rank() {
+            Err(self.usage(
+                op,
+                format!(
+                    "{what} {peer} is this rank: NCCL messages itself only within an all-to-all"
+                ),
+            ))
+        } else {
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,157 @@
+//! The NCCL communicator (`ferrotron_train::nccl`) at world size 1, the one GPU of the GPU
+//! machine (NCCL refuses two ranks on one GPU): every collective on device buffers gives the
+//! threads backend's result at world size 1 bit for bit, bad input is refused with its reason.
+//! Without a GPU the GPU tests return at once saying so (CI), unless `FERROTRON_GPU_REQUIRED`
+//! is set (the GPU kit), where that fails them; on a machine with a GPU a missing NCCL fails
+//! them. `FERROTRON_REQUIRE_NCCL=1` (set by the GPU kit, `run.sh`, and
+//! usable on any machine with NCCL on `LD_LIBRARY_PATH`) makes a missing NCCL fail the
+//! library test too.
+#![cfg(feature = "cuda")]
+
+use ferrotron_dist::threads::{world, ThreadComm};
+use ferrotron_dist::{AsView, AsViewMut, Communicator};
+use ferrotron_engine::kernels::cuda::cudarc::driver::CudaContext;
+use ferrotron_engine::kernels::cuda::{device, download, skip, upload, DeviceBlock};
+use ferrotron_train::nccl::{self, Nccl};
+use std::sync::Arc;
+use std::time::Duration;
+
+fn one_rank() -> ThreadComm {
+    world(1, Duration::from_secs(20)).pop().unwrap()
+}
+
+/// GPU 0's context, or `None` (saying why) where there is no GPU.
+fn gpu() -> Option<Arc<CudaContext>> {
+    if !device::driver_present() {
+        skip::unavailable("no NVIDIA driver here");
+        return None;
+    }
+    match CudaContext::new(0) {
+        Ok(c) => Some(c),
+        Err(e) => {
+            skip::unavailable(&format!("no GPU 0 ({e:?})"));
+            None
+        }
+    }
+}
+
+#[test]
+fn the_library_loads_where_required() {
+    match nccl::version() {
+        Ok(v) => {
+            eprintln!("NCCL {}.{}.{}", v / 10000, v / 100 % 100, v % 100);
+            assert!(v >= 21800, "NCCL {v} is older than 2.18");
+        }
+        Err(e) => {
+            assert!(
+                std::env::var_os("FERROTRON_REQUIRE_NCCL").is_none(),
+                "FERROTRON_REQUIRE_NCCL is set: {e}"
+            );
+            eprintln!("skipped: {e}");
+        }
+    }
+}
+
+fn data(n: usize, salt: u32) -> Vec<f32> {
+    (0..n as u32)
+        .map(|i| ((i.wrapping_mul(2654435761) ^ salt) % 1999) as f32 * 0.731 - 700.0)
+        .collect()
+}
+
+fn up(ctx: &Arc<CudaContext>, v: &[f32]) -> DeviceBlock {
+    upload(ctx, v).expect("upload")
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|f| f.to_bits()).collect()
+}
+
+/// Every collective on `c` (world size 1), on device buffers where `dev` is given, else on
+/// host buffers: each result.
+fn collectives(c: &dyn Communicator, dev: Option<&Arc<CudaContext>>) -> Vec<Vec<u32>> {
+    // Runs `f` on views of `ins` and of a zeroed output of `n` elements, in device memory
+    // where `dev` is given; returns the output.
+    let run =
+        |ins: &[f32],
+         out: Vec<f32>,
+         f: &dyn Fn(ferrotron_dist::View<'_, f32>, ferrotron_dist::ViewMut<'_, f32>)| {
+            match dev {
+                None => {
+                    let mut out = out;
+                    f(ins.view(), out.view_mut());
+                    bits(&out)
+                }
+                Some(ctx) => {
+                    let i = up(ctx, ins);
+                    let mut o = up(ctx, &out);
+                    f(i.view(ins.len()), o.view_mut(out.len()));
+                    bits(&download(o.view::<f32>(out.len())))
+                }
+            }
+        };
+    let n = 1000;
+    let x = data(n, 1);
+    let mut out = Vec::new();
+    // In place: the input is the output.
+    out.push(run(&[], x.clone(), &|_, o| c.all_reduce_sum(o).unwrap()));
+    out.push(run(&[], x.clone(), &|_, o| c.broadcast(o, 0).unwrap()));
+    out.push(run(&x, vec![0.0; n], &|i, o| {
+        c.reduce_scatter_sum(i, o).unwrap()
+    }));
+    out.push(run(&x, vec![0.0; n], &|i, o| c.all_gather(i, o).unwrap()));
+    out.push(run(&x, vec![0.0; n], &|i, o| c.all_to_all(i, o).unwrap()));
+    // Uneven: 600 of the 1000 elements out, into the front of a buffer of 700.
+    out.push(run(&x, vec![-1.0; 700], &|i, o| {
+        c.all_to_all_v(i, &[600], o, &[600], &mut Vec::new())
+            .unwrap()
+    }));
+    let sub = c.split_group(&[0]).unwrap();
+    out.push(run(&[], data(n, 2), &|_, o| sub.all_reduce_sum(o).unwrap()));
+    c.barrier().unwrap();
+    out
+}
+
+#[test]
+fn world_size_one_collectives_equal_the_threads_backend() {
+    let Some(ctx) = gpu() else { return };
+    let want = collectives(&one_rank(), None);
+    let c = Nccl::new(Box::new(one_rank()), ctx.clone()).unwrap_or_else(|e| panic!("{e}"));
+    let got = collectives(&c, Some(&ctx));
+    for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g, w, "collective {k}");
+    }
+    // The host communicator's overlapped all-reduce, through NCCL's host group.
+    let summed = c.all_reduce_start(data(8, 3)).wait().unwrap();
+    assert_eq!(bits(&summed), bits(&data(8, 3)));
+}
+
+#[test]
+fn bad_input_is_refused_with_its_reason() {
+    let Some(ctx) = gpu() else { return };
+    let c = Nccl::new(Box::new(one_rank()), ctx.clone()).unwrap_or_else(|e| panic!("{e}"));
+    let mut host = vec![0.0f32; 4];
+    assert_eq!(
+        c.all_reduce_sum(host.view_mut()).unwrap_err().to_string(),
+        "rank 0: all_reduce_sum: the buffer is in host memory, and this NCCL communicator runs on device 0 memory"
+    );
+    let mut b = up(&ctx, &[1.0; 4]);
+    assert_eq!(
+        c.send(b.view(4), 0, 1).unwrap_err().to_string(),
+        "rank 0: send: destination 0 is this rank: NCCL messages itself only within an all-to-all"
+    );
+    assert_eq!(
+        c.recv(b.view_mut(4), 1, 1).unwrap_err().to_string(),
+        "rank 0: recv: source 1 is not in a group of 1"
+    );
+    let s = up(&ctx, &[0.0; 7]);
+    assert_eq!(
+        c.reduce_scatter_sum(s.view(7), b.view_mut(4))
+            .unwrap_err()
+            .to_string(),
+        "rank 0: reduce_scatter_sum: send has 7 elements, expected size 1 × recv 4"
+    );
+    assert_eq!(
+        c.send_start(vec![0.0; 3], 0, 1).wait().unwrap_err().to_string(),
+        "rank 0: send_start: a started send of 3 host elements: NCCL sends device views (send), which its receiver waits on"
+    );
+}
