@@ -27,9 +27,7 @@ pub(super) fn check_layout(
     if layout.pp > 1 {
         check_pp(args, saved, layout)?;
     }
-    if args.device != crate::device::Device::Cuda {
-        check_fit(args, saved, world)?;
-    }
+    check_fit(args, saved, world)?;
     Ok(())
 }
 
@@ -132,6 +130,11 @@ fn check_fit(args: &TrainArgs, saved: Option<&checkpoint::Loaded>, world: usize)
     // budget is its own).
     let cfg = config_of(args, saved)?;
     let spec = spec_of(&cfg, saved)?;
+    if args.device == crate::device::Device::Cuda {
+        // The GPU's memory is checked against the plan when it is opened; here only the
+        // budget of `--device-memory`, before anything is allocated.
+        return crate::fit::device_budget(&spec, &cfg);
+    }
     // Under mpirun this process is one rank of those on its node; as threads, all of them.
     let here = match ferrotron_dist::launched_by_mpirun() {
         true => std::env::var("OMPI_COMM_WORLD_LOCAL_SIZE")
