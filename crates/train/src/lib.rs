@@ -19,6 +19,7 @@ pub mod message_group;
 pub mod observe;
 pub mod optim;
 pub mod pipeline;
+pub mod pp_auto;
 pub mod run;
 pub mod sample;
 pub mod setup;
