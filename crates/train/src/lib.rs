@@ -23,6 +23,7 @@ pub mod nccl;
 pub mod observe;
 pub mod optim;
 pub mod pipeline;
+pub mod pp_auto;
 pub mod run;
 pub mod sample;
 pub mod setup;

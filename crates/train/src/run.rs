@@ -214,6 +214,7 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
     crate::memory::heap::keep_library_blocks();
     // The `--config` file is read once, here; the ranks get the merged flags.
     let args = args.merged().map_err(anyhow::Error::msg)?;
+    let args = crate::pp_auto::resolve(args)?;
     // A resumed run keeps the checkpoint's layout unless the flags give one.
     // The checkpoint is read before any rank starts, so a bad one fails once.
     if let (Some(_), Some(d)) = (&args.resume, &args.init_from) {

@@ -290,3 +290,74 @@ fn pipelining_runs_in_16_bit_precisions() {
         assert_within_plans(&two, &what);
     }
 }
+
+#[test]
+fn pp_layers_auto_trains_the_split_the_planners_balance_gives_for_cpu_costs() {
+    // The fixture's matmul FLOPs per token, forward + backward (3× forward, docs/FORMULAS.md):
+    // a layer 3·(2·(128·128·2 + 2·128·64 + 3·128·320) + 2·32·128) (weights, then the causal
+    // scores and values of a 32-token sequence), the LM head 3·2·8192·128, about 6 layers.
+    let layer = 3.0
+        * (2.0 * (2.0 * 128.0 * 128.0 + 2.0 * 128.0 * 64.0 + 3.0 * 128.0 * 320.0)
+            + 2.0 * 32.0 * 128.0);
+    let head = 3.0 * 2.0 * 8192.0 * 128.0;
+    // Each stage keeps one layer; the planner's balance places the other four.
+    let rest = ferrotron_plan::balance::balance_stages(&[(layer, layer), (head + layer, layer)], 4);
+    let expected: Vec<u64> = rest.iter().map(|n| n + 1).collect();
+    assert_eq!(expected, [5, 1], "the head outweighs the other four layers");
+    let out = tmp("pp-auto-choice");
+    let mut a = args(&out, 2);
+    (a.layout.pp, a.layout.pp_layers) = (Some(2), Some("auto".into()));
+    let c = ferrotron_train::pp_auto::choose(&a).unwrap().unwrap();
+    assert_eq!(c.stages, expected);
+    // Priced at each of the 2 ranks' half of the given 100 GFLOP/s, 64 tokens a micro-batch.
+    let s = 64.0 / 50e9;
+    assert!(rel(c.lines[1].0, head * s) < 1e-12 && rel(c.lines[0].1, layer * s) < 1e-12);
+    // It trains: the one-rank trajectory, each stage within its plan, and the same plans as
+    // the split given by hand.
+    let auto = train(
+        "pp-auto",
+        &Layout {
+            pp: 2,
+            layers: Some("auto"),
+            ..ONE
+        },
+    );
+    let by_hand = train(
+        "pp-auto-5-1",
+        &Layout {
+            pp: 2,
+            layers: Some("5,1"),
+            ..ONE
+        },
+    );
+    let one = train("pp-auto-one", &ONE);
+    assert_follows(&one, &auto, 1e-5, true, "pp 2 layers auto");
+    assert_within_plans(&auto, "pp 2 layers auto");
+    let plans = |s: &[StepMetrics]| {
+        s[0].rank_mem
+            .iter()
+            .map(|r| r.mem_peak_planned)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(plans(&auto), plans(&by_hand));
+    // Where auto cannot apply, one line says why.
+    let bad = |edit: &dyn Fn(&mut TrainArgs)| {
+        let _turn = ONE_RUN_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+        let mut a = args(&out, 2);
+        a.layout.pp_layers = Some("auto".into());
+        edit(&mut a);
+        format!("{:#}", run(a).unwrap_err())
+    };
+    assert_eq!(
+        bad(&|_| {}),
+        "pp_layers = auto: balances the layers over pipeline stages; add --pp 2 or more"
+    );
+    assert_eq!(
+        bad(&|a| (a.layout.pp, a.layout.pp_first_layers) = (Some(2), Some(2))),
+        "pp_layers = auto: goes without --pp-first-layers/--pp-last-layers (auto chooses every stage's layers)"
+    );
+    assert_eq!(
+        bad(&|a| (a.layout.pp, a.layout.pp_virtual) = (Some(2), Some(4))),
+        "pp_layers = auto: 6 layers cannot give each of the pp × pp_virtual = 8 model chunks one; lower --pp or --pp-virtual"
+    );
+}
