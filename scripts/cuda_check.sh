@@ -13,18 +13,19 @@
 #   bash target/cuda-check/bench_gpu.sh   # there too: ferrotron vs PyTorch on the same GPU
 #
 # NVRTC comes from the CUDA toolkit when there is one, else from the `nvidia-cuda-nvrtc` wheel,
-# installed here into target/nvrtc (about 60 MB, once).
+# installed here into target/nvrtc-13.0 (about 60 MB, once). Pinned to CUDA 13.0, the GPU
+# machine's driver (580): the newest wheel writes PTX a 13.0 driver refuses (ptx_version.rs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 nvrtc() {
     if [ -n "${FERROTRON_NVRTC:-}" ] || [ -e /usr/local/cuda/lib64/libnvrtc.so ]; then return; fi
     local lib
-    lib=$(find target/nvrtc .venv/lib/python3.11/site-packages/nvidia -name 'libnvrtc.so.1[0-9]' 2>/dev/null | head -1 || true)
+    lib=$(find target/nvrtc-13.0 -name 'libnvrtc.so.1[0-9]' 2>/dev/null | head -1 || true)
     if [ -z "$lib" ]; then
-        echo "== installing NVRTC (pip: nvidia-cuda-nvrtc) into target/nvrtc"
-        python3 -m pip install -q --disable-pip-version-check --target target/nvrtc 'nvidia-cuda-nvrtc==13.*'
-        lib=$(find target/nvrtc -name 'libnvrtc.so.1[0-9]' | head -1)
+        echo "== installing NVRTC (pip: nvidia-cuda-nvrtc 13.0) into target/nvrtc-13.0"
+        python3 -m pip install -q --disable-pip-version-check --target target/nvrtc-13.0 'nvidia-cuda-nvrtc==13.0.*'
+        lib=$(find target/nvrtc-13.0 -name 'libnvrtc.so.1[0-9]' | head -1)
     fi
     export FERROTRON_NVRTC="$PWD/$lib"
 }
@@ -85,7 +86,7 @@ for l in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable"): print(m["executable"])' | tail -1)
     cp "$bin" "$out/nccl"
     strip "$out"/*
-    cp scripts/cuda_compare.py scripts/bench_gpu.sh tests/reference/bench_pytorch.py "$out/"
+    cp scripts/cuda_compare.py scripts/cuda_memory.py scripts/bench_gpu.sh tests/reference/bench_pytorch.py "$out/"
     # The trainer runs both sides of the GPU-vs-CPU comparison with these flags. The CPU side
     # is trained here, so no device minute trains on a CPU (FERROTRON_KIT_CPU=0, as CI's dry
     # run sets, leaves it to run.sh).
@@ -131,10 +132,23 @@ stage() {
     echo "== $name" >>"$log"
     if timeout "$budget" "$@" >>"$log" 2>&1; then r=ok; else r="FAILED (exit $?)"; rc=1; fi
     echo "$name: $r in $((SECONDS - t0)) s (budget $budget s)" | tee -a "$summary"
+    last=$r
 }
 stage "NVRTC compiles every kernel" 120 ./cuda_source --nocapture
-grep -h "^libraries:" "$log" | head -1 >>"$summary"
+grep -h "^libraries:\|^ptx: sm_90" "$log" | head -2 >>"$summary"
 stage "every op against the CPU" 240 ./cuda_backend --nocapture --test-threads 1
+# A failing op test again under compute-sanitizer's memcheck (an out-of-bounds access names
+# its kernel and thread), where the machine has it.
+if [ "$last" != ok ]; then
+    san=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer \
+        /opt/torch/.venv/lib/python3*/site-packages/nvidia/*/bin/compute-sanitizer 2>/dev/null | head -1)
+    if [ -n "$san" ]; then
+        stage "compute-sanitizer memcheck on the op tests" 180 "$san" --tool memcheck \
+            ./cuda_backend --nocapture --test-threads 1
+    else
+        echo "compute-sanitizer: not on this machine" | tee -a "$summary"
+    fi
+fi
 read -ra common <train_flags
 for p in fp32 bf16; do
     # The CPU's half was trained when the kit was built (cpu-$p.jsonl); without it, here. The
@@ -151,6 +165,22 @@ for p in fp32 bf16; do
     stage "$p: the GPU's steps follow the CPU's" 30 python3 cuda_compare.py "$p" \
         "$cpu" "$work/$p-cuda/metrics.jsonl"
 done
+# Device memory by the driver against the plan (issue #31): SmolLM-135M's shape, fp32 and
+# bf16 × every recompute policy, two steps each; the data tokenized once.
+mem=()
+for p in fp32 bf16; do
+    for rc in none selective full; do
+        data=()
+        [ -d "$work/data" ] && data=(--data "$work/data")
+        stage "memory: smollm-135m $p recompute $rc" 60 ./ferrotron train --device cuda \
+            --model smollm-135m --precision "$p" --recompute "$rc" --seq 2048 --mbs 2 --steps 2 \
+            --eval-interval 0 --sample-tokens 0 --quiet "${data[@]}" --out-dir "$work/mem-$p-$rc"
+        [ -d "$work/data" ] || cp -r "$work/mem-$p-$rc/data" "$work/data" 2>/dev/null
+        mem+=("$p/$rc=$work/mem-$p-$rc/metrics.jsonl")
+    done
+done
+stage "memory: the driver's count against the plan" 30 python3 cuda_memory.py "${mem[@]}"
+grep -h "^fp32/\|^bf16/" "$log" >>"$summary"
 # NCCL at world size 1 (issue #33), after the stages above so they run first. cudarc loads
 # libnccl.so by name and PyTorch's wheel holds libnccl.so.2: a link to it goes on
 # LD_LIBRARY_PATH. A missing NCCL fails this stage (FERROTRON_REQUIRE_NCCL), never skips it.

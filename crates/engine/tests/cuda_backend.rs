@@ -15,6 +15,7 @@ use common::{assert_close, to64, Rng};
 use ferrotron_engine::dtype::Elem;
 use ferrotron_engine::kernels::cuda::{download, skip, upload, CudaKernels, CudaPool, DeviceBlock};
 use ferrotron_engine::kernels::*;
+use ferrotron_engine::kernels::{View, ViewMut};
 use ferrotron_engine::model::{
     BatchShape, GradBuf, GradsDone, HeapPool, Llama, Recompute, Whole, WholeParams,
 };
@@ -30,14 +31,72 @@ fn gpu() -> Option<CudaKernels> {
     }
 }
 
-/// Device copies and host copies of test tensors.
+/// Device copies of test tensors, each `at` elements into its own allocation with `at` guard
+/// elements (all bits set) on either side: at `at = 0` a fresh allocation, 256-byte aligned;
+/// at an odd `at`, as the trainer's weights sit at element offsets of one flat buffer, only
+/// element-aligned (which cuBLASLt must be told, `gemm::alignment`). A kernel that writes past
+/// its view changes a guard, which [`same`] checks.
 struct On<'k> {
     k: &'k CudaKernels,
+    at: usize,
 }
 
+/// A test tensor on the device, `at` elements into `block`.
+struct Dev {
+    block: DeviceBlock,
+    at: usize,
+    elem: usize,
+}
+
+const GUARD: u8 = 0xff;
+
 impl On<'_> {
-    fn up<T: Copy>(&self, host: &[T]) -> DeviceBlock {
-        upload(&self.k.gpu().ctx, host).expect("upload")
+    fn up<T: Copy>(&self, host: &[T]) -> Dev {
+        let elem = size_of::<T>();
+        let guard = vec![GUARD; self.at * elem];
+        // SAFETY: the host tensor's bytes, read as bytes.
+        let bytes =
+            unsafe { std::slice::from_raw_parts(host.as_ptr().cast::<u8>(), size_of_val(host)) };
+        let all: Vec<u8> = [&guard[..], bytes, &guard[..]].concat();
+        let block = upload(&self.k.gpu().ctx, &all).expect("upload");
+        Dev {
+            block,
+            at: self.at,
+            elem,
+        }
+    }
+}
+
+impl Dev {
+    fn view<T>(&self, len: usize) -> View<'_, T> {
+        assert_eq!(
+            size_of::<T>(),
+            self.elem,
+            "a test tensor viewed as another type"
+        );
+        self.block.view::<T>(self.at + len).slice(self.at..)
+    }
+
+    fn view_mut<T>(&mut self, len: usize) -> ViewMut<'_, T> {
+        assert_eq!(
+            size_of::<T>(),
+            self.elem,
+            "a test tensor viewed as another type"
+        );
+        self.block.view_mut::<T>(self.at + len).slice_mut(self.at..)
+    }
+
+    /// Whether the guards on either side are as uploaded.
+    #[track_caller]
+    fn guards_intact(&self, what: &str) {
+        let bytes: Vec<u8> = download(self.block.view::<u8>(self.block.bytes()));
+        let g = self.at * self.elem;
+        let (before, after) = (&bytes[..g], &bytes[bytes.len() - g..]);
+        assert!(
+            before.iter().chain(after).all(|&b| b == GUARD),
+            "{what}: a kernel wrote outside its view (offset {} elements)",
+            self.at
+        );
     }
 }
 
@@ -50,15 +109,16 @@ fn stored<S: Elem>(x: &[f32]) -> Vec<S> {
 }
 
 #[track_caller]
-fn same<S: Elem>(what: &str, got: &DeviceBlock, want: &[S], tol: f64) {
+fn same<S: Elem>(what: &str, got: &Dev, want: &[S], tol: f64) {
     let g: Vec<S> = download(got.view(want.len()));
     assert_close(what, &f32s(&g), &to64(&f32s(want)), tol);
+    got.guards_intact(what);
 }
 
 /// Every dense op once, on the CPU and on the GPU, from the same inputs.
-fn ops<S: Elem>(k: &CudaKernels, tol: f64, tol_product: f64) {
-    let t = std::any::type_name::<S>();
-    let on = On { k };
+fn ops<S: Elem>(k: &CudaKernels, at: usize, tol: f64, tol_product: f64) {
+    let t = format!("{} at +{at}", std::any::type_name::<S>());
+    let on = On { k, at };
     let cpu = CpuKernels::PLAIN;
     let c: &dyn Kernels<S> = &cpu;
     let g: &dyn Kernels<S> = k;
@@ -428,14 +488,14 @@ fn rng_vec(n: usize) -> Vec<f32> {
     Rng::new(n as u64).vec(n, 1.0)
 }
 
-fn d<T: Copy>(on: &On<'_>, host: &[T]) -> DeviceBlock {
+fn d<T: Copy>(on: &On<'_>, host: &[T]) -> Dev {
     on.up(host)
 }
 
 /// AdamW: fp32 in place, and bf16 parameters rounded to nearest and stochastically (the same
 /// counter-based noise as the CPU: a rounding differs only where the f32 update itself does).
-fn adamw<S: Elem, G: Elem>(k: &CudaKernels) {
-    let on = On { k };
+fn adamw<S: Elem, G: Elem>(k: &CudaKernels, at: usize) {
+    let on = On { k, at };
     let n = 3000;
     let h = AdamWParams {
         lr: 1e-2,
@@ -477,7 +537,7 @@ fn adamw<S: Elem, G: Elem>(k: &CudaKernels) {
             gv.view_mut(n),
             Some((gout.view_mut(n), rounding)),
         );
-        let what = format!("adamw {} {rounding:?}", std::any::type_name::<S>());
+        let what = format!("adamw {} at +{at} {rounding:?}", std::any::type_name::<S>());
         same(&format!("{what} master"), &gp, &p, 1e-6);
         same(&format!("{what} m"), &gm, &m, 1e-6);
         same(&format!("{what} v"), &gv, &v, 1e-6);
@@ -494,11 +554,86 @@ fn adamw<S: Elem, G: Elem>(k: &CudaKernels) {
 fn every_dense_op_follows_the_cpu() {
     let Some(k) = gpu() else { return };
     eprintln!("GPU: {} ({})", k.gpu().name, k.gpu().arch);
-    ops::<f32>(&k, 1e-5, 1e-4);
-    ops::<bf16>(&k, 2e-2, 2e-2);
-    adamw::<f32, f32>(&k);
-    adamw::<bf16, bf16>(&k);
-    adamw::<bf16, f32>(&k);
+    // Fresh allocations, then views at an odd element offset.
+    for at in [0, 3] {
+        ops::<f32>(&k, at, 1e-5, 1e-4);
+        ops::<bf16>(&k, at, 2e-2, 2e-2);
+        adamw::<f32, f32>(&k, at);
+        adamw::<bf16, bf16>(&k, at);
+        adamw::<bf16, f32>(&k, at);
+    }
+}
+
+/// Ops over zero rows (an expert no token was routed to, an empty micro-batch shard) write
+/// nothing: no block is launched to touch a row that is not there, and no product runs.
+fn zero_rows<S: Elem>(k: &CudaKernels) {
+    let t = std::any::type_name::<S>();
+    let on = On { k, at: 2 };
+    let g: &dyn Kernels<S> = k;
+    let mut rng = Rng::new(13);
+    let mut r = |n: usize| stored::<S>(&rng.vec(n, 1.0));
+    let s = MatmulShape {
+        n: 0,
+        in_features: 32,
+        out_features: 16,
+        ragged: false,
+    };
+    let (x, dy, mut y, mut dx) = (
+        on.up::<S>(&[]),
+        on.up::<S>(&[]),
+        on.up::<S>(&[]),
+        on.up::<S>(&[]),
+    );
+    let (w, dw0) = (r(16 * 32), r(16 * 32));
+    let (gw, mut gdw) = (on.up(&w), on.up(&dw0));
+    for acc in [Accum::Overwrite, Accum::Add] {
+        g.matmul_forward(s, x.view(0), gw.view(w.len()), None, y.view_mut(0), acc);
+        g.matmul_backward_input(s, dy.view(0), gw.view(w.len()), dx.view_mut(0), acc);
+    }
+    g.matmul_backward_weight(s, dy.view(0), x.view(0), gdw.view_mut(w.len()), None);
+    same(
+        &format!("{t} zero rows: weight gradient unchanged"),
+        &gdw,
+        &dw0,
+        0.0,
+    );
+    for (what, b) in [("matmul_forward", &y), ("matmul_backward_input", &dx)] {
+        b.guards_intact(&format!("{t} zero rows: {what}"));
+    }
+    let ns = NormShape {
+        n: 0,
+        c: 32,
+        eps: 1e-5,
+    };
+    let nw = on.up(&r(32));
+    let (mut out, mut rstd) = (on.up::<S>(&[]), on.up::<f32>(&[]));
+    g.rmsnorm_forward(
+        ns,
+        x.view(0),
+        nw.view(32),
+        out.view_mut(0),
+        rstd.view_mut(0),
+    );
+    out.guards_intact(&format!("{t} zero rows: rmsnorm_forward"));
+    rstd.guards_intact(&format!("{t} zero rows: rmsnorm rstd"));
+    g.swiglu_forward(x.view(0), dy.view(0), out.view_mut(0));
+    out.guards_intact(&format!("{t} zero rows: swiglu_forward"));
+    let ce = CeShape {
+        rows: 0,
+        vocab: 100,
+    };
+    let (mut z, tg, mut l) = (on.up::<f32>(&[]), on.up::<u32>(&[]), on.up::<f32>(&[]));
+    let loss = g.cross_entropy(ce, z.view_mut(0), tg.view(0), l.view_mut(0), Some(1.0));
+    assert_eq!(loss, 0.0, "{t} zero rows: cross_entropy");
+    l.guards_intact(&format!("{t} zero rows: cross_entropy losses"));
+    z.guards_intact(&format!("{t} zero rows: cross_entropy logits"));
+}
+
+#[test]
+fn ops_over_zero_rows_write_nothing() {
+    let Some(k) = gpu() else { return };
+    zero_rows::<f32>(&k);
+    zero_rows::<bf16>(&k);
 }
 
 /// Loss sums of a training micro-batch and an evaluation, and the gradients: on the CPU, or on
@@ -527,7 +662,7 @@ fn step<S: Elem>(
             (loss.sum, eval.sum, grads)
         }
         Some(k) => {
-            let on = On { k };
+            let on = On { k, at: 0 };
             let (p, tok, tgt) = (on.up(params), on.up(tokens), on.up(targets));
             let mut gr = on.up(&vec![S::from_f32(0.0); model.num_params()]);
             let mut pool = CudaPool::new(&k.gpu().ctx);

@@ -7,7 +7,7 @@
 use ferrotron_engine::kernels::cuda::source::{
     compile, compile_program, entry_points, nvrtc_present, program,
 };
-use ferrotron_engine::kernels::cuda::{libs, skip};
+use ferrotron_engine::kernels::cuda::{device, libs, ptx_version, skip};
 
 #[test]
 fn every_kernel_compiles_for_hopper_and_ampere() {
@@ -18,7 +18,7 @@ fn every_kernel_compiles_for_hopper_and_ampere() {
         return;
     }
     // Where the libraries came from, for the GPU kit's summary.
-    ferrotron_engine::kernels::cuda::device::driver_present();
+    device::driver_present();
     eprintln!("libraries: {}", libs::found().join("; "));
     for arch in ["sm_90", "sm_80"] {
         // Compiled, never from the cache (`compile`'s, tested below).
@@ -28,6 +28,26 @@ fn every_kernel_compiles_for_hopper_and_ampere() {
             "{arch}: {}",
             &ptx[..300]
         );
+        // The ISA the driver will be asked to load (`ptx_version`), for the kit's summary.
+        let isa = ptx_version::isa(&ptx).unwrap_or_else(|| panic!("{arch}: no .version line"));
+        let driver = match device::driver_present() {
+            true => match device::driver_cuda_version() {
+                Ok(v) => match ptx_version::fit(&ptx, v) {
+                    ptx_version::Fit::AsIs => {
+                        format!("driver CUDA {}: loads as is", ptx_version::cuda_name(v))
+                    }
+                    ptx_version::Fit::Lowered { to, .. } => format!(
+                        "driver CUDA {}: newer than it loads, lowered to {}.{}",
+                        ptx_version::cuda_name(v),
+                        to.0,
+                        to.1
+                    ),
+                },
+                Err(e) => format!("{e}"),
+            },
+            false => "no driver here".into(),
+        };
+        eprintln!("ptx: {arch} ISA {}.{} ({driver})", isa.0, isa.1);
         for name in entry_points() {
             assert!(
                 ptx.contains(&format!(".entry {name}(")),

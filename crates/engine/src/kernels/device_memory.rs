@@ -37,6 +37,13 @@ pub trait DeviceAlloc: Send + Sync + std::fmt::Debug {
         None
     }
     fn reset_peak(&self) {}
+    /// The device's memory in use now by its driver's own count, less what was in use when
+    /// this allocator was made (a GPU's: everything the process added since, the backend's
+    /// scratch and what the driver reserves for the kernels included, rounded to its pages);
+    /// `None` where there is no driver to ask.
+    fn driver_used(&self) -> Option<u64> {
+        None
+    }
     /// Whether a region freed between micro-batches is better kept (a GPU's allocator
     /// synchronises the device; the host's is cheap).
     fn keeps_regions(&self) -> bool {

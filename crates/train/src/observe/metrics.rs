@@ -20,6 +20,12 @@ pub struct StepMetrics {
     /// process baseline taken before the model was built.
     pub mem_peak_measured: u64,
     pub mem_peak_planned: u64,
+    /// On a GPU: the device's memory in use at the end of the step by the driver's count
+    /// (`cuMemGetInfo`), over what was in use before the trainer allocated anything: a check
+    /// of `mem_peak_measured` (what the trainer asked for) by the one who gave it. Every
+    /// buffer is allocated by the plan and kept, so the end of a step is its peak.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mem_device_driver: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f64>,
     /// fp16: the loss scale this step ran with.

@@ -389,6 +389,7 @@ mod tests {
             step_ms: 80.0,
             mem_peak_measured: 1 << 20,
             mem_peak_planned: (1 << 20) + 4096,
+            mem_device_driver: None,
             val_loss: (step == 2).then_some(8.5),
             loss_scale: None,
             skipped,

@@ -162,6 +162,7 @@ impl Trainer {
                 step_ms: secs * 1e3,
                 mem_peak_measured: measured_max,
                 mem_peak_planned: planned_max,
+                mem_device_driver: self.device_alloc.as_ref().and_then(|d| d.driver_used()),
                 val_loss: None,
                 loss_scale: ran_with,
                 skipped: overflow.is_some() || non_finite,

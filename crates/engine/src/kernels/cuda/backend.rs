@@ -126,6 +126,10 @@ impl CudaKernels {
 
     /// Scratch `which` of at least `bytes`, as a device address.
     fn scratch(&self, which: Scratch, bytes: usize) -> u64 {
+        // Every raw copy of the backend goes through a scratch: bound here, it never runs on a
+        // thread that has not launched anything yet (cudarc's own calls bind their context,
+        // the raw ones do not).
+        self.bind();
         let mut s = lock(&self.scratch);
         if s.get(&which).is_none_or(|b| b.bytes() < bytes) {
             s.remove(&which);
@@ -215,9 +219,14 @@ macro_rules! launch {
         let f = $s.gpu.function(&name);
         let mut b = $s.gpu.stream.launch_builder(f);
         $(let a = $arg; b.arg(&a);)*
-        // SAFETY: the arguments match the kernel's signature (`cu/`), device pointers come
-        // from views of device memory with the lengths the kernel reads.
-        unsafe { b.launch($cfg) }.unwrap_or_else(|e| panic!("CUDA kernel {name}: {e:?}"));
+        let cfg: LaunchConfig = $cfg;
+        // No work, no launch: a grid over zero rows or elements is empty (`per_row` & co.),
+        // where a block started anyway would touch row 0 of a buffer that has none.
+        if cfg.grid_dim.0 > 0 {
+            // SAFETY: the arguments match the kernel's signature (`cu/`), device pointers
+            // come from views of device memory with the lengths the kernel reads.
+            unsafe { b.launch(cfg) }.unwrap_or_else(|e| panic!("CUDA kernel {name}: {e:?}"));
+        }
     }};
 }
 use launch;
@@ -255,8 +264,9 @@ fn dev_mut<T>(v: &mut ViewMut<'_, T>, op: &str) -> u64 {
     dev(&v.as_view(), op)
 }
 
+/// Enough blocks for `n` elements (none for none: `launch!` then skips the launch).
 fn elementwise(n: u64) -> LaunchConfig {
-    let blocks = n.div_ceil(BLOCK as u64).clamp(1, 65_535 * 16) as u32;
+    let blocks = n.div_ceil(BLOCK as u64).min(65_535 * 16) as u32;
     LaunchConfig {
         grid_dim: (blocks, 1, 1),
         block_dim: (BLOCK, 1, 1),
@@ -264,19 +274,19 @@ fn elementwise(n: u64) -> LaunchConfig {
     }
 }
 
-/// One block per row.
+/// One block per row (none for no rows).
 fn per_row(rows: usize) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (rows.max(1) as u32, 1, 1),
+        grid_dim: (rows as u32, 1, 1),
         block_dim: (BLOCK, 1, 1),
         shared_mem_bytes: 0,
     }
 }
 
-/// One warp per row, four warps a block.
+/// One warp per row, four warps a block (none for no rows).
 fn per_warp(rows: u64) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (rows.div_ceil(4).max(1) as u32, 1, 1),
+        grid_dim: (rows.div_ceil(4) as u32, 1, 1),
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     }

@@ -3,7 +3,7 @@
 //! what is missing and what to do, never a panic (cudarc itself panics when a library it
 //! calls cannot be loaded, so presence is checked first).
 
-use super::source;
+use super::{ptx_version, source};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
 use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
@@ -54,6 +54,47 @@ pub fn arch(major: i32, minor: i32) -> &'static str {
     }
 }
 
+/// The driver's CUDA version (`cuDriverGetVersion`: 1000·major + 10·minor).
+pub fn driver_cuda_version() -> Result<u32, DeviceError> {
+    let mut v = 0;
+    // SAFETY: the driver is loaded (checked by the caller); one int written.
+    unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) }
+        .result()
+        .map_err(driver("reading the driver's CUDA version"))?;
+    Ok(v as u32)
+}
+
+/// The compiled kernels loaded into `ctx`, their PTX first fitted to the driver
+/// ([`ptx_version`]): a module newer than the driver is loaded with its version lowered, said
+/// on stderr; if the driver refuses even that, the error names both versions and the fix.
+fn load(ctx: &Arc<CudaContext>, ptx: String) -> Result<Arc<CudaModule>, DeviceError> {
+    let cuda = driver_cuda_version()?;
+    let (from, to, ptx) = match ptx_version::fit(&ptx, cuda) {
+        ptx_version::Fit::AsIs => {
+            return ctx
+                .load_module(Ptx::from_src(ptx))
+                .map_err(driver("loading the compiled kernels"));
+        }
+        ptx_version::Fit::Lowered { ptx, from, to } => (from, to, ptx),
+    };
+    let nvrtc = super::libs::found()
+        .into_iter()
+        .find(|l| l.starts_with("FERROTRON_NVRTC"))
+        .unwrap_or_else(|| "NVRTC".into());
+    let cuda = ptx_version::cuda_name(cuda);
+    eprintln!(
+        "warning: {nvrtc} wrote PTX ISA {}.{}, newer than this driver (CUDA {cuda}) loads; loading it as ISA {}.{}",
+        from.0, from.1, to.0, to.1
+    );
+    ctx.load_module(Ptx::from_src(ptx)).map_err(|e| DeviceError::Driver {
+        what: "loading the compiled kernels",
+        detail: format!(
+            "{e:?}: the PTX is ISA {}.{} ({nvrtc}) and this driver is CUDA {cuda}; use an NVRTC of CUDA {cuda} (`pip install 'nvidia-cuda-nvrtc=={cuda}.*'`, then FERROTRON_NVRTC=<its libnvrtc.so.*>)",
+            from.0, from.1
+        ),
+    })
+}
+
 /// One GPU, ready to run the backend's kernels.
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
@@ -80,9 +121,7 @@ impl Gpu {
         let name = ctx.name().map_err(driver("reading the device name"))?;
         let arch = arch(major, minor);
         let ptx = source::compile(arch)?;
-        let module = ctx
-            .load_module(Ptx::from_src(ptx))
-            .map_err(driver("loading the compiled kernels"))?;
+        let module = load(&ctx, ptx)?;
         let mut functions = HashMap::new();
         for f in source::entry_points() {
             let func = module

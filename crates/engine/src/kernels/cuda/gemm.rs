@@ -130,8 +130,19 @@ pub struct Call {
     pub accumulate: bool,
 }
 
-/// Key of a product's chosen algorithm: its shape and types, and whether it accumulates.
-type AlgoKey = (Product, DType, DType, bool);
+/// Key of a product's chosen algorithm: its shape and types, whether it accumulates, and the
+/// alignment of A, B and D ([`alignment`]).
+type AlgoKey = (Product, DType, DType, bool, [u32; 3]);
+
+/// The largest power of two, up to 256 bytes, that divides a device address: what cuBLASLt's
+/// heuristic may assume of an operand (`CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*_BYTES`). Its
+/// default assumes 256-byte alignment, but the trainer's weights sit at element offsets of one
+/// flat buffer and the arena's buffers at 64-byte offsets, so an algorithm chosen for a fresh
+/// allocation could read past what an operand's address allows. PyTorch's cuBLASLt path and
+/// TransformerEngine set these attributes from the real pointers for the same reason.
+pub fn alignment(addr: u64) -> u32 {
+    1 << addr.trailing_zeros().min(8)
+}
 
 /// A cuBLASLt handle with its workspace, and the algorithm chosen for each product seen.
 pub struct Lt {
@@ -187,6 +198,18 @@ impl Lt {
             d,
             accumulate,
         } = c;
+        // Empty products (an expert no token was routed to) are not cuBLASLt's to run: an
+        // empty D has nothing to write, and a sum over k = 0 terms leaves D (β = 1) or zeroes
+        // it (β = 0, on the legacy default stream the backend's work is ordered on).
+        if p.m == 0 || p.n == 0 || (p.k == 0 && accumulate) {
+            return Ok(());
+        }
+        if p.k == 0 {
+            let bytes = p.m * p.n * out.bytes() as usize;
+            // SAFETY: D holds m·n elements of `out` (this function's contract).
+            return unsafe { cudarc::driver::result::memset_d8_sync(d, 0, bytes) }
+                .map_err(|e| format!("zeroing an empty product's output: {e:?}"));
+        }
         let err = |what: &'static str| move |e: lt::CublasError| format!("cuBLASLt {what}: {e:?}");
         let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
         let layout = |t: DType, rows: usize, cols: usize, ld: usize| {
@@ -213,7 +236,8 @@ impl Lt {
             let attr = sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB;
             lt::set_matmul_desc_attribute(desc, attr, (&tb as *const i32).cast(), size_of_val(&tb))
                 .map_err(err("transb"))?;
-            let algo = self.algo((p, ab, out, accumulate), desc, a_l, b_l, d_l)?;
+            let align = [alignment(a), alignment(b), alignment(d)];
+            let algo = self.algo((p, ab, out, accumulate, align), desc, a_l, b_l, d_l)?;
             lt::matmul(
                 self.handle,
                 desc,
@@ -262,13 +286,32 @@ impl Lt {
         let ws = self.workspace_bytes;
         let attr =
             sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES;
-        let r = lt::set_matmul_pref_attribute(
+        let mut r = lt::set_matmul_pref_attribute(
             pref,
             attr,
             (&ws as *const usize).cast(),
             size_of_val(&ws),
-        )
-        .and_then(|_| lt::get_matmul_algo_heuristic(self.handle, desc, a, b, d, d, pref));
+        );
+        // C is D (the product accumulates in place), so C's alignment is D's.
+        let [align_a, align_b, align_d] = key.4;
+        use sys::cublasLtMatmulPreferenceAttributes_t as P;
+        for (attr, bytes) in [
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_a),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_d),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d),
+        ] {
+            // The attributes are uint32_t (cublasLt.h).
+            r = r.and_then(|_| {
+                lt::set_matmul_pref_attribute(
+                    pref,
+                    attr,
+                    (&bytes as *const u32).cast(),
+                    size_of_val(&bytes),
+                )
+            });
+        }
+        let r = r.and_then(|_| lt::get_matmul_algo_heuristic(self.handle, desc, a, b, d, d, pref));
         let _ = lt::destroy_matmul_pref(pref);
         let found = r.map_err(|e| format!("cuBLASLt has no algorithm for {key:?}: {e:?}"))?;
         algos.insert(key, found.algo);
@@ -312,6 +355,15 @@ mod tests {
 
     /// The three products, read by cuBLAS's column-major definition on the engine's row-major
     /// buffers, are the CPU backend's products (including `+=`).
+    #[test]
+    fn an_operands_alignment_is_the_largest_power_of_two_dividing_its_address() {
+        assert_eq!(alignment(0x7f00_0000_0000), 256);
+        assert_eq!(alignment(0x7f00_0000_0040), 64);
+        assert_eq!(alignment(0x7f00_0000_0042), 2);
+        assert_eq!(alignment(0x7f00_0000_0106), 2);
+        assert_eq!(alignment(0x7f00_0000_0204), 4);
+    }
+
     #[test]
     fn the_column_major_products_are_the_engines_row_major_ones() {
         let cpu = CpuKernels::PLAIN;

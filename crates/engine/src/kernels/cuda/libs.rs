@@ -27,9 +27,12 @@ pub fn found() -> Vec<String> {
     FOUND.lock().map(|f| f.clone()).unwrap_or_default()
 }
 
+/// Records where `env`'s library came from, once: a later probe finds it loaded by soname
+/// (after the file it was loaded from), which says nothing new.
 fn record(line: String) {
+    let env = line.split(':').next().unwrap_or_default().to_string() + ":";
     if let Ok(mut f) = FOUND.lock() {
-        if !f.contains(&line) {
+        if !f.iter().any(|l| l.starts_with(&env)) {
             f.push(line);
         }
     }
@@ -94,6 +97,47 @@ fn sorted_entries(dir: &Path) -> Vec<PathBuf> {
     v
 }
 
+/// Libraries a library loads by soname at run time, from its own directory: NVRTC opens
+/// `libnvrtc-builtins.so.<version>` when it first compiles, and the 13.0 wheel's does not look
+/// beside itself (its `$ORIGIN` run path is not used for that `dlopen`: "failed to open
+/// libnvrtc-builtins.so.13.0"), so a compile fails where the library itself loaded. PyTorch
+/// preloads it for the same reason.
+const COMPANIONS: [(&str, &str); 1] = [("libnvrtc.so", "libnvrtc-builtins.so")];
+
+/// Loads, globally, the companions of `lib` found beside it (see [`COMPANIONS`]), so that
+/// the soname lookup of the library's own `dlopen` finds them loaded.
+fn companions(lib: &Path) {
+    let (Some(dir), Some(name)) = (lib.parent(), lib.file_name().and_then(|n| n.to_str())) else {
+        return;
+    };
+    for (owner, companion) in COMPANIONS {
+        if !name.starts_with(owner) {
+            continue;
+        }
+        for f in companion_files(&sorted_entries(dir), companion) {
+            let Some(c) = f.to_str().and_then(|s| std::ffi::CString::new(s).ok()) else {
+                continue;
+            };
+            // SAFETY: as in `load`: a library file, its handle never closed.
+            unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+        }
+    }
+}
+
+/// The files of `entries` that are `prefix` with a version (`libnvrtc-builtins.so.13.0`), not
+/// the `.alt` variants NVIDIA ships beside them.
+fn companion_files(entries: &[PathBuf], prefix: &str) -> Vec<PathBuf> {
+    entries
+        .iter()
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with(prefix))
+        })
+        .cloned()
+        .collect()
+}
+
 /// Whether a library loads: `present()` (cudarc's own probe by soname) as things are, or
 /// after loading the file that `env` names, or the first of `names` found in [`dirs`].
 pub fn load(env: &str, names: &[&str], present: impl Fn() -> bool) -> bool {
@@ -112,6 +156,10 @@ pub fn load(env: &str, names: &[&str], present: impl Fn() -> bool) -> bool {
         let Some(c) = f.to_str().and_then(|s| std::ffi::CString::new(s).ok()) else {
             continue;
         };
+        if !f.is_file() {
+            continue;
+        }
+        companions(&f);
         // SAFETY: a dlopen of a library file; the handle is never closed, which is what
         // lets the soname lookup find it later.
         let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
@@ -139,6 +187,26 @@ pub fn load(env: &str, names: &[&str], present: impl Fn() -> bool) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The 13.0 NVRTC wheel's directory: the builtins are preloaded, not their `.alt`.
+    #[test]
+    fn nvrtcs_builtins_are_its_companions() {
+        let dir = Path::new("/site-packages/nvidia/cu13/lib");
+        let entries: Vec<PathBuf> = [
+            "libnvrtc-builtins.alt.so.13.0",
+            "libnvrtc-builtins.so.13.0",
+            "libnvrtc.alt.so.13",
+            "libnvrtc.so.13",
+        ]
+        .iter()
+        .map(|n| dir.join(n))
+        .collect();
+        assert_eq!(
+            companion_files(&entries, COMPANIONS[0].1),
+            vec![dir.join("libnvrtc-builtins.so.13.0")]
+        );
+        assert!("libnvrtc.so.13".starts_with(COMPANIONS[0].0));
+    }
 
     #[test]
     fn cuda_libraries_are_searched_in_every_python_environments_nvidia_wheels() {

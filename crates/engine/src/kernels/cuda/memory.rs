@@ -7,7 +7,7 @@ use crate::model::{BufName, BufferPool, BUF_ALIGN};
 use cudarc::driver::{result, CudaContext};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// One device allocation, zero-filled, freed on drop.
 pub struct DeviceBlock {
@@ -95,15 +95,39 @@ pub fn upload<T: Copy>(ctx: &Arc<CudaContext>, host: &[T]) -> Result<DeviceBlock
     Ok(b)
 }
 
+/// Makes GPU `ordinal`'s primary context (the one [`super::CudaKernels::open`] uses) current on
+/// this thread. A raw copy needs a current context and, unlike cudarc's own calls, does not
+/// bind one: on a thread that has launched nothing yet (a rank's thread, a checkpoint writer)
+/// it would fail, or copy in another context. The contexts are kept for the process, so
+/// binding again is one driver call.
+pub fn bind(ordinal: u32) -> Result<(), String> {
+    static CONTEXTS: Mutex<Vec<(u32, Arc<CudaContext>)>> = Mutex::new(Vec::new());
+    let mut all = CONTEXTS.lock().unwrap_or_else(|e| e.into_inner());
+    let ctx = match all.iter().find(|(o, _)| *o == ordinal) {
+        Some((_, c)) => c.clone(),
+        None => {
+            let c =
+                CudaContext::new(ordinal as usize).map_err(|e| format!("GPU {ordinal}: {e:?}"))?;
+            all.push((ordinal, c.clone()));
+            c
+        }
+    };
+    drop(all);
+    ctx.bind_to_thread()
+        .map_err(|e| format!("GPU {ordinal}: {e:?}"))
+}
+
 /// A device view's elements, on the host (waits for the work before it on the legacy default
 /// stream, which every kernel of the backend runs on).
 pub fn download<T: Copy + Default>(v: View<'_, T>) -> Vec<T> {
-    assert!(
-        matches!(v.memory(), Memory::Device(_)),
-        "download of {}",
-        v.memory()
-    );
+    let Memory::Device(ordinal) = v.memory() else {
+        panic!("download of {}", v.memory());
+    };
     let mut out = vec![T::default(); v.len()];
+    if out.is_empty() {
+        return out;
+    }
+    bind(ordinal).unwrap_or_else(|e| panic!("copying {} elements from the GPU: {e}", v.len()));
     // SAFETY: the view's bytes are device memory of its length.
     unsafe { result::memcpy_dtoh_sync(&mut out, v.as_ptr() as u64) }
         .unwrap_or_else(|e| panic!("copying {} elements from the GPU: {e:?}", v.len()));
@@ -151,14 +175,26 @@ pub struct CudaAlloc {
     /// Bytes allocated through it now, and the most since the last reset.
     live: AtomicU64,
     peak: AtomicU64,
+    /// The device's memory in use by the driver's count when this allocator was made (the
+    /// context, the loaded kernels, other processes), the zero of [`Self::driver_used`].
+    baseline: u64,
+}
+
+/// The device's memory in use, by the driver's count (`cuMemGetInfo`: total − free).
+fn in_use(ctx: &CudaContext) -> Option<u64> {
+    ctx.bind_to_thread().ok()?;
+    let (free, total) = result::mem_get_info().ok()?;
+    Some((total - free) as u64)
 }
 
 impl CudaAlloc {
     pub fn new(ctx: Arc<CudaContext>) -> CudaAlloc {
+        let baseline = in_use(&ctx).unwrap_or(0);
         CudaAlloc {
             ctx,
             live: AtomicU64::new(0),
             peak: AtomicU64::new(0),
+            baseline,
         }
     }
 }
@@ -205,5 +241,8 @@ impl crate::kernels::DeviceAlloc for CudaAlloc {
     }
     fn keeps_regions(&self) -> bool {
         true
+    }
+    fn driver_used(&self) -> Option<u64> {
+        Some(in_use(&self.ctx)?.saturating_sub(self.baseline))
     }
 }

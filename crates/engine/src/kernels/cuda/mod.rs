@@ -3,6 +3,7 @@
 //! - `source`: the CUDA C++ kernels (`cu/`), compiled at run time by NVRTC for the GPU found.
 //! - `device`: the driver, a context and stream, and the compiled program, with one clear
 //!   error for each thing that can be missing.
+//! - `ptx_version`: the compiled program's PTX ISA against the driver's CUDA version.
 //!
 //! cudarc loads the driver, NVRTC and cuBLASLt at run time (`dynamic-loading`), so this
 //! builds with no CUDA toolkit and a machine without a GPU runs the CPU backend as before.
@@ -12,6 +13,7 @@ pub mod device;
 pub mod gemm;
 pub mod libs;
 pub mod memory;
+pub mod ptx_version;
 pub mod skip;
 pub mod source;
 pub mod staging;
