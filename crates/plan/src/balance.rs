@@ -39,6 +39,16 @@ pub fn balance_stages(lines: &[(f64, f64)], layers: u64) -> Vec<u64> {
     n
 }
 
+/// Layers per stage, each stage holding at least one layer per model chunk (`v`, so no
+/// chunk is empty, as `--pp-layers` requires of a split given by hand): the balance of what
+/// is left once every chunk has its one. `layers` is at least `v` per stage (the layout's
+/// validation says so first).
+pub fn balance_with_floor(lines: &[(f64, f64)], layers: u64, v: u64) -> Vec<u64> {
+    let floor: Vec<(f64, f64)> = lines.iter().map(|&(a, b)| (a + b * v as f64, b)).collect();
+    let rest = layers.saturating_sub(v * lines.len() as u64);
+    balance_stages(&floor, rest).iter().map(|n| n + v).collect()
+}
+
 /// Per model chunk counts (model order, chunk g on stage g mod p) from per-stage counts: a
 /// stage's layers split as evenly as its `v` chunks allow, the earlier chunks taking the
 /// remainder.
@@ -82,7 +92,7 @@ pub fn propose(x: &PlanInput, cluster: &Cluster) -> Result<(Vec<u64>, Vec<String
     let tensors = inventory(m);
     let tm = TimeModel::new(m, &tensors);
     let lines = stage_lines(&tm, x, cluster);
-    let mut stages = balance_stages(&lines, m.layers);
+    let mut stages = balance_with_floor(&lines, m.layers, l.pp_virtual);
     let time = |n: &[u64]| {
         n.iter()
             .zip(&lines)
@@ -107,7 +117,7 @@ pub fn propose(x: &PlanInput, cluster: &Cluster) -> Result<(Vec<u64>, Vec<String
             (Some(h), Some(lo)) if h != lo => (h, lo),
             _ => break,
         };
-        if peaks[hi] <= capacity || stages[hi] == 0 {
+        if peaks[hi] <= capacity || stages[hi] <= l.pp_virtual {
             break;
         }
         let mut moved = stages.clone();
@@ -168,6 +178,16 @@ mod tests {
         // A head costing 2.5 layers: the last stage gets 2 or 3 fewer.
         let lines = [(0.0, 1.0), (0.0, 1.0), (0.0, 1.0), (2.5, 1.0)];
         assert_eq!(balance_stages(&lines, 32), [9, 9, 8, 6]);
+    }
+
+    /// A head costing 7 layers on 4 stages of 8 layers: unbounded, the last stage would get
+    /// none (a split `--pp-layers` refuses by hand); with the floor it keeps one per chunk.
+    #[test]
+    fn no_stage_is_left_without_a_layer_per_chunk() {
+        let lines = [(0.0, 1.0), (0.0, 1.0), (0.0, 1.0), (7.0, 1.0)];
+        assert_eq!(balance_stages(&lines, 8), [3, 3, 2, 0]);
+        assert_eq!(balance_with_floor(&lines, 8, 1), [3, 2, 2, 1]);
+        assert_eq!(balance_with_floor(&lines, 8, 2), [2, 2, 2, 2]);
     }
 
     #[test]

@@ -62,6 +62,19 @@ fn a_split_for_a_layer_count_no_stage_count_divides_with_virtual_stages() {
     assert!(stage(0) <= stage(7) && stage(15) <= stage(7), "{n:?}");
 }
 
+/// What `plan --pp-layers auto` proposes, `train --pp-layers` accepts given back by hand:
+/// the default model (6 layers, its head worth more than a layer at seq 256) on 4 stages used
+/// to get a last stage of no layer, a split refused by hand.
+#[test]
+fn every_stage_of_the_proposal_holds_a_layer() {
+    let body = json!({"model": "ferrotron-12m", "seq": 256, "pp": 4});
+    let n = split(&plan(body.clone(), Some("auto")));
+    assert_eq!(n.iter().sum::<u64>(), 6, "{n:?}");
+    assert!(n.iter().all(|&k| k >= 1), "{n:?}");
+    let list: Vec<String> = n.iter().map(u64::to_string).collect();
+    plan(body, Some(&list.join(",")));
+}
+
 #[test]
 fn auto_errors_name_the_field_and_the_fix() {
     let err = |body: Value| plan_json(body).unwrap_err().to_string();

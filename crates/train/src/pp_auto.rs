@@ -17,7 +17,7 @@ use crate::config::TrainArgs;
 use crate::device::Device;
 use crate::setup::recompute_flops_per_token;
 use anyhow::{bail, Result};
-use ferrotron_plan::balance::{balance_stages, chunks_of};
+use ferrotron_plan::balance::{balance_with_floor, chunks_of};
 use ferrotron_plan::model::ModelSpec;
 use ferrotron_plan::Precision;
 use ferrotron_plan::Recompute;
@@ -53,14 +53,6 @@ pub fn stage_flops(
     (0..stages)
         .map(|s| (if s + 1 == stages { head } else { 0.0 }, per_layer))
         .collect()
-}
-
-/// Layers per stage, each stage holding at least one layer per model chunk (`v`): the
-/// planner's balance of what is left once every chunk has its one.
-pub fn balance_with_floor(lines: &[(f64, f64)], layers: u64, v: u64) -> Vec<u64> {
-    let floor: Vec<(f64, f64)> = lines.iter().map(|&(a, b)| (a + b * v as f64, b)).collect();
-    let rest = layers - v * lines.len() as u64;
-    balance_stages(&floor, rest).iter().map(|n| n + v).collect()
 }
 
 fn is_auto(args: &TrainArgs) -> bool {

@@ -10,8 +10,9 @@
 #   - a checkpoint both processes write (ZeRO-3) resumes on ZeRO-1 along the same trajectory,
 #   - dp 2 × tp 2 (with and without --sp) under mpirun -np 4 agrees with threads and with dp 2
 #     alone,
-#   - dp 2 × pp 2 under AFAB, 1F1B and interleaved (v 3) with mpirun -np 4, and dp 2 × tp 2 ×
-#     sp × pp 2 with mpirun -np 8, agree with threads and with dp 2 alone,
+#   - dp 2 × pp 2 under AFAB, 1F1B, interleaved (v 3) and --pp-layers auto (every process
+#     choosing the same uneven split) with mpirun -np 4, and dp 2 × tp 2 × sp × pp 2 with
+#     mpirun -np 8, agree with threads and with dp 2 alone,
 #   - a small Mixtral on dp 2 × ep 2 under mpirun -np 4 agrees with threads and with one rank,
 #     and its checkpoint resumes on ep 4,
 #   - dp 2 × cp 2 (ring attention between processes) under mpirun -np 4 agrees with threads and
@@ -99,7 +100,7 @@ done
 MPIRUN8=("${MPIRUN[@]}")
 MPIRUN8[2]=8
 for LAYOUT in "--pp-schedule afab" "--pp-schedule 1f1b" "--pp-schedule interleaved --pp-virtual 3" \
-    "--tp 2 --sp --pp-schedule 1f1b"; do
+    "--tp 2 --sp --pp-schedule 1f1b" "--pp-layers auto"; do
 NP=("${MPIRUN4[@]}")
 case "$LAYOUT" in *--tp*) NP=("${MPIRUN8[@]}");; esac
 echo "== pipeline parallelism: dp 2 × pp 2 $LAYOUT (${NP[2]} processes) = threads"

@@ -247,7 +247,7 @@ pub fn estimate_balanced(
     if l.pp > 1 {
         let lines = lines_of(&setup, tm, x);
         let split = crate::balance::chunks_of(
-            &crate::balance::balance_stages(&lines, layers),
+            &crate::balance::balance_with_floor(&lines, layers, l.pp_virtual),
             l.pp_virtual,
         );
         let even = split.iter().all(|&n| n * l.pp * l.pp_virtual == layers);
