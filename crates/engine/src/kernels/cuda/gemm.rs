@@ -144,16 +144,18 @@ pub fn alignment(addr: u64) -> u32 {
     1 << addr.trailing_zeros().min(8)
 }
 
-/// A cuBLASLt handle with its workspace, and the algorithm chosen for each product seen.
+/// A cuBLASLt handle with its workspace, and the descriptors and algorithm of each product
+/// seen.
 pub struct Lt {
     handle: sys::cublasLtHandle_t,
     workspace: *mut c_void,
     workspace_bytes: usize,
-    algos: Mutex<HashMap<AlgoKey, sys::cublasLtMatmulAlgo_t>>,
+    prepared: Mutex<HashMap<AlgoKey, Prepared>>,
 }
 
 // SAFETY: the handle is used from one stream at a time (the backend's), and cuBLASLt handles
-// may be shared between threads that way; the algorithm cache is behind a mutex.
+// may be shared between threads that way; the cache of descriptors is behind a mutex, and a
+// descriptor, once made, is only read.
 unsafe impl Send for Lt {}
 unsafe impl Sync for Lt {}
 
@@ -179,7 +181,7 @@ impl Lt {
             handle,
             workspace: workspace as *mut c_void,
             workspace_bytes,
-            algos: Mutex::new(HashMap::new()),
+            prepared: Mutex::new(HashMap::new()),
         })
     }
 
@@ -210,119 +212,173 @@ impl Lt {
             return unsafe { cudarc::driver::result::memset_d8_sync(d, 0, bytes) }
                 .map_err(|e| format!("zeroing an empty product's output: {e:?}"));
         }
-        let err = |what: &'static str| move |e: lt::CublasError| format!("cuBLASLt {what}: {e:?}");
         let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
+        let key = (
+            p,
+            ab,
+            out,
+            accumulate,
+            [alignment(a), alignment(b), alignment(d)],
+        );
+        let m = self.prepared(key)?;
+        // SAFETY: the descriptors are the cache's, alive until the handle is dropped; pointers
+        // and stream are the caller's (this function's contract).
+        unsafe {
+            lt::matmul(
+                self.handle,
+                m.desc,
+                (&alpha as *const f32).cast(),
+                (&beta as *const f32).cast(),
+                a as *const c_void,
+                m.a,
+                b as *const c_void,
+                m.b,
+                d as *const c_void,
+                m.d,
+                d as *mut c_void,
+                m.d,
+                &m.algo,
+                self.workspace,
+                self.workspace_bytes,
+                stream,
+            )
+        }
+        .map_err(|e| format!("cuBLASLt matmul: {e:?}"))
+    }
+
+    /// The descriptors and algorithm of a product, made on its first call and kept: a step
+    /// runs the same few shapes hundreds of times, and each descriptor is a host allocation
+    /// and a few library calls (PyTorch caches them per shape too).
+    fn prepared(&self, key: AlgoKey) -> Result<Prepared, String> {
+        let mut cache = self.prepared.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(m) = cache.get(&key) {
+            return Ok(*m);
+        }
+        // SAFETY: descriptors made here, destroyed on failure or when the handle is dropped.
+        let m = unsafe { self.describe(key) }?;
+        cache.insert(key, m);
+        Ok(m)
+    }
+
+    /// A product's descriptors, and the fastest algorithm cuBLASLt's heuristic offers for it
+    /// within the workspace and the operands' alignment.
+    unsafe fn describe(&self, key: AlgoKey) -> Result<Prepared, String> {
+        let (p, ab, out, _, [align_a, align_b, align_d]) = key;
+        let err = |what: &'static str| move |e: lt::CublasError| format!("cuBLASLt {what}: {e:?}");
         let layout = |t: DType, rows: usize, cols: usize, ld: usize| {
             lt::create_matrix_layout(cuda_type(t), rows as u64, cols as u64, ld as i64)
         };
-        // The TRANSA/TRANSB attributes are cublasOperation_t, an int32: CUBLAS_OP_N = 0,
-        // CUBLAS_OP_T = 1 (cublas_api.h).
-        let op = |t: bool| t as i32;
         let desc = lt::create_matmul_desc(
             sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
             sys::cudaDataType::CUDA_R_32F,
         )
         .map_err(err("descriptor"))?;
-        let a_l = layout(ab, p.a.rows, p.a.cols, p.a.ld).map_err(err("layout A"))?;
-        let b_l = layout(ab, p.b.rows, p.b.cols, p.b.ld).map_err(err("layout B"))?;
-        let d_l = layout(out, p.m, p.n, p.m).map_err(err("layout D"))?;
-        // SAFETY: descriptors created above and destroyed below; pointers and stream are the
-        // caller's (this function's contract).
-        let r = unsafe {
-            let (ta, tb) = (op(p.a.trans), op(p.b.trans));
-            let attr = sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA;
-            lt::set_matmul_desc_attribute(desc, attr, (&ta as *const i32).cast(), size_of_val(&ta))
-                .map_err(err("transa"))?;
-            let attr = sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB;
-            lt::set_matmul_desc_attribute(desc, attr, (&tb as *const i32).cast(), size_of_val(&tb))
-                .map_err(err("transb"))?;
-            let align = [alignment(a), alignment(b), alignment(d)];
-            let algo = self.algo((p, ab, out, accumulate, align), desc, a_l, b_l, d_l)?;
-            lt::matmul(
-                self.handle,
-                desc,
-                (&alpha as *const f32).cast(),
-                (&beta as *const f32).cast(),
-                a as *const c_void,
-                a_l,
-                b as *const c_void,
-                b_l,
-                d as *const c_void,
-                d_l,
-                d as *mut c_void,
-                d_l,
-                &algo,
-                self.workspace,
-                self.workspace_bytes,
-                stream,
-            )
-            .map_err(err("matmul"))
+        let mut m = Prepared {
+            desc,
+            a: std::ptr::null_mut(),
+            b: std::ptr::null_mut(),
+            d: std::ptr::null_mut(),
+            algo: sys::cublasLtMatmulAlgo_t { data: [0; 8] },
         };
-        // SAFETY: created above, not used after.
-        unsafe {
-            let _ = lt::destroy_matrix_layout(a_l);
-            let _ = lt::destroy_matrix_layout(b_l);
-            let _ = lt::destroy_matrix_layout(d_l);
-            let _ = lt::destroy_matmul_desc(desc);
-        }
-        r
-    }
-
-    /// The fastest algorithm cuBLASLt's heuristic offers for this product within the
-    /// workspace, chosen once per shape and kept.
-    unsafe fn algo(
-        &self,
-        key: AlgoKey,
-        desc: sys::cublasLtMatmulDesc_t,
-        a: sys::cublasLtMatrixLayout_t,
-        b: sys::cublasLtMatrixLayout_t,
-        d: sys::cublasLtMatrixLayout_t,
-    ) -> Result<sys::cublasLtMatmulAlgo_t, String> {
-        let mut algos = self.algos.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(a) = algos.get(&key) {
-            return Ok(*a);
-        }
-        let pref = lt::create_matmul_pref().map_err(|e| format!("cuBLASLt preference: {e:?}"))?;
-        let ws = self.workspace_bytes;
-        let attr =
-            sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES;
-        let mut r = lt::set_matmul_pref_attribute(
-            pref,
-            attr,
-            (&ws as *const usize).cast(),
-            size_of_val(&ws),
-        );
-        // C is D (the product accumulates in place), so C's alignment is D's.
-        let [align_a, align_b, align_d] = key.4;
-        use sys::cublasLtMatmulPreferenceAttributes_t as P;
-        for (attr, bytes) in [
-            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_a),
-            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b),
-            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_d),
-            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d),
-        ] {
-            // The attributes are uint32_t (cublasLt.h).
-            r = r.and_then(|_| {
-                lt::set_matmul_pref_attribute(
-                    pref,
+        let r = (|| {
+            m.a = layout(ab, p.a.rows, p.a.cols, p.a.ld).map_err(err("layout A"))?;
+            m.b = layout(ab, p.b.rows, p.b.cols, p.b.ld).map_err(err("layout B"))?;
+            m.d = layout(out, p.m, p.n, p.m).map_err(err("layout D"))?;
+            // The TRANSA/TRANSB attributes are cublasOperation_t, an int32: CUBLAS_OP_N = 0,
+            // CUBLAS_OP_T = 1 (cublas_api.h).
+            use sys::cublasLtMatmulDescAttributes_t as D;
+            for (attr, t) in [
+                (D::CUBLASLT_MATMUL_DESC_TRANSA, p.a.trans as i32),
+                (D::CUBLASLT_MATMUL_DESC_TRANSB, p.b.trans as i32),
+            ] {
+                lt::set_matmul_desc_attribute(
+                    desc,
                     attr,
-                    (&bytes as *const u32).cast(),
-                    size_of_val(&bytes),
+                    (&t as *const i32).cast(),
+                    size_of_val(&t),
                 )
+                .map_err(err("transposition"))?;
+            }
+            let pref = lt::create_matmul_pref().map_err(err("preference"))?;
+            let ws = self.workspace_bytes;
+            use sys::cublasLtMatmulPreferenceAttributes_t as P;
+            let mut r = lt::set_matmul_pref_attribute(
+                pref,
+                P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                (&ws as *const usize).cast(),
+                size_of_val(&ws),
+            );
+            // C is D (the product accumulates in place), so C's alignment is D's.
+            for (attr, bytes) in [
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_a),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_d),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d),
+            ] {
+                // The attributes are uint32_t (cublasLt.h).
+                r = r.and_then(|_| {
+                    lt::set_matmul_pref_attribute(
+                        pref,
+                        attr,
+                        (&bytes as *const u32).cast(),
+                        size_of_val(&bytes),
+                    )
+                });
+            }
+            let r = r.and_then(|_| {
+                lt::get_matmul_algo_heuristic(self.handle, desc, m.a, m.b, m.d, m.d, pref)
             });
+            let _ = lt::destroy_matmul_pref(pref);
+            m.algo = r
+                .map_err(|e| format!("cuBLASLt has no algorithm for {key:?}: {e:?}"))?
+                .algo;
+            Ok(())
+        })();
+        match r {
+            Ok(()) => Ok(m),
+            Err(e) => {
+                m.destroy();
+                Err(e)
+            }
         }
-        let r = r.and_then(|_| lt::get_matmul_algo_heuristic(self.handle, desc, a, b, d, d, pref));
-        let _ = lt::destroy_matmul_pref(pref);
-        let found = r.map_err(|e| format!("cuBLASLt has no algorithm for {key:?}: {e:?}"))?;
-        algos.insert(key, found.algo);
-        Ok(found.algo)
+    }
+}
+
+/// A product's descriptors and chosen algorithm (handles to cuBLASLt's host objects).
+#[derive(Clone, Copy)]
+struct Prepared {
+    desc: sys::cublasLtMatmulDesc_t,
+    a: sys::cublasLtMatrixLayout_t,
+    b: sys::cublasLtMatrixLayout_t,
+    d: sys::cublasLtMatrixLayout_t,
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+
+impl Prepared {
+    /// # Safety
+    /// Not used after.
+    unsafe fn destroy(&self) {
+        for l in [self.a, self.b, self.d] {
+            if !l.is_null() {
+                let _ = lt::destroy_matrix_layout(l);
+            }
+        }
+        let _ = lt::destroy_matmul_desc(self.desc);
     }
 }
 
 impl Drop for Lt {
     fn drop(&mut self) {
-        // SAFETY: created in `new`, destroyed once.
+        // SAFETY: created in `new` and `describe`, destroyed once, none used after.
         unsafe {
+            for m in self
+                .prepared
+                .get_mut()
+                .unwrap_or_else(|e| e.into_inner())
+                .values()
+            {
+                m.destroy();
+            }
             let _ = lt::destroy_handle(self.handle);
         }
     }
