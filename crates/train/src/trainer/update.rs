@@ -93,8 +93,13 @@ impl Trainer {
         // ZeRO-1 and 2: every rank updated its blocks; the ranks gather the others'. (ZeRO-3
         // gathers each unit when it is next needed.)
         if let (Some(dp), false) = (dp, zero3) {
-            dp.borrow_mut()
-                .all_gather(&mut GatherParams(params.host_mut()))?;
+            let mut dp = dp.borrow_mut();
+            let dev = dp.device_copy().cloned();
+            let params = params.rb();
+            dp.all_gather(&mut ViewGather {
+                params,
+                dev: dev.as_ref(),
+            })?;
         }
         self.kernels.phase("optimizer", to, step, 0);
         self.pool.sample(step, Point::Optimizer);
