@@ -24,7 +24,7 @@
 //! The buckets are laid out once, from the order in which the backward reports gradients final
 //! ([`report_order`]); [`DataParallel::add`] checks every report against that layout.
 
-use crate::device_ranks::{read_f32, write_f32, HostCopy};
+use crate::device_ranks::{add_f32, read_f32, write_f32, HostCopy};
 use crate::small_sums::{gather_mem, gather_small, SmallSums};
 use anyhow::{anyhow, bail, Result};
 use ferrotron_dist::{Communicator, Pending};
@@ -160,7 +160,7 @@ impl Shard {
 pub struct Sums<'a, 'b, G> {
     pub grads: &'a mut (dyn GradBuf<G> + 'b),
     /// ZeRO-2: this rank's reduced gradients, summed over the step's micro-batches.
-    pub shard: Option<&'a mut [G]>,
+    pub shard: Option<ferrotron_engine::kernels::ViewMut<'a, G>>,
 }
 
 /// What a ZeRO-1 all-gather reads from this rank and writes on every rank.
@@ -562,13 +562,12 @@ impl DataParallel {
                     let n = g.len();
                     write_f32(dev, &buf[at..at + n], g);
                 };
-                match (&self.shard, sums.shard.as_deref_mut()) {
+                match (&self.shard, sums.shard.as_mut()) {
                     (Some(s), Some(shard)) => {
                         for seg in &s.segments[s.of_bucket[index].clone()] {
                             let sum = &buf[seg.in_bucket..seg.in_bucket + seg.params.len()];
-                            for (g, x) in shard[seg.at..seg.at + sum.len()].iter_mut().zip(sum) {
-                                *g = G::from_f32(g.to_f32() + x);
-                            }
+                            let to = shard.rb().slice_mut(seg.at..seg.at + sum.len());
+                            add_f32(dev, sum, to);
                         }
                     }
                     (Some(s), None) => {

@@ -2,7 +2,7 @@
 //! rank's weights, gradients, Adam's moments and activations in memory the host may not read
 //! (`kernels::device_check`), its data-parallel buckets staging the device's gradients through
 //! the host (`device_ranks`). The CPU kernels compute and the buckets widen and round as the
-//! host path does, so data parallelism without ZeRO and with ZeRO-1 gives the CPU run's
+//! host path does, so data parallelism without ZeRO and with ZeRO-1 and 2 gives the CPU run's
 //! trajectory bit for bit, each rank within its own plan; the layouts not run yet on the
 //! device are refused in one line.
 
@@ -42,6 +42,8 @@ fn data_parallel_device_ranks_give_the_cpu_ranks_bits_within_their_plans() {
         (2, 0, "fp32"),
         (2, 1, "bf16"),
         (4, 1, "fp32"),
+        (2, 2, "bf16"),
+        (4, 2, "fp16"),
         (4, 0, "bf16-fp32grads"),
     ] {
         let what = format!("dp {dp} ZeRO-{zero} {precision}");
@@ -70,8 +72,8 @@ fn layouts_the_device_ranks_do_not_run_are_refused_in_one_line() {
             "tp = 2 (tensor parallelism)",
         ),
         (
-            |a| (a.layout.dp, a.layout.zero) = (Some(2), Some(2)),
-            "zero = 2 (sharded gradients)",
+            |a| (a.layout.dp, a.layout.zero) = (Some(2), Some(3)),
+            "zero = 3 (weights gathered unit by unit)",
         ),
         (|a| a.layout.pp = Some(2), "pp = 2 (pipeline parallelism)"),
         (|a| a.layout.cp = Some(2), "cp = 2 (context parallelism)"),
@@ -80,6 +82,6 @@ fn layouts_the_device_ranks_do_not_run_are_refused_in_one_line() {
         a.device = Device::Emulated;
         set(&mut a);
         let msg = run(a).unwrap_err().to_string();
-        assert_eq!(msg, format!("device = emulated: {what}: several ranks on the device run data parallelism with ZeRO 0 or 1 only so far (issue #33); drop it, or use --device cpu"));
+        assert_eq!(msg, format!("device = emulated: {what}: several ranks on the device run data parallelism with ZeRO 0, 1 or 2 only so far (issue #33); drop it, or use --device cpu"));
     }
 }

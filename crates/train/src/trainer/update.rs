@@ -13,7 +13,7 @@ impl Trainer {
         step: u64,
         mut params: ViewMut<'_, S>,
         grads: &dyn GradBuf<G>,
-        shard: &[G],
+        shard: View<'_, G>,
         dp: Option<&RefCell<DataParallel>>,
         mut loss: LossSum,
     ) -> Result<Stepped> {
@@ -38,7 +38,7 @@ impl Trainer {
         // shard, else where the backward wrote it.
         let grad_of = |r: &OptRun| -> View<'_, G> {
             match zero2 {
-                true => shard.view().slice(r.at..r.at + r.params.len()),
+                true => shard.slice(r.at..r.at + r.params.len()),
                 false => grads.slice(r.params.clone()),
             }
         };
