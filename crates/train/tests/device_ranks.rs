@@ -4,14 +4,16 @@
 //! the host (`device_ranks`). The CPU kernels compute and the buckets widen and round as the
 //! host path does, so data parallelism without ZeRO and with ZeRO-1, 2 and 3 gives the CPU run's
 //! trajectory bit for bit, each rank within its own plan; the layouts not run yet on the
-//! device are refused in one line.
+//! device are refused in one line. Evaluation, sampling and the checkpoint (each reading the
+//! state back from the device) match the CPU run's too.
 
 mod common;
 use common::{assert_within_plans, tiny_args, tmp};
 use ferrotron_train::alloc::Tracking;
 use ferrotron_train::device::Device;
 use ferrotron_train::metrics::StepMetrics;
-use ferrotron_train::run::run;
+use ferrotron_train::run::{run, RunSummary};
+use std::path::PathBuf;
 
 // Each rank's memory is measured by the tracking allocator (per rank: ranks are threads).
 #[global_allocator]
@@ -21,7 +23,8 @@ static A: Tracking = Tracking;
 /// other's rank 0, so the runs of this file take turns.
 static ONE_RUN_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-fn train(device: Device, dp: u64, zero: u64, precision: &str) -> Vec<StepMetrics> {
+/// The run's summary and its output directory (with the checkpoint the run ends with).
+fn train(device: Device, dp: u64, zero: u64, precision: &str) -> (RunSummary, PathBuf) {
     let _turn = ONE_RUN_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let out = tmp(&format!("ranks-{device:?}-dp{dp}-z{zero}-{precision}"));
     let mut a = tiny_args(&out, 3);
@@ -30,10 +33,13 @@ fn train(device: Device, dp: u64, zero: u64, precision: &str) -> Vec<StepMetrics
     a.precision = Some(precision.into());
     // Small buckets: several reductions per step, some tensors split across two.
     a.bucket_mb = Some(1);
+    // An evaluation, a sample and a checkpoint: each reads the state back from the device.
+    (a.eval_interval, a.eval_batches, a.sample_tokens) = (Some(2), Some(1), Some(6));
+    a.checkpoint_dir = Some(out.join("ck"));
     a.device = device;
-    run(a)
-        .unwrap_or_else(|e| panic!("dp {dp} zero {zero} {precision} on {device:?}: {e:#}"))
-        .steps
+    let s =
+        run(a).unwrap_or_else(|e| panic!("dp {dp} zero {zero} {precision} on {device:?}: {e:#}"));
+    (s, out)
 }
 
 #[test]
@@ -47,18 +53,31 @@ fn data_parallel_device_ranks_give_the_cpu_ranks_bits_within_their_plans() {
         (4, 3, "bf16"),
     ] {
         let what = format!("dp {dp} ZeRO-{zero} {precision}");
-        let cpu = train(Device::Cpu, dp, zero, precision);
-        let dev = train(Device::Emulated, dp, zero, precision);
-        assert_eq!(cpu.len(), dev.len(), "{what}");
-        for (c, d) in cpu.iter().zip(&dev) {
+        let (cpu, cpu_dir) = train(Device::Cpu, dp, zero, precision);
+        let (dev_run, dev_dir) = train(Device::Emulated, dp, zero, precision);
+        let dev = &dev_run.steps;
+        assert_eq!(cpu.steps.len(), dev.len(), "{what}");
+        for (c, d) in cpu.steps.iter().zip(dev) {
             let at = format!("{what} step {}", c.step);
             assert_eq!(c.loss.to_bits(), d.loss.to_bits(), "{at}: loss");
             assert_eq!(c.grad_norm.to_bits(), d.grad_norm.to_bits(), "{at}: norm");
+            let val = |m: &StepMetrics| m.val_loss.map(f64::to_bits);
+            assert_eq!(val(c), val(d), "{at}: val loss");
             assert_eq!(d.rank_mem.len(), dp as usize, "{at}: every rank reports");
+        }
+        assert!(dev[1].val_loss.is_some(), "{what}: evaluated");
+        assert_eq!(cpu.sample, dev_run.sample, "{what}: sample");
+        assert!(
+            dev_run.sample.as_ref().is_some_and(|s| !s.is_empty()),
+            "{what}"
+        );
+        for f in ["model.safetensors", "optimizer.safetensors"] {
+            let read = |d: &PathBuf| std::fs::read(d.join("ck").join(f)).unwrap();
+            assert!(read(&cpu_dir) == read(&dev_dir), "{what}: {f} differs");
         }
         // The weights moved: a step that left them alone would repeat the first loss.
         assert_ne!(dev[0].loss, dev[2].loss, "{what}");
-        assert_within_plans(&dev, &format!("{what} on the device"));
+        assert_within_plans(dev, &format!("{what} on the device"));
     }
 }
 
