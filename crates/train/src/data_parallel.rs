@@ -24,6 +24,7 @@
 //! The buckets are laid out once, from the order in which the backward reports gradients final
 //! ([`report_order`]); [`DataParallel::add`] checks every report against that layout.
 
+use crate::device_ranks::{add_f32, read_f32, write_f32, HostCopy};
 use crate::small_sums::{gather_mem, gather_small, SmallSums};
 use anyhow::{anyhow, bail, Result};
 use ferrotron_dist::{Communicator, Pending};
@@ -159,7 +160,7 @@ impl Shard {
 pub struct Sums<'a, 'b, G> {
     pub grads: &'a mut (dyn GradBuf<G> + 'b),
     /// ZeRO-2: this rank's reduced gradients, summed over the step's micro-batches.
-    pub shard: Option<&'a mut [G]>,
+    pub shard: Option<ferrotron_engine::kernels::ViewMut<'a, G>>,
 }
 
 /// What a ZeRO-1 all-gather reads from this rank and writes on every rank.
@@ -266,6 +267,9 @@ pub struct DataParallel {
     /// blocked on them: the communication the backward did not hide.
     pub spans: Vec<CommSpan>,
     pub exposed: Duration,
+    /// On a device (`--device emulated`): the copies between its gradients and the buckets,
+    /// which stage the reduction through the host (`device_ranks`).
+    device: Option<HostCopy>,
 }
 
 impl DataParallel {
@@ -361,6 +365,7 @@ impl DataParallel {
             spans: Vec::new(),
             exposed: Duration::ZERO,
             experts: None,
+            device: None,
         }
     }
 
@@ -383,6 +388,19 @@ impl DataParallel {
         // Each bucket's reduction and all-gather, a few micro-batches' worth: kept between
         // steps, so the spans allocate nothing once the first steps have run.
         self.spans = Vec::with_capacity(4 * self.layout.pieces.len() + 8);
+    }
+
+    /// The gradients and weights live on a device: the buckets copy from and to it.
+    pub fn on_device(&mut self, copy: HostCopy) {
+        if let Some(inner) = self.experts.as_mut().and_then(|x| x.inner.as_mut()) {
+            inner.on_device(copy.clone());
+        }
+        self.device = Some(copy);
+    }
+
+    /// The copies to and from the device the gradients live on (`None`: the host).
+    pub fn device_copy(&self) -> Option<&HostCopy> {
+        self.device.as_ref()
     }
 
     pub fn size(&self) -> usize {
@@ -475,9 +493,7 @@ impl DataParallel {
                 return;
             }
             let dst = &mut b.buf[at..at + piece.len()];
-            for (d, s) in dst.iter_mut().zip(sums.grads.slice(piece.clone()).host()) {
-                *d = s.to_f32();
-            }
+            read_f32(self.device.as_ref(), sums.grads.slice(piece.clone()), dst);
             b.next += 1;
             self.reduced += piece.len();
             range.start = piece.end;
@@ -541,32 +557,27 @@ impl DataParallel {
         landed_now(&mut self.spans, &mut self.exposed, name, start, waited);
         match landed {
             Ok(mut buf) => {
-                let put = |g: &mut [G], at: usize| {
+                let dev = self.device.as_ref();
+                let put = |g: ferrotron_engine::kernels::ViewMut<'_, G>, at: usize| {
                     let n = g.len();
-                    for (g, s) in g.iter_mut().zip(&buf[at..at + n]) {
-                        *g = G::from_f32(*s);
-                    }
+                    write_f32(dev, &buf[at..at + n], g);
                 };
-                match (&self.shard, sums.shard.as_deref_mut()) {
+                match (&self.shard, sums.shard.as_mut()) {
                     (Some(s), Some(shard)) => {
                         for seg in &s.segments[s.of_bucket[index].clone()] {
                             let sum = &buf[seg.in_bucket..seg.in_bucket + seg.params.len()];
-                            for (g, x) in shard[seg.at..seg.at + sum.len()].iter_mut().zip(sum) {
-                                *g = G::from_f32(g.to_f32() + x);
-                            }
+                            let to = shard.rb().slice_mut(seg.at..seg.at + sum.len());
+                            add_f32(dev, sum, to);
                         }
                     }
                     (Some(s), None) => {
                         for seg in &s.segments[s.of_bucket[index].clone()] {
-                            put(
-                                sums.grads.slice_mut(seg.params.clone()).host_mut(),
-                                seg.in_bucket,
-                            );
+                            put(sums.grads.slice_mut(seg.params.clone()), seg.in_bucket);
                         }
                     }
                     (None, _) => {
                         for (r, at) in &self.layout.pieces[index] {
-                            put(sums.grads.slice_mut(r.clone()).host_mut(), *at);
+                            put(sums.grads.slice_mut(r.clone()), *at);
                         }
                     }
                 }

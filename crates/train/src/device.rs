@@ -11,7 +11,9 @@
 //! Refused before anything is written, each in one line saying what to do:
 //! - `--device cuda` in a build without the `cuda` feature;
 //! - no NVIDIA driver, or no GPU;
-//! - more than one rank (a GPU communicator is NCCL, issue #15);
+//! - more than one rank on the GPU (a GPU communicator is NCCL, issue #15); on the emulated
+//!   device, every layout of several ranks but data parallelism with ZeRO 0 or 1
+//!   (`device_ranks::check`);
 //! - on the GPU: a mixture of experts, fp8, the memory timeline (`Trainer::new`).
 
 use anyhow::{bail, Result};
@@ -47,10 +49,8 @@ pub fn check(device: Device, world: usize) -> Result<()> {
         return Ok(());
     }
     if device == Device::Emulated {
-        return match world {
-            1 => Ok(()),
-            _ => bail!("device = emulated: one rank only"),
-        };
+        // Several ranks: the layouts they run are `device_ranks::check`'s.
+        return Ok(());
     }
     if !cfg!(feature = "cuda") {
         bail!("device = cuda: this ferrotron was built without CUDA; build it with `cargo build --release --features cuda`, or use --device cpu");

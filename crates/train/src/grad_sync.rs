@@ -18,7 +18,7 @@ use crate::data_parallel::{DataParallel, Sums};
 use crate::group::Group;
 use crate::zero2::{GradWindows, UnitGrads};
 use anyhow::Result;
-use ferrotron_engine::kernels::ViewMut;
+use ferrotron_engine::kernels::{View, ViewMut};
 use ferrotron_engine::model::tensor_parallel::all_reduce;
 use ferrotron_engine::model::{GradBuf, GradsDone, Whole};
 use ferrotron_engine::Elem;
@@ -77,7 +77,7 @@ impl<G: Elem> GradSync<G> for Replicas<'_> {
 /// rank's `shard` of the reduced gradients.
 pub struct Sharded<'a, G> {
     pub dp: &'a RefCell<DataParallel>,
-    pub shard: &'a mut [G],
+    pub shard: ViewMut<'a, G>,
     pub windows: &'a GradWindows,
 }
 
@@ -86,12 +86,12 @@ impl<G: Elem> GradSync<G> for Sharded<'_, G> {
         true
     }
     fn begin(&mut self, grads: &mut dyn GradBuf<G>) {
-        self.windows.clear(grads);
+        self.windows.clear(grads, self.dp.borrow().device_copy());
     }
     fn ready(&mut self, done: GradsDone, g: &mut dyn GradBuf<G>) {
         let mut sums = Sums {
             grads: g,
-            shard: Some(&mut *self.shard),
+            shard: Some(self.shard.rb()),
         };
         let mut dp = self.dp.borrow_mut();
         for r in dp.ranges(&done) {
@@ -99,13 +99,13 @@ impl<G: Elem> GradSync<G> for Sharded<'_, G> {
         }
         // The layer window is copied into the buckets: ready for the next.
         if let GradsDone::Layer(..) = done {
-            self.windows.clear_layer(sums.grads);
+            self.windows.clear_layer(sums.grads, dp.device_copy());
         }
     }
     fn finish(&mut self, grads: &mut dyn GradBuf<G>) -> Result<()> {
         self.dp.borrow_mut().finish(&mut Sums {
             grads,
-            shard: Some(&mut *self.shard),
+            shard: Some(self.shard.rb()),
         })
     }
 }
@@ -154,7 +154,7 @@ pub(crate) fn norms_of(d: &GradsDone) -> [Range<usize>; 2] {
 pub enum StepGrads<'a, G> {
     Whole(Whole<'a, G>),
     Sharded {
-        shard: &'a mut [G],
+        shard: ViewMut<'a, G>,
         units: UnitGrads<'a, G>,
         windows: &'a GradWindows,
     },
@@ -164,9 +164,9 @@ impl<'a, G: Elem> StepGrads<'a, G> {
     /// `grads` split as `windows` (ZeRO-2 and 3) ask, after a shard of `shard_len`.
     pub fn new(grads: ViewMut<'a, G>, windows: Option<&'a GradWindows>, shard_len: usize) -> Self {
         match windows {
-            // ZeRO-2 and 3 run with data parallelism, on the CPU.
+            // ZeRO-2 and 3 run with data parallelism (on the host, or ZeRO-2 on a device).
             Some(w) => {
-                let (shard, full) = grads.host_mut().split_at_mut(shard_len);
+                let (shard, full) = grads.split_at_mut(shard_len);
                 StepGrads::Sharded {
                     shard,
                     units: w.view(full),
@@ -194,7 +194,10 @@ impl<'a, G: Elem> StepGrads<'a, G> {
                     windows,
                 },
                 Some(dp),
-            ) => (units, DataSync::Sharded(Sharded { dp, shard, windows })),
+            ) => {
+                let shard = shard.rb();
+                (units, DataSync::Sharded(Sharded { dp, shard, windows }))
+            }
             (StepGrads::Sharded { .. }, None) => unreachable!("ZeRO-2 and 3 shard over replicas"),
         };
         (grads, SeqParallelNorms { tp, inner })
@@ -202,10 +205,10 @@ impl<'a, G: Elem> StepGrads<'a, G> {
 
     /// The reduced gradients the optimizer reads: all of them (`shard` empty), or under
     /// ZeRO-2 and 3 this rank's shard (`grads` the windows).
-    pub fn parts(&self) -> (&dyn GradBuf<G>, &[G]) {
+    pub fn parts(&self) -> (&dyn GradBuf<G>, View<'_, G>) {
         match self {
-            StepGrads::Whole(w) => (w, &[]),
-            StepGrads::Sharded { shard, units, .. } => (units, shard),
+            StepGrads::Whole(w) => (w, View::from(&[][..])),
+            StepGrads::Sharded { shard, units, .. } => (units, shard.as_view()),
         }
     }
 
@@ -213,7 +216,7 @@ impl<'a, G: Elem> StepGrads<'a, G> {
     pub fn poison(&mut self, x: G) {
         match self {
             StepGrads::Whole(w) => w.slice_mut(0..1).host_mut()[0] = x,
-            StepGrads::Sharded { shard, .. } => shard[0] = x,
+            StepGrads::Sharded { shard, .. } => shard.rb().slice_mut(0..1).host_mut()[0] = x,
         }
     }
 }

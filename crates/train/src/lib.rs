@@ -10,6 +10,7 @@ pub mod context_parallel;
 pub mod data;
 pub mod data_parallel;
 pub mod device;
+pub mod device_ranks;
 pub mod device_state;
 pub mod eval;
 pub mod expert_parallel;

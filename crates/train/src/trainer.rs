@@ -61,10 +61,11 @@ mod train_step;
 mod update;
 mod zero_gather;
 
+use crate::device_ranks::ViewGather;
 use assemble::{data_parallel, initial_weights, open_backend, opt_runs, rank_model, rank_plan};
 use assemble::{plan_pool, tensor_parallel_rank, Opened};
 use memory_report::{measure_workspace, rank_mems, step_peaks, trace_capacity};
-use zero_gather::{gather_weights, shard_of, GatherParams};
+use zero_gather::{gather_weights, shard_of};
 
 /// A rank's communicators: its data-parallel group, its tensor-parallel group, and (with
 /// tensor parallelism) the world, over which every rank's memory is reported.

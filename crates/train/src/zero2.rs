@@ -12,6 +12,7 @@
 //!
 //! They are the plan's `comm.zero2.grad_windows`: embedding + head + the largest layer.
 
+use crate::device_ranks::{zero, HostCopy};
 use ferrotron_engine::kernels::{View, ViewMut};
 use ferrotron_engine::model::{two_mut, GradBuf, ParamTable};
 use ferrotron_engine::Elem;
@@ -63,28 +64,30 @@ impl GradWindows {
         self.len() == 0
     }
 
-    /// The gradients of one micro-batch's backward, in `buf` ([`GradWindows::len`] elements).
-    pub fn view<'a, G>(&'a self, buf: &'a mut [G]) -> UnitGrads<'a, G> {
+    /// The gradients of one micro-batch's backward, in `buf` ([`GradWindows::len`] elements,
+    /// on the host or a device).
+    pub fn view<'a, G>(&'a self, buf: ViewMut<'a, G>) -> UnitGrads<'a, G> {
         let (embed, rest) = buf.split_at_mut(self.embed.len());
         let (head, layer) = rest.split_at_mut(self.head.len());
         UnitGrads {
             w: self,
-            parts: [embed.into(), head.into(), layer.into()],
+            parts: [embed, head, layer],
         }
     }
 
-    /// Zeroes every window (the backward accumulates into them).
-    pub fn clear<G: Elem>(&self, g: &mut dyn GradBuf<G>) {
+    /// Zeroes every window (the backward accumulates into them); `dev` zeroes them on a
+    /// device.
+    pub fn clear<G: Elem>(&self, g: &mut dyn GradBuf<G>, dev: Option<&HostCopy>) {
         let first_layer = self.layers.start..self.layers.start + self.layer_len;
         for r in [&self.embed, &self.head, &first_layer] {
-            g.slice_mut(r.clone()).host_mut().fill(G::from_f32(0.0));
+            zero(dev, g.slice_mut(r.clone()));
         }
     }
 
     /// Zeroes the layer window, for the next layer's backward.
-    pub fn clear_layer<G: Elem>(&self, g: &mut dyn GradBuf<G>) {
+    pub fn clear_layer<G: Elem>(&self, g: &mut dyn GradBuf<G>, dev: Option<&HostCopy>) {
         let layer = self.layers.start..self.layers.start + self.layer_len;
-        g.slice_mut(layer).host_mut().fill(G::from_f32(0.0));
+        zero(dev, g.slice_mut(layer));
     }
 
     /// The range of the layer window that `r` maps to, if `r` is a layer's.
@@ -168,7 +171,7 @@ mod tests {
             t.embed.len() + t.norm.len() + t.lm_head.len() + per_layer
         );
         let mut buf = vec![0.0f32; w.len()];
-        let mut v = w.view(&mut buf);
+        let mut v = w.view(ferrotron_engine::kernels::AsViewMut::view_mut(&mut buf));
         // The same tensor of two layers is the same memory.
         v.slice_mut(t.layers[0].wq.clone()).host_mut()[0] = 1.0;
         assert_eq!(v.slice(t.layers[1].wq.clone()).host()[0], 1.0);

@@ -11,9 +11,10 @@
 //! input). Gradients go through ZeRO-2's windows (`zero2`), reduce-scattered unit by unit.
 
 use crate::data_parallel::DataParallel;
+use crate::device_ranks::{read_f32, write_f32, HostCopy};
 use crate::zero2::GradWindows;
 use anyhow::{bail, Result};
-use ferrotron_engine::kernels::{AsView, View, ViewMut};
+use ferrotron_engine::kernels::{View, ViewMut};
 use ferrotron_engine::model::{ParamBuf, ParamSource, ParamTable, Unit, WholeParams};
 use ferrotron_engine::Elem;
 use ferrotron_plan::zero3::{eval_sequence, next_layer, train_sequence, LayerWindows};
@@ -126,18 +127,21 @@ impl Zero3 {
     }
 
     /// The model's view of the windows for this step: `shard` is this rank's parameters,
-    /// `windows` the [`Zero3::len`] elements after them.
+    /// `windows` the [`Zero3::len`] elements after them (on the host, or on the device whose
+    /// copies data parallelism holds).
     pub fn source<'a, S>(
         &'a mut self,
         dp: &'a RefCell<DataParallel>,
-        shard: &'a [S],
-        windows: &'a mut [S],
+        shard: View<'a, S>,
+        windows: ViewMut<'a, S>,
     ) -> Gathered<'a, S> {
+        let dev = dp.borrow().device_copy().cloned();
         Gathered {
             z: self,
             dp,
             shard,
             windows,
+            dev,
             layer: None,
         }
     }
@@ -147,8 +151,10 @@ impl Zero3 {
 pub struct Gathered<'a, S> {
     z: &'a mut Zero3,
     dp: &'a RefCell<DataParallel>,
-    shard: &'a [S],
-    windows: &'a mut [S],
+    shard: View<'a, S>,
+    windows: ViewMut<'a, S>,
+    /// The copies to and from the device the weights live on (`None`: the host).
+    dev: Option<HostCopy>,
     /// The layer asked for last, and its window.
     layer: Option<(usize, usize)>,
 }
@@ -158,14 +164,9 @@ impl<S: Elem> Gathered<'_, S> {
     /// all-gather has landed.
     fn start(&mut self, u: Unit, slot: usize) {
         self.land();
-        let (k, shard) = (self.z.bucket(u), self.shard);
+        let (k, shard, dev) = (self.z.bucket(u), self.shard, self.dev.as_ref());
         let own = &mut |seg: &crate::data_parallel::Segment, out: &mut [f32]| {
-            for (o, p) in out
-                .iter_mut()
-                .zip(&shard[seg.at..seg.at + seg.params.len()])
-            {
-                *o = p.to_f32();
-            }
+            read_f32(dev, shard.slice(seg.at..seg.at + seg.params.len()), out);
         };
         self.dp.borrow_mut().gather_start(k, own);
         self.z.pending = Some((u, slot));
@@ -180,10 +181,8 @@ impl<S: Elem> Gathered<'_, S> {
         match dp.gather_wait() {
             Ok((pieces, values)) => {
                 for (r, at) in pieces {
-                    let dst = &mut self.windows[self.z.place(u, slot, r)];
-                    for (d, v) in dst.iter_mut().zip(&values[*at..at + r.len()]) {
-                        *d = S::from_f32(*v);
-                    }
+                    let dst = self.windows.rb().slice_mut(self.z.place(u, slot, r));
+                    write_f32(self.dev.as_ref(), &values[*at..at + r.len()], dst);
                 }
             }
             Err(e) => {
@@ -196,7 +195,7 @@ impl<S: Elem> Gathered<'_, S> {
 impl<S: Elem> ParamBuf<S> for Gathered<'_, S> {
     fn slice(&self, r: Range<usize>) -> View<'_, S> {
         match self.z.unit_of(&r, self.layer) {
-            Some((u, slot)) => self.windows[self.z.place(u, slot, &r)].view(),
+            Some((u, slot)) => self.windows.as_view().slice(self.z.place(u, slot, &r)),
             None => panic!(
                 "parameters {r:?} read outside the ZeRO-3 windows (layer {:?} asked for)",
                 self.layer
@@ -275,9 +274,8 @@ impl<'a, S: Elem> Source<'a, S> {
         match (zero3, dp) {
             (Some(z), Some(dp)) => {
                 z.invalidate();
-                // ZeRO-3 gathers through the host (data parallelism runs on the CPU).
-                let (shard, windows) = params.host_mut().split_at_mut(shard_len);
-                Source::Gathered(z.source(dp, shard, windows))
+                let (shard, windows) = params.split_at_mut(shard_len);
+                Source::Gathered(z.source(dp, shard.into_view(), windows))
             }
             _ => Source::Whole(WholeParams(params.into_view())),
         }

@@ -18,6 +18,8 @@
 #   - dp 2 × cp 2 (ring attention between processes) under mpirun -np 4 agrees with threads and
 #     with dp 2 alone, and its checkpoint resumes on cp 4; dp 2 × tp 2 × sp × cp 2 × pp 2 under
 #     mpirun -np 16 agrees with dp 2 alone,
+#   - dp 2 ZeRO-3 on the emulated device (--device emulated) under mpirun -np 2 equals the CPU
+#     threads run bit for bit, each rank within 1% of its plan,
 #   - mpirun's process count disagreeing with --dp fails at once with one line naming both,
 #   - a rank killed with SIGKILL, or stopped with SIGSTOP (the watchdog, --comm-timeout), ends
 #     the whole job.
@@ -207,6 +209,24 @@ assert [r["step"] for r in resumed] == [3, 4], [r["step"] for r in resumed]
 for d, r in zip(dp_only[2:], resumed):
     assert abs(d["loss"] - r["loss"]) / abs(d["loss"]) < 1e-5, (d["loss"], r["loss"])
 print("context parallelism: mpirun -np 4 (dp 2 × cp 2) = threads within 1e-6, = dp 2 alone within 1e-5; 4 ranks within 1% of their plans; its checkpoint resumes on cp 4 along the same trajectory")
+PY
+
+echo "== several ranks on the emulated device under mpirun (--device emulated --dp 2 --zero 3) = threads on the CPU"
+# Each process's state in device memory, data parallelism staged through its host buckets
+# (crates/train/src/device_ranks.rs): the CPU threads run's losses and norms, bit for bit.
+timeout 300 "${MPIRUN[@]}" "$BIN" "${COMMON[@]}" --zero 3 --steps 4 --device emulated \
+    --out-dir "$OUT/emulated3" 2>"$OUT/emulated.log" || { cat "$OUT/emulated.log"; exit 1; }
+python3 - "$OUT/threads3/metrics.jsonl" "$OUT/emulated3/metrics.jsonl" <<'PY'
+import json, sys
+cpu, dev = ([json.loads(l) for l in open(p)] for p in sys.argv[1:])
+assert len(cpu) == len(dev) == 4, (len(cpu), len(dev))
+for c, d in zip(cpu, dev):
+    for key in ("loss", "grad_norm"):
+        assert c[key] == d[key], f"step {c['step']} {key}: cpu threads {c[key]} emulated mpi {d[key]}"
+    assert len(d["rank_mem"]) == 2, d["rank_mem"]
+    for x in d["rank_mem"]:
+        assert abs(x["mem_peak_measured"] / x["mem_peak_planned"] - 1) < 0.01, (d["step"], x)
+print("emulated device under mpirun -np 2 (ZeRO-3) = CPU threads bit for bit; 2 ranks within 1% of their plans")
 PY
 
 echo "== a checkpoint written by both processes in parallel (ZeRO-3), resumed re-sharded (ZeRO-1)"

@@ -74,6 +74,10 @@ impl Trainer {
         if let (Some(d), Some(a)) = (&device_alloc, &mut self.pool.arena) {
             a.on_device(d.clone());
         }
+        // Data parallelism's buckets stage the device's gradients through the host.
+        if let (Some(d), Some(dp)) = (&device_alloc, &mut self.mesh.dp) {
+            dp.on_device(crate::device_ranks::HostCopy::new(d.clone()));
+        }
         self.device_alloc = device_alloc;
         self.pool.sample(1, Point::Init);
     }

@@ -13,7 +13,7 @@ impl Trainer {
         step: u64,
         mut params: ViewMut<'_, S>,
         grads: &dyn GradBuf<G>,
-        shard: &[G],
+        shard: View<'_, G>,
         dp: Option<&RefCell<DataParallel>>,
         mut loss: LossSum,
     ) -> Result<Stepped> {
@@ -38,7 +38,7 @@ impl Trainer {
         // shard, else where the backward wrote it.
         let grad_of = |r: &OptRun| -> View<'_, G> {
             match zero2 {
-                true => shard.view().slice(r.at..r.at + r.params.len()),
+                true => shard.slice(r.at..r.at + r.params.len()),
                 false => grads.slice(r.params.clone()),
             }
         };
@@ -93,8 +93,13 @@ impl Trainer {
         // ZeRO-1 and 2: every rank updated its blocks; the ranks gather the others'. (ZeRO-3
         // gathers each unit when it is next needed.)
         if let (Some(dp), false) = (dp, zero3) {
-            dp.borrow_mut()
-                .all_gather(&mut GatherParams(params.host_mut()))?;
+            let mut dp = dp.borrow_mut();
+            let dev = dp.device_copy().cloned();
+            let params = params.rb();
+            dp.all_gather(&mut ViewGather {
+                params,
+                dev: dev.as_ref(),
+            })?;
         }
         self.kernels.phase("optimizer", to, step, 0);
         self.pool.sample(step, Point::Optimizer);

@@ -1,6 +1,7 @@
-//! ZeRO's gathers as the trainer uses them: the parameters after ZeRO-1/2's all-gather, a
-//! sharded optimizer state (or ZeRO-3's weights) gathered into one value per parameter, and
-//! the shard of a whole-model state that this rank updates.
+//! ZeRO's gathers as the trainer uses them: a sharded optimizer state (or ZeRO-3's weights)
+//! gathered into one value per parameter, and the shard of a whole-model state that this rank
+//! updates. (The parameters after ZeRO-1/2's all-gather, on the host or a device, are
+//! `device_ranks::ViewGather`'s.)
 
 use super::*;
 
@@ -25,23 +26,6 @@ pub(super) fn gather_weights(
         Flat::F32(p) => gather_full(dp, &p[..shard_len], n),
         Flat::Bf16(p) => gather_full(dp, &p[..shard_len], n),
         Flat::F16(p) => gather_full(dp, &p[..shard_len], n),
-    }
-}
-
-/// The parameters after the ZeRO-1 all-gather: this rank's blocks read from them, every
-/// rank's written into them.
-pub(super) struct GatherParams<'a, S>(pub(super) &'a mut [S]);
-
-impl<S: Elem> Gather for GatherParams<'_, S> {
-    fn own(&self, seg: &Segment, out: &mut [f32]) {
-        for (o, p) in out.iter_mut().zip(&self.0[seg.params.clone()]) {
-            *o = p.to_f32();
-        }
-    }
-    fn put(&mut self, r: Range<usize>, values: &[f32]) {
-        for (p, v) in self.0[r].iter_mut().zip(values) {
-            *p = S::from_f32(*v);
-        }
     }
 }
 

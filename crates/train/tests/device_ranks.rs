@@ -1,0 +1,106 @@
+//! Several ranks on the emulated device (`--device emulated --dp N`, threads backend): every
+//! rank's weights, gradients, Adam's moments and activations in memory the host may not read
+//! (`kernels::device_check`), its data-parallel buckets staging the device's gradients through
+//! the host (`device_ranks`). The CPU kernels compute and the buckets widen and round as the
+//! host path does, so data parallelism without ZeRO and with ZeRO-1, 2 and 3 gives the CPU run's
+//! trajectory bit for bit, each rank within its own plan; the layouts not run yet on the
+//! device are refused in one line. Evaluation, sampling and the checkpoint (each reading the
+//! state back from the device) match the CPU run's too.
+
+mod common;
+use common::{assert_within_plans, tiny_args, tmp};
+use ferrotron_train::alloc::Tracking;
+use ferrotron_train::device::Device;
+use ferrotron_train::metrics::StepMetrics;
+use ferrotron_train::run::{run, RunSummary};
+use std::path::PathBuf;
+
+// Each rank's memory is measured by the tracking allocator (per rank: ranks are threads).
+#[global_allocator]
+static A: Tracking = Tracking;
+
+/// Ranks are counted by rank number in one process: two runs at once would charge each
+/// other's rank 0, so the runs of this file take turns.
+static ONE_RUN_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// The run's summary and its output directory (with the checkpoint the run ends with).
+fn train(device: Device, dp: u64, zero: u64, precision: &str) -> (RunSummary, PathBuf) {
+    let _turn = ONE_RUN_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let out = tmp(&format!("ranks-{device:?}-dp{dp}-z{zero}-{precision}"));
+    let mut a = tiny_args(&out, 3);
+    (a.mbs, a.grad_acc) = (Some(2), Some(2));
+    (a.layout.dp, a.layout.zero) = (Some(dp), Some(zero));
+    a.precision = Some(precision.into());
+    // Small buckets: several reductions per step, some tensors split across two.
+    a.bucket_mb = Some(1);
+    // An evaluation, a sample and a checkpoint: each reads the state back from the device.
+    (a.eval_interval, a.eval_batches, a.sample_tokens) = (Some(2), Some(1), Some(6));
+    a.checkpoint_dir = Some(out.join("ck"));
+    a.device = device;
+    let s =
+        run(a).unwrap_or_else(|e| panic!("dp {dp} zero {zero} {precision} on {device:?}: {e:#}"));
+    (s, out)
+}
+
+#[test]
+fn data_parallel_device_ranks_give_the_cpu_ranks_bits_within_their_plans() {
+    for (dp, zero, precision) in [
+        (2, 0, "fp32"),
+        (4, 0, "bf16-fp32grads"),
+        (2, 1, "bf16"),
+        (4, 2, "fp16"),
+        (2, 3, "fp32"),
+        (4, 3, "bf16"),
+    ] {
+        let what = format!("dp {dp} ZeRO-{zero} {precision}");
+        let (cpu, cpu_dir) = train(Device::Cpu, dp, zero, precision);
+        let (dev_run, dev_dir) = train(Device::Emulated, dp, zero, precision);
+        let dev = &dev_run.steps;
+        assert_eq!(cpu.steps.len(), dev.len(), "{what}");
+        for (c, d) in cpu.steps.iter().zip(dev) {
+            let at = format!("{what} step {}", c.step);
+            assert_eq!(c.loss.to_bits(), d.loss.to_bits(), "{at}: loss");
+            assert_eq!(c.grad_norm.to_bits(), d.grad_norm.to_bits(), "{at}: norm");
+            let val = |m: &StepMetrics| m.val_loss.map(f64::to_bits);
+            assert_eq!(val(c), val(d), "{at}: val loss");
+            assert_eq!(d.rank_mem.len(), dp as usize, "{at}: every rank reports");
+        }
+        assert!(dev[1].val_loss.is_some(), "{what}: evaluated");
+        assert_eq!(cpu.sample, dev_run.sample, "{what}: sample");
+        assert!(
+            dev_run.sample.as_ref().is_some_and(|s| !s.is_empty()),
+            "{what}"
+        );
+        for f in ["model.safetensors", "optimizer.safetensors"] {
+            let read = |d: &PathBuf| std::fs::read(d.join("ck").join(f)).unwrap();
+            assert!(read(&cpu_dir) == read(&dev_dir), "{what}: {f} differs");
+        }
+        // The weights moved: a step that left them alone would repeat the first loss.
+        assert_ne!(dev[0].loss, dev[2].loss, "{what}");
+        assert_within_plans(dev, &format!("{what} on the device"));
+    }
+}
+
+#[test]
+fn layouts_the_device_ranks_do_not_run_are_refused_in_one_line() {
+    let out = tmp("ranks-refused");
+    for (set, what) in [
+        (
+            (|a: &mut ferrotron_train::config::TrainArgs| a.layout.tp = Some(2))
+                as fn(&mut ferrotron_train::config::TrainArgs),
+            "tp = 2 (tensor parallelism)",
+        ),
+        (
+            |a| (a.layout.dp, a.layout.ep) = (Some(2), Some(2)),
+            "ep = 2 (expert parallelism and its mixture-of-experts exchange)",
+        ),
+        (|a| a.layout.pp = Some(2), "pp = 2 (pipeline parallelism)"),
+        (|a| a.layout.cp = Some(2), "cp = 2 (context parallelism)"),
+    ] {
+        let mut a = tiny_args(&out, 1);
+        a.device = Device::Emulated;
+        set(&mut a);
+        let msg = run(a).unwrap_err().to_string();
+        assert_eq!(msg, format!("device = emulated: {what}: several ranks on the device run data parallelism with ZeRO 0 to 3 only so far (issue #33); drop it, or use --device cpu"));
+    }
+}
