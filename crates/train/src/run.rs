@@ -109,6 +109,7 @@ fn resume_config(args: &TrainArgs, saved: &TrainConfig) -> Result<TrainConfig> {
     if let Some(v) = args.threads {
         c.runtime.threads = v;
     }
+    c.runtime.offload_dir = args.offload_dir.clone();
     if let Some(v) = args.eval_interval {
         c.observability.eval_interval = v;
     }
@@ -240,6 +241,7 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         (layout.dp * layout.tp * layout.pp * layout.cp * layout.ep) as usize,
     );
     crate::device::check(args.device, world)?;
+    crate::optim::offload::check_args(&args, &layout, world)?;
     layout_checks::check_layout(&args, saved.as_ref(), &layout, world)?;
     if use_mpi(args.comm.unwrap_or(CommBackend::Auto), dp)? {
         #[cfg(feature = "mpi")]
