@@ -696,6 +696,8 @@ fn write_plan(cfg: &TrainConfig, t: &Trainer) -> Result<()> {
         "params": t.model.num_params(),
         "planned_peak_steps": [t.planned_peak_step(1), t.planned_peak_step(2)],
         "rank": t.plan,
+        // `--offload optimizer`: the host tier, and the disk tier with `--offload-dir`.
+        "offload": t.offload_plan(),
         // Where the per-step records went (`--metrics` may put them outside the run
         // directory): `ferrotron report` follows it.
         "metrics": std::path::absolute(&cfg.observability.metrics)

@@ -155,6 +155,11 @@ impl DiskStates {
         Ok(d)
     }
 
+    /// The directory of the files.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     /// Every state, whole, read from its file (a checkpoint reads them): the first is the
     /// master weights when there are three.
     pub fn read_all(&self) -> Result<Vec<Vec<f32>>> {

@@ -104,6 +104,8 @@ pub struct Offloaded {
     /// The CPU backend's kernels: AdamW on the host.
     cpu: CpuKernels,
     staging: Option<Staging>,
+    /// What the plan says the tier takes (set by the trainer, which plans it).
+    pub plan: Option<OffloadPlan>,
 }
 
 /// The first `len` elements of `buf` as a host view of `T` (T no wider than f32's alignment).
@@ -161,7 +163,39 @@ impl Offloaded {
             tier,
             cpu: CpuKernels::PLAIN,
             staging,
+            plan: None,
         })
+    }
+
+    /// One line for the start of a run: where the states are and what the plan says they take.
+    pub fn describe(&self) -> String {
+        let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+        let Some(p) = self.plan else {
+            return String::new();
+        };
+        let tier = match (&self.tier, p.disk) {
+            (Tier::Disk(d), Some(k)) => format!(
+                "on disk in {} ({:.1} MiB), {:.1} MiB read + {:.1} MiB written per step ({:.3} s of I/O at an NVMe drive's bandwidth), host memory {:.1} MiB (3 buckets in flight{})",
+                d.dir().display(),
+                mib(k.disk_bytes),
+                mib(k.read_bytes),
+                mib(k.written_bytes),
+                k.io_s,
+                mib(p.host_bytes),
+                if p.staging_bytes > 0 { " + device staging" } else { "" },
+            ),
+            _ => format!(
+                "in host memory ({:.1} MiB{})",
+                mib(p.host_bytes),
+                if p.staging_bytes > 0 { " with device staging" } else { "" },
+            ),
+        };
+        format!(
+            "offload: optimizer states ({:.1} MiB: {}Adam's moments) {tier}; buckets of {} elements",
+            mib(p.states_bytes),
+            if self.master { "fp32 master weights, " } else { "" },
+            self.bucket
+        )
     }
 
     /// Whether Adam's moments exist.
@@ -378,7 +412,7 @@ unsafe fn copy_up<T: Elem>(dev: &dyn DeviceAlloc, src: View<'_, T>, dst: *mut T)
 /// What the plan says offload takes: the states' bytes, the host bytes they take (all of
 /// them in host memory, or the disk tier's buckets in flight) with a device's staging, and
 /// the disk tier.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct OffloadPlan {
     pub states_bytes: u64,
     pub host_bytes: u64,

@@ -206,6 +206,9 @@ pub(super) fn print_plan(cfg: &TrainConfig, t: &Trainer, peak_gflops: f64) {
         t.gemm
     );
     }
+    if let Some(line) = t.offload_line() {
+        eprintln!("{line}");
+    }
 }
 
 /// Counts a step whose loss or gradient norm was not finite (`skipped_run` in a row), and

@@ -30,7 +30,7 @@ impl Trainer {
             Some(_) => 4 * ((bucket * g).div_ceil(4) + (bucket * s).div_ceil(4)) as u64,
             None => 0,
         };
-        let o = Offloaded::new(
+        let mut o = Offloaded::new(
             n,
             bucket,
             self.master.take(),
@@ -56,13 +56,25 @@ impl Trainer {
         };
         let host_bytes = disk.map_or(states_bytes, |d| d.host_bytes) + staging;
         self.plan.plan.host_bytes = host_bytes;
-        record_plan(OffloadPlan {
+        let plan = OffloadPlan {
             states_bytes,
             host_bytes,
             staging_bytes: staging,
             disk,
-        });
+        };
+        record_plan(plan);
+        o.plan = Some(plan);
         self.offload = Some(o);
         Ok(())
+    }
+
+    /// The offload tier's line for the start of a run (`None` without offload).
+    pub fn offload_line(&self) -> Option<String> {
+        self.offload.as_ref().map(Offloaded::describe)
+    }
+
+    /// What the plan says the offload tier takes (`None` without offload).
+    pub fn offload_plan(&self) -> Option<OffloadPlan> {
+        self.offload.as_ref().and_then(|o| o.plan)
     }
 }
