@@ -209,6 +209,7 @@ fn a_flat_trainer_state_from_before_the_sections_resumes_bit_identically() {
         "bucket_mb",
         "comm_timeout",
         "max_skipped_steps",
+        "offload_bucket",
         "tensorboard",
     ] {
         b["config"].as_object_mut().unwrap().remove(key);
