@@ -641,8 +641,9 @@ fn run_rank(
 }
 
 /// The process's peak RSS against what it planned: the plans of the ranks it runs (every rank
-/// of a threads run, its own under mpirun) plus the stated constant of `fit::RSS_OVERHEAD`.
-fn rss_line(steps: &[StepMetrics], planned: u64) -> String {
+/// of a threads run, its own under mpirun) and their offload tier's `host` bytes, plus the
+/// stated constant of `fit::RSS_OVERHEAD`.
+fn rss_line(steps: &[StepMetrics], planned: u64, host: u64) -> String {
     let Some(rss) = peak_rss() else {
         return "peak RSS unknown on this system".into();
     };
@@ -651,7 +652,7 @@ fn rss_line(steps: &[StepMetrics], planned: u64) -> String {
             m.rank_mem.iter().map(|r| r.mem_peak_planned).sum()
         }
         _ => planned,
-    };
+    } + host;
     let bound = here + crate::fit::RSS_OVERHEAD;
     format!(
         "peak RSS {:.1} MiB = plan {:.1} + {:.1} MiB, {} the bound of plan + {:.0} MiB",
