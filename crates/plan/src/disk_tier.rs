@@ -45,7 +45,7 @@ impl Disk {
 }
 
 /// The disk tier's share of a rank's memory and step.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct DiskPlan {
     /// Bytes on the disk: every offloaded byte.
     pub disk_bytes: u64,

@@ -122,6 +122,16 @@ pub struct TrainArgs {
     /// anything is allocated, with the planner's same-GPU fixes [default: no budget].
     #[arg(long, allow_negative_numbers = true)]
     pub device_memory: Option<f64>,
+    /// With --offload optimizer: keep the offloaded optimizer states (fp32 master weights,
+    /// Adam's moments) in files under this directory instead of host memory, read and written
+    /// bucket by bucket around the update (ZeRO-Infinity's NVMe tier); CPU runs too
+    /// [default: host memory].
+    #[arg(long)]
+    pub offload_dir: Option<PathBuf>,
+    /// Elements of each optimizer state per offload bucket (DeepSpeed's `sub_group_size`)
+    /// [default: 16777216].
+    #[arg(long, allow_negative_numbers = true)]
+    pub offload_bucket: Option<u64>,
     /// Continue from a checkpoint directory up to --steps [default: none, a new run].
     #[arg(long)]
     #[serde(skip)]
@@ -327,6 +337,19 @@ pub struct RuntimeConfig {
     /// GiB of device memory the plan must fit (`--device-memory`; `fit::device_budget`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_memory: Option<f64>,
+    /// `--offload-dir`: the disk tier of the offloaded optimizer states.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub offload_dir: Option<PathBuf>,
+    /// Elements of each state per offload bucket (`--offload-bucket`).
+    #[serde(default = "default_offload_bucket")]
+    pub offload_bucket: u64,
+}
+
+/// 2^24 elements: 64 MiB of each fp32 state, 192 MiB of master weights and moments per bucket,
+/// so three buckets in flight stay under a GiB. (DeepSpeed's `sub_group_size` defaults to 1e9,
+/// sized for GPUs with a host of hundreds of GiB behind them.)
+fn default_offload_bucket() -> u64 {
+    1 << 24
 }
 
 fn default_comm_timeout() -> f64 {
@@ -502,13 +525,6 @@ pub(crate) fn trainable_layout(flags: &LayoutFlags) -> Result<Layout, ConfigErro
         value: String::new(),
         problem: e.to_string(),
     })?;
-    let not_yet = |field: &'static str, v: String| {
-        let problem = format!(
-            "ferrotron train runs data, tensor, pipeline, context and expert parallelism (--dp with --zero 1, 2 or 3, --tp, --pp, --cp, --ep) but not this yet; `ferrotron plan --{} {v}` predicts this layout's memory and time",
-            field.replace('_', "-")
-        );
-        Err(bad(field, v, &problem))
-    };
     for (field, v) in [
         ("dp", l.dp),
         ("tp", l.tp),
@@ -551,8 +567,12 @@ pub(crate) fn trainable_layout(flags: &LayoutFlags) -> Result<Layout, ConfigErro
             "virtual stages interleave a pipeline's model chunks: add --pp 2 or more",
         ));
     }
-    if l.offload != Offload::None {
-        return not_yet("offload", l.offload.to_string());
+    if l.offload == Offload::Params {
+        return Err(bad(
+            "offload",
+            "params",
+            "ferrotron train does not stream weights from the host yet: use --offload optimizer (master weights and Adam's moments on the host, or on disk with --offload-dir); `ferrotron plan --offload params` predicts it",
+        ));
     }
     Ok(l)
 }
@@ -602,6 +622,8 @@ pub const SECTIONS: &[(&str, &[&str])] = &[
             "comm_timeout",
             "max_skipped_steps",
             "device_memory",
+            "offload_dir",
+            "offload_bucket",
         ],
     ),
     (
@@ -717,7 +739,7 @@ impl TrainArgs {
         merge!(self, file; model, data, tokenizer, init_from, capacity_factor, seq, mbs, grad_acc, steps, stop_after, lr, min_lr_ratio,
             warmup, decay_steps, weight_decay, beta1, beta2, eps, clip, seed, threads, eval_interval,
             eval_batches, out_dir, checkpoint_dir, checkpoint_interval, keep_checkpoints,
-            async_checkpoint, comm_timeout, max_skipped_steps, device_memory, metrics, ce_chunk, recompute, bucket_mb,
+            async_checkpoint, comm_timeout, max_skipped_steps, device_memory, offload_dir, offload_bucket, metrics, ce_chunk, recompute, bucket_mb,
             precision, fp32_grad_acc, stochastic_rounding, loss_scale_init,
             loss_scale_growth_interval,
             peak_gflops, sample_tokens, memory_timeline, memory_timeline_steps, trace,
@@ -813,6 +835,8 @@ impl TrainArgs {
                 comm_timeout: self.comm_timeout.unwrap_or(default_comm_timeout()),
                 max_skipped_steps: self.max_skipped_steps.unwrap_or(default_max_skipped()),
                 device_memory: self.device_memory,
+                offload_dir: self.offload_dir.clone(),
+                offload_bucket: self.offload_bucket.unwrap_or(default_offload_bucket()),
             },
             parallel,
             checkpoint: CheckpointConfig {
@@ -877,6 +901,7 @@ fn validate(c: &TrainConfig) -> Result<(), ConfigError> {
         ("threads", c.runtime.threads),
         ("ce_chunk", c.runtime.ce_chunk),
         ("bucket_mb", c.runtime.bucket_mb),
+        ("offload_bucket", c.runtime.offload_bucket),
     ] {
         if v == 0 {
             return Err(bad(field, v, "must be a positive integer"));

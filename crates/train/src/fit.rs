@@ -91,7 +91,8 @@ pub fn check(spec: &ModelSpec, c: &TrainConfig, ranks_here: u64) -> Result<()> {
         true => r.at_peak.params + r.at_peak.master + r.at_peak.optimizer,
         false => 0,
     };
-    let peak = |r: &ferrotron_plan::planner::RankPlan| r.peak + staging(r);
+    // Offloaded optimizer states are host memory too (`MemoryPlan::host_bytes`).
+    let peak = |r: &ferrotron_plan::planner::RankPlan| r.peak + staging(r) + r.plan.host_bytes;
     let need: u64 = plan.ranks.iter().map(|r| peak(r) * per_kind).sum::<u64>() + RSS_OVERHEAD;
     if need <= avail {
         return Ok(());

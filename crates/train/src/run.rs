@@ -109,6 +109,7 @@ fn resume_config(args: &TrainArgs, saved: &TrainConfig) -> Result<TrainConfig> {
     if let Some(v) = args.threads {
         c.runtime.threads = v;
     }
+    c.runtime.offload_dir = args.offload_dir.clone();
     if let Some(v) = args.eval_interval {
         c.observability.eval_interval = v;
     }
@@ -241,6 +242,7 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
     );
     crate::device::check(args.device, world)?;
     crate::device_ranks::check(args.device, &layout)?;
+    crate::optim::offload::check_args(&args, &layout, world)?;
     layout_checks::check_layout(&args, saved.as_ref(), &layout, world)?;
     if use_mpi(args.comm.unwrap_or(CommBackend::Auto), dp)? {
         #[cfg(feature = "mpi")]
@@ -640,8 +642,9 @@ fn run_rank(
 }
 
 /// The process's peak RSS against what it planned: the plans of the ranks it runs (every rank
-/// of a threads run, its own under mpirun) plus the stated constant of `fit::RSS_OVERHEAD`.
-fn rss_line(steps: &[StepMetrics], planned: u64) -> String {
+/// of a threads run, its own under mpirun) and their offload tier's `host` bytes, plus the
+/// stated constant of `fit::RSS_OVERHEAD`.
+fn rss_line(steps: &[StepMetrics], planned: u64, host: u64) -> String {
     let Some(rss) = peak_rss() else {
         return "peak RSS unknown on this system".into();
     };
@@ -650,7 +653,7 @@ fn rss_line(steps: &[StepMetrics], planned: u64) -> String {
             m.rank_mem.iter().map(|r| r.mem_peak_planned).sum()
         }
         _ => planned,
-    };
+    } + host;
     let bound = here + crate::fit::RSS_OVERHEAD;
     format!(
         "peak RSS {:.1} MiB = plan {:.1} + {:.1} MiB, {} the bound of plan + {:.0} MiB",
@@ -695,6 +698,8 @@ fn write_plan(cfg: &TrainConfig, t: &Trainer) -> Result<()> {
         "params": t.model.num_params(),
         "planned_peak_steps": [t.planned_peak_step(1), t.planned_peak_step(2)],
         "rank": t.plan,
+        // `--offload optimizer`: the host tier, and the disk tier with `--offload-dir`.
+        "offload": t.offload_plan(),
         // Where the per-step records went (`--metrics` may put them outside the run
         // directory): `ferrotron report` follows it.
         "metrics": std::path::absolute(&cfg.observability.metrics)

@@ -117,7 +117,8 @@ pub fn checked_plan(
         ("params", params, p.storage()),
         ("grads", grads, p.engine_grads()),
     ];
-    if p.has_master() {
+    // Offloaded, the master weights are host memory (`MemoryPlan::host_bytes`).
+    if p.has_master() && c.parallel.offload == ferrotron_plan::Offload::None {
         expected.push(("master", opt_len, DType::F32));
     }
     if windows > 0 {

@@ -17,6 +17,7 @@ use crate::observe::metrics::{RankMem, StepMetrics};
 use crate::observe::trace::{Event, Tracing};
 use crate::optim::loss_scale::{DynamicLossScaler, ScaleUpdate};
 use crate::optim::lr::LrSchedule;
+use crate::optim::offload::Offloaded;
 pub use crate::optim::step::AdamState;
 use crate::optim::step::{adamw, grad_scale, OptRun, States};
 use crate::pipeline::Pipeline;
@@ -54,6 +55,7 @@ mod assemble;
 mod evaluate;
 mod host_state;
 mod memory_report;
+mod offload_states;
 mod pipeline_step;
 mod state;
 mod step;
@@ -105,6 +107,9 @@ pub struct Trainer {
     /// Gradients (storage type, or f32 with `--fp32-grad-acc`), created by the first step.
     pub grads: Option<Flat>,
     pub opt: Option<AdamState>,
+    /// `--offload optimizer`: the master weights and moments in host memory or on disk
+    /// (then `master` and `opt` stay empty while training).
+    offload: Option<Offloaded>,
     /// fp16's dynamic loss scaler.
     pub scaler: Option<DynamicLossScaler>,
     /// Optimizer steps completed.
@@ -327,6 +332,7 @@ impl Trainer {
             scaler: (cfg.precision.kind == Precision::Fp16)
                 .then(|| DynamicLossScaler::new(cfg.precision.loss_scale)),
             opt: None,
+            offload: None,
             step: 0,
             pool: plan_pool(timeline, arena),
             trace_left,

@@ -209,6 +209,7 @@ fn a_flat_trainer_state_from_before_the_sections_resumes_bit_identically() {
         "bucket_mb",
         "comm_timeout",
         "max_skipped_steps",
+        "offload_bucket",
         "tensorboard",
     ] {
         b["config"].as_object_mut().unwrap().remove(key);
@@ -613,7 +614,7 @@ fn bad_input_is_one_clear_error() {
     let mut a = tiny_args(&out, 1);
     a.layout.offload = Some("optimizer".into());
     assert!(error(a).contains(
-        "offload = optimizer: ferrotron train runs data, tensor, pipeline, context and expert parallelism (--dp with --zero 1, 2 or 3, --tp, --pp, --cp, --ep) but not this yet"
+        "offload = optimizer: a CPU run keeps its optimizer states in host memory already, so there is nothing to move: add --offload-dir PATH"
     ));
 }
 

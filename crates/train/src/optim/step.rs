@@ -87,7 +87,7 @@ pub(crate) fn adamw<'g, S: Elem, G: Elem>(
 }
 
 /// Weights stored as f32 (no master copy) as the f32 buffer AdamW updates in place.
-fn as_f32<S: Elem>(mut w: ViewMut<'_, S>) -> ViewMut<'_, f32> {
+pub(crate) fn as_f32<S: Elem>(mut w: ViewMut<'_, S>) -> ViewMut<'_, f32> {
     assert!(
         S::DTYPE == ferrotron_plan::DType::F32,
         "without master weights the weights are f32"

@@ -206,6 +206,9 @@ pub(super) fn print_plan(cfg: &TrainConfig, t: &Trainer, peak_gflops: f64) {
         t.gemm
     );
     }
+    if let Some(line) = t.offload_line() {
+        eprintln!("{line}");
+    }
 }
 
 /// Counts a step whose loss or gradient norm was not finite (`skipped_run` in a row), and
@@ -382,7 +385,7 @@ pub(super) fn report_done(
         measured as f64 / MIB,
         (measured as f64 / planned.max(1) as f64 - 1.0) * 100.0,
         t.baseline as f64 / MIB,
-        rss_line(steps, planned)
+        rss_line(steps, planned, t.offload_plan().map_or(0, |o| o.host_bytes))
     );
         if let Some(m) = steps.last().filter(|m| !m.pp_bubble.is_empty()) {
             // The median step's (the first steps warm up).

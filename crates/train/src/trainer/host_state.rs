@@ -7,6 +7,9 @@ use super::*;
 impl Trainer {
     /// Whether Adam's moments exist (from the first optimizer step on), wherever they live.
     pub(super) fn has_opt(&self) -> bool {
+        if let Some(o) = &self.offload {
+            return o.has_moments();
+        }
         match &self.dev {
             Some(d) => d.opt.is_some(),
             None => self.opt.is_some(),
@@ -17,6 +20,7 @@ impl Trainer {
     /// chose (nothing on the CPU): called once they are initialised or loaded. From then on
     /// the host holds none of them, as it would not on a GPU.
     pub fn to_device(&mut self) -> Result<()> {
+        self.offload_states()?;
         let Some(alloc) = self.device_alloc.clone() else {
             return Ok(());
         };
@@ -47,7 +51,21 @@ impl Trainer {
     /// Runs `f` with the weights, master weights and optimizer states on the host (copied
     /// from the device for it, and dropped after, when the run is on one): a checkpoint or a
     /// sample reads them there.
-    pub fn with_host_state<R>(&mut self, f: impl FnOnce(&mut Trainer) -> R) -> R {
+    /// With `--offload optimizer` the master weights and moments are read from the offload
+    /// tier (from disk with `--offload-dir`) into host vectors for it, and dropped after.
+    pub fn with_host_state<R>(&mut self, f: impl FnOnce(&mut Trainer) -> Result<R>) -> Result<R> {
+        self.with_device_state_on_host(|t| {
+            let Some(o) = &t.offload else {
+                return f(t);
+            };
+            (t.master, t.opt) = o.to_host()?;
+            let r = f(t);
+            (t.master, t.opt) = (None, None);
+            r
+        })
+    }
+
+    fn with_device_state_on_host<R>(&mut self, f: impl FnOnce(&mut Trainer) -> R) -> R {
         let Some(d) = &self.dev else {
             return f(self);
         };

@@ -27,13 +27,20 @@ impl Trainer {
         let to = Instant::now();
         let lr = self.schedule.at(self.step);
         let n = self.opt_len;
-        let states = adam_states(
-            &mut self.dev,
-            self.device_alloc.as_ref(),
-            &mut self.opt,
-            &mut self.master,
-            n,
-        )?;
+        // Offloaded, the moments are the offload tier's (`optim::offload`).
+        let states = match &mut self.offload {
+            Some(o) => {
+                o.ensure_moments();
+                None
+            }
+            None => Some(adam_states(
+                &mut self.dev,
+                self.device_alloc.as_ref(),
+                &mut self.opt,
+                &mut self.master,
+                n,
+            )?),
+        };
         // The reduced gradient of each run the optimizer updates: under ZeRO-2 and 3 in the
         // shard, else where the backward wrote it.
         let grad_of = |r: &OptRun| -> View<'_, G> {
@@ -80,16 +87,20 @@ impl Trainer {
         // Clipping, folded with the unscaling into the factor AdamW applies to each gradient.
         let scale = grad_scale(unscale, grad_norm, self.cfg.optimizer.clip);
         let (h, rounding) = adamw_params(&self.cfg, lr, self.step + 1, scale);
-        adamw(
-            k,
-            &self.runs,
-            h,
-            rounding,
-            zero3,
-            states,
-            params.rb(),
-            grad_of,
-        );
+        match (states, &mut self.offload) {
+            (Some(states), _) => adamw(
+                k,
+                &self.runs,
+                h,
+                rounding,
+                zero3,
+                states,
+                params.rb(),
+                grad_of,
+            ),
+            (None, Some(o)) => o.step(&self.runs, h, rounding, zero3, params.rb(), grad_of)?,
+            (None, None) => unreachable!("the states are the offload tier's"),
+        }
         // ZeRO-1 and 2: every rank updated its blocks; the ranks gather the others'. (ZeRO-3
         // gathers each unit when it is next needed.)
         if let (Some(dp), false) = (dp, zero3) {

@@ -1,0 +1,110 @@
+//! The host tier of offload: buffers of the offloaded optimizer states (and the staging that
+//! moves gradients and weights between a device and them), allocated from the system
+//! allocator directly and counted here.
+//!
+//! Why not the global allocator: the trainer's measured peak is the tracking allocator's
+//! (`memory::alloc`), and on the emulated device the device's memory is host memory too, so
+//! the offloaded states must be told apart from it to measure what offload takes off the
+//! device. On a GPU these would be the page-locked host buffers ZeRO-Offload copies through
+//! (Ren et al., "ZeRO-Offload", USENIX ATC 2021, §4); either way the planner counts them apart,
+//! as `MemoryPlan::host_bytes`, and these counters are what that figure is measured against.
+
+use ferrotron_engine::Elem;
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::ops::{Deref, DerefMut};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+static LIVE: AtomicU64 = AtomicU64::new(0);
+static PEAK: AtomicU64 = AtomicU64::new(0);
+
+/// Bytes of the host tier allocated now.
+pub fn host_live() -> u64 {
+    LIVE.load(Ordering::Relaxed)
+}
+
+/// Most bytes of the host tier allocated at once since the last [`reset_host_peak`].
+pub fn host_peak() -> u64 {
+    PEAK.load(Ordering::Relaxed)
+}
+
+pub fn reset_host_peak() {
+    PEAK.store(LIVE.load(Ordering::Relaxed), Ordering::Relaxed);
+}
+
+/// `len` elements of `T` in the host tier, zeroed at first (every `Elem`'s zero is all-zero
+/// bits), freed on drop.
+pub struct HostBuf<T: Elem> {
+    ptr: NonNull<T>,
+    len: usize,
+}
+
+// SAFETY: the buffer owns its block as a Vec does.
+unsafe impl<T: Elem> Send for HostBuf<T> {}
+unsafe impl<T: Elem> Sync for HostBuf<T> {}
+
+impl<T: Elem> HostBuf<T> {
+    fn layout(len: usize) -> Layout {
+        Layout::array::<T>(len.max(1)).expect("host buffer size overflows")
+    }
+
+    pub fn zeros(len: usize) -> HostBuf<T> {
+        let layout = Self::layout(len);
+        // SAFETY: a non-zero size.
+        let p = unsafe { System.alloc_zeroed(layout) };
+        let ptr =
+            NonNull::new(p.cast::<T>()).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        let bytes = (len * size_of::<T>()) as u64;
+        let live = LIVE.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        PEAK.fetch_max(live, Ordering::Relaxed);
+        HostBuf { ptr, len }
+    }
+
+    pub fn from_slice(s: &[T]) -> HostBuf<T> {
+        let mut b = Self::zeros(s.len());
+        b.copy_from_slice(s);
+        b
+    }
+}
+
+impl<T: Elem> Deref for HostBuf<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        // SAFETY: `len` initialised (zeroed, then written) elements owned by the buffer.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl<T: Elem> DerefMut for HostBuf<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        // SAFETY: as `deref`, borrowed mutably through `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl<T: Elem> Drop for HostBuf<T> {
+    fn drop(&mut self) {
+        // SAFETY: allocated by `zeros` with this layout.
+        unsafe { System.dealloc(self.ptr.as_ptr().cast(), Self::layout(self.len)) };
+        LIVE.fetch_sub((self.len * size_of::<T>()) as u64, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_host_buffer_holds_its_elements_zeroed_first() {
+        let a = HostBuf::<f32>::from_slice(&[1.0, 2.0, 3.0]);
+        let mut b = HostBuf::<half::bf16>::zeros(10);
+        b[3] = half::bf16::ONE;
+        assert_eq!(&a[..], &[1.0f32, 2.0, 3.0][..]);
+        assert_eq!(
+            (b[9], b[3], b.len()),
+            (half::bf16::ZERO, half::bf16::ONE, 10)
+        );
+        // (The counters are the process's: the offload integration test checks them against
+        // the plan, one run at a time.)
+    }
+}

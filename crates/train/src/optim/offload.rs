@@ -1,0 +1,433 @@
+//! `--offload optimizer`: the fp32 master weights and Adam's moments live off the device, in
+//! host memory ([`host_tier`](super::host_tier)) or in files (`--offload-dir`,
+//! [`disk_states`](super::disk_states)), and AdamW runs there with the CPU backend's kernels,
+//! bucket by bucket (ZeRO-Offload, Ren et al. 2021, §4: gradients to the host, the update on
+//! the CPU, the updated 16-bit weights back).
+//!
+//! On a device each bucket's gradients are copied into a host staging buffer, AdamW runs on
+//! the host states, and the new weights (16-bit, or fp32 without master weights) are copied
+//! back; on the CPU the update reads the gradients and writes the weights where they are.
+//! AdamW is element-wise (`kernels::cpu::adamw`), so cutting a tensor at a bucket's edge
+//! changes no bit: the trajectory is the one without offload. Stochastic rounding's noise is
+//! indexed by the position in the tensor the kernel is given, so it is refused with offload
+//! (`check`) rather than reindexed.
+
+use super::disk_states::DiskStates;
+use super::host_tier::HostBuf;
+use super::step::{as_f32, AdamState, OptRun};
+use anyhow::{bail, Result};
+use ferrotron_engine::kernels::{
+    AdamWParams, AsViewMut, CpuKernels, DeviceAlloc, Kernels, Memory, Rounding, View, ViewMut,
+};
+use ferrotron_engine::Elem;
+use ferrotron_plan::{Layout, Offload};
+use std::path::Path;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+/// Bucket sets in host memory at once with the disk tier (the planner's `disk_tier::IN_FLIGHT`).
+pub const IN_FLIGHT: usize = ferrotron_plan::disk_tier::IN_FLIGHT as usize;
+
+/// Refuses what offload does not run, each in one line naming the setting: `--offload
+/// optimizer` on a CPU run without `--offload-dir` (the states are in host memory already:
+/// nothing would move), `--offload-dir` without `--offload optimizer`, several ranks, and
+/// stochastic rounding.
+pub fn check(
+    layout: &Layout,
+    offload_dir: Option<&Path>,
+    on_device: bool,
+    world: usize,
+    stochastic_rounding: bool,
+) -> Result<()> {
+    let on = layout.offload == Offload::Optimizer;
+    if let (Some(d), false) = (offload_dir, on) {
+        bail!(
+            "offload_dir = {}: the disk tier holds offloaded optimizer states: add --offload optimizer",
+            d.display()
+        );
+    }
+    if !on {
+        return Ok(());
+    }
+    if !on_device && offload_dir.is_none() {
+        bail!("offload = optimizer: a CPU run keeps its optimizer states in host memory already, so there is nothing to move: add --offload-dir PATH to keep them on disk, or drop --offload");
+    }
+    if world > 1 {
+        bail!("offload = optimizer: one rank only for now ({world} ranks asked): drop the parallel flags, or --offload");
+    }
+    if stochastic_rounding {
+        bail!("offload = optimizer: not with stochastic rounding yet (its noise is indexed by the position in each tensor the update is given, and offload cuts tensors into buckets): drop --stochastic-rounding");
+    }
+    Ok(())
+}
+
+/// [`check`] on the flags of a run, and `--async-checkpoint`, whose staging copies states
+/// that offload keeps elsewhere.
+pub fn check_args(args: &crate::config::TrainArgs, layout: &Layout, world: usize) -> Result<()> {
+    let on_device = args.device != crate::device::Device::Cpu;
+    let sr = args.stochastic_rounding.unwrap_or(false);
+    check(layout, args.offload_dir.as_deref(), on_device, world, sr)?;
+    if layout.offload == Offload::Optimizer && args.async_checkpoint == Some(true) {
+        bail!("offload = optimizer: not with --async-checkpoint yet: drop one of them");
+    }
+    Ok(())
+}
+
+/// Where the offloaded states are.
+enum Tier {
+    /// Host memory: the master weights (mixed precision) and, from the first optimizer step
+    /// on, the moments.
+    Host {
+        master: Option<HostBuf<f32>>,
+        moments: Option<(HostBuf<f32>, HostBuf<f32>)>,
+    },
+    Disk(DiskStates),
+}
+
+/// A device's bucket of gradients and of weights, on the host: f32 words, viewed as the
+/// gradient and weight types.
+struct Staging {
+    grads: HostBuf<f32>,
+    params: HostBuf<f32>,
+    dev: Arc<dyn DeviceAlloc>,
+}
+
+/// The offloaded optimizer states of a rank, and how its update reaches them.
+pub struct Offloaded {
+    /// Elements of each state, and of a bucket.
+    n: usize,
+    bucket: usize,
+    master: bool,
+    /// Whether the moments exist (from the first optimizer step on, taken or skipped).
+    moments: bool,
+    tier: Tier,
+    /// The CPU backend's kernels: AdamW on the host.
+    cpu: CpuKernels,
+    staging: Option<Staging>,
+    /// What the plan says the tier takes (set by the trainer, which plans it).
+    pub plan: Option<OffloadPlan>,
+}
+
+/// The first `len` elements of `buf` as a host view of `T` (T no wider than f32's alignment).
+fn typed<T: Elem>(buf: &mut HostBuf<f32>, len: usize) -> ViewMut<'_, T> {
+    assert!(len * size_of::<T>() <= buf.len() * 4 && align_of::<T>() <= 4);
+    let p = NonNull::new(buf.as_mut_ptr().cast::<T>()).expect("never null");
+    // SAFETY: inside `buf`, aligned (checked), borrowed as `buf`; every bit pattern of the
+    // words is a valid `T` (plain numbers).
+    unsafe { ViewMut::from_raw_parts(p, len, Memory::Host) }
+}
+
+impl Offloaded {
+    /// The states of a rank with `n` elements of optimizer state: `master` (mixed precision)
+    /// and `opt` as initialised or loaded, moved off the device into host memory, or into
+    /// files under `dir`. `device` is the memory the weights and gradients live in (`None`:
+    /// the host's); its staging holds one bucket of `G` gradients and of `S`-sized weights.
+    pub fn new(
+        n: usize,
+        bucket: usize,
+        master: Option<Vec<f32>>,
+        opt: Option<AdamState>,
+        dir: Option<&Path>,
+        rank: usize,
+        device: Option<(Arc<dyn DeviceAlloc>, usize, usize)>,
+    ) -> Result<Offloaded> {
+        let bucket = bucket.min(n).max(1);
+        let has_master = master.is_some();
+        let moments = opt.is_some();
+        let tier = match dir {
+            None => Tier::Host {
+                master: master.as_deref().map(HostBuf::from_slice),
+                moments: opt
+                    .as_ref()
+                    .map(|o| (HostBuf::from_slice(&o.m), HostBuf::from_slice(&o.v))),
+            },
+            Some(d) => {
+                let states = 2 + has_master as usize;
+                let mut init = vec![master.as_deref()];
+                init.truncate(has_master as usize);
+                init.push(opt.as_ref().map(|o| &o.m[..]));
+                init.push(opt.as_ref().map(|o| &o.v[..]));
+                Tier::Disk(DiskStates::create(d, rank, n, bucket, states, &init)?)
+            }
+        };
+        let staging = device.map(|(dev, grad_bytes, param_bytes)| Staging {
+            grads: HostBuf::zeros((bucket * grad_bytes).div_ceil(4)),
+            params: HostBuf::zeros((bucket * param_bytes).div_ceil(4)),
+            dev,
+        });
+        Ok(Offloaded {
+            n,
+            bucket,
+            master: has_master,
+            moments,
+            tier,
+            cpu: CpuKernels::PLAIN,
+            staging,
+            plan: None,
+        })
+    }
+
+    /// One line for the start of a run: where the states are and what the plan says they take.
+    pub fn describe(&self) -> String {
+        let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+        let Some(p) = self.plan else {
+            return String::new();
+        };
+        let tier = match (&self.tier, p.disk) {
+            (Tier::Disk(d), Some(k)) => format!(
+                "on disk in {} ({:.1} MiB), {:.1} MiB read + {:.1} MiB written per step ({:.3} s of I/O at an NVMe drive's bandwidth), host memory {:.1} MiB (3 buckets in flight{})",
+                d.dir().display(),
+                mib(k.disk_bytes),
+                mib(k.read_bytes),
+                mib(k.written_bytes),
+                k.io_s,
+                mib(p.host_bytes),
+                if p.staging_bytes > 0 { " + device staging" } else { "" },
+            ),
+            _ => format!(
+                "in host memory ({:.1} MiB{})",
+                mib(p.host_bytes),
+                if p.staging_bytes > 0 { " with device staging" } else { "" },
+            ),
+        };
+        format!(
+            "offload: optimizer states ({:.1} MiB: {}Adam's moments) {tier}; buckets of {} elements",
+            mib(p.states_bytes),
+            if self.master { "fp32 master weights, " } else { "" },
+            self.bucket
+        )
+    }
+
+    /// Whether Adam's moments exist.
+    pub fn has_moments(&self) -> bool {
+        self.moments
+    }
+
+    /// The moments, created (zero) by the first optimizer step, as torch.optim creates them.
+    pub fn ensure_moments(&mut self) {
+        if let Tier::Host { moments, .. } = &mut self.tier {
+            moments.get_or_insert_with(|| (HostBuf::zeros(self.n), HostBuf::zeros(self.n)));
+        }
+        // (On disk they are zero from the start: the files are preallocated.)
+        self.moments = true;
+    }
+
+    /// The master weights and moments, whole, in host vectors (read from disk with the disk
+    /// tier): a checkpoint reads them.
+    pub fn to_host(&self) -> Result<(Option<Vec<f32>>, Option<AdamState>)> {
+        let (master, m, v) = match &self.tier {
+            Tier::Host { master, moments } => (
+                master.as_ref().map(|m| m.to_vec()),
+                moments.as_ref().map(|(m, _)| m.to_vec()),
+                moments.as_ref().map(|(_, v)| v.to_vec()),
+            ),
+            Tier::Disk(d) => {
+                let mut all = d.read_all()?.into_iter();
+                let master = match self.master {
+                    true => all.next(),
+                    false => None,
+                };
+                (master, all.next(), all.next())
+            }
+        };
+        let opt = match (self.moments, m, v) {
+            (true, Some(m), Some(v)) => Some(AdamState { m, v }),
+            _ => None,
+        };
+        Ok((master, opt))
+    }
+
+    /// AdamW over `runs` (as `optim::step::adamw`), bucket by bucket of the states.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn step<'g, S: Elem, G: Elem>(
+        &mut self,
+        runs: &[OptRun],
+        h: AdamWParams,
+        rounding: Rounding,
+        zero3: bool,
+        mut params: ViewMut<'_, S>,
+        grad_of: impl Fn(&OptRun) -> View<'g, G>,
+    ) -> Result<()> {
+        let (cpu, staging, master) = (&self.cpu, &mut self.staging, self.master);
+        let mut update = |lo: usize, hi: usize, s: &mut [&mut [f32]]| {
+            let (mst, mv) = match master {
+                true => {
+                    let (a, b) = s.split_at_mut(1);
+                    (Some(&mut *a[0]), b)
+                }
+                false => (None, s),
+            };
+            let (m, v) = mv.split_at_mut(1);
+            let bucket = Bucket {
+                lo,
+                hi,
+                master: mst,
+                m: &mut *m[0],
+                v: &mut *v[0],
+            };
+            bucket.update(
+                cpu,
+                staging.as_mut(),
+                runs,
+                h,
+                rounding,
+                zero3,
+                params.rb(),
+                &grad_of,
+            );
+        };
+        match &mut self.tier {
+            Tier::Host { master, moments } => {
+                let (m, v) = moments.as_mut().expect("ensure_moments ran");
+                for lo in (0..self.n).step_by(self.bucket) {
+                    let hi = (lo + self.bucket).min(self.n);
+                    let mut s: Vec<&mut [f32]> = Vec::with_capacity(3);
+                    if let Some(w) = master {
+                        s.push(&mut w[lo..hi]);
+                    }
+                    s.push(&mut m[lo..hi]);
+                    s.push(&mut v[lo..hi]);
+                    update(lo, hi, &mut s);
+                }
+                Ok(())
+            }
+            Tier::Disk(d) => d.for_each_bucket(|lo, hi, bufs| {
+                let mut s: Vec<&mut [f32]> = bufs.iter_mut().map(|b| &mut b[..hi - lo]).collect();
+                update(lo, hi, &mut s);
+            }),
+        }
+    }
+}
+
+/// The states `lo..hi` of one bucket, in host memory.
+struct Bucket<'a> {
+    lo: usize,
+    hi: usize,
+    master: Option<&'a mut [f32]>,
+    m: &'a mut [f32],
+    v: &'a mut [f32],
+}
+
+impl Bucket<'_> {
+    /// AdamW on the part of every run inside the bucket, through `staging` when the weights
+    /// and gradients are on a device.
+    #[allow(clippy::too_many_arguments)]
+    fn update<'g, S: Elem, G: Elem>(
+        self,
+        cpu: &CpuKernels,
+        mut staging: Option<&mut Staging>,
+        runs: &[OptRun],
+        h: AdamWParams,
+        rounding: Rounding,
+        zero3: bool,
+        mut params: ViewMut<'_, S>,
+        grad_of: &impl Fn(&OptRun) -> View<'g, G>,
+    ) {
+        let k: &dyn Kernels<S, G> = cpu;
+        let Bucket {
+            lo,
+            hi,
+            mut master,
+            m,
+            v,
+        } = self;
+        for run in runs {
+            let (start, end) = (run.at.max(lo), (run.at + run.params.len()).min(hi));
+            if start >= end {
+                continue;
+            }
+            let (off, len) = (start - run.at, end - start);
+            let h = AdamWParams {
+                weight_decay: if run.decay { h.weight_decay } else { 0.0 },
+                ..h
+            };
+            let w = match zero3 {
+                true => start..end,
+                false => run.params.start + off..run.params.start + off + len,
+            };
+            let at = start - lo..end - lo;
+            let g = grad_of(run).slice(off..off + len);
+            let (m, v) = (m[at.clone()].view_mut(), v[at.clone()].view_mut());
+            let master = master.as_deref_mut().map(|x| &mut x[at]);
+            let Some(st) = staging.as_deref_mut() else {
+                // The CPU: gradients and weights are host memory already.
+                let p = params.rb().slice_mut(w);
+                match master {
+                    Some(x) => k.adamw_step(h, x.view_mut(), g, m, v, Some((p, rounding))),
+                    None => k.adamw_step(h, as_f32(p), g, m, v, None),
+                }
+                continue;
+            };
+            let mut gh = typed::<G>(&mut st.grads, len);
+            let mut ph = typed::<S>(&mut st.params, len);
+            let mut p = params.rb().slice_mut(w);
+            // SAFETY: `g` and `p` are `len` elements of the device's memory; the staging
+            // views hold `len` elements on the host.
+            unsafe {
+                copy_down(&*st.dev, g.as_ptr(), gh.rb());
+                if master.is_none() {
+                    copy_down(&*st.dev, p.as_mut_ptr(), ph.rb());
+                }
+            }
+            match master {
+                Some(x) => k.adamw_step(
+                    h,
+                    x.view_mut(),
+                    gh.as_view(),
+                    m,
+                    v,
+                    Some((ph.rb(), rounding)),
+                ),
+                None => k.adamw_step(h, as_f32(ph.rb()), gh.as_view(), m, v, None),
+            }
+            // SAFETY: as above, the other way.
+            unsafe { copy_up(&*st.dev, ph.as_view(), p.as_mut_ptr()) };
+        }
+    }
+}
+
+/// Copies `dst.len()` elements at device address `src` into the host view `dst`.
+///
+/// # Safety
+/// `src` must address that many elements of `dev`'s memory.
+unsafe fn copy_down<T: Elem>(dev: &dyn DeviceAlloc, src: *const T, dst: ViewMut<'_, T>) {
+    let dst = dst.host_mut();
+    let bytes = std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<u8>(), size_of_val(dst));
+    dev.download(
+        bytes,
+        NonNull::new(src.cast_mut().cast()).expect("never null"),
+    );
+}
+
+/// Copies the host view `src` to device address `dst`.
+///
+/// # Safety
+/// `dst` must address `src.len()` elements of `dev`'s memory.
+unsafe fn copy_up<T: Elem>(dev: &dyn DeviceAlloc, src: View<'_, T>, dst: *mut T) {
+    let src = src.host();
+    let bytes = std::slice::from_raw_parts(src.as_ptr().cast::<u8>(), size_of_val(src));
+    dev.upload(NonNull::new(dst.cast()).expect("never null"), bytes);
+}
+
+/// What the plan says offload takes: the states' bytes, the host bytes they take (all of
+/// them in host memory, or the disk tier's buckets in flight) with a device's staging, and
+/// the disk tier.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct OffloadPlan {
+    pub states_bytes: u64,
+    pub host_bytes: u64,
+    pub staging_bytes: u64,
+    pub disk: Option<ferrotron_plan::disk_tier::DiskPlan>,
+}
+
+static PLANNED: std::sync::Mutex<Option<OffloadPlan>> = std::sync::Mutex::new(None);
+
+pub(crate) fn record_plan(p: OffloadPlan) {
+    *PLANNED.lock().unwrap_or_else(|e| e.into_inner()) = Some(p);
+}
+
+/// The plan of the last offloading run of the process (its measured counterparts are
+/// `host_tier::host_peak` and `disk_states::disk_bytes`).
+pub fn last_plan() -> Option<OffloadPlan> {
+    *PLANNED.lock().unwrap_or_else(|e| e.into_inner())
+}

@@ -1,0 +1,80 @@
+//! `--offload optimizer` in the trainer: once the state is initialised or loaded, the master
+//! weights and Adam's moments move into the offload tier (host memory, or files under
+//! `--offload-dir`), and the rank's plan takes the tier's host figure: the planner's
+//! host-resident states (`MemoryPlan::host_bytes`), or with the disk tier only the buckets
+//! in flight (`ferrotron_plan::disk_tier`), plus a device's staging of one bucket.
+
+use super::*;
+use crate::optim::disk_states::free_bytes;
+use crate::optim::offload::{record_plan, OffloadPlan, Offloaded};
+use ferrotron_plan::disk_tier::{self, Disk};
+use ferrotron_plan::Offload;
+
+impl Trainer {
+    /// Moves the optimizer states into the offload tier, when the run offloads them.
+    pub(super) fn offload_states(&mut self) -> Result<()> {
+        if self.cfg.parallel.offload != Offload::Optimizer {
+            return Ok(());
+        }
+        let n = self.opt_len;
+        let bucket = (self.cfg.runtime.offload_bucket as usize).min(n).max(1);
+        let p = self.cfg.precision.kind;
+        let (g, s) = (
+            p.engine_grads().bytes() as usize,
+            p.storage().bytes() as usize,
+        );
+        let dir = self.cfg.runtime.offload_dir.clone();
+        let states = 2 + self.master.is_some() as u64;
+        let device = self.device_alloc.clone().map(|d| (d, g, s));
+        let staging = match device {
+            Some(_) => 4 * ((bucket * g).div_ceil(4) + (bucket * s).div_ceil(4)) as u64,
+            None => 0,
+        };
+        let mut o = Offloaded::new(
+            n,
+            bucket,
+            self.master.take(),
+            self.opt.take(),
+            dir.as_deref(),
+            self.world_rank(),
+            device,
+        )?;
+        // The planner's figure for the states in host memory, and the disk tier's share of
+        // it (its bandwidth an NVMe drive's, `Disk::nvme`; the update's own time is not
+        // modelled here, so the tier's time is its I/O).
+        let states_bytes = self.plan.plan.host_bytes;
+        let disk = match &dir {
+            Some(d) => {
+                let free = free_bytes(d)? + states_bytes;
+                let bucket_bytes = bucket as u64 * 4 * states;
+                Some(
+                    disk_tier::plan(states_bytes, bucket_bytes, 0.0, &Disk::nvme(free))
+                        .map_err(|e| anyhow::anyhow!("{e}"))?,
+                )
+            }
+            None => None,
+        };
+        let host_bytes = disk.map_or(states_bytes, |d| d.host_bytes) + staging;
+        self.plan.plan.host_bytes = host_bytes;
+        let plan = OffloadPlan {
+            states_bytes,
+            host_bytes,
+            staging_bytes: staging,
+            disk,
+        };
+        record_plan(plan);
+        o.plan = Some(plan);
+        self.offload = Some(o);
+        Ok(())
+    }
+
+    /// The offload tier's line for the start of a run (`None` without offload).
+    pub fn offload_line(&self) -> Option<String> {
+        self.offload.as_ref().map(Offloaded::describe)
+    }
+
+    /// What the plan says the offload tier takes (`None` without offload).
+    pub fn offload_plan(&self) -> Option<OffloadPlan> {
+        self.offload.as_ref().and_then(|o| o.plan)
+    }
+}
