@@ -19,8 +19,16 @@ impl Trainer {
     /// Moves the weights, master weights and any optimizer states to the device the run
     /// chose (nothing on the CPU): called once they are initialised or loaded. From then on
     /// the host holds none of them, as it would not on a GPU.
+    /// The state then is where it stays (the offload tier included): the first sample of the
+    /// memory timeline.
     pub fn to_device(&mut self) -> Result<()> {
         self.offload_states()?;
+        self.move_to_device()?;
+        self.pool.sample(1, Point::Init);
+        Ok(())
+    }
+
+    fn move_to_device(&mut self) -> Result<()> {
         let Some(alloc) = self.device_alloc.clone() else {
             return Ok(());
         };
@@ -86,8 +94,7 @@ impl Trainer {
         r
     }
 
-    /// The run's memory is the device's (`None`: the host's): the arena allocates there. The
-    /// state is initialised: the first sample of the timeline.
+    /// The run's memory is the device's (`None`: the host's): the arena allocates there.
     pub(super) fn place_on(&mut self, device_alloc: Option<Arc<dyn DeviceAlloc>>) {
         if let (Some(d), Some(a)) = (&device_alloc, &mut self.pool.arena) {
             a.on_device(d.clone());
@@ -97,6 +104,5 @@ impl Trainer {
             dp.on_device(crate::device_ranks::HostCopy::new(d.clone()));
         }
         self.device_alloc = device_alloc;
-        self.pool.sample(1, Point::Init);
     }
 }
