@@ -39,7 +39,6 @@ use ferrotron_engine::model::{
 };
 use ferrotron_engine::Elem;
 use ferrotron_plan::arena::{with_region, ArenaLayout};
-use ferrotron_plan::buffers::dp_bucket_len;
 use ferrotron_plan::flops::model_flops_per_token;
 use ferrotron_plan::memory::Phase;
 use ferrotron_plan::Precision;
@@ -261,26 +260,28 @@ impl Trainer {
         }
         let (model, init, tables) = rank_model(&cfg, llama, &comms, tp_rank)?;
         let stage = comms.pp.as_ref().map_or(0, |p| p.stage);
-        let zero = cfg.parallel.zero;
-        let experts_apart = comms.ep.is_some();
-        let dp =
-            (comms.dp).map(|c| data_parallel(&cfg, &model, c, experts_apart, comms.dp_experts));
-        let windows = (dp.is_some() && zero >= 2).then(|| GradWindows::new(&model.params));
-        let zero3 = (dp.is_some() && zero >= 3).then(|| Zero3::new(&model.params));
-        let (runs, opt_len) = opt_runs(&model, dp.as_ref(), experts_apart);
-        let states = (opt_len, windows.as_ref(), zero3.as_ref());
         let (planned, plan_bytes) = alloc::bookkeeping(|| {
-            rank_plan(
-                &spec,
-                &cfg,
-                &kernels,
-                &model,
-                kernel_workspace,
-                states,
-                (n, chunk, stage),
-            )
+            let at = (n, chunk, stage);
+            rank_plan(&spec, &cfg, &kernels, &model, kernel_workspace, at)
         });
         let (plan, kernel_workspace, gpu) = planned?;
+        // Plan first: every state's length and the buckets' are the plan's; the trainer lays
+        // the engine's parameters into them (and refuses a model the plan did not count).
+        let lens = plan.states;
+        let zero = cfg.parallel.zero;
+        let experts_apart = comms.ep.is_some();
+        let dp = match comms.dp {
+            Some(c) => {
+                let comms = (c, comms.dp_experts);
+                Some(data_parallel(&cfg, &model, comms, experts_apart, &lens)?)
+            }
+            None => None,
+        };
+        let windows = (dp.is_some() && zero >= 2).then(|| GradWindows::new(&model.params));
+        let zero3 = (dp.is_some() && zero >= 3).then(|| Zero3::new(&model.params));
+        crate::setup::check_windows(&lens, windows.as_ref(), zero3.as_ref())?;
+        let opt_len = lens.opt as usize;
+        let runs = opt_runs(&model, dp.as_ref(), experts_apart, opt_len)?;
         // The plan itself (its buffer table and marks, ~28 KB on the default model) and the
         // stage's tables are the process's bookkeeping, not buffers it lists: they join the
         // baseline, as measured.
