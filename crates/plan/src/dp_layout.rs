@@ -246,7 +246,8 @@ mod tests {
 
     #[test]
     fn a_shard_that_is_not_the_planned_one_is_refused() {
-        let layout = BucketLayout::fixed(&[0..10], 8, 4);
+        let whole = 0..10;
+        let layout = BucketLayout::fixed(std::slice::from_ref(&whole), 8, 4);
         let e = Shard::planned(&layout, 0, 4, 4).unwrap_err();
         assert_eq!(
             e,
@@ -258,7 +259,9 @@ mod tests {
     fn a_unit_is_one_bucket_padded_to_whole_blocks() {
         // Units of 10 (two ranges) and 6 over 4 ranks: buckets of 12 and 8, shards of 3 + 2,
         // as `zero3::shard_len` counts them.
-        let layout = BucketLayout::per_unit(&[vec![0..4, 4..10], vec![10..16]], 4);
+        let last = 10..16;
+        let groups = [vec![0..4, 4..10], std::slice::from_ref(&last).to_vec()];
+        let layout = BucketLayout::per_unit(&groups, 4);
         assert_eq!(layout.len, vec![12, 8]);
         assert_eq!(layout.pieces[0], vec![(0..4, 0), (4..10, 4)]);
         let s = Shard::planned(&layout, 1, 4, crate::zero3::shard_len([10, 6], 4)).unwrap();
@@ -307,8 +310,8 @@ mod tests {
             (0, 0, 0)
         );
         // Every rank's blocks of the buckets the plan sizes fill the plan's shard.
-        let flat = [0..psi as usize];
-        let layout = BucketLayout::fixed(&flat, l.bucket as usize, 4);
+        let flat = 0..psi as usize;
+        let layout = BucketLayout::fixed(std::slice::from_ref(&flat), l.bucket as usize, 4);
         for rank in 0..4 {
             Shard::planned(&layout, rank, 4, l.opt).unwrap();
         }
@@ -330,7 +333,7 @@ mod tests {
             .iter()
             .map(|u| {
                 at += u.1 as usize;
-                vec![at - u.1 as usize..at]
+                std::slice::from_ref(&(at - u.1 as usize..at)).to_vec()
             })
             .collect();
         let layout = BucketLayout::per_unit(&groups, 4);
