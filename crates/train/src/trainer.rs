@@ -60,7 +60,7 @@ mod train_step;
 mod update;
 mod zero_gather;
 
-use assemble::{data_parallel, initial_weights, open_backend, opt_runs, rank_model, rank_plan};
+use assemble::{initial_weights, open_backend, planned_states, rank_model, rank_plan};
 use assemble::{plan_pool, tensor_parallel_rank, Opened};
 use memory_report::{measure_workspace, rank_mems, step_peaks, trace_capacity};
 use zero_gather::{gather_weights, shard_of, GatherParams};
@@ -267,21 +267,10 @@ impl Trainer {
         let (plan, kernel_workspace, gpu) = planned?;
         // Plan first: every state's length and the buckets' are the plan's; the trainer lays
         // the engine's parameters into them (and refuses a model the plan did not count).
-        let lens = plan.states;
-        let zero = cfg.parallel.zero;
+        let dp_comms = comms.dp.map(|c| (c, comms.dp_experts));
         let experts_apart = comms.ep.is_some();
-        let dp = match comms.dp {
-            Some(c) => {
-                let comms = (c, comms.dp_experts);
-                Some(data_parallel(&cfg, &model, comms, experts_apart, &lens)?)
-            }
-            None => None,
-        };
-        let windows = (dp.is_some() && zero >= 2).then(|| GradWindows::new(&model.params));
-        let zero3 = (dp.is_some() && zero >= 3).then(|| Zero3::new(&model.params));
-        crate::setup::check_windows(&lens, windows.as_ref(), zero3.as_ref())?;
-        let opt_len = lens.opt as usize;
-        let runs = opt_runs(&model, dp.as_ref(), experts_apart, opt_len)?;
+        let st = planned_states(&cfg, &model, dp_comms, experts_apart, &plan.states)?;
+        let opt_len = plan.states.opt as usize;
         // The plan itself (its buffer table and marks, ~28 KB on the default model) and the
         // stage's tables are the process's bookkeeping, not buffers it lists: they join the
         // baseline, as measured.
@@ -300,7 +289,7 @@ impl Trainer {
             comms.tp,
             comms.ep,
             comms.cp,
-            dp,
+            st.dp,
             pp,
             comms.world,
             cfg.parallel.sp,
@@ -309,7 +298,7 @@ impl Trainer {
         // alone sends nothing: no estimate).
         mesh.plan_bytes(|| planned_bytes(&spec, &cfg, kernel_workspace.max(), stage))?;
         let (arena, placed) = Arena::of_plan(&plan.plan, model.config.layers)?;
-        let (params, master) = initial_weights(&cfg, &runs, opt_len, zero3.as_ref(), init);
+        let (params, master) = initial_weights(&cfg, &st.runs, opt_len, st.zero3.as_ref(), init);
         let flops_per_token = model_flops_per_token(&spec, cfg.data.seq);
         let hw_flops_per_token =
             flops_per_token + recompute_flops_per_token(&spec, cfg.data.seq, cfg.runtime.recompute);
@@ -331,10 +320,10 @@ impl Trainer {
             pool: plan_pool(timeline, arena),
             trace_left,
             mesh,
-            runs,
+            runs: st.runs,
             opt_len,
-            windows,
-            zero3,
+            windows: st.windows,
+            zero3: st.zero3,
             schedule: LrSchedule::of(&cfg),
             flops_per_token,
             hw_flops_per_token,

@@ -150,12 +150,50 @@ pub(super) fn rank_model(
     Ok((model, init, tables))
 }
 
-/// Data parallelism over `comm`: the plan's buckets (`dp.grad_buckets`; ZeRO-3: one per
-/// unit) and under ZeRO its shards of the states (`lens`: the plan's lengths of both).
-pub(super) fn data_parallel(
+/// What the trainer lays into the plan's lengths: data parallelism (buckets and shards), ZeRO's
+/// gradient and parameter windows, the runs of parameters the optimizer updates.
+pub(super) struct PlannedStates {
+    pub dp: Option<DataParallel>,
+    pub windows: Option<GradWindows>,
+    pub zero3: Option<Zero3>,
+    pub runs: Vec<OptRun>,
+}
+
+/// Data parallelism's communicators: every replica's, and the routed experts' replicas'.
+type DpComms = (Box<dyn Communicator>, Option<Box<dyn Communicator>>);
+
+/// [`PlannedStates`] of `model` in the plan's `lens`, with data parallelism over `dp` (its
+/// dense and routed experts' communicators) when there is any.
+pub(super) fn planned_states(
     cfg: &TrainConfig,
     model: &Llama,
-    (comm, dp_experts): (Box<dyn Communicator>, Option<Box<dyn Communicator>>),
+    dp: Option<DpComms>,
+    experts_apart: bool,
+    lens: &StateLens,
+) -> Result<PlannedStates> {
+    let zero = cfg.parallel.zero;
+    let dp = match dp {
+        Some(c) => Some(data_parallel(cfg, model, c, experts_apart, lens)?),
+        None => None,
+    };
+    let windows = (dp.is_some() && zero >= 2).then(|| GradWindows::new(&model.params));
+    let zero3 = (dp.is_some() && zero >= 3).then(|| Zero3::new(&model.params));
+    crate::setup::check_windows(lens, windows.as_ref(), zero3.as_ref())?;
+    let runs = opt_runs(model, dp.as_ref(), experts_apart, lens.opt as usize)?;
+    Ok(PlannedStates {
+        dp,
+        windows,
+        zero3,
+        runs,
+    })
+}
+
+/// Data parallelism over `comm`: the plan's buckets (`dp.grad_buckets`; ZeRO-3: one per
+/// unit) and under ZeRO its shards of the states (`lens`: the plan's lengths of both).
+fn data_parallel(
+    cfg: &TrainConfig,
+    model: &Llama,
+    (comm, dp_experts): DpComms,
     experts_apart: bool,
     lens: &StateLens,
 ) -> Result<DataParallel> {
@@ -178,7 +216,7 @@ pub(super) fn data_parallel(
 
 /// The runs of parameters the optimizer updates on this rank (every tensor, or its ZeRO
 /// shard), which fill the plan's `opt_len` elements of optimizer states.
-pub(super) fn opt_runs(
+fn opt_runs(
     model: &Llama,
     dp: Option<&DataParallel>,
     experts_apart: bool,
