@@ -16,6 +16,7 @@ pub mod comm;
 pub mod convention;
 pub mod deepspeed;
 pub mod disk_tier;
+pub mod dp_layout;
 pub mod error;
 pub mod flops;
 pub mod hardware;

@@ -4,6 +4,7 @@
 use crate::activations::{edge_acts, layer_acts, Act, Dims};
 use crate::buffers::{comm_buffers, units, Units};
 use crate::convention::Convention;
+use crate::dp_layout::StateLens;
 use crate::error::{PlanError, Result};
 use crate::hardware::Overhead;
 use crate::inventory::{count, inventory, ParamCount, Placement, Tensor};
@@ -74,6 +75,10 @@ pub struct RankPlan {
     /// Micro-batches per step the sweep simulates (its marks say `mb 0` to `mb m-1`). Later
     /// micro-batches repeat the last simulated one: same buffers, same schedule position.
     pub simulated_micro_batches: u64,
+    /// The length of every model state and data-parallel bucket of the rank (what the
+    /// trainer allocates).
+    #[serde(skip)]
+    pub states: StateLens,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -383,6 +388,7 @@ fn rank_plan(
         (None, _) => Units::default(),
     };
     let comm = comm_buffers(input, spec, units, e.dense + e.expert, zero3);
+    let lens = states.lens.with_comm(&comm, zero3);
     let mut comm_fwd = Vec::new();
     let mut comm_bwd = Vec::new();
     for c in &comm {
@@ -709,6 +715,7 @@ fn rank_plan(
         name,
         stage,
         simulated_micro_batches: m_sim,
+        states: lens,
         at_peak: sweep.at_peak,
         peak: sweep.peak + overhead,
         overhead,

@@ -2,6 +2,7 @@
 //! with ZeRO sharding (Rajbhandari et al. 2020, §5.1–5.3) and offloading.
 
 use crate::convention::Convention;
+use crate::dp_layout::StateLens;
 use crate::layout::{Layout, Offload};
 use crate::memory::{BufId, Category, MemoryPlan};
 use crate::recipe::{DType, Recipe};
@@ -24,6 +25,9 @@ pub struct StateBuffers {
     /// Allocated at each step's first forward and freed after its last backward (ZeRO-3 with
     /// pipelining: the stage's gathered parameters).
     pub per_step: Vec<BufId>,
+    /// The states' lengths (wherever they are placed: offloaded ones too); the windows and
+    /// buckets are the communication buffers' (`buffers.rs`).
+    pub lens: StateLens,
 }
 
 /// Elements of this rank's shard of a state replicated over `replicas` ranks (ceil: the last
@@ -80,6 +84,18 @@ pub fn add_states(
     // DeepSpeed refuses ZeRO-2/3 with its pipeline engine instead.
     let grads_n = shard(elems, l, l.zero >= 2 && l.pp == 1);
     let opt_n = shard(elems, l, l.zero >= 1);
+    out.lens = StateLens {
+        stage_params: elems.dense + elems.expert,
+        params: params_n,
+        grads: grads_n,
+        opt: opt_n,
+        opt_dense: match (zero3, l.zero >= 1) {
+            (Some(z), _) => z.shard,
+            (None, true) => elems.dense.div_ceil(l.dense_replicas()),
+            (None, false) => elems.dense,
+        },
+        ..StateLens::default()
+    };
     if l.zero >= 3 && l.pp > 1 && !on_host_params {
         let id = plan.add(
             "params.unsharded_for_step",

@@ -21,8 +21,9 @@
 //! parameters bucket by bucket ([`DataParallel::all_gather`]). The volume per rank is the
 //! all-reduce's (a reduce-scatter plus an all-gather, §7.2.1).
 //!
-//! The buckets are laid out once, from the order in which the backward reports gradients final
-//! ([`report_order`]); [`DataParallel::add`] checks every report against that layout.
+//! The buckets and shards are the planner's (`ferrotron_plan::dp_layout`: lengths from the
+//! plan, laid out once over the order in which the backward reports gradients final,
+//! [`report_order`]); [`DataParallel::add`] checks every report against that layout.
 
 use crate::device_ranks::{add_f32, read_f32, write_f32, HostCopy};
 use crate::small_sums::{gather_mem, gather_small, SmallSums};
@@ -31,127 +32,20 @@ use ferrotron_dist::{Communicator, Pending};
 use ferrotron_engine::model::{GradBuf, GradsDone, ParamTable, Unit};
 use ferrotron_engine::Elem;
 use ferrotron_plan::comm::{bytes_per_rank, Collective};
+use ferrotron_plan::dp_layout::BucketLayout;
+pub use ferrotron_plan::dp_layout::{Piece, Segment, Shard};
 use std::cell::{RefCell, RefMut};
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-/// Where the gradients go: into which bucket, at which offset, in the order they become final.
-#[derive(Debug, Clone, PartialEq)]
-struct BucketLayout {
-    /// Every bucket's pieces: (gradient range, offset in the bucket).
-    pieces: Vec<Vec<(Range<usize>, usize)>>,
-    /// Elements each bucket sends (its pieces, padded to `dp` equal blocks under ZeRO-1).
-    len: Vec<usize>,
-}
-
-impl BucketLayout {
-    /// `order` cut into buckets of `bucket_len` (a report spanning two buckets is split).
-    fn new(order: &[Range<usize>], bucket_len: usize, blocks: usize) -> Self {
-        let (mut pieces, mut cur, mut used) = (Vec::new(), Vec::new(), 0);
-        for r in order {
-            let mut r = r.clone();
-            while !r.is_empty() {
-                let take = r.len().min(bucket_len - used);
-                cur.push((r.start..r.start + take, used));
-                (used, r.start) = (used + take, r.start + take);
-                if used == bucket_len {
-                    pieces.push(std::mem::take(&mut cur));
-                    used = 0;
-                }
-            }
-        }
-        if used > 0 {
-            pieces.push(cur);
-        }
-        let len = pieces
-            .iter()
-            .map(|p: &Vec<(Range<usize>, usize)>| {
-                let used = p.last().map_or(0, |(r, at)| at + r.len());
-                used.next_multiple_of(blocks)
-            })
-            .collect();
-        BucketLayout { pieces, len }
-    }
-
-    /// ZeRO-3's layout: one bucket per unit (`groups`, each unit's gradient ranges in report
-    /// order), padded to `blocks` equal blocks: a unit's parameters are all-gathered, and its
-    /// gradients reduce-scattered, as one bucket (`ferrotron_plan::zero3`).
-    fn per_unit(groups: &[Vec<Range<usize>>], blocks: usize) -> Self {
-        let mut layout = BucketLayout {
-            pieces: Vec::with_capacity(groups.len()),
-            len: Vec::with_capacity(groups.len()),
-        };
-        for g in groups {
-            let mut at = 0;
-            let pieces = g.iter().map(|r| {
-                at += r.len();
-                (r.clone(), at - r.len())
-            });
-            layout.pieces.push(pieces.collect());
-            layout.len.push(at.next_multiple_of(blocks));
-        }
-        layout
-    }
-}
-
-/// How the gradients are cut into buckets.
+/// How the gradients are cut into buckets (the plan's `StateLens::bucket`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Buckets {
     /// Buckets of this many f32 elements, in report order (`--bucket-mb`).
     Fixed(usize),
-    /// One bucket per unit of the model (ZeRO-3).
-    Units,
-}
-
-/// One contiguous run of a rank's ZeRO-1 shard: gradients/parameters `params`, at `at` in the
-/// shard (the optimizer states and master weights) and at `in_bucket` in bucket `bucket`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Segment {
-    pub bucket: usize,
-    pub params: Range<usize>,
-    pub at: usize,
-    pub in_bucket: usize,
-}
-
-/// ZeRO-1's partition: block `rank` of every bucket, as segments of the flat parameters.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Shard {
-    pub segments: Vec<Segment>,
-    /// Elements of the shard: ⌈params / dp⌉ (`ferrotron_plan::buffers::dp_bucket_len`).
-    pub len: usize,
-    /// The segments of every bucket (indices into `segments`).
-    of_bucket: Vec<Range<usize>>,
-}
-
-impl Shard {
-    fn new(layout: &BucketLayout, rank: usize, ranks: usize) -> Self {
-        let (mut segments, mut of_bucket, mut base) = (Vec::new(), Vec::new(), 0);
-        for (k, (pieces, &len)) in layout.pieces.iter().zip(&layout.len).enumerate() {
-            let block = len / ranks;
-            let own = rank * block..(rank + 1) * block;
-            let first = segments.len();
-            for (r, at) in pieces {
-                let lo = (*at).max(own.start);
-                let hi = (at + r.len()).min(own.end);
-                if lo < hi {
-                    segments.push(Segment {
-                        bucket: k,
-                        params: r.start + (lo - at)..r.start + (hi - at),
-                        at: base + (lo - own.start),
-                        in_bucket: lo,
-                    });
-                }
-            }
-            of_bucket.push(first..segments.len());
-            base += block;
-        }
-        Shard {
-            segments,
-            len: base,
-            of_bucket,
-        }
-    }
+    /// One bucket per unit of the model (ZeRO-3), the largest of this many f32 elements.
+    Units(usize),
 }
 
 /// Where a bucket's sums land: back into the gradients the backward wrote (without ZeRO every
@@ -170,9 +64,6 @@ pub trait Gather {
     /// Every rank's values of the parameter range `r`.
     fn put(&mut self, r: Range<usize>, values: &[f32]);
 }
-
-/// A run of a bucket: gradients (or parameters) of this range, at this offset in the bucket.
-pub type Piece = (Range<usize>, usize);
 
 /// What [`DataParallel::counters`] saves.
 #[derive(Debug, Clone, Copy)]
@@ -273,49 +164,57 @@ pub struct DataParallel {
 }
 
 impl DataParallel {
-    /// The reduction of the gradients of `table` over `comm` in buckets of `bucket_len` f32
-    /// elements (the plan's, `ferrotron_plan::buffers::dp_bucket_len`), reduce-scattered into
-    /// shards when `sharded` (ZeRO-1 and 2). The buckets are allocated by
+    /// The reduction of the gradients of `table` over `comm` in the plan's buckets
+    /// (`ferrotron_plan::dp_layout::StateLens::bucket`), reduce-scattered into shards of the
+    /// plan's `shard` elements when given (ZeRO-1/2/3). The buckets are allocated by
     /// [`DataParallel::allocate`], with the gradients.
     pub fn new(
         comm: Box<dyn Communicator>,
         table: &ParamTable,
         buckets: Buckets,
-        sharded: bool,
-    ) -> Self {
-        Self::of(comm, table, buckets, sharded, &|_| true)
+        shard: Option<u64>,
+    ) -> Result<Self> {
+        Self::of(comm, table, buckets, shard, &|_| true)
     }
 
     /// Expert parallelism (`--ep`): the dense gradients summed over `dense` (every dp × ep
     /// replica), in buckets of `dense_len`; the routed experts' over `experts` (the dp ranks
     /// holding the same experts; `None` when there is one), in buckets of `experts_len`.
-    /// With `sharded` (ZeRO-1) each group shards what it reduces, as Megatron-Core's
-    /// distributed optimizer shards the dense states over the data-parallel group and the
-    /// experts' over the expert-data-parallel group: a rank's states are its dense blocks,
-    /// then its blocks of its experts (offset past the dense ones).
+    /// With `shards` (ZeRO-1: the plan's dense and experts' shards) each group shards what it
+    /// reduces, as Megatron-Core's distributed optimizer shards the dense states over the
+    /// data-parallel group and the experts' over the expert-data-parallel group: a rank's
+    /// states are its dense blocks, then its blocks of its experts (offset past the dense ones).
     pub fn expert_parallel(
         dense: Box<dyn Communicator>,
         experts: Option<Box<dyn Communicator>>,
         table: &ParamTable,
         (dense_len, experts_len): (usize, usize),
-        sharded: bool,
-    ) -> Self {
+        shards: Option<(u64, u64)>,
+    ) -> Result<Self> {
         let ranges = expert_ranges(table);
         let is_expert =
             |r: &Range<usize>| ranges.binary_search_by_key(&r.start, |x| x.start).is_ok();
-        let mut dp = Self::of(dense, table, Buckets::Fixed(dense_len), sharded, &|r| {
-            !is_expert(r)
-        });
+        let mut dp = Self::of(
+            dense,
+            table,
+            Buckets::Fixed(dense_len),
+            shards.map(|s| s.0),
+            &|r| !is_expert(r),
+        )?;
         let base = dp.shard.as_ref().map_or(0, |s| s.len);
-        let inner = experts.map(|c| {
-            let mut inner = Self::of(c, table, Buckets::Fixed(experts_len), sharded, &is_expert);
-            if let Some(s) = inner.shard.as_mut() {
-                s.segments.iter_mut().for_each(|g| g.at += base);
+        let inner = match experts {
+            Some(c) => {
+                let (b, s) = (Buckets::Fixed(experts_len), shards.map(|s| s.1));
+                let mut inner = Self::of(c, table, b, s, &is_expert)?;
+                if let Some(s) = inner.shard.as_mut() {
+                    s.segments.iter_mut().for_each(|g| g.at += base);
+                }
+                Some(Box::new(inner))
             }
-            Box::new(inner)
-        });
+            None => None,
+        };
         dp.experts = Some(Experts { ranges, inner });
-        dp
+        Ok(dp)
     }
 
     /// The reduction of the gradients `keep` selects.
@@ -323,29 +222,35 @@ impl DataParallel {
         comm: Box<dyn Communicator>,
         table: &ParamTable,
         buckets: Buckets,
-        sharded: bool,
+        shard: Option<u64>,
         keep: &dyn Fn(&Range<usize>) -> bool,
-    ) -> Self {
+    ) -> Result<Self> {
         let (rank, ranks) = (comm.rank(), comm.size());
-        let blocks = if sharded { ranks } else { 1 };
+        let blocks = if shard.is_some() { ranks } else { 1 };
         let (layout, bucket_len) = match buckets {
             Buckets::Fixed(len) => {
-                let len = len.max(1);
                 let order: Vec<_> = report_order(table)
                     .into_iter()
                     .filter(|r| !r.is_empty() && keep(r))
                     .collect();
-                (BucketLayout::new(&order, len, blocks), len)
+                (BucketLayout::fixed(&order, len, blocks), len.max(1))
             }
-            Buckets::Units => {
+            Buckets::Units(len) => {
                 let groups: Vec<_> = unit_groups(table).into_iter().map(|g| g.1).collect();
-                let layout = BucketLayout::per_unit(&groups, blocks);
-                let len = layout.len.iter().copied().max().unwrap_or(1);
-                (layout, len)
+                (BucketLayout::per_unit(&groups, blocks), len)
             }
         };
-        let shard = sharded.then(|| Shard::new(&layout, rank, ranks));
-        DataParallel {
+        if let Some(k) = layout.len.iter().position(|&n| n > bucket_len) {
+            bail!(
+                "internal: data-parallel bucket {k} holds {} elements, the plan's buckets {bucket_len}",
+                layout.len[k]
+            );
+        }
+        let shard = match shard {
+            Some(n) => Some(Shard::planned(&layout, rank, ranks, n).map_err(anyhow::Error::msg)?),
+            None => None,
+        };
+        Ok(DataParallel {
             small: RefCell::new(Vec::with_capacity(4 * ranks)),
             comm,
             bucket_len,
@@ -358,7 +263,7 @@ impl DataParallel {
             reduced: 0,
             error: None,
             untied_head: unreported(table),
-            per_unit: buckets == Buckets::Units,
+            per_unit: matches!(buckets, Buckets::Units(_)),
             gather: Vec::new(),
             gathering: None,
             comm_bytes: 0.0,
@@ -366,7 +271,7 @@ impl DataParallel {
             exposed: Duration::ZERO,
             experts: None,
             device: None,
-        }
+        })
     }
 
     /// The two buckets (as the plan allocates `dp.grad_buckets` with the gradients), and
@@ -520,10 +425,7 @@ impl DataParallel {
         // The communicator reduces the whole buffer: the last bucket sends only its pieces
         // (ZeRO-1: padded with zeros to whole blocks); truncate and resize keep the
         // capacity, so the buffer is reused without allocating.
-        let used = self.layout.pieces[index]
-            .last()
-            .map_or(0, |(r, at)| at + r.len());
-        b.buf.truncate(used);
+        b.buf.truncate(self.layout.used(index));
         b.buf.resize(self.layout.len[index], 0.0);
         let (p, bytes) = (self.comm.size() as u64, 4.0 * b.buf.len() as f64);
         let (start, c) = (Instant::now(), self.reduction());
@@ -820,51 +722,5 @@ impl SmallSums for DataParallel {
     }
     fn small(&self) -> RefMut<'_, Vec<f32>> {
         self.small.borrow_mut()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn zero1_blocks_cover_every_gradient_once_and_add_up_to_the_planned_shard() {
-        // Ranges of 7, 5, 9 and 3 elements in buckets of 8 over 4 ranks: three buckets of 8,
-        // blocks of 2.
-        let order = [0..7, 7..12, 12..21, 21..24];
-        let layout = BucketLayout::new(&order, 8, 4);
-        assert_eq!(layout.len, vec![8, 8, 8]);
-        assert_eq!(layout.pieces[1], vec![(8..12, 0), (12..16, 4)]);
-        let mut seen = [0; 24];
-        for rank in 0..4 {
-            let s = Shard::new(&layout, rank, 4);
-            assert_eq!(s.len, 24usize.div_ceil(4));
-            let covered: usize = s.segments.iter().map(|g| g.params.len()).sum();
-            assert_eq!(covered, 6, "rank {rank}");
-            for g in &s.segments {
-                for i in g.params.clone() {
-                    seen[i] += 1;
-                }
-            }
-        }
-        assert!(seen.iter().all(|&n| n == 1), "{seen:?}");
-        // A short last bucket is padded to whole blocks: 10 elements in buckets of 8 over 4
-        // ranks give a last bucket of 2 padded to 4, and shards of ⌈10 / 4⌉ = 3.
-        let whole = 0..10;
-        let layout = BucketLayout::new(std::slice::from_ref(&whole), 8, 4);
-        assert_eq!(layout.len, vec![8, 4]);
-        let s = Shard::new(&layout, 3, 4);
-        assert_eq!(s.len, 3);
-        let only = Segment {
-            bucket: 0,
-            params: 6..8,
-            at: 0,
-            in_bucket: 6,
-        };
-        assert_eq!(
-            s.segments,
-            vec![only],
-            "rank 3's block of the last bucket is padding"
-        );
     }
 }

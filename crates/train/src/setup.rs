@@ -5,10 +5,13 @@ use crate::config::TrainConfig;
 use crate::data::{
     build_shards_from, find_shards, BuildOptions, Source, Split, TokenDataset, Tokenizer,
 };
+use crate::zero2::GradWindows;
+use crate::zero3::Zero3;
 use anyhow::{bail, Context, Result};
 use ferrotron_engine::kernels::{CpuKernels, Kernels};
 use ferrotron_engine::model::{Llama, LlamaConfig};
 use ferrotron_plan::cluster::Dim;
+use ferrotron_plan::dp_layout::StateLens;
 use ferrotron_plan::hardware::Overhead;
 use ferrotron_plan::presets::resolve;
 use ferrotron_plan::{
@@ -77,22 +80,17 @@ pub fn plan_input(spec: &ModelSpec, c: &TrainConfig, kernel_workspace: u64) -> P
     }
 }
 
-/// Builds the memory plan and checks that the engine's flat parameter, gradient and master
-/// buffers are the plan's: `opt_len` elements of optimizer states and master weights per rank
-/// (ZeRO shards them), under ZeRO-2 and 3 `windows` elements of gradient windows besides the
-/// gradient shard, and under ZeRO-3 `param_windows` elements of parameter windows besides the
-/// parameter shard. (Activations are the plan's by construction: both read the table of
-/// `ferrotron_plan::tensors`, and the arena checks every one the engine asks for.) A pipeline
-/// stage's plan is its `stage`'s.
-#[allow(clippy::too_many_arguments)]
+/// Builds the memory plan, which lists every state's length (`RankPlan::states`): the
+/// trainer allocates those and sizes nothing itself. What is checked here is that the engine's
+/// model is the one the plan counted (its parameter table holds the stage's parameters) and that
+/// the states' types are the plan's. (Activations are the plan's by construction: both read the
+/// table of `ferrotron_plan::tensors`, and the arena checks every one the engine asks for.) A
+/// pipeline stage's plan is its `stage`'s.
 pub fn checked_plan(
     spec: &ModelSpec,
     model: &Llama,
     c: &TrainConfig,
     kernel_workspace: u64,
-    opt_len: usize,
-    windows: usize,
-    param_windows: usize,
     stage: usize,
 ) -> Result<RankPlan> {
     let input = plan_input(spec, c, kernel_workspace);
@@ -102,44 +100,60 @@ pub fn checked_plan(
         .into_iter()
         .nth(stage)
         .context("the plan has no such pipeline stage")?;
+    let held = model.num_params() as u64;
+    if held != rank.states.stage_params {
+        bail!(
+            "internal: the engine's model holds {held} parameters on this rank, the memory plan {}",
+            rank.states.stage_params
+        );
+    }
     let p = c.precision.kind;
-    let grads = if windows > 0 {
-        opt_len
-    } else {
-        model.num_params()
-    };
-    let params = if param_windows > 0 {
-        opt_len
-    } else {
-        model.num_params()
-    };
     let mut expected = vec![
-        ("params", params, p.storage()),
-        ("grads", grads, p.engine_grads()),
+        ("params", p.storage()),
+        ("grads", p.engine_grads()),
+        ("master", DType::F32),
+        ("comm.zero2.grad_windows", p.engine_grads()),
+        ("zero3.param_windows", p.storage()),
     ];
-    // Offloaded, the master weights are host memory (`MemoryPlan::host_bytes`).
-    if p.has_master() && c.parallel.offload == ferrotron_plan::Offload::None {
-        expected.push(("master", opt_len, DType::F32));
+    if !p.has_master() {
+        expected.retain(|e| e.0 != "master");
     }
-    if windows > 0 {
-        expected.push(("comm.zero2.grad_windows", windows, p.engine_grads()));
-    }
-    if param_windows > 0 {
-        expected.push(("zero3.param_windows", param_windows, p.storage()));
-    }
-    for (name, len, dtype) in expected {
-        let Some(b) = rank.plan.find(name) else {
-            bail!("internal: the engine allocates `{name}` but the memory plan has no such buffer");
-        };
-        if b.numel != len as u64 || b.dtype != dtype {
+    for (name, dtype) in expected {
+        if let Some(b) = rank.plan.find(name).filter(|b| b.dtype != dtype) {
             bail!(
-                "internal: `{name}` is {len} × {dtype:?} in the engine but {} × {:?} in the plan",
-                b.numel,
+                "internal: `{name}` is {dtype:?} in the engine but {:?} in the plan",
                 b.dtype
             );
         }
     }
     Ok(rank)
+}
+
+/// The windows the trainer lays the engine's units into are the plan's: ZeRO-2/3's gradient
+/// windows and ZeRO-3's parameter windows (their geometry is the engine's parameter table).
+pub fn check_windows(
+    lens: &StateLens,
+    grads: Option<&GradWindows>,
+    params: Option<&Zero3>,
+) -> Result<()> {
+    let pairs = [
+        (
+            "comm.zero2.grad_windows",
+            grads.map(|w| w.len()),
+            lens.grad_windows,
+        ),
+        (
+            "zero3.param_windows",
+            params.map(|z| z.len()),
+            lens.param_windows,
+        ),
+    ];
+    for (name, held, planned) in pairs {
+        if let Some(n) = held.filter(|&n| n as u64 != planned) {
+            bail!("internal: the engine's units fill {n} elements of `{name}`, the plan's are {planned}");
+        }
+    }
+    Ok(())
 }
 
 /// Checks that the plan names every in-flight slot the stage's program uses: the planner

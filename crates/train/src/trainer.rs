@@ -40,7 +40,6 @@ use ferrotron_engine::model::{
 };
 use ferrotron_engine::Elem;
 use ferrotron_plan::arena::{with_region, ArenaLayout};
-use ferrotron_plan::buffers::dp_bucket_len;
 use ferrotron_plan::flops::model_flops_per_token;
 use ferrotron_plan::memory::Phase;
 use ferrotron_plan::Precision;
@@ -64,7 +63,7 @@ mod update;
 mod zero_gather;
 
 use crate::device_ranks::ViewGather;
-use assemble::{data_parallel, initial_weights, open_backend, opt_runs, rank_model, rank_plan};
+use assemble::{initial_weights, open_backend, planned_states, rank_model, rank_plan};
 use assemble::{plan_pool, tensor_parallel_rank, Opened};
 use memory_report::{measure_workspace, rank_mems, step_peaks, trace_capacity};
 use zero_gather::{gather_weights, shard_of};
@@ -267,26 +266,17 @@ impl Trainer {
         }
         let (model, init, tables) = rank_model(&cfg, llama, &comms, tp_rank)?;
         let stage = comms.pp.as_ref().map_or(0, |p| p.stage);
-        let zero = cfg.parallel.zero;
-        let experts_apart = comms.ep.is_some();
-        let dp =
-            (comms.dp).map(|c| data_parallel(&cfg, &model, c, experts_apart, comms.dp_experts));
-        let windows = (dp.is_some() && zero >= 2).then(|| GradWindows::new(&model.params));
-        let zero3 = (dp.is_some() && zero >= 3).then(|| Zero3::new(&model.params));
-        let (runs, opt_len) = opt_runs(&model, dp.as_ref(), experts_apart);
-        let states = (opt_len, windows.as_ref(), zero3.as_ref());
         let (planned, plan_bytes) = alloc::bookkeeping(|| {
-            rank_plan(
-                &spec,
-                &cfg,
-                &kernels,
-                &model,
-                kernel_workspace,
-                states,
-                (n, chunk, stage),
-            )
+            let at = (n, chunk, stage);
+            rank_plan(&spec, &cfg, &kernels, &model, kernel_workspace, at)
         });
         let (plan, kernel_workspace, gpu) = planned?;
+        // Plan first: every state's length and the buckets' are the plan's; the trainer lays
+        // the engine's parameters into them (and refuses a model the plan did not count).
+        let dp_comms = comms.dp.map(|c| (c, comms.dp_experts));
+        let experts_apart = comms.ep.is_some();
+        let st = planned_states(&cfg, &model, dp_comms, experts_apart, &plan.states)?;
+        let opt_len = plan.states.opt as usize;
         // The plan itself (its buffer table and marks, ~28 KB on the default model) and the
         // stage's tables are the process's bookkeeping, not buffers it lists: they join the
         // baseline, as measured.
@@ -305,7 +295,7 @@ impl Trainer {
             comms.tp,
             comms.ep,
             comms.cp,
-            dp,
+            st.dp,
             pp,
             comms.world,
             cfg.parallel.sp,
@@ -314,7 +304,7 @@ impl Trainer {
         // alone sends nothing: no estimate).
         mesh.plan_bytes(|| planned_bytes(&spec, &cfg, kernel_workspace.max(), stage))?;
         let (arena, placed) = Arena::of_plan(&plan.plan, model.config.layers)?;
-        let (params, master) = initial_weights(&cfg, &runs, opt_len, zero3.as_ref(), init);
+        let (params, master) = initial_weights(&cfg, &st.runs, opt_len, st.zero3.as_ref(), init);
         let flops_per_token = model_flops_per_token(&spec, cfg.data.seq);
         let hw_flops_per_token =
             flops_per_token + recompute_flops_per_token(&spec, cfg.data.seq, cfg.runtime.recompute);
@@ -337,10 +327,10 @@ impl Trainer {
             pool: plan_pool(timeline, arena),
             trace_left,
             mesh,
-            runs,
+            runs: st.runs,
             opt_len,
-            windows,
-            zero3,
+            windows: st.windows,
+            zero3: st.zero3,
             schedule: LrSchedule::of(&cfg),
             flops_per_token,
             hw_flops_per_token,

@@ -4,6 +4,7 @@
 //! of parameters the optimizer updates, the initial weights.
 
 use super::*;
+use ferrotron_plan::dp_layout::StateLens;
 
 /// The backend a rank runs on, and what was measured or reserved before the baseline.
 pub(super) struct Opened {
@@ -149,50 +150,78 @@ pub(super) fn rank_model(
     Ok((model, init, tables))
 }
 
-/// Data parallelism over `comm`: the buckets of the plan (`dp.grad_buckets`; ZeRO-3: one per
-/// unit), and under ZeRO the shard of the optimizer states this rank keeps.
-pub(super) fn data_parallel(
+/// What the trainer lays into the plan's lengths: data parallelism (buckets and shards), ZeRO's
+/// gradient and parameter windows, the runs of parameters the optimizer updates.
+pub(super) struct PlannedStates {
+    pub dp: Option<DataParallel>,
+    pub windows: Option<GradWindows>,
+    pub zero3: Option<Zero3>,
+    pub runs: Vec<OptRun>,
+}
+
+/// Data parallelism's communicators: every replica's, and the routed experts' replicas'.
+type DpComms = (Box<dyn Communicator>, Option<Box<dyn Communicator>>);
+
+/// [`PlannedStates`] of `model` in the plan's `lens`, with data parallelism over `dp` (its
+/// dense and routed experts' communicators) when there is any.
+pub(super) fn planned_states(
     cfg: &TrainConfig,
     model: &Llama,
-    comm: Box<dyn Communicator>,
+    dp: Option<DpComms>,
     experts_apart: bool,
-    dp_experts: Option<Box<dyn Communicator>>,
-) -> DataParallel {
+    lens: &StateLens,
+) -> Result<PlannedStates> {
     let zero = cfg.parallel.zero;
-    let bucket_bytes = cfg.runtime.bucket_mb << 20;
-    let shards = if zero >= 1 { comm.size() as u64 } else { 1 };
-    let n = model.params.total as u64;
+    let dp = match dp {
+        Some(c) => Some(data_parallel(cfg, model, c, experts_apart, lens)?),
+        None => None,
+    };
+    let windows = (dp.is_some() && zero >= 2).then(|| GradWindows::new(&model.params));
+    let zero3 = (dp.is_some() && zero >= 3).then(|| Zero3::new(&model.params));
+    crate::setup::check_windows(lens, windows.as_ref(), zero3.as_ref())?;
+    let runs = opt_runs(model, dp.as_ref(), experts_apart, lens.opt as usize)?;
+    Ok(PlannedStates {
+        dp,
+        windows,
+        zero3,
+        runs,
+    })
+}
+
+/// Data parallelism over `comm`: the plan's buckets (`dp.grad_buckets`; ZeRO-3: one per
+/// unit) and under ZeRO its shards of the states (`lens`: the plan's lengths of both).
+fn data_parallel(
+    cfg: &TrainConfig,
+    model: &Llama,
+    (comm, dp_experts): DpComms,
+    experts_apart: bool,
+    lens: &StateLens,
+) -> Result<DataParallel> {
+    let sharded = cfg.parallel.zero >= 1;
+    let (bucket, table) = (lens.bucket as usize, &model.params);
     if experts_apart {
         // The dense gradients over every replica, the experts' over theirs, each in
         // buckets of their own (the plan's `dp.grad_buckets`, `dp.expert_grad_buckets`).
         // Under ZeRO-1 each in blocks of its group's ranks.
-        let experts: usize = expert_ranges(&model.params).iter().map(|r| r.len()).sum();
-        let shards = |c: Option<&dyn Communicator>| match zero {
-            0 => 1,
-            _ => c.map_or(1, |c| c.size()) as u64,
-        };
-        let len = |n: usize, s: u64| dp_bucket_len(bucket_bytes, n as u64, s) as usize;
-        let lens = (
-            len(model.params.total - experts, shards(Some(comm.as_ref()))),
-            len(experts, shards(dp_experts.as_deref())),
-        );
-        let (table, sharded) = (&model.params, zero >= 1);
-        return DataParallel::expert_parallel(comm, dp_experts, table, lens, sharded);
+        let lens_of = (bucket, lens.expert_bucket as usize);
+        let shards = sharded.then_some((lens.opt_dense, lens.opt - lens.opt_dense));
+        return DataParallel::expert_parallel(comm, dp_experts, table, lens_of, shards);
     }
-    let buckets = match zero {
-        3.. => Buckets::Units,
-        _ => Buckets::Fixed(dp_bucket_len(bucket_bytes, n, shards) as usize),
+    let buckets = match cfg.parallel.zero {
+        3.. => Buckets::Units(bucket),
+        _ => Buckets::Fixed(bucket),
     };
-    DataParallel::new(comm, &model.params, buckets, zero >= 1)
+    DataParallel::new(comm, table, buckets, sharded.then_some(lens.opt))
 }
 
 /// The runs of parameters the optimizer updates on this rank (every tensor, or its ZeRO
-/// shard), and the elements of its optimizer states.
-pub(super) fn opt_runs(
+/// shard), which fill the plan's `opt_len` elements of optimizer states.
+fn opt_runs(
     model: &Llama,
     dp: Option<&DataParallel>,
     experts_apart: bool,
-) -> (Vec<OptRun>, usize) {
+    opt_len: usize,
+) -> Result<Vec<OptRun>> {
     let decays = |r: &Range<usize>| {
         let e = model
             .params
@@ -201,7 +230,7 @@ pub(super) fn opt_runs(
             .find(|e| e.range().contains(&r.start));
         e.is_some_and(|e| e.is_matrix())
     };
-    match dp.and_then(|d| d.shard()) {
+    let (runs, len) = match dp.and_then(|d| d.shard()) {
         Some(shard) => {
             let run = |params: Range<usize>, at: usize| OptRun {
                 decay: decays(&params),
@@ -241,7 +270,11 @@ pub(super) fn opt_runs(
             });
             (runs.collect(), model.params.total)
         }
+    };
+    if len != opt_len {
+        anyhow::bail!("internal: the optimizer's runs fill {len} elements of its states, the plan's are {opt_len}");
     }
+    Ok(runs)
 }
 
 /// The initial weights in their storage type, and under mixed precision the fp32 master
@@ -286,21 +319,17 @@ pub(super) fn tensor_parallel_rank(
 /// The GPU workspace a device reserves.
 type GpuWorkspace = Option<(u64, String, Option<f64>)>;
 
-/// The rank's memory plan (checked against what it allocates), with the kernel workspace it
-/// includes and the GPU's workspace and peak when the step runs on one. `states`: the
-/// optimizer states' length, ZeRO-2's gradient windows, ZeRO-3's parameter windows; `at`:
-/// this rank's tokens of a micro-batch, the cross-entropy's chunk, its pipeline stage.
+/// The rank's memory plan (its model checked against the plan's), with the kernel workspace
+/// it includes and the GPU's workspace and peak when the step runs on one. `at`: this rank's
+/// tokens of a micro-batch, the cross-entropy's chunk, its pipeline stage.
 pub(super) fn rank_plan(
     spec: &ModelSpec,
     cfg: &TrainConfig,
     kernels: &Tracing<Backend>,
     model: &Llama,
     kernel_workspace: KernelWorkspace,
-    (opt_len, windows, zero3): (usize, Option<&GradWindows>, Option<&Zero3>),
     (n, chunk, stage): (usize, usize, usize),
 ) -> Result<(RankPlan, KernelWorkspace, GpuWorkspace)> {
-    let window_len = windows.map_or(0, |w| w.len());
-    let param_windows = zero3.map_or(0, |z| z.len());
     // A GPU's workspace is its own (cuBLASLt's, and scratch reserved now).
     let gpu = crate::device::gpu_workspace(&kernels.inner, model, chunk, n, cfg.precision.kind);
     let kernel_workspace = match &gpu {
@@ -311,16 +340,7 @@ pub(super) fn rank_plan(
         None => kernel_workspace,
     };
     let ws = kernel_workspace.max();
-    let plan = checked_plan(
-        spec,
-        model,
-        cfg,
-        ws,
-        opt_len,
-        window_len,
-        param_windows,
-        stage,
-    )?;
+    let plan = checked_plan(spec, model, cfg, ws, stage)?;
     Ok((plan, kernel_workspace, gpu))
 }
 
