@@ -103,19 +103,11 @@ fn a_device_checkpoint_resumes_on_the_device_and_on_the_cpu_exactly() {
     run(first).unwrap();
     for device in [Device::Emulated, Device::Cpu] {
         let o = tmp(&format!("device-resume-{device:?}"));
-        let a = ferrotron_train::config::TrainArgs {
-            resume: Some(ck.clone()),
-            // Not back into `ck`: the other device resumes from it next.
-            checkpoint_dir: Some(o.join("ck")),
-            steps: Some(6),
-            out_dir: Some(o.clone()),
-            metrics: Some(o.join("m.jsonl")),
-            sample_tokens: Some(0),
-            quiet: true,
-            peak_gflops: Some(100.0),
-            device,
-            ..Default::default()
-        };
+        let mut a = common::resume_args(&ck, &o, Some(6), "m.jsonl");
+        // Not back into `ck`: the other device resumes from it next.
+        a.checkpoint_dir = Some(o.join("ck"));
+        a.sample_tokens = Some(0);
+        a.device = device;
         let resumed = run(a).unwrap();
         let what = format!("resumed on {device:?}");
         assert_same_trajectory(&what, &resumed.steps, &straight.steps[3..]);

@@ -162,18 +162,10 @@ fn a_disk_tier_checkpoint_holds_the_whole_states() {
     // states read back from disk, and a resumed run writes them there.
     for (tag, offload, dir) in [("plain", "none", None), ("disk", "optimizer", Some(&dir))] {
         let o = tmp(&format!("offload-resumed-{tag}"));
-        let mut a = TrainArgs {
-            resume: Some(ck.clone()),
-            checkpoint_dir: Some(o.join("ck")),
-            steps: Some(6),
-            out_dir: Some(o.clone()),
-            metrics: Some(o.join("m.jsonl")),
-            sample_tokens: Some(0),
-            quiet: true,
-            peak_gflops: Some(100.0),
-            offload_dir: dir.cloned(),
-            ..Default::default()
-        };
+        let mut a = common::resume_args(&ck, &o, Some(6), "m.jsonl");
+        a.checkpoint_dir = Some(o.join("ck"));
+        a.sample_tokens = Some(0);
+        a.offload_dir = dir.cloned();
         a.layout.offload = Some(offload.into());
         let resumed = run(a).unwrap_or_else(|e| panic!("{tag}: {e:#}"));
         let what = format!("resumed from a disk tier's checkpoint ({tag})");

@@ -2,26 +2,13 @@
 //! resuming is bit-identical, and bad input gives one clear error.
 
 mod common;
-use common::{assert_same_trajectory, shards, tiny_args, tiny_model, tmp};
+use common::{assert_same_trajectory, resume_args, shards, tiny_args, tiny_model, tmp};
 use ferrotron_train::config::TrainArgs;
 use ferrotron_train::run::run;
 use std::path::Path;
 
 fn losses(args: TrainArgs) -> Vec<f64> {
     run(args).unwrap().steps.iter().map(|m| m.loss).collect()
-}
-
-/// Flags that resume checkpoint `ck`, writing into `out` (metrics to `metrics_file`).
-fn resume_args(ck: &Path, out: &Path, steps: Option<u64>, metrics_file: &str) -> TrainArgs {
-    TrainArgs {
-        resume: Some(ck.to_path_buf()),
-        steps,
-        out_dir: Some(out.to_path_buf()),
-        metrics: Some(out.join(metrics_file)),
-        quiet: true,
-        peak_gflops: Some(100.0),
-        ..TrainArgs::default()
-    }
 }
 
 #[test]

@@ -69,6 +69,19 @@ pub fn default_model_args(out: &Path, steps: u64, rc: &str) -> TrainArgs {
 }
 
 /// Flags of a short, quiet run of the tiny model.
+/// Flags that resume checkpoint `ck`, writing into `out` (metrics to `metrics_file`).
+pub fn resume_args(ck: &Path, out: &Path, steps: Option<u64>, metrics_file: &str) -> TrainArgs {
+    TrainArgs {
+        resume: Some(ck.to_path_buf()),
+        steps,
+        out_dir: Some(out.to_path_buf()),
+        metrics: Some(out.join(metrics_file)),
+        quiet: true,
+        peak_gflops: Some(100.0),
+        ..TrainArgs::default()
+    }
+}
+
 pub fn tiny_args(out: &Path, steps: u64) -> TrainArgs {
     let model = tiny_model(out, 8192, 128);
     TrainArgs {
