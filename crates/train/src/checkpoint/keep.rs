@@ -110,6 +110,7 @@ mod tests {
         assert_eq!(left, vec![30, 40]);
         // A checkpoint directory resolves to itself.
         assert_eq!(resolve(&step_dir(&r, 30)), step_dir(&r, 30));
+        let _ = std::fs::remove_dir_all(&r);
     }
 
     #[test]
@@ -123,5 +124,6 @@ mod tests {
         prune(&r, 1).unwrap();
         let left: Vec<u64> = list(&r).into_iter().map(|(s, _)| s).collect();
         assert_eq!(left, vec![1, 3]);
+        let _ = std::fs::remove_dir_all(&r);
     }
 }

@@ -302,11 +302,13 @@ mod tests {
         let dir = d.dir.clone();
         drop(d);
         assert!(!dir.exists(), "the files are removed with the store");
+        let _ = std::fs::remove_dir_all(&p);
     }
 
     #[test]
     fn a_missing_directory_and_a_small_disk_are_refused_by_name() {
-        let p = scratch("bad").join("missing");
+        let root = scratch("bad");
+        let p = root.join("missing");
         let e = DiskStates::create(&p, 0, 4, 2, 2, &[None, None])
             .err()
             .unwrap();
@@ -321,5 +323,6 @@ mod tests {
             too_small(Path::new("/ssd"), 1 << 29, 3 << 30),
             "offload_dir = /ssd: 0.500 GiB free, the offloaded optimizer states need 3.000 GiB: free space there or choose another directory"
         );
+        let _ = std::fs::remove_dir_all(&root);
     }
 }
