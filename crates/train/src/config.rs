@@ -188,7 +188,7 @@ pub struct TrainArgs {
     #[arg(long, allow_negative_numbers = true)]
     pub sample_tokens: Option<u64>,
     /// Measured vs planned live bytes at every phase boundary of the first steps, as JSON
-    /// [default: OUT_DIR/memory_timeline.json; not recorded on --resume].
+    /// [default: OUT_DIR/memory_timeline.json; not recorded on --resume, nor with --device cuda].
     #[arg(long)]
     pub memory_timeline: Option<PathBuf>,
     /// Steps the memory timeline covers (0: none) [default: 2].
@@ -754,10 +754,14 @@ impl TrainArgs {
             .out_dir
             .clone()
             .unwrap_or_else(|| PathBuf::from("runs/default"));
-        let timeline = self
-            .memory_timeline
-            .clone()
-            .unwrap_or_else(|| out_dir.join("memory_timeline.json"));
+        // The timeline samples the host's heap, which on a GPU holds none of the run's memory
+        // (`mem_device_driver` is the GPU's check): no timeline there by default, and one asked
+        // for is refused when the backend opens.
+        let timeline = match (&self.memory_timeline, self.device) {
+            (Some(t), _) => Some(t.clone()),
+            (None, crate::device::Device::Cuda) => None,
+            (None, _) => Some(out_dir.join("memory_timeline.json")),
+        };
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get() as u64);
         let recompute = match &self.recompute {
             None => default_recompute(),
@@ -854,7 +858,7 @@ impl TrainArgs {
                 eval_interval: self.eval_interval.unwrap_or(25),
                 eval_batches: self.eval_batches.unwrap_or(4),
                 sample_tokens: self.sample_tokens.unwrap_or(0),
-                memory_timeline: Some(timeline),
+                memory_timeline: timeline,
                 memory_timeline_steps: self
                     .memory_timeline_steps
                     .unwrap_or_else(default_timeline_steps),
@@ -1015,6 +1019,31 @@ mod tests {
         }
         let keys = SECTIONS.iter().flat_map(|(_, keys)| keys.iter());
         assert_eq!(keys.count(), flags.len());
+    }
+
+    /// `--device cuda` records no memory timeline unless asked (the trainer refuses one there:
+    /// it samples the host's heap), so the default GPU run is not refused for it.
+    #[test]
+    fn a_gpu_run_has_no_memory_timeline_by_default() {
+        use crate::device::Device;
+        let timeline = |device, path: Option<&str>| {
+            let a = TrainArgs {
+                device,
+                memory_timeline: path.map(PathBuf::from),
+                ..TrainArgs::default()
+            };
+            a.resolve().unwrap().observability.memory_timeline
+        };
+        assert_eq!(timeline(Device::Cuda, None), None);
+        assert_eq!(
+            timeline(Device::Cpu, None),
+            Some(PathBuf::from("runs/default/memory_timeline.json"))
+        );
+        assert!(timeline(Device::Emulated, None).is_some());
+        assert_eq!(
+            timeline(Device::Cuda, Some("t.json")),
+            Some(PathBuf::from("t.json"))
+        );
     }
 
     /// The sectioned default file resolves as the flat file it replaced.
