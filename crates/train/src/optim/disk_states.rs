@@ -249,7 +249,8 @@ impl DiskStates {
             let back = reader.join().expect("the reader does not panic");
             (io.and(written), back)
         });
-        self.sets = back.try_iter().collect();
+        // Back into the (drained) list: its capacity is the sets', nothing allocated.
+        self.sets.extend(back.try_iter());
         io.with_context(|| format!("offload_dir: the states in {}", self.dir.display()))
     }
 }

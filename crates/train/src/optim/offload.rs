@@ -249,51 +249,51 @@ impl Offloaded {
         grad_of: impl Fn(&OptRun) -> View<'g, G>,
     ) -> Result<()> {
         let (cpu, staging, master) = (&self.cpu, &mut self.staging, self.master);
-        let mut update = |lo: usize, hi: usize, s: &mut [&mut [f32]]| {
-            let (mst, mv) = match master {
-                true => {
-                    let (a, b) = s.split_at_mut(1);
-                    (Some(&mut *a[0]), b)
-                }
-                false => (None, s),
+        // One bucket's states: its master weights (mixed precision) and moments.
+        let mut update =
+            |lo: usize, hi: usize, mst: Option<&mut [f32]>, m: &mut [f32], v: &mut [f32]| {
+                let bucket = Bucket {
+                    lo,
+                    hi,
+                    master: mst,
+                    m,
+                    v,
+                };
+                bucket.update(
+                    cpu,
+                    staging.as_mut(),
+                    runs,
+                    h,
+                    rounding,
+                    zero3,
+                    params.rb(),
+                    &grad_of,
+                );
             };
-            let (m, v) = mv.split_at_mut(1);
-            let bucket = Bucket {
-                lo,
-                hi,
-                master: mst,
-                m: &mut *m[0],
-                v: &mut *v[0],
-            };
-            bucket.update(
-                cpu,
-                staging.as_mut(),
-                runs,
-                h,
-                rounding,
-                zero3,
-                params.rb(),
-                &grad_of,
-            );
-        };
         match &mut self.tier {
             Tier::Host { master, moments } => {
                 let (m, v) = moments.as_mut().expect("ensure_moments ran");
                 for lo in (0..self.n).step_by(self.bucket) {
                     let hi = (lo + self.bucket).min(self.n);
-                    let mut s: Vec<&mut [f32]> = Vec::with_capacity(3);
-                    if let Some(w) = master {
-                        s.push(&mut w[lo..hi]);
-                    }
-                    s.push(&mut m[lo..hi]);
-                    s.push(&mut v[lo..hi]);
-                    update(lo, hi, &mut s);
+                    let w = master.as_mut().map(|w| &mut w[lo..hi]);
+                    update(lo, hi, w, &mut m[lo..hi], &mut v[lo..hi]);
                 }
                 Ok(())
             }
+            // The files' buckets, in `DiskStates`'s order: [master,] m, v.
             Tier::Disk(d) => d.for_each_bucket(|lo, hi, bufs| {
-                let mut s: Vec<&mut [f32]> = bufs.iter_mut().map(|b| &mut b[..hi - lo]).collect();
-                update(lo, hi, &mut s);
+                let n = hi - lo;
+                let (w, mv) = match master {
+                    true => {
+                        let (w, mv) = bufs.split_at_mut(1);
+                        (Some(&mut w[0][..n]), mv)
+                    }
+                    false => (None, bufs),
+                };
+                let [m, v] = mv else {
+                    unreachable!("two moments in every bucket set")
+                };
+                update(lo, hi, w, &mut m[..n], &mut v[..n]);
             }),
         }
     }
