@@ -156,10 +156,10 @@ pub fn load(env: &str, names: &[&str], present: impl Fn() -> bool) -> bool {
         let Some(c) = f.to_str().and_then(|s| std::ffi::CString::new(s).ok()) else {
             continue;
         };
-        if !f.is_file() {
-            continue;
+        // (A bare name, `FERROTRON_NVRTC=libnvrtc.so.13`, is still the loader's to find.)
+        if f.is_file() {
+            companions(&f);
         }
-        companions(&f);
         // SAFETY: a dlopen of a library file; the handle is never closed, which is what
         // lets the soname lookup find it later.
         let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
