@@ -2,11 +2,12 @@
 //! `sample` and `report` line of the trainer's block runs in one directory, in order, each
 //! against what the earlier ones wrote (the resume and layout examples read `runs/ck`).
 //!
-//! The lines of the resume chain (those naming a checkpoint directory, or resuming) run exactly
-//! as written. Every other `train` line (a layout, a precision) runs as written plus
-//! `--stop-after 1 --eval-interval 0` (and `--seq 64` where it sets none): one step proves the
-//! flags are accepted and the layout starts and trains, without the 150 default steps. Lines that need what CI lacks are left
-//! out and listed in `skipped`: `mpirun` (the MPI tests run those layouts), a GPU, a Python
+//! The lines of the resume chain (those naming a checkpoint directory, or resuming) run their
+//! steps as written, at sequences of 64. Every other `train` line (a layout, a precision) runs
+//! as written plus one step, no evaluation and, where it sets none, `--seq 64 --mbs 1`
+//! ([`shorten`]): one step proves the flags are accepted and the layout starts and trains,
+//! without the 150 default steps. Lines that need what CI lacks are left out and listed in
+//! `skipped`: `mpirun` (the MPI tests run those layouts), a GPU, a Python
 //! script, a placeholder path, or the user's own text files (`data`).
 
 mod common;
@@ -57,6 +58,26 @@ fn chain(line: &str) -> bool {
     line.contains("--resume") || line.contains("--checkpoint-dir")
 }
 
+/// What a `train` line gets on top of what it says, so that the block runs in a few minutes
+/// on CI's 2 cores (at the default `--seq 256` and `--mbs 8` it took most of CI's half hour):
+/// sequences of 64 where the line sets none, on every line, the resume chain's included (a
+/// resumed run keeps its checkpoint's sequence length, so the whole chain shares it); and on
+/// the other lines one step, no evaluation, and a micro-batch of 1 where the line sets none:
+/// the layout and the flags are what is checked.
+fn shorten(args: &mut Vec<String>, chain: bool) {
+    let sets = |flag: &str, args: &[String]| args.iter().any(|a| a == flag);
+    if !sets("--seq", args) {
+        args.extend(["--seq", "64"].map(String::from));
+    }
+    if chain {
+        return;
+    }
+    args.extend(["--stop-after", "1", "--eval-interval", "0", "--quiet"].map(String::from));
+    if !sets("--mbs", args) {
+        args.extend(["--mbs", "1"].map(String::from));
+    }
+}
+
 #[test]
 fn the_readme_trainer_commands_run_as_written() {
     let dir = tempfile::tempdir().unwrap();
@@ -89,12 +110,8 @@ fn the_readme_trainer_commands_run_as_written() {
             continue;
         }
         let mut args = words(&line)[1..].to_vec();
-        if args[0] == "train" && !chain(&line) {
-            args.extend(["--stop-after", "1", "--eval-interval", "0", "--quiet"].map(String::from));
-            // Shorter sequences where the line sets none: the layout is what is checked.
-            if !args.iter().any(|a| a == "--seq") {
-                args.extend(["--seq", "64"].map(String::from));
-            }
+        if args[0] == "train" {
+            shorten(&mut args, chain(&line));
         }
         let o = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
             .args(&args)
