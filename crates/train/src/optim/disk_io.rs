@@ -145,7 +145,10 @@ impl DiskIo {
             bucket,
             sets: sets.len(),
         };
-        assert!(cut.sets >= 1 && cut.sets <= cut.buckets());
+        assert!(
+            cut.sets <= cut.buckets(),
+            "no more bucket sets than buckets"
+        );
         // At most `sets` messages are ever in any channel: one per set.
         let (to_reader, reader_rx) = sync_channel::<ToReader>(cut.sets);
         let (to_writer, writer_rx) = sync_channel::<(usize, BucketSet)>(cut.sets);
