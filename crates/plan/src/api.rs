@@ -89,6 +89,12 @@ pub struct Settings {
     pub bucket_mb: Option<u64>,
     /// A mixture of experts' capacity factor (exact routing without).
     pub capacity_factor: Option<f64>,
+    /// The disk tier of `offload = optimizer` (ZeRO-Infinity's NVMe offload): the drive's free
+    /// GiB, its sequential bandwidths (GB/s) and the bucket in elements of each state.
+    pub disk_gib: Option<f64>,
+    pub disk_read_gbs: Option<f64>,
+    pub disk_write_gbs: Option<f64>,
+    pub offload_bucket: Option<u64>,
 }
 
 /// A plan input with the cluster it runs on and the FLOPs convention for MFU.
@@ -425,7 +431,14 @@ impl Settings {
             .ok_or_else(|| {
                 PlanError::setting("bucket_mb", self.bucket_mb.unwrap_or(0), "too large")
             })?;
-        let cluster = self.cluster()?;
+        let mut cluster = self.cluster()?;
+        cluster.disk = crate::disk_tier::tier(
+            self.disk_gib,
+            self.disk_read_gbs,
+            self.disk_write_gbs,
+            self.offload_bucket,
+            layout.offload,
+        )?;
         let mut input = PlanInput {
             model,
             recipe,

@@ -391,6 +391,8 @@ pub struct Cluster {
     pub link_efficiency: f64,
     /// The fused attention kernel the framework runs on these GPUs.
     pub attention_kernel: AttentionKernel,
+    /// The drive offloaded optimizer states are kept on (`--disk-gib`), when they are.
+    pub disk: Option<crate::disk_tier::DiskTier>,
 }
 
 impl Cluster {
@@ -413,6 +415,7 @@ impl Cluster {
             network,
             link_efficiency: LINK_EFFICIENCY,
             attention_kernel: AttentionKernel::default(),
+            disk: None,
         })
     }
 

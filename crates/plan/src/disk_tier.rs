@@ -16,13 +16,14 @@
 //!   nothing overlaps.
 
 use crate::error::{PlanError, Result};
+use crate::layout::Offload;
 
 /// Buckets resident in host memory at once: the one read ahead, the one the update runs on,
 /// the one being written back.
 pub const IN_FLIGHT: u64 = 3;
 
 /// An SSD's size and sequential bandwidth.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct Disk {
     /// Bytes free for the offloaded states.
     pub capacity: u64,
@@ -41,6 +42,136 @@ impl Disk {
             read_bw: 7.45e9,
             write_bw: 6.9e9,
         }
+    }
+}
+
+/// Elements of each state per bucket, by default: 2^24, 64 MiB of each fp32 state (the
+/// trainer's `--offload-bucket` default; DeepSpeed's `sub_group_size` plays the same part).
+pub const DEFAULT_BUCKET: u64 = 1 << 24;
+
+/// The disk tier a plan assumes (`ferrotron plan --disk-gib ... --offload optimizer`): the
+/// drive, and the bucket the states move in, in elements of each state as the trainer's
+/// `--offload-bucket`.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct DiskTier {
+    pub disk: Disk,
+    pub bucket: u64,
+}
+
+/// The tier `ferrotron plan`'s flags describe: `None` without `disk_gib`. Refuses, in one
+/// line naming the flag, a size or bandwidth that is not a positive number, an empty bucket,
+/// disk settings without `disk_gib`, and a disk tier without `--offload optimizer`.
+pub fn tier(
+    disk_gib: Option<f64>,
+    read_gbs: Option<f64>,
+    write_gbs: Option<f64>,
+    bucket: Option<u64>,
+    offload: Offload,
+) -> Result<Option<DiskTier>> {
+    let Some(gib) = disk_gib else {
+        let given = [
+            ("disk_read_gbs", read_gbs.map(|v| v.to_string())),
+            ("disk_write_gbs", write_gbs.map(|v| v.to_string())),
+            ("offload_bucket", bucket.map(|v| v.to_string())),
+        ];
+        if let Some((f, Some(v))) = given.into_iter().find(|(_, v)| v.is_some()) {
+            return Err(PlanError::setting(
+                f,
+                v,
+                "describes the disk tier: give its size too, e.g. --disk-gib 1000",
+            ));
+        }
+        return Ok(None);
+    };
+    let positive = |field: &str, v: f64, what: &str| {
+        if v.is_finite() && v > 0.0 {
+            Ok(v)
+        } else {
+            Err(PlanError::setting(
+                field,
+                v,
+                format!("must be a positive {what}"),
+            ))
+        }
+    };
+    let capacity = positive("disk_gib", gib, "size in GiB (the drive's free space)")?;
+    let nvme = Disk::nvme(0);
+    let bw = |field, v: Option<f64>, default: f64| match v {
+        None => Ok(default),
+        Some(v) => positive(
+            field,
+            v,
+            "bandwidth in GB/s (a PCIe 4.0 NVMe drive: 7.45 read, 6.9 write)",
+        )
+        .map(|v| v * 1e9),
+    };
+    let read_bw = bw("disk_read_gbs", read_gbs, nvme.read_bw)?;
+    let write_bw = bw("disk_write_gbs", write_gbs, nvme.write_bw)?;
+    let bucket = bucket.unwrap_or(DEFAULT_BUCKET);
+    if bucket == 0 {
+        return Err(PlanError::setting(
+            "offload_bucket",
+            0,
+            "the disk tier moves states in buckets of a positive number of elements",
+        ));
+    }
+    if offload != Offload::Optimizer {
+        return Err(PlanError::setting(
+            "disk_gib",
+            gib,
+            format!("the disk tier holds offloaded optimizer states, and offload is {offload}: add --offload optimizer"),
+        ));
+    }
+    Ok(Some(DiskTier {
+        disk: Disk {
+            capacity: (capacity * crate::GIB) as u64,
+            read_bw,
+            write_bw,
+        },
+        bucket,
+    }))
+}
+
+/// fp32 states the trainer offloads per element: the master weights (mixed precision) and
+/// Adam's two moments (SGD keeps none).
+pub fn fp32_states(r: &crate::recipe::Recipe) -> u64 {
+    let moments = match r.optimizer {
+        crate::recipe::Optimizer::Adamw => 2,
+        crate::recipe::Optimizer::Sgd => 0,
+    };
+    r.precision.has_master() as u64 + moments
+}
+
+impl DiskTier {
+    /// The tier for `elems` elements of each of `states` fp32 states (master weights when
+    /// kept, Adam's moments) beside a host update of `update_s` seconds, as the trainer
+    /// moves them: buckets of `bucket` elements of every state.
+    pub fn plan(&self, elems: u64, states: u64, update_s: f64) -> Result<DiskPlan> {
+        let (offloaded, bucket) = self.bytes(elems, states);
+        if offloaded > self.disk.capacity {
+            return Err(PlanError::setting(
+                "disk_gib",
+                self.disk.capacity as f64 / crate::GIB,
+                format!(
+                    "the offloaded optimizer states of a rank need {:.2} GiB: a larger drive, or shard them over more ranks (--dp with --zero 1)",
+                    offloaded as f64 / crate::GIB
+                ),
+            ));
+        }
+        plan(offloaded, bucket, update_s, &self.disk)
+    }
+
+    /// [`DiskTier::plan`] without its refusals (the step-time model's inner loop; the memory
+    /// plan refuses a drive too small).
+    pub fn timing(&self, elems: u64, states: u64, update_s: f64) -> DiskPlan {
+        let (offloaded, bucket) = self.bytes(elems, states);
+        sized(offloaded, bucket.max(1), update_s, &self.disk)
+    }
+
+    /// Bytes offloaded and bytes of a bucket (every state's share of it).
+    fn bytes(&self, elems: u64, states: u64) -> (u64, u64) {
+        let bucket = self.bucket.min(elems).max(1);
+        (elems * 4 * states, bucket * 4 * states)
     }
 }
 
@@ -84,6 +215,11 @@ pub fn plan(offloaded: u64, bucket: u64, update_s: f64, disk: &Disk) -> Result<D
             ),
         ));
     }
+    Ok(sized(offloaded, bucket, update_s, disk))
+}
+
+/// [`plan`] once its settings are known to be good.
+fn sized(offloaded: u64, bucket: u64, update_s: f64, disk: &Disk) -> DiskPlan {
     let host_bytes = (IN_FLIGHT * bucket).min(offloaded);
     let (read, write) = (
         offloaded as f64 / disk.read_bw,
@@ -93,7 +229,7 @@ pub fn plan(offloaded: u64, bucket: u64, update_s: f64, disk: &Disk) -> Result<D
     // The first bucket's read and the last one's write have nothing to overlap.
     let first = bucket.min(offloaded) as f64;
     let edges = first / disk.read_bw + first / disk.write_bw;
-    Ok(DiskPlan {
+    DiskPlan {
         disk_bytes: offloaded,
         host_bytes,
         host_saved: offloaded - host_bytes,
@@ -101,7 +237,7 @@ pub fn plan(offloaded: u64, bucket: u64, update_s: f64, disk: &Disk) -> Result<D
         written_bytes: offloaded,
         io_s,
         optimizer_s: io_s.max(update_s) + edges,
-    })
+    }
 }
 
 #[cfg(test)]
@@ -141,6 +277,45 @@ mod tests {
         // Fewer bytes than three buckets: all of them in flight, nothing saved.
         let p = plan(10 * MIB, 25 * MIB, 0.0, &Disk::nvme(1 << 40)).unwrap();
         assert_eq!((p.host_bytes, p.host_saved), (10 * MIB, 0));
+    }
+
+    #[test]
+    fn the_flags_make_a_tier_or_are_refused_by_name() {
+        let t = tier(Some(2.0), Some(3.5), None, Some(1000), Offload::Optimizer)
+            .unwrap()
+            .unwrap();
+        assert_eq!(t.disk.capacity, 2 << 30);
+        assert_eq!(
+            (t.disk.read_bw, t.disk.write_bw, t.bucket),
+            (3.5e9, 6.9e9, 1000)
+        );
+        assert_eq!(tier(None, None, None, None, Offload::None).unwrap(), None);
+        let refused = |gib, r, w, b, o| tier(gib, r, w, b, o).unwrap_err().to_string();
+        let o = Offload::Optimizer;
+        assert_eq!(
+            refused(Some(100.0), Some(0.0), None, None, o),
+            "disk_read_gbs = 0: must be a positive bandwidth in GB/s (a PCIe 4.0 NVMe drive: 7.45 read, 6.9 write)"
+        );
+        assert_eq!(
+            refused(Some(100.0), None, Some(f64::NAN), None, o),
+            "disk_write_gbs = NaN: must be a positive bandwidth in GB/s (a PCIe 4.0 NVMe drive: 7.45 read, 6.9 write)"
+        );
+        assert_eq!(
+            refused(Some(-1.0), None, None, None, o),
+            "disk_gib = -1: must be a positive size in GiB (the drive's free space)"
+        );
+        assert_eq!(
+            refused(Some(100.0), None, None, Some(0), o),
+            "offload_bucket = 0: the disk tier moves states in buckets of a positive number of elements"
+        );
+        assert_eq!(
+            refused(None, Some(3.0), None, None, o),
+            "disk_read_gbs = 3: describes the disk tier: give its size too, e.g. --disk-gib 1000"
+        );
+        assert_eq!(
+            refused(Some(100.0), None, None, None, Offload::None),
+            "disk_gib = 100: the disk tier holds offloaded optimizer states, and offload is none: add --offload optimizer"
+        );
     }
 
     #[test]

@@ -137,6 +137,21 @@ pub struct PlanFlags {
     /// none | optimizer | params [default: none].
     #[cfg_attr(feature = "cli", arg(long, allow_negative_numbers = true))]
     pub offload: Option<String>,
+    /// With --offload optimizer: the states kept on a drive of this many free GiB instead of
+    /// host memory (ZeRO-Infinity's NVMe tier; the trainer's --offload-dir): host memory holds
+    /// the buckets in flight, the step reads and writes every state once [default: none].
+    #[cfg_attr(feature = "cli", arg(long, allow_negative_numbers = true))]
+    pub disk_gib: Option<f64>,
+    /// The drive's sequential read bandwidth in GB/s [default: 7.45, a PCIe 4.0 NVMe drive].
+    #[cfg_attr(feature = "cli", arg(long, allow_negative_numbers = true))]
+    pub disk_read_gbs: Option<f64>,
+    /// The drive's sequential write bandwidth in GB/s [default: 6.9].
+    #[cfg_attr(feature = "cli", arg(long, allow_negative_numbers = true))]
+    pub disk_write_gbs: Option<f64>,
+    /// Elements of each optimizer state per disk-tier bucket, as the trainer's
+    /// --offload-bucket [default: 16777216].
+    #[cfg_attr(feature = "cli", arg(long, allow_negative_numbers = true))]
+    pub offload_bucket: Option<u64>,
     /// GPU kind for the verdict and the time model (h100, h100-96, h200, a100-40, a100-80, b200,
     /// mi300x, h100-pcie, l40s, rtx4090) [default: h100].
     #[cfg_attr(feature = "cli", arg(long, allow_negative_numbers = true))]
@@ -196,7 +211,7 @@ impl PlanFlags {
         };
         let mut file: PlanFlags = read_toml("config", path)?;
         merge!(self, file; model, params, largest_layer, seq, max_seq, mbs, grad_acc, gbs, precision, optimizer, recompute,
-            dp, tp, pp, cp, ep, zero, sp, pp_schedule, pp_virtual, pp_layers, pp_first_layers, pp_last_layers, ep_overlap, tp_overlap, param_gather_overlap, pp_overlap, offload, gpu, gpus_per_node,
+            dp, tp, pp, cp, ep, zero, sp, pp_schedule, pp_virtual, pp_layers, pp_first_layers, pp_last_layers, ep_overlap, tp_overlap, param_gather_overlap, pp_overlap, offload, disk_gib, disk_read_gbs, disk_write_gbs, offload_bucket, gpu, gpus_per_node,
             cluster, attention, flops_convention, convention, overhead_gib, fragmentation, ce_chunk,
             bucket_mb, capacity_factor, html);
         Ok(self)
@@ -246,6 +261,10 @@ impl PlanFlags {
             param_gather_overlap: self.param_gather_overlap,
             pp_overlap: self.pp_overlap,
             offload: self.offload.clone(),
+            disk_gib: self.disk_gib,
+            disk_read_gbs: self.disk_read_gbs,
+            disk_write_gbs: self.disk_write_gbs,
+            offload_bucket: self.offload_bucket,
             gpu: self.gpu.clone(),
             gpus_per_node: self.gpus_per_node,
             cluster: self

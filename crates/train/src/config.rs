@@ -349,7 +349,7 @@ pub struct RuntimeConfig {
 /// so three buckets in flight stay under a GiB. (DeepSpeed's `sub_group_size` defaults to 1e9,
 /// sized for GPUs with a host of hundreds of GiB behind them.)
 fn default_offload_bucket() -> u64 {
-    1 << 24
+    ferrotron_plan::disk_tier::DEFAULT_BUCKET
 }
 
 fn default_comm_timeout() -> f64 {

@@ -107,6 +107,7 @@ fn the_disk_tier_holds_the_buckets_in_flight_only() {
         let (r0, w0) = disk_bytes();
         let a = offloaded(args("disk", device, "bf16"), Some(&dir));
         let out = a.out_dir.clone().unwrap();
+        let model = a.model.clone().unwrap();
         let (off, host, plan) = measured(a);
         let (r1, w1) = disk_bytes();
         // The timeline's first point comes once the states are in the tier (it used to be
@@ -145,7 +146,45 @@ fn the_disk_tier_holds_the_buckets_in_flight_only() {
             0,
             "{what}: the state files are removed at the end"
         );
+        if device == Device::Cpu {
+            the_planner_predicts_what_the_disk_tier_moved(&model, r1 - r0, w1 - w0, host);
+        }
     }
+}
+
+/// `ferrotron plan --offload optimizer --disk-gib ...` on the same model and settings: the
+/// bytes on disk and those read and written per step are what the trainer's tier moved, and
+/// its host memory is what the trainer's tier held (a CPU run: no device staging).
+fn the_planner_predicts_what_the_disk_tier_moved(model: &str, read: u64, written: u64, host: u64) {
+    let settings = |extra: serde_json::Value| {
+        let mut kw = serde_json::json!({
+            "model": model, "seq": 32, "mbs": 4, "grad_acc": 2, "precision": "bf16",
+            "offload": "optimizer", "disk_gib": 1.0, "offload_bucket": BUCKET,
+        });
+        kw.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        ferrotron_plan::plan_flags::plan_keywords(kw)
+    };
+    let v = settings(serde_json::json!({})).unwrap_or_else(|e| panic!("{e}"));
+    let rank = &v["per_rank"];
+    assert_eq!(rank["disk_offload"], read / STEPS, "{rank}");
+    let planned_host = rank["host_offload"].as_u64().unwrap();
+    assert!(
+        rel(host as f64, planned_host as f64) < 0.01,
+        "planner's host {planned_host}, trainer's {host}"
+    );
+    let disk = &v["time"]["disk"];
+    assert_eq!(disk["read_bytes"], read / STEPS, "{disk}");
+    assert_eq!(disk["written_bytes"], written / STEPS, "{disk}");
+    // The drive's time is in the step's optimizer term.
+    let opt = v["time"]["breakdown"]["optimizer_s"].as_f64().unwrap();
+    assert!(opt >= disk["io_s"].as_f64().unwrap() && opt > 0.0, "{v}");
+    let e = settings(serde_json::json!({"disk_write_gbs": 0})).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "disk_write_gbs = 0: must be a positive bandwidth in GB/s (a PCIe 4.0 NVMe drive: 7.45 read, 6.9 write)"
+    );
 }
 
 fn a_disk_tier_checkpoint_holds_the_whole_states() {

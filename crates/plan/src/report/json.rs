@@ -21,6 +21,7 @@ fn rank(r: &RankSummary) -> Value {
         "peak": r.peak,
         "peak_at": r.peak_at,
         "host_offload": r.host_offload,
+        "disk_offload": r.disk_offload,
     })
 }
 
@@ -83,6 +84,7 @@ pub fn time(t: &TimeReport) -> Value {
         },
         "bubble_fraction": t.bubble_fraction,
         "slowest_stage": t.slowest_stage,
+        "disk": t.disk,
         "efficiency": {
             "peak_flops": t.efficiency.peak_flops,
             "matmul": t.efficiency.matmul,

@@ -6,9 +6,11 @@ pub mod svg;
 pub mod table;
 
 use crate::cluster::Cluster;
+use crate::disk_tier::{fp32_states, DiskTier};
 use crate::error::Result;
 use crate::flops::FlopsConvention;
 use crate::hardware::Gpu;
+use crate::layout::Offload;
 use crate::memory::Breakdown;
 use crate::planner::{plan, ModelSource, PlanInput, PlanResult, RankPlan};
 use crate::recipe::Recompute;
@@ -34,8 +36,11 @@ pub struct RankSummary {
     pub peak: u64,
     /// The program point where the peak is reached.
     pub peak_at: String,
-    /// Bytes moved to host memory by offloading.
+    /// Bytes moved to host memory by offloading (with a disk tier, the buckets in flight).
     pub host_offload: u64,
+    /// Bytes kept on the drive with a disk tier (`--disk-gib`); each is read and written once
+    /// per step.
+    pub disk_offload: u64,
 }
 
 impl RankSummary {
@@ -57,7 +62,21 @@ impl RankSummary {
             peak: r.peak,
             peak_at: r.sweep.peak_label.clone(),
             host_offload: r.plan.host_bytes,
+            disk_offload: 0,
         }
+    }
+
+    /// The rank's offloaded optimizer states on the drive of `t` (`disk_tier`): host memory
+    /// keeps the buckets in flight. Refuses a drive too small, naming the setting.
+    fn on_disk(&mut self, t: &DiskTier, r: &RankPlan, x: &PlanInput) -> Result<()> {
+        let states = fp32_states(&x.recipe);
+        if x.layout.offload != Offload::Optimizer || states == 0 {
+            return Ok(());
+        }
+        let d = t.plan(r.states.opt, states, 0.0)?;
+        self.host_offload = self.host_offload.saturating_sub(d.host_saved);
+        self.disk_offload = d.disk_bytes;
+        Ok(())
     }
 }
 
@@ -253,6 +272,11 @@ pub fn build_with_time(
 ) -> Result<Report> {
     let timing = Timing { cluster, flops };
     let mut rep = assemble(x, result, Some(&cluster.gpu), Some(timing), with_seq_sweep)?;
+    if let Some(t) = &cluster.disk {
+        for (s, r) in rep.ranks.iter_mut().zip(&result.ranks) {
+            s.on_disk(t, r, x)?;
+        }
+    }
     rep.time = crate::time::estimate(x, cluster, flops)?;
     Ok(rep)
 }

@@ -61,7 +61,7 @@ pub fn render(rep: &Report) -> String {
     }
     let _ = writeln!(o);
     type Get = fn(&super::RankSummary) -> u64;
-    let rows: [(&str, Get); 12] = [
+    let rows: [(&str, Get); 13] = [
         ("parameters", |r| r.params),
         ("gradients", |r| r.grads),
         ("master weights (fp32)", |r| r.master),
@@ -74,9 +74,11 @@ pub fn render(rep: &Report) -> String {
         ("overhead", |r| r.overhead),
         ("= peak", |r| r.peak),
         ("offloaded to host", |r| r.host_offload),
+        ("offloaded to disk", |r| r.disk_offload),
     ];
     for (label, get) in rows {
-        if label == "offloaded to host" && cols.iter().all(|&i| rep.ranks[i].host_offload == 0) {
+        let offload = label.starts_with("offloaded to");
+        if offload && cols.iter().all(|&i| get(&rep.ranks[i]) == 0) {
             continue;
         }
         let _ = write!(o, "  {label:<28}");
@@ -270,6 +272,16 @@ pub fn render_time(t: &crate::time::TimeReport) -> String {
         };
         let bar = "█".repeat((pct / 2.5).round() as usize);
         let _ = writeln!(o, "  {label:<30}{:>12} {pct:>5.1}%  {bar}", secs(s));
+    }
+    if let Some(d) = &t.disk {
+        let _ = writeln!(
+            o,
+            "    the optimizer's disk tier: {} GiB read + {} GiB written per step, {} of I/O overlapping the host's update, {} with it",
+            gib(d.read_bytes),
+            gib(d.written_bytes),
+            secs(d.io_s),
+            secs(d.optimizer_s)
+        );
     }
     let d = &t.compute_detail;
     let _ = writeln!(

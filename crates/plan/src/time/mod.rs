@@ -354,6 +354,7 @@ fn estimate_from(
         param_bytes,
         st,
         runtime: x.runtime,
+        disk: cluster.disk,
     };
     let tails: Vec<(u64, Tail)> = costs
         .iter()
@@ -517,6 +518,17 @@ fn estimate_from(
             tail.host
         ));
     }
+    if let (Some(d), Some(t)) = (tail.disk, cluster.disk) {
+        notes.push(format!(
+            "disk tier: {:.2} GiB of optimizer states on a drive of {:.0} GiB at {:.2} GB/s read, {:.2} GB/s write (assumed); {:.3} s of disk I/O per step overlapping the host's update, {:.3} s of it in the optimizer term",
+            d.disk_bytes as f64 / crate::GIB,
+            t.disk.capacity as f64 / crate::GIB,
+            t.disk.read_bw / 1e9,
+            t.disk.write_bw / 1e9,
+            d.io_s,
+            d.optimizer_s
+        ));
+    }
     TimeReport {
         stage_bytes,
         gpus,
@@ -557,6 +569,7 @@ fn estimate_from(
         } else {
             format!("pipeline stage {slow_stage}")
         },
+        disk: tail.disk,
         notes,
     }
 }

@@ -58,6 +58,9 @@ pub struct TimeReport {
     pub bubble_fraction: f64,
     /// The stage that paces the pipeline.
     pub slowest_stage: String,
+    /// The disk tier of the pacing stage's offloaded optimizer states (`--disk-gib`), whose
+    /// `optimizer_s` is the host side of the optimizer term.
+    pub disk: Option<crate::disk_tier::DiskPlan>,
     pub notes: Vec<String>,
 }
 

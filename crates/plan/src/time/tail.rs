@@ -8,6 +8,7 @@ use super::overlap;
 use super::stage::StageMb;
 use crate::cluster::{Group, Link};
 use crate::comm::{Collective, DimComm};
+use crate::disk_tier::{fp32_states, DiskPlan, DiskTier};
 use crate::layout::{Layout, Offload};
 use crate::recipe::{Optimizer, Recipe};
 use crate::states::RankElems;
@@ -22,6 +23,8 @@ pub(super) struct Tail {
     pub(super) optimizer_s: f64,
     /// Seconds of host transfers (offloading).
     pub(super) host: f64,
+    /// The disk tier of the offloaded states, when they are on a drive.
+    pub(super) disk: Option<DiskPlan>,
 }
 
 /// What a stage's tail depends on, computed once per step estimate.
@@ -43,6 +46,8 @@ pub(super) struct TailInputs<'a> {
     pub(super) st: f64,
     /// Whose ZeRO-3 schedule runs (`zero3::applies`).
     pub(super) runtime: crate::runtime::Runtime,
+    /// The drive of the offloaded optimizer states (`--disk-gib`).
+    pub(super) disk: Option<DiskTier>,
 }
 
 impl TailInputs<'_> {
@@ -220,8 +225,22 @@ impl TailInputs<'_> {
             (Optimizer::Sgd, false) => grad_bytes + 8.0,
         };
         let opt_bytes = opt_elems * per_param + grad_elems * grad_bytes * 2.0;
+        let mut disk = None;
         let (optimizer_s, host) = if l.offload == Offload::None {
             (opt_bytes / (e.hbm_bw * e.memory), 0.0)
+        } else if let Some(t) = self
+            .disk
+            .filter(|_| l.offload == Offload::Optimizer && fp32_states(r) > 0)
+        {
+            // The states on a drive: the host's update of a bucket overlaps the reads ahead
+            // and the writes behind (`disk_tier::plan`); gradients down and weights up over
+            // PCIe as without the drive.
+            let pcie = opt_elems * (grad_bytes + st) / PCIE_BW;
+            let host_update = opt_elems * per_param / HOST_BW;
+            // (The drive's capacity is checked with the memory plan, `report`.)
+            let d = t.timing(opt_elems as u64, fp32_states(r), host_update);
+            disk = Some(d);
+            (pcie + d.optimizer_s, pcie)
         } else {
             // The update runs on the host: gradients down and weights up over PCIe.
             let pcie = opt_elems * (grad_bytes + st) / PCIE_BW;
@@ -239,6 +258,7 @@ impl TailInputs<'_> {
             dp,
             optimizer_s,
             host,
+            disk,
         }
     }
 }

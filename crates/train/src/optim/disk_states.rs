@@ -3,48 +3,35 @@
 //! the host's update as ZeRO-Infinity's NVMe offload does (Rajbhandari et al. 2021, §5; the
 //! planner's model is `ferrotron_plan::disk_tier`).
 //!
-//! Per optimizer step a reader thread fetches bucket k+1 while the update runs on bucket k and
-//! a writer thread writes bucket k−1 back: three bucket sets in host memory
-//! (`disk_tier::IN_FLIGHT`), handed round by channels, so the host holds only the buckets in
-//! flight. Every byte read and written by a step is counted ([`disk_bytes`]).
+//! Per optimizer step the tier's reader thread fetches bucket k+1 while the update runs on
+//! bucket k and its writer thread writes bucket k−1 back: three bucket sets in host memory
+//! (`disk_tier::IN_FLIGHT`), so the host holds only the buckets in flight. The threads are
+//! started once, with the files ([`super::disk_io`]). Every byte read and written by a step is
+//! counted ([`disk_bytes`]).
 //!
 //! The files live in a directory of their own, `PATH/ferrotron-offload-<pid>-rank<r>`,
 //! preallocated at start (`posix_fallocate`: a full disk is refused then, not mid-run) and
 //! removed when the run ends, or when creating them fails.
 
+pub use super::disk_io::disk_bytes;
+use super::disk_io::{as_bytes_mut, write_all, BucketSet, DiskIo};
 use super::host_tier::HostBuf;
 use anyhow::{anyhow, bail, Context, Result};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc;
-
-static READ: AtomicU64 = AtomicU64::new(0);
-static WRITTEN: AtomicU64 = AtomicU64::new(0);
-
-/// Bytes the optimizer steps have read from and written to the disk tier (the process's).
-pub fn disk_bytes() -> (u64, u64) {
-    (
-        READ.load(Ordering::Relaxed),
-        WRITTEN.load(Ordering::Relaxed),
-    )
-}
+use std::sync::Arc;
 
 const NAMES: [&str; 3] = ["master.f32", "exp_avg.f32", "exp_avg_sq.f32"];
-
-/// One bucket of every state file, in host memory.
-struct BucketSet(Vec<HostBuf<f32>>);
 
 /// The offloaded states in files.
 pub struct DiskStates {
     dir: PathBuf,
-    files: Vec<File>,
-    /// Elements per state, and per bucket.
+    files: Arc<[File]>,
+    /// Elements per state.
     n: usize,
-    bucket: usize,
-    /// The bucket sets in flight, between steps.
-    sets: Vec<BucketSet>,
+    /// The I/O threads and the bucket sets (`None` only while the files are being made).
+    io: Option<DiskIo>,
 }
 
 /// The refusal of a disk with `free` bytes for states of `need` bytes, naming the setting.
@@ -72,16 +59,6 @@ pub(crate) fn free_bytes(dir: &Path) -> Result<u64> {
         );
     }
     Ok(s.f_bavail as u64 * s.f_frsize as u64)
-}
-
-fn as_bytes(v: &[f32]) -> &[u8] {
-    // SAFETY: f32 has no padding and any byte is a valid u8.
-    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), size_of_val(v)) }
-}
-
-fn as_bytes_mut(v: &mut [f32]) -> &mut [u8] {
-    // SAFETY: as `as_bytes`; every bit pattern is a valid f32.
-    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), size_of_val(v)) }
 }
 
 impl DiskStates {
@@ -114,12 +91,13 @@ impl DiskStates {
             .map_err(|e| anyhow!("offload_dir = {shown}: cannot write there: {e}"))?;
         let mut d = DiskStates {
             dir,
-            files: Vec::new(),
+            files: Arc::from(Vec::new()),
             n,
-            bucket: bucket.min(n).max(1),
-            sets: Vec::new(),
+            io: None,
         };
+        let bucket = bucket.min(n).max(1);
         // From here on `d`'s drop removes what was made.
+        let mut files = Vec::with_capacity(states);
         for (name, init) in NAMES[3 - states..].iter().zip(initial) {
             let path = d.dir.join(name);
             let f = File::options()
@@ -143,15 +121,23 @@ impl DiskStates {
                 bail!("offload_dir = {shown}: cannot reserve {bytes} bytes there: {e}");
             }
             if let Some(init) = init {
-                f.write_all_at(as_bytes(init), 0)
+                write_all(&f, init)
                     .map_err(|e| anyhow!("offload_dir = {shown}: writing {name}: {e}"))?;
             }
-            d.files.push(f);
+            files.push(f);
         }
-        let buckets = n.div_ceil(d.bucket);
+        d.files = Arc::from(files);
+        let buckets = n.div_ceil(bucket);
         let sets = (0..buckets.min(super::offload::IN_FLIGHT))
-            .map(|_| BucketSet((0..states).map(|_| HostBuf::zeros(d.bucket)).collect()));
-        d.sets = sets.collect();
+            .map(|_| BucketSet((0..states).map(|_| HostBuf::zeros(bucket)).collect()));
+        let io = DiskIo::start(
+            d.files.clone(),
+            parent.to_path_buf(),
+            n,
+            bucket,
+            sets.collect(),
+        )?;
+        d.io = Some(io);
         Ok(d)
     }
 
@@ -177,101 +163,37 @@ impl DiskStates {
     /// Overwrites every state (a loaded checkpoint's), in the order of [`read_all`].
     pub fn write_all(&self, states: &[&[f32]]) -> Result<()> {
         for (f, s) in self.files.iter().zip(states) {
-            f.write_all_at(as_bytes(s), 0)
+            write_all(f, s)
                 .with_context(|| format!("offload_dir: writing {}", self.dir.display()))?;
         }
         Ok(())
     }
 
     /// Runs `update(lo, hi, states)` on every bucket `lo..hi` of the states in order, with
-    /// the next bucket read ahead and the previous one written back by two threads.
+    /// the next bucket read ahead and the previous one written back by the I/O threads.
     pub fn for_each_bucket(
         &mut self,
-        mut update: impl FnMut(usize, usize, &mut [HostBuf<f32>]),
+        update: impl FnMut(usize, usize, &mut [HostBuf<f32>]),
     ) -> Result<()> {
-        let (n, b, files) = (self.n, self.bucket, &self.files);
-        let buckets = n.div_ceil(b);
-        let range = move |k: usize| (k * b, ((k + 1) * b).min(n));
-        let (free_tx, free_rx) = mpsc::channel::<BucketSet>();
-        for s in self.sets.drain(..) {
-            free_tx.send(s).expect("the receiver is alive");
-        }
-        let (ready_tx, ready_rx) = mpsc::channel::<std::io::Result<(usize, BucketSet)>>();
-        let (done_tx, done_rx) = mpsc::channel::<(usize, BucketSet)>();
-        let (io, back) = std::thread::scope(|sc| {
-            let reader = sc.spawn(move || {
-                for k in 0..buckets {
-                    let Ok(mut set) = free_rx.recv() else { break };
-                    let (lo, hi) = range(k);
-                    let r = files.iter().zip(&mut set.0).try_for_each(|(f, buf)| {
-                        f.read_exact_at(as_bytes_mut(&mut buf[..hi - lo]), (lo * 4) as u64)
-                    });
-                    READ.fetch_add(((hi - lo) * 4 * files.len()) as u64, Ordering::Relaxed);
-                    let failed = r.is_err();
-                    if ready_tx.send(r.map(|_| (k, set))).is_err() || failed {
-                        break;
-                    }
-                }
-                free_rx
-            });
-            let writer = sc.spawn(move || -> std::io::Result<()> {
-                let mut out = Ok(());
-                for (k, set) in done_rx {
-                    let (lo, hi) = range(k);
-                    if out.is_ok() {
-                        out = files.iter().zip(&set.0).try_for_each(|(f, buf)| {
-                            f.write_all_at(as_bytes(&buf[..hi - lo]), (lo * 4) as u64)
-                        });
-                        WRITTEN.fetch_add(((hi - lo) * 4 * files.len()) as u64, Ordering::Relaxed);
-                    }
-                    // Back to the reader (which may have finished and gone).
-                    let _ = free_tx.send(set);
-                }
-                out
-            });
-            let mut io = Ok(());
-            for _ in 0..buckets {
-                match ready_rx.recv() {
-                    Ok(Ok((k, mut set))) => {
-                        let (lo, hi) = range(k);
-                        update(lo, hi, &mut set.0);
-                        done_tx.send((k, set)).expect("the writer runs to the end");
-                    }
-                    Ok(Err(e)) => {
-                        io = Err(e);
-                        break;
-                    }
-                    Err(_) => break,
-                }
-            }
-            drop((done_tx, ready_rx));
-            let written = writer.join().expect("the writer does not panic");
-            let back = reader.join().expect("the reader does not panic");
-            (io.and(written), back)
-        });
-        // Back into the (drained) list: its capacity is the sets', nothing allocated.
-        self.sets.extend(back.try_iter());
-        io.with_context(|| format!("offload_dir: the states in {}", self.dir.display()))
+        self.io
+            .as_mut()
+            .expect("made with the files")
+            .for_each_bucket(update)
     }
 }
 
 impl Drop for DiskStates {
     fn drop(&mut self) {
-        self.files.clear();
+        // The threads first: they hold the files.
+        self.io = None;
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::disk_io::tests::scratch;
     use super::*;
-
-    fn scratch(tag: &str) -> PathBuf {
-        let p = std::env::temp_dir().join(format!("ferrotron-disk-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        p
-    }
 
     #[test]
     fn buckets_go_round_in_order_and_land_in_the_files() {
@@ -295,7 +217,11 @@ mod tests {
             .unwrap();
         }
         assert_eq!(seen[..4], [(0, 3), (3, 6), (6, 9), (9, 10)]);
-        assert_eq!(d.sets.len(), 3, "every bucket set came back");
+        assert_eq!(
+            d.io.as_ref().unwrap().sets_home(),
+            3,
+            "every bucket set came back"
+        );
         let all = d.read_all().unwrap();
         let want: Vec<f32> = (0..10).map(|i| i as f32 + 2.0).collect();
         assert_eq!(all[0], want);

@@ -1,6 +1,7 @@
 //! The optimizer's side of a step: the learning-rate schedule, the fp16 loss scale, and the
 //! update itself (the global gradient norm, clipping, AdamW: [`step`]).
 
+pub mod disk_io;
 pub mod disk_states;
 pub mod host_tier;
 pub mod loss_scale;
