@@ -137,35 +137,15 @@ impl Dims {
     /// The table's sizes (`tensors::Dims`) of this micro-batch for model `m`, in a MoE layer
     /// (`moe_layer`) or a dense one.
     pub fn table(&self, m: &ModelSpec, r: &Recipe, moe_layer: bool) -> tensors::Dims {
-        let moe = m.moe.filter(|_| moe_layer);
-        let kv_heads = m.kv_heads_tp(self.t);
-        tensors::Dims {
+        let rank = TableRank {
             tokens: self.n(),
-            hidden: m.hidden,
-            heads: m.heads,
-            q_dim: m.q_dim(),
-            k_rank: kv_heads * m.head_dim,
-            v_rank: kv_heads * m.v_head_dim,
-            o_dim: m.o_dim(),
-            rotary_dim: m.rotary_dim,
-            ffn: moe.map_or(m.intermediate, |moe| moe.expert_intermediate),
-            vocab: m.vocab,
-            positions: m.max_positions,
-            experts: moe.map_or(0, |moe| moe.num_experts),
-            top_k: moe.map_or(1, |moe| moe.top_k),
-            routed_rows: moe.and_then(|moe| {
-                routed_rows(
-                    self.n(),
-                    moe.top_k,
-                    moe.num_experts,
-                    self.ep,
-                    r.capacity_factor,
-                )
-            }),
-            ce_chunk_tokens: r.ce_chunk_tokens,
             tp: self.t,
             sp: self.sp,
-        }
+            ep: self.ep,
+            capacity_factor: r.capacity_factor,
+            ce_chunk_tokens: r.ce_chunk_tokens,
+        };
+        table_dims(m, &rank, moe_layer)
     }
     /// Divisor of tensors of the residual stream: t under sequence parallelism, else 1.
     pub fn seq_shard(&self) -> u64 {
@@ -174,6 +154,56 @@ impl Dims {
         } else {
             1
         }
+    }
+}
+
+/// What one rank's micro-batch and layout put into the table's sizes, beside the model.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TableRank {
+    /// Tokens of the micro-batch on this rank.
+    pub tokens: u64,
+    /// Tensor-parallel degree, and whether sequence parallelism divides the residual stream.
+    pub tp: u64,
+    pub sp: bool,
+    /// Expert-parallel degree and the capacity factor (a MoE layer's routed rows).
+    pub ep: u64,
+    pub capacity_factor: Option<f64>,
+    pub ce_chunk_tokens: u64,
+}
+
+/// The table's sizes (`tensors::Dims`) of one rank's micro-batch of model `m` (the whole
+/// model's spec; `moe_layer`: a mixture-of-experts layer's MLP): the one place they are made,
+/// for the planner's activations and the engine's buffers alike (`Llama::len`), so the two
+/// cannot size a buffer differently.
+pub fn table_dims(m: &ModelSpec, rank: &TableRank, moe_layer: bool) -> tensors::Dims {
+    let moe = m.moe.filter(|_| moe_layer);
+    let kv_heads = m.kv_heads_tp(rank.tp);
+    tensors::Dims {
+        tokens: rank.tokens,
+        hidden: m.hidden,
+        heads: m.heads,
+        q_dim: m.q_dim(),
+        k_rank: kv_heads * m.head_dim,
+        v_rank: kv_heads * m.v_head_dim,
+        o_dim: m.o_dim(),
+        rotary_dim: m.rotary_dim,
+        ffn: moe.map_or(m.intermediate, |moe| moe.expert_intermediate),
+        vocab: m.vocab,
+        positions: m.max_positions,
+        experts: moe.map_or(0, |moe| moe.num_experts),
+        top_k: moe.map_or(1, |moe| moe.top_k),
+        routed_rows: moe.and_then(|moe| {
+            routed_rows(
+                rank.tokens,
+                moe.top_k,
+                moe.num_experts,
+                rank.ep,
+                rank.capacity_factor,
+            )
+        }),
+        ce_chunk_tokens: rank.ce_chunk_tokens,
+        tp: rank.tp,
+        sp: rank.sp,
     }
 }
 

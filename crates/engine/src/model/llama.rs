@@ -37,7 +37,9 @@ use crate::kernels::{
     Accum, AsView, AsViewMut, AttnShape, CeShape, CeShardShape, Kernels, MatmulShape, NormShape,
     RopeShape, RopeTable, View, ViewMut,
 };
+use ferrotron_plan::activations::{table_dims, TableRank};
 use ferrotron_plan::tensors::{self, Edge, LayerTensor as T};
+use ferrotron_plan::ModelSpec;
 use std::ops::Range;
 
 /// Default rows per LM-head / cross-entropy chunk.
@@ -70,6 +72,9 @@ pub struct Llama {
     /// This rank's context-parallel group (attention runs as a ring, `rope` is turned to the
     /// rank's tokens: `super::context_parallel`).
     pub cp: Option<super::context_parallel::ContextParallel>,
+    /// The whole model as the planner describes it, made once: the table's sizes of every
+    /// buffer come from it through the planner's own function ([`Self::dims`]).
+    spec: ModelSpec,
 }
 
 /// `matmul_backward_weight` with an optional bias grad living in the same flat buffer.
@@ -113,7 +118,9 @@ impl Llama {
         config.validate().expect("invalid LlamaConfig");
         let params = ParamTable::new(&config);
         let rope = RopeTable::new(config.head_dim, config.max_pos, config.rope_theta);
+        let spec = config.spec();
         Llama {
+            spec,
             config,
             params,
             rope,
@@ -154,6 +161,7 @@ impl Llama {
     pub fn tensor_parallel(tp: TensorParallel) -> Result<Self, super::ModelError> {
         let local = super::tensor_parallel::shard_config(&tp.full, tp.size)?;
         let mut m = Llama::new(local);
+        m.spec = tp.full.spec();
         m.tp = (tp.size > 1).then_some(tp);
         Ok(m)
     }
@@ -284,39 +292,18 @@ impl Llama {
         BufName::of_layer(i, t, self.recompute)
     }
 
-    /// The table's sizes (`ferrotron_plan::tensors`) for `tokens` tokens on this one rank.
+    /// The table's sizes (`ferrotron_plan::tensors`) for `tokens` tokens on this one rank, made
+    /// by the planner's [`table_dims`] from the whole model's spec, as the plan makes them.
     fn dims(&self, tokens: usize) -> tensors::Dims {
-        // The table divides the whole model's widths by tp; the key/value width is the rank's.
-        let (c, f) = (&self.config, self.full_config());
-        tensors::Dims {
+        let rank = TableRank {
             tokens: tokens as u64,
-            hidden: c.hidden as u64,
-            heads: f.heads as u64,
-            q_dim: f.q_dim() as u64,
-            k_rank: c.kv_dim() as u64,
-            v_rank: c.kv_dim() as u64,
-            o_dim: f.q_dim() as u64,
-            rotary_dim: c.head_dim as u64,
-            ffn: f.intermediate as u64,
-            vocab: f.vocab as u64,
-            positions: c.max_pos as u64,
-            experts: c.moe.map_or(0, |m| m.experts as u64),
-            top_k: c.moe.map_or(1, |m| m.top_k as u64),
-            routed_rows: self.routed_rows(tokens),
-            ce_chunk_tokens: self.ce_chunk_tokens as u64,
             tp: self.tp.as_ref().map_or(1, |t| t.size as u64),
             sp: self.sp().is_some(),
-        }
-    }
-
-    /// Rows of a MoE layer's routed buffers when they are not tokens × top-k: the planner's
-    /// [`ferrotron_plan::activations::routed_rows`] (an expert-parallel rank's room for the most
-    /// its experts can receive, bounded by every expert's capacity under a capacity factor).
-    fn routed_rows(&self, tokens: usize) -> Option<u64> {
-        let m = self.config.moe?;
-        let ep = self.ep.as_ref().map_or(1, |e| e.size) as u64;
-        let (k, e) = (m.top_k as u64, m.experts as u64);
-        ferrotron_plan::activations::routed_rows(tokens as u64, k, e, ep, self.capacity_factor)
+            ep: self.ep.as_ref().map_or(1, |e| e.size) as u64,
+            capacity_factor: self.capacity_factor,
+            ce_chunk_tokens: self.ce_chunk_tokens as u64,
+        };
+        table_dims(&self.spec, &rank, self.config.moe.is_some())
     }
 
     /// With a capacity factor (a MoE model): each expert takes at most ⌈cf · tokens · top_k /
