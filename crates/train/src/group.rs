@@ -10,6 +10,7 @@
 use crate::small_sums::SmallSums;
 use anyhow::{anyhow, Result};
 use ferrotron_dist::{Communicator, Pending};
+use ferrotron_engine::kernels::HostCopy;
 use std::cell::{Cell, RefCell, RefMut};
 
 pub struct Group {
@@ -23,6 +24,9 @@ pub struct Group {
     small: RefCell<Vec<f32>>,
     /// A send in flight (the context-parallel ring's block), finished by the next receive.
     pub(crate) sending: RefCell<Option<Pending>>,
+    /// On a device: the copies that fill the buffer from the device's tensors and write the
+    /// results back (`ferrotron_engine::kernels::host_copy`).
+    device: RefCell<Option<HostCopy>>,
 }
 
 impl Group {
@@ -34,7 +38,18 @@ impl Group {
             bytes: Cell::new(0.0),
             small: RefCell::new(Vec::new()),
             sending: RefCell::new(None),
+            device: RefCell::new(None),
         }
+    }
+
+    /// The model's tensors live on a device: the group's exchanges copy through `copy`.
+    pub fn on_device(&self, copy: HostCopy) {
+        *self.device.borrow_mut() = Some(copy);
+    }
+
+    /// The device copies, when the model's tensors live on a device.
+    pub fn device_copy(&self) -> Option<HostCopy> {
+        self.device.borrow().clone()
     }
 
     /// Runs each kind of collective once on a tiny buffer, so what the backend sets up on

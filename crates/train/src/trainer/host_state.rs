@@ -103,6 +103,11 @@ impl Trainer {
         if let (Some(d), Some(dp)) = (&device_alloc, &mut self.mesh.dp) {
             dp.on_device(crate::device_ranks::HostCopy::new(d.clone()));
         }
+        // So do the model groups' planned buffers (tensor and context parallelism).
+        if let Some(d) = &device_alloc {
+            self.mesh
+                .on_device(&crate::device_ranks::HostCopy::new(d.clone()));
+        }
         self.device_alloc = device_alloc;
     }
 }
