@@ -28,24 +28,21 @@ use ferrotron_plan::Layout;
 use std::ops::Range;
 
 /// Refuses, in one line, a layout of several ranks that the device path cannot run yet: every
-/// layout but data parallelism with ZeRO 0 to 3 and tensor parallelism (with or without
-/// sequence parallelism). One rank, and the CPU, pass.
+/// layout but data parallelism with ZeRO 0 to 3, tensor parallelism (with or without
+/// sequence parallelism) and pipeline parallelism (every schedule). One rank, and the CPU, pass.
 pub fn check(device: Device, layout: &Layout) -> Result<()> {
     let world = layout.dp * layout.tp * layout.pp * layout.cp * layout.ep;
     if device != Device::Emulated || world <= 1 {
         return Ok(());
     }
     let refused = |what: String| -> Result<()> {
-        bail!("device = emulated: {what}: several ranks on the device run data parallelism (ZeRO 0 to 3) and tensor parallelism (with sp) only so far (issue #33); drop it, or use --device cpu")
+        bail!("device = emulated: {what}: several ranks on the device run data (ZeRO 0 to 3), tensor (with sp) and pipeline parallelism only so far (issue #33); drop it, or use --device cpu")
     };
     if layout.ep > 1 {
         return refused(format!(
             "ep = {} (expert parallelism and its mixture-of-experts exchange)",
             layout.ep
         ));
-    }
-    if layout.pp > 1 {
-        return refused(format!("pp = {} (pipeline parallelism)", layout.pp));
     }
     if layout.cp > 1 {
         return refused(format!("cp = {} (context parallelism)", layout.cp));
@@ -128,13 +125,13 @@ mod tests {
             |l| l.zero = 3,
             |l| l.tp = 2,
             |l| (l.tp, l.sp) = (2, true),
+            |l| l.pp = 2,
         ];
         for ok in fine {
             check(Device::Emulated, &l(ok)).unwrap();
         }
         check(Device::Cpu, &l(|l| l.tp = 2)).unwrap();
-        let cases: [(Set, &str); 3] = [
-            (|l| l.pp = 2, "pp = 2 (pipeline parallelism)"),
+        let cases: [(Set, &str); 2] = [
             (|l| l.cp = 2, "cp = 2 (context parallelism)"),
             (
                 |l| l.ep = 2,
@@ -143,7 +140,7 @@ mod tests {
         ];
         for (set, what) in cases {
             let msg = check(Device::Emulated, &l(set)).unwrap_err().to_string();
-            assert_eq!(msg, format!("device = emulated: {what}: several ranks on the device run data parallelism (ZeRO 0 to 3) and tensor parallelism (with sp) only so far (issue #33); drop it, or use --device cpu"));
+            assert_eq!(msg, format!("device = emulated: {what}: several ranks on the device run data (ZeRO 0 to 3), tensor (with sp) and pipeline parallelism only so far (issue #33); drop it, or use --device cpu"));
         }
         // One rank is the single-rank device path.
         check(Device::Emulated, &Layout::default()).unwrap();

@@ -93,8 +93,17 @@ fn data_parallel_device_ranks_give_the_cpu_ranks_bits_within_their_plans() {
     }
 }
 
+/// The tiny model with `n` layers (a pipeline of 2 stages × 2 chunks needs 4).
+fn layers(a: &TrainArgs, n: u64) {
+    let p = a.model.as_ref().expect("tiny_args writes a model");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap();
+    cfg["num_hidden_layers"] = n.into();
+    std::fs::write(p, cfg.to_string()).unwrap();
+}
+
 /// The model-parallel layouts the device ranks run: each `(name, ranks, set)`.
-const MODEL_PARALLEL: [(&str, usize, Set); 2] = [
+const MODEL_PARALLEL: [(&str, usize, Set); 5] = [
     ("tp 2 fp32", 2, |a| a.layout.tp = Some(2)),
     // Sequence parallelism's gathers and reduce-scatters, and its norm sums, on 16-bit
     // activations and gradients, beside data parallelism.
@@ -102,6 +111,22 @@ const MODEL_PARALLEL: [(&str, usize, Set); 2] = [
         (a.layout.tp, a.layout.sp) = (Some(2), Some(true));
         (a.layout.dp, a.layout.zero) = (Some(2), Some(1));
         a.precision = Some("bf16".into());
+    }),
+    // Every schedule: the stages' activations and gradients sent from and received into the
+    // device, and the tied embedding's two copies summed.
+    ("pp 2 afab fp32", 2, |a| {
+        a.layout.pp = Some(2);
+        a.layout.pp_schedule = Some("afab".into());
+    }),
+    ("pp 2 1f1b dp 2 bf16", 4, |a| {
+        (a.layout.pp, a.layout.dp) = (Some(2), Some(2));
+        a.layout.pp_schedule = Some("1f1b".into());
+        a.precision = Some("bf16".into());
+    }),
+    ("pp 2 interleaved v 2 fp32", 2, |a| {
+        layers(a, 4);
+        (a.layout.pp, a.layout.pp_virtual) = (Some(2), Some(2));
+        a.layout.pp_schedule = Some("interleaved".into());
     }),
 ];
 
@@ -120,13 +145,12 @@ fn layouts_the_device_ranks_do_not_run_are_refused_in_one_line() {
             (|a| (a.layout.dp, a.layout.ep) = (Some(2), Some(2))) as Set,
             "ep = 2 (expert parallelism and its mixture-of-experts exchange)",
         ),
-        (|a| a.layout.pp = Some(2), "pp = 2 (pipeline parallelism)"),
         (|a| a.layout.cp = Some(2), "cp = 2 (context parallelism)"),
     ] {
         let mut a = tiny_args(&out, 1);
         a.device = Device::Emulated;
         set(&mut a);
         let msg = run(a).unwrap_err().to_string();
-        assert_eq!(msg, format!("device = emulated: {what}: several ranks on the device run data parallelism (ZeRO 0 to 3) and tensor parallelism (with sp) only so far (issue #33); drop it, or use --device cpu"));
+        assert_eq!(msg, format!("device = emulated: {what}: several ranks on the device run data (ZeRO 0 to 3), tensor (with sp) and pipeline parallelism only so far (issue #33); drop it, or use --device cpu"));
     }
 }
