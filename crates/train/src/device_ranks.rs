@@ -1,6 +1,6 @@
-//! Several ranks on a device (`--device emulated` with `--dp N`, issue #33): which layouts run
-//! there, and the copies between a device's gradients or weights and the host buckets that
-//! data parallelism reduces.
+//! Several ranks on a device (`--device emulated` with `--dp`, `--tp` (`--sp`), `--pp`; issue
+//! #33): which layouts run there, and the copies between a device's gradients or weights and
+//! the host buckets that data parallelism reduces.
 //!
 //! Data parallelism's buckets (the plan's `dp.grad_buckets`, two of `--bucket-mb`) are f32
 //! host buffers already: the backward's final gradients are widened into them and their sums
@@ -10,13 +10,24 @@
 //! of gradient is copied straight from the device into its place in the bucket ([`read_f32`])
 //! and each sum straight back ([`write_f32`]), so no collective sees a device view and the
 //! reduction keeps its overlap with the backward. ZeRO-1's all-gather of the updated weights
-//! goes through the same copies ([`ViewGather`]). (`ferrotron_dist::Staged` is the
-//! communicator for collectives on device views: the tensor-, context- and pipeline-parallel
-//! groups, still refused here.)
+//! goes through the same copies ([`ViewGather`]).
 //!
-//! A copy of a 16-bit gradient goes through a small buffer on the stack ([`CHUNK`] elements),
+//! The model's groups stage the same way, through the buffers the plan gives them: tensor
+//! parallelism's all-reduces, gathers and reduce-scatters (and sequence parallelism's norm
+//! sums) fill the group's `comm.tp.staging` from the device and write the result back
+//! (`TpComm::device`, `crate::group::Group::on_device`); a pipeline stage sends from its
+//! `comm.pp.send.*` buffers and receives into `comm.pp.recv`, read from and written into the
+//! device (`crate::pipeline::Pipeline::on_device`), the tied embedding's two gradients summed
+//! through the latter. `ferrotron_dist::Staged` (f32 views through a staging buffer of its
+//! own) does not serve these: a 16-bit activation is summed in f32 and rounded once, so its
+//! staging is a typed copy, and a second staging buffer would sit outside the plan. Context
+//! parallelism's ring (its blocks are f32 pool buffers the host widens into) and expert
+//! parallelism are refused here so far.
+//!
+//! A copy of a 16-bit value goes through a small buffer on the stack ([`CHUNK`] elements),
 //! widened or rounded on the host exactly as the CPU path does (`Elem::to_f32`,
-//! `Elem::from_f32`), so the sums and the trajectory are the CPU run's bit for bit.
+//! `Elem::from_f32`: `ferrotron_engine::kernels::host_copy`), so the sums and the trajectory
+//! are the CPU run's bit for bit.
 
 use crate::data_parallel::{Gather, Segment};
 use crate::device::Device;
@@ -118,7 +129,7 @@ mod tests {
             set(&mut l);
             l
         };
-        let fine: [Set; 6] = [
+        let fine: [Set; 7] = [
             |_| {},
             |l| l.zero = 1,
             |l| l.zero = 2,
