@@ -27,6 +27,9 @@ pub struct Group {
     /// On a device: the copies that fill the buffer from the device's tensors and write the
     /// results back (`ferrotron_engine::kernels::host_copy`).
     device: RefCell<Option<HostCopy>>,
+    /// On a device, the context-parallel ring's receive staging (the planned buffer is the
+    /// send's, in flight meanwhile; on the host a block is received in place).
+    receive: RefCell<Vec<f32>>,
 }
 
 impl Group {
@@ -39,7 +42,22 @@ impl Group {
             small: RefCell::new(Vec::new()),
             sending: RefCell::new(None),
             device: RefCell::new(None),
+            receive: RefCell::new(Vec::new()),
         }
+    }
+
+    /// On a device, the receive staging of `len` f32 (a ring's messages are as long as its
+    /// planned buffer); nothing on the host.
+    pub fn allocate_receive(&self, len: usize) {
+        let mut r = self.receive.borrow_mut();
+        if self.device.borrow().is_some() && r.capacity() < len {
+            *r = Vec::with_capacity(len);
+        }
+    }
+
+    /// The receive staging (a device's ring).
+    pub fn receive_staging(&self) -> RefMut<'_, Vec<f32>> {
+        self.receive.borrow_mut()
     }
 
     /// The model's tensors live on a device: the group's exchanges copy through `copy`.

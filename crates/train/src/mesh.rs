@@ -125,6 +125,9 @@ impl Mesh {
         for (d, g) in &self.groups {
             if let Some(n) = find(planned_buffer(*d)) {
                 g.allocate(n);
+                if *d == Dim::Cp {
+                    g.allocate_receive(n);
+                }
             }
         }
     }

@@ -103,7 +103,7 @@ fn layers(a: &TrainArgs, n: u64) {
 }
 
 /// The model-parallel layouts the device ranks run: each `(name, ranks, set)`.
-const MODEL_PARALLEL: [(&str, usize, Set); 5] = [
+const MODEL_PARALLEL: [(&str, usize, Set); 7] = [
     ("tp 2 fp32", 2, |a| a.layout.tp = Some(2)),
     // Sequence parallelism's gathers and reduce-scatters, and its norm sums, on 16-bit
     // activations and gradients, beside data parallelism.
@@ -128,6 +128,13 @@ const MODEL_PARALLEL: [(&str, usize, Set); 5] = [
         (a.layout.pp, a.layout.pp_virtual) = (Some(2), Some(2));
         a.layout.pp_schedule = Some("interleaved".into());
     }),
+    // The ring's key/value blocks (and their gradients) widened into device blocks, sent
+    // from and received into them.
+    ("cp 2 fp32", 2, |a| a.layout.cp = Some(2)),
+    ("cp 2 dp 2 bf16", 4, |a| {
+        (a.layout.cp, a.layout.dp) = (Some(2), Some(2));
+        a.precision = Some("bf16".into());
+    }),
 ];
 
 #[test]
@@ -140,17 +147,14 @@ fn model_parallel_device_ranks_give_the_cpu_ranks_bits_within_their_plans() {
 #[test]
 fn layouts_the_device_ranks_do_not_run_are_refused_in_one_line() {
     let out = tmp("ranks-refused");
-    for (set, what) in [
-        (
-            (|a| (a.layout.dp, a.layout.ep) = (Some(2), Some(2))) as Set,
-            "ep = 2 (expert parallelism and its mixture-of-experts exchange)",
-        ),
-        (|a| a.layout.cp = Some(2), "cp = 2 (context parallelism)"),
-    ] {
+    for (set, what) in [(
+        (|a| (a.layout.dp, a.layout.ep) = (Some(2), Some(2))) as Set,
+        "ep = 2 (expert parallelism and its mixture-of-experts exchange)",
+    )] {
         let mut a = tiny_args(&out, 1);
         a.device = Device::Emulated;
         set(&mut a);
         let msg = run(a).unwrap_err().to_string();
-        assert_eq!(msg, format!("device = emulated: {what}: several ranks on the device run data (ZeRO 0 to 3), tensor (with sp) and pipeline parallelism only so far (issue #33); drop it, or use --device cpu"));
+        assert_eq!(msg, format!("device = emulated: {what}: several ranks on the device run data (ZeRO 0 to 3), tensor (with sp), pipeline and context parallelism only so far (issue #33); drop it, or use --device cpu"));
     }
 }
