@@ -11,6 +11,8 @@
 
 use crate::group::Group;
 use ferrotron_dist::AsViewMut;
+use ferrotron_engine::kernels::host_copy::{read_f32, write_f32, HostCopy};
+use ferrotron_engine::kernels::{Memory, View, ViewMut};
 use ferrotron_engine::model::CpComm;
 
 /// The tag of the ring's messages (below MPI's smallest allowed tag bound, 32767).
@@ -26,7 +28,7 @@ impl CpComm for Group {
         self.comm.rank()
     }
 
-    fn send_next(&self, send: &[f32]) {
+    fn send_next(&self, send: View<'_, f32>) {
         if self.failed() {
             return;
         }
@@ -34,7 +36,8 @@ impl CpComm for Group {
         let mut out = std::mem::take(&mut *self.buffer());
         // Within the planned capacity: no allocation.
         out.clear();
-        out.extend_from_slice(send);
+        out.resize(send.len(), 0.0);
+        read_f32(self.device_copy().as_ref(), send, &mut out);
         let pending = self.comm.send_start(out, (rank + 1) % size, RING_TAG);
         self.sent(4.0 * send.len() as f64);
         let earlier = self.sending.borrow_mut().replace(pending);
@@ -45,15 +48,32 @@ impl CpComm for Group {
         self.sum_f32s(x, "context-parallel router statistics");
     }
 
-    fn recv_prev(&self, recv: &mut [f32]) {
+    fn device(&self) -> Option<HostCopy> {
+        self.device_copy()
+    }
+
+    fn recv_prev(&self, recv: ViewMut<'_, f32>) {
         let Some(pending) = self.sending.borrow_mut().take() else {
             // A failed pass started no send.
             return;
         };
         let (size, rank) = (self.comm.size(), self.comm.rank());
-        let received = self
-            .comm
-            .recv(recv.view_mut(), (rank + size - 1) % size, RING_TAG);
+        let from = (rank + size - 1) % size;
+        let received = match self.device_copy() {
+            // A device block: received into the host staging buffer, then copied up (the
+            // planned buffer is the send's, still in flight).
+            Some(dev) if recv.memory() != Memory::Host => {
+                let mut stage = self.receive_staging();
+                stage.clear();
+                stage.resize(recv.len(), 0.0);
+                let r = self.comm.recv(stage.view_mut(), from, RING_TAG);
+                if r.is_ok() {
+                    write_f32(Some(&dev), &stage, recv);
+                }
+                r
+            }
+            _ => self.comm.recv(recv, from, RING_TAG),
+        };
         match (received, pending.wait()) {
             (Ok(()), Ok(back)) => *self.buffer() = back,
             (Err(e), _) | (_, Err(e)) => self.fail("context-parallel ring", e),

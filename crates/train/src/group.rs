@@ -10,6 +10,7 @@
 use crate::small_sums::SmallSums;
 use anyhow::{anyhow, Result};
 use ferrotron_dist::{Communicator, Pending};
+use ferrotron_engine::kernels::HostCopy;
 use std::cell::{Cell, RefCell, RefMut};
 
 pub struct Group {
@@ -23,6 +24,12 @@ pub struct Group {
     small: RefCell<Vec<f32>>,
     /// A send in flight (the context-parallel ring's block), finished by the next receive.
     pub(crate) sending: RefCell<Option<Pending>>,
+    /// On a device: the copies that fill the buffer from the device's tensors and write the
+    /// results back (`ferrotron_engine::kernels::host_copy`).
+    device: RefCell<Option<HostCopy>>,
+    /// On a device, the context-parallel ring's receive staging (the planned buffer is the
+    /// send's, in flight meanwhile; on the host a block is received in place).
+    receive: RefCell<Vec<f32>>,
 }
 
 impl Group {
@@ -34,7 +41,33 @@ impl Group {
             bytes: Cell::new(0.0),
             small: RefCell::new(Vec::new()),
             sending: RefCell::new(None),
+            device: RefCell::new(None),
+            receive: RefCell::new(Vec::new()),
         }
+    }
+
+    /// On a device, the receive staging of `len` f32 (a ring's messages are as long as its
+    /// planned buffer); nothing on the host.
+    pub fn allocate_receive(&self, len: usize) {
+        let mut r = self.receive.borrow_mut();
+        if self.device.borrow().is_some() && r.capacity() < len {
+            *r = Vec::with_capacity(len);
+        }
+    }
+
+    /// The receive staging (a device's ring).
+    pub fn receive_staging(&self) -> RefMut<'_, Vec<f32>> {
+        self.receive.borrow_mut()
+    }
+
+    /// The model's tensors live on a device: the group's exchanges copy through `copy`.
+    pub fn on_device(&self, copy: HostCopy) {
+        *self.device.borrow_mut() = Some(copy);
+    }
+
+    /// The device copies, when the model's tensors live on a device.
+    pub fn device_copy(&self) -> Option<HostCopy> {
+        self.device.borrow().clone()
     }
 
     /// Runs each kind of collective once on a tiny buffer, so what the backend sets up on

@@ -108,6 +108,13 @@ impl Mesh {
         Ok(())
     }
 
+    /// The model's tensors live on a device: its groups' exchanges copy through `copy`.
+    pub fn on_device(&self, copy: &ferrotron_engine::kernels::HostCopy) {
+        for (_, g) in &self.groups {
+            g.on_device(copy.clone());
+        }
+    }
+
     /// The first failure of a model group's collective in the pass, if one failed.
     pub fn check(&self) -> Result<()> {
         self.groups.iter().try_for_each(|(_, g)| g.check())
@@ -118,6 +125,9 @@ impl Mesh {
         for (d, g) in &self.groups {
             if let Some(n) = find(planned_buffer(*d)) {
                 g.allocate(n);
+                if *d == Dim::Cp {
+                    g.allocate_receive(n);
+                }
             }
         }
     }

@@ -14,6 +14,8 @@
 use crate::small_sums::{gather_small, SmallSums};
 use anyhow::{anyhow, Result};
 use ferrotron_dist::{AsViewMut, Communicator, Pending};
+use ferrotron_engine::kernels::host_copy::{read_f32, write_f32, HostCopy};
+use ferrotron_engine::kernels::{View, ViewMut};
 use ferrotron_engine::Elem;
 use ferrotron_plan::schedule::{messages, order, slots, Direction, Message, Work};
 use ferrotron_plan::Layout;
@@ -58,6 +60,8 @@ pub struct Pipeline {
     /// Spans blocked (start, end), for the trace.
     pub waits: Vec<(Instant, Instant)>,
     small: std::cell::RefCell<Vec<f32>>,
+    /// On a device: the copies between the stage's tensors and the host buffers.
+    device: Option<HostCopy>,
 }
 
 impl Pipeline {
@@ -92,7 +96,14 @@ impl Pipeline {
             span: Duration::ZERO,
             waits: Vec::with_capacity(4 * m as usize * layout.pp_virtual as usize + 8),
             small: Default::default(),
+            device: None,
         }
+    }
+
+    /// The stage's tensors live on a device: messages are copied from and into them through
+    /// the host send and receive buffers.
+    pub fn on_device(&mut self, copy: HostCopy) {
+        self.device = Some(copy);
     }
 
     pub fn stages(&self) -> usize {
@@ -182,7 +193,7 @@ impl Pipeline {
 
     /// Sends `x` as message `m` from the next send buffer of its direction (waiting for that
     /// buffer's last message to be received first).
-    pub fn send<S: Elem>(&mut self, m: Message, x: &[S]) -> Result<()> {
+    pub fn send<S: Elem>(&mut self, m: Message, x: View<'_, S>) -> Result<()> {
         let l = lane(m.dir);
         let to = m.to(self.layout.pp) as usize;
         let ring = &mut self.rings[l];
@@ -202,13 +213,13 @@ impl Pipeline {
             x.len(),
             "internal: a pipeline message of the plan's size"
         );
-        buf.iter_mut().zip(x).for_each(|(b, x)| *b = x.to_f32());
+        read_f32(self.device.as_ref(), x, &mut buf);
         self.rings[l].pending[j] = Some(self.comm.send_start(buf, to, TAG[l]));
         Ok(())
     }
 
     /// Receives message `m` (from the stage of the chunk next to it) into `x`.
-    pub fn recv<S: Elem>(&mut self, m: Message, x: &mut [S]) -> Result<()> {
+    pub fn recv<S: Elem>(&mut self, m: Message, x: ViewMut<'_, S>) -> Result<()> {
         let p = self.layout.pp;
         let from = match m.dir {
             Direction::Forward => (m.chunk + p - 1) % p,
@@ -217,9 +228,12 @@ impl Pipeline {
         let mut buf = std::mem::take(&mut self.recv);
         let r = self.waited(|s| s.comm.recv(buf.view_mut(), from, TAG[lane(m.dir)]));
         r.map_err(|e| anyhow!("pipeline receive from stage {from}: {e}"))?;
-        x.iter_mut()
-            .zip(&buf)
-            .for_each(|(x, b)| *x = S::from_f32(*b));
+        assert_eq!(
+            buf.len(),
+            x.len(),
+            "internal: a pipeline message of the plan's size"
+        );
+        write_f32(self.device.as_ref(), &buf, x);
         self.recv = buf;
         Ok(())
     }
@@ -242,25 +256,22 @@ impl Pipeline {
 
     /// Sums the tied embedding's gradient `g` with the other stage's copy, in place, through
     /// the receive buffer (so nothing is allocated).
-    pub fn sum_embedding<G: Elem>(&mut self, g: &mut [G]) -> Result<()> {
+    pub fn sum_embedding<G: Elem>(&mut self, mut g: ViewMut<'_, G>) -> Result<()> {
         let Some(comm) = &self.embedding else {
             return Ok(());
         };
+        let dev = self.device.as_ref();
         let mut buf = std::mem::take(&mut self.recv);
         let step = buf.len().max(1);
-        for chunk in g.chunks_mut(step) {
-            buf.truncate(chunk.len());
-            buf.iter_mut()
-                .zip(chunk.iter())
-                .for_each(|(b, x)| *b = x.to_f32());
+        for at in (0..g.len()).step_by(step) {
+            let r = at..(at + step).min(g.len());
+            buf.truncate(r.len());
+            read_f32(dev, g.as_view().slice(r.clone()), &mut buf);
             buf = comm
                 .all_reduce_start(buf)
                 .wait()
                 .map_err(|e| anyhow!("tied embedding gradient all-reduce: {e}"))?;
-            chunk
-                .iter_mut()
-                .zip(&buf)
-                .for_each(|(x, b)| *x = G::from_f32(*b));
+            write_f32(dev, &buf, g.rb().slice_mut(r));
         }
         buf.resize(step, 0.0);
         self.recv = buf;

@@ -6,6 +6,7 @@
 
 use crate::group::Group;
 use ferrotron_dist::Communicator;
+use ferrotron_engine::kernels::HostCopy;
 use ferrotron_engine::model::tensor_parallel::replicated;
 use ferrotron_engine::model::tensor_parallel::TpOp;
 use ferrotron_engine::model::{Llama, TpComm};
@@ -76,6 +77,9 @@ impl TpComm for Group {
             io(&mut out, false);
             *self.buffer() = out;
         }
+    }
+    fn device(&self) -> Option<HostCopy> {
+        self.device_copy()
     }
 }
 

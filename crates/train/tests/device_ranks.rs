@@ -10,6 +10,7 @@
 mod common;
 use common::{assert_within_plans, tiny_args, tmp};
 use ferrotron_train::alloc::Tracking;
+use ferrotron_train::config::TrainArgs;
 use ferrotron_train::device::Device;
 use ferrotron_train::metrics::StepMetrics;
 use ferrotron_train::run::{run, RunSummary};
@@ -23,23 +24,55 @@ static A: Tracking = Tracking;
 /// other's rank 0, so the runs of this file take turns.
 static ONE_RUN_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// A change to the tiny run's layout (and precision).
+type Set = fn(&mut TrainArgs);
+
 /// The run's summary and its output directory (with the checkpoint the run ends with).
-fn train(device: Device, dp: u64, zero: u64, precision: &str) -> (RunSummary, PathBuf) {
+fn train(device: Device, what: &str, set: &dyn Fn(&mut TrainArgs)) -> (RunSummary, PathBuf) {
     let _turn = ONE_RUN_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let out = tmp(&format!("ranks-{device:?}-dp{dp}-z{zero}-{precision}"));
+    let tag: String = what.chars().filter(|c| c.is_alphanumeric()).collect();
+    let out = tmp(&format!("ranks-{device:?}-{tag}"));
     let mut a = tiny_args(&out, 3);
     (a.mbs, a.grad_acc) = (Some(2), Some(2));
-    (a.layout.dp, a.layout.zero) = (Some(dp), Some(zero));
-    a.precision = Some(precision.into());
     // Small buckets: several reductions per step, some tensors split across two.
     a.bucket_mb = Some(1);
     // An evaluation, a sample and a checkpoint: each reads the state back from the device.
     (a.eval_interval, a.eval_batches, a.sample_tokens) = (Some(2), Some(1), Some(6));
     a.checkpoint_dir = Some(out.join("ck"));
     a.device = device;
-    let s =
-        run(a).unwrap_or_else(|e| panic!("dp {dp} zero {zero} {precision} on {device:?}: {e:#}"));
+    set(&mut a);
+    let s = run(a).unwrap_or_else(|e| panic!("{what} on {device:?}: {e:#}"));
     (s, out)
+}
+
+/// `what` (a layout over `ranks` ranks, made by `set`) on the emulated device: the CPU run's
+/// losses, norms, val losses, sample and checkpoint bit for bit, every rank within its plan.
+fn device_equals_cpu(what: &str, ranks: usize, set: &dyn Fn(&mut TrainArgs)) {
+    let (cpu, cpu_dir) = train(Device::Cpu, what, set);
+    let (dev_run, dev_dir) = train(Device::Emulated, what, set);
+    let dev = &dev_run.steps;
+    assert_eq!(cpu.steps.len(), dev.len(), "{what}");
+    for (c, d) in cpu.steps.iter().zip(dev) {
+        let at = format!("{what} step {}", c.step);
+        assert_eq!(c.loss.to_bits(), d.loss.to_bits(), "{at}: loss");
+        assert_eq!(c.grad_norm.to_bits(), d.grad_norm.to_bits(), "{at}: norm");
+        let val = |m: &StepMetrics| m.val_loss.map(f64::to_bits);
+        assert_eq!(val(c), val(d), "{at}: val loss");
+        assert_eq!(d.rank_mem.len(), ranks, "{at}: every rank reports");
+    }
+    assert!(dev[1].val_loss.is_some(), "{what}: evaluated");
+    assert_eq!(cpu.sample, dev_run.sample, "{what}: sample");
+    assert!(
+        dev_run.sample.as_ref().is_some_and(|s| !s.is_empty()),
+        "{what}"
+    );
+    for f in ["model.safetensors", "optimizer.safetensors"] {
+        let read = |d: &PathBuf| std::fs::read(d.join("ck").join(f)).unwrap();
+        assert!(read(&cpu_dir) == read(&dev_dir), "{what}: {f} differs");
+    }
+    // The weights moved: a step that left them alone would repeat the first loss.
+    assert_ne!(dev[0].loss, dev[2].loss, "{what}");
+    assert_within_plans(dev, &format!("{what} on the device"));
 }
 
 #[test]
@@ -53,54 +86,70 @@ fn data_parallel_device_ranks_give_the_cpu_ranks_bits_within_their_plans() {
         (4, 3, "bf16"),
     ] {
         let what = format!("dp {dp} ZeRO-{zero} {precision}");
-        let (cpu, cpu_dir) = train(Device::Cpu, dp, zero, precision);
-        let (dev_run, dev_dir) = train(Device::Emulated, dp, zero, precision);
-        let dev = &dev_run.steps;
-        assert_eq!(cpu.steps.len(), dev.len(), "{what}");
-        for (c, d) in cpu.steps.iter().zip(dev) {
-            let at = format!("{what} step {}", c.step);
-            assert_eq!(c.loss.to_bits(), d.loss.to_bits(), "{at}: loss");
-            assert_eq!(c.grad_norm.to_bits(), d.grad_norm.to_bits(), "{at}: norm");
-            let val = |m: &StepMetrics| m.val_loss.map(f64::to_bits);
-            assert_eq!(val(c), val(d), "{at}: val loss");
-            assert_eq!(d.rank_mem.len(), dp as usize, "{at}: every rank reports");
-        }
-        assert!(dev[1].val_loss.is_some(), "{what}: evaluated");
-        assert_eq!(cpu.sample, dev_run.sample, "{what}: sample");
-        assert!(
-            dev_run.sample.as_ref().is_some_and(|s| !s.is_empty()),
-            "{what}"
-        );
-        for f in ["model.safetensors", "optimizer.safetensors"] {
-            let read = |d: &PathBuf| std::fs::read(d.join("ck").join(f)).unwrap();
-            assert!(read(&cpu_dir) == read(&dev_dir), "{what}: {f} differs");
-        }
-        // The weights moved: a step that left them alone would repeat the first loss.
-        assert_ne!(dev[0].loss, dev[2].loss, "{what}");
-        assert_within_plans(dev, &format!("{what} on the device"));
+        device_equals_cpu(&what, dp as usize, &|a: &mut TrainArgs| {
+            (a.layout.dp, a.layout.zero) = (Some(dp), Some(zero));
+            a.precision = Some(precision.into());
+        });
+    }
+}
+
+/// The tiny model with `n` layers (a pipeline of 2 stages × 2 chunks needs 4).
+fn layers(a: &TrainArgs, n: u64) {
+    let p = a.model.as_ref().expect("tiny_args writes a model");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap();
+    cfg["num_hidden_layers"] = n.into();
+    std::fs::write(p, cfg.to_string()).unwrap();
+}
+
+/// The model-parallel layouts the device ranks run: each `(name, ranks, set)`.
+const MODEL_PARALLEL: [(&str, usize, Set); 7] = [
+    ("tp 2 fp32", 2, |a| a.layout.tp = Some(2)),
+    // Sequence parallelism's gathers and reduce-scatters, and its norm sums, on 16-bit
+    // activations and gradients, beside data parallelism.
+    ("tp 2 sp dp 2 ZeRO-1 bf16", 4, |a| {
+        (a.layout.tp, a.layout.sp) = (Some(2), Some(true));
+        (a.layout.dp, a.layout.zero) = (Some(2), Some(1));
+        a.precision = Some("bf16".into());
+    }),
+    // Every schedule: the stages' activations and gradients sent from and received into the
+    // device, and the tied embedding's two copies summed.
+    ("pp 2 afab fp32", 2, |a| {
+        a.layout.pp = Some(2);
+        a.layout.pp_schedule = Some("afab".into());
+    }),
+    ("pp 2 1f1b dp 2 bf16", 4, |a| {
+        (a.layout.pp, a.layout.dp) = (Some(2), Some(2));
+        a.layout.pp_schedule = Some("1f1b".into());
+        a.precision = Some("bf16".into());
+    }),
+    ("pp 2 interleaved v 2 fp32", 2, |a| {
+        layers(a, 4);
+        (a.layout.pp, a.layout.pp_virtual) = (Some(2), Some(2));
+        a.layout.pp_schedule = Some("interleaved".into());
+    }),
+    // The ring's key/value blocks (and their gradients) widened into device blocks, sent
+    // from and received into them.
+    ("cp 2 fp32", 2, |a| a.layout.cp = Some(2)),
+    ("cp 2 dp 2 bf16", 4, |a| {
+        (a.layout.cp, a.layout.dp) = (Some(2), Some(2));
+        a.precision = Some("bf16".into());
+    }),
+];
+
+#[test]
+fn model_parallel_device_ranks_give_the_cpu_ranks_bits_within_their_plans() {
+    for (what, ranks, set) in MODEL_PARALLEL {
+        device_equals_cpu(what, ranks, &set);
     }
 }
 
 #[test]
-fn layouts_the_device_ranks_do_not_run_are_refused_in_one_line() {
+fn expert_parallelism_on_device_ranks_is_refused_in_one_line() {
     let out = tmp("ranks-refused");
-    for (set, what) in [
-        (
-            (|a: &mut ferrotron_train::config::TrainArgs| a.layout.tp = Some(2))
-                as fn(&mut ferrotron_train::config::TrainArgs),
-            "tp = 2 (tensor parallelism)",
-        ),
-        (
-            |a| (a.layout.dp, a.layout.ep) = (Some(2), Some(2)),
-            "ep = 2 (expert parallelism and its mixture-of-experts exchange)",
-        ),
-        (|a| a.layout.pp = Some(2), "pp = 2 (pipeline parallelism)"),
-        (|a| a.layout.cp = Some(2), "cp = 2 (context parallelism)"),
-    ] {
-        let mut a = tiny_args(&out, 1);
-        a.device = Device::Emulated;
-        set(&mut a);
-        let msg = run(a).unwrap_err().to_string();
-        assert_eq!(msg, format!("device = emulated: {what}: several ranks on the device run data parallelism with ZeRO 0 to 3 only so far (issue #33); drop it, or use --device cpu"));
-    }
+    let mut a = tiny_args(&out, 1);
+    a.device = Device::Emulated;
+    (a.layout.dp, a.layout.ep) = (Some(2), Some(2));
+    let msg = run(a).unwrap_err().to_string();
+    assert_eq!(msg, "device = emulated: ep = 2 (expert parallelism and its mixture-of-experts exchange): several ranks on the device run data (ZeRO 0 to 3), tensor (with sp), pipeline and context parallelism only so far (issue #33); drop it, or use --device cpu");
 }

@@ -18,6 +18,8 @@
 #   - dp 2 × cp 2 (ring attention between processes) under mpirun -np 4 agrees with threads and
 #     with dp 2 alone, and its checkpoint resumes on cp 4; dp 2 × tp 2 × sp × cp 2 × pp 2 under
 #     mpirun -np 16 agrees with dp 2 alone,
+#   - dp 2 × tp 2 × sp on the emulated device under mpirun -np 4 equals the CPU processes bit
+#     for bit,
 #   - dp 2 ZeRO-3 on the emulated device (--device emulated) under mpirun -np 2 equals the CPU
 #     threads run bit for bit, each rank within 1% of its plan,
 #   - mpirun's process count disagreeing with --dp fails at once with one line naming both,
@@ -227,6 +229,24 @@ for c, d in zip(cpu, dev):
     for x in d["rank_mem"]:
         assert abs(x["mem_peak_measured"] / x["mem_peak_planned"] - 1) < 0.01, (d["step"], x)
 print("emulated device under mpirun -np 2 (ZeRO-3) = CPU threads bit for bit; 2 ranks within 1% of their plans")
+PY
+
+echo "== tensor parallelism on the emulated device under mpirun (--device emulated --tp 2 --sp, four processes) = the CPU processes"
+# The tensor-parallel group's buffer filled from each process's device and written back
+# (device_ranks.rs): the same layout's CPU run under mpirun (tp-mpi, the --sp one), bit for bit.
+timeout 300 "${MPIRUN4[@]}" "$BIN" "${COMMON[@]}" --tp 2 --sp --zero 1 --steps 4 --device emulated \
+    --out-dir "$OUT/emulated-tp" 2>"$OUT/emulated-tp.log" || { cat "$OUT/emulated-tp.log"; exit 1; }
+python3 - "$OUT/tp-mpi/metrics.jsonl" "$OUT/emulated-tp/metrics.jsonl" <<'PY'
+import json, sys
+cpu, dev = ([json.loads(l) for l in open(p)] for p in sys.argv[1:])
+assert len(cpu) == len(dev) == 4, (len(cpu), len(dev))
+for c, d in zip(cpu, dev):
+    for key in ("loss", "grad_norm"):
+        assert c[key] == d[key], f"step {c['step']} {key}: cpu mpi {c[key]} emulated mpi {d[key]}"
+    assert len(d["rank_mem"]) == 4, d["rank_mem"]
+    for x in d["rank_mem"]:
+        assert abs(x["mem_peak_measured"] / x["mem_peak_planned"] - 1) < 0.01, (d["step"], x)
+print("emulated device under mpirun -np 4 (dp 2 x tp 2 x sp) = the CPU processes bit for bit; 4 ranks within 1% of their plans")
 PY
 
 echo "== a checkpoint written by both processes in parallel (ZeRO-3), resumed re-sharded (ZeRO-1)"

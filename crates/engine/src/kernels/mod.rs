@@ -22,6 +22,7 @@ pub mod device_check;
 pub mod device_copy;
 pub mod device_memory;
 pub mod event_log;
+pub mod host_copy;
 pub mod observe;
 pub mod profile;
 /// The views live in their own crate (`crates/view`) so that communicators (`ferrotron-dist`)
@@ -34,6 +35,7 @@ pub use cpu::{CpuKernels, Gemm};
 pub use device_check::{emulated, emulated_mut, DevicePool, OnDevice};
 pub use device_memory::{DeviceAlloc, DeviceBuf, EmulatedDevice};
 pub use event_log::{Event, EventLog, Tracing, COMM_TRACK};
+pub use host_copy::HostCopy;
 pub use observe::{Observed, OpObserver};
 pub use profile::{OpTime, OpTotals, Profiled};
 pub use view::{AsView, AsViewMut, Memory, View, ViewMut};

@@ -28,8 +28,9 @@
 use super::buffers::{Buf, BufName, BufferPool};
 use super::llama::Llama;
 use crate::dtype::Elem;
+use crate::kernels::host_copy::{read_f32, write_f32, HostCopy, CHUNK};
 use crate::kernels::{
-    AsView, AsViewMut, AttnShape, Kernels, RingShape, RopeTable, SeqPart, View, ViewMut,
+    AsView, AsViewMut, AttnShape, Kernels, Memory, RingShape, RopeTable, SeqPart, View, ViewMut,
 };
 use ferrotron_plan::tensors::Edge;
 use std::rc::Rc;
@@ -41,17 +42,53 @@ pub trait CpComm {
     fn rank(&self) -> usize;
     /// Starts sending (a copy of) `send` to the next rank of the ring (`rank + 1`): `send`
     /// may be read and written at once.
-    fn send_next(&self, send: &[f32]);
+    fn send_next(&self, send: View<'_, f32>);
     /// Receives the previous rank's block (as long as the last one sent) into `recv`, and
     /// waits for this rank's send to be taken.
-    fn recv_prev(&self, recv: &mut [f32]);
+    fn recv_prev(&self, recv: ViewMut<'_, f32>);
     /// Sums `x` over the group, element by element in rank order (every rank gets the same
     /// bits): a MoE layer's load-balancing statistics of the micro-batch the ranks share.
     fn sum(&self, x: &mut [f32]);
     /// Both, one after the other.
-    fn pass(&self, send: &[f32], recv: &mut [f32]) {
+    fn pass(&self, send: View<'_, f32>, recv: ViewMut<'_, f32>) {
         self.send_next(send);
         self.recv_prev(recv);
+    }
+    /// The copies between the rank's device and the host when the model's tensors live on a
+    /// device (the ring's blocks are then device buffers, sent and received through them);
+    /// `None` on the host.
+    fn device(&self) -> Option<HostCopy> {
+        None
+    }
+}
+
+/// `dst = src` element by element: on the host by `host`, the CPU path's conversion
+/// (`Elem::load`, widening into a block; `Elem::store`, rounding out of one), else through the
+/// device copies a stack chunk at a time (`to_f32`, `from_f32`: the same exact widening and
+/// the same rounding to nearest even, so the device ranks keep the host's bits).
+fn convert<A: Elem, B: Elem>(
+    dev: Option<&HostCopy>,
+    src: View<'_, A>,
+    mut dst: ViewMut<'_, B>,
+    host: fn(&[A], &mut [B]),
+) {
+    if let (Ok(s), Memory::Host) = (src.try_host(), dst.memory()) {
+        return host(s, dst.host_mut());
+    }
+    let mut stage = [0.0f32; CHUNK];
+    for at in (0..src.len()).step_by(CHUNK) {
+        let r = at..(at + CHUNK).min(src.len());
+        let st = &mut stage[..r.len()];
+        read_f32(dev, src.slice(r.clone()), st);
+        write_f32(dev, st, dst.rb().slice_mut(r));
+    }
+}
+
+/// `dst = 0`, on the host or on the device.
+fn zero(dev: Option<&HostCopy>, dst: ViewMut<'_, f32>) {
+    match dev {
+        Some(c) if dst.memory() != Memory::Host => c.zero(dst),
+        _ => dst.host_mut().fill(0.0),
     }
 }
 
@@ -186,27 +223,28 @@ impl Llama {
         let Some(cp) = &self.cp else {
             return k.attention_forward(s, q, kk, v, o, lse);
         };
-        // The ring's blocks are staged in host memory, as every communication group's are
-        // (threads, MPI); a device ring is a device communicator's (NCCL).
-        let (kk, v, o) = (kk.host(), v.host(), o.host_mut());
+        // The ring's blocks are the pool's (the device's on a device); the group stages each
+        // message through its host buffer (threads, MPI; a device ring would be NCCL's).
+        let dev = cp.comm.device();
+        let dev = dev.as_ref();
         let kvl = s.kv_len();
         let mut b = self.ring_bufs(pool, s.b * s.t);
-        S::load(kk, &mut b.block[..kvl]);
-        S::load(v, &mut b.block[kvl..2 * kvl]);
+        convert(dev, kk, b.block.view_mut().slice_mut(..kvl), S::load);
+        convert(dev, v, b.block.view_mut().slice_mut(kvl..2 * kvl), S::load);
         for step in 0..cp.size {
             let more = step + 1 < cp.size;
             if more {
-                cp.comm.send_next(&b.block[..2 * kvl]);
+                cp.comm.send_next(b.block.view().slice(..2 * kvl));
             }
             let (kb, vb) = b.block.view().slice(..2 * kvl).split_at(kvl);
             let acc = b.acc.view_mut().slice_mut(..s.q_len());
             k.attention_forward_ring(cp.ring(s, step), q, kb, vb, acc, lse.rb(), step == 0);
             if more {
-                cp.comm.recv_prev(&mut b.next[..2 * kvl]);
+                cp.comm.recv_prev(b.next.view_mut().slice_mut(..2 * kvl));
                 std::mem::swap(&mut b.block, &mut b.next);
             }
         }
-        S::store(&b.acc[..s.q_len()], o);
+        convert(dev, b.acc.view().slice(..s.q_len()), o, S::store);
         self.free_ring_bufs(pool, b);
     }
 
@@ -223,19 +261,20 @@ impl Llama {
         let Some(cp) = &self.cp else {
             return k.attention_backward(s, q, kk, v, o, lse, d_o, dq, dk, dv);
         };
-        // Staged in host memory, as the forward's ring.
-        let (kk, v) = (kk.host(), v.host());
-        let (dq, dk, dv) = (dq.host_mut(), dk.host_mut(), dv.host_mut());
+        // Staged as the forward's ring.
+        let dev = cp.comm.device();
+        let dev = dev.as_ref();
         let kvl = s.kv_len();
         let mut b = self.ring_bufs(pool, s.b * s.t);
         // A block travels as [K | V | dK | dV].
-        S::load(kk, &mut b.block[..kvl]);
-        S::load(v, &mut b.block[kvl..2 * kvl]);
-        b.block[2 * kvl..4 * kvl].fill(0.0);
-        b.acc[..s.q_len()].fill(0.0);
+        convert(dev, kk, b.block.view_mut().slice_mut(..kvl), S::load);
+        convert(dev, v, b.block.view_mut().slice_mut(kvl..2 * kvl), S::load);
+        zero(dev, b.block.view_mut().slice_mut(2 * kvl..4 * kvl));
+        zero(dev, b.acc.view_mut().slice_mut(..s.q_len()));
         for step in 0..cp.size {
             if step > 0 {
-                cp.comm.pass(&b.block[..4 * kvl], &mut b.next[..4 * kvl]);
+                let next = b.next.view_mut().slice_mut(..4 * kvl);
+                cp.comm.pass(b.block.view().slice(..4 * kvl), next);
                 std::mem::swap(&mut b.block, &mut b.next);
             }
             let (kv, grads) = b
@@ -252,13 +291,13 @@ impl Llama {
         // The block held last is the next rank's: its gradients go home, and this rank's
         // arrive from the previous one.
         if cp.size > 1 {
-            cp.comm
-                .pass(&b.block[2 * kvl..4 * kvl], &mut b.next[2 * kvl..4 * kvl]);
+            let next = b.next.view_mut().slice_mut(2 * kvl..4 * kvl);
+            cp.comm.pass(b.block.view().slice(2 * kvl..4 * kvl), next);
             std::mem::swap(&mut b.block, &mut b.next);
         }
-        S::store(&b.acc[..s.q_len()], dq);
-        S::store(&b.block[2 * kvl..3 * kvl], dk);
-        S::store(&b.block[3 * kvl..4 * kvl], dv);
+        convert(dev, b.acc.view().slice(..s.q_len()), dq, S::store);
+        convert(dev, b.block.view().slice(2 * kvl..3 * kvl), dk, S::store);
+        convert(dev, b.block.view().slice(3 * kvl..4 * kvl), dv, S::store);
         self.free_ring_bufs(pool, b);
     }
 }

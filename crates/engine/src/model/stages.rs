@@ -15,7 +15,7 @@ use super::llama::Llama;
 use super::param_buf::{ParamSource, Unit};
 use super::params::LayerIdx;
 use crate::dtype::Elem;
-use crate::kernels::{Accum, AsView, AsViewMut, Kernels};
+use crate::kernels::{Accum, AsView, AsViewMut, Kernels, View, ViewMut};
 use ferrotron_plan::tensors::{Edge, LayerTensor};
 use std::ops::Range;
 
@@ -45,12 +45,12 @@ impl<S: Elem> BackwardState<S> {
 
     /// d(loss)/d(residual stream) at the boundary reached so far (after
     /// [`Llama::layers_backward`] of layers `a..b`: the gradient of layer `a`'s input).
-    pub fn resid_grad(&self) -> &[S] {
-        &self.0.resid
+    pub fn resid_grad(&self) -> View<'_, S> {
+        self.0.resid.view()
     }
 
-    pub fn resid_grad_mut(&mut self) -> &mut [S] {
-        &mut self.0.resid
+    pub fn resid_grad_mut(&mut self) -> ViewMut<'_, S> {
+        self.0.resid.view_mut()
     }
 
     /// Returns every scratch buffer to the pool (a stage without the embedding ends here).

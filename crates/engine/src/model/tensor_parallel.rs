@@ -20,6 +20,7 @@
 use super::config::{LlamaConfig, ModelError};
 use super::params::ParamTable;
 use crate::dtype::Elem;
+use crate::kernels::host_copy::{read_f32, write_f32, HostCopy};
 use crate::kernels::{View, ViewMut};
 use std::ops::Range;
 use std::rc::Rc;
@@ -45,6 +46,12 @@ pub trait TpComm {
     /// One callback for both, so it may hold the caller's tensor mutably; the values may be
     /// stored in any precision (16-bit activations are summed in f32 and rounded once).
     fn run(&self, op: TpOp, len: usize, io: &mut dyn FnMut(&mut [f32], bool));
+    /// The copies between the rank's device and the host when the model's tensors live on a
+    /// device (`io` then fills the buffer from the device and writes the result back through
+    /// them); `None` on the host.
+    fn device(&self) -> Option<HostCopy> {
+        None
+    }
 }
 
 /// This rank's place in its tensor-parallel group, and the group's collectives.
@@ -77,21 +84,13 @@ impl std::fmt::Debug for TensorParallel {
     }
 }
 
-fn widen<S: Elem>(x: &[S], f: &mut [f32]) {
-    f.iter_mut().zip(x).for_each(|(o, x)| *o = x.to_f32());
-}
-
-fn narrow<S: Elem>(f: &[f32], x: &mut [S]) {
-    x.iter_mut().zip(f).for_each(|(x, o)| *x = S::from_f32(*o));
-}
-
 /// Sums `buf` over `comm`'s group in place, in f32 whatever `S` ([`TensorParallel::sum`]; the
 /// trainer's sequence-parallel norm sums call it with the group alone).
-pub fn all_reduce<S: Elem>(comm: &dyn TpComm, buf: ViewMut<'_, S>) {
-    let buf = buf.host_mut();
+pub fn all_reduce<S: Elem>(comm: &dyn TpComm, mut buf: ViewMut<'_, S>) {
+    let dev = comm.device();
     comm.run(TpOp::AllReduce, buf.len(), &mut |f, fill| match fill {
-        true => widen(buf, f),
-        false => narrow(f, buf),
+        true => read_f32(dev.as_ref(), buf.as_view(), f),
+        false => write_f32(dev.as_ref(), f, buf.rb()),
     });
 }
 
@@ -122,34 +121,35 @@ impl TensorParallel {
     /// Sums a partial result over the group, in place (in f32, whatever `S`): a row-parallel
     /// product's, or (the trainer's) a norm's gradient shares under sequence parallelism.
     ///
-    /// The group's communicators (threads, MPI) stage through host memory, so the views are
-    /// read here as host slices; a device communicator (NCCL) would take the views themselves.
+    /// The group's communicators (threads, MPI) stage through host memory: device views are
+    /// copied into the group's buffer and back ([`TpComm::device`]); a device communicator
+    /// (NCCL) would take the views themselves.
     pub fn sum<S: Elem>(&self, buf: ViewMut<'_, S>) {
         all_reduce(self.comm.as_ref(), buf)
     }
 
     /// Every rank's `local` rows, rank order, into `full` (sequence parallelism's gather).
-    pub(super) fn gather_rows<S: Elem>(&self, local: View<'_, S>, full: ViewMut<'_, S>) {
-        let (local, full) = (local.host(), full.host_mut());
+    pub(super) fn gather_rows<S: Elem>(&self, local: View<'_, S>, mut full: ViewMut<'_, S>) {
         let (n, r) = (local.len(), self.rank);
         debug_assert_eq!(full.len(), n * self.size);
+        let dev = self.comm.device();
         self.comm
             .run(TpOp::AllGather, full.len(), &mut |f, fill| match fill {
-                true => widen(local, &mut f[r * n..(r + 1) * n]),
-                false => narrow(f, full),
+                true => read_f32(dev.as_ref(), local, &mut f[r * n..(r + 1) * n]),
+                false => write_f32(dev.as_ref(), f, full.rb()),
             });
     }
 
     /// This rank's block of the sum over ranks of `full` (every rank's partial result for
     /// every row), into `local` (sequence parallelism's reduce-scatter).
-    pub(super) fn scatter_rows<S: Elem>(&self, full: View<'_, S>, local: ViewMut<'_, S>) {
-        let (full, local) = (full.host(), local.host_mut());
+    pub(super) fn scatter_rows<S: Elem>(&self, full: View<'_, S>, mut local: ViewMut<'_, S>) {
         let (n, r) = (local.len(), self.rank);
         debug_assert_eq!(full.len(), n * self.size);
+        let dev = self.comm.device();
         self.comm
             .run(TpOp::ReduceScatter, full.len(), &mut |f, fill| match fill {
-                true => widen(full, f),
-                false => narrow(&f[r * n..(r + 1) * n], local),
+                true => read_f32(dev.as_ref(), full, f),
+                false => write_f32(dev.as_ref(), &f[r * n..(r + 1) * n], local.rb()),
             });
     }
 

@@ -68,7 +68,7 @@ impl Trainer {
     ) -> Result<LossSum> {
         if self.mesh.pp.is_some() {
             self.allocate_pipeline();
-            return self.pipeline_eval(params.host_mut());
+            return self.pipeline_eval(params.into_view());
         }
         let Some(val) = &self.val else {
             return Ok(LossSum::default());

@@ -103,6 +103,15 @@ impl Trainer {
         if let (Some(d), Some(dp)) = (&device_alloc, &mut self.mesh.dp) {
             dp.on_device(crate::device_ranks::HostCopy::new(d.clone()));
         }
+        // So do the model groups' planned buffers (tensor and context parallelism) and the
+        // pipeline's send and receive buffers.
+        if let Some(d) = &device_alloc {
+            let copy = crate::device_ranks::HostCopy::new(d.clone());
+            if let Some(pp) = &mut self.mesh.pp {
+                pp.on_device(copy.clone());
+            }
+            self.mesh.on_device(&copy);
+        }
         self.device_alloc = device_alloc;
     }
 }

@@ -3,13 +3,13 @@
 //! optimizer: the tied embedding's two gradients, the data-parallel reduction of the stage's
 //! gradients, and the loss.
 
-use super::Trainer;
+use super::{batch_views, Trainer};
 use crate::data_parallel::DataParallel;
 use crate::grad_sync::{GradSync, Local, Replicas, SeqParallelNorms};
 use crate::memory::pool::Running;
 use crate::small_sums::SmallSums;
 use anyhow::Result;
-use ferrotron_engine::kernels::Kernels;
+use ferrotron_engine::kernels::{AsView, AsViewMut, Kernels, View};
 use ferrotron_engine::model::{
     BackwardState, GradBuf, GradsDone, HeadActs, LayerActs, LossSum, WholeParams,
 };
@@ -31,7 +31,7 @@ impl Trainer {
     pub(super) fn pipeline_work<S: Elem, G: Elem>(
         &mut self,
         step: u64,
-        params: &mut [S],
+        params: View<'_, S>,
         grads: &mut dyn GradBuf<G>,
         dp: Option<&RefCell<DataParallel>>,
         num_targets: usize,
@@ -62,7 +62,7 @@ impl Trainer {
         &mut self,
         pp: &mut crate::pipeline::Pipeline,
         step: u64,
-        params: &mut [S],
+        params: View<'_, S>,
         grads: &mut dyn GradBuf<G>,
         num_targets: usize,
         loss_scale: f32,
@@ -72,7 +72,7 @@ impl Trainer {
         let last_mb = self.cfg.data.grad_acc - 1;
         let width = (0..pp.chunks()).map(|c| pp.slots_of(c)).max().unwrap_or(1);
         let mut held: Vec<Option<InFlight<S>>> = (0..pp.chunks() * width).map(|_| None).collect();
-        let mut src = WholeParams::host(params);
+        let mut src = WholeParams(params);
         let mut norms = SeqParallelNorms {
             tp: self.mesh.partial_norms(),
             inner: Local,
@@ -100,12 +100,14 @@ impl Trainer {
                         load_slot(&mut self.loader, slots, b)?;
                     }
                     let (tokens, targets) = batch_of(&self.tokens, &self.targets, &self.batches, b);
+                    // On a device, the slot's batch is copied into the device's one.
+                    let (tokens, targets) = batch_views(&mut self.dev, tokens, targets);
                     let pool = &mut self.pool;
                     let x = match recv {
-                        None => model.embed_forward(k, pool, &mut src, tokens),
+                        None => model.embed_forward(k, pool, &mut src, &tokens),
                         Some(m) => {
                             let mut x = model.layer_input(pool, range.start, batch.n());
-                            pp.recv(m, &mut x)?;
+                            pp.recv(m, x.view_mut())?;
                             x
                         }
                     };
@@ -113,7 +115,7 @@ impl Trainer {
                         model.layers_forward(k, pool, &mut src, batch, range.clone(), x);
                     let head = match send {
                         Some(m) => {
-                            pp.send(m, &out)?;
+                            pp.send(m, out.view())?;
                             model.free_layer_input(pool, range.end, out);
                             None
                         }
@@ -124,7 +126,7 @@ impl Trainer {
                                 &mut src,
                                 grads,
                                 out,
-                                targets,
+                                &targets,
                                 num_targets,
                                 loss_scale,
                             );
@@ -162,9 +164,10 @@ impl Trainer {
                     );
                     match send {
                         None => {
-                            let (tokens, _) =
+                            let (tokens, targets) =
                                 batch_of(&self.tokens, &self.targets, &self.batches, b);
-                            model.embed_backward(k, pool, grads, tokens, state, done)
+                            let (tokens, _) = batch_views(&mut self.dev, tokens, targets);
+                            model.embed_backward(k, pool, grads, &tokens, state, done)
                         }
                         Some(m) => {
                             pp.send(m, state.resid_grad())?;
@@ -190,7 +193,7 @@ impl Trainer {
     ) -> Result<()> {
         let embed = self.model.params.embed.clone();
         if !embed.is_empty() {
-            pp.sum_embedding(grads.slice_mut(embed.clone()).host_mut())?;
+            pp.sum_embedding(grads.slice_mut(embed.clone()))?;
         }
         let Some(dp) = dp else {
             return Ok(());
@@ -215,7 +218,7 @@ impl Trainer {
 impl Trainer {
     /// The validation loss through the pipeline: each batch's forward, chunk by chunk, without
     /// gradients (every stage calls it; each reports the last stage's loss).
-    pub(super) fn pipeline_eval<S: Elem>(&mut self, params: &mut [S]) -> Result<LossSum> {
+    pub(super) fn pipeline_eval<S: Elem>(&mut self, params: View<'_, S>) -> Result<LossSum> {
         let mut pp = self.mesh.pp.take().expect("a pipeline stage");
         let r = self.eval_stage(&mut pp, params).and_then(|loss| {
             let [sum, count] = pp.sum_f64([loss.sum, loss.count as f64], "pipeline loss")?;
@@ -233,7 +236,7 @@ impl Trainer {
     fn eval_stage<S: Elem>(
         &mut self,
         pp: &mut crate::pipeline::Pipeline,
-        params: &mut [S],
+        params: View<'_, S>,
     ) -> Result<LossSum> {
         let mut loss = LossSum::default();
         let Some(val) = &self.val else {
@@ -243,12 +246,13 @@ impl Trainer {
         let k: &dyn Kernels<S> = &self.kernels;
         let layers = self.model.config.layers;
         let model = &self.model;
-        let mut src = WholeParams::host(params);
+        let mut src = WholeParams(params);
         if let Some(a) = &mut self.pool.arena {
             a.set_slot(0);
         }
         for i in 0..val.num_batches() {
             val.batch_into(i, &mut self.tokens, &mut self.targets)?;
+            let (tokens, targets) = batch_views(&mut self.dev, &self.tokens, &self.targets);
             for chunk in 0..pp.chunks() {
                 let w = Work::F {
                     mb: i as u64,
@@ -258,21 +262,21 @@ impl Trainer {
                 let range = pp.chunk_layers(chunk, layers);
                 let pool = &mut self.pool;
                 let x = match recv {
-                    None => model.embed_forward(k, pool, &mut src, &self.tokens),
+                    None => model.embed_forward(k, pool, &mut src, &tokens),
                     Some(m) => {
                         let mut x = model.layer_input(pool, range.start, batch.n());
-                        pp.recv(m, &mut x)?;
+                        pp.recv(m, x.view_mut())?;
                         x
                     }
                 };
                 let out = model.layers_no_grad(k, pool, &mut src, batch, range.clone(), x);
                 match send {
                     Some(m) => {
-                        pp.send(m, &out)?;
+                        pp.send(m, out.view())?;
                         model.free_layer_input(pool, range.end, out);
                     }
                     None => {
-                        let l = model.head_eval(k, pool, &mut src, out, &self.targets);
+                        let l = model.head_eval(k, pool, &mut src, out, &targets);
                         loss.sum += l.sum;
                         loss.count += l.count;
                     }

@@ -190,7 +190,7 @@ impl Trainer {
     ) -> Result<LossSum> {
         if self.mesh.pp.is_some() {
             let loss_scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
-            let params = params.host_mut();
+            let params = params.into_view();
             return self.pipeline_work(step, params, grads, dp, num_targets, loss_scale);
         }
         // ZeRO-3: the weights of the last step are stale in every window.

@@ -1,0 +1,168 @@
+//! Typed copies between one device's memory and f32 on the host ([`HostCopy`], [`read_f32`],
+//! [`write_f32`]): how a host communicator's planned buffer is filled from a device's tensors
+//! and read back into them. The trainer's data-parallel buckets (`device_ranks.rs` in
+//! `ferrotron-train`), and the model groups' buffers (tensor parallelism's `comm.tp.staging`,
+//! context parallelism's ring message, the pipeline's sends and receive) stage through them.
+//!
+//! A copy of a 16-bit tensor goes through a small buffer on the stack ([`CHUNK`] elements),
+//! widened or rounded on the host exactly as the CPU path does (`Elem::to_f32`,
+//! `Elem::from_f32`), so what a collective sums, and the trajectory, are the CPU run's bit for
+//! bit; f32 is copied whole.
+
+use super::{DeviceAlloc, Memory, View, ViewMut};
+use crate::dtype::Elem;
+use ferrotron_plan::DType;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+/// Elements of a 16-bit copy's stack buffer (4 KiB of f32, 2 KiB of bf16): no heap memory
+/// outside the plan, and few enough calls that a copy of a bucket's piece costs little.
+pub const CHUNK: usize = 1024;
+
+/// Copies between one device's memory and the host, element type by element type.
+#[derive(Clone, Debug)]
+pub struct HostCopy {
+    alloc: Arc<dyn DeviceAlloc>,
+}
+
+impl HostCopy {
+    pub fn new(alloc: Arc<dyn DeviceAlloc>) -> Self {
+        HostCopy { alloc }
+    }
+
+    /// The device's allocator.
+    pub fn alloc(&self) -> &Arc<dyn DeviceAlloc> {
+        &self.alloc
+    }
+
+    /// `src` (this device's memory) widened into `dst`, of the same length.
+    pub fn download<G: Elem>(&self, src: View<'_, G>, dst: &mut [f32]) {
+        self.check(src.memory(), src.len(), dst.len());
+        if G::DTYPE == DType::F32 {
+            // SAFETY: `src` is `dst.len()` f32 of this device's memory (checked above), and
+            // f32 has no invalid bit patterns.
+            unsafe { self.alloc.download(bytes_mut(dst), ptr(src.as_ptr())) };
+            return;
+        }
+        let mut stage = [G::default(); CHUNK];
+        for (i, out) in dst.chunks_mut(CHUNK).enumerate() {
+            let part = &mut stage[..out.len()];
+            let at = src.slice(i * CHUNK..i * CHUNK + out.len());
+            // SAFETY: `at` is `part.len()` elements of this device's memory; an `Elem` is
+            // plain data (f32, bf16, f16).
+            unsafe { self.alloc.download(bytes_mut(part), ptr(at.as_ptr())) };
+            for (o, x) in out.iter_mut().zip(part.iter()) {
+                *o = x.to_f32();
+            }
+        }
+    }
+
+    /// `src` rounded to nearest into `dst` (this device's memory), of the same length.
+    pub fn upload<G: Elem>(&self, src: &[f32], mut dst: ViewMut<'_, G>) {
+        self.check(dst.memory(), dst.len(), src.len());
+        if G::DTYPE == DType::F32 {
+            // SAFETY: as in `download`.
+            unsafe { self.alloc.upload(ptr(dst.as_mut_ptr()), bytes(src)) };
+            return;
+        }
+        let mut stage = [G::default(); CHUNK];
+        for (i, part_src) in src.chunks(CHUNK).enumerate() {
+            let part = &mut stage[..part_src.len()];
+            for (p, x) in part.iter_mut().zip(part_src) {
+                *p = G::from_f32(*x);
+            }
+            let mut at = dst.rb().slice_mut(i * CHUNK..i * CHUNK + part.len());
+            // SAFETY: `at` is `part.len()` elements of this device's memory.
+            unsafe { self.alloc.upload(ptr(at.as_mut_ptr()), bytes(part)) };
+        }
+    }
+
+    /// Sets `dst` (this device's memory) to zero.
+    pub fn zero<G: Elem>(&self, mut dst: ViewMut<'_, G>) {
+        self.check(dst.memory(), dst.len(), dst.len());
+        let bytes = std::mem::size_of::<G>() * dst.len();
+        // SAFETY: `dst` is `bytes` bytes of this device's memory (checked above).
+        unsafe { self.alloc.zero(ptr(dst.as_mut_ptr()), bytes) };
+    }
+
+    /// A copy is of this device's memory, host and device of one length (a bug otherwise).
+    fn check(&self, mem: Memory, device_len: usize, host_len: usize) {
+        if let Some(p) = super::view::copy_problem(self.alloc.memory(), mem, device_len, host_len) {
+            panic!("internal: {p}");
+        }
+    }
+}
+
+/// `src` widened into `dst`: read as a slice on the host, copied from a device by `dev`.
+pub fn read_f32<G: Elem>(dev: Option<&HostCopy>, src: View<'_, G>, dst: &mut [f32]) {
+    match (src.try_host(), dev) {
+        (Ok(h), _) => {
+            for (d, s) in dst.iter_mut().zip(h) {
+                *d = s.to_f32();
+            }
+        }
+        (Err(_), Some(c)) => c.download(src, dst),
+        (Err(m), None) => panic!("internal: a view of {m} and no copy to read it"),
+    }
+}
+
+/// `src` rounded into `dst`: written as a slice on the host, copied to a device by `dev`.
+pub fn write_f32<G: Elem>(dev: Option<&HostCopy>, src: &[f32], dst: ViewMut<'_, G>) {
+    match dev {
+        Some(c) if dst.memory() != Memory::Host => c.upload(src, dst),
+        _ => {
+            for (d, s) in dst.host_mut().iter_mut().zip(src) {
+                *d = G::from_f32(*s);
+            }
+        }
+    }
+}
+
+fn ptr<T>(p: *const T) -> NonNull<u8> {
+    NonNull::new(p as *mut u8).expect("a view's address is not null")
+}
+
+fn bytes<T: Elem>(s: &[T]) -> &[u8] {
+    // SAFETY: an `Elem` is plain data without padding; the bytes borrow `s`.
+    unsafe { std::slice::from_raw_parts(s.as_ptr().cast(), std::mem::size_of_val(s)) }
+}
+
+fn bytes_mut<T: Elem>(s: &mut [T]) -> &mut [u8] {
+    // SAFETY: as in `bytes`; every bit pattern is a valid f32, bf16 or f16.
+    unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast(), std::mem::size_of_val(s)) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::{AsView, DeviceBuf, EmulatedDevice};
+    use half::bf16;
+
+    #[test]
+    fn device_copies_widen_and_round_as_the_host_does_across_chunks() {
+        let a: Arc<dyn DeviceAlloc> = Arc::new(EmulatedDevice { ordinal: 0 });
+        let c = HostCopy::new(a.clone());
+        // Longer than two chunks, with a short last one; values bf16 rounds (1/3 and friends).
+        let n = 2 * CHUNK + 7;
+        let x: Vec<f32> = (0..n).map(|i| (i as f32 + 1.0) / 3.0).collect();
+        let host: Vec<bf16> = x.iter().map(|v| bf16::from_f32(*v)).collect();
+        let mut buf = DeviceBuf::<bf16>::zeros(&a, n).unwrap();
+        write_f32(Some(&c), &x, buf.view_mut());
+        assert_eq!(buf.to_host(), host, "rounded to nearest, as on the host");
+        let mut back = vec![0.0; n - 3];
+        read_f32(Some(&c), buf.view().slice(3..), &mut back);
+        let want: Vec<f32> = host[3..].iter().map(|v| v.to_f32()).collect();
+        assert_eq!(back, want);
+        // f32 goes whole, at an offset.
+        let mut f = DeviceBuf::<f32>::zeros(&a, n).unwrap();
+        write_f32(Some(&c), &x[..10], f.view_mut().slice_mut(5..15));
+        assert_eq!(&f.to_host()[5..15], &x[..10]);
+        assert_eq!(f.to_host()[4], 0.0);
+        c.zero(f.view_mut().slice_mut(6..8));
+        assert_eq!(&f.to_host()[5..9], &[x[0], 0.0, 0.0, x[3]]);
+        // Host views need no copy.
+        let mut h = vec![0.0f32; 4];
+        read_f32(None, x[..4].view(), &mut h);
+        assert_eq!(h, x[..4]);
+    }
+}
