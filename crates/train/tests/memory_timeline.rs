@@ -15,7 +15,10 @@ static A: Tracking = Tracking;
 /// point against the plan.
 fn timeline(rc: &str, steps: u64) -> (TimelineFile, std::path::PathBuf) {
     let out = common::tmp(&format!("timeline-{rc}"));
-    let args = common::default_model_args(&out, steps, rc);
+    let mut args = common::default_model_args(&out, steps, rc);
+    // Micro-batches of 2 sequences (not the default 8): every mark and shape of the plan at a
+    // quarter of CI's time; the attention keeps the default sequence of 256.
+    args.mbs = Some(2);
     run(args).unwrap();
     let text = std::fs::read_to_string(out.join("memory_timeline.json")).unwrap();
     let t: TimelineFile = serde_json::from_str(&text).unwrap();
@@ -143,6 +146,7 @@ fn default_model_timeline_matches_plan_at_every_mark() {
         let layout = format!("dp {dp} tp {tp} cp {cp} pp {pp} sp");
         let out = common::tmp(&format!("timeline-dp{dp}-tp{tp}-cp{cp}-pp{pp}-sp"));
         let mut args = common::default_model_args(&out, 2, "none");
+        args.mbs = Some(2);
         let l = &mut args.layout;
         (l.dp, l.tp, l.cp, l.pp, l.sp) = (Some(dp), Some(tp), Some(cp), Some(pp), Some(true));
         run(args).unwrap();
