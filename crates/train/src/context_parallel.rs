@@ -33,8 +33,8 @@ impl CpComm for Group {
         let (size, rank) = (self.comm.size(), self.comm.rank());
         let mut out = std::mem::take(&mut *self.buffer());
         // Within the planned capacity: no allocation.
-        out.clear();
-        out.extend_from_slice(send);
+        out.fit(send.len());
+        out.copy_from_slice(send);
         let pending = self.comm.send_start(out, (rank + 1) % size, RING_TAG);
         self.sent(4.0 * send.len() as f64);
         let earlier = self.sending.borrow_mut().replace(pending);
