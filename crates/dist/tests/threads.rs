@@ -187,7 +187,7 @@ fn a_started_collective_runs_in_a_planned_span_and_refuses_device_memory() {
         let in_place = (a.as_ptr(), b.as_ptr()) == at && b.capacity() == 6;
         // A span of a device's memory: a host backend refuses it by its memory, on every rank
         // alike (nothing is exchanged), and hands nothing back.
-        let mut raw = vec![0.0f32; 3];
+        let mut raw = [0.0f32; 3];
         let keep: Arc<dyn Send + Sync> = Arc::new(());
         // SAFETY: never dereferenced: the backend refuses it before.
         let dev = unsafe {

@@ -90,7 +90,7 @@ fn exercise(c: &dyn Communicator, mem: Mem) -> Result<Vec<Vec<f32>>, CommError> 
     let rc: Vec<usize> = (0..p).map(|q| count(q, r)).collect();
     let send = data(r, sc.iter().sum::<usize>() + 2, 6);
     let mut got = vec![-1.0; rc.iter().sum::<usize>() + 3];
-    let mut message = Vec::new();
+    let mut message = ferrotron_dist::Region::default();
     c.all_to_all_v(
         mem.view(&send),
         &sc,

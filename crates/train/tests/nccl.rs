@@ -102,7 +102,7 @@ fn collectives(c: &dyn Communicator, dev: Option<&Arc<CudaContext>>) -> Vec<Vec<
     out.push(run(&x, vec![0.0; n], &|i, o| c.all_to_all(i, o).unwrap()));
     // Uneven: 600 of the 1000 elements out, into the front of a buffer of 700.
     out.push(run(&x, vec![-1.0; 700], &|i, o| {
-        c.all_to_all_v(i, &[600], o, &[600], &mut Vec::new())
+        c.all_to_all_v(i, &[600], o, &[600], &mut Default::default())
             .unwrap()
     }));
     let sub = c.split_group(&[0]).unwrap();
