@@ -3,8 +3,10 @@
 //! point-to-point messages take device-neutral views ([`View`], [`ViewMut`], the same ones the
 //! engine's kernels take), so a GPU communicator (NCCL) is one more backend reading device
 //! views; the host backends (threads, MPI) read host views and answer a view of device memory
-//! with [`CommError::Usage`] naming it. The operations in flight (`*_start`) still own a host
-//! `Vec` while the collective runs. Every rank of a group must call the
+//! with [`CommError::Usage`] naming it. An operation in flight (`*_start`) owns its buffer
+//! while the collective runs: a [`Region`] (an owned span of some memory, such as a planned
+//! place in the rank's arena, or a `Vec`), moved in and handed back by [`Pending::wait`]; a
+//! host backend answers a region of device memory likewise. Every rank of a group must call the
 //! same collectives in the same order (MPI's rule). Every rank gets bit-identical results and a
 //! run is reproducible: the threads backend sums in rank order; MPI (Open MPI, as the MPI tests
 //! check) picks its reduction order from the group size and buffer length (fixed for a given
@@ -13,7 +15,7 @@
 
 use std::time::Duration;
 
-pub use ferrotron_view::{AsView, AsViewMut, Memory, View, ViewMut};
+pub use ferrotron_view::{AsView, AsViewMut, Memory, Region, View, ViewMut};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CommError {
@@ -65,14 +67,15 @@ pub trait Communicator: Send {
     /// `recv`. Each pair of ranks exchanges once, pairs in one global order with the lower
     /// rank sending first, so no send waits on a rank that is itself sending. A block leaves
     /// in `message` (a started send, handed back once received): reused for every block and
-    /// every call, it allocates nothing once it holds the largest block.
+    /// every call, it allocates nothing once it holds the largest block (a planned one does
+    /// from the start).
     fn all_to_all_v(
         &self,
         send: View<'_, f32>,
         send_counts: &[usize],
         recv: ViewMut<'_, f32>,
         recv_counts: &[usize],
-        message: &mut Vec<f32>,
+        message: &mut Region<f32>,
     ) -> Result<()> {
         /// Tag of the exchange ("EP").
         const TAG: u32 = 0x4550;
@@ -111,8 +114,8 @@ pub trait Communicator: Send {
                 into.copy_from_slice(out);
                 continue;
             }
-            message.clear();
-            message.extend_from_slice(out);
+            message.fit(out.len());
+            message.copy_from_slice(out);
             let letter = std::mem::take(message);
             *message = if me < p {
                 let sent = self.send_start(letter, p, TAG);
@@ -131,21 +134,21 @@ pub trait Communicator: Send {
     /// once; `Pending::wait` hands the buffer back when it may be reused. A pipeline stage
     /// sends from a few planned buffers this way and allocates nothing per message. Messages
     /// from one rank to another with one tag are received in the order they were sent.
-    fn send_start(&self, buf: Vec<f32>, dst: usize, tag: u32) -> Pending;
+    fn send_start(&self, buf: Region<f32>, dst: usize, tag: u32) -> Pending;
     /// A message from rank `src` with `tag`, of exactly `buf.len()` elements.
     fn recv(&self, buf: ViewMut<'_, f32>, src: usize, tag: u32) -> Result<()>;
     fn barrier(&self) -> Result<()>;
     /// Starts an all-reduce of `buf` that completes while this rank goes on computing (the
     /// overlap of gradient buckets with the backward); `Pending::wait` returns the buffer.
-    fn all_reduce_start(&self, buf: Vec<f32>) -> Pending;
+    fn all_reduce_start(&self, buf: Region<f32>) -> Pending;
     /// Starts a reduce-scatter in place (ZeRO's gradient reduction): `buf` is `size` equal
     /// blocks; when `Pending::wait` returns it, its block `rank` holds the sum over ranks of
     /// that block (the other blocks are unspecified).
-    fn reduce_scatter_start(&self, buf: Vec<f32>) -> Pending;
+    fn reduce_scatter_start(&self, buf: Region<f32>) -> Pending;
     /// Starts an all-gather in place (ZeRO's parameter gathering): `buf` is `size` equal
     /// blocks of which this rank filled block `rank`; when `Pending::wait` returns it, every
     /// block holds its rank's.
-    fn all_gather_start(&self, buf: Vec<f32>) -> Pending;
+    fn all_gather_start(&self, buf: Region<f32>) -> Pending;
     /// Marks this rank failed with `cause`: every other rank's next or current call returns
     /// [`CommError::PeerFailed`] naming it, instead of waiting forever.
     fn abort(&self, cause: &str);
@@ -172,6 +175,15 @@ pub fn host_mut<'a>(v: ViewMut<'a, f32>, rank: usize, op: &'static str) -> Resul
     v.try_host_mut().map_err(|m| off_host(m, rank, op))
 }
 
+/// `Ok` for a region of host memory, else the [`CommError::Usage`] a host backend's started
+/// operation ends with (handed back by its [`Pending`]).
+pub fn host_region(buf: &Region<f32>, rank: usize, op: &'static str) -> Result<()> {
+    match buf.memory() {
+        Memory::Host => Ok(()),
+        m => Err(off_host(m, rank, op)),
+    }
+}
+
 fn off_host(m: Memory, rank: usize, op: &'static str) -> CommError {
     CommError::Usage {
         rank,
@@ -188,7 +200,7 @@ pub trait Completion: Send {
     /// Whether it has finished; may advance it (MPI progresses only inside MPI calls).
     fn test(&mut self) -> bool;
     /// Waits for it; returns its buffer.
-    fn wait(self: Box<Self>) -> Result<Vec<f32>>;
+    fn wait(self: Box<Self>) -> Result<Region<f32>>;
 }
 
 /// An operation in flight.
@@ -204,15 +216,15 @@ enum Inner {
 }
 
 struct Channel {
-    rx: std::sync::mpsc::Receiver<Result<Vec<f32>>>,
-    done: std::cell::RefCell<Option<Result<Vec<f32>>>>,
+    rx: std::sync::mpsc::Receiver<Result<Region<f32>>>,
+    done: std::cell::RefCell<Option<Result<Region<f32>>>>,
     timeout: Duration,
     rank: usize,
 }
 
 impl Pending {
     pub(crate) fn new(
-        rx: std::sync::mpsc::Receiver<Result<Vec<f32>>>,
+        rx: std::sync::mpsc::Receiver<Result<Region<f32>>>,
         timeout: Duration,
         rank: usize,
     ) -> Self {
@@ -242,7 +254,7 @@ impl Pending {
     }
 
     /// Waits for the operation; returns its buffer.
-    pub fn wait(self) -> Result<Vec<f32>> {
+    pub fn wait(self) -> Result<Region<f32>> {
         let _armed = self
             .watch
             .as_ref()
@@ -270,7 +282,7 @@ impl Channel {
         }
     }
 
-    fn wait(self) -> Result<Vec<f32>> {
+    fn wait(self) -> Result<Region<f32>> {
         if let Some(r) = self.done.borrow_mut().take() {
             return r;
         }

@@ -17,8 +17,9 @@ pub mod threads;
 pub mod watchdog;
 
 pub use communicator::{
-    AsView, AsViewMut, CommError, Communicator, Completion, Memory, Pending, View, ViewMut,
+    AsView, AsViewMut, CommError, Communicator, Completion, Memory, Pending, Region, View, ViewMut,
 };
+pub use ferrotron_view::carve;
 pub use grid::{Dim, Grid};
 pub use launch::launched_by_mpirun;
 pub use staged::Staged;

@@ -37,7 +37,8 @@
 //!   threads at once.
 
 use crate::communicator::{
-    host, host_mut, CommError, Communicator, Completion, Pending, Result, View, ViewMut,
+    host, host_mut, host_region, CommError, Communicator, Completion, Pending, Region, Result,
+    View, ViewMut,
 };
 use crate::shapes;
 use std::cell::{Cell, RefCell};
@@ -281,19 +282,19 @@ impl MpiComm {
     fn start(
         &self,
         op: &'static str,
-        mut buf: Vec<f32>,
+        mut buf: Region<f32>,
         count: usize,
         shift: usize,
         f: unsafe extern "C" fn(*mut c_void, *mut f32, c_int, *mut *mut c_void) -> c_int,
     ) -> Pending {
         let rank = self.world_rank;
-        let n = match self.count(op, count) {
+        let n = match host_region(&buf, rank, op).and_then(|()| self.count(op, count)) {
             Ok(n) => n,
             Err(e) => return Pending::from_completion(Box::new(Failed(Some(e)))),
         };
         let mut req: *mut c_void = std::ptr::null_mut();
         // SAFETY: the buffer moves into the MpiPending with the request, which does not let
-        // it go before the request completes; a Vec's heap buffer does not move with it.
+        // it go before the request completes; a region's elements do not move with it.
         let rc = unsafe { f(self.comm, buf.as_mut_ptr(), n, &mut req) };
         if let Err(e) = self.check(rc, op) {
             return Pending::from_completion(Box::new(Failed(Some(e))));
@@ -436,8 +437,10 @@ impl Communicator for MpiComm {
         Ok(())
     }
 
-    fn send_start(&self, buf: Vec<f32>, dst: usize, tag: u32) -> Pending {
-        match self.isend(&buf, dst, tag) {
+    fn send_start(&self, buf: Region<f32>, dst: usize, tag: u32) -> Pending {
+        let sent = host_region(&buf, self.world_rank, "send_start")
+            .and_then(|()| self.isend(&buf, dst, tag));
+        match sent {
             Ok(req) => Pending::from_completion(Box::new(MpiPending {
                 req,
                 buf,
@@ -483,12 +486,12 @@ impl Communicator for MpiComm {
         self.check(unsafe { ffi::ft_barrier(self.comm) }, "barrier")
     }
 
-    fn all_reduce_start(&self, buf: Vec<f32>) -> Pending {
+    fn all_reduce_start(&self, buf: Region<f32>) -> Pending {
         let n = buf.len();
         self.start("all_reduce_sum", buf, n, 0, ffi::ft_iallreduce)
     }
 
-    fn reduce_scatter_start(&self, buf: Vec<f32>) -> Pending {
+    fn reduce_scatter_start(&self, buf: Region<f32>) -> Pending {
         if let Err(e) = shapes::blocks(self.size, buf.len()) {
             let e = self.usage("reduce_scatter_start", e);
             return Pending::from_completion(Box::new(Failed(Some(e))));
@@ -498,7 +501,7 @@ impl Communicator for MpiComm {
         self.start("reduce_scatter_sum", buf, b, b, ffi::ft_ireduce_scatter)
     }
 
-    fn all_gather_start(&self, buf: Vec<f32>) -> Pending {
+    fn all_gather_start(&self, buf: Region<f32>) -> Pending {
         if let Err(e) = shapes::blocks(self.size, buf.len()) {
             let e = self.usage("all_gather_start", e);
             return Pending::from_completion(Box::new(Failed(Some(e))));
@@ -531,7 +534,7 @@ impl Drop for MpiComm {
 struct MpiPending {
     /// Null once completed.
     req: *mut c_void,
-    buf: Vec<f32>,
+    buf: Region<f32>,
     rank: usize,
     /// Where the first `block` elements of the result belong (a reduce-scatter's block).
     shift: usize,
@@ -556,7 +559,7 @@ impl Completion for MpiPending {
         self.req.is_null()
     }
 
-    fn wait(mut self: Box<Self>) -> Result<Vec<f32>> {
+    fn wait(mut self: Box<Self>) -> Result<Region<f32>> {
         if !self.req.is_null() {
             let req = std::mem::replace(&mut self.req, std::ptr::null_mut());
             // SAFETY: a live request; the shim frees it.
@@ -584,7 +587,7 @@ impl Completion for Failed {
     fn test(&mut self) -> bool {
         true
     }
-    fn wait(mut self: Box<Self>) -> Result<Vec<f32>> {
+    fn wait(mut self: Box<Self>) -> Result<Region<f32>> {
         Err(self.0.take().expect("waited once"))
     }
 }

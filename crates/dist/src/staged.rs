@@ -18,7 +18,7 @@
 //! views included): [`Staged::new`] checks it, as a collective.
 
 use crate::communicator::{
-    CommError, Communicator, Completion, Memory, Pending, Result, View, ViewMut,
+    CommError, Communicator, Completion, Memory, Pending, Region, Result, View, ViewMut,
 };
 use crate::shapes;
 use ferrotron_view::{AsView, AsViewMut, DeviceCopy, HostStaging};
@@ -49,7 +49,7 @@ impl Completion for Refused {
     fn test(&mut self) -> bool {
         true
     }
-    fn wait(mut self: Box<Self>) -> Result<Vec<f32>> {
+    fn wait(mut self: Box<Self>) -> Result<Region<f32>> {
         Err(self.0.take().expect("waited once"))
     }
 }
@@ -276,7 +276,7 @@ impl Communicator for Staged {
         send_counts: &[usize],
         mut recv: ViewMut<'_, f32>,
         recv_counts: &[usize],
-        _message: &mut Vec<f32>,
+        _message: &mut Region<f32>,
     ) -> Result<()> {
         /// Tag of the exchange ("EP"), the default's.
         const TAG: u32 = 0x4550;
@@ -334,7 +334,7 @@ impl Communicator for Staged {
     /// A host buffer already: passed to the inner communicator as one message, which a
     /// [`Staged::recv`] receives only if it fits one chunk (the staging buffer), so a longer
     /// one is refused.
-    fn send_start(&self, buf: Vec<f32>, dst: usize, tag: u32) -> Pending {
+    fn send_start(&self, buf: Region<f32>, dst: usize, tag: u32) -> Pending {
         if buf.len() > self.capacity {
             let e = self.usage(
                 "send_start",
@@ -366,15 +366,15 @@ impl Communicator for Staged {
         self.inner.barrier()
     }
 
-    fn all_reduce_start(&self, buf: Vec<f32>) -> Pending {
+    fn all_reduce_start(&self, buf: Region<f32>) -> Pending {
         self.inner.all_reduce_start(buf)
     }
 
-    fn reduce_scatter_start(&self, buf: Vec<f32>) -> Pending {
+    fn reduce_scatter_start(&self, buf: Region<f32>) -> Pending {
         self.inner.reduce_scatter_start(buf)
     }
 
-    fn all_gather_start(&self, buf: Vec<f32>) -> Pending {
+    fn all_gather_start(&self, buf: Region<f32>) -> Pending {
         self.inner.all_gather_start(buf)
     }
 

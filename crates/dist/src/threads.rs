@@ -14,7 +14,7 @@
 //! timeout.
 
 use crate::communicator::{
-    host, host_mut, CommError, Communicator, Pending, Result, View, ViewMut,
+    host, host_mut, host_region, CommError, Communicator, Pending, Region, Result, View, ViewMut,
 };
 use crate::shapes;
 use std::collections::{HashMap, VecDeque};
@@ -25,10 +25,10 @@ use std::time::{Duration, Instant};
 /// How often a waiting rank looks for a failed peer.
 const POLL: Duration = Duration::from_millis(50);
 
-type Slots = Vec<Option<Vec<f32>>>;
+type Slots = Vec<Option<Region<f32>>>;
 /// Messages in flight, by (source world rank, destination world rank, tag), oldest first.
 /// A message in a mailbox, and (from `send_start`) where its buffer goes back to once read.
-type Letter = (Vec<f32>, Option<mpsc::SyncSender<Result<Vec<f32>>>>);
+type Letter = (Region<f32>, Option<mpsc::SyncSender<Result<Region<f32>>>>);
 type Mailboxes = HashMap<(usize, usize, u32), VecDeque<Letter>>;
 
 #[derive(Default)]
@@ -78,7 +78,7 @@ impl WorldShared {
                 Arc::new(Exchange {
                     members: members.to_vec(),
                     round: Mutex::new(Round {
-                        slots: vec![None; members.len()],
+                        slots: members.iter().map(|_| None).collect(),
                         ..Round::default()
                     }),
                     cv: Condvar::new(),
@@ -125,9 +125,9 @@ fn meet<R>(
     me: usize,
     rank: usize,
     op: &'static str,
-    mine: Vec<f32>,
+    mine: Region<f32>,
     result: impl FnOnce(&mut Slots) -> R,
-) -> Result<(R, Vec<f32>)> {
+) -> Result<(R, Region<f32>)> {
     let n = ex.members.len();
     let g = ex.round.lock().unwrap_or_else(|e| e.into_inner());
     // Wait for the previous round to be over for everyone.
@@ -162,7 +162,7 @@ fn meet<R>(
 /// element is read after it is written). No buffer is allocated.
 fn sum_in_place(slots: &mut Slots, me: usize) {
     let n = slots.len();
-    let len = slots.iter().flatten().map(Vec::len).next().unwrap_or(0);
+    let len = slots.iter().flatten().map(|s| s.len()).next().unwrap_or(0);
     let share = len.div_ceil(n.max(1));
     let range = (me * share).min(len)..((me + 1) * share).min(len);
     for i in range {
@@ -350,8 +350,8 @@ impl ThreadComm {
     fn submit(
         &self,
         name: &'static str,
-        mine: Vec<f32>,
-        result: impl FnOnce(&mut Slots, usize) -> Option<Vec<f32>> + Send + 'static,
+        mine: Region<f32>,
+        result: impl FnOnce(&mut Slots, usize) -> Option<Region<f32>> + Send + 'static,
     ) -> Pending {
         let (tx, rx) = mpsc::channel();
         let (me, rank) = (self.me, self.world_rank);
@@ -359,7 +359,7 @@ impl ThreadComm {
         let equal = name != "broadcast";
         let job: Job = Box::new(move |w, ex| {
             let r = meet(w, ex, me, rank, name, mine, |s| {
-                let lens: Vec<usize> = s.iter().flatten().map(Vec::len).collect();
+                let lens: Vec<usize> = s.iter().flatten().map(|s| s.len()).collect();
                 if equal && lens.iter().any(|&l| l != lens[0]) {
                     return Err(CommError::Usage {
                         rank,
@@ -383,9 +383,12 @@ impl ThreadComm {
         &self,
         op: &'static str,
         name: &'static str,
-        buf: Vec<f32>,
+        buf: Region<f32>,
         f: fn(&mut Slots, usize, usize),
     ) -> Pending {
+        if let Err(e) = host_region(&buf, self.world_rank, op) {
+            return self.failed(e);
+        }
         if let Err(e) = shapes::blocks(self.size(), buf.len()) {
             return self.failed(self.usage(op, e));
         }
@@ -429,7 +432,9 @@ impl ThreadComm {
         result: impl FnOnce(&Slots, usize) -> Vec<f32> + Send + 'static,
     ) -> Result<()> {
         let r = self
-            .submit(name, send.to_vec(), |s, me| Some(result(s, me)))
+            .submit(name, send.to_vec().into(), |s, me| {
+                Some(result(s, me).into())
+            })
             .wait()?;
         if r.len() != out.len() {
             return Err(self.usage(
@@ -456,7 +461,7 @@ impl Communicator for ThreadComm {
 
     fn all_reduce_sum(&self, buf: ViewMut<'_, f32>) -> Result<()> {
         let buf = host_mut(buf, self.world_rank, "all_reduce_sum")?;
-        let out = self.submit("all_reduce_sum", buf.to_vec(), |s, me| {
+        let out = self.submit("all_reduce_sum", buf.to_vec().into(), |s, me| {
             sum_in_place(s, me);
             None
         });
@@ -473,7 +478,7 @@ impl Communicator for ThreadComm {
             .map_err(|e| self.usage("reduce_scatter_sum", e))?;
         // In place on a copy this rank allocates and frees: a result allocated by the worker
         // and freed here would charge one rank's memory to another (`alloc::set_rank`).
-        let r = self.reduce_scatter_start(send.to_vec()).wait()?;
+        let r = self.reduce_scatter_start(send.to_vec().into()).wait()?;
         recv.copy_from_slice(&r[self.me * b..(self.me + 1) * b]);
         Ok(())
     }
@@ -487,7 +492,7 @@ impl Communicator for ThreadComm {
         let (n, me) = (send.len(), self.me);
         let mut buf = vec![0.0; recv.len()];
         buf[me * n..(me + 1) * n].copy_from_slice(send);
-        recv.copy_from_slice(&self.all_gather_start(buf).wait()?);
+        recv.copy_from_slice(&self.all_gather_start(buf.into()).wait()?);
         Ok(())
     }
 
@@ -495,14 +500,14 @@ impl Communicator for ThreadComm {
         let buf = host_mut(buf, self.world_rank, "broadcast")?;
         shapes::member(self.size(), root, "root").map_err(|e| self.usage("broadcast", e))?;
         let mine = if self.me == root {
-            buf.to_vec()
+            buf.to_vec().into()
         } else {
-            Vec::new()
+            Region::default()
         };
         let n = buf.len();
         let r = self
             .submit("broadcast", mine, move |s, _| {
-                Some(s[root].clone().unwrap_or_default())
+                Some(s[root].as_deref().unwrap_or_default().to_vec().into())
             })
             .wait()?;
         if r.len() != n {
@@ -536,11 +541,14 @@ impl Communicator for ThreadComm {
         if let Some(e) = self.world.failure() {
             return Err(e);
         }
-        self.post(to, tag, (buf.to_vec(), None));
+        self.post(to, tag, (buf.to_vec().into(), None));
         Ok(())
     }
 
-    fn send_start(&self, buf: Vec<f32>, dst: usize, tag: u32) -> Pending {
+    fn send_start(&self, buf: Region<f32>, dst: usize, tag: u32) -> Pending {
+        if let Err(e) = host_region(&buf, self.world_rank, "send_start") {
+            return self.failed(e);
+        }
         if let Err(e) = shapes::member(self.size(), dst, "destination") {
             return self.failed(self.usage("send", e));
         }
@@ -582,12 +590,15 @@ impl Communicator for ThreadComm {
     }
 
     fn barrier(&self) -> Result<()> {
-        self.submit("barrier", Vec::new(), |_, _| None)
+        self.submit("barrier", Region::default(), |_, _| None)
             .wait()
             .map(drop)
     }
 
-    fn all_reduce_start(&self, buf: Vec<f32>) -> Pending {
+    fn all_reduce_start(&self, buf: Region<f32>) -> Pending {
+        if let Err(e) = host_region(&buf, self.world_rank, "all_reduce_start") {
+            return self.failed(e);
+        }
         // In place: the caller's buffer comes back holding the sum (the hot path of data
         // parallelism allocates nothing).
         self.submit("all_reduce_sum", buf, |s, me| {
@@ -596,7 +607,7 @@ impl Communicator for ThreadComm {
         })
     }
 
-    fn reduce_scatter_start(&self, buf: Vec<f32>) -> Pending {
+    fn reduce_scatter_start(&self, buf: Region<f32>) -> Pending {
         self.blocks_start(
             "reduce_scatter_start",
             "reduce_scatter_sum",
@@ -605,7 +616,7 @@ impl Communicator for ThreadComm {
         )
     }
 
-    fn all_gather_start(&self, buf: Vec<f32>) -> Pending {
+    fn all_gather_start(&self, buf: Region<f32>) -> Pending {
         self.blocks_start("all_gather_start", "all_gather", buf, gather_blocks)
     }
 

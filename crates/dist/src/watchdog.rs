@@ -16,7 +16,7 @@
 //!
 //! [`Watched`] puts any communicator under the watchdog, with the name of its group.
 
-use crate::communicator::{Communicator, Pending, Result, View, ViewMut};
+use crate::communicator::{Communicator, Pending, Region, Result, View, ViewMut};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -215,7 +215,7 @@ impl Communicator for Watched {
         send_counts: &[usize],
         recv: ViewMut<'_, f32>,
         recv_counts: &[usize],
-        message: &mut Vec<f32>,
+        message: &mut Region<f32>,
     ) -> Result<()> {
         let _w = self.watch("all_to_all_v");
         self.inner
@@ -225,7 +225,7 @@ impl Communicator for Watched {
         let _w = self.watch("send");
         self.inner.send(buf, dst, tag)
     }
-    fn send_start(&self, buf: Vec<f32>, dst: usize, tag: u32) -> Pending {
+    fn send_start(&self, buf: Region<f32>, dst: usize, tag: u32) -> Pending {
         self.later("send", self.inner.send_start(buf, dst, tag))
     }
     fn recv(&self, buf: ViewMut<'_, f32>, src: usize, tag: u32) -> Result<()> {
@@ -236,13 +236,13 @@ impl Communicator for Watched {
         let _w = self.watch("barrier");
         self.inner.barrier()
     }
-    fn all_reduce_start(&self, buf: Vec<f32>) -> Pending {
+    fn all_reduce_start(&self, buf: Region<f32>) -> Pending {
         self.later("all_reduce", self.inner.all_reduce_start(buf))
     }
-    fn reduce_scatter_start(&self, buf: Vec<f32>) -> Pending {
+    fn reduce_scatter_start(&self, buf: Region<f32>) -> Pending {
         self.later("reduce_scatter", self.inner.reduce_scatter_start(buf))
     }
-    fn all_gather_start(&self, buf: Vec<f32>) -> Pending {
+    fn all_gather_start(&self, buf: Region<f32>) -> Pending {
         self.later("all_gather", self.inner.all_gather_start(buf))
     }
     fn abort(&self, cause: &str) {

@@ -3,8 +3,11 @@
 //! with its name instead of a hang.
 
 use ferrotron_dist::threads::{run, ThreadComm};
-use ferrotron_dist::{AsView, AsViewMut, CommError, Communicator, Dim, Grid};
+use ferrotron_dist::{AsView, AsViewMut, CommError, Communicator, Dim, Grid, Memory, Region};
 use ferrotron_plan::Layout;
+use ferrotron_view::carve;
+use std::ptr::NonNull;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const T: Duration = Duration::from_secs(20);
@@ -119,8 +122,8 @@ fn groups_of_a_layout_grid_reduce_apart() {
 fn a_started_all_reduce_completes_while_the_rank_computes() {
     let out = all_ok(run(3, T, |r, c: ThreadComm| {
         let e = |x: CommError| x.to_string();
-        let first = c.all_reduce_start(vec![r as f32; 4]);
-        let second = c.all_reduce_start(vec![10.0 * r as f32; 4]);
+        let first = c.all_reduce_start(vec![r as f32; 4].into());
+        let second = c.all_reduce_start(vec![10.0 * r as f32; 4].into());
         // Work while the reductions run, then a blocking collective after them.
         let busy: f64 = (0..200_000).map(|i| (i as f64).sqrt()).sum();
         let mut third = vec![1.0f32];
@@ -140,15 +143,15 @@ fn started_reduce_scatter_and_all_gather_work_in_place() {
     let (p, b) = (3, 5);
     let out = all_ok(run(p, T, move |r, c: ThreadComm| {
         let e = |x: CommError| x.to_string();
-        let rs = c.reduce_scatter_start(data(r, p * b));
+        let rs = c.reduce_scatter_start(data(r, p * b).into());
         // A block filled by this rank only; the others are garbage to be overwritten.
         let mut mine = vec![-1.0; p * b];
         mine[r * b..(r + 1) * b].copy_from_slice(&data(r, b));
-        let ag = c.all_gather_start(mine);
+        let ag = c.all_gather_start(mine.into());
         let summed = rs.wait().map_err(e)?;
         let gathered = ag.wait().map_err(e)?;
-        let bad = c.reduce_scatter_start(vec![0.0; p * b + 1]).wait();
-        Ok((summed[r * b..(r + 1) * b].to_vec(), gathered, bad))
+        let bad = c.reduce_scatter_start(vec![0.0; p * b + 1].into()).wait();
+        Ok((summed[r * b..(r + 1) * b].to_vec(), gathered.to_vec(), bad))
     }));
     for (r, (summed, gathered, bad)) in out.into_iter().enumerate() {
         let want: Vec<f32> = (r * b..(r + 1) * b)
@@ -163,6 +166,43 @@ fn started_reduce_scatter_and_all_gather_work_in_place() {
         assert_eq!(
             bad.unwrap_err().to_string(),
             format!("rank {r}: reduce_scatter_start: 16 elements do not make 3 equal blocks")
+        );
+    }
+}
+
+#[test]
+fn a_started_collective_runs_in_a_planned_span_and_refuses_device_memory() {
+    let out = all_ok(run(2, T, |r, c: ThreadComm| {
+        let e = |x: CommError| x.to_string();
+        // Two spans of one block, as the two buckets of the plan's `dp.grad_buckets`.
+        let mut spans = carve::<f32>(&[4, 6]);
+        let mut second = spans.pop().unwrap();
+        let mut first = spans.pop().unwrap();
+        first.copy_from_slice(&data(r, 4));
+        second.set_len(2);
+        second.copy_from_slice(&data(r, 2));
+        let at = (first.as_ptr(), second.as_ptr());
+        let (a, b) = (c.all_reduce_start(first), c.all_reduce_start(second));
+        let (a, b) = (a.wait().map_err(e)?, b.wait().map_err(e)?);
+        let in_place = (a.as_ptr(), b.as_ptr()) == at && b.capacity() == 6;
+        // A span of a device's memory: a host backend refuses it by its memory, on every rank
+        // alike (nothing is exchanged), and hands nothing back.
+        let mut raw = [0.0f32; 3];
+        let keep: Arc<dyn Send + Sync> = Arc::new(());
+        // SAFETY: never dereferenced: the backend refuses it before.
+        let dev = unsafe {
+            Region::from_raw_parts(NonNull::from(&mut raw[0]), 3, Memory::Device(0), keep)
+        };
+        let refused = c.all_gather_start(dev).wait().map(drop).map_err(e);
+        Ok((a.to_vec(), b.to_vec(), in_place, refused))
+    }));
+    let sum = |n| -> Vec<f32> { (0..n).map(|i| data(0, n)[i] + data(1, n)[i]).collect() };
+    for (r, (a, b, in_place, refused)) in out.into_iter().enumerate() {
+        assert_eq!((a, b), (sum(4), sum(2)), "rank {r}");
+        assert!(in_place, "rank {r}: each sum lands in its own span");
+        assert_eq!(
+            refused.unwrap_err(),
+            format!("rank {r}: all_gather_start: the buffer is in device 0 memory, which this host communicator cannot read (use a device communicator)")
         );
     }
 }
@@ -267,7 +307,7 @@ fn all_to_all_v_moves_blocks_of_any_size() {
         let rc: Vec<usize> = (0..p).map(|from| count(from, r)).collect();
         // Room to spare: only the first Σ rc elements are written.
         let mut recv = vec![-1.0; rc.iter().sum::<usize>() + 2];
-        let mut message = Vec::new();
+        let mut message = Region::default();
         c.all_to_all_v(send.view(), &sc, recv.view_mut(), &rc, &mut message)
             .map_err(|e| e.to_string())?;
         let bad = c

@@ -90,7 +90,7 @@ fn exercise(c: &dyn Communicator, mem: Mem) -> Result<Vec<Vec<f32>>, CommError> 
     let rc: Vec<usize> = (0..p).map(|q| count(q, r)).collect();
     let send = data(r, sc.iter().sum::<usize>() + 2, 6);
     let mut got = vec![-1.0; rc.iter().sum::<usize>() + 3];
-    let mut message = Vec::new();
+    let mut message = ferrotron_dist::Region::default();
     c.all_to_all_v(
         mem.view(&send),
         &sc,
@@ -108,7 +108,7 @@ fn exercise(c: &dyn Communicator, mem: Mem) -> Result<Vec<Vec<f32>>, CommError> 
     out.push(ring);
 
     // A started send (a host buffer) received into device memory.
-    let pending = c.send_start(data(r, 5, 8), (r + 1) % p, 10);
+    let pending = c.send_start(data(r, 5, 8).into(), (r + 1) % p, 10);
     let mut ring = vec![0.0; 5];
     c.recv(mem.view_mut(&mut ring), (r + p - 1) % p, 10)?;
     pending.wait()?;
@@ -302,7 +302,7 @@ fn bad_input_is_refused_with_its_reason() {
     let long = errors(
         2,
         |_| 8,
-        |r, s| s.send_start(vec![0.0; 9], 1 - r, 3).wait().map(drop),
+        |r, s| s.send_start(vec![0.0; 9].into(), 1 - r, 3).wait().map(drop),
     );
     assert_eq!(
         long[0],

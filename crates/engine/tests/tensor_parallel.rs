@@ -45,9 +45,9 @@ impl TpComm for Group {
         let mut buf = vec![0.0; len];
         io(&mut buf, true);
         let pending = match op {
-            TpOp::AllReduce => self.0.all_reduce_start(buf),
-            TpOp::AllGather => self.0.all_gather_start(buf),
-            TpOp::ReduceScatter => self.0.reduce_scatter_start(buf),
+            TpOp::AllReduce => self.0.all_reduce_start(buf.into()),
+            TpOp::AllGather => self.0.all_gather_start(buf.into()),
+            TpOp::ReduceScatter => self.0.reduce_scatter_start(buf.into()),
         };
         io(&mut pending.wait().unwrap(), false);
     }

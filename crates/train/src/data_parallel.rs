@@ -28,7 +28,7 @@
 use crate::device_ranks::{add_f32, read_f32, write_f32, HostCopy};
 use crate::small_sums::{gather_mem, gather_small, SmallSums};
 use anyhow::{anyhow, bail, Result};
-use ferrotron_dist::{Communicator, Pending};
+use ferrotron_dist::{Communicator, Pending, Region};
 use ferrotron_engine::model::{GradBuf, GradsDone, ParamTable, Unit};
 use ferrotron_engine::Elem;
 use ferrotron_plan::comm::{bytes_per_rank, Collective};
@@ -94,9 +94,9 @@ pub fn expert_ranges(table: &ParamTable) -> Vec<Range<usize>> {
     out
 }
 
-/// A bucket's f32 buffer, reused every step.
+/// A bucket's f32 buffer, reused every step: a span of the plan's `dp.grad_buckets`.
 struct Bucket {
-    buf: Vec<f32>,
+    buf: Region<f32>,
     /// The bucket of the layout it is filling.
     index: usize,
     /// Its next piece.
@@ -146,11 +146,11 @@ pub struct DataParallel {
     /// ZeRO-3: one bucket per unit ([`Buckets::Units`]), and its all-gather buffer (one unit,
     /// padded) and the bucket gathering in it.
     per_unit: bool,
-    gather: Vec<f32>,
+    gather: Region<f32>,
     gathering: Option<(usize, Pending, Instant)>,
     /// Every rank's few values of the step's small collectives (loss, gradient norm, peak
     /// bytes), reused every step.
-    small: RefCell<Vec<f32>>,
+    small: RefCell<Region<f32>>,
     /// Bytes this rank sent this step, as the ring algorithms send them
     /// (`ferrotron_plan::comm::bytes_per_rank`: the planner's formula).
     pub comm_bytes: f64,
@@ -251,7 +251,7 @@ impl DataParallel {
             None => None,
         };
         Ok(DataParallel {
-            small: RefCell::new(Vec::with_capacity(4 * ranks)),
+            small: RefCell::new(vec![0.0; 4 * ranks].into()),
             comm,
             bucket_len,
             layout,
@@ -264,7 +264,7 @@ impl DataParallel {
             error: None,
             untied_head: unreported(table),
             per_unit: matches!(buckets, Buckets::Units(_)),
-            gather: Vec::new(),
+            gather: Region::default(),
             gathering: None,
             comm_bytes: 0.0,
             spans: Vec::new(),
@@ -274,17 +274,19 @@ impl DataParallel {
         })
     }
 
-    /// The two buckets (as the plan allocates `dp.grad_buckets` with the gradients), and
-    /// ZeRO-3's all-gather buffer (the plan's `zero3.gather`).
+    /// The two buckets, as the plan allocates `dp.grad_buckets` with the gradients: one block
+    /// of two buckets, each a span of it at its offset (0 and one bucket), handed to the
+    /// communicator and back; and ZeRO-3's all-gather buffer (the plan's `zero3.gather`).
     pub fn allocate(&mut self) {
         if let Some(inner) = self.experts.as_mut().and_then(|x| x.inner.as_mut()) {
             inner.allocate();
         }
         if self.per_unit {
-            self.gather = vec![0.0; self.bucket_len];
+            self.gather = vec![0.0; self.bucket_len].into();
         }
-        let bucket = || Bucket {
-            buf: vec![0.0; self.bucket_len],
+        let mut spans = ferrotron_dist::carve::<f32>(&[self.bucket_len; 2]).into_iter();
+        let mut bucket = || Bucket {
+            buf: spans.next().expect("two spans"),
             index: 0,
             next: 0,
         };
@@ -423,9 +425,8 @@ impl DataParallel {
             (f.index, f.next) = (self.next_bucket, 0);
         }
         // The communicator reduces the whole buffer: the last bucket sends only its pieces
-        // (ZeRO-1: padded with zeros to whole blocks); truncate and resize keep the
-        // capacity, so the buffer is reused without allocating.
-        b.buf.truncate(self.layout.used(index));
+        // (ZeRO-1: padded with zeros to whole blocks), in place in its span.
+        b.buf.set_len(self.layout.used(index).min(b.buf.len()));
         b.buf.resize(self.layout.len[index], 0.0);
         let (p, bytes) = (self.comm.size() as u64, 4.0 * b.buf.len() as f64);
         let (start, c) = (Instant::now(), self.reduction());
@@ -549,7 +550,7 @@ impl DataParallel {
         let p = self.comm.size() as u64;
         for (k, pieces) in self.layout.pieces.iter().enumerate() {
             let mut buf = std::mem::take(&mut b.buf);
-            buf.truncate(0);
+            buf.set_len(0);
             buf.resize(self.layout.len[k], 0.0);
             for seg in &shard.segments[shard.of_bucket[k].clone()] {
                 io.own(
@@ -585,7 +586,7 @@ impl DataParallel {
             return;
         };
         let mut buf = std::mem::take(&mut self.gather);
-        buf.truncate(0);
+        buf.set_len(0);
         buf.resize(self.layout.len[k], 0.0);
         for seg in &shard.segments[shard.of_bucket[k].clone()] {
             own(
@@ -615,7 +616,7 @@ impl DataParallel {
             waited,
         );
         self.gather = landed.map_err(|e| anyhow!("ZeRO-3 parameter all-gather: {e}"))?;
-        Ok((&self.layout.pieces[k], &self.gather))
+        Ok((&self.layout.pieces[k], &self.gather[..]))
     }
 
     /// Advances a running ZeRO-3 all-gather (MPI progresses only inside MPI calls).
@@ -720,7 +721,7 @@ impl SmallSums for DataParallel {
     fn comm(&self) -> &dyn Communicator {
         self.comm.as_ref()
     }
-    fn small(&self) -> RefMut<'_, Vec<f32>> {
+    fn small(&self) -> RefMut<'_, Region<f32>> {
         self.small.borrow_mut()
     }
 }

@@ -9,19 +9,19 @@
 
 use crate::small_sums::SmallSums;
 use anyhow::{anyhow, Result};
-use ferrotron_dist::{Communicator, Pending};
+use ferrotron_dist::{Communicator, Pending, Region};
 use ferrotron_engine::kernels::HostCopy;
 use std::cell::{Cell, RefCell, RefMut};
 
 pub struct Group {
     pub comm: Box<dyn Communicator>,
-    buffer: RefCell<Vec<f32>>,
+    buffer: RefCell<Region<f32>>,
     failed: RefCell<Option<String>>,
     /// Bytes this rank sent to other ranks since the counter was last taken.
     pub bytes: Cell<f64>,
     /// Every rank's few values of a small sum during a pass (and before the planned buffer
     /// exists), reused.
-    small: RefCell<Vec<f32>>,
+    small: RefCell<Region<f32>>,
     /// A send in flight (the context-parallel ring's block), finished by the next receive.
     pub(crate) sending: RefCell<Option<Pending>>,
     /// On a device: the copies that fill the buffer from the device's tensors and write the
@@ -36,10 +36,10 @@ impl Group {
     pub fn new(comm: Box<dyn Communicator>) -> Self {
         Group {
             comm,
-            buffer: RefCell::new(Vec::new()),
+            buffer: RefCell::default(),
             failed: RefCell::new(None),
             bytes: Cell::new(0.0),
-            small: RefCell::new(Vec::new()),
+            small: RefCell::default(),
             sending: RefCell::new(None),
             device: RefCell::new(None),
             receive: RefCell::new(Vec::new()),
@@ -75,24 +75,24 @@ impl Group {
     /// baseline, before the plan's first buffer.
     pub fn warm_up(&self, what: &str) -> Result<()> {
         let n = self.comm.size();
-        let warm = |r: Result<Vec<f32>, ferrotron_dist::CommError>| {
+        let warm = |r: Result<Region<f32>, ferrotron_dist::CommError>| {
             r.map(drop)
                 .map_err(|e| anyhow!("{what} group warm-up: {e}"))
         };
-        warm(self.comm.all_reduce_start(vec![0.0; n]).wait())?;
-        warm(self.comm.all_gather_start(vec![0.0; n]).wait())
+        warm(self.comm.all_reduce_start(vec![0.0; n].into()).wait())?;
+        warm(self.comm.all_gather_start(vec![0.0; n].into()).wait())
     }
 
     /// The buffer of the plan (`len` f32).
     pub fn allocate(&self, len: usize) {
         let mut m = self.buffer.borrow_mut();
         if m.capacity() < len {
-            *m = Vec::with_capacity(len);
+            *m = vec![0.0; len].into();
         }
     }
 
     /// The planned buffer, for one collective or exchange.
-    pub fn buffer(&self) -> RefMut<'_, Vec<f32>> {
+    pub fn buffer(&self) -> RefMut<'_, Region<f32>> {
         self.buffer.borrow_mut()
     }
 
@@ -161,7 +161,7 @@ impl SmallSums for Group {
     fn comm(&self) -> &dyn Communicator {
         self.comm.as_ref()
     }
-    fn small(&self) -> RefMut<'_, Vec<f32>> {
+    fn small(&self) -> RefMut<'_, Region<f32>> {
         let planned = self.buffer.borrow().capacity() > 0;
         match planned {
             true => self.buffer.borrow_mut(),

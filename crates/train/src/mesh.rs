@@ -25,7 +25,7 @@ pub struct Mesh {
     /// This rank's pipeline stage.
     pub pp: Option<Pipeline>,
     /// With the model split over ranks, every rank (for `rank_mem`), and a small buffer for it.
-    world: Option<(Box<dyn Communicator>, Vec<f32>)>,
+    world: Option<(Box<dyn Communicator>, ferrotron_dist::Region<f32>)>,
     /// The planner's bytes per step and rank of each dimension this rank sends in.
     planned: [Option<u64>; 5],
     /// Sequence parallelism: the norms' gradients are partial on each tensor-parallel rank.
@@ -61,7 +61,7 @@ impl Mesh {
                 .collect(),
             dp,
             pp,
-            world: world.map(|w| (w, Vec::new())),
+            world: world.map(|w| (w, Default::default())),
             planned: [None; 5],
             sp,
         }

@@ -13,8 +13,8 @@
 //!   collective by another: the host does not wait, and device work sees the result.
 //! - **All-to-all** (even and uneven) is a group of sends and receives (`ncclGroupStart` …
 //!   `ncclGroupEnd`), which NCCL runs as one operation, so no pair order is needed.
-//! - The overlapped `*_start` collectives own host `Vec`s, which NCCL cannot read: they run on
-//!   the host communicator the bootstrap came over. A started send (`send_start`, a host
+//! - The overlapped `*_start` collectives run on the host communicator the bootstrap came
+//!   over, on host regions (a region of device memory is refused there, by its memory). A started send (`send_start`, a host
 //!   buffer) is refused: its receiver would wait on NCCL.
 //! - NCCL refuses two ranks on one GPU, so the GPU machine (one GPU) runs it at world size 1;
 //!   ranks sharing a GPU use the host-staged communicator (`ferrotron_dist::Staged`).
@@ -24,7 +24,7 @@
 //! a `libnccl.so` link to it in a directory on `LD_LIBRARY_PATH` lets cudarc find it
 //! (`scripts/cuda_check.sh` makes one on the GPU machine).
 
-use ferrotron_dist::communicator::{Completion, Memory, Pending, Result, View, ViewMut};
+use ferrotron_dist::communicator::{Completion, Memory, Pending, Region, Result, View, ViewMut};
 use ferrotron_dist::{AsViewMut, CommError, Communicator};
 use ferrotron_engine::kernels::cuda::cudarc::driver::{
     sys::CUevent_flags, CudaContext, CudaEvent, CudaStream,
@@ -81,7 +81,7 @@ impl Completion for Refused {
     fn test(&mut self) -> bool {
         true
     }
-    fn wait(mut self: Box<Self>) -> Result<Vec<f32>> {
+    fn wait(mut self: Box<Self>) -> Result<Region<f32>> {
         Err(self.0.take().expect("waited once"))
     }
 }
@@ -395,7 +395,7 @@ impl Communicator for Nccl {
         send_counts: &[usize],
         recv: ViewMut<'_, f32>,
         recv_counts: &[usize],
-        _message: &mut Vec<f32>,
+        _message: &mut Region<f32>,
     ) -> Result<()> {
         const OP: &str = "all_to_all_v";
         self.check(send.memory(), OP)?;
@@ -469,7 +469,7 @@ impl Communicator for Nccl {
         })
     }
 
-    fn send_start(&self, buf: Vec<f32>, _dst: usize, _tag: u32) -> Pending {
+    fn send_start(&self, buf: Region<f32>, _dst: usize, _tag: u32) -> Pending {
         let e = self.usage(
             "send_start",
             format!(
@@ -510,15 +510,15 @@ impl Communicator for Nccl {
         self.host.barrier()
     }
 
-    fn all_reduce_start(&self, buf: Vec<f32>) -> Pending {
+    fn all_reduce_start(&self, buf: Region<f32>) -> Pending {
         self.host.all_reduce_start(buf)
     }
 
-    fn reduce_scatter_start(&self, buf: Vec<f32>) -> Pending {
+    fn reduce_scatter_start(&self, buf: Region<f32>) -> Pending {
         self.host.reduce_scatter_start(buf)
     }
 
-    fn all_gather_start(&self, buf: Vec<f32>) -> Pending {
+    fn all_gather_start(&self, buf: Region<f32>) -> Pending {
         self.host.all_gather_start(buf)
     }
 

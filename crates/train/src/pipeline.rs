@@ -13,7 +13,7 @@
 
 use crate::small_sums::{gather_small, SmallSums};
 use anyhow::{anyhow, Result};
-use ferrotron_dist::{AsViewMut, Communicator, Pending};
+use ferrotron_dist::{AsViewMut, Communicator, Pending, Region};
 use ferrotron_engine::kernels::host_copy::{read_f32, write_f32, HostCopy};
 use ferrotron_engine::kernels::{View, ViewMut};
 use ferrotron_engine::Elem;
@@ -34,7 +34,7 @@ fn lane(d: Direction) -> usize {
 /// The send buffers of one direction, used in turn.
 #[derive(Default)]
 struct Ring {
-    idle: Vec<Vec<f32>>,
+    idle: Vec<Region<f32>>,
     pending: Vec<Option<Pending>>,
     next: usize,
 }
@@ -50,7 +50,7 @@ pub struct Pipeline {
     /// The slot of chunk 0 each micro-batch holds (its tokens and targets live there).
     pub batch_slot: Vec<usize>,
     rings: [Ring; 2],
-    recv: Vec<f32>,
+    recv: Region<f32>,
     /// The first and last stages with tied embeddings: their two copies' gradients are summed.
     embedding: Option<Box<dyn Communicator>>,
     /// Time blocked in transfers since the counter was last taken.
@@ -59,7 +59,7 @@ pub struct Pipeline {
     pub span: Duration,
     /// Spans blocked (start, end), for the trace.
     pub waits: Vec<(Instant, Instant)>,
-    small: std::cell::RefCell<Vec<f32>>,
+    small: std::cell::RefCell<Region<f32>>,
     /// On a device: the copies between the stage's tensors and the host buffers.
     device: Option<HostCopy>,
 }
@@ -90,7 +90,7 @@ impl Pipeline {
             slots,
             batch_slot,
             rings: Default::default(),
-            recv: Vec::new(),
+            recv: Region::default(),
             embedding,
             idle: Duration::ZERO,
             span: Duration::ZERO,
@@ -151,14 +151,14 @@ impl Pipeline {
         let (next, prev) = ((self.stage + 1) % p, (self.stage + p - 1) % p);
         let mut got = [0.0f32; 1];
         for (to, from, tag) in [(next, prev, TAG[0]), (prev, next, TAG[1])] {
-            let sent = self.comm.send_start(vec![0.0], to, tag);
+            let sent = self.comm.send_start(vec![0.0].into(), to, tag);
             self.comm
                 .recv(got.view_mut(), from, tag)
                 .map_err(|e| anyhow!("pipeline warm-up: {e}"))?;
             sent.wait().map_err(|e| anyhow!("pipeline warm-up: {e}"))?;
         }
         if let Some(e) = &self.embedding {
-            e.all_reduce_start(vec![0.0; 2])
+            e.all_reduce_start(vec![0.0; 2].into())
                 .wait()
                 .map_err(|e| anyhow!("pipeline warm-up: {e}"))?;
         }
@@ -166,17 +166,18 @@ impl Pipeline {
         Ok(())
     }
 
-    /// Allocates the plan's send buffers (`k` per direction this stage sends in) and its
-    /// receive buffer, `len` f32 each.
+    /// Allocates the plan's send buffers (`k` per direction this stage sends in: spans of
+    /// one block per direction, each handed to the communicator while its message is in
+    /// flight) and its receive buffer, `len` f32 each.
     pub fn allocate(&mut self, k: usize, len: usize, sends: [bool; 2]) {
         for (ring, on) in self.rings.iter_mut().zip(sends) {
             if on && ring.idle.is_empty() && ring.pending.is_empty() {
-                ring.idle = (0..k).map(|_| vec![0.0; len]).collect();
+                ring.idle = ferrotron_dist::carve(&vec![len; k]);
                 ring.pending = (0..k).map(|_| None).collect();
             }
         }
         if self.recv.is_empty() {
-            self.recv = vec![0.0; len];
+            self.recv = vec![0.0; len].into();
         }
     }
 
@@ -265,7 +266,7 @@ impl Pipeline {
         let step = buf.len().max(1);
         for at in (0..g.len()).step_by(step) {
             let r = at..(at + step).min(g.len());
-            buf.truncate(r.len());
+            buf.set_len(r.len());
             read_f32(dev, g.as_view().slice(r.clone()), &mut buf);
             buf = comm
                 .all_reduce_start(buf)
@@ -300,7 +301,7 @@ impl SmallSums for Pipeline {
     fn comm(&self) -> &dyn Communicator {
         self.comm.as_ref()
     }
-    fn small(&self) -> std::cell::RefMut<'_, Vec<f32>> {
+    fn small(&self) -> std::cell::RefMut<'_, Region<f32>> {
         self.small.borrow_mut()
     }
 }

@@ -4,20 +4,20 @@
 //! context-parallel) sums its per-rank f64s through the one [`SmallSums::sum_f64`] here.
 
 use anyhow::{anyhow, Result};
-use ferrotron_dist::Communicator;
+use ferrotron_dist::{Communicator, Region};
 use std::cell::RefMut;
 
 /// Every rank's `mine` (a few values), rank order, in the rank's `small` buffer: in place, so
 /// the step allocates nothing for it.
 pub(crate) fn gather_small<'a>(
     comm: &dyn Communicator,
-    small: &'a mut Vec<f32>,
+    small: &'a mut Region<f32>,
     mine: &[f32],
     what: &str,
 ) -> Result<&'a [f32]> {
     let (n, me) = (mine.len(), comm.rank());
     let mut buf = std::mem::take(small);
-    buf.resize(n * comm.size(), 0.0);
+    buf.fit(n * comm.size());
     buf[me * n..(me + 1) * n].copy_from_slice(mine);
     *small = comm
         .all_gather_start(buf)
@@ -30,7 +30,7 @@ pub(crate) fn gather_small<'a>(
 /// each u64 travels as two 24-bit halves, which f32 holds exactly).
 pub fn gather_mem(
     comm: &dyn Communicator,
-    small: &mut Vec<f32>,
+    small: &mut Region<f32>,
     mine: [u64; 3],
 ) -> Result<Vec<[u64; 3]>> {
     let mut halves = [0f32; 6];
@@ -50,7 +50,7 @@ pub fn gather_mem(
 pub trait SmallSums {
     fn comm(&self) -> &dyn Communicator;
     /// The reused buffer of every rank's few values (a planned one where the group has it).
-    fn small(&self) -> RefMut<'_, Vec<f32>>;
+    fn small(&self) -> RefMut<'_, Region<f32>>;
 
     /// The sums over the group of a few per-rank f64 values, the same on every rank. Each
     /// value travels as two f32 (its rounding and the rest) and the halves are added in f64,

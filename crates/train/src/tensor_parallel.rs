@@ -5,7 +5,7 @@
 //! weights; and the gradient norm's share of the replicated norms.
 
 use crate::group::Group;
-use ferrotron_dist::Communicator;
+use ferrotron_dist::{Communicator, Region};
 use ferrotron_engine::kernels::HostCopy;
 use ferrotron_engine::model::tensor_parallel::replicated;
 use ferrotron_engine::model::tensor_parallel::TpOp;
@@ -25,9 +25,9 @@ fn staged(
     g: &Group,
     len: usize,
     fill: impl FnOnce(&mut [f32]),
-    start: impl FnOnce(&dyn Communicator, Vec<f32>) -> ferrotron_dist::Pending,
+    start: impl FnOnce(&dyn Communicator, Region<f32>) -> ferrotron_dist::Pending,
     op: &str,
-) -> Option<Vec<f32>> {
+) -> Option<Region<f32>> {
     let mut buf = std::mem::take(&mut *g.buffer());
     // Growing it here would allocate inside the step, outside the plan.
     assert!(
@@ -35,7 +35,7 @@ fn staged(
         "internal: comm.tp.staging holds {} f32, a collective needs {len}",
         buf.capacity()
     );
-    buf.clear();
+    buf.set_len(0);
     buf.resize(len, 0.0);
     fill(&mut buf);
     match start(g.comm.as_ref(), buf).wait() {

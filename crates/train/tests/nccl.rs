@@ -102,7 +102,7 @@ fn collectives(c: &dyn Communicator, dev: Option<&Arc<CudaContext>>) -> Vec<Vec<
     out.push(run(&x, vec![0.0; n], &|i, o| c.all_to_all(i, o).unwrap()));
     // Uneven: 600 of the 1000 elements out, into the front of a buffer of 700.
     out.push(run(&x, vec![-1.0; 700], &|i, o| {
-        c.all_to_all_v(i, &[600], o, &[600], &mut Vec::new())
+        c.all_to_all_v(i, &[600], o, &[600], &mut Default::default())
             .unwrap()
     }));
     let sub = c.split_group(&[0]).unwrap();
@@ -121,7 +121,7 @@ fn world_size_one_collectives_equal_the_threads_backend() {
         assert_eq!(g, w, "collective {k}");
     }
     // The host communicator's overlapped all-reduce, through NCCL's host group.
-    let summed = c.all_reduce_start(data(8, 3)).wait().unwrap();
+    let summed = c.all_reduce_start(data(8, 3).into()).wait().unwrap();
     assert_eq!(bits(&summed), bits(&data(8, 3)));
 }
 
@@ -151,7 +151,10 @@ fn bad_input_is_refused_with_its_reason() {
         "rank 0: reduce_scatter_sum: send has 7 elements, expected size 1 × recv 4"
     );
     assert_eq!(
-        c.send_start(vec![0.0; 3], 0, 1).wait().unwrap_err().to_string(),
+        c.send_start(vec![0.0; 3].into(), 0, 1)
+            .wait()
+            .unwrap_err()
+            .to_string(),
         "rank 0: send_start: a started send of 3 host elements: NCCL sends device views (send), which its receiver waits on"
     );
 }

@@ -13,8 +13,10 @@
 //! keeps two writers of one buffer apart whatever memory it lives in.
 
 mod device_copy;
+mod region;
 
 pub use device_copy::{copy_problem, DeviceCopy, HostStaging};
+pub use region::{carve, Region};
 
 use std::fmt;
 use std::marker::PhantomData;

@@ -45,7 +45,13 @@ impl EpComm for Group {
     }
     fn exchange(&self, send: &[f32], sc: &[usize], recv: &mut [f32], rc: &[usize]) {
         self.0
-            .all_to_all_v(send.view(), sc, recv.view_mut(), rc, &mut Vec::new())
+            .all_to_all_v(
+                send.view(),
+                sc,
+                recv.view_mut(),
+                rc,
+                &mut Default::default(),
+            )
             .unwrap()
     }
 }
