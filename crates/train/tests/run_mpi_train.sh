@@ -98,7 +98,9 @@ for t, m, d in zip(threads, mpi, dp_only):
     assert m["comm"]["tp"]["sent"] == m["comm"]["tp"]["planned"], m
 print("dp 2 x tp 2: mpirun -np 4 = threads within 1e-6, = dp 2 alone within 1e-5; 4 ranks within 1% of their plans; bytes as planned")
 PY
-rm -rf "$OUT/tp-threads" "$OUT/tp-mpi"
+rm -rf "$OUT/tp-threads"
+# The --sp run is the reference of the emulated device's stage below.
+if [ -n "$SP" ]; then mv "$OUT/tp-mpi" "$OUT/tp-sp-mpi"; else rm -rf "$OUT/tp-mpi"; fi
 done
 
 MPIRUN8=("${MPIRUN[@]}")
@@ -233,10 +235,10 @@ PY
 
 echo "== tensor parallelism on the emulated device under mpirun (--device emulated --tp 2 --sp, four processes) = the CPU processes"
 # The tensor-parallel group's buffer filled from each process's device and written back
-# (device_ranks.rs): the same layout's CPU run under mpirun (tp-mpi, the --sp one), bit for bit.
+# (device_ranks.rs): the same layout's CPU run under mpirun (tp-sp-mpi), bit for bit.
 timeout 300 "${MPIRUN4[@]}" "$BIN" "${COMMON[@]}" --tp 2 --sp --zero 1 --steps 4 --device emulated \
     --out-dir "$OUT/emulated-tp" 2>"$OUT/emulated-tp.log" || { cat "$OUT/emulated-tp.log"; exit 1; }
-python3 - "$OUT/tp-mpi/metrics.jsonl" "$OUT/emulated-tp/metrics.jsonl" <<'PY'
+python3 - "$OUT/tp-sp-mpi/metrics.jsonl" "$OUT/emulated-tp/metrics.jsonl" <<'PY'
 import json, sys
 cpu, dev = ([json.loads(l) for l in open(p)] for p in sys.argv[1:])
 assert len(cpu) == len(dev) == 4, (len(cpu), len(dev))
