@@ -84,7 +84,19 @@ impl Trainer {
 
     /// The offload tier's line for the start of a run (`None` without offload).
     pub fn offload_line(&self) -> Option<String> {
-        self.offload.as_ref().map(Offloaded::describe)
+        let o = self.offload.as_ref()?;
+        let (Some(s), Some(p)) = (&self.streaming, o.plan) else {
+            return Some(o.describe());
+        };
+        let master = match self.cfg.precision.kind.has_master() {
+            true => ", fp32 master weights",
+            false => "",
+        };
+        Some(format!(
+            "offload: weights, gradients{master} and Adam's moments in host memory ({:.1} MiB); each unit uploaded into the device's windows as the model reaches it, the next layer one ahead ({} elements: the embedding, the head, two layers)",
+            p.host_bytes as f64 / (1u64 << 20) as f64,
+            s.param_windows()
+        ))
     }
 
     /// What the plan says the offload tier takes (`None` without offload).
