@@ -105,7 +105,9 @@ pub fn comm_buffers(
     // (ferrotron's own ZeRO-3 is below; over one rank it has nothing to shard or gather.)
     let ferrotron_zero3 = trainer && (zero3.is_some() || l.dense_replicas() == 1);
     let generic_zero3 = !ferrotron_zero3 && l.zero >= 3 && l.pp == 1;
-    if generic_zero3 || l.offload == Offload::Params {
+    // (ferrotron's trainer streams offloaded parameters through ZeRO-3's own windows:
+    // `offload.param_windows` in the planner, and the gradient windows below.)
+    if generic_zero3 || (l.offload == Offload::Params && !trainer) {
         // DeepSpeed's estimator counts the gathered layer once ("4*largest_layer_params").
         let gathered = if conv == Convention::DeepSpeed { 1 } else { 2 };
         add("zero3.gathered_params", st, gathered * unit, cb, true);
@@ -176,9 +178,10 @@ pub fn comm_buffers(
     // (`crates/train/src/zero2.rs`); the head's forward writes the LM head's gradient, so they
     // exist from the first forward.
     // (With pipelining, ZeRO-2 keeps the stage's gradients unsharded over the step: states.rs.)
-    // ZeRO-3 reduces gradients the same way.
+    // ZeRO-3 reduces gradients the same way, and streamed parameters (`--offload params`) move
+    // each unit's gradients to the host from these windows.
     let zero2 = l.zero == 2 && l.pp == 1 && l.dense_replicas() > 1;
-    if trainer && (zero2 || zero3.is_some()) {
+    if trainer && (zero2 || zero3.is_some() || l.offload == Offload::Params) {
         let gt = if r.precision.fp32_grad_acc() {
             r.precision.engine_grads()
         } else {

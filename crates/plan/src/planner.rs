@@ -375,7 +375,23 @@ fn rank_plan(
         let lens = crate::zero3::unit_lens(tensors, l.tp, on_stage);
         crate::zero3::Sizes::of(&lens, l.dense_replicas())
     });
-    let states = add_states(&mut plan, e, r, l, conv, zero3);
+    let mut states = add_states(&mut plan, e, r, l, conv, zero3);
+    // ferrotron's trainer streams offloaded parameters (`--offload params`) through ZeRO-3's
+    // windows, the embedding's, the head's and two layers', allocated with the states
+    // (`crates/train/src/offload_params.rs`; the next layer's upload runs one layer ahead).
+    let streams = input.runtime == Runtime::Ferrotron && l.offload == crate::Offload::Params;
+    if streams && spec.is_some() {
+        let lens = crate::zero3::unit_lens(tensors, l.tp, on_stage);
+        let windows = crate::zero3::Sizes::of(&lens, 1).windows;
+        let st = r.precision.storage();
+        let id = plan.add(
+            "offload.param_windows",
+            st,
+            windows,
+            crate::memory::Category::Params,
+        );
+        states.at_init.push(id);
+    }
     plan.alloc(&states.at_init);
 
     let units = match (spec, &input.model) {

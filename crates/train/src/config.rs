@@ -8,7 +8,7 @@ use clap::Args;
 use ferrotron_plan::error::one_line;
 // Re-exported: `toml_error` was defined here before the planner's settings files needed it.
 pub use ferrotron_plan::toml_file::{toml_error, toml_message};
-use ferrotron_plan::{Layout, LayoutFlags, Offload, Precision, Recompute};
+use ferrotron_plan::{Layout, LayoutFlags, Precision, Recompute};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -565,13 +565,6 @@ pub(crate) fn trainable_layout(flags: &LayoutFlags) -> Result<Layout, ConfigErro
             "pp_virtual",
             l.pp_virtual,
             "virtual stages interleave a pipeline's model chunks: add --pp 2 or more",
-        ));
-    }
-    if l.offload == Offload::Params {
-        return Err(bad(
-            "offload",
-            "params",
-            "ferrotron train does not stream weights from the host yet: use --offload optimizer (master weights and Adam's moments on the host, or on disk with --offload-dir); `ferrotron plan --offload params` predicts it",
         ));
     }
     Ok(l)

@@ -22,6 +22,7 @@ pub mod mesh;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 pub mod observe;
+pub mod offload_params;
 pub mod optim;
 pub mod pipeline;
 pub mod pp_auto;

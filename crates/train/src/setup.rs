@@ -114,6 +114,7 @@ pub fn checked_plan(
         ("master", DType::F32),
         ("comm.zero2.grad_windows", p.engine_grads()),
         ("zero3.param_windows", p.storage()),
+        ("offload.param_windows", p.storage()),
     ];
     if !p.has_master() {
         expected.retain(|e| e.0 != "master");

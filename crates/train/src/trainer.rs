@@ -58,6 +58,7 @@ mod offload_states;
 mod pipeline_step;
 mod state;
 mod step;
+mod stream_step;
 mod train_step;
 mod update;
 mod zero_gather;
@@ -109,6 +110,9 @@ pub struct Trainer {
     /// `--offload optimizer`: the master weights and moments in host memory or on disk
     /// (then `master` and `opt` stay empty while training).
     offload: Option<Offloaded>,
+    /// `--offload params`: the weights and gradients in host memory, streamed through the
+    /// device's windows (then `dev.params` and `dev.grads` hold only the windows).
+    streaming: Option<crate::offload_params::Streaming>,
     /// fp16's dynamic loss scaler.
     pub scaler: Option<DynamicLossScaler>,
     /// Optimizer steps completed.
@@ -323,6 +327,7 @@ impl Trainer {
                 .then(|| DynamicLossScaler::new(cfg.precision.loss_scale)),
             opt: None,
             offload: None,
+            streaming: None,
             step: 0,
             pool: plan_pool(timeline, arena),
             trace_left,

@@ -12,9 +12,10 @@
 
 use crate::data_parallel::DataParallel;
 use crate::device_ranks::{read_f32, write_f32, HostCopy};
+use crate::optim::offload::copy_up;
 use crate::zero2::GradWindows;
 use anyhow::{bail, Result};
-use ferrotron_engine::kernels::{View, ViewMut};
+use ferrotron_engine::kernels::{DeviceAlloc, View, ViewMut};
 use ferrotron_engine::model::{ParamBuf, ParamSource, ParamTable, Unit, WholeParams};
 use ferrotron_engine::Elem;
 use ferrotron_plan::zero3::{eval_sequence, next_layer, train_sequence, LayerWindows};
@@ -57,6 +58,11 @@ impl Zero3 {
             pending: None,
             error: None,
         }
+    }
+
+    /// Decoder layers of the model.
+    pub fn layers(&self) -> usize {
+        self.layers
     }
 
     /// Elements of the windows: the embedding's, the head's, two layers' (the plan's
@@ -110,6 +116,19 @@ impl Zero3 {
         at..at + r.len()
     }
 
+    /// Every parameter of unit `u` in the flat order.
+    fn range(&self, u: Unit) -> Range<usize> {
+        let g = &self.geo;
+        match u {
+            Unit::Embedding => g.embed.clone(),
+            Unit::Head => g.head.clone(),
+            Unit::Layer(i) => {
+                let start = g.layers.start + i * g.layer_len;
+                start..start + g.layer_len
+            }
+        }
+    }
+
     /// The unit whose window holds parameters `r`, with the layer asked for (and its window)
     /// being the only layer readable.
     fn unit_of(&self, r: &Range<usize>, layer: Option<(usize, usize)>) -> Option<(Unit, usize)> {
@@ -138,38 +157,77 @@ impl Zero3 {
         let dev = dp.borrow().device_copy().cloned();
         Gathered {
             z: self,
-            dp,
-            shard,
+            fill: Fill::Gather { dp, shard, dev },
             windows,
-            dev,
+            layer: None,
+        }
+    }
+
+    /// `--offload params`: the model's view of the windows (`windows`, [`Zero3::len`]
+    /// elements on `dev`), each unit uploaded from `host`, the host's copy of every weight.
+    pub fn streamed<'a, S>(
+        &'a mut self,
+        host: View<'a, S>,
+        windows: ViewMut<'a, S>,
+        dev: &'a dyn DeviceAlloc,
+    ) -> Gathered<'a, S> {
+        Gathered {
+            z: self,
+            fill: Fill::Upload { host, dev },
+            windows,
             layer: None,
         }
     }
 }
 
+/// Where a unit's parameters come from.
+enum Fill<'a, S> {
+    /// ZeRO-3: every rank's block of it, all-gathered over data parallelism; `shard` is this
+    /// rank's, `dev` the copies to and from the device it lives on (`None`: the host).
+    Gather {
+        dp: &'a RefCell<DataParallel>,
+        shard: View<'a, S>,
+        dev: Option<HostCopy>,
+    },
+    /// `--offload params`: the host's copy of every weight, uploaded to the device `dev`
+    /// (ZeRO-Infinity's parameter offload, Rajbhandari et al. 2021 §5.1).
+    Upload {
+        host: View<'a, S>,
+        dev: &'a dyn DeviceAlloc,
+    },
+}
+
 /// The parameters as the model reads them under ZeRO-3 (see the module docs).
 pub struct Gathered<'a, S> {
     z: &'a mut Zero3,
-    dp: &'a RefCell<DataParallel>,
-    shard: View<'a, S>,
+    fill: Fill<'a, S>,
     windows: ViewMut<'a, S>,
-    /// The copies to and from the device the weights live on (`None`: the host).
-    dev: Option<HostCopy>,
     /// The layer asked for last, and its window.
     layer: Option<(usize, usize)>,
 }
 
 impl<S: Elem> Gathered<'_, S> {
-    /// Starts gathering unit `u` into its window (layers: window `slot`), after the running
-    /// all-gather has landed.
+    /// Starts filling unit `u`'s window (layers: window `slot`), after the running all-gather
+    /// has landed. An upload is done when it returns (the emulated device's copy is
+    /// synchronous).
     fn start(&mut self, u: Unit, slot: usize) {
         self.land();
-        let (k, shard, dev) = (self.z.bucket(u), self.shard, self.dev.as_ref());
-        let own = &mut |seg: &crate::data_parallel::Segment, out: &mut [f32]| {
-            read_f32(dev, shard.slice(seg.at..seg.at + seg.params.len()), out);
-        };
-        self.dp.borrow_mut().gather_start(k, own);
-        self.z.pending = Some((u, slot));
+        match &self.fill {
+            Fill::Gather { dp, shard, dev } => {
+                let (k, shard, dev) = (self.z.bucket(u), *shard, dev.as_ref());
+                let own = &mut |seg: &crate::data_parallel::Segment, out: &mut [f32]| {
+                    read_f32(dev, shard.slice(seg.at..seg.at + seg.params.len()), out);
+                };
+                dp.borrow_mut().gather_start(k, own);
+                self.z.pending = Some((u, slot));
+            }
+            Fill::Upload { host, dev } => {
+                let r = self.z.range(u);
+                let mut dst = self.windows.rb().slice_mut(self.z.place(u, slot, &r));
+                // SAFETY: `dst` is `r.len()` elements of `dev`'s memory.
+                unsafe { copy_up(*dev, host.slice(r), dst.as_mut_ptr()) };
+            }
+        }
     }
 
     /// Waits for the running all-gather and writes it into its window.
@@ -177,12 +235,15 @@ impl<S: Elem> Gathered<'_, S> {
         let Some((u, slot)) = self.z.pending.take() else {
             return;
         };
-        let mut dp = self.dp.borrow_mut();
+        let Fill::Gather { dp, dev, .. } = &self.fill else {
+            unreachable!("only an all-gather is pending")
+        };
+        let mut dp = dp.borrow_mut();
         match dp.gather_wait() {
             Ok((pieces, values)) => {
                 for (r, at) in pieces {
                     let dst = self.windows.rb().slice_mut(self.z.place(u, slot, r));
-                    write_f32(self.dev.as_ref(), &values[*at..at + r.len()], dst);
+                    write_f32(dev.as_ref(), &values[*at..at + r.len()], dst);
                 }
             }
             Err(e) => {
@@ -249,7 +310,9 @@ impl<S: Elem> ParamSource<S> for Gathered<'_, S> {
         }
         // MPI advances a started all-gather only inside MPI calls: look in on the running one
         // at every request (the forward makes no other call).
-        self.dp.borrow().poll();
+        if let Fill::Gather { dp, .. } = &self.fill {
+            dp.borrow().poll();
+        }
         self
     }
 }
@@ -279,6 +342,18 @@ impl<'a, S: Elem> Source<'a, S> {
             }
             _ => Source::Whole(WholeParams(params.into_view())),
         }
+    }
+
+    /// `--offload params`: `windows` on `dev` filled unit by unit from `host` by `z`'s
+    /// schedule; they hold nothing valid yet (the weights changed since they were uploaded).
+    pub fn streamed(
+        windows: ViewMut<'a, S>,
+        host: View<'a, S>,
+        z: &'a mut Zero3,
+        dev: &'a dyn DeviceAlloc,
+    ) -> Self {
+        z.invalidate();
+        Source::Gathered(z.streamed(host, windows, dev))
     }
 
     /// A micro-batch's forward and backward (or, with `eval`, a forward alone) begins.

@@ -5,7 +5,7 @@
 //! memory and the disk tier's bytes per step must be the plan's.
 
 mod common;
-use common::{assert_same_trajectory, assert_within_plans, rel, tiny_args, tmp};
+use common::{assert_same_run, assert_same_trajectory, assert_within_plans, rel, tiny_args, tmp};
 use ferrotron_train::alloc::Tracking;
 use ferrotron_train::config::TrainArgs;
 use ferrotron_train::device::Device;
@@ -48,15 +48,6 @@ fn measured(a: TrainArgs) -> (RunSummary, u64, Option<OffloadPlan>) {
     (s, host_peak() - before, last_plan())
 }
 
-fn same(what: &str, a: &RunSummary, b: &RunSummary) {
-    assert_same_trajectory(what, &a.steps, &b.steps);
-    for (x, y) in a.steps.iter().zip(&b.steps) {
-        assert_eq!(x.grad_norm.to_bits(), y.grad_norm.to_bits(), "{what}");
-    }
-    assert!(a.sample.as_ref().is_some_and(|s| !s.is_empty()));
-    assert_eq!(a.sample, b.sample, "{what}: the weights at the end");
-}
-
 /// One test: the tracking allocator's and the host tier's counters are the process's.
 #[test]
 fn offload_follows_the_plain_run_within_its_plan() {
@@ -73,7 +64,7 @@ fn the_device_sheds_the_states_with_the_same_trajectory() {
         let (off, host, plan) = measured(a);
         let plan = plan.unwrap();
         let what = format!("{precision}: --offload optimizer on the device");
-        same(&what, &plain, &off);
+        assert_same_run(&what, &plain, &off);
         assert_within_plans(&off.steps, &what);
         // Master weights (bf16 only) and two moments, 4 bytes each per parameter.
         let states = if precision == "bf16" { 12 } else { 8 };
@@ -126,7 +117,7 @@ fn the_disk_tier_holds_the_buckets_in_flight_only() {
             );
         }
         let plan = plan.unwrap();
-        same(&what, &plain, &off);
+        assert_same_run(&what, &plain, &off);
         assert_within_plans(&off.steps, &what);
         let disk = plan.disk.unwrap();
         // Three buckets of master weights and moments in flight: 3 × 65,536 × 12 bytes.
@@ -284,11 +275,17 @@ fn bad_offload_settings_are_refused_in_one_line() {
     let mut sr = offloaded(args("bad-sr", Device::Emulated, "bf16"), None);
     sr.stochastic_rounding = Some(true);
     assert!(error(sr).starts_with("offload = optimizer: not with stochastic rounding yet"));
+    // Streamed parameters (`tests/offload_params.rs`) stay in host memory, not on disk.
     let mut params = args("bad-params", Device::Emulated, "bf16");
     params.layout.offload = Some("params".into());
-    assert!(error(params).starts_with(
-        "offload = params: ferrotron train does not stream weights from the host yet"
-    ));
+    params.offload_dir = Some(root.clone());
+    assert_eq!(
+        error(params),
+        format!(
+            "offload_dir = {}: the disk tier holds offloaded optimizer states: add --offload optimizer",
+            root.display()
+        )
+    );
     assert_eq!(
         std::fs::read_dir(&root).unwrap().count(),
         1,

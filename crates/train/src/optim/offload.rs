@@ -39,24 +39,24 @@ pub fn check(
     world: usize,
     stochastic_rounding: bool,
 ) -> Result<()> {
-    let on = layout.offload == Offload::Optimizer;
-    if let (Some(d), false) = (offload_dir, on) {
+    let what = layout.offload;
+    if let (Some(d), false) = (offload_dir, what == Offload::Optimizer) {
         bail!(
             "offload_dir = {}: the disk tier holds offloaded optimizer states: add --offload optimizer",
             d.display()
         );
     }
-    if !on {
-        return Ok(());
-    }
-    if !on_device && offload_dir.is_none() {
-        bail!("offload = optimizer: a CPU run keeps its optimizer states in host memory already, so there is nothing to move: add --offload-dir PATH to keep them on disk, or drop --offload");
+    match what {
+        Offload::None => return Ok(()),
+        Offload::Optimizer if !on_device && offload_dir.is_none() => bail!("offload = optimizer: a CPU run keeps its optimizer states in host memory already, so there is nothing to move: add --offload-dir PATH to keep them on disk, or drop --offload"),
+        Offload::Params if !on_device => bail!("offload = params: a CPU run keeps its weights in host memory already, so there is nothing to stream: add --device emulated (or cuda), or drop --offload"),
+        _ => {}
     }
     if world > 1 {
-        bail!("offload = optimizer: one rank only for now ({world} ranks asked): drop the parallel flags, or --offload");
+        bail!("offload = {what}: one rank only for now ({world} ranks asked): drop the parallel flags, or --offload");
     }
     if stochastic_rounding {
-        bail!("offload = optimizer: not with stochastic rounding yet (its noise is indexed by the position in each tensor the update is given, and offload cuts tensors into buckets): drop --stochastic-rounding");
+        bail!("offload = {what}: not with stochastic rounding yet (its noise is indexed by the position in each tensor the update is given, and offload cuts tensors into buckets): drop --stochastic-rounding");
     }
     Ok(())
 }
@@ -67,8 +67,11 @@ pub fn check_args(args: &crate::config::TrainArgs, layout: &Layout, world: usize
     let on_device = args.device != crate::device::Device::Cpu;
     let sr = args.stochastic_rounding.unwrap_or(false);
     check(layout, args.offload_dir.as_deref(), on_device, world, sr)?;
-    if layout.offload == Offload::Optimizer && args.async_checkpoint == Some(true) {
-        bail!("offload = optimizer: not with --async-checkpoint yet: drop one of them");
+    if layout.offload != Offload::None && args.async_checkpoint == Some(true) {
+        bail!(
+            "offload = {}: not with --async-checkpoint yet: drop one of them",
+            layout.offload
+        );
     }
     Ok(())
 }
@@ -109,7 +112,7 @@ pub struct Offloaded {
 }
 
 /// The first `len` elements of `buf` as a host view of `T` (T no wider than f32's alignment).
-fn typed<T: Elem>(buf: &mut HostBuf<f32>, len: usize) -> ViewMut<'_, T> {
+pub(crate) fn typed<T: Elem>(buf: &mut HostBuf<f32>, len: usize) -> ViewMut<'_, T> {
     assert!(len * size_of::<T>() <= buf.len() * 4 && align_of::<T>() <= 4);
     let p = NonNull::new(buf.as_mut_ptr().cast::<T>()).expect("never null");
     // SAFETY: inside `buf`, aligned (checked), borrowed as `buf`; every bit pattern of the
@@ -390,7 +393,7 @@ impl Bucket<'_> {
 ///
 /// # Safety
 /// `src` must address that many elements of `dev`'s memory.
-unsafe fn copy_down<T: Elem>(dev: &dyn DeviceAlloc, src: *const T, dst: ViewMut<'_, T>) {
+pub(crate) unsafe fn copy_down<T: Elem>(dev: &dyn DeviceAlloc, src: *const T, dst: ViewMut<'_, T>) {
     let dst = dst.host_mut();
     let bytes = std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<u8>(), size_of_val(dst));
     dev.download(
@@ -403,7 +406,7 @@ unsafe fn copy_down<T: Elem>(dev: &dyn DeviceAlloc, src: *const T, dst: ViewMut<
 ///
 /// # Safety
 /// `dst` must address `src.len()` elements of `dev`'s memory.
-unsafe fn copy_up<T: Elem>(dev: &dyn DeviceAlloc, src: View<'_, T>, dst: *mut T) {
+pub(crate) unsafe fn copy_up<T: Elem>(dev: &dyn DeviceAlloc, src: View<'_, T>, dst: *mut T) {
     let src = src.host();
     let bytes = std::slice::from_raw_parts(src.as_ptr().cast::<u8>(), size_of_val(src));
     dev.upload(NonNull::new(dst.cast()).expect("never null"), bytes);

@@ -76,21 +76,33 @@ impl Trainer {
         let batch = self.batch();
         // Outside the step: its gathers are not the step's communication.
         let saved = dp.map(|d| d.borrow().counters());
-        let mut src = Source::new(params, self.zero3.as_mut(), dp, self.opt_len);
-        let mut loss = LossSum::default();
-        for i in 0..val.num_batches() {
-            val.batch_into(i, &mut self.tokens, &mut self.targets)?;
-            let (k, pool) = (&self.kernels, &mut self.pool);
-            let (tokens, targets) = batch_views(&mut self.dev, &self.tokens, &self.targets);
-            src.begin(true);
-            let l = self
-                .model
-                .forward_eval_from(k, pool, src.get(), batch, &tokens, &targets);
-            src.check()?;
-            self.mesh.check()?;
-            loss.sum += l.sum;
-            loss.count += l.count;
-        }
+        // Streamed (`--offload params`), the parameters are uploaded into the windows.
+        let mut streaming = self.streaming.take();
+        let mut src = match streaming.as_mut() {
+            Some(s) => s.source(params),
+            None => Source::new(params, self.zero3.as_mut(), dp, self.opt_len),
+        };
+        let mut batches = || -> Result<LossSum> {
+            let mut loss = LossSum::default();
+            for i in 0..val.num_batches() {
+                val.batch_into(i, &mut self.tokens, &mut self.targets)?;
+                let (k, pool) = (&self.kernels, &mut self.pool);
+                let (tokens, targets) = batch_views(&mut self.dev, &self.tokens, &self.targets);
+                src.begin(true);
+                let l = self
+                    .model
+                    .forward_eval_from(k, pool, src.get(), batch, &tokens, &targets);
+                src.check()?;
+                self.mesh.check()?;
+                loss.sum += l.sum;
+                loss.count += l.count;
+            }
+            Ok(loss)
+        };
+        let loss = batches();
+        drop(src);
+        self.streaming = streaming;
+        let loss = loss?;
         if let (Some(dp), Some(c)) = (dp, saved) {
             dp.borrow_mut().set_counters(c);
         }

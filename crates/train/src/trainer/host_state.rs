@@ -34,7 +34,12 @@ impl Trainer {
         };
         let n = self.tokens.len();
         let e = anyhow::Error::msg;
-        let params = Some(DevFlat::from_host(&alloc, &self.params)?);
+        // Streamed (`--offload params`), the device holds only the windows units are
+        // uploaded into.
+        let params = Some(match &self.streaming {
+            Some(s) => DevFlat::zeros(&alloc, self.params.dtype(), s.param_windows())?,
+            None => DevFlat::from_host(&alloc, &self.params)?,
+        });
         let master = (self.master.take())
             .map(|m| DeviceBuf::from_host(&alloc, &m).map_err(e))
             .transpose()?;
@@ -78,11 +83,14 @@ impl Trainer {
             return f(self);
         };
         let dtype = self.params.dtype();
-        self.params = d
-            .params
-            .as_ref()
-            .expect("the weights are on the device")
-            .to_host();
+        self.params = match &mut self.streaming {
+            Some(s) => s.to_flat(),
+            None => d
+                .params
+                .as_ref()
+                .expect("the weights are on the device")
+                .to_host(),
+        };
         self.master = d.master.as_ref().map(DeviceBuf::to_host);
         self.opt = (d.opt.as_ref()).map(|(m, v)| AdamState {
             m: m.to_host(),

@@ -3,17 +3,22 @@
 //! `--offload-dir`), and the rank's plan takes the tier's host figure: the planner's
 //! host-resident states (`MemoryPlan::host_bytes`), or with the disk tier only the buckets
 //! in flight (`ferrotron_plan::disk_tier`), plus a device's staging of one bucket.
+//! `--offload params` also moves the weights and gradients into host memory
+//! (`crate::offload_params`): the optimizer then reads and writes them there, with no staging.
 
 use super::*;
+use crate::offload_params::Streaming;
 use crate::optim::disk_states::free_bytes;
 use crate::optim::offload::{record_plan, OffloadPlan, Offloaded};
+use anyhow::Context;
 use ferrotron_plan::disk_tier::{self, Disk};
 use ferrotron_plan::Offload;
 
 impl Trainer {
     /// Moves the optimizer states into the offload tier, when the run offloads them.
     pub(super) fn offload_states(&mut self) -> Result<()> {
-        if self.cfg.parallel.offload != Offload::Optimizer {
+        let streams = self.cfg.parallel.offload == Offload::Params;
+        if self.cfg.parallel.offload == Offload::None {
             return Ok(());
         }
         let n = self.opt_len;
@@ -25,7 +30,10 @@ impl Trainer {
         );
         let dir = self.cfg.runtime.offload_dir.clone();
         let states = 2 + self.master.is_some() as u64;
-        let device = self.device_alloc.clone().map(|d| (d, g, s));
+        // Streamed weights and gradients are in host memory already: no staging.
+        let device = (self.device_alloc.clone())
+            .filter(|_| !streams)
+            .map(|d| (d, g, s));
         let staging = match device {
             Some(_) => 4 * ((bucket * g).div_ceil(4) + (bucket * s).div_ceil(4)) as u64,
             None => 0,
@@ -65,12 +73,30 @@ impl Trainer {
         record_plan(plan);
         o.plan = Some(plan);
         self.offload = Some(o);
+        if streams {
+            let dev = (self.device_alloc.clone())
+                .context("offload = params: the weights stream to a device (checked before)")?;
+            let t = &self.model.params;
+            self.streaming = Some(Streaming::new(&self.params, p.engine_grads(), t, dev));
+        }
         Ok(())
     }
 
     /// The offload tier's line for the start of a run (`None` without offload).
     pub fn offload_line(&self) -> Option<String> {
-        self.offload.as_ref().map(Offloaded::describe)
+        let o = self.offload.as_ref()?;
+        let (Some(s), Some(p)) = (&self.streaming, o.plan) else {
+            return Some(o.describe());
+        };
+        let master = match self.cfg.precision.kind.has_master() {
+            true => ", fp32 master weights",
+            false => "",
+        };
+        Some(format!(
+            "offload: weights, gradients{master} and Adam's moments in host memory ({:.1} MiB); each unit uploaded into the device's windows as the model reaches it, the next layer one ahead ({} elements: the embedding, the head, two layers)",
+            p.host_bytes as f64 / (1u64 << 20) as f64,
+            s.param_windows()
+        ))
     }
 
     /// What the plan says the offload tier takes (`None` without offload).

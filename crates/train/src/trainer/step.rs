@@ -22,6 +22,9 @@ impl Trainer {
         // is normalised by the target count of the whole step (every rank's), and summing
         // micro-batch gradients gives the gradient of the global mean loss.
         let num_targets = self.global_batch_tokens() as usize;
+        if self.streaming.is_some() {
+            return self.step_streamed(step, params, grads, num_targets);
+        }
         // The backward's gradient reports and ZeRO-3's parameter requests both talk to the
         // data-parallel group, one after the other: they share it for the step.
         let dp = self.mesh.dp.take().map(RefCell::new);

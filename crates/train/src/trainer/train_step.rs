@@ -52,10 +52,12 @@ impl Trainer {
             return Ok(());
         }
         let gt = self.cfg.precision.kind.engine_grads();
-        let len = match &self.windows {
+        let len = match (&self.windows, &self.streaming) {
             // ZeRO-2: this rank's shard of the reduced gradients, then the windows.
-            Some(w) => self.opt_len + w.len(),
-            None => self.model.params.total,
+            (Some(w), _) => self.opt_len + w.len(),
+            // Streamed: the windows alone (the gradients are the host's).
+            (None, Some(s)) => s.grad_windows(),
+            (None, None) => self.model.params.total,
         };
         match (&mut self.dev, &self.device_alloc) {
             (Some(d), Some(a)) => d.grads = Some(DevFlat::zeros(a, gt, len)?),

@@ -20,7 +20,13 @@ impl Trainer {
         let loss_scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
         let zero2 = self.windows.is_some();
         let zero3 = self.zero3.is_some();
-        let k: &dyn Kernels<S, G> = &self.kernels;
+        // Streamed (`--offload params`), the weights and gradients are in host memory: the
+        // host's kernels reach them (the emulated device's are these, on device memory).
+        let host = CpuKernels::PLAIN;
+        let k: &dyn Kernels<S, G> = match self.cfg.parallel.offload {
+            ferrotron_plan::Offload::Params => &host,
+            _ => &self.kernels,
+        };
         if let Some(dp) = dp {
             (loss.sum, loss.count) = dp.borrow_mut().sum_loss(loss.sum, loss.count)?;
         }

@@ -181,6 +181,21 @@ pub fn assert_within_plans(steps: &[ferrotron_train::metrics::StepMetrics], what
     }
 }
 
+/// Two runs the same bit for bit: every step's loss, learning rate and gradient norm, and the
+/// sample of the weights at the end.
+pub fn assert_same_run(
+    what: &str,
+    a: &ferrotron_train::run::RunSummary,
+    b: &ferrotron_train::run::RunSummary,
+) {
+    assert_same_trajectory(what, &a.steps, &b.steps);
+    for (x, y) in a.steps.iter().zip(&b.steps) {
+        assert_eq!(x.grad_norm.to_bits(), y.grad_norm.to_bits(), "{what}");
+    }
+    assert!(a.sample.as_ref().is_some_and(|s| !s.is_empty()));
+    assert_eq!(a.sample, b.sample, "{what}: the weights at the end");
+}
+
 /// Every step's loss and learning rate, bit for bit, in `a` and `b`.
 pub fn assert_same_trajectory(
     what: &str,

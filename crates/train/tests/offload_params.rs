@@ -1,0 +1,113 @@
+//! `--offload params` (ZeRO-Infinity's parameter offload): the weights and gradients in host
+//! memory, each unit streamed through the device's windows one layer ahead. The arithmetic is
+//! the plain run's (the windows are loaded with the host's gradient sums before each unit's
+//! backward), so the trajectory must be the plain run's bit for bit; the device's memory must
+//! fall by what the plan takes off it, and the host's must be the plan's.
+
+mod common;
+use common::{assert_same_run, assert_within_plans, rel, tiny_args, tmp};
+use ferrotron_train::alloc::Tracking;
+use ferrotron_train::config::TrainArgs;
+use ferrotron_train::device::Device;
+use ferrotron_train::optim::host_tier::{host_live, host_peak, reset_host_peak};
+use ferrotron_train::optim::offload::last_plan;
+use ferrotron_train::run::run;
+
+#[global_allocator]
+static A: Tracking = Tracking;
+
+/// The tests' tiny llama with 6 layers: with 2 the windows (embedding, head, two layers)
+/// would be the whole model, and nothing could leave the device.
+fn args(tag: &str, precision: &str, offload: Option<&str>) -> TrainArgs {
+    let out = tmp(&format!("offload-params-{tag}-{precision}"));
+    let mut a = tiny_args(&out, 4);
+    let cfg = serde_json::json!({
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 160,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 6,
+        "vocab_size": 8192, "max_position_embeddings": 128, "tie_word_embeddings": true,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0
+    });
+    let model = out.join("config6.json");
+    std::fs::write(&model, cfg.to_string()).unwrap();
+    a.model = Some(model.to_string_lossy().into());
+    a.grad_acc = Some(2);
+    a.eval_interval = Some(2);
+    a.sample_tokens = Some(6);
+    a.device = Device::Emulated;
+    a.precision = Some(precision.into());
+    a.layout.offload = offload.map(String::from);
+    a
+}
+
+fn error(a: TrainArgs) -> String {
+    format!("{:#}", run(a).unwrap_err())
+}
+
+/// One test: the tracking allocator's and the host tier's counters are the process's.
+#[test]
+fn streamed_parameters_follow_the_plain_run_within_their_plan() {
+    for precision in ["fp32", "bf16"] {
+        let what = format!("{precision}: --offload params on the device");
+        let plain = run(args("plain", precision, None)).unwrap();
+        reset_host_peak();
+        let before = host_live();
+        let off = run(args("params", precision, Some("params"))).unwrap();
+        assert_eq!(
+            host_live(),
+            before,
+            "{what}: the host tier is freed with the run"
+        );
+        let host = host_peak() - before;
+        let plan = last_plan().unwrap();
+        assert_same_run(&what, &plain, &off);
+        // The evaluation streams the weights too.
+        let val = |s: &ferrotron_train::run::RunSummary| {
+            let v: Vec<_> = s.steps.iter().filter_map(|m| m.val_loss).collect();
+            v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        };
+        assert_eq!(val(&plain).len(), 2, "{what}");
+        assert_eq!(val(&plain), val(&off), "{what}: validation losses");
+        assert_within_plans(&off.steps, &what);
+        // The device's peak falls by what the plan takes off it: the weights, gradients and
+        // optimizer states, less the windows.
+        let planned = plain.planned_peak as f64 - off.planned_peak as f64;
+        let fell = plain.measured_peak as f64 - off.measured_peak as f64;
+        assert!(
+            planned > plan.host_bytes as f64 / 2.0,
+            "{what}: {planned} {plan:?}"
+        );
+        assert!(
+            rel(fell, planned) < 0.01,
+            "{what}: fell {fell}, planned {planned}"
+        );
+        // The host holds every weight, gradient and optimizer state, 16 bytes a parameter
+        // either way (fp32: 4 + 4 + 8 of moments; bf16: 2 + 2 + 4 of master weights + 8), of
+        // the 8192 × 64 tied embedding, 6 layers of 43,136 and the final norm's 64; and no
+        // staging.
+        assert_eq!(
+            plan.host_bytes,
+            16 * (8192 * 64 + 6 * 43_136 + 64),
+            "{what}"
+        );
+        assert_eq!(
+            (plan.staging_bytes, plan.host_bytes),
+            (0, plan.states_bytes)
+        );
+        assert!(
+            rel(host as f64, plan.host_bytes as f64) < 0.01,
+            "{what}: host {host}, {plan:?}"
+        );
+    }
+    let mut dp = args("dp", "fp32", Some("params"));
+    dp.layout.dp = Some(2);
+    assert_eq!(
+        error(dp),
+        "offload = params: one rank only for now (2 ranks asked): drop the parallel flags, or --offload"
+    );
+    let mut cpu = args("cpu", "fp32", Some("params"));
+    cpu.device = Device::Cpu;
+    assert_eq!(
+        error(cpu),
+        "offload = params: a CPU run keeps its weights in host memory already, so there is nothing to stream: add --device emulated (or cuda), or drop --offload"
+    );
+}
