@@ -78,7 +78,7 @@ pub fn comm_buffers(
 ) -> Vec<CommBuf> {
     let (r, l, conv, bucket_bytes) = (&x.recipe, &x.layout, x.convention, x.bucket_bytes);
     // ferrotron's trainer runs the step's communication (`runtime.rs`).
-    let trainer = x.runtime == Runtime::Ferrotron;
+    let trainer = x.runtime.is_trainer();
     // ferrotron's engine holds the tensors sequence, context and expert parallelism exchange in
     // its activation table (`act.sp.full`, `comm.cp.*`, `comm.ep.*`), whichever runtime moves
     // them.
@@ -213,12 +213,16 @@ pub fn comm_buffers(
     // Ring attention receives the next K and V chunk while computing on the current one.
     // (ferrotron's engine holds its blocks in the activation table, `comm.cp.block` and
     // `comm.cp.next`; its trainer sends each pass's copy from one f32 message buffer, a block
-    // with its gradients at most: `crates/train/src/context_parallel.rs`.)
+    // with its gradients at most: `crates/train/src/context_parallel.rs`; on a device it
+    // receives into a second one, the first being the send's, in flight meanwhile.)
     if l.cp > 1 {
         let kv_t = m.kv_heads_tp(l.tp);
         let kv = n * kv_t * (m.head_dim + m.v_head_dim);
         if trainer {
             add("cp.message", DType::F32, 2 * kv, cb, true);
+        }
+        if x.runtime == Runtime::FerrotronDevice {
+            add("cp.receive", DType::F32, 2 * kv, cb, true);
         }
         if !engine_table {
             add("cp.kv_ring", st, 2 * kv, cb, true);

@@ -429,7 +429,7 @@ fn rank_plan(
         }
     };
     let work = order(l, stage, m_sim);
-    let slotted = input.runtime == Runtime::Ferrotron && l.pp > 1 && spec.is_some();
+    let slotted = input.runtime.is_trainer() && l.pp > 1 && spec.is_some();
     let slot_of = match slotted {
         true => slots(&work),
         false => vec![0; work.len()],

@@ -18,6 +18,11 @@ pub enum Runtime {
     /// buffers, one f32 message buffer for context and expert parallelism. Runs only ferrotron's
     /// engine, so only under the `ferrotron` convention.
     Ferrotron,
+    /// ferrotron's trainer with the model's tensors on a device (`--device emulated`, a GPU):
+    /// the same buffers, all of them host staging, and one more: the context-parallel ring
+    /// receives into a second message buffer (`comm.cp.receive`), because the planned one is
+    /// the send's, in flight meanwhile (on the host a block is received in place).
+    FerrotronDevice,
     /// The framework the convention describes, as the planner models frameworks: PyTorch DDP's
     /// gradient buckets, ZeRO-3 as FSDP and DeepSpeed run it (every micro-batch gathers each
     /// unit for its forward and again for its backward and reduce-scatters its gradients: ZeRO
@@ -27,6 +32,11 @@ pub enum Runtime {
 }
 
 impl Runtime {
+    /// ferrotron's own trainer, on the host or on a device.
+    pub fn is_trainer(self) -> bool {
+        matches!(self, Runtime::Ferrotron | Runtime::FerrotronDevice)
+    }
+
     /// The runtime a convention means when none is named (the CLI, the API, the layout
     /// search): ferrotron's trainer under its own convention, the convention's framework
     /// under every other.
@@ -39,7 +49,7 @@ impl Runtime {
 
     /// ferrotron's trainer executes ferrotron's engine only.
     pub fn validate(self, conv: Convention) -> Result<()> {
-        if self == Runtime::Ferrotron && conv != Convention::Ferrotron {
+        if self.is_trainer() && conv != Convention::Ferrotron {
             return Err(PlanError::setting(
                 "runtime",
                 self,
@@ -56,6 +66,7 @@ impl fmt::Display for Runtime {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             Runtime::Ferrotron => "ferrotron",
+            Runtime::FerrotronDevice => "ferrotron on a device",
             Runtime::Framework => "framework",
         })
     }
@@ -70,8 +81,9 @@ mod tests {
         for c in Convention::ALL {
             assert!(Runtime::of(c).validate(c).is_ok(), "{c}");
             assert!(Runtime::Framework.validate(c).is_ok(), "{c}");
-            let trainer = Runtime::Ferrotron.validate(c);
-            assert_eq!(trainer.is_ok(), c == Convention::Ferrotron, "{c}");
+            for t in [Runtime::Ferrotron, Runtime::FerrotronDevice] {
+                assert_eq!(t.validate(c).is_ok(), c == Convention::Ferrotron, "{t} {c}");
+            }
         }
         assert_eq!(Runtime::of(Convention::Ferrotron), Runtime::Ferrotron);
         assert_eq!(Runtime::of(Convention::Torchtitan), Runtime::Framework);

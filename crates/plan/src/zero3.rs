@@ -155,11 +155,7 @@ pub fn layer_gathers_per_step(layers: usize, micro_batches: u64) -> Vec<u64> {
 /// merely its convention: an FSDP run costed with the engine's kernels gathers as FSDP does),
 /// sharded over more than one rank, dense (no expert shards), without pipelining.
 pub fn applies(runtime: Runtime, l: &Layout, expert_elems: u64) -> bool {
-    runtime == Runtime::Ferrotron
-        && l.zero >= 3
-        && l.pp == 1
-        && l.dense_replicas() > 1
-        && expert_elems == 0
+    runtime.is_trainer() && l.zero >= 3 && l.pp == 1 && l.dense_replicas() > 1 && expert_elems == 0
 }
 
 /// A step's ZeRO-3 collectives over `dp` ranks, in f32 elements each all-gather or

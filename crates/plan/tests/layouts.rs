@@ -74,16 +74,28 @@ fn tp_beyond_kv_heads_replicates_one_head_per_rank() {
     assert_eq!(numel(rank, "grad.act.k"), n * d);
     // Context parallelism passes the rank's one K and one V head around the ring, with their
     // gradients in the backward: ferrotron's ring blocks and its message buffer (f32).
-    let cp = run(
-        "llama-3-8b",
-        Layout {
-            tp: 16,
-            cp: 2,
-            ..Layout::default()
-        },
-    );
+    let cp = run("llama-3-8b", cp_layout());
     assert_eq!(numel(cp.worst(), "comm.cp.block"), (n / 2) * 2 * (d + d));
     assert_eq!(numel(cp.worst(), "comm.cp.message"), (n / 2) * 2 * (d + d));
+    // On the host a block is received in place; on a device the trainer receives it into a
+    // second message buffer while the first is the send's, in flight.
+    assert!(cp.worst().plan.find("comm.cp.receive").is_none());
+    let mut x = input("llama-3-8b", recipe(), cp_layout(), Convention::Ferrotron);
+    x.runtime = Runtime::FerrotronDevice;
+    let dev = plan(&x).unwrap();
+    assert_eq!(numel(dev.worst(), "comm.cp.receive"), (n / 2) * 2 * (d + d));
+    assert_eq!(
+        dev.worst().peak - cp.worst().peak,
+        4 * (n / 2) * 2 * (d + d)
+    );
+}
+
+fn cp_layout() -> Layout {
+    Layout {
+        tp: 16,
+        cp: 2,
+        ..Layout::default()
+    }
 }
 
 #[test]

@@ -59,8 +59,8 @@ impl CpComm for Group {
         let (size, rank) = (self.comm.size(), self.comm.rank());
         let from = (rank + size - 1) % size;
         let received = match self.device_copy() {
-            // A device block: received into the host staging buffer, then copied up (the
-            // planned buffer is the send's, still in flight).
+            // A device block: received into the plan's `comm.cp.receive`, then copied up (the
+            // message buffer is the send's, still in flight).
             Some(dev) if recv.memory() != Memory::Host => {
                 let mut stage = self.receive_staging();
                 stage.clear();

@@ -12,9 +12,9 @@
 //! - `--device cuda` in a build without the `cuda` feature;
 //! - no NVIDIA driver, or no GPU;
 //! - more than one rank on the GPU (a GPU communicator is NCCL, issue #15); on the emulated
-//!   device, every layout of several ranks but data parallelism with ZeRO 0 or 1
-//!   (`device_ranks::check`);
-//! - on the GPU: a mixture of experts, fp8, the memory timeline (`Trainer::new`).
+//!   device, expert parallelism (`device_ranks::check`);
+//! - on either device, a mixture of experts (`run::layout_checks`); on the GPU, fp8 and the
+//!   memory timeline (`Trainer::new`).
 
 use anyhow::{bail, Result};
 use ferrotron_engine::kernels::{Backend, CpuKernels, DeviceAlloc, EmulatedDevice, OnDevice};

@@ -20,9 +20,10 @@
 //! device (`crate::pipeline::Pipeline::on_device`), the tied embedding's two gradients summed
 //! through the latter. Context parallelism's ring widens the keys and values into its f32
 //! blocks (device buffers of the pool) through the same copies, sends each block from the
-//! group's `comm.cp.message` and, on a device, receives it into a host buffer of the same
-//! size before copying it up (the planned one is the send's, still in flight; on the host the
-//! block is received in place): that buffer is the one byte count outside the plan here.
+//! group's `comm.cp.message` and, on a device, receives it into a second one of the same
+//! size, `comm.cp.receive`, before copying it up (the first is the send's, still in flight;
+//! on the host the block is received in place): the plan counts it for device ranks
+//! (`ferrotron_plan::Runtime::FerrotronDevice`).
 //! `ferrotron_dist::Staged` (f32 views through a staging buffer of its own) does not serve
 //! these: a 16-bit activation is summed in f32 and rounded once, so its staging is a typed
 //! copy, and a second staging buffer per group would sit outside the plan. Expert parallelism

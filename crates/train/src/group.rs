@@ -46,8 +46,8 @@ impl Group {
         }
     }
 
-    /// On a device, the receive staging of `len` f32 (a ring's messages are as long as its
-    /// planned buffer); nothing on the host.
+    /// On a device, the receive staging of `len` f32, the plan's `comm.cp.receive` (a ring's
+    /// messages are as long as its message buffer); nothing on the host.
     pub fn allocate_receive(&self, len: usize) {
         let mut r = self.receive.borrow_mut();
         if self.device.borrow().is_some() && r.capacity() < len {

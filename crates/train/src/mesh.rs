@@ -125,9 +125,10 @@ impl Mesh {
         for (d, g) in &self.groups {
             if let Some(n) = find(planned_buffer(*d)) {
                 g.allocate(n);
-                if *d == Dim::Cp {
-                    g.allocate_receive(n);
-                }
+            }
+            // A device rank's ring receive (`Runtime::FerrotronDevice` plans it).
+            if let (Dim::Cp, Some(n)) = (d, find("comm.cp.receive")) {
+                g.allocate_receive(n);
             }
         }
     }

@@ -92,8 +92,13 @@ pub fn checked_plan(
     c: &TrainConfig,
     kernel_workspace: u64,
     stage: usize,
+    on_device: bool,
 ) -> Result<RankPlan> {
-    let input = plan_input(spec, c, kernel_workspace);
+    let mut input = plan_input(spec, c, kernel_workspace);
+    // On a device every exchange stages through host buffers, one more than on the host.
+    if on_device {
+        input.runtime = Runtime::FerrotronDevice;
+    }
     let result = plan(&input).map_err(|e| anyhow::anyhow!("{e}"))?;
     let rank = result
         .ranks

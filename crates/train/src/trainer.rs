@@ -272,7 +272,8 @@ impl Trainer {
         let stage = comms.pp.as_ref().map_or(0, |p| p.stage);
         let (planned, plan_bytes) = alloc::bookkeeping(|| {
             let at = (n, chunk, stage);
-            rank_plan(&spec, &cfg, &kernels, &model, kernel_workspace, at)
+            let dev = device_alloc.is_some();
+            rank_plan(&spec, &cfg, &kernels, &model, kernel_workspace, at, dev)
         });
         let (plan, kernel_workspace, gpu) = planned?;
         // Plan first: every state's length and the buckets' are the plan's; the trainer lays

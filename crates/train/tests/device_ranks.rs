@@ -153,3 +153,22 @@ fn expert_parallelism_on_device_ranks_is_refused_in_one_line() {
     let msg = run(a).unwrap_err().to_string();
     assert_eq!(msg, "device = emulated: ep = 2 (expert parallelism and its mixture-of-experts exchange): several ranks on the device run data (ZeRO 0 to 3), tensor (with sp), pipeline and context parallelism only so far (issue #33); drop it, or use --device cpu");
 }
+
+#[test]
+fn a_mixture_of_experts_on_the_device_is_refused_in_one_line() {
+    // One rank (the MoE kernels would be handed the router's host statistics) and several.
+    let out = tmp("moe-refused");
+    let model = common::tiny_moe_model(&tmp("moe-refused-model"));
+    for dp in [1, 2] {
+        let mut a = tiny_args(&out, 1);
+        a.device = Device::Emulated;
+        a.model = Some(model.to_string_lossy().into());
+        a.layout.dp = Some(dp);
+        let msg = run(a).unwrap_err().to_string();
+        assert!(
+            msg.starts_with("device = emulated: model ")
+                && msg.ends_with(" is a mixture of experts, whose routing runs on the host only so far (issue #33); use --device cpu"),
+            "dp {dp}: {msg}"
+        );
+    }
+}

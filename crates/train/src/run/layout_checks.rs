@@ -12,6 +12,7 @@ pub(super) fn check_layout(
     layout: &Layout,
     world: usize,
 ) -> Result<()> {
+    check_device_moe(args, saved)?;
     if layout.ep > 1 {
         check_ep(args, saved, layout)?;
     }
@@ -28,6 +29,26 @@ pub(super) fn check_layout(
         check_pp(args, saved, layout)?;
     }
     check_fit(args, saved, world)?;
+    Ok(())
+}
+
+/// A mixture of experts runs on the CPU only so far: its routing reads the router's choices
+/// on the host (the per-expert grouping, `Llama::expert_rows`) and keeps its load-balancing
+/// statistics in host memory, which a device's kernels may not be handed (issue #33).
+fn check_device_moe(args: &TrainArgs, saved: Option<&checkpoint::Loaded>) -> Result<()> {
+    use crate::device::Device;
+    let device = match args.device {
+        Device::Cpu => return Ok(()),
+        Device::Cuda => "cuda",
+        Device::Emulated => "emulated",
+    };
+    let spec = spec_by_name(args, saved)?;
+    if spec.moe.is_some() {
+        bail!(
+            "device = {device}: model {} is a mixture of experts, whose routing runs on the host only so far (issue #33); use --device cpu",
+            spec.name
+        );
+    }
     Ok(())
 }
 

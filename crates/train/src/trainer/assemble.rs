@@ -329,6 +329,7 @@ pub(super) fn rank_plan(
     model: &Llama,
     kernel_workspace: KernelWorkspace,
     (n, chunk, stage): (usize, usize, usize),
+    on_device: bool,
 ) -> Result<(RankPlan, KernelWorkspace, GpuWorkspace)> {
     // A GPU's workspace is its own (cuBLASLt's, and scratch reserved now).
     let gpu = crate::device::gpu_workspace(&kernels.inner, model, chunk, n, cfg.precision.kind);
@@ -340,7 +341,7 @@ pub(super) fn rank_plan(
         None => kernel_workspace,
     };
     let ws = kernel_workspace.max();
-    let plan = checked_plan(spec, model, cfg, ws, stage)?;
+    let plan = checked_plan(spec, model, cfg, ws, stage, on_device)?;
     Ok((plan, kernel_workspace, gpu))
 }
 
