@@ -25,7 +25,7 @@
 //! plan, laid out once over the order in which the backward reports gradients final,
 //! [`report_order`]); [`DataParallel::add`] checks every report against that layout.
 
-use crate::device_ranks::{add_f32, read_f32, write_f32, HostCopy};
+use crate::device::ranks::{add_f32, read_f32, write_f32, HostCopy};
 use crate::small_sums::{gather_mem, gather_small, SmallSums};
 use anyhow::{anyhow, bail, Result};
 use ferrotron_dist::{Communicator, Pending, Region};

@@ -10,8 +10,6 @@ pub mod context_parallel;
 pub mod data;
 pub mod data_parallel;
 pub mod device;
-pub mod device_ranks;
-pub mod device_state;
 pub mod eval;
 pub mod expert_parallel;
 pub mod fit;
@@ -19,8 +17,6 @@ pub mod grad_sync;
 pub mod group;
 pub mod memory;
 pub mod mesh;
-#[cfg(feature = "cuda")]
-pub mod nccl;
 pub mod observe;
 pub mod offload_params;
 pub mod optim;

@@ -5,8 +5,8 @@
 use crate::config::TrainConfig;
 use crate::data::{Loader, ValLoader};
 use crate::data_parallel::{expert_ranges, Buckets, DataParallel, Gather, Segment};
+use crate::device::state::{DevFlat, DeviceState};
 use crate::device::Machine;
-use crate::device_state::{DevFlat, DeviceState};
 use crate::group::Group;
 use crate::memory::alloc;
 use crate::memory::arena::Arena;
@@ -63,7 +63,7 @@ mod train_step;
 mod update;
 mod zero_gather;
 
-use crate::device_ranks::ViewGather;
+use crate::device::ranks::ViewGather;
 use assemble::{initial_weights, open_backend, planned_states, rank_model, rank_plan};
 use assemble::{plan_pool, tensor_parallel_rank, Opened};
 use memory_report::{measure_workspace, rank_mems, step_peaks, trace_capacity};

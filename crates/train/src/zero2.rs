@@ -12,7 +12,7 @@
 //!
 //! They are the plan's `comm.zero2.grad_windows`: embedding + head + the largest layer.
 
-use crate::device_ranks::{zero, HostCopy};
+use crate::device::ranks::{zero, HostCopy};
 use ferrotron_engine::kernels::{View, ViewMut};
 use ferrotron_engine::model::{two_mut, GradBuf, ParamTable};
 use ferrotron_engine::Elem;

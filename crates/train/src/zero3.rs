@@ -11,7 +11,7 @@
 //! input). Gradients go through ZeRO-2's windows (`zero2`), reduce-scattered unit by unit.
 
 use crate::data_parallel::DataParallel;
-use crate::device_ranks::{read_f32, write_f32, HostCopy};
+use crate::device::ranks::{read_f32, write_f32, HostCopy};
 use crate::optim::offload::copy_up;
 use crate::zero2::GradWindows;
 use anyhow::{bail, Result};

@@ -217,7 +217,7 @@ PY
 
 echo "== several ranks on the emulated device under mpirun (--device emulated --dp 2 --zero 3) = threads on the CPU"
 # Each process's state in device memory, data parallelism staged through its host buckets
-# (crates/train/src/device_ranks.rs): the CPU threads run's losses and norms, bit for bit.
+# (crates/train/src/device/ranks.rs): the CPU threads run's losses and norms, bit for bit.
 timeout 300 "${MPIRUN[@]}" "$BIN" "${COMMON[@]}" --zero 3 --steps 4 --device emulated \
     --out-dir "$OUT/emulated3" 2>"$OUT/emulated.log" || { cat "$OUT/emulated.log"; exit 1; }
 python3 - "$OUT/threads3/metrics.jsonl" "$OUT/emulated3/metrics.jsonl" <<'PY'
@@ -235,7 +235,7 @@ PY
 
 echo "== tensor parallelism on the emulated device under mpirun (--device emulated --tp 2 --sp, four processes) = the CPU processes"
 # The tensor-parallel group's buffer filled from each process's device and written back
-# (device_ranks.rs): the same layout's CPU run under mpirun (tp-sp-mpi), bit for bit.
+# (device/ranks.rs): the same layout's CPU run under mpirun (tp-sp-mpi), bit for bit.
 timeout 300 "${MPIRUN4[@]}" "$BIN" "${COMMON[@]}" --tp 2 --sp --zero 1 --steps 4 --device emulated \
     --out-dir "$OUT/emulated-tp" 2>"$OUT/emulated-tp.log" || { cat "$OUT/emulated-tp.log"; exit 1; }
 python3 - "$OUT/tp-sp-mpi/metrics.jsonl" "$OUT/emulated-tp/metrics.jsonl" <<'PY'

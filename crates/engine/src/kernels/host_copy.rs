@@ -1,6 +1,6 @@
 //! Typed copies between one device's memory and f32 on the host ([`HostCopy`], [`read_f32`],
 //! [`write_f32`]): how a host communicator's planned buffer is filled from a device's tensors
-//! and read back into them. The trainer's data-parallel buckets (`device_ranks.rs` in
+//! and read back into them. The trainer's data-parallel buckets (`device/ranks.rs` in
 //! `ferrotron-train`), and the model groups' buffers (tensor parallelism's `comm.tp.staging`,
 //! context parallelism's ring message, the pipeline's sends and receive) stage through them.
 //!

@@ -109,12 +109,12 @@ impl Trainer {
         }
         // Data parallelism's buckets stage the device's gradients through the host.
         if let (Some(d), Some(dp)) = (&device_alloc, &mut self.mesh.dp) {
-            dp.on_device(crate::device_ranks::HostCopy::new(d.clone()));
+            dp.on_device(crate::device::ranks::HostCopy::new(d.clone()));
         }
         // So do the model groups' planned buffers (tensor and context parallelism) and the
         // pipeline's send and receive buffers.
         if let Some(d) = &device_alloc {
-            let copy = crate::device_ranks::HostCopy::new(d.clone());
+            let copy = crate::device::ranks::HostCopy::new(d.clone());
             if let Some(pp) = &mut self.mesh.pp {
                 pp.on_device(copy.clone());
             }

@@ -1,10 +1,12 @@
-//! Which device runs the training step (`--device cpu|cuda`).
+//! Which device runs the training step (`--device cpu|cuda`), and everything the trainer does
+//! only on a device: [`state`] (the trainer's state in the device's memory), [`ranks`] (several
+//! ranks on a device: their host staging) and [`nccl`] (the GPU communicator).
 //!
 //! The CUDA backend (`ferrotron_engine::kernels::cuda`, `--features cuda`) runs every op of
 //! the dense model on one GPU, checked against the CPU backend op by op and step by step
 //! (`crates/engine/tests/cuda_backend.rs`, on a GPU). With `--device cuda` the trainer keeps
 //! its weights, master weights, gradients, Adam's moments, activation arena and token ids in
-//! the GPU's memory (`device_state`), and copies them to the host only for a checkpoint or a
+//! the GPU's memory ([`state`]), and copies them to the host only for a checkpoint or a
 //! sample. The same path runs on the emulated device (`--device emulated`, hidden: host
 //! memory the host may not read through a view), which is how it is tested without a GPU.
 //!
@@ -12,9 +14,14 @@
 //! - `--device cuda` in a build without the `cuda` feature;
 //! - no NVIDIA driver, or no GPU;
 //! - more than one rank on the GPU (a GPU communicator is NCCL, issue #15); on the emulated
-//!   device, expert parallelism (`device_ranks::check`);
+//!   device, expert parallelism ([`ranks::check`]);
 //! - on either device, a mixture of experts (`run::layout_checks`); on the GPU, fp8 and the
 //!   memory timeline (`Trainer::new`).
+
+#[cfg(feature = "cuda")]
+pub mod nccl;
+pub mod ranks;
+pub mod state;
 
 use anyhow::{bail, Result};
 use ferrotron_engine::kernels::{Backend, CpuKernels, DeviceAlloc, EmulatedDevice, OnDevice};

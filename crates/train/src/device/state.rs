@@ -61,7 +61,7 @@ impl DevFlat {
 #[macro_export]
 macro_rules! with_dev_types {
     ($params:expr, $grads:expr, |$p:ident, $g:ident| $body:expr) => {{
-        use $crate::device_state::DevFlat;
+        use $crate::device::state::DevFlat;
         match ($params, $grads) {
             (DevFlat::F32($p), DevFlat::F32($g)) => $body,
             (DevFlat::Bf16($p), DevFlat::Bf16($g)) => $body,
