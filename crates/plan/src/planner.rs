@@ -379,7 +379,7 @@ fn rank_plan(
     // ferrotron's trainer streams offloaded parameters (`--offload params`) through ZeRO-3's
     // windows, the embedding's, the head's and two layers', allocated with the states
     // (`crates/train/src/offload_params.rs`; the next layer's upload runs one layer ahead).
-    let streams = input.runtime == Runtime::Ferrotron && l.offload == crate::Offload::Params;
+    let streams = input.runtime.is_trainer() && l.offload == crate::Offload::Params;
     if streams && spec.is_some() {
         let lens = crate::zero3::unit_lens(tensors, l.tp, on_stage);
         let windows = crate::zero3::Sizes::of(&lens, 1).windows;
