@@ -7,11 +7,36 @@ use ferrotron_train::data::{build_shards, Tokenizer};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
+/// A fresh directory `NAME-PID` under cargo's test scratch folder. The first call of a test
+/// binary also removes the directories that test binaries no longer running left there: each
+/// run used to leave its own, and a developer's target/tmp grew by gigabytes.
 pub fn tmp(name: &str) -> PathBuf {
+    static SWEPT: std::sync::Once = std::sync::Once::new();
+    SWEPT.call_once(sweep_dead);
     let p = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&p);
     std::fs::create_dir_all(&p).unwrap();
     p
+}
+
+/// Removes the `NAME-PID` directories whose process has ended (Linux's /proc tells; elsewhere
+/// nothing is removed). A live binary's directories are never touched.
+fn sweep_dead() {
+    if !Path::new("/proc/self").exists() {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(env!("CARGO_TARGET_TMPDIR")) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.rsplit_once('-')) else {
+            continue;
+        };
+        if pid.1.parse::<u32>().is_ok() && !Path::new("/proc").join(pid.1).exists() {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
 }
 
 /// Token shards of the bundled corpus (built once per test binary).
