@@ -46,3 +46,56 @@ fn a_device_budget_that_is_not_a_positive_number_is_refused() {
         "error: device_memory = -2: must be a positive number"
     );
 }
+
+/// What the GPU has free now (the driver's count; `FERROTRON_DEVICE_FREE` stands in for it
+/// here): two ranks sharing one device each need their plan there, so a plan that fits one
+/// rank's share but not two is refused before anything is written, with the ranks named.
+#[test]
+fn ranks_that_do_not_fit_the_free_device_memory_together_are_refused() {
+    let run = |free: &str, dp: &str, out: &std::path::Path| {
+        Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+            .env("FERROTRON_DEVICE_FREE", free)
+            .args(["train", "--device", "emulated", "--dp", dp, "--steps", "1"])
+            .args([
+                "--seq",
+                "64",
+                "--mbs",
+                "1",
+                "--eval-interval",
+                "0",
+                "--sample-tokens",
+                "0",
+            ])
+            .arg("--out-dir")
+            .arg(out)
+            .output()
+            .unwrap()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    // One rank's plan fits 400 MB (the default model at seq 64 plans ~270 MB per rank); two
+    // ranks' do not.
+    let one = run("400000000", "1", &out);
+    assert!(
+        one.status.success(),
+        "{}",
+        String::from_utf8_lossy(&one.stderr)
+    );
+    std::fs::remove_dir_all(&out).unwrap();
+    let o = run("400000000", "2", &out);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.starts_with("error: device: the plan needs ")
+            && err.contains(" GiB on a GPU (peak ")
+            && err.contains(" GiB on rank 0 × 2 ranks on it) but 0.37 GiB is free there: nothing was allocated; same-GPU fixes (times predicted on a 0.37 GiB free h100): "),
+        "{err}"
+    );
+    assert!(!out.exists(), "a refused run wrote {}", out.display());
+    let bad = run("lots", "1", &out);
+    assert_eq!(
+        String::from_utf8_lossy(&bad.stderr).trim(),
+        "error: FERROTRON_DEVICE_FREE = lots: must be a number of bytes, or unset"
+    );
+}

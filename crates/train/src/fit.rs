@@ -158,16 +158,71 @@ pub fn device_budget(spec: &ModelSpec, c: &TrainConfig) -> Result<()> {
     if most <= budget {
         return Ok(());
     }
+    let (card, fixes) = same_gpu_fixes(&input, most, budget, &format!("{gib} GiB"))?;
+    bail!(
+        "device_memory = {gib}: the plan's peak is {:.2} GiB on rank {} (more than {gib} GiB): nothing was allocated; same-GPU fixes (times predicted on {card}): {fixes}",
+        most as f64 / GIB,
+        plan.most_loaded,
+    )
+}
+
+/// Refuses a plan whose ranks do not fit the memory free on their GPU now (`free` bytes on
+/// each of `gpus` GPUs, the smallest, by the driver's count: `device::free_memory`), before
+/// any rank allocates: the `ranks_here` ranks of this process (or node) share the GPUs round
+/// robin, each GPU holding up to ⌈ranks/gpus⌉ of them, counted at the most loaded rank's
+/// planned peak. Without this check a plan too large for the card failed at an allocation in
+/// the middle of the start, with part of it made.
+pub fn device_fit(
+    spec: &ModelSpec,
+    c: &TrainConfig,
+    ranks_here: u64,
+    (free, gpus): (u64, usize),
+) -> Result<()> {
+    let input = crate::setup::plan_input(spec, c, 0);
+    let Ok(plan) = ferrotron_plan::planner::plan(&input) else {
+        return Ok(());
+    };
+    let per_gpu = ranks_here.div_ceil(gpus.max(1) as u64).max(1);
+    let most = plan.ranks[plan.most_loaded].peak;
+    let need = most * per_gpu;
+    if need <= free {
+        return Ok(());
+    }
+    let label = format!("{:.2} GiB free", free as f64 / GIB);
+    let (card, fixes) = same_gpu_fixes(&input, most, free / per_gpu, &label)?;
+    let ranks = match per_gpu {
+        1 => String::new(),
+        n => format!(" × {n} ranks on it"),
+    };
+    bail!(
+        "device: the plan needs {:.2} GiB on a GPU (peak {:.2} GiB on rank {}{ranks}) but {:.2} GiB is free there: nothing was allocated; same-GPU fixes (times predicted on {card}): {fixes}",
+        need as f64 / GIB,
+        most as f64 / GIB,
+        plan.most_loaded,
+        free as f64 / GIB,
+    )
+}
+
+/// The planner's fixes that keep the GPUs (offload, recompute, a smaller micro-batch, …) for a
+/// plan whose most loaded rank needs `most` bytes where `budget` are there, each with its
+/// predicted peak and step time on an H100's compute with `budget` bytes of memory (named
+/// `label`); with that card's name.
+fn same_gpu_fixes(
+    input: &ferrotron_plan::planner::PlanInput,
+    most: u64,
+    budget: u64,
+    label: &str,
+) -> Result<(String, String)> {
     let anyhow = |e: ferrotron_plan::error::PlanError| anyhow::anyhow!("{e}");
     let mut card = gpu(BUDGET_CARD).map_err(anyhow)?;
-    card.name = format!("a {gib} GiB {}", card.name);
+    card.name = format!("a {label} {}", card.name);
     card.capacity = budget;
     let cluster = ferrotron_plan::cluster::Cluster::of(card.clone(), 8).map_err(anyhow)?;
     let timing = ferrotron_plan::verdict::Timing {
         cluster: &cluster,
         flops: ferrotron_plan::flops::FlopsConvention::Ferrotron,
     };
-    let v = ferrotron_plan::verdict::verdict(&input, most, &card, Some(timing)).map_err(anyhow)?;
+    let v = ferrotron_plan::verdict::verdict(input, most, &card, Some(timing)).map_err(anyhow)?;
     let fixes: Vec<String> = v
         .options
         .iter()
@@ -190,12 +245,7 @@ pub fn device_budget(spec: &ModelSpec, c: &TrainConfig) -> Result<()> {
         true => "none on the same GPUs: add GPUs, or a card with more memory".to_string(),
         false => fixes.join("; "),
     };
-    bail!(
-        "device_memory = {gib}: the plan's peak is {:.2} GiB on rank {} (more than {gib} GiB): nothing was allocated; same-GPU fixes (times predicted on {}): {fixes}",
-        most as f64 / GIB,
-        plan.most_loaded,
-        card.name
-    )
+    Ok((card.name, fixes))
 }
 
 #[cfg(test)]
@@ -212,6 +262,29 @@ mod tests {
         .resolve()
         .unwrap();
         (ferrotron_plan::presets::resolve(model).unwrap(), c)
+    }
+
+    #[test]
+    fn ranks_sharing_a_gpu_need_their_plans_together_and_round_robin_spreads_them() {
+        let (spec, c) = run("llama-3.2-1b", None);
+        let plan = ferrotron_plan::planner::plan(&crate::setup::plan_input(&spec, &c, 0)).unwrap();
+        let peak = plan.ranks[plan.most_loaded].peak;
+        // One rank: its own peak fits exactly.
+        device_fit(&spec, &c, 1, (peak, 1)).unwrap();
+        // Two ranks on one GPU need twice; on two GPUs, one each.
+        let msg = device_fit(&spec, &c, 2, (2 * peak - 1, 1))
+            .unwrap_err()
+            .to_string();
+        let head = format!(
+            "device: the plan needs {:.2} GiB on a GPU (peak {:.2} GiB on rank 0 × 2 ranks on it) but {:.2} GiB is free there: nothing was allocated; same-GPU fixes",
+            (2 * peak) as f64 / GIB,
+            peak as f64 / GIB,
+            (2 * peak - 1) as f64 / GIB
+        );
+        assert!(msg.starts_with(&head), "{msg}");
+        device_fit(&spec, &c, 2, (peak, 2)).unwrap();
+        // Three ranks on two GPUs: one of them holds two.
+        assert!(device_fit(&spec, &c, 3, (peak, 2)).is_err());
     }
 
     #[test]

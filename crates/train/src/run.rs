@@ -569,6 +569,7 @@ fn run_rank(
         crate::device::Machine {
             device: args.device,
             peak_gflops,
+            gpu: crate::device::gpu_of(args.device, rank)?,
         },
     )?;
     rank::load_state(&mut t, loaded.as_ref(), &cfg, rank)?;

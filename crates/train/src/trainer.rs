@@ -258,7 +258,7 @@ impl Trainer {
         } = open_backend(
             &cfg,
             &llama,
-            machine.device,
+            machine,
             comms.tp.as_ref().map_or(1, |t| t.size()),
         )?;
         // This rank's place in its tensor-parallel group (with the tables mapping its slices

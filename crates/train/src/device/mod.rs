@@ -13,8 +13,9 @@
 //! Refused before anything is written, each in one line saying what to do:
 //! - `--device cuda` in a build without the `cuda` feature;
 //! - no NVIDIA driver, or no GPU;
-//! - more than one rank on the GPU (a GPU communicator is NCCL, issue #15); on the emulated
-//!   device, expert parallelism ([`ranks::check`]);
+//! - on a device, the layouts several ranks do not run yet ([`ranks::check`]); several ranks on
+//!   the GPU stage their messages through host memory, each on its GPU ([`gpu_of`]; NCCL in
+//!   the trainer is issue #33's next step);
 //! - on either device, a mixture of experts (`run::layout_checks`); on the GPU, fp8 and the
 //!   memory timeline (`Trainer::new`).
 
@@ -47,6 +48,82 @@ pub enum Device {
 pub struct Machine {
     pub device: Device,
     pub peak_gflops: f64,
+    /// The GPU this rank runs on ([`gpu_of`]; 0 off the GPU).
+    pub gpu: usize,
+}
+
+/// The GPU of a rank: its index among the ranks of its machine (under `mpirun`, Open MPI's
+/// local rank; as threads of one process, the rank itself), round robin over the GPUs the
+/// driver sees. Several ranks per GPU share it through host staging ([`ranks`]); NCCL, which
+/// refuses two ranks on one GPU, needs a GPU per rank.
+pub fn gpu_of(device: Device, rank: usize) -> Result<usize> {
+    if device != Device::Cuda {
+        return Ok(0);
+    }
+    let local = match ferrotron_dist::launched_by_mpirun() {
+        true => local_rank().unwrap_or(rank),
+        false => rank,
+    };
+    Ok(local % gpus()?.max(1))
+}
+
+/// Open MPI's index of this process among those on its node (`OMPI_COMM_WORLD_LOCAL_RANK`).
+fn local_rank() -> Option<usize> {
+    std::env::var("OMPI_COMM_WORLD_LOCAL_RANK")
+        .ok()?
+        .parse()
+        .ok()
+}
+
+/// How many GPUs the driver sees.
+#[cfg(feature = "cuda")]
+fn gpus() -> Result<usize> {
+    ferrotron_engine::kernels::cuda::device::count().map_err(|e| anyhow::anyhow!("{e}"))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpus() -> Result<usize> {
+    Ok(1)
+}
+
+/// The memory free on the GPUs the ranks of this process (or node) share, by the driver's
+/// count now, and how many GPUs that is: the fit of their plans is checked against it before
+/// anything is allocated (`fit::device_fit`). `FERROTRON_DEVICE_FREE` (bytes) stands in for
+/// the driver, for tests on the emulated device and for a budget below the card's. `None`
+/// where nothing can be read (the CPU; the emulated device without the variable).
+pub fn free_memory(device: Device) -> Result<Option<(u64, usize)>> {
+    if device == Device::Cpu {
+        return Ok(None);
+    }
+    if let Ok(v) = std::env::var("FERROTRON_DEVICE_FREE") {
+        let bytes = v.trim().parse::<u64>().map_err(|_| {
+            anyhow::anyhow!("FERROTRON_DEVICE_FREE = {v}: must be a number of bytes, or unset")
+        })?;
+        return Ok(Some((bytes, 1)));
+    }
+    if device == Device::Emulated {
+        return Ok(None);
+    }
+    cuda_free()
+}
+
+/// The smallest free memory over the GPUs the driver sees, and their count: every GPU holds
+/// the same ranks' share (round robin, [`gpu_of`]).
+#[cfg(feature = "cuda")]
+fn cuda_free() -> Result<Option<(u64, usize)>> {
+    use ferrotron_engine::kernels::cuda::device::{count, memory};
+    let err = |e: ferrotron_engine::kernels::cuda::DeviceError| anyhow::anyhow!("{e}");
+    let n = count().map_err(err)?;
+    let mut least = u64::MAX;
+    for g in 0..n {
+        least = least.min(memory(g).map_err(err)?.0);
+    }
+    Ok((n > 0).then_some((least, n)))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_free() -> Result<Option<(u64, usize)>> {
+    Ok(None)
 }
 
 /// Refuses `--device cuda` where it cannot run, with the reason; `world` is the layout's rank
@@ -62,9 +139,10 @@ pub fn check(device: Device, world: usize) -> Result<()> {
     if !cfg!(feature = "cuda") {
         bail!("device = cuda: this ferrotron was built without CUDA; build it with `cargo build --release --features cuda`, or use --device cpu");
     }
-    if world > 1 {
-        bail!("device = cuda: {world} ranks: the GPU trainer runs one rank until the NCCL communicator lands (issue #15); drop the parallel flags, or use --device cpu");
-    }
+    // Several ranks (`world`) stage their messages through host memory, as on the emulated
+    // device ([`ranks`]), each on its GPU ([`gpu_of`]); the layouts they run are
+    // `ranks::check`'s.
+    let _ = world;
     driver()
 }
 
@@ -85,22 +163,26 @@ fn driver() -> Result<()> {
 }
 
 /// The backend of `device`, with the memory its state lives in (`None`: the host's).
-pub fn open(device: Device, cpu: CpuKernels) -> Result<(Backend, Option<Arc<dyn DeviceAlloc>>)> {
+pub fn open(
+    device: Device,
+    gpu: usize,
+    cpu: CpuKernels,
+) -> Result<(Backend, Option<Arc<dyn DeviceAlloc>>)> {
     Ok(match device {
         Device::Cpu => (Backend::Cpu(cpu), None),
         Device::Emulated => (
             Backend::Emulated(OnDevice { inner: cpu }),
             Some(Arc::new(EmulatedDevice { ordinal: 0 })),
         ),
-        Device::Cuda => cuda()?,
+        Device::Cuda => cuda(gpu)?,
     })
 }
 
-/// GPU 0: its context, compiled kernels and cuBLASLt (each failure one line).
+/// GPU `gpu`: its context, compiled kernels and cuBLASLt (each failure one line).
 #[cfg(feature = "cuda")]
-fn cuda() -> Result<(Backend, Option<Arc<dyn DeviceAlloc>>)> {
+fn cuda(gpu: usize) -> Result<(Backend, Option<Arc<dyn DeviceAlloc>>)> {
     use ferrotron_engine::kernels::cuda::{CudaAlloc, CudaKernels};
-    let k = CudaKernels::open(0).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let k = CudaKernels::open(gpu).map_err(|e| anyhow::anyhow!("{e}"))?;
     let alloc = Arc::new(CudaAlloc::new(k.gpu().ctx.clone()));
     Ok((Backend::Cuda(Box::new(k)), Some(alloc)))
 }
@@ -148,7 +230,7 @@ pub fn table_peak(device_name: &str, precision: Precision) -> Option<f64> {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda() -> Result<(Backend, Option<Arc<dyn DeviceAlloc>>)> {
+fn cuda(_gpu: usize) -> Result<(Backend, Option<Arc<dyn DeviceAlloc>>)> {
     unreachable!("refused by `check` in a build without CUDA")
 }
 
@@ -184,18 +266,18 @@ mod tests {
         assert_eq!(check(Device::Cuda, 1).unwrap_err().to_string(), "device = cuda: this ferrotron was built without CUDA; build it with `cargo build --release --features cuda`, or use --device cpu");
         #[cfg(feature = "cuda")]
         {
-            // With a driver the GPU is opened by the trainer; without one, refused here.
-            if !ferrotron_engine::kernels::cuda::device::driver_present() {
-                let msg = check(Device::Cuda, 1).unwrap_err().to_string();
-                let want =
-                    "device = cuda: no NVIDIA driver on this machine (libcuda.so.1 not found)";
-                assert!(msg.starts_with(want), "{msg}");
+            // With a driver the GPU is opened by the trainer, one rank or several; without
+            // one, refused here.
+            for world in [1, 4] {
+                match ferrotron_engine::kernels::cuda::device::driver_present() {
+                    false => {
+                        let msg = check(Device::Cuda, world).unwrap_err().to_string();
+                        let want = "device = cuda: no NVIDIA driver on this machine (libcuda.so.1 not found)";
+                        assert!(msg.starts_with(want), "{msg}");
+                    }
+                    true => check(Device::Cuda, world).unwrap(),
+                }
             }
-            let msg = check(Device::Cuda, 4).unwrap_err().to_string();
-            assert!(
-                msg.starts_with("device = cuda: 4 ranks: the GPU trainer runs one rank"),
-                "{msg}"
-            );
         }
     }
 }

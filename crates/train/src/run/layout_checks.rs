@@ -151,11 +151,6 @@ fn check_fit(args: &TrainArgs, saved: Option<&checkpoint::Loaded>, world: usize)
     // budget is its own).
     let cfg = config_of(args, saved)?;
     let spec = spec_of(&cfg, saved)?;
-    if args.device == crate::device::Device::Cuda {
-        // The GPU's memory is checked against the plan when it is opened; here only the
-        // budget of `--device-memory`, before anything is allocated.
-        return crate::fit::device_budget(&spec, &cfg);
-    }
     // Under mpirun this process is one rank of those on its node; as threads, all of them.
     let here = match ferrotron_dist::launched_by_mpirun() {
         true => std::env::var("OMPI_COMM_WORLD_LOCAL_SIZE")
@@ -164,6 +159,14 @@ fn check_fit(args: &TrainArgs, saved: Option<&checkpoint::Loaded>, world: usize)
             .unwrap_or(1),
         false => world as u64,
     };
+    // A device's memory: the budget of `--device-memory`, then what its GPUs have free.
+    if let Some(free) = crate::device::free_memory(args.device)? {
+        crate::fit::device_budget(&spec, &cfg)?;
+        crate::fit::device_fit(&spec, &cfg, here, free)?;
+    }
+    if args.device == crate::device::Device::Cuda {
+        return crate::fit::device_budget(&spec, &cfg);
+    }
     crate::fit::check(&spec, &cfg, here)?;
     Ok(())
 }

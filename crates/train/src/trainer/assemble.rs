@@ -20,14 +20,16 @@ pub(super) struct Opened {
     pub chunk: usize,
 }
 
-/// Opens the backend `device` for `llama` split over `tp_size` ranks: kernels warmed up, the
-/// workspace measured, the trace and the memory timeline reserved (all before the baseline).
+/// Opens the backend of `machine` for `llama` split over `tp_size` ranks: kernels warmed up,
+/// the workspace measured, the trace and the memory timeline reserved (all before the
+/// baseline).
 pub(super) fn open_backend(
     cfg: &TrainConfig,
     llama: &LlamaConfig,
-    device: crate::device::Device,
+    machine: crate::device::Machine,
     tp_size: usize,
 ) -> Result<Opened> {
+    let device = machine.device;
     // Per-thread kernel state (gemm's packing slabs) is a fixed cost of the process, like
     // the thread pool: create it now so it falls into the baseline.
     let cpu = if cfg.precision.kind == Precision::Fp8 {
@@ -47,7 +49,7 @@ pub(super) fn open_backend(
         _ => measure_workspace(&cpu, cfg.precision.kind, &local, n, chunk),
     };
     let gemm = cpu.gemm.describe();
-    let (backend, device_alloc) = crate::device::open(device, cpu)?;
+    let (backend, device_alloc) = crate::device::open(device, machine.gpu, cpu)?;
     // What the chosen backend runs (the CPU's limits were checked with the config).
     let limits = Kernels::<f32>::limits(&backend);
     llama

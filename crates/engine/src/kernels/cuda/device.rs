@@ -95,6 +95,33 @@ fn load(ctx: &Arc<CudaContext>, ptx: String) -> Result<Arc<CudaModule>, DeviceEr
     })
 }
 
+/// How many GPUs the driver sees (`cuDeviceGetCount`, after `CUDA_VISIBLE_DEVICES`): a rank's
+/// GPU is chosen among them.
+pub fn count() -> Result<usize, DeviceError> {
+    if !driver_present() {
+        return Err(DeviceError::NoDriver);
+    }
+    let n = CudaContext::device_count().map_err(driver("counting the GPUs"))?;
+    Ok(n.max(0) as usize)
+}
+
+/// GPU `ordinal`'s free and total memory by the driver's count (`cuMemGetInfo`), read
+/// through its primary context, the one the trainer's ranks then share: what that context
+/// itself takes is already gone from the free count, as other processes' memory is.
+pub fn memory(ordinal: usize) -> Result<(u64, u64), DeviceError> {
+    if !driver_present() {
+        return Err(DeviceError::NoDriver);
+    }
+    let ctx = CudaContext::new(ordinal).map_err(|e| DeviceError::NoDevice {
+        ordinal,
+        detail: format!("{e:?}"),
+    })?;
+    let (free, total) = ctx
+        .mem_get_info()
+        .map_err(driver("reading the free memory"))?;
+    Ok((free as u64, total as u64))
+}
+
 /// One GPU, ready to run the backend's kernels.
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
