@@ -9,7 +9,8 @@
 #                                         # ferrotron built with CUDA, stripped, in target/cuda-check
 #   bash target/cuda-check/run.sh         # on the GPU machine (no Rust there): every op and
 #                                         # training step against the CPU backend, then the
-#                                         # trainer on GPU vs CPU, then NCCL at world size 1
+#                                         # trainer on GPU vs CPU, then NCCL at world size 1,
+#                                         # then dp 2, tp 2, pp 2, ZeRO-3 on the one GPU vs one rank
 #   bash target/cuda-check/bench_gpu.sh   # there too: ferrotron vs PyTorch on the same GPU
 #
 # NVRTC comes from the CUDA toolkit when there is one, else from the `nvidia-cuda-nvrtc` wheel,
@@ -86,7 +87,10 @@ for l in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable"): print(m["executable"])' | tail -1)
     cp "$bin" "$out/nccl"
     strip "$out"/*
-    cp scripts/cuda_compare.py scripts/cuda_memory.py scripts/bench_gpu.sh tests/reference/bench_pytorch.py "$out/"
+    cp scripts/cuda_compare.py scripts/cuda_memory.py scripts/cuda_ranks.py scripts/bench_gpu.sh \
+        tests/reference/bench_pytorch.py "$out/"
+    # Several ranks on the one GPU against one rank: fp32, short sequences, 5 steps.
+    echo "--steps 5 --seq 128 --mbs 4 --eval-interval 0 --sample-tokens 0 --quiet" >"$out/ranks_flags"
     # The trainer runs both sides of the GPU-vs-CPU comparison with these flags. The CPU side
     # is trained here, so no device minute trains on a CPU (FERROTRON_KIT_CPU=0, as CI's dry
     # run sets, leaves it to run.sh).
@@ -191,6 +195,24 @@ link=$(mktemp -d)
 echo "nccl: ${nccl_lib:-libnccl.so.2 not found}" | tee -a "$summary"
 stage "NCCL at world size 1" 180 env LD_LIBRARY_PATH="$link:${LD_LIBRARY_PATH:-}" \
     FERROTRON_REQUIRE_NCCL=1 ./nccl --nocapture --test-threads 1
+# Several ranks on the one GPU (issue #33): each rank stages its messages through host
+# memory, as on the emulated device (NCCL refuses two ranks on one GPU). dp 2, tp 2, pp 2
+# and ZeRO-3 against one rank, fp32, 5 steps, the same global batch (dp 2 halves the
+# gradient accumulation).
+read -ra rflags <ranks_flags
+stage "ranks: one rank on the GPU" 90 ./ferrotron train --device cuda "${rflags[@]}" \
+    --grad-acc 2 --out-dir "$work/ranks-one"
+ranks=()
+for l in "dp2:--dp 2 --grad-acc 1" "tp2:--tp 2 --grad-acc 2" "pp2:--pp 2 --grad-acc 2" \
+    "zero3:--dp 2 --zero 3 --grad-acc 1"; do
+    read -ra lf <<<"${l#*:}"
+    stage "ranks: ${l%%:*} on the one GPU" 90 ./ferrotron train --device cuda "${rflags[@]}" \
+        "${lf[@]}" --out-dir "$work/ranks-${l%%:*}"
+    ranks+=("${l%%:*}=$work/ranks-${l%%:*}/metrics.jsonl")
+done
+stage "ranks: each layout equals one rank" 30 python3 cuda_ranks.py \
+    "$work/ranks-one/metrics.jsonl" "${ranks[@]}"
+grep -h "^dp2:\|^tp2:\|^pp2:\|^zero3:" "$log" >>"$summary"
 echo "result: $([ $rc = 0 ] && echo ok || echo FAILED)" | tee -a "$summary"
 exit $rc
 RUN
