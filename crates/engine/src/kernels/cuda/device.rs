@@ -109,17 +109,21 @@ pub fn count() -> Result<usize, DeviceError> {
 /// through its primary context, the one the trainer's ranks then share: what that context
 /// itself takes is already gone from the free count, as other processes' memory is.
 pub fn memory(ordinal: usize) -> Result<(u64, u64), DeviceError> {
-    if !driver_present() {
-        return Err(DeviceError::NoDriver);
-    }
-    let ctx = CudaContext::new(ordinal).map_err(|e| DeviceError::NoDevice {
-        ordinal,
-        detail: format!("{e:?}"),
-    })?;
-    let (free, total) = ctx
+    let (free, total) = context(ordinal)?
         .mem_get_info()
         .map_err(driver("reading the free memory"))?;
     Ok((free as u64, total as u64))
+}
+
+/// GPU `ordinal`'s primary context (the driver checked first: cudarc panics without it).
+fn context(ordinal: usize) -> Result<Arc<CudaContext>, DeviceError> {
+    if !driver_present() {
+        return Err(DeviceError::NoDriver);
+    }
+    CudaContext::new(ordinal).map_err(|e| DeviceError::NoDevice {
+        ordinal,
+        detail: format!("{e:?}"),
+    })
 }
 
 /// One GPU, ready to run the backend's kernels.
@@ -135,13 +139,7 @@ pub struct Gpu {
 impl Gpu {
     /// Device `ordinal`: a context, its default stream, and every kernel compiled and loaded.
     pub fn open(ordinal: usize) -> Result<Gpu, DeviceError> {
-        if !driver_present() {
-            return Err(DeviceError::NoDriver);
-        }
-        let ctx = CudaContext::new(ordinal).map_err(|e| DeviceError::NoDevice {
-            ordinal,
-            detail: format!("{e:?}"),
-        })?;
+        let ctx = context(ordinal)?;
         let (major, minor) = ctx
             .compute_capability()
             .map_err(driver("reading the compute capability"))?;
