@@ -13,10 +13,9 @@
 //! Refused before anything is written, each in one line saying what to do:
 //! - `--device cuda` in a build without the `cuda` feature;
 //! - no NVIDIA driver, or no GPU;
-//! - more than one rank on the GPU (a GPU communicator is NCCL, issue #15); on the emulated
-//!   device, expert parallelism ([`ranks::check`]);
-//! - on either device, a mixture of experts (`run::layout_checks`); on the GPU, fp8 and the
-//!   memory timeline (`Trainer::new`).
+//! - more than one rank on the GPU (a GPU communicator is NCCL, issue #15);
+//! - on the GPU, a mixture of experts (its kernels have no routing ops yet:
+//!   `run::layout_checks`), fp8 and the memory timeline (`Trainer::new`).
 
 #[cfg(feature = "cuda")]
 pub mod nccl;
@@ -56,7 +55,7 @@ pub fn check(device: Device, world: usize) -> Result<()> {
         return Ok(());
     }
     if device == Device::Emulated {
-        // Several ranks: the layouts they run are `device_ranks::check`'s.
+        // Several ranks run every layout (`ranks`).
         return Ok(());
     }
     if !cfg!(feature = "cuda") {
