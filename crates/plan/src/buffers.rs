@@ -245,7 +245,13 @@ pub fn comm_buffers(
     // statistics in a device buffer (Σp and the copies per expert, then the loss's gradient per
     // probability: `Llama::moe_on_device`); on the host they are the engine's own.
     if let (Some(moe), Runtime::FerrotronDevice) = (m.moe, x.runtime) {
-        add("moe.router_stats", DType::F32, 3 * moe.num_experts, cb, true);
+        add(
+            "moe.router_stats",
+            DType::F32,
+            3 * moe.num_experts,
+            cb,
+            true,
+        );
     }
     // fp8: the current layer's weights cast to fp8 for its GEMMs (per-tensor scaling). The
     // ferrotron engine quantises inside its GEMM workspace instead (measured, in the overhead).

@@ -34,9 +34,7 @@ impl EpComm for Group {
                 let m = message.as_view_mut().host_mut();
                 staged(self.comm.as_ref(), &dev, m, (send, sc), (recv, rc))
             }
-            None => self
-                .comm
-                .all_to_all_v(send, sc, recv, rc, &mut message),
+            None => self.comm.all_to_all_v(send, sc, recv, rc, &mut message),
         };
         match done {
             Ok(()) => {

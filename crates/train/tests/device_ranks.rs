@@ -63,7 +63,10 @@ fn device_equals_cpu(what: &str, ranks: usize, set: &dyn Fn(&mut TrainArgs)) {
         assert_eq!(d.rank_mem.len(), reports, "{at}: every rank reports");
         if ranks == 1 {
             let (m, p) = (d.mem_peak_measured as f64, d.mem_peak_planned as f64);
-            assert!((m - p).abs() < 0.01 * p, "{at}: measured {m} B, planned {p} B");
+            assert!(
+                (m - p).abs() < 0.01 * p,
+                "{at}: measured {m} B, planned {p} B"
+            );
         }
     }
     assert!(dev[1].val_loss.is_some(), "{what}: evaluated");

@@ -182,7 +182,9 @@ mod tests {
         c.zero(f.view_mut().slice_mut(6..8));
         assert_eq!(&f.to_host()[5..9], &[x[0], 0.0, 0.0, x[3]]);
         // Indices go as they are.
-        let ix: Vec<u32> = (0..n as u32).map(|i| i.wrapping_mul(2_654_435_761)).collect();
+        let ix: Vec<u32> = (0..n as u32)
+            .map(|i| i.wrapping_mul(2_654_435_761))
+            .collect();
         let dix = DeviceBuf::<u32>::from_host(&a, &ix).unwrap();
         let mut got = vec![0u32; n - 5];
         read_u32(Some(&c), dix.view().slice(5..), &mut got);

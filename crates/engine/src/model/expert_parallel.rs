@@ -215,7 +215,9 @@ pub(super) fn to_expert_major<S: Elem>(
         }
         for r in 0..rows {
             let from = src.slice((arrival + r) * width..).slice(..cols);
-            let to = dst.rb().slice_mut((expert + r) * cols..(expert + r + 1) * cols);
+            let to = dst
+                .rb()
+                .slice_mut((expert + r) * cols..(expert + r + 1) * cols);
             convert(dev, from, to, S::store);
         }
     }

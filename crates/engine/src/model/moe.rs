@@ -515,7 +515,11 @@ impl Llama {
             let to = send.view_mut().slice_mut(r * w1..r * w1 + c);
             convert(dev, sc.rows.view().slice(row(r, c)), to, S::load);
             read_f32(dev, a.router_weights.view().slice(copy..copy + 1), &mut one);
-            write_f32(dev, &one, send.view_mut().slice_mut(r * w1 + c..(r + 1) * w1));
+            write_f32(
+                dev,
+                &one,
+                send.view_mut().slice_mut(r * w1 + c..(r + 1) * w1),
+            );
         }
         ep.dispatch(send.view(), &er.counts, arr, recv.view_mut(), w1);
         to_expert_major(dev, arr, recv.view(), w1, c, sc.rows.view_mut());
@@ -528,8 +532,18 @@ impl Llama {
             write_f32(dev, &one, send.view_mut().slice_mut(arrival..arrival + 1));
             let at = arrival * w1 + c;
             read_f32(dev, recv.view().slice(at..at + 1), &mut one);
-            scale(dev, sc.rows.view_mut().slice_mut(row(r, c)), one[0], &mut dy);
-            scale(dev, sc.swiglu.view_mut().slice_mut(row(r, f)), one[0], &mut dh);
+            scale(
+                dev,
+                sc.rows.view_mut().slice_mut(row(r, c)),
+                one[0],
+                &mut dy,
+            );
+            scale(
+                dev,
+                sc.swiglu.view_mut().slice_mut(row(r, f)),
+                one[0],
+                &mut dh,
+            );
         }
         ep.combine(send.view(), &er.counts, arr, recv.view_mut(), 1);
         for (r, copy) in routed_rows(&er.index, e) {
