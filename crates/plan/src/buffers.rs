@@ -241,6 +241,18 @@ pub fn comm_buffers(
             add("ep.all_to_all", st, 2 * n * moe.top_k * m.hidden, cb, true);
         }
     }
+    // A mixture of experts on a device: its router kernels are handed the load-balancing
+    // statistics in a device buffer (Σp and the copies per expert, then the loss's gradient per
+    // probability: `Llama::moe_on_device`); on the host they are the engine's own.
+    if let (Some(moe), Runtime::FerrotronDevice) = (m.moe, x.runtime) {
+        add(
+            "moe.router_stats",
+            DType::F32,
+            3 * moe.num_experts,
+            cb,
+            true,
+        );
+    }
     // fp8: the current layer's weights cast to fp8 for its GEMMs (per-tensor scaling). The
     // ferrotron engine quantises inside its GEMM workspace instead (measured, in the overhead).
     if r.precision == Precision::Fp8 && conv != Convention::Ferrotron {

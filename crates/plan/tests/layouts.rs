@@ -468,3 +468,23 @@ fn zero3_with_pipelining_holds_the_stage_unsharded_for_the_step() {
         assert!(during > after);
     }
 }
+
+#[test]
+fn a_mixture_of_experts_on_a_device_plans_its_router_statistics() {
+    // The trainer's device runtime hands the router kernels the load statistics (Σp and the
+    // copies per expert, then the loss's gradient per probability) in a device buffer of 3E
+    // f32; on the host they are the engine's own.
+    let m = "ferrotron-moe-16m";
+    let r = || Recipe {
+        seq: 1024,
+        ..recipe()
+    };
+    let host = plan(&input(m, r(), Layout::default(), Convention::Ferrotron)).unwrap();
+    assert!(host.worst().plan.find("comm.moe.router_stats").is_none());
+    let mut x = input(m, r(), Layout::default(), Convention::Ferrotron);
+    x.runtime = Runtime::FerrotronDevice;
+    let dev = plan(&x).unwrap();
+    let e = preset(m).unwrap().moe.unwrap().num_experts;
+    assert_eq!(numel(dev.worst(), "comm.moe.router_stats"), 3 * e);
+    assert_eq!(dev.worst().peak - host.worst().peak, 4 * 3 * e);
+}

@@ -240,8 +240,7 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
         layout.dp as usize,
         (layout.dp * layout.tp * layout.pp * layout.cp * layout.ep) as usize,
     );
-    crate::device::check(args.device, world)?;
-    crate::device::ranks::check(args.device, &layout)?;
+    crate::device::check(args.device)?;
     crate::optim::offload::check_args(&args, &layout, world)?;
     layout_checks::check_layout(&args, saved.as_ref(), &layout, world)?;
     if use_mpi(args.comm.unwrap_or(CommBackend::Auto), dp)? {

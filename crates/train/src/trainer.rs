@@ -269,6 +269,14 @@ impl Trainer {
             t.set_baseline(baseline);
         }
         let (model, init, tables) = rank_model(&cfg, llama, &comms, tp_rank)?;
+        // A mixture of experts' router statistics on the device (the plan's
+        // `comm.moe.router_stats`), its routing read back through the device's copies.
+        if let Some(d) = &device_alloc {
+            let copy = ferrotron_engine::kernels::HostCopy::new(d.clone());
+            model
+                .moe_on_device(copy)
+                .map_err(|e| anyhow::anyhow!("the router's statistics on the device: {e}"))?;
+        }
         let stage = comms.pp.as_ref().map_or(0, |p| p.stage);
         let (planned, plan_bytes) = alloc::bookkeeping(|| {
             let at = (n, chunk, stage);

@@ -77,6 +77,18 @@ impl HostCopy {
         }
     }
 
+    /// `src` (this device's memory: a MoE router's expert choices) into `dst`, of the same
+    /// length, as they are.
+    pub fn download_u32(&self, src: View<'_, u32>, dst: &mut [u32]) {
+        self.check(src.memory(), src.len(), dst.len());
+        // SAFETY: `src` is `dst.len()` u32 of this device's memory (checked above); every bit
+        // pattern is a u32; the bytes borrow `dst`.
+        unsafe {
+            let to = std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast(), 4 * dst.len());
+            self.alloc.download(to, ptr(src.as_ptr()));
+        }
+    }
+
     /// Sets `dst` (this device's memory) to zero.
     pub fn zero<G: Elem>(&self, mut dst: ViewMut<'_, G>) {
         self.check(dst.memory(), dst.len(), dst.len());
@@ -102,6 +114,15 @@ pub fn read_f32<G: Elem>(dev: Option<&HostCopy>, src: View<'_, G>, dst: &mut [f3
             }
         }
         (Err(_), Some(c)) => c.download(src, dst),
+        (Err(m), None) => panic!("internal: a view of {m} and no copy to read it"),
+    }
+}
+
+/// `src` (u32 indices) into `dst`: read as a slice on the host, copied from a device by `dev`.
+pub fn read_u32(dev: Option<&HostCopy>, src: View<'_, u32>, dst: &mut [u32]) {
+    match (src.try_host(), dev) {
+        (Ok(h), _) => dst.copy_from_slice(h),
+        (Err(_), Some(c)) => c.download_u32(src, dst),
         (Err(m), None) => panic!("internal: a view of {m} and no copy to read it"),
     }
 }
@@ -160,6 +181,14 @@ mod tests {
         assert_eq!(f.to_host()[4], 0.0);
         c.zero(f.view_mut().slice_mut(6..8));
         assert_eq!(&f.to_host()[5..9], &[x[0], 0.0, 0.0, x[3]]);
+        // Indices go as they are.
+        let ix: Vec<u32> = (0..n as u32)
+            .map(|i| i.wrapping_mul(2_654_435_761))
+            .collect();
+        let dix = DeviceBuf::<u32>::from_host(&a, &ix).unwrap();
+        let mut got = vec![0u32; n - 5];
+        read_u32(Some(&c), dix.view().slice(5..), &mut got);
+        assert_eq!(got, ix[5..]);
         // Host views need no copy.
         let mut h = vec![0.0f32; 4];
         read_f32(None, x[..4].view(), &mut h);

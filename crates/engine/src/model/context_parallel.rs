@@ -66,7 +66,7 @@ pub trait CpComm {
 /// (`Elem::load`, widening into a block; `Elem::store`, rounding out of one), else through the
 /// device copies a stack chunk at a time (`to_f32`, `from_f32`: the same exact widening and
 /// the same rounding to nearest even, so the device ranks keep the host's bits).
-fn convert<A: Elem, B: Elem>(
+pub(super) fn convert<A: Elem, B: Elem>(
     dev: Option<&HostCopy>,
     src: View<'_, A>,
     mut dst: ViewMut<'_, B>,
@@ -85,7 +85,7 @@ fn convert<A: Elem, B: Elem>(
 }
 
 /// `dst = 0`, on the host or on the device.
-fn zero(dev: Option<&HostCopy>, dst: ViewMut<'_, f32>) {
+pub(super) fn zero(dev: Option<&HostCopy>, dst: ViewMut<'_, f32>) {
     match dev {
         Some(c) if dst.memory() != Memory::Host => c.zero(dst),
         _ => dst.host_mut().fill(0.0),

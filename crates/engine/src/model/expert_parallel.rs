@@ -22,21 +22,25 @@
 //! the `comm.ep.send` / `comm.ep.recv` buffers.
 
 use super::config::{LlamaConfig, ModelError};
+use super::context_parallel::convert;
 use crate::dtype::Elem;
+use crate::kernels::{AsView, AsViewMut, HostCopy, View, ViewMut};
 use std::ops::Range;
 use std::rc::Rc;
 
 /// The expert-parallel group's exchange: `Communicator::all_to_all_v` (blocks of f32 in rank
 /// order, `send_counts[p]` to rank p, `recv_counts[s]` from rank s). A failure leaves `recv`
-/// as it was and is reported by the implementation after the pass.
+/// as it was and is reported by the implementation after the pass. On a device the blocks are
+/// views of its memory (the plan's `comm.ep.send` / `comm.ep.recv` live in its arena): the
+/// implementation stages them through the host.
 pub trait EpComm {
     fn size(&self) -> usize;
     fn rank(&self) -> usize;
     fn exchange(
         &self,
-        send: &[f32],
+        send: View<'_, f32>,
         send_counts: &[usize],
-        recv: &mut [f32],
+        recv: ViewMut<'_, f32>,
         recv_counts: &[usize],
     );
 }
@@ -115,7 +119,8 @@ impl ExpertParallel {
         let send: Vec<f32> = counts.iter().map(|&c| c as f32).collect();
         let mut recv = vec![0.0f32; self.size * el];
         let each = vec![el; self.size];
-        self.comm.exchange(&send, &each, &mut recv, &each);
+        self.comm
+            .exchange(send.view(), &each, recv.view_mut(), &each);
         // Counts are below 2^24 (tokens × top_k), exact in f32.
         let n = |s: usize, j: usize| recv[s * el + j] as usize;
         let per: Vec<usize> = (0..el)
@@ -148,10 +153,10 @@ impl ExpertParallel {
     /// ranks holding their experts; `recv` gets the arrivals, source-major.
     pub(super) fn dispatch(
         &self,
-        send: &[f32],
+        send: View<'_, f32>,
         counts: &[usize],
         a: &Arrivals,
-        recv: &mut [f32],
+        recv: ViewMut<'_, f32>,
         width: usize,
     ) {
         let sc = self.per_destination(counts, width);
@@ -163,10 +168,10 @@ impl ExpertParallel {
     /// gets this rank's grouped rows.
     pub(super) fn combine(
         &self,
-        send: &[f32],
+        send: View<'_, f32>,
         counts: &[usize],
         a: &Arrivals,
-        recv: &mut [f32],
+        recv: ViewMut<'_, f32>,
         width: usize,
     ) {
         let sc = self.per_source(a, width);
@@ -190,33 +195,46 @@ impl ExpertParallel {
 }
 
 /// Arrival-order f32 rows (`width` wide, the first `cols` of each taken) into expert-major
-/// `S` rows of `cols`.
+/// `S` rows of `cols`, each rounded once (on a device through `dev`'s copies, the same
+/// rounding: `super::context_parallel::convert`).
 pub(super) fn to_expert_major<S: Elem>(
+    dev: Option<&HostCopy>,
     a: &Arrivals,
-    src: &[f32],
+    src: View<'_, f32>,
     width: usize,
     cols: usize,
-    dst: &mut [S],
+    mut dst: ViewMut<'_, S>,
 ) {
     for &(arrival, expert, rows) in &a.blocks {
+        if width == cols {
+            // A block of whole rows is one run of both buffers.
+            let from = src.slice(arrival * width..(arrival + rows) * width);
+            let to = dst.rb().slice_mut(expert * cols..(expert + rows) * cols);
+            convert(dev, from, to, S::store);
+            continue;
+        }
         for r in 0..rows {
-            let from = &src[(arrival + r) * width..][..cols];
-            let to = &mut dst[(expert + r) * cols..][..cols];
-            to.iter_mut()
-                .zip(from)
-                .for_each(|(t, f)| *t = S::from_f32(*f));
+            let from = src.slice((arrival + r) * width..).slice(..cols);
+            let to = dst
+                .rb()
+                .slice_mut((expert + r) * cols..(expert + r + 1) * cols);
+            convert(dev, from, to, S::store);
         }
     }
 }
 
-/// Expert-major `S` rows of `cols` into arrival-order f32 rows of `cols`.
-pub(super) fn to_arrival_order<S: Elem>(a: &Arrivals, src: &[S], cols: usize, dst: &mut [f32]) {
+/// Expert-major `S` rows of `cols` into arrival-order f32 rows of `cols`, widened exactly.
+pub(super) fn to_arrival_order<S: Elem>(
+    dev: Option<&HostCopy>,
+    a: &Arrivals,
+    src: View<'_, S>,
+    cols: usize,
+    mut dst: ViewMut<'_, f32>,
+) {
     for &(arrival, expert, rows) in &a.blocks {
-        for r in 0..rows {
-            let from = &src[(expert + r) * cols..][..cols];
-            let to = &mut dst[(arrival + r) * cols..][..cols];
-            to.iter_mut().zip(from).for_each(|(t, f)| *t = f.to_f32());
-        }
+        let from = src.slice(expert * cols..(expert + rows) * cols);
+        let to = dst.rb().slice_mut(arrival * cols..(arrival + rows) * cols);
+        convert(dev, from, to, S::load);
     }
 }
 

@@ -670,7 +670,7 @@ impl Llama {
                 let used = match self.config.moe {
                     Some(_) => {
                         self.rebuild_expert_in(k, pool, i, n, &mut a);
-                        self.routed_used(&a.router_index)
+                        self.routed_used(a.router_index.view())
                     }
                     None => a.gate.len(),
                 };

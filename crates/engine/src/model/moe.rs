@@ -18,16 +18,21 @@
 
 use super::activations::{GradScratch, LayerActs, LossSum};
 use super::buffers::{Buf, BufName, BufferPool};
+use super::context_parallel::{convert, zero};
 use super::expert_parallel::{arrival_of, to_arrival_order, to_expert_major, Arrivals};
 use super::grad_buf::GradBuf;
 use super::llama::{shared_input_grad, Llama};
 use super::param_buf::ParamBuf;
 use super::params::MoeIdx;
 use crate::dtype::Elem;
-use crate::kernels::{Accum, AsView, AsViewMut, Kernels, MatmulShape, RouteShape, View, DROPPED};
+use crate::kernels::host_copy::{read_f32, read_u32, write_f32};
+use crate::kernels::{
+    routed_rows, Accum, AsView, AsViewMut, DeviceBuf, HostCopy, Kernels, MatmulShape, RouteShape,
+    View, ViewMut, DROPPED,
+};
 use ferrotron_plan::tensors::{Edge, LayerTensor as T};
 use std::ops::Range;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// The load-balancing statistics of the micro-batch in flight: Σ_n p per expert, the routed
 /// copies per expert, and (set by the loss) the loss's gradient per router probability. One
@@ -44,6 +49,29 @@ struct LoadState {
     rows: usize,
     /// `[E]`: d(scaled loss)/d p for every token's probability of expert e.
     aux_dp: Vec<f32>,
+    /// When the model's tensors live on a device ([`Llama::moe_on_device`]).
+    device: Option<OnDevice>,
+}
+
+/// A device's copies, and the device buffer its router kernels are handed the statistics in
+/// (`[3E]`: `load`, then `aux_dp`; the plan's `comm.moe.router_stats`). They stay on the host
+/// between kernels (the loss reads them there, context parallelism sums them there): each
+/// kernel gets them uploaded and, for the forward's sums, downloaded after it, so the
+/// statistics are summed in the host's order, to its bits.
+#[derive(Clone)]
+struct OnDevice {
+    copy: HostCopy,
+    stats: Arc<Mutex<DeviceBuf<f32>>>,
+}
+
+impl std::fmt::Debug for OnDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "OnDevice {{ {:?} }}", self.copy)
+    }
+}
+
+fn lock<X>(m: &Mutex<X>) -> std::sync::MutexGuard<'_, X> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Clone for RouterLoad {
@@ -54,13 +82,15 @@ impl Clone for RouterLoad {
 
 impl RouterLoad {
     fn state(&self) -> std::sync::MutexGuard<'_, LoadState> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.0)
     }
 }
 
 /// The rows this rank's experts multiply, expert by expert: `(expert, rows)` blocks of the
 /// expert-major routed buffers, and `arrivals` under expert parallelism.
 struct ExpertRows {
+    /// The router's choices, on the host (read from a device's memory there).
+    index: Vec<u32>,
     /// This rank's copies per expert (every expert of the model).
     counts: Vec<usize>,
     /// This rank's routed copies (its tokens' copies that no capacity dropped).
@@ -79,16 +109,17 @@ fn expert_counts(index: &[u32], experts: usize) -> Vec<usize> {
     counts
 }
 
-fn widen<S: Elem>(x: &[S], f: &mut [f32]) {
-    f.iter_mut().zip(x).for_each(|(o, x)| *o = x.to_f32());
+/// Row `r` (of `w` elements) of a row-major buffer.
+fn row(r: usize, w: usize) -> Range<usize> {
+    r * w..(r + 1) * w
 }
 
-fn narrow<S: Elem>(f: &[f32], x: &mut [S]) {
-    x.iter_mut().zip(f).for_each(|(x, o)| *x = S::from_f32(*o));
-}
-
-fn scale<S: Elem>(x: &mut [S], w: f32) {
-    x.iter_mut().for_each(|v| *v = S::from_f32(v.to_f32() * w));
+/// `x *= w`, each product rounded once into `S` (on a device through `dev`'s copies): `x`'s
+/// row widened into `buf`, scaled, written back.
+fn scale<S: Elem>(dev: Option<&HostCopy>, x: ViewMut<'_, S>, w: f32, buf: &mut [f32]) {
+    read_f32(dev, x.as_view(), buf);
+    buf.iter_mut().for_each(|v| *v *= w);
+    write_f32(dev, buf, x);
 }
 
 impl Llama {
@@ -128,11 +159,34 @@ impl Llama {
         }
     }
 
+    /// The model's tensors live on the device `copy` copies to and from: its router kernels are
+    /// handed the load statistics in a device buffer of `3E` f32 (made here), and its routing
+    /// is read back to the host through `copy`. Nothing for a dense model.
+    pub fn moe_on_device(&self, copy: HostCopy) -> Result<(), String> {
+        let Some(m) = self.config.moe else {
+            return Ok(());
+        };
+        let stats = DeviceBuf::zeros(copy.alloc(), 3 * m.experts)?;
+        self.router_load.state().device = Some(OnDevice {
+            copy,
+            stats: Arc::new(Mutex::new(stats)),
+        });
+        Ok(())
+    }
+
+    /// The device's copies, when the model's tensors live on one.
+    fn device_copy(&self) -> Option<HostCopy> {
+        let s = self.router_load.state();
+        s.device.as_ref().map(|d| d.copy.clone())
+    }
+
     /// Where this rank's expert rows are, from the router's choices (under expert parallelism
     /// after exchanging the counts with the group).
-    fn expert_rows(&self, index: &[u32]) -> ExpertRows {
+    fn expert_rows(&self, router_index: View<'_, u32>) -> ExpertRows {
         let e = self.config.moe.expect("a MoE model").experts;
-        let counts = expert_counts(index, e);
+        let mut index = vec![0; router_index.len()];
+        read_u32(self.device_copy().as_ref(), router_index, &mut index);
+        let counts = expert_counts(&index, e);
         match &self.ep {
             None => {
                 let mut at = 0;
@@ -145,6 +199,7 @@ impl Llama {
                     })
                     .collect();
                 ExpertRows {
+                    index,
                     own: at,
                     counts,
                     blocks,
@@ -162,6 +217,7 @@ impl Llama {
                     .map(|(j, r)| (first + j, r.clone()))
                     .collect();
                 ExpertRows {
+                    index,
                     own: counts.iter().sum(),
                     counts,
                     blocks,
@@ -181,19 +237,21 @@ impl Llama {
         pool: &mut dyn BufferPool,
         n: usize,
         x: View<'_, S>,
-        index: &[u32],
+        index: View<'_, u32>,
         er: &ExpertRows,
-        rows: &mut [S],
+        mut rows: ViewMut<'_, S>,
     ) {
         let c = self.config.hidden;
         let nk = er.own;
-        let rows_in = rows.view_mut().slice_mut(..nk * c);
-        k.permute(self.route(n, c), index.view(), x, rows_in);
+        k.permute(self.route(n, c), index, x, rows.rb().slice_mut(..nk * c));
         if let (Some(ep), Some(a)) = (&self.ep, &er.arrivals) {
+            let dev = self.device_copy();
+            let dev = dev.as_ref();
             let (mut send, mut recv) = self.ep_staging(pool, n);
-            widen(&rows[..nk * c], &mut send[..nk * c]);
-            ep.dispatch(&send, &er.counts, a, &mut recv, c);
-            to_expert_major(a, &recv, c, c, rows);
+            let (mine, out) = (rows.as_view().slice(..nk * c), send.view_mut());
+            convert(dev, mine, out.slice_mut(..nk * c), S::load);
+            ep.dispatch(send.view(), &er.counts, a, recv.view_mut(), c);
+            to_expert_major(dev, a, recv.view(), c, c, rows);
             self.free_ep_staging(pool, send, recv);
         }
     }
@@ -206,15 +264,18 @@ impl Llama {
         pool: &mut dyn BufferPool,
         n: usize,
         er: &ExpertRows,
-        rows: &mut [S],
+        mut rows: ViewMut<'_, S>,
     ) {
         let c = self.config.hidden;
         if let (Some(ep), Some(a)) = (&self.ep, &er.arrivals) {
+            let dev = self.device_copy();
+            let dev = dev.as_ref();
             let nk: usize = er.counts.iter().sum();
             let (mut send, mut recv) = self.ep_staging(pool, n);
-            to_arrival_order(a, rows, c, &mut send);
-            ep.combine(&send, &er.counts, a, &mut recv, c);
-            narrow(&recv[..nk * c], &mut rows[..nk * c]);
+            to_arrival_order(dev, a, rows.as_view(), c, send.view_mut());
+            ep.combine(send.view(), &er.counts, a, recv.view_mut(), c);
+            let back = recv.view().slice(..nk * c);
+            convert(dev, back, rows.rb().slice_mut(..nk * c), S::store);
             self.free_ep_staging(pool, send, recv);
         }
     }
@@ -255,17 +316,25 @@ impl Llama {
         {
             let mut s = self.router_load.state();
             s.rows += n;
-            k.router_forward(
-                self.route(n, c),
-                a.router_logits.view(),
-                a.router_weights.view_mut(),
-                a.router_index.view_mut(),
-                s.load.view_mut(),
-            );
+            let LoadState { load, device, .. } = &mut *s;
+            let route = self.route(n, c);
+            let logits = a.router_logits.view();
+            let (w, ix) = (a.router_weights.view_mut(), a.router_index.view_mut());
+            match device {
+                None => k.router_forward(route, logits, w, ix, load.view_mut()),
+                Some(d) => {
+                    let mut stats = lock(&d.stats);
+                    let mut on = stats.view_mut().slice_mut(..load.len());
+                    d.copy.upload(load, on.rb());
+                    k.router_forward(route, logits, w, ix, on.rb());
+                    d.copy.download(on.as_view(), load);
+                }
+            }
         }
-        let er = self.expert_rows(&a.router_index);
+        let er = self.expert_rows(a.router_index.view());
         a.expert_in = self.buf(pool, name(T::ExpertIn), n);
-        self.dispatch(k, pool, n, x2, &a.router_index, &er, &mut a.expert_in);
+        let index = a.router_index.view();
+        self.dispatch(k, pool, n, x2, index, &er, a.expert_in.view_mut());
         a.gate = self.buf(pool, name(T::Gate), n);
         a.up = self.buf(pool, name(T::Up), n);
         for (x, rows) in er.blocks.iter().filter(|(_, r)| !r.is_empty()) {
@@ -302,7 +371,7 @@ impl Llama {
             let yx = y.view_mut().slice_mut(span(rows, c));
             k.matmul_forward(ragged(rows.len(), f, c), hx, w2, None, yx, Accum::Overwrite);
         }
-        self.collect(pool, n, &er, &mut y);
+        self.collect(pool, n, &er, y.view_mut());
         let mut out = self.buf(pool, self.output_name(i), n);
         let (weights, index) = (Some(a.router_weights.view()), a.router_index.view());
         let nk = er.own;
@@ -330,22 +399,15 @@ impl Llama {
         n: usize,
         a: &mut LayerActs<S>,
     ) {
-        let er = self.expert_rows(&a.router_index);
+        let er = self.expert_rows(a.router_index.view());
         a.expert_in = self.buf(pool, self.slot(i, T::ExpertIn), n);
-        self.dispatch(
-            k,
-            pool,
-            n,
-            a.ln2_out.view(),
-            &a.router_index,
-            &er,
-            &mut a.expert_in,
-        );
+        let (x, index) = (a.ln2_out.view(), a.router_index.view());
+        self.dispatch(k, pool, n, x, index, &er, a.expert_in.view_mut());
     }
 
     /// Rows of the gated product the experts hold (the rest of the routed buffers' capacity
     /// is unused), for rebuilding it.
-    pub(super) fn routed_used(&self, index: &[u32]) -> usize {
+    pub(super) fn routed_used(&self, index: View<'_, u32>) -> usize {
         self.expert_rows(index).rows * self.config.intermediate
     }
 
@@ -414,8 +476,10 @@ impl Llama {
         let index = &a.router_index;
         let nk = er.own;
         let e = moe.experts.len();
+        let dev = self.device_copy();
+        let dev = dev.as_ref();
         // A dropped copy added nothing to the output: its weight's gradient is 0.
-        sc.router_weights.fill(0.0);
+        zero(dev, sc.router_weights.view_mut());
         let down = |k: &dyn Kernels<S, G>, sc: &mut GradScratch<S>| {
             for (x, rows) in er.blocks.iter().filter(|(_, r)| !r.is_empty()) {
                 let w2 = params.slice(moe.experts[*x].down.clone());
@@ -442,26 +506,49 @@ impl Llama {
             k.scale_rows(self.route(n, f), index, w, rows_f);
             return;
         };
+        // Each copy's d y with its routing weight (`w1` wide), one row or element at a time
+        // through the host (`dev`'s copies on a device), as the CPU path widens and rounds.
         let (mut send, mut recv) = self.ep_staging(pool, n);
         let w1 = c + 1;
-        for (row, copy) in crate::kernels::routed_rows(index, e) {
-            widen(&sc.rows[row * c..][..c], &mut send[row * w1..][..c]);
-            send[row * w1 + c] = a.router_weights[copy];
+        let mut one = [0.0f32];
+        for (r, copy) in routed_rows(&er.index, e) {
+            let to = send.view_mut().slice_mut(r * w1..r * w1 + c);
+            convert(dev, sc.rows.view().slice(row(r, c)), to, S::load);
+            read_f32(dev, a.router_weights.view().slice(copy..copy + 1), &mut one);
+            write_f32(
+                dev,
+                &one,
+                send.view_mut().slice_mut(r * w1 + c..(r + 1) * w1),
+            );
         }
-        ep.dispatch(&send, &er.counts, arr, &mut recv, w1);
-        to_expert_major(arr, &recv, w1, c, &mut sc.rows);
+        ep.dispatch(send.view(), &er.counts, arr, recv.view_mut(), w1);
+        to_expert_major(dev, arr, recv.view(), w1, c, sc.rows.view_mut());
         down(k, sc);
-        for (row, arrival) in arrival_of(arr) {
-            let dh = &sc.swiglu[row * f..][..f];
-            let h = &a.swiglu[row * f..][..f];
-            send[arrival] = dh.iter().zip(h).map(|(p, q)| p.to_f32() * q.to_f32()).sum();
-            let w = recv[arrival * w1 + c];
-            scale(&mut sc.rows[row * c..][..c], w);
-            scale(&mut sc.swiglu[row * f..][..f], w);
+        let (mut dh, mut h, mut dy) = (vec![0.0; f], vec![0.0; f], vec![0.0; c]);
+        for (r, arrival) in arrival_of(arr) {
+            read_f32(dev, sc.swiglu.view().slice(row(r, f)), &mut dh);
+            read_f32(dev, a.swiglu.view().slice(row(r, f)), &mut h);
+            one[0] = dh.iter().zip(&h).map(|(p, q)| p * q).sum();
+            write_f32(dev, &one, send.view_mut().slice_mut(arrival..arrival + 1));
+            let at = arrival * w1 + c;
+            read_f32(dev, recv.view().slice(at..at + 1), &mut one);
+            scale(
+                dev,
+                sc.rows.view_mut().slice_mut(row(r, c)),
+                one[0],
+                &mut dy,
+            );
+            scale(
+                dev,
+                sc.swiglu.view_mut().slice_mut(row(r, f)),
+                one[0],
+                &mut dh,
+            );
         }
-        ep.combine(&send, &er.counts, arr, &mut recv, 1);
-        for (row, copy) in crate::kernels::routed_rows(index, e) {
-            sc.router_weights[copy] = recv[row];
+        ep.combine(send.view(), &er.counts, arr, recv.view_mut(), 1);
+        for (r, copy) in routed_rows(&er.index, e) {
+            let to = sc.router_weights.view_mut().slice_mut(copy..copy + 1);
+            convert(dev, recv.view().slice(r..r + 1), to, f32::store);
         }
         self.free_ep_staging(pool, send, recv);
     }
@@ -484,7 +571,7 @@ impl Llama {
         let moe = self.params.layers[i].moe.as_ref().expect("a MoE layer");
         let e = moe.experts.len();
         let name = |t| self.slot(i, t);
-        let er = self.expert_rows(&a.router_index);
+        let er = self.expert_rows(a.router_index.view());
         let blocks = || er.blocks.iter().filter(|(_, r)| !r.is_empty());
         self.routing_weight_grads(k, pool, params, moe, n, a, sc, &er);
         for (x, rows) in blocks() {
@@ -527,9 +614,18 @@ impl Llama {
         let route = self.route(n, c);
         {
             let (logits, dw) = (a.router_logits.view(), sc.router_weights.view());
-            let aux_dp = &self.router_load.state().aux_dp;
+            let s = self.router_load.state();
             let dl = sc.router_logits.view_mut();
-            k.router_backward(route, logits, index.view(), dw, aux_dp.view(), dl);
+            match &s.device {
+                None => k.router_backward(route, logits, index.view(), dw, s.aux_dp.view(), dl),
+                Some(d) => {
+                    let mut stats = lock(&d.stats);
+                    let at = 2 * self.config.moe.expect("a MoE model").experts;
+                    let mut on = stats.view_mut().slice_mut(at..at + s.aux_dp.len());
+                    d.copy.upload(&s.aux_dp, on.rb());
+                    k.router_backward(route, logits, index.view(), dw, on.as_view(), dl);
+                }
+            }
         }
         let router = moe.router.clone();
         let dl = sc.router_logits.view();
@@ -540,7 +636,7 @@ impl Llama {
             grads.slice_mut(router.clone()),
         );
         k.head_backward_input(lin(n, c, e), dl, params.slice(router), sc.ln_out.view_mut());
-        self.collect(pool, n, &er, &mut sc.rows);
+        self.collect(pool, n, &er, sc.rows.view_mut());
         let nk = er.own;
         k.unpermute(
             route,

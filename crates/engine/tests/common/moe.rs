@@ -3,8 +3,8 @@
 //! whose gradients are put back where the whole model has them.
 
 use ferrotron_dist::threads::{self, ThreadComm};
-use ferrotron_dist::{AsView, AsViewMut, Communicator};
-use ferrotron_engine::kernels::{CpuKernels, Kernels, IGNORE_INDEX};
+use ferrotron_dist::Communicator;
+use ferrotron_engine::kernels::{CpuKernels, Kernels, View, ViewMut, IGNORE_INDEX};
 use ferrotron_engine::model::{
     BatchShape, EpComm, ExpertParallel, HeapPool, Llama, LlamaConfig, MoeConfig,
 };
@@ -43,15 +43,9 @@ impl EpComm for Group {
     fn rank(&self) -> usize {
         self.0.rank()
     }
-    fn exchange(&self, send: &[f32], sc: &[usize], recv: &mut [f32], rc: &[usize]) {
+    fn exchange(&self, send: View<'_, f32>, sc: &[usize], recv: ViewMut<'_, f32>, rc: &[usize]) {
         self.0
-            .all_to_all_v(
-                send.view(),
-                sc,
-                recv.view_mut(),
-                rc,
-                &mut Default::default(),
-            )
+            .all_to_all_v(send, sc, recv, rc, &mut Default::default())
             .unwrap()
     }
 }

@@ -13,11 +13,11 @@
 //! Refused before anything is written, each in one line saying what to do:
 //! - `--device cuda` in a build without the `cuda` feature;
 //! - no NVIDIA driver, or no GPU;
-//! - on a device, the layouts several ranks do not run yet ([`ranks::check`]); several ranks on
-//!   the GPU stage their messages through host memory, each on its GPU ([`gpu_of`]; NCCL in
-//!   the trainer is issue #33's next step);
-//! - on either device, a mixture of experts (`run::layout_checks`); on the GPU, fp8 and the
-//!   memory timeline (`Trainer::new`).
+//! - on the GPU, a mixture of experts (its kernels have no routing ops yet:
+//!   `run::layout_checks`), fp8 and the memory timeline (`Trainer::new`).
+//!
+//! Several ranks on the GPU stage their messages through host memory ([`ranks`]), as on the
+//! emulated device, each on its GPU ([`gpu_of`]); NCCL in the trainer is issue #33's next step.
 
 #[cfg(feature = "cuda")]
 pub mod nccl;
@@ -126,23 +126,19 @@ fn cuda_free() -> Result<Option<(u64, usize)>> {
     Ok(None)
 }
 
-/// Refuses `--device cuda` where it cannot run, with the reason; `world` is the layout's rank
-/// count.
-pub fn check(device: Device, world: usize) -> Result<()> {
+/// Refuses `--device cuda` where it cannot run, with the reason. Any number of ranks runs:
+/// several stage their messages through host memory, as on the emulated device ([`ranks`]),
+/// each on its GPU ([`gpu_of`]).
+pub fn check(device: Device) -> Result<()> {
     if device == Device::Cpu {
         return Ok(());
     }
     if device == Device::Emulated {
-        // Several ranks: the layouts they run are `device_ranks::check`'s.
         return Ok(());
     }
     if !cfg!(feature = "cuda") {
         bail!("device = cuda: this ferrotron was built without CUDA; build it with `cargo build --release --features cuda`, or use --device cpu");
     }
-    // Several ranks (`world`) stage their messages through host memory, as on the emulated
-    // device ([`ranks`]), each on its GPU ([`gpu_of`]); the layouts they run are
-    // `ranks::check`'s.
-    let _ = world;
     driver()
 }
 
@@ -257,26 +253,24 @@ mod tests {
 
     #[test]
     fn cpu_is_always_fine() {
-        check(Device::Cpu, 8).unwrap();
+        check(Device::Cpu).unwrap();
     }
 
     #[test]
     fn cuda_is_refused_with_the_reason() {
         #[cfg(not(feature = "cuda"))]
-        assert_eq!(check(Device::Cuda, 1).unwrap_err().to_string(), "device = cuda: this ferrotron was built without CUDA; build it with `cargo build --release --features cuda`, or use --device cpu");
+        assert_eq!(check(Device::Cuda).unwrap_err().to_string(), "device = cuda: this ferrotron was built without CUDA; build it with `cargo build --release --features cuda`, or use --device cpu");
         #[cfg(feature = "cuda")]
         {
-            // With a driver the GPU is opened by the trainer, one rank or several; without
-            // one, refused here.
-            for world in [1, 4] {
-                match ferrotron_engine::kernels::cuda::device::driver_present() {
-                    false => {
-                        let msg = check(Device::Cuda, world).unwrap_err().to_string();
-                        let want = "device = cuda: no NVIDIA driver on this machine (libcuda.so.1 not found)";
-                        assert!(msg.starts_with(want), "{msg}");
-                    }
-                    true => check(Device::Cuda, world).unwrap(),
+            // With a driver the GPU is opened by the trainer; without one, refused here.
+            match ferrotron_engine::kernels::cuda::device::driver_present() {
+                false => {
+                    let msg = check(Device::Cuda).unwrap_err().to_string();
+                    let want =
+                        "device = cuda: no NVIDIA driver on this machine (libcuda.so.1 not found)";
+                    assert!(msg.starts_with(want), "{msg}");
                 }
+                true => check(Device::Cuda).unwrap(),
             }
         }
     }

@@ -1,6 +1,6 @@
 //! Several ranks on a device (`--device emulated` with `--dp`, `--tp` (`--sp`), `--pp`,
-//! `--cp`; issue #33): which layouts run there, and the copies between a device's gradients
-//! or weights and the host buckets that data parallelism reduces.
+//! `--cp`, `--ep`; issue #33): the copies between a device's gradients or weights and the host
+//! buckets that data parallelism reduces, and the model groups' staging.
 //!
 //! Data parallelism's buckets (the plan's `dp.grad_buckets`, two of `--bucket-mb`) are f32
 //! host buffers already: the backward's final gradients are widened into them and their sums
@@ -26,8 +26,11 @@
 //! (`ferrotron_plan::Runtime::FerrotronDevice`).
 //! `ferrotron_dist::Staged` (f32 views through a staging buffer of its own) does not serve
 //! these: a 16-bit activation is summed in f32 and rounded once, so its staging is a typed
-//! copy, and a second staging buffer per group would sit outside the plan. Expert parallelism
-//! (the MoE routing is not on the device yet) is refused here so far.
+//! copy, and a second staging buffer per group would sit outside the plan. Expert
+//! parallelism's blocks are f32 device buffers of the engine's (`comm.ep.send` /
+//! `comm.ep.recv`), exchanged in pieces of the group's `comm.ep.message`
+//! (`crate::expert_parallel`); a mixture of experts' routing is read back to the host through
+//! the same copies (`Llama::moe_on_device`).
 //!
 //! A copy of a 16-bit value goes through a small buffer on the stack ([`CHUNK`] elements),
 //! widened or rounded on the host exactly as the CPU path does (`Elem::to_f32`,
@@ -35,34 +38,10 @@
 //! are the CPU run's bit for bit.
 
 use crate::data_parallel::{Gather, Segment};
-use crate::device::Device;
-use anyhow::{bail, Result};
 pub use ferrotron_engine::kernels::host_copy::{read_f32, write_f32, HostCopy, CHUNK};
 use ferrotron_engine::kernels::{Memory, ViewMut};
 use ferrotron_engine::Elem;
-use ferrotron_plan::Layout;
 use std::ops::Range;
-
-/// Refuses, in one line, a layout of several ranks that the device path cannot run yet: every
-/// layout but data parallelism with ZeRO 0 to 3, tensor parallelism (with or without
-/// sequence parallelism), pipeline parallelism (every schedule) and context parallelism:
-/// expert parallelism. One rank, and the CPU, pass.
-pub fn check(device: Device, layout: &Layout) -> Result<()> {
-    let world = layout.dp * layout.tp * layout.pp * layout.cp * layout.ep;
-    if device != Device::Emulated || world <= 1 {
-        return Ok(());
-    }
-    let refused = |what: String| -> Result<()> {
-        bail!("device = emulated: {what}: several ranks on the device run data (ZeRO 0 to 3), tensor (with sp), pipeline and context parallelism only so far (issue #33); drop it, or use --device cpu")
-    };
-    if layout.ep > 1 {
-        return refused(format!(
-            "ep = {} (expert parallelism and its mixture-of-experts exchange)",
-            layout.ep
-        ));
-    }
-    Ok(())
-}
 
 /// `dst += src` (ZeRO-2's shard of the reduced gradients summed over micro-batches), each sum
 /// taken in f32 and rounded once, as on the host: a device's elements are copied through a
@@ -112,43 +91,5 @@ impl<S: Elem> Gather for ViewGather<'_, '_, S> {
     }
     fn put(&mut self, r: Range<usize>, values: &[f32]) {
         write_f32(self.dev, values, self.params.rb().slice_mut(r));
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn several_device_ranks_refuse_what_they_cannot_run_in_one_line() {
-        /// A change to a layout.
-        type Set = fn(&mut Layout);
-        // dp 2 with `set` applied.
-        let l = |set: Set| {
-            let mut l = Layout {
-                dp: 2,
-                ..Layout::default()
-            };
-            set(&mut l);
-            l
-        };
-        let fine: [Set; 8] = [
-            |_| {},
-            |l| l.zero = 1,
-            |l| l.zero = 2,
-            |l| l.zero = 3,
-            |l| l.tp = 2,
-            |l| (l.tp, l.sp) = (2, true),
-            |l| l.pp = 2,
-            |l| l.cp = 2,
-        ];
-        for ok in fine {
-            check(Device::Emulated, &l(ok)).unwrap();
-        }
-        check(Device::Cpu, &l(|l| l.tp = 2)).unwrap();
-        let msg = check(Device::Emulated, &l(|l| l.ep = 2)).unwrap_err();
-        assert_eq!(msg.to_string(), "device = emulated: ep = 2 (expert parallelism and its mixture-of-experts exchange): several ranks on the device run data (ZeRO 0 to 3), tensor (with sp), pipeline and context parallelism only so far (issue #33); drop it, or use --device cpu");
-        // One rank is the single-rank device path.
-        check(Device::Emulated, &Layout::default()).unwrap();
     }
 }
