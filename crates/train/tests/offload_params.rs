@@ -32,6 +32,12 @@ fn args(tag: &str, precision: &str, offload: Option<&str>) -> TrainArgs {
     a
 }
 
+/// The validation losses' bits.
+fn val(s: &ferrotron_train::run::RunSummary) -> Vec<u64> {
+    let v = s.steps.iter().filter_map(|m| m.val_loss);
+    v.map(|x| x.to_bits()).collect()
+}
+
 fn error(a: TrainArgs) -> String {
     format!("{:#}", run(a).unwrap_err())
 }
@@ -54,10 +60,6 @@ fn streamed_parameters_follow_the_plain_run_within_their_plan() {
         let plan = last_plan().unwrap();
         assert_same_run(&what, &plain, &off);
         // The evaluation streams the weights too.
-        let val = |s: &ferrotron_train::run::RunSummary| {
-            let v: Vec<_> = s.steps.iter().filter_map(|m| m.val_loss).collect();
-            v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
-        };
         assert_eq!(val(&plain).len(), 2, "{what}");
         assert_eq!(val(&plain), val(&off), "{what}: validation losses");
         assert_within_plans(&off.steps, &what);
@@ -135,6 +137,8 @@ fn data_parallel_ranks_stream_the_whole_model_each() {
     let host = host_peak() - before;
     let plan = last_plan().unwrap();
     assert_same_run(what, &plain, &off);
+    assert_eq!(val(&plain).len(), 2, "{what}");
+    assert_eq!(val(&plain), val(&off), "{what}: validation losses");
     assert_within_plans(&off.steps, what);
     assert!(off.steps.iter().all(|m| m.rank_mem.len() == 2), "{what}");
     // Every rank holds the whole model's 16 B/param (as one rank above), at once.
