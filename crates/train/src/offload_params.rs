@@ -15,6 +15,7 @@
 //! so the backward's kernels add to the same values in the same order. (Adding a window of
 //! fresh gradients to the host's sum instead would round 16-bit gradients twice.)
 
+use crate::data_parallel::{DataParallel, Sums};
 use crate::grad_sync::GradSync;
 use crate::optim::host_tier::HostBuf;
 use crate::optim::offload::{copy_down, copy_up, typed};
@@ -23,10 +24,13 @@ use crate::zero2::{GradWindows, UnitGrads};
 use crate::zero3::{Source, Zero3};
 use anyhow::Result;
 use ferrotron_engine::kernels::{DeviceAlloc, ViewMut};
-use ferrotron_engine::model::{GradBuf, GradsDone, ParamTable};
+use ferrotron_engine::model::{GradBuf, GradsDone, ParamTable, Whole};
 use ferrotron_engine::Elem;
+use ferrotron_plan::planner::RankPlan;
 use ferrotron_plan::DType;
+use std::cell::RefCell;
 use std::ops::Range;
+use std::ptr::NonNull;
 use std::sync::Arc;
 
 /// The host's weights and gradients of a rank that streams its parameters, and the windows'
@@ -82,6 +86,15 @@ impl Streaming {
         self.geo.len()
     }
 
+    /// The windows the engine's units fill are the plan's `offload.param_windows` and
+    /// `comm.zero2.grad_windows` (a mismatch is a bug: the device's measured peak would leave
+    /// its plan).
+    pub fn check_plan(&self, plan: &RankPlan) -> Result<()> {
+        let params = plan.plan.find(PARAM_WINDOWS).map_or(0, |b| b.numel);
+        let held = (self.param_windows(), self.grad_windows());
+        check_window_sizes(held, (params, plan.states.grad_windows))
+    }
+
     /// The weights as a host `Flat` (for a checkpoint or a sample).
     pub fn to_flat(&mut self) -> Flat {
         let n = self.n;
@@ -100,13 +113,16 @@ impl Streaming {
         Source::streamed(windows, host, &mut self.sched, &*self.dev)
     }
 
-    /// A step's forward and backward: the parameters' source over the device's `windows`,
-    /// the device's gradient windows `grads` as the backward addresses them, and their sync
-    /// into the host's gradients, zeroed.
+    /// A step of `micro_batches` forwards and backwards: the parameters' source over the
+    /// device's `windows`, the device's gradient windows `grads` as the backward addresses
+    /// them, and their sync into the host's gradients, zeroed (and with data parallelism `dp`,
+    /// summed over the replicas in the last backward).
     pub fn micro_batches<'a, S: Elem, G: Elem>(
         &'a mut self,
         windows: ViewMut<'a, S>,
         grads: ViewMut<'a, G>,
+        micro_batches: usize,
+        dp: Option<&'a RefCell<DataParallel>>,
     ) -> (Source<'a, S>, UnitGrads<'a, G>, HostGrads<'a, G>) {
         let n = self.n;
         let layers = self.sched.layers();
@@ -119,6 +135,9 @@ impl Streaming {
             geo: &self.geo,
             dev: &*self.dev,
             layers,
+            mb: 0,
+            micro_batches,
+            dp,
         };
         (src, self.geo.view(grads), sync)
     }
@@ -130,6 +149,17 @@ impl Streaming {
     }
 }
 
+/// The plan's name of the parameter windows.
+const PARAM_WINDOWS: &str = "offload.param_windows";
+
+/// The parameter and gradient windows' elements `held` against the plan's.
+fn check_window_sizes(held: (usize, usize), planned: (u64, u64)) -> Result<()> {
+    crate::setup::check_sizes(&[
+        (PARAM_WINDOWS, Some(held.0), planned.0),
+        ("comm.zero2.grad_windows", Some(held.1), planned.1),
+    ])
+}
+
 /// The backward's gradient windows on the device, against the host's gradients (see the
 /// module docs): each unit's window is loaded with the host's sum before its backward and
 /// copied back once the backward completes it.
@@ -138,6 +168,18 @@ pub struct HostGrads<'a, G> {
     geo: &'a GradWindows,
     dev: &'a dyn DeviceAlloc,
     layers: usize,
+    /// The micro-batch running, of the step's `micro_batches`. The first one's windows start
+    /// from zero, with nothing to upload (the planner counts the sums' upload from the second
+    /// on, `ferrotron_plan`'s `time/param_stream.rs`).
+    mb: usize,
+    micro_batches: usize,
+    /// Data parallelism (ZeRO-0: every rank holds the whole weights and gradients on the
+    /// host): in the last backward each unit's host gradients, once stored, go into the
+    /// plan's f32 buckets, whose all-reduce runs while the backward goes on and writes the
+    /// sums back to the host (DDP's bucketed reduction, `data_parallel.rs`, here on host
+    /// memory). The sums are the plain run's: the same gradients, added in f32 and rounded
+    /// once.
+    dp: Option<&'a RefCell<DataParallel>>,
 }
 
 impl<G: Elem> HostGrads<'_, G> {
@@ -146,11 +188,17 @@ impl<G: Elem> HostGrads<'_, G> {
         start..start + self.geo.layer_len
     }
 
-    /// The host's gradients `r` into their window.
+    /// The host's gradients `r` into their window (zeros in the first micro-batch).
     fn load(&mut self, g: &mut dyn GradBuf<G>, r: Range<usize>) {
         let mut w = g.slice_mut(r.clone());
+        let p = NonNull::new(w.as_mut_ptr().cast::<u8>()).expect("never null");
         // SAFETY: `w` is `r.len()` elements of the device's memory.
-        unsafe { copy_up(self.dev, self.host.as_view().slice(r), w.as_mut_ptr()) };
+        unsafe {
+            match self.mb == 0 {
+                true => self.dev.zero(p, r.len() * size_of::<G>()),
+                false => copy_up(self.dev, self.host.as_view().slice(r), w.as_mut_ptr()),
+            }
+        }
     }
 
     /// Window `r` into the host's gradients.
@@ -158,6 +206,24 @@ impl<G: Elem> HostGrads<'_, G> {
         let w = g.slice(r.clone());
         // SAFETY: `w` is `r.len()` elements of the device's memory.
         unsafe { copy_down(self.dev, w.as_ptr(), self.host.rb().slice_mut(r)) };
+    }
+
+    /// In the last backward, with data parallelism: the host's gradients of `done` into the
+    /// replicas' sum.
+    fn reduce(&mut self, done: &GradsDone) {
+        let Some(dp) = self.dp.filter(|_| self.mb + 1 == self.micro_batches) else {
+            return;
+        };
+        let mut dp = dp.borrow_mut();
+        let mut host = Whole(self.host.rb());
+        let mut sums = Sums {
+            grads: &mut host,
+            shard: None,
+        };
+        let ranges: Vec<_> = dp.ranges(done).collect();
+        for r in ranges {
+            dp.add(&mut sums, r);
+        }
     }
 }
 
@@ -180,13 +246,13 @@ impl<G: Elem> GradSync<G> for HostGrads<'_, G> {
     }
 
     fn ready(&mut self, done: GradsDone, g: &mut dyn GradBuf<G>) {
-        match done {
+        match &done {
             // The final norm, and an untied LM head (complete since the head's forward).
             GradsDone::FinalNorm(_) => {
                 let head = self.geo.head.clone();
                 self.store(g, head);
             }
-            GradsDone::Layer(i, _) => {
+            &GradsDone::Layer(i, _) => {
                 let r = self.layer(i);
                 self.store(g, r);
                 if i > 0 {
@@ -199,9 +265,46 @@ impl<G: Elem> GradSync<G> for HostGrads<'_, G> {
                 self.store(g, embed);
             }
         }
+        self.reduce(&done);
     }
 
     fn finish(&mut self, _: &mut dyn GradBuf<G>) -> Result<()> {
-        Ok(())
+        let last = self.mb + 1 == self.micro_batches;
+        self.mb += 1;
+        match self.dp.filter(|_| last) {
+            Some(dp) => {
+                let mut host = Whole(self.host.rb());
+                let mut sums = Sums {
+                    grads: &mut host,
+                    shard: None,
+                };
+                dp.borrow_mut().finish(&mut sums)
+            }
+            None => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn windows_other_than_the_plans_are_refused_naming_the_buffer() {
+        assert!(check_window_sizes((10, 7), (10, 7)).is_ok());
+        let e = check_window_sizes((12, 7), (10, 7))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "internal: the engine's units fill 12 elements of `offload.param_windows`, the plan's are 10"
+        );
+        let e = check_window_sizes((10, 7), (10, 9))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "internal: the engine's units fill 7 elements of `comm.zero2.grad_windows`, the plan's are 9"
+        );
     }
 }

@@ -648,12 +648,16 @@ fn rss_line(steps: &[StepMetrics], planned: u64, host: u64) -> String {
     let Some(rss) = peak_rss() else {
         return "peak RSS unknown on this system".into();
     };
-    let here = match (ferrotron_dist::launched_by_mpirun(), steps.last()) {
-        (false, Some(m)) if !m.rank_mem.is_empty() => {
-            m.rank_mem.iter().map(|r| r.mem_peak_planned).sum()
-        }
-        _ => planned,
-    } + host;
+    // Every rank of this process holds its own host tier (`--offload params --dp`: each
+    // replica's whole model).
+    let (here, ranks) = match (ferrotron_dist::launched_by_mpirun(), steps.last()) {
+        (false, Some(m)) if !m.rank_mem.is_empty() => (
+            m.rank_mem.iter().map(|r| r.mem_peak_planned).sum(),
+            m.rank_mem.len() as u64,
+        ),
+        _ => (planned, 1),
+    };
+    let here = here + host * ranks;
     let bound = here + crate::fit::RSS_OVERHEAD;
     format!(
         "peak RSS {:.1} MiB = plan {:.1} + {:.1} MiB, {} the bound of plan + {:.0} MiB",

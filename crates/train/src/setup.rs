@@ -154,7 +154,12 @@ pub fn check_windows(
             lens.param_windows,
         ),
     ];
-    for (name, held, planned) in pairs {
+    check_sizes(&pairs)
+}
+
+/// Each buffer `(name, held, planned)` holds the plan's elements (`None`: not allocated).
+pub fn check_sizes(pairs: &[(&str, Option<usize>, u64)]) -> Result<()> {
+    for &(name, held, planned) in pairs {
         if let Some(n) = held.filter(|&n| n as u64 != planned) {
             bail!("internal: the engine's units fill {n} elements of `{name}`, the plan's are {planned}");
         }

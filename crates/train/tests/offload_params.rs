@@ -5,7 +5,7 @@
 //! fall by what the plan takes off it, and the host's must be the plan's.
 
 mod common;
-use common::{assert_same_run, assert_within_plans, rel, tiny_args, tmp};
+use common::{assert_same_run, assert_within_plans, llama_config, rel, tiny_args, tmp};
 use ferrotron_train::alloc::Tracking;
 use ferrotron_train::config::TrainArgs;
 use ferrotron_train::device::Device;
@@ -21,14 +21,7 @@ static A: Tracking = Tracking;
 fn args(tag: &str, precision: &str, offload: Option<&str>) -> TrainArgs {
     let out = tmp(&format!("offload-params-{tag}-{precision}"));
     let mut a = tiny_args(&out, 4);
-    let cfg = serde_json::json!({
-        "model_type": "llama", "hidden_size": 64, "intermediate_size": 160,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 6,
-        "vocab_size": 8192, "max_position_embeddings": 128, "tie_word_embeddings": true,
-        "rms_norm_eps": 1e-5, "rope_theta": 10000.0
-    });
-    let model = out.join("config6.json");
-    std::fs::write(&model, cfg.to_string()).unwrap();
+    let model = llama_config(&out, 64, 160, 6);
     a.model = Some(model.to_string_lossy().into());
     a.grad_acc = Some(2);
     a.eval_interval = Some(2);
@@ -37,6 +30,12 @@ fn args(tag: &str, precision: &str, offload: Option<&str>) -> TrainArgs {
     a.precision = Some(precision.into());
     a.layout.offload = offload.map(String::from);
     a
+}
+
+/// The validation losses' bits.
+fn val(s: &ferrotron_train::run::RunSummary) -> Vec<u64> {
+    let v = s.steps.iter().filter_map(|m| m.val_loss);
+    v.map(|x| x.to_bits()).collect()
 }
 
 fn error(a: TrainArgs) -> String {
@@ -61,10 +60,6 @@ fn streamed_parameters_follow_the_plain_run_within_their_plan() {
         let plan = last_plan().unwrap();
         assert_same_run(&what, &plain, &off);
         // The evaluation streams the weights too.
-        let val = |s: &ferrotron_train::run::RunSummary| {
-            let v: Vec<_> = s.steps.iter().filter_map(|m| m.val_loss).collect();
-            v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
-        };
         assert_eq!(val(&plain).len(), 2, "{what}");
         assert_eq!(val(&plain), val(&off), "{what}: validation losses");
         assert_within_plans(&off.steps, &what);
@@ -98,16 +93,63 @@ fn streamed_parameters_follow_the_plain_run_within_their_plan() {
             "{what}: host {host}, {plan:?}"
         );
     }
-    let mut dp = args("dp", "fp32", Some("params"));
-    dp.layout.dp = Some(2);
+    data_parallel_ranks_stream_the_whole_model_each();
+    let mut tp = args("tp", "fp32", Some("params"));
+    tp.layout.tp = Some(2);
     assert_eq!(
-        error(dp),
-        "offload = params: one rank only for now (2 ranks asked): drop the parallel flags, or --offload"
+        error(tp),
+        "offload = params: not with --tp 2 yet (each data-parallel rank streams the whole model): drop --tp, or --offload"
+    );
+    let mut zero = args("zero", "fp32", Some("params"));
+    (zero.layout.dp, zero.layout.zero) = (Some(2), Some(1));
+    assert_eq!(
+        error(zero),
+        "offload = params: not with --zero 1 yet (each of the 2 data-parallel ranks keeps the whole model in host memory and all-reduces its gradients, as ZeRO-0 does): drop --zero, or --offload"
     );
     let mut cpu = args("cpu", "fp32", Some("params"));
     cpu.device = Device::Cpu;
     assert_eq!(
         error(cpu),
         "offload = params: a CPU run keeps its weights in host memory already, so there is nothing to stream: add --device emulated (or cuda), or drop --offload"
+    );
+}
+
+/// `--dp 2`: each rank streams the whole model from its own host copy, and the last backward
+/// all-reduces each unit's host gradients in the plan's f32 buckets as it completes: the
+/// trajectory is the plain dp 2 run's, each rank within its plan, and the host holds each
+/// rank's planned tier.
+fn data_parallel_ranks_stream_the_whole_model_each() {
+    let what = "bf16, dp 2: --offload params on the device";
+    let dp2 = |tag: &str, offload: Option<&str>| {
+        let mut a = args(tag, "bf16", offload);
+        a.layout.dp = Some(2);
+        a
+    };
+    let plain = run(dp2("dp-plain", None)).unwrap();
+    reset_host_peak();
+    let before = host_live();
+    let off = run(dp2("dp-params", Some("params"))).unwrap();
+    assert_eq!(
+        host_live(),
+        before,
+        "{what}: the host tier is freed with the run"
+    );
+    let host = host_peak() - before;
+    let plan = last_plan().unwrap();
+    assert_same_run(what, &plain, &off);
+    assert_eq!(val(&plain).len(), 2, "{what}");
+    assert_eq!(val(&plain), val(&off), "{what}: validation losses");
+    assert_within_plans(&off.steps, what);
+    assert!(off.steps.iter().all(|m| m.rank_mem.len() == 2), "{what}");
+    // Every rank holds the whole model's 16 B/param (as one rank above), at once.
+    assert_eq!(
+        plan.host_bytes,
+        16 * (8192 * 64 + 6 * 43_136 + 64),
+        "{what}"
+    );
+    let planned = 2.0 * plan.host_bytes as f64;
+    assert!(
+        rel(host as f64, planned) < 0.01,
+        "{what}: host {host}, planned {planned}"
     );
 }

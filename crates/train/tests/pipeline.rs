@@ -23,15 +23,9 @@ static ONE_RUN_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 /// A 6-layer GQA Llama (tied embeddings): 2 stages × 3 chunks of one layer each, large enough
 /// that the few tens of KB a rank allocates outside any plan stay under 1% of its peak.
 fn six_layers(dir: &Path) -> String {
-    let cfg = serde_json::json!({
-        "model_type": "llama", "hidden_size": 128, "intermediate_size": 320,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 6,
-        "vocab_size": 8192, "max_position_embeddings": 128, "tie_word_embeddings": true,
-        "rms_norm_eps": 1e-5, "rope_theta": 10000.0
-    });
-    let p = dir.join("config.json");
-    std::fs::write(&p, cfg.to_string()).unwrap();
-    p.to_string_lossy().into()
+    common::llama_config(dir, 128, 320, 6)
+        .to_string_lossy()
+        .into()
 }
 
 fn args(out: &Path, steps: u64) -> TrainArgs {

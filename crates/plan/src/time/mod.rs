@@ -46,6 +46,7 @@ mod elementwise;
 mod fp8;
 mod layer;
 mod overlap;
+mod param_stream;
 mod report;
 mod ring;
 mod stage;

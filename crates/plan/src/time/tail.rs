@@ -246,9 +246,12 @@ impl TailInputs<'_> {
             let pcie = opt_elems * (grad_bytes + st) / PCIE_BW;
             let host_update = opt_elems * per_param / HOST_BW;
             let per_mb_params = if l.offload == Offload::Params {
-                // Parameters stream in for every forward and backward.
-                let p = (dense + expert) as f64 * st * 2.0 / PCIE_BW;
-                mb * (p - (s.compute + s.recompute).s()).max(0.0)
+                // Parameters stream in for every forward and backward, and the gradient sums
+                // cross both ways after the first micro-batch (`param_stream`).
+                let elems = (dense + expert) as f64;
+                let compute = (s.compute + s.recompute).s();
+                let grads = elems * grad_bytes;
+                super::param_stream::exposed_s(elems * st, grads, mb, compute, PCIE_BW)
             } else {
                 0.0
             };

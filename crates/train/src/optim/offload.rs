@@ -30,8 +30,8 @@ pub const IN_FLIGHT: usize = ferrotron_plan::disk_tier::IN_FLIGHT as usize;
 
 /// Refuses what offload does not run, each in one line naming the setting: `--offload
 /// optimizer` on a CPU run without `--offload-dir` (the states are in host memory already:
-/// nothing would move), `--offload-dir` without `--offload optimizer`, several ranks, and
-/// stochastic rounding.
+/// nothing would move), `--offload-dir` without `--offload optimizer`, several ranks (with
+/// `--offload params`: any but data parallelism, and ZeRO), and stochastic rounding.
 pub fn check(
     layout: &Layout,
     offload_dir: Option<&Path>,
@@ -52,7 +52,17 @@ pub fn check(
         Offload::Params if !on_device => bail!("offload = params: a CPU run keeps its weights in host memory already, so there is nothing to stream: add --device emulated (or cuda), or drop --offload"),
         _ => {}
     }
-    if world > 1 {
+    if what == Offload::Params {
+        // Each data-parallel rank streams the whole model (`crate::offload_params`).
+        let l = layout;
+        let split = [("tp", l.tp), ("pp", l.pp), ("cp", l.cp), ("ep", l.ep)];
+        if let Some((flag, n)) = split.into_iter().find(|x| x.1 > 1) {
+            bail!("offload = params: not with --{flag} {n} yet (each data-parallel rank streams the whole model): drop --{flag}, or --offload");
+        }
+        if l.dp > 1 && l.zero > 0 {
+            bail!("offload = params: not with --zero {} yet (each of the {} data-parallel ranks keeps the whole model in host memory and all-reduces its gradients, as ZeRO-0 does): drop --zero, or --offload", l.zero, l.dp);
+        }
+    } else if world > 1 {
         bail!("offload = {what}: one rank only for now ({world} ranks asked): drop the parallel flags, or --offload");
     }
     if stochastic_rounding {

@@ -77,7 +77,9 @@ impl Trainer {
             let dev = (self.device_alloc.clone())
                 .context("offload = params: the weights stream to a device (checked before)")?;
             let t = &self.model.params;
-            self.streaming = Some(Streaming::new(&self.params, p.engine_grads(), t, dev));
+            let st = Streaming::new(&self.params, p.engine_grads(), t, dev);
+            st.check_plan(&self.plan)?;
+            self.streaming = Some(st);
         }
         Ok(())
     }

@@ -7,8 +7,7 @@ use super::*;
 use ferrotron_engine::model::Whole;
 
 impl Trainer {
-    /// The step on the device's parameter `windows` and gradient windows `grads` (one rank:
-    /// no data parallelism).
+    /// The step on the device's parameter `windows` and gradient windows `grads`.
     pub(super) fn step_streamed<S: Elem, G: Elem>(
         &mut self,
         step: u64,
@@ -17,7 +16,11 @@ impl Trainer {
         num_targets: usize,
     ) -> Result<Stepped> {
         let mut st = self.streaming.take().expect("a streamed step");
-        let out = self.step_with(&mut st, step, windows, grads, num_targets);
+        // The backward's gradient reports and the update's loss sum use the data-parallel
+        // group (when there is one) one after the other: they share it for the step.
+        let dp = self.mesh.dp.take().map(RefCell::new);
+        let out = self.step_with(&mut st, step, windows, grads, dp.as_ref(), num_targets);
+        self.mesh.dp = dp.map(RefCell::into_inner);
         self.streaming = Some(st);
         out
     }
@@ -28,10 +31,12 @@ impl Trainer {
         step: u64,
         windows: ViewMut<'_, S>,
         grads: ViewMut<'_, G>,
+        dp: Option<&RefCell<DataParallel>>,
         num_targets: usize,
     ) -> Result<Stepped> {
         let loss = {
-            let (mut src, mut units, mut sync) = st.micro_batches(windows, grads);
+            let mb = self.cfg.data.grad_acc as usize;
+            let (mut src, mut units, mut sync) = st.micro_batches(windows, grads, mb, dp);
             self.micro_batches(step, &mut src, &mut units, &mut sync, num_targets)?
         };
         // The micro-batches are done: no activations until the next step.
@@ -41,6 +46,6 @@ impl Trainer {
         let (params, grads) = st.update::<S, G>();
         let (shard, grads) = grads.split_at_mut(0);
         let whole = Whole(grads);
-        self.update(step, params, &whole, shard.into_view(), None, loss)
+        self.update(step, params, &whole, shard.into_view(), dp, loss)
     }
 }

@@ -53,13 +53,28 @@ pub fn shards() -> &'static Path {
 
 /// A 2-layer GQA Llama with the bundled tokenizer's vocabulary.
 pub fn tiny_model(dir: &Path, vocab: u64, max_pos: u64) -> PathBuf {
+    write_llama(dir.join("config.json"), (64, 160, 2), vocab, max_pos)
+}
+
+/// A GQA Llama (4 heads, 2 KV heads, tied embeddings, the bundled tokenizer's 8192 tokens, 128
+/// positions) of `hidden`, `ffn` and `layers`, in `dir`.
+pub fn llama_config(dir: &Path, hidden: u64, ffn: u64, layers: u64) -> PathBuf {
+    let p = dir.join(format!("llama-{hidden}-{ffn}-{layers}.json"));
+    write_llama(p, (hidden, ffn, layers), 8192, 128)
+}
+
+fn write_llama(
+    p: PathBuf,
+    (hidden, ffn, layers): (u64, u64, u64),
+    vocab: u64,
+    pos: u64,
+) -> PathBuf {
     let cfg = serde_json::json!({
-        "model_type": "llama", "hidden_size": 64, "intermediate_size": 160,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
-        "vocab_size": vocab, "max_position_embeddings": max_pos, "tie_word_embeddings": true,
+        "model_type": "llama", "hidden_size": hidden, "intermediate_size": ffn,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": layers,
+        "vocab_size": vocab, "max_position_embeddings": pos, "tie_word_embeddings": true,
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0
     });
-    let p = dir.join("config.json");
     std::fs::write(&p, cfg.to_string()).unwrap();
     p
 }
