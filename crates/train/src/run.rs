@@ -4,7 +4,7 @@ use crate::checkpoint;
 use crate::config::CommBackend;
 use crate::config::{TrainArgs, TrainConfig};
 use crate::data::{Loader, LoaderConfig, Tokenizer, ValLoader};
-use crate::group::Group;
+use ferrotron_dist::group::Group;
 use crate::memory::timeline;
 use crate::observe::metrics::{matmul_peak_gflops, peak_rss, MetricsWriter, StepMetrics};
 use crate::observe::trace;
@@ -503,7 +503,7 @@ fn model_groups(
     };
     let pp = match pp {
         Some(p) => {
-            let mut p = crate::pipeline::Pipeline::new(p, l, cfg.data.grad_acc, embedding);
+            let mut p = ferrotron_dist::pipeline::Pipeline::new(p, l, cfg.data.grad_acc, embedding);
             p.warm_up()?;
             Some(p)
         }

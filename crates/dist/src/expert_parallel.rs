@@ -5,7 +5,7 @@
 //! ([`Group::check`]).
 
 use crate::group::Group;
-use ferrotron_dist::{AsView, AsViewMut};
+use crate::{AsView, AsViewMut};
 use ferrotron_engine::model::EpComm;
 
 /// The exchanges as the engine calls them.

@@ -4,7 +4,7 @@
 //! context-parallel) sums its per-rank f64s through the one [`SmallSums::sum_f64`] here.
 
 use anyhow::{anyhow, Result};
-use ferrotron_dist::{Communicator, Region};
+use crate::{Communicator, Region};
 use std::cell::RefMut;
 
 /// Every rank's `mine` (a few values), rank order, in the rank's `small` buffer: in place, so
