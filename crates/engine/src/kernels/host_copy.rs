@@ -1,8 +1,11 @@
 //! Typed copies between one device's memory and f32 on the host ([`HostCopy`], [`read_f32`],
-//! [`write_f32`]): how a host communicator's planned buffer is filled from a device's tensors
-//! and read back into them. The trainer's data-parallel buckets (`device/ranks.rs` in
-//! `ferrotron-train`), and the model groups' buffers (tensor parallelism's `comm.tp.staging`,
-//! context parallelism's ring message, the pipeline's sends and receive) stage through them.
+//! [`write_f32`], [`add_f32`], [`zero`]): how a host communicator's planned buffer is filled
+//! from a device's tensors and read back into them. The data-parallel buckets and ZeRO's
+//! windows (`ferrotron-dist`'s `data_parallel`, `zero`; the trainer's `device/ranks.rs` says
+//! which layouts run on a device), and the model groups' buffers (tensor parallelism's
+//! `comm.tp.staging`, context parallelism's ring message, the pipeline's sends and receive)
+//! stage through them; [`copy_up`] and [`copy_down`] move a host view's bytes to and from a
+//! device address as they are (offloaded states, ZeRO-3's windows filled from host weights).
 //!
 //! A copy of a 16-bit tensor goes through a small buffer on the stack ([`CHUNK`] elements),
 //! widened or rounded on the host exactly as the CPU path does (`Elem::to_f32`,
