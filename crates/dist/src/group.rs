@@ -8,8 +8,8 @@
 //! (`EpComm`) implement the engine's trait for this type.
 
 use crate::small_sums::SmallSums;
-use anyhow::{anyhow, Result};
 use crate::{Communicator, Pending, Region};
+use anyhow::{anyhow, Result};
 use ferrotron_engine::kernels::HostCopy;
 use std::cell::{Cell, RefCell, RefMut};
 

@@ -6,13 +6,13 @@
 //! group, the planned buffers, the bytes each dimension sent against the plan, every rank's
 //! memory, the barrier.
 
+use crate::comm_bytes::{dim_index, CommByDim, CommBytes};
 use crate::data_parallel::DataParallel;
 use crate::group::Group;
-use crate::comm_bytes::{dim_index, CommByDim, CommBytes};
 use crate::pipeline::Pipeline;
 use crate::small_sums::SmallSums;
-use anyhow::Result;
 use crate::{Communicator, Dim};
+use anyhow::Result;
 use std::cell::RefCell;
 use std::rc::Rc;
 

@@ -12,8 +12,8 @@
 //! the planner's (p − 1)/(v·m) (Narayanan et al. 2021, §2.2).
 
 use crate::small_sums::{gather_small, SmallSums};
-use anyhow::{anyhow, Result};
 use crate::{AsViewMut, Communicator, Pending, Region};
+use anyhow::{anyhow, Result};
 use ferrotron_engine::kernels::host_copy::{read_f32, write_f32, HostCopy};
 use ferrotron_engine::kernels::{View, ViewMut};
 use ferrotron_engine::Elem;

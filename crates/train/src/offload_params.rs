@@ -15,13 +15,13 @@
 //! so the backward's kernels add to the same values in the same order. (Adding a window of
 //! fresh gradients to the host's sum instead would round 16-bit gradients twice.)
 
-use ferrotron_dist::grad_sync::GradSync;
 use crate::optim::host_tier::HostBuf;
 use crate::optim::offload::{copy_down, copy_up, typed};
 use crate::weights::Flat;
+use anyhow::Result;
+use ferrotron_dist::grad_sync::GradSync;
 use ferrotron_dist::zero::zero2::{GradWindows, UnitGrads};
 use ferrotron_dist::zero::zero3::{Source, Zero3};
-use anyhow::Result;
 use ferrotron_engine::kernels::{DeviceAlloc, ViewMut};
 use ferrotron_engine::model::{GradBuf, GradsDone, ParamTable};
 use ferrotron_engine::Elem;

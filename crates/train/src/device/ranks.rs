@@ -34,9 +34,9 @@
 //! `Elem::from_f32`: `ferrotron_engine::kernels::host_copy`), so the sums and the trajectory
 //! are the CPU run's bit for bit.
 
-use ferrotron_dist::data_parallel::{Gather, Segment};
 use crate::device::Device;
 use anyhow::{bail, Result};
+use ferrotron_dist::data_parallel::{Gather, Segment};
 pub use ferrotron_engine::kernels::host_copy::{read_f32, write_f32, HostCopy, CHUNK};
 use ferrotron_engine::kernels::ViewMut;
 use ferrotron_engine::Elem;

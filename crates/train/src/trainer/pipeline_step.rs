@@ -4,11 +4,11 @@
 //! gradients, and the loss.
 
 use super::{batch_views, Trainer};
+use crate::memory::pool::Running;
+use anyhow::Result;
 use ferrotron_dist::data_parallel::DataParallel;
 use ferrotron_dist::grad_sync::{GradSync, Local, Replicas, SeqParallelNorms};
-use crate::memory::pool::Running;
 use ferrotron_dist::small_sums::SmallSums;
-use anyhow::Result;
 use ferrotron_engine::kernels::{AsView, AsViewMut, Kernels, View};
 use ferrotron_engine::model::{
     BackwardState, GradBuf, GradsDone, HeadActs, LayerActs, LossSum, WholeParams,
