@@ -1,6 +1,6 @@
 //! `--offload params` (ZeRO-Infinity's parameter offload, Rajbhandari et al. 2021 §5.1): the
 //! weights and their gradients live in host memory, and the device holds only the units in
-//! flight, in the windows ZeRO-3 uses (`zero3.rs`, `zero2.rs`):
+//! flight, in the windows ZeRO-3 uses (`ferrotron_dist::zero`: `zero3.rs`, `zero2.rs`):
 //! - parameter windows (the embedding's, the head's, two layers'): each unit is uploaded from
 //!   the host as the model asks for it, and the next layer one layer ahead, by ZeRO-3's
 //!   schedule (`ferrotron_plan::zero3`);

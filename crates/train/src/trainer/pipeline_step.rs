@@ -1,5 +1,5 @@
 //! A pipeline stage's part of the training step: its forward and backward work in the
-//! schedule's order (`crate::pipeline`), then what the stages settle together before the
+//! schedule's order (`ferrotron_dist::pipeline`), then what the stages settle together before the
 //! optimizer: the tied embedding's two gradients, the data-parallel reduction of the stage's
 //! gradients, and the loss.
 
