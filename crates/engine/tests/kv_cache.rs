@@ -9,7 +9,7 @@ mod common;
 use common::{rel_err, to64};
 use ferrotron_engine::kernels::cpu::simd::{limit_tier, Tier};
 use ferrotron_engine::kernels::{CpuKernels, Kernels};
-use ferrotron_engine::model::{BatchShape, HeapPool, KvCache, Llama, LlamaConfig};
+use ferrotron_engine::model::{BatchShape, HeapPool, KvCache, Llama, LlamaConfig, MoeConfig};
 
 /// Relative error (to the logits' largest magnitude) the two paths stay within: f32 rounding
 /// of sums of a few hundred terms, orders apart from a wrong position or mask (≈ 1e-1).
@@ -118,7 +118,20 @@ fn several_sequences_decode_together() {
 
 #[test]
 fn a_moe_model_decodes_as_it_runs_whole() {
-    let cfg: LlamaConfig = common::moe::cfg(4, 2);
+    // The tiny Mixtral of the expert-parallel tests (crates/dist/tests/common/moe.rs).
+    let cfg = LlamaConfig {
+        hidden: 32,
+        intermediate: 48,
+        head_dim: 8,
+        vocab: 48,
+        moe: Some(MoeConfig {
+            experts: 4,
+            top_k: 2,
+            norm_topk: true,
+            aux_loss_coef: 0.05,
+        }),
+        ..common::dense_cfg(true, false)
+    };
     let model = Llama::new(cfg);
     let params = model.params.init(9, 0.5);
     let seq = tokens(24, 4, 48);

@@ -136,7 +136,7 @@ pub fn comm_buffers(
     }
     // ferrotron's trainer all-reduces gradients in f32 buckets (ZeRO-1/2: reduce-scatters
     // them), two in flight, each at most the rank's gradients
-    // (`crates/train/src/data_parallel.rs`).
+    // (`crates/dist/src/data_parallel.rs`).
     // Under expert parallelism the dense gradients are reduced over the dp × ep replicas and
     // the experts' over the dp replicas of each expert, each in buckets of its own.
     let experts = match (m, l.ep > 1) {
@@ -163,7 +163,7 @@ pub fn comm_buffers(
     }
     // ferrotron's trainer all-reduces tensor-parallel activations (and gathers the
     // cross-entropy's row statistics) through one f32 buffer, in place: the largest is a
-    // micro-batch of the residual stream, [b·s, h] (`crates/train/src/tensor_parallel.rs`).
+    // micro-batch of the residual stream, [b·s, h] (`crates/dist/src/tensor_parallel.rs`).
     if trainer && l.tp > 1 {
         if let Some(m) = m {
             // (A micro-batch's tokens on this rank: 1/cp of each sequence.)
@@ -175,7 +175,7 @@ pub fn comm_buffers(
     }
     // ferrotron's trainer under ZeRO-2 keeps full gradients only in three windows that the
     // backward reuses: the embedding's, the head's and one layer's
-    // (`crates/train/src/zero2.rs`); the head's forward writes the LM head's gradient, so they
+    // (`crates/dist/src/zero/zero2.rs`); the head's forward writes the LM head's gradient, so they
     // exist from the first forward.
     // (With pipelining, ZeRO-2 keeps the stage's gradients unsharded over the step: states.rs.)
     // ZeRO-3 reduces gradients the same way, and streamed parameters (`--offload params`) move
@@ -213,7 +213,7 @@ pub fn comm_buffers(
     // Ring attention receives the next K and V chunk while computing on the current one.
     // (ferrotron's engine holds its blocks in the activation table, `comm.cp.block` and
     // `comm.cp.next`; its trainer sends each pass's copy from one f32 message buffer, a block
-    // with its gradients at most: `crates/train/src/context_parallel.rs`; on a device it
+    // with its gradients at most: `crates/dist/src/context_parallel.rs`; on a device it
     // receives into a second one, the first being the send's, in flight meanwhile.)
     if l.cp > 1 {
         let kv_t = m.kv_heads_tp(l.tp);

@@ -320,7 +320,7 @@ fn at(v: &[Vec<BufId>], s: u64) -> &[BufId] {
 /// Separates a buffer's name from its in-flight slot in the plan's names (`name@slot`).
 pub const SLOT_MARK: char = '@';
 
-/// ferrotron's pipeline buffers (`crates/train/src/pipeline.rs`): per direction a stage sends
+/// ferrotron's pipeline buffers (`crates/dist/src/pipeline.rs`): per direction a stage sends
 /// in, `k` f32 buffers of the boundary activation it sends from in turn
 /// (`schedule::send_buffers`), and one f32 buffer it receives into. (The communicator carries
 /// f32; the storage type is narrowed on arrival.)
@@ -418,7 +418,7 @@ fn rank_plan(
 
     // The stage's program: its order of forward and backward work, and the in-flight slot of
     // each (ferrotron's trainer names every slot's buffers apart for its arena, and sends from
-    // buffers of its own: `crates/train/src/pipeline.rs`; elsewhere one name is allocated as
+    // buffers of its own: `crates/dist/src/pipeline.rs`; elsewhere one name is allocated as
     // many times as micro-batches are in flight).
     let m_sim = {
         let s = simulated_micro_batches(l, stage, r.grad_acc);

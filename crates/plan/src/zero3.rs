@@ -1,6 +1,6 @@
 //! ferrotron's ZeRO-3 (Rajbhandari et al. 2020, §5.3, P_os+g+p): which parameters a rank
 //! gathers, when, and into which window. The trainer executes this schedule
-//! (`crates/train/src/zero3.rs`) and the planner counts its buffers and bytes from it, so the
+//! (`crates/dist/src/zero/zero3.rs`) and the planner counts its buffers and bytes from it, so the
 //! two cannot disagree.
 //!
 //! The model is cut into units, each reduce-scattered and all-gathered as one bucket split into

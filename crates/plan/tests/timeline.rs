@@ -113,7 +113,7 @@ fn zero3_gathers_a_layer_and_prefetches_the_next() {
     // one gathered and one prefetched, in bf16.
     let head = 128_256 * 4096 + 4096;
     assert_eq!(g.bytes(), 2 * 2 * head);
-    // ferrotron's trainer (crates/train/src/zero3.rs): each unit padded to 8 blocks in the
+    // ferrotron's trainer (crates/dist/src/zero/zero3.rs): each unit padded to 8 blocks in the
     // shard; bf16 windows of the embedding, the head and two layers; an f32 all-gather buffer
     // and two f32 gradient buckets of the largest unit.
     let r = llama_8b(Recipe::default(), l);

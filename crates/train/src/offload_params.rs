@@ -1,6 +1,6 @@
 //! `--offload params` (ZeRO-Infinity's parameter offload, Rajbhandari et al. 2021 §5.1): the
 //! weights and their gradients live in host memory, and the device holds only the units in
-//! flight, in the windows ZeRO-3 uses (`zero3.rs`, `zero2.rs`):
+//! flight, in the windows ZeRO-3 uses (`ferrotron_dist::zero`: `zero3.rs`, `zero2.rs`):
 //! - parameter windows (the embedding's, the head's, two layers'): each unit is uploaded from
 //!   the host as the model asks for it, and the next layer one layer ahead, by ZeRO-3's
 //!   schedule (`ferrotron_plan::zero3`);
@@ -15,14 +15,14 @@
 //! so the backward's kernels add to the same values in the same order. (Adding a window of
 //! fresh gradients to the host's sum instead would round 16-bit gradients twice.)
 
-use crate::data_parallel::{DataParallel, Sums};
-use crate::grad_sync::GradSync;
 use crate::optim::host_tier::HostBuf;
 use crate::optim::offload::{copy_down, copy_up, typed};
 use crate::weights::Flat;
-use crate::zero2::{GradWindows, UnitGrads};
-use crate::zero3::{Source, Zero3};
 use anyhow::Result;
+use ferrotron_dist::data_parallel::{DataParallel, Sums};
+use ferrotron_dist::grad_sync::GradSync;
+use ferrotron_dist::zero::zero2::{GradWindows, UnitGrads};
+use ferrotron_dist::zero::zero3::{Source, Zero3};
 use ferrotron_engine::kernels::{DeviceAlloc, ViewMut};
 use ferrotron_engine::model::{GradBuf, GradsDone, ParamTable, Whole};
 use ferrotron_engine::Elem;

@@ -4,7 +4,6 @@ use crate::checkpoint;
 use crate::config::CommBackend;
 use crate::config::{TrainArgs, TrainConfig};
 use crate::data::{Loader, LoaderConfig, Tokenizer, ValLoader};
-use crate::group::Group;
 use crate::memory::timeline;
 use crate::observe::metrics::{matmul_peak_gflops, peak_rss, MetricsWriter, StepMetrics};
 use crate::observe::trace;
@@ -12,6 +11,7 @@ use crate::sample::{generate, SampleOptions};
 use crate::setup;
 use crate::trainer::{Comms, Trainer};
 use anyhow::{bail, Context, Result};
+use ferrotron_dist::group::Group;
 use ferrotron_dist::Dim;
 use ferrotron_engine::kernels::SeqPart;
 use ferrotron_plan::Precision;
@@ -502,7 +502,7 @@ fn model_groups(
     };
     let pp = match pp {
         Some(p) => {
-            let mut p = crate::pipeline::Pipeline::new(p, l, cfg.data.grad_acc, embedding);
+            let mut p = ferrotron_dist::pipeline::Pipeline::new(p, l, cfg.data.grad_acc, embedding);
             p.warm_up()?;
             Some(p)
         }

@@ -5,9 +5,9 @@ use crate::config::TrainConfig;
 use crate::data::{
     build_shards_from, find_shards, BuildOptions, Source, Split, TokenDataset, Tokenizer,
 };
-use crate::zero2::GradWindows;
-use crate::zero3::Zero3;
 use anyhow::{bail, Context, Result};
+use ferrotron_dist::zero::zero2::GradWindows;
+use ferrotron_dist::zero::zero3::Zero3;
 use ferrotron_engine::kernels::{CpuKernels, Kernels};
 use ferrotron_engine::model::{Llama, LlamaConfig};
 use ferrotron_plan::cluster::Dim;
@@ -170,7 +170,11 @@ pub fn check_sizes(pairs: &[(&str, Option<usize>, u64)]) -> Result<()> {
 /// Checks that the plan names every in-flight slot the stage's program uses: the planner
 /// simulates fewer micro-batches than a long step runs (the steady 1F1B phase repeats), and
 /// the program over all of them must stay within the slots it planned.
-pub fn check_slots(plan: &RankPlan, pp: &crate::pipeline::Pipeline, layers: usize) -> Result<()> {
+pub fn check_slots(
+    plan: &RankPlan,
+    pp: &ferrotron_dist::pipeline::Pipeline,
+    layers: usize,
+) -> Result<()> {
     for chunk in 0..pp.chunks() {
         let last = pp.slots_of(chunk) - 1;
         if last == 0 {

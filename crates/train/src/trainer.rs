@@ -4,15 +4,12 @@
 
 use crate::config::TrainConfig;
 use crate::data::{Loader, ValLoader};
-use crate::data_parallel::{expert_ranges, Buckets, DataParallel, Gather, Segment};
 use crate::device::state::{DevFlat, DeviceState};
 use crate::device::Machine;
-use crate::group::Group;
 use crate::memory::alloc;
 use crate::memory::arena::Arena;
 use crate::memory::pool::{PlanPool, Point, Running, Sample, Timeline};
 use crate::memory::workspace::{self, KernelWorkspace};
-use crate::mesh::Mesh;
 use crate::observe::metrics::{RankMem, StepMetrics};
 use crate::observe::trace::{Event, Tracing};
 use crate::optim::loss_scale::{DynamicLossScaler, ScaleUpdate};
@@ -20,15 +17,18 @@ use crate::optim::lr::LrSchedule;
 use crate::optim::offload::Offloaded;
 pub use crate::optim::step::AdamState;
 use crate::optim::step::{adamw, grad_scale, OptRun, States};
-use crate::pipeline::Pipeline;
 use crate::setup::{checked_plan, planned_bytes, recompute_flops_per_token};
-use crate::small_sums::SmallSums;
-use crate::tensor_parallel as tpar;
 use crate::weights::Flat;
-use crate::zero2::GradWindows;
-use crate::zero3::{Source, Zero3};
 use crate::{with_dev_types, with_flat_types};
 use anyhow::Result;
+use ferrotron_dist::data_parallel::{expert_ranges, Buckets, DataParallel, Gather, Segment};
+use ferrotron_dist::group::Group;
+use ferrotron_dist::mesh::Mesh;
+use ferrotron_dist::pipeline::Pipeline;
+use ferrotron_dist::small_sums::SmallSums;
+use ferrotron_dist::tensor_parallel as tpar;
+use ferrotron_dist::zero::zero2::GradWindows;
+use ferrotron_dist::zero::zero3::{Source, Zero3};
 use ferrotron_dist::{Communicator, Dim};
 use ferrotron_engine::kernels::{
     AdamWParams, AsView, AsViewMut, Backend, CpuKernels, DeviceAlloc, DeviceBuf, Kernels, Rounding,

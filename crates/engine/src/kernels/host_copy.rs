@@ -1,8 +1,11 @@
 //! Typed copies between one device's memory and f32 on the host ([`HostCopy`], [`read_f32`],
-//! [`write_f32`]): how a host communicator's planned buffer is filled from a device's tensors
-//! and read back into them. The trainer's data-parallel buckets (`device/ranks.rs` in
-//! `ferrotron-train`), and the model groups' buffers (tensor parallelism's `comm.tp.staging`,
-//! context parallelism's ring message, the pipeline's sends and receive) stage through them.
+//! [`write_f32`], [`add_f32`], [`zero`]): how a host communicator's planned buffer is filled
+//! from a device's tensors and read back into them. The data-parallel buckets and ZeRO's
+//! windows (`ferrotron-dist`'s `data_parallel`, `zero`; the trainer's `device/ranks.rs` says
+//! which layouts run on a device), and the model groups' buffers (tensor parallelism's
+//! `comm.tp.staging`, context parallelism's ring message, the pipeline's sends and receive)
+//! stage through them; [`copy_up`] and [`copy_down`] move a host view's bytes to and from a
+//! device address as they are (offloaded states, ZeRO-3's windows filled from host weights).
 //!
 //! A copy of a 16-bit tensor goes through a small buffer on the stack ([`CHUNK`] elements),
 //! widened or rounded on the host exactly as the CPU path does (`Elem::to_f32`,
@@ -137,6 +140,60 @@ pub fn write_f32<G: Elem>(dev: Option<&HostCopy>, src: &[f32], dst: ViewMut<'_, 
             }
         }
     }
+}
+
+/// `dst += src` (ZeRO-2's shard of the reduced gradients summed over micro-batches), each sum
+/// taken in f32 and rounded once, as on the host: a device's elements are copied through a
+/// stack buffer and back.
+pub fn add_f32<G: Elem>(dev: Option<&HostCopy>, src: &[f32], mut dst: ViewMut<'_, G>) {
+    let Some(c) = dev.filter(|_| dst.memory() != Memory::Host) else {
+        for (g, x) in dst.host_mut().iter_mut().zip(src) {
+            *g = G::from_f32(g.to_f32() + x);
+        }
+        return;
+    };
+    let mut acc = [0f32; CHUNK];
+    for (i, part_src) in src.chunks(CHUNK).enumerate() {
+        let acc = &mut acc[..part_src.len()];
+        let at = i * CHUNK..i * CHUNK + part_src.len();
+        c.download(dst.as_view().slice(at.clone()), acc);
+        for (a, x) in acc.iter_mut().zip(part_src) {
+            // A 16-bit gradient widens exactly: this is `from_f32(g.to_f32() + x)`.
+            *a += x;
+        }
+        c.upload(acc, dst.rb().slice_mut(at));
+    }
+}
+
+/// Sets `dst` to zero, on the host or on the device `dev` copies for.
+pub fn zero<G: Elem>(dev: Option<&HostCopy>, dst: ViewMut<'_, G>) {
+    match dev {
+        Some(c) if dst.memory() != Memory::Host => c.zero(dst),
+        _ => dst.host_mut().fill(G::from_f32(0.0)),
+    }
+}
+
+/// Copies `dst.len()` elements at device address `src` into the host view `dst`.
+///
+/// # Safety
+/// `src` must address that many elements of `dev`'s memory.
+pub unsafe fn copy_down<T: Elem>(dev: &dyn DeviceAlloc, src: *const T, dst: ViewMut<'_, T>) {
+    let dst = dst.host_mut();
+    let bytes = std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<u8>(), size_of_val(dst));
+    dev.download(
+        bytes,
+        NonNull::new(src.cast_mut().cast()).expect("never null"),
+    );
+}
+
+/// Copies the host view `src` to device address `dst`.
+///
+/// # Safety
+/// `dst` must address `src.len()` elements of `dev`'s memory.
+pub unsafe fn copy_up<T: Elem>(dev: &dyn DeviceAlloc, src: View<'_, T>, dst: *mut T) {
+    let src = src.host();
+    let bytes = std::slice::from_raw_parts(src.as_ptr().cast::<u8>(), size_of_val(src));
+    dev.upload(NonNull::new(dst.cast()).expect("never null"), bytes);
 }
 
 fn ptr<T>(p: *const T) -> NonNull<u8> {

@@ -2,7 +2,6 @@
 #![allow(dead_code)]
 
 pub mod fixture;
-pub mod moe;
 
 /// xorshift64* — deterministic, dependency-free.
 pub struct Rng(u64);

@@ -15,9 +15,9 @@
 //! The model's groups stage the same way, through the buffers the plan gives them: tensor
 //! parallelism's all-reduces, gathers and reduce-scatters (and sequence parallelism's norm
 //! sums) fill the group's `comm.tp.staging` from the device and write the result back
-//! (`TpComm::device`, `crate::group::Group::on_device`); a pipeline stage sends from its
+//! (`TpComm::device`, `ferrotron_dist::group::Group::on_device`); a pipeline stage sends from its
 //! `comm.pp.send.*` buffers and receives into `comm.pp.recv`, read from and written into the
-//! device (`crate::pipeline::Pipeline::on_device`), the tied embedding's two gradients summed
+//! device (`ferrotron_dist::pipeline::Pipeline::on_device`), the tied embedding's two gradients summed
 //! through the latter. Context parallelism's ring widens the keys and values into its f32
 //! blocks (device buffers of the pool) through the same copies, sends each block from the
 //! group's `comm.cp.message` and, on a device, receives it into a second one of the same
@@ -29,7 +29,7 @@
 //! copy, and a second staging buffer per group would sit outside the plan. Expert
 //! parallelism's blocks are f32 device buffers of the engine's (`comm.ep.send` /
 //! `comm.ep.recv`), exchanged in pieces of the group's `comm.ep.message`
-//! (`crate::expert_parallel`); a mixture of experts' routing is read back to the host through
+//! (`ferrotron_dist::expert_parallel`); a mixture of experts' routing is read back to the host through
 //! the same copies (`Llama::moe_on_device`).
 //!
 //! A copy of a 16-bit value goes through a small buffer on the stack ([`CHUNK`] elements),
@@ -37,42 +37,11 @@
 //! `Elem::from_f32`: `ferrotron_engine::kernels::host_copy`), so the sums and the trajectory
 //! are the CPU run's bit for bit.
 
-use crate::data_parallel::{Gather, Segment};
+use ferrotron_dist::data_parallel::{Gather, Segment};
 pub use ferrotron_engine::kernels::host_copy::{read_f32, write_f32, HostCopy, CHUNK};
-use ferrotron_engine::kernels::{Memory, ViewMut};
+use ferrotron_engine::kernels::ViewMut;
 use ferrotron_engine::Elem;
 use std::ops::Range;
-
-/// `dst += src` (ZeRO-2's shard of the reduced gradients summed over micro-batches), each sum
-/// taken in f32 and rounded once, as on the host: a device's elements are copied through a
-/// stack buffer and back.
-pub fn add_f32<G: Elem>(dev: Option<&HostCopy>, src: &[f32], mut dst: ViewMut<'_, G>) {
-    let Some(c) = dev.filter(|_| dst.memory() != Memory::Host) else {
-        for (g, x) in dst.host_mut().iter_mut().zip(src) {
-            *g = G::from_f32(g.to_f32() + x);
-        }
-        return;
-    };
-    let mut acc = [0f32; CHUNK];
-    for (i, part_src) in src.chunks(CHUNK).enumerate() {
-        let acc = &mut acc[..part_src.len()];
-        let at = i * CHUNK..i * CHUNK + part_src.len();
-        c.download(dst.as_view().slice(at.clone()), acc);
-        for (a, x) in acc.iter_mut().zip(part_src) {
-            // A 16-bit gradient widens exactly: this is `from_f32(g.to_f32() + x)`.
-            *a += x;
-        }
-        c.upload(acc, dst.rb().slice_mut(at));
-    }
-}
-
-/// Sets `dst` to zero, on the host or on the device `dev` copies for.
-pub fn zero<G: Elem>(dev: Option<&HostCopy>, dst: ViewMut<'_, G>) {
-    match dev {
-        Some(c) if dst.memory() != Memory::Host => c.zero(dst),
-        _ => dst.host_mut().fill(G::from_f32(0.0)),
-    }
-}
 
 /// The weights around ZeRO-1's all-gather, wherever they live: this rank's blocks read from
 /// them, every rank's written into them.

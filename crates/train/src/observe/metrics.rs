@@ -1,8 +1,9 @@
 //! Per-step metrics as JSON lines, and the machine's matmul peak for MFU.
 
+// The per-dimension bytes are the mesh's (`ferrotron_dist::comm_bytes`); the metrics carry them.
+pub use ferrotron_dist::comm_bytes::{CommByDim, CommBytes};
 use ferrotron_plan::cluster::Dim;
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -62,13 +63,6 @@ pub struct StepMetrics {
     pub gemm: String,
 }
 
-/// One dimension's bytes sent this step, and the planner's.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CommBytes {
-    pub sent: u64,
-    pub planned: u64,
-}
-
 impl StepMetrics {
     /// Bytes this rank sent in dimension `d` this step (`None`: it takes no part in one).
     pub fn comm_sent(&self, d: Dim) -> Option<u64> {
@@ -78,68 +72,6 @@ impl StepMetrics {
     /// The planner's prediction of [`StepMetrics::comm_sent`].
     pub fn comm_planned(&self, d: Dim) -> Option<u64> {
         self.comm.get(d).map(|c| c.planned)
-    }
-}
-
-/// A value per parallel dimension, in `Dim::ALL`'s order: a map keyed by the dimension that
-/// allocates nothing (the metrics of every step are kept for the run's summary, inside the
-/// measured memory), written in JSON as `{"tp": …, "dp": …}`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct CommByDim([Option<CommBytes>; 5]);
-
-/// `d`'s place in `Dim::ALL`.
-pub fn dim_index(d: Dim) -> usize {
-    Dim::ALL
-        .iter()
-        .position(|&x| x == d)
-        .expect("every Dim is in Dim::ALL")
-}
-
-impl CommByDim {
-    pub fn get(&self, d: Dim) -> Option<CommBytes> {
-        self.0[dim_index(d)]
-    }
-
-    pub fn insert(&mut self, d: Dim, c: CommBytes) {
-        self.0[dim_index(d)] = Some(c);
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.0.iter().all(Option::is_none)
-    }
-
-    /// The dimensions with a value, in `Dim::ALL`'s order.
-    pub fn iter(&self) -> impl Iterator<Item = (Dim, CommBytes)> + '_ {
-        (Dim::ALL.iter().zip(&self.0)).filter_map(|(d, c)| Some((*d, (*c)?)))
-    }
-}
-
-impl Serialize for CommByDim {
-    fn serialize<Ser: serde::Serializer>(&self, s: Ser) -> Result<Ser::Ok, Ser::Error> {
-        use serde::ser::SerializeMap;
-        let mut m = s.serialize_map(None)?;
-        for (d, c) in self.iter() {
-            m.serialize_entry(d.name(), &c)?;
-        }
-        m.end()
-    }
-}
-
-impl<'de> Deserialize<'de> for CommByDim {
-    fn deserialize<De: serde::Deserializer<'de>>(d: De) -> Result<Self, De::Error> {
-        let named = BTreeMap::<String, CommBytes>::deserialize(d)?;
-        let mut out = CommByDim::default();
-        for (name, c) in named {
-            let Some(dim) = Dim::ALL.into_iter().find(|d| d.name() == name) else {
-                let dims: Vec<_> = Dim::ALL.iter().map(|d| d.name()).collect();
-                return Err(serde::de::Error::custom(format!(
-                    "comm: unknown dimension {name:?} (one of {})",
-                    dims.join(", ")
-                )));
-            };
-            out.insert(dim, c);
-        }
-        Ok(out)
     }
 }
 

@@ -19,6 +19,9 @@ use anyhow::{bail, Result};
 use ferrotron_engine::kernels::{
     AdamWParams, AsViewMut, CpuKernels, DeviceAlloc, Kernels, Memory, Rounding, View, ViewMut,
 };
+// The typed copies between a host view and a device address are the engine's (`host_copy`),
+// where ZeRO-3's parameter windows (`ferrotron_dist::zero::zero3`) also take them.
+pub(crate) use ferrotron_engine::kernels::host_copy::{copy_down, copy_up};
 use ferrotron_engine::Elem;
 use ferrotron_plan::{Layout, Offload};
 use std::path::Path;
@@ -397,29 +400,6 @@ impl Bucket<'_> {
             unsafe { copy_up(&*st.dev, ph.as_view(), p.as_mut_ptr()) };
         }
     }
-}
-
-/// Copies `dst.len()` elements at device address `src` into the host view `dst`.
-///
-/// # Safety
-/// `src` must address that many elements of `dev`'s memory.
-pub(crate) unsafe fn copy_down<T: Elem>(dev: &dyn DeviceAlloc, src: *const T, dst: ViewMut<'_, T>) {
-    let dst = dst.host_mut();
-    let bytes = std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<u8>(), size_of_val(dst));
-    dev.download(
-        bytes,
-        NonNull::new(src.cast_mut().cast()).expect("never null"),
-    );
-}
-
-/// Copies the host view `src` to device address `dst`.
-///
-/// # Safety
-/// `dst` must address `src.len()` elements of `dev`'s memory.
-pub(crate) unsafe fn copy_up<T: Elem>(dev: &dyn DeviceAlloc, src: View<'_, T>, dst: *mut T) {
-    let src = src.host();
-    let bytes = std::slice::from_raw_parts(src.as_ptr().cast::<u8>(), size_of_val(src));
-    dev.upload(NonNull::new(dst.cast()).expect("never null"), bytes);
 }
 
 /// What the plan says offload takes: the states' bytes, the host bytes they take (all of

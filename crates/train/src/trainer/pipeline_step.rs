@@ -1,14 +1,14 @@
 //! A pipeline stage's part of the training step: its forward and backward work in the
-//! schedule's order (`crate::pipeline`), then what the stages settle together before the
+//! schedule's order (`ferrotron_dist::pipeline`), then what the stages settle together before the
 //! optimizer: the tied embedding's two gradients, the data-parallel reduction of the stage's
 //! gradients, and the loss.
 
 use super::{batch_views, Trainer};
-use crate::data_parallel::DataParallel;
-use crate::grad_sync::{GradSync, Local, Replicas, SeqParallelNorms};
 use crate::memory::pool::Running;
-use crate::small_sums::SmallSums;
 use anyhow::Result;
+use ferrotron_dist::data_parallel::DataParallel;
+use ferrotron_dist::grad_sync::{GradSync, Local, Replicas, SeqParallelNorms};
+use ferrotron_dist::small_sums::SmallSums;
 use ferrotron_engine::kernels::{AsView, AsViewMut, Kernels, View};
 use ferrotron_engine::model::{
     BackwardState, GradBuf, GradsDone, HeadActs, LayerActs, LossSum, WholeParams,
@@ -60,7 +60,7 @@ impl Trainer {
     #[allow(clippy::too_many_arguments)]
     fn run_stage<S: Elem, G: Elem>(
         &mut self,
-        pp: &mut crate::pipeline::Pipeline,
+        pp: &mut ferrotron_dist::pipeline::Pipeline,
         step: u64,
         params: View<'_, S>,
         grads: &mut dyn GradBuf<G>,
@@ -187,7 +187,7 @@ impl Trainer {
     /// once: a stage's chunks finish their last backward at different times).
     fn settle<G: Elem>(
         &mut self,
-        pp: &mut crate::pipeline::Pipeline,
+        pp: &mut ferrotron_dist::pipeline::Pipeline,
         grads: &mut dyn GradBuf<G>,
         dp: Option<&RefCell<DataParallel>>,
     ) -> Result<()> {
@@ -235,7 +235,7 @@ impl Trainer {
 
     fn eval_stage<S: Elem>(
         &mut self,
-        pp: &mut crate::pipeline::Pipeline,
+        pp: &mut ferrotron_dist::pipeline::Pipeline,
         params: View<'_, S>,
     ) -> Result<LossSum> {
         let mut loss = LossSum::default();

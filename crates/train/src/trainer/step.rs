@@ -1,11 +1,11 @@
 //! The training step of one rank: the micro-batch loop, the gradient sync it reports to
-//! (`crate::grad_sync::GradSync`: DDP, ZeRO-1/2/3 or one replica, chosen once per step), and
+//! (`ferrotron_dist::grad_sync::GradSync`: DDP, ZeRO-1/2/3 or one replica, chosen once per step), and
 //! the update (`update.rs`). It names no parallel dimension: the model's groups report their
 //! failures through the mesh, the schedule (`forward_backward`) picks the pipeline's program
 //! or this loop, and the parameters come from a source that may gather them (ZeRO-3).
 
 use super::*;
-use crate::grad_sync::{GradSync, StepGrads};
+use ferrotron_dist::grad_sync::{GradSync, StepGrads};
 use ferrotron_engine::model::ParamSource;
 
 impl Trainer {
@@ -61,7 +61,7 @@ impl Trainer {
     pub(super) fn micro_batches<S: Elem, G: Elem>(
         &mut self,
         step: u64,
-        src: &mut crate::zero3::Source<'_, S>,
+        src: &mut ferrotron_dist::zero::zero3::Source<'_, S>,
         grads: &mut dyn GradBuf<G>,
         sync: &mut dyn GradSync<G>,
         num_targets: usize,

@@ -186,7 +186,7 @@ impl Trainer {
         step: u64,
         params: ViewMut<'_, S>,
         grads: &mut dyn GradBuf<G>,
-        sync: &mut dyn crate::grad_sync::GradSync<G>,
+        sync: &mut dyn ferrotron_dist::grad_sync::GradSync<G>,
         dp: Option<&RefCell<DataParallel>>,
         num_targets: usize,
     ) -> Result<LossSum> {

@@ -3,8 +3,8 @@
 //! Every group of the trainer (data-parallel, tensor-parallel, pipeline, expert- and
 //! context-parallel) sums its per-rank f64s through the one [`SmallSums::sum_f64`] here.
 
+use crate::{Communicator, Region};
 use anyhow::{anyhow, Result};
-use ferrotron_dist::{Communicator, Region};
 use std::cell::RefMut;
 
 /// Every rank's `mine` (a few values), rank order, in the rank's `small` buffer: in place, so

@@ -6,13 +6,13 @@
 //! group, the planned buffers, the bytes each dimension sent against the plan, every rank's
 //! memory, the barrier.
 
+use crate::comm_bytes::{dim_index, CommByDim, CommBytes};
 use crate::data_parallel::DataParallel;
 use crate::group::Group;
-use crate::observe::metrics::{dim_index, CommByDim, CommBytes};
 use crate::pipeline::Pipeline;
 use crate::small_sums::SmallSums;
+use crate::{Communicator, Dim};
 use anyhow::Result;
-use ferrotron_dist::{Communicator, Dim};
 use std::cell::RefCell;
 use std::rc::Rc;
 
@@ -25,7 +25,7 @@ pub struct Mesh {
     /// This rank's pipeline stage.
     pub pp: Option<Pipeline>,
     /// With the model split over ranks, every rank (for `rank_mem`), and a small buffer for it.
-    world: Option<(Box<dyn Communicator>, ferrotron_dist::Region<f32>)>,
+    world: Option<(Box<dyn Communicator>, crate::Region<f32>)>,
     /// The planner's bytes per step and rank of each dimension this rank sends in.
     planned: [Option<u64>; 5],
     /// Sequence parallelism: the norms' gradients are partial on each tensor-parallel rank.

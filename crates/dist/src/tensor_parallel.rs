@@ -5,7 +5,7 @@
 //! weights; and the gradient norm's share of the replicated norms.
 
 use crate::group::Group;
-use ferrotron_dist::{Communicator, Region};
+use crate::{Communicator, Region};
 use ferrotron_engine::kernels::HostCopy;
 use ferrotron_engine::model::tensor_parallel::replicated;
 use ferrotron_engine::model::tensor_parallel::TpOp;
@@ -25,7 +25,7 @@ fn staged(
     g: &Group,
     len: usize,
     fill: impl FnOnce(&mut [f32]),
-    start: impl FnOnce(&dyn Communicator, Region<f32>) -> ferrotron_dist::Pending,
+    start: impl FnOnce(&dyn Communicator, Region<f32>) -> crate::Pending,
     op: &str,
 ) -> Option<Region<f32>> {
     let mut buf = std::mem::take(&mut *g.buffer());

@@ -25,10 +25,10 @@
 //! plan, laid out once over the order in which the backward reports gradients final,
 //! [`report_order`]); [`DataParallel::add`] checks every report against that layout.
 
-use crate::device::ranks::{add_f32, read_f32, write_f32, HostCopy};
 use crate::small_sums::{gather_mem, gather_small, SmallSums};
+use crate::{Communicator, Pending, Region};
 use anyhow::{anyhow, bail, Result};
-use ferrotron_dist::{Communicator, Pending, Region};
+use ferrotron_engine::kernels::host_copy::{add_f32, read_f32, write_f32, HostCopy};
 use ferrotron_engine::model::{GradBuf, GradsDone, ParamTable, Unit};
 use ferrotron_engine::Elem;
 use ferrotron_plan::comm::{bytes_per_rank, Collective};
@@ -284,7 +284,7 @@ impl DataParallel {
         if self.per_unit {
             self.gather = vec![0.0; self.bucket_len].into();
         }
-        let mut spans = ferrotron_dist::carve::<f32>(&[self.bucket_len; 2]).into_iter();
+        let mut spans = crate::carve::<f32>(&[self.bucket_len; 2]).into_iter();
         let mut bucket = || Bucket {
             buf: spans.next().expect("two spans"),
             index: 0,

@@ -16,7 +16,7 @@
 
 use crate::data_parallel::{DataParallel, Sums};
 use crate::group::Group;
-use crate::zero2::{GradWindows, UnitGrads};
+use crate::zero::zero2::{GradWindows, UnitGrads};
 use anyhow::Result;
 use ferrotron_engine::kernels::{View, ViewMut};
 use ferrotron_engine::model::tensor_parallel::all_reduce;

@@ -8,8 +8,8 @@
 //! (`EpComm`) implement the engine's trait for this type.
 
 use crate::small_sums::SmallSums;
+use crate::{Communicator, Pending, Region};
 use anyhow::{anyhow, Result};
-use ferrotron_dist::{Communicator, Pending, Region};
 use ferrotron_engine::kernels::HostCopy;
 use std::cell::{Cell, RefCell, RefMut};
 
@@ -75,7 +75,7 @@ impl Group {
     /// baseline, before the plan's first buffer.
     pub fn warm_up(&self, what: &str) -> Result<()> {
         let n = self.comm.size();
-        let warm = |r: Result<Region<f32>, ferrotron_dist::CommError>| {
+        let warm = |r: Result<Region<f32>, crate::CommError>| {
             r.map(drop)
                 .map_err(|e| anyhow!("{what} group warm-up: {e}"))
         };

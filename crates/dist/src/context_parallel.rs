@@ -7,10 +7,10 @@
 //!
 //! The ranks of a group hold the same weights (their gradients are reduced with the
 //! data-parallel replicas', over dp × cp) and different tokens of the same sequences; the
-//! loader gives each its share ([`crate::data::loader`]).
+//! loader gives each its share (`ferrotron_train`'s `data::loader`).
 
 use crate::group::Group;
-use ferrotron_dist::AsViewMut;
+use crate::AsViewMut;
 use ferrotron_engine::kernels::host_copy::{read_f32, write_f32, HostCopy};
 use ferrotron_engine::kernels::{Memory, View, ViewMut};
 use ferrotron_engine::model::CpComm;

@@ -10,11 +10,10 @@
 //! checked against the schedule, and a read outside the unit asked for panics (a bug, not an
 //! input). Gradients go through ZeRO-2's windows (`zero2`), reduce-scattered unit by unit.
 
+use super::zero2::GradWindows;
 use crate::data_parallel::DataParallel;
-use crate::device::ranks::{read_f32, write_f32, HostCopy};
-use crate::optim::offload::copy_up;
-use crate::zero2::GradWindows;
 use anyhow::{bail, Result};
+use ferrotron_engine::kernels::host_copy::{copy_up, read_f32, write_f32, HostCopy};
 use ferrotron_engine::kernels::{DeviceAlloc, View, ViewMut};
 use ferrotron_engine::model::{ParamBuf, ParamSource, ParamTable, Unit, WholeParams};
 use ferrotron_engine::Elem;

@@ -12,8 +12,8 @@
 //! the planner's (p − 1)/(v·m) (Narayanan et al. 2021, §2.2).
 
 use crate::small_sums::{gather_small, SmallSums};
+use crate::{AsViewMut, Communicator, Pending, Region};
 use anyhow::{anyhow, Result};
-use ferrotron_dist::{AsViewMut, Communicator, Pending, Region};
 use ferrotron_engine::kernels::host_copy::{read_f32, write_f32, HostCopy};
 use ferrotron_engine::kernels::{View, ViewMut};
 use ferrotron_engine::Elem;
@@ -172,7 +172,7 @@ impl Pipeline {
     pub fn allocate(&mut self, k: usize, len: usize, sends: [bool; 2]) {
         for (ring, on) in self.rings.iter_mut().zip(sends) {
             if on && ring.idle.is_empty() && ring.pending.is_empty() {
-                ring.idle = ferrotron_dist::carve(&vec![len; k]);
+                ring.idle = crate::carve(&vec![len; k]);
                 ring.pending = (0..k).map(|_| None).collect();
             }
         }

@@ -6,7 +6,7 @@
 //! `comm.ep.send` / `comm.ep.recv`), staged through the same message buffer ([`staged`]).
 
 use crate::group::Group;
-use ferrotron_dist::{AsView, AsViewMut, CommError, Communicator};
+use crate::{AsView, AsViewMut, CommError, Communicator};
 use ferrotron_engine::kernels::host_copy::{read_f32, write_f32, HostCopy};
 use ferrotron_engine::kernels::{Memory, View, ViewMut};
 use ferrotron_engine::model::EpComm;

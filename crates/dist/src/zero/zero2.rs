@@ -12,7 +12,7 @@
 //!
 //! They are the plan's `comm.zero2.grad_windows`: embedding + head + the largest layer.
 
-use crate::device::ranks::{zero, HostCopy};
+use ferrotron_engine::kernels::host_copy::{zero, HostCopy};
 use ferrotron_engine::kernels::{View, ViewMut};
 use ferrotron_engine::model::{two_mut, GradBuf, ParamTable};
 use ferrotron_engine::Elem;
@@ -24,10 +24,10 @@ pub struct GradWindows {
     /// The units in the flat order: the embedding, the head (final norm and an untied LM
     /// head), every layer (from the first layer's start to the final norm), and one layer's
     /// length. (ZeRO-3's parameter windows have the same geometry: `zero3::ParamWindows`.)
-    pub(crate) embed: Range<usize>,
-    pub(crate) head: Range<usize>,
-    pub(crate) layers: Range<usize>,
-    pub(crate) layer_len: usize,
+    pub embed: Range<usize>,
+    pub head: Range<usize>,
+    pub layers: Range<usize>,
+    pub layer_len: usize,
 }
 
 impl GradWindows {
