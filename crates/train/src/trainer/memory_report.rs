@@ -39,10 +39,17 @@ pub(super) fn measure_workspace(
 /// overhead term is the larger of the two, the bound for a phase nobody tells it about.
 ///
 /// The marks are those of the plan as the allocator sees it, with the activation arena held
-/// whole from a micro-batch's first buffer to its last (`ferrotron_plan::arena::with_region`).
-pub(super) fn step_peaks(plan: &RankPlan, arena: &ArenaLayout, ws: KernelWorkspace) -> [u64; 2] {
+/// whole from a micro-batch's first buffer to its last (`ferrotron_plan::arena::with_region`)
+/// and the resident region from its first buffer on (`ferrotron_plan::resident`), each with
+/// its alignment padding.
+pub(super) fn step_peaks(
+    plan: &RankPlan,
+    [resident, arena]: [&ArenaLayout; 2],
+    ws: KernelWorkspace,
+) -> [u64; 2] {
     let mut out = [plan.overhead; 2];
-    let held = with_region(&plan.plan, arena).sweep();
+    let with_resident = ferrotron_plan::resident::with_resident(&plan.plan, resident);
+    let held = with_region(&with_resident, arena).sweep();
     for m in &held.marks {
         let i = (m.step as usize).saturating_sub(1).min(1);
         let peak = match m.phase {
