@@ -1,4 +1,4 @@
-//! Offsets in the rank's second, long-lived region: the buffers that live for the run.
+//! Offsets in the rank's long-lived regions: the buffers that live for the run.
 //!
 //! The activation arena (`arena.rs`) is the lifetime class "one micro-batch". The trainer's
 //! communication buffers (the data-parallel buckets, ZeRO-3's gather buffer, the model
@@ -13,6 +13,9 @@
 //! [`crate::arena::ALIGN`]-byte boundary (a cache line: a bucket the communicator's worker
 //! sums in never shares a line with the one the backward fills). The region is the members'
 //! planned bytes, each rounded up to that boundary.
+//!
+//! Adam's moments are the lifetime class "from the first optimizer step": they share a
+//! resident region of their own ([`moments_layout`]), allocated by that step.
 
 use crate::arena::{arena_layout, with_block, ArenaError, ArenaLayout};
 use crate::memory::{BufId, Category, MemoryPlan};
@@ -34,11 +37,30 @@ pub fn comm_layout(plan: &MemoryPlan) -> Result<ArenaLayout, ArenaError> {
     arena_layout(plan, |i| is_comm_buffer(plan, i))
 }
 
+/// Whether buffer `id` of `plan` is one of Adam's moments (`optim.exp_avg`,
+/// `optim.exp_avg_sq`): the lifetime class "from the first optimizer step", a resident
+/// region of its own (held from the step that creates them, as `torch.optim` does).
+pub fn is_moment(plan: &MemoryPlan, id: BufId) -> bool {
+    let b = &plan.buffers[id];
+    b.category == Category::Optimizer && b.name.starts_with("optim.")
+}
+
+/// The layout of `plan`'s optimizer moments in their resident region.
+pub fn moments_layout(plan: &MemoryPlan) -> Result<ArenaLayout, ArenaError> {
+    arena_layout(plan, |i| is_moment(plan, i))
+}
+
 /// The plan as the process holds it with the resident region: its members replaced by the
 /// region (`resident`), allocated where the first of them is. (They are never freed, so
 /// neither is it.)
 pub fn with_resident(plan: &MemoryPlan, layout: &ArenaLayout) -> MemoryPlan {
     with_block(plan, layout, "resident", Category::CommBuffers)
+}
+
+/// The plan with Adam's moments replaced by their region (`moments`), allocated by the first
+/// optimizer step.
+pub fn with_moments(plan: &MemoryPlan, layout: &ArenaLayout) -> MemoryPlan {
+    with_block(plan, layout, "moments", Category::Optimizer)
 }
 
 #[cfg(test)]
@@ -154,6 +176,18 @@ mod tests {
                 // its padding: the buffers appear together, before any activation.
                 let held = with_resident(&p, &r).sweep().peak;
                 assert_eq!(held, p.sweep().peak + r.bytes - planned, "{what}");
+                // Adam's two moments, one region of their own, created together.
+                let m = moments_layout(&p).unwrap();
+                let moments: Vec<BufId> =
+                    (0..p.buffers.len()).filter(|&i| is_moment(&p, i)).collect();
+                assert_eq!(moments.len(), 2, "{what}");
+                assert_eq!(
+                    m.bytes,
+                    moments.iter().map(|&i| padded(i)).sum::<u64>(),
+                    "{what}"
+                );
+                let held = with_moments(&p, &m).sweep().peak;
+                assert_eq!(held, p.sweep().peak + m.bytes - m.peak_live, "{what}");
             }
         }
     }

@@ -125,8 +125,10 @@ pub struct Trainer {
     /// A pipeline stage's other in-flight micro-batches' tokens and targets (`data.tokens@s`).
     batches: Vec<(Vec<u32>, Vec<u32>)>,
     pool: PlanPool,
-    /// The rank's resident region: the communication buffers at the plan's offsets.
+    /// The rank's resident regions, at the plan's offsets: the communication buffers, and
+    /// Adam's moments (made by the first optimizer step).
     resident: Resident,
+    moments: Resident,
     pub schedule: LrSchedule,
     /// What the optimizer updates on this rank (every tensor, or the ZeRO-1 shard), and whether
     /// weight decay applies (matrices yes; norms, biases no).
@@ -313,12 +315,17 @@ impl Trainer {
         mesh.plan_bytes(|| planned_bytes(&spec, &cfg, kernel_workspace.max(), stage))?;
         let (arena, placed) = Arena::of_plan(&plan.plan, model.config.layers)?;
         let (resident, resident_placed) = Resident::of_plan(&plan.plan)?;
+        let (moments, moments_placed) = Resident::moments(&plan.plan)?;
         let (params, master) = initial_weights(&cfg, &st.runs, opt_len, st.zero3.as_ref(), init);
         let flops_per_token = model_flops_per_token(&spec, cfg.data.seq);
         let hw_flops_per_token =
             flops_per_token + recompute_flops_per_token(&spec, cfg.data.seq, cfg.runtime.recompute);
         let mut t = Self {
-            planned_peak: step_peaks(&plan, [&resident_placed, &placed], kernel_workspace),
+            planned_peak: step_peaks(
+                &plan,
+                [&resident_placed, &moments_placed, &placed],
+                kernel_workspace,
+            ),
             plan,
             tokens: vec![0; n],
             targets: vec![0; n],
@@ -336,6 +343,7 @@ impl Trainer {
             step: 0,
             pool: plan_pool(timeline, arena),
             resident,
+            moments,
             trace_left,
             mesh,
             runs: st.runs,

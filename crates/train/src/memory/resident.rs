@@ -2,7 +2,8 @@
 //! the lifetime class "the run" sit at the offsets the plan gave them
 //! (`ferrotron_plan::resident`). Today these are the communication buffers (`comm.*`: the
 //! data-parallel buckets, ZeRO-3's gather buffer, the model groups' buffers, a device ring's
-//! receive staging, the pipeline's send and receive buffers).
+//! receive staging, the pipeline's send and receive buffers), and, in a region of their own
+//! made by the first optimizer step, Adam's two moments of a host step.
 //!
 //! The region is one zeroed host block of the layout's size, allocated when the first buffer
 //! is carved from it (with the first step's gradients, where the plan allocates them) and never
@@ -13,8 +14,8 @@
 
 use ferrotron_dist::{Memory, Region};
 use ferrotron_engine::model::BUF_ALIGN;
-use ferrotron_plan::arena::ArenaLayout;
-use ferrotron_plan::resident::comm_layout;
+use ferrotron_plan::arena::{ArenaError, ArenaLayout};
+use ferrotron_plan::resident::{comm_layout, moments_layout};
 use ferrotron_plan::{DType, MemoryPlan};
 use std::alloc::Layout;
 use std::collections::HashMap;
@@ -63,16 +64,28 @@ unsafe impl Send for Resident {}
 impl Resident {
     /// The resident region of `plan`'s communication buffers, or why they cannot share one.
     pub fn of_plan(plan: &MemoryPlan) -> anyhow::Result<(Self, ArenaLayout)> {
-        let placed = comm_layout(plan).map_err(|e| anyhow::anyhow!("memory plan: {e}"))?;
+        Self::of_layout(plan, comm_layout(plan))
+    }
+
+    /// The resident region of `plan`'s Adam moments (`optim.exp_avg`, `optim.exp_avg_sq`).
+    pub fn moments(plan: &MemoryPlan) -> anyhow::Result<(Self, ArenaLayout)> {
+        Self::of_layout(plan, moments_layout(plan))
+    }
+
+    fn of_layout(
+        plan: &MemoryPlan,
+        placed: Result<ArenaLayout, ArenaError>,
+    ) -> anyhow::Result<(Self, ArenaLayout)> {
+        let placed = placed.map_err(|e| anyhow::anyhow!("memory plan: {e}"))?;
         let mut places = HashMap::new();
         for (id, b) in plan.buffers.iter().enumerate() {
             let Some(offset) = placed.offset(id) else {
                 continue;
             };
-            // The communicator carries f32 (`ferrotron_plan::buffers`).
+            // The communicator carries f32 (`ferrotron_plan::buffers`), Adam's moments are f32.
             anyhow::ensure!(
                 b.dtype == DType::F32,
-                "internal: the memory plan's communication buffer `{}` is {:?}, not f32",
+                "internal: the memory plan's resident buffer `{}` is {:?}, not f32",
                 b.name,
                 b.dtype
             );
