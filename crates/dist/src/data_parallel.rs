@@ -274,17 +274,39 @@ impl DataParallel {
         })
     }
 
-    /// The two buckets, as the plan allocates `dp.grad_buckets` with the gradients: one block
-    /// of two buckets, each a span of it at its offset (0 and one bucket), handed to the
-    /// communicator and back; and ZeRO-3's all-gather buffer (the plan's `zero3.gather`).
-    pub fn allocate(&mut self) {
+    /// The two buckets, as the plan allocates `comm.dp.grad_buckets` with the gradients: the
+    /// buffer's two halves, each handed to the communicator and back; and ZeRO-3's all-gather
+    /// buffer (the plan's `comm.zero3.gather`). `planned(name, parts)` is the plan's buffer
+    /// `name` in `parts` equal spans (the rank's resident region, at the plan's offsets).
+    pub fn allocate(&mut self, planned: &mut dyn FnMut(&str, usize) -> Vec<Region<f32>>) {
+        self.allocate_as("comm.dp.grad_buckets", planned)
+    }
+
+    /// [`DataParallel::allocate`] from the plan's buffer `buckets` (the experts' reduction has
+    /// its own: `comm.dp.expert_grad_buckets`).
+    fn allocate_as(
+        &mut self,
+        buckets: &str,
+        planned: &mut dyn FnMut(&str, usize) -> Vec<Region<f32>>,
+    ) {
         if let Some(inner) = self.experts.as_mut().and_then(|x| x.inner.as_mut()) {
-            inner.allocate();
+            inner.allocate_as("comm.dp.expert_grad_buckets", planned);
         }
         if self.per_unit {
-            self.gather = vec![0.0; self.bucket_len].into();
+            self.gather = planned("comm.zero3.gather", 1).remove(0);
+            assert_eq!(
+                self.gather.len(),
+                self.bucket_len,
+                "internal: the plan's gather buffer"
+            );
         }
-        let mut spans = crate::carve::<f32>(&[self.bucket_len; 2]).into_iter();
+        let spans = planned(buckets, 2);
+        assert!(
+            spans.iter().all(|s| s.len() == self.bucket_len),
+            "internal: the plan's `{buckets}` is not two buckets of {}",
+            self.bucket_len
+        );
+        let mut spans = spans.into_iter();
         let mut bucket = || Bucket {
             buf: spans.next().expect("two spans"),
             index: 0,

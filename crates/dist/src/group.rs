@@ -29,7 +29,7 @@ pub struct Group {
     device: RefCell<Option<HostCopy>>,
     /// On a device, the context-parallel ring's receive staging (the planned buffer is the
     /// send's, in flight meanwhile; on the host a block is received in place).
-    receive: RefCell<Vec<f32>>,
+    receive: RefCell<Region<f32>>,
 }
 
 impl Group {
@@ -42,21 +42,18 @@ impl Group {
             small: RefCell::default(),
             sending: RefCell::new(None),
             device: RefCell::new(None),
-            receive: RefCell::new(Vec::new()),
+            receive: RefCell::default(),
         }
     }
 
-    /// On a device, the receive staging of `len` f32, the plan's `comm.cp.receive` (a ring's
-    /// messages are as long as its message buffer); nothing on the host.
-    pub fn allocate_receive(&self, len: usize) {
-        let mut r = self.receive.borrow_mut();
-        if self.device.borrow().is_some() && r.capacity() < len {
-            *r = Vec::with_capacity(len);
-        }
+    /// On a device, the receive staging: the plan's `comm.cp.receive` (a ring's messages are
+    /// as long as its message buffer; the plan lists it for a device rank only).
+    pub fn allocate_receive(&self, planned: Region<f32>) {
+        *self.receive.borrow_mut() = planned;
     }
 
     /// The receive staging (a device's ring).
-    pub fn receive_staging(&self) -> RefMut<'_, Vec<f32>> {
+    pub fn receive_staging(&self) -> RefMut<'_, Region<f32>> {
         self.receive.borrow_mut()
     }
 
@@ -83,12 +80,9 @@ impl Group {
         warm(self.comm.all_gather_start(vec![0.0; n].into()).wait())
     }
 
-    /// The buffer of the plan (`len` f32).
-    pub fn allocate(&self, len: usize) {
-        let mut m = self.buffer.borrow_mut();
-        if m.capacity() < len {
-            *m = vec![0.0; len].into();
-        }
+    /// The buffer of the plan (in the rank's resident region, at the plan's offset).
+    pub fn allocate(&self, planned: Region<f32>) {
+        *self.buffer.borrow_mut() = planned;
     }
 
     /// The planned buffer, for one collective or exchange.

@@ -120,15 +120,16 @@ impl Mesh {
         self.groups.iter().try_for_each(|(_, g)| g.check())
     }
 
-    /// The model groups' planned buffers (`find`: a plan buffer's f32 count by name).
-    pub fn allocate(&self, find: impl Fn(&str) -> Option<usize>) {
+    /// The model groups' planned buffers (`planned`: a plan buffer by name, as one region of
+    /// the rank's resident region; `None` when the plan has none of that name).
+    pub fn allocate(&self, planned: &mut dyn FnMut(&str) -> Option<crate::Region<f32>>) {
         for (d, g) in &self.groups {
-            if let Some(n) = find(planned_buffer(*d)) {
-                g.allocate(n);
+            if let Some(r) = planned(planned_buffer(*d)) {
+                g.allocate(r);
             }
             // A device rank's ring receive (`Runtime::FerrotronDevice` plans it).
-            if let (Dim::Cp, Some(n)) = (d, find("comm.cp.receive")) {
-                g.allocate_receive(n);
+            if let (Dim::Cp, Some(r)) = (d, planned("comm.cp.receive")) {
+                g.allocate_receive(r);
             }
         }
     }

@@ -166,19 +166,15 @@ impl Pipeline {
         Ok(())
     }
 
-    /// Allocates the plan's send buffers (`k` per direction this stage sends in: spans of
-    /// one block per direction, each handed to the communicator while its message is in
-    /// flight) and its receive buffer, `len` f32 each.
-    pub fn allocate(&mut self, k: usize, len: usize, sends: [bool; 2]) {
-        for (ring, on) in self.rings.iter_mut().zip(sends) {
-            if on && ring.idle.is_empty() && ring.pending.is_empty() {
-                ring.idle = crate::carve(&vec![len; k]);
-                ring.pending = (0..k).map(|_| None).collect();
-            }
+    /// Takes the plan's send buffers (per direction, forward then backward, the `k` it sends
+    /// from in turn, none in a direction this stage does not send in; each handed to the
+    /// communicator while its message is in flight) and its receive buffer.
+    pub fn allocate(&mut self, sends: [Vec<Region<f32>>; 2], recv: Region<f32>) {
+        for (ring, bufs) in self.rings.iter_mut().zip(sends) {
+            ring.pending = (0..bufs.len()).map(|_| None).collect();
+            ring.idle = bufs;
         }
-        if self.recv.is_empty() {
-            self.recv = vec![0.0; len].into();
-        }
+        self.recv = recv;
     }
 
     fn waited<T>(&mut self, f: impl FnOnce(&mut Self) -> T) -> T {

@@ -163,17 +163,29 @@ pub fn arena_layout(
 /// Its sweep's marks are what the allocator sees: between marks the region is held whole, even
 /// where the buffers live in it are fewer than at its fullest.
 pub fn with_region(plan: &MemoryPlan, layout: &ArenaLayout) -> MemoryPlan {
+    with_block(
+        plan,
+        layout,
+        "arena",
+        crate::memory::Category::OtherActivations,
+    )
+}
+
+/// The plan with `layout`'s members replaced by one block `name` of `layout.bytes`, allocated
+/// when the first of them appears and freed when the last goes (never, for buffers the plan
+/// never frees: `resident.rs`).
+pub fn with_block(
+    plan: &MemoryPlan,
+    layout: &ArenaLayout,
+    name: &str,
+    category: crate::memory::Category,
+) -> MemoryPlan {
     let mut out = MemoryPlan {
         buffers: plan.buffers.clone(),
         program: Vec::with_capacity(plan.program.len()),
         host_bytes: plan.host_bytes,
     };
-    let region = out.add(
-        "arena",
-        crate::recipe::DType::U8,
-        layout.bytes,
-        crate::memory::Category::OtherActivations,
-    );
+    let region = out.add(name, crate::recipe::DType::U8, layout.bytes, category);
     let mut live = 0usize;
     for op in &plan.program {
         match *op {

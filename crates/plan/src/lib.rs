@@ -31,6 +31,7 @@ pub mod planner;
 pub mod presets;
 pub mod recipe;
 pub mod report;
+pub mod resident;
 pub mod runtime;
 pub mod sac;
 pub mod schedule;

@@ -9,6 +9,7 @@ use crate::device::Machine;
 use crate::memory::alloc;
 use crate::memory::arena::Arena;
 use crate::memory::pool::{PlanPool, Point, Running, Sample, Timeline};
+use crate::memory::resident::Resident;
 use crate::memory::workspace::{self, KernelWorkspace};
 use crate::observe::metrics::{RankMem, StepMetrics};
 use crate::observe::trace::{Event, Tracing};
@@ -124,6 +125,10 @@ pub struct Trainer {
     /// A pipeline stage's other in-flight micro-batches' tokens and targets (`data.tokens@s`).
     batches: Vec<(Vec<u32>, Vec<u32>)>,
     pool: PlanPool,
+    /// The rank's resident regions, at the plan's offsets: the communication buffers, and
+    /// Adam's moments (made by the first optimizer step).
+    resident: Resident,
+    moments: Resident,
     pub schedule: LrSchedule,
     /// What the optimizer updates on this rank (every tensor, or the ZeRO-1 shard), and whether
     /// weight decay applies (matrices yes; norms, biases no).
@@ -317,12 +322,18 @@ impl Trainer {
         // alone sends nothing: no estimate).
         mesh.plan_bytes(|| planned_bytes(&spec, &cfg, kernel_workspace.max(), stage))?;
         let (arena, placed) = Arena::of_plan(&plan.plan, model.config.layers)?;
+        let (resident, resident_placed) = Resident::of_plan(&plan.plan)?;
+        let (moments, moments_placed) = Resident::moments(&plan.plan)?;
         let (params, master) = initial_weights(&cfg, &st.runs, opt_len, st.zero3.as_ref(), init);
         let flops_per_token = model_flops_per_token(&spec, cfg.data.seq);
         let hw_flops_per_token =
             flops_per_token + recompute_flops_per_token(&spec, cfg.data.seq, cfg.runtime.recompute);
         let mut t = Self {
-            planned_peak: step_peaks(&plan, &placed, kernel_workspace),
+            planned_peak: step_peaks(
+                &plan,
+                [&resident_placed, &moments_placed, &placed],
+                kernel_workspace,
+            ),
             plan,
             tokens: vec![0; n],
             targets: vec![0; n],
@@ -339,6 +350,8 @@ impl Trainer {
             streaming: None,
             step: 0,
             pool: plan_pool(timeline, arena),
+            resident,
+            moments,
             trace_left,
             mesh,
             runs: st.runs,
@@ -368,20 +381,20 @@ impl Trainer {
     }
 
     /// The pipeline's send and receive buffers, as planned (with the gradients, or by an
-    /// evaluation before the first step).
+    /// evaluation before the first step): from the resident region, once.
     fn allocate_pipeline(&mut self) {
-        if let (Some(pp), Some(b)) = (&mut self.mesh.pp, self.plan.plan.find("comm.pp.recv")) {
-            let sends = ["forward", "backward"].map(|d| {
-                let prefix = format!("comm.pp.send.{d}.");
-                let bufs = self.plan.plan.buffers.iter();
-                bufs.filter(|b| b.name.starts_with(&prefix)).count()
-            });
-            pp.allocate(
-                sends[0].max(sends[1]),
-                b.numel as usize,
-                sends.map(|k| k > 0),
-            );
-        }
+        let r = &mut self.resident;
+        let Some(pp) = self.mesh.pp.as_mut().filter(|_| !r.taken("comm.pp.recv")) else {
+            return;
+        };
+        let Some(mut recv) = r.carve("comm.pp.recv", 1) else {
+            return;
+        };
+        let sends = ["forward", "backward"].map(|d| {
+            let one = |j| r.carve(&format!("comm.pp.send.{d}.{j}"), 1);
+            (0..).map_while(one).flatten().collect()
+        });
+        pp.allocate(sends, recv.remove(0));
     }
 
     /// A micro-batch on this rank: under context parallelism its share of each sequence.

@@ -90,6 +90,11 @@ impl<T> Region<T> {
         self.len = len;
     }
 
+    /// Uses none of its elements (as `Vec::clear`, keeping the capacity and the place).
+    pub fn clear(&mut self) {
+        self.len = 0;
+    }
+
     /// The elements in use, read-only.
     pub fn as_view(&self) -> View<'_, T> {
         // SAFETY: `len <= capacity` initialised elements this region owns, shared while

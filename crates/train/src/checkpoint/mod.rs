@@ -307,7 +307,7 @@ fn emit_blocks(
     let Some(opt) = &t.opt else {
         return Ok(());
     };
-    let mut tensors = vec![("exp_avg", &opt.m), ("exp_avg_sq", &opt.v)];
+    let mut tensors: Vec<(&str, &[f32])> = vec![("exp_avg", &opt.m), ("exp_avg_sq", &opt.v)];
     if let Some(m) = &t.master {
         tensors.push(("master", m));
     }
@@ -608,8 +608,8 @@ pub fn load_optimizer(
         Ok(out)
     };
     let state = AdamState {
-        m: take("exp_avg")?,
-        v: take("exp_avg_sq")?,
+        m: take("exp_avg")?.into(),
+        v: take("exp_avg_sq")?.into(),
     };
     let master = if master { Some(take("master")?) } else { None };
     Ok(Some((state, master)))

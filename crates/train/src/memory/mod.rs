@@ -7,5 +7,6 @@ pub mod arena;
 pub mod big_blocks;
 pub mod heap;
 pub mod pool;
+pub mod resident;
 pub mod timeline;
 pub mod workspace;

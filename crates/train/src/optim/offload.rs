@@ -247,7 +247,10 @@ impl Offloaded {
             }
         };
         let opt = match (self.moments, m, v) {
-            (true, Some(m), Some(v)) => Some(AdamState { m, v }),
+            (true, Some(m), Some(v)) => Some(AdamState {
+                m: m.into(),
+                v: v.into(),
+            }),
             _ => None,
         };
         Ok((master, opt))

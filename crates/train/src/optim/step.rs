@@ -6,10 +6,12 @@ use ferrotron_engine::kernels::{AdamWParams, Kernels, Rounding, View, ViewMut};
 use ferrotron_engine::Elem;
 use std::ops::Range;
 
-/// AdamW's two moments, allocated by the first optimizer step (as torch.optim does).
+/// AdamW's two moments, allocated by the first optimizer step (as torch.optim does): on the
+/// host, the rank's moments region at the plan's offsets (`memory::resident`); heap regions
+/// when loaded from a checkpoint, a host tier or a device.
 pub struct AdamState {
-    pub m: Vec<f32>,
-    pub v: Vec<f32>,
+    pub m: ferrotron_dist::Region<f32>,
+    pub v: ferrotron_dist::Region<f32>,
 }
 
 /// A run of parameters the optimizer updates: `params` of the flat buffers, at `at` in the

@@ -93,8 +93,8 @@ impl Trainer {
         };
         self.master = d.master.as_ref().map(DeviceBuf::to_host);
         self.opt = (d.opt.as_ref()).map(|(m, v)| AdamState {
-            m: m.to_host(),
-            v: v.to_host(),
+            m: m.to_host().into(),
+            v: v.to_host().into(),
         });
         let r = f(self);
         self.params = Flat::zeros(dtype, 0);

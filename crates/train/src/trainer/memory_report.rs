@@ -39,10 +39,18 @@ pub(super) fn measure_workspace(
 /// overhead term is the larger of the two, the bound for a phase nobody tells it about.
 ///
 /// The marks are those of the plan as the allocator sees it, with the activation arena held
-/// whole from a micro-batch's first buffer to its last (`ferrotron_plan::arena::with_region`).
-pub(super) fn step_peaks(plan: &RankPlan, arena: &ArenaLayout, ws: KernelWorkspace) -> [u64; 2] {
+/// whole from a micro-batch's first buffer to its last (`ferrotron_plan::arena::with_region`)
+/// and the resident regions (communication buffers, Adam's moments) from their first buffer
+/// on (`ferrotron_plan::resident`), each with its alignment padding.
+pub(super) fn step_peaks(
+    plan: &RankPlan,
+    [resident, moments, arena]: [&ArenaLayout; 3],
+    ws: KernelWorkspace,
+) -> [u64; 2] {
+    use ferrotron_plan::resident::{with_moments, with_resident};
     let mut out = [plan.overhead; 2];
-    let held = with_region(&plan.plan, arena).sweep();
+    let held = with_moments(&with_resident(&plan.plan, resident), moments);
+    let held = with_region(&held, arena).sweep();
     for m in &held.marks {
         let i = (m.step as usize).saturating_sub(1).min(1);
         let peak = match m.phase {

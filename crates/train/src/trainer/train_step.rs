@@ -63,16 +63,20 @@ impl Trainer {
             (Some(d), Some(a)) => d.grads = Some(DevFlat::zeros(a, gt, len)?),
             _ => self.grads = Some(Flat::zeros(gt, len)),
         }
-        // The plan's `dp.grad_buckets` (and ZeRO-3's `zero3.gather`) appear with the
-        // gradients.
+        // The plan's `comm.dp.grad_buckets` (and ZeRO-3's `comm.zero3.gather`) appear with the
+        // gradients, in the resident region (allocated with the first of them).
+        let r = &mut self.resident;
         if let Some(dp) = &mut self.mesh.dp {
-            dp.allocate();
+            dp.allocate(&mut |name, parts| {
+                r.carve(name, parts).unwrap_or_else(|| {
+                    panic!("internal: data parallelism needs `{name}`, which the memory plan does not have")
+                })
+            });
         }
         // The model groups' buffers (tensor parallelism's staging, the expert and context
-        // parallel messages), as planned.
-        let plan = &self.plan.plan;
+        // parallel messages, a device ring's receive staging), as planned.
         self.mesh
-            .allocate(|name| plan.find(name).map(|b| b.numel as usize));
+            .allocate(&mut |name| r.carve(name, 1).map(|mut v| v.remove(0)));
         self.allocate_pipeline();
         self.pool.sample(step, Point::Grads);
         Ok(())

@@ -42,7 +42,7 @@ impl Trainer {
             None => Some(adam_states(
                 &mut self.dev,
                 self.device_alloc.as_ref(),
-                &mut self.opt,
+                (&mut self.opt, &mut self.moments),
                 &mut self.master,
                 n,
             )?),
@@ -131,11 +131,12 @@ impl Trainer {
 }
 
 /// Adam's moments and the master weights where the state lives (the device's or the host's):
-/// the moments exist from the first optimizer step on, taken or skipped.
+/// the moments exist from the first optimizer step on, taken or skipped; on the host in the
+/// rank's moments region (`moments`), at the plan's offsets.
 fn adam_states<'a>(
     dev: &'a mut Option<DeviceState>,
     device_alloc: Option<&Arc<dyn DeviceAlloc>>,
-    opt: &'a mut Option<AdamState>,
+    (opt, moments): (&'a mut Option<AdamState>, &mut Resident),
     master: &'a mut Option<Vec<f32>>,
     n: usize,
 ) -> Result<States<'a>> {
@@ -153,9 +154,20 @@ fn adam_states<'a>(
             }
         }
         _ => {
-            let opt = opt.get_or_insert_with(|| AdamState {
-                m: vec![0.0; n],
-                v: vec![0.0; n],
+            let opt = opt.get_or_insert_with(|| {
+                // A plan without them here (they are on the host tier): heap regions.
+                let mut moment = |name| match moments.carve(name, 1) {
+                    Some(mut r) => r.remove(0),
+                    None => vec![0.0; n].into(),
+                };
+                let (m, v) = (moment("optim.exp_avg"), moment("optim.exp_avg_sq"));
+                assert!(
+                    m.len() == n && v.len() == n,
+                    "internal: the plan's moments hold {} and {}, the optimizer {n}",
+                    m.len(),
+                    v.len()
+                );
+                AdamState { m, v }
             });
             States {
                 m: opt.m.view_mut(),
