@@ -363,8 +363,8 @@ pub(super) fn rank_plan(
     Ok((plan, kernel_workspace, gpu))
 }
 
-/// The peak the throughput's MFU is measured against: `--peak-gflops` (GFLOP/s), or on a GPU
-/// without it, its dense peak from the planner's table (FLOP/s).
+/// The peak FLOP/s the throughput's MFU is measured against: `--peak-gflops`, or on a GPU
+/// without it, its dense peak from the planner's table.
 pub(super) fn peak_flops(gpu: &GpuWorkspace, peak_gflops: f64) -> f64 {
     gpu.as_ref()
         .and_then(|g| g.2)
