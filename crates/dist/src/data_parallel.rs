@@ -25,6 +25,7 @@
 //! plan, laid out once over the order in which the backward reports gradients final,
 //! [`report_order`]); [`DataParallel::add`] checks every report against that layout.
 
+use crate::group::Group;
 use crate::small_sums::{gather_mem, gather_small, SmallSums};
 use crate::{Communicator, Pending, Region};
 use anyhow::{anyhow, bail, Result};
@@ -121,7 +122,10 @@ pub struct CommSpan {
 }
 
 pub struct DataParallel {
-    comm: Box<dyn Communicator>,
+    /// The communicator, the bytes this rank sent (as the ring algorithms send them:
+    /// `ferrotron_plan::comm::bytes_per_rank`, the planner's formula) and the first error of
+    /// a collective, reported when the step finishes.
+    group: Group,
     /// Elements per bucket.
     bucket_len: usize,
     layout: BucketLayout,
@@ -136,8 +140,6 @@ pub struct DataParallel {
     next_bucket: usize,
     /// Gradient elements put into buckets this step (a check that every gradient was).
     reduced: usize,
-    /// The first error of a collective, reported when the step finishes.
-    error: Option<String>,
     /// An untied LM head: its gradient is final once the head's forward has run, and goes
     /// into the buckets with the final norm's.
     untied_head: Option<Range<usize>>,
@@ -151,9 +153,6 @@ pub struct DataParallel {
     /// Every rank's few values of the step's small collectives (loss, gradient norm, peak
     /// bytes), reused every step.
     small: RefCell<Region<f32>>,
-    /// Bytes this rank sent this step, as the ring algorithms send them
-    /// (`ferrotron_plan::comm::bytes_per_rank`: the planner's formula).
-    pub comm_bytes: f64,
     /// This step's collectives (the trace's communication track), and the time the rank spent
     /// blocked on them: the communication the backward did not hide.
     pub spans: Vec<CommSpan>,
@@ -252,7 +251,7 @@ impl DataParallel {
         };
         Ok(DataParallel {
             small: RefCell::new(vec![0.0; 4 * ranks].into()),
-            comm,
+            group: Group::new(comm),
             bucket_len,
             layout,
             shard,
@@ -261,12 +260,10 @@ impl DataParallel {
             in_flight: VecDeque::with_capacity(2),
             next_bucket: 0,
             reduced: 0,
-            error: None,
             untied_head: unreported(table),
             per_unit: matches!(buckets, Buckets::Units(_)),
             gather: Region::default(),
             gathering: None,
-            comm_bytes: 0.0,
             spans: Vec::new(),
             exposed: Duration::ZERO,
             experts: None,
@@ -332,8 +329,13 @@ impl DataParallel {
         self.device.as_ref()
     }
 
+    /// The data-parallel group (its communicator, bytes sent, first failure).
+    pub fn group(&self) -> &Group {
+        &self.group
+    }
+
     pub fn size(&self) -> usize {
-        self.comm.size()
+        self.group.size()
     }
 
     /// Under expert parallelism, this rank's place among the ranks holding its experts (0
@@ -346,12 +348,13 @@ impl DataParallel {
     }
 
     pub fn rank(&self) -> usize {
-        self.comm.rank()
+        self.group.rank()
     }
 
     /// Waits for every rank (outside the step: a merged trace).
     pub fn barrier(&self) -> Result<()> {
-        self.comm
+        self.group
+            .comm
             .barrier()
             .map_err(|e| anyhow!("data-parallel barrier: {e}"))
     }
@@ -413,12 +416,12 @@ impl DataParallel {
             let expected = self.layout.pieces.get(b.index).and_then(|p| p.get(b.next));
             let Some((piece, at)) = expected.cloned() else {
                 let e = format!("gradients {range:?} arrived after the last bucket");
-                self.error.get_or_insert(e);
+                self.group.fail(FAILED, e);
                 return;
             };
             if piece.start != range.start || piece.end > range.end {
                 let e = format!("gradients {range:?} arrived where the buckets expect {piece:?}");
-                self.error.get_or_insert(e);
+                self.group.fail(FAILED, e);
                 return;
             }
             let dst = &mut b.buf[at..at + piece.len()];
@@ -450,12 +453,13 @@ impl DataParallel {
         // (ZeRO-1: padded with zeros to whole blocks), in place in its span.
         b.buf.set_len(self.layout.used(index).min(b.buf.len()));
         b.buf.resize(self.layout.len[index], 0.0);
-        let (p, bytes) = (self.comm.size() as u64, 4.0 * b.buf.len() as f64);
+        let (p, bytes) = (self.group.size() as u64, 4.0 * b.buf.len() as f64);
         let (start, c) = (Instant::now(), self.reduction());
-        self.comm_bytes += bytes_per_rank(c, bytes, p);
+        self.group.sent(bytes_per_rank(c, bytes, p));
+        let comm = &self.group.comm;
         let (pending, name) = match c {
-            Collective::ReduceScatter => (self.comm.reduce_scatter_start(b.buf), "reduce-scatter"),
-            _ => (self.comm.all_reduce_start(b.buf), "all-reduce"),
+            Collective::ReduceScatter => (comm.reduce_scatter_start(b.buf), "reduce-scatter"),
+            _ => (comm.all_reduce_start(b.buf), "all-reduce"),
         };
         self.in_flight.push_back(InFlight {
             pending,
@@ -518,9 +522,7 @@ impl DataParallel {
                     Some(_) => self.spare.push(spare),
                 }
             }
-            Err(e) => {
-                self.error.get_or_insert(e.to_string());
-            }
+            Err(e) => self.group.fail(FAILED, e),
         }
     }
 
@@ -530,7 +532,7 @@ impl DataParallel {
         if let Some(inner) = self.experts.as_mut().and_then(|x| x.inner.as_mut()) {
             inner.finish(sums)?;
             // One account of the step's communication.
-            self.comm_bytes += std::mem::take(&mut inner.comm_bytes);
+            self.group.sent(inner.group.bytes.take());
             self.exposed += std::mem::take(&mut inner.exposed);
             self.spans.append(&mut inner.spans);
         }
@@ -542,9 +544,7 @@ impl DataParallel {
         if let Some(f) = self.filling.as_mut() {
             (f.index, f.next) = (0, 0);
         }
-        if let Some(e) = self.error.take() {
-            return Err(anyhow!("data-parallel gradient reduction: {e}"));
-        }
+        self.group.check()?;
         let total: usize = self.layout.pieces.iter().flatten().map(|p| p.0.len()).sum();
         if reduced != total {
             bail!("internal: {reduced} of {total} gradients were reduced");
@@ -559,7 +559,7 @@ impl DataParallel {
     pub fn all_gather(&mut self, io: &mut dyn Gather) -> Result<()> {
         if let Some(inner) = self.experts.as_mut().and_then(|x| x.inner.as_mut()) {
             inner.all_gather(io)?;
-            self.comm_bytes += std::mem::take(&mut inner.comm_bytes);
+            self.group.sent(inner.group.bytes.take());
             self.exposed += std::mem::take(&mut inner.exposed);
             self.spans.append(&mut inner.spans);
         }
@@ -569,7 +569,7 @@ impl DataParallel {
         let Some(b) = self.filling.as_mut() else {
             bail!("internal: the data-parallel buckets are not allocated");
         };
-        let p = self.comm.size() as u64;
+        let p = self.group.size() as u64;
         for (k, pieces) in self.layout.pieces.iter().enumerate() {
             let mut buf = std::mem::take(&mut b.buf);
             buf.set_len(0);
@@ -580,9 +580,11 @@ impl DataParallel {
                     &mut buf[seg.in_bucket..seg.in_bucket + seg.params.len()],
                 );
             }
-            self.comm_bytes += bytes_per_rank(Collective::AllGather, 4.0 * buf.len() as f64, p);
+            let bytes = 4.0 * buf.len() as f64;
+            self.group
+                .sent(bytes_per_rank(Collective::AllGather, bytes, p));
             let start = Instant::now();
-            let gathered = self.comm.all_gather_start(buf).wait();
+            let gathered = self.group.comm.all_gather_start(buf).wait();
             landed_now(
                 &mut self.spans,
                 &mut self.exposed,
@@ -616,9 +618,11 @@ impl DataParallel {
                 &mut buf[seg.in_bucket..seg.in_bucket + seg.params.len()],
             );
         }
-        let p = self.comm.size() as u64;
-        self.comm_bytes += bytes_per_rank(Collective::AllGather, 4.0 * buf.len() as f64, p);
-        let pending = self.comm.all_gather_start(buf);
+        let p = self.group.size() as u64;
+        let bytes = 4.0 * buf.len() as f64;
+        self.group
+            .sent(bytes_per_rank(Collective::AllGather, bytes, p));
+        let pending = self.group.comm.all_gather_start(buf);
         self.gathering = Some((k, pending, Instant::now()));
     }
 
@@ -656,14 +660,15 @@ impl DataParallel {
     /// [`DataParallel::set_counters`].
     pub fn counters(&self) -> Counters {
         Counters {
-            bytes: self.comm_bytes,
+            bytes: self.group.bytes.get(),
             spans: self.spans.len(),
             exposed: self.exposed,
         }
     }
 
     pub fn set_counters(&mut self, c: Counters) {
-        (self.comm_bytes, self.exposed) = (c.bytes, c.exposed);
+        self.group.bytes.set(c.bytes);
+        self.exposed = c.exposed;
         self.spans.truncate(c.spans);
     }
 
@@ -679,7 +684,7 @@ impl DataParallel {
     pub fn sum_loss(&mut self, sum: f64, count: usize) -> Result<(f64, usize)> {
         let mut small = self.small.borrow_mut();
         let all = gather_small(
-            self.comm.as_ref(),
+            self.group.comm.as_ref(),
             &mut small,
             &[sum as f32, count as f32],
             "data-parallel loss",
@@ -692,9 +697,12 @@ impl DataParallel {
 
     /// Every rank's `(planned, measured)` bytes, rank order.
     pub fn gather_mem(&mut self, mine: [u64; 3]) -> Result<Vec<[u64; 3]>> {
-        gather_mem(self.comm.as_ref(), &mut self.small.borrow_mut(), mine)
+        gather_mem(self.group.comm.as_ref(), &mut self.small.borrow_mut(), mine)
     }
 }
+
+/// What the group's first failure of a step is reported as.
+const FAILED: &str = "data-parallel gradient reduction";
 
 /// A collective started at `start` landed now; the rank blocked on it from `waited`.
 fn landed_now(
@@ -741,7 +749,7 @@ pub fn report_order(table: &ParamTable) -> Vec<Range<usize>> {
 
 impl SmallSums for DataParallel {
     fn comm(&self) -> &dyn Communicator {
-        self.comm.as_ref()
+        self.group.comm.as_ref()
     }
     fn small(&self) -> RefMut<'_, Region<f32>> {
         self.small.borrow_mut()

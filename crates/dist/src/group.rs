@@ -5,7 +5,10 @@
 //! return errors) and reported after it ([`Group::check`]), so a dead rank stops the step
 //! instead of hanging it. Each dimension's communication is beside its concept:
 //! `tensor_parallel.rs` (`TpComm`), `context_parallel.rs` (`CpComm`), `expert_parallel.rs`
-//! (`EpComm`) implement the engine's trait for this type.
+//! (`EpComm`) implement the engine's trait for this type. The data-parallel reduction
+//! (`DataParallel`: its bytes and first failure are this type's) and the pipeline (`Pipeline`,
+//! and the tied embedding's group) hold one too; their planned buffers (the gradient buckets,
+//! the send rings) are their own, so this type's stays unallocated there.
 
 use crate::small_sums::SmallSums;
 use crate::{Communicator, Pending, Region};

@@ -7,9 +7,10 @@
 //! [`mesh::Mesh`], built once from the planner's `Layout`, holds every group and the small
 //! shared helpers (sums over chosen dimensions ([`small_sums`]), the bytes sent per dimension
 //! against the plan ([`comm_bytes`])); [`group::Group`] is the one group type (communicator,
-//! planned buffer, bytes, first error). Beneath them the [`Communicator`] trait, the rank
-//! [`Grid`] of a `Layout`, and the [`backends`]: [`threads`], with the `mpi` feature `mpi`, and
-//! [`staged`] (device views through a host staging buffer). The collectives take
+//! planned buffer, bytes, first error), of the model groups, data parallelism and the
+//! pipeline. Beneath them the [`Communicator`] trait, the rank [`Grid`] of a `Layout`, and
+//! the [`backends`]: [`threads`], with the `mpi` feature `mpi`, and [`staged`] (device views
+//! through a host staging buffer). The collectives take
 //! device-neutral views (crate `ferrotron-view`, the ones the engine's kernels take), so a GPU
 //! communicator is one more backend of the same trait. Dependencies are one-way: dist uses the
 //! planner and the engine's model; the trainer uses dist.

@@ -146,8 +146,8 @@ impl Mesh {
         for (d, g) in &self.groups {
             put(*d, g.take_bytes());
         }
-        if let Some(dp) = &mut self.dp {
-            put(Dim::Dp, std::mem::take(&mut dp.comm_bytes).round() as u64);
+        if let Some(dp) = &self.dp {
+            put(Dim::Dp, dp.group().take_bytes());
         }
         out
     }

@@ -11,6 +11,7 @@
 //! time a stage spends blocked in those transfers is its share of the bubble, reported next to
 //! the planner's (p − 1)/(v·m) (Narayanan et al. 2021, §2.2).
 
+use crate::group::Group;
 use crate::small_sums::{gather_small, SmallSums};
 use crate::{AsViewMut, Communicator, Pending, Region};
 use anyhow::{anyhow, Result};
@@ -41,7 +42,8 @@ struct Ring {
 
 /// A rank's pipeline group and its stage's program.
 pub struct Pipeline {
-    comm: Box<dyn Communicator>,
+    /// The pipeline group (its communicator; its small buffer gathers the bubbles and sums).
+    group: Group,
     layout: Layout,
     pub stage: usize,
     /// The stage's work in order, and the in-flight slot of each.
@@ -52,14 +54,13 @@ pub struct Pipeline {
     rings: [Ring; 2],
     recv: Region<f32>,
     /// The first and last stages with tied embeddings: their two copies' gradients are summed.
-    embedding: Option<Box<dyn Communicator>>,
+    embedding: Option<Group>,
     /// Time blocked in transfers since the counter was last taken.
     pub idle: Duration,
     /// Wall time of the stage's work since the counter was last taken.
     pub span: Duration,
     /// Spans blocked (start, end), for the trace.
     pub waits: Vec<(Instant, Instant)>,
-    small: std::cell::RefCell<Region<f32>>,
     /// On a device: the copies between the stage's tensors and the host buffers.
     device: Option<HostCopy>,
 }
@@ -83,7 +84,7 @@ impl Pipeline {
             }
         }
         Pipeline {
-            comm,
+            group: Group::new(comm),
             layout: layout.clone(),
             stage,
             work,
@@ -91,11 +92,10 @@ impl Pipeline {
             batch_slot,
             rings: Default::default(),
             recv: Region::default(),
-            embedding,
+            embedding: embedding.map(Group::new),
             idle: Duration::ZERO,
             span: Duration::ZERO,
             waits: Vec::with_capacity(4 * m as usize * layout.pp_virtual as usize + 8),
-            small: Default::default(),
             device: None,
         }
     }
@@ -151,14 +151,16 @@ impl Pipeline {
         let (next, prev) = ((self.stage + 1) % p, (self.stage + p - 1) % p);
         let mut got = [0.0f32; 1];
         for (to, from, tag) in [(next, prev, TAG[0]), (prev, next, TAG[1])] {
-            let sent = self.comm.send_start(vec![0.0].into(), to, tag);
-            self.comm
+            let sent = self.group.comm.send_start(vec![0.0].into(), to, tag);
+            self.group
+                .comm
                 .recv(got.view_mut(), from, tag)
                 .map_err(|e| anyhow!("pipeline warm-up: {e}"))?;
             sent.wait().map_err(|e| anyhow!("pipeline warm-up: {e}"))?;
         }
         if let Some(e) = &self.embedding {
-            e.all_reduce_start(vec![0.0; 2].into())
+            e.comm
+                .all_reduce_start(vec![0.0; 2].into())
                 .wait()
                 .map_err(|e| anyhow!("pipeline warm-up: {e}"))?;
         }
@@ -211,7 +213,7 @@ impl Pipeline {
             "internal: a pipeline message of the plan's size"
         );
         read_f32(self.device.as_ref(), x, &mut buf);
-        self.rings[l].pending[j] = Some(self.comm.send_start(buf, to, TAG[l]));
+        self.rings[l].pending[j] = Some(self.group.comm.send_start(buf, to, TAG[l]));
         Ok(())
     }
 
@@ -223,7 +225,7 @@ impl Pipeline {
             Direction::Backward => (m.chunk + 1) % p,
         } as usize;
         let mut buf = std::mem::take(&mut self.recv);
-        let r = self.waited(|s| s.comm.recv(buf.view_mut(), from, TAG[lane(m.dir)]));
+        let r = self.waited(|s| s.group.comm.recv(buf.view_mut(), from, TAG[lane(m.dir)]));
         r.map_err(|e| anyhow!("pipeline receive from stage {from}: {e}"))?;
         assert_eq!(
             buf.len(),
@@ -254,7 +256,7 @@ impl Pipeline {
     /// Sums the tied embedding's gradient `g` with the other stage's copy, in place, through
     /// the receive buffer (so nothing is allocated).
     pub fn sum_embedding<G: Elem>(&mut self, mut g: ViewMut<'_, G>) -> Result<()> {
-        let Some(comm) = &self.embedding else {
+        let Some(embedding) = &self.embedding else {
             return Ok(());
         };
         let dev = self.device.as_ref();
@@ -264,7 +266,8 @@ impl Pipeline {
             let r = at..(at + step).min(g.len());
             buf.set_len(r.len());
             read_f32(dev, g.as_view().slice(r.clone()), &mut buf);
-            buf = comm
+            buf = embedding
+                .comm
                 .all_reduce_start(buf)
                 .wait()
                 .map_err(|e| anyhow!("tied embedding gradient all-reduce: {e}"))?;
@@ -282,8 +285,9 @@ impl Pipeline {
         let (idle, span) = (self.idle.as_secs_f64(), self.span.as_secs_f64());
         (self.idle, self.span) = (Duration::ZERO, Duration::ZERO);
         let mine = (idle / (span - idle).max(1e-9)) as f32;
-        let mut small = self.small.borrow_mut();
-        let all = gather_small(self.comm.as_ref(), &mut small, &[mine], "pipeline bubble")?;
+        let mut small = SmallSums::small(&self.group);
+        let comm = self.group.comm.as_ref();
+        let all = gather_small(comm, &mut small, &[mine], "pipeline bubble")?;
         Ok(all.iter().map(|&b| b as f64).collect())
     }
 
@@ -295,9 +299,9 @@ impl Pipeline {
 
 impl SmallSums for Pipeline {
     fn comm(&self) -> &dyn Communicator {
-        self.comm.as_ref()
+        self.group.comm.as_ref()
     }
     fn small(&self) -> std::cell::RefMut<'_, Region<f32>> {
-        self.small.borrow_mut()
+        SmallSums::small(&self.group)
     }
 }

@@ -781,24 +781,8 @@ impl TrainArgs {
                 "only applies to 16-bit weights: add --precision bf16 (or fp16, fp8)",
             ));
         }
-        // --init-from supplies the model and, when it has one, the tokenizer.
-        let from = self.init_from.as_ref();
-        let model = match (&self.model, from) {
-            (Some(m), _) => m.clone(),
-            (None, Some(d)) => d.to_string_lossy().into(),
-            (None, None) => "ferrotron-12m".into(),
-        };
-        let tokenizer = self.tokenizer.clone().or_else(|| {
-            from.map(|d| d.join("tokenizer.json"))
-                .filter(|t| t.is_file())
-        });
         let c = TrainConfig {
-            model: ModelConfig {
-                name: model,
-                tokenizer,
-                init_from: self.init_from.clone(),
-                capacity_factor: self.capacity_factor,
-            },
+            model: self.model_config(),
             data: DataConfig {
                 dir: self.data.clone(),
                 seq: self.seq.unwrap_or(256),
@@ -867,6 +851,27 @@ impl TrainArgs {
             }
         }
         Ok(c)
+    }
+
+    /// The model section: the model named, else `--init-from`'s checkpoint, else the default
+    /// model; the tokenizer given, else the one `--init-from`'s checkpoint has, if any.
+    fn model_config(&self) -> ModelConfig {
+        let from = self.init_from.as_ref();
+        let model = match (&self.model, from) {
+            (Some(m), _) => m.clone(),
+            (None, Some(d)) => d.to_string_lossy().into(),
+            (None, None) => "ferrotron-12m".into(),
+        };
+        let tokenizer = self.tokenizer.clone().or_else(|| {
+            from.map(|d| d.join("tokenizer.json"))
+                .filter(|t| t.is_file())
+        });
+        ModelConfig {
+            name: model,
+            tokenizer,
+            init_from: self.init_from.clone(),
+            capacity_factor: self.capacity_factor,
+        }
     }
 
     /// fp16's loss scaler, from its flags.

@@ -66,6 +66,7 @@ mod zero_gather;
 
 use crate::device::ranks::ViewGather;
 use assemble::{initial_weights, open_backend, planned_states, rank_model, rank_plan};
+use assemble::{peak_flops, router_on_device};
 use assemble::{plan_pool, tensor_parallel_rank, Opened};
 use memory_report::{measure_workspace, rank_mems, step_peaks, trace_capacity};
 use zero_gather::{gather_weights, shard_of};
@@ -274,14 +275,7 @@ impl Trainer {
             t.set_baseline(baseline);
         }
         let (model, init, tables) = rank_model(&cfg, llama, &comms, tp_rank)?;
-        // A mixture of experts' router statistics on the device (the plan's
-        // `comm.moe.router_stats`), its routing read back through the device's copies.
-        if let Some(d) = &device_alloc {
-            let copy = ferrotron_engine::kernels::HostCopy::new(d.clone());
-            model
-                .moe_on_device(copy)
-                .map_err(|e| anyhow::anyhow!("the router's statistics on the device: {e}"))?;
-        }
+        router_on_device(&model, device_alloc.as_ref())?;
         let stage = comms.pp.as_ref().map_or(0, |p| p.stage);
         let (planned, plan_bytes) = alloc::bookkeeping(|| {
             let at = (n, chunk, stage);
@@ -361,12 +355,7 @@ impl Trainer {
             schedule: LrSchedule::of(&cfg),
             flops_per_token,
             hw_flops_per_token,
-            // On a GPU without `--peak-gflops`: its dense peak from the planner's table.
-            peak_flops: gpu
-                .as_ref()
-                .and_then(|g| g.2)
-                .filter(|_| peak_gflops == 0.0)
-                .unwrap_or(peak_gflops * 1e9),
+            peak_flops: peak_flops(&gpu, peak_gflops),
             gemm: gpu.as_ref().map_or(gemm, |g| g.1.clone()),
             baseline,
             params,

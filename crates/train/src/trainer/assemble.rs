@@ -318,6 +318,22 @@ pub(super) fn tensor_parallel_rank(
     })
 }
 
+/// A mixture of experts' router statistics on the device (the plan's
+/// `comm.moe.router_stats`), its routing read back through the device's copies; on the host,
+/// nothing to do.
+pub(super) fn router_on_device(
+    model: &Llama,
+    device_alloc: Option<&Arc<dyn DeviceAlloc>>,
+) -> Result<()> {
+    if let Some(d) = device_alloc {
+        let copy = ferrotron_engine::kernels::HostCopy::new(d.clone());
+        model
+            .moe_on_device(copy)
+            .map_err(|e| anyhow::anyhow!("the router's statistics on the device: {e}"))?;
+    }
+    Ok(())
+}
+
 /// The GPU workspace a device reserves.
 type GpuWorkspace = Option<(u64, String, Option<f64>)>;
 
@@ -345,6 +361,15 @@ pub(super) fn rank_plan(
     let ws = kernel_workspace.max();
     let plan = checked_plan(spec, model, cfg, ws, stage, on_device)?;
     Ok((plan, kernel_workspace, gpu))
+}
+
+/// The peak FLOP/s the throughput's MFU is measured against: `--peak-gflops`, or on a GPU
+/// without it, its dense peak from the planner's table.
+pub(super) fn peak_flops(gpu: &GpuWorkspace, peak_gflops: f64) -> f64 {
+    gpu.as_ref()
+        .and_then(|g| g.2)
+        .filter(|_| peak_gflops == 0.0)
+        .unwrap_or(peak_gflops * 1e9)
 }
 
 /// The pool the model's buffers come from: the rank's arena at the plan's offsets, and the

@@ -14,8 +14,9 @@ use ferrotron_engine::model::{
     BackwardState, GradBuf, GradsDone, HeadActs, LayerActs, LossSum, WholeParams,
 };
 use ferrotron_engine::Elem;
-use ferrotron_plan::schedule::Work;
+use ferrotron_plan::schedule::{Message, Work};
 use std::cell::RefCell;
+use std::ops::Range;
 use std::time::Instant;
 
 /// What a micro-batch's forward on one chunk leaves for its backward.
@@ -68,7 +69,6 @@ impl Trainer {
         loss_scale: f32,
     ) -> Result<LossSum> {
         let batch = self.batch();
-        let k: &dyn Kernels<S, G> = &self.kernels;
         let last_mb = self.cfg.data.grad_acc - 1;
         let width = (0..pp.chunks()).map(|c| pp.slots_of(c)).max().unwrap_or(1);
         let mut held: Vec<Option<InFlight<S>>> = (0..pp.chunks() * width).map(|_| None).collect();
@@ -78,10 +78,10 @@ impl Trainer {
             inner: Local,
         };
         let mut loss = LossSum::default();
-        let model = &self.model;
         for i in 0..pp.work.len() {
             let (w, slot) = (pp.work[i], pp.slots[i]);
-            let (recv, send) = pp.messages(w);
+            let messages = pp.messages(w);
+            let (recv, send) = messages;
             if let Some(a) = &mut self.pool.arena {
                 a.set_slot(slot);
             }
@@ -92,54 +92,17 @@ impl Trainer {
             let t0 = Instant::now();
             match w {
                 Work::F { .. } => {
-                    self.pool.enter(step, mb, Running::Idle);
-                    // Every stage reads each micro-batch (the loader's position stays the same
-                    // on every rank): the first uses its tokens, the last its targets.
-                    if chunk == 0 {
-                        let slots = (&mut self.tokens, &mut self.targets, &mut self.batches[..]);
-                        load_slot(&mut self.loader, slots, b)?;
-                    }
-                    let (tokens, targets) = batch_of(&self.tokens, &self.targets, &self.batches, b);
-                    // On a device, the slot's batch is copied into the device's one.
-                    let (tokens, targets) = batch_views(&mut self.dev, tokens, targets);
-                    let pool = &mut self.pool;
-                    let x = match recv {
-                        None => model.embed_forward(k, pool, &mut src, &tokens),
-                        Some(m) => {
-                            let mut x = model.layer_input(pool, range.start, batch.n());
-                            pp.recv(m, x.view_mut())?;
-                            x
-                        }
-                    };
-                    let (acts, out) =
-                        model.layers_forward(k, pool, &mut src, batch, range.clone(), x);
-                    let head = match send {
-                        Some(m) => {
-                            pp.send(m, out.view())?;
-                            model.free_layer_input(pool, range.end, out);
-                            None
-                        }
-                        None => {
-                            let (h, l) = model.head_forward(
-                                k,
-                                pool,
-                                &mut src,
-                                grads,
-                                out,
-                                &targets,
-                                num_targets,
-                                loss_scale,
-                            );
-                            (loss.sum, loss.count) = (loss.sum + l.sum, loss.count + l.count);
-                            Some(h)
-                        }
-                    };
-                    held[at] = Some(InFlight { acts, head });
+                    let (at_batch, scale) = ((step, mb, chunk, b), (num_targets, loss_scale));
+                    let (f, l) =
+                        self.forward_chunk(pp, &mut src, grads, at_batch, range, messages, scale)?;
+                    (loss.sum, loss.count) = (loss.sum + l.sum, loss.count + l.count);
+                    held[at] = Some(f);
                     self.kernels.phase("forward", t0, step, mb);
                 }
                 Work::B { .. } => {
                     let f = held[at].take().expect("a backward follows its forward");
-                    let pool = &mut self.pool;
+                    let k: &dyn Kernels<S, G> = &self.kernels;
+                    let (model, pool) = (&self.model, &mut self.pool);
                     // Sequence parallelism leaves each rank its tokens' share of the norms'
                     // gradients: summed over the group once the last micro-batch's are in.
                     let last = mb == last_mb;
@@ -180,6 +143,61 @@ impl Trainer {
             self.mesh.check()?;
         }
         Ok(loss)
+    }
+
+    /// One forward of micro-batch `mb` on this stage's chunk `chunk` (its layers `range`, its
+    /// batch in slot `b`): the chunk's input from the embedding or the previous stage, its
+    /// layers, then its output sent to the next stage or, where the head is, the loss. Returns
+    /// what the micro-batch's backward on the chunk needs, and the loss (zero without the head).
+    #[allow(clippy::too_many_arguments)]
+    fn forward_chunk<S: Elem, G: Elem>(
+        &mut self,
+        pp: &mut ferrotron_dist::pipeline::Pipeline,
+        src: &mut WholeParams<'_, S>,
+        grads: &mut dyn GradBuf<G>,
+        (step, mb, chunk, b): (u64, u64, u64, usize),
+        range: Range<usize>,
+        (recv, send): (Option<Message>, Option<Message>),
+        (num_targets, loss_scale): (usize, f32),
+    ) -> Result<(InFlight<S>, LossSum)> {
+        let batch = self.batch();
+        let k: &dyn Kernels<S, G> = &self.kernels;
+        let model = &self.model;
+        let mut loss = LossSum::default();
+        self.pool.enter(step, mb, Running::Idle);
+        // Every stage reads each micro-batch (the loader's position stays the same
+        // on every rank): the first uses its tokens, the last its targets.
+        if chunk == 0 {
+            let slots = (&mut self.tokens, &mut self.targets, &mut self.batches[..]);
+            load_slot(&mut self.loader, slots, b)?;
+        }
+        let (tokens, targets) = batch_of(&self.tokens, &self.targets, &self.batches, b);
+        // On a device, the slot's batch is copied into the device's one.
+        let (tokens, targets) = batch_views(&mut self.dev, tokens, targets);
+        let pool = &mut self.pool;
+        let x = match recv {
+            None => model.embed_forward(k, pool, src, &tokens),
+            Some(m) => {
+                let mut x = model.layer_input(pool, range.start, batch.n());
+                pp.recv(m, x.view_mut())?;
+                x
+            }
+        };
+        let (acts, out) = model.layers_forward(k, pool, src, batch, range.clone(), x);
+        let head = match send {
+            Some(m) => {
+                pp.send(m, out.view())?;
+                model.free_layer_input(pool, range.end, out);
+                None
+            }
+            None => {
+                let (h, l) =
+                    model.head_forward(k, pool, src, grads, out, &targets, num_targets, loss_scale);
+                loss = l;
+                Some(h)
+            }
+        };
+        Ok((InFlight { acts, head }, loss))
     }
 
     /// After the stage's last backward: the tied embedding's copies summed over the first and
