@@ -413,3 +413,28 @@ fn the_default_run_stays_within_its_plan_plus_the_stated_constant() {
         "{done}"
     );
 }
+
+#[test]
+fn eight_ranks_as_threads_stay_within_their_plans_plus_the_stated_constant() {
+    // Each rank thread adds its stack, kernel scratch and allocator arena: the 3D layout's
+    // 8 ranks measured 120 MiB over their plans, past the one-process 96 MiB the bound used
+    // to be (fit::rss_overhead: 96 + 12 MiB a rank after the first).
+    let dir = tempfile::tempdir().unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .args(["train", "--dp", "2", "--tp", "2", "--pp", "2", "--steps", "2"])
+        .args(["--eval-interval", "0", "--sample-tokens", "0", "--quiet"])
+        .arg("--out-dir")
+        .arg(dir.path().join("3d"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    let done = err
+        .lines()
+        .find(|l| l.starts_with("done: "))
+        .unwrap_or_default();
+    assert!(
+        done.contains(", within the bound of plan + 180 MiB"),
+        "{done}"
+    );
+}

@@ -6,7 +6,7 @@
 //! allocation halfway through its start (what a 58 GB plan on a 24 GiB machine did).
 //!
 //! What one process needs: the plans of the ranks it runs (all of them with the threads
-//! backend; its own under `mpirun`, times the ranks on its node) plus [`RSS_OVERHEAD`], the
+//! backend; its own under `mpirun`, times the ranks on its node) plus [`rss_overhead`], the
 //! process's own memory besides the plan (binary, thread stacks, allocator slack; measured on
 //! the default run, `docs/BENCHMARKS.md`).
 //!
@@ -26,6 +26,19 @@ use ferrotron_plan::ModelSpec;
 /// the metrics buffers. Measured as peak RSS minus planned peak of the default run on one rank
 /// and of 8-rank threads runs (`docs/BENCHMARKS.md`, "Peak RSS against the plan"), rounded up.
 pub const RSS_OVERHEAD: u64 = 96 << 20;
+
+/// Resident memory each further rank of a threads run adds beyond [`RSS_OVERHEAD`]: its
+/// thread's stack and kernel scratch, its allocator arena's free pages. Measured as peak RSS
+/// minus the ranks' plans (2026-11-27, the default model, 2 steps): one rank 55.7 MiB, dp 2
+/// 52.2, dp 4 71.5, tp 2 × pp 2 77.4, dp 8 110.1 and dp 2 × tp 2 × pp 2 120.2 MiB, about
+/// 9 MiB a rank over the first; the 8-rank runs had gone over the flat 96 MiB. Rounded up.
+pub const RSS_PER_RANK: u64 = 12 << 20;
+
+/// The stated constant of a process running `ranks` ranks: the peak RSS it may reach above
+/// their plans.
+pub fn rss_overhead(ranks: u64) -> u64 {
+    RSS_OVERHEAD + RSS_PER_RANK * ranks.saturating_sub(1)
+}
 
 const MIB: f64 = (1u64 << 20) as f64;
 const GIB: f64 = (1u64 << 30) as f64;
@@ -93,13 +106,18 @@ pub fn check(spec: &ModelSpec, c: &TrainConfig, ranks_here: u64) -> Result<()> {
     };
     // Offloaded optimizer states are host memory too (`MemoryPlan::host_bytes`).
     let peak = |r: &ferrotron_plan::planner::RankPlan| r.peak + staging(r) + r.plan.host_bytes;
-    let need: u64 = plan.ranks.iter().map(|r| peak(r) * per_kind).sum::<u64>() + RSS_OVERHEAD;
+    // Ranks as threads share one process; under mpirun each is a process of its own.
+    let overhead = match ferrotron_dist::launched_by_mpirun() {
+        true => RSS_OVERHEAD * ranks_here.max(1),
+        false => rss_overhead(ranks_here),
+    };
+    let need: u64 = plan.ranks.iter().map(|r| peak(r) * per_kind).sum::<u64>() + overhead;
     if need <= avail {
         return Ok(());
     }
     let most = peak(&plan.ranks[plan.most_loaded]);
     // The fixes are planned for one rank with this machine's share per rank.
-    let share = avail.saturating_sub(RSS_OVERHEAD) / ranks_here.max(1);
+    let share = avail.saturating_sub(overhead) / ranks_here.max(1);
     let mut machine = gpu("h100").map_err(|e| anyhow::anyhow!("{e}"))?;
     machine.name = "this machine".into();
     // The staging buffer goes with every fix alike: the fixes must fit beside it.
@@ -129,10 +147,10 @@ pub fn check(spec: &ModelSpec, c: &TrainConfig, ranks_here: u64) -> Result<()> {
         n => format!(" for {n} ranks"),
     };
     bail!(
-        "the plan needs {:.0} MiB{ranks} (peak {:.0} MiB per rank + {:.0} MiB for the process) but this machine can give {:.0} MiB: nothing was allocated; try {fixes}",
+        "the plan needs {:.0} MiB{ranks} (peak {:.0} MiB per rank + {:.0} MiB for the process's own memory) but this machine can give {:.0} MiB: nothing was allocated; try {fixes}",
         need as f64 / MIB,
         most as f64 / MIB,
-        RSS_OVERHEAD as f64 / MIB,
+        overhead as f64 / MIB,
         avail as f64 / MIB
     )
 }

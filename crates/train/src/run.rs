@@ -643,7 +643,7 @@ fn run_rank(
 
 /// The process's peak RSS against what it planned: the plans of the ranks it runs (every rank
 /// of a threads run, its own under mpirun) and their offload tier's `host` bytes, plus the
-/// stated constant of `fit::RSS_OVERHEAD`.
+/// stated constant of `fit::rss_overhead` for that many ranks.
 fn rss_line(steps: &[StepMetrics], planned: u64, host: u64) -> String {
     let Some(rss) = peak_rss() else {
         return "peak RSS unknown on this system".into();
@@ -658,14 +658,15 @@ fn rss_line(steps: &[StepMetrics], planned: u64, host: u64) -> String {
         _ => (planned, 1),
     };
     let here = here + host * ranks;
-    let bound = here + crate::fit::RSS_OVERHEAD;
+    let overhead = crate::fit::rss_overhead(ranks);
+    let bound = here + overhead;
     format!(
         "peak RSS {:.1} MiB = plan {:.1} + {:.1} MiB, {} the bound of plan + {:.0} MiB",
         rss as f64 / MIB,
         here as f64 / MIB,
         (rss as f64 - here as f64) / MIB,
         if rss <= bound { "within" } else { "OVER" },
-        crate::fit::RSS_OVERHEAD as f64 / MIB
+        overhead as f64 / MIB
     )
 }
 
