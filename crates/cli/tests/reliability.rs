@@ -421,7 +421,9 @@ fn eight_ranks_as_threads_stay_within_their_plans_plus_the_stated_constant() {
     // to be (fit::rss_overhead: 96 + 12 MiB a rank after the first).
     let dir = tempfile::tempdir().unwrap();
     let o = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
-        .args(["train", "--dp", "2", "--tp", "2", "--pp", "2", "--steps", "2"])
+        .args([
+            "train", "--dp", "2", "--tp", "2", "--pp", "2", "--steps", "2",
+        ])
         .args(["--eval-interval", "0", "--sample-tokens", "0", "--quiet"])
         .arg("--out-dir")
         .arg(dir.path().join("3d"))
