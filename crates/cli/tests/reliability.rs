@@ -390,24 +390,32 @@ fn a_plan_larger_than_the_machine_is_refused_before_allocating() {
     assert!(!out.exists(), "a refused run wrote {}", out.display());
 }
 
-#[test]
-fn the_default_run_stays_within_its_plan_plus_the_stated_constant() {
-    // The README's main command on a fresh output directory (the first run tokenizes the
-    // bundled corpus), shortened to 2 steps: its peak RSS within the plan + fit::RSS_OVERHEAD,
-    // as its last line says.
+/// The `done:` line of `ferrotron train ARGS --steps 2 --eval-interval 0 --quiet` on a fresh
+/// output directory (a successful run).
+fn done_line(args: &[&str]) -> String {
     let dir = tempfile::tempdir().unwrap();
     let o = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
-        .args(["train", "--steps", "2", "--eval-interval", "0", "--quiet"])
+        .arg("train")
+        .args(args)
+        .args(["--steps", "2", "--eval-interval", "0", "--quiet"])
         .arg("--out-dir")
         .arg(dir.path().join("fresh"))
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{err}");
-    let done = err
-        .lines()
+    err.lines()
         .find(|l| l.starts_with("done: "))
-        .unwrap_or_default();
+        .unwrap_or_default()
+        .to_string()
+}
+
+#[test]
+fn the_default_run_stays_within_its_plan_plus_the_stated_constant() {
+    // The README's main command on a fresh output directory (the first run tokenizes the
+    // bundled corpus), shortened to 2 steps: its peak RSS within the plan + fit::RSS_OVERHEAD,
+    // as its last line says.
+    let done = done_line(&[]);
     assert!(
         done.contains(", within the bound of plan + 96 MiB"),
         "{done}"
@@ -419,22 +427,16 @@ fn eight_ranks_as_threads_stay_within_their_plans_plus_the_stated_constant() {
     // Each rank thread adds its stack, kernel scratch and allocator arena: the 3D layout's
     // 8 ranks measured 120 MiB over their plans, past the one-process 96 MiB the bound used
     // to be (fit::rss_overhead: 96 + 12 MiB a rank after the first).
-    let dir = tempfile::tempdir().unwrap();
-    let o = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
-        .args([
-            "train", "--dp", "2", "--tp", "2", "--pp", "2", "--steps", "2",
-        ])
-        .args(["--eval-interval", "0", "--sample-tokens", "0", "--quiet"])
-        .arg("--out-dir")
-        .arg(dir.path().join("3d"))
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "{err}");
-    let done = err
-        .lines()
-        .find(|l| l.starts_with("done: "))
-        .unwrap_or_default();
+    let done = done_line(&[
+        "--dp",
+        "2",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--sample-tokens",
+        "0",
+    ]);
     assert!(
         done.contains(", within the bound of plan + 180 MiB"),
         "{done}"
