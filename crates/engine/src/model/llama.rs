@@ -65,6 +65,8 @@ pub struct Llama {
     pub part: Option<super::pipeline::Part>,
     /// A MoE model's load-balancing statistics of the micro-batch in flight.
     pub(super) router_load: super::moe::RouterLoad,
+    /// The hot path's own host containers, reused from micro-batch to micro-batch.
+    pub(super) spares: super::spares::Spares,
     /// This rank's expert-parallel group (`params` then holds only its experts).
     pub ep: Option<super::expert_parallel::ExpertParallel>,
     /// A MoE model's capacity factor (`None`: exact routing; see `super::moe`).
@@ -130,6 +132,7 @@ impl Llama {
             stage: None,
             part: None,
             router_load: Default::default(),
+            spares: Default::default(),
             ep: None,
             cp: None,
             capacity_factor: None,

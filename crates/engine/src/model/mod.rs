@@ -13,6 +13,7 @@ pub mod param_buf;
 pub mod params;
 pub mod pipeline;
 pub mod recompute;
+pub mod spares;
 pub mod stages;
 pub mod tensor_parallel;
 

@@ -87,7 +87,11 @@ impl RouterLoad {
 }
 
 /// The rows this rank's experts multiply, expert by expert: `(expert, rows)` blocks of the
-/// expert-major routed buffers, and `arrivals` under expert parallelism.
+/// expert-major routed buffers, and `arrivals` under expert parallelism. Made afresh for every
+/// layer's forward and backward from the router's choices, into the containers of the last
+/// one (`Llama::spares`: [`Llama::expert_rows`] takes them, [`Llama::done_with`] gives them
+/// back), so that routing allocates nothing after the first micro-batch.
+#[derive(Default)]
 struct ExpertRows {
     /// The router's choices, on the host (read from a device's memory there).
     index: Vec<u32>,
@@ -98,15 +102,17 @@ struct ExpertRows {
     blocks: Vec<(usize, Range<usize>)>,
     rows: usize,
     arrivals: Option<Arrivals>,
+    /// Rows of f32 the expert-parallel backward reads and scales one at a time.
+    scratch: Vec<f32>,
 }
 
-/// Copies per expert (the dropped ones are no expert's).
-fn expert_counts(index: &[u32], experts: usize) -> Vec<usize> {
-    let mut counts = vec![0; experts];
+/// Copies per expert (the dropped ones are no expert's), into `counts`.
+fn expert_counts(index: &[u32], experts: usize, counts: &mut Vec<usize>) {
+    counts.clear();
+    counts.resize(experts, 0);
     for &x in index.iter().filter(|&&x| x & DROPPED == 0) {
         counts[x as usize] += 1;
     }
-    counts
 }
 
 /// Row `r` (of `w` elements) of a row-major buffer.
@@ -184,48 +190,40 @@ impl Llama {
     /// after exchanging the counts with the group).
     fn expert_rows(&self, router_index: View<'_, u32>) -> ExpertRows {
         let e = self.config.moe.expect("a MoE model").experts;
-        let mut index = vec![0; router_index.len()];
-        read_u32(self.device_copy().as_ref(), router_index, &mut index);
-        let counts = expert_counts(&index, e);
+        let mut er: ExpertRows = self.spares.take().unwrap_or_default();
+        er.index.clear();
+        er.index.resize(router_index.len(), 0);
+        read_u32(self.device_copy().as_ref(), router_index, &mut er.index);
+        expert_counts(&er.index, e, &mut er.counts);
+        er.own = er.counts.iter().sum();
+        er.blocks.clear();
         match &self.ep {
             None => {
                 let mut at = 0;
-                let blocks = counts
-                    .iter()
-                    .enumerate()
-                    .map(|(x, &n)| {
+                er.blocks
+                    .extend(er.counts.iter().enumerate().map(|(x, &n)| {
                         at += n;
                         (x, at - n..at)
-                    })
-                    .collect();
-                ExpertRows {
-                    index,
-                    own: at,
-                    counts,
-                    blocks,
-                    rows: at,
-                    arrivals: None,
-                }
+                    }));
+                er.rows = at;
+                er.arrivals = None;
             }
             Some(ep) => {
-                let a = ep.arrivals(&counts);
+                let a = ep.arrivals(&er.counts);
                 let first = ep.local().start;
-                let blocks = a
-                    .per_expert
-                    .iter()
-                    .enumerate()
-                    .map(|(j, r)| (first + j, r.clone()))
-                    .collect();
-                ExpertRows {
-                    index,
-                    own: counts.iter().sum(),
-                    counts,
-                    blocks,
-                    rows: a.rows,
-                    arrivals: Some(a),
-                }
+                let per_expert = a.per_expert.iter().enumerate();
+                er.blocks
+                    .extend(per_expert.map(|(j, r)| (first + j, r.clone())));
+                er.rows = a.rows;
+                er.arrivals = Some(a);
             }
         }
+        er
+    }
+
+    /// Gives `er`'s containers back for the next layer's routing.
+    fn done_with(&self, er: ExpertRows) {
+        self.spares.give(er);
     }
 
     /// The copies of `x` (`[N, C]`) this rank's experts take, expert-major, into `rows`: its
@@ -361,6 +359,7 @@ impl Llama {
             a.swiglu.view_mut().slice_mut(..used),
         );
         if !output {
+            self.done_with(er);
             return None;
         }
         let ys = BufName::Edge(Edge::ExpertRows);
@@ -386,6 +385,7 @@ impl Llama {
         );
         k.add_inplace(out.view_mut(), a.resid_mid.view());
         pool.free(ys, y);
+        self.done_with(er);
         Some(out)
     }
 
@@ -403,12 +403,16 @@ impl Llama {
         a.expert_in = self.buf(pool, self.slot(i, T::ExpertIn), n);
         let (x, index) = (a.ln2_out.view(), a.router_index.view());
         self.dispatch(k, pool, n, x, index, &er, a.expert_in.view_mut());
+        self.done_with(er);
     }
 
     /// Rows of the gated product the experts hold (the rest of the routed buffers' capacity
     /// is unused), for rebuilding it.
     pub(super) fn routed_used(&self, index: View<'_, u32>) -> usize {
-        self.expert_rows(index).rows * self.config.intermediate
+        let er = self.expert_rows(index);
+        let rows = er.rows;
+        self.done_with(er);
+        rows * self.config.intermediate
     }
 
     /// The load-balancing term of a micro-batch of `tokens` tokens, added to its loss sum
@@ -423,7 +427,8 @@ impl Llama {
         let Some(m) = self.config.moe else {
             return loss;
         };
-        let mut s = self.router_load.state();
+        let mut guard = self.router_load.state();
+        let s = &mut *guard;
         let e = m.experts;
         // Under context parallelism the ring's ranks hold one micro-batch's tokens between
         // them: its statistics, rows and targets are their sums (every rank then computes the
@@ -448,8 +453,9 @@ impl Llama {
         };
         // d(coef·share·aux)/d p_{row, e} = coef·share·E·count_e / rows².
         let g = coef * share * e as f64 / (rows * rows) * loss_scale as f64;
-        let aux_dp: Vec<f32> = count.iter().map(|&c| (g * c as f64) as f32).collect();
-        s.aux_dp = aux_dp;
+        s.aux_dp.clear();
+        s.aux_dp
+            .extend(count.iter().map(|&c| (g * c as f64) as f32));
         LossSum {
             sum: loss.sum + coef * aux * loss.count as f64,
             count: loss.count,
@@ -470,7 +476,7 @@ impl Llama {
         n: usize,
         a: &LayerActs<S>,
         sc: &mut GradScratch<S>,
-        er: &ExpertRows,
+        er: &mut ExpertRows,
     ) {
         let (c, f) = (self.config.hidden, self.config.intermediate);
         let index = &a.router_index;
@@ -524,27 +530,21 @@ impl Llama {
         ep.dispatch(send.view(), &er.counts, arr, recv.view_mut(), w1);
         to_expert_major(dev, arr, recv.view(), w1, c, sc.rows.view_mut());
         down(k, sc);
-        let (mut dh, mut h, mut dy) = (vec![0.0; f], vec![0.0; f], vec![0.0; c]);
+        let mut scratch = std::mem::take(&mut er.scratch);
+        scratch.resize(2 * f + c, 0.0);
+        let (dh, rest) = scratch.split_at_mut(f);
+        let (h, dy) = rest.split_at_mut(f);
         for (r, arrival) in arrival_of(arr) {
-            read_f32(dev, sc.swiglu.view().slice(row(r, f)), &mut dh);
-            read_f32(dev, a.swiglu.view().slice(row(r, f)), &mut h);
-            one[0] = dh.iter().zip(&h).map(|(p, q)| p * q).sum();
+            read_f32(dev, sc.swiglu.view().slice(row(r, f)), dh);
+            read_f32(dev, a.swiglu.view().slice(row(r, f)), h);
+            one[0] = dh.iter().zip(h.iter()).map(|(p, q)| p * q).sum();
             write_f32(dev, &one, send.view_mut().slice_mut(arrival..arrival + 1));
             let at = arrival * w1 + c;
             read_f32(dev, recv.view().slice(at..at + 1), &mut one);
-            scale(
-                dev,
-                sc.rows.view_mut().slice_mut(row(r, c)),
-                one[0],
-                &mut dy,
-            );
-            scale(
-                dev,
-                sc.swiglu.view_mut().slice_mut(row(r, f)),
-                one[0],
-                &mut dh,
-            );
+            scale(dev, sc.rows.view_mut().slice_mut(row(r, c)), one[0], dy);
+            scale(dev, sc.swiglu.view_mut().slice_mut(row(r, f)), one[0], dh);
         }
+        er.scratch = scratch;
         ep.combine(send.view(), &er.counts, arr, recv.view_mut(), 1);
         for (r, copy) in routed_rows(&er.index, e) {
             let to = sc.router_weights.view_mut().slice_mut(copy..copy + 1);
@@ -571,9 +571,9 @@ impl Llama {
         let moe = self.params.layers[i].moe.as_ref().expect("a MoE layer");
         let e = moe.experts.len();
         let name = |t| self.slot(i, t);
-        let er = self.expert_rows(a.router_index.view());
+        let mut er = self.expert_rows(a.router_index.view());
+        self.routing_weight_grads(k, pool, params, moe, n, a, sc, &mut er);
         let blocks = || er.blocks.iter().filter(|(_, r)| !r.is_empty());
-        self.routing_weight_grads(k, pool, params, moe, n, a, sc, &er);
         for (x, rows) in blocks() {
             let dw2 = grads.slice_mut(moe.experts[*x].down.clone());
             let (dy, h) = (
@@ -652,6 +652,7 @@ impl Llama {
             std::mem::take(&mut a.router_weights),
         );
         pool.free(name(T::RouterIndex), index);
+        self.done_with(er);
     }
 }
 

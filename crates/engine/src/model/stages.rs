@@ -144,7 +144,9 @@ impl Llama {
             layers.end <= self.config.layers,
             "layers {layers:?} out of range"
         );
-        let mut acts = Vec::with_capacity(layers.len());
+        // The list itself is the last micro-batch's (given back by `layers_backward`).
+        let mut acts: Vec<LayerActs<S>> = self.spares.take().unwrap_or_default();
+        acts.reserve(layers.len());
         for i in layers {
             let p = params.unit(Unit::Layer(i));
             let (a, out) = self.layer_forward(k, pool, p, i, batch, x);
@@ -250,6 +252,7 @@ impl Llama {
             self.layer_backward(k, pool, p, grads, i, batch, a, &mut state.0);
             done(GradsDone::Layer(i, &self.params.layers[i]), grads);
         }
+        self.spares.give(acts);
     }
 
     /// Backward of the embedding from d(layer 0 input); frees the backward's scratch.

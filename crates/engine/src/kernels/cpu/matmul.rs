@@ -32,6 +32,35 @@ const _: () = assert!(
     "gemm takes depths up to 512 in one block on every CPU"
 );
 
+thread_local! {
+    /// Calls into the gemm crate running on this thread.
+    static IN_GEMM_LIBRARY: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Whether this thread is inside the gemm crate. It packs its operands into heap buffers of
+/// its own on every call (the kernel workspace the plan counts as measured overhead), the one
+/// heap allocation a step makes outside the pool and the plan: the hot-path test
+/// (`tests/hot_path.rs`) tells those apart with this. (Reading it never allocates.)
+pub fn in_gemm_library() -> bool {
+    IN_GEMM_LIBRARY.with(|c| c.get() > 0)
+}
+
+/// Marks this thread inside the gemm crate while it lives.
+struct InGemmLibrary;
+
+impl InGemmLibrary {
+    fn enter() -> Self {
+        IN_GEMM_LIBRARY.with(|c| c.set(c.get() + 1));
+        InGemmLibrary
+    }
+}
+
+impl Drop for InGemmLibrary {
+    fn drop(&mut self) {
+        IN_GEMM_LIBRARY.with(|c| c.set(c.get() - 1));
+    }
+}
+
 /// Column-major-agnostic strided sgemm: `dst[m,n] (=|+=) lhs[m,k]·rhs[k,n]`, strides in elements
 /// as `(row stride, col stride)`.
 #[allow(clippy::too_many_arguments)]
@@ -181,6 +210,7 @@ pub unsafe fn sgemm_raw(
     } else {
         Parallelism::None
     };
+    let _library = InGemmLibrary::enter();
     gemm::gemm(
         m,
         n,

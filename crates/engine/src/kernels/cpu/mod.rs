@@ -12,6 +12,7 @@ pub mod gemm_select;
 pub mod matmul;
 pub mod moe_routing;
 pub mod onednn;
+pub mod reused;
 pub mod rmsnorm;
 pub mod rope;
 pub mod simd;

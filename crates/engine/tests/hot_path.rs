@@ -1,0 +1,182 @@
+//! The engine's hot path allocates nothing of its own: once a first micro-batch has run (the
+//! kernels' per-thread tiles and the routing's containers sized), a forward and backward takes every
+//! buffer from the pool — in the trainer, the arena at the plan's offsets — and nothing from
+//! the heap. A heap allocation there is memory no plan lists. Checked with a counting global
+//! allocator on this thread and a pool that places every buffer in one preallocated region.
+
+mod common;
+
+use ferrotron_engine::kernels::cpu::matmul::in_gemm_library;
+use ferrotron_engine::kernels::{CpuKernels, Kernels, IGNORE_INDEX};
+use ferrotron_engine::model::{
+    BatchShape, BufName, BufferPool, Llama, LlamaConfig, MoeConfig, Recompute,
+};
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+struct Counting;
+
+/// `HOT_PATH_TRACE=1`: print where each counted allocation was made (needs line tables).
+static TRACE: AtomicBool = AtomicBool::new(false);
+
+thread_local! {
+    /// Heap allocations made by this thread while `COUNTING` is set.
+    static COUNT: Cell<usize> = const { Cell::new(0) };
+    static COUNTING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Counts an allocation of this thread's, outside the gemm crate's packing (see
+/// `in_gemm_library`).
+fn count(bytes: usize) {
+    if !COUNTING.with(|c| c.get()) || in_gemm_library() {
+        return;
+    }
+    COUNT.with(|n| n.set(n.get() + 1));
+    if TRACE.load(Ordering::Relaxed) {
+        COUNTING.with(|c| c.set(false));
+        let trace = std::backtrace::Backtrace::force_capture().to_string();
+        let ours = trace.lines().filter(|l| l.contains("ferrotron"));
+        eprintln!(
+            "{bytes} B at {}",
+            ours.take(6).collect::<Vec<_>>().join(" <")
+        );
+        COUNTING.with(|c| c.set(true));
+    }
+}
+
+// SAFETY: forwards to the system allocator; the thread-local cells are const-initialised, so
+// touching them never allocates.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        count(l.size());
+        System.alloc(l)
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        System.dealloc(p, l)
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, size: usize) -> *mut u8 {
+        count(size);
+        System.realloc(p, l, size)
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// Heap allocations `f` makes on this thread.
+fn allocations(f: impl FnOnce()) -> usize {
+    TRACE.store(
+        std::env::var_os("HOT_PATH_TRACE").is_some(),
+        Ordering::Relaxed,
+    );
+    COUNT.with(|n| n.set(0));
+    COUNTING.with(|c| c.set(true));
+    f();
+    COUNTING.with(|c| c.set(false));
+    COUNT.with(|n| n.get())
+}
+
+/// Places every buffer one after the other in a region allocated up front (freed buffers are
+/// not reused: the region is as large as a micro-batch's every buffer together), rewound
+/// before each micro-batch.
+struct Region {
+    block: Vec<u64>,
+    at: usize,
+}
+
+impl BufferPool for Region {
+    fn did_alloc(&mut self, _: BufName, _: u64) {}
+    fn did_free(&mut self, _: BufName, _: u64) {}
+    fn place(&mut self, _: BufName, bytes: u64) -> Option<NonNull<u8>> {
+        let align = ferrotron_engine::model::BUF_ALIGN;
+        let base = self.block.as_mut_ptr() as usize;
+        let start = (base + self.at).next_multiple_of(align) - base;
+        let end = start + bytes as usize;
+        assert!(
+            end <= self.block.len() * 8,
+            "the test's region is too small"
+        );
+        self.at = end;
+        NonNull::new((base + start) as *mut u8)
+    }
+}
+
+fn moe_cfg() -> LlamaConfig {
+    LlamaConfig {
+        moe: Some(MoeConfig {
+            experts: 4,
+            top_k: 2,
+            norm_topk: true,
+            aux_loss_coef: 0.05,
+        }),
+        ..common::dense_cfg(true, false)
+    }
+}
+
+/// Heap allocations of the second of two identical micro-batches (forward and backward) of
+/// the model of `cfg` under `rc`.
+fn second_micro_batch_allocations(cfg: LlamaConfig, rc: Recompute) -> usize {
+    // On a worker of a pool of its own, so that the kernels' parallel loops queue their work
+    // on this thread's deque (reused) rather than injecting it into the global pool's queue
+    // (which allocates now and then, whatever the engine does).
+    let threads = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap();
+    threads.install(move || {
+        let model = Llama::new(cfg).with_recompute(rc);
+        let k: &dyn Kernels = &CpuKernels::PLAIN;
+        let mut rng = common::Rng::new(7);
+        let params = model.params.init(3, 0.2);
+        let mut grads = vec![0.0f32; model.num_params()];
+        let shape = BatchShape { b: 2, t: 8 };
+        let n = shape.b * shape.t;
+        let tokens: Vec<u32> = (0..n)
+            .map(|_| rng.below(model.config.vocab as u32))
+            .collect();
+        let mut targets = tokens.clone();
+        targets.rotate_left(1);
+        targets[n - 1] = IGNORE_INDEX;
+        let mut pool = Region {
+            block: vec![0; 8 << 20],
+            at: 0,
+        };
+        let mut micro_batch = |pool: &mut Region| {
+            pool.at = 0;
+            let (acts, _) = model.forward_train(
+                k,
+                pool,
+                &params,
+                &mut grads,
+                shape,
+                &tokens,
+                &targets,
+                n - 1,
+            );
+            model.backward(k, pool, &params, &mut grads, acts, &tokens);
+        };
+        micro_batch(&mut pool);
+        allocations(|| micro_batch(&mut pool))
+    })
+}
+
+#[test]
+fn a_dense_micro_batch_allocates_nothing_outside_its_pool() {
+    for rc in [Recompute::None, Recompute::Selective, Recompute::Full] {
+        let cfg = common::dense_cfg(true, false);
+        assert_eq!(second_micro_batch_allocations(cfg, rc), 0, "dense, {rc}");
+    }
+}
+
+#[test]
+fn a_mixture_of_experts_micro_batch_allocates_nothing_outside_its_pool() {
+    for rc in [Recompute::None, Recompute::Selective, Recompute::Full] {
+        assert_eq!(
+            second_micro_batch_allocations(moe_cfg(), rc),
+            0,
+            "MoE, {rc}"
+        );
+    }
+}
