@@ -1,12 +1,13 @@
 //! The engine's hot path allocates nothing of its own: once a first micro-batch has run (the
-//! kernels' per-thread tiles and the routing's containers sized), a forward and backward takes every
-//! buffer from the pool — in the trainer, the arena at the plan's offsets — and nothing from
-//! the heap. A heap allocation there is memory no plan lists. Checked with a counting global
-//! allocator on this thread and a pool that places every buffer in one preallocated region.
+//! routing's containers sized), a forward and backward takes every buffer from the pool — in
+//! the trainer, the arena at the plan's offsets — and nothing from the heap but the kernels'
+//! scratch inside an op (`kernels::cpu::scratch`). Any other heap allocation there is memory
+//! no plan lists. Checked with a global allocator counting this thread's allocations and a
+//! pool that places every buffer in one preallocated region.
 
 mod common;
 
-use ferrotron_engine::kernels::cpu::matmul::in_gemm_library;
+use ferrotron_engine::kernels::cpu::scratch::in_kernel_scratch;
 use ferrotron_engine::kernels::{CpuKernels, Kernels, IGNORE_INDEX};
 use ferrotron_engine::model::{
     BatchShape, BufName, BufferPool, Llama, LlamaConfig, MoeConfig, Recompute,
@@ -27,10 +28,10 @@ thread_local! {
     static COUNTING: Cell<bool> = const { Cell::new(false) };
 }
 
-/// Counts an allocation of this thread's, outside the gemm crate's packing (see
-/// `in_gemm_library`).
+/// Counts an allocation of this thread's outside a kernel's scratch (the gemm crate's packing,
+/// attention's tiles: see `kernels::cpu::scratch`).
 fn count(bytes: usize) {
-    if !COUNTING.with(|c| c.get()) || in_gemm_library() {
+    if !COUNTING.with(|c| c.get()) || in_kernel_scratch() {
         return;
     }
     COUNT.with(|n| n.set(n.get() + 1));

@@ -25,14 +25,13 @@
 //! owned by it (all query heads of a GQA group add into the same kv head) and the dQ rows of
 //! the group's heads too.
 
-use super::reused::reuse;
+use super::scratch::KernelScratch;
 use super::simd::{dot, exp_f32, SendPtr};
 use super::tile_gemm::product as tile;
 use crate::dispatch_fma;
 use crate::dtype::Elem;
 use crate::kernels::{AttnShape, RingShape, SeqPart};
 use rayon::prelude::*;
-use std::cell::RefCell;
 
 /// Query rows per tile.
 const BR: usize = 64;
@@ -203,21 +202,6 @@ fn transposed<'a, S: Elem>(
 /// Task-local f32 tiles: transposed scores, the output accumulator, and staged `Qᵀ`, k and v.
 type Tiles = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
 
-/// The backward's per-task scratch: the two transposed score tiles; the dK, dV accumulators
-/// (`[T, D]`) and one dQ tile; `Qᵀ` and `dOᵀ`; staged q/k/v/o/dO tiles.
-type BackwardTiles = (
-    (Vec<f32>, Vec<f32>),
-    (Vec<f32>, Vec<f32>, Vec<f32>),
-    (Vec<f32>, Vec<f32>),
-    Tiles,
-);
-
-thread_local! {
-    /// Each worker thread's attention tiles, kept between calls (`super::reused`).
-    static FORWARD_TILES: RefCell<Option<Tiles>> = const { RefCell::new(None) };
-    static BACKWARD_TILES: RefCell<Option<BackwardTiles>> = const { RefCell::new(None) };
-}
-
 /// Which tokens the queries and the keys are (see [`SeqPart`]), and so which keys a query
 /// sees.
 #[derive(Clone, Copy)]
@@ -328,15 +312,19 @@ fn forward_core<S: Elem, K: Elem, O: Elem>(
     // One task per (batch, head, query block): enough tasks to balance the causal triangle.
     let nblk = t.div_ceil(BR);
     (0..s.b * hh * nblk).into_par_iter().for_each_init(
-        || {
-            let fits = |t: &Tiles| t.1.len() == BR * d;
-            reuse(&FORWARD_TILES, fits, || {
-                let (st, acc) = (vec![0.0f32; BR * BC], vec![0.0f32; BR * d]);
-                (st, acc, Vec::new(), Vec::new(), Vec::new())
-            })
+        || -> Tiles {
+            let _scratch = KernelScratch::enter();
+            (
+                vec![0.0f32; BR * BC],
+                vec![0.0f32; BR * d],
+                Vec::new(),
+                Vec::new(),
+                Vec::new(),
+            )
         },
-        |tiles, task| {
-            let (st, acc, qtb, kb, vb) = &mut **tiles;
+        |(st, acc, qtb, kb, vb), task| {
+            // The staged tiles grow to their size in the task's first use.
+            let _scratch = KernelScratch::enter();
             let (bh, blk) = (task / nblk, task % nblk);
             let (b, h) = (bh / hh, bh % hh);
             let kvh = h / (hh / kv);
@@ -485,23 +473,20 @@ fn backward_core<S: Elem, K: Elem, D: Elem>(
     // (16-bit inputs).
     (0..s.b * kv).into_par_iter().for_each_init(
         || {
-            let fits = |x: &BackwardTiles| x.1 .0.len() == t * d && x.1 .2.len() == BR * d;
-            reuse(&BACKWARD_TILES, fits, || {
+            let _scratch = KernelScratch::enter();
+            (
+                (vec![0.0f32; BR * BC], vec![0.0f32; BR * BC]),
                 (
-                    (vec![0.0f32; BR * BC], vec![0.0f32; BR * BC]),
-                    (
-                        vec![0.0f32; t * d],
-                        vec![0.0f32; t * d],
-                        vec![0.0f32; BR * d],
-                    ),
-                    (Vec::new(), Vec::new()),
-                    (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new()),
-                )
-            })
+                    vec![0.0f32; t * d],
+                    vec![0.0f32; t * d],
+                    vec![0.0f32; BR * d],
+                ),
+                (Vec::new(), Vec::new()),
+                (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new()),
+            )
         },
-        |tiles, task| {
-            let ((st, dpt), (dk_acc, dv_acc, dq_acc), (qtb, dotb), (qb, kb, vb, ob, dob)) =
-                &mut **tiles;
+        |((st, dpt), (dk_acc, dv_acc, dq_acc), (qtb, dotb), (qb, kb, vb, ob, dob)), task| {
+            let _scratch = KernelScratch::enter();
             let (b, kvh) = (task / kv, task % kv);
             let kvrow = |j: usize| ((b * t + j) * kv + kvh) * d;
             let (mut qp, mut kp) = ([0u32; BR], [0u32; BC]);

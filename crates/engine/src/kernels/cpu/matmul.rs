@@ -5,6 +5,7 @@
 //! with strides and no transpose is ever materialised. `gemm::gemm` computes
 //! `dst = alpha·dst + beta·lhs·rhs` (`alpha` ignored when `read_dst = false`).
 
+use super::scratch::KernelScratch;
 use super::staged_gemm::{gemm, Operand};
 use super::CpuKernels;
 use crate::dtype::Elem;
@@ -31,35 +32,6 @@ const _: () = assert!(
     MAX_DEPTH <= 512,
     "gemm takes depths up to 512 in one block on every CPU"
 );
-
-thread_local! {
-    /// Calls into the gemm crate running on this thread.
-    static IN_GEMM_LIBRARY: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
-}
-
-/// Whether this thread is inside the gemm crate. It packs its operands into heap buffers of
-/// its own on every call (the kernel workspace the plan counts as measured overhead), the one
-/// heap allocation a step makes outside the pool and the plan: the hot-path test
-/// (`tests/hot_path.rs`) tells those apart with this. (Reading it never allocates.)
-pub fn in_gemm_library() -> bool {
-    IN_GEMM_LIBRARY.with(|c| c.get() > 0)
-}
-
-/// Marks this thread inside the gemm crate while it lives.
-struct InGemmLibrary;
-
-impl InGemmLibrary {
-    fn enter() -> Self {
-        IN_GEMM_LIBRARY.with(|c| c.set(c.get() + 1));
-        InGemmLibrary
-    }
-}
-
-impl Drop for InGemmLibrary {
-    fn drop(&mut self) {
-        IN_GEMM_LIBRARY.with(|c| c.set(c.get() - 1));
-    }
-}
 
 /// Column-major-agnostic strided sgemm: `dst[m,n] (=|+=) lhs[m,k]·rhs[k,n]`, strides in elements
 /// as `(row stride, col stride)`.
@@ -210,7 +182,8 @@ pub unsafe fn sgemm_raw(
     } else {
         Parallelism::None
     };
-    let _library = InGemmLibrary::enter();
+    // Its packing buffers are the product's scratch.
+    let _scratch = KernelScratch::enter();
     gemm::gemm(
         m,
         n,
