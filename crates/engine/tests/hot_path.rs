@@ -8,14 +8,17 @@
 mod common;
 
 use ferrotron_engine::kernels::cpu::scratch::in_kernel_scratch;
-use ferrotron_engine::kernels::{CpuKernels, Kernels, IGNORE_INDEX};
+use ferrotron_engine::kernels::{CpuKernels, Kernels, View, ViewMut, IGNORE_INDEX};
 use ferrotron_engine::model::{
-    BatchShape, BufName, BufferPool, Llama, LlamaConfig, MoeConfig, Recompute,
+    BatchShape, BufName, BufferPool, EpComm, ExpertParallel, Llama, LlamaConfig, MoeConfig,
+    Recompute,
 };
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 use std::ptr::NonNull;
+use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Barrier, Mutex};
 
 struct Counting;
 
@@ -116,9 +119,50 @@ fn moe_cfg() -> LlamaConfig {
     }
 }
 
+/// Rank `rank` of an expert-parallel group of two threads of this test: each exchange drops
+/// every block into its destination's mailbox (reused, so the exchange allocates nothing after
+/// the first), and takes its own once both ranks have posted.
+struct Pair {
+    rank: usize,
+    shared: Arc<(Barrier, Mutex<[Vec<f32>; 4]>)>,
+}
+
+impl EpComm for Pair {
+    fn size(&self) -> usize {
+        2
+    }
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn exchange(&self, send: View<'_, f32>, sc: &[usize], recv: ViewMut<'_, f32>, rc: &[usize]) {
+        let (barrier, boxes) = &*self.shared;
+        let (send, recv) = (send.host(), recv.host_mut());
+        {
+            let mut boxes = boxes.lock().unwrap();
+            // Mailbox 2·dest + src.
+            let mine = sc[0]..sc[0] + sc[1];
+            for (dest, part) in [(0, &send[..sc[0]]), (1, &send[mine])] {
+                let b = &mut boxes[2 * dest + self.rank];
+                b.clear();
+                b.extend_from_slice(part);
+            }
+        }
+        barrier.wait();
+        {
+            let boxes = boxes.lock().unwrap();
+            let mut at = 0;
+            for (src, &n) in rc.iter().enumerate() {
+                recv[at..at + n].copy_from_slice(&boxes[2 * self.rank + src][..n]);
+                at += n;
+            }
+        }
+        barrier.wait();
+    }
+}
+
 /// Heap allocations of the second of two identical micro-batches (forward and backward) of
-/// the model of `cfg` under `rc`.
-fn second_micro_batch_allocations(cfg: LlamaConfig, rc: Recompute) -> usize {
+/// the model of `cfg` under `rc`; with `ep`, as that rank of an expert-parallel group.
+fn second_micro_batch_allocations(cfg: LlamaConfig, rc: Recompute, ep: Option<Pair>) -> usize {
     // On a worker of a pool of its own, so that the kernels' parallel loops queue their work
     // on this thread's deque (reused) rather than injecting it into the global pool's queue
     // (which allocates now and then, whatever the engine does).
@@ -127,7 +171,14 @@ fn second_micro_batch_allocations(cfg: LlamaConfig, rc: Recompute) -> usize {
         .build()
         .unwrap();
     threads.install(move || {
-        let model = Llama::new(cfg).with_recompute(rc);
+        let model = match ep {
+            Some(pair) => {
+                let group = ExpertParallel::new(&cfg, Rc::new(pair)).unwrap();
+                Llama::expert_parallel(cfg, group)
+            }
+            None => Llama::new(cfg),
+        }
+        .with_recompute(rc);
         let k: &dyn Kernels = &CpuKernels::PLAIN;
         let mut rng = common::Rng::new(7);
         let params = model.params.init(3, 0.2);
@@ -167,17 +218,38 @@ fn second_micro_batch_allocations(cfg: LlamaConfig, rc: Recompute) -> usize {
 fn a_dense_micro_batch_allocates_nothing_outside_its_pool() {
     for rc in [Recompute::None, Recompute::Selective, Recompute::Full] {
         let cfg = common::dense_cfg(true, false);
-        assert_eq!(second_micro_batch_allocations(cfg, rc), 0, "dense, {rc}");
+        assert_eq!(
+            second_micro_batch_allocations(cfg, rc, None),
+            0,
+            "dense, {rc}"
+        );
     }
 }
 
 #[test]
 fn a_mixture_of_experts_micro_batch_allocates_nothing_outside_its_pool() {
     for rc in [Recompute::None, Recompute::Selective, Recompute::Full] {
-        assert_eq!(
-            second_micro_batch_allocations(moe_cfg(), rc),
-            0,
-            "MoE, {rc}"
-        );
+        let one = second_micro_batch_allocations(moe_cfg(), rc, None);
+        assert_eq!(one, 0, "MoE, {rc}");
+        // Two expert-parallel ranks, each on its own thread, each counting its own.
+        let shared = Arc::new((Barrier::new(2), Mutex::new(Default::default())));
+        let ranks: Vec<_> = (0..2)
+            .map(|rank| {
+                let pair = Pair {
+                    rank,
+                    shared: shared.clone(),
+                };
+                std::thread::spawn(move || {
+                    second_micro_batch_allocations(moe_cfg(), rc, Some(pair))
+                })
+            })
+            .collect();
+        for (rank, r) in ranks.into_iter().enumerate() {
+            assert_eq!(
+                r.join().unwrap(),
+                0,
+                "MoE, {rc}, expert-parallel rank {rank} of 2"
+            );
+        }
     }
 }

@@ -25,6 +25,7 @@ use super::config::{LlamaConfig, ModelError};
 use super::context_parallel::convert;
 use crate::dtype::Elem;
 use crate::kernels::{AsView, AsViewMut, HostCopy, View, ViewMut};
+use std::cell::RefCell;
 use std::ops::Range;
 use std::rc::Rc;
 
@@ -53,6 +54,19 @@ pub struct ExpertParallel {
     /// Experts per MoE layer of the whole model.
     pub experts: usize,
     comm: Rc<dyn EpComm>,
+    /// The exchanges' element counts per rank, and the counts' own exchange, rewritten in
+    /// place for every exchange (so that one allocates nothing after the first).
+    scratch: RefCell<Scratch>,
+}
+
+#[derive(Clone, Default)]
+struct Scratch {
+    send_counts: Vec<usize>,
+    recv_counts: Vec<usize>,
+    counts_out: Vec<f32>,
+    counts_in: Vec<f32>,
+    /// Rows of each local expert placed so far.
+    within: Vec<usize>,
 }
 
 impl std::fmt::Debug for ExpertParallel {
@@ -67,6 +81,7 @@ impl std::fmt::Debug for ExpertParallel {
 
 /// Where the copies one rank receives sit: for each (source rank s, local expert j), its
 /// first row in arrival order (source-major), its first row expert-major, and its rows.
+#[derive(Default)]
 pub(super) struct Arrivals {
     pub blocks: Vec<(usize, usize, usize)>,
     /// Rows per local expert, expert-major.
@@ -99,6 +114,7 @@ impl ExpertParallel {
             rank: comm.rank(),
             experts: m.experts,
             comm,
+            scratch: Default::default(),
         })
     }
 
@@ -113,40 +129,42 @@ impl ExpertParallel {
     }
 
     /// From this rank's copies per expert (`counts[e]`, every expert), the copies each rank
-    /// sends each of this rank's experts, and where they land.
-    pub(super) fn arrivals(&self, counts: &[usize]) -> Arrivals {
-        let el = self.per_rank();
-        let send: Vec<f32> = counts.iter().map(|&c| c as f32).collect();
-        let mut recv = vec![0.0f32; self.size * el];
-        let each = vec![el; self.size];
-        self.comm
-            .exchange(send.view(), &each, recv.view_mut(), &each);
+    /// sends each of this rank's experts, and where they land: into `a`, in place.
+    pub(super) fn arrivals(&self, counts: &[usize], a: &mut Arrivals) {
+        let (el, size) = (self.per_rank(), self.size);
+        let mut guard = self.scratch.borrow_mut();
+        let x = &mut *guard;
+        x.counts_out.clear();
+        x.counts_out.extend(counts.iter().map(|&c| c as f32));
+        x.counts_in.clear();
+        x.counts_in.resize(size * el, 0.0);
+        x.send_counts.clear();
+        x.send_counts.resize(size, el);
+        let (out, each) = (x.counts_out.view(), &x.send_counts);
+        self.comm.exchange(out, each, x.counts_in.view_mut(), each);
         // Counts are below 2^24 (tokens × top_k), exact in f32.
-        let n = |s: usize, j: usize| recv[s * el + j] as usize;
-        let per: Vec<usize> = (0..el)
-            .map(|j| (0..self.size).map(|s| n(s, j)).sum())
-            .collect();
-        let mut per_expert = Vec::with_capacity(el);
+        let n = |s: usize, j: usize| x.counts_in[s * el + j] as usize;
+        a.per_expert.clear();
         let mut at = 0;
-        for &p in &per {
-            per_expert.push(at..at + p);
+        for j in 0..el {
+            let p: usize = (0..size).map(|s| n(s, j)).sum();
+            a.per_expert.push(at..at + p);
             at += p;
         }
-        let mut blocks = Vec::with_capacity(self.size * el);
-        let (mut arrival, mut within) = (0, vec![0usize; el]);
-        for s in 0..self.size {
+        a.blocks.clear();
+        x.within.clear();
+        x.within.resize(el, 0);
+        let mut arrival = 0;
+        for s in 0..size {
             for j in 0..el {
                 let rows = n(s, j);
-                blocks.push((arrival, per_expert[j].start + within[j], rows));
+                a.blocks
+                    .push((arrival, a.per_expert[j].start + x.within[j], rows));
                 arrival += rows;
-                within[j] += rows;
+                x.within[j] += rows;
             }
         }
-        Arrivals {
-            blocks,
-            per_expert,
-            rows: at,
-        }
+        a.rows = at;
     }
 
     /// Sends this rank's grouped rows (`width` f32 each, `counts[e]` rows per expert) to the
@@ -159,9 +177,12 @@ impl ExpertParallel {
         recv: ViewMut<'_, f32>,
         width: usize,
     ) {
-        let sc = self.per_destination(counts, width);
-        let rc = self.per_source(a, width);
-        self.comm.exchange(send, &sc, recv, &rc);
+        let mut guard = self.scratch.borrow_mut();
+        let x = &mut *guard;
+        self.per_destination(counts, width, &mut x.send_counts);
+        self.per_source(a, width, &mut x.recv_counts);
+        self.comm
+            .exchange(send, &x.send_counts, recv, &x.recv_counts);
     }
 
     /// The reverse of [`Self::dispatch`]: rows in arrival order go back to their ranks; `recv`
@@ -174,23 +195,26 @@ impl ExpertParallel {
         recv: ViewMut<'_, f32>,
         width: usize,
     ) {
-        let sc = self.per_source(a, width);
-        let rc = self.per_destination(counts, width);
-        self.comm.exchange(send, &sc, recv, &rc);
+        let mut guard = self.scratch.borrow_mut();
+        let x = &mut *guard;
+        self.per_source(a, width, &mut x.send_counts);
+        self.per_destination(counts, width, &mut x.recv_counts);
+        self.comm
+            .exchange(send, &x.send_counts, recv, &x.recv_counts);
     }
 
-    fn per_destination(&self, counts: &[usize], width: usize) -> Vec<usize> {
-        counts
-            .chunks(self.per_rank())
-            .map(|c| c.iter().sum::<usize>() * width)
-            .collect()
+    /// Elements this rank sends each rank: its copies for that rank's experts.
+    fn per_destination(&self, counts: &[usize], width: usize, out: &mut Vec<usize>) {
+        out.clear();
+        let per_rank = counts.chunks(self.per_rank());
+        out.extend(per_rank.map(|c| c.iter().sum::<usize>() * width));
     }
 
-    fn per_source(&self, a: &Arrivals, width: usize) -> Vec<usize> {
-        a.blocks
-            .chunks(self.per_rank())
-            .map(|b| b.iter().map(|x| x.2).sum::<usize>() * width)
-            .collect()
+    /// Elements this rank receives from each rank.
+    fn per_source(&self, a: &Arrivals, width: usize, out: &mut Vec<usize>) {
+        out.clear();
+        let per_rank = a.blocks.chunks(self.per_rank());
+        out.extend(per_rank.map(|b| b.iter().map(|x| x.2).sum::<usize>() * width));
     }
 }
 

@@ -209,7 +209,8 @@ impl Llama {
                 er.arrivals = None;
             }
             Some(ep) => {
-                let a = ep.arrivals(&er.counts);
+                let mut a = er.arrivals.take().unwrap_or_default();
+                ep.arrivals(&er.counts, &mut a);
                 let first = ep.local().start;
                 let per_expert = a.per_expert.iter().enumerate();
                 er.blocks
