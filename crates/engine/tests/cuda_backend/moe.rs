@@ -61,7 +61,13 @@ fn moe_ops<S: Elem>(k: &CudaKernels, at: usize) {
         let mut load: Vec<f32> = rng.vec(2 * e, 1.0).iter().map(|x| x.abs()).collect();
         let (mut weights, mut index) = (vec![0f32; n * 2], vec![0u32; n * 2]);
         let (mut gw, mut gi, mut gl) = (on.up(&weights), on.up(&index), on.up(&load));
-        c.router_forward(s, z.view(), weights.view_mut(), index.view_mut(), load.view_mut());
+        c.router_forward(
+            s,
+            z.view(),
+            weights.view_mut(),
+            index.view_mut(),
+            load.view_mut(),
+        );
         g.router_forward(
             s,
             gz.view(z.len()),
@@ -75,7 +81,11 @@ fn moe_ops<S: Elem>(k: &CudaKernels, at: usize) {
             "{what}: router choices"
         );
         gi.guards_intact(&format!("{what} router index"));
-        assert_eq!(index[..4], [1, 4, 0, 2], "{what}: a tie goes to the lower expert");
+        assert_eq!(
+            index[..4],
+            [1, 4, 0, 2],
+            "{what}: a tie goes to the lower expert"
+        );
         if cap.is_some() {
             assert!(
                 index.iter().any(|&x| x & DROPPED != 0),
@@ -96,7 +106,14 @@ fn moe_ops<S: Elem>(k: &CudaKernels, at: usize) {
         let (gdw, gaux) = (on.up(&dw), on.up(&aux));
         let mut dl = vec![0f32; n * e];
         let mut gdl = on.up(&rng.vec(n * e, 1.0));
-        c.router_backward(s, z.view(), index.view(), dw.view(), aux.view(), dl.view_mut());
+        c.router_backward(
+            s,
+            z.view(),
+            index.view(),
+            dw.view(),
+            aux.view(),
+            dl.view_mut(),
+        );
         g.router_backward(
             s,
             gz.view(z.len()),
@@ -202,7 +219,13 @@ fn moe_zero_rows<S: Elem>(k: &CudaKernels) {
         let mut load = rng.vec(2 * e, 1.0);
         let (mut weights, mut index) = (vec![0f32; n * 2], vec![0u32; n * 2]);
         let (mut gw, mut gi, mut gl) = (on.up(&weights), on.up(&index), on.up(&load));
-        c.router_forward(s, z.view(), weights.view_mut(), index.view_mut(), load.view_mut());
+        c.router_forward(
+            s,
+            z.view(),
+            weights.view_mut(),
+            index.view_mut(),
+            load.view_mut(),
+        );
         g.router_forward(
             s,
             gz.view(z.len()),
@@ -218,7 +241,12 @@ fn moe_zero_rows<S: Elem>(k: &CudaKernels) {
         let mut rows = on.up::<S>(&[]);
         g.permute(s, gi.view(index.len()), gx.view(x.len()), rows.view_mut(0));
         rows.guards_intact(&format!("{what}: permute"));
-        g.scale_rows(s, gi.view(index.len()), gw.view(weights.len()), rows.view_mut(0));
+        g.scale_rows(
+            s,
+            gi.view(index.len()),
+            gw.view(weights.len()),
+            rows.view_mut(0),
+        );
         rows.guards_intact(&format!("{what}: scale_rows"));
         let dots = rng.vec(n * 2, 1.0);
         let mut gdots = on.up(&dots);
@@ -233,10 +261,24 @@ fn moe_zero_rows<S: Elem>(k: &CudaKernels) {
         let y0 = stored::<S>(&rng.vec(n * w, 1.0));
         let mut gy = on.up(&y0);
         let wt = Some(gw.view(weights.len()));
-        g.unpermute(s, gi.view(index.len()), wt, rows.view(0), gy.view_mut(n * w), Accum::Add);
+        g.unpermute(
+            s,
+            gi.view(index.len()),
+            wt,
+            rows.view(0),
+            gy.view_mut(n * w),
+            Accum::Add,
+        );
         same(&format!("{what}: unpermute +="), &gy, &y0, 0.0);
         let wt = Some(gw.view(weights.len()));
-        g.unpermute(s, gi.view(index.len()), wt, rows.view(0), gy.view_mut(n * w), Accum::Overwrite);
+        g.unpermute(
+            s,
+            gi.view(index.len()),
+            wt,
+            rows.view(0),
+            gy.view_mut(n * w),
+            Accum::Overwrite,
+        );
         let zeros = vec![S::from_f32(0.0); n * w];
         same(&format!("{what}: unpermute ="), &gy, &zeros, 0.0);
     }
