@@ -106,11 +106,24 @@ for l in sys.stdin:
             rm -rf "$run"
         done
     fi
+    # A mixture of experts (issue #33): the MoE model's routing, grouping and expert products
+    # on the GPU against the CPU, fp32, a few short steps.
+    echo "--model ferrotron-moe-16m --steps 5 --seq 256 --mbs 4 --eval-interval 0 --sample-tokens 0 --quiet" >"$out/moe_flags"
+    if [ "${FERROTRON_KIT_CPU:-1}" != 0 ]; then
+        read -ra flags <"$out/moe_flags"
+        run=$(mktemp -d)
+        echo "== the CPU half: train moe fp32, ${flags[*]}"
+        "$out/ferrotron" train --device cpu --peak-gflops 100 --precision fp32 "${flags[@]}" \
+            --out-dir "$run"
+        cp "$run/metrics.jsonl" "$out/cpu-moe-fp32.jsonl"
+        rm -rf "$run"
+    fi
     cat >"$out/run.sh" <<'RUN'
 #!/usr/bin/env bash
 # On the GPU machine (built by scripts/cuda_check.sh bundle; no Rust there): the CUDA backend
 # against the CPU backend, then the trainer on the GPU against the CPU: the default model for
-# 20 steps in fp32 and bf16, losses and planned vs measured memory compared (cuda_compare.py).
+# 20 steps in fp32 and bf16 and a mixture of experts (ferrotron-moe-16m) for 5 in fp32, losses
+# and planned vs measured memory compared (cuda_compare.py).
 # Each stage has its own time budget; $OUT/summary.txt (first) says what passed, with the GPU,
 # the driver and the libraries found; $OUT/stages.log holds every stage's output.
 # FERROTRON_GPU_REQUIRED=1: a test that would skip for want of a GPU or a library fails here,
@@ -169,6 +182,18 @@ for p in fp32 bf16; do
     stage "$p: the GPU's steps follow the CPU's" 30 python3 cuda_compare.py "$p" \
         "$cpu" "$work/$p-cuda/metrics.jsonl"
 done
+# A mixture of experts (issue #33): ferrotron-moe-16m, fp32, against its carried CPU run.
+read -ra moe <moe_flags
+cpu=cpu-moe-fp32.jsonl
+if [ ! -f "$cpu" ]; then
+    cpu="$work/moe-cpu/metrics.jsonl"
+    stage "train moe fp32 on the CPU (not in the kit)" 120 ./ferrotron train --device cpu \
+        --peak-gflops 100 --precision fp32 "${moe[@]}" --out-dir "$work/moe-cpu"
+fi
+stage "train moe fp32 on the GPU" 90 ./ferrotron train --device cuda --precision fp32 \
+    "${moe[@]}" --out-dir "$work/moe-cuda"
+stage "moe fp32: the GPU's steps follow the CPU's" 30 python3 cuda_compare.py fp32 \
+    "$cpu" "$work/moe-cuda/metrics.jsonl"
 # Device memory by the driver against the plan (issue #31): SmolLM-135M's shape, fp32 and
 # bf16 × every recompute policy, two steps each; the data tokenized once.
 mem=()

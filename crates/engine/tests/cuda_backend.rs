@@ -1,6 +1,7 @@
 //! The CUDA backend against the CPU backend (which the golden fixtures check against
 //! PyTorch): every op the dense model uses, fp32 and bf16, then whole training steps of the
-//! model with every recompute policy. Needs a GPU: skips with a message where the driver or a
+//! model with every recompute policy; the mixture-of-experts ops and a MoE model's steps in
+//! `cuda_backend/moe.rs`. Needs a GPU: skips with a message where the driver or a
 //! GPU is missing (CI has neither; run it on the GPU machine: scripts/cuda_check.sh).
 //!
 //! Tolerances, relative to each tensor's largest entry (`common::rel_err`): fp32 1e-5 for
@@ -10,6 +11,10 @@
 #![cfg(feature = "cuda")]
 
 mod common;
+// The mixture-of-experts ops and a MoE model's step, in this binary so the GPU kit's op stage
+// runs them with the rest.
+#[path = "cuda_backend/moe.rs"]
+mod moe;
 
 use common::{assert_close, to64, Rng};
 use ferrotron_engine::dtype::Elem;

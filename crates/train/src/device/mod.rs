@@ -203,6 +203,9 @@ pub fn gpu_workspace(
         };
         let lse = tokens * c.heads;
         k.reserve(staging, lse, tokens, &model.rope);
+        if let Some(m) = c.moe {
+            k.reserve_routing(tokens, m.top_k);
+        }
         let g = k.gpu();
         let peak = table_peak(&g.name, precision);
         return Some((

@@ -3,9 +3,9 @@
 //! order on the device's legacy default stream, so an op that returns a value to the host
 //! (the loss sum, a squared norm, a count) waits for the work before it and nothing else.
 //!
+//! The mixture-of-experts ops are in `moe` (their routing tables built on the host).
+//!
 //! Not here yet, each refused before a step starts rather than failing in one:
-//! - the mixture-of-experts ops ([`Limits::experts`] is false, so `check_backend` refuses a
-//!   MoE model);
 //! - ring attention and the vocabulary-parallel cross-entropy, which only multi-rank layouts
 //!   call: they need a GPU communicator (NCCL, issue #15), and the trainer refuses
 //!   `--device cuda` with more than one rank;
@@ -21,6 +21,9 @@ use cudarc::driver::{result, DeviceRepr, LaunchConfig, PushKernelArg};
 use ferrotron_plan::DType;
 use std::collections::HashMap;
 use std::sync::Mutex;
+
+mod moe;
+pub use moe::{routes, Routes};
 
 /// Threads per block of the elementwise and per-row kernels.
 const BLOCK: u32 = 256;
@@ -56,6 +59,10 @@ enum Scratch {
     Tokens,
     /// Partial sums and counts read back by the host.
     Partials,
+    /// The routed rows' tables of a mixture of experts (`moe::Routes`).
+    Routes,
+    /// The router's max and Σexp per token, between its two kernels.
+    RouterStats,
 }
 
 /// A host RoPE table's address, length, head dim and last entries.
@@ -319,8 +326,6 @@ pub fn group_by_token(tokens: &[u32]) -> (Vec<u32>, Vec<u32>) {
 }
 
 const NEEDS_NCCL: &str = "multi-rank layouts on GPUs need the NCCL communicator (issue #15)";
-const NO_EXPERTS: &str =
-    "the CUDA backend has no mixture-of-experts kernels yet (check_backend refuses MoE models)";
 
 impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
     fn synchronize(&self) {
@@ -332,7 +337,7 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         Limits {
             backend: "CUDA",
             max_head_dim: 128,
-            experts: false,
+            experts: true,
         }
     }
 
@@ -608,51 +613,57 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
 
     fn router_forward(
         &self,
-        _: RouteShape,
-        _: View<'_, f32>,
-        _: ViewMut<'_, f32>,
-        _: ViewMut<'_, u32>,
-        _: ViewMut<'_, f32>,
+        s: RouteShape,
+        logits: View<'_, f32>,
+        weights: ViewMut<'_, f32>,
+        index: ViewMut<'_, u32>,
+        load: ViewMut<'_, f32>,
     ) {
-        panic!("router_forward: {NO_EXPERTS}")
+        self.moe_router_forward(s, logits, weights, index, load)
     }
     fn router_backward(
         &self,
-        _: RouteShape,
-        _: View<'_, f32>,
-        _: View<'_, u32>,
-        _: View<'_, f32>,
-        _: View<'_, f32>,
-        _: ViewMut<'_, f32>,
+        s: RouteShape,
+        logits: View<'_, f32>,
+        index: View<'_, u32>,
+        dweights: View<'_, f32>,
+        aux_dp: View<'_, f32>,
+        dlogits: ViewMut<'_, f32>,
     ) {
-        panic!("router_backward: {NO_EXPERTS}")
+        self.moe_router_backward(s, logits, index, dweights, aux_dp, dlogits)
     }
-    fn permute(&self, _: RouteShape, _: View<'_, u32>, _: View<'_, S>, _: ViewMut<'_, S>) {
-        panic!("permute: {NO_EXPERTS}")
+    fn permute(&self, s: RouteShape, index: View<'_, u32>, x: View<'_, S>, rows: ViewMut<'_, S>) {
+        self.moe_permute(s, index, x, rows)
     }
     fn unpermute(
         &self,
-        _: RouteShape,
-        _: View<'_, u32>,
-        _: Option<View<'_, f32>>,
-        _: View<'_, S>,
-        _: ViewMut<'_, S>,
-        _: Accum,
+        s: RouteShape,
+        index: View<'_, u32>,
+        weights: Option<View<'_, f32>>,
+        rows: View<'_, S>,
+        y: ViewMut<'_, S>,
+        accum: Accum,
     ) {
-        panic!("unpermute: {NO_EXPERTS}")
+        self.moe_unpermute(s, index, weights, rows, y, accum)
     }
-    fn scale_rows(&self, _: RouteShape, _: View<'_, u32>, _: View<'_, f32>, _: ViewMut<'_, S>) {
-        panic!("scale_rows: {NO_EXPERTS}")
+    fn scale_rows(
+        &self,
+        s: RouteShape,
+        index: View<'_, u32>,
+        weights: View<'_, f32>,
+        rows: ViewMut<'_, S>,
+    ) {
+        self.moe_scale_rows(s, index, weights, rows)
     }
     fn row_dot(
         &self,
-        _: RouteShape,
-        _: View<'_, u32>,
-        _: View<'_, S>,
-        _: View<'_, S>,
-        _: ViewMut<'_, f32>,
+        s: RouteShape,
+        index: View<'_, u32>,
+        a: View<'_, S>,
+        b: View<'_, S>,
+        out: ViewMut<'_, f32>,
     ) {
-        panic!("row_dot: {NO_EXPERTS}")
+        self.moe_row_dot(s, index, a, b, out)
     }
 
     fn embedding_forward(

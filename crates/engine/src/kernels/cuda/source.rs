@@ -21,6 +21,7 @@ pub fn program() -> String {
         include_str!("cu/adamw.cu"),
         include_str!("cu/attention.cu"),
         include_str!("cu/bias.cu"),
+        include_str!("cu/moe.cu"),
     ]
     .join("\n")
 }
@@ -49,6 +50,10 @@ pub fn entry_points() -> Vec<String> {
         "attention_backward_q",
         "attention_backward_kv",
         "bias_add",
+        "moe_permute",
+        "moe_unpermute",
+        "moe_scale_rows",
+        "moe_row_dot",
     ];
     let per_grads = [
         "rmsnorm_backward_weight",
@@ -56,7 +61,15 @@ pub fn entry_points() -> Vec<String> {
         "adamw",
         "bias_grad",
     ];
-    let mut names: Vec<String> = ["count_targets", "cross_entropy"].map(String::from).into();
+    let mut names: Vec<String> = [
+        "count_targets",
+        "cross_entropy",
+        "router_topk",
+        "router_load",
+        "router_backward",
+    ]
+    .map(String::from)
+    .into();
     for k in per_storage {
         names.extend(STORAGE.iter().map(|s| format!("{k}_{s}")));
     }

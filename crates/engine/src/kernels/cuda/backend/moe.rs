@@ -1,0 +1,236 @@
+//! The mixture-of-experts ops on the GPU (`cu/moe.cu`; the reference is
+//! `kernels/cpu/moe_routing.rs`).
+//!
+//! The router runs on the device: one thread per token picks its top k and weights, then one
+//! thread per expert adds the probabilities and counts to the running load statistics and
+//! marks the copies past a capacity, in token order, as the CPU does.
+//!
+//! The routed rows' order (`routed_rows`: expert by expert, copies in order) is built on the
+//! host from the router's choices, downloaded (`n·k` u32), and uploaded as two small tables
+//! into the backend's scratch, as the embedding backward groups its tokens. The model reads
+//! the choices back for its expert blocks anyway (`Llama::expert_rows`). The grouping is then
+//! the CPU's own function, and every row copy, scaling and dot runs in the CPU's order.
+
+use super::*;
+
+/// A routed copy's row table entry for "none" (`ROUTE_NONE` in `cu/moe.cu`).
+pub const NONE: u32 = u32::MAX;
+
+/// The routed rows of a router's choices `index` (`top_k` per token, `tokens` tokens, marks
+/// of dropped copies included), as `cu/moe.cu` reads them:
+/// - `by_row[r]`: the copy in routed row `r` (`routed_rows`' order);
+/// - `by_token[2(n·k + j)..][..2]`: the row and copy of token `n`'s `j`-th routed copy, in
+///   row order, [`NONE`] after its last (a dropped copy has no row).
+#[derive(Debug, PartialEq, Eq)]
+pub struct Routes {
+    pub by_row: Vec<u32>,
+    pub by_token: Vec<u32>,
+}
+
+pub fn routes(index: &[u32], experts: usize, tokens: usize, top_k: usize) -> Routes {
+    let mut by_row = Vec::with_capacity(index.len());
+    let mut by_token = vec![NONE; 2 * tokens * top_k];
+    let mut filled = vec![0usize; tokens];
+    for (r, c) in routed_rows(index, experts) {
+        let n = c / top_k;
+        assert!(
+            n < tokens,
+            "router choice {c} belongs to token {n} of {tokens}"
+        );
+        by_row.push(c as u32);
+        let at = 2 * (n * top_k + filled[n]);
+        by_token[at..at + 2].copy_from_slice(&[r as u32, c as u32]);
+        filled[n] += 1;
+    }
+    Routes { by_row, by_token }
+}
+
+impl CudaKernels {
+    /// Scratch both: the routing tables the row kernels read, and the router's per-token max
+    /// and Σexp, for micro-batches of `tokens` tokens routed to `top_k` experts each. Called
+    /// with [`Self::reserve`] for a MoE model, so that no step allocates them.
+    pub fn reserve_routing(&self, tokens: usize, top_k: usize) {
+        self.scratch(Scratch::Routes, (3 * tokens * top_k * 4).max(4));
+        self.scratch(Scratch::RouterStats, (2 * tokens * 4).max(8));
+    }
+
+    /// The routed rows of `index` uploaded: the device addresses of `by_row` and `by_token`,
+    /// and the number of routed rows.
+    fn routes(&self, s: RouteShape, index: View<'_, u32>, op: &str) -> (u64, u64, usize) {
+        dev(&index, op);
+        let r = routes(&download(index), s.experts, s.tokens, s.top_k);
+        let (rows, bytes) = (r.by_row.len(), (r.by_row.len() + r.by_token.len()) * 4);
+        let base = self.scratch(Scratch::Routes, bytes.max(4));
+        let by_token = base + 4 * rows as u64;
+        for (at, table) in [(base, &r.by_row), (by_token, &r.by_token)] {
+            if !table.is_empty() {
+                // SAFETY: the scratch holds `bytes`; a synchronous copy from pageable memory
+                // waits for the work before it on the legacy default stream (a kernel still
+                // reading the previous tables), and the launches that read these come after.
+                unsafe { result::memcpy_htod_sync(at, table) }.expect("routing table upload");
+            }
+        }
+        (base, by_token, rows)
+    }
+
+    pub(super) fn moe_router_forward(
+        &self,
+        s: RouteShape,
+        logits: View<'_, f32>,
+        mut weights: ViewMut<'_, f32>,
+        mut index: ViewMut<'_, u32>,
+        mut load: ViewMut<'_, f32>,
+    ) {
+        let op = "router_forward";
+        let (e, k, n) = (s.experts, s.top_k, s.tokens);
+        assert_eq!(logits.len(), n * e, "router logits len");
+        assert!(weights.len() == n * k && index.len() == n * k);
+        assert_eq!(load.len(), 2 * e, "router load len");
+        let stats = self.scratch(Scratch::RouterStats, (2 * n * 4).max(8));
+        let (l, w) = (dev(&logits, op), dev_mut(&mut weights, op));
+        let (ix, ld) = (dev_mut(&mut index, op), dev_mut(&mut load, op));
+        let (tokens, e, k, norm) = (n as u64, e as u64, k as u64, s.norm_topk as i32);
+        let (has_cap, cap) = (s.capacity.is_some() as i32, s.capacity.unwrap_or(0) as u64);
+        launch!(self, "router_topk".into(), elementwise(tokens); l, w, ix, stats, tokens, e, k, norm);
+        launch!(self, "router_load".into(), elementwise(e); l, ix, stats, ld, tokens, e, k, has_cap, cap);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn moe_router_backward(
+        &self,
+        s: RouteShape,
+        logits: View<'_, f32>,
+        index: View<'_, u32>,
+        dweights: View<'_, f32>,
+        aux_dp: View<'_, f32>,
+        mut dlogits: ViewMut<'_, f32>,
+    ) {
+        let op = "router_backward";
+        let (e, k, n) = (s.experts, s.top_k, s.tokens);
+        assert!(logits.len() == n * e && dlogits.len() == n * e);
+        assert!(index.len() == n * k && dweights.len() == n * k);
+        assert_eq!(aux_dp.len(), e, "aux gradient len");
+        let (l, ix, dw) = (dev(&logits, op), dev(&index, op), dev(&dweights, op));
+        let (aux, dl) = (dev(&aux_dp, op), dev_mut(&mut dlogits, op));
+        let (tokens, e, k, norm) = (n as u64, e as u64, k as u64, s.norm_topk as i32);
+        launch!(self, op.into(), elementwise(tokens); l, ix, dw, aux, dl, tokens, e, k, norm);
+    }
+
+    pub(super) fn moe_permute<S: Elem>(
+        &self,
+        s: RouteShape,
+        index: View<'_, u32>,
+        x: View<'_, S>,
+        mut rows: ViewMut<'_, S>,
+    ) {
+        let op = "permute";
+        let w = s.width;
+        assert!(x.len() == s.tokens * w && rows.len() <= s.tokens * s.top_k * w);
+        let (by_row, _, n) = self.routes(s, index, op);
+        assert!(rows.len() >= n * w, "permute: {n} routed rows of {w}");
+        let (x, r) = (dev(&x, op), dev_mut(&mut rows, op));
+        let (n, w, k) = (n as u64, w as u64, s.top_k as u64);
+        launch!(self, name::<S>("moe_permute"), elementwise(n * w); by_row, x, r, n, w, k);
+    }
+
+    pub(super) fn moe_unpermute<S: Elem>(
+        &self,
+        s: RouteShape,
+        index: View<'_, u32>,
+        weights: Option<View<'_, f32>>,
+        rows: View<'_, S>,
+        mut y: ViewMut<'_, S>,
+        accum: Accum,
+    ) {
+        let op = "unpermute";
+        let w = s.width;
+        assert!(y.len() == s.tokens * w && rows.len() <= s.tokens * s.top_k * w);
+        let (_, by_token, n) = self.routes(s, index, op);
+        assert!(rows.len() >= n * w, "unpermute: {n} routed rows of {w}");
+        let wt = weights.map_or(0, |v| dev(&v, op));
+        let (r, yp) = (dev(&rows, op), dev_mut(&mut y, op));
+        let (tokens, w, k) = (s.tokens as u64, w as u64, s.top_k as u64);
+        let acc = (accum == Accum::Add) as i32;
+        launch!(self, name::<S>("moe_unpermute"), elementwise(tokens * w); by_token, wt, r, yp, tokens, w, k, acc);
+    }
+
+    pub(super) fn moe_scale_rows<S: Elem>(
+        &self,
+        s: RouteShape,
+        index: View<'_, u32>,
+        weights: View<'_, f32>,
+        mut rows: ViewMut<'_, S>,
+    ) {
+        let op = "scale_rows";
+        let w = s.width;
+        assert!(rows.len() <= s.tokens * s.top_k * w, "routed rows len");
+        let (by_row, _, n) = self.routes(s, index, op);
+        assert!(rows.len() >= n * w, "scale_rows: {n} routed rows of {w}");
+        let (wt, r) = (dev(&weights, op), dev_mut(&mut rows, op));
+        let (n, w) = (n as u64, w as u64);
+        launch!(self, name::<S>("moe_scale_rows"), elementwise(n * w); by_row, wt, r, n, w);
+    }
+
+    pub(super) fn moe_row_dot<S: Elem>(
+        &self,
+        s: RouteShape,
+        index: View<'_, u32>,
+        a: View<'_, S>,
+        b: View<'_, S>,
+        mut out: ViewMut<'_, f32>,
+    ) {
+        let op = "row_dot";
+        let w = s.width;
+        assert!(a.len() <= s.tokens * s.top_k * w && b.len() == a.len());
+        let (by_row, _, n) = self.routes(s, index, op);
+        assert!(a.len() >= n * w, "row_dot: {n} routed rows of {w}");
+        let (ap, bp, o) = (dev(&a, op), dev(&b, op), dev_mut(&mut out, op));
+        let (n, w) = (n as u64, w as u64);
+        launch!(self, name::<S>("moe_row_dot"), elementwise(n); by_row, ap, bp, o, n, w);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{routes, Routes, NONE};
+    use crate::kernels::{routed_rows, DROPPED};
+
+    #[test]
+    fn cuda_routing_tables_follow_the_routed_rows() {
+        // 4 tokens, top-2 of 3 experts; token 3's copy to expert 1 dropped by a capacity.
+        let index = [0, 2, 1, 0, 2, 1, 0, 1 | DROPPED];
+        let r = routes(&index, 3, 4, 2);
+        // Rows expert by expert, copies in order: expert 0 takes copies 0, 3, 6; expert 1
+        // copies 2, 5; expert 2 copies 1, 4. The dropped copy 7 has no row.
+        assert_eq!(r.by_row, [0, 3, 6, 2, 5, 1, 4]);
+        let want: Vec<u32> = [
+            [0, 0, 5, 1],       // token 0: rows 0 (copy 0) and 5 (copy 1)
+            [1, 3, 3, 2],       // token 1: rows 1 (copy 3) and 3 (copy 2)
+            [4, 5, 6, 4],       // token 2: rows 4 (copy 5) and 6 (copy 4)
+            [2, 6, NONE, NONE], // token 3: row 2 (copy 6) only
+        ]
+        .concat();
+        assert_eq!(r.by_token, want);
+        // The same pairs as `routed_rows`, which the CPU kernels walk.
+        let pairs: Vec<(u32, u32)> = r
+            .by_token
+            .chunks(2)
+            .filter(|p| p[0] != NONE)
+            .map(|p| (p[0], p[1]))
+            .collect();
+        let mut cpu: Vec<(u32, u32)> = routed_rows(&index, 3)
+            .map(|(r, c)| (r as u32, c as u32))
+            .collect();
+        cpu.sort_by_key(|&(r, c)| (c / 2, r));
+        assert_eq!(pairs, cpu);
+        // No routed copies: no rows, every token empty.
+        let none = routes(&[DROPPED, DROPPED], 2, 1, 2);
+        assert_eq!(
+            none,
+            Routes {
+                by_row: vec![],
+                by_token: vec![NONE; 4]
+            }
+        );
+    }
+}
