@@ -5,11 +5,10 @@
 //!
 //! The mixture-of-experts ops are in `moe` (their routing tables built on the host).
 //!
-//! Not here yet, each refused before a step starts rather than failing in one:
-//! - ring attention and the vocabulary-parallel cross-entropy, which only multi-rank layouts
-//!   call: they need a GPU communicator (NCCL, issue #15), and the trainer refuses
-//!   `--device cuda` with more than one rank;
-//! - attention over a KV cache, which only `ferrotron sample` calls, on the CPU backend.
+//! Ring attention and the vocabulary-parallel cross-entropy, which only multi-rank layouts
+//! call, run on the host (`on_host`: the CPU's kernels on downloaded operands) until they have
+//! kernels of their own. Attention over a KV cache, which only `ferrotron sample` calls, runs
+//! on the CPU backend.
 
 use super::device::{DeviceError, Gpu};
 use super::gemm::{self, Call, Lt, Product};
@@ -23,6 +22,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 mod moe;
+mod on_host;
 pub use moe::{routes, Routes};
 
 /// Threads per block of the elementwise and per-row kernels.
@@ -325,8 +325,6 @@ pub fn group_by_token(tokens: &[u32]) -> (Vec<u32>, Vec<u32>) {
     (order, starts)
 }
 
-const NEEDS_NCCL: &str = "multi-rank layouts on GPUs need the NCCL communicator (issue #15)";
-
 impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
     fn synchronize(&self) {
         self.bind();
@@ -562,31 +560,31 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
 
     fn attention_forward_ring(
         &self,
-        _: RingShape,
-        _: View<'_, S>,
-        _: View<'_, f32>,
-        _: View<'_, f32>,
-        _: ViewMut<'_, f32>,
-        _: ViewMut<'_, f32>,
-        _: bool,
+        s: RingShape,
+        q: View<'_, S>,
+        k: View<'_, f32>,
+        v: View<'_, f32>,
+        o: ViewMut<'_, f32>,
+        lse: ViewMut<'_, f32>,
+        first: bool,
     ) {
-        panic!("attention_forward_ring: {NEEDS_NCCL}")
+        on_host::attention_forward_ring::<S, G>(s, q, k, v, o, lse, first)
     }
 
     fn attention_backward_ring(
         &self,
-        _: RingShape,
-        _: View<'_, S>,
-        _: View<'_, f32>,
-        _: View<'_, f32>,
-        _: View<'_, S>,
-        _: View<'_, f32>,
-        _: View<'_, S>,
-        _: ViewMut<'_, f32>,
-        _: ViewMut<'_, f32>,
-        _: ViewMut<'_, f32>,
+        s: RingShape,
+        q: View<'_, S>,
+        k: View<'_, f32>,
+        v: View<'_, f32>,
+        o: View<'_, S>,
+        lse: View<'_, f32>,
+        d_o: View<'_, S>,
+        dq: ViewMut<'_, f32>,
+        dk: ViewMut<'_, f32>,
+        dv: ViewMut<'_, f32>,
     ) {
-        panic!("attention_backward_ring: {NEEDS_NCCL}")
+        on_host::attention_backward_ring::<S, G>(s, q, k, v, o, lse, d_o, dq, dk, dv)
     }
 
     fn swiglu_forward(&self, gate: View<'_, S>, up: View<'_, S>, mut h: ViewMut<'_, S>) {
@@ -824,26 +822,26 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
 
     fn ce_shard_stats(
         &self,
-        _: CeShardShape,
-        _: ViewMut<'_, f32>,
-        _: View<'_, u32>,
-        _: ViewMut<'_, f32>,
-        _: bool,
+        s: CeShardShape,
+        logits: ViewMut<'_, f32>,
+        targets: View<'_, u32>,
+        stats: ViewMut<'_, f32>,
+        keep_exp: bool,
     ) {
-        panic!("ce_shard_stats: {NEEDS_NCCL}")
+        on_host::ce_shard_stats::<S, G>(s, logits, targets, stats, keep_exp)
     }
 
     fn ce_shard_finish(
         &self,
-        _: CeShardShape,
-        _: ViewMut<'_, f32>,
-        _: View<'_, u32>,
-        _: View<'_, f32>,
-        _: usize,
-        _: ViewMut<'_, f32>,
-        _: Option<f32>,
+        s: CeShardShape,
+        logits: ViewMut<'_, f32>,
+        targets: View<'_, u32>,
+        all: View<'_, f32>,
+        rank: usize,
+        losses: ViewMut<'_, f32>,
+        dlogits_scale: Option<f32>,
     ) -> f64 {
-        panic!("ce_shard_finish: {NEEDS_NCCL}")
+        on_host::ce_shard_finish::<S, G>(s, logits, targets, all, rank, losses, dlogits_scale)
     }
 
     fn adamw_step(
