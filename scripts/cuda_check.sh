@@ -42,7 +42,7 @@ check)
     # (The trainer's own refusal is checked below through the binary, as a user meets it: one
     # release build of ferrotron-train with CUDA instead of two, a lib test and the binary.)
     echo "== NCCL communicator: builds; its world-size-1 tests skip without a GPU"
-    cargo test --release -p ferrotron-train --features cuda --test nccl -- --nocapture
+    cargo test --release -p ferrotron-dist --features cuda --test nccl -- --nocapture
     echo "== CUDA backend: ferrotron built with CUDA refuses --device cuda here in one line"
     cargo build --release -p ferrotron --features cuda
     if out=$(target/release/ferrotron train --device cuda --steps 1 2>&1); then
@@ -79,8 +79,8 @@ for l in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable"): print(m["executable"])' | tail -1)
         cp "$bin" "$out/$t"
     done
-    # The NCCL communicator's world-size-1 tests (issue #33), a train test binary.
-    bin=$(cargo test --release -p ferrotron-train --features cuda --test nccl --no-run --message-format=json 2>/dev/null |
+    # The NCCL communicator's world-size-1 tests (issue #33), a dist test binary.
+    bin=$(cargo test --release -p ferrotron-dist --features cuda --test nccl --no-run --message-format=json 2>/dev/null |
         python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
