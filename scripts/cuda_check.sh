@@ -19,6 +19,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The NCCL communicator's test (ferrotron-dist) and the binary (ferrotron) with CUDA, in one
+# feature set. Cargo resolves features per command: dist alone builds ferrotron-plan without
+# the `cli` feature the trainer asks for, and a command that builds a test target unifies the
+# dev-dependencies' features too; either way the engine, dist and the trainer would be built a
+# second time (CI: 1 min 48 s + 1 min 23 s). So every call below names both packages and the
+# test target, and the binary is the one built beside the test.
+cuda_build() {
+    local cmd=$1
+    shift
+    cargo "$cmd" --release -p ferrotron-dist -p ferrotron --features cuda --test nccl "$@"
+}
+
 nvrtc() {
     if [ -n "${FERROTRON_NVRTC:-}" ] || [ -e /usr/local/cuda/lib64/libnvrtc.so ]; then return; fi
     local lib
@@ -41,10 +53,10 @@ check)
     cargo test --release -p ferrotron-engine --features cuda --test cuda_source --test cuda_backend -- --nocapture
     # (The trainer's own refusal is checked below through the binary, as a user meets it: one
     # release build of ferrotron-train with CUDA instead of two, a lib test and the binary.)
-    echo "== NCCL communicator: builds; its world-size-1 tests skip without a GPU"
-    cargo test --release -p ferrotron-train --features cuda --test nccl -- --nocapture
+    echo "== NCCL communicator and ferrotron with CUDA: one build; the world-size-1 tests skip without a GPU"
+    cuda_build build --bin ferrotron
+    cuda_build test -- --nocapture
     echo "== CUDA backend: ferrotron built with CUDA refuses --device cuda here in one line"
-    cargo build --release -p ferrotron --features cuda
     if out=$(target/release/ferrotron train --device cuda --steps 1 2>&1); then
         echo "error: train --device cuda succeeded on a machine without the trainer's GPU path: $out"
         exit 1
@@ -69,7 +81,7 @@ check)
 bundle)
     out=target/cuda-check
     rm -rf "$out" && mkdir -p "$out"
-    cargo build --release -p ferrotron --features cuda
+    cuda_build build --bin ferrotron
     cp target/release/ferrotron "$out/"
     for t in cuda_backend cuda_source; do
         bin=$(cargo test --release -p ferrotron-engine --features cuda --test "$t" --no-run --message-format=json 2>/dev/null |
@@ -79,8 +91,8 @@ for l in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable"): print(m["executable"])' | tail -1)
         cp "$bin" "$out/$t"
     done
-    # The NCCL communicator's world-size-1 tests (issue #33), a train test binary.
-    bin=$(cargo test --release -p ferrotron-train --features cuda --test nccl --no-run --message-format=json 2>/dev/null |
+    # The NCCL communicator's world-size-1 tests (issue #33), a dist test binary.
+    bin=$(cuda_build test --no-run --message-format=json 2>/dev/null |
         python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)

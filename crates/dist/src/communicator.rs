@@ -41,6 +41,13 @@ pub enum CommError {
     },
 }
 
+impl CommError {
+    /// A call `op` on `rank` whose arguments cannot work, and why.
+    pub fn usage(rank: usize, op: &'static str, problem: String) -> Self {
+        CommError::Usage { rank, op, problem }
+    }
+}
+
 pub type Result<T> = std::result::Result<T, CommError>;
 
 /// A group of ranks that can talk.
@@ -203,6 +210,18 @@ pub trait Completion: Send {
     fn wait(self: Box<Self>) -> Result<Region<f32>>;
 }
 
+/// An operation refused before it started ([`Pending::refused`]).
+struct Refused(Option<CommError>);
+
+impl Completion for Refused {
+    fn test(&mut self) -> bool {
+        true
+    }
+    fn wait(mut self: Box<Self>) -> Result<Region<f32>> {
+        Err(self.0.take().expect("waited once"))
+    }
+}
+
 /// An operation in flight.
 pub struct Pending {
     inner: Inner,
@@ -245,6 +264,11 @@ impl Pending {
             inner: Inner::Backend(std::cell::RefCell::new(c)),
             watch: None,
         }
+    }
+
+    /// An operation refused before it started: its wait returns `e`.
+    pub fn refused(e: CommError) -> Self {
+        Self::from_completion(Box::new(Refused(Some(e))))
     }
 
     /// The same operation, its wait armed with the watchdog as `rank`'s `op` on `group`.

@@ -212,6 +212,15 @@ impl<'a, G: Elem> StepGrads<'a, G> {
         }
     }
 
+    /// The reduced gradient of the parameters `params`, which the optimizer keeps at `at` of
+    /// its states: where the backward wrote it, or under ZeRO-2 and 3 in this rank's shard.
+    pub fn reduced(&self, params: Range<usize>, at: usize) -> View<'_, G> {
+        match self {
+            StepGrads::Whole(w) => w.slice(params),
+            StepGrads::Sharded { shard, .. } => shard.as_view().slice(at..at + params.len()),
+        }
+    }
+
     /// Writes `x` into the first reduced gradient this rank holds (the test-only NaN).
     pub fn poison(&mut self, x: G) {
         match self {

@@ -36,6 +36,8 @@ pub mod zero;
 // The backends at the paths callers name (`ferrotron_dist::threads::run`, `ferrotron_dist::mpi`).
 #[cfg(feature = "mpi")]
 pub use backends::mpi;
+#[cfg(feature = "cuda")]
+pub use backends::nccl;
 pub use backends::{staged, threads};
 pub use communicator::{
     AsView, AsViewMut, CommError, Communicator, Completion, Memory, Pending, Region, View, ViewMut,

@@ -59,6 +59,7 @@ mod offload_states;
 mod pipeline_step;
 mod state;
 mod step;
+mod step_schedule;
 mod stream_step;
 mod train_step;
 mod update;
@@ -69,6 +70,7 @@ use assemble::{initial_weights, open_backend, planned_states, rank_model, rank_p
 use assemble::{peak_flops, router_on_device};
 use assemble::{plan_pool, tensor_parallel_rank, Opened};
 use memory_report::{measure_workspace, rank_mems, step_peaks, trace_capacity};
+use step_schedule::StepSchedule;
 use zero_gather::{gather_weights, shard_of};
 
 /// A rank's communicators: its data-parallel group, its tensor-parallel group, and (with
@@ -159,6 +161,8 @@ pub struct Trainer {
     trace_left: u64,
     /// This rank's groups in every parallel dimension.
     pub mesh: Mesh,
+    /// The order of the step's forward and backward work, chosen from the layout once.
+    step_schedule: StepSchedule,
 }
 
 /// What one optimizer step did.
@@ -347,6 +351,7 @@ impl Trainer {
             resident,
             moments,
             trace_left,
+            step_schedule: StepSchedule::of(&mesh),
             mesh,
             runs: st.runs,
             opt_len,

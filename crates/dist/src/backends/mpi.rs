@@ -220,11 +220,7 @@ impl MpiComm {
     }
 
     fn usage(&self, op: &'static str, problem: String) -> CommError {
-        CommError::Usage {
-            rank: self.world_rank,
-            op,
-            problem,
-        }
+        CommError::usage(self.world_rank, op, problem)
     }
 
     fn count(&self, op: &'static str, n: usize) -> Result<c_int> {
@@ -290,14 +286,14 @@ impl MpiComm {
         let rank = self.world_rank;
         let n = match host_region(&buf, rank, op).and_then(|()| self.count(op, count)) {
             Ok(n) => n,
-            Err(e) => return Pending::from_completion(Box::new(Failed(Some(e)))),
+            Err(e) => return Pending::refused(e),
         };
         let mut req: *mut c_void = std::ptr::null_mut();
         // SAFETY: the buffer moves into the MpiPending with the request, which does not let
         // it go before the request completes; a region's elements do not move with it.
         let rc = unsafe { f(self.comm, buf.as_mut_ptr(), n, &mut req) };
         if let Err(e) = self.check(rc, op) {
-            return Pending::from_completion(Box::new(Failed(Some(e))));
+            return Pending::refused(e);
         }
         Pending::from_completion(Box::new(MpiPending {
             req,
@@ -448,7 +444,7 @@ impl Communicator for MpiComm {
                 shift: 0,
                 block: 0,
             })),
-            Err(e) => Pending::from_completion(Box::new(Failed(Some(e)))),
+            Err(e) => Pending::refused(e),
         }
     }
 
@@ -494,7 +490,7 @@ impl Communicator for MpiComm {
     fn reduce_scatter_start(&self, buf: Region<f32>) -> Pending {
         if let Err(e) = shapes::blocks(self.size, buf.len()) {
             let e = self.usage("reduce_scatter_start", e);
-            return Pending::from_completion(Box::new(Failed(Some(e))));
+            return Pending::refused(e);
         }
         // MPI leaves the sum in the first block; `wait` moves it to block `rank`.
         let b = buf.len() / self.size;
@@ -504,7 +500,7 @@ impl Communicator for MpiComm {
     fn all_gather_start(&self, buf: Region<f32>) -> Pending {
         if let Err(e) = shapes::blocks(self.size, buf.len()) {
             let e = self.usage("all_gather_start", e);
-            return Pending::from_completion(Box::new(Failed(Some(e))));
+            return Pending::refused(e);
         }
         let b = buf.len() / self.size;
         self.start("all_gather", buf, b, 0, ffi::ft_iallgather)
@@ -577,17 +573,5 @@ impl Drop for MpiPending {
             // SAFETY: MPI may still write into `buf`: wait before it is freed.
             unsafe { ffi::ft_wait(self.req) };
         }
-    }
-}
-
-/// A non-blocking operation that could not start.
-struct Failed(Option<CommError>);
-
-impl Completion for Failed {
-    fn test(&mut self) -> bool {
-        true
-    }
-    fn wait(mut self: Box<Self>) -> Result<Region<f32>> {
-        Err(self.0.take().expect("waited once"))
     }
 }

@@ -18,7 +18,7 @@
 //! views included): [`Staged::new`] checks it, as a collective.
 
 use crate::communicator::{
-    CommError, Communicator, Completion, Memory, Pending, Region, Result, View, ViewMut,
+    CommError, Communicator, Memory, Pending, Region, Result, View, ViewMut,
 };
 use crate::shapes;
 use ferrotron_view::{AsView, AsViewMut, DeviceCopy, HostStaging};
@@ -40,18 +40,6 @@ fn chunks(n: usize, chunk: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..n)
         .step_by(chunk.max(1))
         .map(move |s| (s, chunk.min(n - s)))
-}
-
-/// An operation refused before it started.
-struct Refused(Option<CommError>);
-
-impl Completion for Refused {
-    fn test(&mut self) -> bool {
-        true
-    }
-    fn wait(mut self: Box<Self>) -> Result<Region<f32>> {
-        Err(self.0.take().expect("waited once"))
-    }
 }
 
 impl Staged {
@@ -108,11 +96,7 @@ impl Staged {
     }
 
     fn usage(&self, op: &'static str, problem: String) -> CommError {
-        CommError::Usage {
-            rank: self.rank(),
-            op,
-            problem,
-        }
+        CommError::usage(self.rank(), op, problem)
     }
 
     /// `mem` is the host's or this communicator's device's, else a usage error naming both.
@@ -344,7 +328,7 @@ impl Communicator for Staged {
                     self.capacity
                 ),
             );
-            return Pending::from_completion(Box::new(Refused(Some(e))));
+            return Pending::refused(e);
         }
         self.inner.send_start(buf, dst, tag)
     }
@@ -366,17 +350,7 @@ impl Communicator for Staged {
         self.inner.barrier()
     }
 
-    fn all_reduce_start(&self, buf: Region<f32>) -> Pending {
-        self.inner.all_reduce_start(buf)
-    }
-
-    fn reduce_scatter_start(&self, buf: Region<f32>) -> Pending {
-        self.inner.reduce_scatter_start(buf)
-    }
-
-    fn all_gather_start(&self, buf: Region<f32>) -> Pending {
-        self.inner.all_gather_start(buf)
-    }
+    super::host_side::overlapped_on_host!(inner);
 
     fn abort(&self, cause: &str) {
         self.inner.abort(cause)

@@ -416,11 +416,7 @@ impl ThreadComm {
     }
 
     fn usage(&self, op: &'static str, problem: String) -> CommError {
-        CommError::Usage {
-            rank: self.world_rank,
-            op,
-            problem,
-        }
+        CommError::usage(self.world_rank, op, problem)
     }
 
     /// A collective on a copy of `send`, its result copied into `out`.

@@ -1,6 +1,7 @@
 //! Which device runs the training step (`--device cpu|cuda`), and everything the trainer does
-//! only on a device: [`state`] (the trainer's state in the device's memory), [`ranks`] (several
-//! ranks on a device: their host staging) and [`nccl`] (the GPU communicator).
+//! only on a device: [`state`] (the trainer's state in the device's memory) and [`ranks`]
+//! (several ranks on a device: their host staging). The GPU communicator (NCCL) is
+//! `ferrotron_dist::nccl`, enabled by this crate's `cuda` feature.
 //!
 //! The CUDA backend (`ferrotron_engine::kernels::cuda`, `--features cuda`) runs every op of
 //! the dense model on one GPU, checked against the CPU backend op by op and step by step
@@ -19,8 +20,6 @@
 //! Several ranks on the GPU stage their messages through host memory ([`ranks`]), as on the
 //! emulated device, each on its GPU ([`gpu_of`]); NCCL in the trainer is issue #33's next step.
 
-#[cfg(feature = "cuda")]
-pub mod nccl;
 pub mod ranks;
 pub mod state;
 

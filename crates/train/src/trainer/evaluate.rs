@@ -21,16 +21,16 @@ impl Trainer {
         let loss = match (&mut params, on_device) {
             (_, Some(mut p)) => {
                 let l = match &mut p {
-                    DevFlat::F32(p) => self.eval_typed(p.view_mut(), dp.as_ref()),
-                    DevFlat::Bf16(p) => self.eval_typed(p.view_mut(), dp.as_ref()),
-                    DevFlat::F16(p) => self.eval_typed(p.view_mut(), dp.as_ref()),
+                    DevFlat::F32(p) => self.eval_forward(p.view_mut(), dp.as_ref()),
+                    DevFlat::Bf16(p) => self.eval_forward(p.view_mut(), dp.as_ref()),
+                    DevFlat::F16(p) => self.eval_forward(p.view_mut(), dp.as_ref()),
                 };
                 self.dev.as_mut().expect("on the device").params = Some(p);
                 l
             }
-            (Flat::F32(p), None) => self.eval_typed(p.view_mut(), dp.as_ref()),
-            (Flat::Bf16(p), None) => self.eval_typed(p.view_mut(), dp.as_ref()),
-            (Flat::F16(p), None) => self.eval_typed(p.view_mut(), dp.as_ref()),
+            (Flat::F32(p), None) => self.eval_forward(p.view_mut(), dp.as_ref()),
+            (Flat::Bf16(p), None) => self.eval_forward(p.view_mut(), dp.as_ref()),
+            (Flat::F16(p), None) => self.eval_forward(p.view_mut(), dp.as_ref()),
         };
         // Each context-parallel rank evaluated its share of the tokens (pipelined or not).
         let loss = match (self.mesh.group(Dim::Cp), loss) {
@@ -61,15 +61,12 @@ impl Trainer {
         Ok(Some(loss?.mean()))
     }
 
-    fn eval_typed<S: Elem>(
+    /// The validation batches one after the other (the schedule without a pipeline).
+    pub(super) fn eval_batches<S: Elem>(
         &mut self,
         params: ViewMut<'_, S>,
         dp: Option<&RefCell<DataParallel>>,
     ) -> Result<LossSum> {
-        if self.mesh.pp.is_some() {
-            self.allocate_pipeline();
-            return self.pipeline_eval(params.into_view());
-        }
         let Some(val) = &self.val else {
             return Ok(LossSum::default());
         };

@@ -1,8 +1,9 @@
 //! The training step of one rank: the micro-batch loop, the gradient sync it reports to
 //! (`ferrotron_dist::grad_sync::GradSync`: DDP, ZeRO-1/2/3 or one replica, chosen once per step), and
 //! the update (`update.rs`). It names no parallel dimension: the model's groups report their
-//! failures through the mesh, the schedule (`forward_backward`) picks the pipeline's program
-//! or this loop, and the parameters come from a source that may gather them (ZeRO-3).
+//! failures through the mesh, the schedule chosen when the trainer was built
+//! (`step_schedule.rs`) runs the pipeline's program or this loop, and the parameters come
+//! from a source that may gather them (ZeRO-3).
 
 use super::*;
 use ferrotron_dist::grad_sync::{GradSync, StepGrads};
@@ -52,8 +53,7 @@ impl Trainer {
         if injected_nan(step) && self.dev.is_none() {
             grads.poison(G::from_f32(f32::NAN));
         }
-        let (grads, shard) = grads.parts();
-        self.update(step, params, grads, shard, dp, loss)
+        self.update(step, params, &grads, dp, loss)
     }
 
     /// Forward and backward of every micro-batch of the step, in order, each backward handing

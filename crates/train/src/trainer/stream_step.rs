@@ -4,6 +4,7 @@
 //! runs on the host's weights and gradients, with the CPU kernels.
 
 use super::*;
+use ferrotron_dist::grad_sync::StepGrads;
 use ferrotron_engine::model::Whole;
 
 impl Trainer {
@@ -44,8 +45,7 @@ impl Trainer {
             a.trim();
         }
         let (params, grads) = st.update::<S, G>();
-        let (shard, grads) = grads.split_at_mut(0);
-        let whole = Whole(grads);
-        self.update(step, params, &whole, shard.into_view(), dp, loss)
+        let whole = StepGrads::Whole(Whole(grads));
+        self.update(step, params, &whole, dp, loss)
     }
 }

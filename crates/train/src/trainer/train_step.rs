@@ -181,31 +181,4 @@ impl Trainer {
             },
         })
     }
-
-    /// The step's forward and backward work, by the layout's schedule: the pipeline stage's
-    /// program, or the micro-batch loop (`step.rs`) with the parameters read from where they
-    /// are (ZeRO-3: gathered unit by unit into the windows).
-    pub(super) fn forward_backward<S: Elem, G: Elem>(
-        &mut self,
-        step: u64,
-        params: ViewMut<'_, S>,
-        grads: &mut dyn GradBuf<G>,
-        sync: &mut dyn ferrotron_dist::grad_sync::GradSync<G>,
-        dp: Option<&RefCell<DataParallel>>,
-        num_targets: usize,
-    ) -> Result<LossSum> {
-        if self.mesh.pp.is_some() {
-            let loss_scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
-            let params = params.into_view();
-            return self.pipeline_work(step, params, grads, dp, num_targets, loss_scale);
-        }
-        // ZeRO-3: the weights of the last step are stale in every window.
-        let mut zero3 = self.zero3.take();
-        let loss = {
-            let mut src = Source::new(params, zero3.as_mut(), dp, self.opt_len);
-            self.micro_batches(step, &mut src, grads, sync, num_targets)
-        };
-        self.zero3 = zero3;
-        loss
-    }
 }

@@ -4,21 +4,21 @@
 //! of the updated parameters.
 
 use super::*;
+use ferrotron_dist::grad_sync::StepGrads;
 
 impl Trainer {
-    /// The update of step `step` from the summed gradients `grads` (under ZeRO-2 and 3 the
-    /// rank's `shard` of them) and the micro-batches' `loss`.
+    /// The update of step `step` from the summed gradients `step_grads` (under ZeRO-2 and 3
+    /// the rank's shard of them) and the micro-batches' `loss`.
     pub(super) fn update<S: Elem, G: Elem>(
         &mut self,
         step: u64,
         mut params: ViewMut<'_, S>,
-        grads: &dyn GradBuf<G>,
-        shard: View<'_, G>,
+        step_grads: &StepGrads<'_, G>,
         dp: Option<&RefCell<DataParallel>>,
         mut loss: LossSum,
     ) -> Result<Stepped> {
         let loss_scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
-        let zero2 = self.windows.is_some();
+        let grads = step_grads.parts().0;
         let zero3 = self.zero3.is_some();
         // Streamed (`--offload params`), the weights and gradients are in host memory: the
         // host's kernels reach them (the emulated device's are these, on device memory).
@@ -49,12 +49,7 @@ impl Trainer {
         };
         // The reduced gradient of each run the optimizer updates: under ZeRO-2 and 3 in the
         // shard, else where the backward wrote it.
-        let grad_of = |r: &OptRun| -> View<'_, G> {
-            match zero2 {
-                true => shard.slice(r.at..r.at + r.params.len()),
-                false => grads.slice(r.params.clone()),
-            }
-        };
+        let grad_of = |r: &OptRun| -> View<'_, G> { step_grads.reduced(r.params.clone(), r.at) };
         let sharded = dp.filter(|d| d.borrow().shard().is_some());
         let sum_sq = grad_sum_sq(
             k,

@@ -1,4 +1,4 @@
-//! The NCCL communicator (`ferrotron_train::device::nccl`) at world size 1, the one GPU of the GPU
+//! The NCCL communicator (`ferrotron_dist::nccl`) at world size 1, the one GPU of the GPU
 //! machine (NCCL refuses two ranks on one GPU): every collective on device buffers gives the
 //! threads backend's result at world size 1 bit for bit, bad input is refused with its reason.
 //! Without a GPU the GPU tests return at once saying so (CI), unless `FERROTRON_GPU_REQUIRED`
@@ -8,11 +8,11 @@
 //! library test too.
 #![cfg(feature = "cuda")]
 
+use ferrotron_dist::nccl::{self, Nccl};
 use ferrotron_dist::threads::{world, ThreadComm};
 use ferrotron_dist::{AsView, AsViewMut, Communicator};
 use ferrotron_engine::kernels::cuda::cudarc::driver::CudaContext;
 use ferrotron_engine::kernels::cuda::{device, download, skip, upload, DeviceBlock};
-use ferrotron_train::device::nccl::{self, Nccl};
 use std::sync::Arc;
 use std::time::Duration;
 

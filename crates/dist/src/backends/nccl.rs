@@ -24,8 +24,8 @@
 //! a `libnccl.so` link to it in a directory on `LD_LIBRARY_PATH` lets cudarc find it
 //! (`scripts/cuda_check.sh` makes one on the GPU machine).
 
-use ferrotron_dist::communicator::{Completion, Memory, Pending, Region, Result, View, ViewMut};
-use ferrotron_dist::{AsViewMut, CommError, Communicator};
+use crate::communicator::{Memory, Pending, Region, Result, View, ViewMut};
+use crate::{AsViewMut, CommError, Communicator};
 use ferrotron_engine::kernels::cuda::cudarc::driver::{
     sys::CUevent_flags, CudaContext, CudaEvent, CudaStream,
 };
@@ -73,18 +73,6 @@ pub struct Nccl {
 // SAFETY: an NCCL communicator may be used from any thread, one at a time (the trait's rule:
 // every call binds the context first); the handle is owned here and destroyed once.
 unsafe impl Send for Nccl {}
-
-/// An operation refused before it started.
-struct Refused(Option<CommError>);
-
-impl Completion for Refused {
-    fn test(&mut self) -> bool {
-        true
-    }
-    fn wait(mut self: Box<Self>) -> Result<Region<f32>> {
-        Err(self.0.take().expect("waited once"))
-    }
-}
 
 impl Nccl {
     /// The NCCL communicator of `host`'s ranks, each on `ctx`'s GPU: a collective over `host`
@@ -146,11 +134,7 @@ impl Nccl {
     }
 
     fn usage(&self, op: &'static str, problem: String) -> CommError {
-        CommError::Usage {
-            rank: self.rank(),
-            op,
-            problem,
-        }
+        CommError::usage(self.rank(), op, problem)
     }
 
     /// `mem` is this GPU's memory, else a usage error naming it.
@@ -477,7 +461,7 @@ impl Communicator for Nccl {
                 buf.len()
             ),
         );
-        Pending::from_completion(Box::new(Refused(Some(e))))
+        Pending::refused(e)
     }
 
     /// NCCL matches messages by order between two ranks, not by tag.
@@ -510,17 +494,7 @@ impl Communicator for Nccl {
         self.host.barrier()
     }
 
-    fn all_reduce_start(&self, buf: Region<f32>) -> Pending {
-        self.host.all_reduce_start(buf)
-    }
-
-    fn reduce_scatter_start(&self, buf: Region<f32>) -> Pending {
-        self.host.reduce_scatter_start(buf)
-    }
-
-    fn all_gather_start(&self, buf: Region<f32>) -> Pending {
-        self.host.all_gather_start(buf)
-    }
+    super::host_side::overlapped_on_host!(host);
 
     /// The host group learns of the failure; NCCL's work in flight is aborted, so a rank
     /// waiting in a collective returns.
