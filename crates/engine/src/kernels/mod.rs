@@ -25,6 +25,7 @@ pub mod event_log;
 pub mod host_copy;
 pub mod observe;
 pub mod profile;
+pub mod transfer_count;
 /// The views live in their own crate (`crates/view`) so that communicators (`ferrotron-dist`)
 /// take the same ones without depending on the engine.
 pub use ferrotron_view as view;
