@@ -20,6 +20,7 @@ pub mod dp_layout;
 pub mod error;
 pub mod flops;
 pub mod hardware;
+pub mod host_transfer;
 pub mod inventory;
 pub mod layout;
 pub mod layout_flags;

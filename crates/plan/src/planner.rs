@@ -79,6 +79,11 @@ pub struct RankPlan {
     /// trainer allocates).
     #[serde(skip)]
     pub states: StateLens,
+    /// Bytes the rank's offload copies between host and device memory per step (zero
+    /// without offload, on the CPU, and for ZeRO-3's sharded offload, whose copies are
+    /// ZeRO-3's: `host_transfer.rs`).
+    #[serde(skip)]
+    pub host_transfer: crate::host_transfer::HostTransfer,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -379,8 +384,10 @@ fn rank_plan(
     // ferrotron's trainer streams offloaded parameters (`--offload params`) through ZeRO-3's
     // windows, the embedding's, the head's and two layers', allocated with the states
     // (`crates/train/src/offload_params.rs`; the next layer's upload runs one layer ahead).
+    // Under ZeRO-3 (ZeRO-Infinity's sharded offload, Rajbhandari et al. 2021 §5) the windows
+    // are ZeRO-3's own (`zero3.param_windows`, above), gathered from the ranks' host shards.
     let streams = input.runtime.is_trainer() && l.offload == crate::Offload::Params;
-    if streams && spec.is_some() {
+    if streams && spec.is_some() && zero3.is_none() {
         let lens = crate::zero3::unit_lens(tensors, l.tp, on_stage);
         let windows = crate::zero3::Sizes::of(&lens, 1).windows;
         let st = r.precision.storage();
@@ -727,9 +734,11 @@ fn rank_plan(
     } else {
         format!("pipeline stage {stage}")
     };
+    let host_transfer = host_transfer(input, tensors, zero3.is_some(), lens.opt, on_stage);
     RankPlan {
         name,
         stage,
+        host_transfer,
         simulated_micro_batches: m_sim,
         states: lens,
         at_peak: sweep.at_peak,
@@ -737,5 +746,29 @@ fn rank_plan(
         overhead,
         plan,
         sweep,
+    }
+}
+
+/// The offload's host↔device bytes per step of a rank on a device (`host_transfer.rs`), with
+/// `opt_elems` optimizer elements; `sharded`: ZeRO-3's own copies, not counted as offload.
+fn host_transfer(
+    input: &PlanInput,
+    tensors: &[Tensor],
+    sharded: bool,
+    opt_elems: u64,
+    on_stage: impl Fn(Placement) -> bool,
+) -> crate::host_transfer::HostTransfer {
+    use crate::host_transfer as ht;
+    let (r, l) = (&input.recipe, &input.layout);
+    let p = r.precision;
+    let (g, s) = (p.engine_grads().bytes(), p.storage().bytes());
+    match l.offload {
+        _ if input.runtime != Runtime::FerrotronDevice || sharded => ht::HostTransfer::default(),
+        crate::Offload::Optimizer => ht::optimizer(opt_elems, g, s, p.has_master()),
+        crate::Offload::Params => {
+            let lens = crate::zero3::unit_lens(tensors, l.tp, on_stage);
+            ht::params(&lens, r.grad_acc.max(1), g, s)
+        }
+        crate::Offload::None => ht::HostTransfer::default(),
     }
 }

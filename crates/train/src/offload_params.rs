@@ -10,6 +10,14 @@
 //! The optimizer (`--offload optimizer`'s tier, `optim::offload`) then updates the host's
 //! weights from the host's gradients with the CPU kernels.
 //!
+//! With ZeRO-3 over data parallelism (ZeRO-Infinity's sharded offload, Rajbhandari et al.
+//! 2021 §5: "partitioned parameters ... offloaded to CPU", each rank 1/dp of them), the host
+//! holds only this rank's shard of the weights and gradients (`Streaming::new`'s `shard`): the
+//! windows are filled by ZeRO-3's all-gather from every rank's host shard (`Zero3::source`,
+//! one layer ahead as above) and each unit's gradients are reduce-scattered from the device's
+//! window into the host's shard (`grad_sync`'s ZeRO-2/3 sync), exactly as `--zero 3` does
+//! with its shard on the device; the step is `trainer/stream_step.rs`'s.
+//!
 //! Gradient accumulation stays bit for bit the plain run's: before a unit's backward adds a
 //! micro-batch's gradients to its window, the window is loaded with the host's running sum,
 //! so the backward's kernels add to the same values in the same order. (Adding a window of
@@ -42,6 +50,9 @@ pub struct Streaming {
     params: HostBuf<f32>,
     grads: HostBuf<f32>,
     n: usize,
+    /// Sharded (ZeRO-3): elements of ZeRO-3's windows that follow the shard in the trainer's
+    /// weights (`to_flat` gives them back in that layout); `None`: the whole model.
+    pad: Option<usize>,
     dtype: DType,
     geo: GradWindows,
     sched: Zero3,
@@ -57,18 +68,27 @@ fn words<T: Elem>(v: &[T]) -> HostBuf<f32> {
 
 impl Streaming {
     /// `params`, the weights as initialised or loaded, moved into host memory, and zero
-    /// gradients of `grads` type; `dev` is the device the windows live on.
-    pub fn new(params: &Flat, grads: DType, t: &ParamTable, dev: Arc<dyn DeviceAlloc>) -> Self {
-        let n = params.len();
+    /// gradients of `grads` type; `dev` is the device the windows live on. Under ZeRO-3,
+    /// `shard` is this rank's elements: the first `shard` of `params` (ZeRO-3's windows follow
+    /// them there) are all the host keeps.
+    pub fn new(
+        params: &Flat,
+        grads: DType,
+        t: &ParamTable,
+        dev: Arc<dyn DeviceAlloc>,
+        shard: Option<usize>,
+    ) -> Self {
+        let n = shard.unwrap_or(params.len());
         let params_words = match params {
-            Flat::F32(v) => words(v),
-            Flat::Bf16(v) => words(v),
-            Flat::F16(v) => words(v),
+            Flat::F32(v) => words(&v[..n]),
+            Flat::Bf16(v) => words(&v[..n]),
+            Flat::F16(v) => words(&v[..n]),
         };
         Streaming {
             params: params_words,
             grads: HostBuf::zeros((n * grads.bytes() as usize).div_ceil(4)),
             n,
+            pad: shard.map(|n| params.len() - n),
             dtype: params.dtype(),
             geo: GradWindows::new(t),
             sched: Zero3::new(t),
@@ -90,27 +110,60 @@ impl Streaming {
     /// `comm.zero2.grad_windows` (a mismatch is a bug: the device's measured peak would leave
     /// its plan).
     pub fn check_plan(&self, plan: &RankPlan) -> Result<()> {
-        let params = plan.plan.find(PARAM_WINDOWS).map_or(0, |b| b.numel);
+        let name = self.windows_name();
+        let params = plan.plan.find(name).map_or(0, |b| b.numel);
         let held = (self.param_windows(), self.grad_windows());
-        check_window_sizes(held, (params, plan.states.grad_windows))
+        check_window_sizes(name, held, (params, plan.states.grad_windows))
     }
 
-    /// The weights as a host `Flat` (for a checkpoint or a sample).
+    /// Whether the host holds only this rank's ZeRO-3 shard.
+    pub fn sharded(&self) -> bool {
+        self.pad.is_some()
+    }
+
+    /// The plan's name of the parameter windows: ZeRO-3's own when sharded.
+    fn windows_name(&self) -> &'static str {
+        match self.sharded() {
+            true => "zero3.param_windows",
+            false => PARAM_WINDOWS,
+        }
+    }
+
+    /// The weights as a host `Flat` (for a checkpoint or a sample), in the trainer's layout
+    /// (sharded: the shard, then zeros where ZeRO-3's windows are).
     pub fn to_flat(&mut self) -> Flat {
         let n = self.n;
+        let pad = self.pad.unwrap_or(0);
+        fn padded<T: Elem>(v: &[T], pad: usize) -> Vec<T> {
+            let mut out = Vec::with_capacity(v.len() + pad);
+            out.extend_from_slice(v);
+            out.resize(v.len() + pad, T::from_f32(0.0));
+            out
+        }
         match self.dtype {
-            DType::F32 => Flat::F32(typed(&mut self.params, n).into_view().host().to_vec()),
-            DType::Bf16 => Flat::Bf16(typed(&mut self.params, n).into_view().host().to_vec()),
-            DType::F16 => Flat::F16(typed(&mut self.params, n).into_view().host().to_vec()),
+            DType::F32 => Flat::F32(padded(typed(&mut self.params, n).into_view().host(), pad)),
+            DType::Bf16 => Flat::Bf16(padded(typed(&mut self.params, n).into_view().host(), pad)),
+            DType::F16 => Flat::F16(padded(typed(&mut self.params, n).into_view().host(), pad)),
             d => unreachable!("no weights are stored as {d:?}"),
         }
     }
 
-    /// The model's parameters for a step or an evaluation: the device's `windows`, filled
-    /// from the host by the schedule.
-    pub fn source<'a, S: Elem>(&'a mut self, windows: ViewMut<'a, S>) -> Source<'a, S> {
+    /// The model's parameters for an evaluation: the device's `windows`, filled from the
+    /// host by the schedule (sharded: gathered by ZeRO-3's `zero3` over `dp`).
+    pub fn source<'a, S: Elem>(
+        &'a mut self,
+        windows: ViewMut<'a, S>,
+        zero3: Option<&'a mut Zero3>,
+        dp: Option<&'a RefCell<DataParallel>>,
+    ) -> Source<'a, S> {
         let host = typed::<S>(&mut self.params, self.n).into_view();
-        Source::streamed(windows, host, &mut self.sched, &*self.dev)
+        match (zero3, dp, self.pad) {
+            (Some(z), Some(dp), Some(_)) => {
+                z.invalidate();
+                Source::Gathered(z.source(dp, host, windows))
+            }
+            _ => Source::streamed(windows, host, &mut self.sched, &*self.dev),
+        }
     }
 
     /// A step of `micro_batches` forwards and backwards: the parameters' source over the
@@ -152,10 +205,11 @@ impl Streaming {
 /// The plan's name of the parameter windows.
 const PARAM_WINDOWS: &str = "offload.param_windows";
 
-/// The parameter and gradient windows' elements `held` against the plan's.
-fn check_window_sizes(held: (usize, usize), planned: (u64, u64)) -> Result<()> {
+/// The parameter and gradient windows' elements `held` against the plan's (`name`: the
+/// parameter windows').
+fn check_window_sizes(name: &str, held: (usize, usize), planned: (u64, u64)) -> Result<()> {
     crate::setup::check_sizes(&[
-        (PARAM_WINDOWS, Some(held.0), planned.0),
+        (name, Some(held.0), planned.0),
         ("comm.zero2.grad_windows", Some(held.1), planned.1),
     ])
 }
@@ -291,15 +345,15 @@ mod tests {
 
     #[test]
     fn windows_other_than_the_plans_are_refused_naming_the_buffer() {
-        assert!(check_window_sizes((10, 7), (10, 7)).is_ok());
-        let e = check_window_sizes((12, 7), (10, 7))
+        assert!(check_window_sizes(PARAM_WINDOWS, (10, 7), (10, 7)).is_ok());
+        let e = check_window_sizes(PARAM_WINDOWS, (12, 7), (10, 7))
             .unwrap_err()
             .to_string();
         assert_eq!(
             e,
             "internal: the engine's units fill 12 elements of `offload.param_windows`, the plan's are 10"
         );
-        let e = check_window_sizes((10, 7), (10, 9))
+        let e = check_window_sizes(PARAM_WINDOWS, (10, 7), (10, 9))
             .unwrap_err()
             .to_string();
         assert_eq!(

@@ -819,4 +819,13 @@ fn comm_summary(m: &StepMetrics) {
             c.planned as f64 / 1e6
         );
     }
+    if let Some(t) = m.host_transfer {
+        eprintln!(
+            "offload: {:.2} MB host to device and {:.2} MB back in the last step, planned {:.2} and {:.2} MB",
+            t.up as f64 / 1e6,
+            t.down as f64 / 1e6,
+            t.planned_up as f64 / 1e6,
+            t.planned_down as f64 / 1e6
+        );
+    }
 }

@@ -54,6 +54,7 @@ use std::time::Instant;
 mod assemble;
 mod evaluate;
 mod host_state;
+mod host_transfer;
 mod memory_report;
 mod offload_states;
 mod pipeline_step;
@@ -117,6 +118,9 @@ pub struct Trainer {
     /// `--offload params`: the weights and gradients in host memory, streamed through the
     /// device's windows (then `dev.params` and `dev.grads` hold only the windows).
     streaming: Option<crate::offload_params::Streaming>,
+    /// Offload on a device: the device as the offload tiers copy through it, counting the
+    /// bytes (`host_transfer.rs`).
+    transfers: Option<Arc<ferrotron_engine::kernels::transfer_count::Counted>>,
     /// fp16's dynamic loss scaler.
     pub scaler: Option<DynamicLossScaler>,
     /// Optimizer steps completed.
@@ -346,6 +350,7 @@ impl Trainer {
             opt: None,
             offload: None,
             streaming: None,
+            transfers: None,
             step: 0,
             pool: plan_pool(timeline, arena),
             resident,

@@ -5,7 +5,10 @@
 //! memory and the disk tier's bytes per step must be the plan's.
 
 mod common;
-use common::{assert_same_run, assert_same_trajectory, assert_within_plans, rel, tiny_args, tmp};
+use common::{
+    assert_same_run, assert_same_trajectory, assert_transfers_as_planned, assert_within_plans, rel,
+    tiny_args, tmp,
+};
 use ferrotron_train::alloc::Tracking;
 use ferrotron_train::config::TrainArgs;
 use ferrotron_train::device::Device;
@@ -80,6 +83,14 @@ fn the_device_sheds_the_states_with_the_same_trajectory() {
             rel(fell, planned as f64) < 0.01,
             "{what}: {fell} vs {planned}"
         );
+        // Every step moves each gradient down and each updated weight up (fp32, with no
+        // master weights: the weights come down too) of the model's parameters.
+        let t = assert_transfers_as_planned(&off.steps, &what);
+        let n = plan.states_bytes / states;
+        let (g, s) = if precision == "bf16" { (2, 2) } else { (4, 4) };
+        let down = if precision == "bf16" { g } else { g + s };
+        assert_eq!((t.planned_up, t.planned_down), (s * n, down * n), "{what}");
+        assert!(plain.steps.iter().all(|m| m.host_transfer.is_none()));
         // The host holds the states and a bucket of staging: the plan's figure.
         assert!(plan.disk.is_none() && plan.staging_bytes > 0);
         assert_eq!(plan.host_bytes, plan.states_bytes + plan.staging_bytes);

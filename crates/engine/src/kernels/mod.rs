@@ -28,6 +28,7 @@ mod interface;
 pub mod observe;
 pub mod profile;
 mod shapes;
+pub mod transfer_count;
 /// The views live in their own crate (`crates/view`) so that communicators (`ferrotron-dist`)
 /// take the same ones without depending on the engine.
 pub use ferrotron_view as view;

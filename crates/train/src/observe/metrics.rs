@@ -52,6 +52,10 @@ pub struct StepMetrics {
     /// reductions and parameter all-gathers (the communication not hidden behind compute).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub comm_exposed_ms: Option<f64>,
+    /// Offload on a device: bytes this rank's offload tiers copied between host and device
+    /// memory this step, beside the planner's (`ferrotron_plan::host_transfer`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_transfer: Option<HostTransferBytes>,
     /// Pipeline parallelism: each stage's measured bubble this step (time blocked in its
     /// transfers over its time computing, stage order) and the planner's (p − 1)/(v·m).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -73,6 +77,16 @@ impl StepMetrics {
     pub fn comm_planned(&self, d: Dim) -> Option<u64> {
         self.comm.get(d).map(|c| c.planned)
     }
+}
+
+/// Bytes copied host → device (`up`) and device → host (`down`) in a step, measured and
+/// planned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostTransferBytes {
+    pub up: u64,
+    pub down: u64,
+    pub planned_up: u64,
+    pub planned_down: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

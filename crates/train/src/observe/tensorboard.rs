@@ -417,6 +417,7 @@ mod tests {
                 c
             },
             comm_exposed_ms: None,
+            host_transfer: None,
             pp_bubble: vec![0.5, 0.25],
             pp_bubble_planned: Some(0.5),
             gemm: "portable".into(),

@@ -34,7 +34,7 @@ pub const IN_FLIGHT: usize = ferrotron_plan::disk_tier::IN_FLIGHT as usize;
 /// Refuses what offload does not run, each in one line naming the setting: `--offload
 /// optimizer` on a CPU run without `--offload-dir` (the states are in host memory already:
 /// nothing would move), `--offload-dir` without `--offload optimizer`, several ranks (with
-/// `--offload params`: any but data parallelism, and ZeRO), and stochastic rounding.
+/// `--offload params`: any but data parallelism, and ZeRO-1/2), and stochastic rounding.
 pub fn check(
     layout: &Layout,
     offload_dir: Option<&Path>,
@@ -62,8 +62,10 @@ pub fn check(
         if let Some((flag, n)) = split.into_iter().find(|x| x.1 > 1) {
             bail!("offload = params: not with --{flag} {n} yet (each data-parallel rank streams the whole model): drop --{flag}, or --offload");
         }
-        if l.dp > 1 && l.zero > 0 {
-            bail!("offload = params: not with --zero {} yet (each of the {} data-parallel ranks keeps the whole model in host memory and all-reduces its gradients, as ZeRO-0 does): drop --zero, or --offload", l.zero, l.dp);
+        // ZeRO-3 shards the host copy (ZeRO-Infinity); ZeRO-1 and 2 would shard only the
+        // optimizer states and gradients, which the streamed step does not do.
+        if l.dp > 1 && matches!(l.zero, 1 | 2) {
+            bail!("offload = params: not with --zero {} (each of the {} data-parallel ranks would keep the whole weights in host memory): use --zero 3 (each rank keeps its shard), drop --zero, or --offload", l.zero, l.dp);
         }
     } else if world > 1 {
         bail!("offload = {what}: one rank only for now ({world} ranks asked): drop the parallel flags, or --offload");

@@ -76,7 +76,7 @@ impl Trainer {
         // Streamed (`--offload params`), the parameters are uploaded into the windows.
         let mut streaming = self.streaming.take();
         let mut src = match streaming.as_mut() {
-            Some(s) => s.source(params),
+            Some(s) => s.source(params, self.zero3.as_mut(), dp),
             None => Source::new(params, self.zero3.as_mut(), dp, self.opt_len),
         };
         let mut batches = || -> Result<LossSum> {

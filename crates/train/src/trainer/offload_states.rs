@@ -11,6 +11,7 @@ use crate::offload_params::Streaming;
 use crate::optim::disk_states::free_bytes;
 use crate::optim::offload::{record_plan, OffloadPlan, Offloaded};
 use anyhow::Context;
+use ferrotron_engine::kernels::transfer_count::Counted;
 use ferrotron_plan::disk_tier::{self, Disk};
 use ferrotron_plan::Offload;
 
@@ -29,11 +30,13 @@ impl Trainer {
             p.storage().bytes() as usize,
         );
         let dir = self.cfg.runtime.offload_dir.clone();
+        // The tiers copy through a device that counts the bytes (`host_transfer.rs`).
+        let counted = self.device_alloc.clone().map(Counted::new);
+        let counting = counted.clone().map(|c| c as Arc<dyn DeviceAlloc>);
+        self.transfers = counted;
         let states = 2 + self.master.is_some() as u64;
         // Streamed weights and gradients are in host memory already: no staging.
-        let device = (self.device_alloc.clone())
-            .filter(|_| !streams)
-            .map(|d| (d, g, s));
+        let device = (counting.clone()).filter(|_| !streams).map(|d| (d, g, s));
         let staging = match device {
             Some(_) => 4 * ((bucket * g).div_ceil(4) + (bucket * s).div_ceil(4)) as u64,
             None => 0,
@@ -74,10 +77,12 @@ impl Trainer {
         o.plan = Some(plan);
         self.offload = Some(o);
         if streams {
-            let dev = (self.device_alloc.clone())
+            let dev = (counting.clone())
                 .context("offload = params: the weights stream to a device (checked before)")?;
             let t = &self.model.params;
-            let st = Streaming::new(&self.params, p.engine_grads(), t, dev);
+            // Under ZeRO-3 the host keeps this rank's shard alone (ZeRO-Infinity).
+            let shard = self.zero3.as_ref().map(|_| n);
+            let st = Streaming::new(&self.params, p.engine_grads(), t, dev, shard);
             st.check_plan(&self.plan)?;
             self.streaming = Some(st);
         }
@@ -95,8 +100,10 @@ impl Trainer {
             false => "",
         };
         Some(format!(
-            "offload: weights, gradients{master} and Adam's moments in host memory ({:.1} MiB); each unit uploaded into the device's windows as the model reaches it, the next layer one ahead ({} elements: the embedding, the head, two layers)",
+            "offload: {}weights, gradients{master} and Adam's moments in host memory ({:.1} MiB); each unit {} into the device's windows as the model reaches it, the next layer one ahead ({} elements: the embedding, the head, two layers)",
+            if s.sharded() { "this rank's ZeRO-3 shard of the " } else { "" },
             p.host_bytes as f64 / (1u64 << 20) as f64,
+            if s.sharded() { "all-gathered from every rank's host shard" } else { "uploaded" },
             s.param_windows()
         ))
     }

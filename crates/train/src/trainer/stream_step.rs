@@ -35,6 +35,10 @@ impl Trainer {
         dp: Option<&RefCell<DataParallel>>,
         num_targets: usize,
     ) -> Result<Stepped> {
+        if st.sharded() {
+            let dp = dp.expect("ZeRO-3 shards over data parallelism (checked at start-up)");
+            return self.step_sharded(st, step, windows, grads, dp, num_targets);
+        }
         let loss = {
             let mb = self.cfg.data.grad_acc as usize;
             let (mut src, mut units, mut sync) = st.micro_batches(windows, grads, mb, dp);
@@ -47,5 +51,44 @@ impl Trainer {
         let (params, grads) = st.update::<S, G>();
         let whole = StepGrads::Whole(Whole(grads));
         self.update(step, params, &whole, dp, loss)
+    }
+
+    /// Sharded (`--zero 3 --offload params`, ZeRO-Infinity): ZeRO-3's step with its shard in
+    /// host memory. The windows on the device are gathered from every rank's host shard, each
+    /// unit's gradient window is reduce-scattered into the host's shard of the gradients (the
+    /// ZeRO-2/3 sync, whose device copies are data parallelism's), and AdamW updates the host
+    /// shard with the CPU kernels: the arithmetic, and so the trajectory, of `--zero 3`.
+    fn step_sharded<S: Elem, G: Elem>(
+        &mut self,
+        st: &mut crate::offload_params::Streaming,
+        step: u64,
+        windows: ViewMut<'_, S>,
+        grads: ViewMut<'_, G>,
+        dp: &RefCell<DataParallel>,
+        num_targets: usize,
+    ) -> Result<Stepped> {
+        let geo = self.windows.clone().expect("ZeRO-3 has gradient windows");
+        let mut z = self.zero3.take().expect("sharded streaming runs ZeRO-3");
+        let (params, mut shard) = st.update::<S, G>();
+        shard.rb().host_mut().fill(G::from_f32(0.0));
+        let mut sg = StepGrads::Sharded {
+            shard,
+            units: geo.view(grads),
+            windows: &geo,
+        };
+        let loss = {
+            // The weights changed since the windows were filled.
+            z.invalidate();
+            let mut src = Source::Gathered(z.source(dp, params.as_view(), windows));
+            let (buf, mut sync) = sg.sync(Some(dp), self.mesh.partial_norms());
+            self.micro_batches(step, &mut src, buf, &mut sync, num_targets)
+        };
+        self.zero3 = Some(z);
+        let loss = loss?;
+        if let Some(a) = &mut self.pool.arena {
+            a.trim();
+        }
+        let (grads, shard) = sg.parts();
+        self.update(step, params, grads, shard, Some(dp), loss)
     }
 }

@@ -32,6 +32,7 @@ impl Trainer {
         if let Some(d) = &self.device_alloc {
             d.reset_peak();
         }
+        self.step_transfer();
         if self.trace_left > 0 {
             self.trace_left -= 1;
             self.kernels.start(0);
@@ -53,10 +54,10 @@ impl Trainer {
         }
         let gt = self.cfg.precision.kind.engine_grads();
         let len = match (&self.windows, &self.streaming) {
+            // Streamed: the windows alone (the gradients, or ZeRO-3's shard, are the host's).
+            (_, Some(s)) => s.grad_windows(),
             // ZeRO-2: this rank's shard of the reduced gradients, then the windows.
-            (Some(w), _) => self.opt_len + w.len(),
-            // Streamed: the windows alone (the gradients are the host's).
-            (None, Some(s)) => s.grad_windows(),
+            (Some(w), None) => self.opt_len + w.len(),
             (None, None) => self.model.params.total,
         };
         match (&mut self.dev, &self.device_alloc) {
@@ -175,6 +176,7 @@ impl Trainer {
                 rank_mem,
                 comm: comm.comm,
                 comm_exposed_ms: comm.exposed_ms,
+                host_transfer: self.step_transfer(),
                 pp_bubble: comm.bubble,
                 pp_bubble_planned: comm.bubble_planned,
                 gemm: self.gemm.clone(),

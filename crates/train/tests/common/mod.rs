@@ -221,6 +221,24 @@ pub fn assert_within_plans(steps: &[ferrotron_train::metrics::StepMetrics], what
     }
 }
 
+/// Every step's host↔device bytes of the offload tiers, as counted by the device they copy
+/// through, equal to the plan's (`ferrotron_plan::host_transfer`); returns the last step's.
+pub fn assert_transfers_as_planned(
+    steps: &[ferrotron_train::metrics::StepMetrics],
+    what: &str,
+) -> ferrotron_train::metrics::HostTransferBytes {
+    let mut last = None;
+    for m in steps {
+        let t = m.host_transfer;
+        let t = t.unwrap_or_else(|| panic!("{what} step {}: no host transfer counted", m.step));
+        assert!(t.planned_up > 0 && t.planned_down > 0, "{what}: {t:?}");
+        let (got, planned) = ((t.up, t.down), (t.planned_up, t.planned_down));
+        assert_eq!(got, planned, "{what} step {}: bytes up and down", m.step);
+        last = Some(t);
+    }
+    last.expect("a step")
+}
+
 /// Two runs the same bit for bit: every step's loss, learning rate and gradient norm, and the
 /// sample of the weights at the end.
 pub fn assert_same_run(
