@@ -88,7 +88,6 @@ impl Trainer {
         if let Some(a) = &mut self.pool.arena {
             a.trim();
         }
-        let (grads, shard) = sg.parts();
-        self.update(step, params, grads, shard, Some(dp), loss)
+        self.update(step, params, &sg, Some(dp), loss)
     }
 }
