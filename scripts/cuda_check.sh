@@ -10,7 +10,8 @@
 #   bash target/cuda-check/run.sh         # on the GPU machine (no Rust there): every op and
 #                                         # training step against the CPU backend, then the
 #                                         # trainer on GPU vs CPU, then NCCL at world size 1,
-#                                         # then dp 2, tp 2, pp 2, ZeRO-3 on the one GPU vs one rank
+#                                         # then dp 2, tp 2, pp 2, ZeRO-3, cp 2 on the one GPU
+#                                         # vs one rank, then Llama-3.2-1B offloaded in 16 GiB
 #   bash target/cuda-check/bench_gpu.sh   # there too: ferrotron vs PyTorch on the same GPU
 #
 # NVRTC comes from the CUDA toolkit when there is one, else from the `nvidia-cuda-nvrtc` wheel,
@@ -233,15 +234,15 @@ echo "nccl: ${nccl_lib:-libnccl.so.2 not found}" | tee -a "$summary"
 stage "NCCL at world size 1" 180 env LD_LIBRARY_PATH="$link:${LD_LIBRARY_PATH:-}" \
     FERROTRON_REQUIRE_NCCL=1 ./nccl --nocapture --test-threads 1
 # Several ranks on the one GPU (issue #33): each rank stages its messages through host
-# memory, as on the emulated device (NCCL refuses two ranks on one GPU). dp 2, tp 2, pp 2
-# and ZeRO-3 against one rank, fp32, 5 steps, the same global batch (dp 2 halves the
+# memory, as on the emulated device (NCCL refuses two ranks on one GPU). dp 2, tp 2, pp 2,
+# ZeRO-3 and cp 2 against one rank, fp32, 5 steps, the same global batch (dp 2 halves the
 # gradient accumulation).
 read -ra rflags <ranks_flags
 stage "ranks: one rank on the GPU" 90 ./ferrotron train --device cuda "${rflags[@]}" \
     --grad-acc 2 --out-dir "$work/ranks-one"
 ranks=()
 for l in "dp2:--dp 2 --grad-acc 1" "tp2:--tp 2 --grad-acc 2" "pp2:--pp 2 --grad-acc 2" \
-    "zero3:--dp 2 --zero 3 --grad-acc 1"; do
+    "zero3:--dp 2 --zero 3 --grad-acc 1" "cp2:--cp 2 --grad-acc 2"; do
     read -ra lf <<<"${l#*:}"
     stage "ranks: ${l%%:*} on the one GPU" 90 ./ferrotron train --device cuda "${rflags[@]}" \
         "${lf[@]}" --out-dir "$work/ranks-${l%%:*}"
@@ -249,7 +250,29 @@ for l in "dp2:--dp 2 --grad-acc 1" "tp2:--tp 2 --grad-acc 2" "pp2:--pp 2 --grad-
 done
 stage "ranks: each layout equals one rank" 30 python3 cuda_ranks.py \
     "$work/ranks-one/metrics.jsonl" "${ranks[@]}"
-grep -h "^dp2:\|^tp2:\|^pp2:\|^zero3:" "$log" >>"$summary"
+grep -h "^dp2:\|^tp2:\|^pp2:\|^zero3:\|^cp2:" "$log" >>"$summary"
+# Last, so that a call that runs out of time has every stage above in its summary.
+# The seeds' offload story (issue #33): a Llama-3.2-1B shape in bf16 at seq 2048 does not fit
+# a 16 GiB budget (`--device-memory 16`, as torch.cuda.set_per_process_memory_fraction does):
+# refused before anything is allocated, with the same-GPU fixes and their predicted peaks;
+# then it trains under that budget with the optimizer states (`--offload optimizer`), and
+# then the weights too (`--offload params`), on the host; each run's device memory by the
+# driver against its plan.
+big=(--model llama-3.2-1b --precision bf16 --seq 2048 --mbs 1 --grad-acc 1 --device-memory 16
+    --eval-interval 0 --sample-tokens 0 --quiet)
+# The refusal must fail the trainer (exit != 0) and name the fixes.
+stage "offload: llama-3.2-1b refused under --device-memory 16" 60 bash -c \
+    '! ./ferrotron train --device cuda "$@" 2>"$0" && grep -q "same-GPU fixes" "$0" && cat "$0"' \
+    "$work/refused.err" "${big[@]}" --steps 1 --out-dir "$work/offload-refused"
+grep -h "^error: device_memory" "$log" | cut -c1-300 >>"$summary"
+offload=()
+for o in optimizer params; do
+    stage "offload: llama-3.2-1b --offload $o under --device-memory 16" 120 ./ferrotron train \
+        --device cuda "${big[@]}" --offload "$o" --steps 2 --out-dir "$work/offload-$o"
+    offload+=("offload-$o=$work/offload-$o/metrics.jsonl")
+done
+stage "offload: the driver's count against the plan" 30 python3 cuda_memory.py "${offload[@]}"
+grep -h "^offload-" "$log" >>"$summary"
 echo "result: $([ $rc = 0 ] && echo ok || echo FAILED)" | tee -a "$summary"
 exit $rc
 RUN
