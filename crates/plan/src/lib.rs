@@ -36,6 +36,7 @@ pub mod runtime;
 pub mod sac;
 pub mod schedule;
 pub mod search;
+pub mod state_regions;
 pub mod states;
 pub mod tensors;
 pub mod time;

@@ -30,7 +30,7 @@ use ferrotron_dist::small_sums::SmallSums;
 use ferrotron_dist::tensor_parallel as tpar;
 use ferrotron_dist::zero::zero2::GradWindows;
 use ferrotron_dist::zero::zero3::{Source, Zero3};
-use ferrotron_dist::{Communicator, Dim};
+use ferrotron_dist::{Communicator, Dim, Region};
 use ferrotron_engine::kernels::{
     AdamWParams, AsView, AsViewMut, Backend, CpuKernels, DeviceAlloc, DeviceBuf, Kernels, Rounding,
     View, ViewMut,
@@ -105,7 +105,7 @@ pub struct Trainer {
     pub params: Flat,
     /// fp32 master weights (mixed precision only): the optimizer updates these and rounds
     /// them into `params`.
-    pub master: Option<Vec<f32>>,
+    pub master: Option<Region<f32>>,
     /// Gradients (storage type, or f32 with `--fp32-grad-acc`), created by the first step.
     pub grads: Option<Flat>,
     pub opt: Option<AdamState>,
@@ -126,10 +126,12 @@ pub struct Trainer {
     /// A pipeline stage's other in-flight micro-batches' tokens and targets (`data.tokens@s`).
     batches: Vec<(Vec<u32>, Vec<u32>)>,
     pool: PlanPool,
-    /// The rank's resident regions, at the plan's offsets: the communication buffers, and
-    /// Adam's moments (made by the first optimizer step).
+    /// The rank's resident regions, at the plan's offsets: the communication buffers, Adam's
+    /// moments (made by the first optimizer step) and the gradients (by the first step). The
+    /// weights' region is carved whole by `new` and lives in `params` and `master`.
     resident: Resident,
     moments: Resident,
+    grad_region: Resident,
     pub schedule: LrSchedule,
     /// What the optimizer updates on this rank (every tensor, or the ZeRO-1 shard), and whether
     /// weight decay applies (matrices yes; norms, biases no).
@@ -318,14 +320,19 @@ impl Trainer {
         let (arena, placed) = Arena::of_plan(&plan.plan, model.config.layers)?;
         let (resident, resident_placed) = Resident::of_plan(&plan.plan)?;
         let (moments, moments_placed) = Resident::moments(&plan.plan)?;
-        let (params, master) = initial_weights(&cfg, &st.runs, opt_len, st.zero3.as_ref(), init);
+        let (mut weights, weights_placed) = Resident::weights(&plan.plan)?;
+        let (grad_region, grads_placed) = Resident::grads(&plan.plan)?;
+        // On a device the states are the device allocator's: the host's copy is moved there.
+        let home = device_alloc.is_none().then_some(&mut weights);
+        let (params, master) = initial_weights(&cfg, (&st.runs, st.zero3.as_ref()), opt_len, init, home);
         let flops_per_token = model_flops_per_token(&spec, cfg.data.seq);
         let hw_flops_per_token =
             flops_per_token + recompute_flops_per_token(&spec, cfg.data.seq, cfg.runtime.recompute);
         let mut t = Self {
             planned_peak: step_peaks(
                 &plan,
-                [&resident_placed, &moments_placed, &placed],
+                [&resident_placed, &moments_placed, &weights_placed],
+                [&grads_placed, &placed],
                 kernel_workspace,
             ),
             plan,
@@ -346,6 +353,7 @@ impl Trainer {
             pool: plan_pool(timeline, arena),
             resident,
             moments,
+            grad_region,
             trace_left,
             mesh,
             runs: st.runs,
