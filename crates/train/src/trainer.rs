@@ -66,7 +66,7 @@ mod zero_gather;
 
 use crate::device::ranks::ViewGather;
 use assemble::{initial_weights, open_backend, planned_states, rank_model, rank_plan};
-use assemble::{initial_values, peak_flops, router_on_device};
+use assemble::{peak_flops, router_on_device};
 use assemble::{plan_pool, tensor_parallel_rank, Opened};
 use memory_report::{measure_workspace, rank_mems, step_peaks, trace_capacity};
 use zero_gather::{gather_weights, shard_of};
@@ -272,27 +272,32 @@ impl Trainer {
         // This rank's place in its tensor-parallel group (with the tables mapping its slices
         // onto the whole model): metadata of the process, like the data index.
         let tp_rank = tensor_parallel_rank(&llama, comms.tp.as_ref(), cfg.parallel.sp)?;
-        let model = rank_model(&cfg, llama.clone(), &comms, tp_rank)?;
-        let stage = comms.pp.as_ref().map_or(0, |p| p.stage);
-        let dev = device_alloc.is_some();
-        let at = (n, chunk, stage);
-        let (plan, kernel_workspace, gpu) =
-            rank_plan(&spec, &cfg, &kernels, &model, kernel_workspace, at, dev)?;
-        // Plan first, then the baseline: the model's tables and the plan itself (its buffer
-        // table and marks, ~28 KB on the default model) are the process's bookkeeping, not
-        // buffers it lists; from here on everything the rank allocates is the plan's.
         let baseline = alloc::live();
         if let Some(t) = &mut timeline {
             t.set_baseline(baseline);
         }
+        let (model, init, tables) = rank_model(&cfg, llama, &comms, tp_rank)?;
         router_on_device(&model, device_alloc.as_ref())?;
-        let init = initial_values(&cfg, llama, &model);
+        let stage = comms.pp.as_ref().map_or(0, |p| p.stage);
+        let (planned, plan_bytes) = alloc::bookkeeping(|| {
+            let at = (n, chunk, stage);
+            let dev = device_alloc.is_some();
+            rank_plan(&spec, &cfg, &kernels, &model, kernel_workspace, at, dev)
+        });
+        let (plan, kernel_workspace, gpu) = planned?;
         // Plan first: every state's length and the buckets' are the plan's; the trainer lays
         // the engine's parameters into them (and refuses a model the plan did not count).
         let dp_comms = comms.dp.map(|c| (c, comms.dp_experts));
         let experts_apart = comms.ep.is_some();
         let st = planned_states(&cfg, &model, dp_comms, experts_apart, &plan.states)?;
         let opt_len = plan.states.opt as usize;
+        // The plan itself (its buffer table and marks, ~28 KB on the default model) and the
+        // stage's tables are the process's bookkeeping, not buffers it lists: they join the
+        // baseline, as measured.
+        let baseline = baseline.saturating_add_signed(plan_bytes + tables);
+        if let Some(t) = &mut timeline {
+            t.set_baseline(baseline);
+        }
         let pp = comms.pp;
         if let Some(pp) = &pp {
             crate::setup::check_slots(&plan, pp, model.config.layers)?;

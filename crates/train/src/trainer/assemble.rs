@@ -100,13 +100,19 @@ pub(super) fn open_backend(
 }
 
 /// The rank's model (its tensor-parallel slice, its experts, its pipeline stage, its share of
-/// the context): its tables, with no weights yet.
+/// the context), its initial weights in the model's flat order, and the bytes its stage's
+/// parameter tables left behind (signed: they replace tables built before the baseline, the
+/// tensor-parallel rank's map), which are bookkeeping, not planned buffers.
 pub(super) fn rank_model(
     cfg: &TrainConfig,
     llama: LlamaConfig,
     comms: &Comms,
     tp_rank: Option<TensorParallel>,
-) -> Result<Llama> {
+) -> Result<(Llama, Vec<f32>, i64)> {
+    // Initialisation of HF Llama: N(0, 0.02²) matrices, unit norms, zero biases; under mixed
+    // precision that is the fp32 master copy, and the weights are it rounded. A tensor-
+    // parallel rank takes its slice of the same weights.
+    let whole_init = Llama::new(llama.clone()).params.init(cfg.data.seed, 0.02);
     let layers = llama.layers as u64;
     let model = match (tp_rank, &comms.ep) {
         (Some(tp), _) => Llama::tensor_parallel(tp)?,
@@ -123,7 +129,8 @@ pub(super) fn rank_model(
     let layout = cfg.parallel.clone();
     let held = move |p| layout.stage_of(p, layers) == stage as u64;
     let stages = cfg.parallel.pp as usize;
-    let model = model.pipeline_stage(Stage { stage, stages }, &held);
+    let (model, tables) =
+        alloc::bookkeeping(|| model.pipeline_stage(Stage { stage, stages }, &held));
     let model = model
         .with_ce_chunk_tokens(cfg.runtime.ce_chunk as usize)
         .with_recompute(cfg.runtime.recompute)
@@ -140,16 +147,9 @@ pub(super) fn rank_model(
         }
         None => model,
     };
-    Ok(model)
-}
-
-/// `model`'s initial weights in its flat order (a transient: `initial_weights` writes them into
-/// the states' places). Initialisation of HF Llama: N(0, 0.02²) matrices, unit norms, zero
-/// biases, over the whole model `llama`; under mixed precision that is the fp32 master copy,
-/// and the weights are it rounded. A rank takes its slice of the same weights.
-pub(super) fn initial_values(cfg: &TrainConfig, llama: LlamaConfig, model: &Llama) -> Vec<f32> {
-    let whole_init = Llama::new(llama).params.init(cfg.data.seed, 0.02);
-    tpar::slice_of(model, &whole_init)
+    let init = tpar::slice_of(&model, &whole_init);
+    drop(whole_init);
+    Ok((model, init, tables))
 }
 
 /// What the trainer lays into the plan's lengths: data parallelism (buckets and shards), ZeRO's
