@@ -129,10 +129,7 @@ mod tests {
         let g = grads_layout(&p);
         let (grads, gw) = (id("grads"), id("comm.zero2.grad_windows"));
         assert_eq!(g.offset(gw), Some(p.buffers[grads].bytes()));
-        assert_eq!(
-            grads_len(&p),
-            p.buffers[grads].numel + p.buffers[gw].numel
-        );
+        assert_eq!(grads_len(&p), p.buffers[grads].numel + p.buffers[gw].numel);
         // Nothing else is a member, and the plan with the regions peaks as high, padding aside.
         let members = |l: &ArenaLayout| l.offsets.iter().flatten().count();
         assert_eq!((members(&w), members(&g)), (3, 2));
@@ -146,7 +143,10 @@ mod tests {
         let p = rank0(Layout::default(), Precision::Fp32);
         let w = weights_layout(&p);
         assert_eq!(w.offsets.iter().flatten().count(), 1);
-        assert_eq!(w.bytes, p.find("params").unwrap().bytes().next_multiple_of(ALIGN));
+        assert_eq!(
+            w.bytes,
+            p.find("params").unwrap().bytes().next_multiple_of(ALIGN)
+        );
         assert_eq!(grads_len(&p), p.find("grads").unwrap().numel);
     }
 }

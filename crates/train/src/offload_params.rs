@@ -99,9 +99,27 @@ impl Streaming {
     pub fn to_flat(&mut self) -> Flat {
         let n = self.n;
         match self.dtype {
-            DType::F32 => Flat::F32(typed(&mut self.params, n).into_view().host().to_vec().into()),
-            DType::Bf16 => Flat::Bf16(typed(&mut self.params, n).into_view().host().to_vec().into()),
-            DType::F16 => Flat::F16(typed(&mut self.params, n).into_view().host().to_vec().into()),
+            DType::F32 => Flat::F32(
+                typed(&mut self.params, n)
+                    .into_view()
+                    .host()
+                    .to_vec()
+                    .into(),
+            ),
+            DType::Bf16 => Flat::Bf16(
+                typed(&mut self.params, n)
+                    .into_view()
+                    .host()
+                    .to_vec()
+                    .into(),
+            ),
+            DType::F16 => Flat::F16(
+                typed(&mut self.params, n)
+                    .into_view()
+                    .host()
+                    .to_vec()
+                    .into(),
+            ),
             d => unreachable!("no weights are stored as {d:?}"),
         }
     }

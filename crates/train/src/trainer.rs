@@ -273,9 +273,6 @@ impl Trainer {
         // onto the whole model): metadata of the process, like the data index.
         let tp_rank = tensor_parallel_rank(&llama, comms.tp.as_ref(), cfg.parallel.sp)?;
         let baseline = alloc::live();
-        if let Some(t) = &mut timeline {
-            t.set_baseline(baseline);
-        }
         let (model, init, tables) = rank_model(&cfg, llama, &comms, tp_rank)?;
         router_on_device(&model, device_alloc.as_ref())?;
         let stage = comms.pp.as_ref().map_or(0, |p| p.stage);
@@ -288,8 +285,7 @@ impl Trainer {
         // Plan first: every state's length and the buckets' are the plan's; the trainer lays
         // the engine's parameters into them (and refuses a model the plan did not count).
         let dp_comms = comms.dp.map(|c| (c, comms.dp_experts));
-        let experts_apart = comms.ep.is_some();
-        let st = planned_states(&cfg, &model, dp_comms, experts_apart, &plan.states)?;
+        let st = planned_states(&cfg, &model, dp_comms, comms.ep.is_some(), &plan.states)?;
         let opt_len = plan.states.opt as usize;
         // The plan itself (its buffer table and marks, ~28 KB on the default model) and the
         // stage's tables are the process's bookkeeping, not buffers it lists: they join the
@@ -305,6 +301,10 @@ impl Trainer {
         // The other in-flight micro-batches' batches (the plan's `data.tokens@s`).
         let extra = pp.as_ref().map_or(0, |p| p.slots_of(0) as usize - 1);
         let batches = (0..extra).map(|_| (vec![0; n], vec![0; n])).collect();
+        let ([resident, moments, mut weights, grad_region], layouts) = Resident::all(&plan.plan)?;
+        // On a device the states are the device allocator's: the host's copy is moved there.
+        let home = device_alloc.is_none().then_some(&mut weights);
+        let (params, master) = initial_weights(&cfg, &st, opt_len, init, home);
         let mut mesh = Mesh::new(
             comms.tp,
             comms.ep,
@@ -318,23 +318,11 @@ impl Trainer {
         // alone sends nothing: no estimate).
         mesh.plan_bytes(|| planned_bytes(&spec, &cfg, kernel_workspace.max(), stage))?;
         let (arena, placed) = Arena::of_plan(&plan.plan, model.config.layers)?;
-        let (resident, resident_placed) = Resident::of_plan(&plan.plan)?;
-        let (moments, moments_placed) = Resident::moments(&plan.plan)?;
-        let (mut weights, weights_placed) = Resident::weights(&plan.plan)?;
-        let (grad_region, grads_placed) = Resident::grads(&plan.plan)?;
-        // On a device the states are the device allocator's: the host's copy is moved there.
-        let home = device_alloc.is_none().then_some(&mut weights);
-        let (params, master) = initial_weights(&cfg, (&st.runs, st.zero3.as_ref()), opt_len, init, home);
         let flops_per_token = model_flops_per_token(&spec, cfg.data.seq);
         let hw_flops_per_token =
             flops_per_token + recompute_flops_per_token(&spec, cfg.data.seq, cfg.runtime.recompute);
         let mut t = Self {
-            planned_peak: step_peaks(
-                &plan,
-                [&resident_placed, &moments_placed, &weights_placed],
-                [&grads_placed, &placed],
-                kernel_workspace,
-            ),
+            planned_peak: step_peaks(&plan, &layouts, &placed, kernel_workspace),
             plan,
             tokens: vec![0; n],
             targets: vec![0; n],

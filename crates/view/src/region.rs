@@ -103,7 +103,10 @@ impl<T> Region<T> {
                 v.truncate(self.len);
                 Ok(v)
             }
-            keep => Err(Region { _keep: keep, ..self }),
+            keep => Err(Region {
+                _keep: keep,
+                ..self
+            }),
         }
     }
 

@@ -89,6 +89,16 @@ impl Resident {
         Self::of_layout(plan, Ok(grads_layout(plan)))
     }
 
+    /// Every resident region of `plan` (the communication buffers', the moments', the
+    /// weights', the gradients'), with their layouts.
+    pub fn all(plan: &MemoryPlan) -> anyhow::Result<([Self; 4], [ArenaLayout; 4])> {
+        let (c, cl) = Self::of_plan(plan)?;
+        let (m, ml) = Self::moments(plan)?;
+        let (w, wl) = Self::weights(plan)?;
+        let (g, gl) = Self::grads(plan)?;
+        Ok(([c, m, w, g], [cl, ml, wl, gl]))
+    }
+
     fn of_layout(
         plan: &MemoryPlan,
         placed: Result<ArenaLayout, ArenaError>,
@@ -162,7 +172,11 @@ impl Resident {
         );
         let whole = self.take::<f32>(&[name])?;
         let len = place.elems / parts;
-        Some((0..parts).map(|j| self.span(whole.0 + j * len * 4, len, &whole.1)).collect())
+        Some(
+            (0..parts)
+                .map(|j| self.span(whole.0 + j * len * 4, len, &whole.1))
+                .collect(),
+        )
     }
 
     /// The planned buffers `names` that the plan has, which it laid out back to back (a state

@@ -284,12 +284,13 @@ fn opt_runs(
 /// `home` (`None`, or a plan without them there: on the heap, for a device to take them).
 pub(super) fn initial_weights(
     cfg: &TrainConfig,
-    (runs, zero3): (&[OptRun], Option<&Zero3>),
+    st: &PlannedStates,
     opt_len: usize,
     init: Vec<f32>,
     mut home: Option<&mut Resident>,
 ) -> (Flat, Option<Region<f32>>) {
     use ferrotron_plan::state_regions::WEIGHTS;
+    let (runs, zero3) = (&st.runs, st.zero3.as_ref());
     let master = (cfg.precision.kind.has_master()).then(|| shard_of(runs, opt_len, &init));
     // ZeRO-3: this rank's shard of the weights, then the (zeroed) windows.
     let weights = match zero3 {
@@ -297,7 +298,9 @@ pub(super) fn initial_weights(
         None => init,
     };
     let storage = cfg.precision.kind.storage();
-    let carved = home.as_mut().and_then(|r| Flat::carve(r, storage, WEIGHTS[0]));
+    let carved = home
+        .as_mut()
+        .and_then(|r| Flat::carve(r, storage, WEIGHTS[0]));
     let mut params = carved.unwrap_or_else(|| Flat::zeros(storage, weights.len()));
     params.set_from_f32(&weights);
     let Some(init) = master else {

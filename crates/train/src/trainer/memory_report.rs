@@ -45,8 +45,8 @@ pub(super) fn measure_workspace(
 /// their first buffer on, each with its alignment padding.
 pub(super) fn step_peaks(
     plan: &RankPlan,
-    [resident, moments, weights]: [&ArenaLayout; 3],
-    [grads, arena]: [&ArenaLayout; 2],
+    [resident, moments, weights, grads]: &[ArenaLayout; 4],
+    arena: &ArenaLayout,
     ws: KernelWorkspace,
 ) -> [u64; 2] {
     use ferrotron_plan::resident::{with_moments, with_resident};
