@@ -253,6 +253,14 @@ mod tests {
     };
 
     fn dp_tp_plan() -> MemoryPlan {
+        rank0(PlanLayout {
+            dp: 2,
+            tp: 2,
+            ..PlanLayout::default()
+        })
+    }
+
+    fn rank0(layout: PlanLayout) -> MemoryPlan {
         let spec = ferrotron_plan::presets::resolve("ferrotron-12m").unwrap();
         let input = PlanInput {
             model: ModelSource::Spec(spec),
@@ -266,11 +274,7 @@ mod tests {
                 ce_chunk_tokens: 16,
                 capacity_factor: None,
             },
-            layout: PlanLayout {
-                dp: 2,
-                tp: 2,
-                ..PlanLayout::default()
-            },
+            layout,
             convention: Convention::Ferrotron,
             runtime: Runtime::Ferrotron,
             overhead: Overhead::NONE,
@@ -313,5 +317,41 @@ mod tests {
         let (mut r, _) = Resident::of_plan(&dp_tp_plan()).unwrap();
         let _first = r.carve("comm.tp.staging", 1);
         r.carve("comm.tp.staging", 1);
+    }
+
+    #[test]
+    fn a_state_and_its_windows_are_carved_as_one_region_of_their_type() {
+        use ferrotron_plan::state_regions::WEIGHTS;
+        use half::bf16;
+        let p = rank0(PlanLayout {
+            dp: 2,
+            zero: 3,
+            ..PlanLayout::default()
+        });
+        let (mut r, l) = Resident::weights(&p).unwrap();
+        let weights: Region<bf16> = r.carve_span(WEIGHTS[0]).unwrap();
+        let master: Region<f32> = r.carve_span(WEIGHTS[1]).unwrap();
+        let numel = |n: &str| p.find(n).unwrap().numel as usize;
+        assert_eq!(
+            (weights.len(), master.len()),
+            (
+                numel("params") + numel("zero3.param_windows"),
+                numel("master")
+            )
+        );
+        let id = p.buffers.iter().position(|b| b.name == "master").unwrap();
+        let apart = master.as_ptr() as u64 - weights.as_ptr() as u64;
+        assert_eq!(Some(apart), l.offset(id));
+        assert_eq!(r.held(), l.bytes);
+        assert!(weights.iter().all(|&x| x == bf16::ZERO));
+        assert!(r.carve_span::<f32>(&["grads"]).is_none());
+    }
+
+    #[test]
+    #[should_panic(expected = "the planned buffer `master` is F32, taken as Bf16")]
+    fn a_buffer_taken_as_another_type_is_refused() {
+        let p = rank0(PlanLayout::default());
+        let (mut r, _) = Resident::weights(&p).unwrap();
+        r.carve_span::<half::bf16>(&["master"]);
     }
 }
