@@ -59,7 +59,7 @@ impl Trainer {
         match (&mut self.dev, &self.device_alloc) {
             (Some(d), Some(a)) => d.grads = Some(DevFlat::zeros(a, gt, len)?),
             _ => {
-                let planned = Flat::carve(&mut self.grad_region, gt, &GRADS[0]);
+                let planned = Flat::carve(&mut self.grad_region, gt, GRADS[0]);
                 self.grads = Some(planned.expect("internal: the memory plan has no gradients"));
             }
         }
