@@ -37,6 +37,7 @@ pub mod runtime;
 pub mod sac;
 pub mod schedule;
 pub mod search;
+pub mod state_regions;
 pub mod states;
 pub mod tensors;
 pub mod time;

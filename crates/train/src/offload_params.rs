@@ -141,9 +141,15 @@ impl Streaming {
             out
         }
         match self.dtype {
-            DType::F32 => Flat::F32(padded(typed(&mut self.params, n).into_view().host(), pad)),
-            DType::Bf16 => Flat::Bf16(padded(typed(&mut self.params, n).into_view().host(), pad)),
-            DType::F16 => Flat::F16(padded(typed(&mut self.params, n).into_view().host(), pad)),
+            DType::F32 => {
+                Flat::F32(padded(typed(&mut self.params, n).into_view().host(), pad).into())
+            }
+            DType::Bf16 => {
+                Flat::Bf16(padded(typed(&mut self.params, n).into_view().host(), pad).into())
+            }
+            DType::F16 => {
+                Flat::F16(padded(typed(&mut self.params, n).into_view().host(), pad).into())
+            }
             d => unreachable!("no weights are stored as {d:?}"),
         }
     }

@@ -30,7 +30,7 @@ use ferrotron_dist::small_sums::SmallSums;
 use ferrotron_dist::tensor_parallel as tpar;
 use ferrotron_dist::zero::zero2::GradWindows;
 use ferrotron_dist::zero::zero3::{Source, Zero3};
-use ferrotron_dist::{Communicator, Dim};
+use ferrotron_dist::{Communicator, Dim, Region};
 use ferrotron_engine::kernels::{
     AdamWParams, AsView, AsViewMut, Backend, CpuKernels, DeviceAlloc, DeviceBuf, Kernels, Rounding,
     View, ViewMut,
@@ -108,7 +108,7 @@ pub struct Trainer {
     pub params: Flat,
     /// fp32 master weights (mixed precision only): the optimizer updates these and rounds
     /// them into `params`.
-    pub master: Option<Vec<f32>>,
+    pub master: Option<Region<f32>>,
     /// Gradients (storage type, or f32 with `--fp32-grad-acc`), created by the first step.
     pub grads: Option<Flat>,
     pub opt: Option<AdamState>,
@@ -132,10 +132,12 @@ pub struct Trainer {
     /// A pipeline stage's other in-flight micro-batches' tokens and targets (`data.tokens@s`).
     batches: Vec<(Vec<u32>, Vec<u32>)>,
     pool: PlanPool,
-    /// The rank's resident regions, at the plan's offsets: the communication buffers, and
-    /// Adam's moments (made by the first optimizer step).
+    /// The rank's resident regions, at the plan's offsets: the communication buffers, Adam's
+    /// moments (made by the first optimizer step) and the gradients (by the first step). The
+    /// weights' region is carved whole by `new` and lives in `params` and `master`.
     resident: Resident,
     moments: Resident,
+    grad_region: Resident,
     pub schedule: LrSchedule,
     /// What the optimizer updates on this rank (every tensor, or the ZeRO-1 shard), and whether
     /// weight decay applies (matrices yes; norms, biases no).
@@ -279,9 +281,6 @@ impl Trainer {
         // onto the whole model): metadata of the process, like the data index.
         let tp_rank = tensor_parallel_rank(&llama, comms.tp.as_ref(), cfg.parallel.sp)?;
         let baseline = alloc::live();
-        if let Some(t) = &mut timeline {
-            t.set_baseline(baseline);
-        }
         let (model, init, tables) = rank_model(&cfg, llama, &comms, tp_rank)?;
         router_on_device(&model, device_alloc.as_ref())?;
         let stage = comms.pp.as_ref().map_or(0, |p| p.stage);
@@ -294,8 +293,7 @@ impl Trainer {
         // Plan first: every state's length and the buckets' are the plan's; the trainer lays
         // the engine's parameters into them (and refuses a model the plan did not count).
         let dp_comms = comms.dp.map(|c| (c, comms.dp_experts));
-        let experts_apart = comms.ep.is_some();
-        let st = planned_states(&cfg, &model, dp_comms, experts_apart, &plan.states)?;
+        let st = planned_states(&cfg, &model, dp_comms, comms.ep.is_some(), &plan.states)?;
         let opt_len = plan.states.opt as usize;
         // The plan itself (its buffer table and marks, ~28 KB on the default model) and the
         // stage's tables are the process's bookkeeping, not buffers it lists: they join the
@@ -311,6 +309,10 @@ impl Trainer {
         // The other in-flight micro-batches' batches (the plan's `data.tokens@s`).
         let extra = pp.as_ref().map_or(0, |p| p.slots_of(0) as usize - 1);
         let batches = (0..extra).map(|_| (vec![0; n], vec![0; n])).collect();
+        let ([resident, moments, mut weights, grad_region], layouts) = Resident::all(&plan.plan)?;
+        // On a device the states are the device allocator's: the host's copy is moved there.
+        let home = device_alloc.is_none().then_some(&mut weights);
+        let (params, master) = initial_weights(&cfg, &st, opt_len, init, home);
         let mut mesh = Mesh::new(
             comms.tp,
             comms.ep,
@@ -324,18 +326,11 @@ impl Trainer {
         // alone sends nothing: no estimate).
         mesh.plan_bytes(|| planned_bytes(&spec, &cfg, kernel_workspace.max(), stage))?;
         let (arena, placed) = Arena::of_plan(&plan.plan, model.config.layers)?;
-        let (resident, resident_placed) = Resident::of_plan(&plan.plan)?;
-        let (moments, moments_placed) = Resident::moments(&plan.plan)?;
-        let (params, master) = initial_weights(&cfg, &st.runs, opt_len, st.zero3.as_ref(), init);
         let flops_per_token = model_flops_per_token(&spec, cfg.data.seq);
         let hw_flops_per_token =
             flops_per_token + recompute_flops_per_token(&spec, cfg.data.seq, cfg.runtime.recompute);
         let mut t = Self {
-            planned_peak: step_peaks(
-                &plan,
-                [&resident_placed, &moments_placed, &placed],
-                kernel_workspace,
-            ),
+            planned_peak: step_peaks(&plan, &layouts, &placed, kernel_workspace),
             plan,
             tokens: vec![0; n],
             targets: vec![0; n],
@@ -355,6 +350,7 @@ impl Trainer {
             pool: plan_pool(timeline, arena),
             resident,
             moments,
+            grad_region,
             trace_left,
             step_schedule: StepSchedule::of(&mesh),
             mesh,

@@ -95,6 +95,21 @@ impl<T> Region<T> {
         self.len = 0;
     }
 
+    /// The `Vec` a heap region owns, cut to the elements in use (no copy), or the region
+    /// itself back when it is a span of a block.
+    pub fn into_vec(self) -> Result<Vec<T>, Self> {
+        match self._keep {
+            Keep::Vec(mut v) => {
+                v.truncate(self.len);
+                Ok(v)
+            }
+            keep => Err(Region {
+                _keep: keep,
+                ..self
+            }),
+        }
+    }
+
     /// The elements in use, read-only.
     pub fn as_view(&self) -> View<'_, T> {
         // SAFETY: `len <= capacity` initialised elements this region owns, shared while

@@ -148,7 +148,7 @@ pub fn load_params(dir: &Path, table: &ParamTable, tied: bool, rule: Dtypes) -> 
     }
     let mut out = match rule {
         Dtypes::Exactly(d) => Flat::zeros(d, table.total),
-        Dtypes::Widened => Flat::F32(vec![0.0; table.total]),
+        Dtypes::Widened => Flat::zeros(DType::F32, table.total),
     };
     for e in &table.entries {
         let Some(&i) = at.get(&e.name) else {

@@ -41,9 +41,9 @@ impl DevFlat {
 
     pub fn to_host(&self) -> Flat {
         match self {
-            DevFlat::F32(b) => Flat::F32(b.to_host()),
-            DevFlat::Bf16(b) => Flat::Bf16(b.to_host()),
-            DevFlat::F16(b) => Flat::F16(b.to_host()),
+            DevFlat::F32(b) => Flat::F32(b.to_host().into()),
+            DevFlat::Bf16(b) => Flat::Bf16(b.to_host().into()),
+            DevFlat::F16(b) => Flat::F16(b.to_host().into()),
         }
     }
 

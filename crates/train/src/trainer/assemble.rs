@@ -280,26 +280,36 @@ fn opt_runs(
 }
 
 /// The initial weights in their storage type, and under mixed precision the fp32 master
-/// copy (this rank's ZeRO shard of it).
+/// copy (this rank's ZeRO shard of it), written into their places in the weights' region
+/// `home` (`None`, or a plan without them there: on the heap, for a device to take them).
 pub(super) fn initial_weights(
     cfg: &TrainConfig,
-    runs: &[OptRun],
+    st: &PlannedStates,
     opt_len: usize,
-    zero3: Option<&Zero3>,
     init: Vec<f32>,
-) -> (Flat, Option<Vec<f32>>) {
+    mut home: Option<&mut Resident>,
+) -> (Flat, Option<Region<f32>>) {
+    use ferrotron_plan::state_regions::WEIGHTS;
+    let (runs, zero3) = (&st.runs, st.zero3.as_ref());
+    let master = (cfg.precision.kind.has_master()).then(|| shard_of(runs, opt_len, &init));
     // ZeRO-3: this rank's shard of the weights, then the (zeroed) windows.
-    let weights = |init: Vec<f32>| match zero3 {
+    let weights = match zero3 {
         Some(z) => shard_of(runs, opt_len + z.len(), &init),
         None => init,
     };
-    if cfg.precision.kind.has_master() {
-        let master = shard_of(runs, opt_len, &init);
-        let storage = cfg.precision.kind.storage();
-        (Flat::from_f32(storage, &weights(init)), Some(master))
-    } else {
-        (Flat::F32(weights(init)), None)
-    }
+    let storage = cfg.precision.kind.storage();
+    let carved = home
+        .as_mut()
+        .and_then(|r| Flat::carve(r, storage, WEIGHTS[0]));
+    let mut params = carved.unwrap_or_else(|| Flat::zeros(storage, weights.len()));
+    params.set_from_f32(&weights);
+    let Some(init) = master else {
+        return (params, None);
+    };
+    let carved = home.and_then(|r| r.carve_span::<f32>(WEIGHTS[1]));
+    let mut master = carved.unwrap_or_else(|| vec![0.0; opt_len].into());
+    master.copy_from_slice(&init);
+    (params, Some(master))
 }
 
 /// This rank's place in its tensor-parallel group (with the tables mapping its slices onto

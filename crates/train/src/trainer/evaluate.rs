@@ -13,7 +13,7 @@ impl Trainer {
         }
         let te = Instant::now();
         // The weights and the group leave `self` for the evaluation (moving moves no memory).
-        let mut params = std::mem::replace(&mut self.params, Flat::F32(Vec::new()));
+        let mut params = std::mem::replace(&mut self.params, Flat::F32(Region::default()));
         let dp = self.mesh.dp.take().map(RefCell::new);
         // Not the step's communication.
         let saved = self.mesh.save_bytes();

@@ -71,7 +71,8 @@ impl Trainer {
             let Some(o) = &t.offload else {
                 return f(t);
             };
-            (t.master, t.opt) = o.to_host()?;
+            let (master, opt) = o.to_host()?;
+            (t.master, t.opt) = (master.map(Region::from), opt);
             let r = f(t);
             (t.master, t.opt) = (None, None);
             r
@@ -91,7 +92,7 @@ impl Trainer {
                 .expect("the weights are on the device")
                 .to_host(),
         };
-        self.master = d.master.as_ref().map(DeviceBuf::to_host);
+        self.master = d.master.as_ref().map(|m| m.to_host().into());
         self.opt = (d.opt.as_ref()).map(|(m, v)| AdamState {
             m: m.to_host().into(),
             v: v.to_host().into(),

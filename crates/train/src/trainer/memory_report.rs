@@ -40,16 +40,20 @@ pub(super) fn measure_workspace(
 ///
 /// The marks are those of the plan as the allocator sees it, with the activation arena held
 /// whole from a micro-batch's first buffer to its last (`ferrotron_plan::arena::with_region`)
-/// and the resident regions (communication buffers, Adam's moments) from their first buffer
-/// on (`ferrotron_plan::resident`), each with its alignment padding.
+/// and the resident regions (communication buffers, Adam's moments: `ferrotron_plan::resident`;
+/// the weights with their master copy, the gradients: `ferrotron_plan::state_regions`) from
+/// their first buffer on, each with its alignment padding.
 pub(super) fn step_peaks(
     plan: &RankPlan,
-    [resident, moments, arena]: [&ArenaLayout; 3],
+    [resident, moments, weights, grads]: &[ArenaLayout; 4],
+    arena: &ArenaLayout,
     ws: KernelWorkspace,
 ) -> [u64; 2] {
     use ferrotron_plan::resident::{with_moments, with_resident};
+    use ferrotron_plan::state_regions::{with_grads, with_weights};
     let mut out = [plan.overhead; 2];
     let held = with_moments(&with_resident(&plan.plan, resident), moments);
+    let held = with_grads(&with_weights(&held, weights), grads);
     let held = with_region(&held, arena).sweep();
     for m in &held.marks {
         let i = (m.step as usize).saturating_sub(1).min(1);

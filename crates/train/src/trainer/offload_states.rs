@@ -44,7 +44,9 @@ impl Trainer {
         let mut o = Offloaded::new(
             n,
             bucket,
-            self.master.take(),
+            // (A plan with the master weights on the host tier has no place for them in the
+            // weights' region: they are a heap region, taken without a copy.)
+            (self.master.take()).map(|m| m.into_vec().unwrap_or_else(|m| m.to_vec())),
             self.opt.take(),
             dir.as_deref(),
             self.world_rank(),

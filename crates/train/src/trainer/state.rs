@@ -3,6 +3,7 @@
 //! pipeline stage's tensors, its experts) and writes, the weights gathered whole, and the
 //! setters that take a checkpoint's (or `--init-from`'s) state back into this rank's part.
 
+use super::update::planned_moments;
 use super::*;
 
 impl Trainer {
@@ -182,38 +183,59 @@ impl Trainer {
             .collect()
     }
 
-    /// Takes the weights of every parameter (a checkpoint's, `--init-from`'s); under ZeRO-3
-    /// keeps this rank's shard of them.
+    /// Takes the weights of every parameter (a checkpoint's, `--init-from`'s), written into
+    /// this rank's weights where they are (their planned place); under ZeRO-3 its shard of
+    /// them. Called before the state moves to a device.
     pub fn set_weights(&mut self, full: Flat) {
-        let full = match self.model.part() {
-            // This rank's part, in the storage type (widened and rounded back exactly).
-            Some(_) => {
-                let dtype = full.dtype();
-                Flat::from_f32(dtype, &tpar::slice_of(&self.model, &full.into_f32()))
-            }
-            None => full,
+        let part = match self.model.part() {
+            // This rank's part (widened, and rounded back exactly by `set_from_f32`).
+            Some(_) => tpar::slice_of(&self.model, &full.into_f32()),
+            None if self.zero3.is_none() => return self.params.copy_from(&full),
+            None => full.into_f32(),
         };
-        self.params = match &self.zero3 {
+        match &self.zero3 {
             Some(z) => {
-                let shard = shard_of(&self.runs, self.opt_len + z.len(), &full.into_f32());
-                Flat::from_f32(self.params.dtype(), &shard)
+                let shard = shard_of(&self.runs, self.opt_len + z.len(), &part);
+                self.params.set_from_f32(&shard)
             }
-            None => full,
-        };
+            None => self.params.set_from_f32(&part),
+        }
     }
 
     /// Takes this rank's part of the optimizer states (and master weights), as `held_blocks`
-    /// lays them out (what `checkpoint::load_optimizer` reads).
+    /// lays them out (what `checkpoint::load_optimizer` reads), written into their places: the
+    /// master weights' in the weights' region, the moments' in theirs (on the host; a device
+    /// takes them from the heap).
     pub fn set_states(&mut self, opt: AdamState, master: Option<Vec<f32>>) {
-        self.opt = Some(opt);
-        if master.is_some() {
-            self.master = master;
+        let mut held = match self.device_alloc {
+            Some(_) => None,
+            None => planned_moments(&mut self.moments, self.opt_len),
+        };
+        self.opt = Some(match &mut held {
+            Some(h) => {
+                h.m.copy_from_slice(&opt.m);
+                h.v.copy_from_slice(&opt.v);
+                held.expect("matched")
+            }
+            None => opt,
+        });
+        if let Some(m) = master {
+            self.set_own_master(m);
         }
     }
 
     /// Takes the fp32 master weights of every parameter (under ZeRO, keeps this rank's shard).
     pub fn set_master(&mut self, full: Vec<f32>) {
-        self.master = Some(self.own_part(full));
+        let own = self.own_part(full);
+        self.set_own_master(own);
+    }
+
+    /// This rank's master weights `own` written into their place.
+    fn set_own_master(&mut self, own: Vec<f32>) {
+        match &mut self.master {
+            Some(m) => m.copy_from_slice(&own),
+            None => self.master = Some(own.into()),
+        }
     }
 
     /// This rank's part of a state of every parameter: all of it, or under ZeRO its shard.

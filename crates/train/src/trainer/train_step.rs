@@ -4,6 +4,7 @@
 //! against planned peaks over every rank, tokens/s, MFU and HFU, each dimension's bytes.
 
 use super::*;
+use ferrotron_plan::state_regions::{grads_len, GRADS};
 
 impl Trainer {
     /// One optimizer step over `grad_acc` micro-batches.
@@ -43,7 +44,9 @@ impl Trainer {
     }
 
     /// Gradients appear before the first forward (the fused LM head accumulates into them),
-    /// and with them the plan's communication buffers.
+    /// and with them the plan's communication buffers. Their length is the plan's (the rank's
+    /// gradients, its ZeRO shard or none when streamed, and the windows after them); on the
+    /// host they are its gradients' region, on a device the device allocator's.
     fn allocate_step_buffers(&mut self, step: u64) -> Result<()> {
         let no_grads = match &self.dev {
             Some(d) => d.grads.is_none(),
@@ -53,16 +56,13 @@ impl Trainer {
             return Ok(());
         }
         let gt = self.cfg.precision.kind.engine_grads();
-        let len = match (&self.windows, &self.streaming) {
-            // Streamed: the windows alone (the gradients, or ZeRO-3's shard, are the host's).
-            (_, Some(s)) => s.grad_windows(),
-            // ZeRO-2: this rank's shard of the reduced gradients, then the windows.
-            (Some(w), None) => self.opt_len + w.len(),
-            (None, None) => self.model.params.total,
-        };
+        let len = grads_len(&self.plan.plan) as usize;
         match (&mut self.dev, &self.device_alloc) {
             (Some(d), Some(a)) => d.grads = Some(DevFlat::zeros(a, gt, len)?),
-            _ => self.grads = Some(Flat::zeros(gt, len)),
+            _ => {
+                let planned = Flat::carve(&mut self.grad_region, gt, GRADS[0]);
+                self.grads = Some(planned.expect("internal: the memory plan has no gradients"));
+            }
         }
         // The plan's `comm.dp.grad_buckets` (and ZeRO-3's `comm.zero3.gather`) appear with the
         // gradients, in the resident region (allocated with the first of them).
@@ -99,7 +99,7 @@ impl Trainer {
                 r
             }
             None => {
-                let mut params = std::mem::replace(&mut self.params, Flat::F32(Vec::new()));
+                let mut params = std::mem::replace(&mut self.params, Flat::F32(Region::default()));
                 let mut grads = self.grads.take().expect("gradients exist");
                 grads.fill_zero();
                 let r = with_flat_types!(&mut params, &mut grads, |p, g| {

@@ -132,7 +132,7 @@ fn adam_states<'a>(
     dev: &'a mut Option<DeviceState>,
     device_alloc: Option<&Arc<dyn DeviceAlloc>>,
     (opt, moments): (&'a mut Option<AdamState>, &mut Resident),
-    master: &'a mut Option<Vec<f32>>,
+    master: &'a mut Option<Region<f32>>,
     n: usize,
 ) -> Result<States<'a>> {
     Ok(match (dev, device_alloc) {
@@ -151,18 +151,10 @@ fn adam_states<'a>(
         _ => {
             let opt = opt.get_or_insert_with(|| {
                 // A plan without them here (they are on the host tier): heap regions.
-                let mut moment = |name| match moments.carve(name, 1) {
-                    Some(mut r) => r.remove(0),
-                    None => vec![0.0; n].into(),
-                };
-                let (m, v) = (moment("optim.exp_avg"), moment("optim.exp_avg_sq"));
-                assert!(
-                    m.len() == n && v.len() == n,
-                    "internal: the plan's moments hold {} and {}, the optimizer {n}",
-                    m.len(),
-                    v.len()
-                );
-                AdamState { m, v }
+                planned_moments(moments, n).unwrap_or_else(|| AdamState {
+                    m: vec![0.0; n].into(),
+                    v: vec![0.0; n].into(),
+                })
             });
             States {
                 m: opt.m.view_mut(),
@@ -171,6 +163,20 @@ fn adam_states<'a>(
             }
         }
     })
+}
+
+/// Adam's two moments of `n` elements at their places in the moments region, zeroed (`None`:
+/// the plan has none there).
+pub(super) fn planned_moments(moments: &mut Resident, n: usize) -> Option<AdamState> {
+    let mut moment = |name| moments.carve(name, 1).map(|mut r| r.remove(0));
+    let (m, v) = (moment("optim.exp_avg")?, moment("optim.exp_avg_sq")?);
+    assert!(
+        m.len() == n && v.len() == n,
+        "internal: the plan's moments hold {} and {}, the optimizer {n}",
+        m.len(),
+        v.len()
+    );
+    Some(AdamState { m, v })
 }
 
 /// AdamW's hyper-parameters for update `step` (1-based; the runs without decay zero its
