@@ -40,6 +40,7 @@ pub mod search;
 pub mod state_regions;
 pub mod states;
 pub mod tensors;
+pub mod testing;
 pub mod time;
 pub mod timeline;
 pub mod toml_file;

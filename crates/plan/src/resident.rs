@@ -67,31 +67,12 @@ pub fn with_moments(plan: &MemoryPlan, layout: &ArenaLayout) -> MemoryPlan {
 mod tests {
     use super::*;
     use crate::arena::ALIGN;
-    use crate::hardware::Overhead;
-    use crate::{
-        plan, Convention, Layout, ModelSource, Optimizer, PlanInput, Precision, Recipe, Recompute,
-        Runtime,
-    };
+    use crate::{plan, Layout, PlanInput, Runtime};
 
     fn rank_plans(layout: Layout, runtime: Runtime) -> Vec<MemoryPlan> {
-        let spec = crate::presets::resolve("ferrotron-12m").unwrap();
         let input = PlanInput {
-            model: ModelSource::Spec(spec),
-            recipe: Recipe {
-                seq: 32,
-                mbs: 2,
-                grad_acc: 2,
-                precision: Precision::Bf16,
-                optimizer: Optimizer::Adamw,
-                recompute: Recompute::None,
-                ce_chunk_tokens: 16,
-                capacity_factor: None,
-            },
-            layout,
-            convention: Convention::Ferrotron,
             runtime,
-            overhead: Overhead::NONE,
-            bucket_bytes: 1 << 16,
+            ..crate::testing::small_input(layout)
         };
         plan(&input)
             .unwrap()

@@ -80,32 +80,11 @@ pub fn with_grads(plan: &MemoryPlan, layout: &ArenaLayout) -> MemoryPlan {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hardware::Overhead;
-    use crate::{
-        plan, Convention, Layout, ModelSource, Optimizer, PlanInput, Precision, Recipe, Recompute,
-        Runtime,
-    };
+    use crate::{plan, Layout, Precision};
 
     fn rank0(layout: Layout, precision: Precision) -> MemoryPlan {
-        let spec = crate::presets::resolve("ferrotron-12m").unwrap();
-        let input = PlanInput {
-            model: ModelSource::Spec(spec),
-            recipe: Recipe {
-                seq: 32,
-                mbs: 2,
-                grad_acc: 2,
-                precision,
-                optimizer: Optimizer::Adamw,
-                recompute: Recompute::None,
-                ce_chunk_tokens: 16,
-                capacity_factor: None,
-            },
-            layout,
-            convention: Convention::Ferrotron,
-            runtime: Runtime::Ferrotron,
-            overhead: Overhead::NONE,
-            bucket_bytes: 1 << 16,
-        };
+        let mut input = crate::testing::small_input(layout);
+        input.recipe.precision = precision;
         plan(&input).unwrap().ranks.remove(0).plan
     }
 

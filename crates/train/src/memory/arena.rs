@@ -275,32 +275,14 @@ fn engine_names(layers: usize) -> impl Iterator<Item = BufName> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ferrotron_plan::hardware::Overhead;
-    use ferrotron_plan::{
-        plan, Convention, Layout, ModelSource, Optimizer, PlanInput, Precision, Recipe, Recompute,
-        Runtime,
-    };
+    use ferrotron_plan::testing::{small_input, SMALL_MODEL};
+    use ferrotron_plan::{plan, Layout, Recompute};
 
     fn arena(rc: Recompute) -> (Arena, ArenaLayout, MemoryPlan) {
-        let spec = ferrotron_plan::presets::resolve("ferrotron-12m").unwrap();
-        let input = PlanInput {
-            model: ModelSource::Spec(spec.clone()),
-            recipe: Recipe {
-                seq: 32,
-                mbs: 2,
-                grad_acc: 2,
-                precision: Precision::Bf16,
-                optimizer: Optimizer::Adamw,
-                recompute: rc,
-                ce_chunk_tokens: 16,
-                capacity_factor: None,
-            },
-            layout: Layout::default(),
-            convention: Convention::Ferrotron,
-            runtime: Runtime::Ferrotron,
-            overhead: Overhead::NONE,
-            bucket_bytes: 0,
-        };
+        let mut input = small_input(Layout::default());
+        input.recipe.recompute = rc;
+        input.bucket_bytes = 0;
+        let spec = ferrotron_plan::presets::resolve(SMALL_MODEL).unwrap();
         let p = plan(&input).unwrap().ranks.remove(0).plan;
         let (a, l) = Arena::of_plan(&p, spec.layers as usize).unwrap();
         (a, l, p)

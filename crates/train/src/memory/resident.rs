@@ -246,11 +246,7 @@ impl Resident {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ferrotron_plan::hardware::Overhead;
-    use ferrotron_plan::{
-        plan, Convention, Layout as PlanLayout, ModelSource, Optimizer, PlanInput, Precision,
-        Recipe, Recompute, Runtime,
-    };
+    use ferrotron_plan::{plan, Layout as PlanLayout};
 
     fn dp_tp_plan() -> MemoryPlan {
         rank0(PlanLayout {
@@ -261,25 +257,7 @@ mod tests {
     }
 
     fn rank0(layout: PlanLayout) -> MemoryPlan {
-        let spec = ferrotron_plan::presets::resolve("ferrotron-12m").unwrap();
-        let input = PlanInput {
-            model: ModelSource::Spec(spec),
-            recipe: Recipe {
-                seq: 32,
-                mbs: 2,
-                grad_acc: 2,
-                precision: Precision::Bf16,
-                optimizer: Optimizer::Adamw,
-                recompute: Recompute::None,
-                ce_chunk_tokens: 16,
-                capacity_factor: None,
-            },
-            layout,
-            convention: Convention::Ferrotron,
-            runtime: Runtime::Ferrotron,
-            overhead: Overhead::NONE,
-            bucket_bytes: 1 << 16,
-        };
+        let input = ferrotron_plan::testing::small_input(layout);
         plan(&input).unwrap().ranks.remove(0).plan
     }
 
