@@ -12,7 +12,7 @@
 
 use super::device::{DeviceError, Gpu};
 use super::gemm::{self, Call, Lt, Product};
-use super::memory::{download, DeviceBlock};
+use super::memory::{download, download_into, DeviceBlock};
 use crate::dtype::Elem;
 use crate::kernels::cpu::adamw::Consts;
 use crate::kernels::*;
@@ -76,6 +76,9 @@ pub struct CudaKernels {
     scratch: Mutex<HashMap<Scratch, DeviceBlock>>,
     /// RoPE tables uploaded, keyed by the host table's identity.
     rope: Mutex<HashMap<RopeKey, (DeviceBlock, DeviceBlock)>>,
+    /// A mixture of experts' router choices read back and its routing tables, in host
+    /// buffers reused by every row op (`moe::Routes`).
+    routing: Mutex<(Vec<u32>, Routes)>,
 }
 
 impl CudaKernels {
@@ -98,6 +101,7 @@ impl CudaKernels {
             _lt_workspace: ws,
             scratch: Mutex::new(HashMap::new()),
             rope: Mutex::new(HashMap::new()),
+            routing: Mutex::default(),
         })
     }
 

@@ -120,18 +120,26 @@ pub fn bind(ordinal: u32) -> Result<(), String> {
 /// A device view's elements, on the host (waits for the work before it on the legacy default
 /// stream, which every kernel of the backend runs on).
 pub fn download<T: Copy + Default>(v: View<'_, T>) -> Vec<T> {
+    let mut out = Vec::new();
+    download_into(v, &mut out);
+    out
+}
+
+/// [`download`] into `out` (resized to the view's length), reusing its capacity: for a copy
+/// made on every call of an op.
+pub fn download_into<T: Copy + Default>(v: View<'_, T>, out: &mut Vec<T>) {
     let Memory::Device(ordinal) = v.memory() else {
         panic!("download of {}", v.memory());
     };
-    let mut out = vec![T::default(); v.len()];
+    out.clear();
+    out.resize(v.len(), T::default());
     if out.is_empty() {
-        return out;
+        return;
     }
     bind(ordinal).unwrap_or_else(|e| panic!("copying {} elements from the GPU: {e}", v.len()));
     // SAFETY: the view's bytes are device memory of its length.
-    unsafe { result::memcpy_dtoh_sync(&mut out, v.as_ptr() as u64) }
+    unsafe { result::memcpy_dtoh_sync(out, v.as_ptr() as u64) }
         .unwrap_or_else(|e| panic!("copying {} elements from the GPU: {e:?}", v.len()));
-    out
 }
 
 /// A pool whose buffers are device memory: each a block of its own, kept until the pool is

@@ -21,28 +21,38 @@ pub const NONE: u32 = u32::MAX;
 /// - `by_row[r]`: the copy in routed row `r` (`routed_rows`' order);
 /// - `by_token[2(n·k + j)..][..2]`: the row and copy of token `n`'s `j`-th routed copy, in
 ///   row order, [`NONE`] after its last (a dropped copy has no row).
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug, Default, PartialEq, Eq)]
 pub struct Routes {
     pub by_row: Vec<u32>,
     pub by_token: Vec<u32>,
 }
 
 pub fn routes(index: &[u32], experts: usize, tokens: usize, top_k: usize) -> Routes {
-    let mut by_row = Vec::with_capacity(index.len());
-    let mut by_token = vec![NONE; 2 * tokens * top_k];
-    let mut filled = vec![0usize; tokens];
-    for (r, c) in routed_rows(index, experts) {
-        let n = c / top_k;
-        assert!(
-            n < tokens,
-            "router choice {c} belongs to token {n} of {tokens}"
-        );
-        by_row.push(c as u32);
-        let at = 2 * (n * top_k + filled[n]);
-        by_token[at..at + 2].copy_from_slice(&[r as u32, c as u32]);
-        filled[n] += 1;
+    let mut r = Routes::default();
+    r.fill(index, experts, tokens, top_k);
+    r
+}
+
+impl Routes {
+    /// The tables of `index`, in place (the capacity of the last call's reused).
+    pub fn fill(&mut self, index: &[u32], experts: usize, tokens: usize, top_k: usize) {
+        self.by_row.clear();
+        self.by_token.clear();
+        self.by_token.resize(2 * tokens * top_k, NONE);
+        for (r, c) in routed_rows(index, experts) {
+            let n = c / top_k;
+            assert!(
+                n < tokens,
+                "router choice {c} belongs to token {n} of {tokens}"
+            );
+            self.by_row.push(c as u32);
+            // The token's next free entry (its copies arrive in row order).
+            let slots = 2 * n * top_k..2 * (n + 1) * top_k;
+            let free = (slots.step_by(2)).find(|&at| self.by_token[at] == NONE);
+            let at = free.expect("at most top_k copies per token");
+            self.by_token[at..at + 2].copy_from_slice(&[r as u32, c as u32]);
+        }
     }
-    Routes { by_row, by_token }
 }
 
 impl CudaKernels {
@@ -58,11 +68,15 @@ impl CudaKernels {
     /// and the number of routed rows.
     fn routes(&self, s: RouteShape, index: View<'_, u32>, op: &str) -> (u64, u64, usize) {
         dev(&index, op);
-        let r = routes(&download(index), s.experts, s.tokens, s.top_k);
+        // The router's choices and the tables in host buffers kept from call to call.
+        let mut held = lock(&self.routing);
+        let (choices, r) = &mut *held;
+        download_into(index, choices);
+        r.fill(choices, s.experts, s.tokens, s.top_k);
         let (rows, bytes) = (r.by_row.len(), (r.by_row.len() + r.by_token.len()) * 4);
         let base = self.scratch(Scratch::Routes, bytes.max(4));
         let by_token = base + 4 * rows as u64;
-        for (at, table) in [(base, &r.by_row), (by_token, &r.by_token)] {
+        for (at, table) in [(base, &*r.by_row), (by_token, &*r.by_token)] {
             if !table.is_empty() {
                 // SAFETY: the scratch holds `bytes`; a synchronous copy from pageable memory
                 // waits for the work before it on the legacy default stream (a kernel still
