@@ -98,9 +98,13 @@ fn the_heap_peak_of_a_build_does_not_grow_with_its_input() {
             p_large as f64 / 1048576.0
         );
         assert!(n_large > 3 * n_small, "{n_large} vs {n_small}");
-        // Four times the input, the same peak (within a tenth, for allocator noise) ...
+        // Four times the input, the same peak, within a quarter: the tokenizing threads hold
+        // a timing-dependent number of batches at once and the reused buffers grow to the
+        // largest batch seen, which moved the peak by up to a tenth between runs on a 2-core
+        // machine (CI failed once at +10.1%). Growth with the input would add several MiB
+        // here (1 byte a token more is +1.8 MiB, a third), so a quarter still catches it ...
         assert!(
-            p_large < p_small + p_small / 10,
+            p_large < p_small + p_small / 4,
             "{name}: {p_large} bytes for 8 MiB vs {p_small} for 2 MiB"
         );
         // ... and under half of what the old build held: all of the input, then 4 bytes a
