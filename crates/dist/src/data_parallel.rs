@@ -602,6 +602,16 @@ impl DataParallel {
         Ok(())
     }
 
+    /// After the optimizer step: under ZeRO-1 and 2 every rank updated its blocks, and the
+    /// ranks gather the others' ([`DataParallel::all_gather`]); ZeRO-3 gathers each unit when
+    /// it is next needed, and without a shard every rank updated everything.
+    pub fn gather_updated(&mut self, io: &mut dyn Gather) -> Result<()> {
+        match self.per_unit {
+            true => Ok(()),
+            false => self.all_gather(io),
+        }
+    }
+
     /// ZeRO-3: starts the all-gather of bucket `k` (one unit's parameters) in the gather
     /// buffer, where `own` puts this rank's block from its shard. One runs at a time: it is
     /// waited for ([`DataParallel::gather_wait`]) before the next starts.

@@ -148,6 +148,33 @@ pub(crate) fn norms_of(d: &GradsDone) -> [Range<usize>; 2] {
     }
 }
 
+/// How a rank's gradient buffer is laid out, fixed when the trainer is built: every gradient
+/// where the backward writes it, or under ZeRO-2 and 3 this rank's shard of `shard_len`
+/// reduced gradients, then the windows the backward writes into. (No heap: cloned for a step.)
+#[derive(Clone, Debug, Default)]
+pub struct GradLayout {
+    windows: Option<GradWindows>,
+    shard_len: usize,
+}
+
+impl GradLayout {
+    /// ZeRO-2 and 3's `windows` after a shard of `shard_len`; every gradient where the
+    /// backward writes it without windows.
+    pub fn new(windows: Option<GradWindows>, shard_len: usize) -> Self {
+        GradLayout { windows, shard_len }
+    }
+
+    /// The windows the backward writes into, if the reduced gradients are sharded.
+    pub fn windows(&self) -> Option<&GradWindows> {
+        self.windows.as_ref()
+    }
+
+    /// A step's gradient buffer `grads`, split as laid out.
+    pub fn split<'a, G: Elem>(&'a self, grads: ViewMut<'a, G>) -> StepGrads<'a, G> {
+        StepGrads::new(grads, self.windows.as_ref(), self.shard_len)
+    }
+}
+
 /// The gradient buffer as a step uses it: every gradient where the backward writes it, or
 /// under ZeRO-2 and 3 this rank's shard of the reduced gradients, then the windows the
 /// backward writes into.

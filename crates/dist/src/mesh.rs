@@ -257,6 +257,36 @@ impl Mesh {
 }
 
 impl Mesh {
+    /// Whether a group splits the weights over its ranks, each holding slices of the
+    /// matrices and a copy of every norm (tensor parallelism).
+    pub fn splits_weights(&self) -> bool {
+        self.group(Dim::Tp).is_some()
+    }
+
+    /// The share of a replicated tensor's Σg² this rank counts: each rank of a group that
+    /// splits the weights holds a copy, which counts once over the group.
+    pub fn replicated_share(&self) -> f64 {
+        1.0 / self.size(Dim::Tp) as f64
+    }
+
+    /// Whether a group splits the routed experts, each expert's gradient on one of its ranks
+    /// (expert parallelism).
+    pub fn splits_experts(&self) -> bool {
+        self.group(Dim::Ep).is_some()
+    }
+
+    /// The loss summed over the ranks that share each sequence's tokens (context parallelism:
+    /// each evaluated its share of the positions); as it is without such a group.
+    pub fn sum_over_sequence(&self, sum: f64, count: usize) -> Result<(f64, usize)> {
+        match self.group(Dim::Cp) {
+            Some(cp) => {
+                let [sum, count] = cp.sum_f64([sum, count as f64], "context-parallel sum")?;
+                Ok((sum, count.round() as usize))
+            }
+            None => Ok((sum, count)),
+        }
+    }
+
     /// The model's Σg² from this rank's part `local`, the same number on every rank: each
     /// group that splits the gradients adds its ranks' parts. Tensor parallelism: each rank
     /// holds its slices (and 1/t of every replicated norm). Expert parallelism: each expert's

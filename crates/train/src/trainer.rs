@@ -23,10 +23,10 @@ use crate::weights::Flat;
 use crate::{with_dev_types, with_flat_types};
 use anyhow::Result;
 use ferrotron_dist::data_parallel::{expert_ranges, Buckets, DataParallel, Gather, Segment};
+use ferrotron_dist::grad_sync::GradLayout;
 use ferrotron_dist::group::Group;
 use ferrotron_dist::mesh::Mesh;
 use ferrotron_dist::pipeline::Pipeline;
-use ferrotron_dist::small_sums::SmallSums;
 use ferrotron_dist::tensor_parallel as tpar;
 use ferrotron_dist::zero::zero2::GradWindows;
 use ferrotron_dist::zero::zero3::{Source, Zero3};
@@ -144,12 +144,12 @@ pub struct Trainer {
     runs: Vec<OptRun>,
     /// Elements of the optimizer states on this rank.
     opt_len: usize,
-    /// ZeRO-2 and 3: the gradient windows of one unit's backward, after this rank's gradient
-    /// shard in the gradient buffer (`None`: the gradient buffer holds every gradient).
-    windows: Option<GradWindows>,
-    /// ZeRO-3: the parameters are this rank's shard, then the windows units are gathered into
-    /// (`None`: `params` holds every weight).
-    zero3: Option<Zero3>,
+    /// The gradient buffer's layout: every gradient, or (ZeRO-2 and 3) this rank's shard of
+    /// the reduced gradients then the windows of one unit's backward.
+    grad_layout: GradLayout,
+    /// The parameters' gatherer (ZeRO-3: the parameters are this rank's shard, then the
+    /// windows units are gathered into; `None`: `params` holds every weight).
+    gather: Option<Zero3>,
     pub plan: RankPlan,
     /// Planned peak of a step without and with optimizer states present (steps 1 and 2).
     planned_peak: [u64; 2],
@@ -214,22 +214,6 @@ struct Stepped {
     lr: f64,
     overflow: Option<ScaleUpdate>,
     non_finite: bool,
-}
-
-/// The parts of `g` (the gradients of parameters `params`) outside `skip`.
-fn outside<'a, G>(
-    g: View<'a, G>,
-    params: &Range<usize>,
-    skip: Option<&Range<usize>>,
-) -> impl Iterator<Item = View<'a, G>> {
-    let (lo, hi) = match skip {
-        Some(c) => (
-            c.start.clamp(params.start, params.end) - params.start,
-            c.end.clamp(params.start, params.end) - params.start,
-        ),
-        None => (g.len(), g.len()),
-    };
-    [g.slice(..lo), g.slice(hi.max(lo)..)].into_iter()
 }
 
 /// The micro-batch's token ids and targets where the step reads them: the loader's host
@@ -356,8 +340,8 @@ impl Trainer {
             mesh,
             runs: st.runs,
             opt_len,
-            windows: st.windows,
-            zero3: st.zero3,
+            grad_layout: GradLayout::new(st.windows, opt_len),
+            gather: st.zero3,
             schedule: LrSchedule::of(&cfg),
             flops_per_token,
             hw_flops_per_token,
@@ -405,7 +389,7 @@ impl Trainer {
     /// `None` when this rank holds no such gradient, or holds its gradients on a device.
     pub fn non_finite_gradient(&self) -> Option<String> {
         let grads = self.grads.as_ref()?;
-        let zero2 = self.windows.is_some();
+        let zero2 = self.grad_layout.windows().is_some();
         self.model.params.entries.iter().rev().find_map(|e| {
             let r = e.range();
             let bad = self.runs.iter().any(|run| {

@@ -259,13 +259,11 @@ impl Offloaded {
     }
 
     /// AdamW over `runs` (as `optim::step::adamw`), bucket by bucket of the states.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn step<'g, S: Elem, G: Elem>(
         &mut self,
         runs: &[OptRun],
         h: AdamWParams,
         rounding: Rounding,
-        zero3: bool,
         mut params: ViewMut<'_, S>,
         grad_of: impl Fn(&OptRun) -> View<'g, G>,
     ) -> Result<()> {
@@ -286,7 +284,6 @@ impl Offloaded {
                     runs,
                     h,
                     rounding,
-                    zero3,
                     params.rb(),
                     &grad_of,
                 );
@@ -340,7 +337,6 @@ impl Bucket<'_> {
         runs: &[OptRun],
         h: AdamWParams,
         rounding: Rounding,
-        zero3: bool,
         mut params: ViewMut<'_, S>,
         grad_of: &impl Fn(&OptRun) -> View<'g, G>,
     ) {
@@ -362,10 +358,7 @@ impl Bucket<'_> {
                 weight_decay: if run.decay { h.weight_decay } else { 0.0 },
                 ..h
             };
-            let w = match zero3 {
-                true => start..end,
-                false => run.params.start + off..run.params.start + off + len,
-            };
+            let w = run.weights + off..run.weights + off + len;
             let at = start - lo..end - lo;
             let g = grad_of(run).slice(off..off + len);
             let (m, v) = (m[at.clone()].view_mut(), v[at.clone()].view_mut());

@@ -15,14 +15,23 @@ pub struct AdamState {
 }
 
 /// A run of parameters the optimizer updates: `params` of the flat buffers, at `at` in the
-/// optimizer states and master weights (the same offsets unless ZeRO-1 shards them), and
-/// whether weight decay applies.
+/// optimizer states and master weights (the same offsets unless ZeRO-1 shards them), its
+/// weights at `weights` of the weights' buffer (`params.start`, or under ZeRO-3, whose weights
+/// are the shard, `at`), and whether weight decay applies.
 pub(crate) struct OptRun {
     pub params: Range<usize>,
     pub at: usize,
+    pub weights: usize,
     pub decay: bool,
     /// A norm replicated over the tensor-parallel group (its gradient norm counts it once).
     pub replicated: bool,
+}
+
+impl OptRun {
+    /// The run's weights in the weights' buffer.
+    pub fn weights(&self) -> Range<usize> {
+        self.weights..self.weights + self.params.len()
+    }
 }
 
 /// The factor AdamW applies to each gradient as it reads it: the loss scale's `unscale`,
@@ -44,14 +53,12 @@ pub(crate) struct States<'a> {
 }
 
 /// AdamW (Loshchilov & Hutter 2019) over every run: `h` with its weight decay applied to the
-/// runs that decay. Under ZeRO-3 the shard's weights are at the states' offsets.
-#[allow(clippy::too_many_arguments)]
+/// runs that decay, each run's weights where [`OptRun::weights`] places them.
 pub(crate) fn adamw<'g, S: Elem, G: Elem>(
     k: &dyn Kernels<S, G>,
     runs: &[OptRun],
     h: AdamWParams,
     rounding: Rounding,
-    zero3: bool,
     mut states: States<'_>,
     mut params: ViewMut<'_, S>,
     grad_of: impl Fn(&OptRun) -> View<'g, G>,
@@ -68,7 +75,7 @@ pub(crate) fn adamw<'g, S: Elem, G: Elem>(
             ..h
         };
         let s = *at..at + r.len();
-        let w = if zero3 { s.clone() } else { r.clone() };
+        let w = run.weights();
         let m = states.m.rb().slice_mut(s.clone());
         let v = states.v.rb().slice_mut(s.clone());
         match &mut states.master {

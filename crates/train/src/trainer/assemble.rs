@@ -181,7 +181,13 @@ pub(super) fn planned_states(
     let windows = (dp.is_some() && zero >= 2).then(|| GradWindows::new(&model.params));
     let zero3 = (dp.is_some() && zero >= 3).then(|| Zero3::new(&model.params));
     crate::setup::check_windows(lens, windows.as_ref(), zero3.as_ref())?;
-    let runs = opt_runs(model, dp.as_ref(), experts_apart, lens.opt as usize)?;
+    let mut runs = opt_runs(model, dp.as_ref(), experts_apart, lens.opt as usize)?;
+    if zero3.is_some() {
+        // ZeRO-3's weights are the rank's shard, laid out as the optimizer's states.
+        for r in &mut runs {
+            r.weights = r.at;
+        }
+    }
     Ok(PlannedStates {
         dp,
         windows,
@@ -237,6 +243,7 @@ fn opt_runs(
             let run = |params: Range<usize>, at: usize| OptRun {
                 decay: decays(&params),
                 replicated: tpar::is_replicated(model, &params),
+                weights: params.start,
                 params,
                 at,
             };
@@ -267,6 +274,7 @@ fn opt_runs(
             let runs = model.params.entries.iter().map(|e| OptRun {
                 params: e.range(),
                 at: e.offset,
+                weights: e.offset,
                 decay: e.is_matrix(),
                 replicated: tpar::is_replicated(model, &e.range()),
             });

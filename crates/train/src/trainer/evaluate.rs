@@ -32,16 +32,11 @@ impl Trainer {
             (Flat::Bf16(p), None) => self.eval_forward(p.view_mut(), dp.as_ref()),
             (Flat::F16(p), None) => self.eval_forward(p.view_mut(), dp.as_ref()),
         };
-        // Each context-parallel rank evaluated its share of the tokens (pipelined or not).
-        let loss = match (self.mesh.group(Dim::Cp), loss) {
-            (Some(cp), Ok(l)) => cp
-                .sum_f64([l.sum, l.count as f64], "context-parallel sum")
-                .map(|[sum, count]| LossSum {
-                    sum,
-                    count: count.round() as usize,
-                }),
-            (_, l) => l,
-        };
+        // The ranks that share each sequence's tokens evaluated their shares (pipelined or not).
+        let loss = loss.and_then(|l| {
+            let (sum, count) = self.mesh.sum_over_sequence(l.sum, l.count)?;
+            Ok(LossSum { sum, count })
+        });
         // Each data-parallel rank evaluated its share of the validation sequences (the set is
         // one rank's at the same global micro-batch, so val losses compare across layouts).
         let loss = match (&dp, loss) {
@@ -76,8 +71,8 @@ impl Trainer {
         // Streamed (`--offload params`), the parameters are uploaded into the windows.
         let mut streaming = self.streaming.take();
         let mut src = match streaming.as_mut() {
-            Some(s) => s.source(params, self.zero3.as_mut(), dp),
-            None => Source::new(params, self.zero3.as_mut(), dp, self.opt_len),
+            Some(s) => s.source(params, self.gather.as_mut(), dp),
+            None => Source::new(params, self.gather.as_mut(), dp, self.opt_len),
         };
         let mut batches = || -> Result<LossSum> {
             let mut loss = LossSum::default();

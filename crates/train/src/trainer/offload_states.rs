@@ -83,7 +83,7 @@ impl Trainer {
                 .context("offload = params: the weights stream to a device (checked before)")?;
             let t = &self.model.params;
             // Under ZeRO-3 the host keeps this rank's shard alone (ZeRO-Infinity).
-            let shard = self.zero3.as_ref().map(|_| n);
+            let shard = self.gather.as_ref().map(|_| n);
             let st = Streaming::new(&self.params, p.engine_grads(), t, dev, shard);
             st.check_plan(&self.plan)?;
             self.streaming = Some(st);

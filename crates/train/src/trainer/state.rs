@@ -44,7 +44,7 @@ impl Trainer {
         let weights_at = |(whole, at): (Range<usize>, usize)| {
             // ZeRO-3 holds only its shard of the weights, at the states' offsets; otherwise
             // the weights are where the states would be without ZeRO.
-            let w = match self.zero3.is_some() {
+            let w = match self.gather.is_some() {
                 true => at,
                 false => self.local_of(&whole),
             };
@@ -111,7 +111,7 @@ impl Trainer {
     /// Every weight, as f32 (under ZeRO-3 gathered: every rank must call it).
     pub fn full_weights(&mut self) -> Result<Vec<f32>> {
         let n = self.model.params.total;
-        let mine = match (&mut self.mesh.dp, &self.zero3) {
+        let mine = match (&mut self.mesh.dp, &self.gather) {
             (Some(dp), Some(_)) => {
                 let saved = dp.counters();
                 let w = gather_weights(dp, &self.params, self.opt_len, n)?;
@@ -190,10 +190,10 @@ impl Trainer {
         let part = match self.model.part() {
             // This rank's part (widened, and rounded back exactly by `set_from_f32`).
             Some(_) => tpar::slice_of(&self.model, &full.into_f32()),
-            None if self.zero3.is_none() => return self.params.copy_from(&full),
+            None if self.gather.is_none() => return self.params.copy_from(&full),
             None => full.into_f32(),
         };
-        match &self.zero3 {
+        match &self.gather {
             Some(z) => {
                 let shard = shard_of(&self.runs, self.opt_len + z.len(), &part);
                 self.params.set_from_f32(&shard)

@@ -6,7 +6,7 @@
 //! from a source that may gather them (ZeRO-3).
 
 use super::*;
-use ferrotron_dist::grad_sync::{GradSync, StepGrads};
+use ferrotron_dist::grad_sync::GradSync;
 use ferrotron_engine::model::ParamSource;
 
 impl Trainer {
@@ -42,8 +42,8 @@ impl Trainer {
         dp: Option<&RefCell<DataParallel>>,
         num_targets: usize,
     ) -> Result<Stepped> {
-        let windows = self.windows.clone();
-        let mut grads = StepGrads::new(grads, windows.as_ref(), self.opt_len);
+        let layout = self.grad_layout.clone();
+        let mut grads = layout.split(grads);
         let (buf, mut sync) = grads.sync(dp, self.mesh.partial_norms());
         let loss = self.forward_backward(step, params.rb(), buf, &mut sync, dp, num_targets)?;
         // The micro-batches are done: no activations until the next step.
@@ -61,7 +61,7 @@ impl Trainer {
     pub(super) fn micro_batches<S: Elem, G: Elem>(
         &mut self,
         step: u64,
-        src: &mut ferrotron_dist::zero::zero3::Source<'_, S>,
+        src: &mut Source<'_, S>,
         grads: &mut dyn GradBuf<G>,
         sync: &mut dyn GradSync<G>,
         num_targets: usize,

@@ -51,12 +51,12 @@ impl Trainer {
             }
             StepSchedule::MicroBatches => {
                 // ZeRO-3: the weights of the last step are stale in every window.
-                let mut zero3 = self.zero3.take();
+                let mut gather = self.gather.take();
                 let loss = {
-                    let mut src = Source::new(params, zero3.as_mut(), dp, self.opt_len);
+                    let mut src = Source::new(params, gather.as_mut(), dp, self.opt_len);
                     self.micro_batches(step, &mut src, grads, sync, num_targets)
                 };
-                self.zero3 = zero3;
+                self.gather = gather;
                 loss
             }
         }

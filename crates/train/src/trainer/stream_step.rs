@@ -67,14 +67,15 @@ impl Trainer {
         dp: &RefCell<DataParallel>,
         num_targets: usize,
     ) -> Result<Stepped> {
-        let geo = self.windows.clone().expect("ZeRO-3 has gradient windows");
-        let mut z = self.zero3.take().expect("sharded streaming runs ZeRO-3");
+        let layout = self.grad_layout.clone();
+        let geo = layout.windows().expect("ZeRO-3 has gradient windows");
+        let mut z = self.gather.take().expect("sharded streaming runs ZeRO-3");
         let (params, mut shard) = st.update::<S, G>();
         shard.rb().host_mut().fill(G::from_f32(0.0));
         let mut sg = StepGrads::Sharded {
             shard,
             units: geo.view(grads),
-            windows: &geo,
+            windows: geo,
         };
         let loss = {
             // The weights changed since the windows were filled.
@@ -83,7 +84,7 @@ impl Trainer {
             let (buf, mut sync) = sg.sync(Some(dp), self.mesh.partial_norms());
             self.micro_batches(step, &mut src, buf, &mut sync, num_targets)
         };
-        self.zero3 = Some(z);
+        self.gather = Some(z);
         let loss = loss?;
         if let Some(a) = &mut self.pool.arena {
             a.trim();

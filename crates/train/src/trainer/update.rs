@@ -4,6 +4,7 @@
 //! of the updated parameters.
 
 use super::*;
+use crate::optim::grad_norm::grad_sum_sq;
 use ferrotron_dist::grad_sync::StepGrads;
 
 impl Trainer {
@@ -19,7 +20,6 @@ impl Trainer {
     ) -> Result<Stepped> {
         let loss_scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
         let grads = step_grads.parts().0;
-        let zero3 = self.zero3.is_some();
         // Streamed (`--offload params`), the weights and gradients are in host memory: the
         // host's kernels reach them (the emulated device's are these, on device memory).
         let host = CpuKernels::PLAIN;
@@ -89,26 +89,16 @@ impl Trainer {
         let scale = grad_scale(unscale, grad_norm, self.cfg.optimizer.clip);
         let (h, rounding) = adamw_params(&self.cfg, lr, self.step + 1, scale);
         match (states, &mut self.offload) {
-            (Some(states), _) => adamw(
-                k,
-                &self.runs,
-                h,
-                rounding,
-                zero3,
-                states,
-                params.rb(),
-                grad_of,
-            ),
-            (None, Some(o)) => o.step(&self.runs, h, rounding, zero3, params.rb(), grad_of)?,
+            (Some(states), _) => adamw(k, &self.runs, h, rounding, states, params.rb(), grad_of),
+            (None, Some(o)) => o.step(&self.runs, h, rounding, params.rb(), grad_of)?,
             (None, None) => unreachable!("the states are the offload tier's"),
         }
-        // ZeRO-1 and 2: every rank updated its blocks; the ranks gather the others'. (ZeRO-3
-        // gathers each unit when it is next needed.)
-        if let (Some(dp), false) = (dp, zero3) {
+        // The ranks that updated only their blocks gather the others' (ZeRO-1 and 2).
+        if let Some(dp) = dp {
             let mut dp = dp.borrow_mut();
             let dev = dp.device_copy().cloned();
             let params = params.rb();
-            dp.all_gather(&mut ViewGather {
+            dp.gather_updated(&mut ViewGather {
                 params,
                 dev: dev.as_ref(),
             })?;
@@ -199,53 +189,4 @@ fn adamw_params(cfg: &TrainConfig, lr: f64, step: u64, grad_scale: f64) -> (Adam
         grad_scale: grad_scale as f32,
     };
     (h, rounding)
-}
-
-/// The model's Σg² from this rank's reduced gradients (`grad_of` each run's), the same number
-/// on every rank: each group that splits the gradients adds its ranks' parts.
-fn grad_sum_sq<'g, S: Elem, G: Elem>(
-    k: &dyn Kernels<S, G>,
-    model: &Llama,
-    runs: &[OptRun],
-    mesh: &Mesh,
-    grads: &dyn GradBuf<G>,
-    grad_of: &dyn Fn(&OptRun) -> View<'g, G>,
-    sharded: Option<&RefCell<DataParallel>>,
-) -> Result<f64> {
-    // Σg² of the scaled gradients: inf or NaN exactly when some gradient is (the check
-    // torch's GradScaler makes before unscaling). Under ZeRO each rank holds the sums of
-    // its shard only: the ranks add their parts.
-    // Under tensor parallelism each rank holds its slices and a copy of every norm: the
-    // slices add up over the group, the norms count once (1/t of them per rank).
-    // Under pipelining each stage holds its part; the last stage's copy of a tied
-    // embedding counts once, on the first stage.
-    let tp = mesh.group(Dim::Tp);
-    let tp_share = 1.0 / mesh.size(Dim::Tp) as f64;
-    let copied = model.copied();
-    let local = match (tp, sharded, &copied) {
-        (None, None, None) => k.sum_squares(grads.slice(0..model.params.total)),
-        _ => runs
-            .iter()
-            .map(|r| {
-                let share = if r.replicated { tp_share } else { 1.0 };
-                outside(grad_of(r), &r.params, copied.as_ref())
-                    .map(|g| k.sum_squares(g))
-                    .sum::<f64>()
-                    * share
-            })
-            .sum(),
-    };
-    // Each expert's gradient is on one rank of the expert-parallel group (the dense ones on
-    // all). (Under ZeRO-1 every block of every gradient is in exactly one rank's shard: the
-    // data-parallel sum adds them.)
-    let experts = match (mesh.group(Dim::Ep), sharded) {
-        (Some(_), None) => Some(
-            expert_ranges(&model.params)
-                .into_iter()
-                .map(|r| k.sum_squares(grads.slice(r)))
-                .sum(),
-        ),
-        _ => None,
-    };
-    mesh.global_sum_sq(local, experts, sharded)
 }
