@@ -116,6 +116,13 @@ impl CudaKernels {
     /// The routed rows of `index` uploaded: the device addresses of `by_row` and `by_token`,
     /// and the number of routed rows.
     fn routes(&self, s: RouteShape, index: View<'_, u32>, op: &str) -> (u64, u64, usize) {
+        // The router's choices and the tables in host buffers kept from call to call.
+        let mut held = lock(&self.routing);
+        // The largest tables these shapes make (the scratch's size never depends on the
+        // routing, so a hit's scratch is the one the tables were put in). Grown, if it is,
+        // before the epoch is read: its allocation moves the epoch on.
+        let most = (3 * s.tokens * s.top_k * 4).max(4);
+        let base = self.scratch(Scratch::Routes, most);
         let key = RouteKey {
             index: dev(&index, op),
             len: index.len(),
@@ -124,12 +131,6 @@ impl CudaKernels {
             top_k: s.top_k,
             epoch: write_epoch(&OPS.read()),
         };
-        // The router's choices and the tables in host buffers kept from call to call.
-        let mut held = lock(&self.routing);
-        // The largest tables these shapes make (the scratch's size never depends on the
-        // routing, so a hit's scratch is the one the tables were put in).
-        let most = (3 * s.tokens * s.top_k * 4).max(4);
-        let base = self.scratch(Scratch::Routes, most);
         if let Some(hit) = held.hit(key, base) {
             return hit;
         }
