@@ -100,7 +100,7 @@ for l in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable"): print(m["executable"])' | tail -1)
     cp "$bin" "$out/nccl"
     strip "$out"/*
-    cp scripts/cuda_compare.py scripts/cuda_memory.py scripts/cuda_ranks.py scripts/bench_gpu.sh \
+    cp scripts/cuda_compare.py scripts/cuda_memory.py scripts/cuda_ranks.py scripts/cuda_ops.py scripts/bench_gpu.sh \
         tests/reference/bench_pytorch.py "$out/"
     # Several ranks on the one GPU against one rank: fp32, short sequences, 5 steps.
     echo "--steps 5 --seq 128 --mbs 4 --eval-interval 0 --sample-tokens 0 --quiet" >"$out/ranks_flags"
@@ -136,7 +136,8 @@ for l in sys.stdin:
 # On the GPU machine (built by scripts/cuda_check.sh bundle; no Rust there): the CUDA backend
 # against the CPU backend, then the trainer on the GPU against the CPU: the default model for
 # 20 steps in fp32 and bf16 and a mixture of experts (ferrotron-moe-16m) for 5 in fp32, losses
-# and planned vs measured memory compared (cuda_compare.py).
+# and planned vs measured memory compared (cuda_compare.py), with each step's host
+# synchronisations by site and launches (cuda_ops.py: issue #32's counts) in the summary.
 # Each stage has its own time budget; $OUT/summary.txt (first) says what passed, with the GPU,
 # the driver and the libraries found; $OUT/stages.log holds every stage's output.
 # FERROTRON_GPU_REQUIRED=1: a test that would skip for want of a GPU or a library fails here,
@@ -194,6 +195,10 @@ for p in fp32 bf16; do
         --precision "$p" "${common[@]}" --out-dir "$work/$p-cuda"
     stage "$p: the GPU's steps follow the CPU's" 30 python3 cuda_compare.py "$p" \
         "$cpu" "$work/$p-cuda/metrics.jsonl"
+    # Issue #32's baseline: host synchronisations (by site) and launches per step.
+    stage "$p: host syncs and launches per step" 10 python3 cuda_ops.py "$p" \
+        "$work/$p-cuda/metrics.jsonl"
+    grep -h "^$p: host syncs/step" "$log" >>"$summary"
 done
 # A mixture of experts (issue #33): ferrotron-moe-16m, fp32, against its carried CPU run.
 read -ra moe <moe_flags
@@ -207,6 +212,9 @@ stage "train moe fp32 on the GPU" 90 ./ferrotron train --device cuda --precision
     "${moe[@]}" --out-dir "$work/moe-cuda"
 stage "moe fp32: the GPU's steps follow the CPU's" 30 python3 cuda_compare.py fp32 \
     "$cpu" "$work/moe-cuda/metrics.jsonl"
+stage "moe fp32: host syncs and launches per step" 10 python3 cuda_ops.py "moe fp32" \
+    "$work/moe-cuda/metrics.jsonl"
+grep -h "^moe fp32: host syncs/step" "$log" >>"$summary"
 # Device memory by the driver against the plan (issue #31): SmolLM-135M's shape, fp32 and
 # bf16 × every recompute policy, two steps each; the data tokenized once.
 mem=()

@@ -44,6 +44,11 @@ pub trait DeviceAlloc: Send + Sync + std::fmt::Debug {
     fn driver_used(&self) -> Option<u64> {
         None
     }
+    /// What the device's backend has asked of its driver so far: host synchronisations by
+    /// site, launches, library calls (`device_ops`); `None` where nothing counts them.
+    fn ops(&self) -> Option<super::DeviceOps> {
+        None
+    }
     /// Whether a region freed between micro-batches is better kept (a GPU's allocator
     /// synchronises the device; the host's is cheap).
     fn keeps_regions(&self) -> bool {

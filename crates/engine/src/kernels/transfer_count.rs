@@ -67,6 +67,9 @@ impl DeviceAlloc for Counted {
     fn driver_used(&self) -> Option<u64> {
         self.inner.driver_used()
     }
+    fn ops(&self) -> Option<super::DeviceOps> {
+        self.inner.ops()
+    }
     fn keeps_regions(&self) -> bool {
         self.inner.keeps_regions()
     }

@@ -2,6 +2,7 @@
 
 // The per-dimension bytes are the mesh's (`ferrotron_dist::comm_bytes`); the metrics carry them.
 pub use ferrotron_dist::comm_bytes::{CommByDim, CommBytes};
+use ferrotron_engine::kernels::DeviceOpsReport;
 use ferrotron_plan::cluster::Dim;
 use serde::{Deserialize, Serialize};
 use std::io::Write;
@@ -27,6 +28,12 @@ pub struct StepMetrics {
     /// buffer is allocated by the plan and kept, so the end of a step is its peak.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mem_device_driver: Option<u64>,
+    /// On a GPU: what this step asked of the driver (`ferrotron_engine::kernels::device_ops`):
+    /// blocking host synchronisations in all and by site, and launches (kernels, cuBLASLt
+    /// calls, device copies), counted from the step's start to its end (an evaluation between
+    /// steps is not in it). Issue #32's before and after.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_ops: Option<DeviceOpsReport>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f64>,
     /// fp16: the loss scale this step ran with.

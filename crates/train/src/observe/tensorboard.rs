@@ -390,6 +390,7 @@ mod tests {
             mem_peak_measured: 1 << 20,
             mem_peak_planned: (1 << 20) + 4096,
             mem_device_driver: None,
+            device_ops: None,
             val_loss: (step == 2).then_some(8.5),
             loss_scale: None,
             skipped,

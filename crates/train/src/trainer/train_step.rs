@@ -4,12 +4,14 @@
 //! against planned peaks over every rank, tokens/s, MFU and HFU, each dimension's bytes.
 
 use super::*;
+use ferrotron_engine::kernels::DeviceOps;
 use ferrotron_plan::state_regions::{grads_len, GRADS};
 
 impl Trainer {
     /// One optimizer step over `grad_acc` micro-batches.
     pub fn train_step(&mut self) -> Result<StepOutput> {
         let planned = self.begin_step();
+        let ops0 = self.device_ops();
         let t0 = Instant::now();
         let step = self.step + 1;
         ferrotron_dist::watchdog::set_step(self.world_rank(), step);
@@ -23,7 +25,15 @@ impl Trainer {
         k.phase("step", t0, step, 0);
         self.step += 1;
         let secs = t0.elapsed().as_secs_f64();
-        self.step_output(stepped, planned, secs, ran_with)
+        let ops = (self.device_ops().zip(ops0)).map(|(now, then)| now.since(&then).report());
+        let mut out = self.step_output(stepped, planned, secs, ran_with)?;
+        out.metrics.device_ops = ops;
+        Ok(out)
+    }
+
+    /// What the GPU's backend has asked of its driver so far, where it counts (`device_ops`).
+    fn device_ops(&self) -> Option<DeviceOps> {
+        self.device_alloc.as_ref().and_then(|d| d.ops())
     }
 
     /// Resets the peak counters and opens (or closes) the trace for the step; returns the
@@ -170,6 +180,7 @@ impl Trainer {
                 mem_peak_measured: measured_max,
                 mem_peak_planned: planned_max,
                 mem_device_driver: self.device_alloc.as_ref().and_then(|d| d.driver_used()),
+                device_ops: None,
                 val_loss: None,
                 loss_scale: ran_with,
                 skipped: overflow.is_some() || non_finite,

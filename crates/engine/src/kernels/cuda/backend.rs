@@ -12,7 +12,8 @@
 
 use super::device::{DeviceError, Gpu};
 use super::gemm::{self, Call, Lt, Product};
-use super::memory::{download, download_into, DeviceBlock};
+use super::memory::{download_into, DeviceBlock};
+use super::OPS;
 use crate::dtype::Elem;
 use crate::kernels::cpu::adamw::Consts;
 use crate::kernels::*;
@@ -77,8 +78,13 @@ pub struct CudaKernels {
     /// RoPE tables uploaded, keyed by the host table's identity.
     rope: Mutex<HashMap<RopeKey, (DeviceBlock, DeviceBlock)>>,
     /// A mixture of experts' router choices read back and its routing tables, in host
-    /// buffers reused by every row op (`moe::Routes`).
-    routing: Mutex<(Vec<u32>, Routes)>,
+    /// buffers reused by every row op (`moe::Routes`), and which choices they are of.
+    routing: Mutex<moe::Routing>,
+    /// Host buffers of the ops run on the host (`on_host`), kept from call to call.
+    host: Mutex<on_host::HostBuffers>,
+    /// The embedding backward's token ids and the cross-entropy's row losses, read back.
+    token_ids: Mutex<Vec<u32>>,
+    losses: Mutex<Vec<f32>>,
 }
 
 impl CudaKernels {
@@ -102,6 +108,9 @@ impl CudaKernels {
             scratch: Mutex::new(HashMap::new()),
             rope: Mutex::new(HashMap::new()),
             routing: Mutex::default(),
+            host: Mutex::default(),
+            token_ids: Mutex::default(),
+            losses: Mutex::default(),
         })
     }
 
@@ -234,6 +243,7 @@ macro_rules! launch {
         // No work, no launch: a grid over zero rows or elements is empty (`per_row` & co.),
         // where a block started anyway would touch row 0 of a buffer that has none.
         if cfg.grid_dim.0 > 0 {
+            $crate::kernels::cuda::OPS.kernel();
             // SAFETY: the arguments match the kernel's signature (`cu/`), device pointers
             // come from views of device memory with the lengths the kernel reads.
             unsafe { b.launch(cfg) }.unwrap_or_else(|e| panic!("CUDA kernel {name}: {e:?}"));
@@ -332,6 +342,7 @@ pub fn group_by_token(tokens: &[u32]) -> (Vec<u32>, Vec<u32>) {
 impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
     fn synchronize(&self) {
         self.bind();
+        OPS.sync(SyncSite::StreamSync);
         (self.gpu.stream.synchronize()).unwrap_or_else(|e| panic!("CUDA stream: {e:?}"));
     }
 
@@ -572,7 +583,7 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         lse: ViewMut<'_, f32>,
         first: bool,
     ) {
-        on_host::attention_forward_ring::<S, G>(s, q, k, v, o, lse, first)
+        self.ring_forward_on_host::<S, G>(s, q, k, v, o, lse, first)
     }
 
     fn attention_backward_ring(
@@ -588,7 +599,7 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         dk: ViewMut<'_, f32>,
         dv: ViewMut<'_, f32>,
     ) {
-        on_host::attention_backward_ring::<S, G>(s, q, k, v, o, lse, d_o, dq, dk, dv)
+        self.ring_backward_on_host::<S, G>(s, q, k, v, o, lse, d_o, dq, dk, dv)
     }
 
     fn swiglu_forward(&self, gate: View<'_, S>, up: View<'_, S>, mut h: ViewMut<'_, S>) {
@@ -715,13 +726,20 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         if tokens.is_empty() {
             return;
         }
-        // The grouping is built on the host from the ids (a few KiB each way).
-        let (order, starts) = group_by_token(&download(tokens));
+        // The grouping is built on the host from the ids (a few KiB each way): a host
+        // synchronisation per call (issue #32 wants it on the device).
+        let (order, starts) = {
+            let mut ids = lock(&self.token_ids);
+            download_into(SyncSite::EmbeddingGrouping, tokens, &mut ids);
+            group_by_token(&ids)
+        };
         let groups = starts.len() - 1;
         let bytes = (order.len() + starts.len()) * 4;
         let base = self.scratch(Scratch::Tokens, bytes);
         // SAFETY: the scratch holds `bytes`; the copies finish before the launch below on the
         // same (legacy default) stream.
+        OPS.write();
+        OPS.write();
         unsafe {
             result::memcpy_htod_sync(base, &order).expect("embedding grouping upload");
             result::memcpy_htod_sync(base + 4 * order.len() as u64, &starts)
@@ -749,6 +767,7 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         assert_eq!(src.len(), dst.len(), "copy lens");
         let (s, d) = (dev(&src, "copy"), dev_mut(&mut dst, "copy"));
         self.bind();
+        OPS.copy();
         // SAFETY: both are device buffers of `len` elements.
         unsafe {
             result::memcpy_dtod_async(
@@ -777,7 +796,8 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
             shared_mem_bytes: 0,
         };
         launch!(self, name::<G>("sum_squares"), cfg; x, n, partial);
-        let mut sums = vec![0f64; SUM_BLOCKS as usize];
+        let mut sums = [0f64; SUM_BLOCKS as usize];
+        OPS.sync(SyncSite::GradNorm);
         // SAFETY: the partials scratch holds SUM_BLOCKS f64; the copy waits for the kernel.
         unsafe { result::memcpy_dtoh_sync(&mut sums, partial) }.expect("sum_squares read-back");
         sums.iter().sum()
@@ -793,11 +813,13 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         let n = targets.len() as u64;
         let count = self.scratch(Scratch::Partials, SUM_BLOCKS as usize * 8);
         self.bind();
+        OPS.write();
         // SAFETY: the scratch holds at least 8 bytes.
         unsafe { result::memset_d8_sync(count, 0, 8) }.expect("count_targets reset");
         let (t, vocab) = (dev(&targets, "count_targets"), vocab as u32);
         launch!(self, "count_targets".to_string(), elementwise(n); t, n, vocab, count);
         let mut c = [0u64];
+        OPS.sync(SyncSite::TargetCount);
         // SAFETY: as above; the copy waits for the kernel.
         unsafe { result::memcpy_dtoh_sync(&mut c, count) }.expect("count_targets read-back");
         c[0] as usize
@@ -820,8 +842,11 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
             dlogits_scale.unwrap_or(0.0),
         );
         launch!(self, op.to_string(), per_row(s.rows); z, t, l, vocab, grad, scale);
-        // Summed in row order on the host, as the CPU does: the same rounding.
-        download(losses.as_view()).iter().map(|&l| l as f64).sum()
+        // Summed in row order on the host, as the CPU does: the same rounding. A host
+        // synchronisation per chunk (issue #32: accumulate on the device instead).
+        let mut l = lock(&self.losses);
+        download_into(SyncSite::CeLoss, losses.as_view(), &mut l);
+        l.iter().map(|&l| l as f64).sum()
     }
 
     fn ce_shard_stats(
@@ -832,7 +857,7 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         stats: ViewMut<'_, f32>,
         keep_exp: bool,
     ) {
-        on_host::ce_shard_stats::<S, G>(s, logits, targets, stats, keep_exp)
+        self.ce_shard_stats_on_host::<S, G>(s, logits, targets, stats, keep_exp)
     }
 
     fn ce_shard_finish(
@@ -845,7 +870,7 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         losses: ViewMut<'_, f32>,
         dlogits_scale: Option<f32>,
     ) -> f64 {
-        on_host::ce_shard_finish::<S, G>(s, logits, targets, all, rank, losses, dlogits_scale)
+        self.ce_shard_finish_on_host::<S, G>(s, logits, targets, all, rank, losses, dlogits_scale)
     }
 
     fn adamw_step(

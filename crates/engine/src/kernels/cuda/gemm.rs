@@ -208,6 +208,7 @@ impl Lt {
         }
         if p.k == 0 {
             let bytes = p.m * p.n * out.bytes() as usize;
+            super::OPS.write();
             // SAFETY: D holds m·n elements of `out` (this function's contract).
             return unsafe { cudarc::driver::result::memset_d8_sync(d, 0, bytes) }
                 .map_err(|e| format!("zeroing an empty product's output: {e:?}"));
@@ -223,6 +224,7 @@ impl Lt {
         let m = self.prepared(key)?;
         // SAFETY: the descriptors are the cache's, alive until the handle is dropped; pointers
         // and stream are the caller's (this function's contract).
+        super::OPS.blas();
         unsafe {
             lt::matmul(
                 self.handle,

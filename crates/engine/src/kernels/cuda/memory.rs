@@ -2,7 +2,8 @@
 //! [`CudaPool`] that places the model's buffers in device memory, and copies to and from the
 //! host.
 
-use crate::kernels::{Memory, View, ViewMut};
+use super::OPS;
+use crate::kernels::{Memory, SyncSite, View, ViewMut};
 use crate::model::{BufName, BufferPool, BUF_ALIGN};
 use cudarc::driver::{result, CudaContext};
 use std::ptr::NonNull;
@@ -25,6 +26,8 @@ impl DeviceBlock {
     pub fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<DeviceBlock, String> {
         let n = bytes.max(1);
         ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
+        OPS.sync(SyncSite::Alloc);
+        OPS.write();
         // SAFETY: the context is bound; the memory is set before it is handed out.
         let ptr = unsafe {
             let p = result::malloc_sync(n).map_err(|e| {
@@ -82,6 +85,7 @@ impl Drop for DeviceBlock {
         // SAFETY: allocated in `new`, freed once; errors at teardown have nowhere to go.
         unsafe {
             let _ = self.ctx.bind_to_thread();
+            OPS.sync(SyncSite::Alloc);
             let _ = result::free_sync(self.ptr);
         }
     }
@@ -90,6 +94,7 @@ impl Drop for DeviceBlock {
 /// `host` copied to a new device block.
 pub fn upload<T: Copy>(ctx: &Arc<CudaContext>, host: &[T]) -> Result<DeviceBlock, String> {
     let b = DeviceBlock::new(ctx, std::mem::size_of_val(host))?;
+    OPS.write();
     // SAFETY: the block holds exactly `host`'s bytes.
     unsafe { result::memcpy_htod_sync(b.ptr, host) }.map_err(|e| format!("{e:?}"))?;
     Ok(b)
@@ -118,16 +123,17 @@ pub fn bind(ordinal: u32) -> Result<(), String> {
 }
 
 /// A device view's elements, on the host (waits for the work before it on the legacy default
-/// stream, which every kernel of the backend runs on).
+/// stream, which every kernel of the backend runs on). For tests and tools: the backend's
+/// own reads name their site ([`download_into`]).
 pub fn download<T: Copy + Default>(v: View<'_, T>) -> Vec<T> {
     let mut out = Vec::new();
-    download_into(v, &mut out);
+    download_into(SyncSite::OtherDownload, v, &mut out);
     out
 }
 
 /// [`download`] into `out` (resized to the view's length), reusing its capacity: for a copy
-/// made on every call of an op.
-pub fn download_into<T: Copy + Default>(v: View<'_, T>, out: &mut Vec<T>) {
+/// made on every call of an op. Counted as a host synchronisation at `site` ([`OPS`]).
+pub fn download_into<T: Copy + Default>(site: SyncSite, v: View<'_, T>, out: &mut Vec<T>) {
     let Memory::Device(ordinal) = v.memory() else {
         panic!("download of {}", v.memory());
     };
@@ -137,6 +143,7 @@ pub fn download_into<T: Copy + Default>(v: View<'_, T>, out: &mut Vec<T>) {
         return;
     }
     bind(ordinal).unwrap_or_else(|e| panic!("copying {} elements from the GPU: {e}", v.len()));
+    OPS.sync(site);
     // SAFETY: the view's bytes are device memory of its length.
     unsafe { result::memcpy_dtoh_sync(out, v.as_ptr() as u64) }
         .unwrap_or_else(|e| panic!("copying {} elements from the GPU: {e:?}", v.len()));
@@ -222,6 +229,7 @@ impl crate::kernels::DeviceAlloc for CudaAlloc {
     }
     unsafe fn free(&self, p: NonNull<u8>, bytes: usize) {
         let _ = self.ctx.bind_to_thread();
+        OPS.sync(SyncSite::Alloc);
         let _ = result::free_sync(p.as_ptr() as u64);
         self.live.fetch_sub(bytes as u64, Relaxed);
     }
@@ -233,17 +241,20 @@ impl crate::kernels::DeviceAlloc for CudaAlloc {
     }
     unsafe fn upload(&self, dst: NonNull<u8>, src: &[u8]) {
         let _ = self.ctx.bind_to_thread();
+        OPS.write();
         result::memcpy_htod_sync(dst.as_ptr() as u64, src)
             .unwrap_or_else(|e| panic!("copying {} bytes to the GPU: {e:?}", src.len()));
     }
     unsafe fn download(&self, dst: &mut [u8], src: NonNull<u8>) {
         let _ = self.ctx.bind_to_thread();
         let n = dst.len();
+        OPS.sync(SyncSite::StateDownload);
         result::memcpy_dtoh_sync(dst, src.as_ptr() as u64)
             .unwrap_or_else(|e| panic!("copying {n} bytes from the GPU: {e:?}"));
     }
     unsafe fn zero(&self, p: NonNull<u8>, bytes: usize) {
         let _ = self.ctx.bind_to_thread();
+        OPS.write();
         result::memset_d8_sync(p.as_ptr() as u64, 0, bytes)
             .unwrap_or_else(|e| panic!("zeroing {bytes} bytes of GPU memory: {e:?}"));
     }
@@ -252,5 +263,8 @@ impl crate::kernels::DeviceAlloc for CudaAlloc {
     }
     fn driver_used(&self) -> Option<u64> {
         Some(in_use(&self.ctx)?.saturating_sub(self.baseline))
+    }
+    fn ops(&self) -> Option<crate::kernels::DeviceOps> {
+        Some(OPS.read())
     }
 }

@@ -25,3 +25,15 @@ pub use backend::CudaKernels;
 pub use device::{DeviceError, Gpu};
 pub use memory::{download, upload, CudaAlloc, CudaPool, DeviceBlock};
 pub use staging::CudaCopy;
+
+use crate::kernels::device_ops::{DeviceOps, OpCounter};
+
+/// What the CUDA backend asked of the driver in this process (`kernels::device_ops`): every
+/// host synchronisation by site, launch, cuBLASLt call and device copy, counted where it is
+/// made. One counter for the process: host-staged ranks sharing the GPU add to the same.
+pub static OPS: OpCounter = OpCounter::new();
+
+/// [`OPS`] now.
+pub fn ops() -> DeviceOps {
+    OPS.read()
+}

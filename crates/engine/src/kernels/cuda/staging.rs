@@ -3,7 +3,7 @@
 //! reads and writes directly) and the driver's synchronous copies, which wait for the work
 //! before them on the legacy default stream every kernel of the backend runs on.
 
-use crate::kernels::{Memory, View, ViewMut};
+use crate::kernels::{Memory, SyncSite, View, ViewMut};
 use cudarc::driver::{result, CudaContext};
 use ferrotron_view::{copy_problem, DeviceCopy, HostStaging};
 use std::sync::Arc;
@@ -24,6 +24,7 @@ impl DeviceCopy for CudaCopy {
             return Err(p);
         }
         self.ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
+        super::OPS.sync(SyncSite::Staging);
         // SAFETY: `src` is this GPU's memory of `dst.len()` elements (checked above).
         unsafe { result::memcpy_dtoh_sync(dst, src.as_ptr() as u64) }.map_err(|e| format!("{e:?}"))
     }
@@ -34,6 +35,7 @@ impl DeviceCopy for CudaCopy {
         }
         self.ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
         let mut dst = dst;
+        super::OPS.write();
         // SAFETY: `dst` is this GPU's memory of `src.len()` elements, borrowed uniquely.
         unsafe { result::memcpy_htod_sync(dst.as_mut_ptr() as u64, src) }
             .map_err(|e| format!("{e:?}"))

@@ -10,6 +10,11 @@
 //! into the backend's scratch, as the embedding backward groups its tokens. The model reads
 //! the choices back for its expert blocks anyway (`Llama::expert_rows`). The grouping is then
 //! the CPU's own function, and every row copy, scaling and dot runs in the CPU's order.
+//!
+//! A layer's row ops (permute and unpermute forward; permute, row_dot, scale_rows and
+//! unpermute backward) all read the same choices, so the tables are built once and kept
+//! ([`Routing`]) until those choices may have changed: a hit skips the download (a host
+//! synchronisation) and both uploads.
 
 use super::*;
 
@@ -55,6 +60,50 @@ impl Routes {
     }
 }
 
+/// Which router choices the uploaded tables are of: the index buffer's device address and
+/// length, the shape, and the device-write epoch ([`write_epoch`]) when they were read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RouteKey {
+    pub index: u64,
+    pub len: usize,
+    pub experts: usize,
+    pub tokens: usize,
+    pub top_k: usize,
+    pub epoch: u64,
+}
+
+/// Anything that may change the contents of device memory other than the backend's kernels,
+/// counted ([`OPS`]): host→device copies and memsets, device copies, allocations and frees
+/// (an index buffer freed and another allocated at its address). The one kernel that writes
+/// router choices, the router's, drops the kept tables itself (`moe_router_forward`). So
+/// tables read at one epoch are those of any later call at the same epoch with the same index
+/// buffer: nothing can have written it between. (Expert parallelism, whose token exchange
+/// would write choices through NCCL, is refused on the GPU; it would have to end the epoch
+/// too.)
+pub fn write_epoch(ops: &crate::kernels::DeviceOps) -> u64 {
+    ops.writes + ops.copies + ops.syncs[SyncSite::Alloc as usize]
+}
+
+/// The router's choices read back, their routing tables, and the key of the choices the
+/// tables in the device scratch hold (`None`: none yet, or the scratch is new).
+#[derive(Default)]
+pub struct Routing {
+    choices: Vec<u32>,
+    routes: Routes,
+    uploaded: Option<(RouteKey, u64, u64, usize)>,
+}
+
+impl Routing {
+    /// The uploaded tables' addresses and rows, if they are of `key` and still where they
+    /// were put (`base`: the routes scratch now).
+    pub fn hit(&self, key: RouteKey, base: u64) -> Option<(u64, u64, usize)> {
+        match self.uploaded {
+            Some((k, b, by_token, rows)) if k == key && b == base => Some((b, by_token, rows)),
+            _ => None,
+        }
+    }
+}
+
 impl CudaKernels {
     /// Scratch both: the routing tables the row kernels read, and the router's per-token max
     /// and Σexp, for micro-batches of `tokens` tokens routed to `top_k` experts each. Called
@@ -67,23 +116,54 @@ impl CudaKernels {
     /// The routed rows of `index` uploaded: the device addresses of `by_row` and `by_token`,
     /// and the number of routed rows.
     fn routes(&self, s: RouteShape, index: View<'_, u32>, op: &str) -> (u64, u64, usize) {
-        dev(&index, op);
         // The router's choices and the tables in host buffers kept from call to call.
         let mut held = lock(&self.routing);
-        let (choices, r) = &mut *held;
-        download_into(index, choices);
+        // The largest tables these shapes make (the scratch's size never depends on the
+        // routing, so a hit's scratch is the one the tables were put in). Grown, if it is,
+        // before the epoch is read: its allocation moves the epoch on.
+        let most = (3 * s.tokens * s.top_k * 4).max(4);
+        let base = self.scratch(Scratch::Routes, most);
+        let key = RouteKey {
+            index: dev(&index, op),
+            len: index.len(),
+            experts: s.experts,
+            tokens: s.tokens,
+            top_k: s.top_k,
+            epoch: write_epoch(&OPS.read()),
+        };
+        if let Some(hit) = held.hit(key, base) {
+            return hit;
+        }
+        held.uploaded = None;
+        let Routing {
+            choices, routes: r, ..
+        } = &mut *held;
+        download_into(SyncSite::MoeRouting, index, choices);
         r.fill(choices, s.experts, s.tokens, s.top_k);
         let (rows, bytes) = (r.by_row.len(), (r.by_row.len() + r.by_token.len()) * 4);
-        let base = self.scratch(Scratch::Routes, bytes.max(4));
+        assert!(bytes <= most, "routing tables of {bytes} bytes past {most}");
         let by_token = base + 4 * rows as u64;
+        let mut mine = 0;
         for (at, table) in [(base, &*r.by_row), (by_token, &*r.by_token)] {
             if !table.is_empty() {
+                OPS.write();
+                mine += 1;
                 // SAFETY: the scratch holds `bytes`; a synchronous copy from pageable memory
                 // waits for the work before it on the legacy default stream (a kernel still
                 // reading the previous tables), and the launches that read these come after.
                 unsafe { result::memcpy_htod_sync(at, table) }.expect("routing table upload");
             }
         }
+        // The uploads just made moved the epoch on by `mine`, and wrote only the scratch: the
+        // tables are of the epoch after them, unless something else wrote meanwhile (another
+        // rank's thread), which leaves the key at the epoch before (the next call reads again).
+        let after = write_epoch(&OPS.read());
+        let epoch = if after == key.epoch + mine {
+            after
+        } else {
+            key.epoch
+        };
+        held.uploaded = Some((RouteKey { epoch, ..key }, base, by_token, rows));
         (base, by_token, rows)
     }
 
@@ -101,6 +181,9 @@ impl CudaKernels {
         assert!(weights.len() == n * k && index.len() == n * k);
         assert_eq!(load.len(), 2 * e, "router load len");
         let stats = self.scratch(Scratch::RouterStats, (2 * n * 4).max(8));
+        // New choices: the routing tables kept are of none of them any more (whichever
+        // buffer they were of, it may be this one).
+        lock(&self.routing).uploaded = None;
         let (l, w) = (dev(&logits, op), dev_mut(&mut weights, op));
         let (ix, ld) = (dev_mut(&mut index, op), dev_mut(&mut load, op));
         let (tokens, e, k, norm) = (n as u64, e as u64, k as u64, s.norm_topk as i32);
@@ -206,8 +289,57 @@ impl CudaKernels {
 
 #[cfg(test)]
 mod tests {
-    use super::{routes, Routes, NONE};
-    use crate::kernels::{routed_rows, DROPPED};
+    use super::{routes, write_epoch, RouteKey, Routes, Routing, NONE};
+    use crate::kernels::device_ops::OpCounter;
+    use crate::kernels::{routed_rows, SyncSite, DROPPED};
+
+    #[test]
+    fn cuda_routing_tables_are_kept_only_for_the_same_choices_and_epoch() {
+        let key = RouteKey {
+            index: 0x7000,
+            len: 8,
+            experts: 3,
+            tokens: 4,
+            top_k: 2,
+            epoch: 5,
+        };
+        let mut r = Routing::default();
+        assert_eq!(r.hit(key, 0x9000), None, "nothing uploaded yet");
+        r.uploaded = Some((key, 0x9000, 0x9000 + 28, 7));
+        assert_eq!(r.hit(key, 0x9000), Some((0x9000, 0x9000 + 28, 7)));
+        // Another buffer, length, shape or epoch, or the scratch moved: read again.
+        for other in [
+            RouteKey {
+                index: 0x8000,
+                ..key
+            },
+            RouteKey { len: 6, ..key },
+            RouteKey { experts: 4, ..key },
+            RouteKey { tokens: 3, ..key },
+            RouteKey { top_k: 1, ..key },
+            RouteKey { epoch: 6, ..key },
+        ] {
+            assert_eq!(r.hit(other, 0x9000), None, "{other:?}");
+        }
+        assert_eq!(r.hit(key, 0xa000), None, "a new scratch");
+        // The epoch moves with every write, device copy, allocation and free, and with
+        // nothing else the backend counts.
+        let c = OpCounter::new();
+        let mut at = write_epoch(&c.read());
+        let changes: [fn(&OpCounter); 3] =
+            [|c| c.write(), |c| c.copy(), |c| c.sync(SyncSite::Alloc)];
+        for (i, change) in changes.iter().enumerate() {
+            change(&c);
+            let now = write_epoch(&c.read());
+            assert_eq!(now, at + 1, "change {i}");
+            at = now;
+        }
+        c.kernel();
+        c.blas();
+        c.sync(SyncSite::CeLoss);
+        c.sync(SyncSite::MoeRouting);
+        assert_eq!(write_epoch(&c.read()), at);
+    }
 
     #[test]
     fn cuda_routing_tables_follow_the_routed_rows() {

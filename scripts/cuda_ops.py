@@ -1,0 +1,36 @@
+"""What a GPU training run asked of the driver per step (issue #32's before and after, from
+the trainer's `device_ops` metrics: crates/engine/src/kernels/device_ops.rs): blocking host
+synchronisations by site and launches (kernels, cuBLASLt calls, device copies). The first
+step is left out of the figure (it allocates the gradients and grows scratch); the later
+steps' median is printed, with their range when they differ. Usage:
+python3 cuda_ops.py LABEL METRICS_JSONL"""
+import json
+import statistics
+import sys
+
+label, path = sys.argv[1:3]
+steps = [json.loads(l) for l in open(path)]
+ops = [s.get("device_ops") for s in steps]
+if not steps or any(o is None for o in ops):
+    print(f"error: {label}: no device_ops in {path} (not a GPU run, or the counts are gone)")
+    sys.exit(1)
+later = ops[1:] or ops
+
+
+def per_step(get):
+    xs = [get(o) for o in later]
+    m = statistics.median(xs)
+    m = int(m) if m == int(m) else m
+    return f"{m}" if min(xs) == max(xs) else f"{m} [{min(xs)}..{max(xs)}]"
+
+
+sites = sorted({k for o in later for k in o["sync_sites"]})
+by_site = ", ".join(f"{k} {per_step(lambda o: o['sync_sites'].get(k, 0))}" for k in sites)
+print(
+    f"{label}: host syncs/step {per_step(lambda o: o['host_syncs'])} ({by_site}); "
+    f"launches/step {per_step(lambda o: o['launches'])} (kernels {per_step(lambda o: o['kernels'])}, "
+    f"cuBLASLt {per_step(lambda o: o['blas'])}, device copies {per_step(lambda o: o['copies'])}); "
+    f"blocking writes/step {per_step(lambda o: o['writes'])}; "
+    f"over steps {steps[1]['step'] if len(steps) > 1 else steps[0]['step']}-{steps[-1]['step']}, "
+    f"first step {ops[0]['host_syncs']} syncs, {ops[0]['launches']} launches"
+)
