@@ -124,6 +124,7 @@ fn tensor_parallel_ranks_give_the_one_rank_loss_and_gradients() {
                 .with_sp(sp);
             let model = Llama::tensor_parallel(tpar)
                 .map_err(|e| e.to_string())?
+                .with_rope()
                 .with_recompute(rc);
             let full = Llama::new(fc.clone());
             let rank = model.tp.as_ref().unwrap().rank;

@@ -174,7 +174,7 @@ fn second_micro_batch_allocations(cfg: LlamaConfig, rc: Recompute, ep: Option<Pa
         let model = match ep {
             Some(pair) => {
                 let group = ExpertParallel::new(&cfg, Rc::new(pair)).unwrap();
-                Llama::expert_parallel(cfg, group)
+                Llama::expert_parallel(cfg, group).with_rope()
             }
             None => Llama::new(cfg),
         }

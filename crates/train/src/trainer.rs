@@ -67,9 +67,8 @@ mod update;
 mod zero_gather;
 
 use crate::device::ranks::ViewGather;
-use assemble::{initial_weights, open_backend, planned_states, rank_model, rank_plan};
-use assemble::{peak_flops, router_on_device};
-use assemble::{plan_pool, tensor_parallel_rank, Opened};
+use assemble::{initial_values, initial_weights, open_backend, rank_tables, Opened, Tables};
+use assemble::{peak_flops, plan_pool, rank_mesh, router_on_device};
 use memory_report::{measure_workspace, rank_mems, step_peaks, trace_capacity};
 use step_schedule::StepSchedule;
 use zero_gather::{gather_weights, shard_of};
@@ -235,80 +234,54 @@ fn batch_views<'a>(
 
 impl Trainer {
     /// Builds the model and its parameters. Call after the data and tokenizer exist, so that
-    /// they fall into the baseline and everything allocated here on is in the plan.
+    /// they fall into the baseline, which is taken once the rank's tables are built: what is
+    /// allocated after it is what the plan lists.
     pub fn new(
         cfg: TrainConfig,
         spec: ModelSpec,
         llama: LlamaConfig,
         loader: Loader,
         val: Option<ValLoader>,
-        comms: Comms,
+        mut comms: Comms,
         machine: Machine,
     ) -> Result<Self> {
         let peak_gflops = machine.peak_gflops;
+        let tp_size = comms.tp.as_ref().map_or(1, |t| t.size());
+        let opened = open_backend(&cfg, &llama, machine, tp_size)?;
+        let Tables {
+            mut model,
+            plan,
+            kernel_workspace,
+            gpu,
+            st,
+        } = rank_tables(&spec, &cfg, llama, &mut comms, &opened)?;
         let Opened {
             kernels,
             device_alloc,
-            kernel_workspace,
             gemm,
             trace_left,
             mut timeline,
             n,
-            chunk,
-        } = open_backend(
-            &cfg,
-            &llama,
-            machine,
-            comms.tp.as_ref().map_or(1, |t| t.size()),
-        )?;
-        // This rank's place in its tensor-parallel group (with the tables mapping its slices
-        // onto the whole model): metadata of the process, like the data index.
-        let tp_rank = tensor_parallel_rank(&llama, comms.tp.as_ref(), cfg.parallel.sp)?;
+            ..
+        } = opened;
+        // The baseline: the process's tables are built, none of the plan's buffers is (see
+        // `rank_tables`). From here on everything allocated is one of them.
         let baseline = alloc::live();
-        let (model, init, tables) = rank_model(&cfg, llama, &comms, tp_rank)?;
-        router_on_device(&model, device_alloc.as_ref())?;
-        let stage = comms.pp.as_ref().map_or(0, |p| p.stage);
-        let (planned, plan_bytes) = alloc::bookkeeping(|| {
-            let at = (n, chunk, stage);
-            let dev = device_alloc.is_some();
-            rank_plan(&spec, &cfg, &kernels, &model, kernel_workspace, at, dev)
-        });
-        let (plan, kernel_workspace, gpu) = planned?;
-        // Plan first: every state's length and the buckets' are the plan's; the trainer lays
-        // the engine's parameters into them (and refuses a model the plan did not count).
-        let dp_comms = comms.dp.map(|c| (c, comms.dp_experts));
-        let st = planned_states(&cfg, &model, dp_comms, comms.ep.is_some(), &plan.states)?;
-        let opt_len = plan.states.opt as usize;
-        // The plan itself (its buffer table and marks, ~28 KB on the default model) and the
-        // stage's tables are the process's bookkeeping, not buffers it lists: they join the
-        // baseline, as measured.
-        let baseline = baseline.saturating_add_signed(plan_bytes + tables);
         if let Some(t) = &mut timeline {
             t.set_baseline(baseline);
         }
-        let pp = comms.pp;
-        if let Some(pp) = &pp {
-            crate::setup::check_slots(&plan, pp, model.config.layers)?;
-        }
+        model.build_rope();
+        let init = initial_values(&cfg, &model);
+        router_on_device(&model, device_alloc.as_ref())?;
+        let opt_len = plan.states.opt as usize;
         // The other in-flight micro-batches' batches (the plan's `data.tokens@s`).
-        let extra = pp.as_ref().map_or(0, |p| p.slots_of(0) as usize - 1);
+        let extra = comms.pp.as_ref().map_or(0, |p| p.slots_of(0) as usize - 1);
         let batches = (0..extra).map(|_| (vec![0; n], vec![0; n])).collect();
         let ([resident, moments, mut weights, grad_region], layouts) = Resident::all(&plan.plan)?;
         // On a device the states are the device allocator's: the host's copy is moved there.
         let home = device_alloc.is_none().then_some(&mut weights);
         let (params, master) = initial_weights(&cfg, &st, opt_len, init, home);
-        let mut mesh = Mesh::new(
-            comms.tp,
-            comms.ep,
-            comms.cp,
-            st.dp,
-            pp,
-            comms.world,
-            cfg.parallel.sp,
-        );
-        // What each group of this rank sends per step, as planned for its stage (one rank
-        // alone sends nothing: no estimate).
-        mesh.plan_bytes(|| planned_bytes(&spec, &cfg, kernel_workspace.max(), stage))?;
+        let mesh = rank_mesh(comms, st.dp, &spec, &cfg, kernel_workspace.max())?;
         let (arena, placed) = Arena::of_plan(&plan.plan, model.config.layers)?;
         let flops_per_token = model_flops_per_token(&spec, cfg.data.seq);
         let hw_flops_per_token =

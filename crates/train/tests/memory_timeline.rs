@@ -140,8 +140,9 @@ fn default_model_timeline_matches_plan_at_every_mark() {
     // scratch `act.sp.full` for each use and gives it back before the mark; the plan used to
     // hold it from the embedding's forward to its backward, 3.94% over the measurement at
     // every mark of `--tp 2 --sp`. Under pipeline parallelism the stage's parameter tables,
-    // which replace tables built before the baseline, left 3D 0.53% under. Every point within
-    // 0.1%, or the 64 KiB of the process's own bookkeeping that no plan lists.
+    // which replaced tables built before the baseline, left 3D 0.53% under (every table of
+    // the process is now built before the baseline, every planned buffer after it). Every
+    // point within 0.1%, or the 64 KiB of the process's own bookkeeping that no plan lists.
     for (dp, tp, cp, pp) in [(1, 2, 1, 1), (1, 2, 2, 1), (2, 2, 1, 2)] {
         let layout = format!("dp {dp} tp {tp} cp {cp} pp {pp} sp");
         let out = common::tmp(&format!("timeline-dp{dp}-tp{tp}-cp{cp}-pp{pp}-sp"));

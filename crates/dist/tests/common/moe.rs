@@ -99,7 +99,7 @@ where
     let (p, cc) = (params.to_vec(), c.clone());
     let ranks = threads::run(ep, Duration::from_secs(60), move |r, comm| {
         let par = ExpertParallel::new(&cc, Rc::new(Group(comm))).map_err(|e| e.to_string())?;
-        let model = build(Llama::expert_parallel(cc.clone(), par));
+        let model = build(Llama::expert_parallel(cc.clone(), par).with_rope());
         let whole = Llama::new(cc.clone());
         // This rank's tensors, by name, from the whole model's.
         let placed: Vec<_> = (model.params.entries.iter())

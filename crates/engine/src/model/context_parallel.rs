@@ -98,6 +98,9 @@ pub struct ContextParallel {
     pub size: usize,
     pub rank: usize,
     comm: Rc<dyn CpComm>,
+    /// This rank's tokens of a sequence (set by [`Llama::context_parallel`]), the rows the
+    /// RoPE table is turned to.
+    pub(super) tokens: usize,
 }
 
 impl std::fmt::Debug for ContextParallel {
@@ -121,6 +124,7 @@ impl ContextParallel {
             size: comm.size(),
             rank: comm.rank(),
             comm,
+            tokens: 0,
         }
     }
 
@@ -184,11 +188,14 @@ struct RingBufs {
 
 impl Llama {
     /// With context parallelism, this model's RoPE table turned to the rank's tokens of
-    /// sequences of `seq` (see [`ContextParallel::rope`]).
-    pub fn context_parallel(mut self, cp: ContextParallel, seq: usize) -> Result<Self, String> {
+    /// sequences of `seq` (see [`ContextParallel::rope`]): now when it is built, else by
+    /// [`Llama::build_rope`].
+    pub fn context_parallel(mut self, mut cp: ContextParallel, seq: usize) -> Result<Self, String> {
         if cp.size > 1 {
-            let t = cp.part().local_len(seq)?;
-            self.rope = cp.rope(&self.rope, t);
+            cp.tokens = cp.part().local_len(seq)?;
+            if self.rope_built() {
+                self.rope = cp.rope(&self.rope, cp.tokens);
+            }
             self.cp = Some(cp);
         }
         Ok(self)
@@ -299,5 +306,70 @@ impl Llama {
         convert(dev, b.block.view().slice(2 * kvl..3 * kvl), dk, S::store);
         convert(dev, b.block.view().slice(3 * kvl..4 * kvl), dv, S::store);
         self.free_ring_bufs(pool, b);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::LlamaConfig;
+
+    /// Rank 1 of a ring of 2 that never sends: only the RoPE turn is under test.
+    struct Rank1;
+    impl CpComm for Rank1 {
+        fn size(&self) -> usize {
+            2
+        }
+        fn rank(&self) -> usize {
+            1
+        }
+        fn send_next(&self, _: View<'_, f32>) {
+            unreachable!("no attention runs here")
+        }
+        fn recv_prev(&self, _: ViewMut<'_, f32>) {
+            unreachable!("no attention runs here")
+        }
+        fn sum(&self, _: &mut [f32]) {
+            unreachable!("no router runs here")
+        }
+    }
+
+    fn config() -> LlamaConfig {
+        LlamaConfig {
+            hidden: 8,
+            intermediate: 12,
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 4,
+            layers: 1,
+            vocab: 10,
+            rope_theta: 10000.0,
+            rms_eps: 1e-5,
+            tie_embeddings: true,
+            qkv_bias: false,
+            max_pos: 16,
+            moe: None,
+        }
+    }
+
+    /// A trainer builds the model's tables, takes its memory baseline, then the RoPE table
+    /// (`Llama::tables`, `Llama::build_rope`): the table it gets is the one a model built at
+    /// once has, turned to the rank's tokens the same under context parallelism, and built
+    /// once (a GPU keys its copy by the table's address).
+    #[test]
+    fn the_rope_table_built_after_the_tables_is_the_one_built_at_once() {
+        let cp = || ContextParallel::new(Rc::new(Rank1));
+        let at_once = Llama::new(config()).context_parallel(cp(), 8).unwrap();
+        let mut later = Llama::tables(config()).context_parallel(cp(), 8).unwrap();
+        assert!(later.rope.cos.is_empty() && !later.rope_built());
+        later.build_rope();
+        assert_eq!(later.rope.cos, at_once.rope.cos);
+        assert_eq!(later.rope.sin, at_once.rope.sin);
+        // The turn moved rows: rank 1's first token is not position 0.
+        let whole = Llama::new(config());
+        assert_ne!(later.rope.cos, whole.rope.cos);
+        let at = later.rope.cos.as_ptr();
+        later.build_rope();
+        assert_eq!(later.rope.cos.as_ptr(), at, "built twice");
     }
 }

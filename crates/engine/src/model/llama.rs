@@ -116,10 +116,31 @@ fn opt<'a, S>(params: &'a dyn ParamBuf<S>, r: &Option<Range<usize>>) -> Option<V
 }
 
 impl Llama {
+    /// The model with its RoPE table: ready to run.
     pub fn new(config: LlamaConfig) -> Self {
+        Self::tables(config).with_rope()
+    }
+
+    /// `self` with its RoPE table built ([`Self::build_rope`]).
+    pub fn with_rope(mut self) -> Self {
+        self.build_rope();
+        self
+    }
+
+    /// The model's tables (its parameter table, the planner's description) without its one
+    /// buffer, the RoPE table, which [`Self::build_rope`] makes. A trainer builds the tables,
+    /// takes its memory baseline, then builds the table the memory plan lists (`rope.cos`,
+    /// `rope.sin`): what it measures is then the plan's buffers and not the process's tables.
+    pub fn tables(config: LlamaConfig) -> Self {
         config.validate().expect("invalid LlamaConfig");
         let params = ParamTable::new(&config);
-        let rope = RopeTable::new(config.head_dim, config.max_pos, config.rope_theta);
+        // Not built yet: no positions, nothing allocated.
+        let rope = RopeTable {
+            head_dim: config.head_dim,
+            max_pos: config.max_pos,
+            cos: Vec::new(),
+            sin: Vec::new(),
+        };
         let spec = config.spec();
         Llama {
             spec,
@@ -139,13 +160,43 @@ impl Llama {
         }
     }
 
+    /// Builds the RoPE table (turned to this rank's tokens under context parallelism), unless
+    /// it is built: a GPU backend keys its device copy by the table's address, so a table once
+    /// uploaded is never replaced.
+    pub fn build_rope(&mut self) {
+        if self.rope_built() {
+            return;
+        }
+        let c = &self.config;
+        let full = RopeTable::new(c.head_dim, c.max_pos, c.rope_theta);
+        self.rope = match &self.cp {
+            Some(cp) => cp.rope(&full, cp.tokens),
+            None => full,
+        };
+    }
+
+    /// Whether [`Self::build_rope`] has run (a model without positions has nothing to build).
+    pub fn rope_built(&self) -> bool {
+        !self.rope.cos.is_empty() || self.config.max_pos == 0
+    }
+
+    /// The RoPE table the attention reads; a model run before [`Self::build_rope`] is a bug of
+    /// its builder, said here rather than as an index out of bounds in a kernel.
+    fn rope_table(&self) -> &RopeTable {
+        assert!(
+            self.rope_built(),
+            "internal: the model's RoPE table is not built (Llama::build_rope)"
+        );
+        &self.rope
+    }
+
     /// One rank of an expert-parallel group: the whole model but only its experts
-    /// (`super::expert_parallel`).
+    /// (`super::expert_parallel`); its tables only, as [`Self::tables`].
     pub fn expert_parallel(
         config: LlamaConfig,
         ep: super::expert_parallel::ExpertParallel,
     ) -> Self {
-        let mut m = Llama::new(config);
+        let mut m = Llama::tables(config);
         let local = ep.local();
         let held = &|e: u64| local.contains(&(e as usize));
         m.params = ParamTable::holding_experts(&m.config, &|_| true, held);
@@ -160,10 +211,11 @@ impl Llama {
     }
 
     /// One rank's part of a tensor-parallel model (`super::tensor_parallel`): its slice of the
-    /// config, parameters of the slice's shapes, and the group's collectives.
+    /// config, parameters of the slice's shapes, and the group's collectives; its tables only,
+    /// as [`Self::tables`].
     pub fn tensor_parallel(tp: TensorParallel) -> Result<Self, super::ModelError> {
         let local = super::tensor_parallel::shard_config(&tp.full, tp.size)?;
-        let mut m = Llama::new(local);
+        let mut m = Llama::tables(local);
         m.spec = tp.full.spec();
         m.tp = (tp.size > 1).then_some(tp);
         Ok(m)
@@ -494,7 +546,10 @@ impl Llama {
             heads,
             head_dim: cfg.head_dim,
         };
-        let rope = cache.as_deref().map_or(&self.rope, KvCache::rope);
+        let rope = match cache.as_deref() {
+            Some(c) => c.rope(),
+            None => self.rope_table(),
+        };
         k.rope_forward(rs(cfg.heads), rope, q.view_mut());
         k.rope_forward(rs(cfg.kv_heads), rope, kk.view_mut());
         let ashape = self.attn_shape(batch);
@@ -1034,8 +1089,8 @@ impl Llama {
             heads,
             head_dim: cfg.head_dim,
         };
-        k.rope_backward(rs(cfg.heads), &self.rope, sc.q.view_mut());
-        k.rope_backward(rs(cfg.kv_heads), &self.rope, sc.k.view_mut());
+        k.rope_backward(rs(cfg.heads), self.rope_table(), sc.q.view_mut());
+        k.rope_backward(rs(cfg.kv_heads), self.rope_table(), sc.k.view_mut());
         let x1 = self.gathered_rows(a.ln1_out.view(), full.as_mut());
         weight_grad(k, lin(c, qd), sc.q.view(), x1, grads, &li.wq, &li.bq);
         weight_grad(k, lin(c, kvd), sc.k.view(), x1, grads, &li.wk, &li.bk);

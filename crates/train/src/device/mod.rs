@@ -186,15 +186,21 @@ fn cuda(gpu: usize) -> Result<(Backend, Option<Arc<dyn DeviceAlloc>>)> {
 /// CPU is the gemm library's measured scratch), allocated now so no step allocates it; with
 /// the GPU's description for the start-up line and its dense peak FLOP/s for `precision`
 /// from the planner's table (`None` for a GPU it does not list). `None` off the GPU.
+///
+/// On a GPU the model's RoPE table is built here: the workspace holds its device copy, keyed
+/// by the host table's address, so the table the steps read must exist when it is counted.
+/// That is before the trainer's host baseline, which a GPU rank does not measure against
+/// (its peak is the device allocator's).
 pub fn gpu_workspace(
     b: &Backend,
-    model: &Llama,
+    model: &mut Llama,
     rows: usize,
     tokens: usize,
     precision: Precision,
 ) -> Option<(u64, String, Option<f64>)> {
     #[cfg(feature = "cuda")]
     if let Backend::Cuda(k) = b {
+        model.build_rope();
         let c = &model.config;
         let staging = match precision {
             Precision::Fp32 => 0,

@@ -231,16 +231,6 @@ pub fn installed() -> bool {
     INSTALLED.load(Relaxed)
 }
 
-/// Runs `f`, which builds only tables of the process (a plan, a parameter map): no buffer the
-/// plan lists. Returns its result and the live bytes it left behind, signed (a table that
-/// replaces a larger one frees bytes), for the baseline: the measurement then counts only
-/// the plan's buffers whatever bookkeeping came and went after the baseline was taken.
-pub fn bookkeeping<T>(f: impl FnOnce() -> T) -> (T, i64) {
-    let before = live() as i64;
-    let out = f();
-    (out, live() as i64 - before)
-}
-
 #[cfg(test)]
 mod tests {
     /// This test binary runs on the system allocator: the probe must say so, however much the

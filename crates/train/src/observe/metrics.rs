@@ -19,7 +19,8 @@ pub struct StepMetrics {
     pub hfu: f64,
     pub step_ms: f64,
     /// Live heap bytes of the training state at its highest during this step, over the
-    /// process baseline taken before the model was built.
+    /// process baseline taken once the rank's tables (its plan, the model's parameter tables)
+    /// are built and before any buffer its plan lists is.
     pub mem_peak_measured: u64,
     pub mem_peak_planned: u64,
     /// On a GPU: the device's memory in use at the end of the step by the driver's count

@@ -1,7 +1,8 @@
 //! What [`Trainer::new`] assembles, piece by piece, in the order the memory accounting needs
-//! (the backend and the observability buffers before the baseline, the model and its weights
-//! after): the backend, the rank's model, data parallelism's buckets and ZeRO shard, the runs
-//! of parameters the optimizer updates, the initial weights.
+//! (the backend, the observability buffers and the rank's tables — its model's, its plan, its
+//! states' layout — before the baseline, every buffer the plan lists after): the backend, the
+//! rank's model, data parallelism's buckets and ZeRO shard, the runs of parameters the
+//! optimizer updates, the initial weights, the mesh.
 
 use super::*;
 use ferrotron_plan::dp_layout::StateLens;
@@ -99,20 +100,90 @@ pub(super) fn open_backend(
     })
 }
 
+/// What a rank builds before its memory baseline: the process's tables, and no buffer its
+/// plan lists. Everything the plan lists is allocated after the baseline, so the measured
+/// peak counts the plan's buffers and nothing the plan was built from (the plan before the
+/// allocation).
+pub(super) struct Tables {
+    /// The rank's model: its parameter table, its stage's and its slices' maps; its RoPE
+    /// table (the plan's `rope.cos`, `rope.sin`) is built after the baseline.
+    pub model: Llama,
+    pub plan: RankPlan,
+    /// The kernel workspace the plan includes (a GPU's own on a GPU).
+    pub kernel_workspace: KernelWorkspace,
+    pub gpu: GpuWorkspace,
+    /// Data parallelism's bucket layout and shards, ZeRO's windows, the optimizer's runs.
+    pub st: PlannedStates,
+}
+
+/// The rank's [`Tables`]: its model, its plan (the model checked against it) and the states'
+/// layout in the plan's lengths, over `o`'s backend; takes the data-parallel communicators
+/// out of `comms`.
+///
+/// Why the model's RoPE table is left out rather than the plan built from the spec before the
+/// model: the model build is where the parameter map and the stage tables come from, which
+/// are tables like the plan, so whatever the order of plan and model one planned buffer of the
+/// build would still fall before the baseline; the table is the model's only buffer, so
+/// building it apart ([`Llama::tables`], then [`Llama::build_rope`]) is the one split needed,
+/// and the plan keeps checking the model it describes as it is built.
+pub(super) fn rank_tables(
+    spec: &ModelSpec,
+    cfg: &TrainConfig,
+    llama: LlamaConfig,
+    comms: &mut Comms,
+    o: &Opened,
+) -> Result<Tables> {
+    // This rank's place in its tensor-parallel group (with the tables mapping its slices
+    // onto the whole model).
+    let tp_rank = tensor_parallel_rank(&llama, comms.tp.as_ref(), cfg.parallel.sp)?;
+    let mut model = rank_model(cfg, llama, comms, tp_rank)?;
+    let stage = comms.pp.as_ref().map_or(0, |p| p.stage);
+    let at = (o.n, o.chunk, stage);
+    let on_device = o.device_alloc.is_some();
+    let (kernels, ws) = (&o.kernels, o.kernel_workspace);
+    let (plan, kernel_workspace, gpu) =
+        rank_plan(spec, cfg, kernels, &mut model, ws, at, on_device)?;
+    if let Some(pp) = &comms.pp {
+        crate::setup::check_slots(&plan, pp, model.config.layers)?;
+    }
+    // Plan first: every state's length and the buckets' are the plan's; the trainer lays
+    // the engine's parameters into them (and refuses a model the plan did not count).
+    let dp = comms.dp.take().map(|c| (c, comms.dp_experts.take()));
+    let st = planned_states(cfg, &model, dp, comms.ep.is_some(), &plan.states)?;
+    Ok(Tables {
+        model,
+        plan,
+        kernel_workspace,
+        gpu,
+        st,
+    })
+}
+
+/// The rank's mesh: its groups (`comms`' with data parallelism's `dp`, which the states'
+/// layout holds), with what each sends per step as planned for its stage (one rank alone
+/// sends nothing: no estimate); `kernel_workspace`: the plan's.
+pub(super) fn rank_mesh(
+    comms: Comms,
+    dp: Option<DataParallel>,
+    spec: &ModelSpec,
+    cfg: &TrainConfig,
+    kernel_workspace: u64,
+) -> Result<Mesh> {
+    let stage = comms.pp.as_ref().map_or(0, |p| p.stage);
+    let (tp, ep, cp, pp, world) = (comms.tp, comms.ep, comms.cp, comms.pp, comms.world);
+    let mut mesh = Mesh::new(tp, ep, cp, dp, pp, world, cfg.parallel.sp);
+    mesh.plan_bytes(|| planned_bytes(spec, cfg, kernel_workspace, stage))?;
+    Ok(mesh)
+}
+
 /// The rank's model (its tensor-parallel slice, its experts, its pipeline stage, its share of
-/// the context), its initial weights in the model's flat order, and the bytes its stage's
-/// parameter tables left behind (signed: they replace tables built before the baseline, the
-/// tensor-parallel rank's map), which are bookkeeping, not planned buffers.
-pub(super) fn rank_model(
+/// the context): its tables, the RoPE table not built ([`Llama::tables`]).
+fn rank_model(
     cfg: &TrainConfig,
     llama: LlamaConfig,
     comms: &Comms,
     tp_rank: Option<TensorParallel>,
-) -> Result<(Llama, Vec<f32>, i64)> {
-    // Initialisation of HF Llama: N(0, 0.02²) matrices, unit norms, zero biases; under mixed
-    // precision that is the fp32 master copy, and the weights are it rounded. A tensor-
-    // parallel rank takes its slice of the same weights.
-    let whole_init = Llama::new(llama.clone()).params.init(cfg.data.seed, 0.02);
+) -> Result<Llama> {
     let layers = llama.layers as u64;
     let model = match (tp_rank, &comms.ep) {
         (Some(tp), _) => Llama::tensor_parallel(tp)?,
@@ -121,7 +192,7 @@ pub(super) fn rank_model(
             let par = ExpertParallel::new(&llama, group)?;
             Llama::expert_parallel(llama, par)
         }
-        (None, None) => Llama::new(llama),
+        (None, None) => Llama::tables(llama),
     };
     // A pipeline stage holds its layers (and the embedding or the head), as the planner
     // splits them.
@@ -129,15 +200,14 @@ pub(super) fn rank_model(
     let layout = cfg.parallel.clone();
     let held = move |p| layout.stage_of(p, layers) == stage as u64;
     let stages = cfg.parallel.pp as usize;
-    let (model, tables) =
-        alloc::bookkeeping(|| model.pipeline_stage(Stage { stage, stages }, &held));
     let model = model
+        .pipeline_stage(Stage { stage, stages }, &held)
         .with_ce_chunk_tokens(cfg.runtime.ce_chunk as usize)
         .with_recompute(cfg.runtime.recompute)
         .with_capacity_factor(cfg.model.capacity_factor);
     // Context parallelism: attention as a ring over the group, RoPE at this rank's
-    // positions.
-    let model = match &comms.cp {
+    // positions (turned when the table is built).
+    Ok(match &comms.cp {
         Some(cp) => {
             let ring: Rc<dyn CpComm> = cp.clone();
             let seq = cfg.data.seq as usize;
@@ -146,10 +216,19 @@ pub(super) fn rank_model(
                 .map_err(anyhow::Error::msg)?
         }
         None => model,
-    };
-    let init = tpar::slice_of(&model, &whole_init);
-    drop(whole_init);
-    Ok((model, init, tables))
+    })
+}
+
+/// The rank's initial weights in the model's flat order. Initialisation of HF Llama:
+/// N(0, 0.02²) matrices, unit norms, zero biases; under mixed precision that is the fp32 master
+/// copy, and the weights are it rounded. A rank holding part of the model (a tensor-parallel
+/// slice, a stage, some experts) takes its part of the whole model's same weights.
+pub(super) fn initial_values(cfg: &TrainConfig, model: &Llama) -> Vec<f32> {
+    let whole = model.whole_table().init(cfg.data.seed, 0.02);
+    match model.part() {
+        Some(_) => tpar::slice_of(model, &whole),
+        None => whole,
+    }
 }
 
 /// What the trainer lays into the plan's lengths: data parallelism (buckets and shards), ZeRO's
@@ -166,7 +245,7 @@ type DpComms = (Box<dyn Communicator>, Option<Box<dyn Communicator>>);
 
 /// [`PlannedStates`] of `model` in the plan's `lens`, with data parallelism over `dp` (its
 /// dense and routed experts' communicators) when there is any.
-pub(super) fn planned_states(
+fn planned_states(
     cfg: &TrainConfig,
     model: &Llama,
     dp: Option<DpComms>,
@@ -322,7 +401,7 @@ pub(super) fn initial_weights(
 
 /// This rank's place in its tensor-parallel group (with the tables mapping its slices onto
 /// the whole model): metadata of the process, like the data index.
-pub(super) fn tensor_parallel_rank(
+fn tensor_parallel_rank(
     llama: &LlamaConfig,
     tp: Option<&Rc<Group>>,
     sp: bool,
@@ -353,16 +432,16 @@ pub(super) fn router_on_device(
 }
 
 /// The GPU workspace a device reserves.
-type GpuWorkspace = Option<(u64, String, Option<f64>)>;
+pub(super) type GpuWorkspace = Option<(u64, String, Option<f64>)>;
 
 /// The rank's memory plan (its model checked against the plan's), with the kernel workspace
 /// it includes and the GPU's workspace and peak when the step runs on one. `at`: this rank's
 /// tokens of a micro-batch, the cross-entropy's chunk, its pipeline stage.
-pub(super) fn rank_plan(
+fn rank_plan(
     spec: &ModelSpec,
     cfg: &TrainConfig,
     kernels: &Tracing<Backend>,
-    model: &Llama,
+    model: &mut Llama,
     kernel_workspace: KernelWorkspace,
     (n, chunk, stage): (usize, usize, usize),
     on_device: bool,
