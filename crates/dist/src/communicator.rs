@@ -307,6 +307,8 @@ impl Channel {
     }
 
     fn wait(self) -> Result<Region<f32>> {
+        // The channel's waiting (its waker's entry) is the backend's own (`internals`).
+        let _internals = crate::backends::internals::BackendInternals::enter();
         if let Some(r) = self.done.borrow_mut().take() {
             return r;
         }
@@ -324,6 +326,7 @@ impl Channel {
     }
 
     fn is_done(&self) -> bool {
+        let _internals = crate::backends::internals::BackendInternals::enter();
         let mut done = self.done.borrow_mut();
         if done.is_none() {
             match self.rx.try_recv() {

@@ -706,8 +706,13 @@ impl DataParallel {
     }
 
     /// Every rank's `(planned, measured)` bytes, rank order.
-    pub fn gather_mem(&mut self, mine: [u64; 3]) -> Result<Vec<[u64; 3]>> {
-        gather_mem(self.group.comm.as_ref(), &mut self.small.borrow_mut(), mine)
+    pub fn gather_mem(&mut self, mine: [u64; 3], out: &mut Vec<[u64; 3]>) -> Result<()> {
+        gather_mem(
+            self.group.comm.as_ref(),
+            &mut self.small.borrow_mut(),
+            mine,
+            out,
+        )
     }
 }
 

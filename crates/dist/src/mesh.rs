@@ -26,6 +26,9 @@ pub struct Mesh {
     pub pp: Option<Pipeline>,
     /// With the model split over ranks, every rank (for `rank_mem`), and a small buffer for it.
     world: Option<(Box<dyn Communicator>, crate::Region<f32>)>,
+    /// Every rank's memory as `gather_mem` last gathered it: sized for the ranks it gathers
+    /// over when the mesh is built, so a step allocates nothing for it.
+    mems: Vec<[u64; 3]>,
     /// The planner's bytes per step and rank of each dimension this rank sends in.
     planned: [Option<u64>; 5],
     /// Sequence parallelism: the norms' gradients are partial on each tensor-parallel rank.
@@ -55,6 +58,11 @@ impl Mesh {
         sp: bool,
     ) -> Self {
         let groups = [(Dim::Tp, tp), (Dim::Ep, ep), (Dim::Cp, cp)];
+        let ranks = match (&world, &dp) {
+            (Some(w), _) => w.size(),
+            (None, Some(d)) => d.size(),
+            (None, None) => 0,
+        };
         Mesh {
             groups: (groups.into_iter())
                 .filter_map(|(d, g)| Some((d, g?)))
@@ -62,6 +70,7 @@ impl Mesh {
             dp,
             pp,
             world: world.map(|w| (w, Default::default())),
+            mems: Vec::with_capacity(ranks),
             planned: [None; 5],
             sp,
         }
@@ -154,12 +163,14 @@ impl Mesh {
 
     /// Every rank's `[planned, measured, workspace]` bytes (over the world when the model is
     /// split, else over the data-parallel group; `None` alone).
-    pub fn gather_mem(&mut self, mine: [u64; 3]) -> Result<Option<Vec<[u64; 3]>>> {
-        Ok(match (&mut self.world, &mut self.dp) {
-            (Some((w, small)), _) => Some(crate::small_sums::gather_mem(w.as_ref(), small, mine)?),
-            (None, Some(dp)) => Some(dp.gather_mem(mine)?),
-            (None, None) => None,
-        })
+    pub fn gather_mem(&mut self, mine: [u64; 3]) -> Result<Option<&[[u64; 3]]>> {
+        let out = &mut self.mems;
+        match (&mut self.world, &mut self.dp) {
+            (Some((w, small)), _) => crate::small_sums::gather_mem(w.as_ref(), small, mine, out)?,
+            (None, Some(dp)) => dp.gather_mem(mine, out)?,
+            (None, None) => return Ok(None),
+        }
+        Ok(Some(out))
     }
 
     /// Waits for every rank (nothing alone).

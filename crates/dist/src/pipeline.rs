@@ -63,6 +63,9 @@ pub struct Pipeline {
     pub waits: Vec<(Instant, Instant)>,
     /// On a device: the copies between the stage's tensors and the host buffers.
     device: Option<HostCopy>,
+    /// The trainer's table of the micro-batches in flight on this stage (its type is the
+    /// trainer's; empty between steps), kept from step to step so a step allocates none.
+    pub in_flight: Option<Box<dyn std::any::Any>>,
 }
 
 impl Pipeline {
@@ -97,6 +100,7 @@ impl Pipeline {
             span: Duration::ZERO,
             waits: Vec::with_capacity(4 * m as usize * layout.pp_virtual as usize + 8),
             device: None,
+            in_flight: None,
         }
     }
 

@@ -32,17 +32,21 @@ pub fn gather_mem(
     comm: &dyn Communicator,
     small: &mut Region<f32>,
     mine: [u64; 3],
-) -> Result<Vec<[u64; 3]>> {
+    out: &mut Vec<[u64; 3]>,
+) -> Result<()> {
     let mut halves = [0f32; 6];
     for (h, b) in halves.chunks_mut(2).zip(mine) {
         h.copy_from_slice(&[(b >> 24) as f32, (b & 0xFF_FFFF) as f32]);
     }
     let all = gather_small(comm, small, &halves, "memory")?;
     let join = |h: &[f32]| ((h[0] as u64) << 24) | h[1] as u64;
-    Ok(all
-        .chunks(6)
-        .map(|c| [join(&c[0..2]), join(&c[2..4]), join(&c[4..6])])
-        .collect())
+    // Into the caller's reused buffer (sized for the group when it was built).
+    out.clear();
+    out.extend(
+        all.chunks(6)
+            .map(|c| [join(&c[0..2]), join(&c[2..4]), join(&c[4..6])]),
+    );
+    Ok(())
 }
 
 /// A group that sums a few per-rank values: its communicator and the buffer it gathers them

@@ -40,6 +40,10 @@ struct Shared {
     steps: HashMap<usize, u64>,
 }
 
+/// Waits (and ranks) the tables hold before they grow: a rank's thread waits on one operation
+/// at a time, and a process runs at most a few hundred ranks as threads.
+const WAITS: usize = 256;
+
 static STATE: OnceLock<Mutex<Option<Shared>>> = OnceLock::new();
 
 fn state() -> std::sync::MutexGuard<'static, Option<Shared>> {
@@ -56,7 +60,13 @@ pub fn start(timeout: Duration, expire: Expire) {
     let first = s.is_none();
     let (next, waits, steps) = match s.take() {
         Some(old) => (old.next, old.waits, old.steps),
-        None => (0, HashMap::new(), HashMap::new()),
+        // Room for every rank thread of a process waiting at once: a wait armed on the step's
+        // hot path then never grows the table (freed entries are reused in place).
+        None => (
+            0,
+            HashMap::with_capacity(WAITS),
+            HashMap::with_capacity(WAITS),
+        ),
     };
     *s = Some(Shared {
         timeout,

@@ -211,6 +211,26 @@ fn bf16_products(c: &TrainConfig) -> bool {
 /// `ferrotron train`: one rank, or with `--dp N` N ranks as threads of this process (the
 /// threads backend), each training its slice of every global batch; rank 0 writes the outputs.
 pub fn run(args: TrainArgs) -> Result<RunSummary> {
+    run_observed(args, None)
+}
+
+/// An edge of one rank's optimizer step, as a [`StepHook`] sees it: `step` is the step's
+/// number (1 for the first), `done` false just before `Trainer::train_step` and true just
+/// after it returned.
+#[derive(Debug, Clone, Copy)]
+pub struct StepEdge {
+    pub rank: usize,
+    pub step: u64,
+    pub done: bool,
+}
+
+/// Called on each rank's own thread at both edges of each of its steps: what a test of the
+/// step needs to look at that thread's work alone (`tests/step_hot_path.rs` counts the heap
+/// allocations a step makes).
+pub type StepHook = std::sync::Arc<dyn Fn(StepEdge) + Send + Sync>;
+
+/// [`run`], calling `hook` around every rank's every step.
+pub fn run_observed(args: TrainArgs, hook: Option<StepHook>) -> Result<RunSummary> {
     ferrotron_engine::kernels::cpu::gemm_select::check_env().map_err(anyhow::Error::msg)?;
     crate::memory::heap::keep_library_blocks();
     // The `--config` file is read once, here; the ranks get the merged flags.
@@ -245,12 +265,12 @@ pub fn run(args: TrainArgs) -> Result<RunSummary> {
     layout_checks::check_layout(&args, saved.as_ref(), &layout, world)?;
     if use_mpi(args.comm.unwrap_or(CommBackend::Auto), dp)? {
         #[cfg(feature = "mpi")]
-        return run_mpi(args, saved, &layout);
+        return run_mpi(args, saved, &layout, hook.as_ref());
     }
     if world <= 1 {
-        return run_rank(args, saved, None);
+        return run_rank(args, saved, None, hook.as_ref());
     }
-    let results = run_threads(args, saved, world)?;
+    let results = run_threads(args, saved, world, hook)?;
     let mut summary = None;
     for (rank, r) in results.into_iter().enumerate() {
         match r {
@@ -269,6 +289,7 @@ fn run_threads(
     args: TrainArgs,
     saved: Option<checkpoint::Loaded>,
     world: usize,
+    hook: Option<StepHook>,
 ) -> Result<Vec<Result<RunSummary, String>>> {
     // The ranks share this machine's cores: each computes on its share of the threads and has
     // its share of the machine's matmul peak (measured once, on every thread), so MFU is
@@ -305,7 +326,10 @@ fn run_threads(
             .build()
             .map_err(|e| format!("rank {rank}: thread pool: {e}"))?;
         let saved = saved.clone();
-        pool.install(|| run_rank(args.clone(), saved, Some(ctx)).map_err(|e| format!("{e:#}")))
+        let hook = hook.as_ref();
+        pool.install(|| {
+            run_rank(args.clone(), saved, Some(ctx), hook).map_err(|e| format!("{e:#}"))
+        })
     });
     Ok(results)
 }
@@ -377,6 +401,7 @@ fn run_mpi(
     args: TrainArgs,
     saved: Option<checkpoint::Loaded>,
     layout: &ferrotron_plan::Layout,
+    hook: Option<&StepHook>,
 ) -> Result<RunSummary> {
     use ferrotron_dist::Communicator;
     let comm = ferrotron_dist::mpi::MpiComm::world().map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -418,7 +443,7 @@ fn run_mpi(
             as Box<dyn Communicator>,
         peak_gflops: None,
     });
-    let summary = run_rank(args, saved, ctx)?;
+    let summary = run_rank(args, saved, ctx, hook)?;
     ferrotron_dist::mpi::finalize().map_err(|e| anyhow::anyhow!("{e}"))?;
     Ok(summary)
 }
@@ -529,6 +554,7 @@ fn run_rank(
     args: TrainArgs,
     loaded: Option<checkpoint::Loaded>,
     ctx: Option<RankCtx>,
+    hook: Option<&StepHook>,
 ) -> Result<RunSummary> {
     let rank = ctx.as_ref().map_or(0, |c| c.rank);
     // Only rank 0 speaks and writes.
@@ -601,7 +627,22 @@ fn run_rank(
     // Steps skipped in a row for a non-finite loss or gradient (fp32, bf16).
     let mut skipped_run = 0u64;
     while t.step < last_step {
+        let step = t.step + 1;
+        if let Some(h) = hook {
+            h(StepEdge {
+                rank,
+                step,
+                done: false,
+            });
+        }
         let mut out = t.train_step()?;
+        if let Some(h) = hook {
+            h(StepEdge {
+                rank,
+                step,
+                done: true,
+            });
+        }
         let how = (rank, quiet, tty);
         rank::count_non_finite(&t, &out, &mut skipped_run, &cfg, how)?;
         let last = t.step == last_step;

@@ -5,6 +5,7 @@
 //! the engine's CUDA backend).
 
 mod host_side;
+pub mod internals;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 #[cfg(feature = "cuda")]

@@ -13,6 +13,7 @@
 //! with [`CommError::PeerFailed`] naming it. A rank that stops without a word is caught by the
 //! timeout.
 
+use super::internals::BackendInternals;
 use crate::communicator::{
     host, host_mut, host_region, CommError, Communicator, Pending, Region, Result, View, ViewMut,
 };
@@ -375,14 +376,20 @@ impl ThreadComm {
         mine: Region<f32>,
         result: impl FnOnce(&mut Slots, usize) -> Option<Region<f32>> + Send + 'static,
     ) -> Pending {
+        // The job's box, its queue's blocks and the completion channel: the backend's own
+        // (`internals`), as a real MPI's requests are.
+        let _internals = BackendInternals::enter();
         let (tx, rx) = mpsc::channel();
         let (me, rank) = (self.me, self.world_rank);
         // Every collective but broadcast needs the same length from every rank.
         let equal = name != "broadcast";
         let job: Job = Box::new(move |w, ex| {
             let r = meet(w, ex, me, rank, name, mine, |s| {
-                let lens: Vec<usize> = s.iter().flatten().map(|s| s.len()).collect();
-                if equal && lens.iter().any(|&l| l != lens[0]) {
+                // Compared in place: the lengths are collected only for the error's message.
+                let mut lens = s.iter().flatten().map(|s| s.len());
+                let first = lens.next();
+                if equal && lens.any(|l| Some(l) != first) {
+                    let lens: Vec<usize> = s.iter().flatten().map(|s| s.len()).collect();
                     return Err(CommError::Usage {
                         rank,
                         op: name,
@@ -465,6 +472,8 @@ impl ThreadComm {
     }
 }
 
+// Each operation marks what it allocates (its copies of the caller's buffer, its job) as the
+// backend's own (`internals`): an MPI library's calls allocate inside as well.
 impl Communicator for ThreadComm {
     fn split_group(&self, members: &[usize]) -> Result<Box<dyn Communicator>> {
         Ok(Box::new(self.split(members)?))
@@ -478,6 +487,7 @@ impl Communicator for ThreadComm {
     }
 
     fn all_reduce_sum(&self, buf: ViewMut<'_, f32>) -> Result<()> {
+        let _internals = BackendInternals::enter();
         let buf = host_mut(buf, self.world_rank, "all_reduce_sum")?;
         let out = self.submit("all_reduce_sum", buf.to_vec().into(), |s, me| {
             sum_in_place(s, me);
@@ -489,6 +499,7 @@ impl Communicator for ThreadComm {
     }
 
     fn reduce_scatter_sum(&self, send: View<'_, f32>, recv: ViewMut<'_, f32>) -> Result<()> {
+        let _internals = BackendInternals::enter();
         let send = host(send, self.world_rank, "reduce_scatter_sum")?;
         let recv = host_mut(recv, self.world_rank, "reduce_scatter_sum")?;
         let b = recv.len();
@@ -502,6 +513,7 @@ impl Communicator for ThreadComm {
     }
 
     fn all_gather(&self, send: View<'_, f32>, recv: ViewMut<'_, f32>) -> Result<()> {
+        let _internals = BackendInternals::enter();
         let send = host(send, self.world_rank, "all_gather")?;
         let recv = host_mut(recv, self.world_rank, "all_gather")?;
         shapes::all_gather(self.size(), send.len(), recv.len())
@@ -515,6 +527,7 @@ impl Communicator for ThreadComm {
     }
 
     fn broadcast(&self, buf: ViewMut<'_, f32>, root: usize) -> Result<()> {
+        let _internals = BackendInternals::enter();
         let buf = host_mut(buf, self.world_rank, "broadcast")?;
         shapes::member(self.size(), root, "root").map_err(|e| self.usage("broadcast", e))?;
         let mine = if self.me == root {
@@ -539,6 +552,7 @@ impl Communicator for ThreadComm {
     }
 
     fn all_to_all(&self, send: View<'_, f32>, recv: ViewMut<'_, f32>) -> Result<()> {
+        let _internals = BackendInternals::enter();
         let send = host(send, self.world_rank, "all_to_all")?;
         let recv = host_mut(recv, self.world_rank, "all_to_all")?;
         let p = self.size();
@@ -553,6 +567,7 @@ impl Communicator for ThreadComm {
     }
 
     fn send(&self, buf: View<'_, f32>, dst: usize, tag: u32) -> Result<()> {
+        let _internals = BackendInternals::enter();
         let buf = host(buf, self.world_rank, "send")?;
         shapes::member(self.size(), dst, "destination").map_err(|e| self.usage("send", e))?;
         let to = self.members[dst];
@@ -564,6 +579,7 @@ impl Communicator for ThreadComm {
     }
 
     fn send_start(&self, buf: Region<f32>, dst: usize, tag: u32) -> Pending {
+        let _internals = BackendInternals::enter();
         if let Err(e) = host_region(&buf, self.world_rank, "send_start") {
             return self.failed(e);
         }
@@ -581,6 +597,7 @@ impl Communicator for ThreadComm {
     }
 
     fn recv(&self, buf: ViewMut<'_, f32>, src: usize, tag: u32) -> Result<()> {
+        let _internals = BackendInternals::enter();
         let buf = host_mut(buf, self.world_rank, "recv")?;
         shapes::member(self.size(), src, "source").map_err(|e| self.usage("recv", e))?;
         let from = self.members[src];
@@ -608,6 +625,7 @@ impl Communicator for ThreadComm {
     }
 
     fn barrier(&self) -> Result<()> {
+        let _internals = BackendInternals::enter();
         self.submit("barrier", Region::default(), |_, _| None)
             .wait()
             .map(drop)

@@ -18,6 +18,7 @@ use ferrotron_plan::memory::{Category, Op, Phase};
 use ferrotron_plan::tensors::{Edge, LayerTensor};
 use ferrotron_plan::MemoryPlan;
 use std::alloc::Layout;
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::ptr::NonNull;
 use std::sync::Arc;
@@ -142,6 +143,7 @@ impl Arena {
     }
 
     fn alloc_region(&self) -> NonNull<u8> {
+        let _planned = PlannedRegion::enter();
         match &self.device {
             Some(d) => d.alloc(self.layout.size()).unwrap_or_else(|e| {
                 panic!(
@@ -337,5 +339,34 @@ mod tests {
         let q = BufName::Layer(1, LayerTensor::Q);
         a.place(q, bytes(&p, q));
         a.place(q, bytes(&p, q));
+    }
+}
+
+thread_local! {
+    /// Whether this thread is allocating an arena's region.
+    static PLACING: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether this thread is allocating an activation arena's region: the plan's own allocation,
+/// once per micro-batch at exactly the planned size (see the module comment), which the step's
+/// hot-path test (`tests/step_hot_path.rs`) tells apart from memory no plan lists. (Reading it
+/// never allocates, so a global allocator may ask.)
+pub fn in_arena_region() -> bool {
+    PLACING.with(Cell::get)
+}
+
+/// Marks this thread's allocation as an arena's region while it lives.
+struct PlannedRegion(());
+
+impl PlannedRegion {
+    fn enter() -> Self {
+        PLACING.with(|c| c.set(true));
+        PlannedRegion(())
+    }
+}
+
+impl Drop for PlannedRegion {
+    fn drop(&mut self) {
+        PLACING.with(|c| c.set(false));
     }
 }

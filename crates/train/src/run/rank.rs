@@ -268,6 +268,12 @@ pub(super) fn print_progress(t: &Trainer, out: &StepOutput, cfg: &TrainConfig, p
     } = *p;
     let last = t.step == last_step;
     let m = &out.metrics;
+    let shown = !quiet
+        && (m.val_loss.is_some() || t.step.is_multiple_of(10) || t.step == first_step + 1 || last);
+    // The line is made only when it is printed (a quiet rank's steps format nothing).
+    if !tty && !shown {
+        return;
+    }
     let done = (t.step - first_step) as f64;
     let eta = started.elapsed().as_secs_f64() / done * (last_step - t.step) as f64;
     let val = m
@@ -290,9 +296,7 @@ pub(super) fn print_progress(t: &Trainer, out: &StepOutput, cfg: &TrainConfig, p
         if m.val_loss.is_some() {
             eprintln!();
         }
-    } else if !quiet
-        && (m.val_loss.is_some() || t.step.is_multiple_of(10) || t.step == first_step + 1 || last)
-    {
+    } else {
         eprintln!("{line}");
     }
 }

@@ -71,7 +71,15 @@ impl Trainer {
         let batch = self.batch();
         let last_mb = self.cfg.data.grad_acc - 1;
         let width = (0..pp.chunks()).map(|c| pp.slots_of(c)).max().unwrap_or(1);
-        let mut held: Vec<Option<InFlight<S>>> = (0..pp.chunks() * width).map(|_| None).collect();
+        // The stage's table of in-flight micro-batches: made by the first step, then reused
+        // (every backward empties its entry, so it is all `None` between steps).
+        let mut held: Box<Vec<Option<InFlight<S>>>> = pp
+            .in_flight
+            .take()
+            .and_then(|h| h.downcast().ok())
+            .unwrap_or_default();
+        held.clear();
+        held.resize_with((pp.chunks() * width) as usize, || None);
         let mut src = WholeParams(params);
         let mut norms = SeqParallelNorms {
             tp: self.mesh.partial_norms(),
@@ -142,6 +150,7 @@ impl Trainer {
             }
             self.mesh.check()?;
         }
+        pp.in_flight = Some(held);
         Ok(loss)
     }
 

@@ -1,5 +1,6 @@
 //! Token embedding: a row gather forward, a scatter-add backward.
 
+use super::scratch::KernelScratch;
 use super::simd::SendPtr;
 use crate::dtype::Elem;
 use rayon::prelude::*;
@@ -78,6 +79,8 @@ fn backward_rounded<S: Elem, G: Elem>(
 ) {
     const BLOCK: usize = 64;
     let vocab = dwte.len() / c;
+    // The token order is the kernel's scratch (`scratch`), alive only inside the call.
+    let _scratch = KernelScratch::enter();
     let mut order: Vec<u32> = (0..tokens.len() as u32)
         .filter(|&n| (tokens[n as usize] as usize).wrapping_sub(first) < vocab)
         .collect();

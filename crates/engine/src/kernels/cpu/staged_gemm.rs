@@ -24,6 +24,7 @@
 
 use super::gemm_select::{self, Gemm};
 use super::matmul::sgemm;
+use super::scratch::KernelScratch;
 use crate::dtype::Elem;
 use crate::numerics::fp8::{self, Fp8Format};
 use rayon::prelude::*;
@@ -309,7 +310,9 @@ fn staged<D: Elem, L: Elem, R: Elem>(
     let Tiling { rows: tm, cols: nc } = tiling(m, n, k, [staged_lhs, staged_rhs, staged_dst]);
     // One allocation of the full staging size (see STAGING), carved into the three tiles. It
     // is left uninitialised: staging writes every element it hands to sgemm, and zeroing up to
-    // 10 MiB per call would cost a sizable share of a small model's products.
+    // 10 MiB per call would cost a sizable share of a small model's products. It is the
+    // product's scratch (`scratch`), as the gemm crate's packing is.
+    let _scratch = KernelScratch::enter();
     let mut ws: Vec<f32> = Vec::with_capacity(STAGING);
     let sizes = [
         usize::from(staged_rhs) * k * nc,
