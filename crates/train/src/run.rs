@@ -9,7 +9,7 @@ use crate::observe::metrics::{matmul_peak_gflops, peak_rss, MetricsWriter, StepM
 use crate::observe::trace;
 use crate::sample::{generate, SampleOptions};
 use crate::setup;
-use crate::trainer::{Comms, Trainer};
+use crate::trainer::{Comms, StepOutput, Trainer};
 use anyhow::{bail, Context, Result};
 use ferrotron_dist::group::Group;
 use ferrotron_dist::Dim;
@@ -228,6 +228,20 @@ pub struct StepEdge {
 /// step needs to look at that thread's work alone (`tests/step_hot_path.rs` counts the heap
 /// allocations a step makes).
 pub type StepHook = std::sync::Arc<dyn Fn(StepEdge) + Send + Sync>;
+
+/// `t`'s next step, with `hook` called at both of its edges.
+fn observed_step(t: &mut Trainer, hook: Option<&StepHook>, rank: usize) -> Result<StepOutput> {
+    let step = t.step + 1;
+    let edge = |done| {
+        if let Some(h) = hook {
+            h(StepEdge { rank, step, done })
+        }
+    };
+    edge(false);
+    let out = t.train_step();
+    edge(true);
+    out
+}
 
 /// [`run`], calling `hook` around every rank's every step.
 pub fn run_observed(args: TrainArgs, hook: Option<StepHook>) -> Result<RunSummary> {
@@ -627,22 +641,7 @@ fn run_rank(
     // Steps skipped in a row for a non-finite loss or gradient (fp32, bf16).
     let mut skipped_run = 0u64;
     while t.step < last_step {
-        let step = t.step + 1;
-        if let Some(h) = hook {
-            h(StepEdge {
-                rank,
-                step,
-                done: false,
-            });
-        }
-        let mut out = t.train_step()?;
-        if let Some(h) = hook {
-            h(StepEdge {
-                rank,
-                step,
-                done: true,
-            });
-        }
+        let mut out = observed_step(&mut t, hook, rank)?;
         let how = (rank, quiet, tty);
         rank::count_non_finite(&t, &out, &mut skipped_run, &cfg, how)?;
         let last = t.step == last_step;
