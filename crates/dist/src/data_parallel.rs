@@ -83,16 +83,26 @@ struct Experts {
 
 /// The routed experts' parameter ranges of `table` (the ones it holds), sorted.
 pub fn expert_ranges(table: &ParamTable) -> Vec<Range<usize>> {
-    let mut out: Vec<Range<usize>> = table
+    let mut out: Vec<Range<usize>> = each_expert_range(table).collect();
+    out.sort_by_key(|r| r.start);
+    out
+}
+
+/// The routed experts' parameter ranges of `table` (the ones it holds), layer by layer and
+/// expert by expert, each expert's three in offset order (the inventory's order, so sorted
+/// as [`expert_ranges`] is), without allocating: for a sum over them every step.
+pub fn each_expert_range(table: &ParamTable) -> impl Iterator<Item = Range<usize>> + '_ {
+    table
         .layers
         .iter()
         .filter_map(|l| l.moe.as_ref())
-        .flat_map(|m| m.experts.iter().flat_map(|e| [&e.gate, &e.up, &e.down]))
+        .flat_map(|m| &m.experts)
+        .flat_map(|e| {
+            let mut three = [e.gate.clone(), e.up.clone(), e.down.clone()];
+            three.sort_unstable_by_key(|r| r.start);
+            three
+        })
         .filter(|r| !r.is_empty())
-        .cloned()
-        .collect();
-    out.sort_by_key(|r| r.start);
-    out
 }
 
 /// A bucket's f32 buffer, reused every step: a span of the plan's `dp.grad_buckets`.

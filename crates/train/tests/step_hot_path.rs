@@ -24,11 +24,12 @@
 //! each counted allocation was made.
 
 mod common;
-use common::{tiny_args, tmp};
+use common::{llama_config, tiny_args, tiny_moe_model, tmp};
 use ferrotron_dist::backends::internals::in_backend_internals;
 use ferrotron_engine::kernels::cpu::scratch::in_kernel_scratch;
 use ferrotron_train::alloc::Tracking;
 use ferrotron_train::config::TrainArgs;
+use ferrotron_train::device::Device;
 use ferrotron_train::memory::arena::in_arena_region;
 use ferrotron_train::run::{run_observed, StepEdge};
 use std::alloc::{GlobalAlloc, Layout};
@@ -200,7 +201,7 @@ fn one_rank_steps_allocate_nothing_outside_the_plan() {
 fn data_parallel_steps_allocate_nothing_outside_the_plan() {
     // Without ZeRO (the gradient buckets all-reduced while the backward runs), ZeRO-1 (the
     // optimizer's shard, the weights all-gathered) and ZeRO-3 (the units gathered).
-    for zero in [0, 1, 3] {
+    for zero in [0, 1, 2, 3] {
         let layout = |a: &mut TrainArgs| {
             a.layout.dp = Some(2);
             a.layout.zero = Some(zero);
@@ -221,4 +222,55 @@ fn pipeline_steps_allocate_nothing_outside_the_plan() {
         a.layout.pp_schedule = Some("1f1b".into());
     };
     assert_none("pp2-1f1b", layout, 2, true);
+}
+
+#[test]
+fn context_parallel_steps_allocate_nothing_outside_the_plan() {
+    assert_none("cp2", |a| a.layout.cp = Some(2), 2, false);
+}
+
+#[test]
+fn expert_parallel_steps_allocate_nothing_outside_the_plan() {
+    let dir = tmp("step-allocs-moe-model");
+    let moe = tiny_moe_model(&dir);
+    let layout = |a: &mut TrainArgs| {
+        a.model = Some(moe.to_string_lossy().into());
+        a.layout.ep = Some(2);
+    };
+    assert_none("moe-ep2", layout, 2, false);
+}
+
+#[test]
+fn interleaved_pipeline_steps_allocate_nothing_outside_the_plan() {
+    let dir = tmp("step-allocs-4-layers");
+    let model = llama_config(&dir, 64, 160, 4);
+    let layout = |a: &mut TrainArgs| {
+        a.model = Some(model.to_string_lossy().into());
+        a.layout.pp = Some(2);
+        a.layout.pp_schedule = Some("interleaved".into());
+        a.layout.pp_virtual = Some(2);
+    };
+    assert_none("pp2-interleaved", layout, 2, true);
+}
+
+#[test]
+fn offloaded_optimizer_steps_allocate_nothing_outside_the_plan() {
+    let disk = tmp("step-allocs-offload-dir");
+    let layout = |a: &mut TrainArgs| {
+        a.layout.offload = Some("optimizer".into());
+        a.offload_bucket = Some(1 << 16);
+        a.offload_dir = Some(disk.clone());
+    };
+    assert_none("offload-optimizer-disk", layout, 1, false);
+    let layout = |a: &mut TrainArgs| {
+        a.layout.offload = Some("optimizer".into());
+        a.offload_bucket = Some(1 << 16);
+        a.device = Device::Emulated;
+    };
+    assert_none("offload-optimizer-host", layout, 1, false);
+}
+
+#[test]
+fn emulated_device_steps_allocate_nothing_outside_the_plan() {
+    assert_none("emulated", |a| a.device = Device::Emulated, 1, false);
 }

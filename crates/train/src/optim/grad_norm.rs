@@ -5,7 +5,7 @@
 
 use super::step::OptRun;
 use anyhow::Result;
-use ferrotron_dist::data_parallel::{expert_ranges, DataParallel};
+use ferrotron_dist::data_parallel::{each_expert_range, DataParallel};
 use ferrotron_dist::mesh::Mesh;
 use ferrotron_engine::kernels::{Kernels, View};
 use ferrotron_engine::model::{GradBuf, Llama};
@@ -52,8 +52,7 @@ pub(crate) fn grad_sum_sq<'g, S: Elem, G: Elem>(
     // dense ones on all). (Under ZeRO every block of every gradient is in exactly one
     // rank's shard: the data-parallel sum adds them.)
     let experts = (mesh.splits_experts() && sharded.is_none()).then(|| {
-        expert_ranges(&model.params)
-            .into_iter()
+        each_expert_range(&model.params)
             .map(|r| k.sum_squares(grads.slice(r)))
             .sum()
     });
