@@ -17,6 +17,12 @@
 //!
 //! Anything else a step allocates is memory no plan lists.
 //!
+//! Layouts covered: one rank in fp32, bf16 and fp16; dp 2 with ZeRO 0 to 3; tp 2; cp 2; a
+//! mixture of experts with ep 2 (its token exchange); pp 2, 1F1B and interleaved; the
+//! optimizer offloaded (to disk on the CPU, to the host from the emulated device); the
+//! emulated device. What runs off the rank's thread is not counted (the disk offload's reader and
+//! writer threads, `optim::disk_io`), the rank's side of their queues is.
+//!
 //! Counted by a global allocator on each rank's own thread (the one `run` trains the rank on:
 //! with one thread per rank the kernels' parallel loops run there too) while each of steps 3
 //! to 5 runs (`Trainer::train_step`; not the run's printing and writing between steps), armed
