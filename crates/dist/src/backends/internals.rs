@@ -7,6 +7,7 @@
 //! allows those and counts every other allocation a step makes: the dimensions' own
 //! bookkeeping (buckets, shards, groups, the mesh) must allocate nothing per step.
 
+use ferrotron_engine::kernels::cpu::scratch::Scope;
 use std::cell::Cell;
 
 thread_local! {
@@ -14,24 +15,16 @@ thread_local! {
     static OPEN: Cell<u32> = const { Cell::new(0) };
 }
 
-/// Whether this thread is inside a communication backend's own work. (Reading it never
-/// allocates, so a global allocator may ask.)
+/// Whether this thread is inside a communication backend's own work.
 pub fn in_backend_internals() -> bool {
-    OPEN.with(|c| c.get() > 0)
+    Scope::open(&OPEN)
 }
 
-/// Marks this thread's allocations as the backend's own while it lives.
-pub(crate) struct BackendInternals(());
+/// Marks this thread's allocations as the backend's own while the scope it enters lives.
+pub(crate) struct BackendInternals;
 
 impl BackendInternals {
-    pub(crate) fn enter() -> Self {
-        OPEN.with(|c| c.set(c.get() + 1));
-        BackendInternals(())
-    }
-}
-
-impl Drop for BackendInternals {
-    fn drop(&mut self) {
-        OPEN.with(|c| c.set(c.get() - 1));
+    pub(crate) fn enter() -> Scope {
+        Scope::enter(&OPEN)
     }
 }

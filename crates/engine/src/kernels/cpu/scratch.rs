@@ -11,30 +11,48 @@
 //! tensor-parallel rank of the small test model) for no saving the plan would see.
 
 use std::cell::Cell;
+use std::thread::LocalKey;
+
+/// While it lives, this thread's allocations are of the kind `key` counts (the number of such
+/// scopes open on each thread), which a hot-path test's allocator asks with [`Scope::open`]:
+/// the kernels' scratch here, a communication backend's internals
+/// (`ferrotron_dist::backends::internals`).
+pub struct Scope(&'static LocalKey<Cell<u32>>);
+
+impl Scope {
+    pub fn enter(key: &'static LocalKey<Cell<u32>>) -> Self {
+        key.with(|c| c.set(c.get() + 1));
+        Scope(key)
+    }
+
+    /// Whether a scope of `key` is open on this thread. (Reading it never allocates, so a
+    /// global allocator may ask.)
+    pub fn open(key: &'static LocalKey<Cell<u32>>) -> bool {
+        key.with(|c| c.get() > 0)
+    }
+}
+
+impl Drop for Scope {
+    fn drop(&mut self) {
+        self.0.with(|c| c.set(c.get() - 1));
+    }
+}
 
 thread_local! {
     /// Kernel scratch scopes open on this thread.
     static OPEN: Cell<u32> = const { Cell::new(0) };
 }
 
-/// Whether this thread is inside a kernel's scratch scope. (Reading it never allocates, so a
-/// global allocator may ask.)
+/// Whether this thread is inside a kernel's scratch scope.
 pub fn in_kernel_scratch() -> bool {
-    OPEN.with(|c| c.get() > 0)
+    Scope::open(&OPEN)
 }
 
-/// Marks this thread's allocations as a kernel's scratch while it lives.
-pub(crate) struct KernelScratch(());
+/// Marks this thread's allocations as a kernel's scratch while the scope it enters lives.
+pub(crate) struct KernelScratch;
 
 impl KernelScratch {
-    pub(crate) fn enter() -> Self {
-        OPEN.with(|c| c.set(c.get() + 1));
-        KernelScratch(())
-    }
-}
-
-impl Drop for KernelScratch {
-    fn drop(&mut self) {
-        OPEN.with(|c| c.set(c.get() - 1));
+    pub(crate) fn enter() -> Scope {
+        Scope::enter(&OPEN)
     }
 }
