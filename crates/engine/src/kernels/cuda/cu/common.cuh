@@ -12,16 +12,19 @@ typedef unsigned long long u64;
 #define F_INF __int_as_float(0x7f800000)
 #define F_INF_NEG __int_as_float(0xff800000)
 
-__device__ __forceinline__ float ld(const float* p, u64 i) { return p[i]; }
-__device__ __forceinline__ float ld_bf16(const bf16_t* p, u64 i) {
-    return __uint_as_float(((u32)p[i]) << 16);
-}
-__device__ __forceinline__ float ld_f16(const f16_t* p, u64 i) {
+// The 16-bit conversions, PTX `cvt` on a GPU. The CUDA emulator (crates/engine/cuda_emu, which
+// compiles this program with g++ to run it on the host in CI) brings its own, bit for bit the
+// same rounding.
+#ifdef FERROTRON_CUDA_EMU
+__device__ __forceinline__ float f16_to_f32(f16_t h) { return emu::f16_to_f32(h); }
+__device__ __forceinline__ bf16_t to_bf16(float x) { return emu::f32_to_bf16(x); }
+__device__ __forceinline__ f16_t to_f16(float x) { return emu::f32_to_f16(x); }
+#else
+__device__ __forceinline__ float f16_to_f32(f16_t h) {
     float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(p[i]));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
 }
-__device__ __forceinline__ void st(float* p, u64 i, float x) { p[i] = x; }
 __device__ __forceinline__ bf16_t to_bf16(float x) {
     bf16_t h;
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
@@ -32,6 +35,13 @@ __device__ __forceinline__ f16_t to_f16(float x) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
     return h;
 }
+#endif
+__device__ __forceinline__ float ld(const float* p, u64 i) { return p[i]; }
+__device__ __forceinline__ float ld_bf16(const bf16_t* p, u64 i) {
+    return __uint_as_float(((u32)p[i]) << 16);
+}
+__device__ __forceinline__ float ld_f16(const f16_t* p, u64 i) { return f16_to_f32(p[i]); }
+__device__ __forceinline__ void st(float* p, u64 i, float x) { p[i] = x; }
 
 // One storage type per kernel instantiation: `E` names it, `Store<E>` reads and writes it.
 struct F32 { typedef float T; };

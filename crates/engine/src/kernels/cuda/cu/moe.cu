@@ -25,12 +25,7 @@ template <> struct Round<BF16> {
     static __device__ __forceinline__ float of(float x) { return __uint_as_float(((u32)to_bf16(x)) << 16); }
 };
 template <> struct Round<F16> {
-    static __device__ __forceinline__ float of(float x) {
-        f16_t h = to_f16(x);
-        float f;
-        asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-        return f;
-    }
+    static __device__ __forceinline__ float of(float x) { return f16_to_f32(to_f16(x)); }
 };
 
 // Per token (one thread): its k largest logits, largest first, ties to the lower expert (the

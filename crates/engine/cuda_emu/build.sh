@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Builds the CUDA emulator into DIR (default target/cuda-emu): libcuda.so.1, libnvrtc.so.13 and
+# libcublasLt.so.13, host libraries with NVIDIA's C ABI for the calls the CUDA backend makes,
+# and the device runtime the emulated NVRTC compiles kernels against. Needs only g++.
+# Use: FERROTRON_LIBCUDA=DIR/libcuda.so.1 FERROTRON_NVRTC=DIR/libnvrtc.so.13
+#      FERROTRON_CUBLASLT=DIR/libcublasLt.so.13 (scripts/cuda_emu.sh sets them and runs the tests).
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+out="${1:-$here/../../../target/cuda-emu}"
+mkdir -p "$out"
+cxx="${CXX:-g++}"
+flags=(-std=c++17 -O2 -fPIC -shared -Wall -Wextra -Werror -ffp-contract=off)
+cp "$here/runtime.hpp" "$out/runtime.hpp"
+"$cxx" "${flags[@]}" -Wl,-soname,libcuda.so.1 "$here/driver.cpp" -o "$out/libcuda.so.1" -ldl
+"$cxx" "${flags[@]}" -Wl,-soname,libnvrtc.so.13 "$here/nvrtc.cpp" -o "$out/libnvrtc.so.13" -ldl
+"$cxx" "${flags[@]}" -Wl,-soname,libcublasLt.so.13 "$here/cublaslt.cpp" -o "$out/libcublasLt.so.13"
+
+# The runtime's own test: it runs what CUDA defines and refuses what CUDA leaves undefined.
+"$cxx" -std=c++17 -O1 -Wall -Wextra -Werror -ffp-contract=off "$here/selftest.cpp" -o "$out/selftest"
+"$out/selftest"
+echo "cuda emulator built in $(cd "$out" && pwd)"

@@ -1,0 +1,341 @@
+// The CUDA emulator's driver (`libcuda.so.1`): the driver API calls cudarc makes for the
+// backend, with NVIDIA's C ABI, on one emulated GPU whose memory is host memory.
+//
+// What it checks, as a driver would refuse or worse: copies and memsets that leave a live
+// allocation, frees of unknown addresses, kernels that are not in the loaded program, and
+// everything `runtime.hpp` checks of a launch. New allocations are filled with 0xff bytes
+// (NaN as floats), so a kernel that reads memory nobody wrote shows it, as `cuMemAlloc`'s
+// uninitialised memory may on a GPU.
+//
+// Work is synchronous: a launch or copy has finished when the call returns, streams and events
+// only order what is already in order (an event records the host's clock, so GPU times read
+// from events are the emulator's). The device's memory is `FERROTRON_CUDA_EMU_MEMORY` bytes
+// (80 GiB, an H100's, if unset); `cuMemGetInfo` says what the allocations left of it.
+
+#include "compile.hpp"
+#include "runtime.hpp"
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+enum {
+    CUDA_SUCCESS = 0,
+    CUDA_ERROR_INVALID_VALUE = 1,
+    CUDA_ERROR_OUT_OF_MEMORY = 2,
+    CUDA_ERROR_NOT_INITIALIZED = 3,
+    CUDA_ERROR_INVALID_DEVICE = 101,
+    CUDA_ERROR_INVALID_IMAGE = 200,
+    CUDA_ERROR_INVALID_HANDLE = 400,
+    CUDA_ERROR_NOT_FOUND = 500,
+    CUDA_ERROR_LAUNCH_FAILED = 719,
+    CUDA_ERROR_NOT_SUPPORTED = 801,
+};
+
+namespace {
+
+/// Compute capability 9.9: Hopper-like, and a name no real GPU has, so that the backend's
+/// cache of compiled programs (keyed by `sm_XY`) never hands the emulator's program to a real
+/// GPU or a real program to the emulator.
+constexpr int CC_MAJOR = 9, CC_MINOR = 9;
+constexpr const char* NAME = "ferrotron CUDA emulator";
+
+struct Module {
+    void* lib;
+};
+struct Function {
+    int (*entry)(const emu::Launch*, void**);
+    std::string name;
+};
+struct Event {
+    std::chrono::steady_clock::time_point at;
+};
+
+std::mutex lock;
+std::map<uintptr_t, size_t> allocations;  // device address → bytes
+size_t allocated = 0;
+unsigned long long launches = 0;
+int context_tag = 0, stream_tag = 0;
+thread_local void* current = nullptr;
+
+size_t total_memory() {
+    const char* e = std::getenv("FERROTRON_CUDA_EMU_MEMORY");
+    return e && *e ? std::strtoull(e, nullptr, 10) : 80ull << 30;
+}
+
+/// Whether [p, p + n) lies inside one live allocation; says on stderr what is wrong if not.
+bool inside(CUdeviceptr p, size_t n, const char* what) {
+    std::lock_guard<std::mutex> g(lock);
+    auto it = allocations.upper_bound(p);
+    if (it != allocations.begin()) {
+        --it;
+        if (p >= it->first && p + n <= it->first + it->second) return true;
+    }
+    std::fprintf(stderr, "cuda emulator: %s of %zu bytes at device address 0x%llx is outside every live allocation\n",
+                 what, n, p);
+    return false;
+}
+
+}  // namespace
+
+extern "C" {
+
+CUresult cuGetErrorString(CUresult e, const char** s) {
+    if (!s) return CUDA_ERROR_INVALID_VALUE;
+    switch (e) {
+        case CUDA_SUCCESS: *s = "no error"; break;
+        case CUDA_ERROR_INVALID_VALUE: *s = "invalid argument"; break;
+        case CUDA_ERROR_OUT_OF_MEMORY: *s = "out of memory"; break;
+        case CUDA_ERROR_INVALID_DEVICE: *s = "invalid device ordinal"; break;
+        case CUDA_ERROR_INVALID_IMAGE: *s = "device kernel image is invalid"; break;
+        case CUDA_ERROR_INVALID_HANDLE: *s = "invalid resource handle"; break;
+        case CUDA_ERROR_NOT_FOUND: *s = "named symbol not found"; break;
+        case CUDA_ERROR_LAUNCH_FAILED: *s = "unspecified launch failure"; break;
+        default: *s = "unknown error (cuda emulator)";
+    }
+    return CUDA_SUCCESS;
+}
+CUresult cuGetErrorName(CUresult e, const char** s) { return cuGetErrorString(e, s); }
+
+CUresult cuInit(unsigned) { return CUDA_SUCCESS; }
+CUresult cuDriverGetVersion(int* v) {
+    if (!v) return CUDA_ERROR_INVALID_VALUE;
+    *v = 13000;
+    return CUDA_SUCCESS;
+}
+CUresult cuDeviceGetCount(int* n) {
+    if (!n) return CUDA_ERROR_INVALID_VALUE;
+    *n = 1;
+    return CUDA_SUCCESS;
+}
+CUresult cuDeviceGet(int* d, int ordinal) {
+    if (!d) return CUDA_ERROR_INVALID_VALUE;
+    if (ordinal != 0) return CUDA_ERROR_INVALID_DEVICE;
+    *d = 0;
+    return CUDA_SUCCESS;
+}
+CUresult cuDeviceGetName(char* name, int len, int dev) {
+    if (dev != 0) return CUDA_ERROR_INVALID_DEVICE;
+    if (!name || len <= 0) return CUDA_ERROR_INVALID_VALUE;
+    std::snprintf(name, (size_t)len, "%s", NAME);
+    return CUDA_SUCCESS;
+}
+CUresult cuDeviceTotalMem_v2(size_t* bytes, int dev) {
+    if (dev != 0) return CUDA_ERROR_INVALID_DEVICE;
+    *bytes = total_memory();
+    return CUDA_SUCCESS;
+}
+CUresult cuDeviceGetAttribute(int* v, int attr, int dev) {
+    if (dev != 0) return CUDA_ERROR_INVALID_DEVICE;
+    switch (attr) {
+        case 1: *v = 1024; break;   // MAX_THREADS_PER_BLOCK
+        case 10: *v = 32; break;    // WARP_SIZE
+        case 16: *v = 132; break;   // MULTIPROCESSOR_COUNT (an H100 SXM's)
+        case 75: *v = CC_MAJOR; break;
+        case 76: *v = CC_MINOR; break;
+        case 115: *v = 0; break;    // MEMORY_POOLS_SUPPORTED: no stream-ordered allocator
+        default:
+            std::fprintf(stderr, "cuda emulator: device attribute %d is not emulated\n", attr);
+            return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    return CUDA_SUCCESS;
+}
+
+CUresult cuDevicePrimaryCtxRetain(void** ctx, int dev) {
+    if (dev != 0) return CUDA_ERROR_INVALID_DEVICE;
+    *ctx = &context_tag;
+    return CUDA_SUCCESS;
+}
+CUresult cuDevicePrimaryCtxRelease_v2(int) { return CUDA_SUCCESS; }
+CUresult cuCtxSetCurrent(void* ctx) {
+    current = ctx;
+    return CUDA_SUCCESS;
+}
+CUresult cuCtxGetCurrent(void** ctx) {
+    *ctx = current;
+    return CUDA_SUCCESS;
+}
+CUresult cuCtxPushCurrent_v2(void* ctx) { return cuCtxSetCurrent(ctx); }
+CUresult cuCtxPopCurrent_v2(void** ctx) {
+    if (ctx) *ctx = current;
+    return CUDA_SUCCESS;
+}
+CUresult cuCtxSynchronize() { return CUDA_SUCCESS; }
+
+CUresult cuModuleLoadData(void** module, const void* image) {
+    const char* text = static_cast<const char*>(image);
+    const char* src = text ? std::strstr(text, emu_build::SOURCE_MARK) : nullptr;
+    if (!src) {
+        std::fprintf(stderr, "cuda emulator: the module is not the emulated NVRTC's (real PTX cannot run here)\n");
+        return CUDA_ERROR_INVALID_IMAGE;
+    }
+    std::string log, path = emu_build::build(src + std::strlen(emu_build::SOURCE_MARK), log);
+    void* lib = path.empty() ? nullptr : dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (!lib) {
+        std::fprintf(stderr, "cuda emulator: the program did not build or load: %s%s\n", log.c_str(),
+                     path.empty() ? "" : dlerror());
+        return CUDA_ERROR_INVALID_IMAGE;
+    }
+    *module = new Module{lib};
+    return CUDA_SUCCESS;
+}
+CUresult cuModuleUnload(void* module) {
+    delete static_cast<Module*>(module);  // the library stays loaded: functions may outlive it
+    return CUDA_SUCCESS;
+}
+CUresult cuModuleGetFunction(void** f, void* module, const char* name) {
+    auto* m = static_cast<Module*>(module);
+    if (!m || !name) return CUDA_ERROR_INVALID_HANDLE;
+    void* entry = dlsym(m->lib, ("ferrotron_emu_launch_" + std::string(name)).c_str());
+    if (!entry) return CUDA_ERROR_NOT_FOUND;
+    *f = new Function{reinterpret_cast<int (*)(const emu::Launch*, void**)>(entry), name};
+    return CUDA_SUCCESS;
+}
+CUresult cuFuncGetAttribute(int* v, int, void*) {
+    *v = 0;
+    return CUDA_SUCCESS;
+}
+CUresult cuFuncSetAttribute(void*, int, int) { return CUDA_SUCCESS; }
+
+CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                        unsigned shared, void*, void** params, void** extra) {
+    auto* fn = static_cast<Function*>(f);
+    if (!fn) return CUDA_ERROR_INVALID_HANDLE;
+    if (extra || !params) return CUDA_ERROR_NOT_SUPPORTED;
+    emu::Launch l{{gx, gy, gz}, {bx, by, bz}, shared};
+    {
+        std::lock_guard<std::mutex> g(lock);
+        launches++;
+    }
+    return fn->entry(&l, params) ? CUDA_ERROR_LAUNCH_FAILED : CUDA_SUCCESS;
+}
+
+CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t bytes) {
+    if (!p || !bytes) return CUDA_ERROR_INVALID_VALUE;
+    {
+        std::lock_guard<std::mutex> g(lock);
+        if (allocated + bytes > total_memory()) return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    // 256-byte aligned, as cuMemAlloc's are (the backend's alignment checks rely on it).
+    void* host = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
+    if (!host) return CUDA_ERROR_OUT_OF_MEMORY;
+    std::memset(host, 0xff, bytes);
+    std::lock_guard<std::mutex> g(lock);
+    allocations[(uintptr_t)host] = bytes;
+    allocated += bytes;
+    *p = (CUdeviceptr)host;
+    return CUDA_SUCCESS;
+}
+CUresult cuMemFree_v2(CUdeviceptr p) {
+    std::lock_guard<std::mutex> g(lock);
+    auto it = allocations.find(p);
+    if (it == allocations.end()) {
+        std::fprintf(stderr, "cuda emulator: cuMemFree of 0x%llx, which is not an allocation's start\n", p);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    allocated -= it->second;
+    allocations.erase(it);
+    std::free((void*)p);
+    return CUDA_SUCCESS;
+}
+CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
+    std::lock_guard<std::mutex> g(lock);
+    *total = total_memory();
+    *free_bytes = *total - allocated;
+    return CUDA_SUCCESS;
+}
+CUresult cuMemHostAlloc(void** p, size_t bytes, unsigned) {
+    *p = std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
+    return *p ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+CUresult cuMemAllocHost_v2(void** p, size_t bytes) { return cuMemHostAlloc(p, bytes, 0); }
+CUresult cuMemFreeHost(void* p) {
+    std::free(p);
+    return CUDA_SUCCESS;
+}
+
+CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t n) {
+    if (n && !inside(dst, n, "a host-to-device copy")) return CUDA_ERROR_INVALID_VALUE;
+    std::memcpy((void*)dst, src, n);
+    return CUDA_SUCCESS;
+}
+CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t n) {
+    if (n && !inside(src, n, "a device-to-host copy")) return CUDA_ERROR_INVALID_VALUE;
+    std::memcpy(dst, (const void*)src, n);
+    return CUDA_SUCCESS;
+}
+CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
+    if (n && (!inside(dst, n, "a device-to-device copy's destination") ||
+              !inside(src, n, "a device-to-device copy's source")))
+        return CUDA_ERROR_INVALID_VALUE;
+    std::memmove((void*)dst, (const void*)src, n);
+    return CUDA_SUCCESS;
+}
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, void*) {
+    return cuMemcpyHtoD_v2(dst, src, n);
+}
+CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, void*) {
+    return cuMemcpyDtoH_v2(dst, src, n);
+}
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, void*) {
+    return cuMemcpyDtoD_v2(dst, src, n);
+}
+CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char v, size_t n) {
+    if (n && !inside(dst, n, "a memset")) return CUDA_ERROR_INVALID_VALUE;
+    std::memset((void*)dst, v, n);
+    return CUDA_SUCCESS;
+}
+CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, void*) { return cuMemsetD8_v2(dst, v, n); }
+CUresult cuMemsetD32_v2(CUdeviceptr dst, unsigned v, size_t n) {
+    if (n && !inside(dst, n * 4, "a memset")) return CUDA_ERROR_INVALID_VALUE;
+    for (size_t i = 0; i < n; i++) std::memcpy((char*)dst + 4 * i, &v, 4);
+    return CUDA_SUCCESS;
+}
+CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned v, size_t n, void*) { return cuMemsetD32_v2(dst, v, n); }
+
+CUresult cuStreamCreate(void** s, unsigned) {
+    *s = &stream_tag;
+    return CUDA_SUCCESS;
+}
+CUresult cuStreamCreateWithPriority(void** s, unsigned flags, int) { return cuStreamCreate(s, flags); }
+CUresult cuStreamDestroy_v2(void*) { return CUDA_SUCCESS; }
+CUresult cuStreamSynchronize(void*) { return CUDA_SUCCESS; }
+CUresult cuStreamQuery(void*) { return CUDA_SUCCESS; }
+CUresult cuStreamWaitEvent(void*, void*, unsigned) { return CUDA_SUCCESS; }
+
+CUresult cuEventCreate(void** e, unsigned) {
+    *e = new Event{std::chrono::steady_clock::now()};
+    return CUDA_SUCCESS;
+}
+CUresult cuEventRecord(void* e, void*) {
+    if (!e) return CUDA_ERROR_INVALID_HANDLE;
+    static_cast<Event*>(e)->at = std::chrono::steady_clock::now();
+    return CUDA_SUCCESS;
+}
+CUresult cuEventRecordWithFlags(void* e, void* s, unsigned) { return cuEventRecord(e, s); }
+CUresult cuEventSynchronize(void*) { return CUDA_SUCCESS; }
+CUresult cuEventQuery(void*) { return CUDA_SUCCESS; }
+CUresult cuEventDestroy_v2(void* e) {
+    delete static_cast<Event*>(e);
+    return CUDA_SUCCESS;
+}
+CUresult cuEventElapsedTime_v2(float* ms, void* start, void* end) {
+    if (!ms || !start || !end) return CUDA_ERROR_INVALID_HANDLE;
+    auto d = static_cast<Event*>(end)->at - static_cast<Event*>(start)->at;
+    *ms = std::chrono::duration<float, std::milli>(d).count();
+    return CUDA_SUCCESS;
+}
+CUresult cuEventElapsedTime(float* ms, void* start, void* end) { return cuEventElapsedTime_v2(ms, start, end); }
+
+/// Kernels launched since the library was loaded (for the emulator's own tests).
+unsigned long long ferrotron_emu_launches() {
+    std::lock_guard<std::mutex> g(lock);
+    return launches;
+}
+
+}  // extern "C"

@@ -1,0 +1,351 @@
+// The CUDA emulator's device side: what a kernel of the CUDA backend (`src/kernels/cuda/cu/`)
+// needs from CUDA to compile with g++ and run on the host, one block at a time, each of its
+// threads a fiber (ucontext) on the calling OS thread.
+//
+// Why fibers and not loops: the kernels synchronise (`__syncthreads`, warp shuffles), so a
+// thread must be able to stop half-way and let the others of its block (or warp) catch up.
+// The scheduler runs every ready fiber until it finishes or waits, then releases the barriers
+// whose participants have all arrived. It is also a checker, which is why the emulator is
+// worth its lines: it refuses what CUDA leaves undefined instead of doing something plausible
+//   - a barrier that can never be released (some threads at `__syncthreads`, others at a
+//     warp shuffle): "deadlock", with who waits where; and a `__syncthreads` reached by part
+//     of a warp whose other lanes returned (a warp that returned whole no longer counts, as on
+//     the hardware);
+//   - a shuffle whose mask names a lane that has returned;
+//   - a launch with an empty grid (CUDA: CUDA_ERROR_INVALID_VALUE), more than 1024 threads
+//     per block, or dynamic shared memory (no kernel of the backend uses it).
+// Device memory is host memory (the driver emulator's `cuMemAlloc` is `aligned_alloc`), so a
+// device pointer is dereferenced as it is.
+//
+// Not emulated: concurrency between blocks (they run in order), the memory model (a missing
+// `__syncthreads` between a write and another thread's read is caught only when the order in
+// which fibers run exposes it), PTX, and the GPU's own rounding of `expf`/`logf` (the host's
+// libm is used; the tests' tolerances cover ulps).
+//
+// Compiled into every kernel library the emulator builds (`compile.hpp`): header only, and
+// every piece of state is per OS thread, so ranks that launch from several threads at once
+// each run their own blocks.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+#include <ucontext.h>
+#include <utility>
+#include <vector>
+
+#define FERROTRON_CUDA_EMU 1
+#define __device__
+#define __forceinline__ inline
+// One block runs at a time on a thread: a thread-local static is the block's shared memory.
+#define __shared__ static thread_local
+
+struct dim3 {
+    unsigned x, y, z;
+};
+
+namespace emu {
+
+/// What a fiber is doing when the scheduler looks at it.
+enum class State { Ready, AtSyncthreads, AtShuffle, Done };
+
+struct Fiber {
+    ucontext_t ctx;
+    dim3 tid;
+    State state;
+    // A shuffle in progress: this lane's value, the lane it reads, the lanes taking part,
+    // and (once released) what it got.
+    uint64_t value, result;
+    unsigned src, mask;
+};
+
+/// The block being run on this OS thread.
+struct Block {
+    dim3 idx, dim, grid;
+    const char* kernel;
+    Fiber* cur;
+    std::vector<Fiber> fibers;
+    ucontext_t scheduler;
+    void (*body)(void**);
+    void** params;
+};
+
+inline thread_local Block* block = nullptr;
+/// Fiber stacks, kept from launch to launch on this OS thread.
+inline thread_local std::vector<std::vector<char>> stacks;
+constexpr size_t STACK_BYTES = 64 << 10;
+
+inline void wait(State s) {
+    Fiber* f = block->cur;
+    f->state = s;
+    swapcontext(&f->ctx, &block->scheduler);
+}
+
+template <class T>
+inline T shuffle(unsigned mask, T v, unsigned src) {
+    static_assert(sizeof(T) <= 8, "a shuffle moves at most 8 bytes");
+    Fiber* f = block->cur;
+    f->value = 0;
+    std::memcpy(&f->value, &v, sizeof(T));
+    f->src = src;
+    f->mask = mask;
+    wait(State::AtShuffle);
+    T out;
+    std::memcpy(&out, &f->result, sizeof(T));
+    return out;
+}
+
+inline unsigned lane() {
+    return block->cur->tid.x & 31;  // every launch of the backend is one-dimensional
+}
+
+}  // namespace emu
+
+#define threadIdx (emu::block->cur->tid)
+#define blockIdx (emu::block->idx)
+#define blockDim (emu::block->dim)
+#define gridDim (emu::block->grid)
+
+inline void __syncthreads() { emu::wait(emu::State::AtSyncthreads); }
+template <class T>
+inline T __shfl_xor_sync(unsigned mask, T v, int m) {
+    return emu::shuffle(mask, v, emu::lane() ^ (unsigned)m);
+}
+template <class T>
+inline T __shfl_down_sync(unsigned mask, T v, unsigned d) {
+    unsigned l = emu::lane();
+    return emu::shuffle(mask, v, l + d < 32 ? l + d : l);
+}
+template <class T>
+inline T __shfl_sync(unsigned mask, T v, int src) {
+    return emu::shuffle(mask, v, (unsigned)src & 31);
+}
+
+// One OS thread runs the whole grid, so the atomics need no atomicity.
+template <class T>
+inline T atomicAdd(T* p, T v) {
+    T old = *p;
+    *p = old + v;
+    return old;
+}
+
+inline float __int_as_float(int i) {
+    float f;
+    std::memcpy(&f, &i, 4);
+    return f;
+}
+inline float __uint_as_float(unsigned u) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+inline unsigned __float_as_uint(float f) {
+    unsigned u;
+    std::memcpy(&u, &f, 4);
+    return u;
+}
+inline int __float_as_int(float f) { return (int)__float_as_uint(f); }
+// Separately rounded, never contracted (the library is built with -ffp-contract=off).
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+
+// The 16-bit conversions the kernels write as PTX `cvt` (common.cuh): round to nearest even.
+namespace emu {
+inline unsigned short f32_to_bf16(float x) {
+    unsigned u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40);  // quiet NaN
+    u += 0x7fffu + ((u >> 16) & 1);
+    return (unsigned short)(u >> 16);
+}
+inline float f16_to_f32(unsigned short h) {
+    unsigned sign = (unsigned)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    if (exp == 0x1f) return __uint_as_float(sign | 0x7f800000u | (man << 13));
+    if (exp == 0) {  // subnormal (or zero): man · 2^-24, exact in f32
+        float f = (float)man * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    return __uint_as_float(sign | ((exp + 112) << 23) | (man << 13));
+}
+inline unsigned short f32_to_f16(float x) {
+    unsigned u = __float_as_uint(x), sign = (u >> 16) & 0x8000;
+    unsigned a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (unsigned short)(sign | 0x7e00);  // NaN
+    if (a >= 0x477ff000u) return (unsigned short)(sign | 0x7c00);  // rounds to ±inf
+    if (a < 0x38800000u) {  // below the smallest normal: a multiple of 2^-24, rounded RNE
+        float q = std::nearbyint(__uint_as_float(a) * 16777216.0f);  // default mode: to even
+        return (unsigned short)(sign | (unsigned)q);
+    }
+    unsigned r = a + 0xfffu + ((a >> 13) & 1);  // RNE on the 13 dropped bits
+    return (unsigned short)(sign | ((r - 0x38000000u) >> 13));
+}
+
+/// The geometry of one launch, as `cuLaunchKernel` received it.
+struct Launch {
+    unsigned grid[3], block[3], shared_bytes;
+};
+
+inline void fiber_main() {
+    Block* b = block;
+    b->body(b->params);
+    b->cur->state = State::Done;
+    // Returns to `uc_link`, the scheduler.
+}
+
+/// Says why a block cannot go on, naming the kernel, the block and where its threads wait.
+inline int deadlock(const Block& b, const char* why) {
+    int at_sync = 0, at_shfl = 0, done = 0;
+    for (const Fiber& f : b.fibers) {
+        at_sync += f.state == State::AtSyncthreads;
+        at_shfl += f.state == State::AtShuffle;
+        done += f.state == State::Done;
+    }
+    std::fprintf(stderr,
+                 "cuda emulator: %s in kernel %s, block (%u,%u,%u): %d threads at "
+                 "__syncthreads, %d at a warp shuffle, %d returned, of %zu\n",
+                 why, b.kernel, b.idx.x, b.idx.y, b.idx.z, at_sync, at_shfl, done, b.fibers.size());
+    return 1;
+}
+
+/// Releases warp `w`'s shuffle if every lane its mask names has arrived: 1 released, 0 not
+/// yet, -1 never (a named lane has returned, or the lanes disagree on the mask).
+inline int release_shuffle(Block& b, size_t w) {
+    size_t first = w * 32, last = first + 32 < b.fibers.size() ? first + 32 : b.fibers.size();
+    unsigned mask = 0;
+    bool any = false;
+    for (size_t i = first; i < last; i++) {
+        if (b.fibers[i].state != State::AtShuffle) continue;
+        if (any && b.fibers[i].mask != mask) return -1;
+        mask = b.fibers[i].mask;
+        any = true;
+    }
+    if (!any) return 0;
+    for (size_t i = first; i < last; i++) {
+        if (!(mask >> (i - first) & 1)) continue;
+        if (b.fibers[i].state == State::Done) return -1;
+        if (b.fibers[i].state != State::AtShuffle) return 0;
+    }
+    for (size_t i = first; i < last; i++) {
+        Fiber& f = b.fibers[i];
+        if (!(mask >> (i - first) & 1)) continue;
+        size_t s = first + f.src;
+        f.result = (f.src < 32 && s < last && (mask >> f.src & 1)) ? b.fibers[s].value : f.value;
+        f.state = State::Ready;
+    }
+    return 1;
+}
+
+/// Runs one block to the end: 0, or 1 after saying why it cannot finish.
+inline int run_block(Block& b) {
+    size_t n = b.fibers.size();
+    while (stacks.size() < n) stacks.emplace_back(STACK_BYTES);
+    for (size_t i = 0; i < n; i++) {
+        Fiber& f = b.fibers[i];
+        f.tid = dim3{(unsigned)(i % b.dim.x), (unsigned)(i / b.dim.x % b.dim.y),
+                     (unsigned)(i / (b.dim.x * b.dim.y))};
+        f.state = State::Ready;
+        getcontext(&f.ctx);
+        f.ctx.uc_stack.ss_sp = stacks[i].data();
+        f.ctx.uc_stack.ss_size = STACK_BYTES;
+        f.ctx.uc_link = &b.scheduler;
+        makecontext(&f.ctx, fiber_main, 0);
+    }
+    for (;;) {
+        for (Fiber& f : b.fibers) {
+            if (f.state != State::Ready) continue;
+            b.cur = &f;
+            swapcontext(&b.scheduler, &f.ctx);
+        }
+        size_t done = 0, at_sync = 0;
+        for (const Fiber& f : b.fibers) {
+            done += f.state == State::Done;
+            at_sync += f.state == State::AtSyncthreads;
+        }
+        if (done == n) return 0;
+        bool released = false;
+        for (size_t w = 0; w * 32 < n; w++) {
+            int r = release_shuffle(b, w);
+            if (r < 0) return deadlock(b, "a warp shuffle names a lane that returned or disagrees on its mask");
+            released |= r > 0;
+        }
+        if (released) continue;
+        // A warp that has returned whole no longer counts at the barrier (as the hardware's
+        // arrival count does); one that returned in part while the rest waits is undefined.
+        for (size_t w = 0; at_sync && w * 32 < n; w++) {
+            bool waits = false, left = false;
+            for (size_t i = w * 32; i < n && i < w * 32 + 32; i++) {
+                waits |= b.fibers[i].state == State::AtSyncthreads;
+                left |= b.fibers[i].state == State::Done;
+            }
+            if (waits && left) return deadlock(b, "__syncthreads after part of a warp returned");
+        }
+        if (at_sync + done == n) {
+            for (Fiber& f : b.fibers)
+                if (f.state == State::AtSyncthreads) f.state = State::Ready;
+            continue;
+        }
+        return deadlock(b, "deadlock");
+    }
+}
+
+/// Runs a grid of `body` (one kernel, its parameters unpacked from `params`): 0, or 1 after
+/// saying on stderr why the launch failed.
+inline int launch(const Launch* l, const char* kernel, void (*body)(void**), void** params) {
+    unsigned threads = l->block[0] * l->block[1] * l->block[2];
+    if (l->grid[0] == 0 || l->grid[1] == 0 || l->grid[2] == 0 || threads == 0) {
+        std::fprintf(stderr,
+                     "cuda emulator: kernel %s launched with an empty grid (%u,%u,%u) x (%u,%u,%u): "
+                     "CUDA refuses it (CUDA_ERROR_INVALID_VALUE)\n",
+                     kernel, l->grid[0], l->grid[1], l->grid[2], l->block[0], l->block[1], l->block[2]);
+        return 1;
+    }
+    if (threads > 1024 || l->grid[1] > 65535 || l->grid[2] > 65535) {
+        std::fprintf(stderr, "cuda emulator: kernel %s: %u threads per block or grid (%u,%u,%u) over CUDA's limits\n",
+                     kernel, threads, l->grid[0], l->grid[1], l->grid[2]);
+        return 1;
+    }
+    if (l->shared_bytes) {
+        std::fprintf(stderr, "cuda emulator: kernel %s asks for %u bytes of dynamic shared memory, which the emulator does not provide\n",
+                     kernel, l->shared_bytes);
+        return 1;
+    }
+    Block b;
+    b.dim = dim3{l->block[0], l->block[1], l->block[2]};
+    b.grid = dim3{l->grid[0], l->grid[1], l->grid[2]};
+    b.kernel = kernel;
+    b.body = body;
+    b.params = params;
+    b.fibers.resize(threads);
+    Block* outer = block;
+    block = &b;
+    int rc = 0;
+    for (unsigned z = 0; z < b.grid.z && !rc; z++)
+        for (unsigned y = 0; y < b.grid.y && !rc; y++)
+            for (unsigned x = 0; x < b.grid.x && !rc; x++) {
+                b.idx = dim3{x, y, z};
+                rc = run_block(b);
+            }
+    block = outer;
+    return rc;
+}
+
+/// Calls `f` with its arguments read from `cuLaunchKernel`'s array of pointers to them.
+template <class... A, size_t... I>
+inline void call(void (*f)(A...), void** p, std::index_sequence<I...>) {
+    f(*static_cast<std::remove_cv_t<std::remove_reference_t<A>>*>(p[I])...);
+}
+template <class... A>
+inline void call(void (*f)(A...), void** p) {
+    call(f, p, std::index_sequence_for<A...>{});
+}
+
+}  // namespace emu
+
+// The kernel library's entry point for each kernel, appended by `compile.hpp`.
+#define FERROTRON_EMU_ENTRY(name)                                                              \
+    extern "C" int ferrotron_emu_launch_##name(const emu::Launch* l, void** p) {                \
+        return emu::launch(l, #name, [](void** q) { emu::call(name, q); }, p);                   \
+    }
