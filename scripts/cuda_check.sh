@@ -3,8 +3,10 @@
 #
 #   bash scripts/cuda_check.sh            # any machine (CI): builds with --features cuda (no
 #                                         # toolkit, no GPU needed), lints it, compiles every
-#                                         # kernel with NVRTC for sm_90 and sm_80, and checks
-#                                         # that `train --device cuda` refuses in one line
+#                                         # kernel with NVRTC for sm_90 and sm_80, checks
+#                                         # that `train --device cuda` refuses in one line, then
+#                                         # runs the kit's stages on the CUDA emulator
+#                                         # (scripts/cuda_emulated.sh)
 #   bash scripts/cuda_check.sh bundle     # here, before a GPU session: the test binaries and
 #                                         # ferrotron built with CUDA, stripped, in target/cuda-check
 #   bash target/cuda-check/run.sh         # on the GPU machine (no Rust there): every op and
@@ -44,18 +46,6 @@ nvrtc() {
     export FERROTRON_NVRTC="$PWD/$lib"
 }
 
-# The CUDA emulator (crates/engine/cuda_emu: the driver, NVRTC and cuBLASLt as host libraries
-# that compile the backend's kernels with g++ and run each block's threads as fibers), built
-# into target/cuda-emu and chosen for this shell's CUDA runs: the backend's own code, launches
-# and kernels run here for real, and a kernel bug fails CI instead of a GPU minute. What it
-# cannot show (PTX, speed, the GPU's memory model) is still the GPU kit's.
-emulator() {
-    local dir=$PWD/target/cuda-emu
-    bash crates/engine/cuda_emu/build.sh "$dir"
-    export FERROTRON_LIBCUDA=$dir/libcuda.so.1 FERROTRON_NVRTC=$dir/libnvrtc.so.13 \
-        FERROTRON_CUBLASLT=$dir/libcublasLt.so.13 FERROTRON_CACHE=$dir/cache
-}
-
 case "${1:-check}" in
 check)
     nvrtc
@@ -79,14 +69,9 @@ check)
     "error: device = cuda: "*) ;;
     *) echo "error: unexpected message"; exit 1 ;;
     esac
-    # In a subshell: the emulator's libraries are for these runs only (the refusal above and
-    # the kit's dry run below need the machine as it is).
-    (
-        emulator
-        export FERROTRON_GPU_REQUIRED=1
-        echo "== the CUDA backend on the CUDA emulator (crates/engine/cuda_emu): every op test and training step, nothing skipped"
-        cargo test --release -p ferrotron-engine --features cuda --test cuda_backend
-    )
+    # The kit's stages on the CUDA emulator (its libraries are set for that script only: the
+    # refusal above and the kit's dry run below need the machine as it is).
+    bash scripts/cuda_emulated.sh
     echo "== the GPU kit: built, and its run.sh stops at once without a driver (nothing passes by skipping)"
     FERROTRON_KIT_CPU=0 bash "$0" bundle
     set +e

@@ -19,6 +19,8 @@ for c, g in zip(cpu, gpu):
     off = g["mem_peak_measured"] / g["mem_peak_planned"] - 1
     assert abs(off) < 0.01, f"{precision} step {g['step']}: measured {g['mem_peak_measured']} vs planned {g['mem_peak_planned']}"
 last_c, last_g = cpu[-1], gpu[-1]
+# No MFU where the planner has no peak for the device (JSON null): the CUDA emulator's.
+mfu = "n/a" if last_g["mfu"] is None else f"{100 * last_g['mfu']:.1f}%"
 print(f"{precision}: {len(gpu)} steps, loss within {worst:.4f} nats of the CPU (band {band}); "
       f"last {last_g['loss']:.4f} vs {last_c['loss']:.4f}; GPU {last_g['tokens_per_s']:.0f} tok/s, "
-      f"MFU {100 * last_g['mfu']:.1f}%, memory {last_g['mem_peak_measured']} vs planned {last_g['mem_peak_planned']}")
+      f"MFU {mfu}, memory {last_g['mem_peak_measured']} vs planned {last_g['mem_peak_planned']}")

@@ -9,6 +9,10 @@ here="$(cd "$(dirname "$0")" && pwd)"
 out="${1:-$here/../../../target/cuda-emu}"
 mkdir -p "$out"
 cxx="${CXX:-g++}"
+if ! command -v "$cxx" >/dev/null; then
+    echo "error: the CUDA emulator needs a C++17 compiler ($cxx not found): apt-get install g++, or set CXX" >&2
+    exit 1
+fi
 flags=(-std=c++17 -O2 -fPIC -shared -Wall -Wextra -Werror -ffp-contract=off)
 cp "$here/runtime.hpp" "$out/runtime.hpp"
 "$cxx" "${flags[@]}" -Wl,-soname,libcuda.so.1 "$here/driver.cpp" -o "$out/libcuda.so.1" -ldl

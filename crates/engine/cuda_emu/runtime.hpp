@@ -49,11 +49,65 @@ struct dim3 {
 
 namespace emu {
 
+// Switching between fibers. On x86-64, the six callee-saved registers pushed on the fiber's
+// own stack (no kernel changes the FP control words, so they are not switched): ucontext's
+// `swapcontext` also saves the signal mask with a system call on every switch, which made a
+// training step spend most of its time in the kernel. Elsewhere, ucontext.
+#if defined(__x86_64__)
+struct Context {
+    void* sp;
+};
+extern "C" void ferrotron_emu_switch(void** save, void* load) __attribute__((visibility("hidden")));
+asm(R"(
+    .text
+    .p2align 4
+ferrotron_emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+)");
+inline void switch_to(Context& save, Context& load) { ferrotron_emu_switch(&save.sp, load.sp); }
+/// A context that starts `entry` (which never returns) on `stack`.
+inline void start(Context& c, std::vector<char>& stack, void (*entry)(), Context&) {
+    uintptr_t top = ((uintptr_t)(stack.data() + stack.size())) & ~(uintptr_t)15;
+    // After the `ret` into `entry`, rsp = top - 8: a call's alignment at a function's entry.
+    void** slot = (void**)(top - 16);
+    slot[0] = (void*)entry;
+    slot -= 6;
+    for (int i = 0; i < 6; i++) slot[i] = nullptr;  // r15 … rbp
+    c.sp = slot;
+}
+#else
+struct Context {
+    ucontext_t uc;
+};
+inline void switch_to(Context& save, Context& load) { swapcontext(&save.uc, &load.uc); }
+inline void start(Context& c, std::vector<char>& stack, void (*entry)(), Context& back) {
+    getcontext(&c.uc);
+    c.uc.uc_stack.ss_sp = stack.data();
+    c.uc.uc_stack.ss_size = stack.size();
+    c.uc.uc_link = &back.uc;
+    makecontext(&c.uc, entry, 0);
+}
+#endif
+
 /// What a fiber is doing when the scheduler looks at it.
 enum class State { Ready, AtSyncthreads, AtShuffle, Done };
 
 struct Fiber {
-    ucontext_t ctx;
+    Context ctx;
     dim3 tid;
     State state;
     // A shuffle in progress: this lane's value, the lane it reads, the lanes taking part,
@@ -67,13 +121,15 @@ struct Block {
     dim3 idx, dim, grid;
     const char* kernel;
     Fiber* cur;
-    std::vector<Fiber> fibers;
-    ucontext_t scheduler;
+    std::vector<Fiber>& fibers;
+    Context scheduler;
     void (*body)(void**);
     void** params;
 };
 
 inline thread_local Block* block = nullptr;
+/// The fibers of the blocks run on this OS thread, kept from launch to launch.
+inline thread_local std::vector<Fiber> fibers;
 /// Fiber stacks, kept from launch to launch on this OS thread.
 inline thread_local std::vector<std::vector<char>> stacks;
 constexpr size_t STACK_BYTES = 64 << 10;
@@ -81,7 +137,7 @@ constexpr size_t STACK_BYTES = 64 << 10;
 inline void wait(State s) {
     Fiber* f = block->cur;
     f->state = s;
-    swapcontext(&f->ctx, &block->scheduler);
+    switch_to(f->ctx, block->scheduler);
 }
 
 template <class T>
@@ -188,11 +244,12 @@ struct Launch {
     unsigned grid[3], block[3], shared_bytes;
 };
 
+/// A fiber's whole life: the kernel's body, then back to the scheduler for good.
 inline void fiber_main() {
     Block* b = block;
     b->body(b->params);
     b->cur->state = State::Done;
-    // Returns to `uc_link`, the scheduler.
+    switch_to(b->cur->ctx, b->scheduler);
 }
 
 /// Says why a block cannot go on, naming the kernel, the block and where its threads wait.
@@ -247,17 +304,23 @@ inline int run_block(Block& b) {
         f.tid = dim3{(unsigned)(i % b.dim.x), (unsigned)(i / b.dim.x % b.dim.y),
                      (unsigned)(i / (b.dim.x * b.dim.y))};
         f.state = State::Ready;
-        getcontext(&f.ctx);
-        f.ctx.uc_stack.ss_sp = stacks[i].data();
-        f.ctx.uc_stack.ss_size = STACK_BYTES;
-        f.ctx.uc_link = &b.scheduler;
-        makecontext(&f.ctx, fiber_main, 0);
+        start(f.ctx, stacks[i], fiber_main, b.scheduler);
     }
     for (;;) {
-        for (Fiber& f : b.fibers) {
-            if (f.state != State::Ready) continue;
-            b.cur = &f;
-            swapcontext(&b.scheduler, &f.ctx);
+        // Each warp runs until none of its lanes can go on, its shuffles released as soon as
+        // its lanes have all arrived: a shuffle costs a pass over 32 lanes, not the block.
+        for (size_t w = 0; w * 32 < n; w++) {
+            size_t first = w * 32, last = first + 32 < n ? first + 32 : n;
+            for (int r = 1; r > 0;) {
+                for (size_t i = first; i < last; i++) {
+                    Fiber& f = b.fibers[i];
+                    if (f.state != State::Ready) continue;
+                    b.cur = &f;
+                    switch_to(b.scheduler, f.ctx);
+                }
+                r = release_shuffle(b, w);
+                if (r < 0) return deadlock(b, "a warp shuffle names a lane that returned or disagrees on its mask");
+            }
         }
         size_t done = 0, at_sync = 0;
         for (const Fiber& f : b.fibers) {
@@ -265,13 +328,6 @@ inline int run_block(Block& b) {
             at_sync += f.state == State::AtSyncthreads;
         }
         if (done == n) return 0;
-        bool released = false;
-        for (size_t w = 0; w * 32 < n; w++) {
-            int r = release_shuffle(b, w);
-            if (r < 0) return deadlock(b, "a warp shuffle names a lane that returned or disagrees on its mask");
-            released |= r > 0;
-        }
-        if (released) continue;
         // A warp that has returned whole no longer counts at the barrier (as the hardware's
         // arrival count does); one that returned in part while the rest waits is undefined.
         for (size_t w = 0; at_sync && w * 32 < n; w++) {
@@ -312,13 +368,10 @@ inline int launch(const Launch* l, const char* kernel, void (*body)(void**), voi
                      kernel, l->shared_bytes);
         return 1;
     }
-    Block b;
+    fibers.resize(threads);
+    Block b{{}, {}, {}, kernel, nullptr, fibers, {}, body, params};
     b.dim = dim3{l->block[0], l->block[1], l->block[2]};
     b.grid = dim3{l->grid[0], l->grid[1], l->grid[2]};
-    b.kernel = kernel;
-    b.body = body;
-    b.params = params;
-    b.fibers.resize(threads);
     Block* outer = block;
     block = &b;
     int rc = 0;

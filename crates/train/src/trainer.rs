@@ -69,7 +69,7 @@ mod zero_gather;
 use crate::device::ranks::ViewGather;
 use assemble::{initial_values, initial_weights, open_backend, rank_tables, Opened, Tables};
 use assemble::{peak_flops, plan_pool, rank_mesh, router_on_device};
-use memory_report::{measure_workspace, rank_mems, step_peaks, trace_capacity};
+use memory_report::{measure_workspace, on_device, rank_mems, step_peaks, trace_capacity};
 use step_schedule::StepSchedule;
 use zero_gather::{gather_weights, shard_of};
 
@@ -287,7 +287,12 @@ impl Trainer {
         let hw_flops_per_token =
             flops_per_token + recompute_flops_per_token(&spec, cfg.data.seq, cfg.runtime.recompute);
         let mut t = Self {
-            planned_peak: step_peaks(&plan, &layouts, &placed, kernel_workspace),
+            planned_peak: step_peaks(
+                &plan,
+                &on_device(layouts, device_alloc.as_ref()),
+                &placed,
+                kernel_workspace,
+            ),
             plan,
             tokens: vec![0; n],
             targets: vec![0; n],

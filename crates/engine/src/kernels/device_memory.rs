@@ -37,10 +37,11 @@ pub trait DeviceAlloc: Send + Sync + std::fmt::Debug {
         None
     }
     fn reset_peak(&self) {}
-    /// The device's memory in use now by its driver's own count, less what was in use when
-    /// this allocator was made (a GPU's: everything the process added since, the backend's
-    /// scratch and what the driver reserves for the kernels included, rounded to its pages);
-    /// `None` where there is no driver to ask.
+    /// The device's memory in use by its driver's own count when this allocator's allocations
+    /// were at their highest, less what was in use before the backend allocated anything (a
+    /// GPU's: everything the process added since, the backend's workspace and scratch and what
+    /// the driver reserves for the kernels included, rounded to its pages); `None` where there
+    /// is no driver to ask.
     fn driver_used(&self) -> Option<u64> {
         None
     }

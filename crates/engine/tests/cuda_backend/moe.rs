@@ -323,7 +323,8 @@ fn a_mixture_of_experts_trains_as_on_the_cpu() {
         let want = super::step::<f32>(&model, None, &params, &tokens, &targets);
         // The router's statistics in device memory, as the trainer keeps them.
         let on_gpu = model.clone();
-        let alloc: Arc<dyn DeviceAlloc> = Arc::new(CudaAlloc::new(k.gpu().ctx.clone()));
+        let alloc: Arc<dyn DeviceAlloc> =
+            Arc::new(CudaAlloc::new(k.gpu().ctx.clone(), k.baseline()));
         on_gpu.moe_on_device(HostCopy::new(alloc)).unwrap();
         let got = super::step::<f32>(&on_gpu, Some(&k), &params, &tokens, &targets);
         assert!(
@@ -344,7 +345,7 @@ fn a_mixture_of_experts_trains_as_on_the_cpu() {
     let params: Vec<bf16> = stored(&model.params.init(3, 0.1));
     let want = super::step::<bf16>(&model, None, &params, &tokens, &targets);
     let on_gpu = model.clone();
-    let alloc: Arc<dyn DeviceAlloc> = Arc::new(CudaAlloc::new(k.gpu().ctx.clone()));
+    let alloc: Arc<dyn DeviceAlloc> = Arc::new(CudaAlloc::new(k.gpu().ctx.clone(), k.baseline()));
     on_gpu.moe_on_device(HostCopy::new(alloc)).unwrap();
     let got = super::step::<bf16>(&on_gpu, Some(&k), &params, &tokens, &targets);
     assert!(

@@ -178,7 +178,7 @@ pub fn open(
 fn cuda(gpu: usize) -> Result<(Backend, Option<Arc<dyn DeviceAlloc>>)> {
     use ferrotron_engine::kernels::cuda::{CudaAlloc, CudaKernels};
     let k = CudaKernels::open(gpu).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let alloc = Arc::new(CudaAlloc::new(k.gpu().ctx.clone()));
+    let alloc = Arc::new(CudaAlloc::new(k.gpu().ctx.clone(), k.baseline()));
     Ok((Backend::Cuda(Box::new(k)), Some(alloc)))
 }
 

@@ -40,6 +40,10 @@ fn shapes(c: &LlamaConfig, n: usize, chunk: usize) -> Vec<MatmulShape> {
 pub struct KernelWorkspace {
     pub layers: u64,
     pub head: u64,
+    /// The part live at every instant, the optimizer step's included: none of the host's
+    /// (its products' scratch comes and goes), all of a GPU's (cuBLASLt's workspace and the
+    /// backend's scratch, allocated once).
+    pub resident: u64,
 }
 
 impl KernelWorkspace {

@@ -280,13 +280,13 @@ pub(super) fn print_progress(t: &Trainer, out: &StepOutput, cfg: &TrainConfig, p
         .val_loss
         .map_or(String::new(), |v| format!(" | val {v:.4}"));
     let line = format!(
-        "step {:>5}/{} | loss {:.4}{val} | lr {:.2e} | {:.0} tok/s | MFU {:.1}% | mem {:.1}/{:.1} MiB | ETA {}",
+        "step {:>5}/{} | loss {:.4}{val} | lr {:.2e} | {:.0} tok/s | MFU {} | mem {:.1}/{:.1} MiB | ETA {}",
         t.step,
         cfg.optimizer.steps,
         m.loss,
         m.lr,
         m.tokens_per_s,
-        m.mfu * 100.0,
+        mfu_text(m.mfu * 100.0),
         m.mem_peak_measured as f64 / MIB,
         m.mem_peak_planned as f64 / MIB,
         fmt_eta(eta)
@@ -380,11 +380,11 @@ pub(super) fn report_done(
     }
     if rank == 0 {
         eprintln!(
-        "done: {} steps in {:.1}s | median {:.0} tok/s, MFU {:.1}% | peak memory planned {:.2} MiB, measured {:.2} MiB ({:+.2}%) over a baseline of {:.1} MiB | {}",
+        "done: {} steps in {:.1}s | median {:.0} tok/s, MFU {} | peak memory planned {:.2} MiB, measured {:.2} MiB ({:+.2}%) over a baseline of {:.1} MiB | {}",
         steps.len(),
         started.elapsed().as_secs_f64(),
         median(timed.iter().map(|m| m.tokens_per_s).collect()),
-        mfu,
+        mfu_text(mfu),
         planned as f64 / MIB,
         measured as f64 / MIB,
         (measured as f64 / planned.max(1) as f64 - 1.0) * 100.0,
@@ -496,4 +496,15 @@ pub(super) fn print_overflow(u: &crate::optim::loss_scale::ScaleUpdate, step: u6
         u.old_scale,
         u.new_scale
     );
+}
+
+/// An MFU in percent as printed: "n/a" where the peak is unknown (a GPU the planner's table
+/// does not list, such as the CUDA emulator, gives a peak of 0 and an MFU of infinity),
+/// with the flag that supplies one.
+fn mfu_text(percent: f64) -> String {
+    if percent.is_finite() {
+        format!("{percent:.1}%")
+    } else {
+        "n/a (no peak known for this device: --peak-gflops)".into()
+    }
 }

@@ -452,6 +452,7 @@ fn rank_plan(
         Some((w, ..)) => KernelWorkspace {
             layers: *w,
             head: *w,
+            resident: *w,
         },
         None => kernel_workspace,
     };

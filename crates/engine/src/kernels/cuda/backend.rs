@@ -72,6 +72,9 @@ type RopeKey = (usize, usize, usize, u32);
 /// The CUDA backend.
 pub struct CudaKernels {
     gpu: Gpu,
+    /// The device's memory in use by the driver's count once the context and the kernels were
+    /// loaded, before the backend's workspace: the zero of the trainer's driver reading.
+    baseline: u64,
     lt: Lt,
     _lt_workspace: DeviceBlock,
     scratch: Mutex<HashMap<Scratch, DeviceBlock>>,
@@ -91,6 +94,7 @@ impl CudaKernels {
     /// The backend on GPU `ordinal`: context, compiled kernels, cuBLASLt and its workspace.
     pub fn open(ordinal: usize) -> Result<CudaKernels, DeviceError> {
         let gpu = Gpu::open(ordinal)?;
+        let baseline = super::memory::in_use(&gpu.ctx).unwrap_or(0);
         let ws = DeviceBlock::new(&gpu.ctx, gemm::WORKSPACE_BYTES).map_err(|detail| {
             DeviceError::Driver {
                 what: "the cuBLASLt workspace",
@@ -103,6 +107,7 @@ impl CudaKernels {
         })?;
         Ok(CudaKernels {
             gpu,
+            baseline,
             lt,
             _lt_workspace: ws,
             scratch: Mutex::new(HashMap::new()),
@@ -116,6 +121,11 @@ impl CudaKernels {
 
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
+    }
+
+    /// The device's memory in use before the backend allocated anything (`CudaAlloc::new`'s zero).
+    pub fn baseline(&self) -> u64 {
+        self.baseline
     }
 
     /// Device bytes the backend holds beyond the model's buffers: cuBLASLt's workspace, the

@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The GPU kit's stages on the CUDA emulator (crates/engine/cuda_emu), in CI: the CUDA backend's
+# own code (launches, cuBLASLt descriptors, device memory, the trainer's GPU path) runs here
+# for real, on host libraries standing in for the driver, NVRTC and cuBLASLt, so that what a
+# GPU session would find first is found without one. Called by scripts/cuda_check.sh after it
+# built target/release/ferrotron with --features cuda; also by hand:
+#   bash scripts/cuda_emulated.sh
+# Stages, each as run.sh has it on the GPU (same scripts, smaller model: a 0.6M-parameter
+# Llama, since the emulator runs each GPU thread as a fiber, ~100 tokens/s):
+#   - every op test and training step of the backend against the CPU, nothing skipped;
+#   - the trainer on the GPU against the CPU, fp32 and bf16 (cuda_compare.py);
+#   - device memory by the driver's count against the plan, fp32/bf16 x none/full (cuda_memory.py);
+#   - dp 2, tp 2, pp 2, ZeRO-3 and cp 2 on the one GPU against one rank (cuda_ranks.py).
+# What it cannot show (PTX and the hardware's rounding of expf, speed, the GPU's memory model,
+# NCCL) stays the GPU kit's: bash scripts/cuda_check.sh bundle, then target/cuda-check/run.sh.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dir=$PWD/target/cuda-emu
+bash crates/engine/cuda_emu/build.sh "$dir"
+export FERROTRON_LIBCUDA=$dir/libcuda.so.1 FERROTRON_NVRTC=$dir/libnvrtc.so.13 \
+    FERROTRON_CUBLASLT=$dir/libcublasLt.so.13 FERROTRON_CACHE=$dir/cache FERROTRON_GPU_REQUIRED=1
+bin=target/release/ferrotron
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+# A run's output to a log, shown only when it fails.
+run() {
+    "$@" >"$work/run.log" 2>&1 || {
+        tail -40 "$work/run.log"
+        echo "error: failed on the CUDA emulator: $*"
+        exit 1
+    }
+}
+
+echo "== emulated GPU: the backend's op tests and training steps against the CPU"
+cargo test --release -p ferrotron-engine --features cuda --test cuda_backend
+
+# A 2-layer GQA Llama with the bundled tokenizer's vocabulary; the corpus tokenized once.
+cat >"$work/config.json" <<'JSON'
+{"model_type":"llama","hidden_size":64,"intermediate_size":160,"num_attention_heads":4,
+ "num_key_value_heads":2,"num_hidden_layers":2,"vocab_size":8192,
+ "max_position_embeddings":128,"tie_word_embeddings":true}
+JSON
+run "$bin" train --device cpu --model "$work/config.json" --steps 1 --seq 64 --mbs 2 --eval-interval 0 \
+    --sample-tokens 0 --quiet --out-dir "$work/data-run"
+common=(--model "$work/config.json" --data "$work/data-run/data" --seq 64 --mbs 2 --sample-tokens 0 --quiet)
+
+echo "== emulated GPU: the trainer against the CPU, fp32 and bf16"
+for p in fp32 bf16; do
+    for d in cpu cuda; do
+        run "$bin" train --device "$d" --peak-gflops 100 --precision "$p" "${common[@]}" --steps 4 \
+            --eval-interval 2 --out-dir "$work/$p-$d"
+    done
+    python3 scripts/cuda_compare.py "$p" "$work/$p-cpu/metrics.jsonl" "$work/$p-cuda/metrics.jsonl"
+done
+
+echo "== emulated GPU: device memory by the driver's count against the plan"
+mem=()
+for p in fp32 bf16; do
+    for rc in none full; do
+        run "$bin" train --device cuda --precision "$p" --recompute "$rc" "${common[@]}" --steps 2 \
+            --eval-interval 0 --out-dir "$work/mem-$p-$rc"
+        mem+=("$p/$rc=$work/mem-$p-$rc/metrics.jsonl")
+    done
+done
+python3 scripts/cuda_memory.py "${mem[@]}"
+
+echo "== emulated GPU: several ranks on the one GPU against one rank (fp32, the same global batch)"
+ranks=(--steps 3 --eval-interval 0)
+run "$bin" train --device cuda "${common[@]}" "${ranks[@]}" --grad-acc 2 --out-dir "$work/ranks-one"
+got=()
+for l in "dp2:--dp 2 --grad-acc 1" "tp2:--tp 2 --grad-acc 2" "pp2:--pp 2 --grad-acc 2" \
+    "zero3:--dp 2 --zero 3 --grad-acc 1" "cp2:--cp 2 --grad-acc 2"; do
+    read -ra lf <<<"${l#*:}"
+    run "$bin" train --device cuda "${common[@]}" "${ranks[@]}" "${lf[@]}" --out-dir "$work/ranks-${l%%:*}"
+    got+=("${l%%:*}=$work/ranks-${l%%:*}/metrics.jsonl")
+done
+python3 scripts/cuda_ranks.py "$work/ranks-one/metrics.jsonl" "${got[@]}"
+echo "== emulated GPU: every stage passed"
