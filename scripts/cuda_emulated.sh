@@ -8,7 +8,8 @@
 # Stages, each as run.sh has it on the GPU (same scripts, smaller model: a 0.6M-parameter
 # Llama, since the emulator runs each GPU thread as a fiber, ~100 tokens/s):
 #   - every op test and training step of the backend against the CPU, nothing skipped;
-#   - the trainer on the GPU against the CPU, fp32 and bf16 (cuda_compare.py);
+#   - the trainer on the GPU against the CPU, fp32 and bf16, and a mixture of experts
+#     (cuda_compare.py), with each step's host synchronisations and launches (cuda_ops.py);
 #   - device memory by the driver's count against the plan, fp32/bf16 x none/full (cuda_memory.py);
 #   - dp 2, tp 2, pp 2, ZeRO-3 and cp 2 on the one GPU against one rank (cuda_ranks.py).
 # What it cannot show (PTX and the hardware's rounding of expf, speed, the GPU's memory model,
@@ -42,22 +43,38 @@ cat >"$work/config.json" <<'JSON'
 JSON
 run "$bin" train --device cpu --model "$work/config.json" --steps 1 --seq 64 --mbs 2 --eval-interval 0 \
     --sample-tokens 0 --quiet --out-dir "$work/data-run"
-common=(--model "$work/config.json" --data "$work/data-run/data" --seq 64 --mbs 2 --sample-tokens 0 --quiet)
+common=(--data "$work/data-run/data" --seq 64 --mbs 2 --sample-tokens 0 --quiet)
+tiny=(--model "$work/config.json" "${common[@]}")
 
 echo "== emulated GPU: the trainer against the CPU, fp32 and bf16"
 for p in fp32 bf16; do
     for d in cpu cuda; do
-        run "$bin" train --device "$d" --peak-gflops 100 --precision "$p" "${common[@]}" --steps 4 \
+        run "$bin" train --device "$d" --peak-gflops 100 --precision "$p" "${tiny[@]}" --steps 4 \
             --eval-interval 2 --out-dir "$work/$p-$d"
     done
     python3 scripts/cuda_compare.py "$p" "$work/$p-cpu/metrics.jsonl" "$work/$p-cuda/metrics.jsonl"
 done
 
+echo "== emulated GPU: a mixture of experts (4 experts, top 2) against the CPU, fp32"
+cat >"$work/moe.json" <<'JSON'
+{"model_type":"mixtral","hidden_size":64,"intermediate_size":96,"num_attention_heads":4,
+ "num_key_value_heads":2,"num_hidden_layers":2,"vocab_size":8192,"max_position_embeddings":128,
+ "tie_word_embeddings":true,"num_local_experts":4,"num_experts_per_tok":2}
+JSON
+for d in cpu cuda; do
+    run "$bin" train --device "$d" --peak-gflops 100 --model "$work/moe.json" "${common[@]}" \
+        --steps 4 --eval-interval 2 --out-dir "$work/moe-$d"
+done
+python3 scripts/cuda_compare.py fp32 "$work/moe-cpu/metrics.jsonl" "$work/moe-cuda/metrics.jsonl"
+# Issue #32's counts, as run.sh prints them on the GPU.
+python3 scripts/cuda_ops.py "moe fp32" "$work/moe-cuda/metrics.jsonl"
+python3 scripts/cuda_ops.py fp32 "$work/fp32-cuda/metrics.jsonl"
+
 echo "== emulated GPU: device memory by the driver's count against the plan"
 mem=()
 for p in fp32 bf16; do
     for rc in none full; do
-        run "$bin" train --device cuda --precision "$p" --recompute "$rc" "${common[@]}" --steps 2 \
+        run "$bin" train --device cuda --precision "$p" --recompute "$rc" "${tiny[@]}" --steps 2 \
             --eval-interval 0 --out-dir "$work/mem-$p-$rc"
         mem+=("$p/$rc=$work/mem-$p-$rc/metrics.jsonl")
     done
@@ -66,12 +83,12 @@ python3 scripts/cuda_memory.py "${mem[@]}"
 
 echo "== emulated GPU: several ranks on the one GPU against one rank (fp32, the same global batch)"
 ranks=(--steps 3 --eval-interval 0)
-run "$bin" train --device cuda "${common[@]}" "${ranks[@]}" --grad-acc 2 --out-dir "$work/ranks-one"
+run "$bin" train --device cuda "${tiny[@]}" "${ranks[@]}" --grad-acc 2 --out-dir "$work/ranks-one"
 got=()
 for l in "dp2:--dp 2 --grad-acc 1" "tp2:--tp 2 --grad-acc 2" "pp2:--pp 2 --grad-acc 2" \
     "zero3:--dp 2 --zero 3 --grad-acc 1" "cp2:--cp 2 --grad-acc 2"; do
     read -ra lf <<<"${l#*:}"
-    run "$bin" train --device cuda "${common[@]}" "${ranks[@]}" "${lf[@]}" --out-dir "$work/ranks-${l%%:*}"
+    run "$bin" train --device cuda "${tiny[@]}" "${ranks[@]}" "${lf[@]}" --out-dir "$work/ranks-${l%%:*}"
     got+=("${l%%:*}=$work/ranks-${l%%:*}/metrics.jsonl")
 done
 python3 scripts/cuda_ranks.py "$work/ranks-one/metrics.jsonl" "${got[@]}"
