@@ -11,6 +11,8 @@
 #   - the trainer on the GPU against the CPU, fp32 and bf16, and a mixture of experts
 #     (cuda_compare.py), with each step's host synchronisations and launches (cuda_ops.py);
 #   - device memory by the driver's count against the plan, fp32/bf16 x none/full (cuda_memory.py);
+#   - a plan over --device-memory refused with its fixes, then trained with --offload
+#     optimizer and --offload params under that budget, against the CPU and the driver;
 #   - dp 2, tp 2, pp 2, ZeRO-3 and cp 2 on the one GPU against one rank (cuda_ranks.py).
 # What it cannot show (PTX and the hardware's rounding of expf, speed, the GPU's memory model,
 # NCCL) stays the GPU kit's: bash scripts/cuda_check.sh bundle, then target/cuda-check/run.sh.
@@ -80,6 +82,26 @@ for p in fp32 bf16; do
     done
 done
 python3 scripts/cuda_memory.py "${mem[@]}"
+
+echo "== emulated GPU: the offload story, as the kit tells it for Llama-3.2-1B in 16 GiB"
+# bf16 needs 47.8 MiB here, 34 of them the GPU's own workspace: refused under a 43 MiB budget
+# with the fixes, then trained under it with the optimizer states, then the weights too, on
+# the host; each against the CPU and its device memory by the driver against its plan.
+budget=(--precision bf16 --device-memory 0.042 --eval-interval 0 --steps 3)
+if "$bin" train --device cuda "${tiny[@]}" "${budget[@]}" --out-dir "$work/refused" 2>"$work/refused.err"; then
+    echo "error: --device-memory 0.042 did not refuse a 47.8 MiB plan"
+    exit 1
+fi
+grep "same-GPU fixes" "$work/refused.err" | cut -c1-200
+run "$bin" train --device cpu --peak-gflops 100 "${tiny[@]}" "${budget[@]}" --out-dir "$work/offload-cpu"
+offload=()
+for o in optimizer params; do
+    run "$bin" train --device cuda --peak-gflops 100 "${tiny[@]}" "${budget[@]}" --offload "$o" \
+        --out-dir "$work/offload-$o"
+    python3 scripts/cuda_compare.py bf16 "$work/offload-cpu/metrics.jsonl" "$work/offload-$o/metrics.jsonl"
+    offload+=("offload-$o=$work/offload-$o/metrics.jsonl")
+done
+python3 scripts/cuda_memory.py "${offload[@]}"
 
 echo "== emulated GPU: several ranks on the one GPU against one rank (fp32, the same global batch)"
 ranks=(--steps 3 --eval-interval 0)

@@ -163,24 +163,46 @@ const BUDGET_CARD: &str = "h100";
 /// planner's fixes that keep the GPUs (offload, recompute, a smaller micro-batch, …) with their
 /// predicted peak and step time (on an H100 with that much memory).
 pub fn device_budget(spec: &ModelSpec, c: &TrainConfig) -> Result<()> {
-    let Some(gib) = c.runtime.device_memory else {
+    if c.runtime.device_memory.is_none() {
         return Ok(());
-    };
-    let budget = (gib * GIB) as u64;
+    }
     let input = crate::setup::plan_input(spec, c, 0);
     // A configuration the planner refuses is left to the trainer's own checks.
     let Ok(plan) = ferrotron_plan::planner::plan(&input) else {
         return Ok(());
     };
-    let most = plan.ranks[plan.most_loaded].peak;
-    if most <= budget {
+    over_budget(
+        spec,
+        c,
+        (plan.ranks[plan.most_loaded].peak, plan.most_loaded),
+        0,
+    )
+}
+
+/// Refuses `peak` bytes on `rank` when they exceed `--device-memory`, with the same-GPU fixes
+/// planned with `workspace` bytes of kernel workspace.
+/// Checked twice: by [`device_budget`] before any device is opened, from a plan without the
+/// GPU's own workspace (not known yet), then by each rank's plan once it is (cuBLASLt's 32 MiB
+/// and the backend's scratch; found by the CUDA emulator, where a small model's plan that
+/// the first check passed ran 6 MiB over its budget).
+pub fn over_budget(
+    spec: &ModelSpec,
+    c: &TrainConfig,
+    (peak, rank): (u64, usize),
+    workspace: u64,
+) -> Result<()> {
+    let Some(gib) = c.runtime.device_memory else {
+        return Ok(());
+    };
+    let budget = (gib * GIB) as u64;
+    if peak <= budget {
         return Ok(());
     }
-    let (card, fixes) = same_gpu_fixes(&input, most, budget, &format!("{gib} GiB"))?;
+    let input = crate::setup::plan_input(spec, c, workspace);
+    let (card, fixes) = same_gpu_fixes(&input, peak, budget, &format!("{gib} GiB"))?;
     bail!(
-        "device_memory = {gib}: the plan's peak is {:.2} GiB on rank {} (more than {gib} GiB): nothing was allocated; same-GPU fixes (times predicted on {card}): {fixes}",
-        most as f64 / GIB,
-        plan.most_loaded,
+        "device_memory = {gib}: the plan's peak is {:.2} GiB on rank {rank} (more than {gib} GiB): nothing was allocated; same-GPU fixes (times predicted on {card}): {fixes}",
+        peak as f64 / GIB,
     )
 }
 

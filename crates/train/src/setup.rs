@@ -105,6 +105,9 @@ pub fn checked_plan(
         .into_iter()
         .nth(stage)
         .context("the plan has no such pipeline stage")?;
+    if on_device {
+        crate::fit::over_budget(spec, c, (rank.peak, stage), kernel_workspace)?;
+    }
     let held = model.num_params() as u64;
     if held != rank.states.stage_params {
         bail!(
