@@ -88,6 +88,16 @@ int fail(int status, const char* fn, const char* fmt, ...) {
 }
 
 // An attribute's value, which must be exactly its type's size (cuBLASLt checks it too).
+/// Destroys a live object of kind `tag` (its tag cleared first, so that a second destroy is
+/// caught), or says what `fn` was given instead.
+template <class T> int destroy(void* p, uint32_t tag, int status, const char* fn, const char* what) {
+    T* o = live<T>(p, tag);
+    if (!o) return fail(status, fn, "not a live %s", what);
+    o->tag = 0;
+    delete o;
+    return OK;
+}
+
 template <class T> bool value(const void* buf, size_t size, T* out) {
     if (!buf || size != sizeof(T)) return false;
     std::memcpy(out, buf, sizeof(T));
@@ -219,13 +229,7 @@ int cublasLtCreate(void** handle) {
     return OK;
 }
 
-int cublasLtDestroy(void* handle) {
-    Handle* h = live<Handle>(handle, HANDLE);
-    if (!h) return fail(NOT_INITIALIZED, "cublasLtDestroy", "not a live handle");
-    h->tag = 0;
-    delete h;
-    return OK;
-}
+int cublasLtDestroy(void* handle) { return destroy<Handle>(handle, HANDLE, NOT_INITIALIZED, "cublasLtDestroy", "handle"); }
 
 int cublasLtMatrixLayoutCreate(void** layout, int type, uint64_t rows, uint64_t cols, int64_t ld) {
     const char* fn = "cublasLtMatrixLayoutCreate";
@@ -262,13 +266,7 @@ int cublasLtMatrixLayoutSetAttribute(void* layout, int attr, const void* buf, si
     }
 }
 
-int cublasLtMatrixLayoutDestroy(void* layout) {
-    Layout* l = live<Layout>(layout, LAYOUT);
-    if (!l) return fail(INVALID_VALUE, "cublasLtMatrixLayoutDestroy", "not a live matrix layout");
-    l->tag = 0;
-    delete l;
-    return OK;
-}
+int cublasLtMatrixLayoutDestroy(void* layout) { return destroy<Layout>(layout, LAYOUT, INVALID_VALUE, "cublasLtMatrixLayoutDestroy", "matrix layout"); }
 
 int cublasLtMatmulDescCreate(void** desc, int compute, int scale) {
     const char* fn = "cublasLtMatmulDescCreate";
@@ -321,13 +319,7 @@ int cublasLtMatmulDescSetAttribute(void* desc, int attr, const void* buf, size_t
     }
 }
 
-int cublasLtMatmulDescDestroy(void* desc) {
-    Desc* d = live<Desc>(desc, DESC);
-    if (!d) return fail(INVALID_VALUE, "cublasLtMatmulDescDestroy", "not a live matmul descriptor");
-    d->tag = 0;
-    delete d;
-    return OK;
-}
+int cublasLtMatmulDescDestroy(void* desc) { return destroy<Desc>(desc, DESC, INVALID_VALUE, "cublasLtMatmulDescDestroy", "matmul descriptor"); }
 
 int cublasLtMatmulPreferenceCreate(void** pref) {
     if (!pref) return fail(INVALID_VALUE, "cublasLtMatmulPreferenceCreate", "null pointer");
@@ -354,13 +346,7 @@ int cublasLtMatmulPreferenceSetAttribute(void* pref, int attr, const void* buf, 
     }
 }
 
-int cublasLtMatmulPreferenceDestroy(void* pref) {
-    Pref* p = live<Pref>(pref, PREF);
-    if (!p) return fail(INVALID_VALUE, "cublasLtMatmulPreferenceDestroy", "not a live preference");
-    p->tag = 0;
-    delete p;
-    return OK;
-}
+int cublasLtMatmulPreferenceDestroy(void* pref) { return destroy<Pref>(pref, PREF, INVALID_VALUE, "cublasLtMatmulPreferenceDestroy", "preference"); }
 
 int cublasLtMatmulAlgoGetHeuristic(void* handle, void* desc, void* la, void* lb, void* lc,
                                    void* ld, void* pref, int requested, Heuristic* results,

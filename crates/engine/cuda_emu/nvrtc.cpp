@@ -22,6 +22,21 @@ namespace {
 struct Program {
     std::string src, ptx, log;
 };
+
+// A program's text (its PTX or its log) as NVRTC hands it out: first its size with the
+// terminator, then the bytes into the caller's buffer of that size.
+nvrtcResult size_of(void* prog, std::string Program::*text, size_t* size) {
+    auto* p = static_cast<Program*>(prog);
+    if (!p || !size) return NVRTC_ERROR_INVALID_INPUT;
+    *size = (p->*text).size() + 1;
+    return NVRTC_SUCCESS;
+}
+nvrtcResult copy_of(void* prog, std::string Program::*text, char* out) {
+    auto* p = static_cast<Program*>(prog);
+    if (!p || !out) return NVRTC_ERROR_INVALID_INPUT;
+    std::memcpy(out, (p->*text).c_str(), (p->*text).size() + 1);
+    return NVRTC_SUCCESS;
+}
 }  // namespace
 
 extern "C" {
@@ -74,32 +89,9 @@ nvrtcResult nvrtcCompileProgram(void* prog, int n, const char* const* options) {
     return NVRTC_SUCCESS;
 }
 
-nvrtcResult nvrtcGetPTXSize(void* prog, size_t* size) {
-    auto* p = static_cast<Program*>(prog);
-    if (!p || !size) return NVRTC_ERROR_INVALID_INPUT;
-    *size = p->ptx.size() + 1;
-    return NVRTC_SUCCESS;
-}
-
-nvrtcResult nvrtcGetPTX(void* prog, char* out) {
-    auto* p = static_cast<Program*>(prog);
-    if (!p || !out) return NVRTC_ERROR_INVALID_INPUT;
-    std::memcpy(out, p->ptx.c_str(), p->ptx.size() + 1);
-    return NVRTC_SUCCESS;
-}
-
-nvrtcResult nvrtcGetProgramLogSize(void* prog, size_t* size) {
-    auto* p = static_cast<Program*>(prog);
-    if (!p || !size) return NVRTC_ERROR_INVALID_INPUT;
-    *size = p->log.size() + 1;
-    return NVRTC_SUCCESS;
-}
-
-nvrtcResult nvrtcGetProgramLog(void* prog, char* out) {
-    auto* p = static_cast<Program*>(prog);
-    if (!p || !out) return NVRTC_ERROR_INVALID_INPUT;
-    std::memcpy(out, p->log.c_str(), p->log.size() + 1);
-    return NVRTC_SUCCESS;
-}
+nvrtcResult nvrtcGetPTXSize(void* prog, size_t* size) { return size_of(prog, &Program::ptx, size); }
+nvrtcResult nvrtcGetPTX(void* prog, char* out) { return copy_of(prog, &Program::ptx, out); }
+nvrtcResult nvrtcGetProgramLogSize(void* prog, size_t* size) { return size_of(prog, &Program::log, size); }
+nvrtcResult nvrtcGetProgramLog(void* prog, char* out) { return copy_of(prog, &Program::log, out); }
 
 }  // extern "C"
