@@ -2,13 +2,16 @@
 the trainer's `device_ops` metrics: crates/engine/src/kernels/device_ops.rs): blocking host
 synchronisations by site and launches (kernels, cuBLASLt calls, device copies). The first
 step is left out of the figure (it allocates the gradients and grows scratch); the later
-steps' median is printed, with their range when they differ. Usage:
-python3 cuda_ops.py LABEL METRICS_JSONL"""
+steps' median is printed, with their range when they differ. With --max-syncs N it fails
+when that median is above N: the CUDA emulator's CI stage holds the counts it measured, so a
+change that adds a round trip fails CI, and issue #32 lowers the bound as it removes them.
+Usage: python3 cuda_ops.py LABEL METRICS_JSONL [--max-syncs N]"""
 import json
 import statistics
 import sys
 
 label, path = sys.argv[1:3]
+max_syncs = int(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[3] == "--max-syncs" else None
 steps = [json.loads(l) for l in open(path)]
 ops = [s.get("device_ops") for s in steps]
 if not steps or any(o is None for o in ops):
@@ -34,3 +37,7 @@ print(
     f"over steps {steps[1]['step'] if len(steps) > 1 else steps[0]['step']}-{steps[-1]['step']}, "
     f"first step {ops[0]['host_syncs']} syncs, {ops[0]['launches']} launches"
 )
+syncs = statistics.median(o["host_syncs"] for o in later)
+if max_syncs is not None and syncs > max_syncs:
+    print(f"error: {label}: {syncs:g} host synchronisations per step, more than the {max_syncs} held")
+    sys.exit(1)
