@@ -198,6 +198,13 @@ pub struct CudaAlloc {
     /// its own workspace (the context, the loaded kernels, other processes): the zero of
     /// [`Self::driver_used`], so that the reading covers everything the plan does.
     baseline: u64,
+    /// The last block freed (address, bytes), kept for the next request of its exact size.
+    /// The activation arena's region is given back at each step's end, so that the update
+    /// runs in the memory the plan leaves it, and asked for again at the next step's start;
+    /// `cuMemFree` and `cuMemAlloc` each synchronise the device, two host round trips a step
+    /// (issue #32), where a reused block costs a memset. A request of another size releases
+    /// the spare first, so the device never holds it beside a block the plan did not expect.
+    spare: Mutex<Option<(u64, usize)>>,
 }
 
 /// The device's memory in use, by the driver's count (`cuMemGetInfo`: total − free).
@@ -218,7 +225,35 @@ impl CudaAlloc {
             high: AtomicU64::new(0),
             driver_at_high: AtomicU64::new(0),
             baseline,
+            spare: Mutex::new(None),
         }
+    }
+
+    /// The spare block if it is exactly `bytes`, zeroed as a new one is.
+    fn reuse(&self, bytes: usize) -> Option<NonNull<u8>> {
+        let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
+        let (p, _) = spare.take_if(|s| s.1 == bytes)?;
+        drop(spare);
+        // SAFETY: the spare is a live block of `bytes`, owned by this allocator.
+        unsafe { crate::kernels::DeviceAlloc::zero(self, nn(p), bytes) };
+        Some(nn(p))
+    }
+
+    /// Gives the spare block back to the driver, if there is one.
+    fn release_spare(&self) {
+        let spare = self.spare.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some((p, _)) = spare {
+            let _ = self.ctx.bind_to_thread();
+            OPS.sync(SyncSite::Alloc);
+            // SAFETY: the spare was allocated by `alloc` and is owned by nobody else.
+            let _ = unsafe { result::free_sync(p) };
+        }
+    }
+}
+
+impl Drop for CudaAlloc {
+    fn drop(&mut self) {
+        self.release_spare();
     }
 }
 
@@ -227,10 +262,17 @@ impl crate::kernels::DeviceAlloc for CudaAlloc {
         Memory::Device(self.ctx.ordinal() as u32)
     }
     fn alloc(&self, bytes: usize) -> Result<NonNull<u8>, String> {
-        let b = DeviceBlock::new(&self.ctx, bytes)?;
-        let p = nn(b.ptr);
-        // Owned by the caller from here: `free` returns it.
-        std::mem::forget(b);
+        let p = match self.reuse(bytes) {
+            Some(p) => p,
+            None => {
+                self.release_spare();
+                let b = DeviceBlock::new(&self.ctx, bytes)?;
+                // Owned by the caller from here: `free` returns it.
+                let p = nn(b.ptr);
+                std::mem::forget(b);
+                p
+            }
+        };
         let now = self.live.fetch_add(bytes as u64, Relaxed) + bytes as u64;
         self.peak.fetch_max(now, Relaxed);
         // The driver asked at each new high-water mark only (a few times a run): read at a
@@ -244,10 +286,16 @@ impl crate::kernels::DeviceAlloc for CudaAlloc {
         Ok(p)
     }
     unsafe fn free(&self, p: NonNull<u8>, bytes: usize) {
+        self.live.fetch_sub(bytes as u64, Relaxed);
+        let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
+        if spare.is_none() {
+            *spare = Some((p.as_ptr() as u64, bytes));
+            return;
+        }
+        drop(spare);
         let _ = self.ctx.bind_to_thread();
         OPS.sync(SyncSite::Alloc);
         let _ = result::free_sync(p.as_ptr() as u64);
-        self.live.fetch_sub(bytes as u64, Relaxed);
     }
     fn peak(&self) -> Option<u64> {
         Some(self.peak.load(Relaxed))
