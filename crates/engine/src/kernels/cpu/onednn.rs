@@ -474,6 +474,10 @@ impl Onednn {
             // SAFETY: plain libgomp call.
             unsafe { set(rayon::current_num_threads().clamp(1, c_int::MAX as usize) as c_int) };
         }
+        // The scratchpad and the call's argument list are the product's scratch, as the gemm
+        // crate's packing is (`scratch`): alive only inside the op. (Unmarked, the engine's
+        // hot-path test failed on machines where oneDNN runs the products: AVX-512/AMX.)
+        let _scratch = super::scratch::KernelScratch::enter();
         // 64-byte aligned scratchpad from the Rust heap (see the module docs).
         let mut scratch: Vec<u8> = Vec::with_capacity(mm.scratchpad + 64);
         let base = scratch.as_mut_ptr();
