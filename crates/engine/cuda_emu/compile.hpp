@@ -65,10 +65,7 @@ inline std::string entries(const std::string& pre) {
     return out;
 }
 
-inline int run(const std::string& cmd) {
-    int rc = std::system(cmd.c_str());
-    return rc;
-}
+inline int run(const std::string& cmd) { return std::system(cmd.c_str()); }
 
 /// Builds `src` into a kernel library (or finds it built): its path, or "" with the
 /// compiler's messages in `log`.

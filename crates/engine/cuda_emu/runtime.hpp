@@ -369,9 +369,8 @@ inline int launch(const Launch* l, const char* kernel, void (*body)(void**), voi
         return 1;
     }
     fibers.resize(threads);
-    Block b{{}, {}, {}, kernel, nullptr, fibers, {}, body, params};
-    b.dim = dim3{l->block[0], l->block[1], l->block[2]};
-    b.grid = dim3{l->grid[0], l->grid[1], l->grid[2]};
+    Block b{{}, {l->block[0], l->block[1], l->block[2]}, {l->grid[0], l->grid[1], l->grid[2]},
+            kernel, nullptr, fibers, {}, body, params};
     Block* outer = block;
     block = &b;
     int rc = 0;

@@ -171,12 +171,8 @@ pub fn device_budget(spec: &ModelSpec, c: &TrainConfig) -> Result<()> {
     let Ok(plan) = ferrotron_plan::planner::plan(&input) else {
         return Ok(());
     };
-    over_budget(
-        spec,
-        c,
-        (plan.ranks[plan.most_loaded].peak, plan.most_loaded),
-        0,
-    )
+    let rank = plan.most_loaded;
+    over_budget(spec, c, plan.ranks[rank].peak, rank, 0)
 }
 
 /// Refuses `peak` bytes on `rank` when they exceed `--device-memory`, with the same-GPU fixes
@@ -184,11 +180,14 @@ pub fn device_budget(spec: &ModelSpec, c: &TrainConfig) -> Result<()> {
 /// Checked twice: by [`device_budget`] before any device is opened, from a plan without the
 /// GPU's own workspace (not known yet), then by each rank's plan once it is (cuBLASLt's 32 MiB
 /// and the backend's scratch; found by the CUDA emulator, where a small model's plan that
-/// the first check passed ran 6 MiB over its budget).
+/// the first check passed ran 6 MiB over its budget). Both count the planner's peak, which on a
+/// device holds the communication buffers that a GPU keeps in host memory
+/// (`trainer/memory_report.rs::on_device`): a budget refused a few buckets early, never late.
 pub fn over_budget(
     spec: &ModelSpec,
     c: &TrainConfig,
-    (peak, rank): (u64, usize),
+    peak: u64,
+    rank: usize,
     workspace: u64,
 ) -> Result<()> {
     let Some(gib) = c.runtime.device_memory else {

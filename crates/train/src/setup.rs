@@ -106,7 +106,7 @@ pub fn checked_plan(
         .nth(stage)
         .context("the plan has no such pipeline stage")?;
     if on_device {
-        crate::fit::over_budget(spec, c, (rank.peak, stage), kernel_workspace)?;
+        crate::fit::over_budget(spec, c, rank.peak, stage, kernel_workspace)?;
     }
     let held = model.num_params() as u64;
     if held != rank.states.stage_params {
