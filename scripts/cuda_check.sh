@@ -224,14 +224,15 @@ grep -h "^moe fp32: host syncs/step" "$log" >>"$summary"
 # bf16 × every recompute policy, two steps each; the data tokenized once.
 mem=()
 for p in fp32 bf16; do
-    for rc in none selective full; do
+    # (Not `rc`: that is the kit's exit status.)
+    for policy in none selective full; do
         data=()
         [ -d "$work/data" ] && data=(--data "$work/data")
-        stage "memory: smollm-135m $p recompute $rc" 60 ./ferrotron train --device cuda \
-            --model smollm-135m --precision "$p" --recompute "$rc" --seq 2048 --mbs 2 --steps 2 \
-            --eval-interval 0 --sample-tokens 0 --quiet "${data[@]}" --out-dir "$work/mem-$p-$rc"
-        [ -d "$work/data" ] || cp -r "$work/mem-$p-$rc/data" "$work/data" 2>/dev/null
-        mem+=("$p/$rc=$work/mem-$p-$rc/metrics.jsonl")
+        stage "memory: smollm-135m $p recompute $policy" 60 ./ferrotron train --device cuda \
+            --model smollm-135m --precision "$p" --recompute "$policy" --seq 2048 --mbs 2 --steps 2 \
+            --eval-interval 0 --sample-tokens 0 --quiet "${data[@]}" --out-dir "$work/mem-$p-$policy"
+        [ -d "$work/data" ] || cp -r "$work/mem-$p-$policy/data" "$work/data" 2>/dev/null
+        mem+=("$p/$policy=$work/mem-$p-$policy/metrics.jsonl")
     done
 done
 stage "memory: the driver's count against the plan" 30 python3 cuda_memory.py "${mem[@]}"

@@ -550,8 +550,19 @@ fn adamw<S: Elem, G: Elem>(k: &CudaKernels, at: usize) {
         same(&format!("{what} master"), &gp, &p, 1e-6);
         same(&format!("{what} m"), &gm, &m, 1e-6);
         same(&format!("{what} v"), &gv, &v, 1e-6);
+        // A 16-bit rounding differs only where the f32 update itself does: on a GPU NVRTC
+        // contracts a * b + c into one FMA (`--fmad=true`, its default), so the master may
+        // differ from the CPU's in its last bit, and a copy "differs" only past that, which an
+        // f32 copy (the master itself) never does and a flipped bf16 rounding (2^-8) always does.
         let got: Vec<S> = download(gout.view(n));
-        let differ = got.iter().zip(&out).filter(|(a, b)| a != b).count();
+        let differ = got
+            .iter()
+            .zip(&out)
+            .filter(|(a, b)| {
+                let (a, b) = (a.to_f32(), b.to_f32());
+                (a - b).abs() > 1e-6 * b.abs().max(1.0)
+            })
+            .count();
         assert!(
             differ <= n / 100,
             "{what}: {differ} of {n} rounded parameters differ from the CPU's"

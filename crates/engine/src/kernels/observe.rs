@@ -40,10 +40,26 @@ impl<K, O: OpObserver> Observed<K, O> {
 /// An op is observed under its own name, the string traces and profiles report. (A composite
 /// op keeps the trait's default, which calls the wrapper's own methods, so the observer sees
 /// its parts: `matmul_backward` shows as its weight and input halves.)
+///
+/// A GPU's op returns once it is launched. While calls are observed the device is drained
+/// before and after each one, so an op's span is its GPU time (plus one launch's latency), not
+/// the launch's, and a trace of a GPU step says where the device's time goes, as
+/// `CUDA_LAUNCH_BLOCKING=1` makes PyTorch's profiler do; the traced steps run slower for it.
+/// The CPU's `synchronize` does nothing.
 macro_rules! observe_op {
-    ($s:ident, $name:ident, $($arg:ident),*) => {
-        $s.time(stringify!($name), || $s.inner.$name($($arg),*))
-    };
+    ($s:ident, $name:ident, $($arg:ident),*) => {{
+        let observed = $s.observer.active();
+        if observed {
+            $s.inner.synchronize();
+        }
+        $s.time(stringify!($name), || {
+            let r = $s.inner.$name($($arg),*);
+            if observed {
+                $s.inner.synchronize();
+            }
+            r
+        })
+    }};
 }
 
 /// `impl Kernels for Observed`, generated from the kernel interface's list.
