@@ -46,12 +46,33 @@ nvrtc() {
     export FERROTRON_NVRTC="$PWD/$lib"
 }
 
+# ptxas, which assembles NVRTC's PTX as the driver will (tests/cuda_source.rs): from the
+# toolkit, else the `nvidia-cuda-nvcc` wheel (37 MB, once; ptxas alone is used), into
+# target/nvcc-13.0.
+ptxas() {
+    if [ -n "${FERROTRON_PTXAS:-}" ]; then return; fi
+    if [ -x /usr/local/cuda/bin/ptxas ]; then
+        export FERROTRON_PTXAS=/usr/local/cuda/bin/ptxas
+        return
+    fi
+    local bin
+    bin=$(find target/nvcc-13.0 -path '*/bin/ptxas' 2>/dev/null | head -1 || true)
+    if [ -z "$bin" ]; then
+        echo "== installing ptxas (pip: nvidia-cuda-nvcc 13.0) into target/nvcc-13.0"
+        python3 -m pip install -q --disable-pip-version-check --no-deps --target target/nvcc-13.0 'nvidia-cuda-nvcc==13.0.*'
+        bin=$(find target/nvcc-13.0 -path '*/bin/ptxas' | head -1)
+    fi
+    chmod +x "$bin"
+    export FERROTRON_PTXAS="$PWD/$bin"
+}
+
 case "${1:-check}" in
 check)
     nvrtc
+    ptxas
     echo "== CUDA backend: clippy --features cuda"
     cargo clippy --release -p ferrotron-engine -p ferrotron-train -p ferrotron --features cuda --all-targets -- -D warnings
-    echo "== CUDA backend: NVRTC compiles every kernel; the GPU tests skip without a GPU"
+    echo "== CUDA backend: NVRTC compiles every kernel, ptxas assembles it; the GPU tests skip without a GPU"
     cargo test --release -p ferrotron-engine --features cuda --lib -- cuda
     cargo test --release -p ferrotron-engine --features cuda --test cuda_source --test cuda_backend -- --nocapture
     # (The trainer's own refusal is checked below through the binary, as a user meets it: one

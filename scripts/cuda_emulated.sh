@@ -57,6 +57,21 @@ for p in fp32 bf16; do
     python3 scripts/cuda_compare.py "$p" "$work/$p-cpu/metrics.jsonl" "$work/$p-cuda/metrics.jsonl"
 done
 
+echo "== emulated GPU: the tensor-core attention in training, bf16 at head dim 64, against the CPU"
+# (The model above has head dim 16, which the plain kernels take.) Two heads of 64 sharing one
+# kv head, two 64-row tiles per sequence; the emulator runs mma.sync as the PTX ISA defines it.
+cat >"$work/d64.json" <<'JSON'
+{"model_type":"llama","hidden_size":128,"intermediate_size":256,"num_attention_heads":2,
+ "num_key_value_heads":1,"num_hidden_layers":2,"vocab_size":8192,
+ "max_position_embeddings":256,"tie_word_embeddings":true}
+JSON
+for d in cpu cuda; do
+    run "$bin" train --device "$d" --peak-gflops 100 --precision bf16 --model "$work/d64.json" \
+        --data "$work/data-run/data" --seq 128 --mbs 2 --sample-tokens 0 --quiet --steps 4 \
+        --eval-interval 2 --out-dir "$work/d64-$d"
+done
+python3 scripts/cuda_compare.py bf16 "$work/d64-cpu/metrics.jsonl" "$work/d64-cuda/metrics.jsonl"
+
 echo "== emulated GPU: a mixture of experts (4 experts, top 2) against the CPU, fp32"
 cat >"$work/moe.json" <<'JSON'
 {"model_type":"mixtral","hidden_size":64,"intermediate_size":96,"num_attention_heads":4,

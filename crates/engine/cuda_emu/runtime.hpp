@@ -180,6 +180,61 @@ inline T __shfl_sync(unsigned mask, T v, int src) {
     return emu::shuffle(mask, v, (unsigned)src & 31);
 }
 
+namespace emu {
+/// Each lane's operands of a warp-wide `mma_16816`, by thread index in the block.
+inline thread_local const void* warp_operands[1024];
+/// Every lane of the caller's warp arrives before any goes on: a shuffle with the full mask.
+inline void warp_barrier() { (void)shuffle(0xffffffffu, 0u, lane()); }
+inline float bf16_to_f32(unsigned short h) {
+    unsigned u = (unsigned)h << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+/// `mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32` for the caller's warp:
+/// c += A·B, with the fragments of the PTX ISA ("Matrix Fragments for mma.m16n8k16 with
+/// floating point type"; g = lane / 4, t = lane % 4, the lower column in a register's low
+/// half): A a0 (g, 2t), a1 (g+8, 2t), a2 (g, 2t+8), a3 (g+8, 2t+8); B b0 (k 2t, n g),
+/// b1 (k 2t+8, n g); C c0, c1 (g, 2t..2t+1), c2, c3 (g+8, 2t..2t+1). Every lane must take
+/// part (`.aligned`): one that has returned is the shuffle's deadlock. Products and sums in
+/// f32, k in order (the hardware's order and internal precision are its own; the tests'
+/// tolerances cover both).
+inline void mma_16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1,
+                      float (*widen)(unsigned short)) {
+    struct Operands {
+        unsigned a[4], b[2];
+    } mine{{a[0], a[1], a[2], a[3]}, {b0, b1}};
+    unsigned me = block->cur->tid.x, base = me & ~31u;
+    warp_operands[me] = &mine;
+    warp_barrier();
+    float A[16][16], B[16][8];
+    for (unsigned l = 0; l < 32; l++) {
+        const Operands* x = static_cast<const Operands*>(warp_operands[base + l]);
+        unsigned g = l >> 2, t = l & 3;
+        for (unsigned r = 0; r < 4; r++) {
+            unsigned row = g + 8 * (r & 1), col = 2 * t + 8 * (r >> 1);
+            A[row][col] = widen((unsigned short)(x->a[r] & 0xffff));
+            A[row][col + 1] = widen((unsigned short)(x->a[r] >> 16));
+        }
+        for (unsigned r = 0; r < 2; r++) {
+            unsigned k = 2 * t + 8 * r;
+            B[k][g] = widen((unsigned short)(x->b[r] & 0xffff));
+            B[k + 1][g] = widen((unsigned short)(x->b[r] >> 16));
+        }
+    }
+    // Every lane has read the others' operands before any goes on to overwrite its own.
+    warp_barrier();
+    unsigned g = (me & 31) >> 2, t = me & 3;
+    for (unsigned e = 0; e < 4; e++) {
+        unsigned row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
+        float acc = c[e];
+        for (unsigned k = 0; k < 16; k++) acc += A[row][k] * B[k][col];
+        c[e] = acc;
+    }
+}
+}  // namespace emu
+
 // One OS thread runs the whole grid, so the atomics need no atomicity.
 template <class T>
 inline T atomicAdd(T* p, T v) {

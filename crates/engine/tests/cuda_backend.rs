@@ -305,72 +305,12 @@ fn ops<S: Elem>(k: &CudaKernels, at: usize, tol: f64, tol_product: f64) {
     same(&format!("{t} rope_backward"), &grx, &rx, tol);
 
     // Attention with grouped queries, a head dim below and at the kernel's largest.
-    for (heads, kv, hd) in [(4, 2, 64), (2, 1, 128), (3, 3, 48)] {
-        let a = AttnShape {
-            b: 2,
-            t: 33,
-            heads,
-            kv_heads: kv,
-            head_dim: hd,
-        };
-        let (q, kk, v, dout) = (
-            r(a.q_len(), 1.0),
-            r(a.kv_len(), 1.0),
-            r(a.kv_len(), 1.0),
-            r(a.q_len(), 1.0),
-        );
-        let (gq, gk, gv, gdo) = (d(&on, &q), d(&on, &kk), d(&on, &v), d(&on, &dout));
-        let (mut o, mut lse) = (r(a.q_len(), 0.0), vec![0f32; a.lse_len()]);
-        let (mut go, mut glse) = (on.up(&o), on.up(&lse));
-        c.attention_forward(
-            a,
-            q.view(),
-            kk.view(),
-            v.view(),
-            o.view_mut(),
-            lse.view_mut(),
-        );
-        g.attention_forward(
-            a,
-            gq.view(q.len()),
-            gk.view(kk.len()),
-            gv.view(v.len()),
-            go.view_mut(o.len()),
-            glse.view_mut(lse.len()),
-        );
-        let what = format!("{t} attention H{heads} KV{kv} D{hd}");
-        same(&format!("{what} o"), &go, &o, tol_product);
-        same(&format!("{what} lse"), &glse, &lse, 1e-5);
-        let (mut dq, mut dk, mut dv) = (r(q.len(), 0.0), r(kk.len(), 0.0), r(v.len(), 0.0));
-        let (mut gdq, mut gdk, mut gdv) = (on.up(&dq), on.up(&dk), on.up(&dv));
-        c.attention_backward(
-            a,
-            q.view(),
-            kk.view(),
-            v.view(),
-            o.view(),
-            lse.view(),
-            dout.view(),
-            dq.view_mut(),
-            dk.view_mut(),
-            dv.view_mut(),
-        );
-        g.attention_backward(
-            a,
-            gq.view(q.len()),
-            gk.view(kk.len()),
-            gv.view(v.len()),
-            go.view(o.len()),
-            glse.view(lse.len()),
-            gdo.view(dout.len()),
-            gdq.view_mut(dq.len()),
-            gdk.view_mut(dk.len()),
-            gdv.view_mut(dv.len()),
-        );
-        same(&format!("{what} dq"), &gdq, &dq, tol_product);
-        same(&format!("{what} dk"), &gdk, &dk, tol_product);
-        same(&format!("{what} dv"), &gdv, &dv, tol_product);
-    }
+    attention::<S>(
+        k,
+        at,
+        tol_product,
+        &[(4, 2, 64, 33), (2, 1, 128, 33), (3, 3, 48, 33)],
+    );
 
     // SwiGLU, elementwise ops.
     let n = 1000;
@@ -499,6 +439,123 @@ fn rng_vec(n: usize) -> Vec<f32> {
 
 fn d<T: Copy>(on: &On<'_>, host: &[T]) -> Dev {
     on.up(host)
+}
+
+/// Attention forward and backward on the GPU against the CPU, for each (heads, kv heads, head
+/// dim, t) with b = 2; the GPU's o, lse, dq, dk and dv of each, for comparing the kernels.
+fn attention<S: Elem>(
+    k: &CudaKernels,
+    at: usize,
+    tol: f64,
+    shapes: &[(usize, usize, usize, usize)],
+) -> Vec<Vec<f32>> {
+    let t = format!("{} at +{at}", std::any::type_name::<S>());
+    let on = On { k, at };
+    let cpu = CpuKernels::PLAIN;
+    let c: &dyn Kernels<S> = &cpu;
+    let g: &dyn Kernels<S> = k;
+    let mut rng = Rng::new(11);
+    let mut r = |n: usize, s: f32| stored::<S>(&rng.vec(n, s));
+    let mut got = Vec::new();
+    for &(heads, kv, hd, len) in shapes {
+        let a = AttnShape {
+            b: 2,
+            t: len,
+            heads,
+            kv_heads: kv,
+            head_dim: hd,
+        };
+        let (q, kk, v, dout) = (
+            r(a.q_len(), 1.0),
+            r(a.kv_len(), 1.0),
+            r(a.kv_len(), 1.0),
+            r(a.q_len(), 1.0),
+        );
+        let (gq, gk, gv, gdo) = (d(&on, &q), d(&on, &kk), d(&on, &v), d(&on, &dout));
+        let (mut o, mut lse) = (r(a.q_len(), 0.0), vec![0f32; a.lse_len()]);
+        let (mut go, mut glse) = (on.up(&o), on.up(&lse));
+        c.attention_forward(
+            a,
+            q.view(),
+            kk.view(),
+            v.view(),
+            o.view_mut(),
+            lse.view_mut(),
+        );
+        g.attention_forward(
+            a,
+            gq.view(q.len()),
+            gk.view(kk.len()),
+            gv.view(v.len()),
+            go.view_mut(o.len()),
+            glse.view_mut(lse.len()),
+        );
+        let what = format!("{t} attention H{heads} KV{kv} D{hd} T{len}");
+        same(&format!("{what} o"), &go, &o, tol);
+        same(&format!("{what} lse"), &glse, &lse, 1e-5);
+        let (mut dq, mut dk, mut dv) = (r(q.len(), 0.0), r(kk.len(), 0.0), r(v.len(), 0.0));
+        let (mut gdq, mut gdk, mut gdv) = (on.up(&dq), on.up(&dk), on.up(&dv));
+        c.attention_backward(
+            a,
+            q.view(),
+            kk.view(),
+            v.view(),
+            o.view(),
+            lse.view(),
+            dout.view(),
+            dq.view_mut(),
+            dk.view_mut(),
+            dv.view_mut(),
+        );
+        g.attention_backward(
+            a,
+            gq.view(q.len()),
+            gk.view(kk.len()),
+            gv.view(v.len()),
+            go.view(o.len()),
+            glse.view(lse.len()),
+            gdo.view(dout.len()),
+            gdq.view_mut(dq.len()),
+            gdk.view_mut(dk.len()),
+            gdv.view_mut(dv.len()),
+        );
+        same(&format!("{what} dq"), &gdq, &dq, tol);
+        same(&format!("{what} dk"), &gdk, &dk, tol);
+        same(&format!("{what} dv"), &gdv, &dv, tol);
+        let host = |x: &Dev, n: usize| f32s(&download::<S>(x.view(n)));
+        got.extend([
+            host(&go, o.len()),
+            download::<f32>(glse.view(lse.len())),
+            host(&gdq, dq.len()),
+            host(&gdk, dk.len()),
+            host(&gdv, dv.len()),
+        ]);
+    }
+    got
+}
+
+/// The tensor-core attention (16-bit storage, head dims 64 and 128) against the CPU and
+/// against the plain kernels it replaces, over several 64-row tiles, a ragged last tile and
+/// grouped queries, at fresh and odd offsets.
+fn tensor_core_attention<S: Elem>(k: &CudaKernels) {
+    let shapes = [(4, 2, 64, 100), (2, 1, 128, 130), (8, 8, 64, 64)];
+    for at in [0, 3] {
+        k.use_plain_attention(true);
+        let plain = attention::<S>(k, at, 2e-2, &shapes);
+        k.use_plain_attention(false);
+        let flash = attention::<S>(k, at, 2e-2, &shapes);
+        for (i, (f, p)) in flash.iter().zip(&plain).enumerate() {
+            let what = format!("{} at +{at}: output {i}", std::any::type_name::<S>());
+            assert_close(&format!("{what}, tensor cores vs plain"), f, &to64(p), 2e-2);
+        }
+    }
+}
+
+#[test]
+fn tensor_core_attention_follows_the_plain_kernels() {
+    let Some(k) = gpu() else { return };
+    tensor_core_attention::<bf16>(&k);
+    tensor_core_attention::<half::f16>(&k);
 }
 
 /// AdamW: fp32 in place, and bf16 parameters rounded to nearest and stochastically (the same
@@ -647,6 +704,40 @@ fn zero_rows<S: Elem>(k: &CudaKernels) {
     assert_eq!(loss, 0.0, "{t} zero rows: cross_entropy");
     l.guards_intact(&format!("{t} zero rows: cross_entropy losses"));
     z.guards_intact(&format!("{t} zero rows: cross_entropy logits"));
+    // Attention over an empty sequence, at a head dim the tensor-core kernels take in 16 bits.
+    let a = AttnShape {
+        b: 2,
+        t: 0,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 64,
+    };
+    let (mut o, mut lse) = (on.up::<S>(&[]), on.up::<f32>(&[]));
+    g.attention_forward(
+        a,
+        x.view(0),
+        x.view(0),
+        x.view(0),
+        o.view_mut(0),
+        lse.view_mut(0),
+    );
+    let (mut dq, mut dk, mut dv) = (on.up::<S>(&[]), on.up::<S>(&[]), on.up::<S>(&[]));
+    g.attention_backward(
+        a,
+        x.view(0),
+        x.view(0),
+        x.view(0),
+        o.view(0),
+        lse.view(0),
+        dy.view(0),
+        dq.view_mut(0),
+        dk.view_mut(0),
+        dv.view_mut(0),
+    );
+    for (what, b) in [("o", &o), ("dq", &dq), ("dk", &dk), ("dv", &dv)] {
+        b.guards_intact(&format!("{t} zero rows: attention {what}"));
+    }
+    lse.guards_intact(&format!("{t} zero rows: attention lse"));
 }
 
 #[test]

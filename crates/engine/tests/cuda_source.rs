@@ -54,6 +54,60 @@ fn every_kernel_compiles_for_hopper_and_ampere() {
                 "{arch}: kernel {name} missing from the PTX"
             );
         }
+        assemble(&ptx, arch);
+    }
+}
+
+/// `FERROTRON_PTXAS`, else `ptxas` where the toolkit puts it (the GPU machine's).
+fn ptxas() -> Option<std::path::PathBuf> {
+    if let Some(p) = std::env::var_os("FERROTRON_PTXAS") {
+        return Some(p.into());
+    }
+    ["/usr/local/cuda/bin/ptxas"]
+        .iter()
+        .map(std::path::PathBuf::from)
+        .find(|p| p.exists())
+}
+
+/// The PTX through NVIDIA's assembler for `arch`: NVRTC copies inline PTX (the tensor cores'
+/// `mma.sync`, the `cvt`s) into its output unchecked, so an operand the instruction does not
+/// take would otherwise first fail when a GPU's driver loads the program. CI installs ptxas
+/// from the `nvidia-cuda-nvcc` wheel (scripts/cuda_check.sh). Prints the tensor-core kernels'
+/// registers and spills.
+fn assemble(ptx: &str, arch: &str) {
+    let Some(ptxas) = ptxas() else {
+        eprintln!("ptxas: not found (set FERROTRON_PTXAS): the PTX for {arch} was not assembled");
+        return;
+    };
+    let file = std::env::temp_dir().join(format!("ferrotron-{}-{arch}.ptx", std::process::id()));
+    std::fs::write(&file, ptx).expect("writing the PTX");
+    let out = std::process::Command::new(&ptxas)
+        .args(["-v", &format!("-arch={arch}"), "-o", "/dev/null"])
+        .arg(&file)
+        .output()
+        .unwrap_or_else(|e| panic!("ptxas ({}): {e}", ptxas.display()));
+    let _ = std::fs::remove_file(&file);
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "ptxas rejects the PTX for {arch}: {}",
+        log.lines()
+            .filter(|l| !l.starts_with("ptxas info"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    // `-v` says, per entry: "Compiling entry function 'NAME' for 'sm_90'", then its stack
+    // frame and spills, then its registers.
+    let mut entry = "";
+    for line in log.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            entry = rest.split('\'').next().unwrap_or_default();
+        } else if entry.starts_with("flash_") && line.contains("ptxas info    :") {
+            let what = line.trim_start_matches("ptxas info    :").trim();
+            if what.starts_with("Used") || what.contains("spill") {
+                eprintln!("ptxas: {arch} {entry}: {what}");
+            }
+        }
     }
 }
 

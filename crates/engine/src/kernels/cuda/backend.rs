@@ -20,6 +20,7 @@ use crate::kernels::*;
 use cudarc::driver::{result, DeviceRepr, LaunchConfig, PushKernelArg};
 use ferrotron_plan::DType;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 mod moe;
@@ -88,7 +89,14 @@ pub struct CudaKernels {
     /// The embedding backward's token ids and the cross-entropy's row losses, read back.
     token_ids: Mutex<Vec<u32>>,
     losses: Mutex<Vec<f32>>,
+    /// Attention on the plain kernels even where the tensor-core ones apply
+    /// (`FERROTRON_CUDA_ATTENTION=plain`, or [`CudaKernels::use_plain_attention`]): the
+    /// reference the tests hold the tensor-core kernels to, and a switch for bisecting.
+    plain_attention: AtomicBool,
 }
+
+/// The variable that picks the attention kernels: `flash` (the default) or `plain`.
+pub const ATTENTION_ENV: &str = "FERROTRON_CUDA_ATTENTION";
 
 impl CudaKernels {
     /// The backend on GPU `ordinal`: context, compiled kernels, cuBLASLt and its workspace.
@@ -116,7 +124,22 @@ impl CudaKernels {
             host: Mutex::default(),
             token_ids: Mutex::default(),
             losses: Mutex::default(),
+            plain_attention: AtomicBool::new(plain_attention_from_env()?),
         })
+    }
+
+    /// Attention on the plain kernels (`true`) or, where they apply, the tensor-core ones.
+    pub fn use_plain_attention(&self, plain: bool) {
+        self.plain_attention.store(plain, Ordering::Relaxed);
+    }
+
+    /// The tensor-core attention's entry point suffix (`64_bf16`) for this shape in storage
+    /// `S`, where it applies: 16-bit storage, head dim 64 or 128, not switched off.
+    fn flash<S: Elem>(&self, s: AttnShape) -> Option<String> {
+        let sixteen = matches!(S::DTYPE, DType::Bf16 | DType::F16);
+        let dims = super::source::FLASH_HEAD_DIMS.contains(&s.head_dim);
+        (sixteen && dims && !self.plain_attention.load(Ordering::Relaxed))
+            .then(|| format!("{}_{}", s.head_dim, sfx(S::DTYPE)))
     }
 
     pub fn gpu(&self) -> &Gpu {
@@ -237,6 +260,18 @@ impl CudaKernels {
     }
 }
 
+/// `FERROTRON_CUDA_ATTENTION`: `flash` (or unset) or `plain`.
+fn plain_attention_from_env() -> Result<bool, DeviceError> {
+    match std::env::var(ATTENTION_ENV).as_deref() {
+        Err(_) | Ok("flash") => Ok(false),
+        Ok("plain") => Ok(true),
+        Ok(other) => Err(DeviceError::Driver {
+            what: ATTENTION_ENV,
+            detail: format!("`{other}` is neither `flash` (tensor cores, the default) nor `plain`"),
+        }),
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -318,6 +353,19 @@ fn per_row(rows: usize) -> LaunchConfig {
 fn per_warp(rows: u64) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (rows.div_ceil(4) as u32, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The tensor-core attention's grid: a block of 4 warps per (batch, head) and 64-row tile
+/// (`FA_TILE` in `cu/flash_attention.cu`), heads along x (no limit), tiles along y (65,535 of
+/// them: sequences up to 4M).
+fn per_tile(heads: usize, t: usize) -> LaunchConfig {
+    // No rows, no launch (`launch!` looks at x).
+    let heads = if t == 0 { 0 } else { heads as u32 };
+    LaunchConfig {
+        grid_dim: (heads, t.div_ceil(64) as u32, 1),
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     }
@@ -539,6 +587,11 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         let op = "attention_forward";
         let (q, k, v) = (dev(&q, op), dev(&k, op), dev(&v, op));
         let (o, l, d) = (dev_mut(&mut o, op), dev_mut(&mut lse, op), attn_dims(s));
+        if let Some(f) = self.flash::<S>(s) {
+            let cfg = per_tile(s.b * s.heads, s.t);
+            launch!(self, format!("flash_forward_{f}"), cfg; d, q, k, v, o, l);
+            return;
+        }
         let rows = (s.b * s.heads * s.t) as u64;
         launch!(self, name::<S>(op), per_warp(rows); d, q, k, v, o, l);
     }
@@ -566,6 +619,13 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         );
         let delta = self.scratch(Scratch::AttnDelta, s.lse_len() * 4);
         let d = attn_dims(s);
+        if let Some(f) = self.flash::<S>(s) {
+            let cfg = per_tile(s.b * s.heads, s.t);
+            launch!(self, format!("flash_backward_q_{f}"), cfg; d, q, k, v, o, l, d_o, dq, delta);
+            let cfg = per_tile(s.b * s.kv_heads, s.t);
+            launch!(self, format!("flash_backward_kv_{f}"), cfg; d, q, k, v, l, d_o, delta, dk, dv);
+            return;
+        }
         let q_rows = (s.b * s.heads * s.t) as u64;
         launch!(self, name::<S>("attention_backward_q"), per_warp(q_rows); d, q, k, v, o, l, d_o, dq, delta);
         let kv_rows = (s.b * s.kv_heads * s.t) as u64;

@@ -20,6 +20,7 @@ pub fn program() -> String {
         include_str!("cu/cross_entropy.cu"),
         include_str!("cu/adamw.cu"),
         include_str!("cu/attention.cu"),
+        include_str!("cu/flash_attention.cu"),
         include_str!("cu/bias.cu"),
         include_str!("cu/moe.cu"),
     ]
@@ -28,6 +29,9 @@ pub fn program() -> String {
 
 /// Suffixes of the storage types (`FOR_STORAGE` in `common.cuh`).
 pub const STORAGE: [&str; 3] = ["f32", "bf16", "f16"];
+/// The head dims the tensor-core attention is built for (`FLASH_DIMS` in
+/// `cu/flash_attention.cu`); the plain kernels take every other.
+pub const FLASH_HEAD_DIMS: [usize; 2] = [64, 128];
 /// Suffixes of the (storage, gradient) pairs (`FOR_GRADS`).
 pub const GRADS: [&str; 4] = ["f32_f32", "bf16_bf16", "bf16_f32", "f16_f16"];
 
@@ -75,6 +79,12 @@ pub fn entry_points() -> Vec<String> {
     }
     for k in per_grads {
         names.extend(GRADS.iter().map(|s| format!("{k}_{s}")));
+    }
+    // Tensor-core attention: 16-bit storage, head dims 64 and 128 (`cu/flash_attention.cu`).
+    for k in ["flash_forward", "flash_backward_q", "flash_backward_kv"] {
+        for d in FLASH_HEAD_DIMS {
+            names.extend(["bf16", "f16"].map(|s| format!("{k}_{d}_{s}")));
+        }
     }
     names
 }

@@ -7,6 +7,7 @@
 
 typedef unsigned short bf16_t;
 typedef unsigned short f16_t;
+typedef unsigned short u16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
 #define F_INF __int_as_float(0x7f800000)

@@ -1,0 +1,351 @@
+// Causal grouped-query attention on tensor cores: FlashAttention-2 (Dao 2023), for 16-bit
+// storage (bf16, f16) and head dims 64 and 128; the plain kernels of attention.cu take every
+// other case and are these kernels' reference in the tests. Same tensors and layouts as
+// attention.cu (q [B,T,H,D], k/v [B,T,KV,D], lse and Δ [B,H,T]), same two-pass backward
+// without atomics: a query pass (Δ and dQ), then a key pass (dK and dV over the group's query
+// heads).
+//
+// A block is 4 warps; each warp owns 16 rows of the block's 64-row tile (query rows, or key
+// rows in the key pass) and keeps them in registers as mma operands; the other side's 64-row
+// tiles come through shared memory. Products are `mma.sync.aligned.m16n8k16` with f32
+// accumulators. Its fragments, from the PTX ISA ("Matrix Fragments for mma.m16n8k16 with
+// floating point type"), with g = lane / 4 and t = lane % 4, each .b32 register holding two
+// 16-bit elements, the lower column (or k) in its low half:
+//   A (16×16, row-major): a0 = (g, 2t), a1 = (g+8, 2t), a2 = (g, 2t+8), a3 = (g+8, 2t+8)
+//   B (16×8, k × n):      b0 = (k 2t, n g), b1 = (k 2t+8, n g)
+//   C (16×8, f32):        c0, c1 = (g, 2t), (g, 2t+1); c2, c3 = (g+8, 2t), (g+8, 2t+1)
+// Two adjacent C tiles (16 columns) are, rounded to 16 bits, one A tile: the softmax's P (and
+// the backward's dS) feed the next product from registers.
+//
+// The probabilities and dS are rounded to the storage type before their products, as FA2
+// does; the running max, the sums and every accumulator are f32.
+
+#define FA_TILE 64
+#define FA_WARPS 4
+
+// A tile of FA_TILE rows × D 16-bit elements in shared memory, as pairs: word c of row r
+// holds elements 2c and 2c+1. Rows are 4 words longer than D/2: row r's word c sits in bank
+// (r·(D/2 + 4) + c) mod 32, so a fragment's 32 reads (rows g, words t) land in 32 banks.
+template <int D>
+struct Tile {
+    u32 w[FA_TILE][D / 2 + 4];
+};
+
+__device__ __forceinline__ u32 pack2(u32 lo, u32 hi) { return lo | (hi << 16); }
+
+// Element (r, c) of a tile.
+template <int D>
+__device__ __forceinline__ u32 tile_at(const Tile<D>& s, int r, int c) {
+    return (s.w[r][c >> 1] >> ((c & 1) * 16)) & 0xffffu;
+}
+
+// The 16-bit type's rounding and widening, and the product on it.
+template <typename E>
+struct Mma16;
+template <>
+struct Mma16<BF16> {
+    static __device__ __forceinline__ u32 bits(float x) { return to_bf16(x); }
+    static __device__ __forceinline__ float widen(u32 h) { return __uint_as_float(h << 16); }
+    static __device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+#ifdef FERROTRON_CUDA_EMU
+        emu::mma_16816(c, a, b0, b1, emu::bf16_to_f32);
+#else
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+    }
+};
+template <>
+struct Mma16<F16> {
+    static __device__ __forceinline__ u32 bits(float x) { return to_f16(x); }
+    static __device__ __forceinline__ float widen(u32 h) { return f16_to_f32((f16_t)h); }
+    static __device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+#ifdef FERROTRON_CUDA_EMU
+        emu::mma_16816(c, a, b0, b1, emu::f16_to_f32);
+#else
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+    }
+};
+
+// Rows row0.. of a [.., T, .., D] tensor (`p` at row 0 of its batch and head, `stride`
+// elements from row to row) into a tile; rows at or past `t` are zeros.
+template <int D>
+__device__ void load_tile(Tile<D>& s, const u16* p, u64 row0, u64 t, u64 stride) {
+    for (int i = threadIdx.x; i < FA_TILE * D / 2; i += FA_WARPS * 32) {
+        int r = i / (D / 2), c = i % (D / 2);
+        u64 row = row0 + r;
+        const u16* x = p + row * stride + 2 * c;
+        s.w[r][c] = row < t ? pack2(x[0], x[1]) : 0u;
+    }
+}
+
+// This thread's A fragments of rows `row` and row + 8 (every 16-column chunk of D), straight
+// from global memory; rows at or past `t` are zeros.
+template <int D>
+__device__ void load_a(u32 (&a)[D / 16][4], const u16* p, u64 row, u64 t, u64 stride) {
+    int ti = threadIdx.x & 3;
+#pragma unroll
+    for (int kc = 0; kc < D / 16; kc++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            u64 rr = row + 8 * (r & 1);
+            const u16* x = p + rr * stride + kc * 16 + 2 * ti + 8 * (r >> 1);
+            a[kc][r] = rr < t ? pack2(x[0], x[1]) : 0u;
+        }
+}
+
+// acc[n] (n = 0..7: the tile's 64 rows, 8 at a time) += A · tileᵀ: the tile's rows are the
+// product's columns (B = tileᵀ, k along D: each b register is two adjacent elements of a row).
+template <typename E, int D>
+__device__ __forceinline__ void mma_rows(float (&acc)[8][4], const u32 (&a)[D / 16][4], const Tile<D>& s) {
+    int gi = (threadIdx.x & 31) >> 2, ti = threadIdx.x & 3;
+#pragma unroll
+    for (int kc = 0; kc < D / 16; kc++)
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+            Mma16<E>::mma(acc[n], a[kc], s.w[n * 8 + gi][kc * 8 + ti], s.w[n * 8 + gi][kc * 8 + 4 + ti]);
+}
+
+// acc[n] (n = 0..D/8: the head dims, 8 at a time) += P · tile, P the 16 × 64 C fragments in
+// `p` rounded to 16 bits (the FA2 register trick), the tile's rows being the product's k.
+template <typename E, int D>
+__device__ __forceinline__ void mma_cols(float (&acc)[D / 8][4], const float (&p)[8][4], const Tile<D>& s) {
+    int gi = (threadIdx.x & 31) >> 2, ti = threadIdx.x & 3;
+#pragma unroll
+    for (int kk = 0; kk < 4; kk++) {
+        u32 a[4] = {
+            pack2(Mma16<E>::bits(p[2 * kk][0]), Mma16<E>::bits(p[2 * kk][1])),
+            pack2(Mma16<E>::bits(p[2 * kk][2]), Mma16<E>::bits(p[2 * kk][3])),
+            pack2(Mma16<E>::bits(p[2 * kk + 1][0]), Mma16<E>::bits(p[2 * kk + 1][1])),
+            pack2(Mma16<E>::bits(p[2 * kk + 1][2]), Mma16<E>::bits(p[2 * kk + 1][3])),
+        };
+        int k = kk * 16 + 2 * ti;
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) {
+            int c = n * 8 + gi;
+            Mma16<E>::mma(acc[n], a, pack2(tile_at(s, k, c), tile_at(s, k + 1, c)),
+                          pack2(tile_at(s, k + 8, c), tile_at(s, k + 9, c)));
+        }
+    }
+}
+
+// Sum (or max) over the 4 threads of a quad, which together hold a C fragment's row.
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+// Writes this thread's part of rows `row` and row + 8 of `acc` · `mul[r]` (rows past t skipped).
+template <typename E, int D>
+__device__ __forceinline__ void store_rows(u16* p, const float (&acc)[D / 8][4], u64 row, u64 t, u64 stride,
+                                           const float (&mul)[2]) {
+    int ti = threadIdx.x & 3;
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+        u64 rr = row + 8 * (e >> 1);
+        if (rr >= t) continue;
+#pragma unroll
+        for (int n = 0; n < D / 8; n++)
+            p[rr * stride + n * 8 + 2 * ti + (e & 1)] = (u16)Mma16<E>::bits(acc[n][e] * mul[e >> 1]);
+    }
+}
+
+// Forward: block (b·H + h, query tile). Rows past t compute on zeros and are not written.
+template <typename E, int D>
+__device__ void flash_forward_impl(AttnDims s, const u16* q, const u16* k, const u16* v, u16* o, float* lse) {
+    __shared__ Tile<D> ks, vs;
+    u64 h = blockIdx.x % s.heads, b = blockIdx.x / s.heads, qb = blockIdx.y;
+    u64 g = h / (s.heads / s.kv_heads), qstride = s.heads * D, kvstride = s.kv_heads * D;
+    int lane = threadIdx.x & 31, gi = lane >> 2, ti = lane & 3;
+    u64 row = qb * FA_TILE + (threadIdx.x >> 5) * 16 + gi;  // and row + 8
+    const u16 *kp = k + kv_at(s, b, 0, g), *vp = v + kv_at(s, b, 0, g);
+    u32 qa[D / 16][4];
+    load_a<D>(qa, q + q_at(s, b, 0, h), row, s.t, qstride);
+    float acc[D / 8][4] = {}, m[2] = {F_INF_NEG, F_INF_NEG}, l[2] = {0.0f, 0.0f};
+    // Causal: the key tiles up to this query tile's own.
+    for (u64 kb = 0; kb <= qb; kb++) {
+        __syncthreads();
+        load_tile<D>(ks, kp, kb * FA_TILE, s.t, kvstride);
+        load_tile<D>(vs, vp, kb * FA_TILE, s.t, kvstride);
+        __syncthreads();
+        float sc[8][4] = {};
+        mma_rows<E, D>(sc, qa, ks);
+        // Online softmax over this tile's keys (every row keeps its first key unmasked: key
+        // kb·64 ≤ every row of a tile at or after kb).
+        float mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                u64 j = kb * FA_TILE + n * 8 + 2 * ti + (e & 1), i = row + 8 * (e >> 1);
+                sc[n][e] = j <= i ? sc[n][e] * s.scale : F_INF_NEG;
+                mx[e >> 1] = fmaxf(mx[e >> 1], sc[n][e]);
+            }
+        float alpha[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            mx[r] = quad_max(mx[r]);
+            alpha[r] = expf(m[r] - mx[r]);
+            m[r] = mx[r];
+            l[r] *= alpha[r];
+        }
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                sc[n][e] = expf(sc[n][e] - m[e >> 1]);
+                l[e >> 1] += sc[n][e];  // this thread's columns; the quad's sum at the end
+            }
+#pragma unroll
+        for (int n = 0; n < D / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[n][e] *= alpha[e >> 1];
+        mma_cols<E, D>(acc, sc, vs);
+    }
+    float inv[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        l[r] = quad_sum(l[r]);
+        inv[r] = 1.0f / l[r];
+    }
+    store_rows<E, D>(o + q_at(s, b, 0, h), acc, row, s.t, qstride, inv);
+#pragma unroll
+    for (int r = 0; r < 2; r++)
+        if (ti == 0 && row + 8 * r < s.t) lse[lse_at(s, b, h, row + 8 * r)] = m[r] + logf(l[r]);
+}
+
+// Backward, query pass: Δ_i = dO_i·O_i (saved for the key pass) and
+// dQ = scale · Σ_j P_ij (dO_i·V_j − Δ_i) K_j over the key tiles up to the query tile's own.
+template <typename E, int D>
+__device__ void flash_backward_q_impl(AttnDims s, const u16* q, const u16* k, const u16* v, const u16* o,
+                                      const float* lse, const u16* d_o, u16* dq, float* delta) {
+    __shared__ Tile<D> ks, vs;
+    u64 h = blockIdx.x % s.heads, b = blockIdx.x / s.heads, qb = blockIdx.y;
+    u64 g = h / (s.heads / s.kv_heads), qstride = s.heads * D, kvstride = s.kv_heads * D;
+    int lane = threadIdx.x & 31, gi = lane >> 2, ti = lane & 3;
+    u64 row = qb * FA_TILE + (threadIdx.x >> 5) * 16 + gi;
+    const u16 *kp = k + kv_at(s, b, 0, g), *vp = v + kv_at(s, b, 0, g);
+    u64 qoff = q_at(s, b, 0, h);
+    u32 qa[D / 16][4], da[D / 16][4], oa[D / 16][4];
+    load_a<D>(qa, q + qoff, row, s.t, qstride);
+    load_a<D>(da, d_o + qoff, row, s.t, qstride);
+    load_a<D>(oa, o + qoff, row, s.t, qstride);
+    float dl[2] = {0.0f, 0.0f}, lr[2];
+#pragma unroll
+    for (int kc = 0; kc < D / 16; kc++)
+#pragma unroll
+        for (int r = 0; r < 4; r++)
+            dl[r & 1] += Mma16<E>::widen(da[kc][r] & 0xffffu) * Mma16<E>::widen(oa[kc][r] & 0xffffu) +
+                         Mma16<E>::widen(da[kc][r] >> 16) * Mma16<E>::widen(oa[kc][r] >> 16);
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        u64 i = row + 8 * r;
+        dl[r] = quad_sum(dl[r]);
+        lr[r] = i < s.t ? lse[lse_at(s, b, h, i)] : 0.0f;
+        if (ti == 0 && i < s.t) delta[lse_at(s, b, h, i)] = dl[r];
+    }
+    float acc[D / 8][4] = {};
+    for (u64 kb = 0; kb <= qb; kb++) {
+        __syncthreads();
+        load_tile<D>(ks, kp, kb * FA_TILE, s.t, kvstride);
+        load_tile<D>(vs, vp, kb * FA_TILE, s.t, kvstride);
+        __syncthreads();
+        float sc[8][4] = {}, dp[8][4] = {};
+        mma_rows<E, D>(sc, qa, ks);
+        mma_rows<E, D>(dp, da, vs);
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                u64 j = kb * FA_TILE + n * 8 + 2 * ti + (e & 1), i = row + 8 * (e >> 1);
+                float p = j <= i && i < s.t ? expf(sc[n][e] * s.scale - lr[e >> 1]) : 0.0f;
+                sc[n][e] = p * (dp[n][e] - dl[e >> 1]) * s.scale;  // dS
+            }
+        mma_cols<E, D>(acc, sc, ks);
+    }
+    float one[2] = {1.0f, 1.0f};
+    store_rows<E, D>(dq + qoff, acc, row, s.t, qstride, one);
+}
+
+// Backward, key pass: block (b·KV + g, key tile); for every query head of kv head g and every
+// query tile from the key tile's own on, Pᵀ and dSᵀ from the keys' side:
+// dV += Pᵀ·dO and dK += dSᵀ·Q (dS carries the scale, as in the query pass).
+template <typename E, int D>
+__device__ void flash_backward_kv_impl(AttnDims s, const u16* q, const u16* k, const u16* v, const float* lse,
+                                       const u16* d_o, const float* delta, u16* dk, u16* dv) {
+    __shared__ Tile<D> qs, dos;
+    __shared__ float ls[FA_TILE], dls[FA_TILE];
+    u64 g = blockIdx.x % s.kv_heads, b = blockIdx.x / s.kv_heads, kb = blockIdx.y;
+    u64 group = s.heads / s.kv_heads, qstride = s.heads * D, kvstride = s.kv_heads * D;
+    int lane = threadIdx.x & 31, gi = lane >> 2, ti = lane & 3;
+    u64 row = kb * FA_TILE + (threadIdx.x >> 5) * 16 + gi;  // key rows row, row + 8
+    u64 kvoff = kv_at(s, b, 0, g), tiles = (s.t + FA_TILE - 1) / FA_TILE;
+    u32 ka[D / 16][4], va[D / 16][4];
+    load_a<D>(ka, k + kvoff, row, s.t, kvstride);
+    load_a<D>(va, v + kvoff, row, s.t, kvstride);
+    float dka[D / 8][4] = {}, dva[D / 8][4] = {};
+    for (u64 h = g * group; h < (g + 1) * group; h++) {
+        const u16 *qp = q + q_at(s, b, 0, h), *dop = d_o + q_at(s, b, 0, h);
+        for (u64 qb = kb; qb < tiles; qb++) {
+            __syncthreads();
+            load_tile<D>(qs, qp, qb * FA_TILE, s.t, qstride);
+            load_tile<D>(dos, dop, qb * FA_TILE, s.t, qstride);
+            for (int i = threadIdx.x; i < FA_TILE; i += FA_WARPS * 32) {
+                u64 qi = qb * FA_TILE + i;
+                ls[i] = qi < s.t ? lse[lse_at(s, b, h, qi)] : 0.0f;
+                dls[i] = qi < s.t ? delta[lse_at(s, b, h, qi)] : 0.0f;
+            }
+            __syncthreads();
+            float pt[8][4] = {}, dpt[8][4] = {};
+            mma_rows<E, D>(pt, ka, qs);
+            mma_rows<E, D>(dpt, va, dos);
+#pragma unroll
+            for (int n = 0; n < 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    int c = n * 8 + 2 * ti + (e & 1);
+                    u64 i = qb * FA_TILE + c, j = row + 8 * (e >> 1);
+                    float p = i >= j && i < s.t ? expf(pt[n][e] * s.scale - ls[c]) : 0.0f;
+                    pt[n][e] = p;
+                    dpt[n][e] = p * (dpt[n][e] - dls[c]) * s.scale;  // dSᵀ
+                }
+            mma_cols<E, D>(dva, pt, dos);
+            mma_cols<E, D>(dka, dpt, qs);
+        }
+    }
+    float one[2] = {1.0f, 1.0f};
+    store_rows<E, D>(dk + kvoff, dka, row, s.t, kvstride, one);
+    store_rows<E, D>(dv + kvoff, dva, row, s.t, kvstride, one);
+}
+
+#define FLASH(E, sfx, D)                                                                                  \
+    extern "C" __global__ void flash_forward_##D##_##sfx(AttnDims s, const u16* q, const u16* k,          \
+                                                         const u16* v, u16* o, float* lse) {              \
+        flash_forward_impl<E, D>(s, q, k, v, o, lse);                                                     \
+    }                                                                                                     \
+    extern "C" __global__ void flash_backward_q_##D##_##sfx(AttnDims s, const u16* q, const u16* k,       \
+                                                            const u16* v, const u16* o, const float* lse, \
+                                                            const u16* d_o, u16* dq, float* delta) {      \
+        flash_backward_q_impl<E, D>(s, q, k, v, o, lse, d_o, dq, delta);                                  \
+    }                                                                                                     \
+    extern "C" __global__ void flash_backward_kv_##D##_##sfx(AttnDims s, const u16* q, const u16* k,      \
+                                                             const u16* v, const float* lse,              \
+                                                             const u16* d_o, const float* delta, u16* dk, \
+                                                             u16* dv) {                                   \
+        flash_backward_kv_impl<E, D>(s, q, k, v, lse, d_o, delta, dk, dv);                                \
+    }
+#define FLASH_DIMS(E, sfx) FLASH(E, sfx, 64) FLASH(E, sfx, 128)
+FLASH_DIMS(BF16, bf16)
+FLASH_DIMS(F16, f16)
