@@ -3,17 +3,42 @@
 # bf16, seq 2048, SmolLM-135M and Llama-3.2-1B shapes from random init; rounds interleaved
 # (ferrotron, then PyTorch, per shape); per shape the median tokens/s of each side, their
 # ratio, MFU (model FLOPs, causal-aware, against the GPU's dense bf16 peak) and peak memory.
-#   bash bench_gpu.sh [rounds]        # in target/cuda-check on the GPU machine
+#   bash bench_gpu.sh [rounds] [attention|train|all]   # in target/cuda-check on the GPU machine
+# First, attention alone (issue #32: forward + backward within 1.5x of PyTorch's SDPA, flash):
+# the kit's cuda_attention_bench against bench_pytorch's peer bench_sdpa.py, same shapes.
 # ferrotron is the bundle's binary (scripts/cuda_check.sh bundle); PyTorch is the machine's
 # python3 with transformers (tests/reference/bench_pytorch.py --device cuda: SDPA, fused AdamW).
 set -euo pipefail
 cd "$(dirname "$0")"
 rounds=${1:-3}
+parts=${2:-all}
 export LD_LIBRARY_PATH="/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 OUT=${OUT:-$(mktemp -d)}
 RESULTS="$OUT/bench_gpu.jsonl"
 : >"$RESULTS"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+if [ "$parts" != train ]; then
+    ATTENTION="$OUT/bench_attention.jsonl"
+    : >"$ATTENTION"
+    for round in $(seq "$rounds"); do
+        ./cuda_attention_bench flash 10 >>"$ATTENTION"
+        python3 bench_sdpa.py 10 >>"$ATTENTION"
+    done
+    python3 - "$ATTENTION" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+for shape in dict.fromkeys(r["shape"] for r in rows):
+    side = lambda p: [r for r in rows if r["shape"] == shape and r["impl"].startswith(p)]
+    ours, theirs = side("ferrotron"), side("pytorch")
+    med = lambda rs, k: statistics.median(r[k] for r in rs)
+    total = lambda rs: med(rs, "fwd_ms") + med(rs, "bwd_ms")
+    print(f"attention {shape} bf16 on {theirs[0]['device']}: ferrotron fwd {med(ours, 'fwd_ms'):.2f} + bwd "
+          f"{med(ours, 'bwd_ms'):.2f} ms ({med(ours, 'fwd_bwd_tflops'):.0f} TFLOP/s) vs {theirs[0]['impl']} fwd "
+          f"{med(theirs, 'fwd_ms'):.2f} + bwd {med(theirs, 'bwd_ms'):.2f} ms ({med(theirs, 'fwd_bwd_tflops'):.0f} "
+          f"TFLOP/s): {total(ours) / total(theirs):.2f}x PyTorch's time over {len(ours)} rounds")
+PY
+fi
+[ "$parts" = attention ] && exit 0
 for round in $(seq "$rounds"); do
     for shape in "smollm-135m smollm135m 8" "llama-3.2-1b llama1b 4"; do
         read -r preset peer mbs <<<"$shape"

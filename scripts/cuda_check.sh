@@ -125,9 +125,12 @@ for l in sys.stdin:
     m = json.loads(l)
     if m.get("reason") == "compiler-artifact" and m.get("executable"): print(m["executable"])' | tail -1)
     cp "$bin" "$out/nccl"
+    # Attention alone against PyTorch's SDPA (bench_gpu.sh).
+    cargo build --release -p ferrotron-engine --features cuda --example cuda_attention_bench
+    cp target/release/examples/cuda_attention_bench "$out/"
     strip "$out"/*
     cp scripts/cuda_compare.py scripts/cuda_memory.py scripts/cuda_ranks.py scripts/cuda_ops.py scripts/bench_gpu.sh \
-        tests/reference/bench_pytorch.py "$out/"
+        scripts/trace_ops.py tests/reference/bench_pytorch.py tests/reference/bench_sdpa.py "$out/"
     # Several ranks on the one GPU against one rank: fp32, short sequences, 5 steps.
     echo "--steps 5 --seq 128 --mbs 4 --eval-interval 0 --sample-tokens 0 --quiet" >"$out/ranks_flags"
     # The trainer runs both sides of the GPU-vs-CPU comparison with these flags. The CPU side

@@ -71,6 +71,9 @@ for d in cpu cuda; do
         --eval-interval 2 --out-dir "$work/d64-$d"
 done
 python3 scripts/cuda_compare.py bf16 "$work/d64-cpu/metrics.jsonl" "$work/d64-cuda/metrics.jsonl"
+# The kit's attention benchmark (bench_gpu.sh) runs, on one short shape.
+cargo build --release -p ferrotron-engine --features cuda --example cuda_attention_bench
+target/release/examples/cuda_attention_bench flash 1 small
 
 echo "== emulated GPU: a mixture of experts (4 experts, top 2) against the CPU, fp32"
 cat >"$work/moe.json" <<'JSON'
