@@ -230,61 +230,74 @@ fn ops<S: Elem>(k: &CudaKernels, at: usize, tol: f64, tol_product: f64) {
     );
     same(&format!("{t} head_backward_input"), &ghx, &hx, tol_product);
 
-    // RMSNorm.
-    let ns = NormShape {
-        n: 29,
-        c: 300,
-        eps: 1e-5,
-    };
-    let (nx, nw, ndy) = (r(29 * 300, 2.0), r(300, 1.0), r(29 * 300, 1.0));
-    let (dnx, dnw, dndy) = (d(&on, &nx), d(&on, &nw), d(&on, &ndy));
-    let (mut out, mut rstd) = (r(nx.len(), 0.0), vec![0f32; 29]);
-    let (mut gout, mut grstd) = (on.up(&out), on.up(&rstd));
-    c.rmsnorm_forward(ns, nx.view(), nw.view(), out.view_mut(), rstd.view_mut());
-    g.rmsnorm_forward(
-        ns,
-        dnx.view(nx.len()),
-        dnw.view(300),
-        gout.view_mut(out.len()),
-        grstd.view_mut(29),
-    );
-    same(&format!("{t} rmsnorm_forward"), &gout, &out, tol);
-    same(&format!("{t} rmsnorm rstd"), &grstd, &rstd, 1e-5);
-    for acc in [Accum::Overwrite, Accum::Add] {
-        let (mut ndx, mut ndw) = (r(nx.len(), 1.0), r(300, 0.1));
-        let (mut gndx, mut gndw) = (on.up(&ndx), on.up(&ndw));
-        c.rmsnorm_backward(
+    // RMSNorm, over fewer rows than the weight gradient's slices and over more (several rows a
+    // slice, the last slices empty).
+    for rows in [29, 300] {
+        let ns = NormShape {
+            n: rows,
+            c: 300,
+            eps: 1e-5,
+        };
+        let (nx, nw, ndy) = (r(rows * 300, 2.0), r(300, 1.0), r(rows * 300, 1.0));
+        let (dnx, dnw, dndy) = (d(&on, &nx), d(&on, &nw), d(&on, &ndy));
+        let (mut out, mut rstd) = (r(nx.len(), 0.0), vec![0f32; rows]);
+        let (mut gout, mut grstd) = (on.up(&out), on.up(&rstd));
+        c.rmsnorm_forward(ns, nx.view(), nw.view(), out.view_mut(), rstd.view_mut());
+        g.rmsnorm_forward(
             ns,
-            ndy.view(),
-            nx.view(),
-            nw.view(),
-            rstd.view(),
-            ndx.view_mut(),
-            acc,
-            ndw.view_mut(),
-        );
-        g.rmsnorm_backward(
-            ns,
-            dndy.view(ndy.len()),
             dnx.view(nx.len()),
             dnw.view(300),
-            grstd.view(29),
-            gndx.view_mut(ndx.len()),
-            acc,
-            gndw.view_mut(300),
+            gout.view_mut(out.len()),
+            grstd.view_mut(rows),
         );
         same(
-            &format!("{t} rmsnorm_backward dx {acc:?}"),
-            &gndx,
-            &ndx,
+            &format!("{t} {rows} rows: rmsnorm_forward"),
+            &gout,
+            &out,
             tol,
         );
         same(
-            &format!("{t} rmsnorm_backward dw {acc:?}"),
-            &gndw,
-            &ndw,
-            tol_product,
+            &format!("{t} {rows} rows: rmsnorm rstd"),
+            &grstd,
+            &rstd,
+            1e-5,
         );
+        for acc in [Accum::Overwrite, Accum::Add] {
+            let (mut ndx, mut ndw) = (r(nx.len(), 1.0), r(300, 0.1));
+            let (mut gndx, mut gndw) = (on.up(&ndx), on.up(&ndw));
+            c.rmsnorm_backward(
+                ns,
+                ndy.view(),
+                nx.view(),
+                nw.view(),
+                rstd.view(),
+                ndx.view_mut(),
+                acc,
+                ndw.view_mut(),
+            );
+            g.rmsnorm_backward(
+                ns,
+                dndy.view(ndy.len()),
+                dnx.view(nx.len()),
+                dnw.view(300),
+                grstd.view(rows),
+                gndx.view_mut(ndx.len()),
+                acc,
+                gndw.view_mut(300),
+            );
+            same(
+                &format!("{t} {rows} rows: rmsnorm_backward dx {acc:?}"),
+                &gndx,
+                &ndx,
+                tol,
+            );
+            same(
+                &format!("{t} {rows} rows: rmsnorm_backward dw {acc:?}"),
+                &gndw,
+                &ndw,
+                tol_product,
+            );
+        }
     }
 
     // RoPE there and back.

@@ -207,7 +207,7 @@ pub fn gpu_workspace(
             _ => rows.min(tokens) * c.vocab * 2,
         };
         let lse = tokens * c.heads;
-        k.reserve(staging, lse, tokens, &model.rope);
+        k.reserve(staging, lse, tokens, c.hidden, &model.rope);
         if let Some(m) = c.moe {
             k.reserve_routing(tokens, m.top_k);
         }

@@ -33,6 +33,21 @@ const BLOCK: u32 = 256;
 /// not depend on the buffer's length or the GPU.
 const SUM_BLOCKS: u32 = 264;
 
+/// Row slices of RMSNorm's weight gradient (`cu/rmsnorm.cu`): enough blocks to fill a GPU's
+/// SMs at any width, fixed by the row count alone so that the sum's order never depends on
+/// the GPU.
+const NORM_SLICES: usize = 128;
+
+fn norm_slices(rows: usize) -> usize {
+    rows.clamp(1, NORM_SLICES)
+}
+
+/// The scratch of RMSNorm's weight gradient over `rows` rows of width `c`: a partial sum per
+/// slice and column.
+fn norm_partials_bytes(rows: usize, c: usize) -> usize {
+    norm_slices(rows) * c * 4
+}
+
 /// The kernels' `AttnDims` (`cu/attention.cu`).
 #[derive(Clone, Copy)]
 #[repr(C)]
@@ -57,6 +72,8 @@ enum Scratch {
     HeadStaging,
     /// The attention backward's Δ = dO·O per query row.
     AttnDelta,
+    /// RMSNorm's weight gradient: partial sums per row slice and column.
+    NormPartials,
     /// The embedding backward's positions grouped by token.
     Tokens,
     /// Partial sums and counts read back by the host.
@@ -165,12 +182,21 @@ impl CudaKernels {
     /// Allocates now the scratch a model's step needs at most, so that none is allocated
     /// during a step (the plan charges it with cuBLASLt's workspace: [`workspace_bytes`]):
     /// `rows`·`vocab` 16-bit logit gradients of an LM-head chunk (`staging`: 2 bytes, or 0 for
-    /// f32), the attention backward's `lse_len` Δs, `tokens` token ids grouped, and the
-    /// model's RoPE table.
+    /// f32), the attention backward's `lse_len` Δs, `tokens` token ids grouped, RMSNorm's
+    /// weight-gradient partials over `tokens` rows of width `hidden`, and the model's RoPE
+    /// table.
     ///
     /// [`workspace_bytes`]: Self::workspace_bytes
-    pub fn reserve(&self, staging: usize, lse_len: usize, tokens: usize, rope: &RopeTable) {
+    pub fn reserve(
+        &self,
+        staging: usize,
+        lse_len: usize,
+        tokens: usize,
+        hidden: usize,
+        rope: &RopeTable,
+    ) {
         self.rope_table(rope);
+        self.scratch(Scratch::NormPartials, norm_partials_bytes(tokens, hidden));
         self.scratch(Scratch::HeadStaging, staging.max(1));
         self.scratch(Scratch::AttnDelta, lse_len * 4);
         self.scratch(Scratch::Tokens, (2 * tokens + 1) * 4);
@@ -564,7 +590,18 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         let (dx, dw) = (dev_mut(&mut dx, op), dev_mut(&mut dw, op));
         let (n, c, acc) = (s.n as u64, s.c as u64, (dx_accum == Accum::Add) as i32);
         launch!(self, name::<S>("rmsnorm_backward_input"), per_row(s.n); dy, x, w, r, dx, c, acc);
-        launch!(self, name2::<S, G>("rmsnorm_backward_weight"), elementwise(c); dy, x, r, dw, n, c);
+        if n == 0 {
+            return;
+        }
+        let slices = norm_slices(s.n) as u64;
+        let partial = self.scratch(Scratch::NormPartials, norm_partials_bytes(s.n, s.c));
+        let cfg = LaunchConfig {
+            grid_dim: (c.div_ceil(BLOCK as u64) as u32, slices as u32, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(self, name::<S>("rmsnorm_weight_partial"), cfg; dy, x, r, partial, n, c, slices);
+        launch!(self, name::<G>("column_partials_add"), elementwise(c); partial, dw, slices, c);
     }
 
     fn rope_forward(&self, s: RopeShape, table: &RopeTable, x: ViewMut<'_, S>) {

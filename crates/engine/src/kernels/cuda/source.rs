@@ -46,6 +46,8 @@ pub fn entry_points() -> Vec<String> {
         "sum_squares",
         "rmsnorm_forward",
         "rmsnorm_backward_input",
+        "rmsnorm_weight_partial",
+        "column_partials_add",
         "rope",
         "swiglu_forward",
         "swiglu_backward",
@@ -59,12 +61,7 @@ pub fn entry_points() -> Vec<String> {
         "moe_scale_rows",
         "moe_row_dot",
     ];
-    let per_grads = [
-        "rmsnorm_backward_weight",
-        "embedding_backward",
-        "adamw",
-        "bias_grad",
-    ];
+    let per_grads = ["embedding_backward", "adamw", "bias_grad"];
     let mut names: Vec<String> = [
         "count_targets",
         "cross_entropy",
