@@ -181,7 +181,16 @@ inline T __shfl_sync(unsigned mask, T v, int src) {
 }
 
 namespace emu {
-/// Each lane's operands of a warp-wide `mma_16816`, by thread index in the block.
+/// What CUDA leaves undefined and a thread did (a misaligned `ldmatrix` row): the launch
+/// fails with it once the block has run.
+inline thread_local const char* fault = nullptr;
+
+/// A 16-byte access (a vector load or store, an `ldmatrix` row) must be 16-byte aligned.
+inline void aligned16(const void* p) {
+    if (reinterpret_cast<uintptr_t>(p) & 15) fault = "a 16-byte access at an address not 16-byte aligned";
+}
+
+/// Each lane's operands of a warp-wide `mma_16816` or `ldmatrix_x4`, by thread index.
 inline thread_local const void* warp_operands[1024];
 /// Every lane of the caller's warp arrives before any goes on: a shuffle with the full mask.
 inline void warp_barrier() { (void)shuffle(0xffffffffu, 0u, lane()); }
@@ -232,6 +241,36 @@ inline void mma_16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsign
         for (unsigned k = 0; k < 16; k++) acc += A[row][k] * B[k][col];
         c[e] = acc;
     }
+}
+
+/// `ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16` for the caller's warp (PTX ISA,
+/// "Warp-level matrix load instruction: ldmatrix"): row r of matrix j is 8 16-bit elements at
+/// the address lane 8j + r gives, 16-byte aligned; register j of lane L gets matrix j's row
+/// L/4, elements 2(L%4) (low half) and 2(L%4)+1, or with `trans` its column L/4, rows 2(L%4)
+/// (low) and 2(L%4)+1.
+inline void ldmatrix_x4(unsigned (&r)[4], const void* row, bool trans) {
+    unsigned me = block->cur->tid.x, base = me & ~31u, l = me & 31;
+    aligned16(row);
+    warp_operands[me] = row;
+    warp_barrier();
+    auto at = [&](unsigned lane, unsigned e) {
+        unsigned short h;
+        std::memcpy(&h, static_cast<const char*>(warp_operands[base + lane]) + 2 * e, 2);
+        return (unsigned)h;
+    };
+    for (unsigned j = 0; j < 4; j++) {
+        unsigned lo, hi;
+        if (trans) {
+            lo = at(8 * j + 2 * (l % 4), l / 4);
+            hi = at(8 * j + 2 * (l % 4) + 1, l / 4);
+        } else {
+            lo = at(8 * j + l / 4, 2 * (l % 4));
+            hi = at(8 * j + l / 4, 2 * (l % 4) + 1);
+        }
+        r[j] = lo | (hi << 16);
+    }
+    // Every lane has read the others' addresses before any goes on to replace its own.
+    warp_barrier();
 }
 }  // namespace emu
 
@@ -434,6 +473,11 @@ inline int launch(const Launch* l, const char* kernel, void (*body)(void**), voi
             for (unsigned x = 0; x < b.grid.x && !rc; x++) {
                 b.idx = dim3{x, y, z};
                 rc = run_block(b);
+                if (!rc && fault) {
+                    std::fprintf(stderr, "cuda emulator: kernel %s, block (%u,%u,%u): %s\n", kernel, x, y, z, fault);
+                    fault = nullptr;
+                    rc = 1;
+                }
             }
     block = outer;
     return rc;

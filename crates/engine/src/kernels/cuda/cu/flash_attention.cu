@@ -24,19 +24,66 @@
 #define FA_WARPS 4
 
 // A tile of FA_TILE rows × D 16-bit elements in shared memory, as pairs: word c of row r
-// holds elements 2c and 2c+1. Rows are 4 words longer than D/2: row r's word c sits in bank
-// (r·(D/2 + 4) + c) mod 32, so a fragment's 32 reads (rows g, words t) land in 32 banks.
+// holds elements 2c and 2c+1. Rows are 16 bytes longer than D elements, which keeps every
+// 8-element row segment 16-byte aligned (ldmatrix's rule) and puts the 8 rows one ldmatrix
+// phase reads in 8 distinct groups of 4 banks.
 template <int D>
-struct Tile {
+struct alignas(16) Tile {
     u32 w[FA_TILE][D / 2 + 4];
 };
 
 __device__ __forceinline__ u32 pack2(u32 lo, u32 hi) { return lo | (hi << 16); }
 
-// Element (r, c) of a tile.
-template <int D>
-__device__ __forceinline__ u32 tile_at(const Tile<D>& s, int r, int c) {
-    return (s.w[r][c >> 1] >> ((c & 1) * 16)) & 0xffffu;
+// ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16: four 8×8 matrices of 16-bit elements,
+// row r of matrix j at the address lane 8j + r gives (16-byte aligned). Register j of lane L
+// holds matrix j's row L/4, elements 2(L%4) and 2(L%4)+1 (low, high half); with .trans its
+// column L/4, rows 2(L%4) and 2(L%4)+1: a B fragment of a matrix stored k-major.
+__device__ __forceinline__ u32 shared_address(const void* p) {
+    u64 a;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+    return (u32)a;
+}
+__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], const u32* row) {
+#ifdef FERROTRON_CUDA_EMU
+    emu::ldmatrix_x4(r, row, false);
+#else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(row)));
+#endif
+}
+__device__ __forceinline__ void ldsm_x4_trans(u32 (&r)[4], const u32* row) {
+#ifdef FERROTRON_CUDA_EMU
+    emu::ldmatrix_x4(r, row, true);
+#else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(row)));
+#endif
+}
+
+// 16 bytes: a tile's row segment, moved in one load and one store where the tensor allows.
+struct alignas(16) U4 {
+    u32 x, y, z, w;
+};
+// (The emulator checks the alignment a GPU would fault on.)
+__device__ __forceinline__ U4 load16(const u16* p) {
+#ifdef FERROTRON_CUDA_EMU
+    U4 v;
+    emu::aligned16(p);
+    memcpy(&v, p, 16);
+    return v;
+#else
+    return *(const U4*)p;
+#endif
+}
+__device__ __forceinline__ void store16(u32* p, U4 v) {
+#ifdef FERROTRON_CUDA_EMU
+    emu::aligned16(p);
+    memcpy(p, &v, 16);
+#else
+    *(U4*)p = v;
+#endif
 }
 
 // The 16-bit type's rounding and widening, and the product on it.
@@ -76,9 +123,20 @@ struct Mma16<F16> {
 };
 
 // Rows row0.. of a [.., T, .., D] tensor (`p` at row 0 of its batch and head, `stride`
-// elements from row to row) into a tile; rows at or past `t` are zeros.
+// elements from row to row) into a tile; rows at or past `t` are zeros. 16 bytes at a time
+// where `p` and the stride allow (the trainer's buffers: 64-byte aligned, H·D a multiple of
+// 8), else element pairs (a view at an odd offset).
 template <int D>
 __device__ void load_tile(Tile<D>& s, const u16* p, u64 row0, u64 t, u64 stride) {
+    if (((u64)p & 15) == 0 && stride % 8 == 0) {
+        for (int i = threadIdx.x; i < FA_TILE * D / 8; i += FA_WARPS * 32) {
+            int r = i / (D / 8), c = i % (D / 8);
+            u64 row = row0 + r;
+            U4 v = row < t ? load16(p + row * stride + 8 * c) : U4{0u, 0u, 0u, 0u};
+            store16(&s.w[r][4 * c], v);
+        }
+        return;
+    }
     for (int i = threadIdx.x; i < FA_TILE * D / 2; i += FA_WARPS * 32) {
         int r = i / (D / 2), c = i % (D / 2);
         u64 row = row0 + r;
@@ -103,22 +161,29 @@ __device__ void load_a(u32 (&a)[D / 16][4], const u16* p, u64 row, u64 t, u64 st
 }
 
 // acc[n] (n = 0..7: the tile's 64 rows, 8 at a time) += A · tileᵀ: the tile's rows are the
-// product's columns (B = tileᵀ, k along D: each b register is two adjacent elements of a row).
+// product's columns (B = tileᵀ, k along D). One ldmatrix gives an n block's b0, b1 for two
+// 16-wide k chunks: matrix j is rows n·8.., elements kc·16 + 8j...
 template <typename E, int D>
 __device__ __forceinline__ void mma_rows(float (&acc)[8][4], const u32 (&a)[D / 16][4], const Tile<D>& s) {
-    int gi = (threadIdx.x & 31) >> 2, ti = threadIdx.x & 3;
+    int lane = threadIdx.x & 31;
 #pragma unroll
-    for (int kc = 0; kc < D / 16; kc++)
+    for (int kc = 0; kc < D / 16; kc += 2)
 #pragma unroll
-        for (int n = 0; n < 8; n++)
-            Mma16<E>::mma(acc[n], a[kc], s.w[n * 8 + gi][kc * 8 + ti], s.w[n * 8 + gi][kc * 8 + 4 + ti]);
+        for (int n = 0; n < 8; n++) {
+            u32 b[4];
+            ldsm_x4(b, &s.w[n * 8 + (lane & 7)][(kc * 16 + 8 * (lane >> 3)) / 2]);
+            Mma16<E>::mma(acc[n], a[kc], b[0], b[1]);
+            Mma16<E>::mma(acc[n], a[kc + 1], b[2], b[3]);
+        }
 }
 
 // acc[n] (n = 0..D/8: the head dims, 8 at a time) += P · tile, P the 16 × 64 C fragments in
 // `p` rounded to 16 bits (the FA2 register trick), the tile's rows being the product's k.
+// One transposing ldmatrix gives b0, b1 of two n blocks: matrix j is rows kk·16 + 8(j%2)..,
+// elements (n + j/2)·8...
 template <typename E, int D>
 __device__ __forceinline__ void mma_cols(float (&acc)[D / 8][4], const float (&p)[8][4], const Tile<D>& s) {
-    int gi = (threadIdx.x & 31) >> 2, ti = threadIdx.x & 3;
+    int lane = threadIdx.x & 31, j = lane >> 3;
 #pragma unroll
     for (int kk = 0; kk < 4; kk++) {
         u32 a[4] = {
@@ -127,12 +192,12 @@ __device__ __forceinline__ void mma_cols(float (&acc)[D / 8][4], const float (&p
             pack2(Mma16<E>::bits(p[2 * kk + 1][0]), Mma16<E>::bits(p[2 * kk + 1][1])),
             pack2(Mma16<E>::bits(p[2 * kk + 1][2]), Mma16<E>::bits(p[2 * kk + 1][3])),
         };
-        int k = kk * 16 + 2 * ti;
 #pragma unroll
-        for (int n = 0; n < D / 8; n++) {
-            int c = n * 8 + gi;
-            Mma16<E>::mma(acc[n], a, pack2(tile_at(s, k, c), tile_at(s, k + 1, c)),
-                          pack2(tile_at(s, k + 8, c), tile_at(s, k + 9, c)));
+        for (int n = 0; n < D / 8; n += 2) {
+            u32 b[4];
+            ldsm_x4_trans(b, &s.w[kk * 16 + 8 * (j & 1) + (lane & 7)][(n + (j >> 1)) * 4]);
+            Mma16<E>::mma(acc[n], a, b[0], b[1]);
+            Mma16<E>::mma(acc[n + 1], a, b[2], b[3]);
         }
     }
 }
