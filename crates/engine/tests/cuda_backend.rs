@@ -364,15 +364,27 @@ fn ops<S: Elem>(k: &CudaKernels, at: usize, tol: f64, tol_product: f64) {
     c.scale(h.view_mut(), 0.37);
     g.scale(gh.view_mut(n), 0.37);
     same(&format!("{t} scale"), &gh, &h, tol);
-    let want = c.sum_squares(ga.view());
-    let got = g.sum_squares(gga.view(n));
     // The GPU squares and adds in f64; the CPU adds its squares in f32 lanes within a 16k
     // chunk (`cpu::elementwise::sum_squares`: relative error ~1e-7·√chunk), so they agree to
     // f32's rounding, not f64's (the CUDA emulator measured 4.4e-9 here; 1e-12 could never
     // hold). One element too many or too few would be off by ~1/n, far more.
+    let want = c.sum_squares(ga.view());
+    let got = g.sum_squares(gga.view(n));
     assert!(
         (got - want).abs() <= 1e-6 * want,
         "{t} sum_squares: {got} vs {want}"
+    );
+    // More elements than the kernel's grid takes four at a time (1056 blocks of 256), with a
+    // tail: against f64 on the host, which the GPU's f64 sums follow to ~1e-15 and which one
+    // element more or less (~1e-6 of the sum) would miss by far (the CPU backend's f32 lanes
+    // drift 3e-6 here).
+    let long = stored::<S>(&rng_vec(1_100_003));
+    let want: f64 = f32s(&long).iter().map(|&v| v as f64 * v as f64).sum();
+    let got = g.sum_squares(d(&on, &long).view(long.len()));
+    assert!(
+        (got - want).abs() <= 1e-9 * want,
+        "{t} sum_squares of {}: {got} vs {want}",
+        long.len()
     );
     let master = rng_vec(n);
     let gmaster = on.up(&master);

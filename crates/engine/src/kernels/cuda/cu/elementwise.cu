@@ -23,11 +23,22 @@ __device__ void round_params_impl(const float* src, typename E::T* dst, u64 n) {
 template <typename E>
 __device__ void sum_squares_impl(const typename E::T* x, u64 n, double* partial) {
     __shared__ double scratch[32];
-    double s = 0.0;
-    FOR_EACH(i, n) {
+    // Four independent sums a thread, so four loads are in flight rather than one chain of
+    // dependent f64 adds (one sum ran at 360 GB/s over a 1B model's gradients on an H200).
+    // The grid is fixed (SUM_BLOCKS): which element goes to which sum depends on n alone.
+    double a[4] = {0.0, 0.0, 0.0, 0.0};
+    u64 stride = (u64)gridDim.x * blockDim.x, i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    for (; i + 3 * stride < n; i += 4 * stride)
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            double v = (double)GET(E, x, i + k * stride);
+            a[k] += v * v;
+        }
+    for (; i < n; i += stride) {
         double v = (double)GET(E, x, i);
-        s += v * v;
+        a[0] += v * v;
     }
+    double s = (a[0] + a[1]) + (a[2] + a[3]);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     s = warp_sum_f64(s);
     if (lane == 0) scratch[warp] = s;
