@@ -33,6 +33,15 @@ run() {
         exit 1
     }
 }
+# The last run's peak RSS within its plan: on the emulator the device plan, the initial
+# weights' host buffers and any offload tier, with the emulator's constant.
+rss_within() {
+    grep -q "within the bound of plan" "$work/run.log" || {
+        grep "^done" "$work/run.log"
+        echo "error: peak RSS over the plan on the CUDA emulator ($1)"
+        exit 1
+    }
+}
 
 echo "== emulated GPU: the backend's op tests and training steps against the CPU"
 cargo test --release -p ferrotron-engine --features cuda --test cuda_backend
@@ -54,6 +63,7 @@ for p in fp32 bf16; do
         run "$bin" train --device "$d" --peak-gflops 100 --precision "$p" "${tiny[@]}" --steps 4 \
             --eval-interval 2 --out-dir "$work/$p-$d"
     done
+    rss_within "$p"
     python3 scripts/cuda_compare.py "$p" "$work/$p-cpu/metrics.jsonl" "$work/$p-cuda/metrics.jsonl"
 done
 
@@ -119,6 +129,7 @@ offload=()
 for o in optimizer params; do
     run "$bin" train --device cuda --peak-gflops 100 "${tiny[@]}" "${budget[@]}" --offload "$o" \
         --out-dir "$work/offload-$o"
+    rss_within "--offload $o"
     python3 scripts/cuda_compare.py bf16 "$work/offload-cpu/metrics.jsonl" "$work/offload-$o/metrics.jsonl"
     offload+=("offload-$o=$work/offload-$o/metrics.jsonl")
 done

@@ -34,6 +34,28 @@ pub const RSS_OVERHEAD: u64 = 96 << 20;
 /// 9 MiB a rank over the first; the 8-rank runs had gone over the flat 96 MiB. Rounded up.
 pub const RSS_PER_RANK: u64 = 12 << 20;
 
+/// A GPU process's resident memory beyond its host plan (the initial weights, until they move
+/// to the device, and any offload tier): the host side of the CUDA driver, cuBLASLt and NVRTC.
+/// Measured on an H200 (2026-11-27) as peak RSS less the initial weights' buffers: 358 to
+/// 565 MiB over fp32 and bf16 runs of the default model and SmolLM-135M; rounded up with room,
+/// since cuBLASLt loads its kernels as products first need them.
+pub const GPU_RSS_OVERHEAD: u64 = 768 << 20;
+
+/// The CUDA emulator's (crates/engine/cuda_emu), whose device memory is host memory: the CPU's
+/// constant, its fibers' stacks (64 KiB for each of up to 1,024 threads of a block) and the
+/// kernels' library. Measured 98 to 104 MiB over the device plan and the initial weights.
+pub const EMULATOR_RSS_OVERHEAD: u64 = 192 << 20;
+
+/// What a rank on a device holds in host memory beyond its offload tier, for the RSS bound.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceHost {
+    /// The initial weights' buffers at their peak, before they move to the device
+    /// (`initial_host_bytes`).
+    pub init_bytes: u64,
+    /// The device's memory is the host's (the CUDA emulator): the device plan counts too.
+    pub device_is_host: bool,
+}
+
 /// The stated constant of a process running `ranks` ranks: the peak RSS it may reach above
 /// their plans.
 pub fn rss_overhead(ranks: u64) -> u64 {

@@ -4,6 +4,7 @@ use crate::checkpoint;
 use crate::config::CommBackend;
 use crate::config::{TrainArgs, TrainConfig};
 use crate::data::{Loader, LoaderConfig, Tokenizer, ValLoader};
+use crate::fit::DeviceHost;
 use crate::memory::timeline;
 use crate::observe::metrics::{matmul_peak_gflops, peak_rss, MetricsWriter, StepMetrics};
 use crate::observe::trace;
@@ -683,25 +684,41 @@ fn run_rank(
 
 /// The process's peak RSS against what it planned: the plans of the ranks it runs (every rank
 /// of a threads run, its own under mpirun) and their offload tier's `host` bytes, plus the
-/// stated constant of `fit::rss_overhead` for that many ranks.
-fn rss_line(steps: &[StepMetrics], planned: u64, host: u64) -> String {
+/// stated constant of `fit::rss_overhead` for that many ranks. On a GPU the plan is the
+/// device's memory, not the host's: the host's is the initial weights (until they move) and
+/// the offload tier, with the CUDA libraries' constant (`fit::GPU_RSS_OVERHEAD`); the CUDA
+/// emulator's device memory is host memory, so there both count.
+fn rss_line(steps: &[StepMetrics], planned: u64, host: u64, device: Option<DeviceHost>) -> String {
+    use crate::fit::{rss_overhead, EMULATOR_RSS_OVERHEAD, GPU_RSS_OVERHEAD, RSS_PER_RANK};
     let Some(rss) = peak_rss() else {
         return "peak RSS unknown on this system".into();
     };
     // Every rank of this process holds its own host tier (`--offload params --dp`: each
     // replica's whole model).
-    let (here, ranks) = match (ferrotron_dist::launched_by_mpirun(), steps.last()) {
+    let (plans, ranks) = match (ferrotron_dist::launched_by_mpirun(), steps.last()) {
         (false, Some(m)) if !m.rank_mem.is_empty() => (
             m.rank_mem.iter().map(|r| r.mem_peak_planned).sum(),
             m.rank_mem.len() as u64,
         ),
         _ => (planned, 1),
     };
-    let here = here + host * ranks;
-    let overhead = crate::fit::rss_overhead(ranks);
+    let more = RSS_PER_RANK * ranks.saturating_sub(1);
+    let (what, here, overhead) = match device {
+        None => ("plan", plans + host * ranks, rss_overhead(ranks)),
+        Some(d) if !d.device_is_host => (
+            "host plan",
+            (host + d.init_bytes) * ranks,
+            GPU_RSS_OVERHEAD + more,
+        ),
+        Some(d) => (
+            "plan",
+            plans + (host + d.init_bytes) * ranks,
+            EMULATOR_RSS_OVERHEAD + more,
+        ),
+    };
     let bound = here + overhead;
     format!(
-        "peak RSS {:.1} MiB = plan {:.1} + {:.1} MiB, {} the bound of plan + {:.0} MiB",
+        "peak RSS {:.1} MiB = {what} {:.1} + {:.1} MiB, {} the bound of {what} + {:.0} MiB",
         rss as f64 / MIB,
         here as f64 / MIB,
         (rss as f64 - here as f64) / MIB,

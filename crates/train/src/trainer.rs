@@ -67,11 +67,12 @@ mod update;
 mod zero_gather;
 
 use crate::device::ranks::ViewGather;
-use assemble::{initial_values, initial_weights, open_backend, rank_tables, Opened, Tables};
+use assemble::{initial_host_bytes, initial_values, initial_weights, open_backend};
 use assemble::{peak_flops, plan_pool, rank_mesh, router_on_device};
+use assemble::{rank_tables, Opened, Tables};
 use memory_report::{measure_workspace, on_device, rank_mems, step_peaks, trace_capacity};
 use step_schedule::StepSchedule;
-use zero_gather::{gather_weights, shard_of};
+use zero_gather::{fill_shard, gather_weights, shard_of};
 
 /// A rank's communicators: its data-parallel group, its tensor-parallel group, and (with
 /// tensor parallelism) the world, over which every rank's memory is reported.
@@ -162,6 +163,8 @@ pub struct Trainer {
     /// Live heap bytes before the model existed: the tokenizer, data index and runtime, which
     /// the plan does not model. Measured peaks are reported above it.
     pub baseline: u64,
+    /// On a device: what the host holds beyond the offload tier, for the RSS bound.
+    pub device_host: Option<crate::fit::DeviceHost>,
     /// Steps still to trace (`--trace-steps`, counted from this run's first step).
     trace_left: u64,
     /// This rank's groups in every parallel dimension.
@@ -280,6 +283,12 @@ impl Trainer {
         let ([resident, moments, mut weights, grad_region], layouts) = Resident::all(&plan.plan)?;
         // On a device the states are the device allocator's: the host's copy is moved there.
         let home = device_alloc.is_none().then_some(&mut weights);
+        let device_host = device_alloc.is_some().then(|| crate::fit::DeviceHost {
+            init_bytes: initial_host_bytes(&cfg, &model, &st, opt_len, init.len()),
+            device_is_host: gpu
+                .as_ref()
+                .is_some_and(|g| g.1.contains(crate::device::EMULATED_GPU)),
+        });
         let (params, master) = initial_weights(&cfg, &st, opt_len, init, home);
         let mesh = rank_mesh(comms, st.dp, &spec, &cfg, kernel_workspace.max())?;
         let (arena, placed) = Arena::of_plan(&plan.plan, model.config.layers)?;
@@ -326,6 +335,7 @@ impl Trainer {
             peak_flops: peak_flops(&gpu, peak_gflops),
             gemm: gpu.as_ref().map_or(gemm, |g| g.1.clone()),
             baseline,
+            device_host,
             params,
             model,
             spec,

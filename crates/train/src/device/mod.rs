@@ -223,6 +223,10 @@ pub fn gpu_workspace(
     None
 }
 
+/// The name the CUDA emulator's driver gives its device (crates/engine/cuda_emu/driver.cpp):
+/// its device memory is host memory (`fit::DeviceHost`).
+pub const EMULATED_GPU: &str = "ferrotron CUDA emulator";
+
 /// The planner's GPU kind of a device name ("NVIDIA H200" is h200), longest name first so
 /// that "h100-pcie" is not taken for "h100"; its dense peak for `precision`.
 pub fn table_peak(device_name: &str, precision: Precision) -> Option<f64> {

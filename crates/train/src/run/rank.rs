@@ -389,7 +389,12 @@ pub(super) fn report_done(
         measured as f64 / MIB,
         (measured as f64 / planned.max(1) as f64 - 1.0) * 100.0,
         t.baseline as f64 / MIB,
-        rss_line(steps, planned, t.offload_plan().map_or(0, |o| o.host_bytes))
+        rss_line(
+            steps,
+            planned,
+            t.offload_plan().map_or(0, |o| o.host_bytes),
+            t.device_host
+        )
     );
         if let Some(m) = steps.last().filter(|m| !m.pp_bubble.is_empty()) {
             // The median step's (the first steps warm up).

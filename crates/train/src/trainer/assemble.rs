@@ -6,6 +6,7 @@
 
 use super::*;
 use ferrotron_plan::dp_layout::StateLens;
+use ferrotron_plan::DType;
 
 /// The backend a rank runs on, and what was measured or reserved before the baseline.
 pub(super) struct Opened {
@@ -369,6 +370,11 @@ fn opt_runs(
 /// The initial weights in their storage type, and under mixed precision the fp32 master
 /// copy (this rank's ZeRO shard of it), written into their places in the weights' region
 /// `home` (`None`, or a plan without them there: on the heap, for a device to take them).
+///
+/// On the heap the initial values are moved, not copied, where they already are the buffer
+/// wanted (fp32 weights; a master that is every weight in order): a device run holds no
+/// other host memory, so its host peak is these buffers (4 bytes a weight in fp32, 6 in bf16
+/// with its master, where copies made it 8 and 14).
 pub(super) fn initial_weights(
     cfg: &TrainConfig,
     st: &PlannedStates,
@@ -378,25 +384,83 @@ pub(super) fn initial_weights(
 ) -> (Flat, Option<Region<f32>>) {
     use ferrotron_plan::state_regions::WEIGHTS;
     let (runs, zero3) = (&st.runs, st.zero3.as_ref());
-    let master = (cfg.precision.kind.has_master()).then(|| shard_of(runs, opt_len, &init));
-    // ZeRO-3: this rank's shard of the weights, then the (zeroed) windows.
-    let weights = match zero3 {
-        Some(z) => shard_of(runs, opt_len + z.len(), &init),
-        None => init,
-    };
+    let has_master = cfg.precision.kind.has_master();
     let storage = cfg.precision.kind.storage();
     let carved = home
         .as_mut()
         .and_then(|r| Flat::carve(r, storage, WEIGHTS[0]));
-    let mut params = carved.unwrap_or_else(|| Flat::zeros(storage, weights.len()));
-    params.set_from_f32(&weights);
-    let Some(init) = master else {
-        return (params, None);
+    let params = match (carved, zero3) {
+        (None, None) if storage == DType::F32 && !has_master => {
+            return (Flat::F32(init.into()), None);
+        }
+        // ZeRO-3: this rank's shard of the weights, then the (zeroed) windows.
+        (carved, Some(z)) => {
+            let shard = shard_of(runs, opt_len + z.len(), &init);
+            filled(carved, storage, &shard)
+        }
+        (carved, None) => filled(carved, storage, &init),
     };
-    let carved = home.and_then(|r| r.carve_span::<f32>(WEIGHTS[1]));
-    let mut master = carved.unwrap_or_else(|| vec![0.0; opt_len].into());
-    master.copy_from_slice(&init);
+    if !has_master {
+        return (params, None);
+    }
+    let master = match home.and_then(|r| r.carve_span::<f32>(WEIGHTS[1])) {
+        Some(mut m) => {
+            fill_shard(&mut m, runs, &init);
+            m
+        }
+        None if is_whole(runs, opt_len, init.len()) => init.into(),
+        None => shard_of(runs, opt_len, &init).into(),
+    };
     (params, Some(master))
+}
+
+/// Host bytes a device run's initial weights take at their peak, before they move to the
+/// device (on the CPU they sit in memory the step's plan reuses later): the values drawn for
+/// the whole model (and this rank's slice of them, for a part of it), then
+/// [`initial_weights`]' buffers, branch by branch. With its offload tier, a device rank's
+/// host plan (`fit::DeviceHost`).
+pub(super) fn initial_host_bytes(
+    cfg: &TrainConfig,
+    model: &Llama,
+    st: &PlannedStates,
+    opt_len: usize,
+    init_len: usize,
+) -> u64 {
+    let (l, whole) = (init_len as u64, model.whole_table().total as u64);
+    let drawn = match model.part() {
+        Some(_) => 4 * (whole + l),
+        None => 4 * l,
+    };
+    let storage = cfg.precision.kind.storage();
+    let has_master = cfg.precision.kind.has_master();
+    let s = storage.bytes();
+    let weights = match st.zero3.as_ref() {
+        // The shard, then the weights filled from it.
+        Some(z) => (4 + s) * (opt_len + z.len()) as u64,
+        // The values themselves.
+        None if storage == DType::F32 && !has_master => 0,
+        None => s * l,
+    };
+    let master = match has_master && !is_whole(&st.runs, opt_len, init_len) {
+        true => 4 * opt_len as u64,
+        false => 0,
+    };
+    drawn.max(4 * l + weights + master)
+}
+
+/// `carved` (or a new buffer of `storage`) holding `values`.
+fn filled(carved: Option<Flat>, storage: DType, values: &[f32]) -> Flat {
+    let mut params = carved.unwrap_or_else(|| Flat::zeros(storage, values.len()));
+    params.set_from_f32(values);
+    params
+}
+
+/// Whether the optimizer's runs are every one of `full` weights, each at its own offset: the
+/// shard is the whole.
+fn is_whole(runs: &[OptRun], len: usize, full: usize) -> bool {
+    len == full
+        && runs.iter().all(|r| r.at == r.params.start)
+        && runs.iter().map(|r| r.params.len()).sum::<usize>() == len
 }
 
 /// This rank's place in its tensor-parallel group (with the tables mapping its slices onto

@@ -87,6 +87,9 @@ impl Trainer {
             let st = Streaming::new(&self.params, p.engine_grads(), t, dev, shard);
             st.check_plan(&self.plan)?;
             self.streaming = Some(st);
+            // The streamed copy is the weights' home from here on: the first one is freed
+            // before anything else takes host memory.
+            self.params = Flat::zeros(self.params.dtype(), 0);
         }
         Ok(())
     }

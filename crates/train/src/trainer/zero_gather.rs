@@ -8,10 +8,16 @@ use super::*;
 /// The `len` values of `full` (one per parameter) that `runs` update, at their offsets.
 pub(super) fn shard_of(runs: &[OptRun], len: usize, full: &[f32]) -> Vec<f32> {
     let mut out = vec![0.0; len];
+    fill_shard(&mut out, runs, full);
+    out
+}
+
+/// `out` (zeros where no run lands) with each run's weights of `full` at its offset.
+pub(super) fn fill_shard(out: &mut [f32], runs: &[OptRun], full: &[f32]) {
+    out.fill(0.0);
     for r in runs {
         out[r.at..r.at + r.params.len()].copy_from_slice(&full[r.params.clone()]);
     }
-    out
 }
 
 /// Every weight as f32, gathered from ZeRO-3's shards (the first `shard_len` elements of
