@@ -134,6 +134,20 @@ for o in optimizer params; do
     offload+=("offload-$o=$work/offload-$o/metrics.jsonl")
 done
 python3 scripts/cuda_memory.py "${offload[@]}"
+# A host that cannot hold the tier (with CUDA's libraries, 768 MiB): refused before anything
+# is allocated, naming the disk tier.
+if FERROTRON_HOST_MEMORY=$((512 << 20)) "$bin" train --device cuda "${tiny[@]}" "${budget[@]}" \
+    --offload optimizer --out-dir "$work/host-refused" 2>"$work/host.err"; then
+    echo "error: a host of 512 MiB did not refuse the offload tier with CUDA's 768 MiB"
+    exit 1
+fi
+grep -q "^error: offload = optimizer: the host tier needs .* try --offload-dir PATH" "$work/host.err" || {
+    cat "$work/host.err"
+    echo "error: the host refusal's message"
+    exit 1
+}
+cut -c1-200 "$work/host.err"
+[ ! -e "$work/host-refused/metrics.jsonl" ] || { echo "error: the refused run wrote metrics"; exit 1; }
 
 echo "== emulated GPU: several ranks on the one GPU against one rank (fp32, the same global batch)"
 ranks=(--steps 3 --eval-interval 0)

@@ -177,6 +177,46 @@ pub fn check(spec: &ModelSpec, c: &TrainConfig, ranks_here: u64) -> Result<()> {
     )
 }
 
+/// Refuses a GPU run whose offload tiers, for the `ranks_here` ranks this machine runs, do not
+/// fit the host memory left ([`available`]) with CUDA's libraries ([`GPU_RSS_OVERHEAD`]),
+/// before anything is allocated: a GPU's plan is its own memory, but Llama-3.2-1B's
+/// `--offload optimizer` tier is 22 GB of the host's. The initial weights' host buffers come
+/// before the tier and are smaller (4 to 6 bytes a weight against its 12 to 18), so the tier
+/// alone decides; with `--offload-dir` the host holds only the buckets in flight.
+pub fn device_host_fit(spec: &ModelSpec, c: &TrainConfig, ranks_here: u64) -> Result<()> {
+    if c.parallel.offload == ferrotron_plan::Offload::None || c.runtime.offload_dir.is_some() {
+        return Ok(());
+    }
+    let Some(avail) = available() else {
+        return Ok(());
+    };
+    let input = crate::setup::plan_input(spec, c, 0);
+    let Ok(plan) = ferrotron_plan::planner::plan(&input) else {
+        return Ok(());
+    };
+    let per_kind = (ranks_here / plan.ranks.len() as u64).max(1);
+    let tiers: u64 = plan
+        .ranks
+        .iter()
+        .map(|r| r.plan.host_bytes * per_kind)
+        .sum();
+    let need = tiers + GPU_RSS_OVERHEAD;
+    if need <= avail {
+        return Ok(());
+    }
+    let ranks = match ranks_here {
+        1 => String::new(),
+        n => format!(" for {n} ranks"),
+    };
+    bail!(
+        "offload = {}: the host tier needs {:.0} MiB{ranks} (+ {:.0} MiB for CUDA's libraries) but this machine can give {:.0} MiB: nothing was allocated; try --offload-dir PATH (the tier on disk, host memory for the buckets in flight), or fewer ranks on this machine",
+        c.parallel.offload,
+        tiers as f64 / MIB,
+        GPU_RSS_OVERHEAD as f64 / MIB,
+        avail as f64 / MIB
+    )
+}
+
 /// The card whose memory the fixes of a device budget are planned and timed on: an H100's
 /// compute and links (the planner's table), `budget` bytes of memory.
 const BUDGET_CARD: &str = "h100";

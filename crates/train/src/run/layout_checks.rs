@@ -158,6 +158,7 @@ fn check_fit(args: &TrainArgs, saved: Option<&checkpoint::Loaded>, world: usize)
         crate::fit::device_fit(&spec, &cfg, here, free)?;
     }
     if args.device == crate::device::Device::Cuda {
+        crate::fit::device_host_fit(&spec, &cfg, here)?;
         return crate::fit::device_budget(&spec, &cfg);
     }
     crate::fit::check(&spec, &cfg, here)?;
