@@ -104,6 +104,31 @@ check)
     "2:error: no NVIDIA driver on this machine"*) ;;
     *) echo "error: run.sh without a GPU exited $code, not 2 with 'no NVIDIA driver'"; exit 1 ;;
     esac
+    echo "== the GPU kit: with a stand-in driver and every binary failing, run.sh runs every stage and exits 1"
+    # (Its exit status was once clobbered by a loop variable: `exit: full`, exit 2, on the H200.)
+    fake=$(mktemp -d)
+    cp -r target/cuda-check/. "$fake/"
+    mkdir -p "$fake/bin" "$fake/out"
+    printf '#!/bin/sh\necho "Stand-in GPU, 580.00, 1000 MiB"\n' >"$fake/bin/nvidia-smi"
+    chmod +x "$fake/bin/nvidia-smi"
+    for b in ferrotron cuda_backend cuda_source nccl cuda_attention_bench; do
+        printf '#!/bin/sh\nexit 3\n' >"$fake/$b"
+        chmod +x "$fake/$b"
+    done
+    set +e
+    PATH="$fake/bin:$PATH" OUT="$fake/out" bash "$fake/run.sh" >"$fake/log" 2>&1
+    code=$?
+    set -e
+    all=$(grep -c " s (budget " "$fake/out/summary.txt" || true)
+    stages=$(grep -c ": FAILED (exit" "$fake/out/summary.txt" || true)
+    if [ "$code" != 1 ] || [ "$stages" != "$all" ] || [ "$stages" -lt 20 ] ||
+        ! tail -1 "$fake/out/summary.txt" | grep -q "^result: FAILED"; then
+        tail -5 "$fake/log"
+        echo "error: run.sh exited $code with $stages of $all stages failed, not 1 after every stage failed"
+        exit 1
+    fi
+    echo "run.sh: all $stages stages failed, each in the summary, exit 1"
+    rm -rf "$fake"
     ;;
 bundle)
     out=target/cuda-check
