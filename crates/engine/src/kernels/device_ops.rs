@@ -18,7 +18,8 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 /// Where a host synchronisation comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SyncSite {
-    /// `cross_entropy`'s per-row losses, read back after each chunk to be summed on the host.
+    /// `take_loss`: the step's loss sum kept on the device, read back where the gradient norm
+    /// did not bring it along.
     CeLoss,
     /// `count_targets`: the number of non-ignored targets.
     TargetCount,

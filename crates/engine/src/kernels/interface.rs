@@ -31,6 +31,15 @@ macro_rules! kernel_interface {
                 /// asynchronously; the CPU's have finished when they return), so that a host
                 /// timer read after it times the work.
                 fn synchronize(&self) {}
+                /// The loss sum (and target count) this backend kept on the device since the
+                /// last call (its `cross_entropy` returned 0 for it, issue #32: no host round
+                /// trip per loss chunk), read back now: one host synchronisation, or none where
+                /// the last gradient norm brought it along. (0, 0) on a backend that returns
+                /// them at once (the CPU). The trainer adds them to its micro-batches' sums
+                /// before it reads the step's loss.
+                fn take_loss(&self) -> (f64, usize) {
+                    (0.0, 0)
+                }
                 /// What this backend supports (see [`LlamaConfig::check_backend`]).
                 ///
                 /// [`LlamaConfig::check_backend`]: crate::model::LlamaConfig::check_backend
@@ -312,7 +321,9 @@ macro_rules! kernel_interface {
                 /// rest are ignored, as [`IGNORE_INDEX`] is).
                 fn count_targets(&self, targets: View<'_, u32>, vocab: usize) -> usize;
                 /// Per row: `loss = logsumexp(logits) − logits[target]` written to `losses` (0
-                /// for ignored rows); returns their sum (f64). If `dlogits_scale` is `Some(s)`,
+                /// for ignored rows); returns their sum (f64, in row order), or 0 where the
+                /// backend adds it to a sum kept on the device for [`Kernels::take_loss`]. If
+                /// `dlogits_scale` is `Some(s)`,
                 /// overwrites `logits` with `s·(softmax(logits) − onehot(target))` (zeros for
                 /// ignored rows).
                 fn cross_entropy(

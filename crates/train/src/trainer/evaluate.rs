@@ -94,7 +94,8 @@ impl Trainer {
         let loss = batches();
         drop(src);
         self.streaming = streaming;
-        let loss = loss?;
+        // With what the device kept of it (`take_loss`).
+        let loss = self.with_device_loss(loss?);
         if let (Some(dp), Some(c)) = (dp, saved) {
             dp.borrow_mut().set_counters(c);
         }

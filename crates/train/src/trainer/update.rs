@@ -8,6 +8,11 @@ use crate::optim::grad_norm::grad_sum_sq;
 use ferrotron_dist::grad_sync::StepGrads;
 
 impl Trainer {
+    /// `loss` with what the device kept of it (`Kernels::take_loss`; nothing on the CPU).
+    pub(super) fn with_device_loss(&self, loss: LossSum) -> LossSum {
+        device_loss(&self.kernels, loss)
+    }
+
     /// The update of step `step` from the summed gradients `step_grads` (under ZeRO-2 and 3
     /// the rank's shard of them) and the micro-batches' `loss`.
     pub(super) fn update<S: Elem, G: Elem>(
@@ -27,9 +32,6 @@ impl Trainer {
             ferrotron_plan::Offload::Params => &host,
             _ => &self.kernels,
         };
-        if let Some(dp) = dp {
-            (loss.sum, loss.count) = dp.borrow_mut().sum_loss(loss.sum, loss.count)?;
-        }
         let to = Instant::now();
         let lr = self.schedule.at(self.step);
         let n = self.opt_len;
@@ -60,6 +62,13 @@ impl Trainer {
             &grad_of,
             sharded,
         )?;
+        // The loss a device kept on itself (`take_loss`), which the norm's read brought back
+        // (issue #32: the loss and the norm in one host round trip), then summed over the
+        // data-parallel group, after the norm on every rank alike.
+        loss = device_loss(&self.kernels, loss);
+        if let Some(dp) = dp {
+            (loss.sum, loss.count) = dp.borrow_mut().sum_loss(loss.sum, loss.count)?;
+        }
         let unscale = 1.0 / loss_scale as f64;
         let grad_norm = sum_sq.sqrt() * unscale;
         let skipped = |overflow, non_finite| Stepped {
@@ -189,4 +198,14 @@ fn adamw_params(cfg: &TrainConfig, lr: f64, step: u64, grad_scale: f64) -> (Adam
         grad_scale: grad_scale as f32,
     };
     (h, rounding)
+}
+
+/// `loss` with what the backend kept of it on the device (`Kernels::take_loss`: the backend's
+/// one loss slot, whatever its element types).
+fn device_loss(kernels: &Tracing<Backend>, loss: LossSum) -> LossSum {
+    let (sum, count) = Kernels::<f32>::take_loss(kernels);
+    LossSum {
+        sum: loss.sum + sum,
+        count: loss.count + count,
+    }
 }

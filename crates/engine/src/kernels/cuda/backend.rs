@@ -34,6 +34,31 @@ const BLOCK: u32 = 256;
 /// stream a model's gradients near the memory's bandwidth.
 const SUM_BLOCKS: u32 = 1056;
 
+/// The step's loss sum kept on the device (`take_loss`): a slot after the gradient norm's
+/// partial sums in the `Partials` scratch, so that the norm's read brings it back too.
+const LOSS_SLOTS: usize = SUM_BLOCKS as usize;
+const PARTIALS_BYTES: usize = (SUM_BLOCKS as usize + 1) * 8;
+
+/// What the host knows of the device's loss slots.
+#[derive(Default)]
+struct LossSlots {
+    /// Zeroed once the scratch exists.
+    ready: bool,
+    /// Added to since the last `take_loss`.
+    pending: bool,
+    /// Its value as the last gradient norm read it, if nothing was added since.
+    fetched: Option<f64>,
+}
+
+/// One thread: a sum in a fixed order.
+fn one_thread() -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (1, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// Row slices of RMSNorm's weight gradient (`cu/rmsnorm.cu`): enough blocks to fill a GPU's
 /// SMs at any width, fixed by the row count alone so that the sum's order never depends on
 /// the GPU.
@@ -79,6 +104,8 @@ enum Scratch {
     Tokens,
     /// Partial sums and counts read back by the host.
     Partials,
+    /// `count_targets`' count.
+    TargetCount,
     /// The routed rows' tables of a mixture of experts (`moe::Routes`).
     Routes,
     /// The router's max and Σexp per token, between its two kernels.
@@ -104,9 +131,10 @@ pub struct CudaKernels {
     routing: Mutex<moe::Routing>,
     /// Host buffers of the ops run on the host (`on_host`), kept from call to call.
     host: Mutex<on_host::HostBuffers>,
-    /// The embedding backward's token ids and the cross-entropy's row losses, read back.
+    /// The embedding backward's token ids, read back.
     token_ids: Mutex<Vec<u32>>,
-    losses: Mutex<Vec<f32>>,
+    /// The step's loss on the device (`take_loss`).
+    loss: Mutex<LossSlots>,
     /// Attention on the plain kernels even where the tensor-core ones apply
     /// (`FERROTRON_CUDA_ATTENTION=plain`, or [`CudaKernels::use_plain_attention`]): the
     /// reference the tests hold the tensor-core kernels to, and a switch for bisecting.
@@ -141,7 +169,7 @@ impl CudaKernels {
             routing: Mutex::default(),
             host: Mutex::default(),
             token_ids: Mutex::default(),
-            losses: Mutex::default(),
+            loss: Mutex::default(),
             plain_attention: AtomicBool::new(plain_attention_from_env()?),
         })
     }
@@ -201,7 +229,27 @@ impl CudaKernels {
         self.scratch(Scratch::HeadStaging, staging.max(1));
         self.scratch(Scratch::AttnDelta, lse_len * 4);
         self.scratch(Scratch::Tokens, (2 * tokens + 1) * 4);
-        self.scratch(Scratch::Partials, SUM_BLOCKS as usize * 8);
+        self.scratch(Scratch::TargetCount, 8);
+        self.partials();
+    }
+
+    /// The `Partials` scratch (the gradient norm's partial sums, then the loss slots), its
+    /// loss slots zeroed the first time.
+    fn partials(&self) -> u64 {
+        let p = self.scratch(Scratch::Partials, PARTIALS_BYTES);
+        let mut st = lock(&self.loss);
+        if !st.ready {
+            let acc = p + (LOSS_SLOTS * 8) as u64;
+            launch!(self, "loss_reset".to_string(), one_thread(); acc);
+            st.ready = true;
+        }
+        p
+    }
+
+    /// The device's loss slots were added to: what the host read of them is stale.
+    fn loss_added(&self) {
+        let mut st = lock(&self.loss);
+        (st.pending, st.fetched) = (true, None);
     }
 
     /// Scratch `which` of at least `bytes`, as a device address.
@@ -429,6 +477,28 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         self.bind();
         OPS.sync(SyncSite::StreamSync);
         (self.gpu.stream.synchronize()).unwrap_or_else(|e| panic!("CUDA stream: {e:?}"));
+    }
+
+    fn take_loss(&self) -> (f64, usize) {
+        let acc = self.partials() + (LOSS_SLOTS * 8) as u64;
+        let mut st = lock(&self.loss);
+        if !st.pending {
+            return (0.0, 0);
+        }
+        let sum = match st.fetched.take() {
+            Some(read) => read,
+            None => {
+                let mut slot = [0f64];
+                OPS.sync(SyncSite::CeLoss);
+                // SAFETY: the partials scratch holds the slot; the copy waits for the kernels
+                // that add to it.
+                unsafe { result::memcpy_dtoh_sync(&mut slot, acc) }.expect("take_loss read-back");
+                slot[0]
+            }
+        };
+        launch!(self, "loss_reset".to_string(), one_thread(); acc);
+        st.pending = false;
+        (sum, 0)
     }
 
     fn limits(&self) -> Limits {
@@ -896,7 +966,7 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
 
     fn sum_squares(&self, x: View<'_, G>) -> f64 {
         let n = x.len() as u64;
-        let partial = self.scratch(Scratch::Partials, SUM_BLOCKS as usize * 8);
+        let partial = self.partials();
         let x = dev(&x, "sum_squares");
         let cfg = LaunchConfig {
             grid_dim: (SUM_BLOCKS, 1, 1),
@@ -904,11 +974,16 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
             shared_mem_bytes: 0,
         };
         launch!(self, name::<G>("sum_squares"), cfg; x, n, partial);
-        let mut sums = [0f64; SUM_BLOCKS as usize];
+        // The partial sums and the loss slot after them, in one read.
+        let mut sums = [0f64; SUM_BLOCKS as usize + 1];
         OPS.sync(SyncSite::GradNorm);
-        // SAFETY: the partials scratch holds SUM_BLOCKS f64; the copy waits for the kernel.
+        // SAFETY: the partials scratch holds PARTIALS_BYTES; the copy waits for the kernel.
         unsafe { result::memcpy_dtoh_sync(&mut sums, partial) }.expect("sum_squares read-back");
-        sums.iter().sum()
+        let mut st = lock(&self.loss);
+        if st.pending {
+            st.fetched = Some(sums[LOSS_SLOTS]);
+        }
+        sums[..LOSS_SLOTS].iter().sum()
     }
 
     fn round_params(&self, src: View<'_, f32>, mut dst: ViewMut<'_, S>) {
@@ -917,12 +992,13 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         launch!(self, name::<S>("round_params"), elementwise(n); s, d, n);
     }
 
+    /// Read back at once: a mixture of experts weighs its load-balancing term by it during
+    /// the forward (`router_loss`).
     fn count_targets(&self, targets: View<'_, u32>, vocab: usize) -> usize {
         let n = targets.len() as u64;
-        let count = self.scratch(Scratch::Partials, SUM_BLOCKS as usize * 8);
-        self.bind();
+        let count = self.scratch(Scratch::TargetCount, 8);
         OPS.write();
-        // SAFETY: the scratch holds at least 8 bytes.
+        // SAFETY: the scratch holds 8 bytes.
         unsafe { result::memset_d8_sync(count, 0, 8) }.expect("count_targets reset");
         let (t, vocab) = (dev(&targets, "count_targets"), vocab as u32);
         launch!(self, "count_targets".to_string(), elementwise(n); t, n, vocab, count);
@@ -950,11 +1026,14 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
             dlogits_scale.unwrap_or(0.0),
         );
         launch!(self, op.to_string(), per_row(s.rows); z, t, l, vocab, grad, scale);
-        // Summed in row order on the host, as the CPU does: the same rounding. A host
-        // synchronisation per chunk (issue #32: accumulate on the device instead).
-        let mut l = lock(&self.losses);
-        download_into(SyncSite::CeLoss, losses.as_view(), &mut l);
-        l.iter().map(|&l| l as f64).sum()
+        // Added on the device to the step's sum, in row order as the CPU adds them, for
+        // `take_loss`: no host round trip per chunk.
+        if s.rows > 0 {
+            let (acc, rows) = (self.partials() + (LOSS_SLOTS * 8) as u64, s.rows as u64);
+            launch!(self, "loss_accumulate".to_string(), one_thread(); l, rows, acc);
+            self.loss_added();
+        }
+        0.0
     }
 
     fn ce_shard_stats(

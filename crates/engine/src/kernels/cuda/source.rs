@@ -65,6 +65,8 @@ pub fn entry_points() -> Vec<String> {
     let mut names: Vec<String> = [
         "count_targets",
         "cross_entropy",
+        "loss_accumulate",
+        "loss_reset",
         "router_topk",
         "router_load",
         "router_backward",

@@ -28,3 +28,13 @@ extern "C" __global__ void cross_entropy(float* logits, const u32* targets, floa
         for (u64 j = threadIdx.x; j < vocab; j += blockDim.x) z[j] = expf(z[j] - mx) * k - (j == t ? scale : 0.0f);
     }
 }
+
+// The step's loss sum kept on the device (issue #32: no read-back per chunk), in `acc`, read
+// once with the gradient norm (`Kernels::take_loss`). A chunk's row losses are summed in row
+// order in f64 and then added, as the CPU sums them: one thread, deterministic.
+extern "C" __global__ void loss_accumulate(const float* losses, u64 rows, double* acc) {
+    double s = 0.0;
+    for (u64 r = 0; r < rows; r++) s += (double)losses[r];
+    acc[0] += s;
+}
+extern "C" __global__ void loss_reset(double* acc) { acc[0] = 0.0; }
