@@ -194,9 +194,14 @@ mod tests {
                 .chain(super::STORAGE.iter())
                 .find_map(|s| name.strip_suffix(&format!("_{s}")))
                 .unwrap_or(&name);
+            // The tensor-core kernels are instantiated per head dim too: `NAME_##D##_##sfx`.
+            let per_dim = super::FLASH_HEAD_DIMS
+                .iter()
+                .find_map(|d| base.strip_suffix(&format!("_{d}")));
             assert!(
                 src.contains(&format!("void {base}_##sfx("))
-                    || src.contains(&format!("void {base}(")),
+                    || src.contains(&format!("void {base}("))
+                    || per_dim.is_some_and(|b| src.contains(&format!("void {b}_##D##_##sfx("))),
                 "{name}: no kernel in the CUDA source"
             );
         }
