@@ -30,6 +30,12 @@ for arg in sys.argv[2:]:
                 off = r["mem_peak_measured"] / r["mem_peak_planned"] - 1
                 assert abs(off) < 0.01, (f"step {b['step']} rank {r['rank']}: measured "
                                          f"{r['mem_peak_measured']} against planned {r['mem_peak_planned']}")
+        # Every rank's MFU is against its GPU's peak (the planner's table; none for the CUDA
+        # emulator, as for one rank), never a share of the CPU's: dp 2 on one H200 printed
+        # 272% that way. (Ranks sharing the GPU each count its whole peak: under 100%.)
+        mfu, base = run[-1].get("mfu"), one[-1].get("mfu")
+        assert (mfu is None) == (base is None), f"MFU {mfu} against one rank's {base}"
+        assert mfu is None or mfu <= 1.0, f"MFU {100 * mfu:.0f}% is past the GPU's peak"
         peaks = ", ".join(f"rank {r['rank']} {r['mem_peak_measured']} vs {r['mem_peak_planned']}"
                           for r in ranks)
         print(f"{name}: {len(run)} steps within {worst:.2e} of one rank; last loss "

@@ -315,9 +315,14 @@ fn run_threads(
         .num_threads(threads)
         .build_global()
         .ok();
-    let peak = args
-        .peak_gflops
-        .unwrap_or_else(|| matmul_peak_gflops(bf16_products(&cfg)));
+    // On a GPU each rank's peak is its GPU's, from the planner's table (`Trainer::new`), not a
+    // share of the CPU's (which made dp 2 on one H200 report an MFU of 272%): none measured.
+    let cuda = args.device == crate::device::Device::Cuda;
+    let peak = match (args.peak_gflops, cuda) {
+        (Some(p), _) => Some(p),
+        (None, true) => None,
+        (None, false) => Some(matmul_peak_gflops(bf16_products(&cfg))),
+    };
     let per_rank = (threads / world).max(1);
     // A rank stuck alive is caught by the watchdog, which ends the process; the threads
     // backend's own deadline (a wait that returns an error) comes later, as a backstop.
@@ -330,7 +335,7 @@ fn run_threads(
         let ctx = RankCtx {
             rank,
             comm: Box::new(ferrotron_dist::Watched::new(Box::new(comm), "world", rank)),
-            peak_gflops: Some(peak / world as f64),
+            peak_gflops: peak.map(|p| p / world as f64),
         };
         // Each rank computes on a pool of its own share of the threads, tagged as the rank's:
         // its kernels neither crowd the other ranks' nor charge memory to them.
