@@ -446,7 +446,7 @@ fn ops<S: Elem>(k: &CudaKernels, at: usize, tol: f64, tol_product: f64) {
         // The GPU keeps the loss on the device (issue #32) and returns 0: what it returns plus
         // what `take_loss` reads back is the value.
         let got = g.cross_entropy(ce, gz.view_mut(z.len()), gtg.view(9), gl.view_mut(9), scale)
-            + g.take_loss().0;
+            + g.take_loss();
         assert!(
             (got - want).abs() <= 1e-5 * want.abs(),
             "{t} cross_entropy: {got} vs {want}"
@@ -814,10 +814,10 @@ fn step<S: Elem>(
             let (acts, loss) =
                 model.forward_train_scaled(k, &mut pool, src, g, batch, &tok, &tgt, nt, 1.0);
             // The loss the GPU kept on itself, read back once (issue #32).
-            let loss = loss.sum + Kernels::<S>::take_loss(k).0;
+            let loss = loss.sum + Kernels::<S>::take_loss(k);
             model.backward_notify(k, &mut pool, src, g, acts, &tok, done);
             let eval = model.forward_eval_from(k, &mut pool, src, batch, &tok, &tgt);
-            let eval = eval.sum + Kernels::<S>::take_loss(k).0;
+            let eval = eval.sum + Kernels::<S>::take_loss(k);
             drop(pool);
             (loss, eval, download(gr.view(params.len())))
         }

@@ -31,14 +31,14 @@ macro_rules! kernel_interface {
                 /// asynchronously; the CPU's have finished when they return), so that a host
                 /// timer read after it times the work.
                 fn synchronize(&self) {}
-                /// The loss sum (and target count) this backend kept on the device since the
-                /// last call (its `cross_entropy` returned 0 for it, issue #32: no host round
-                /// trip per loss chunk), read back now: one host synchronisation, or none where
-                /// the last gradient norm brought it along. (0, 0) on a backend that returns
-                /// them at once (the CPU). The trainer adds them to its micro-batches' sums
-                /// before it reads the step's loss.
-                fn take_loss(&self) -> (f64, usize) {
-                    (0.0, 0)
+                /// The loss sum this backend kept on the device since the last call (its
+                /// `cross_entropy` returned 0 for it, issue #32: no host round trip per loss
+                /// chunk), read back now: one host synchronisation, or none where the last
+                /// gradient norm brought it along. 0 on a backend that returns it at once (the
+                /// CPU). The trainer adds it to its micro-batches' sums before it reads the
+                /// step's loss.
+                fn take_loss(&self) -> f64 {
+                    0.0
                 }
                 /// What this backend supports (see [`LlamaConfig::check_backend`]).
                 ///

@@ -95,7 +95,7 @@ impl Trainer {
         drop(src);
         self.streaming = streaming;
         // With what the device kept of it (`take_loss`).
-        let loss = self.with_device_loss(loss?);
+        let loss = super::update::device_loss(&self.kernels, loss?);
         if let (Some(dp), Some(c)) = (dp, saved) {
             dp.borrow_mut().set_counters(c);
         }

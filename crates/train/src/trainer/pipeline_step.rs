@@ -48,7 +48,7 @@ impl Trainer {
         pp.span += t0.elapsed();
         let r = r.and_then(|loss| {
             self.settle(&mut pp, grads, dp)?;
-            let loss = self.with_device_loss(loss);
+            let loss = super::update::device_loss(&self.kernels, loss);
             let [sum, count] = pp.sum_f64([loss.sum, loss.count as f64], "pipeline loss")?;
             Ok(LossSum {
                 sum,
@@ -249,7 +249,7 @@ impl Trainer {
     pub(super) fn pipeline_eval<S: Elem>(&mut self, params: View<'_, S>) -> Result<LossSum> {
         let mut pp = self.mesh.pp.take().expect("a pipeline stage");
         let r = self.eval_stage(&mut pp, params).and_then(|loss| {
-            let loss = self.with_device_loss(loss);
+            let loss = super::update::device_loss(&self.kernels, loss);
             let [sum, count] = pp.sum_f64([loss.sum, loss.count as f64], "pipeline loss")?;
             Ok(LossSum {
                 sum,

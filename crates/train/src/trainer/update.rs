@@ -8,11 +8,6 @@ use crate::optim::grad_norm::grad_sum_sq;
 use ferrotron_dist::grad_sync::StepGrads;
 
 impl Trainer {
-    /// `loss` with what the device kept of it (`Kernels::take_loss`; nothing on the CPU).
-    pub(super) fn with_device_loss(&self, loss: LossSum) -> LossSum {
-        device_loss(&self.kernels, loss)
-    }
-
     /// The update of step `step` from the summed gradients `step_grads` (under ZeRO-2 and 3
     /// the rank's shard of them) and the micro-batches' `loss`.
     pub(super) fn update<S: Elem, G: Elem>(
@@ -201,11 +196,10 @@ fn adamw_params(cfg: &TrainConfig, lr: f64, step: u64, grad_scale: f64) -> (Adam
 }
 
 /// `loss` with what the backend kept of it on the device (`Kernels::take_loss`: the backend's
-/// one loss slot, whatever its element types).
-fn device_loss(kernels: &Tracing<Backend>, loss: LossSum) -> LossSum {
-    let (sum, count) = Kernels::<f32>::take_loss(kernels);
+/// one loss slot, whatever its element types; nothing on the CPU).
+pub(super) fn device_loss(kernels: &Tracing<Backend>, loss: LossSum) -> LossSum {
     LossSum {
-        sum: loss.sum + sum,
-        count: loss.count + count,
+        sum: loss.sum + Kernels::<f32>::take_loss(kernels),
+        count: loss.count,
     }
 }

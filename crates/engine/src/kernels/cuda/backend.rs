@@ -479,11 +479,11 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         (self.gpu.stream.synchronize()).unwrap_or_else(|e| panic!("CUDA stream: {e:?}"));
     }
 
-    fn take_loss(&self) -> (f64, usize) {
+    fn take_loss(&self) -> f64 {
         let acc = self.partials() + (LOSS_SLOTS * 8) as u64;
         let mut st = lock(&self.loss);
         if !st.pending {
-            return (0.0, 0);
+            return 0.0;
         }
         let sum = match st.fetched.take() {
             Some(read) => read,
@@ -498,7 +498,7 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         };
         launch!(self, "loss_reset".to_string(), one_thread(); acc);
         st.pending = false;
-        (sum, 0)
+        sum
     }
 
     fn limits(&self) -> Limits {
