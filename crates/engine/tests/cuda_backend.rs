@@ -421,6 +421,27 @@ fn ops<S: Elem>(k: &CudaKernels, at: usize, tol: f64, tol_product: f64) {
         gdwte.view_mut(dwte.len()),
     );
     same(&format!("{t} embedding_backward"), &gdwte, &dwte, tol);
+    // Grouped from the caller's host copy of the ids (`host_ids`, issue #32), at an offset
+    // into them: the same gradient, added a second time.
+    g.host_ids(gt.view(64), &tokens);
+    c.embedding_backward(
+        tokens[8..].view(),
+        de[8 * cdim..].view(),
+        cdim,
+        dwte.view_mut(),
+    );
+    g.embedding_backward(
+        gt.view::<u32>(64).slice(8..),
+        gde.view::<S>(de.len()).slice(8 * cdim..),
+        cdim,
+        gdwte.view_mut(dwte.len()),
+    );
+    same(
+        &format!("{t} embedding_backward from host ids"),
+        &gdwte,
+        &dwte,
+        tol,
+    );
 
     // Cross-entropy with an ignored row, loss only and with its gradient.
     let ce = CeShape {
@@ -434,6 +455,13 @@ fn ops<S: Elem>(k: &CudaKernels, at: usize, tol: f64, tol_product: f64) {
         Kernels::<S>::count_targets(k, gtg.view(9), 1000),
         8,
         "{t} count_targets"
+    );
+    // From the caller's copy, at an offset past the ignored row.
+    Kernels::<S>::host_ids(k, gtg.view(9), &targets);
+    assert_eq!(
+        Kernels::<S>::count_targets(k, gtg.view::<u32>(9).slice(5..), 1000),
+        4,
+        "{t} count_targets from host ids"
     );
     for scale in [None, Some(0.125f32)] {
         let mut z = rng_vec(9 * 1000)

@@ -221,6 +221,7 @@ struct Stepped {
 /// The micro-batch's token ids and targets where the step reads them: the loader's host
 /// buffers, or on the device, copied there first.
 fn batch_views<'a>(
+    k: &Tracing<Backend>,
     dev: &'a mut Option<DeviceState>,
     tokens: &'a [u32],
     targets: &'a [u32],
@@ -229,6 +230,11 @@ fn batch_views<'a>(
         Some(d) => {
             d.tokens.copy_from_host(tokens);
             d.targets.copy_from_host(targets);
+            // The ids came from here: a GPU groups the tokens for the embedding backward and
+            // counts the targets from this copy, not by reading them back (issue #32).
+            let k: &dyn Kernels<f32> = k;
+            k.host_ids(d.tokens.view(), tokens);
+            k.host_ids(d.targets.view(), targets);
             (d.tokens.view(), d.targets.view())
         }
         None => (tokens.view(), targets.view()),

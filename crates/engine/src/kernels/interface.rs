@@ -40,6 +40,16 @@ macro_rules! kernel_interface {
                 fn take_loss(&self) -> f64 {
                     0.0
                 }
+                /// The host's copy of ids the caller has just written to `ids` (a
+                /// micro-batch's tokens or targets, which come from the host): a backend that
+                /// would read them back (a GPU's embedding backward groups positions by token;
+                /// the target count) takes this copy instead, with no host synchronisation
+                /// (issue #32). Views inside `ids` are found by address; the copy holds until
+                /// `ids` is written again, which the caller announces the same way. Nothing
+                /// on a backend whose ids are host memory already (the CPU).
+                fn host_ids(&self, ids: View<'_, u32>, host: &[u32]) {
+                    let _ = (ids, host);
+                }
                 /// What this backend supports (see [`LlamaConfig::check_backend`]).
                 ///
                 /// [`LlamaConfig::check_backend`]: crate::model::LlamaConfig::check_backend

@@ -79,7 +79,8 @@ impl Trainer {
             for i in 0..val.num_batches() {
                 val.batch_into(i, &mut self.tokens, &mut self.targets)?;
                 let (k, pool) = (&self.kernels, &mut self.pool);
-                let (tokens, targets) = batch_views(&mut self.dev, &self.tokens, &self.targets);
+                let (tokens, targets) =
+                    batch_views(&self.kernels, &mut self.dev, &self.tokens, &self.targets);
                 src.begin(true);
                 let l = self
                     .model

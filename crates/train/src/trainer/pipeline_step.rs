@@ -138,7 +138,8 @@ impl Trainer {
                         None => {
                             let (tokens, targets) =
                                 batch_of(&self.tokens, &self.targets, &self.batches, b);
-                            let (tokens, _) = batch_views(&mut self.dev, tokens, targets);
+                            let (tokens, _) =
+                                batch_views(&self.kernels, &mut self.dev, tokens, targets);
                             model.embed_backward(k, pool, grads, &tokens, state, done)
                         }
                         Some(m) => {
@@ -183,7 +184,7 @@ impl Trainer {
         }
         let (tokens, targets) = batch_of(&self.tokens, &self.targets, &self.batches, b);
         // On a device, the slot's batch is copied into the device's one.
-        let (tokens, targets) = batch_views(&mut self.dev, tokens, targets);
+        let (tokens, targets) = batch_views(&self.kernels, &mut self.dev, tokens, targets);
         let pool = &mut self.pool;
         let x = match recv {
             None => model.embed_forward(k, pool, src, &tokens),
@@ -281,7 +282,8 @@ impl Trainer {
         }
         for i in 0..val.num_batches() {
             val.batch_into(i, &mut self.tokens, &mut self.targets)?;
-            let (tokens, targets) = batch_views(&mut self.dev, &self.tokens, &self.targets);
+            let (tokens, targets) =
+                batch_views(&self.kernels, &mut self.dev, &self.tokens, &self.targets);
             for chunk in 0..pp.chunks() {
                 let w = Work::F {
                     mb: i as u64,

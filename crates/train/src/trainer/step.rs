@@ -73,7 +73,8 @@ impl Trainer {
         let last_mb = self.cfg.data.grad_acc - 1;
         for mb in 0..self.cfg.data.grad_acc {
             self.loader.next_into(&mut self.tokens, &mut self.targets)?;
-            let (tokens, targets) = batch_views(&mut self.dev, &self.tokens, &self.targets);
+            let (tokens, targets) =
+                batch_views(&self.kernels, &mut self.dev, &self.tokens, &self.targets);
             let tf = Instant::now();
             self.pool.enter(step, mb, Running::Forward);
             sync.begin(grads);

@@ -23,6 +23,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
+pub(super) mod host_ids;
 mod moe;
 mod on_host;
 pub use moe::{routes, Routes};
@@ -131,8 +132,6 @@ pub struct CudaKernels {
     routing: Mutex<moe::Routing>,
     /// Host buffers of the ops run on the host (`on_host`), kept from call to call.
     host: Mutex<on_host::HostBuffers>,
-    /// The embedding backward's token ids, read back.
-    token_ids: Mutex<Vec<u32>>,
     /// The step's loss on the device (`take_loss`).
     loss: Mutex<LossSlots>,
     /// Attention on the plain kernels even where the tensor-core ones apply
@@ -168,7 +167,6 @@ impl CudaKernels {
             rope: Mutex::new(HashMap::new()),
             routing: Mutex::default(),
             host: Mutex::default(),
-            token_ids: Mutex::default(),
             loss: Mutex::default(),
             plain_attention: AtomicBool::new(plain_attention_from_env()?),
         })
@@ -457,26 +455,16 @@ fn attn_dims(s: AttnShape) -> AttnDims {
     }
 }
 
-/// Positions of `tokens` grouped by token id, in position order within a token:
-/// `(order, starts)`, token group `k` being `order[starts[k]..starts[k + 1]]`.
-pub fn group_by_token(tokens: &[u32]) -> (Vec<u32>, Vec<u32>) {
-    let mut order: Vec<u32> = (0..tokens.len() as u32).collect();
-    order.sort_by_key(|&i| (tokens[i as usize], i));
-    let mut starts = vec![];
-    for (k, &i) in order.iter().enumerate() {
-        if k == 0 || tokens[i as usize] != tokens[order[k - 1] as usize] {
-            starts.push(k as u32);
-        }
-    }
-    starts.push(order.len() as u32);
-    (order, starts)
-}
-
 impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
     fn synchronize(&self) {
         self.bind();
         OPS.sync(SyncSite::StreamSync);
         (self.gpu.stream.synchronize()).unwrap_or_else(|e| panic!("CUDA stream: {e:?}"));
+    }
+
+    fn host_ids(&self, ids: View<'_, u32>, host: &[u32]) {
+        assert_eq!(ids.len(), host.len(), "host_ids lens");
+        host_ids::ids().note(dev(&ids, "host_ids"), host);
     }
 
     fn take_loss(&self) -> f64 {
@@ -904,28 +892,22 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         if tokens.is_empty() {
             return;
         }
-        // The grouping is built on the host from the ids (a few KiB each way): a host
-        // synchronisation per call (issue #32 wants it on the device).
-        let (order, starts) = {
-            let mut ids = lock(&self.token_ids);
-            download_into(SyncSite::EmbeddingGrouping, tokens, &mut ids);
-            group_by_token(&ids)
+        // The grouping is built on the host from the trainer's copy of the ids (read back
+        // where there is none) and uploaded in one write of a few KiB.
+        let n = tokens.len();
+        let (base, groups) = {
+            let mut ids = host_ids::ids();
+            let grouping = ids.grouping(tokens);
+            let base = self.scratch(Scratch::Tokens, 4 * grouping.len());
+            OPS.write();
+            // SAFETY: the scratch holds the grouping; the copy finishes before the launch
+            // below on the same (legacy default) stream.
+            unsafe { result::memcpy_htod_sync(base, grouping) }.expect("embedding grouping upload");
+            (base, grouping.len() - n - 1)
         };
-        let groups = starts.len() - 1;
-        let bytes = (order.len() + starts.len()) * 4;
-        let base = self.scratch(Scratch::Tokens, bytes);
-        // SAFETY: the scratch holds `bytes`; the copies finish before the launch below on the
-        // same (legacy default) stream.
-        OPS.write();
-        OPS.write();
-        unsafe {
-            result::memcpy_htod_sync(base, &order).expect("embedding grouping upload");
-            result::memcpy_htod_sync(base + 4 * order.len() as u64, &starts)
-                .expect("embedding grouping upload");
-        }
         let rows = (dwte.len() / c.max(1)) as u64;
         let (t, d, dw) = (dev(&tokens, op), dev(&dout, op), dev_mut(&mut dwte, op));
-        let (ord, st, c, first) = (base, base + 4 * order.len() as u64, c as u64, first as u64);
+        let (ord, st, c, first) = (base, base + 4 * n as u64, c as u64, first as u64);
         launch!(self, name2::<S, G>(op), per_row(groups); t, ord, st, d, dw, c, first, rows);
     }
 
@@ -992,9 +974,14 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         launch!(self, name::<S>("round_params"), elementwise(n); s, d, n);
     }
 
-    /// Read back at once: a mixture of experts weighs its load-balancing term by it during
-    /// the forward (`router_loss`).
+    /// Counted on the host from the trainer's copy (`host_ids`), else on the device and read
+    /// back at once: a mixture of experts weighs its load-balancing term by it during the
+    /// forward (`router_loss`).
     fn count_targets(&self, targets: View<'_, u32>, vocab: usize) -> usize {
+        // The trainer's copy of the targets, where it announced one: no read-back.
+        if let Some(n) = host_ids::ids().count_below(&targets, vocab) {
+            return n;
+        }
         let n = targets.len() as u64;
         let count = self.scratch(Scratch::TargetCount, 8);
         OPS.write();
@@ -1090,16 +1077,5 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
             }
         };
         launch!(self, name2::<S, G>("adamw"), elementwise(n); c, p, g, m, v, out, n, rounding, seed, h.step);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn positions_are_grouped_by_token_in_order() {
-        let (order, starts) = super::group_by_token(&[5, 2, 5, 9, 2, 5]);
-        assert_eq!(order, [1, 4, 0, 2, 5, 3]);
-        assert_eq!(starts, [0, 2, 5, 6]);
-        assert_eq!(super::group_by_token(&[]), (vec![], vec![0]));
     }
 }

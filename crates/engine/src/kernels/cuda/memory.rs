@@ -82,6 +82,8 @@ fn nn<T>(p: u64) -> NonNull<T> {
 
 impl Drop for DeviceBlock {
     fn drop(&mut self) {
+        // The ids the host noted there (`Kernels::host_ids`) go with the memory.
+        super::backend::host_ids::forget(self.ptr, self.bytes() as u64);
         // SAFETY: allocated in `new`, freed once; errors at teardown have nowhere to go.
         unsafe {
             let _ = self.ctx.bind_to_thread();
@@ -287,6 +289,8 @@ impl crate::kernels::DeviceAlloc for CudaAlloc {
     }
     unsafe fn free(&self, p: NonNull<u8>, bytes: usize) {
         self.live.fetch_sub(bytes as u64, Relaxed);
+        // The ids the host noted there (`Kernels::host_ids`) go with the memory.
+        super::backend::host_ids::forget(p.as_ptr() as u64, bytes as u64);
         let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
         if spare.is_none() {
             *spare = Some((p.as_ptr() as u64, bytes));
