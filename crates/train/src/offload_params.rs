@@ -59,41 +59,43 @@ pub struct Streaming {
     dev: Arc<dyn DeviceAlloc>,
 }
 
-/// `v`'s bytes in f32 words (the last one zero-padded).
-fn words<T: Elem>(v: &[T]) -> HostBuf<f32> {
-    let mut b = HostBuf::<f32>::zeros(size_of_val(v).div_ceil(4));
+/// `v`'s bytes in f32 words (the last one zero-padded), in `dev`'s page-locked memory where
+/// it has some.
+fn words<T: Elem>(v: &[T], dev: &Arc<dyn DeviceAlloc>) -> Result<HostBuf<f32>, String> {
+    let mut b = HostBuf::<f32>::pinned(size_of_val(v).div_ceil(4), dev)?;
     typed::<T>(&mut b, v.len()).host_mut().copy_from_slice(v);
-    b
+    Ok(b)
 }
 
 impl Streaming {
     /// `params`, the weights as initialised or loaded, moved into host memory, and zero
     /// gradients of `grads` type; `dev` is the device the windows live on. Under ZeRO-3,
     /// `shard` is this rank's elements: the first `shard` of `params` (ZeRO-3's windows follow
-    /// them there) are all the host keeps.
+    /// them there) are all the host keeps. Both are page-locked where the device has such
+    /// memory: every micro-batch copies them across, at the link's full bandwidth.
     pub fn new(
         params: &Flat,
         grads: DType,
         t: &ParamTable,
         dev: Arc<dyn DeviceAlloc>,
         shard: Option<usize>,
-    ) -> Self {
+    ) -> Result<Self, String> {
         let n = shard.unwrap_or(params.len());
         let params_words = match params {
-            Flat::F32(v) => words(&v[..n]),
-            Flat::Bf16(v) => words(&v[..n]),
-            Flat::F16(v) => words(&v[..n]),
+            Flat::F32(v) => words(&v[..n], &dev)?,
+            Flat::Bf16(v) => words(&v[..n], &dev)?,
+            Flat::F16(v) => words(&v[..n], &dev)?,
         };
-        Streaming {
+        Ok(Streaming {
             params: params_words,
-            grads: HostBuf::zeros((n * grads.bytes() as usize).div_ceil(4)),
+            grads: HostBuf::pinned((n * grads.bytes() as usize).div_ceil(4), &dev)?,
             n,
             pad: shard.map(|n| params.len() - n),
             dtype: params.dtype(),
             geo: GradWindows::new(t),
             sched: Zero3::new(t),
             dev,
-        }
+        })
     }
 
     /// Elements of the device's parameter windows (the plan's `offload.param_windows`).

@@ -55,6 +55,19 @@ pub trait DeviceAlloc: Send + Sync + std::fmt::Debug {
     fn keeps_regions(&self) -> bool {
         false
     }
+    /// `bytes` zeroed bytes (at least one) of page-locked host memory, which this device's
+    /// copies reach at the link's full bandwidth and without a bounce through the driver's
+    /// own staging (a GPU's `cuMemHostAlloc`); `None` where the device has none to give (the
+    /// emulated device: its copies are `memcpy`, and the host's allocator does as well).
+    fn alloc_pinned(&self, bytes: usize) -> Option<Result<NonNull<u8>, String>> {
+        let _ = bytes;
+        None
+    }
+    /// # Safety
+    /// `p` came from `alloc_pinned(bytes)` of this allocator and is not used after.
+    unsafe fn free_pinned(&self, p: NonNull<u8>, bytes: usize) {
+        let _ = (p, bytes);
+    }
 }
 
 fn layout(bytes: usize) -> Layout {

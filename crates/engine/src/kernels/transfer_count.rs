@@ -1,5 +1,6 @@
 //! Bytes copied between the host and one device, counted ([`Counted`]): an allocator that
-//! passes every call on to the device's and adds up what its `upload`s and `download`s move.
+//! passes every call on to the device's and adds up what its `upload`s and `download`s move,
+//! and the time they take.
 //! The offload tiers copy through one (`crates/train`'s `optim/offload.rs` staging,
 //! `offload_params.rs`), so a step's measured host↔device bytes can be set beside the
 //! planner's (`ferrotron_plan::host_transfer`). Zeroing device memory moves nothing across
@@ -9,6 +10,19 @@ use super::{DeviceAlloc, Memory};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// What a device's copies moved over an interval ([`Counted::take`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Moved {
+    /// Bytes host → device.
+    pub up: u64,
+    /// Bytes device → host.
+    pub down: u64,
+    /// Time spent in the copies, summed over the threads that made them: set beside the bytes,
+    /// the bandwidth the link gave (pageable host memory gets a fraction of a pinned copy's).
+    pub busy: Duration,
+}
 
 /// A device's allocator that counts the bytes its copies move.
 #[derive(Debug)]
@@ -16,6 +30,7 @@ pub struct Counted {
     inner: Arc<dyn DeviceAlloc>,
     up: AtomicU64,
     down: AtomicU64,
+    busy_ns: AtomicU64,
 }
 
 impl Counted {
@@ -24,16 +39,25 @@ impl Counted {
             inner,
             up: AtomicU64::new(0),
             down: AtomicU64::new(0),
+            busy_ns: AtomicU64::new(0),
         })
     }
 
-    /// Bytes uploaded (host → device) and downloaded since the last call, which starts the
-    /// count again.
-    pub fn take(&self) -> (u64, u64) {
-        (
-            self.up.swap(0, Ordering::Relaxed),
-            self.down.swap(0, Ordering::Relaxed),
-        )
+    /// What the copies moved since the last call, which starts the count again.
+    pub fn take(&self) -> Moved {
+        Moved {
+            up: self.up.swap(0, Ordering::Relaxed),
+            down: self.down.swap(0, Ordering::Relaxed),
+            busy: Duration::from_nanos(self.busy_ns.swap(0, Ordering::Relaxed)),
+        }
+    }
+
+    fn timed(&self, bytes: &AtomicU64, n: usize, copy: impl FnOnce()) {
+        let t = Instant::now();
+        copy();
+        let ns = t.elapsed().as_nanos().min(u64::MAX as u128) as u64;
+        self.busy_ns.fetch_add(ns, Ordering::Relaxed);
+        bytes.fetch_add(n as u64, Ordering::Relaxed);
     }
 }
 
@@ -48,12 +72,11 @@ impl DeviceAlloc for Counted {
         self.inner.free(p, bytes)
     }
     unsafe fn upload(&self, dst: NonNull<u8>, src: &[u8]) {
-        self.up.fetch_add(src.len() as u64, Ordering::Relaxed);
-        self.inner.upload(dst, src)
+        self.timed(&self.up, src.len(), || self.inner.upload(dst, src))
     }
     unsafe fn download(&self, dst: &mut [u8], src: NonNull<u8>) {
-        self.down.fetch_add(dst.len() as u64, Ordering::Relaxed);
-        self.inner.download(dst, src)
+        let n = dst.len();
+        self.timed(&self.down, n, || self.inner.download(dst, src))
     }
     unsafe fn zero(&self, p: NonNull<u8>, bytes: usize) {
         self.inner.zero(p, bytes)
@@ -72,6 +95,12 @@ impl DeviceAlloc for Counted {
     }
     fn keeps_regions(&self) -> bool {
         self.inner.keeps_regions()
+    }
+    fn alloc_pinned(&self, bytes: usize) -> Option<Result<NonNull<u8>, String>> {
+        self.inner.alloc_pinned(bytes)
+    }
+    unsafe fn free_pinned(&self, p: NonNull<u8>, bytes: usize) {
+        self.inner.free_pinned(p, bytes)
     }
 }
 
@@ -94,11 +123,14 @@ mod tests {
         let mut back = vec![0.0f32; 10];
         copy.download(buf.view().slice(5..15), &mut back);
         copy.zero(buf.view_mut());
-        assert_eq!(c.take(), (2 * n as u64, 20));
-        assert_eq!(c.take(), (0, 0), "taking starts the count again");
+        let m = c.take();
+        assert_eq!((m.up, m.down), (2 * n as u64, 20));
+        assert!(m.busy > Duration::ZERO, "the copies' time is counted");
+        assert_eq!(c.take(), Moved::default(), "taking starts the count again");
         let mut host = vec![0.0f32; 4];
         let f = DeviceBuf::<f32>::zeros(&a, 4).unwrap();
         copy.download(f.view(), &mut host);
-        assert_eq!(c.take(), (0, 16));
+        let m = c.take();
+        assert_eq!((m.up, m.down), (0, 16));
     }
 }

@@ -88,13 +88,23 @@ impl StepMetrics {
 }
 
 /// Bytes copied host → device (`up`) and device → host (`down`) in a step, measured and
-/// planned.
+/// planned, and where the offloaded update's time went (microseconds; 0 in a step without
+/// one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HostTransferBytes {
     pub up: u64,
     pub down: u64,
     pub planned_up: u64,
     pub planned_down: u64,
+    /// Time in the copies, over every thread that made one.
+    #[serde(default)]
+    pub copy_us: u64,
+    /// The offloaded optimizer step, all of it.
+    #[serde(default)]
+    pub update_us: u64,
+    /// AdamW on the host, within it.
+    #[serde(default)]
+    pub host_adamw_us: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

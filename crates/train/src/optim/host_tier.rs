@@ -5,15 +5,19 @@
 //! Why not the global allocator: the trainer's measured peak is the tracking allocator's
 //! (`memory::alloc`), and on the emulated device the device's memory is host memory too, so
 //! the offloaded states must be told apart from it to measure what offload takes off the
-//! device. On a GPU these would be the page-locked host buffers ZeRO-Offload copies through
-//! (Ren et al., "ZeRO-Offload", USENIX ATC 2021, §4); either way the planner counts them apart,
-//! as `MemoryPlan::host_bytes`, and these counters are what that figure is measured against.
+//! device. The planner counts them apart, as `MemoryPlan::host_bytes`, and these counters are
+//! what that figure is measured against. The staging a device copies through is the
+//! page-locked memory ZeRO-Offload copies through (Ren et al., "ZeRO-Offload", USENIX ATC
+//! 2021, §4) where the device has some ([`HostBuf::pinned`]: a GPU's copies then run at the
+//! link's bandwidth, not through the driver's own bounce buffers), counted the same way.
 
+use ferrotron_engine::kernels::DeviceAlloc;
 use ferrotron_engine::Elem;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 static LIVE: AtomicU64 = AtomicU64::new(0);
 static PEAK: AtomicU64 = AtomicU64::new(0);
@@ -37,6 +41,8 @@ pub fn reset_host_peak() {
 pub struct HostBuf<T: Elem> {
     ptr: NonNull<T>,
     len: usize,
+    /// The device whose page-locked memory this is (`None`: the system allocator's).
+    pinned: Option<Arc<dyn DeviceAlloc>>,
 }
 
 // SAFETY: the buffer owns its block as a Vec does.
@@ -54,10 +60,23 @@ impl<T: Elem> HostBuf<T> {
         let p = unsafe { System.alloc_zeroed(layout) };
         let ptr =
             NonNull::new(p.cast::<T>()).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        Self::counted(ptr, len, None)
+    }
+
+    /// `len` zeroed elements of `dev`'s page-locked host memory, or of the system allocator's
+    /// where the device has none (`DeviceAlloc::alloc_pinned`).
+    pub fn pinned(len: usize, dev: &Arc<dyn DeviceAlloc>) -> Result<HostBuf<T>, String> {
+        match dev.alloc_pinned(Self::layout(len).size()) {
+            None => Ok(Self::zeros(len)),
+            Some(p) => Ok(Self::counted(p?.cast(), len, Some(dev.clone()))),
+        }
+    }
+
+    fn counted(ptr: NonNull<T>, len: usize, pinned: Option<Arc<dyn DeviceAlloc>>) -> HostBuf<T> {
         let bytes = (len * size_of::<T>()) as u64;
         let live = LIVE.fetch_add(bytes, Ordering::Relaxed) + bytes;
         PEAK.fetch_max(live, Ordering::Relaxed);
-        HostBuf { ptr, len }
+        HostBuf { ptr, len, pinned }
     }
 
     pub fn from_slice(s: &[T]) -> HostBuf<T> {
@@ -84,8 +103,13 @@ impl<T: Elem> DerefMut for HostBuf<T> {
 
 impl<T: Elem> Drop for HostBuf<T> {
     fn drop(&mut self) {
-        // SAFETY: allocated by `zeros` with this layout.
-        unsafe { System.dealloc(self.ptr.as_ptr().cast(), Self::layout(self.len)) };
+        let (p, layout) = (self.ptr.as_ptr().cast(), Self::layout(self.len));
+        match &self.pinned {
+            // SAFETY: allocated by `pinned` from this device with this size.
+            Some(dev) => unsafe { dev.free_pinned(self.ptr.cast(), layout.size()) },
+            // SAFETY: allocated by `zeros` with this layout.
+            None => unsafe { System.dealloc(p, layout) },
+        }
         LIVE.fetch_sub((self.len * size_of::<T>()) as u64, Ordering::Relaxed);
     }
 }

@@ -8,4 +8,5 @@ pub mod host_tier;
 pub mod loss_scale;
 pub mod lr;
 pub mod offload;
+mod offload_copies;
 pub mod step;

@@ -14,6 +14,7 @@
 
 use super::disk_states::DiskStates;
 use super::host_tier::HostBuf;
+use super::offload_copies::{parts, CopyThread, Part, RunAddrs, Slot, SLOTS};
 use super::step::{as_f32, AdamState, OptRun};
 use anyhow::{bail, Result};
 use ferrotron_engine::kernels::{
@@ -27,6 +28,7 @@ use ferrotron_plan::{Layout, Offload};
 use std::path::Path;
 use std::ptr::NonNull;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// Bucket sets in host memory at once with the disk tier (the planner's `disk_tier::IN_FLIGHT`).
 pub const IN_FLIGHT: usize = ferrotron_plan::disk_tier::IN_FLIGHT as usize;
@@ -102,12 +104,25 @@ enum Tier {
     Disk(DiskStates),
 }
 
-/// A device's bucket of gradients and of weights, on the host: f32 words, viewed as the
-/// gradient and weight types.
+/// How the update reaches a device's weights and gradients: slots of staging on the host,
+/// which a copy thread fills and drains while the host updates (`offload_copies`).
 struct Staging {
-    grads: HostBuf<f32>,
-    params: HostBuf<f32>,
-    dev: Arc<dyn DeviceAlloc>,
+    copies: CopyThread,
+    /// Each run's addresses in the device's memory, this step (kept: no allocation a step).
+    addrs: Vec<RunAddrs>,
+}
+
+/// Slots of staging for `n` elements of states in buckets of `bucket`: [`SLOTS`], one bucket
+/// updated while the other is copied, or one where there is one bucket.
+fn slots(n: usize, bucket: usize) -> usize {
+    SLOTS.min(n.div_ceil(bucket.max(1))).max(1)
+}
+
+/// Host bytes of a device's staging for `n` elements of states in buckets of `bucket`
+/// elements, of `g`-byte gradients and `s`-byte weights.
+pub fn staging_bytes(n: usize, bucket: usize, g: usize, s: usize) -> u64 {
+    let bucket = bucket.min(n).max(1);
+    slots(n, bucket) as u64 * Slot::bytes(bucket, (g, s))
 }
 
 /// The offloaded optimizer states of a rank, and how its update reaches them.
@@ -124,6 +139,18 @@ pub struct Offloaded {
     staging: Option<Staging>,
     /// What the plan says the tier takes (set by the trainer, which plans it).
     pub plan: Option<OffloadPlan>,
+    /// Time in the updates since the last [`Offloaded::take_times`]: all of it, and the host's
+    /// AdamW within it.
+    times: UpdateTimes,
+}
+
+/// Where an offloaded update's time went.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct UpdateTimes {
+    /// The whole update: copies, AdamW on the host, the disk tier's waits.
+    pub wall: Duration,
+    /// AdamW on the host (the CPU backend's kernel, on every core).
+    pub host_adamw: Duration,
 }
 
 /// The first `len` elements of `buf` as a host view of `T` (T no wider than f32's alignment).
@@ -139,7 +166,8 @@ impl Offloaded {
     /// The states of a rank with `n` elements of optimizer state: `master` (mixed precision)
     /// and `opt` as initialised or loaded, moved off the device into host memory, or into
     /// files under `dir`. `device` is the memory the weights and gradients live in (`None`:
-    /// the host's); its staging holds one bucket of `G` gradients and of `S`-sized weights.
+    /// the host's); its staging holds up to [`SLOTS`] buckets of `G` gradients and of
+    /// `S`-sized weights ([`staging_bytes`]).
     pub fn new(
         n: usize,
         bucket: usize,
@@ -168,11 +196,20 @@ impl Offloaded {
                 Tier::Disk(DiskStates::create(d, rank, n, bucket, states, &init)?)
             }
         };
-        let staging = device.map(|(dev, grad_bytes, param_bytes)| Staging {
-            grads: HostBuf::zeros((bucket * grad_bytes).div_ceil(4)),
-            params: HostBuf::zeros((bucket * param_bytes).div_ceil(4)),
-            dev,
-        });
+        let staging = match device {
+            None => None,
+            Some((dev, g, s)) => {
+                let slots = (0..slots(n, bucket)).map(|_| Slot::new(bucket, (g, s), &dev));
+                let slots = slots
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(anyhow::Error::msg)?;
+                let copies = CopyThread::start(dev, slots, (g, s), n, bucket);
+                Some(Staging {
+                    copies: copies.map_err(anyhow::Error::msg)?,
+                    addrs: vec![],
+                })
+            }
+        };
         Ok(Offloaded {
             n,
             bucket,
@@ -182,6 +219,7 @@ impl Offloaded {
             cpu: CpuKernels::PLAIN,
             staging,
             plan: None,
+            times: UpdateTimes::default(),
         })
     }
 
@@ -214,6 +252,11 @@ impl Offloaded {
             if self.master { "fp32 master weights, " } else { "" },
             self.bucket
         )
+    }
+
+    /// Where the updates' time went since the last call, which starts the count again.
+    pub fn take_times(&mut self) -> UpdateTimes {
+        std::mem::take(&mut self.times)
     }
 
     /// Whether Adam's moments exist.
@@ -258,7 +301,9 @@ impl Offloaded {
         Ok((master, opt))
     }
 
-    /// AdamW over `runs` (as `optim::step::adamw`), bucket by bucket of the states.
+    /// AdamW over `runs` (as `optim::step::adamw`), bucket by bucket of the states; on a
+    /// device, each bucket's copies overlapped with the host's update of another
+    /// (`offload_copies`).
     pub(crate) fn step<'g, S: Elem, G: Elem>(
         &mut self,
         runs: &[OptRun],
@@ -267,34 +312,65 @@ impl Offloaded {
         mut params: ViewMut<'_, S>,
         grad_of: impl Fn(&OptRun) -> View<'g, G>,
     ) -> Result<()> {
-        let (cpu, staging, master) = (&self.cpu, &mut self.staging, self.master);
-        // One bucket's states: its master weights (mixed precision) and moments.
-        let mut update =
-            |lo: usize, hi: usize, mst: Option<&mut [f32]>, m: &mut [f32], v: &mut [f32]| {
-                let bucket = Bucket {
-                    lo,
-                    hi,
-                    master: mst,
-                    m,
-                    v,
-                };
-                bucket.update(
-                    cpu,
-                    staging.as_mut(),
-                    runs,
-                    h,
-                    rounding,
-                    params.rb(),
-                    &grad_of,
-                );
-            };
-        match &mut self.tier {
+        let wall = Instant::now();
+        let mut host_adamw = Duration::ZERO;
+        let (n, bucket, master) = (self.n, self.bucket, self.master);
+        let k: &dyn Kernels<S, G> = &self.cpu;
+        let update = Update {
+            k,
+            runs,
+            h,
+            rounding,
+        };
+        let tier = &mut self.tier;
+        let done = match self.staging.as_mut() {
+            // The CPU: gradients and weights are host memory already.
+            None => tier.each_bucket(n, bucket, master, |b| {
+                host_adamw += update.in_place(b, params.rb(), &grad_of);
+            }),
+            Some(st) => {
+                let base = params.as_mut_ptr() as usize;
+                st.addrs.clear();
+                st.addrs.extend(runs.iter().map(|r| RunAddrs {
+                    grads: grad_of(r).as_ptr() as usize,
+                    weights: base + r.weights * size_of::<S>(),
+                }));
+                let mut copies = st.copies.begin(runs, &st.addrs, !master);
+                tier.each_bucket(n, bucket, master, |b| {
+                    let mut slot = copies.next();
+                    let (lo, hi) = (b.lo, b.hi);
+                    host_adamw += update.staged(b, &mut slot);
+                    copies.updated(lo, hi, slot);
+                })
+            }
+        };
+        self.times.wall += wall.elapsed();
+        self.times.host_adamw += host_adamw;
+        done
+    }
+}
+
+impl Tier {
+    /// Calls `f` on each bucket of the states of `n` elements, in order.
+    fn each_bucket(
+        &mut self,
+        n: usize,
+        bucket: usize,
+        master: bool,
+        mut f: impl FnMut(Bucket<'_>),
+    ) -> Result<()> {
+        match self {
             Tier::Host { master, moments } => {
                 let (m, v) = moments.as_mut().expect("ensure_moments ran");
-                for lo in (0..self.n).step_by(self.bucket) {
-                    let hi = (lo + self.bucket).min(self.n);
-                    let w = master.as_mut().map(|w| &mut w[lo..hi]);
-                    update(lo, hi, w, &mut m[lo..hi], &mut v[lo..hi]);
+                for lo in (0..n).step_by(bucket) {
+                    let hi = (lo + bucket).min(n);
+                    f(Bucket {
+                        lo,
+                        hi,
+                        master: master.as_mut().map(|w| &mut w[lo..hi]),
+                        m: &mut m[lo..hi],
+                        v: &mut v[lo..hi],
+                    });
                 }
                 Ok(())
             }
@@ -311,7 +387,13 @@ impl Offloaded {
                 let [m, v] = mv else {
                     unreachable!("two moments in every bucket set")
                 };
-                update(lo, hi, w, &mut m[..n], &mut v[..n]);
+                f(Bucket {
+                    lo,
+                    hi,
+                    master: w,
+                    m: &mut m[..n],
+                    v: &mut v[..n],
+                });
             }),
         }
     }
@@ -326,76 +408,87 @@ struct Bucket<'a> {
     v: &'a mut [f32],
 }
 
-impl Bucket<'_> {
-    /// AdamW on the part of every run inside the bucket, through `staging` when the weights
-    /// and gradients are on a device.
-    #[allow(clippy::too_many_arguments)]
-    fn update<'g, S: Elem, G: Elem>(
-        self,
-        cpu: &CpuKernels,
-        mut staging: Option<&mut Staging>,
-        runs: &[OptRun],
-        h: AdamWParams,
-        rounding: Rounding,
+/// What AdamW is run with, bucket after bucket.
+struct Update<'a, S: Elem, G: Elem> {
+    k: &'a dyn Kernels<S, G>,
+    runs: &'a [OptRun],
+    h: AdamWParams,
+    rounding: Rounding,
+}
+
+impl<S: Elem, G: Elem> Update<'_, S, G> {
+    /// AdamW on the part of every run inside the bucket, the gradients and weights in host
+    /// memory where they are; returns the time it took.
+    fn in_place<'g>(
+        &self,
+        b: Bucket<'_>,
         mut params: ViewMut<'_, S>,
         grad_of: &impl Fn(&OptRun) -> View<'g, G>,
-    ) {
-        let k: &dyn Kernels<S, G> = cpu;
+    ) -> Duration {
+        let t = Instant::now();
         let Bucket {
             lo,
             hi,
             mut master,
             m,
             v,
-        } = self;
-        for run in runs {
-            let (start, end) = (run.at.max(lo), (run.at + run.params.len()).min(hi));
-            if start >= end {
-                continue;
-            }
-            let (off, len) = (start - run.at, end - start);
-            let h = AdamWParams {
-                weight_decay: if run.decay { h.weight_decay } else { 0.0 },
-                ..h
-            };
-            let w = run.weights + off..run.weights + off + len;
-            let at = start - lo..end - lo;
-            let g = grad_of(run).slice(off..off + len);
-            let (m, v) = (m[at.clone()].view_mut(), v[at.clone()].view_mut());
-            let master = master.as_deref_mut().map(|x| &mut x[at]);
-            let Some(st) = staging.as_deref_mut() else {
-                // The CPU: gradients and weights are host memory already.
-                let p = params.rb().slice_mut(w);
-                match master {
-                    Some(x) => k.adamw_step(h, x.view_mut(), g, m, v, Some((p, rounding))),
-                    None => k.adamw_step(h, as_f32(p), g, m, v, None),
-                }
-                continue;
-            };
-            let mut gh = typed::<G>(&mut st.grads, len);
-            let mut ph = typed::<S>(&mut st.params, len);
-            let mut p = params.rb().slice_mut(w);
-            // SAFETY: `g` and `p` are `len` elements of the device's memory; the staging
-            // views hold `len` elements on the host.
-            unsafe {
-                copy_down(&*st.dev, g.as_ptr(), gh.rb());
-                if master.is_none() {
-                    copy_down(&*st.dev, p.as_mut_ptr(), ph.rb());
-                }
-            }
-            match master {
-                Some(x) => k.adamw_step(
-                    h,
-                    x.view_mut(),
-                    gh.as_view(),
-                    m,
-                    v,
-                    Some((ph.rb(), rounding)),
-                ),
-                None => k.adamw_step(h, as_f32(ph.rb()), gh.as_view(), m, v, None),
-            }
-            // SAFETY: as above, the other way.
-            unsafe { copy_up(&*st.dev, ph.as_view(), p.as_mut_ptr()) };
+        } = b;
+        for p in parts(self.runs, lo, hi) {
+            let run = &self.runs[p.run];
+            let g = grad_of(run).slice(p.off..p.off + p.len);
+            let w = params
+                .rb()
+                .slice_mut(run.weights + p.off..run.weights + p.off + p.len);
+            self.part(p, run, g, w, master.as_deref_mut(), m, v);
+        }
+        t.elapsed()
+    }
+
+    /// AdamW on the bucket's gradients and weights in a slot of staging (`offload_copies`):
+    /// the new weights are left there for the copy up; returns the time it took.
+    fn staged(&self, b: Bucket<'_>, slot: &mut Slot) -> Duration {
+        let t = Instant::now();
+        let Bucket {
+            lo,
+            hi,
+            mut master,
+            m,
+            v,
+        } = b;
+        let (g, mut w) = slot.views::<G, S>(hi - lo);
+        for p in parts(self.runs, lo, hi) {
+            let at = p.at..p.at + p.len;
+            let g = g.as_view().slice(at.clone());
+            let w = w.rb().slice_mut(at);
+            self.part(p, &self.runs[p.run], g, w, master.as_deref_mut(), m, v);
+        }
+        t.elapsed()
+    }
+
+    /// AdamW on part `p` of a bucket (of `run`): its gradients `g` and weights `w`, and the
+    /// bucket's states.
+    #[allow(clippy::too_many_arguments)]
+    fn part(
+        &self,
+        p: Part,
+        run: &OptRun,
+        g: View<'_, G>,
+        w: ViewMut<'_, S>,
+        master: Option<&mut [f32]>,
+        m: &mut [f32],
+        v: &mut [f32],
+    ) {
+        let h = AdamWParams {
+            weight_decay: if run.decay { self.h.weight_decay } else { 0.0 },
+            ..self.h
+        };
+        let at = p.at..p.at + p.len;
+        let (m, v) = (m[at.clone()].view_mut(), v[at.clone()].view_mut());
+        match master.map(|x| &mut x[at]) {
+            Some(x) => self
+                .k
+                .adamw_step(h, x.view_mut(), g, m, v, Some((w, self.rounding))),
+            None => self.k.adamw_step(h, as_f32(w), g, m, v, None),
         }
     }
 }

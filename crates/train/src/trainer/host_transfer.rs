@@ -9,18 +9,27 @@ impl Trainer {
     /// The bytes the offload tiers copied since the last call, which starts the count again
     /// (`None`: no offload on a device). Under ZeRO-3's sharded offload the windows are filled
     /// and drained by ZeRO-3's own copies, which the plan does not count as offload: `None`.
-    pub(super) fn step_transfer(&self) -> Option<HostTransferBytes> {
+    pub(super) fn step_transfer(&mut self) -> Option<HostTransferBytes> {
         let c = self.transfers.as_ref()?;
-        let (up, down) = c.take();
+        let moved = c.take();
         if self.streaming.as_ref().is_some_and(|s| s.sharded()) {
             return None;
         }
+        let times = self
+            .offload
+            .as_mut()
+            .map(|o| o.take_times())
+            .unwrap_or_default();
+        let us = |d: std::time::Duration| d.as_micros().min(u64::MAX as u128) as u64;
         let p = self.plan.host_transfer;
         Some(HostTransferBytes {
-            up,
-            down,
+            up: moved.up,
+            down: moved.down,
             planned_up: p.up,
             planned_down: p.down,
+            copy_us: us(moved.busy),
+            update_us: us(times.wall),
+            host_adamw_us: us(times.host_adamw),
         })
     }
 }

@@ -9,7 +9,7 @@
 use super::*;
 use crate::offload_params::Streaming;
 use crate::optim::disk_states::free_bytes;
-use crate::optim::offload::{record_plan, OffloadPlan, Offloaded};
+use crate::optim::offload::{self, record_plan, OffloadPlan, Offloaded};
 use anyhow::Context;
 use ferrotron_engine::kernels::transfer_count::Counted;
 use ferrotron_plan::disk_tier::{self, Disk};
@@ -38,7 +38,7 @@ impl Trainer {
         // Streamed weights and gradients are in host memory already: no staging.
         let device = (counting.clone()).filter(|_| !streams).map(|d| (d, g, s));
         let staging = match device {
-            Some(_) => 4 * ((bucket * g).div_ceil(4) + (bucket * s).div_ceil(4)) as u64,
+            Some(_) => offload::staging_bytes(n, bucket, g, s),
             None => 0,
         };
         let mut o = Offloaded::new(
@@ -84,7 +84,8 @@ impl Trainer {
             let t = &self.model.params;
             // Under ZeRO-3 the host keeps this rank's shard alone (ZeRO-Infinity).
             let shard = self.gather.as_ref().map(|_| n);
-            let st = Streaming::new(&self.params, p.engine_grads(), t, dev, shard);
+            let st = Streaming::new(&self.params, p.engine_grads(), t, dev, shard)
+                .map_err(anyhow::Error::msg)?;
             st.check_plan(&self.plan)?;
             self.streaming = Some(st);
             // The streamed copy is the weights' home from here on: the first one is freed

@@ -326,6 +326,25 @@ impl crate::kernels::DeviceAlloc for CudaAlloc {
         result::memset_d8_sync(p.as_ptr() as u64, 0, bytes)
             .unwrap_or_else(|e| panic!("zeroing {bytes} bytes of GPU memory: {e:?}"));
     }
+    fn alloc_pinned(&self, bytes: usize) -> Option<Result<NonNull<u8>, String>> {
+        let bytes = bytes.max(1);
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: a fresh allocation of `bytes`, zeroed before anything reads it; flags 0:
+        // page-locked for this context, the one that copies.
+        let p = unsafe { result::malloc_host(bytes, 0) }
+            .map_err(|e| format!("page-locked host memory of {bytes} bytes: {e:?}"))
+            .map(|p| {
+                // SAFETY: `bytes` writable bytes at `p`.
+                unsafe { std::ptr::write_bytes(p.cast::<u8>(), 0, bytes) };
+                nn(p as u64)
+            });
+        Some(p)
+    }
+    unsafe fn free_pinned(&self, p: NonNull<u8>, _: usize) {
+        let _ = self.ctx.bind_to_thread();
+        // An error at teardown has nowhere to go.
+        let _ = result::free_host(p.as_ptr().cast());
+    }
     fn keeps_regions(&self) -> bool {
         true
     }
