@@ -7,35 +7,111 @@
 //! stage through them; [`copy_up`] and [`copy_down`] move a host view's bytes to and from a
 //! device address as they are (offloaded states, ZeRO-3's windows filled from host weights).
 //!
-//! A copy of a 16-bit tensor goes through a small buffer on the stack ([`CHUNK`] elements),
-//! widened or rounded on the host exactly as the CPU path does (`Elem::to_f32`,
-//! `Elem::from_f32`), so what a collective sums, and the trajectory, are the CPU run's bit for
-//! bit; f32 is copied whole.
+//! A copy of a 16-bit tensor goes through the copier's stage, [`STAGE_BYTES`] of host memory
+//! (page-locked where the device has such memory), one driver copy per stage-full: widened or
+//! rounded on the host exactly as the CPU path does (`Elem::to_f32`, `Elem::from_f32`), so
+//! what a collective sums, and the trajectory, are the CPU run's bit for bit; f32 is copied
+//! whole. (It went through 1,024 elements on the stack at first: on a GPU, a synchronous
+//! driver copy of 2 KiB each, half a million of them a step to reduce a 1B model's bf16
+//! gradients.) The stage is made at the first 16-bit copy and kept, outside the tracking
+//! allocator: one MiB of a rank's RSS constant, not of its plan.
 
 use super::{DeviceAlloc, Memory, View, ViewMut};
 use crate::dtype::Elem;
 use ferrotron_plan::DType;
+use std::alloc::{GlobalAlloc, Layout, System};
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-/// Elements of a 16-bit copy's stack buffer (4 KiB of f32, 2 KiB of bf16): no heap memory
-/// outside the plan, and few enough calls that a copy of a bucket's piece costs little.
+/// Elements of a stack buffer for element-wise work in pieces (`add_f32`'s callers, context
+/// parallelism's conversions): 4 KiB of f32.
 pub const CHUNK: usize = 1024;
+
+/// Bytes of a copier's stage: half a million 16-bit elements a driver copy.
+pub const STAGE_BYTES: usize = 1 << 20;
 
 /// Copies between one device's memory and the host, element type by element type.
 #[derive(Clone, Debug)]
 pub struct HostCopy {
     alloc: Arc<dyn DeviceAlloc>,
+    stage: Arc<Mutex<Option<Stage>>>,
+}
+
+/// A copier's host memory for 16-bit copies, page-locked where its device has some.
+#[derive(Debug)]
+struct Stage {
+    ptr: NonNull<u8>,
+    pinned: Option<Arc<dyn DeviceAlloc>>,
+}
+
+// SAFETY: it owns its block, as a Vec does; used under the copier's mutex.
+unsafe impl Send for Stage {}
+
+fn stage_layout() -> Layout {
+    Layout::from_size_align(STAGE_BYTES, 64).expect("a valid layout")
+}
+
+impl Stage {
+    fn new(alloc: &Arc<dyn DeviceAlloc>) -> Stage {
+        match alloc.alloc_pinned(STAGE_BYTES) {
+            Some(Ok(ptr)) => Stage {
+                ptr,
+                pinned: Some(alloc.clone()),
+            },
+            // No page-locked memory (the emulated device, or none left): the system's.
+            _ => {
+                // SAFETY: a non-zero size.
+                let p = unsafe { System.alloc_zeroed(stage_layout()) };
+                let ptr = NonNull::new(p)
+                    .unwrap_or_else(|| std::alloc::handle_alloc_error(stage_layout()));
+                Stage { ptr, pinned: None }
+            }
+        }
+    }
+
+    /// The stage as up to `len` elements of `G`.
+    fn elems<G: Elem>(&mut self, len: usize) -> &mut [G] {
+        assert!(len * size_of::<G>() <= STAGE_BYTES && align_of::<G>() <= 64);
+        // SAFETY: inside the block (checked), aligned, borrowed through `self`; every bit
+        // pattern of an `Elem` is a valid value.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().cast(), len) }
+    }
+}
+
+impl Drop for Stage {
+    fn drop(&mut self) {
+        match &self.pinned {
+            // SAFETY: from `alloc_pinned(STAGE_BYTES)` of this allocator.
+            Some(a) => unsafe { a.free_pinned(self.ptr, STAGE_BYTES) },
+            // SAFETY: from `System` with this layout.
+            None => unsafe { System.dealloc(self.ptr.as_ptr(), stage_layout()) },
+        }
+    }
 }
 
 impl HostCopy {
     pub fn new(alloc: Arc<dyn DeviceAlloc>) -> Self {
-        HostCopy { alloc }
+        HostCopy {
+            alloc,
+            stage: Arc::default(),
+        }
     }
 
     /// The device's allocator.
     pub fn alloc(&self) -> &Arc<dyn DeviceAlloc> {
         &self.alloc
+    }
+
+    /// `f(at, stage)` for each stage-full of `len` elements of `G`, in order: `at` the
+    /// elements' range, `stage` room for them.
+    fn by_stage<G: Elem>(&self, len: usize, mut f: impl FnMut(std::ops::Range<usize>, &mut [G])) {
+        let mut stage = self.stage.lock().unwrap_or_else(|e| e.into_inner());
+        let stage = stage.get_or_insert_with(|| Stage::new(&self.alloc));
+        let per = STAGE_BYTES / size_of::<G>();
+        for lo in (0..len).step_by(per) {
+            let hi = (lo + per).min(len);
+            f(lo..hi, stage.elems(hi - lo));
+        }
     }
 
     /// `src` (this device's memory) widened into `dst`, of the same length.
@@ -47,17 +123,16 @@ impl HostCopy {
             unsafe { self.alloc.download(bytes_mut(dst), ptr(src.as_ptr())) };
             return;
         }
-        let mut stage = [G::default(); CHUNK];
-        for (i, out) in dst.chunks_mut(CHUNK).enumerate() {
-            let part = &mut stage[..out.len()];
-            let at = src.slice(i * CHUNK..i * CHUNK + out.len());
-            // SAFETY: `at` is `part.len()` elements of this device's memory; an `Elem` is
-            // plain data (f32, bf16, f16).
-            unsafe { self.alloc.download(bytes_mut(part), ptr(at.as_ptr())) };
-            for (o, x) in out.iter_mut().zip(part.iter()) {
+        self.by_stage::<G>(dst.len(), |at, part| {
+            // SAFETY: `src` at `at` is `part.len()` elements of this device's memory.
+            unsafe {
+                self.alloc
+                    .download(bytes_mut(part), ptr(src.slice(at.clone()).as_ptr()))
+            };
+            for (o, x) in dst[at].iter_mut().zip(part.iter()) {
                 *o = x.to_f32();
             }
-        }
+        });
     }
 
     /// `src` rounded to nearest into `dst` (this device's memory), of the same length.
@@ -68,16 +143,34 @@ impl HostCopy {
             unsafe { self.alloc.upload(ptr(dst.as_mut_ptr()), bytes(src)) };
             return;
         }
-        let mut stage = [G::default(); CHUNK];
-        for (i, part_src) in src.chunks(CHUNK).enumerate() {
-            let part = &mut stage[..part_src.len()];
-            for (p, x) in part.iter_mut().zip(part_src) {
+        self.by_stage::<G>(src.len(), |at, part| {
+            for (p, x) in part.iter_mut().zip(&src[at.clone()]) {
                 *p = G::from_f32(*x);
             }
-            let mut at = dst.rb().slice_mut(i * CHUNK..i * CHUNK + part.len());
-            // SAFETY: `at` is `part.len()` elements of this device's memory.
-            unsafe { self.alloc.upload(ptr(at.as_mut_ptr()), bytes(part)) };
-        }
+            let mut to = dst.rb().slice_mut(at);
+            // SAFETY: `to` is `part.len()` elements of this device's memory.
+            unsafe { self.alloc.upload(ptr(to.as_mut_ptr()), bytes(part)) };
+        });
+    }
+
+    /// `dst += src` (this device's memory, of the same length), each sum taken in f32 and
+    /// rounded once, as on the host: a stage-full down, summed, and up again.
+    pub fn add<G: Elem>(&self, src: &[f32], mut dst: ViewMut<'_, G>) {
+        self.check(dst.memory(), dst.len(), src.len());
+        self.by_stage::<G>(src.len(), |at, part| {
+            let mut to = dst.rb().slice_mut(at.clone());
+            // SAFETY: `to` is `part.len()` elements of this device's memory.
+            unsafe {
+                self.alloc
+                    .download(bytes_mut(part), ptr(to.as_view().as_ptr()))
+            };
+            for (g, x) in part.iter_mut().zip(&src[at]) {
+                // A 16-bit gradient widens exactly: the sum is the host's `from_f32(g + x)`.
+                *g = G::from_f32(g.to_f32() + x);
+            }
+            // SAFETY: as above.
+            unsafe { self.alloc.upload(ptr(to.as_mut_ptr()), bytes(part)) };
+        });
     }
 
     /// `src` (this device's memory: a MoE router's expert choices) into `dst`, of the same
@@ -143,25 +236,15 @@ pub fn write_f32<G: Elem>(dev: Option<&HostCopy>, src: &[f32], dst: ViewMut<'_, 
 }
 
 /// `dst += src` (ZeRO-2's shard of the reduced gradients summed over micro-batches), each sum
-/// taken in f32 and rounded once, as on the host: a device's elements are copied through a
-/// stack buffer and back.
-pub fn add_f32<G: Elem>(dev: Option<&HostCopy>, src: &[f32], mut dst: ViewMut<'_, G>) {
-    let Some(c) = dev.filter(|_| dst.memory() != Memory::Host) else {
-        for (g, x) in dst.host_mut().iter_mut().zip(src) {
-            *g = G::from_f32(g.to_f32() + x);
+/// taken in f32 and rounded once, as on the host ([`HostCopy::add`] on a device).
+pub fn add_f32<G: Elem>(dev: Option<&HostCopy>, src: &[f32], dst: ViewMut<'_, G>) {
+    match dev.filter(|_| dst.memory() != Memory::Host) {
+        Some(c) => c.add(src, dst),
+        None => {
+            for (g, x) in dst.host_mut().iter_mut().zip(src) {
+                *g = G::from_f32(g.to_f32() + x);
+            }
         }
-        return;
-    };
-    let mut acc = [0f32; CHUNK];
-    for (i, part_src) in src.chunks(CHUNK).enumerate() {
-        let acc = &mut acc[..part_src.len()];
-        let at = i * CHUNK..i * CHUNK + part_src.len();
-        c.download(dst.as_view().slice(at.clone()), acc);
-        for (a, x) in acc.iter_mut().zip(part_src) {
-            // A 16-bit gradient widens exactly: this is `from_f32(g.to_f32() + x)`.
-            *a += x;
-        }
-        c.upload(acc, dst.rb().slice_mut(at));
     }
 }
 
@@ -217,11 +300,12 @@ mod tests {
     use half::bf16;
 
     #[test]
-    fn device_copies_widen_and_round_as_the_host_does_across_chunks() {
+    fn device_copies_widen_and_round_as_the_host_does_across_stages() {
         let a: Arc<dyn DeviceAlloc> = Arc::new(EmulatedDevice { ordinal: 0 });
         let c = HostCopy::new(a.clone());
-        // Longer than two chunks, with a short last one; values bf16 rounds (1/3 and friends).
-        let n = 2 * CHUNK + 7;
+        // Longer than two stage-fulls, with a short last one; values bf16 rounds (1/3 and
+        // friends).
+        let n = 2 * STAGE_BYTES / 2 + 7;
         let x: Vec<f32> = (0..n).map(|i| (i as f32 + 1.0) / 3.0).collect();
         let host: Vec<bf16> = x.iter().map(|v| bf16::from_f32(*v)).collect();
         let mut buf = DeviceBuf::<bf16>::zeros(&a, n).unwrap();
@@ -238,6 +322,14 @@ mod tests {
         assert_eq!(f.to_host()[4], 0.0);
         c.zero(f.view_mut().slice_mut(6..8));
         assert_eq!(&f.to_host()[5..9], &[x[0], 0.0, 0.0, x[3]]);
+        // Sums into the device's 16-bit elements, each rounded once, across the stages.
+        let more: Vec<f32> = (0..n - 3).map(|i| (i % 7) as f32 * 0.01).collect();
+        add_f32(Some(&c), &more, buf.view_mut().slice_mut(3..));
+        let summed: Vec<bf16> = (host[3..].iter().zip(&more))
+            .map(|(g, x)| bf16::from_f32(g.to_f32() + x))
+            .collect();
+        assert_eq!(&buf.to_host()[3..], &summed[..], "summed as on the host");
+        assert_eq!(buf.to_host()[..3], host[..3]);
         // Indices go as they are.
         let ix: Vec<u32> = (0..n as u32)
             .map(|i| i.wrapping_mul(2_654_435_761))

@@ -116,7 +116,7 @@ mod tests {
         let c = Counted::new(Arc::new(EmulatedDevice { ordinal: 0 }));
         let a: Arc<dyn DeviceAlloc> = c.clone();
         let copy = HostCopy::new(a.clone());
-        // A bf16 upload longer than the stack buffer goes in pieces: 2 bytes an element.
+        // A bf16 upload: 2 bytes an element.
         let n = 3000;
         let mut buf = DeviceBuf::<bf16>::zeros(&a, n).unwrap();
         copy.upload(&vec![1.5; n], buf.view_mut());
