@@ -615,6 +615,7 @@ fn run_rank(
             device: args.device,
             peak_gflops,
             gpu: crate::device::gpu_of(args.device, rank)?,
+            gpu_share: crate::device::ranks_on_gpu(args.device, rank, grid.world())?,
         },
     )?;
     rank::load_state(&mut t, loaded.as_ref(), &cfg, rank)?;

@@ -338,7 +338,7 @@ impl Trainer {
             schedule: LrSchedule::of(&cfg),
             flops_per_token,
             hw_flops_per_token,
-            peak_flops: peak_flops(&gpu, peak_gflops),
+            peak_flops: peak_flops(&gpu, peak_gflops, machine.gpu_share),
             gemm: gpu.as_ref().map_or(gemm, |g| g.1.clone()),
             baseline,
             device_host,

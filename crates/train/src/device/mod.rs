@@ -49,6 +49,9 @@ pub struct Machine {
     pub peak_gflops: f64,
     /// The GPU this rank runs on ([`gpu_of`]; 0 off the GPU).
     pub gpu: usize,
+    /// Ranks of this machine on that GPU, this one included ([`ranks_on_gpu`]; 1 off the
+    /// GPU): they split its peak.
+    pub gpu_share: usize,
 }
 
 /// The GPU of a rank: its index among the ranks of its machine (under `mpirun`, Open MPI's
@@ -66,12 +69,39 @@ pub fn gpu_of(device: Device, rank: usize) -> Result<usize> {
     Ok(local % gpus()?.max(1))
 }
 
+/// How many of its machine's ranks share the GPU of rank `rank` of `world` (round robin,
+/// [`gpu_of`]), itself included: 1 where each rank has a GPU of its own. Each one's MFU is
+/// against its share of the GPU's peak, so that the ranks' sum is the GPU's.
+pub fn ranks_on_gpu(device: Device, rank: usize, world: usize) -> Result<usize> {
+    if device != Device::Cuda {
+        return Ok(1);
+    }
+    let (local, size) = match ferrotron_dist::launched_by_mpirun() {
+        true => (
+            local_rank().unwrap_or(rank),
+            ompi_var("OMPI_COMM_WORLD_LOCAL_SIZE").unwrap_or(world),
+        ),
+        false => (rank, world),
+    };
+    Ok(sharing(local, size, gpus()?))
+}
+
+/// Of `size` ranks dealt round robin over `gpus` GPUs, how many share rank `local`'s.
+fn sharing(local: usize, size: usize, gpus: usize) -> usize {
+    let gpus = gpus.max(1);
+    (0..size.max(1))
+        .filter(|r| r % gpus == local % gpus)
+        .count()
+        .max(1)
+}
+
 /// Open MPI's index of this process among those on its node (`OMPI_COMM_WORLD_LOCAL_RANK`).
 fn local_rank() -> Option<usize> {
-    std::env::var("OMPI_COMM_WORLD_LOCAL_RANK")
-        .ok()?
-        .parse()
-        .ok()
+    ompi_var("OMPI_COMM_WORLD_LOCAL_RANK")
+}
+
+fn ompi_var(name: &str) -> Option<usize> {
+    std::env::var(name).ok()?.parse().ok()
 }
 
 /// How many GPUs the driver sees.
@@ -261,6 +291,16 @@ mod tests {
                 .bf16_flops
         );
         assert_eq!(table_peak("Quadro K600", Precision::Bf16), None);
+    }
+
+    #[test]
+    fn ranks_dealt_round_robin_share_their_gpu() {
+        // dp 2 on one GPU: both on it; 4 ranks on 2 GPUs: two each; 3 on 2: 2 and 1.
+        assert_eq!((sharing(0, 2, 1), sharing(1, 2, 1)), (2, 2));
+        assert_eq!((sharing(1, 4, 2), sharing(2, 4, 2)), (2, 2));
+        assert_eq!((sharing(0, 3, 2), sharing(1, 3, 2)), (2, 1));
+        assert_eq!(sharing(3, 4, 8), 1, "a GPU each");
+        assert_eq!(ranks_on_gpu(Device::Cpu, 1, 4).unwrap(), 1);
     }
 
     #[test]

@@ -526,11 +526,13 @@ fn rank_plan(
 }
 
 /// The peak FLOP/s the throughput's MFU is measured against: `--peak-gflops`, or on a GPU
-/// without it, its dense peak from the planner's table.
-pub(super) fn peak_flops(gpu: &GpuWorkspace, peak_gflops: f64) -> f64 {
+/// without it, its dense peak from the planner's table, split between the `gpu_share` ranks
+/// that run on it (dp 2 on one GPU: each rank has half).
+pub(super) fn peak_flops(gpu: &GpuWorkspace, peak_gflops: f64, gpu_share: usize) -> f64 {
     gpu.as_ref()
         .and_then(|g| g.2)
         .filter(|_| peak_gflops == 0.0)
+        .map(|p| p / gpu_share.max(1) as f64)
         .unwrap_or(peak_gflops * 1e9)
 }
 
