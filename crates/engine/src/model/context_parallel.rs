@@ -64,8 +64,9 @@ pub trait CpComm {
 
 /// `dst = src` element by element: on the host by `host`, the CPU path's conversion
 /// (`Elem::load`, widening into a block; `Elem::store`, rounding out of one), else through the
-/// device copies a stack chunk at a time (`to_f32`, `from_f32`: the same exact widening and
-/// the same rounding to nearest even, so the device ranks keep the host's bits).
+/// device copies (`to_f32`, `from_f32`: the same exact widening and the same rounding to
+/// nearest even, so the device ranks keep the host's bits): device to device through the
+/// copier's stage (`HostCopy::convert`), a stack chunk at a time where one side is the host's.
 pub(super) fn convert<A: Elem, B: Elem>(
     dev: Option<&HostCopy>,
     src: View<'_, A>,
@@ -74,6 +75,10 @@ pub(super) fn convert<A: Elem, B: Elem>(
 ) {
     if let (Ok(s), Memory::Host) = (src.try_host(), dst.memory()) {
         return host(s, dst.host_mut());
+    }
+    if let (Some(c), Err(_), false) = (dev, src.try_host(), dst.memory() == Memory::Host) {
+        // Device to device: through the copier's stage, a few driver copies in all.
+        return c.convert(src, dst);
     }
     let mut stage = [0.0f32; CHUNK];
     for at in (0..src.len()).step_by(CHUNK) {
