@@ -32,13 +32,13 @@
 //! (`ferrotron_dist::expert_parallel`); a mixture of experts' routing is read back to the host through
 //! the same copies (`Llama::moe_on_device`).
 //!
-//! A copy of a 16-bit value goes through a small buffer on the stack ([`CHUNK`] elements),
-//! widened or rounded on the host exactly as the CPU path does (`Elem::to_f32`,
-//! `Elem::from_f32`: `ferrotron_engine::kernels::host_copy`), so the sums and the trajectory
-//! are the CPU run's bit for bit.
+//! A copy of a 16-bit value goes through the copier's 1 MiB stage (page-locked on a GPU, one
+//! driver copy per half-million elements), widened or rounded on the host exactly as the CPU
+//! path does (`Elem::to_f32`, `Elem::from_f32`: `ferrotron_engine::kernels::host_copy`), so
+//! the sums and the trajectory are the CPU run's bit for bit.
 
 use ferrotron_dist::data_parallel::{Gather, Segment};
-pub use ferrotron_engine::kernels::host_copy::{read_f32, write_f32, HostCopy, CHUNK};
+pub use ferrotron_engine::kernels::host_copy::{read_f32, write_f32, HostCopy};
 use ferrotron_engine::kernels::ViewMut;
 use ferrotron_engine::Elem;
 use std::ops::Range;
