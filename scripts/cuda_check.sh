@@ -334,9 +334,10 @@ for o in optimizer params; do
     stage "offload: llama-3.2-1b --offload $o under --device-memory 16" 120 ./ferrotron train \
         --device cuda "${big[@]}" --offload "$o" --steps 3 --out-dir "$work/offload-$o"
     offload+=("offload-$o=$work/offload-$o/metrics.jsonl")
-    # Where the update's time went: the copies (and their GB/s), the update, AdamW on the host.
-    tail -n +"$((seen + 1))" "$log" | grep -h "^offload: [0-9.]* MB host" |
-        sed "s/^offload:/offload $o, last step:/" >>"$summary" || true
+    # Where the update's time went (the copies and their GB/s, the update, AdamW on the host)
+    # and the host's memory, phase by phase.
+    tail -n +"$((seen + 1))" "$log" | grep -h "^offload: [0-9.]* MB host\|^host memory:\|^done:" |
+        sed "s/^/offload $o: /" | cut -c1-400 >>"$summary" || true
 done
 stage "offload: the driver's count against the plan" 30 python3 cuda_memory.py "${offload[@]}"
 grep -h "^offload-" "$log" >>"$summary"

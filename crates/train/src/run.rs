@@ -649,6 +649,9 @@ fn run_rank(
     let mut skipped_run = 0u64;
     while t.step < last_step {
         let mut out = observed_step(&mut t, hook, rank)?;
+        if t.step == first_step + 1 {
+            crate::observe::host_rss::mark("first step done");
+        }
         let how = (rank, quiet, tty);
         rank::count_non_finite(&t, &out, &mut skipped_run, &cfg, how)?;
         let last = t.step == last_step;

@@ -396,6 +396,10 @@ pub(super) fn report_done(
             t.device_host
         )
     );
+        // On a device, where the host's memory went, phase by phase (issue #33).
+        if let (false, Some(l)) = (cpu, crate::observe::host_rss::line()) {
+            eprintln!("{l}");
+        }
         if let Some(m) = steps.last().filter(|m| !m.pp_bubble.is_empty()) {
             // The median step's (the first steps warm up).
             let mut by_step: Vec<&Vec<f64>> = steps.iter().map(|m| &m.pp_bubble).collect();

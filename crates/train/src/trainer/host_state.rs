@@ -27,9 +27,13 @@ impl Trainer {
     /// tier takes its host memory: the two never coexist (they did: 2 bytes a weight over the
     /// tier in bf16, 2.5 GB for a 1B model).
     pub fn to_device(&mut self) -> Result<()> {
+        use crate::observe::host_rss::mark;
         let params = self.upload_weights()?;
+        mark("weights on the device");
         self.offload_states()?;
+        mark("offload tier built");
         self.move_to_device(params)?;
+        mark("states on the device");
         self.pool.sample(1, Point::Init);
         Ok(())
     }
