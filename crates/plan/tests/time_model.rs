@@ -570,3 +570,39 @@ fn fp8_pays_the_casts_of_its_gemm_operands() {
     assert!(fp8.matmul_s < bf16.matmul_s);
     assert!(fp8.memory_bound_s > bf16.memory_bound_s);
 }
+
+#[test]
+fn ferrotrons_offload_hides_the_copies_behind_the_host_update() {
+    // The optimizer term of `--offload optimizer` on one H100 (Llama-3-8B, bf16 with fp32
+    // master weights): PCIe 25 GB/s carries 2 B of gradient down and 2 B of weight up per
+    // parameter, host memory 100 GB/s carries AdamW's 28 B (tail.rs's assumptions).
+    let l = Layout {
+        offload: Offload::Optimizer,
+        ..Layout::default()
+    };
+    let optimizer = |runtime| {
+        let mut x = input(
+            "llama-3-8b",
+            recipe(1, 1, Recompute::Full),
+            l.clone(),
+            Convention::Ferrotron,
+        );
+        x.runtime = runtime;
+        let t = estimate(&x, &h100(1), FlopsConvention::Ferrotron)
+            .unwrap()
+            .unwrap();
+        t.breakdown.optimizer_s
+    };
+    let n = 8_030_261_248f64;
+    let (pcie, host) = (n * 4.0 / 25e9, n * 28.0 / 100e9);
+    // A framework runs them one after the other (ZeRO-Offload as the planner models it).
+    assert!(close(optimizer(Runtime::Framework), pcie + host, 1e-9));
+    // ferrotron's copy thread overlaps them, bucket by bucket (2^24 elements): the larger,
+    // plus the first bucket down and the last one up.
+    let ramp = pcie * (1u64 << 24) as f64 / n;
+    assert!(close(
+        optimizer(Runtime::FerrotronDevice),
+        host.max(pcie) + ramp,
+        1e-9
+    ));
+}

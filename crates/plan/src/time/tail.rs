@@ -245,6 +245,20 @@ impl TailInputs<'_> {
             // The update runs on the host: gradients down and weights up over PCIe.
             let pcie = opt_elems * (grad_bytes + st) / PCIE_BW;
             let host_update = opt_elems * per_param / HOST_BW;
+            // ferrotron's trainer copies bucket i + 1 down and bucket i − 1 up while the host
+            // updates bucket i (`optim/offload_copies.rs`): the larger of the two, plus the
+            // first bucket's copy down and the last one's up, which nothing hides. A framework
+            // as the planner models it runs them one after the other.
+            let copies_and_update = match self.runtime {
+                crate::runtime::Runtime::Framework => pcie + host_update,
+                _ => {
+                    let bucket = self
+                        .disk
+                        .map_or(crate::disk_tier::DEFAULT_BUCKET, |d| d.bucket);
+                    let ramp = pcie * (bucket as f64 / opt_elems.max(1.0)).min(1.0);
+                    pcie.max(host_update) + ramp
+                }
+            };
             let per_mb_params = if l.offload == Offload::Params {
                 // Parameters stream in for every forward and backward, and the gradient sums
                 // cross both ways after the first micro-batch (`param_stream`).
@@ -255,7 +269,7 @@ impl TailInputs<'_> {
             } else {
                 0.0
             };
-            (pcie + host_update + per_mb_params, pcie + per_mb_params)
+            (copies_and_update + per_mb_params, pcie + per_mb_params)
         };
         Tail {
             dp,
