@@ -67,6 +67,24 @@ for p in fp32 bf16; do
     python3 scripts/cuda_compare.py "$p" "$work/$p-cpu/metrics.jsonl" "$work/$p-cuda/metrics.jsonl"
 done
 
+echo "== emulated GPU: a trace's GPU track, each op timed by CUDA events around it (#32)"
+run "$bin" train --device cuda --peak-gflops 100 --precision bf16 "${tiny[@]}" --steps 2 \
+    --eval-interval 0 --trace "$work/trace.json" --trace-steps 2 --out-dir "$work/traced"
+python3 - "$work/trace.json" <<'PY'
+import json, sys
+ev = [e for e in json.load(open(sys.argv[1]))["traceEvents"] if e.get("ph") == "X"]
+ops = [e for e in ev if e.get("cat") == "kernel"]
+gpu = [e for e in ev if e.get("cat") == "gpu"]
+# Every op called has its span on the device, under its name, in order, none negative.
+assert [e["name"] for e in gpu] == [e["name"] for e in ops], (len(gpu), len(ops))
+assert all(e["dur"] >= 0 for e in gpu) and sum(e["dur"] for e in gpu) > 0
+starts = [e["ts"] for e in gpu]
+assert all(a <= b for a, b in zip(starts, starts[1:])), "the device's spans run in order"
+print(f"trace: {len(gpu)} ops with their GPU time from CUDA events, {sum(e['dur'] for e in gpu) / 1e3:.1f} ms in all")
+PY
+python3 scripts/trace_ops.py "$work/trace.json" >"$work/ops.txt"
+head -4 "$work/ops.txt"
+
 echo "== emulated GPU: the tensor-core attention in training, bf16 at head dim 64, against the CPU"
 # (The model above has head dim 16, which the plain kernels take.) Two heads of 64 sharing one
 # kv head, two 64-row tiles per sequence; the emulator runs mma.sync as the PTX ISA defines it.

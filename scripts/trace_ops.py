@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Per-op totals of a `ferrotron train --trace FILE` Chrome trace, skipping the first step
-(warm-up): calls, total ms and share of kernel time, largest first.
+(warm-up): calls, total ms and share of kernel time, largest first. On a GPU the ops' own
+times from CUDA events (the trace's "gpu" events) are used; elsewhere the ops' host spans.
     python3 scripts/trace_ops.py runs/x/trace.json [runs/y/trace.json]
 With two traces, a third column block gives the second's time over the first's per op."""
 import json, sys
@@ -14,8 +15,9 @@ def totals(path):
     first = min((e["args"]["step"] for e in phases), default=0)
     cut = max((e["ts"] + e["dur"] for e in phases if e["args"]["step"] == first), default=0)
     t = defaultdict(lambda: [0, 0.0])
+    cat = "gpu" if any(e.get("cat") == "gpu" for e in ev) else "kernel"
     for e in ev:
-        if e.get("ph") == "X" and e.get("cat") != "phase" and e["ts"] >= cut:
+        if e.get("ph") == "X" and e.get("cat") == cat and e["ts"] >= cut:
             t[e["name"]][0] += 1
             t[e["name"]][1] += e["dur"] / 1e3
     return t

@@ -83,6 +83,15 @@ impl SyncSite {
 
 const SITES: usize = SyncSite::ALL.len();
 
+/// One op's time on the device, from the events around it (`Kernels::take_device_spans`):
+/// its start after the first op's of the interval, and its length, in milliseconds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DeviceSpan {
+    pub op: &'static str,
+    pub start_ms: f64,
+    pub dur_ms: f64,
+}
+
 /// Counts since the process started (or, from [`DeviceOps::since`], over an interval).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DeviceOps {

@@ -4,18 +4,22 @@
 //! front; the log only grows if that estimate is short.
 
 use super::observe::{Observed, OpObserver};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::Relaxed};
+use super::{DeviceSpan, Kernels};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 use std::time::Instant;
 
 /// The track of a rank's collectives in flight (a thread id no thread has).
 pub const COMM_TRACK: u32 = u32::MAX;
 
+/// The track of the device's own times of the ops (`Kernels::take_device_spans`).
+pub const DEVICE_TRACK: u32 = u32::MAX - 1;
+
 /// One complete ("X") event.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Event {
     pub name: &'static str,
-    /// "kernel", "phase" or "comm".
+    /// "kernel", "phase", "comm" or "gpu" (the device's own time of an op).
     pub cat: &'static str,
     /// Nanoseconds since the log was created.
     pub start_ns: u64,
@@ -43,6 +47,9 @@ pub struct EventLog {
     on: AtomicBool,
     t0: Instant,
     events: Mutex<Vec<Event>>,
+    /// The host's start of the first op since the device's spans were last taken (`u64::MAX`:
+    /// none): where the device's track starts.
+    first_op_ns: AtomicU64,
 }
 
 impl Default for EventLog {
@@ -51,6 +58,7 @@ impl Default for EventLog {
             on: AtomicBool::new(false),
             t0: Instant::now(),
             events: Mutex::new(Vec::new()),
+            first_op_ns: AtomicU64::new(u64::MAX),
         }
     }
 }
@@ -89,8 +97,13 @@ impl OpObserver for EventLog {
     fn active(&self) -> bool {
         self.on.load(Relaxed)
     }
+    fn device_timed(&self) -> bool {
+        true
+    }
     fn record(&self, op: &'static str, start: Instant, end: Instant) {
-        self.push(self.event(op, "kernel", start, end, 0, 0));
+        let e = self.event(op, "kernel", start, end, 0, 0);
+        self.first_op_ns.fetch_min(e.start_ns, Relaxed);
+        self.push(e);
     }
 }
 
@@ -134,6 +147,32 @@ impl<K> Observed<K, EventLog> {
             o.push(Event {
                 tid: COMM_TRACK,
                 ..e
+            });
+        }
+    }
+
+    /// Records the device's own times of the ops since the last call (no-op when off, or on
+    /// a backend that does not time them), as events on the device's track ([`DEVICE_TRACK`]),
+    /// the first starting where the first op did on the host: the device runs behind the
+    /// host, so the track shows each op's length and the gaps between them, shifted.
+    pub fn device_spans(&self, step: u64)
+    where
+        K: Kernels<f32>,
+    {
+        let first = self.observer.first_op_ns.swap(u64::MAX, Relaxed);
+        // Taken whether or not the log is on, so no op of an untraced interval is left over.
+        let mut spans: Vec<DeviceSpan> = vec![];
+        self.inner.take_device_spans(&mut spans);
+        let at = |ms: f64| (ms * 1e6).max(0.0) as u64;
+        for s in spans.iter().filter(|_| first != u64::MAX && self.is_on()) {
+            self.observer.push(Event {
+                name: s.op,
+                cat: "gpu",
+                start_ns: first + at(s.start_ms),
+                dur_ns: at(s.dur_ms),
+                tid: DEVICE_TRACK,
+                step,
+                mb: 0,
             });
         }
     }

@@ -50,6 +50,22 @@ macro_rules! kernel_interface {
                 fn host_ids(&self, ids: View<'_, u32>, host: &[u32]) {
                     let _ = (ids, host);
                 }
+                /// Tracing: op `op` is about to be called. `true` where this backend times its
+                /// ops on the device itself (a GPU, by an event recorded before and after
+                /// each: issue #32), so the caller need not drain the device around the op to
+                /// time it; `false` (the default) where it does not.
+                fn op_begin(&self, op: &'static str) -> bool {
+                    let _ = op;
+                    false
+                }
+                /// The op [`Kernels::op_begin`] announced has been called.
+                fn op_end(&self) {}
+                /// The device's own times of the ops announced since the last call, in order
+                /// (waiting for them to finish): each one's start after the first one's start,
+                /// and its length. Nothing on a backend that does not time them.
+                fn take_device_spans(&self, out: &mut Vec<DeviceSpan>) {
+                    let _ = out;
+                }
                 /// What this backend supports (see [`LlamaConfig::check_backend`]).
                 ///
                 /// [`LlamaConfig::check_backend`]: crate::model::LlamaConfig::check_backend

@@ -16,6 +16,11 @@ pub trait OpObserver: Send + Sync {
         true
     }
     fn record(&self, op: &'static str, start: Instant, end: Instant);
+    /// Whether the observer takes a device's own times of the ops (`Kernels::op_begin`, read
+    /// back by `Tracing::device_spans`) in place of host spans of a drained device.
+    fn device_timed(&self) -> bool {
+        false
+    }
 }
 
 /// A backend and its observer.
@@ -41,21 +46,27 @@ impl<K, O: OpObserver> Observed<K, O> {
 /// op keeps the trait's default, which calls the wrapper's own methods, so the observer sees
 /// its parts: `matmul_backward` shows as its weight and input halves.)
 ///
-/// A GPU's op returns once it is launched. While calls are observed the device is drained
-/// before and after each one, so an op's span is its GPU time (plus one launch's latency), not
-/// the launch's, and a trace of a GPU step says where the device's time goes, as
-/// `CUDA_LAUNCH_BLOCKING=1` makes PyTorch's profiler do; the traced steps run slower for it.
-/// The CPU's `synchronize` does nothing.
+/// A GPU's op returns once it is launched. While calls are observed, a backend that times its
+/// ops on the device (`Kernels::op_begin`: a GPU, with an event before and after each op) is
+/// told where each op begins and ends, and the device keeps running ahead of the host: the
+/// trace's device track says where the device's time went (`Tracing::device_spans`). A
+/// backend that does not is drained before and after each op instead, so the op's span is its
+/// device time (plus one launch's latency), as `CUDA_LAUNCH_BLOCKING=1` makes PyTorch's
+/// profiler do. The CPU's `synchronize` does nothing.
 macro_rules! observe_op {
     ($s:ident, $name:ident, $($arg:ident),*) => {{
         let observed = $s.observer.active();
-        if observed {
+        let timed =
+            observed && $s.observer.device_timed() && $s.inner.op_begin(stringify!($name));
+        if observed && !timed {
             $s.inner.synchronize();
         }
         $s.time(stringify!($name), || {
             let r = $s.inner.$name($($arg),*);
-            if observed {
-                $s.inner.synchronize();
+            match (observed, timed) {
+                (true, true) => $s.inner.op_end(),
+                (true, false) => $s.inner.synchronize(),
+                (false, _) => {}
             }
             r
         })

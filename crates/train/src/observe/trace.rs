@@ -5,7 +5,7 @@
 //! the overlap with the backward shows.
 
 use anyhow::{Context, Result};
-pub use ferrotron_engine::kernels::{Event, Tracing, COMM_TRACK};
+pub use ferrotron_engine::kernels::{Event, Tracing, COMM_TRACK, DEVICE_TRACK};
 use serde::Serialize;
 use std::io::Write;
 use std::path::Path;
@@ -82,12 +82,17 @@ pub fn chrome_events(events: &[Event], rank: Option<usize>) -> Result<serde_json
             tid: t,
             args: Some(serde_json::json!({ "name": match t {
                 COMM_TRACK => "collectives in flight".to_string(),
+                DEVICE_TRACK => "the GPU's time per op (CUDA events)".to_string(),
                 t => format!("ferrotron thread {t}"),
             } })),
         });
     }
     for e in events {
-        let args = (e.cat == "phase").then(|| serde_json::json!({"step": e.step, "mb": e.mb}));
+        let args = match e.cat {
+            "phase" => Some(serde_json::json!({"step": e.step, "mb": e.mb})),
+            "gpu" => Some(serde_json::json!({"step": e.step})),
+            _ => None,
+        };
         out.push(ChromeEvent {
             name: e.name,
             cat: e.cat,

@@ -421,70 +421,43 @@ impl<S: Elem, G: Elem> Update<'_, S, G> {
     /// memory where they are; returns the time it took.
     fn in_place<'g>(
         &self,
-        b: Bucket<'_>,
+        mut b: Bucket<'_>,
         mut params: ViewMut<'_, S>,
         grad_of: &impl Fn(&OptRun) -> View<'g, G>,
     ) -> Duration {
         let t = Instant::now();
-        let Bucket {
-            lo,
-            hi,
-            mut master,
-            m,
-            v,
-        } = b;
-        for p in parts(self.runs, lo, hi) {
+        for p in parts(self.runs, b.lo, b.hi) {
             let run = &self.runs[p.run];
             let g = grad_of(run).slice(p.off..p.off + p.len);
-            let w = params
-                .rb()
-                .slice_mut(run.weights + p.off..run.weights + p.off + p.len);
-            self.part(p, run, g, w, master.as_deref_mut(), m, v);
+            let at = run.weights + p.off..run.weights + p.off + p.len;
+            self.part(p, run, g, params.rb().slice_mut(at), &mut b);
         }
         t.elapsed()
     }
 
     /// AdamW on the bucket's gradients and weights in a slot of staging (`offload_copies`):
     /// the new weights are left there for the copy up; returns the time it took.
-    fn staged(&self, b: Bucket<'_>, slot: &mut Slot) -> Duration {
+    fn staged(&self, mut b: Bucket<'_>, slot: &mut Slot) -> Duration {
         let t = Instant::now();
-        let Bucket {
-            lo,
-            hi,
-            mut master,
-            m,
-            v,
-        } = b;
-        let (g, mut w) = slot.views::<G, S>(hi - lo);
-        for p in parts(self.runs, lo, hi) {
+        let (g, mut w) = slot.views::<G, S>(b.hi - b.lo);
+        for p in parts(self.runs, b.lo, b.hi) {
             let at = p.at..p.at + p.len;
-            let g = g.as_view().slice(at.clone());
-            let w = w.rb().slice_mut(at);
-            self.part(p, &self.runs[p.run], g, w, master.as_deref_mut(), m, v);
+            let (g, w) = (g.as_view().slice(at.clone()), w.rb().slice_mut(at));
+            self.part(p, &self.runs[p.run], g, w, &mut b);
         }
         t.elapsed()
     }
 
-    /// AdamW on part `p` of a bucket (of `run`): its gradients `g` and weights `w`, and the
+    /// AdamW on part `p` of bucket `b` (of `run`): its gradients `g` and weights `w`, and the
     /// bucket's states.
-    #[allow(clippy::too_many_arguments)]
-    fn part(
-        &self,
-        p: Part,
-        run: &OptRun,
-        g: View<'_, G>,
-        w: ViewMut<'_, S>,
-        master: Option<&mut [f32]>,
-        m: &mut [f32],
-        v: &mut [f32],
-    ) {
+    fn part(&self, p: Part, run: &OptRun, g: View<'_, G>, w: ViewMut<'_, S>, b: &mut Bucket<'_>) {
         let h = AdamWParams {
             weight_decay: if run.decay { self.h.weight_decay } else { 0.0 },
             ..self.h
         };
         let at = p.at..p.at + p.len;
-        let (m, v) = (m[at.clone()].view_mut(), v[at.clone()].view_mut());
-        match master.map(|x| &mut x[at]) {
+        let (m, v) = (b.m[at.clone()].view_mut(), b.v[at.clone()].view_mut());
+        match b.master.as_deref_mut().map(|x| &mut x[at]) {
             Some(x) => self
                 .k
                 .adamw_step(h, x.view_mut(), g, m, v, Some((w, self.rounding))),

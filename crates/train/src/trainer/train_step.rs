@@ -23,6 +23,8 @@ impl Trainer {
         // A GPU's step ends when its last kernel does.
         Kernels::<f32>::synchronize(k);
         k.phase("step", t0, step, 0);
+        // Traced on a GPU: each op's time on the device, from its events.
+        k.device_spans(step);
         self.step += 1;
         let secs = t0.elapsed().as_secs_f64();
         let ops = (self.device_ops().zip(ops0)).map(|(now, then)| now.since(&then).report());

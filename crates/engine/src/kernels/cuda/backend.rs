@@ -26,6 +26,7 @@ use std::sync::Mutex;
 pub(super) mod host_ids;
 mod moe;
 mod on_host;
+mod op_events;
 pub use moe::{routes, Routes};
 
 /// Threads per block of the elementwise and per-row kernels.
@@ -134,6 +135,8 @@ pub struct CudaKernels {
     host: Mutex<on_host::HostBuffers>,
     /// The step's loss on the device (`take_loss`).
     loss: Mutex<LossSlots>,
+    /// Traced ops' events (`op_begin`, `take_device_spans`).
+    op_events: Mutex<op_events::OpEvents>,
     /// Attention on the plain kernels even where the tensor-core ones apply
     /// (`FERROTRON_CUDA_ATTENTION=plain`, or [`CudaKernels::use_plain_attention`]): the
     /// reference the tests hold the tensor-core kernels to, and a switch for bisecting.
@@ -168,6 +171,7 @@ impl CudaKernels {
             routing: Mutex::default(),
             host: Mutex::default(),
             loss: Mutex::default(),
+            op_events: Mutex::default(),
             plain_attention: AtomicBool::new(plain_attention_from_env()?),
         })
     }
@@ -460,6 +464,20 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         self.bind();
         OPS.sync(SyncSite::StreamSync);
         (self.gpu.stream.synchronize()).unwrap_or_else(|e| panic!("CUDA stream: {e:?}"));
+    }
+
+    fn op_begin(&self, op: &'static str) -> bool {
+        lock(&self.op_events).begin(op, &self.gpu.ctx, &self.gpu.stream);
+        true
+    }
+
+    fn op_end(&self) {
+        lock(&self.op_events).end(&self.gpu.ctx, &self.gpu.stream);
+    }
+
+    fn take_device_spans(&self, out: &mut Vec<DeviceSpan>) {
+        self.bind();
+        (lock(&self.op_events).take(out)).unwrap_or_else(|e| panic!("{e}"));
     }
 
     fn host_ids(&self, ids: View<'_, u32>, host: &[u32]) {
