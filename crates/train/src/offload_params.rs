@@ -61,10 +61,10 @@ pub struct Streaming {
 
 /// `v`'s bytes in f32 words (the last one zero-padded), in `dev`'s page-locked memory where
 /// it has some.
-fn words<T: Elem>(v: &[T], dev: &Arc<dyn DeviceAlloc>) -> Result<HostBuf<f32>, String> {
-    let mut b = HostBuf::<f32>::pinned(size_of_val(v).div_ceil(4), dev)?;
+fn words<T: Elem>(v: &[T], dev: &Arc<dyn DeviceAlloc>) -> HostBuf<f32> {
+    let mut b = HostBuf::<f32>::pinned(size_of_val(v).div_ceil(4), dev);
     typed::<T>(&mut b, v.len()).host_mut().copy_from_slice(v);
-    Ok(b)
+    b
 }
 
 impl Streaming {
@@ -79,23 +79,23 @@ impl Streaming {
         t: &ParamTable,
         dev: Arc<dyn DeviceAlloc>,
         shard: Option<usize>,
-    ) -> Result<Self, String> {
+    ) -> Self {
         let n = shard.unwrap_or(params.len());
         let params_words = match params {
-            Flat::F32(v) => words(&v[..n], &dev)?,
-            Flat::Bf16(v) => words(&v[..n], &dev)?,
-            Flat::F16(v) => words(&v[..n], &dev)?,
+            Flat::F32(v) => words(&v[..n], &dev),
+            Flat::Bf16(v) => words(&v[..n], &dev),
+            Flat::F16(v) => words(&v[..n], &dev),
         };
-        Ok(Streaming {
+        Streaming {
             params: params_words,
-            grads: HostBuf::pinned((n * grads.bytes() as usize).div_ceil(4), &dev)?,
+            grads: HostBuf::pinned((n * grads.bytes() as usize).div_ceil(4), &dev),
             n,
             pad: shard.map(|n| params.len() - n),
             dtype: params.dtype(),
             geo: GradWindows::new(t),
             sched: Zero3::new(t),
             dev,
-        })
+        }
     }
 
     /// Elements of the device's parameter windows (the plan's `offload.param_windows`).

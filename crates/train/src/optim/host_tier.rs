@@ -64,11 +64,19 @@ impl<T: Elem> HostBuf<T> {
     }
 
     /// `len` zeroed elements of `dev`'s page-locked host memory, or of the system allocator's
-    /// where the device has none (`DeviceAlloc::alloc_pinned`).
-    pub fn pinned(len: usize, dev: &Arc<dyn DeviceAlloc>) -> Result<HostBuf<T>, String> {
+    /// where the device has none (`DeviceAlloc::alloc_pinned`), or refuses it: page-locked
+    /// memory only makes the copies faster, so a refusal is said once and the run goes on.
+    pub fn pinned(len: usize, dev: &Arc<dyn DeviceAlloc>) -> HostBuf<T> {
         match dev.alloc_pinned(Self::layout(len).size()) {
-            None => Ok(Self::zeros(len)),
-            Some(p) => Ok(Self::counted(p?.cast(), len, Some(dev.clone()))),
+            None => Self::zeros(len),
+            Some(Ok(p)) => Self::counted(p.cast(), len, Some(dev.clone())),
+            Some(Err(e)) => {
+                static SAID: std::sync::Once = std::sync::Once::new();
+                SAID.call_once(|| {
+                    eprintln!("note: {e}: the offload tier's copies go through pageable memory instead (slower)")
+                });
+                Self::zeros(len)
+            }
         }
     }
 

@@ -200,9 +200,7 @@ impl Offloaded {
             None => None,
             Some((dev, g, s)) => {
                 let slots = (0..slots(n, bucket)).map(|_| Slot::new(bucket, (g, s), &dev));
-                let slots = slots
-                    .collect::<Result<Vec<_>, _>>()
-                    .map_err(anyhow::Error::msg)?;
+                let slots = slots.collect();
                 let copies = CopyThread::start(dev, slots, (g, s), n, bucket);
                 Some(Staging {
                     copies: copies.map_err(anyhow::Error::msg)?,

@@ -7,9 +7,9 @@
 //! AdamW, not their sum. Two slots of staging take turns, page-locked where the device has
 //! such memory (`HostBuf::pinned`), and each is handed between the threads by value: a slot
 //! is only ever touched by the thread that holds it. The thread and its bounded queues are
-//! made once, with the states, so that a step allocates nothing. The copies and the update read and
-//! write the same elements as the update without overlap did, so the trajectory is the same
-//! bit for bit.
+//! made once, with the states, so that a step allocates nothing. The copies and the update
+//! read and write the same elements as the update without overlap did, so the trajectory is
+//! the same bit for bit.
 
 use super::host_tier::HostBuf;
 use super::offload::typed;
@@ -32,15 +32,11 @@ pub(super) struct Slot {
 impl Slot {
     /// A slot of `bucket` elements of `g`-byte gradients and `s`-byte weights, in `dev`'s
     /// page-locked memory where it has some.
-    pub(super) fn new(
-        bucket: usize,
-        (g, s): (usize, usize),
-        dev: &Arc<dyn DeviceAlloc>,
-    ) -> Result<Slot, String> {
-        Ok(Slot {
-            grads: HostBuf::pinned((bucket * g).div_ceil(4), dev)?,
-            params: HostBuf::pinned((bucket * s).div_ceil(4), dev)?,
-        })
+    pub(super) fn new(bucket: usize, (g, s): (usize, usize), dev: &Arc<dyn DeviceAlloc>) -> Slot {
+        Slot {
+            grads: HostBuf::pinned((bucket * g).div_ceil(4), dev),
+            params: HostBuf::pinned((bucket * s).div_ceil(4), dev),
+        }
     }
 
     /// Host bytes of a slot, as [`Slot::new`] takes them.
@@ -443,7 +439,7 @@ mod tests {
                 weights: base + 4 * r.weights,
             })
             .collect();
-        let slots = (0..SLOTS).map(|_| Slot::new(bucket, (4, 4), &dev).unwrap());
+        let slots = (0..SLOTS).map(|_| Slot::new(bucket, (4, 4), &dev));
         let mut t = CopyThread::start(dev.clone(), slots.collect(), (4, 4), n, bucket).unwrap();
         // An update that stops after its first bucket (the disk tier failing to read the
         // next) leaves the second one's slot filled and not taken: it goes back...

@@ -84,8 +84,7 @@ impl Trainer {
             let t = &self.model.params;
             // Under ZeRO-3 the host keeps this rank's shard alone (ZeRO-Infinity).
             let shard = self.gather.as_ref().map(|_| n);
-            let st = Streaming::new(&self.params, p.engine_grads(), t, dev, shard)
-                .map_err(anyhow::Error::msg)?;
+            let st = Streaming::new(&self.params, p.engine_grads(), t, dev, shard);
             st.check_plan(&self.plan)?;
             self.streaming = Some(st);
             // The streamed copy is the weights' home from here on: the first one is freed
