@@ -3,7 +3,9 @@
 # bf16, seq 2048, SmolLM-135M and Llama-3.2-1B shapes from random init; rounds interleaved
 # (ferrotron, then PyTorch, per shape); per shape the median tokens/s of each side, their
 # ratio, MFU (model FLOPs, causal-aware, against the GPU's dense bf16 peak) and peak memory.
-#   bash bench_gpu.sh [rounds] [attention|train|all]   # in target/cuda-check on the GPU machine
+#   bash bench_gpu.sh [rounds] [attention|train|all|trace]   # in target/cuda-check on the GPU machine
+# `trace`: one traced run per shape (3 steps, --trace), each op's GPU time from the CUDA events
+# around it summed by trace_ops.py (the traces stay in $OUT).
 # First, attention alone (issue #32: forward + backward within 1.5x of PyTorch's SDPA, flash):
 # the kit's cuda_attention_bench against bench_pytorch's peer bench_sdpa.py, same shapes.
 # ferrotron is the bundle's binary (scripts/cuda_check.sh bundle); PyTorch is the machine's
@@ -17,6 +19,20 @@ OUT=${OUT:-$(mktemp -d)}
 RESULTS="$OUT/bench_gpu.jsonl"
 : >"$RESULTS"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+if [ "$parts" = trace ]; then
+    for shape in "smollm-135m 8" "llama-3.2-1b 4"; do
+        read -r preset mbs <<<"$shape"
+        ./ferrotron train --device cuda --model "$preset" --seq 2048 --mbs "$mbs" --precision bf16 \
+            --steps 3 --eval-interval 0 --sample-tokens 0 --quiet --trace "$OUT/trace-$preset.json" \
+            --trace-steps 3 --out-dir "$OUT/traced-$preset" 2>"$OUT/traced-$preset.log" ||
+            { tail -5 "$OUT/traced-$preset.log"; exit 1; }
+        echo "== $preset, bf16 seq 2048 mbs $mbs: GPU time per op, steps 2-3"
+        python3 trace_ops.py "$OUT/trace-$preset.json" >"$OUT/ops-$preset.txt"
+        head -16 "$OUT/ops-$preset.txt"
+        tail -1 "$OUT/ops-$preset.txt"
+    done
+    exit 0
+fi
 if [ "$parts" != train ]; then
     ATTENTION="$OUT/bench_attention.jsonl"
     : >"$ATTENTION"
