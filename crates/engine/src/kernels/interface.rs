@@ -40,13 +40,15 @@ macro_rules! kernel_interface {
                 fn take_loss(&self) -> f64 {
                     0.0
                 }
-                /// The host's copy of ids the caller has just written to `ids` (a
-                /// micro-batch's tokens or targets, which come from the host): a backend that
-                /// would read them back (a GPU's embedding backward groups positions by token;
-                /// the target count) takes this copy instead, with no host synchronisation
-                /// (issue #32). Views inside `ids` are found by address; the copy holds until
-                /// `ids` is written again, which the caller announces the same way. Nothing
-                /// on a backend whose ids are host memory already (the CPU).
+                /// The host's copy of the ids in `ids`, which the caller has just written
+                /// there (a micro-batch's tokens or targets, which come from the host) or read
+                /// from there (a router's choices): a backend that would read them back (a
+                /// GPU's embedding backward groups positions by token; the target count; a
+                /// mixture of experts' routing tables) takes this copy instead, with no host
+                /// synchronisation (issue #32). Views inside `ids` are found by address; the
+                /// copy holds until `ids` is written again, by the caller (who announces the
+                /// new ids the same way) or by the backend's own kernels (the router's, which
+                /// drop it). Nothing on a backend whose ids are host memory already (the CPU).
                 fn host_ids(&self, ids: View<'_, u32>, host: &[u32]) {
                     let _ = (ids, host);
                 }

@@ -331,6 +331,8 @@ impl Llama {
             }
         }
         let er = self.expert_rows(a.router_index.view());
+        // The backend's routing tables are built from the same choices: from this copy.
+        k.host_ids(a.router_index.view(), &er.index);
         a.expert_in = self.buf(pool, name(T::ExpertIn), n);
         let index = a.router_index.view();
         self.dispatch(k, pool, n, x2, index, &er, a.expert_in.view_mut());
@@ -401,6 +403,7 @@ impl Llama {
         a: &mut LayerActs<S>,
     ) {
         let er = self.expert_rows(a.router_index.view());
+        k.host_ids(a.router_index.view(), &er.index);
         a.expert_in = self.buf(pool, self.slot(i, T::ExpertIn), n);
         let (x, index) = (a.ln2_out.view(), a.router_index.view());
         self.dispatch(k, pool, n, x, index, &er, a.expert_in.view_mut());
@@ -573,6 +576,7 @@ impl Llama {
         let e = moe.experts.len();
         let name = |t| self.slot(i, t);
         let mut er = self.expert_rows(a.router_index.view());
+        k.host_ids(a.router_index.view(), &er.index);
         self.routing_weight_grads(k, pool, params, moe, n, a, sc, &mut er);
         let blocks = || er.blocks.iter().filter(|(_, r)| !r.is_empty());
         for (x, rows) in blocks() {

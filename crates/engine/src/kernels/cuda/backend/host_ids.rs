@@ -109,6 +109,22 @@ impl HostIds {
         Some(&m.ids[first..first + len])
     }
 
+    /// `ids` into `out`: the mirror's copy, or read back (a host synchronisation at `site`).
+    pub(in crate::kernels::cuda) fn read_into(
+        &self,
+        ids: View<'_, u32>,
+        site: SyncSite,
+        out: &mut Vec<u32>,
+    ) {
+        match self.mirrored(&ids) {
+            Some(m) => {
+                out.clear();
+                out.extend_from_slice(m);
+            }
+            None => download_into(site, ids, out),
+        }
+    }
+
     /// `ids` on the host: the mirror's copy, or read back (a host synchronisation at `site`).
     fn ids(&mut self, ids: View<'_, u32>, site: SyncSite) -> &[u32] {
         if self.mirrored(&ids).is_some() {

@@ -138,7 +138,8 @@ impl CudaKernels {
         let Routing {
             choices, routes: r, ..
         } = &mut *held;
-        download_into(SyncSite::MoeRouting, index, choices);
+        // The model's copy of the choices where it announced one (`host_ids`), else read back.
+        super::host_ids::ids().read_into(index, SyncSite::MoeRouting, choices);
         r.fill(choices, s.experts, s.tokens, s.top_k);
         let (rows, bytes) = (r.by_row.len(), (r.by_row.len() + r.by_token.len()) * 4);
         assert!(bytes <= most, "routing tables of {bytes} bytes past {most}");
@@ -184,6 +185,8 @@ impl CudaKernels {
         // New choices: the routing tables kept are of none of them any more (whichever
         // buffer they were of, it may be this one).
         lock(&self.routing).uploaded = None;
+        // New choices: the host's copy of the old ones is stale.
+        super::host_ids::forget(index.as_view().as_ptr() as u64, 4 * index.len() as u64);
         let (l, w) = (dev(&logits, op), dev_mut(&mut weights, op));
         let (ix, ld) = (dev_mut(&mut index, op), dev_mut(&mut load, op));
         let (tokens, e, k, norm) = (n as u64, e as u64, k as u64, s.norm_topk as i32);
