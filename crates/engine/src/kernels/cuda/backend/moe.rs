@@ -75,7 +75,8 @@ pub struct RouteKey {
 /// Anything that may change the contents of device memory other than the backend's kernels,
 /// counted ([`OPS`]): host→device copies and memsets, device copies, allocations and frees
 /// (an index buffer freed and another allocated at its address). The one kernel that writes
-/// router choices, the router's, drops the kept tables itself (`moe_router_forward`). So
+/// router choices, the router's, drops the kept tables and the host's copy of the old choices
+/// itself (`moe_router_forward`). So
 /// tables read at one epoch are those of any later call at the same epoch with the same index
 /// buffer: nothing can have written it between. (Expert parallelism, whose token exchange
 /// would write choices through NCCL, is refused on the GPU; it would have to end the epoch
