@@ -320,12 +320,14 @@ fn ptr<T>(p: *const T) -> NonNull<u8> {
     NonNull::new(p as *mut u8).expect("a view's address is not null")
 }
 
-fn bytes<T: Elem>(s: &[T]) -> &[u8] {
+/// An `Elem` slice's bytes (what a device copy moves).
+pub fn bytes<T: Elem>(s: &[T]) -> &[u8] {
     // SAFETY: an `Elem` is plain data without padding; the bytes borrow `s`.
     unsafe { std::slice::from_raw_parts(s.as_ptr().cast(), std::mem::size_of_val(s)) }
 }
 
-fn bytes_mut<T: Elem>(s: &mut [T]) -> &mut [u8] {
+/// An `Elem` slice's bytes, to be written.
+pub fn bytes_mut<T: Elem>(s: &mut [T]) -> &mut [u8] {
     // SAFETY: as in `bytes`; every bit pattern is a valid f32, bf16 or f16.
     unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast(), std::mem::size_of_val(s)) }
 }

@@ -14,6 +14,7 @@
 use super::host_tier::HostBuf;
 use super::offload::typed;
 use super::step::OptRun;
+use ferrotron_engine::kernels::host_copy::{bytes, bytes_mut};
 use ferrotron_engine::kernels::{DeviceAlloc, ViewMut};
 use ferrotron_engine::Elem;
 use std::collections::VecDeque;
@@ -396,16 +397,6 @@ fn up(dev: &dyn DeviceAlloc, r: StepRuns, s: usize, lo: usize, hi: usize, slot: 
 
 fn at(addr: usize) -> std::ptr::NonNull<u8> {
     std::ptr::NonNull::new(addr as *mut u8).expect("a device address is not null")
-}
-
-fn bytes(b: &HostBuf<f32>) -> &[u8] {
-    // SAFETY: the words' bytes, borrowed as `b`.
-    unsafe { std::slice::from_raw_parts(b.as_ptr().cast(), 4 * b.len()) }
-}
-
-fn bytes_mut(b: &mut HostBuf<f32>) -> &mut [u8] {
-    // SAFETY: the words' bytes, borrowed uniquely as `b`; every byte pattern is valid.
-    unsafe { std::slice::from_raw_parts_mut(b.as_mut_ptr().cast(), 4 * b.len()) }
 }
 
 #[cfg(test)]

@@ -27,9 +27,10 @@ pub(in crate::kernels::cuda) fn forget(at: u64, bytes: u64) {
     ids().drop_overlapping(at, at + bytes, None);
 }
 
-/// Mirrors kept: a step writes two id buffers (tokens and targets) and keeps writing the same
-/// two; a few more cover a caller with its own buffers (an evaluation, a test).
-const MIRRORS: usize = 8;
+/// Mirrors kept: a step's id buffers are its tokens and targets and, in a mixture of experts,
+/// each MoE layer's router choices (which the router's kernel drops as it writes new ones);
+/// past this many, the oldest goes (its ids are then read back where asked for).
+const MIRRORS: usize = 64;
 
 /// The host's copy of the ids at one device address.
 struct Mirror {
@@ -47,6 +48,9 @@ impl Mirror {
 /// call (no heap allocation per step once they have grown).
 pub(in crate::kernels::cuda) struct HostIds {
     mirrors: Vec<Mirror>,
+    /// The buffers of mirrors dropped, for the next ones: a MoE layer's choices are dropped
+    /// and noted again every step.
+    spare: Vec<Vec<u32>>,
     /// Ids read back where no mirror covers the view (a caller that announced none).
     read: Vec<u32>,
     /// The grouping as uploaded: positions in token order, then each token's first index.
@@ -57,6 +61,7 @@ impl HostIds {
     const fn new() -> HostIds {
         HostIds {
             mirrors: Vec::new(),
+            spare: Vec::new(),
             read: Vec::new(),
             grouping: Vec::new(),
         }
@@ -74,28 +79,36 @@ impl HostIds {
                 i
             }
             None => {
-                self.mirrors.push(Mirror {
-                    at,
-                    ids: host.to_vec(),
-                });
+                let mut ids = self.spare.pop().unwrap_or_default();
+                ids.clear();
+                ids.extend_from_slice(host);
+                self.mirrors.push(Mirror { at, ids });
                 self.mirrors.len() - 1
             }
         };
         self.drop_overlapping(at, end, Some(i));
         if self.mirrors.len() > MIRRORS {
             let oldest = usize::from(self.mirrors[0].at == at);
-            self.mirrors.remove(oldest);
+            self.drop_at(oldest);
         }
     }
 
     /// Drops the mirrors of any byte in `at..end`, but for the one at index `keep`.
     fn drop_overlapping(&mut self, at: u64, end: u64, keep: Option<usize>) {
-        let mut i = 0;
-        self.mirrors.retain(|m| {
-            let kept = Some(i) == keep || m.end() <= at || m.at >= end;
-            i += 1;
-            kept
-        });
+        for i in (0..self.mirrors.len()).rev() {
+            let m = &self.mirrors[i];
+            if Some(i) != keep && m.end() > at && m.at < end {
+                self.drop_at(i);
+            }
+        }
+    }
+
+    /// Drops mirror `i`, keeping its buffer (the order of the rest is their age).
+    fn drop_at(&mut self, i: usize) {
+        let m = self.mirrors.remove(i);
+        if self.spare.len() < MIRRORS {
+            self.spare.push(m.ids);
+        }
     }
 
     /// The host's copy of `ids`, if a mirror covers them.
@@ -229,6 +242,10 @@ mod tests {
         // Freed memory takes its mirrors with it.
         h.drop_overlapping(0x1004, 0x1005, None);
         assert_eq!(h.mirrored(&at(0x1000, 1)), None);
+        // Its buffer is kept for the next mirror.
+        let spare = h.spare.last().map(|v| v.as_ptr());
+        h.note(0x5000, &[3]);
+        assert_eq!(h.mirrors.last().map(|m| m.ids.as_ptr()), spare);
     }
 
     #[test]
