@@ -62,27 +62,34 @@ __device__ __forceinline__ void ldsm_x4_trans(u32 (&r)[4], const u32* row) {
 #endif
 }
 
-// 16 bytes: a tile's row segment, moved in one load and one store where the tensor allows.
-struct alignas(16) U4 {
-    u32 x, y, z, w;
-};
-// (The emulator checks the alignment a GPU would fault on.)
-__device__ __forceinline__ U4 load16(const u16* p) {
+// cp.async (sm_80 on): 16 bytes from global to shared memory without a register in between.
+// The copies a thread issued land by its cp.async.wait_group, so the next tile's load runs
+// under this tile's products (FA2's prefetch; the load was half a tile's time on the H200's
+// trace). `valid` false writes zeros and reads nothing (src-size 0); `src` stays a real address.
+__device__ __forceinline__ void copy16_async(u32* dst, const u16* src, bool valid) {
 #ifdef FERROTRON_CUDA_EMU
-    U4 v;
-    emu::aligned16(p);
-    memcpy(&v, p, 16);
-    return v;
+    emu::aligned16(dst);
+    emu::aligned16(src);
+    if (valid)
+        memcpy(dst, src, 16);
+    else
+        memset(dst, 0, 16);
 #else
-    return *(const U4*)p;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)), "l"(src),
+                 "r"(valid ? 16 : 0));
 #endif
 }
-__device__ __forceinline__ void store16(u32* p, U4 v) {
-#ifdef FERROTRON_CUDA_EMU
-    emu::aligned16(p);
-    memcpy(p, &v, 16);
-#else
-    *(U4*)p = v;
+// Closes the copies issued so far into one group; `async_wait<N>` waits until at most N groups
+// are still in flight. (The emulator copies at once: both are no-ops there.)
+__device__ __forceinline__ void async_commit() {
+#ifndef FERROTRON_CUDA_EMU
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N>
+__device__ __forceinline__ void async_wait() {
+#ifndef FERROTRON_CUDA_EMU
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 #endif
 }
 
@@ -123,17 +130,17 @@ struct Mma16<F16> {
 };
 
 // Rows row0.. of a [.., T, .., D] tensor (`p` at row 0 of its batch and head, `stride`
-// elements from row to row) into a tile; rows at or past `t` are zeros. 16 bytes at a time
-// where `p` and the stride allow (the trainer's buffers: 64-byte aligned, H·D a multiple of
-// 8), else element pairs (a view at an odd offset).
+// elements from row to row) into a tile; rows at or past `t` are zeros. 16 bytes at a time,
+// asynchronously (landed by the caller's async_wait), where `p` and the stride allow (the
+// trainer's buffers: 64-byte aligned, H·D a multiple of 8), else element pairs, at once (a
+// view at an odd offset).
 template <int D>
 __device__ void load_tile(Tile<D>& s, const u16* p, u64 row0, u64 t, u64 stride) {
     if (((u64)p & 15) == 0 && stride % 8 == 0) {
         for (int i = threadIdx.x; i < FA_TILE * D / 8; i += FA_WARPS * 32) {
             int r = i / (D / 8), c = i % (D / 8);
             u64 row = row0 + r;
-            U4 v = row < t ? load16(p + row * stride + 8 * c) : U4{0u, 0u, 0u, 0u};
-            store16(&s.w[r][4 * c], v);
+            copy16_async(&s.w[r][4 * c], row < t ? p + row * stride + 8 * c : p, row < t);
         }
         return;
     }
@@ -227,58 +234,124 @@ __device__ __forceinline__ void store_rows(u16* p, const float (&acc)[D / 8][4],
     }
 }
 
+// The other side's two tiles a step needs (K and V, or Q and dO), twice over where shared
+// memory allows (D 64: 37 KB of the 48 a block may declare; D 128 would take 70), so that one
+// step's tiles land while the last step's are multiplied.
+template <int D>
+struct TilePair {
+    static constexpr int STAGES = D == 64 ? 2 : 1;
+    Tile<D> a[STAGES], b[STAGES];
+};
+
+// Steps 0..n: load(i, stage) issues step i's copies (async_commit closes them), body(i, stage)
+// uses them once landed; with two stages step i + 1's copies are issued before step i's body.
+// The caller has issued step 0's, load(0, 0), and then loaded what its rows keep in registers
+// (which a load inside the loop would keep live: the compiler cannot tell it runs once).
+template <int D, typename Load, typename Body>
+__device__ __forceinline__ void pipelined(u64 n, Load load, Body body) {
+    constexpr int S = TilePair<D>::STAGES;
+    for (u64 i = 0; i < n; i++) {
+        int cur = S == 2 ? (int)(i & 1) : 0;
+        if (S == 2 && i + 1 < n) {
+            load(i + 1, cur ^ 1);  // into the stage the last step's body released
+            async_wait<1>();
+        } else {
+            async_wait<0>();
+        }
+        __syncthreads();  // every thread's copies of this step have landed
+        body(i, cur);
+        __syncthreads();  // every thread is done with this stage
+        if (S == 1 && i + 1 < n) load(i + 1, 0);
+    }
+}
+
+template <int D>
+__device__ __forceinline__ void load_pair(TilePair<D>& t, int stage, const u16* pa, const u16* pb, u64 row0,
+                                          u64 rows, u64 stride) {
+    load_tile<D>(t.a[stage], pa, row0, rows, stride);
+    load_tile<D>(t.b[stage], pb, row0, rows, stride);
+    async_commit();
+}
+
+// The diagonal tile's causal mask on a 16 × 64 block of scores (this warp's 16 rows against
+// the tile's 64 columns, both counted from the tile's start): −∞ where the key comes after the
+// query. `KEYS`: the rows are keys and the columns queries (the key pass's transposed scores).
+// Only the diagonal tile needs it: every key of an earlier tile precedes every query of a
+// later one, and rows or columns past t are zeros whose products are not stored (a query
+// past t has dO = 0, so its column adds nothing to dK or dV).
+template <bool KEYS>
+__device__ __forceinline__ void mask_diagonal(float (&sc)[8][4]) {
+    int r0 = (threadIdx.x >> 5) * 16 + ((threadIdx.x & 31) >> 2), ti = threadIdx.x & 3;
+#pragma unroll
+    for (int n = 0; n < 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int c = n * 8 + 2 * ti + (e & 1), r = r0 + 8 * (e >> 1);
+            if (KEYS ? c < r : c > r) sc[n][e] = F_INF_NEG;
+        }
+}
+
+// The exponentials are exp2 of scores scaled by log2(e) (FA2's one FFMA and one EX2 an element);
+// the saved log-sum-exp stays in natural log, as attention.cu's.
+#define FA_LOG2E 1.4426950408889634f
+#define FA_LN2 0.6931471805599453f
+
+// The query tile of block y, the heaviest (last, the most causal keys) first: a wave's
+// longest blocks start first and the short ones fill its tail (FA2's order).
+__device__ __forceinline__ u64 query_tile() { return gridDim.y - 1 - blockIdx.y; }
+
 // Forward: block (b·H + h, query tile). Rows past t compute on zeros and are not written.
 template <typename E, int D>
 __device__ void flash_forward_impl(AttnDims s, const u16* q, const u16* k, const u16* v, u16* o, float* lse) {
-    __shared__ Tile<D> ks, vs;
-    u64 h = blockIdx.x % s.heads, b = blockIdx.x / s.heads, qb = blockIdx.y;
+    __shared__ TilePair<D> kv;
+    u64 h = blockIdx.x % s.heads, b = blockIdx.x / s.heads, qb = query_tile();
     u64 g = h / (s.heads / s.kv_heads), qstride = s.heads * D, kvstride = s.kv_heads * D;
     int lane = threadIdx.x & 31, gi = lane >> 2, ti = lane & 3;
     u64 row = qb * FA_TILE + (threadIdx.x >> 5) * 16 + gi;  // and row + 8
     const u16 *kp = k + kv_at(s, b, 0, g), *vp = v + kv_at(s, b, 0, g);
+    auto load = [&](u64 kb, int st) { load_pair<D>(kv, st, kp, vp, kb * FA_TILE, s.t, kvstride); };
+    load(0, 0);
     u32 qa[D / 16][4];
     load_a<D>(qa, q + q_at(s, b, 0, h), row, s.t, qstride);
-    float acc[D / 8][4] = {}, m[2] = {F_INF_NEG, F_INF_NEG}, l[2] = {0.0f, 0.0f};
+    float acc[D / 8][4] = {}, m[2] = {F_INF_NEG, F_INF_NEG}, l[2] = {0.0f, 0.0f}, sl = s.scale * FA_LOG2E;
     // Causal: the key tiles up to this query tile's own.
-    for (u64 kb = 0; kb <= qb; kb++) {
-        __syncthreads();
-        load_tile<D>(ks, kp, kb * FA_TILE, s.t, kvstride);
-        load_tile<D>(vs, vp, kb * FA_TILE, s.t, kvstride);
-        __syncthreads();
-        float sc[8][4] = {};
-        mma_rows<E, D>(sc, qa, ks);
-        // Online softmax over this tile's keys (every row keeps its first key unmasked: key
-        // kb·64 ≤ every row of a tile at or after kb).
-        float mx[2] = {m[0], m[1]};
+    pipelined<D>(
+        qb + 1, load,
+        [&](u64 kb, int st) {
+            float sc[8][4] = {};
+            mma_rows<E, D>(sc, qa, kv.a[st]);
+            if (kb == qb) mask_diagonal<false>(sc);
+            // Online softmax over this tile's keys, in log2 units (every row keeps its first
+            // key unmasked: key kb·64 ≤ every row of a tile at or after kb).
+            float mx[2] = {m[0], m[1]};
 #pragma unroll
-        for (int n = 0; n < 8; n++)
+            for (int n = 0; n < 8; n++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                u64 j = kb * FA_TILE + n * 8 + 2 * ti + (e & 1), i = row + 8 * (e >> 1);
-                sc[n][e] = j <= i ? sc[n][e] * s.scale : F_INF_NEG;
-                mx[e >> 1] = fmaxf(mx[e >> 1], sc[n][e]);
-            }
-        float alpha[2];
+                for (int e = 0; e < 4; e++) {
+                    sc[n][e] *= sl;
+                    mx[e >> 1] = fmaxf(mx[e >> 1], sc[n][e]);
+                }
+            float alpha[2];
 #pragma unroll
-        for (int r = 0; r < 2; r++) {
-            mx[r] = quad_max(mx[r]);
-            alpha[r] = expf(m[r] - mx[r]);
-            m[r] = mx[r];
-            l[r] *= alpha[r];
-        }
-#pragma unroll
-        for (int n = 0; n < 8; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                sc[n][e] = expf(sc[n][e] - m[e >> 1]);
-                l[e >> 1] += sc[n][e];  // this thread's columns; the quad's sum at the end
+            for (int r = 0; r < 2; r++) {
+                mx[r] = quad_max(mx[r]);
+                alpha[r] = exp2f(m[r] - mx[r]);
+                m[r] = mx[r];
+                l[r] *= alpha[r];
             }
 #pragma unroll
-        for (int n = 0; n < D / 8; n++)
+            for (int n = 0; n < 8; n++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) acc[n][e] *= alpha[e >> 1];
-        mma_cols<E, D>(acc, sc, vs);
-    }
+                for (int e = 0; e < 4; e++) {
+                    sc[n][e] = exp2f(sc[n][e] - m[e >> 1]);
+                    l[e >> 1] += sc[n][e];  // this thread's columns; the quad's sum at the end
+                }
+#pragma unroll
+            for (int n = 0; n < D / 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[n][e] *= alpha[e >> 1];
+            mma_cols<E, D>(acc, sc, kv.b[st]);
+        });
     float inv[2];
 #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -288,7 +361,7 @@ __device__ void flash_forward_impl(AttnDims s, const u16* q, const u16* k, const
     store_rows<E, D>(o + q_at(s, b, 0, h), acc, row, s.t, qstride, inv);
 #pragma unroll
     for (int r = 0; r < 2; r++)
-        if (ti == 0 && row + 8 * r < s.t) lse[lse_at(s, b, h, row + 8 * r)] = m[r] + logf(l[r]);
+        if (ti == 0 && row + 8 * r < s.t) lse[lse_at(s, b, h, row + 8 * r)] = m[r] * FA_LN2 + logf(l[r]);
 }
 
 // Backward, query pass: Δ_i = dO_i·O_i (saved for the key pass) and
@@ -296,18 +369,21 @@ __device__ void flash_forward_impl(AttnDims s, const u16* q, const u16* k, const
 template <typename E, int D>
 __device__ void flash_backward_q_impl(AttnDims s, const u16* q, const u16* k, const u16* v, const u16* o,
                                       const float* lse, const u16* d_o, u16* dq, float* delta) {
-    __shared__ Tile<D> ks, vs;
-    u64 h = blockIdx.x % s.heads, b = blockIdx.x / s.heads, qb = blockIdx.y;
+    __shared__ TilePair<D> kv;
+    u64 h = blockIdx.x % s.heads, b = blockIdx.x / s.heads, qb = query_tile();
     u64 g = h / (s.heads / s.kv_heads), qstride = s.heads * D, kvstride = s.kv_heads * D;
     int lane = threadIdx.x & 31, gi = lane >> 2, ti = lane & 3;
     u64 row = qb * FA_TILE + (threadIdx.x >> 5) * 16 + gi;
     const u16 *kp = k + kv_at(s, b, 0, g), *vp = v + kv_at(s, b, 0, g);
     u64 qoff = q_at(s, b, 0, h);
+    // The first tiles' copies go out before the rows' own loads.
+    auto load = [&](u64 kb, int st) { load_pair<D>(kv, st, kp, vp, kb * FA_TILE, s.t, kvstride); };
+    load(0, 0);
     u32 qa[D / 16][4], da[D / 16][4], oa[D / 16][4];
     load_a<D>(qa, q + qoff, row, s.t, qstride);
     load_a<D>(da, d_o + qoff, row, s.t, qstride);
     load_a<D>(oa, o + qoff, row, s.t, qstride);
-    float dl[2] = {0.0f, 0.0f}, lr[2];
+    float dl[2] = {0.0f, 0.0f}, lr[2], acc[D / 8][4] = {}, sl = s.scale * FA_LOG2E;
 #pragma unroll
     for (int kc = 0; kc < D / 16; kc++)
 #pragma unroll
@@ -318,78 +394,79 @@ __device__ void flash_backward_q_impl(AttnDims s, const u16* q, const u16* k, co
     for (int r = 0; r < 2; r++) {
         u64 i = row + 8 * r;
         dl[r] = quad_sum(dl[r]);
-        lr[r] = i < s.t ? lse[lse_at(s, b, h, i)] : 0.0f;
+        lr[r] = i < s.t ? lse[lse_at(s, b, h, i)] * FA_LOG2E : 0.0f;
         if (ti == 0 && i < s.t) delta[lse_at(s, b, h, i)] = dl[r];
     }
-    float acc[D / 8][4] = {};
-    for (u64 kb = 0; kb <= qb; kb++) {
-        __syncthreads();
-        load_tile<D>(ks, kp, kb * FA_TILE, s.t, kvstride);
-        load_tile<D>(vs, vp, kb * FA_TILE, s.t, kvstride);
-        __syncthreads();
-        float sc[8][4] = {}, dp[8][4] = {};
-        mma_rows<E, D>(sc, qa, ks);
-        mma_rows<E, D>(dp, da, vs);
+    pipelined<D>(
+        qb + 1, load,
+        [&](u64 kb, int st) {
+            float sc[8][4] = {}, dp[8][4] = {};
+            mma_rows<E, D>(sc, qa, kv.a[st]);
+            mma_rows<E, D>(dp, da, kv.b[st]);
+            if (kb == qb) mask_diagonal<false>(sc);
 #pragma unroll
-        for (int n = 0; n < 8; n++)
+            for (int n = 0; n < 8; n++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                u64 j = kb * FA_TILE + n * 8 + 2 * ti + (e & 1), i = row + 8 * (e >> 1);
-                float p = j <= i && i < s.t ? expf(sc[n][e] * s.scale - lr[e >> 1]) : 0.0f;
-                sc[n][e] = p * (dp[n][e] - dl[e >> 1]) * s.scale;  // dS
-            }
-        mma_cols<E, D>(acc, sc, ks);
-    }
+                for (int e = 0; e < 4; e++) {
+                    float p = exp2f(sc[n][e] * sl - lr[e >> 1]);
+                    sc[n][e] = p * (dp[n][e] - dl[e >> 1]) * s.scale;  // dS
+                }
+            mma_cols<E, D>(acc, sc, kv.a[st]);
+        });
     float one[2] = {1.0f, 1.0f};
     store_rows<E, D>(dq + qoff, acc, row, s.t, qstride, one);
 }
 
 // Backward, key pass: block (b·KV + g, key tile); for every query head of kv head g and every
-// query tile from the key tile's own on, Pᵀ and dSᵀ from the keys' side:
-// dV += Pᵀ·dO and dK += dSᵀ·Q (dS carries the scale, as in the query pass).
+// query tile from the key tile's own on (one pipelined run of steps over both), Pᵀ and dSᵀ
+// from the keys' side: dV += Pᵀ·dO and dK += dSᵀ·Q (dS carries the scale, as in the query
+// pass). Key tile 0 has the most steps and is launched first.
 template <typename E, int D>
 __device__ void flash_backward_kv_impl(AttnDims s, const u16* q, const u16* k, const u16* v, const float* lse,
                                        const u16* d_o, const float* delta, u16* dk, u16* dv) {
-    __shared__ Tile<D> qs, dos;
-    __shared__ float ls[FA_TILE], dls[FA_TILE];
+    __shared__ TilePair<D> qd;
+    __shared__ float ls[TilePair<D>::STAGES][FA_TILE], dls[TilePair<D>::STAGES][FA_TILE];
     u64 g = blockIdx.x % s.kv_heads, b = blockIdx.x / s.kv_heads, kb = blockIdx.y;
     u64 group = s.heads / s.kv_heads, qstride = s.heads * D, kvstride = s.kv_heads * D;
     int lane = threadIdx.x & 31, gi = lane >> 2, ti = lane & 3;
     u64 row = kb * FA_TILE + (threadIdx.x >> 5) * 16 + gi;  // key rows row, row + 8
     u64 kvoff = kv_at(s, b, 0, g), tiles = (s.t + FA_TILE - 1) / FA_TILE;
+    // (32 bits: a 64-bit division is a call, and its frame a spill, in the loop.)
+    u32 per_head = (u32)(tiles - kb);
+    auto load = [&](u64 i, int st) {
+        u64 h = g * group + (u32)i / per_head, qb = kb + (u32)i % per_head;
+        u64 qoff = q_at(s, b, 0, h);
+        load_pair<D>(qd, st, q + qoff, d_o + qoff, qb * FA_TILE, s.t, qstride);
+        for (int c = threadIdx.x; c < FA_TILE; c += FA_WARPS * 32) {
+            u64 qi = qb * FA_TILE + c;
+            ls[st][c] = qi < s.t ? lse[lse_at(s, b, h, qi)] * FA_LOG2E : 0.0f;
+            dls[st][c] = qi < s.t ? delta[lse_at(s, b, h, qi)] : 0.0f;
+        }
+    };
+    load(0, 0);
     u32 ka[D / 16][4], va[D / 16][4];
     load_a<D>(ka, k + kvoff, row, s.t, kvstride);
     load_a<D>(va, v + kvoff, row, s.t, kvstride);
-    float dka[D / 8][4] = {}, dva[D / 8][4] = {};
-    for (u64 h = g * group; h < (g + 1) * group; h++) {
-        const u16 *qp = q + q_at(s, b, 0, h), *dop = d_o + q_at(s, b, 0, h);
-        for (u64 qb = kb; qb < tiles; qb++) {
-            __syncthreads();
-            load_tile<D>(qs, qp, qb * FA_TILE, s.t, qstride);
-            load_tile<D>(dos, dop, qb * FA_TILE, s.t, qstride);
-            for (int i = threadIdx.x; i < FA_TILE; i += FA_WARPS * 32) {
-                u64 qi = qb * FA_TILE + i;
-                ls[i] = qi < s.t ? lse[lse_at(s, b, h, qi)] : 0.0f;
-                dls[i] = qi < s.t ? delta[lse_at(s, b, h, qi)] : 0.0f;
-            }
-            __syncthreads();
+    float dka[D / 8][4] = {}, dva[D / 8][4] = {}, sl = s.scale * FA_LOG2E;
+    pipelined<D>(
+        group * per_head, load,
+        [&](u64 i, int st) {
             float pt[8][4] = {}, dpt[8][4] = {};
-            mma_rows<E, D>(pt, ka, qs);
-            mma_rows<E, D>(dpt, va, dos);
+            mma_rows<E, D>(pt, ka, qd.a[st]);
+            mma_rows<E, D>(dpt, va, qd.b[st]);
+            if ((u32)i % per_head == 0) mask_diagonal<true>(pt);  // qb == kb
 #pragma unroll
             for (int n = 0; n < 8; n++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     int c = n * 8 + 2 * ti + (e & 1);
-                    u64 i = qb * FA_TILE + c, j = row + 8 * (e >> 1);
-                    float p = i >= j && i < s.t ? expf(pt[n][e] * s.scale - ls[c]) : 0.0f;
+                    float p = exp2f(pt[n][e] * sl - ls[st][c]);
                     pt[n][e] = p;
-                    dpt[n][e] = p * (dpt[n][e] - dls[c]) * s.scale;  // dSᵀ
+                    dpt[n][e] = p * (dpt[n][e] - dls[st][c]) * s.scale;  // dSᵀ
                 }
-            mma_cols<E, D>(dva, pt, dos);
-            mma_cols<E, D>(dka, dpt, qs);
-        }
-    }
+            mma_cols<E, D>(dva, pt, qd.b[st]);
+            mma_cols<E, D>(dka, dpt, qd.a[st]);
+        });
     float one[2] = {1.0f, 1.0f};
     store_rows<E, D>(dk + kvoff, dka, row, s.t, kvstride, one);
     store_rows<E, D>(dv + kvoff, dva, row, s.t, kvstride, one);
