@@ -64,6 +64,102 @@ template <> struct Store<F16> {
 #define GET(E, p, i) Store<E>::get((p), (i))
 #define PUT(E, p, i, x) Store<E>::put((p), (i), (x))
 
+// Eight consecutive elements in 16-byte accesses (issue #32's vector loads: one instruction
+// moves eight 16-bit elements, or two moves eight f32), widened to f32 and rounded back exactly
+// as GET and PUT do, so a vector kernel's bits are the element-wise kernel's.
+struct alignas(16) V16 {
+    u32 w[4];
+};
+__device__ __forceinline__ V16 ld16(const void* p) {
+#ifdef FERROTRON_CUDA_EMU
+    emu::aligned16(p);  // (a GPU faults on a misaligned vector access: the emulator refuses it)
+    V16 v;
+    memcpy(&v, p, 16);
+    return v;
+#else
+    return *(const V16*)p;
+#endif
+}
+__device__ __forceinline__ void st16(void* p, V16 v) {
+#ifdef FERROTRON_CUDA_EMU
+    emu::aligned16(p);
+    memcpy(p, &v, 16);
+#else
+    *(V16*)p = v;
+#endif
+}
+template <typename E>
+struct Vec8;
+template <>
+struct Vec8<F32> {
+    static __device__ __forceinline__ void ld(const float* p, float (&x)[8]) {
+        V16 a = ld16(p), b = ld16(p + 4);
+#pragma unroll
+        for (int j = 0; j < 4; j++) x[j] = __uint_as_float(a.w[j]), x[4 + j] = __uint_as_float(b.w[j]);
+    }
+    static __device__ __forceinline__ void st(float* p, const float (&x)[8]) {
+        V16 a, b;
+#pragma unroll
+        for (int j = 0; j < 4; j++) a.w[j] = __float_as_uint(x[j]), b.w[j] = __float_as_uint(x[4 + j]);
+        st16(p, a);
+        st16(p + 4, b);
+    }
+};
+// The 16-bit types: word j holds elements 2j (low half) and 2j + 1.
+template <typename E>
+struct Vec8Half {
+    static __device__ __forceinline__ void ld(const u16* p, float (&x)[8]) {
+        V16 v = ld16(p);
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            u16 lo = (u16)(v.w[j] & 0xffffu), hi = (u16)(v.w[j] >> 16);
+            x[2 * j] = GET(E, &lo, 0);
+            x[2 * j + 1] = GET(E, &hi, 0);
+        }
+    }
+    static __device__ __forceinline__ void st(u16* p, const float (&x)[8]) {
+        V16 v;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            u16 lo, hi;
+            PUT(E, &lo, 0, x[2 * j]);
+            PUT(E, &hi, 0, x[2 * j + 1]);
+            v.w[j] = (u32)lo | ((u32)hi << 16);
+        }
+        st16(p, v);
+    }
+};
+template <>
+struct Vec8<BF16> : Vec8Half<BF16> {};
+template <>
+struct Vec8<F16> : Vec8Half<F16> {};
+
+// Whether every pointer is 16-byte aligned (the trainer's buffers are; a view at an odd
+// offset is not, and takes the element-wise path).
+template <typename... P>
+__device__ __forceinline__ bool aligned16(const P*... p) {
+    return ((((u64)p) | ...) & 15) == 0;
+}
+
+// Grid-stride over n elements: eight at a time where `vectors` (vec(i) takes elements
+// i..i+8, i a multiple of 8), then the rest, or all of them, one at a time (one(i)). The
+// launch needs only n/8 threads (`elementwise8` on the Rust side).
+template <typename Vf, typename Of>
+__device__ __forceinline__ void for_each8_from(u64 n, bool vectors, u64 first, u64 stride, Vf vec, Of one) {
+    u64 head = vectors ? n / 8 * 8 : 0;
+    for (u64 k = first; k < head / 8; k += stride) vec(k * 8);
+    for (u64 i = head + first; i < n; i += stride) one(i);
+}
+template <typename Vf, typename Of>
+__device__ __forceinline__ void for_each8(u64 n, bool vectors, Vf vec, Of one) {
+    for_each8_from(n, vectors, (u64)blockIdx.x * blockDim.x + threadIdx.x, (u64)gridDim.x * blockDim.x, vec, one);
+}
+// The same over one row, by the threads of one block.
+template <typename Vf, typename Of>
+__device__ __forceinline__ void for_each8_in_block(u64 n, bool vectors, Vf vec, Of one) {
+    for_each8_from(n, vectors, threadIdx.x, blockDim.x, vec, one);
+}
+
 // Grid-stride loop over n elements.
 #define FOR_EACH(i, n) \
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)

@@ -2,30 +2,68 @@
 // loss_r = logsumexp(z_r) − z_r[t_r]; with a gradient, z_r becomes s·(softmax(z_r) − onehot(t_r)).
 // A target ≥ vocab is ignored: loss 0, gradient row 0. One block per row; the host adds the
 // losses in row order (f64), as the CPU does, so the sum is reproducible.
+//
+// Two passes over the row, eight logits per access (a row is vocab × 4 bytes: 513 KB for
+// Llama 3's vocabulary, read from memory each pass): the max and the sum of exponentials
+// together (the online softmax of Milakov & Gimelshein 2018: a larger value rescales the sum
+// so far), then the gradient in place. Three passes took 6.9 ms a step for the 1B model on
+// an H200 (1.05G logits), a fifth of the memory's bandwidth.
+
+// Adds logit x to a running (max m, Σ e^(z−m)) pair.
+__device__ __forceinline__ void softmax_add(float& m, float& sum, float x) {
+    if (x > m) {
+        sum = sum * expf(m - x) + 1.0f;  // (m = −∞ at first: 0 · 0 + 1)
+        m = x;
+    } else if (m > F_INF_NEG) {
+        sum += expf(x - m);
+    }
+}
+
 extern "C" __global__ void cross_entropy(float* logits, const u32* targets, float* losses, u64 vocab,
                                          int with_grad, float scale) {
     __shared__ float scratch[32];
     u64 row = blockIdx.x;
     float* z = logits + row * vocab;
     u32 t = targets[row];
+    bool vec = aligned16(z);
     if (t >= vocab) {
         if (threadIdx.x == 0) losses[row] = 0.0f;
-        if (with_grad)
-            for (u64 j = threadIdx.x; j < vocab; j += blockDim.x) z[j] = 0.0f;
+        if (with_grad) {
+            float zeros[8] = {};
+            for_each8_in_block(
+                vocab, vec, [&](u64 j) { Vec8<F32>::st(z + j, zeros); }, [&](u64 j) { z[j] = 0.0f; });
+        }
         return;
     }
-    float mx = F_INF_NEG;
-    for (u64 j = threadIdx.x; j < vocab; j += blockDim.x) mx = fmaxf(mx, z[j]);
-    mx = block_max(mx, scratch);
-    float sum = 0.0f;
-    for (u64 j = threadIdx.x; j < vocab; j += blockDim.x) sum += expf(z[j] - mx);
-    sum = block_sum(sum, scratch);
+    float m = F_INF_NEG, sum = 0.0f;
+    for_each8_in_block(
+        vocab, vec,
+        [&](u64 j) {
+            float x[8];
+            Vec8<F32>::ld(z + j, x);
+#pragma unroll
+            for (int e = 0; e < 8; e++) softmax_add(m, sum, x[e]);
+        },
+        [&](u64 j) { softmax_add(m, sum, z[j]); });
+    // The block's pairs merged: every sum rescaled to the row's max.
+    float mx = block_max(m, scratch);
+    sum = block_sum(m > F_INF_NEG ? sum * expf(m - mx) : 0.0f, scratch);
     float zt = z[t];
     __syncthreads();  // every thread has read z[t] before it is overwritten
     if (threadIdx.x == 0) losses[row] = logf(sum) + mx - zt;
     if (with_grad) {
         float k = scale / sum;
-        for (u64 j = threadIdx.x; j < vocab; j += blockDim.x) z[j] = expf(z[j] - mx) * k - (j == t ? scale : 0.0f);
+        auto grad = [&](float x, u64 j) { return expf(x - mx) * k - (j == t ? scale : 0.0f); };
+        for_each8_in_block(
+            vocab, vec,
+            [&](u64 j) {
+                float x[8];
+                Vec8<F32>::ld(z + j, x);
+#pragma unroll
+                for (int e = 0; e < 8; e++) x[e] = grad(x[e], j + e);
+                Vec8<F32>::st(z + j, x);
+            },
+            [&](u64 j) { z[j] = grad(z[j], j); });
     }
 }
 

@@ -1,13 +1,24 @@
 // Elementwise ops (kernels/cpu/elementwise.rs): adds, copies, gradient scaling, the rounding
 // of parameters from the f32 master weights, and the squared sum of a gradient buffer.
 
+// out = a + b, eight at a time (`out` may be `a`: add_inplace).
 template <typename E>
 __device__ void add_impl(const typename E::T* a, const typename E::T* b, typename E::T* out, u64 n) {
-    FOR_EACH(i, n) PUT(E, out, i, GET(E, a, i) + GET(E, b, i));
+    for_each8(
+        n, aligned16(a, b, out),
+        [&](u64 i) {
+            float x[8], y[8];
+            Vec8<E>::ld(a + i, x);
+            Vec8<E>::ld(b + i, y);
+#pragma unroll
+            for (int j = 0; j < 8; j++) x[j] += y[j];
+            Vec8<E>::st(out + i, x);
+        },
+        [&](u64 i) { PUT(E, out, i, GET(E, a, i) + GET(E, b, i)); });
 }
 template <typename E>
 __device__ void add_inplace_impl(typename E::T* acc, const typename E::T* x, u64 n) {
-    FOR_EACH(i, n) PUT(E, acc, i, GET(E, acc, i) + GET(E, x, i));
+    add_impl<E>(acc, x, acc, n);
 }
 template <typename E>
 __device__ void scale_impl(typename E::T* x, u64 n, float s) {

@@ -1,5 +1,10 @@
 // RMSNorm (Zhang & Sennrich 2019), as kernels/cpu/rmsnorm.rs: one block per row.
 
+// Each row's loops take eight elements a load where the row, the weight and the output are
+// 16-byte aligned (C a multiple of 8, as every model's is; a view at an odd offset goes element
+// by element). A thread's share of a sum is then different elements than the element-wise
+// loop's, so its rounding differs within f32's: the CPU comparison's band, not its bits.
+
 // out = x·rstd·w, rstd = 1/sqrt(mean(x²) + eps), saved per row.
 template <typename E>
 __device__ void rmsnorm_forward_impl(const typename E::T* x, const typename E::T* w, typename E::T* out,
@@ -7,16 +12,35 @@ __device__ void rmsnorm_forward_impl(const typename E::T* x, const typename E::T
     __shared__ float scratch[32];
     u64 row = blockIdx.x;
     const typename E::T* xr = x + row * c;
+    typename E::T* o = out + row * c;
+    bool vec = aligned16(xr, w, o);
     float ss = 0.0f;
-    for (u64 j = threadIdx.x; j < c; j += blockDim.x) {
-        float v = GET(E, xr, j);
-        ss += v * v;
-    }
+    for_each8_in_block(
+        c, vec,
+        [&](u64 j) {
+            float v[8];
+            Vec8<E>::ld(xr + j, v);
+#pragma unroll
+            for (int e = 0; e < 8; e++) ss += v[e] * v[e];
+        },
+        [&](u64 j) {
+            float v = GET(E, xr, j);
+            ss += v * v;
+        });
     ss = block_sum(ss, scratch);
     float r = rsqrtf(ss / (float)c + eps);
     if (threadIdx.x == 0) rstd[row] = r;
-    for (u64 j = threadIdx.x; j < c; j += blockDim.x)
-        PUT(E, out, row * c + j, GET(E, xr, j) * r * GET(E, w, j));
+    for_each8_in_block(
+        c, vec,
+        [&](u64 j) {
+            float v[8], wv[8];
+            Vec8<E>::ld(xr + j, v);
+            Vec8<E>::ld(w + j, wv);
+#pragma unroll
+            for (int e = 0; e < 8; e++) v[e] = v[e] * r * wv[e];
+            Vec8<E>::st(o + j, v);
+        },
+        [&](u64 j) { PUT(E, o, j, GET(E, xr, j) * r * GET(E, w, j)); });
 }
 
 // dx (=|+=) rstd·(dy⊙w − x̂·mean(dy⊙w⊙x̂)), x̂ = x·rstd; one block per row.
@@ -27,16 +51,42 @@ __device__ void rmsnorm_backward_input_impl(const typename E::T* dy, const typen
     __shared__ float scratch[32];
     u64 row = blockIdx.x;
     float r = rstd[row];
+    const typename E::T *dyr = dy + row * c, *xr = x + row * c;
+    typename E::T* dxr = dx + row * c;
+    bool vec = aligned16(dyr, xr, w, dxr);
     float dot = 0.0f;
-    for (u64 j = threadIdx.x; j < c; j += blockDim.x)
-        dot += GET(E, dy, row * c + j) * GET(E, w, j) * GET(E, x, row * c + j) * r;
+    for_each8_in_block(
+        c, vec,
+        [&](u64 j) {
+            float d[8], wv[8], v[8];
+            Vec8<E>::ld(dyr + j, d);
+            Vec8<E>::ld(w + j, wv);
+            Vec8<E>::ld(xr + j, v);
+#pragma unroll
+            for (int e = 0; e < 8; e++) dot += d[e] * wv[e] * v[e] * r;
+        },
+        [&](u64 j) { dot += GET(E, dyr, j) * GET(E, w, j) * GET(E, xr, j) * r; });
     float mean = block_sum(dot, scratch) / (float)c;
-    for (u64 j = threadIdx.x; j < c; j += blockDim.x) {
-        u64 i = row * c + j;
-        float xh = GET(E, x, i) * r;
-        float g = r * (GET(E, dy, i) * GET(E, w, j) - xh * mean);
-        PUT(E, dx, i, accum ? GET(E, dx, i) + g : g);
-    }
+    auto grad = [&](float d, float wj, float xj) { return r * (d * wj - xj * r * mean); };
+    for_each8_in_block(
+        c, vec,
+        [&](u64 j) {
+            float d[8], wv[8], v[8], acc[8];
+            Vec8<E>::ld(dyr + j, d);
+            Vec8<E>::ld(w + j, wv);
+            Vec8<E>::ld(xr + j, v);
+            if (accum) Vec8<E>::ld(dxr + j, acc);
+#pragma unroll
+            for (int e = 0; e < 8; e++) {
+                float g = grad(d[e], wv[e], v[e]);
+                d[e] = accum ? acc[e] + g : g;
+            }
+            Vec8<E>::st(dxr + j, d);
+        },
+        [&](u64 j) {
+            float g = grad(GET(E, dyr, j), GET(E, w, j), GET(E, xr, j));
+            PUT(E, dxr, j, accum ? GET(E, dxr, j) + g : g);
+        });
 }
 
 // dw += Σ_rows dy⊙x̂ in two passes that fill the GPU (one thread per column over every row
