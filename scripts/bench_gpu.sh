@@ -3,7 +3,8 @@
 # bf16, seq 2048, SmolLM-135M and Llama-3.2-1B shapes from random init; rounds interleaved
 # (ferrotron, then PyTorch, per shape); per shape the median tokens/s of each side, their
 # ratio, MFU (model FLOPs, causal-aware, against the GPU's dense bf16 peak) and peak memory.
-#   bash bench_gpu.sh [rounds] [attention|train|all|trace]   # in target/cuda-check on the GPU machine
+#   bash bench_gpu.sh [rounds] [attention|train|all|trace|fp8]   # in target/cuda-check on the GPU machine
+# `fp8`: ferrotron's fp8 products against its bf16, per shape (speed-up, last loss, memory).
 # `trace`: one traced run per shape (3 steps, --trace), each op's GPU time from the CUDA events
 # around it summed by trace_ops.py (the traces stay in $OUT).
 # First, attention alone (issue #32: forward + backward within 1.5x of PyTorch's SDPA, flash):
@@ -19,6 +20,44 @@ OUT=${OUT:-$(mktemp -d)}
 RESULTS="$OUT/bench_gpu.jsonl"
 : >"$RESULTS"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+if [ "$parts" = fp8 ]; then
+    # fp8 against bf16, both ferrotron's (issue #32 item 4): the layer products through
+    # cuBLASLt's fp8 tensor cores, everything else as bf16; the speed-up per shape and both
+    # runs' last loss, rounds interleaved.
+    FP8="$OUT/bench_fp8.jsonl"
+    : >"$FP8"
+    for round in $(seq "$rounds"); do
+        for shape in "smollm-135m 8" "llama-3.2-1b 4"; do
+            read -r preset mbs <<<"$shape"
+            for p in bf16 fp8; do
+                dir="$OUT/$preset-$p-$round"
+                ./ferrotron train --device cuda --model "$preset" --seq 2048 --mbs "$mbs" --precision "$p" \
+                    --steps 8 --warmup 2 --eval-interval 0 --sample-tokens 0 --quiet --out-dir "$dir" \
+                    2>"$dir.log" || { tail -5 "$dir.log"; exit 1; }
+                python3 - "$preset" "$p" "$dir/metrics.jsonl" >>"$FP8" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[3])]
+print(json.dumps({"shape": sys.argv[1], "precision": sys.argv[2],
+    "tok_s": statistics.median(r["tokens_per_s"] for r in rows[1:]), "last_loss": rows[-1]["loss"],
+    "mem_mib": rows[-1]["mem_peak_measured"] / 2**20, "planned_mib": rows[-1]["mem_peak_planned"] / 2**20}))
+PY
+                tail -1 "$FP8"
+            done
+        done
+    done
+    python3 - "$FP8" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+for shape in dict.fromkeys(r["shape"] for r in rows):
+    side = lambda p: [r for r in rows if r["shape"] == shape and r["precision"] == p]
+    bf, f8 = side("bf16"), side("fp8")
+    med = lambda rs, k: statistics.median(r[k] for r in rs)
+    print(f"{shape} seq 2048: fp8 {med(f8, 'tok_s'):.0f} tok/s vs bf16 {med(bf, 'tok_s'):.0f}: "
+          f"{med(f8, 'tok_s') / med(bf, 'tok_s'):.2f}x; last loss {f8[-1]['last_loss']:.4f} vs {bf[-1]['last_loss']:.4f}; "
+          f"memory {f8[-1]['mem_mib']:.0f} MiB (planned {f8[-1]['planned_mib']:.0f}) vs {bf[-1]['mem_mib']:.0f}, over {len(f8)} rounds")
+PY
+    exit 0
+fi
 if [ "$parts" = trace ]; then
     for shape in "smollm-135m 8" "llama-3.2-1b 4"; do
         read -r preset mbs <<<"$shape"

@@ -164,7 +164,7 @@ for l in sys.stdin:
     echo "--steps 20 --eval-interval 10 --sample-tokens 0 --quiet" >"$out/train_flags"
     if [ "${FERROTRON_KIT_CPU:-1}" != 0 ]; then
         read -ra flags <"$out/train_flags"
-        for p in fp32 bf16; do
+        for p in fp32 bf16 fp8; do
             run=$(mktemp -d)
             echo "== the CPU half: train $p, ${flags[*]}"
             "$out/ferrotron" train --device cpu --peak-gflops 100 --precision "$p" "${flags[@]}" \
@@ -189,7 +189,8 @@ for l in sys.stdin:
 #!/usr/bin/env bash
 # On the GPU machine (built by scripts/cuda_check.sh bundle; no Rust there): the CUDA backend
 # against the CPU backend, then the trainer on the GPU against the CPU: the default model for
-# 20 steps in fp32 and bf16 and a mixture of experts (ferrotron-moe-16m) for 5 in fp32, losses
+# 20 steps in fp32, bf16 and fp8 (cuBLASLt's fp8 products against the CPU's fp8 path) and a
+# mixture of experts (ferrotron-moe-16m) for 5 in fp32, losses
 # and planned vs measured memory compared (cuda_compare.py), with each step's host
 # synchronisations by site and launches (cuda_ops.py: issue #32's counts) in the summary.
 # Each stage has its own time budget; $OUT/summary.txt (first) says what passed, with the GPU,
@@ -235,7 +236,7 @@ if [ "$last" != ok ]; then
     fi
 fi
 read -ra common <train_flags
-for p in fp32 bf16; do
+for p in fp32 bf16 fp8; do
     # The CPU's half was trained when the kit was built (cpu-$p.jsonl); without it, here. The
     # CPU's MFU is not the point: a fixed peak skips measuring it. The GPU's comes from the
     # planner's table.

@@ -57,8 +57,8 @@ run "$bin" train --device cpu --model "$work/config.json" --steps 1 --seq 64 --m
 common=(--data "$work/data-run/data" --seq 64 --mbs 2 --sample-tokens 0 --quiet)
 tiny=(--model "$work/config.json" "${common[@]}")
 
-echo "== emulated GPU: the trainer against the CPU, fp32 and bf16"
-for p in fp32 bf16; do
+echo "== emulated GPU: the trainer against the CPU, fp32, bf16 and fp8 (cuBLASLt's fp8 products, #32)"
+for p in fp32 bf16 fp8; do
     for d in cpu cuda; do
         run "$bin" train --device "$d" --peak-gflops 100 --precision "$p" "${tiny[@]}" --steps 4 \
             --eval-interval 2 --out-dir "$work/$p-$d"

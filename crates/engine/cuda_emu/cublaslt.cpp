@@ -6,7 +6,11 @@
 //
 // What it computes: D = alpha·op(A)·op(B) + beta·C, column-major (element (r, c) at r + c·ld),
 // op = transpose for CUBLAS_OP_T. A and B are both f32, bf16 or f16; C and D are f32 or of A's
-// type (cuBLASLt's CUBLAS_COMPUTE_32F table). Each output has one f32 accumulator summing over k
+// type (cuBLASLt's CUBLAS_COMPUTE_32F table). Or A and B are fp8 (e4m3, e5m2; not both e5m2),
+// with C = D of f32, bf16 or f16, under the rules Hopper's fp8 kernels have (the cuBLASLt
+// documentation, cublasLtMatmul: A transposed and B not, "TN"; leading dimensions of A and B
+// multiples of 16): the codes decoded exactly, the sum multiplied by the A and B scale
+// pointers' values (1 where unset) before alpha. Each output has one f32 accumulator summing over k
 // in increasing order, with f32 multiplies and no fused multiply-add; then alpha·acc + beta·C
 // (C is not read when beta = 0, as cuBLAS does: it may hold garbage), rounded to D's type to
 // nearest even. Device pointers are host pointers (the driver emulator's), so operands are read
@@ -22,12 +26,13 @@
 // for 256-byte operands faults or reads wrongly on a 64-byte-aligned one).
 //
 // Not emulated: the algorithms themselves (one "algorithm", no workspace), tensor cores, TF32 and
-// other fast compute types, epilogues (bias, activations, aux outputs), scale pointers, device
-// pointer modes, batching, row-major and tiled orders, and streams: every call is synchronous.
+// other fast compute types, epilogues (bias, activations, aux outputs), C and D scale pointers,
+// device pointer modes, batching, row-major and tiled orders, and streams: every call is synchronous.
 //
 // `ferrotron_emu_cublaslt_calls()` counts the products run, for tests that a path used cuBLASLt.
 
 #include <atomic>
+#include <cmath>
 #include <cstdarg>
 #include <cstddef>
 #include <cstdint>
@@ -46,7 +51,7 @@ namespace {
 
 // cublasStatus_t, cudaDataType and cublasComputeType_t values (cublas_api.h, library_types.h).
 enum : int { OK = 0, NOT_INITIALIZED = 1, ALLOC_FAILED = 3, INVALID_VALUE = 7, NOT_SUPPORTED = 15 };
-enum : int { R_32F = 0, R_16F = 2, R_16BF = 14 };
+enum : int { R_32F = 0, R_16F = 2, R_16BF = 14, R_8F_E4M3 = 28, R_8F_E5M2 = 29 };
 enum : int { COMPUTE_32F = 68, COMPUTE_32F_PEDANTIC = 69 };
 
 // Every object starts with a tag, so a freed or wrong kind of object is caught, not used.
@@ -54,7 +59,11 @@ constexpr uint32_t HANDLE = 0x4c74480a, DESC = 0x4c74440a, LAYOUT = 0x4c744c0a, 
 constexpr uint64_t ALGO = 0x666572726f4c7441;  // "ferroLtA": made by the heuristic below
 
 struct Handle { uint32_t tag = HANDLE; };
-struct Desc { uint32_t tag = DESC; int compute, scale, trans_a = 0, trans_b = 0; };
+struct Desc {
+    uint32_t tag = DESC;
+    int compute, scale, trans_a = 0, trans_b = 0;
+    const float *scale_a = nullptr, *scale_b = nullptr;  // device (= host) pointers, or unset
+};
 struct Layout { uint32_t tag = LAYOUT; int type; uint64_t rows, cols; int64_t ld; };
 // Minimum alignments of A, B, C, D in bytes: cuBLASLt assumes 256 unless told otherwise.
 struct Pref { uint32_t tag = PREF; uint32_t align[4] = {256, 256, 256, 256}; };
@@ -115,9 +124,12 @@ template <class T> bool value(const void* buf, size_t size, T* out) {
         return OK;         \
     }
 
-size_t bytes_of(int type) { return type == R_32F ? 4 : 2; }
-const char* name_of(int type) { return type == R_32F ? "f32" : type == R_16F ? "f16" : "bf16"; }
-bool emulated(int type) { return type == R_32F || type == R_16F || type == R_16BF; }
+bool fp8(int type) { return type == R_8F_E4M3 || type == R_8F_E5M2; }
+size_t bytes_of(int type) { return type == R_32F ? 4 : fp8(type) ? 1 : 2; }
+const char* name_of(int type) {
+    return type == R_32F ? "f32" : type == R_16F ? "f16" : type == R_16BF ? "bf16" : type == R_8F_E4M3 ? "e4m3" : "e5m2";
+}
+bool emulated(int type) { return type == R_32F || type == R_16F || type == R_16BF || fp8(type); }
 
 float from_bits(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 uint32_t to_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
@@ -156,8 +168,23 @@ uint16_t f32_to_f16(float f) {
     return sign | uint16_t(h);
 }
 
+// An OCP fp8 code, exactly (numerics::fp8::decode): e4m3 has no infinity and one NaN code
+// per sign, e5m2 is IEEE-like.
+float fp8_to_f32(uint8_t b, int type) {
+    int m = type == R_8F_E4M3 ? 3 : 2, emin = type == R_8F_E4M3 ? -6 : -14;
+    int e = (b & 0x7f) >> m;
+    uint32_t frac = b & ((1u << m) - 1);
+    float mag;
+    if (type == R_8F_E4M3 && (b & 0x7f) == 0x7f) mag = from_bits(0x7fc00000);
+    else if (type == R_8F_E5M2 && e == 31) mag = frac ? from_bits(0x7fc00000) : from_bits(0x7f800000);
+    else if (e == 0) mag = std::ldexp(float(frac), emin - m);
+    else mag = std::ldexp(float((1u << m) + frac), e - 1 + emin - m);
+    return b & 0x80 ? -mag : mag;
+}
+
 float load(const void* p, int type, size_t i) {
     if (type == R_32F) return static_cast<const float*>(p)[i];
+    if (fp8(type)) return fp8_to_f32(static_cast<const uint8_t*>(p)[i], type);
     uint16_t h = static_cast<const uint16_t*>(p)[i];
     return type == R_16BF ? bf16_to_f32(h) : f16_to_f32(h);
 }
@@ -195,10 +222,25 @@ int check(const char* fn, const Desc* op, const Layout* a, const Layout* b, cons
     if (c->rows != m || c->cols != n)
         return fail(INVALID_VALUE, fn, "C is %llux%llu, D %llux%llu", (unsigned long long)c->rows,
                     (unsigned long long)c->cols, (unsigned long long)m, (unsigned long long)n);
+    if (fp8(a->type) || fp8(b->type)) {
+        if (!fp8(a->type) || !fp8(b->type) || (a->type == R_8F_E5M2 && b->type == R_8F_E5M2) ||
+            c->type != d->type || fp8(d->type))
+            return fail(NOT_SUPPORTED, fn, "types A %s, B %s, C %s, D %s: not an fp8 case emulated",
+                        name_of(a->type), name_of(b->type), name_of(c->type), name_of(d->type));
+        if (!op->trans_a || op->trans_b)
+            return fail(NOT_SUPPORTED, fn, "fp8 operands with TRANSA %d, TRANSB %d: Hopper's fp8 "
+                        "products take A transposed and B not (TN)", op->trans_a, op->trans_b);
+        if (a->ld % 16 || b->ld % 16)
+            return fail(NOT_SUPPORTED, fn, "fp8 operands with lda %lld, ldb %lld: multiples of 16 only",
+                        (long long)a->ld, (long long)b->ld);
+        return OK;
+    }
     if (a->type != b->type || c->type != d->type ||
         (d->type != R_32F && d->type != a->type))
         return fail(NOT_SUPPORTED, fn, "types A %s, B %s, C %s, D %s: not a CUBLAS_COMPUTE_32F case",
                     name_of(a->type), name_of(b->type), name_of(c->type), name_of(d->type));
+    if (op->scale_a || op->scale_b)
+        return fail(NOT_SUPPORTED, fn, "A/B scale pointers with %s operands (fp8 only)", name_of(a->type));
     return OK;
 }
 
@@ -234,7 +276,7 @@ int cublasLtDestroy(void* handle) { return destroy<Handle>(handle, HANDLE, NOT_I
 int cublasLtMatrixLayoutCreate(void** layout, int type, uint64_t rows, uint64_t cols, int64_t ld) {
     const char* fn = "cublasLtMatrixLayoutCreate";
     if (!layout) return fail(INVALID_VALUE, fn, "null layout pointer");
-    if (!emulated(type)) return fail(NOT_SUPPORTED, fn, "data type %d (only f32, f16, bf16)", type);
+    if (!emulated(type)) return fail(NOT_SUPPORTED, fn, "data type %d (only f32, f16, bf16, e4m3, e5m2)", type);
     *layout = new Layout{LAYOUT, type, rows, cols, ld};
     return OK;
 }
@@ -315,6 +357,13 @@ int cublasLtMatmulDescSetAttribute(void* desc, int attr, const void* buf, size_t
             return e == 1 ? OK : fail(NOT_SUPPORTED, fn, "epilogue %u (only the default)", e);
         }
         case 15: IGNORED(int32_t, "CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET")
+        case 17:
+        case 18: {  // A_SCALE_POINTER, B_SCALE_POINTER: a device pointer to one f32
+            const char* name = attr == 17 ? "CUBLASLT_MATMUL_DESC_A_SCALE_POINTER" : "CUBLASLT_MATMUL_DESC_B_SCALE_POINTER";
+            VALUE(const float*, ptr, name);
+            (attr == 17 ? d->scale_a : d->scale_b) = ptr;
+            return OK;
+        }
         default: return fail(NOT_SUPPORTED, fn, "matmul attribute %d would change the product", attr);
     }
 }
@@ -426,6 +475,8 @@ int cublasLtMatmul(void* handle, void* desc, const void* alpha, const void* pa, 
                 float term = x[l] * y[l];
                 acc += term;
             }
+            if (op->scale_a) acc *= *op->scale_a;
+            if (op->scale_b) acc *= *op->scale_b;
             float out = al * acc;
             if (be != 0.0f) {
                 float scaled = be * load(pc, c->type, i + j * c->ld);

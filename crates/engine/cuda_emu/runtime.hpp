@@ -281,6 +281,12 @@ inline T atomicAdd(T* p, T v) {
     *p = old + v;
     return old;
 }
+template <class T>
+inline T atomicMax(T* p, T v) {
+    T old = *p;
+    *p = old > v ? old : v;
+    return old;
+}
 
 inline float __int_as_float(int i) {
     float f;

@@ -15,6 +15,9 @@ mod common;
 // runs them with the rest.
 #[path = "cuda_backend/moe.rs"]
 mod moe;
+// fp8 products against the CPU's fp8 path.
+#[path = "cuda_backend/fp8.rs"]
+mod fp8;
 
 use common::{assert_close, to64, Rng};
 use ferrotron_engine::dtype::Elem;

@@ -28,7 +28,7 @@
 use rayon::prelude::*;
 
 /// An OCP FP8 format.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Fp8Format {
     /// 4 exponent bits, 3 mantissa bits, bias 7, finite-only ("e4m3fn"): max 448.
     E4M3,

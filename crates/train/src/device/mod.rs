@@ -24,6 +24,7 @@ pub mod ranks;
 pub mod state;
 
 use anyhow::{bail, Result};
+use ferrotron_engine::kernels::cpu::Fp8Inputs;
 use ferrotron_engine::kernels::{Backend, CpuKernels, DeviceAlloc, EmulatedDevice, OnDevice};
 use ferrotron_engine::model::Llama;
 use ferrotron_plan::Precision;
@@ -199,15 +200,24 @@ pub fn open(
             Backend::Emulated(OnDevice { inner: cpu }),
             Some(Arc::new(EmulatedDevice { ordinal: 0 })),
         ),
-        Device::Cuda => cuda(gpu)?,
+        Device::Cuda => cuda(gpu, cpu.fp8)?,
     })
 }
 
 /// GPU `gpu`: its context, compiled kernels and cuBLASLt (each failure one line).
 #[cfg(feature = "cuda")]
-fn cuda(gpu: usize) -> Result<(Backend, Option<Arc<dyn DeviceAlloc>>)> {
+fn cuda(gpu: usize, fp8: Option<Fp8Inputs>) -> Result<(Backend, Option<Arc<dyn DeviceAlloc>>)> {
     use ferrotron_engine::kernels::cuda::{CudaAlloc, CudaKernels};
-    let k = CudaKernels::open(gpu).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut k = CudaKernels::open(gpu).map_err(|e| anyhow::anyhow!("{e}"))?;
+    if fp8.is_some() && !k.fp8_capable() {
+        let g = k.gpu();
+        bail!(
+            "precision = fp8: the {} ({}) has no fp8 tensor cores (Ada and Hopper have: sm_89 and later); use --precision bf16 on it, or fp8 on the CPU",
+            g.name,
+            g.arch
+        );
+    }
+    k.set_fp8(fp8);
     let alloc = Arc::new(CudaAlloc::new(k.gpu().ctx.clone(), k.baseline()));
     Ok((Backend::Cuda(Box::new(k)), Some(alloc)))
 }
@@ -241,6 +251,7 @@ pub fn gpu_workspace(
         if let Some(m) = c.moe {
             k.reserve_routing(tokens, m.top_k);
         }
+        k.reserve_fp8(tokens, &layer_products(c));
         let g = k.gpu();
         let peak = table_peak(&g.name, precision);
         return Some((
@@ -251,6 +262,19 @@ pub fn gpu_workspace(
     }
     let _ = (b, model, rows, tokens, precision);
     None
+}
+
+/// The (in, out) features of a layer's products (this rank's shard of them): the attention's
+/// q, k, v and o, then the MLP's (each expert's, in a mixture of experts) gate, up and down.
+#[cfg(feature = "cuda")]
+fn layer_products(c: &ferrotron_engine::model::LlamaConfig) -> [(usize, usize); 5] {
+    let (h, q, kv, f) = (
+        c.hidden,
+        c.heads * c.head_dim,
+        c.kv_heads * c.head_dim,
+        c.intermediate,
+    );
+    [(h, q), (h, kv), (q, h), (h, f), (f, h)]
 }
 
 /// The name the CUDA emulator's driver gives its device (crates/engine/cuda_emu/driver.cpp):
@@ -268,7 +292,7 @@ pub fn table_peak(device_name: &str, precision: Precision) -> Option<f64> {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda(_gpu: usize) -> Result<(Backend, Option<Arc<dyn DeviceAlloc>>)> {
+fn cuda(_gpu: usize, _fp8: Option<Fp8Inputs>) -> Result<(Backend, Option<Arc<dyn DeviceAlloc>>)> {
     unreachable!("refused by `check` in a build without CUDA")
 }
 

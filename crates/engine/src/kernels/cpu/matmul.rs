@@ -267,7 +267,7 @@ pub fn forward<S: Elem, Y: Elem>(
 /// kernel per count grew a 16M-parameter Mixtral's resident memory past 5 GiB in 60 steps).
 /// Rows are independent, so the pieces give the whole product's values; a weight gradient
 /// sums its pieces' contributions in turn.
-fn pieces(n: usize, ragged: bool) -> impl Iterator<Item = (usize, usize)> {
+pub(crate) fn pieces(n: usize, ragged: bool) -> impl Iterator<Item = (usize, usize)> {
     const BLOCK: usize = 256;
     let (blocks, rest) = match ragged {
         true => (n / BLOCK, n % BLOCK),

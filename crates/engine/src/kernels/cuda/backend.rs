@@ -11,11 +11,12 @@
 //! on the CPU backend.
 
 use super::device::{DeviceError, Gpu};
-use super::gemm::{self, Call, Lt, Product};
+use super::gemm::{self, Call, Inputs, Lt, Product};
 use super::memory::{download_into, DeviceBlock};
 use super::OPS;
 use crate::dtype::Elem;
 use crate::kernels::cpu::adamw::Consts;
+use crate::kernels::cpu::Fp8Inputs;
 use crate::kernels::*;
 use cudarc::driver::{result, DeviceRepr, LaunchConfig, PushKernelArg};
 use ferrotron_plan::DType;
@@ -23,6 +24,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
+mod fp8;
 pub(super) mod host_ids;
 mod moe;
 mod on_host;
@@ -112,6 +114,8 @@ enum Scratch {
     Routes,
     /// The router's max and Σexp per token, between its two kernels.
     RouterStats,
+    /// An fp8 product's two operands as codes, their amax and scales (`fp8::Layout`).
+    Fp8,
 }
 
 /// A host RoPE table's address, length, head dim and last entries.
@@ -141,6 +145,9 @@ pub struct CudaKernels {
     /// (`FERROTRON_CUDA_ATTENTION=plain`, or [`CudaKernels::use_plain_attention`]): the
     /// reference the tests hold the tensor-core kernels to, and a switch for bisecting.
     plain_attention: AtomicBool,
+    /// The layer products' fp8 formats (`--precision fp8`), or `None` for products on the
+    /// storage type; the LM head's are never fp8 (as on the CPU).
+    fp8: Option<Fp8Inputs>,
 }
 
 /// The variable that picks the attention kernels: `flash` (the default) or `plain`.
@@ -173,6 +180,7 @@ impl CudaKernels {
             loss: Mutex::default(),
             op_events: Mutex::default(),
             plain_attention: AtomicBool::new(plain_attention_from_env()?),
+            fp8: None,
         })
     }
 
@@ -272,10 +280,22 @@ impl CudaKernels {
 
     /// The product `p` on cuBLASLt: operands A and B of type `types.0`, D of `types.1`, at
     /// device addresses `[a, b, d]`; D accumulates with `acc`.
-    fn product(&self, op: &str, p: Product, types: (DType, DType), [a, b, d]: [u64; 3], acc: bool) {
+    fn product(&self, op: &str, p: Product, types: (DType, DType), ptrs: [u64; 3], acc: bool) {
+        self.product_of(op, p, Inputs::Stored(types.0), types.1, ptrs, acc);
+    }
+
+    /// The product `p` with A and B holding `ab` (a storage type, or fp8 codes and scales).
+    fn product_of(
+        &self,
+        op: &str,
+        p: Product,
+        ab: Inputs,
+        out: DType,
+        [a, b, d]: [u64; 3],
+        acc: bool,
+    ) {
         self.bind();
         let stream = self.gpu.stream.cu_stream() as cudarc::cublaslt::sys::cudaStream_t;
-        let (ab, out) = types;
         let c = Call {
             p,
             ab,
@@ -533,7 +553,10 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         let op = "matmul_forward";
         let (x, w, y) = (dev(&x, op), dev(&w, op), dev_mut(&mut y, op));
         let acc = y_accum == Accum::Add;
-        self.product(op, gemm::forward(s), (S::DTYPE, S::DTYPE), [w, x, y], acc);
+        match self.fp8 {
+            Some(f) => self.fp8_forward::<S>(s, f, [x, w, y], acc),
+            None => self.product(op, gemm::forward(s), (S::DTYPE, S::DTYPE), [w, x, y], acc),
+        }
         if let Some(bias) = bias {
             let (bias, rows, cols) = (dev(&bias, op), s.n as u64, s.out_features as u64);
             launch!(self, name::<S>("bias_add"), elementwise(rows * cols); y, bias, rows, cols);
@@ -550,13 +573,16 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
     ) {
         let op = "matmul_backward_weight";
         let (dyp, xp, dwp) = (dev(&dy, op), dev(&x, op), dev_mut(&mut dw, op));
-        self.product(
-            op,
-            gemm::backward_weight(s),
-            (S::DTYPE, G::DTYPE),
-            [xp, dyp, dwp],
-            true,
-        );
+        match self.fp8 {
+            Some(f) => self.fp8_backward_weight::<S, G>(s, f, [dyp, xp, dwp]),
+            None => self.product(
+                op,
+                gemm::backward_weight(s),
+                (S::DTYPE, G::DTYPE),
+                [xp, dyp, dwp],
+                true,
+            ),
+        }
         if let Some(mut db) = dbias {
             let (db, rows, cols) = (dev_mut(&mut db, op), s.n as u64, s.out_features as u64);
             let cfg = elementwise(cols);
@@ -575,13 +601,16 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         let op = "matmul_backward_input";
         let (dy, w, dx) = (dev(&dy, op), dev(&w, op), dev_mut(&mut dx, op));
         let acc = dx_accum == Accum::Add;
-        self.product(
-            op,
-            gemm::backward_input(s),
-            (S::DTYPE, S::DTYPE),
-            [w, dy, dx],
-            acc,
-        );
+        match self.fp8 {
+            Some(f) => self.fp8_backward_input::<S>(s, f, [dy, w, dx], acc),
+            None => self.product(
+                op,
+                gemm::backward_input(s),
+                (S::DTYPE, S::DTYPE),
+                [w, dy, dx],
+                acc,
+            ),
+        }
     }
 
     fn head_forward(

@@ -12,6 +12,7 @@
 //! use β = 1, so a gradient of a 16-bit type is rounded once per call, as on the CPU.
 
 use crate::kernels::MatmulShape;
+use crate::numerics::fp8::Fp8Format;
 use cudarc::cublaslt::{result as lt, sys};
 use ferrotron_plan::DType;
 use std::collections::HashMap;
@@ -90,6 +91,29 @@ pub fn backward_weight(s: MatmulShape) -> Product {
     }
 }
 
+/// Hopper's fp8 products take A transposed and B not ("TN", the cuBLASLt documentation,
+/// `cublasLtMatmul`: k contiguous in both operands). The forward is already so; the input
+/// gradient reads `Wᵀ [in, out]` (row-major, a transposed copy of the weight) as A; the weight
+/// gradient reads `Xᵀ [in, k]` as A and `dYᵀ [out, k]` as B, each row padded to `k` ≥ n tokens
+/// (a multiple of 16, as the operands' leading dimension must be, the pad zeros).
+pub fn fp8_backward_input(s: MatmulShape) -> Product {
+    Product {
+        a: transposed(s.out_features, s.in_features),
+        ..backward_input(s)
+    }
+}
+
+/// See [`fp8_backward_input`]; `k` is the padded token count.
+pub fn fp8_backward_weight(s: MatmulShape, k: usize) -> Product {
+    Product {
+        m: s.in_features,
+        n: s.out_features,
+        k,
+        a: transposed(k, s.in_features),
+        b: plain(k, s.out_features),
+    }
+}
+
 /// `d = op(a)·op(b) + beta·d` by cuBLAS's definition (column-major, `M[r, c]` at `r + c·ld`),
 /// on the host: the specification the GPU's products are tested against.
 pub fn reference(p: &Product, a: &[f32], b: &[f32], d: &mut [f32], beta: f32) {
@@ -108,6 +132,35 @@ pub fn reference(p: &Product, a: &[f32], b: &[f32], d: &mut [f32], beta: f32) {
     }
 }
 
+/// What A and B hold: elements of a storage type, or fp8 codes with the device addresses of
+/// their dequantising scales (an f32 each, cuBLASLt's A and B scale pointers: D = scale_A ·
+/// scale_B · Σ a·b).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Inputs {
+    Stored(DType),
+    Fp8 {
+        a: Fp8Format,
+        b: Fp8Format,
+        scales: [u64; 2],
+    },
+}
+
+impl Inputs {
+    fn types(self) -> [sys::cudaDataType; 2] {
+        match self {
+            Inputs::Stored(t) => [cuda_type(t); 2],
+            Inputs::Fp8 { a, b, .. } => [fp8_type(a), fp8_type(b)],
+        }
+    }
+}
+
+fn fp8_type(f: Fp8Format) -> sys::cudaDataType {
+    match f {
+        Fp8Format::E4M3 => sys::cudaDataType::CUDA_R_8F_E4M3,
+        Fp8Format::E5M2 => sys::cudaDataType::CUDA_R_8F_E5M2,
+    }
+}
+
 fn cuda_type(t: DType) -> sys::cudaDataType {
     match t {
         DType::F32 => sys::cudaDataType::CUDA_R_32F,
@@ -117,12 +170,12 @@ fn cuda_type(t: DType) -> sys::cudaDataType {
     }
 }
 
-/// One product to run: its description, the device addresses of A, B and D, the type of A and
-/// B (`ab`) and of D (`out`), and whether D accumulates (β = 1) or is overwritten.
+/// One product to run: its description, the device addresses of A, B and D, what A and B hold
+/// (`ab`) and the type of D (`out`), and whether D accumulates (β = 1) or is overwritten.
 #[derive(Clone, Copy, Debug)]
 pub struct Call {
     pub p: Product,
-    pub ab: DType,
+    pub ab: Inputs,
     pub out: DType,
     pub a: u64,
     pub b: u64,
@@ -132,7 +185,7 @@ pub struct Call {
 
 /// Key of a product's chosen algorithm: its shape and types, whether it accumulates, and the
 /// alignment of A, B and D ([`alignment`]).
-type AlgoKey = (Product, DType, DType, bool, [u32; 3]);
+type AlgoKey = (Product, Inputs, DType, bool, [u32; 3]);
 
 /// The largest power of two, up to 256 bytes, that divides a device address: what cuBLASLt's
 /// heuristic may assume of an operand (`CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*_BYTES`). Its
@@ -267,9 +320,10 @@ impl Lt {
     unsafe fn describe(&self, key: AlgoKey) -> Result<Prepared, String> {
         let (p, ab, out, _, [align_a, align_b, align_d]) = key;
         let err = |what: &'static str| move |e: lt::CublasError| format!("cuBLASLt {what}: {e:?}");
-        let layout = |t: DType, rows: usize, cols: usize, ld: usize| {
-            lt::create_matrix_layout(cuda_type(t), rows as u64, cols as u64, ld as i64)
+        let layout = |t: sys::cudaDataType, rows: usize, cols: usize, ld: usize| {
+            lt::create_matrix_layout(t, rows as u64, cols as u64, ld as i64)
         };
+        let [ta, tb] = ab.types();
         let desc = lt::create_matmul_desc(
             sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
             sys::cudaDataType::CUDA_R_32F,
@@ -283,9 +337,9 @@ impl Lt {
             algo: sys::cublasLtMatmulAlgo_t { data: [0; 8] },
         };
         let r = (|| {
-            m.a = layout(ab, p.a.rows, p.a.cols, p.a.ld).map_err(err("layout A"))?;
-            m.b = layout(ab, p.b.rows, p.b.cols, p.b.ld).map_err(err("layout B"))?;
-            m.d = layout(out, p.m, p.n, p.m).map_err(err("layout D"))?;
+            m.a = layout(ta, p.a.rows, p.a.cols, p.a.ld).map_err(err("layout A"))?;
+            m.b = layout(tb, p.b.rows, p.b.cols, p.b.ld).map_err(err("layout B"))?;
+            m.d = layout(cuda_type(out), p.m, p.n, p.m).map_err(err("layout D"))?;
             // The TRANSA/TRANSB attributes are cublasOperation_t, an int32: CUBLAS_OP_N = 0,
             // CUBLAS_OP_T = 1 (cublas_api.h).
             use sys::cublasLtMatmulDescAttributes_t as D;
@@ -300,6 +354,21 @@ impl Lt {
                     size_of_val(&t),
                 )
                 .map_err(err("transposition"))?;
+            }
+            if let Inputs::Fp8 { scales, .. } = ab {
+                // The scale pointers are `void*` attributes: the device addresses themselves.
+                for (attr, at) in [
+                    (D::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, scales[0]),
+                    (D::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, scales[1]),
+                ] {
+                    lt::set_matmul_desc_attribute(
+                        desc,
+                        attr,
+                        (&at as *const u64).cast(),
+                        size_of_val(&at),
+                    )
+                    .map_err(err("fp8 scale"))?;
+                }
             }
             let pref = lt::create_matmul_pref().map_err(err("preference"))?;
             let ws = self.workspace_bytes;
@@ -454,6 +523,33 @@ mod tests {
             k.matmul_backward_weight(s, dy.view(), x.view(), want.view_mut(), None);
             reference(&backward_weight(s), &x, &dy, &mut got, 1.0);
             close(&got, &want, "backward weight");
+
+            // The fp8 (TN) forms on transposed copies, the weight gradient's padded.
+            let mut want = random(n * i, 7);
+            let mut got = want.clone();
+            k.matmul_backward_input(s, dy.view(), w.view(), want.view_mut(), Accum::Add);
+            let wt = transpose(&w, o, i, o);
+            reference(&fp8_backward_input(s), &wt, &dy, &mut got, 1.0);
+            close(&got, &want, "fp8 backward input");
+            let pad = n.next_multiple_of(16);
+            let mut want = random(o * i, 8);
+            let mut got = want.clone();
+            k.matmul_backward_weight(s, dy.view(), x.view(), want.view_mut(), None);
+            let (xt, dyt) = (transpose(&x, n, i, pad), transpose(&dy, n, o, pad));
+            reference(&fp8_backward_weight(s, pad), &xt, &dyt, &mut got, 1.0);
+            close(&got, &want, "fp8 backward weight");
         }
+    }
+
+    /// Row-major `m [rows, cols]` transposed, each of its `cols` rows `ld` long (zeros past
+    /// `rows`), as `fp8_quantize_t` writes it.
+    fn transpose(m: &[f32], rows: usize, cols: usize, ld: usize) -> Vec<f32> {
+        let mut t = vec![0.0; cols * ld];
+        for r in 0..rows {
+            for c in 0..cols {
+                t[c * ld + r] = m[r * cols + c];
+            }
+        }
+        t
     }
 }

@@ -23,6 +23,7 @@ pub fn program() -> String {
         include_str!("cu/flash_attention.cu"),
         include_str!("cu/bias.cu"),
         include_str!("cu/moe.cu"),
+        include_str!("cu/fp8.cu"),
     ]
     .join("\n")
 }
@@ -60,6 +61,9 @@ pub fn entry_points() -> Vec<String> {
         "moe_unpermute",
         "moe_scale_rows",
         "moe_row_dot",
+        "fp8_amax",
+        "fp8_quantize",
+        "fp8_quantize_t",
     ];
     let per_grads = ["embedding_backward", "adamw", "bias_grad"];
     let mut names: Vec<String> = [
@@ -70,6 +74,7 @@ pub fn entry_points() -> Vec<String> {
         "router_topk",
         "router_load",
         "router_backward",
+        "fp8_amax_reset",
     ]
     .map(String::from)
     .into();
