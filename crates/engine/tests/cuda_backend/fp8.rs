@@ -4,8 +4,9 @@
 //! the products differ only in the order of their f32 sums, and then in one rounding of a
 //! 16-bit output: 1e-4 relative to the largest entry for f32 outputs, 1e-2 (2^-8 either way,
 //! and the sums' order) for bf16 ones. A dense shape and a ragged one (the CPU's pieces of
-//! 256, 32, 8 and 4 rows: per-piece scales, weight gradients padded to 16 tokens), fresh views
-//! and views at an odd offset.
+//! 256, 32, 8 and 4 rows: per-piece scales, weight gradients padded to 16 tokens), on fresh
+//! allocations: the trainer's operands of an fp8 run are 16-byte aligned (its widths are
+//! multiples of 16, which it checks), and Hopper's fp8 kernels may not take less.
 
 use super::{f32s, gpu, same, stored, On};
 use crate::common::{rel_err, to64, Rng};
@@ -91,9 +92,7 @@ fn fp8_products_follow_the_cpus_fp8_path() {
             out_features: 64,
             ragged,
         };
-        for at in [0, 3] {
-            products::<bf16, bf16>(&k, s, at);
-            products::<bf16, f32>(&k, s, at);
-        }
+        products::<bf16, bf16>(&k, s, 0);
+        products::<bf16, f32>(&k, s, 0);
     }
 }

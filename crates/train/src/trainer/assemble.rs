@@ -22,6 +22,21 @@ pub(super) struct Opened {
     pub chunk: usize,
 }
 
+/// cuBLASLt's fp8 products read their operands with leading dimensions that are multiples of
+/// 16 (Hopper's rule): every layer width of this rank's shard must be one.
+fn fp8_widths(c: &LlamaConfig) -> Result<()> {
+    let widths = [
+        ("hidden", c.hidden),
+        ("heads x head_dim", c.heads * c.head_dim),
+        ("kv_heads x head_dim", c.kv_heads * c.head_dim),
+        ("intermediate", c.intermediate),
+    ];
+    match widths.iter().find(|(_, w)| w % 16 != 0) {
+        Some((name, w)) => anyhow::bail!("precision = fp8: the GPU's fp8 products need every layer width a multiple of 16, and this rank's {name} is {w}: use --precision bf16 on the GPU, or fp8 on the CPU"),
+        None => Ok(()),
+    }
+}
+
 /// Opens the backend of `machine` for `llama` split over `tp_size` ranks: kernels warmed up,
 /// the workspace measured, the trace and the memory timeline reserved (all before the
 /// baseline).
@@ -57,6 +72,9 @@ pub(super) fn open_backend(
     llama
         .check_backend(limits)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
+    if limits.backend == "CUDA" && cfg.precision.kind == Precision::Fp8 {
+        fp8_widths(&local)?;
+    }
     if limits.backend == "CUDA" && cfg.observability.memory_timeline.is_some() {
         anyhow::bail!("memory_timeline: the timeline samples the host's heap, not the GPU's memory; drop --memory-timeline with --device cuda");
     }
@@ -538,5 +556,37 @@ pub(super) fn plan_pool(timeline: Option<Timeline>, arena: Arena) -> PlanPool {
         timeline,
         arena: Some(arena),
         ..PlanPool::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(hidden: usize, intermediate: usize) -> LlamaConfig {
+        LlamaConfig {
+            hidden,
+            intermediate,
+            heads: 2,
+            kv_heads: 1,
+            head_dim: hidden / 2,
+            layers: 1,
+            vocab: 10,
+            rope_theta: 10000.0,
+            rms_eps: 1e-5,
+            tie_embeddings: true,
+            qkv_bias: false,
+            max_pos: 16,
+            moe: None,
+        }
+    }
+
+    #[test]
+    fn fp8_on_the_gpu_refuses_a_width_that_is_not_a_multiple_of_16() {
+        assert!(fp8_widths(&config(64, 160)).is_ok());
+        let e = fp8_widths(&config(64, 150)).unwrap_err().to_string();
+        assert_eq!(e, "precision = fp8: the GPU's fp8 products need every layer width a multiple of 16, and this rank's intermediate is 150: use --precision bf16 on the GPU, or fp8 on the CPU");
+        let e = fp8_widths(&config(40, 160)).unwrap_err().to_string();
+        assert!(e.contains("this rank's hidden is 40"), "{e}");
     }
 }
