@@ -563,30 +563,24 @@ pub(super) fn plan_pool(timeline: Option<Timeline>, arena: Arena) -> PlanPool {
 mod tests {
     use super::*;
 
-    fn config(hidden: usize, intermediate: usize) -> LlamaConfig {
-        LlamaConfig {
-            hidden,
-            intermediate,
-            heads: 2,
-            kv_heads: 1,
-            head_dim: hidden / 2,
-            layers: 1,
-            vocab: 10,
-            rope_theta: 10000.0,
-            rms_eps: 1e-5,
-            tie_embeddings: true,
-            qkv_bias: false,
-            max_pos: 16,
-            moe: None,
-        }
+    /// SmolLM-135M's widths (576, 9 × 64, 3 × 64, 1536: multiples of 16), one changed.
+    fn smollm(change: impl FnOnce(&mut LlamaConfig)) -> LlamaConfig {
+        let spec = ferrotron_plan::presets::preset("smollm-135m").unwrap();
+        let mut c = crate::setup::llama_config(&spec).unwrap();
+        change(&mut c);
+        c
     }
 
     #[test]
     fn fp8_on_the_gpu_refuses_a_width_that_is_not_a_multiple_of_16() {
-        assert!(fp8_widths(&config(64, 160)).is_ok());
-        let e = fp8_widths(&config(64, 150)).unwrap_err().to_string();
-        assert_eq!(e, "precision = fp8: the GPU's fp8 products need every layer width a multiple of 16, and this rank's intermediate is 150: use --precision bf16 on the GPU, or fp8 on the CPU");
-        let e = fp8_widths(&config(40, 160)).unwrap_err().to_string();
-        assert!(e.contains("this rank's hidden is 40"), "{e}");
+        assert!(fp8_widths(&smollm(|_| {})).is_ok());
+        let e = fp8_widths(&smollm(|c| c.intermediate = 1530))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(e, "precision = fp8: the GPU's fp8 products need every layer width a multiple of 16, and this rank's intermediate is 1530: use --precision bf16 on the GPU, or fp8 on the CPU");
+        let e = fp8_widths(&smollm(|c| c.head_dim = 60))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("this rank's heads x head_dim is 540"), "{e}");
     }
 }

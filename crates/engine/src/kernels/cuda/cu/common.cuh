@@ -160,6 +160,52 @@ __device__ __forceinline__ void for_each8_in_block(u64 n, bool vectors, Vf vec, 
     for_each8_from(n, vectors, threadIdx.x, blockDim.x, vec, one);
 }
 
+// out[i] = f(a[i], b[i]) over n elements, eight at a time where all three are aligned (`out`
+// may be `a`).
+template <typename E, typename F>
+__device__ __forceinline__ void map2(const typename E::T* a, const typename E::T* b, typename E::T* out, u64 n,
+                                     F f) {
+    for_each8(
+        n, aligned16(a, b, out),
+        [&](u64 i) {
+            float x[8], y[8];
+            Vec8<E>::ld(a + i, x);
+            Vec8<E>::ld(b + i, y);
+#pragma unroll
+            for (int j = 0; j < 8; j++) x[j] = f(x[j], y[j]);
+            Vec8<E>::st(out + i, x);
+        },
+        [&](u64 i) { PUT(E, out, i, f(GET(E, a, i), GET(E, b, i))); });
+}
+
+// One row of n elements read by the block's threads, eight at a time where `vectors`:
+// f(value, index) for each; `map_row` writes f's result back in place.
+template <typename E, typename F>
+__device__ __forceinline__ void each_in_row(const typename E::T* x, u64 n, bool vectors, F f) {
+    for_each8_in_block(
+        n, vectors,
+        [&](u64 j) {
+            float v[8];
+            Vec8<E>::ld(x + j, v);
+#pragma unroll
+            for (int e = 0; e < 8; e++) f(v[e], j + e);
+        },
+        [&](u64 j) { f(GET(E, x, j), j); });
+}
+template <typename E, typename F>
+__device__ __forceinline__ void map_row(typename E::T* x, u64 n, bool vectors, F f) {
+    for_each8_in_block(
+        n, vectors,
+        [&](u64 j) {
+            float v[8];
+            Vec8<E>::ld(x + j, v);
+#pragma unroll
+            for (int e = 0; e < 8; e++) v[e] = f(v[e], j + e);
+            Vec8<E>::st(x + j, v);
+        },
+        [&](u64 j) { PUT(E, x, j, f(GET(E, x, j), j)); });
+}
+
 // Grid-stride loop over n elements.
 #define FOR_EACH(i, n) \
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (u64)gridDim.x * blockDim.x)

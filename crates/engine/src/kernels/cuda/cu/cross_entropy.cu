@@ -28,23 +28,11 @@ extern "C" __global__ void cross_entropy(float* logits, const u32* targets, floa
     bool vec = aligned16(z);
     if (t >= vocab) {
         if (threadIdx.x == 0) losses[row] = 0.0f;
-        if (with_grad) {
-            float zeros[8] = {};
-            for_each8_in_block(
-                vocab, vec, [&](u64 j) { Vec8<F32>::st(z + j, zeros); }, [&](u64 j) { z[j] = 0.0f; });
-        }
+        if (with_grad) map_row<F32>(z, vocab, vec, [](float, u64) { return 0.0f; });
         return;
     }
     float m = F_INF_NEG, sum = 0.0f;
-    for_each8_in_block(
-        vocab, vec,
-        [&](u64 j) {
-            float x[8];
-            Vec8<F32>::ld(z + j, x);
-#pragma unroll
-            for (int e = 0; e < 8; e++) softmax_add(m, sum, x[e]);
-        },
-        [&](u64 j) { softmax_add(m, sum, z[j]); });
+    each_in_row<F32>(z, vocab, vec, [&](float x, u64) { softmax_add(m, sum, x); });
     // The block's pairs merged: every sum rescaled to the row's max.
     float mx = block_max(m, scratch);
     sum = block_sum(m > F_INF_NEG ? sum * expf(m - mx) : 0.0f, scratch);
@@ -53,17 +41,7 @@ extern "C" __global__ void cross_entropy(float* logits, const u32* targets, floa
     if (threadIdx.x == 0) losses[row] = logf(sum) + mx - zt;
     if (with_grad) {
         float k = scale / sum;
-        auto grad = [&](float x, u64 j) { return expf(x - mx) * k - (j == t ? scale : 0.0f); };
-        for_each8_in_block(
-            vocab, vec,
-            [&](u64 j) {
-                float x[8];
-                Vec8<F32>::ld(z + j, x);
-#pragma unroll
-                for (int e = 0; e < 8; e++) x[e] = grad(x[e], j + e);
-                Vec8<F32>::st(z + j, x);
-            },
-            [&](u64 j) { z[j] = grad(z[j], j); });
+        map_row<F32>(z, vocab, vec, [&](float x, u64 j) { return expf(x - mx) * k - (j == t ? scale : 0.0f); });
     }
 }
 

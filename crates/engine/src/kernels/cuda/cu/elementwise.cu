@@ -4,17 +4,7 @@
 // out = a + b, eight at a time (`out` may be `a`: add_inplace).
 template <typename E>
 __device__ void add_impl(const typename E::T* a, const typename E::T* b, typename E::T* out, u64 n) {
-    for_each8(
-        n, aligned16(a, b, out),
-        [&](u64 i) {
-            float x[8], y[8];
-            Vec8<E>::ld(a + i, x);
-            Vec8<E>::ld(b + i, y);
-#pragma unroll
-            for (int j = 0; j < 8; j++) x[j] += y[j];
-            Vec8<E>::st(out + i, x);
-        },
-        [&](u64 i) { PUT(E, out, i, GET(E, a, i) + GET(E, b, i)); });
+    map2<E>(a, b, out, n, [](float x, float y) { return x + y; });
 }
 template <typename E>
 __device__ void add_inplace_impl(typename E::T* acc, const typename E::T* x, u64 n) {

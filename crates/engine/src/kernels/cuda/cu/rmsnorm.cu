@@ -15,18 +15,7 @@ __device__ void rmsnorm_forward_impl(const typename E::T* x, const typename E::T
     typename E::T* o = out + row * c;
     bool vec = aligned16(xr, w, o);
     float ss = 0.0f;
-    for_each8_in_block(
-        c, vec,
-        [&](u64 j) {
-            float v[8];
-            Vec8<E>::ld(xr + j, v);
-#pragma unroll
-            for (int e = 0; e < 8; e++) ss += v[e] * v[e];
-        },
-        [&](u64 j) {
-            float v = GET(E, xr, j);
-            ss += v * v;
-        });
+    each_in_row<E>(xr, c, vec, [&](float v, u64) { ss += v * v; });
     ss = block_sum(ss, scratch);
     float r = rsqrtf(ss / (float)c + eps);
     if (threadIdx.x == 0) rstd[row] = r;

@@ -53,17 +53,7 @@ __device__ __forceinline__ float swiglu(float g, float u) { return g * sigmoid(g
 // h = silu(g)·u, eight at a time.
 template <typename E>
 __device__ void swiglu_forward_impl(const typename E::T* g, const typename E::T* u, typename E::T* h, u64 n) {
-    for_each8(
-        n, aligned16(g, u, h),
-        [&](u64 i) {
-            float gv[8], uv[8];
-            Vec8<E>::ld(g + i, gv);
-            Vec8<E>::ld(u + i, uv);
-#pragma unroll
-            for (int j = 0; j < 8; j++) gv[j] = swiglu(gv[j], uv[j]);
-            Vec8<E>::st(h + i, gv);
-        },
-        [&](u64 i) { PUT(E, h, i, swiglu(GET(E, g, i), GET(E, u, i))); });
+    map2<E>(g, u, h, n, [](float a, float b) { return swiglu(a, b); });
 }
 
 // du = dh·silu(g); dg = dh·u·σ(g)(1 + g(1 − σ(g))). Both outputs of one element, in `d`.
