@@ -1129,6 +1129,6 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
                 }
             }
         };
-        launch!(self, name2::<S, G>("adamw"), elementwise(n); c, p, g, m, v, out, n, rounding, seed, h.step);
+        launch!(self, name2::<S, G>("adamw"), elementwise8(n); c, p, g, m, v, out, n, rounding, seed, h.step);
     }
 }
