@@ -13,9 +13,10 @@
 #   - device memory by the driver's count against the plan, fp32/bf16 x none/full (cuda_memory.py);
 #   - a plan over --device-memory refused with its fixes, then trained with --offload
 #     optimizer and --offload params under that budget, against the CPU and the driver;
-#   - dp 2, tp 2, pp 2, ZeRO-3 and cp 2 on the one GPU against one rank (cuda_ranks.py).
+#   - dp 2, tp 2, pp 2, ZeRO-3 and cp 2 on the one GPU against one rank (cuda_ranks.py);
+#   - the NCCL communicator at 1 to 3 ranks on the emulator's libnccl.
 # What it cannot show (PTX and the hardware's rounding of expf, speed, the GPU's memory model,
-# NCCL) stays the GPU kit's: bash scripts/cuda_check.sh bundle, then target/cuda-check/run.sh.
+# real NCCL and its streams) stays the GPU kit's: bash scripts/cuda_check.sh bundle, then target/cuda-check/run.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=$PWD/target/cuda-emu
@@ -45,6 +46,12 @@ rss_within() {
 
 echo "== emulated GPU: the backend's op tests and training steps against the CPU"
 cargo test --release -p ferrotron-engine --features cuda --test cuda_backend
+
+echo "== emulated NCCL: the NCCL communicator at 1, 2 and 3 ranks (threads) against the threads backend (#33)"
+# The emulator's libnccl (cuda_emu/nccl.cpp) joins ranks that are threads of one process;
+# cudarc finds it by name on LD_LIBRARY_PATH. Same features as cuda_check.sh's build: no rebuild.
+LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_REQUIRE_NCCL=1 \
+    cargo test --release -p ferrotron-dist -p ferrotron --features cuda --test nccl
 
 # A 2-layer GQA Llama with the bundled tokenizer's vocabulary; the corpus tokenized once.
 cat >"$work/config.json" <<'JSON'

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds the CUDA emulator into DIR (default target/cuda-emu): libcuda.so.1, libnvrtc.so.13 and
-# libcublasLt.so.13, host libraries with NVIDIA's C ABI for the calls the CUDA backend makes,
+# Builds the CUDA emulator into DIR (default target/cuda-emu): libcuda.so.1, libnvrtc.so.13,
+# libcublasLt.so.13 and libnccl.so.2, host libraries with NVIDIA's C ABI for the calls the CUDA backend makes,
 # and the device runtime the emulated NVRTC compiles kernels against. Needs only g++.
 # Use: FERROTRON_LIBCUDA=DIR/libcuda.so.1 FERROTRON_NVRTC=DIR/libnvrtc.so.13
 #      FERROTRON_CUBLASLT=DIR/libcublasLt.so.13 (scripts/cuda_emu.sh sets them and runs the tests).
@@ -18,6 +18,10 @@ cp "$here/runtime.hpp" "$out/runtime.hpp"
 "$cxx" "${flags[@]}" -Wl,-soname,libcuda.so.1 "$here/driver.cpp" -o "$out/libcuda.so.1" -ldl
 "$cxx" "${flags[@]}" -Wl,-soname,libnvrtc.so.13 "$here/nvrtc.cpp" -o "$out/libnvrtc.so.13" -ldl
 "$cxx" "${flags[@]}" -Wl,-soname,libcublasLt.so.13 "$here/cublaslt.cpp" -o "$out/libcublasLt.so.13"
+# NCCL between ranks that are threads of one process; cudarc loads it as libnccl.so by name, so
+# its directory goes on LD_LIBRARY_PATH.
+"$cxx" "${flags[@]}" -Wl,-soname,libnccl.so.2 "$here/nccl.cpp" -o "$out/libnccl.so.2" -lpthread
+ln -sf libnccl.so.2 "$out/libnccl.so"
 
 # The runtime's own test: it runs what CUDA defines and refuses what CUDA leaves undefined.
 "$cxx" -std=c++17 -O1 -Wall -Wextra -Werror -ffp-contract=off "$here/selftest.cpp" -o "$out/selftest"

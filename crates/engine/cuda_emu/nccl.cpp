@@ -1,0 +1,357 @@
+// The CUDA emulator's libnccl: the NCCL calls ferrotron's NCCL communicator makes
+// (`crates/dist/src/backends/nccl.rs`, through cudarc's `nccl::result`), between ranks that are
+// threads of one process (the threads launcher), so several NCCL ranks are tested without GPUs.
+// Built as `libnccl.so.2` with a `libnccl.so` link (cudarc loads it by name: put the directory
+// on LD_LIBRARY_PATH).
+//
+// What it does: `ncclCommInitRank` joins the ranks holding the same unique id (blocking until
+// all have, as NCCL's init does). A collective waits for every rank of its communicator, then
+// the last to arrive computes every rank's result on the device buffers (the driver emulator's
+// device pointers are host pointers) and releases them: sums in rank order from 0
+// (`0 + x₀ + x₁ + …`, as ferrotron's threads backend adds), so the results are that backend's
+// bit for bit. Sends and receives between `ncclGroupStart` and `ncclGroupEnd` are matched per
+// (source, destination) pair in order; `ncclGroupEnd` returns once its receives have copied
+// and its sends have been received. Every call completes before it returns: streams are
+// ignored (the emulated driver's streams are synchronous too).
+//
+// Differences from NCCL, said here so no test relies on them: several ranks may share the one
+// emulated GPU (NCCL refuses that); only f32 sums are emulated (other types and operations fail
+// with ncclInvalidArgument and a line on stderr); collectives inside a group are refused.
+
+#include <condition_variable>
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unistd.h>
+#include <utility>
+#include <vector>
+
+namespace {
+
+enum : int { SUCCESS = 0, SYSTEM_ERROR = 2, INVALID_ARGUMENT = 4, INVALID_USAGE = 5 };
+enum : int { FLOAT32 = 7 };
+enum : int { SUM = 0 };
+
+int fail(int status, const char* fn, const char* fmt, ...) {
+    va_list args;
+    va_start(args, fmt);
+    std::fprintf(stderr, "ferrotron NCCL emulator: %s: ", fn);
+    std::vfprintf(stderr, fmt, args);
+    std::fputc('\n', stderr);
+    va_end(args);
+    return status;
+}
+
+size_t bytes_of(int type) {
+    static const size_t sizes[] = {1, 1, 4, 4, 8, 8, 2, 4, 8, 2};
+    return type >= 0 && type < 10 ? sizes[type] : 0;
+}
+
+enum class Kind { AllReduce, Broadcast, ReduceScatter, AllGather };
+const char* name_of(Kind k) {
+    switch (k) {
+        case Kind::AllReduce: return "ncclAllReduce";
+        case Kind::Broadcast: return "ncclBroadcast";
+        case Kind::ReduceScatter: return "ncclReduceScatter";
+        default: return "ncclAllGather";
+    }
+}
+
+// One rank's part of a collective.
+struct Part {
+    Kind kind;
+    const float* send;
+    float* recv;
+    size_t count;  // NCCL's count: per rank for ReduceScatter (recv) and AllGather (send)
+    int root;
+};
+
+struct Message {
+    const void* buf;
+    size_t bytes;
+    bool* received;
+};
+
+// The ranks of one unique id.
+struct Clique {
+    int nranks;
+    int joined = 0;
+    std::mutex mu;
+    std::condition_variable cv;
+    bool aborted = false;
+    // The collective in progress: the parts arrived so far, and how many calls have completed.
+    std::vector<Part> parts;
+    int arrived = 0;
+    uint64_t completed = 0;
+    int status = SUCCESS;
+    // Messages in flight, by (source, destination), in send order.
+    std::map<std::pair<int, int>, std::vector<Message>> mail;
+};
+
+std::mutex cliques_mu;
+std::map<std::string, std::shared_ptr<Clique>> cliques;
+
+struct Comm {
+    std::shared_ptr<Clique> clique;
+    int rank;
+};
+
+struct Pending {
+    bool send;
+    void* buf;
+    size_t bytes;
+    int peer;
+    Comm* comm;
+};
+thread_local int group_depth = 0;
+thread_local std::vector<Pending> pending;
+
+// Every rank's results of the collective whose parts have all arrived.
+int compute(Clique& c) {
+    const Part& p0 = c.parts[0];
+    int n = c.nranks;
+    for (const Part& p : c.parts)
+        if (p.kind != p0.kind || p.count != p0.count || p.root != p0.root)
+            return fail(INVALID_USAGE, name_of(p0.kind), "the ranks called different collectives or counts");
+    size_t count = p0.count;
+    switch (p0.kind) {
+        case Kind::AllReduce: {
+            std::vector<float> sum(count, 0.0f);
+            for (const Part& p : c.parts)
+                for (size_t i = 0; i < count; i++) sum[i] += p.send[i];
+            for (const Part& p : c.parts) std::memcpy(p.recv, sum.data(), count * 4);
+            return SUCCESS;
+        }
+        case Kind::Broadcast: {
+            std::vector<float> v(c.parts[p0.root].send, c.parts[p0.root].send + count);
+            for (const Part& p : c.parts) std::memcpy(p.recv, v.data(), count * 4);
+            return SUCCESS;
+        }
+        case Kind::ReduceScatter: {
+            std::vector<float> sum(count * n, 0.0f);
+            for (const Part& p : c.parts)
+                for (size_t i = 0; i < count * n; i++) sum[i] += p.send[i];
+            for (int r = 0; r < n; r++) std::memcpy(c.parts[r].recv, sum.data() + r * count, count * 4);
+            return SUCCESS;
+        }
+        case Kind::AllGather: {
+            std::vector<float> all(count * n);
+            for (int r = 0; r < n; r++) std::memcpy(all.data() + r * count, c.parts[r].send, count * 4);
+            for (const Part& p : c.parts) std::memcpy(p.recv, all.data(), count * n * 4);
+            return SUCCESS;
+        }
+    }
+    return INVALID_USAGE;
+}
+
+int collective(Comm* comm, Part part, int type, int op) {
+    const char* fn = name_of(part.kind);
+    if (!comm) return fail(INVALID_ARGUMENT, fn, "null communicator");
+    if (group_depth > 0) return fail(INVALID_USAGE, fn, "a collective inside a group (not emulated)");
+    if (type != FLOAT32 || op != SUM)
+        return fail(INVALID_ARGUMENT, fn, "data type %d, operation %d: only f32 sums are emulated", type, op);
+    Clique& c = *comm->clique;
+    std::unique_lock<std::mutex> lock(c.mu);
+    if (c.aborted) return fail(SYSTEM_ERROR, fn, "the communicator was aborted");
+    uint64_t mine = c.completed;
+    c.parts[comm->rank] = part;
+    if (++c.arrived == c.nranks) {
+        c.status = compute(c);
+        c.arrived = 0;
+        c.completed++;
+        c.cv.notify_all();
+    } else {
+        c.cv.wait(lock, [&] { return c.completed != mine || c.aborted; });
+        if (c.completed == mine) return fail(SYSTEM_ERROR, fn, "the communicator was aborted");
+    }
+    return c.status;
+}
+
+// The sends and receives of one group, in the order they were called.
+int run_group(std::vector<Pending>& ops) {
+    const char* fn = "ncclGroupEnd";
+    std::unique_ptr<bool[]> received(new bool[ops.size()]());
+    for (size_t i = 0; i < ops.size(); i++) {
+        Pending& o = ops[i];
+        if (!o.send) continue;
+        Clique& c = *o.comm->clique;
+        std::lock_guard<std::mutex> lock(c.mu);
+        c.mail[{o.comm->rank, o.peer}].push_back(Message{o.buf, o.bytes, &received[i]});
+        c.cv.notify_all();
+    }
+    int status = SUCCESS;
+    for (Pending& o : ops) {
+        if (o.send) continue;
+        Clique& c = *o.comm->clique;
+        std::unique_lock<std::mutex> lock(c.mu);
+        auto& box = c.mail[{o.peer, o.comm->rank}];
+        c.cv.wait(lock, [&] { return !box.empty() || c.aborted; });
+        if (box.empty()) return fail(SYSTEM_ERROR, fn, "the communicator was aborted");
+        Message m = box.front();
+        box.erase(box.begin());
+        if (m.bytes != o.bytes)
+            status = fail(INVALID_USAGE, fn, "rank %d sent %zu bytes to rank %d, which receives %zu",
+                          o.peer, m.bytes, o.comm->rank, o.bytes);
+        else
+            std::memcpy(o.buf, m.buf, o.bytes);
+        *m.received = true;
+        c.cv.notify_all();
+    }
+    // A send's buffer is the sender's again only once it was received.
+    for (size_t i = 0; i < ops.size(); i++) {
+        if (!ops[i].send) continue;
+        Clique& c = *ops[i].comm->clique;
+        std::unique_lock<std::mutex> lock(c.mu);
+        c.cv.wait(lock, [&] { return received[i] || c.aborted; });
+        if (!received[i]) return fail(SYSTEM_ERROR, fn, "the communicator was aborted");
+    }
+    return status;
+}
+
+int point_to_point(bool send, void* buf, size_t count, int type, int peer, Comm* comm) {
+    const char* fn = send ? "ncclSend" : "ncclRecv";
+    if (!comm) return fail(INVALID_ARGUMENT, fn, "null communicator");
+    if (bytes_of(type) == 0) return fail(INVALID_ARGUMENT, fn, "data type %d", type);
+    if (peer < 0 || peer >= comm->clique->nranks)
+        return fail(INVALID_ARGUMENT, fn, "peer %d of %d ranks", peer, comm->clique->nranks);
+    pending.push_back(Pending{send, buf, count * bytes_of(type), peer, comm});
+    if (group_depth > 0) return SUCCESS;
+    std::vector<Pending> ops;
+    ops.swap(pending);
+    return run_group(ops);
+}
+
+}  // namespace
+
+extern "C" {
+
+struct ncclUniqueId {
+    char internal[128];
+};
+
+int ncclGetVersion(int* version) {
+    if (!version) return fail(INVALID_ARGUMENT, "ncclGetVersion", "null pointer");
+    *version = 22703;  // the API of NCCL 2.27
+    return SUCCESS;
+}
+
+const char* ncclGetErrorString(int result) {
+    switch (result) {
+        case SUCCESS: return "no error (ferrotron NCCL emulator)";
+        case SYSTEM_ERROR: return "system error (ferrotron NCCL emulator)";
+        case INVALID_ARGUMENT: return "invalid argument (ferrotron NCCL emulator)";
+        case INVALID_USAGE: return "invalid usage (ferrotron NCCL emulator)";
+        default: return "unknown result (ferrotron NCCL emulator)";
+    }
+}
+
+const char* ncclGetLastError(void*) { return "see the ferrotron NCCL emulator's line on stderr"; }
+
+int ncclGetUniqueId(ncclUniqueId* id) {
+    if (!id) return fail(INVALID_ARGUMENT, "ncclGetUniqueId", "null pointer");
+    static std::mutex mu;
+    static uint64_t next = 0;
+    std::lock_guard<std::mutex> lock(mu);
+    std::memset(id->internal, 0, sizeof id->internal);
+    std::snprintf(id->internal, sizeof id->internal, "ferrotron-nccl-emu %d %llu", int(getpid()),
+                  (unsigned long long)++next);
+    return SUCCESS;
+}
+
+int ncclCommInitRank(void** comm, int nranks, ncclUniqueId id, int rank) {
+    const char* fn = "ncclCommInitRank";
+    if (!comm || nranks < 1 || rank < 0 || rank >= nranks)
+        return fail(INVALID_ARGUMENT, fn, "rank %d of %d ranks", rank, nranks);
+    std::string key(id.internal, strnlen(id.internal, sizeof id.internal));
+    std::shared_ptr<Clique> c;
+    {
+        std::lock_guard<std::mutex> lock(cliques_mu);
+        auto& slot = cliques[key];
+        if (!slot) {
+            slot = std::make_shared<Clique>();
+            slot->nranks = nranks;
+            slot->parts.resize(nranks);
+        }
+        c = slot;
+    }
+    std::unique_lock<std::mutex> lock(c->mu);
+    if (c->nranks != nranks)
+        return fail(INVALID_USAGE, fn, "rank %d joins with %d ranks, the others with %d", rank, nranks, c->nranks);
+    // NCCL's init is collective: every rank returns once all have joined.
+    if (++c->joined == nranks) {
+        c->cv.notify_all();
+        std::lock_guard<std::mutex> l(cliques_mu);
+        cliques.erase(key);  // the id may not be reused
+    } else {
+        c->cv.wait(lock, [&] { return c->joined == c->nranks; });
+    }
+    *comm = new Comm{c, rank};
+    return SUCCESS;
+}
+
+int ncclCommDestroy(void* comm) {
+    delete static_cast<Comm*>(comm);
+    return SUCCESS;
+}
+
+int ncclCommAbort(void* comm) {
+    Comm* c = static_cast<Comm*>(comm);
+    if (c) {
+        std::lock_guard<std::mutex> lock(c->clique->mu);
+        c->clique->aborted = true;
+        c->clique->cv.notify_all();
+    }
+    delete c;
+    return SUCCESS;
+}
+
+int ncclGroupStart(void) {
+    group_depth++;
+    return SUCCESS;
+}
+
+int ncclGroupEnd(void) {
+    if (group_depth == 0) return fail(INVALID_USAGE, "ncclGroupEnd", "no group was started");
+    if (--group_depth > 0) return SUCCESS;
+    std::vector<Pending> ops;
+    ops.swap(pending);
+    return run_group(ops);
+}
+
+int ncclSend(const void* buf, size_t count, int type, int peer, void* comm, void*) {
+    return point_to_point(true, const_cast<void*>(buf), count, type, peer, static_cast<Comm*>(comm));
+}
+
+int ncclRecv(void* buf, size_t count, int type, int peer, void* comm, void*) {
+    return point_to_point(false, buf, count, type, peer, static_cast<Comm*>(comm));
+}
+
+int ncclAllReduce(const void* send, void* recv, size_t count, int type, int op, void* comm, void*) {
+    Part p{Kind::AllReduce, static_cast<const float*>(send), static_cast<float*>(recv), count, 0};
+    return collective(static_cast<Comm*>(comm), p, type, op);
+}
+
+int ncclBroadcast(const void* send, void* recv, size_t count, int type, int root, void* comm, void*) {
+    Comm* c = static_cast<Comm*>(comm);
+    if (c && (root < 0 || root >= c->clique->nranks))
+        return fail(INVALID_ARGUMENT, "ncclBroadcast", "root %d of %d ranks", root, c->clique->nranks);
+    Part p{Kind::Broadcast, static_cast<const float*>(send), static_cast<float*>(recv), count, root};
+    return collective(c, p, type, SUM);
+}
+
+int ncclReduceScatter(const void* send, void* recv, size_t count, int type, int op, void* comm, void*) {
+    Part p{Kind::ReduceScatter, static_cast<const float*>(send), static_cast<float*>(recv), count, 0};
+    return collective(static_cast<Comm*>(comm), p, type, op);
+}
+
+int ncclAllGather(const void* send, void* recv, size_t count, int type, void* comm, void*) {
+    Part p{Kind::AllGather, static_cast<const float*>(send), static_cast<float*>(recv), count, 0};
+    return collective(static_cast<Comm*>(comm), p, type, SUM);
+}
+
+}  // extern "C"
