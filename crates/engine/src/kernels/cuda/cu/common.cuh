@@ -178,32 +178,35 @@ __device__ __forceinline__ void map2(const typename E::T* a, const typename E::T
         [&](u64 i) { PUT(E, out, i, f(GET(E, a, i), GET(E, b, i))); });
 }
 
-// One row of n elements read by the block's threads, eight at a time where `vectors`:
-// f(value, index) for each; `map_row` writes f's result back in place.
-template <typename E, typename F>
-__device__ __forceinline__ void each_in_row(const typename E::T* x, u64 n, bool vectors, F f) {
+// One row of n elements through the block's threads, eight at a time where `vectors`:
+// f(value, index) for each, its result written back in place with WRITE (`map_row`) or not
+// (`each_in_row`).
+template <typename E, bool WRITE, typename F>
+__device__ __forceinline__ void row_pass(typename E::T* x, u64 n, bool vectors, F f) {
     for_each8_in_block(
         n, vectors,
         [&](u64 j) {
             float v[8];
             Vec8<E>::ld(x + j, v);
 #pragma unroll
-            for (int e = 0; e < 8; e++) f(v[e], j + e);
+            for (int e = 0; e < 8; e++) {
+                if constexpr (WRITE) v[e] = f(v[e], j + e);
+                else f(v[e], j + e);
+            }
+            if constexpr (WRITE) Vec8<E>::st(x + j, v);
         },
-        [&](u64 j) { f(GET(E, x, j), j); });
+        [&](u64 j) {
+            if constexpr (WRITE) PUT(E, x, j, f(GET(E, x, j), j));
+            else f(GET(E, x, j), j);
+        });
+}
+template <typename E, typename F>
+__device__ __forceinline__ void each_in_row(const typename E::T* x, u64 n, bool vectors, F f) {
+    row_pass<E, false>(const_cast<typename E::T*>(x), n, vectors, f);
 }
 template <typename E, typename F>
 __device__ __forceinline__ void map_row(typename E::T* x, u64 n, bool vectors, F f) {
-    for_each8_in_block(
-        n, vectors,
-        [&](u64 j) {
-            float v[8];
-            Vec8<E>::ld(x + j, v);
-#pragma unroll
-            for (int e = 0; e < 8; e++) v[e] = f(v[e], j + e);
-            Vec8<E>::st(x + j, v);
-        },
-        [&](u64 j) { PUT(E, x, j, f(GET(E, x, j), j)); });
+    row_pass<E, true>(x, n, vectors, f);
 }
 
 // Grid-stride loop over n elements.
