@@ -251,7 +251,7 @@ pub fn gpu_workspace(
         if let Some(m) = c.moe {
             k.reserve_routing(tokens, m.top_k);
         }
-        k.reserve_fp8(tokens, &layer_products(c));
+        k.reserve_fp8(tokens, c.moe.is_some(), &layer_products(c));
         let g = k.gpu();
         let peak = table_peak(&g.name, precision);
         return Some((

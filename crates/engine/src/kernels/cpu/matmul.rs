@@ -260,6 +260,9 @@ pub fn forward<S: Elem, Y: Elem>(
     }
 }
 
+/// The most rows a piece of a ragged product has ([`pieces`]).
+pub(crate) const PIECE_ROWS: usize = 256;
+
 /// Rows `(first, count)` a product of `n` rows runs as: all at once, or for a ragged product
 /// blocks of 256 rows and the rest in powers of two (1000 = 3 × 256 + 128 + 64 + 16 + 8), so
 /// that a backend compiling a kernel per shape (oneDNN) compiles at most nine per product
@@ -268,7 +271,7 @@ pub fn forward<S: Elem, Y: Elem>(
 /// Rows are independent, so the pieces give the whole product's values; a weight gradient
 /// sums its pieces' contributions in turn.
 pub(crate) fn pieces(n: usize, ragged: bool) -> impl Iterator<Item = (usize, usize)> {
-    const BLOCK: usize = 256;
+    const BLOCK: usize = PIECE_ROWS;
     let (blocks, rest) = match ragged {
         true => (n / BLOCK, n % BLOCK),
         false => (0, n),

@@ -4,7 +4,7 @@
 //! Each product quantises its two operands as the CPU does, piece by piece where the CPU
 //! works in pieces (a ragged product's, `cpu::matmul::pieces`): the operand's amax, its
 //! per-tensor scale (a power of two) and its e4m3 (weights, activations) or e5m2 (gradients)
-//! codes, bit for bit the CPU's (`cu/fp8.cu`). cuBLASLt multiplies the codes with f32
+//! codes, bit for bit the CPU's (`cu/fp8.cu`); a weight's once per call, not per piece. cuBLASLt multiplies the codes with f32
 //! accumulation and multiplies back by both inverse scales (its A and B scale pointers), so
 //! the product is the CPU's up to the order of the sums.
 //!
@@ -18,7 +18,7 @@
 //! [`Layout`] says where.
 
 use super::*;
-use crate::kernels::cpu::matmul::pieces;
+use crate::kernels::cpu::matmul::{pieces, PIECE_ROWS};
 use crate::numerics::fp8::Fp8Format;
 
 /// The `Fp8` scratch: a 256-byte header (the two operands' amax as `u32` bit patterns at 0 and
@@ -83,7 +83,7 @@ impl Source {
 /// activation's codes; the weight gradient: both transposed, padded).
 pub fn scratch_bytes(rows: usize, in_features: usize, out_features: usize) -> usize {
     let (i, o) = (in_features, out_features);
-    let pad = rows.next_multiple_of(16);
+    let pad = padded(rows);
     let forward = Layout::bytes(o * i, rows * i.max(o));
     forward.max(Layout::bytes(pad * i, pad * o))
 }
@@ -113,8 +113,11 @@ impl CudaKernels {
     }
 
     /// Allocates now the fp8 scratch of products over at most `rows` rows of the weights
-    /// `shapes` (`in_features`, `out_features`), so that no step allocates it.
-    pub fn reserve_fp8(&self, rows: usize, shapes: &[(usize, usize)]) {
+    /// `shapes` (`in_features`, `out_features`), so that no step allocates it. With `ragged`
+    /// (a mixture of experts' expert products, whose rows follow the routing) also over a
+    /// ragged product's largest piece, `PIECE_ROWS` rows.
+    pub fn reserve_fp8(&self, rows: usize, ragged: bool, shapes: &[(usize, usize)]) {
+        let rows = if ragged { rows.max(PIECE_ROWS) } else { rows };
         let bytes = shapes
             .iter()
             .map(|&(i, o)| scratch_bytes(rows, i, o))
@@ -125,12 +128,16 @@ impl CudaKernels {
         }
     }
 
-    /// `d (=|+=) p` on the codes of `a` and `b` (storage `S`), D of type `out`.
+    /// `d (=|+=) p` on the codes of `a` and `b` (storage `S`), D of type `out`. With
+    /// `a_ready`, A's codes and scale are the last call's (the same weight for the next piece
+    /// of a ragged product: its amax, scale and codes would come out the same).
+    #[allow(clippy::too_many_arguments)]
     fn fp8_product<S: Elem>(
         &self,
         op: &str,
         p: Product,
         [a, b]: [Source; 2],
+        a_ready: bool,
         out: DType,
         d: u64,
         acc: bool,
@@ -143,7 +150,7 @@ impl CudaKernels {
         };
         let amax = l.amax(0);
         launch!(self, "fp8_amax_reset".to_string(), one_thread(); amax);
-        for (i, src) in [a, b].into_iter().enumerate() {
+        for (i, src) in [a, b].into_iter().enumerate().skip(a_ready as usize) {
             self.quantize::<S>(&l, i, src);
         }
         let ab = Inputs::Fp8 {
@@ -191,19 +198,12 @@ impl CudaKernels {
         acc: bool,
     ) {
         let (i, o) = (s.in_features, s.out_features);
-        for (at, m) in pieces(s.n, s.ragged) {
+        let a = Source::plain(w, o, i, f.forward);
+        for (k, (at, m)) in pieces(s.n, s.ragged).enumerate() {
             let piece = MatmulShape { n: m, ..s };
-            let a = Source::plain(w, o, i, f.forward);
             let b = Source::plain(row::<S>(x, at, i), m, i, f.forward);
-            let d = row::<S>(y, at, o);
-            self.fp8_product::<S>(
-                "matmul_forward",
-                gemm::forward(piece),
-                [a, b],
-                S::DTYPE,
-                d,
-                acc,
-            );
+            let (p, d) = (gemm::forward(piece), row::<S>(y, at, o));
+            self.fp8_product::<S>("matmul_forward", p, [a, b], k > 0, S::DTYPE, d, acc);
         }
     }
 
@@ -216,13 +216,12 @@ impl CudaKernels {
         acc: bool,
     ) {
         let (i, o) = (s.in_features, s.out_features);
-        for (at, m) in pieces(s.n, s.ragged) {
+        let a = Source::transposed(w, o, i, f.forward, o);
+        for (k, (at, m)) in pieces(s.n, s.ragged).enumerate() {
             let piece = MatmulShape { n: m, ..s };
-            let a = Source::transposed(w, o, i, f.forward, o);
             let b = Source::plain(row::<S>(dy, at, o), m, o, f.gradient);
-            let d = row::<S>(dx, at, i);
-            let p = gemm::fp8_backward_input(piece);
-            self.fp8_product::<S>("matmul_backward_input", p, [a, b], S::DTYPE, d, acc);
+            let (p, d) = (gemm::fp8_backward_input(piece), row::<S>(dx, at, i));
+            self.fp8_product::<S>("matmul_backward_input", p, [a, b], k > 0, S::DTYPE, d, acc);
         }
     }
 
@@ -239,7 +238,15 @@ impl CudaKernels {
             let a = Source::transposed(row::<S>(x, at, i), m, i, f.forward, k);
             let b = Source::transposed(row::<S>(dy, at, o), m, o, f.gradient, k);
             let p = gemm::fp8_backward_weight(piece, k);
-            self.fp8_product::<S>("matmul_backward_weight", p, [a, b], G::DTYPE, dw, true);
+            self.fp8_product::<S>(
+                "matmul_backward_weight",
+                p,
+                [a, b],
+                false,
+                G::DTYPE,
+                dw,
+                true,
+            );
         }
     }
 }
