@@ -315,6 +315,18 @@ done
 stage "ranks: each layout equals one rank" 30 python3 cuda_ranks.py \
     "$work/ranks-one/metrics.jsonl" "${ranks[@]}"
 grep -h "^dp2:\|^tp2:\|^pp2:\|^zero3:\|^cp2:" "$log" >>"$summary"
+# Expert parallelism on the one GPU (issue #33): ep 2 of ferrotron-moe-16m against one rank
+# (fp32, the same global batch), its all-to-alls staged through host memory and its backward's
+# rows gathered, scaled and dotted by kernels (gather_copies, scale_each_row, dot_each_row).
+stage "ranks: moe one rank on the GPU" 90 ./ferrotron train --device cuda --precision fp32 \
+    "${moe[@]}" --grad-acc 2 --out-dir "$work/ep-one"
+stage "ranks: moe ep2 on the one GPU" 90 ./ferrotron train --device cuda --precision fp32 \
+    "${moe[@]}" --ep 2 --grad-acc 1 --out-dir "$work/ep-two"
+stage "ranks: moe ep2 equals one rank" 30 python3 cuda_ranks.py "$work/ep-one/metrics.jsonl" \
+    "ep2=$work/ep-two/metrics.jsonl"
+stage "moe ep2: host syncs and launches per step" 10 python3 cuda_ops.py "moe ep2" \
+    "$work/ep-two/metrics.jsonl"
+grep -h "^ep2:\|^moe ep2: host syncs/step" "$log" >>"$summary"
 # Last, so that a call that runs out of time has every stage above in its summary.
 # The seeds' offload story (issue #33): a Llama-3.2-1B shape in bf16 at seq 2048 does not fit
 # a 16 GiB budget (`--device-memory 16`, as torch.cuda.set_per_process_memory_fraction does):

@@ -301,6 +301,18 @@ macro_rules! kernel_interface {
                 fn scale_rows(&self, s: RouteShape, index: View<'_, u32>, weights: View<'_, f32>, rows: ViewMut<'_, S>);
                 /// `out[c] = ⟨a[row_c], b[row_c]⟩`.
                 fn row_dot(&self, s: RouteShape, index: View<'_, u32>, a: View<'_, S>, b: View<'_, S>, out: ViewMut<'_, f32>);
+                /// `rows[r] = values[c]` for each routed row r and the copy c it holds: every
+                /// routed copy's value (its routing weight) in row order.
+                fn gather_copies(&self, s: RouteShape, index: View<'_, u32>, values: View<'_, f32>, rows: ViewMut<'_, f32>);
+                /// The inverse: `values[c] = rows[r]` (a dropped copy's entry is left as it was).
+                fn scatter_copies(&self, s: RouteShape, index: View<'_, u32>, rows: View<'_, f32>, values: ViewMut<'_, f32>);
+                /// `rows[r] *= weights[r]` for rows of `width` in order, each product rounded
+                /// once ([`Kernels::scale_rows`] without the routing: expert parallelism's
+                /// rows arrive with their weights).
+                fn scale_each_row(&self, width: usize, weights: View<'_, f32>, rows: ViewMut<'_, S>);
+                /// `out[r] = ⟨a[r], b[r]⟩` in f32 for rows of `width` in order
+                /// ([`Kernels::row_dot`] without the routing).
+                fn dot_each_row(&self, width: usize, a: View<'_, S>, b: View<'_, S>, out: ViewMut<'_, f32>);
 
                 // ---- token embedding ----
                 /// `out[n, :] = wte[tokens[n], :]`.

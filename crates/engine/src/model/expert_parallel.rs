@@ -261,10 +261,3 @@ pub(super) fn to_arrival_order<S: Elem>(
         convert(dev, from, to, S::load);
     }
 }
-
-/// The arrival-order position of each expert-major row.
-pub(super) fn arrival_of(a: &Arrivals) -> impl Iterator<Item = (usize, usize)> + '_ {
-    a.blocks
-        .iter()
-        .flat_map(|&(arrival, expert, rows)| (0..rows).map(move |r| (expert + r, arrival + r)))
-}

@@ -19,16 +19,16 @@
 use super::activations::{GradScratch, LayerActs, LossSum};
 use super::buffers::{Buf, BufName, BufferPool};
 use super::context_parallel::{convert, zero};
-use super::expert_parallel::{arrival_of, to_arrival_order, to_expert_major, Arrivals};
+use super::expert_parallel::{to_arrival_order, to_expert_major, Arrivals};
 use super::grad_buf::GradBuf;
 use super::llama::{shared_input_grad, Llama};
 use super::param_buf::ParamBuf;
 use super::params::MoeIdx;
 use crate::dtype::Elem;
-use crate::kernels::host_copy::{read_f32, read_u32, write_f32};
+use crate::kernels::host_copy::read_u32;
 use crate::kernels::{
-    routed_rows, Accum, AsView, AsViewMut, DeviceBuf, HostCopy, Kernels, MatmulShape, RouteShape,
-    View, ViewMut, DROPPED,
+    Accum, AsView, AsViewMut, DeviceBuf, HostCopy, Kernels, MatmulShape, RouteShape, View, ViewMut,
+    DROPPED,
 };
 use ferrotron_plan::tensors::{Edge, LayerTensor as T};
 use std::ops::Range;
@@ -102,8 +102,6 @@ struct ExpertRows {
     blocks: Vec<(usize, Range<usize>)>,
     rows: usize,
     arrivals: Option<Arrivals>,
-    /// Rows of f32 the expert-parallel backward reads and scales one at a time.
-    scratch: Vec<f32>,
 }
 
 /// Copies per expert (the dropped ones are no expert's), into `counts`.
@@ -113,19 +111,6 @@ fn expert_counts(index: &[u32], experts: usize, counts: &mut Vec<usize>) {
     for &x in index.iter().filter(|&&x| x & DROPPED == 0) {
         counts[x as usize] += 1;
     }
-}
-
-/// Row `r` (of `w` elements) of a row-major buffer.
-fn row(r: usize, w: usize) -> Range<usize> {
-    r * w..(r + 1) * w
-}
-
-/// `x *= w`, each product rounded once into `S` (on a device through `dev`'s copies): `x`'s
-/// row widened into `buf`, scaled, written back.
-fn scale<S: Elem>(dev: Option<&HostCopy>, x: ViewMut<'_, S>, w: f32, buf: &mut [f32]) {
-    read_f32(dev, x.as_view(), buf);
-    buf.iter_mut().for_each(|v| *v *= w);
-    write_f32(dev, buf, x);
 }
 
 impl Llama {
@@ -469,7 +454,8 @@ impl Llama {
     /// The gradient of each copy's output with respect to its routing weight,
     /// `⟨d out, y⟩ = ⟨d y·W2, h⟩` (`y` is not kept), into `sc.router_weights`; then the rows'
     /// gradients `sc.rows` (d y) and `sc.swiglu` (d h) are scaled by the weights. Under expert
-    /// parallelism d y arrives with each copy's weight and the dots go back to the copies' ranks.
+    /// parallelism d y arrives with each copy's weight and the dots go back to the copies' ranks,
+    /// all in blocks of rows (device kernels and whole-block copies, nothing row by row).
     #[allow(clippy::too_many_arguments)]
     fn routing_weight_grads<S: Elem, G: Elem>(
         &self,
@@ -480,12 +466,11 @@ impl Llama {
         n: usize,
         a: &LayerActs<S>,
         sc: &mut GradScratch<S>,
-        er: &mut ExpertRows,
+        er: &ExpertRows,
     ) {
         let (c, f) = (self.config.hidden, self.config.intermediate);
         let index = &a.router_index;
         let nk = er.own;
-        let e = moe.experts.len();
         let dev = self.device_copy();
         let dev = dev.as_ref();
         // A dropped copy added nothing to the output: its weight's gradient is 0.
@@ -516,44 +501,58 @@ impl Llama {
             k.scale_rows(self.route(n, f), index, w, rows_f);
             return;
         };
-        // Each copy's d y with its routing weight (`w1` wide), one row or element at a time
-        // through the host (`dev`'s copies on a device), as the CPU path widens and rounds.
+        // Each copy's d y goes to its expert's rank with its routing weight: the rows (`c`
+        // wide, widened to f32) and then the weights, each exchanged as a block of whole rows,
+        // both in the staging buffers' `c + 1` per row.
         let (mut send, mut recv) = self.ep_staging(pool, n);
-        let w1 = c + 1;
-        let mut one = [0.0f32];
-        for (r, copy) in routed_rows(&er.index, e) {
-            let to = send.view_mut().slice_mut(r * w1..r * w1 + c);
-            convert(dev, sc.rows.view().slice(row(r, c)), to, S::load);
-            read_f32(dev, a.router_weights.view().slice(copy..copy + 1), &mut one);
-            write_f32(
-                dev,
-                &one,
-                send.view_mut().slice_mut(r * w1 + c..(r + 1) * w1),
-            );
-        }
-        ep.dispatch(send.view(), &er.counts, arr, recv.view_mut(), w1);
-        to_expert_major(dev, arr, recv.view(), w1, c, sc.rows.view_mut());
+        let (own, arrived) = (nk * c, arr.rows * c);
+        convert(
+            dev,
+            sc.rows.view().slice(..own),
+            send.view_mut().slice_mut(..own),
+            S::load,
+        );
+        let own_w = send.view_mut().slice_mut(own..own + nk);
+        k.gather_copies(
+            self.route(n, 1),
+            index.view(),
+            a.router_weights.view(),
+            own_w,
+        );
+        let rows_in = recv.view_mut().slice_mut(..arrived);
+        ep.dispatch(send.view().slice(..own), &er.counts, arr, rows_in, c);
+        let w_in = recv.view_mut().slice_mut(arrived..arrived + arr.rows);
+        ep.dispatch(send.view().slice(own..own + nk), &er.counts, arr, w_in, 1);
+        to_expert_major(
+            dev,
+            arr,
+            recv.view().slice(..arrived),
+            c,
+            c,
+            sc.rows.view_mut(),
+        );
         down(k, sc);
-        let mut scratch = std::mem::take(&mut er.scratch);
-        scratch.resize(2 * f + c, 0.0);
-        let (dh, rest) = scratch.split_at_mut(f);
-        let (h, dy) = rest.split_at_mut(f);
-        for (r, arrival) in arrival_of(arr) {
-            read_f32(dev, sc.swiglu.view().slice(row(r, f)), dh);
-            read_f32(dev, a.swiglu.view().slice(row(r, f)), h);
-            one[0] = dh.iter().zip(h.iter()).map(|(p, q)| p * q).sum();
-            write_f32(dev, &one, send.view_mut().slice_mut(arrival..arrival + 1));
-            let at = arrival * w1 + c;
-            read_f32(dev, recv.view().slice(at..at + 1), &mut one);
-            scale(dev, sc.rows.view_mut().slice_mut(row(r, c)), one[0], dy);
-            scale(dev, sc.swiglu.view_mut().slice_mut(row(r, f)), one[0], dh);
+        // Per block of rows from one rank for one expert: the dots go back in arrival order
+        // (in `send`, no longer read), and d y and d h are scaled by the arrived weights.
+        let weights = recv.view().slice(arrived..arrived + arr.rows);
+        for &(arrival, expert, rows) in arr.blocks.iter().filter(|b| b.2 > 0) {
+            let (at, w) = (
+                expert..expert + rows,
+                weights.slice(arrival..arrival + rows),
+            );
+            k.dot_each_row(
+                f,
+                sc.swiglu.view().slice(span(&at, f)),
+                a.swiglu.view().slice(span(&at, f)),
+                send.view_mut().slice_mut(arrival..arrival + rows),
+            );
+            k.scale_each_row(c, w, sc.rows.view_mut().slice_mut(span(&at, c)));
+            k.scale_each_row(f, w, sc.swiglu.view_mut().slice_mut(span(&at, f)));
         }
-        er.scratch = scratch;
-        ep.combine(send.view(), &er.counts, arr, recv.view_mut(), 1);
-        for (r, copy) in routed_rows(&er.index, e) {
-            let to = sc.router_weights.view_mut().slice_mut(copy..copy + 1);
-            convert(dev, recv.view().slice(r..r + 1), to, f32::store);
-        }
+        let dots = send.view().slice(..arr.rows);
+        ep.combine(dots, &er.counts, arr, recv.view_mut().slice_mut(..nk), 1);
+        let dw = sc.router_weights.view_mut();
+        k.scatter_copies(self.route(n, 1), index.view(), recv.view().slice(..nk), dw);
         self.free_ep_staging(pool, send, recv);
     }
 
@@ -575,9 +574,9 @@ impl Llama {
         let moe = self.params.layers[i].moe.as_ref().expect("a MoE layer");
         let e = moe.experts.len();
         let name = |t| self.slot(i, t);
-        let mut er = self.expert_rows(a.router_index.view());
+        let er = self.expert_rows(a.router_index.view());
         k.host_ids(a.router_index.view(), &er.index);
-        self.routing_weight_grads(k, pool, params, moe, n, a, sc, &mut er);
+        self.routing_weight_grads(k, pool, params, moe, n, a, sc, &er);
         let blocks = || er.blocks.iter().filter(|(_, r)| !r.is_empty());
         for (x, rows) in blocks() {
             let dw2 = grads.slice_mut(moe.experts[*x].down.clone());

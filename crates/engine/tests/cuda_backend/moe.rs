@@ -190,11 +190,92 @@ fn moe_ops<S: Elem>(k: &CudaKernels, at: usize) {
     }
 }
 
+/// Expert parallelism's row ops once on the CPU and on the GPU: each routed copy's weight
+/// gathered into row order and scattered back (a capacity drops some copies, whose entries
+/// are left as they were), and the per-row dots and scalings of rows that arrive in order.
+fn expert_parallel_ops<S: Elem>(k: &CudaKernels, at: usize) {
+    let what = format!("{} at +{at}", std::any::type_name::<S>());
+    let on = On { k, at };
+    let cpu = CpuKernels::PLAIN;
+    let c: &dyn Kernels<S> = &cpu;
+    let g: &dyn Kernels<S> = k;
+    let mut rng = Rng::new(23);
+    let (n, e, w) = (29, 6, 24);
+    let s = route(n, 1, true, Some(7));
+    let (mut weights, mut index, mut load) =
+        (vec![0f32; n * 2], vec![0u32; n * 2], vec![0f32; 2 * e]);
+    let z = logits(&mut rng, n);
+    c.router_forward(
+        s,
+        z.view(),
+        weights.view_mut(),
+        index.view_mut(),
+        load.view_mut(),
+    );
+    let routed = index.iter().filter(|&&x| x & DROPPED == 0).count();
+    assert!(
+        routed < n * 2,
+        "{what}: the capacity drops no copy; the test needs one"
+    );
+    let (gi, gw) = (on.up(&index), on.up(&weights));
+    let mut rows = rng.vec(routed, 1.0);
+    let mut grows = on.up(&rows);
+    c.gather_copies(s, index.view(), weights.view(), rows.view_mut());
+    g.gather_copies(
+        s,
+        gi.view(index.len()),
+        gw.view(weights.len()),
+        grows.view_mut(routed),
+    );
+    same(&format!("{what} gather_copies"), &grows, &rows, 0.0);
+    assert!(
+        rows.iter().all(|r| weights.contains(r)),
+        "{what}: gathered a weight"
+    );
+    let back = rng.vec(routed, 1.0);
+    let mut values = rng.vec(n * 2, 1.0);
+    let (gback, mut gvalues) = (on.up(&back), on.up(&values));
+    c.scatter_copies(s, index.view(), back.view(), values.view_mut());
+    g.scatter_copies(
+        s,
+        gi.view(index.len()),
+        gback.view(routed),
+        gvalues.view_mut(n * 2),
+    );
+    same(&format!("{what} scatter_copies"), &gvalues, &values, 0.0);
+    let kept = values.iter().filter(|v| back.contains(v)).count();
+    assert_eq!(
+        kept, routed,
+        "{what}: every routed row scattered, no dropped copy"
+    );
+
+    let rows = 11;
+    let (a, b) = (
+        stored::<S>(&rng.vec(rows * w, 1.0)),
+        stored::<S>(&rng.vec(rows * w, 1.0)),
+    );
+    let (ga, gb) = (on.up(&a), on.up(&b));
+    let mut dots = rng.vec(rows, 1.0);
+    let mut gdots = on.up(&dots);
+    c.dot_each_row(w, a.view(), b.view(), dots.view_mut());
+    g.dot_each_row(w, ga.view(a.len()), gb.view(b.len()), gdots.view_mut(rows));
+    same(&format!("{what} dot_each_row"), &gdots, &dots, 0.0);
+    let scales = rng.vec(rows, 2.0);
+    let mut x = a.clone();
+    let (gs, mut gx) = (on.up(&scales), on.up(&x));
+    c.scale_each_row(w, scales.view(), x.view_mut());
+    g.scale_each_row(w, gs.view(rows), gx.view_mut(x.len()));
+    same(&format!("{what} scale_each_row"), &gx, &x, 0.0);
+    assert!(x != a, "{what}: the scaling changed the rows");
+}
+
 #[test]
 fn every_moe_op_follows_the_cpu() {
     let Some(k) = gpu() else { return };
     eprintln!("GPU: {} ({})", k.gpu().name, k.gpu().arch);
     for at in [0, 3] {
+        expert_parallel_ops::<f32>(&k, at);
+        expert_parallel_ops::<bf16>(&k, at);
         moe_ops::<f32>(&k, at);
         moe_ops::<bf16>(&k, at);
         moe_ops::<f16>(&k, at);

@@ -12,7 +12,6 @@ pub(super) fn check_layout(
     layout: &Layout,
     world: usize,
 ) -> Result<()> {
-    check_device_ep(args, layout)?;
     if layout.ep > 1 {
         check_ep(args, saved, layout)?;
     }
@@ -29,19 +28,6 @@ pub(super) fn check_layout(
         check_pp(args, saved, layout)?;
     }
     check_fit(args, saved, world)?;
-    Ok(())
-}
-
-/// A mixture of experts runs on every device; expert parallelism not on the GPU: its
-/// backward moves each routed row through the host one copy at a time (issue #33, 33-k's
-/// note), and it has never run on one.
-fn check_device_ep(args: &TrainArgs, layout: &Layout) -> Result<()> {
-    if args.device == crate::device::Device::Cuda && layout.ep > 1 {
-        bail!(
-            "device = cuda: ep = {}: expert parallelism does not run on the GPU yet (its backward copies each routed row through the host; issue #33); use --ep 1 (a mixture of experts trains on the GPU without it), or --device cpu",
-            layout.ep
-        );
-    }
     Ok(())
 }
 
@@ -191,34 +177,6 @@ fn spec_of(cfg: &TrainConfig, saved: Option<&checkpoint::Loaded>) -> Result<Mode
         Some(l) => Ok(l.spec.clone()),
         None => {
             ferrotron_plan::presets::resolve(&cfg.model.name).map_err(|e| anyhow::anyhow!("{e}"))
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::device::Device;
-
-    #[test]
-    fn expert_parallelism_is_refused_on_the_gpu_in_one_line() {
-        let mut a = TrainArgs {
-            model: Some("ferrotron-moe-16m".into()),
-            device: Device::Cuda,
-            ..TrainArgs::default()
-        };
-        let ep2 = Layout {
-            ep: 2,
-            ..Layout::default()
-        };
-        let msg = check_device_ep(&a, &ep2).unwrap_err().to_string();
-        assert_eq!(msg, "device = cuda: ep = 2: expert parallelism does not run on the GPU yet (its backward copies each routed row through the host; issue #33); use --ep 1 (a mixture of experts trains on the GPU without it), or --device cpu");
-        // A mixture of experts without ep passes on the GPU; ep passes on the CPU and the
-        // emulated device.
-        check_device_ep(&a, &Layout::default()).unwrap();
-        for device in [Device::Emulated, Device::Cpu] {
-            a.device = device;
-            check_device_ep(&a, &ep2).unwrap();
         }
     }
 }

@@ -432,6 +432,30 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CpuKernels {
     ) {
         moe_routing::row_dot(s, index.host(), a.host(), b.host(), out.host_mut())
     }
+    fn gather_copies(
+        &self,
+        s: RouteShape,
+        index: View<'_, u32>,
+        values: View<'_, f32>,
+        rows: ViewMut<'_, f32>,
+    ) {
+        moe_routing::gather_copies(s, index.host(), values.host(), rows.host_mut())
+    }
+    fn scatter_copies(
+        &self,
+        s: RouteShape,
+        index: View<'_, u32>,
+        rows: View<'_, f32>,
+        values: ViewMut<'_, f32>,
+    ) {
+        moe_routing::scatter_copies(s, index.host(), rows.host(), values.host_mut())
+    }
+    fn scale_each_row(&self, width: usize, weights: View<'_, f32>, rows: ViewMut<'_, S>) {
+        moe_routing::scale_each_row(width, weights.host(), rows.host_mut())
+    }
+    fn dot_each_row(&self, width: usize, a: View<'_, S>, b: View<'_, S>, out: ViewMut<'_, f32>) {
+        moe_routing::dot_each_row(width, a.host(), b.host(), out.host_mut())
+    }
     fn embedding_forward(
         &self,
         tokens: View<'_, u32>,

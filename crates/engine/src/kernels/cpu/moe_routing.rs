@@ -186,9 +186,7 @@ pub fn scale_rows<S: Elem>(s: RouteShape, index: &[u32], weights: &[f32], rows: 
     let w = s.width;
     assert!(rows.len() <= s.tokens * s.top_k * w, "routed rows len");
     for (r, c) in grouped(index, s.experts) {
-        for v in &mut rows[r * w..(r + 1) * w] {
-            *v = S::from_f32(v.to_f32() * weights[c]);
-        }
+        scale_row(&mut rows[r * w..(r + 1) * w], weights[c]);
     }
 }
 
@@ -197,9 +195,57 @@ pub fn row_dot<S: Elem>(s: RouteShape, index: &[u32], a: &[S], b: &[S], out: &mu
     let w = s.width;
     assert!(a.len() <= s.tokens * s.top_k * w && b.len() == a.len());
     for (r, c) in grouped(index, s.experts) {
-        let (x, y) = (&a[r * w..(r + 1) * w], &b[r * w..(r + 1) * w]);
-        out[c] = x.iter().zip(y).map(|(p, q)| p.to_f32() * q.to_f32()).sum();
+        out[c] = dot(&a[r * w..(r + 1) * w], &b[r * w..(r + 1) * w]);
     }
+}
+
+/// `rows[r] = values[c]`: each routed copy's value in row order.
+pub fn gather_copies(s: RouteShape, index: &[u32], values: &[f32], rows: &mut [f32]) {
+    for (r, c) in grouped(index, s.experts) {
+        rows[r] = values[c];
+    }
+}
+
+/// `values[c] = rows[r]`, the inverse of [`gather_copies`].
+pub fn scatter_copies(s: RouteShape, index: &[u32], rows: &[f32], values: &mut [f32]) {
+    for (r, c) in grouped(index, s.experts) {
+        values[c] = rows[r];
+    }
+}
+
+/// `rows[r] *= weights[r]` for rows of `width` in order ([`scale_rows`]'s arithmetic).
+pub fn scale_each_row<S: Elem>(width: usize, weights: &[f32], rows: &mut [S]) {
+    assert!(
+        rows.len() <= weights.len() * width,
+        "scale_each_row: more rows than weights"
+    );
+    for (row, &w) in rows.chunks_exact_mut(width).zip(weights) {
+        scale_row(row, w);
+    }
+}
+
+/// `out[r] = ⟨a[r], b[r]⟩` for rows of `width` in order ([`row_dot`]'s arithmetic).
+pub fn dot_each_row<S: Elem>(width: usize, a: &[S], b: &[S], out: &mut [f32]) {
+    assert!(
+        a.len() == b.len() && a.len() == out.len() * width,
+        "dot_each_row: rows"
+    );
+    let rows = a.chunks_exact(width).zip(b.chunks_exact(width));
+    for (o, (x, y)) in out.iter_mut().zip(rows) {
+        *o = dot(x, y);
+    }
+}
+
+/// `row *= w`, each product rounded once into `S`.
+fn scale_row<S: Elem>(row: &mut [S], w: f32) {
+    for v in row {
+        *v = S::from_f32(v.to_f32() * w);
+    }
+}
+
+/// `⟨x, y⟩` in f32, in element order.
+fn dot<S: Elem>(x: &[S], y: &[S]) -> f32 {
+    x.iter().zip(y).map(|(p, q)| p.to_f32() * q.to_f32()).sum()
 }
 
 #[cfg(test)]

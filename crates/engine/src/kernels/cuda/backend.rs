@@ -897,6 +897,30 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
     ) {
         self.moe_row_dot(s, index, a, b, out)
     }
+    fn gather_copies(
+        &self,
+        s: RouteShape,
+        index: View<'_, u32>,
+        values: View<'_, f32>,
+        rows: ViewMut<'_, f32>,
+    ) {
+        self.moe_copies(s, index, values, rows, "gather_copies")
+    }
+    fn scatter_copies(
+        &self,
+        s: RouteShape,
+        index: View<'_, u32>,
+        rows: View<'_, f32>,
+        values: ViewMut<'_, f32>,
+    ) {
+        self.moe_copies(s, index, rows, values, "scatter_copies")
+    }
+    fn scale_each_row(&self, width: usize, weights: View<'_, f32>, rows: ViewMut<'_, S>) {
+        self.moe_scale_each_row(width, weights, rows)
+    }
+    fn dot_each_row(&self, width: usize, a: View<'_, S>, b: View<'_, S>, out: ViewMut<'_, f32>) {
+        self.moe_dot_each_row(width, a, b, out)
+    }
 
     fn embedding_forward(
         &self,

@@ -74,6 +74,8 @@ pub fn entry_points() -> Vec<String> {
         "router_topk",
         "router_load",
         "router_backward",
+        "moe_gather_copies",
+        "moe_scatter_copies",
         "fp8_amax_reset",
     ]
     .map(String::from)

@@ -289,6 +289,60 @@ impl CudaKernels {
         let (n, w) = (n as u64, w as u64);
         launch!(self, name::<S>("moe_row_dot"), elementwise(n); by_row, ap, bp, o, n, w);
     }
+
+    /// `gather_copies` and `scatter_copies`: `to[r] = from[by_row[r]]`, or the inverse.
+    pub(super) fn moe_copies(
+        &self,
+        s: RouteShape,
+        index: View<'_, u32>,
+        from: View<'_, f32>,
+        mut to: ViewMut<'_, f32>,
+        op: &'static str,
+    ) {
+        let copies = s.tokens * s.top_k;
+        let (by_row, _, n) = self.routes(s, index, op);
+        let (rows, values) = match op {
+            "gather_copies" => (to.len(), from.len()),
+            _ => (from.len(), to.len()),
+        };
+        assert!(
+            values == copies && rows >= n,
+            "{op}: {n} routed rows, {copies} copies"
+        );
+        let (f, t, n) = (dev(&from, op), dev_mut(&mut to, op), n as u64);
+        launch!(self, format!("moe_{op}"), elementwise(n); by_row, f, t, n);
+    }
+
+    /// `rows[r] *= weights[r]` ([`Self::moe_scale_rows`]'s kernel without a table).
+    pub(super) fn moe_scale_each_row<S: Elem>(
+        &self,
+        width: usize,
+        weights: View<'_, f32>,
+        mut rows: ViewMut<'_, S>,
+    ) {
+        let op = "scale_each_row";
+        let n = rows.len() / width.max(1);
+        assert!(rows.len() == n * width && weights.len() >= n, "{op}: rows");
+        let (wt, r) = (dev(&weights, op), dev_mut(&mut rows, op));
+        let (table, n, w) = (0u64, n as u64, width as u64);
+        launch!(self, name::<S>("moe_scale_rows"), elementwise(n * w); table, wt, r, n, w);
+    }
+
+    /// `out[r] = ⟨a[r], b[r]⟩` ([`Self::moe_row_dot`]'s kernel without a table).
+    pub(super) fn moe_dot_each_row<S: Elem>(
+        &self,
+        width: usize,
+        a: View<'_, S>,
+        b: View<'_, S>,
+        mut out: ViewMut<'_, f32>,
+    ) {
+        let op = "dot_each_row";
+        let n = out.len();
+        assert!(a.len() == b.len() && a.len() == n * width, "{op}: rows");
+        let (ap, bp, o) = (dev(&a, op), dev(&b, op), dev_mut(&mut out, op));
+        let (table, n, w) = (0u64, n as u64, width as u64);
+        launch!(self, name::<S>("moe_row_dot"), elementwise(n); table, ap, bp, o, n, w);
+    }
 }
 
 #[cfg(test)]

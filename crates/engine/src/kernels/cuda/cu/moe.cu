@@ -167,13 +167,17 @@ __device__ void moe_unpermute_impl(const u32* by_token, const float* weights, co
     }
 }
 
+// The entry of routed row r: its copy, or r itself without a table (expert parallelism's rows
+// arrive in order, each with its own entry: scale_each_row, dot_each_row).
+__device__ __forceinline__ u64 entry_of(const u32* by_row, u64 r) { return by_row ? by_row[r] : r; }
+
 // rows[r] *= weights[by_row[r]].
 template <typename E>
 __device__ void moe_scale_rows_impl(const u32* by_row, const float* weights, typename E::T* rows, u64 nrows,
                                     u64 w) {
     FOR_EACH(i, nrows * w) {
         u64 r = i / w;
-        PUT(E, rows, i, __fmul_rn(GET(E, rows, i), weights[by_row[r]]));
+        PUT(E, rows, i, __fmul_rn(GET(E, rows, i), weights[entry_of(by_row, r)]));
     }
 }
 
@@ -185,8 +189,18 @@ __device__ void moe_row_dot_impl(const u32* by_row, const typename E::T* a, cons
         float s = -0.0f;
         for (u64 col = 0; col < w; col++)
             s = __fadd_rn(s, __fmul_rn(GET(E, a, r * w + col), GET(E, b, r * w + col)));
-        out[by_row[r]] = s;
+        out[entry_of(by_row, r)] = s;
     }
+}
+
+// rows[r] = values[by_row[r]]: each routed copy's value (its routing weight) in row order.
+extern "C" __global__ void moe_gather_copies(const u32* by_row, const float* values, float* rows, u64 nrows) {
+    FOR_EACH(r, nrows) rows[r] = values[by_row[r]];
+}
+
+// values[by_row[r]] = rows[r], the inverse (a dropped copy has no row: its entry stays).
+extern "C" __global__ void moe_scatter_copies(const u32* by_row, const float* rows, float* values, u64 nrows) {
+    FOR_EACH(r, nrows) values[by_row[r]] = rows[r];
 }
 
 #define MOE(E, sfx)                                                                                  \
