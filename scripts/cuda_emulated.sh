@@ -161,6 +161,14 @@ for o in optimizer params; do
     offload+=("offload-$o=$work/offload-$o/metrics.jsonl")
 done
 python3 scripts/cuda_memory.py "${offload[@]}"
+# --offload params uploads each layer one ahead on a copy stream, which the emulator runs as
+# late as CUDA allows: the compute stream must wait for it (DeviceAlloc::await_uploads) or it
+# reads the layer before's weights. Against the plain GPU run, with gradient accumulation:
+# within 1e-5 (the update is the host's AdamW); a missed wait is 1e-3 off.
+ahead=(--precision bf16 --eval-interval 0 --steps 3 --grad-acc 2)
+run "$bin" train --device cuda "${tiny[@]}" "${ahead[@]}" --out-dir "$work/ahead-plain"
+run "$bin" train --device cuda "${tiny[@]}" "${ahead[@]}" --offload params --out-dir "$work/ahead-params"
+python3 scripts/cuda_ranks.py "$work/ahead-plain/metrics.jsonl" "offload-params=$work/ahead-params/metrics.jsonl"
 # A host that cannot hold the tier (with CUDA's libraries, 768 MiB): refused before anything
 # is allocated, naming the disk tier.
 if FERROTRON_HOST_MEMORY=$((512 << 20)) "$bin" train --device cuda "${tiny[@]}" "${budget[@]}" \

@@ -7,10 +7,19 @@
 // (NaN as floats), so a kernel that reads memory nobody wrote shows it, as `cuMemAlloc`'s
 // uninitialised memory may on a GPU.
 //
-// Work is synchronous: a launch or copy has finished when the call returns, streams and events
-// only order what is already in order (an event records the host's clock, so GPU times read
-// from events are the emulator's). The device's memory is `FERROTRON_CUDA_EMU_MEMORY` bytes
-// (80 GiB, an H100's, if unset); `cuMemGetInfo` says what the allocations left of it.
+// Work on the default stream (the legacy one every kernel of the backend runs on) is
+// synchronous: a launch or copy has finished when the call returns. Work on a stream made by
+// `cuStreamCreate` (non-blocking, as cudarc makes them: a copy stream, NCCL's) runs late: its
+// asynchronous copies, memsets, event records and event waits are queued and run only when
+// something waits for them (a synchronisation of the stream, of the context or of one of its
+// events, a stream waiting on one of its events, a query, a free), as late as CUDA allows.
+// So a kernel that reads what a copy stream writes without waiting for its event reads what
+// was there before, as it may on a GPU where the copy is still running, and the tests see it;
+// an asynchronous copy reads its host source when it runs, so a host buffer changed before
+// the copy was waited for shows too. `FERROTRON_CUDA_EMU_STREAMS=sync` runs every stream's
+// work at once instead. An event records the host's clock when it is reached, so GPU times
+// read from events are the emulator's. The device's memory is `FERROTRON_CUDA_EMU_MEMORY`
+// bytes (80 GiB, an H100's, if unset); `cuMemGetInfo` says what the allocations left of it.
 
 #include "compile.hpp"
 #include "runtime.hpp"
@@ -18,8 +27,11 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <deque>
+#include <functional>
 #include <map>
 #include <mutex>
+#include <set>
 #include <string>
 
 typedef int CUresult;
@@ -52,16 +64,99 @@ struct Function {
     int (*entry)(const emu::Launch*, void**);
     std::string name;
 };
+/// A stream of `cuStreamCreate`: its queued work, and how much of what was queued has run.
+struct Stream {
+    std::recursive_mutex run;  // held while draining: one drainer at a time keeps the order
+    std::mutex m;
+    std::deque<std::function<CUresult()>> queue;
+    unsigned long long queued = 0, ran = 0;
+    CUresult error = 0;
+};
+/// An event: when it was reached, and the stream and queue position it waits for (none: reached).
 struct Event {
     std::chrono::steady_clock::time_point at;
+    Stream* stream = nullptr;
+    unsigned long long ticket = 0;
 };
 
 std::mutex lock;
 std::map<uintptr_t, size_t> allocations;  // device address → bytes
 size_t allocated = 0;
 unsigned long long launches = 0;
-int context_tag = 0, stream_tag = 0;
+int context_tag = 0;
 thread_local void* current = nullptr;
+
+std::set<Stream*> streams;  // every live stream of cuStreamCreate (under `lock`)
+
+bool deferred() {
+    static const bool late = [] {
+        const char* e = std::getenv("FERROTRON_CUDA_EMU_STREAMS");
+        return !(e && std::string(e) == "sync");
+    }();
+    return late;
+}
+
+/// The stream `s` names when its work runs late; null for the default, legacy and per-thread
+/// streams (0, 1, 2), whose work runs at once.
+Stream* late_stream(void* s) {
+    if ((uintptr_t)s <= 2 || !deferred()) return nullptr;
+    return static_cast<Stream*>(s);
+}
+
+/// Runs `s`'s queued work, in order, up to and including its `until`-th item (all of it by
+/// default); the first error is kept for the stream's next synchronisation.
+CUresult drain(Stream* s, unsigned long long until = ~0ull) {
+    std::lock_guard<std::recursive_mutex> running(s->run);
+    for (;;) {
+        std::function<CUresult()> work;
+        {
+            std::lock_guard<std::mutex> g(s->m);
+            if (s->queue.empty() || s->ran >= until) {
+                CUresult e = s->error;
+                s->error = 0;
+                return e;
+            }
+            work = std::move(s->queue.front());
+            s->queue.pop_front();
+        }
+        CUresult e = work();
+        std::lock_guard<std::mutex> g(s->m);
+        s->ran++;
+        if (e && !s->error) s->error = e;
+    }
+}
+
+/// Every stream's queued work (a context synchronisation, a free).
+CUresult drain_all() {
+    std::set<Stream*> all;
+    {
+        std::lock_guard<std::mutex> g(lock);
+        all = streams;
+    }
+    CUresult first = 0;
+    for (Stream* s : all) {
+        CUresult e = drain(s);
+        if (e && !first) first = e;
+    }
+    return first;
+}
+
+/// `work` on stream `s`: at once on a stream that runs it at once, else queued behind its
+/// earlier work.
+CUresult submit(void* s, std::function<CUresult()> work) {
+    Stream* late = late_stream(s);
+    if (!late) return work();
+    std::lock_guard<std::mutex> g(late->m);
+    late->queue.push_back(std::move(work));
+    late->queued++;
+    return 0;
+}
+
+/// Runs the work event `e` waits for.
+CUresult reach(Event* e) {
+    Stream* s = e->stream;
+    return s ? drain(s, e->ticket) : 0;
+}
 
 size_t total_memory() {
     const char* e = std::getenv("FERROTRON_CUDA_EMU_MEMORY");
@@ -165,7 +260,7 @@ CUresult cuCtxPopCurrent_v2(void** ctx) {
     if (ctx) *ctx = current;
     return CUDA_SUCCESS;
 }
-CUresult cuCtxSynchronize() { return CUDA_SUCCESS; }
+CUresult cuCtxSynchronize() { return drain_all(); }
 
 CUresult cuModuleLoadData(void** module, const void* image) {
     const char* text = static_cast<const char*>(image);
@@ -203,10 +298,15 @@ CUresult cuFuncGetAttribute(int* v, int, void*) {
 CUresult cuFuncSetAttribute(void*, int, int) { return CUDA_SUCCESS; }
 
 CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
-                        unsigned shared, void*, void** params, void** extra) {
+                        unsigned shared, void* stream, void** params, void** extra) {
     auto* fn = static_cast<Function*>(f);
     if (!fn) return CUDA_ERROR_INVALID_HANDLE;
     if (extra || !params) return CUDA_ERROR_NOT_SUPPORTED;
+    // A kernel's arguments cannot be kept for later: on a stream whose work runs late, the
+    // stream's earlier work runs first and the kernel at once.
+    if (Stream* late = late_stream(stream)) {
+        if (CUresult e = drain(late)) return e;
+    }
     emu::Launch l{{gx, gy, gz}, {bx, by, bz}, shared};
     {
         std::lock_guard<std::mutex> g(lock);
@@ -232,6 +332,8 @@ CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t bytes) {
     return CUDA_SUCCESS;
 }
 CUresult cuMemFree_v2(CUdeviceptr p) {
+    // As on a GPU, a free waits for the work that may still use the memory.
+    drain_all();
     std::lock_guard<std::mutex> g(lock);
     auto it = allocations.find(p);
     if (it == allocations.end()) {
@@ -276,50 +378,98 @@ CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
     std::memmove((void*)dst, (const void*)src, n);
     return CUDA_SUCCESS;
 }
-CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, void*) {
-    return cuMemcpyHtoD_v2(dst, src, n);
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, void* s) {
+    if (n && !inside(dst, n, "a host-to-device copy")) return CUDA_ERROR_INVALID_VALUE;
+    return submit(s, [=] { return cuMemcpyHtoD_v2(dst, src, n); });
 }
-CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, void*) {
-    return cuMemcpyDtoH_v2(dst, src, n);
+CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, void* s) {
+    if (n && !inside(src, n, "a device-to-host copy")) return CUDA_ERROR_INVALID_VALUE;
+    return submit(s, [=] { return cuMemcpyDtoH_v2(dst, src, n); });
 }
-CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, void*) {
-    return cuMemcpyDtoD_v2(dst, src, n);
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, void* s) {
+    return submit(s, [=] { return cuMemcpyDtoD_v2(dst, src, n); });
 }
 CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char v, size_t n) {
     if (n && !inside(dst, n, "a memset")) return CUDA_ERROR_INVALID_VALUE;
     std::memset((void*)dst, v, n);
     return CUDA_SUCCESS;
 }
-CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, void*) { return cuMemsetD8_v2(dst, v, n); }
+CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, void* s) {
+    return submit(s, [=] { return cuMemsetD8_v2(dst, v, n); });
+}
 CUresult cuMemsetD32_v2(CUdeviceptr dst, unsigned v, size_t n) {
     if (n && !inside(dst, n * 4, "a memset")) return CUDA_ERROR_INVALID_VALUE;
     for (size_t i = 0; i < n; i++) std::memcpy((char*)dst + 4 * i, &v, 4);
     return CUDA_SUCCESS;
 }
-CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned v, size_t n, void*) { return cuMemsetD32_v2(dst, v, n); }
+CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned v, size_t n, void* s) {
+    return submit(s, [=] { return cuMemsetD32_v2(dst, v, n); });
+}
 
 CUresult cuStreamCreate(void** s, unsigned) {
-    *s = &stream_tag;
+    auto* st = new Stream;
+    {
+        std::lock_guard<std::mutex> g(lock);
+        streams.insert(st);
+    }
+    *s = st;
     return CUDA_SUCCESS;
 }
 CUresult cuStreamCreateWithPriority(void** s, unsigned flags, int) { return cuStreamCreate(s, flags); }
-CUresult cuStreamDestroy_v2(void*) { return CUDA_SUCCESS; }
-CUresult cuStreamSynchronize(void*) { return CUDA_SUCCESS; }
-CUresult cuStreamQuery(void*) { return CUDA_SUCCESS; }
-CUresult cuStreamWaitEvent(void*, void*, unsigned) { return CUDA_SUCCESS; }
+CUresult cuStreamDestroy_v2(void* s) {
+    if ((uintptr_t)s <= 2) return CUDA_ERROR_INVALID_HANDLE;
+    auto* st = static_cast<Stream*>(s);
+    // Work queued before the destruction still runs (CUDA completes it), then the stream goes.
+    drain(st);
+    {
+        std::lock_guard<std::mutex> g(lock);
+        streams.erase(st);
+    }
+    delete st;
+    return CUDA_SUCCESS;
+}
+CUresult cuStreamSynchronize(void* s) {
+    Stream* late = late_stream(s);
+    return late ? drain(late) : CUDA_SUCCESS;
+}
+CUresult cuStreamQuery(void* s) { return cuStreamSynchronize(s); }
+CUresult cuStreamWaitEvent(void* s, void* e, unsigned) {
+    if (!e) return CUDA_ERROR_INVALID_HANDLE;
+    auto* ev = static_cast<Event*>(e);
+    // What the event waits for as of now (a later record of it does not count).
+    Stream* on = ev->stream;
+    unsigned long long ticket = ev->ticket;
+    return submit(s, [=] { return on ? drain(on, ticket) : CUDA_SUCCESS; });
+}
 
 CUresult cuEventCreate(void** e, unsigned) {
     *e = new Event{std::chrono::steady_clock::now()};
     return CUDA_SUCCESS;
 }
-CUresult cuEventRecord(void* e, void*) {
+CUresult cuEventRecord(void* e, void* s) {
     if (!e) return CUDA_ERROR_INVALID_HANDLE;
-    static_cast<Event*>(e)->at = std::chrono::steady_clock::now();
+    auto* ev = static_cast<Event*>(e);
+    Stream* late = late_stream(s);
+    if (!late) {
+        ev->stream = nullptr;
+        ev->at = std::chrono::steady_clock::now();
+        return CUDA_SUCCESS;
+    }
+    std::lock_guard<std::mutex> g(late->m);
+    late->queue.push_back([ev] {
+        ev->at = std::chrono::steady_clock::now();
+        return CUDA_SUCCESS;
+    });
+    ev->stream = late;
+    ev->ticket = ++late->queued;
     return CUDA_SUCCESS;
 }
 CUresult cuEventRecordWithFlags(void* e, void* s, unsigned) { return cuEventRecord(e, s); }
-CUresult cuEventSynchronize(void*) { return CUDA_SUCCESS; }
-CUresult cuEventQuery(void*) { return CUDA_SUCCESS; }
+CUresult cuEventSynchronize(void* e) {
+    if (!e) return CUDA_ERROR_INVALID_HANDLE;
+    return reach(static_cast<Event*>(e));
+}
+CUresult cuEventQuery(void* e) { return cuEventSynchronize(e); }
 CUresult cuEventDestroy_v2(void* e) {
     delete static_cast<Event*>(e);
     return CUDA_SUCCESS;

@@ -18,6 +18,9 @@ mod moe;
 // fp8 products against the CPU's fp8 path.
 #[path = "cuda_backend/fp8.rs"]
 mod fp8;
+// Weights uploaded ahead on the copy stream, seen once awaited.
+#[path = "cuda_backend/copy_stream.rs"]
+mod copy_stream;
 
 use common::{assert_close, to64, Rng};
 use ferrotron_engine::dtype::Elem;

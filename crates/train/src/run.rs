@@ -888,13 +888,17 @@ fn comm_summary(m: &StepMetrics) {
     if let Some(t) = m.host_transfer {
         let ms = |us: u64| us as f64 / 1e3;
         eprintln!(
-            "offload: {:.2} MB host to device and {:.2} MB back in the last step, planned {:.2} and {:.2} MB; copies {:.1} ms ({:.2} GB/s), the optimizer step {:.1} ms with AdamW on the host {:.1} ms",
+            "offload: {:.2} MB host to device and {:.2} MB back in the last step, planned {:.2} and {:.2} MB; {}copies {:.1} ms ({:.2} GB/s), the optimizer step {:.1} ms with AdamW on the host {:.1} ms",
             t.up as f64 / 1e6,
             t.down as f64 / 1e6,
             t.planned_up as f64 / 1e6,
             t.planned_down as f64 / 1e6,
+            match t.up_ahead {
+                0 => String::new(),
+                a => format!("{:.2} MB ahead on the copy stream, the host's ", a as f64 / 1e6),
+            },
             ms(t.copy_us),
-            (t.up + t.down) as f64 / (t.copy_us.max(1) as f64 * 1e3),
+            (t.up + t.down - t.up_ahead) as f64 / (t.copy_us.max(1) as f64 * 1e3),
             ms(t.update_us),
             ms(t.host_adamw_us),
         );

@@ -13,7 +13,7 @@
 use super::zero2::GradWindows;
 use crate::data_parallel::DataParallel;
 use anyhow::{bail, Result};
-use ferrotron_engine::kernels::host_copy::{copy_up, read_f32, write_f32, HostCopy};
+use ferrotron_engine::kernels::host_copy::{copy_up_ahead, read_f32, write_f32, HostCopy};
 use ferrotron_engine::kernels::{DeviceAlloc, View, ViewMut};
 use ferrotron_engine::model::{ParamBuf, ParamSource, ParamTable, Unit, WholeParams};
 use ferrotron_engine::Elem;
@@ -207,8 +207,9 @@ pub struct Gathered<'a, S> {
 
 impl<S: Elem> Gathered<'_, S> {
     /// Starts filling unit `u`'s window (layers: window `slot`), after the running all-gather
-    /// has landed. An upload is done when it returns (the emulated device's copy is
-    /// synchronous).
+    /// has landed. An upload runs on the device's copy stream, after the kernels already
+    /// issued (which may still read the window's last unit) and beside those issued next,
+    /// until [`Self::land`] orders the compute stream after it.
     fn start(&mut self, u: Unit, slot: usize) {
         self.land();
         match &self.fill {
@@ -223,14 +224,20 @@ impl<S: Elem> Gathered<'_, S> {
             Fill::Upload { host, dev } => {
                 let r = self.z.range(u);
                 let mut dst = self.windows.rb().slice_mut(self.z.place(u, slot, &r));
-                // SAFETY: `dst` is `r.len()` elements of `dev`'s memory.
-                unsafe { copy_up(*dev, host.slice(r), dst.as_mut_ptr()) };
+                // SAFETY: `dst` is `r.len()` elements of `dev`'s memory; the host's weights
+                // change only in the update, after this source is dropped (which settles).
+                unsafe { copy_up_ahead(*dev, host.slice(r), dst.as_mut_ptr()) };
             }
         }
     }
 
-    /// Waits for the running all-gather and writes it into its window.
+    /// Waits for the running all-gather and writes it into its window; or orders the
+    /// compute stream's next work after the uploads started so far (the host does not wait).
     fn land(&mut self) {
+        if let Fill::Upload { dev, .. } = &self.fill {
+            dev.await_uploads();
+            return;
+        }
         let Some((u, slot)) = self.z.pending.take() else {
             return;
         };
@@ -294,7 +301,10 @@ impl<S: Elem> ParamSource<S> for Gathered<'_, S> {
                 }
             }
             Unit::Layer(_) => {
-                let landing = self.z.pending.is_some_and(|p| p.0 == u);
+                // An upload started one layer ahead is awaited here, before the next starts
+                // (which the layer's kernels then need not wait for).
+                let uploaded = matches!(self.fill, Fill::Upload { .. });
+                let landing = uploaded || self.z.pending.is_some_and(|p| p.0 == u);
                 if fetch.gather {
                     self.start(u, fetch.slot);
                 }
@@ -313,6 +323,16 @@ impl<S: Elem> ParamSource<S> for Gathered<'_, S> {
             dp.borrow().poll();
         }
         self
+    }
+}
+
+/// The host's weights may change once the uploads are dropped (the update): every upload
+/// started has then run, one ahead included.
+impl<S> Drop for Gathered<'_, S> {
+    fn drop(&mut self) {
+        if let Fill::Upload { dev, .. } = &self.fill {
+            dev.settle_uploads();
+        }
     }
 }
 

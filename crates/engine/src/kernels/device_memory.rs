@@ -30,6 +30,25 @@ pub trait DeviceAlloc: Send + Sync + std::fmt::Debug {
     /// # Safety
     /// `p` is this device's memory of at least `bytes` bytes.
     unsafe fn zero(&self, p: NonNull<u8>, bytes: usize);
+    /// Starts copying `src` to `dst` on the device's copy stream and returns at once: the
+    /// copy runs after the work already issued to the compute stream (which may still read
+    /// `dst`'s old contents), and beside the work issued after it, until
+    /// [`await_uploads`](Self::await_uploads) orders the compute stream's next work after it
+    /// (ZeRO-Infinity's parameter prefetch, one layer ahead, overlapping compute). Where the
+    /// device has no copy stream (the emulated device), the synchronous [`upload`](Self::upload).
+    ///
+    /// # Safety
+    /// As [`upload`](Self::upload); and `src` stays allocated and unchanged until work that
+    /// awaited the copy has run (the step's end: the host's weights change only in the update).
+    unsafe fn upload_ahead(&self, dst: NonNull<u8>, src: &[u8]) {
+        self.upload(dst, src)
+    }
+    /// The compute stream's next work runs after every [`upload_ahead`](Self::upload_ahead)
+    /// so far; the host does not wait.
+    fn await_uploads(&self) {}
+    /// The host waits until every [`upload_ahead`](Self::upload_ahead) so far has run (their
+    /// sources may then change).
+    fn settle_uploads(&self) {}
     /// Highest bytes allocated through this allocator since [`reset_peak`](Self::reset_peak),
     /// where the host's tracking allocator cannot see them (a GPU's memory); `None` when it
     /// can (emulated device memory is host memory).

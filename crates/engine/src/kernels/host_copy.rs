@@ -311,9 +311,21 @@ pub unsafe fn copy_down<T: Elem>(dev: &dyn DeviceAlloc, src: *const T, dst: View
 /// # Safety
 /// `dst` must address `src.len()` elements of `dev`'s memory.
 pub unsafe fn copy_up<T: Elem>(dev: &dyn DeviceAlloc, src: View<'_, T>, dst: *mut T) {
-    let src = src.host();
-    let bytes = std::slice::from_raw_parts(src.as_ptr().cast::<u8>(), size_of_val(src));
-    dev.upload(NonNull::new(dst.cast()).expect("never null"), bytes);
+    dev.upload(
+        NonNull::new(dst.cast()).expect("never null"),
+        bytes(src.host()),
+    );
+}
+
+/// [`copy_up`] on the device's copy stream ([`DeviceAlloc::upload_ahead`]): returns at once.
+///
+/// # Safety
+/// As [`copy_up`]; and `src` stays unchanged until work that awaited the copy has run.
+pub unsafe fn copy_up_ahead<T: Elem>(dev: &dyn DeviceAlloc, src: View<'_, T>, dst: *mut T) {
+    dev.upload_ahead(
+        NonNull::new(dst.cast()).expect("never null"),
+        bytes(src.host()),
+    );
 }
 
 fn ptr<T>(p: *const T) -> NonNull<u8> {

@@ -1,6 +1,7 @@
 //! Bytes copied between the host and one device, counted ([`Counted`]): an allocator that
 //! passes every call on to the device's and adds up what its `upload`s and `download`s move,
-//! and the time they take.
+//! and the time the host spends in them (an upload started ahead on a copy stream is counted
+//! by its bytes alone: its time is the stream's).
 //! The offload tiers copy through one (`crates/train`'s `optim/offload.rs` staging,
 //! `offload_params.rs`), so a step's measured host↔device bytes can be set beside the
 //! planner's (`ferrotron_plan::host_transfer`). Zeroing device memory moves nothing across
@@ -19,6 +20,9 @@ pub struct Moved {
     pub up: u64,
     /// Bytes device → host.
     pub down: u64,
+    /// Of `up`, the bytes started ahead on a copy stream (`upload_ahead`), which `busy` does
+    /// not time.
+    pub ahead: u64,
     /// Time spent in the copies, summed over the threads that made them: set beside the bytes,
     /// the bandwidth the link gave (pageable host memory gets a fraction of a pinned copy's).
     pub busy: Duration,
@@ -30,6 +34,7 @@ pub struct Counted {
     inner: Arc<dyn DeviceAlloc>,
     up: AtomicU64,
     down: AtomicU64,
+    ahead: AtomicU64,
     busy_ns: AtomicU64,
 }
 
@@ -39,6 +44,7 @@ impl Counted {
             inner,
             up: AtomicU64::new(0),
             down: AtomicU64::new(0),
+            ahead: AtomicU64::new(0),
             busy_ns: AtomicU64::new(0),
         })
     }
@@ -48,6 +54,7 @@ impl Counted {
         Moved {
             up: self.up.swap(0, Ordering::Relaxed),
             down: self.down.swap(0, Ordering::Relaxed),
+            ahead: self.ahead.swap(0, Ordering::Relaxed),
             busy: Duration::from_nanos(self.busy_ns.swap(0, Ordering::Relaxed)),
         }
     }
@@ -73,6 +80,18 @@ impl DeviceAlloc for Counted {
     }
     unsafe fn upload(&self, dst: NonNull<u8>, src: &[u8]) {
         self.timed(&self.up, src.len(), || self.inner.upload(dst, src))
+    }
+    /// Counted by its bytes; its time is the copy stream's, which the host does not see.
+    unsafe fn upload_ahead(&self, dst: NonNull<u8>, src: &[u8]) {
+        self.up.fetch_add(src.len() as u64, Ordering::Relaxed);
+        self.ahead.fetch_add(src.len() as u64, Ordering::Relaxed);
+        self.inner.upload_ahead(dst, src)
+    }
+    fn await_uploads(&self) {
+        self.inner.await_uploads()
+    }
+    fn settle_uploads(&self) {
+        self.inner.settle_uploads()
     }
     unsafe fn download(&self, dst: &mut [u8], src: NonNull<u8>) {
         let n = dst.len();

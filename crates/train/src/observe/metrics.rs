@@ -96,7 +96,11 @@ pub struct HostTransferBytes {
     pub down: u64,
     pub planned_up: u64,
     pub planned_down: u64,
-    /// Time in the copies, over every thread that made one.
+    /// Of `up`, the bytes copied ahead on the device's copy stream (`--offload params`'
+    /// weights), which `copy_us` does not time.
+    #[serde(default)]
+    pub up_ahead: u64,
+    /// Time in the copies the host made itself, over every thread that made one.
     #[serde(default)]
     pub copy_us: u64,
     /// The offloaded optimizer step, all of it.

@@ -27,6 +27,7 @@ impl Trainer {
             down: moved.down,
             planned_up: p.up,
             planned_down: p.down,
+            up_ahead: moved.ahead,
             copy_us: us(moved.busy),
             update_us: us(times.wall),
             host_adamw_us: us(times.host_adamw),

@@ -207,6 +207,40 @@ pub struct CudaAlloc {
     /// (issue #32), where a reused block costs a memset. A request of another size releases
     /// the spare first, so the device never holds it beside a block the plan did not expect.
     spare: Mutex<Option<(u64, usize)>>,
+    /// The copy stream of [`DeviceAlloc::upload_ahead`], made at its first use.
+    ahead: Mutex<Option<CopyStream>>,
+}
+
+/// A stream for host-to-device copies beside the compute stream (the legacy default stream
+/// every kernel runs on), non-blocking so that neither waits for the other but by events:
+/// `issued`, recorded on the compute stream before each copy (the copy waits for the work that
+/// may still read its destination), and `landed`, recorded on the copy stream after it (the
+/// compute stream waits for it at [`DeviceAlloc::await_uploads`]).
+struct CopyStream {
+    stream: Arc<cudarc::driver::CudaStream>,
+    issued: cudarc::driver::CudaEvent,
+    landed: cudarc::driver::CudaEvent,
+    /// Copies started since the compute stream last waited for them.
+    unawaited: bool,
+}
+
+impl std::fmt::Debug for CopyStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CopyStream {{ unawaited: {} }}", self.unawaited)
+    }
+}
+
+impl CopyStream {
+    fn new(ctx: &Arc<CudaContext>) -> Result<CopyStream, String> {
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
+        let what = |e| format!("a copy stream for the parameters: {e:?}");
+        Ok(CopyStream {
+            stream: ctx.new_stream().map_err(what)?,
+            issued: ctx.new_event(flags).map_err(what)?,
+            landed: ctx.new_event(flags).map_err(what)?,
+            unawaited: false,
+        })
+    }
 }
 
 /// The device's memory in use, by the driver's count (`cuMemGetInfo`: total − free).
@@ -228,6 +262,7 @@ impl CudaAlloc {
             driver_at_high: AtomicU64::new(0),
             baseline,
             spare: Mutex::new(None),
+            ahead: Mutex::new(None),
         }
     }
 
@@ -312,6 +347,49 @@ impl crate::kernels::DeviceAlloc for CudaAlloc {
         OPS.write();
         result::memcpy_htod_sync(dst.as_ptr() as u64, src)
             .unwrap_or_else(|e| panic!("copying {} bytes to the GPU: {e:?}", src.len()));
+    }
+    unsafe fn upload_ahead(&self, dst: NonNull<u8>, src: &[u8]) {
+        let _ = self.ctx.bind_to_thread();
+        let mut ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
+        if ahead.is_none() {
+            *ahead = Some(CopyStream::new(&self.ctx).unwrap_or_else(|e| panic!("{e}")));
+        }
+        let c = ahead.as_mut().expect("made above");
+        OPS.copy();
+        let compute = self.ctx.default_stream();
+        let n = src.len();
+        let queued = c
+            .issued
+            .record(&compute)
+            .and_then(|()| c.stream.wait(&c.issued))
+            .and_then(|()| {
+                result::memcpy_htod_async(dst.as_ptr() as u64, src, c.stream.cu_stream())
+            })
+            .and_then(|()| c.landed.record(&c.stream));
+        queued.unwrap_or_else(|e| panic!("copying {n} bytes to the GPU ahead: {e:?}"));
+        c.unawaited = true;
+    }
+    fn await_uploads(&self) {
+        let mut ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(c) = ahead.as_mut().filter(|c| c.unawaited) else {
+            return;
+        };
+        let _ = self.ctx.bind_to_thread();
+        self.ctx
+            .default_stream()
+            .wait(&c.landed)
+            .unwrap_or_else(|e| panic!("ordering the GPU's work after its copies: {e:?}"));
+        c.unawaited = false;
+    }
+    fn settle_uploads(&self) {
+        let ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = ahead.as_ref() {
+            let _ = self.ctx.bind_to_thread();
+            OPS.sync(SyncSite::StreamSync);
+            c.stream
+                .synchronize()
+                .unwrap_or_else(|e| panic!("waiting for the GPU's copies: {e:?}"));
+        }
     }
     unsafe fn download(&self, dst: &mut [u8], src: NonNull<u8>) {
         let _ = self.ctx.bind_to_thread();
