@@ -20,7 +20,7 @@ cp "$here/runtime.hpp" "$out/runtime.hpp"
 "$cxx" "${flags[@]}" -Wl,-soname,libcublasLt.so.13 "$here/cublaslt.cpp" -o "$out/libcublasLt.so.13"
 # NCCL between ranks that are threads of one process; cudarc loads it as libnccl.so by name, so
 # its directory goes on LD_LIBRARY_PATH.
-"$cxx" "${flags[@]}" -Wl,-soname,libnccl.so.2 "$here/nccl.cpp" -o "$out/libnccl.so.2" -lpthread
+"$cxx" "${flags[@]}" -Wl,-soname,libnccl.so.2 "$here/nccl.cpp" -o "$out/libnccl.so.2" -lpthread -ldl
 ln -sf libnccl.so.2 "$out/libnccl.so"
 
 # The runtime's own test: it runs what CUDA defines and refuses what CUDA leaves undefined.

@@ -482,6 +482,13 @@ CUresult cuEventElapsedTime_v2(float* ms, void* start, void* end) {
 }
 CUresult cuEventElapsedTime(float* ms, void* start, void* end) { return cuEventElapsedTime_v2(ms, start, end); }
 
+/// For the emulator's libnccl: `work(arg)` on stream `s` as this driver runs its own work
+/// there (at once on the default stream, queued on a late one), so that a collective's result
+/// lands when its stream runs, not when it was called.
+CUresult ferrotron_emu_submit(void* s, CUresult (*work)(void*), void* arg) {
+    return submit(s, [=] { return work(arg); });
+}
+
 /// Kernels launched since the library was loaded (for the emulator's own tests).
 unsigned long long ferrotron_emu_launches() {
     std::lock_guard<std::mutex> g(lock);

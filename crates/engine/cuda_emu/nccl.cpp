@@ -11,8 +11,11 @@
 // (`0 + x₀ + x₁ + …`, as ferrotron's threads backend adds), so the results are that backend's
 // bit for bit. Sends and receives between `ncclGroupStart` and `ncclGroupEnd` are matched per
 // (source, destination) pair in order; `ncclGroupEnd` returns once its receives have copied
-// and its sends have been received. Every call completes before it returns: streams are
-// ignored (the emulated driver's streams are synchronous too).
+// and its sends have been received. A call reads its sends when it is made (the work before it
+// on the compute stream has run: the emulated driver runs the default stream at once), but its
+// results land in the receiving buffers when its stream runs: the emulated driver queues them
+// there (`ferrotron_emu_submit`) and runs them as late as CUDA allows, so a compute stream that
+// reads a result without waiting for the communication stream reads what was there before.
 //
 // Differences from NCCL, said here so no test relies on them: several ranks may share the one
 // emulated GPU (NCCL refuses that); only f32 sums are emulated (other types and operations fail
@@ -20,6 +23,7 @@
 
 #include <condition_variable>
 #include <cstdarg>
+#include <dlfcn.h>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -62,14 +66,40 @@ const char* name_of(Kind k) {
     }
 }
 
-// One rank's part of a collective.
+// One rank's part of a collective, and (once computed) what lands in its `recv`.
 struct Part {
     Kind kind;
     const float* send;
     float* recv;
     size_t count;  // NCCL's count: per rank for ReduceScatter (recv) and AllGather (send)
     int root;
+    std::vector<float> result;
 };
+
+// Bytes that land in a device buffer when their stream runs.
+struct Landing {
+    void* dst;
+    std::vector<char> bytes;
+};
+
+int land(void* arg) {
+    std::unique_ptr<Landing> l(static_cast<Landing*>(arg));
+    if (!l->bytes.empty()) std::memcpy(l->dst, l->bytes.data(), l->bytes.size());
+    return 0;
+}
+
+// `bytes` into `dst` on `stream`, through the emulated driver (found by its soname, as cudarc
+// loaded it); at once where there is none.
+int deliver(void* stream, void* dst, const void* src, size_t n) {
+    using Submit = int (*)(void*, int (*)(void*), void*);
+    static Submit submit = [] {
+        void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+        return h ? reinterpret_cast<Submit>(dlsym(h, "ferrotron_emu_submit")) : nullptr;
+    }();
+    auto* l = new Landing{dst, std::vector<char>(static_cast<const char*>(src), static_cast<const char*>(src) + n)};
+    if (!submit) return land(l);
+    return submit(stream, land, l) ? fail(SYSTEM_ERROR, "ncclGroupEnd", "the driver refused the stream") : SUCCESS;
+}
 
 struct Message {
     const void* buf;
@@ -107,6 +137,7 @@ struct Pending {
     size_t bytes;
     int peer;
     Comm* comm;
+    void* stream;
 };
 thread_local int group_depth = 0;
 thread_local std::vector<Pending> pending;
@@ -124,32 +155,33 @@ int compute(Clique& c) {
             std::vector<float> sum(count, 0.0f);
             for (const Part& p : c.parts)
                 for (size_t i = 0; i < count; i++) sum[i] += p.send[i];
-            for (const Part& p : c.parts) std::memcpy(p.recv, sum.data(), count * 4);
+            for (Part& p : c.parts) p.result = sum;
             return SUCCESS;
         }
         case Kind::Broadcast: {
             std::vector<float> v(c.parts[p0.root].send, c.parts[p0.root].send + count);
-            for (const Part& p : c.parts) std::memcpy(p.recv, v.data(), count * 4);
+            for (Part& p : c.parts) p.result = v;
             return SUCCESS;
         }
         case Kind::ReduceScatter: {
             std::vector<float> sum(count * n, 0.0f);
             for (const Part& p : c.parts)
                 for (size_t i = 0; i < count * n; i++) sum[i] += p.send[i];
-            for (int r = 0; r < n; r++) std::memcpy(c.parts[r].recv, sum.data() + r * count, count * 4);
+            for (int r = 0; r < n; r++)
+                c.parts[r].result.assign(sum.data() + r * count, sum.data() + (r + 1) * count);
             return SUCCESS;
         }
         case Kind::AllGather: {
             std::vector<float> all(count * n);
             for (int r = 0; r < n; r++) std::memcpy(all.data() + r * count, c.parts[r].send, count * 4);
-            for (const Part& p : c.parts) std::memcpy(p.recv, all.data(), count * n * 4);
+            for (Part& p : c.parts) p.result = all;
             return SUCCESS;
         }
     }
     return INVALID_USAGE;
 }
 
-int collective(Comm* comm, Part part, int type, int op) {
+int collective(Comm* comm, Part part, int type, int op, void* stream) {
     const char* fn = name_of(part.kind);
     if (!comm) return fail(INVALID_ARGUMENT, fn, "null communicator");
     if (group_depth > 0) return fail(INVALID_USAGE, fn, "a collective inside a group (not emulated)");
@@ -169,7 +201,12 @@ int collective(Comm* comm, Part part, int type, int op) {
         c.cv.wait(lock, [&] { return c.completed != mine || c.aborted; });
         if (c.completed == mine) return fail(SYSTEM_ERROR, fn, "the communicator was aborted");
     }
-    return c.status;
+    // The next collective's parts arrive only once every rank has taken its result.
+    std::vector<float> out = std::move(c.parts[comm->rank].result);
+    int status = c.status;
+    lock.unlock();
+    if (status != SUCCESS) return status;
+    return deliver(stream, part.recv, out.data(), out.size() * 4);
 }
 
 // The sends and receives of one group, in the order they were called.
@@ -185,6 +222,7 @@ int run_group(std::vector<Pending>& ops) {
         c.cv.notify_all();
     }
     int status = SUCCESS;
+    std::vector<std::pair<Pending*, std::vector<char>>> arrived;
     for (Pending& o : ops) {
         if (o.send) continue;
         Clique& c = *o.comm->clique;
@@ -198,9 +236,15 @@ int run_group(std::vector<Pending>& ops) {
             status = fail(INVALID_USAGE, fn, "rank %d sent %zu bytes to rank %d, which receives %zu",
                           o.peer, m.bytes, o.comm->rank, o.bytes);
         else
-            std::memcpy(o.buf, m.buf, o.bytes);
+            arrived.emplace_back(&o, std::vector<char>(static_cast<const char*>(m.buf),
+                                                      static_cast<const char*>(m.buf) + m.bytes));
         *m.received = true;
         c.cv.notify_all();
+    }
+    // What was received lands when the receiver's stream runs.
+    for (auto& [o, bytes] : arrived) {
+        int s = deliver(o->stream, o->buf, bytes.data(), bytes.size());
+        if (s != SUCCESS) status = s;
     }
     // A send's buffer is the sender's again only once it was received.
     for (size_t i = 0; i < ops.size(); i++) {
@@ -213,13 +257,13 @@ int run_group(std::vector<Pending>& ops) {
     return status;
 }
 
-int point_to_point(bool send, void* buf, size_t count, int type, int peer, Comm* comm) {
+int point_to_point(bool send, void* buf, size_t count, int type, int peer, Comm* comm, void* stream) {
     const char* fn = send ? "ncclSend" : "ncclRecv";
     if (!comm) return fail(INVALID_ARGUMENT, fn, "null communicator");
     if (bytes_of(type) == 0) return fail(INVALID_ARGUMENT, fn, "data type %d", type);
     if (peer < 0 || peer >= comm->clique->nranks)
         return fail(INVALID_ARGUMENT, fn, "peer %d of %d ranks", peer, comm->clique->nranks);
-    pending.push_back(Pending{send, buf, count * bytes_of(type), peer, comm});
+    pending.push_back(Pending{send, buf, count * bytes_of(type), peer, comm, stream});
     if (group_depth > 0) return SUCCESS;
     std::vector<Pending> ops;
     ops.swap(pending);
@@ -323,35 +367,35 @@ int ncclGroupEnd(void) {
     return run_group(ops);
 }
 
-int ncclSend(const void* buf, size_t count, int type, int peer, void* comm, void*) {
-    return point_to_point(true, const_cast<void*>(buf), count, type, peer, static_cast<Comm*>(comm));
+int ncclSend(const void* buf, size_t count, int type, int peer, void* comm, void* stream) {
+    return point_to_point(true, const_cast<void*>(buf), count, type, peer, static_cast<Comm*>(comm), stream);
 }
 
-int ncclRecv(void* buf, size_t count, int type, int peer, void* comm, void*) {
-    return point_to_point(false, buf, count, type, peer, static_cast<Comm*>(comm));
+int ncclRecv(void* buf, size_t count, int type, int peer, void* comm, void* stream) {
+    return point_to_point(false, buf, count, type, peer, static_cast<Comm*>(comm), stream);
 }
 
-int ncclAllReduce(const void* send, void* recv, size_t count, int type, int op, void* comm, void*) {
-    Part p{Kind::AllReduce, static_cast<const float*>(send), static_cast<float*>(recv), count, 0};
-    return collective(static_cast<Comm*>(comm), p, type, op);
+int ncclAllReduce(const void* send, void* recv, size_t count, int type, int op, void* comm, void* stream) {
+    Part p{Kind::AllReduce, static_cast<const float*>(send), static_cast<float*>(recv), count, 0, {}};
+    return collective(static_cast<Comm*>(comm), p, type, op, stream);
 }
 
-int ncclBroadcast(const void* send, void* recv, size_t count, int type, int root, void* comm, void*) {
+int ncclBroadcast(const void* send, void* recv, size_t count, int type, int root, void* comm, void* stream) {
     Comm* c = static_cast<Comm*>(comm);
     if (c && (root < 0 || root >= c->clique->nranks))
         return fail(INVALID_ARGUMENT, "ncclBroadcast", "root %d of %d ranks", root, c->clique->nranks);
-    Part p{Kind::Broadcast, static_cast<const float*>(send), static_cast<float*>(recv), count, root};
-    return collective(c, p, type, SUM);
+    Part p{Kind::Broadcast, static_cast<const float*>(send), static_cast<float*>(recv), count, root, {}};
+    return collective(c, p, type, SUM, stream);
 }
 
-int ncclReduceScatter(const void* send, void* recv, size_t count, int type, int op, void* comm, void*) {
-    Part p{Kind::ReduceScatter, static_cast<const float*>(send), static_cast<float*>(recv), count, 0};
-    return collective(static_cast<Comm*>(comm), p, type, op);
+int ncclReduceScatter(const void* send, void* recv, size_t count, int type, int op, void* comm, void* stream) {
+    Part p{Kind::ReduceScatter, static_cast<const float*>(send), static_cast<float*>(recv), count, 0, {}};
+    return collective(static_cast<Comm*>(comm), p, type, op, stream);
 }
 
-int ncclAllGather(const void* send, void* recv, size_t count, int type, void* comm, void*) {
-    Part p{Kind::AllGather, static_cast<const float*>(send), static_cast<float*>(recv), count, 0};
-    return collective(static_cast<Comm*>(comm), p, type, SUM);
+int ncclAllGather(const void* send, void* recv, size_t count, int type, void* comm, void* stream) {
+    Part p{Kind::AllGather, static_cast<const float*>(send), static_cast<float*>(recv), count, 0, {}};
+    return collective(static_cast<Comm*>(comm), p, type, SUM, stream);
 }
 
 }  // extern "C"
