@@ -14,7 +14,7 @@
 #   - a plan over --device-memory refused with its fixes, then trained with --offload
 #     optimizer and --offload params under that budget, against the CPU and the driver;
 #   - dp 2, tp 2, pp 2, ZeRO-3 and cp 2 on the one GPU against one rank (cuda_ranks.py), and
-#     ep 2 of the mixture of experts;
+#     ep 2 of the mixture of experts, and dp 2 through the emulator's libnccl;
 #   - the NCCL communicator at 1 to 3 ranks on the emulator's libnccl.
 # What it cannot show (PTX and the hardware's rounding of expf, speed, the GPU's memory model,
 # real NCCL and its streams) stays the GPU kit's: bash scripts/cuda_check.sh bundle, then target/cuda-check/run.sh.
@@ -195,6 +195,30 @@ for l in "dp2:--dp 2 --grad-acc 1" "tp2:--tp 2 --grad-acc 2" "pp2:--pp 2 --grad-
     got+=("${l%%:*}=$work/ranks-${l%%:*}/metrics.jsonl")
 done
 python3 scripts/cuda_ranks.py "$work/ranks-one/metrics.jsonl" "${got[@]}"
+# Data parallelism's gradient sum through NCCL (FERROTRON_NCCL=1: the emulator's libnccl takes
+# two ranks on its one GPU), in place on the device and overlapping the backward: the staged
+# dp 2's bits, 5 host syncs a step where the host's buckets take 44.
+LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_NCCL=1 run "$bin" train --device cuda "${tiny[@]}" \
+    "${ranks[@]}" --dp 2 --grad-acc 1 --out-dir "$work/ranks-nccl"
+grep -q "^data parallel: gradients summed in place by NCCL" "$work/run.log" || {
+    cat "$work/run.log"
+    echo "error: dp 2 with FERROTRON_NCCL=1 did not sum through NCCL"
+    exit 1
+}
+python3 scripts/cuda_ranks.py "$work/ranks-one/metrics.jsonl" "nccl-dp2=$work/ranks-nccl/metrics.jsonl"
+python3 scripts/cuda_ops.py "nccl dp2" "$work/ranks-nccl/metrics.jsonl" --max-syncs 6
+# Asked for where it cannot serve (16-bit gradients, summed in f32 by the host's buckets):
+# refused in one line, nothing trained.
+if LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_NCCL=1 "$bin" train --device cuda "${tiny[@]}" \
+    "${ranks[@]}" --dp 2 --precision bf16 --out-dir "$work/nccl-refused" 2>"$work/nccl.err"; then
+    echo "error: FERROTRON_NCCL=1 trained bf16 gradients"
+    exit 1
+fi
+grep -q "^error: rank 0: FERROTRON_NCCL=1: precision = bf16: 16-bit gradients are summed in f32" "$work/nccl.err" || {
+    cat "$work/nccl.err"
+    echo "error: the NCCL refusal's message"
+    exit 1
+}
 # Expert parallelism of the mixture of experts: ep 2 against one rank, and the backward's rows
 # moved in blocks and kernels (gather_copies, scale_each_row, dot_each_row, scatter_copies),
 # not row by row through the host: 9,389 host synchronisations a step before, 201 now (the

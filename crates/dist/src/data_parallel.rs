@@ -25,6 +25,7 @@
 //! plan, laid out once over the order in which the backward reports gradients final,
 //! [`report_order`]); [`DataParallel::add`] checks every report against that layout.
 
+use crate::device_reduce::{as_f32, DeviceReduce};
 use crate::group::Group;
 use crate::small_sums::{gather_mem, gather_small, SmallSums};
 use crate::{Communicator, Pending, Region};
@@ -170,6 +171,9 @@ pub struct DataParallel {
     /// On a device (`--device emulated`): the copies between its gradients and the buckets,
     /// which stage the reduction through the host (`device_ranks`).
     device: Option<HostCopy>,
+    /// On GPUs with NCCL: the gradients summed in place on the device instead
+    /// (`device_reduce.rs`), the buckets unused.
+    in_place: Option<Box<dyn DeviceReduce>>,
 }
 
 impl DataParallel {
@@ -278,6 +282,7 @@ impl DataParallel {
             exposed: Duration::ZERO,
             experts: None,
             device: None,
+            in_place: None,
         })
     }
 
@@ -332,6 +337,22 @@ impl DataParallel {
             inner.on_device(copy.clone());
         }
         self.device = Some(copy);
+    }
+
+    /// The gradients (f32, on a GPU of this rank's own) are summed in place by `reduce`
+    /// (NCCL over the same ranks) instead of through the host's buckets; refused under ZeRO
+    /// and expert parallelism, whose reductions shard.
+    pub fn reduce_in_place(&mut self, reduce: Box<dyn DeviceReduce>) -> Result<()> {
+        if self.shard.is_some() || self.per_unit || self.experts.is_some() {
+            bail!("internal: the in-place device sum is plain data parallelism's (no ZeRO, no expert parallelism)");
+        }
+        self.in_place = Some(reduce);
+        Ok(())
+    }
+
+    /// Whether the gradients are summed in place on the device ([`Self::reduce_in_place`]).
+    pub fn reduces_in_place(&self) -> bool {
+        self.in_place.is_some()
     }
 
     /// The copies to and from the device the gradients live on (`None`: the host).
@@ -412,6 +433,9 @@ impl DataParallel {
                 return;
             }
         }
+        if self.in_place.is_some() {
+            return self.add_in_place(sums, range);
+        }
         // MPI progresses a started reduction only inside MPI calls: look in on the running
         // ones as the backward reports (a no-op for the threads backend's own worker).
         for f in &self.in_flight {
@@ -442,6 +466,27 @@ impl DataParallel {
             if b.next == self.layout.pieces[b.index].len() {
                 self.launch(sums);
             }
+        }
+    }
+
+    /// Starts the in-place sum of gradients `range` on the device; the bytes are those its
+    /// bucket's all-reduce would send.
+    fn add_in_place<G: Elem>(&mut self, sums: &mut Sums<G>, range: Range<usize>) {
+        let Some(reduce) = self.in_place.as_mut() else {
+            return;
+        };
+        let Some(grads) = as_f32(sums.grads.slice_mut(range.clone())) else {
+            let e = "the in-place device sum takes f32 gradients".to_string();
+            self.group.fail(FAILED, e);
+            return;
+        };
+        let p = self.group.size() as u64;
+        let bytes = 4.0 * range.len() as f64;
+        self.group
+            .sent(bytes_per_rank(Collective::AllReduce, bytes, p));
+        match reduce.start(grads) {
+            Ok(()) => self.reduced += range.len(),
+            Err(e) => self.group.fail(FAILED, e),
         }
     }
 
@@ -548,6 +593,9 @@ impl DataParallel {
         }
         while !self.in_flight.is_empty() {
             self.land_oldest(sums);
+        }
+        if let Some(Err(e)) = self.in_place.as_mut().map(|r| r.land()) {
+            self.group.fail(FAILED, e);
         }
         let reduced = std::mem::take(&mut self.reduced);
         self.next_bucket = 0;

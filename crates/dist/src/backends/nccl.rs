@@ -164,6 +164,17 @@ impl Nccl {
         op: &'static str,
         enqueue: impl FnOnce(sys::cudaStream_t) -> std::result::Result<(), result::NcclError>,
     ) -> Result<()> {
+        self.behind_compute(op, enqueue)?;
+        self.compute_waits(op)
+    }
+
+    /// Runs `enqueue` on the communication stream after the compute stream's work so far;
+    /// the compute stream goes on meanwhile.
+    fn behind_compute(
+        &self,
+        op: &'static str,
+        enqueue: impl FnOnce(sys::cudaStream_t) -> std::result::Result<(), result::NcclError>,
+    ) -> Result<()> {
         if self.aborted.load(Ordering::Relaxed) {
             return Err(self.failed(op, "the communicator was aborted"));
         }
@@ -176,8 +187,37 @@ impl Nccl {
             .map_err(|e| self.failed(op, e))?;
         self.after
             .record(&self.comm_stream)
-            .and_then(|()| self.compute.wait(&self.after))
             .map_err(|e| self.failed(op, e))
+    }
+
+    /// The compute stream's next work runs after everything on the communication stream.
+    fn compute_waits(&self, op: &'static str) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(|e| self.failed(op, e))?;
+        self.compute
+            .wait(&self.after)
+            .map_err(|e| self.failed(op, e))
+    }
+
+    /// `all_reduce_sum`'s NCCL call on `buf`'s `n` elements at `p`, on `stream`.
+    ///
+    /// # Safety
+    /// `p` addresses `n` elements of this GPU's memory, left alone until the sum has run.
+    unsafe fn sum_in_place(
+        &self,
+        p: *mut f32,
+        n: usize,
+        stream: sys::cudaStream_t,
+    ) -> std::result::Result<(), result::NcclError> {
+        result::all_reduce(
+            p.cast_const().cast(),
+            p.cast(),
+            n,
+            sys::ncclDataType_t::ncclFloat32,
+            sys::ncclRedOp_t::ncclSum,
+            self.comm,
+            stream,
+        )
+        .map(drop)
     }
 
     /// Sends and receives as one NCCL group: `pairs` of (peer, send offset, send count, receive
@@ -225,6 +265,23 @@ impl Nccl {
     }
 }
 
+/// Data parallelism's in-place gradient sums (`device_reduce.rs`): each started on the
+/// communication stream behind the backward's kernels so far, all landed before the optimizer.
+impl crate::device_reduce::DeviceReduce for Nccl {
+    fn start(&mut self, mut grads: ViewMut<'_, f32>) -> Result<()> {
+        const OP: &str = "data-parallel gradient sum";
+        self.check(grads.memory(), OP)?;
+        let (p, n) = (grads.as_mut_ptr(), grads.len());
+        // SAFETY: `n` elements of this GPU's memory: gradients the backward has finished
+        // with, which nothing touches before `land` orders the compute stream after the sum.
+        self.behind_compute(OP, |stream| unsafe { self.sum_in_place(p, n, stream) })
+    }
+
+    fn land(&mut self) -> Result<()> {
+        self.compute_waits("data-parallel gradient sum")
+    }
+}
+
 impl Drop for Nccl {
     fn drop(&mut self) {
         if !self.aborted.swap(true, Ordering::Relaxed) {
@@ -249,21 +306,11 @@ impl Communicator for Nccl {
 
     fn all_reduce_sum(&self, mut buf: ViewMut<'_, f32>) -> Result<()> {
         self.check(buf.memory(), "all_reduce_sum")?;
-        let (p, n, comm) = (buf.as_mut_ptr(), buf.len(), self.comm);
-        self.ordered("all_reduce_sum", |stream| {
-            // SAFETY: in place on `n` elements of this GPU's memory.
-            unsafe {
-                result::all_reduce(
-                    p.cast_const().cast(),
-                    p.cast(),
-                    n,
-                    sys::ncclDataType_t::ncclFloat32,
-                    sys::ncclRedOp_t::ncclSum,
-                    comm,
-                    stream,
-                )
-            }
-            .map(drop)
+        let (p, n) = (buf.as_mut_ptr(), buf.len());
+        // SAFETY: in place on `n` elements of this GPU's memory, borrowed until the compute
+        // stream has waited for the sum.
+        self.ordered("all_reduce_sum", |stream| unsafe {
+            self.sum_in_place(p, n, stream)
         })
     }
 

@@ -128,6 +128,22 @@ impl Trainer {
         r
     }
 
+    /// Data parallelism's gradient sum through NCCL on each rank's GPU, where every rank's
+    /// can (`device::nccl_dp`), said once on stderr by the group's first rank.
+    pub(super) fn nccl_data_parallel(&mut self, machine: &crate::device::Machine) -> Result<()> {
+        let Some(dp) = self.mesh.dp.as_mut() else {
+            return Ok(());
+        };
+        let on =
+            crate::device::nccl_dp::reduce_on_gpus(&self.kernels.inner, &self.cfg, machine, dp)?;
+        if on && dp.rank() == 0 {
+            eprintln!(
+                "data parallel: gradients summed in place by NCCL on each rank's GPU, overlapping the backward"
+            );
+        }
+        Ok(())
+    }
+
     /// The run's memory is the device's (`None`: the host's): the arena allocates there.
     pub(super) fn place_on(&mut self, device_alloc: Option<Arc<dyn DeviceAlloc>>) {
         if let (Some(d), Some(a)) = (&device_alloc, &mut self.pool.arena) {

@@ -1,0 +1,172 @@
+//! Data parallelism's gradient sum through NCCL where each rank has a GPU of its own (issue
+//! #33): the backward's final gradients are summed in place on the device, on NCCL's stream,
+//! while the backward goes on (`ferrotron_dist::device_reduce`), instead of through the host's
+//! buckets. Taken by every rank of the data-parallel group or by none (the choice is agreed
+//! over the group's host communicator first: NCCL's bootstrap is collective).
+//!
+//! `FERROTRON_NCCL` chooses: unset or `auto`, NCCL where it can serve (f32 gradients, no ZeRO,
+//! expert parallelism or offload, one rank per GPU, the library present); `1`, NCCL or a
+//! refusal naming what stands in the way (also where ranks share a GPU: the CUDA emulator's
+//! libnccl takes them, NCCL itself refuses); `0`, the host's buckets.
+
+use crate::config::TrainConfig;
+use crate::device::Machine;
+use anyhow::{bail, Result};
+use ferrotron_dist::data_parallel::DataParallel;
+use ferrotron_dist::AsViewMut;
+use ferrotron_engine::kernels::Backend;
+use ferrotron_plan::{Offload, Precision};
+
+/// `FERROTRON_NCCL`'s choice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Want {
+    Auto,
+    Required,
+    Never,
+}
+
+const ENV: &str = "FERROTRON_NCCL";
+
+fn want() -> Result<Want> {
+    match std::env::var(ENV).as_deref() {
+        Err(_) | Ok("auto") => Ok(Want::Auto),
+        Ok("1") => Ok(Want::Required),
+        Ok("0") => Ok(Want::Never),
+        Ok(other) => bail!("{ENV} = `{other}`: use auto (NCCL where it can serve), 1 (NCCL or a refusal) or 0 (the host's buckets)"),
+    }
+}
+
+/// What keeps this rank's gradient sum from NCCL, in words; `None` when nothing does.
+fn obstacle(cfg: &TrainConfig, machine: &Machine, want: Want, nccl: bool) -> Option<String> {
+    let p = &cfg.parallel;
+    Some(match () {
+        _ if !matches!(cfg.precision.kind, Precision::Fp32 | Precision::Bf16Fp32grads) => format!(
+            "precision = {}: 16-bit gradients are summed in f32 through the host's buckets; use --precision fp32, or bf16 with --fp32-grad-acc",
+            serde_json::to_value(cfg.precision.kind).map_or(String::new(), |v| v.as_str().unwrap_or("").to_string())
+        ),
+        _ if p.zero > 0 => format!("zero = {}: ZeRO's sharded sums go through the host's buckets", p.zero),
+        _ if p.ep > 1 => format!("ep = {}: expert parallelism's sums go through the host's buckets", p.ep),
+        _ if p.offload != Offload::None => "offload: the gradients are summed on the host".into(),
+        _ if want == Want::Auto && machine.gpu_share > 1 => format!(
+            "{} ranks share GPU {} (NCCL takes one rank per GPU)",
+            machine.gpu_share, machine.gpu
+        ),
+        _ if !nccl => "NCCL is not found: cudarc loads libnccl.so by name; put a libnccl.so link to libnccl.so.2 (PyTorch: site-packages/nvidia/nccl/lib) in a directory on LD_LIBRARY_PATH".into(),
+        _ => return None,
+    })
+}
+
+/// Hands `dp`'s gradient sum to NCCL on this rank's GPU when every rank of the group can (see
+/// the module docs); `true` when it did. A collective over `dp`'s group.
+pub fn reduce_on_gpus(
+    backend: &Backend,
+    cfg: &TrainConfig,
+    machine: &Machine,
+    dp: &mut DataParallel,
+) -> Result<bool> {
+    let Some(ctx) = gpu_context(backend) else {
+        return Ok(false);
+    };
+    let want = want()?;
+    if want == Want::Never || dp.size() < 2 {
+        return Ok(false);
+    }
+    let why = obstacle(cfg, machine, want, nccl_present());
+    // Every rank's answer: NCCL's bootstrap needs all of them.
+    let mut ready = [f32::from(why.is_none())];
+    dp.group()
+        .comm
+        .all_reduce_sum(ready.view_mut())
+        .map_err(|e| anyhow::anyhow!("data parallel: agreeing on NCCL: {e}"))?;
+    let all = ready[0] as usize == dp.size();
+    match (want, &why, all) {
+        (Want::Required, Some(w), _) => bail!("{ENV}=1: {w}"),
+        (Want::Required, None, false) => bail!(
+            "{ENV}=1: another data-parallel rank cannot sum its gradients through NCCL (its own line says why)"
+        ),
+        (Want::Auto, _, false) => return Ok(false),
+        _ => {}
+    }
+    attach(dp, ctx)?;
+    Ok(true)
+}
+
+#[cfg(feature = "cuda")]
+type Context = std::sync::Arc<ferrotron_engine::kernels::cuda::cudarc::driver::CudaContext>;
+#[cfg(not(feature = "cuda"))]
+type Context = ();
+
+/// The GPU's context behind `backend` (`None` off the GPU).
+fn gpu_context(backend: &Backend) -> Option<Context> {
+    #[cfg(feature = "cuda")]
+    if let Backend::Cuda(k) = backend {
+        return Some(k.gpu().ctx.clone());
+    }
+    let _ = backend;
+    None
+}
+
+fn nccl_present() -> bool {
+    #[cfg(feature = "cuda")]
+    return ferrotron_dist::nccl::present();
+    #[cfg(not(feature = "cuda"))]
+    false
+}
+
+/// NCCL over `dp`'s ranks (bootstrapped over a copy of its host group) as its in-place sum.
+fn attach(dp: &mut DataParallel, ctx: Context) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    {
+        let all: Vec<usize> = (0..dp.size()).collect();
+        let host = (dp.group().comm.split_group(&all))
+            .map_err(|e| anyhow::anyhow!("data parallel: a group for NCCL's bootstrap: {e}"))?;
+        let nccl = ferrotron_dist::nccl::Nccl::new(host, ctx)
+            .map_err(|e| anyhow::anyhow!("data parallel: NCCL: {e}"))?;
+        dp.reduce_in_place(Box::new(nccl))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (dp, ctx);
+        bail!("internal: NCCL without the cuda feature")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::Device;
+
+    fn machine(share: usize) -> Machine {
+        Machine {
+            device: Device::Cuda,
+            peak_gflops: 0.0,
+            gpu: 1,
+            gpu_share: share,
+        }
+    }
+
+    #[test]
+    fn each_obstacle_to_nccl_is_named() {
+        let mut cfg = crate::config::TrainArgs::default().resolve().unwrap();
+        cfg.precision.kind = Precision::Fp32;
+        assert_eq!(obstacle(&cfg, &machine(1), Want::Auto, true), None);
+        let one = |cfg: &TrainConfig, share, want, nccl| {
+            obstacle(cfg, &machine(share), want, nccl).expect("an obstacle")
+        };
+        assert!(one(&cfg, 2, Want::Auto, true).starts_with("2 ranks share GPU 1"));
+        // Asked for, ranks sharing a GPU try (the emulator's libnccl takes them).
+        assert_eq!(obstacle(&cfg, &machine(2), Want::Required, true), None);
+        assert!(one(&cfg, 1, Want::Auto, false).starts_with("NCCL is not found"));
+        cfg.parallel.offload = Offload::Optimizer;
+        assert_eq!(
+            one(&cfg, 1, Want::Auto, true),
+            "offload: the gradients are summed on the host"
+        );
+        cfg.parallel.ep = 2;
+        assert!(one(&cfg, 1, Want::Auto, true).starts_with("ep = 2"));
+        cfg.parallel.zero = 1;
+        assert!(one(&cfg, 1, Want::Auto, true).starts_with("zero = 1"));
+        cfg.precision.kind = Precision::Bf16;
+        assert!(one(&cfg, 1, Want::Auto, true).starts_with("precision = bf16: 16-bit gradients"));
+    }
+}
