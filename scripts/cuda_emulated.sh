@@ -46,7 +46,7 @@ rss_within() {
 }
 
 echo "== emulated GPU: the backend's op tests and training steps against the CPU"
-cargo test --release -p ferrotron-engine --features cuda --test cuda_backend
+cargo test --release -p ferrotron-engine --features cuda --test cuda_backend -- --test-threads 1
 
 echo "== emulated NCCL: the NCCL communicator at 1, 2 and 3 ranks (threads) against the threads backend (#33)"
 # The emulator's libnccl (cuda_emu/nccl.cpp) joins ranks that are threads of one process;

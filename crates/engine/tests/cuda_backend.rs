@@ -498,6 +498,95 @@ fn ops<S: Elem>(k: &CudaKernels, at: usize, tol: f64, tol_product: f64) {
     }
 }
 
+/// The LM head's 16-bit copy of the logit gradients, which a 16-bit backend's cross-entropy
+/// writes in the same pass (issue #32: no rounding pass per head product), is the rounding the
+/// head makes of f32 gradients, and is what the head's products take: after a kernel changes
+/// the f32 gradients behind it (which the model never does), the products are still those of
+/// the cross-entropy's gradients rounded in a buffer of their own, bit for bit. Once the head's
+/// forward rewrites the logits, the copy is not taken for them. (Everything is allocated
+/// first: an allocation, like a copy into the device, drops the copy; so does another test's,
+/// the epoch being the process's, and then the copy's use is not checked: the kit and
+/// `cuda_emulated.sh` run the tests one at a time.)
+#[test]
+fn the_cross_entropys_16_bit_gradient_copy_is_the_heads_rounding() {
+    let Some(k) = gpu() else { return };
+    let g: &dyn Kernels<bf16, f32> = &k;
+    let on = On { k: &k, at: 0 };
+    let (rows, vocab, c) = (9, 1004, 24);
+    let mut rng = Rng::new(31);
+    let z = rng.vec(rows * vocab, 8.0);
+    let targets: Vec<u32> = (0..rows as u32).map(|i| i * 97 % vocab as u32).collect();
+    let (mut gz, gt, ones) = (on.up(&z), on.up(&targets), on.up(&vec![1f32; z.len()]));
+    let mut gl = on.up(&vec![0f32; rows]);
+    let (w, x) = (
+        stored::<bf16>(&rng.vec(vocab * c, 0.1)),
+        stored::<bf16>(&rng.vec(rows * c, 1.0)),
+    );
+    let (gw, gx) = (on.up(&w), on.up(&x));
+    let s = MatmulShape {
+        n: rows,
+        in_features: c,
+        out_features: vocab,
+        ragged: false,
+    };
+    let mut outs: Vec<(Dev, Dev)> = (0..4)
+        .map(|_| {
+            (
+                on.up(&vec![bf16::ZERO; rows * c]),
+                on.up(&vec![0f32; vocab * c]),
+            )
+        })
+        .collect();
+    let mut heads = |dl: View<'_, f32>, out: usize| {
+        let (dx, dw) = &mut outs[out];
+        g.head_backward_input(s, dl, gw.view(w.len()), dx.view_mut(rows * c));
+        g.head_backward_weight(s, dl, gx.view(x.len()), dw.view_mut(vocab * c));
+        (
+            download::<bf16>(dx.view(rows * c)),
+            download::<f32>(dw.view(vocab * c)),
+        )
+    };
+    let ce = CeShape { rows, vocab };
+    let dz = gz.view_mut(z.len());
+    let epoch = || {
+        let o = ferrotron_engine::kernels::cuda::OPS.read();
+        o.writes + o.copies + o.syncs[SyncSite::Alloc as usize]
+    };
+    g.cross_entropy(ce, dz, gt.view(rows), gl.view_mut(rows), Some(0.5));
+    let before = epoch();
+    let dl: Vec<f32> = download(gz.view(z.len()));
+    let g32: &dyn Kernels<f32> = &k;
+    g32.add_inplace(gz.view_mut(z.len()), ones.view(z.len()));
+    let from_copy = heads(gz.view(z.len()), 0);
+    let undisturbed = epoch() == before;
+    // The forward writes new logits where the gradients were: their products round them.
+    g.head_forward(s, gx.view(x.len()), gw.view(w.len()), gz.view_mut(z.len()));
+    let after = heads(gz.view(z.len()), 1);
+    let logits: Vec<f32> = download(gz.view(z.len()));
+    let elsewhere = on.up(&dl);
+    assert!(
+        from_copy.0.iter().any(|v| v.to_f32() != 0.0),
+        "a gradient flowed"
+    );
+    let rounded = heads(elsewhere.view(dl.len()), 2);
+    match undisturbed {
+        true => assert!(
+            from_copy == rounded,
+            "the products take the cross-entropy's copy, its rounding"
+        ),
+        false => eprintln!(
+            "another test copied into the device meanwhile: the copy's use is not checked"
+        ),
+    }
+    let fresh = on.up(&logits);
+    let again = heads(fresh.view(logits.len()), 3);
+    assert!(
+        after == again,
+        "after the forward the products round the new logits"
+    );
+    g.take_loss();
+}
+
 fn rng_vec(n: usize) -> Vec<f32> {
     Rng::new(n as u64).vec(n, 1.0)
 }

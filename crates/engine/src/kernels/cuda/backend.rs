@@ -139,6 +139,9 @@ pub struct CudaKernels {
     host: Mutex<on_host::HostBuffers>,
     /// The step's loss on the device (`take_loss`).
     loss: Mutex<LossSlots>,
+    /// The 16-bit copy of the logit gradients the last `cross_entropy` wrote beside them, for
+    /// the head's two products (`stage_head`).
+    staged: Mutex<Option<StagedHead>>,
     /// Traced ops' events (`op_begin`, `take_device_spans`).
     op_events: Mutex<op_events::OpEvents>,
     /// Attention on the plain kernels even where the tensor-core ones apply
@@ -148,6 +151,17 @@ pub struct CudaKernels {
     /// The layer products' fp8 formats (`--precision fp8`), or `None` for products on the
     /// storage type; the LM head's are never fp8 (as on the CPU).
     fp8: Option<Fp8Inputs>,
+}
+
+/// Which f32 logit gradients the head staging holds rounded to 16 bits: their address and
+/// length, the staging's address, and the device-write epoch when they were written
+/// (`moe::write_epoch`: a copy into the logits since would change them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct StagedHead {
+    dlogits: u64,
+    len: usize,
+    staging: u64,
+    epoch: u64,
 }
 
 /// The variable that picks the attention kernels: `flash` (the default) or `plain`.
@@ -178,6 +192,7 @@ impl CudaKernels {
             routing: Mutex::default(),
             host: Mutex::default(),
             loss: Mutex::default(),
+            staged: Mutex::default(),
             op_events: Mutex::default(),
             plain_attention: AtomicBool::new(plain_attention_from_env()?),
             fp8: None,
@@ -352,8 +367,24 @@ impl CudaKernels {
         let n = dlogits.len() as u64;
         let out = self.scratch(Scratch::HeadStaging, dlogits.len() * size_of::<S>());
         let src = dev(&dlogits, "head");
+        // The cross-entropy that wrote these gradients wrote their copy too (`cross_entropy`).
+        let held = StagedHead {
+            dlogits: src,
+            len: dlogits.len(),
+            staging: out,
+            epoch: moe::write_epoch(&OPS.read()),
+        };
+        if *lock(&self.staged) == Some(held) {
+            return out;
+        }
         launch!(self, name::<S>("round_params"), elementwise(n); src, out, n);
         out
+    }
+
+    /// The head's logits are written anew (by its forward or a cross-entropy without the
+    /// copy): the staging no longer holds their gradients.
+    fn unstage_head(&self) {
+        *lock(&self.staged) = None;
     }
 }
 
@@ -621,6 +652,7 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         mut logits: ViewMut<'_, f32>,
     ) {
         let op = "head_forward";
+        self.unstage_head();
         let (x, w, l) = (dev(&x, op), dev(&w, op), dev_mut(&mut logits, op));
         self.product(
             op,
@@ -1082,6 +1114,7 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         dlogits_scale: Option<f32>,
     ) -> f64 {
         let op = "cross_entropy";
+        let len = logits.len();
         let (z, t) = (dev_mut(&mut logits, op), dev(&targets, op));
         let l = dev_mut(&mut losses, op);
         let (vocab, grad, scale) = (
@@ -1089,7 +1122,20 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
             dlogits_scale.is_some() as i32,
             dlogits_scale.unwrap_or(0.0),
         );
-        launch!(self, op.to_string(), per_row(s.rows); z, t, l, vocab, grad, scale);
+        self.unstage_head();
+        let staged = match S::DTYPE {
+            // The 16-bit copy the head's products take, written in the same pass.
+            DType::Bf16 | DType::F16 if dlogits_scale.is_some() => {
+                let out = self.scratch(Scratch::HeadStaging, len * size_of::<S>());
+                let kernel = name::<S>("cross_entropy_staged");
+                launch!(self, kernel, per_row(s.rows); z, t, l, vocab, grad, scale, out);
+                Some(out)
+            }
+            _ => {
+                launch!(self, op.to_string(), per_row(s.rows); z, t, l, vocab, grad, scale);
+                None
+            }
+        };
         // Added on the device to the step's sum, in row order as the CPU adds them, for
         // `take_loss`: no host round trip per chunk.
         if s.rows > 0 {
@@ -1097,6 +1143,13 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
             launch!(self, "loss_accumulate".to_string(), one_thread(); l, rows, acc);
             self.loss_added();
         }
+        // Noted last: the loss's scratch, made at the first call, moves the write epoch.
+        *lock(&self.staged) = staged.map(|staging| StagedHead {
+            dlogits: z,
+            len,
+            staging,
+            epoch: moe::write_epoch(&OPS.read()),
+        });
         0.0
     }
 
@@ -1108,6 +1161,7 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         stats: ViewMut<'_, f32>,
         keep_exp: bool,
     ) {
+        self.unstage_head();
         self.ce_shard_stats_on_host::<S, G>(s, logits, targets, stats, keep_exp)
     }
 
@@ -1121,6 +1175,7 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         losses: ViewMut<'_, f32>,
         dlogits_scale: Option<f32>,
     ) -> f64 {
+        self.unstage_head();
         self.ce_shard_finish_on_host::<S, G>(s, logits, targets, all, rank, losses, dlogits_scale)
     }
 

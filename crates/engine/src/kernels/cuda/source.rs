@@ -69,6 +69,8 @@ pub fn entry_points() -> Vec<String> {
     let mut names: Vec<String> = [
         "count_targets",
         "cross_entropy",
+        "cross_entropy_staged_bf16",
+        "cross_entropy_staged_f16",
         "loss_accumulate",
         "loss_reset",
         "router_topk",

@@ -19,16 +19,25 @@ __device__ __forceinline__ void softmax_add(float& m, float& sum, float x) {
     }
 }
 
-extern "C" __global__ void cross_entropy(float* logits, const u32* targets, float* losses, u64 vocab,
-                                         int with_grad, float scale) {
+// One row; with `staged`, the gradient is also written rounded to E there (row-major as the
+// logits): the 16-bit copy the LM head's products take (`stage_head`), made in this pass
+// instead of two passes of rounding after it (one per product).
+template <typename E>
+__device__ void cross_entropy_row(float* logits, const u32* targets, float* losses, u64 vocab, int with_grad,
+                                  float scale, typename E::T* staged) {
     __shared__ float scratch[32];
     u64 row = blockIdx.x;
     float* z = logits + row * vocab;
+    typename E::T* copy = staged ? staged + row * vocab : nullptr;
     u32 t = targets[row];
     bool vec = aligned16(z);
     if (t >= vocab) {
         if (threadIdx.x == 0) losses[row] = 0.0f;
-        if (with_grad) map_row<F32>(z, vocab, vec, [](float, u64) { return 0.0f; });
+        if (with_grad)
+            map_row<F32>(z, vocab, vec, [&](float, u64 j) {
+                if (copy) PUT(E, copy, j, 0.0f);
+                return 0.0f;
+            });
         return;
     }
     float m = F_INF_NEG, sum = 0.0f;
@@ -41,8 +50,25 @@ extern "C" __global__ void cross_entropy(float* logits, const u32* targets, floa
     if (threadIdx.x == 0) losses[row] = logf(sum) + mx - zt;
     if (with_grad) {
         float k = scale / sum;
-        map_row<F32>(z, vocab, vec, [&](float x, u64 j) { return expf(x - mx) * k - (j == t ? scale : 0.0f); });
+        map_row<F32>(z, vocab, vec, [&](float x, u64 j) {
+            float g = expf(x - mx) * k - (j == t ? scale : 0.0f);
+            if (copy) PUT(E, copy, j, g);
+            return g;
+        });
     }
+}
+
+extern "C" __global__ void cross_entropy(float* logits, const u32* targets, float* losses, u64 vocab,
+                                         int with_grad, float scale) {
+    cross_entropy_row<F32>(logits, targets, losses, vocab, with_grad, scale, nullptr);
+}
+extern "C" __global__ void cross_entropy_staged_bf16(float* logits, const u32* targets, float* losses, u64 vocab,
+                                                     int with_grad, float scale, bf16_t* staged) {
+    cross_entropy_row<BF16>(logits, targets, losses, vocab, with_grad, scale, staged);
+}
+extern "C" __global__ void cross_entropy_staged_f16(float* logits, const u32* targets, float* losses, u64 vocab,
+                                                    int with_grad, float scale, f16_t* staged) {
+    cross_entropy_row<F16>(logits, targets, losses, vocab, with_grad, scale, staged);
 }
 
 // The step's loss sum kept on the device (issue #32: no read-back per chunk), in `acc`, read
