@@ -207,14 +207,21 @@ grep -q "^data parallel: gradients summed in place by NCCL" "$work/run.log" || {
 }
 python3 scripts/cuda_ranks.py "$work/ranks-one/metrics.jsonl" "nccl-dp2=$work/ranks-nccl/metrics.jsonl"
 python3 scripts/cuda_ops.py "nccl dp2" "$work/ranks-nccl/metrics.jsonl" --max-syncs 6
-# Asked for where it cannot serve (16-bit gradients, summed in f32 by the host's buckets):
-# refused in one line, nothing trained.
+# bf16 gradients summed by NCCL in bf16 (each addition rounded once: at two ranks the host
+# buckets' bits) against the host-staged dp 2.
+for c in staged nccl; do
+    LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_NCCL=$([ $c = nccl ] && echo 1 || echo 0) \
+        run "$bin" train --device cuda "${tiny[@]}" "${ranks[@]}" --dp 2 --precision bf16 --out-dir "$work/bf16-$c"
+done
+python3 scripts/cuda_ranks.py "$work/bf16-staged/metrics.jsonl" "nccl-dp2-bf16=$work/bf16-nccl/metrics.jsonl"
+# Asked for where it cannot serve (fp16 gradients, whose loss scale checks them on the host's
+# buckets): refused in one line, nothing trained.
 if LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_NCCL=1 "$bin" train --device cuda "${tiny[@]}" \
-    "${ranks[@]}" --dp 2 --precision bf16 --out-dir "$work/nccl-refused" 2>"$work/nccl.err"; then
-    echo "error: FERROTRON_NCCL=1 trained bf16 gradients"
+    "${ranks[@]}" --dp 2 --precision fp16 --out-dir "$work/nccl-refused" 2>"$work/nccl.err"; then
+    echo "error: FERROTRON_NCCL=1 trained fp16 gradients"
     exit 1
 fi
-grep -q "^error: rank 0: FERROTRON_NCCL=1: precision = bf16: 16-bit gradients are summed in f32" "$work/nccl.err" || {
+grep -q "^error: rank 0: FERROTRON_NCCL=1: precision = fp16: fp16 gradients" "$work/nccl.err" || {
     cat "$work/nccl.err"
     echo "error: the NCCL refusal's message"
     exit 1

@@ -25,7 +25,7 @@
 //! plan, laid out once over the order in which the backward reports gradients final,
 //! [`report_order`]); [`DataParallel::add`] checks every report against that layout.
 
-use crate::device_reduce::{as_f32, DeviceReduce};
+use crate::device_reduce::{grads_of, DeviceReduce};
 use crate::group::Group;
 use crate::small_sums::{gather_mem, gather_small, SmallSums};
 use crate::{Communicator, Pending, Region};
@@ -339,7 +339,7 @@ impl DataParallel {
         self.device = Some(copy);
     }
 
-    /// The gradients (f32, on a GPU of this rank's own) are summed in place by `reduce`
+    /// The gradients (f32 or bf16, on a GPU of this rank's own) are summed in place by `reduce`
     /// (NCCL over the same ranks) instead of through the host's buckets; refused under ZeRO
     /// and expert parallelism, whose reductions shard.
     pub fn reduce_in_place(&mut self, reduce: Box<dyn DeviceReduce>) -> Result<()> {
@@ -469,19 +469,19 @@ impl DataParallel {
         }
     }
 
-    /// Starts the in-place sum of gradients `range` on the device; the bytes are those its
-    /// bucket's all-reduce would send.
+    /// Starts the in-place sum of gradients `range` on the device; the bytes are its
+    /// all-reduce's, in the gradients' type.
     fn add_in_place<G: Elem>(&mut self, sums: &mut Sums<G>, range: Range<usize>) {
         let Some(reduce) = self.in_place.as_mut() else {
             return;
         };
-        let Some(grads) = as_f32(sums.grads.slice_mut(range.clone())) else {
-            let e = "the in-place device sum takes f32 gradients".to_string();
+        let Some(grads) = grads_of(sums.grads.slice_mut(range.clone())) else {
+            let e = "the in-place device sum takes f32 or bf16 gradients".to_string();
             self.group.fail(FAILED, e);
             return;
         };
         let p = self.group.size() as u64;
-        let bytes = 4.0 * range.len() as f64;
+        let bytes = (grads.width() * range.len()) as f64;
         self.group
             .sent(bytes_per_rank(Collective::AllReduce, bytes, p));
         match reduce.start(grads) {

@@ -18,8 +18,10 @@
 // reads a result without waiting for the communication stream reads what was there before.
 //
 // Differences from NCCL, said here so no test relies on them: several ranks may share the one
-// emulated GPU (NCCL refuses that); only f32 sums are emulated (other types and operations fail
-// with ncclInvalidArgument and a line on stderr); collectives inside a group are refused.
+// emulated GPU (NCCL refuses that); only f32 sums are emulated, and bf16 all-reduces (each
+// addition in f32 rounded to bf16, in rank order, as a ring's hops round: at two ranks one
+// rounding), other types and operations fail with ncclInvalidArgument and a line on stderr;
+// collectives inside a group are refused.
 
 #include <condition_variable>
 #include <cstdarg>
@@ -38,7 +40,22 @@
 namespace {
 
 enum : int { SUCCESS = 0, SYSTEM_ERROR = 2, INVALID_ARGUMENT = 4, INVALID_USAGE = 5 };
-enum : int { FLOAT32 = 7 };
+enum : int { FLOAT32 = 7, BFLOAT16 = 9 };
+
+// bf16 ⇄ f32: widening is exact; rounding to nearest even (NaN kept quiet), as CUDA's.
+float from_bf16(uint16_t b) {
+    uint32_t u = uint32_t(b) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+uint16_t to_bf16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return uint16_t(u >> 16);
+}
 enum : int { SUM = 0 };
 
 int fail(int status, const char* fn, const char* fmt, ...) {
@@ -74,6 +91,8 @@ struct Part {
     size_t count;  // NCCL's count: per rank for ReduceScatter (recv) and AllGather (send)
     int root;
     std::vector<float> result;
+    int type = FLOAT32;
+    std::vector<uint16_t> result16;  // a bf16 all-reduce's
 };
 
 // Bytes that land in a device buffer when their stream runs.
@@ -150,6 +169,17 @@ int compute(Clique& c) {
         if (p.kind != p0.kind || p.count != p0.count || p.root != p0.root)
             return fail(INVALID_USAGE, name_of(p0.kind), "the ranks called different collectives or counts");
     size_t count = p0.count;
+    for (const Part& p : c.parts)
+        if (p.type != p0.type) return fail(INVALID_USAGE, name_of(p0.kind), "the ranks called different types");
+    if (p0.type == BFLOAT16) {
+        std::vector<uint16_t> sum(count, 0);
+        for (const Part& p : c.parts) {
+            const uint16_t* x = reinterpret_cast<const uint16_t*>(p.send);
+            for (size_t i = 0; i < count; i++) sum[i] = to_bf16(from_bf16(sum[i]) + from_bf16(x[i]));
+        }
+        for (Part& p : c.parts) p.result16 = sum;
+        return SUCCESS;
+    }
     switch (p0.kind) {
         case Kind::AllReduce: {
             std::vector<float> sum(count, 0.0f);
@@ -185,8 +215,11 @@ int collective(Comm* comm, Part part, int type, int op, void* stream) {
     const char* fn = name_of(part.kind);
     if (!comm) return fail(INVALID_ARGUMENT, fn, "null communicator");
     if (group_depth > 0) return fail(INVALID_USAGE, fn, "a collective inside a group (not emulated)");
-    if (type != FLOAT32 || op != SUM)
-        return fail(INVALID_ARGUMENT, fn, "data type %d, operation %d: only f32 sums are emulated", type, op);
+    bool bf16_sum = type == BFLOAT16 && part.kind == Kind::AllReduce;
+    if ((type != FLOAT32 && !bf16_sum) || op != SUM)
+        return fail(INVALID_ARGUMENT, fn, "data type %d, operation %d: only f32 sums and bf16 all-reduces are emulated",
+                    type, op);
+    part.type = type;
     Clique& c = *comm->clique;
     std::unique_lock<std::mutex> lock(c.mu);
     if (c.aborted) return fail(SYSTEM_ERROR, fn, "the communicator was aborted");
@@ -203,9 +236,11 @@ int collective(Comm* comm, Part part, int type, int op, void* stream) {
     }
     // The next collective's parts arrive only once every rank has taken its result.
     std::vector<float> out = std::move(c.parts[comm->rank].result);
+    std::vector<uint16_t> out16 = std::move(c.parts[comm->rank].result16);
     int status = c.status;
     lock.unlock();
     if (status != SUCCESS) return status;
+    if (type == BFLOAT16) return deliver(stream, part.recv, out16.data(), out16.size() * 2);
     return deliver(stream, part.recv, out.data(), out.size() * 4);
 }
 
@@ -376,7 +411,7 @@ int ncclRecv(void* buf, size_t count, int type, int peer, void* comm, void* stre
 }
 
 int ncclAllReduce(const void* send, void* recv, size_t count, int type, int op, void* comm, void* stream) {
-    Part p{Kind::AllReduce, static_cast<const float*>(send), static_cast<float*>(recv), count, 0, {}};
+    Part p{Kind::AllReduce, static_cast<const float*>(send), static_cast<float*>(recv), count, 0, {}, FLOAT32, {}};
     return collective(static_cast<Comm*>(comm), p, type, op, stream);
 }
 
@@ -384,17 +419,17 @@ int ncclBroadcast(const void* send, void* recv, size_t count, int type, int root
     Comm* c = static_cast<Comm*>(comm);
     if (c && (root < 0 || root >= c->clique->nranks))
         return fail(INVALID_ARGUMENT, "ncclBroadcast", "root %d of %d ranks", root, c->clique->nranks);
-    Part p{Kind::Broadcast, static_cast<const float*>(send), static_cast<float*>(recv), count, root, {}};
+    Part p{Kind::Broadcast, static_cast<const float*>(send), static_cast<float*>(recv), count, root, {}, FLOAT32, {}};
     return collective(c, p, type, SUM, stream);
 }
 
 int ncclReduceScatter(const void* send, void* recv, size_t count, int type, int op, void* comm, void* stream) {
-    Part p{Kind::ReduceScatter, static_cast<const float*>(send), static_cast<float*>(recv), count, 0, {}};
+    Part p{Kind::ReduceScatter, static_cast<const float*>(send), static_cast<float*>(recv), count, 0, {}, FLOAT32, {}};
     return collective(static_cast<Comm*>(comm), p, type, op, stream);
 }
 
 int ncclAllGather(const void* send, void* recv, size_t count, int type, void* comm, void* stream) {
-    Part p{Kind::AllGather, static_cast<const float*>(send), static_cast<float*>(recv), count, 0, {}};
+    Part p{Kind::AllGather, static_cast<const float*>(send), static_cast<float*>(recv), count, 0, {}, FLOAT32, {}};
     return collective(static_cast<Comm*>(comm), p, type, SUM, stream);
 }
 

@@ -25,6 +25,7 @@
 //! (`scripts/cuda_check.sh` makes one on the GPU machine).
 
 use crate::communicator::{Memory, Pending, Region, Result, View, ViewMut};
+use crate::device_reduce::{DeviceReduce, Grads};
 use crate::{AsViewMut, CommError, Communicator};
 use ferrotron_engine::kernels::cuda::cudarc::driver::{
     sys::CUevent_flags, CudaContext, CudaEvent, CudaStream,
@@ -198,21 +199,23 @@ impl Nccl {
             .map_err(|e| self.failed(op, e))
     }
 
-    /// `all_reduce_sum`'s NCCL call on `buf`'s `n` elements at `p`, on `stream`.
+    /// The sum's NCCL call on `n` elements of `dtype` at `p`, in place, on `stream`.
     ///
     /// # Safety
-    /// `p` addresses `n` elements of this GPU's memory, left alone until the sum has run.
-    unsafe fn sum_in_place(
+    /// `p` addresses `n` elements of `dtype` in this GPU's memory, left alone until the sum
+    /// has run.
+    unsafe fn sum_in_place<T>(
         &self,
-        p: *mut f32,
+        p: *mut T,
         n: usize,
+        dtype: sys::ncclDataType_t,
         stream: sys::cudaStream_t,
     ) -> std::result::Result<(), result::NcclError> {
         result::all_reduce(
             p.cast_const().cast(),
             p.cast(),
             n,
-            sys::ncclDataType_t::ncclFloat32,
+            dtype,
             sys::ncclRedOp_t::ncclSum,
             self.comm,
             stream,
@@ -267,14 +270,30 @@ impl Nccl {
 
 /// Data parallelism's in-place gradient sums (`device_reduce.rs`): each started on the
 /// communication stream behind the backward's kernels so far, all landed before the optimizer.
-impl crate::device_reduce::DeviceReduce for Nccl {
-    fn start(&mut self, mut grads: ViewMut<'_, f32>) -> Result<()> {
+impl DeviceReduce for Nccl {
+    fn start(&mut self, grads: Grads<'_>) -> Result<()> {
         const OP: &str = "data-parallel gradient sum";
-        self.check(grads.memory(), OP)?;
-        let (p, n) = (grads.as_mut_ptr(), grads.len());
-        // SAFETY: `n` elements of this GPU's memory: gradients the backward has finished
-        // with, which nothing touches before `land` orders the compute stream after the sum.
-        self.behind_compute(OP, |stream| unsafe { self.sum_in_place(p, n, stream) })
+        use sys::ncclDataType_t::{ncclBfloat16, ncclFloat32};
+        let (p, n, mem, dtype) = match grads {
+            Grads::F32(mut v) => (
+                v.as_mut_ptr().cast::<u8>(),
+                v.len(),
+                v.memory(),
+                ncclFloat32,
+            ),
+            Grads::Bf16(mut v) => (
+                v.as_mut_ptr().cast::<u8>(),
+                v.len(),
+                v.memory(),
+                ncclBfloat16,
+            ),
+        };
+        self.check(mem, OP)?;
+        // SAFETY: `n` elements of `dtype` in this GPU's memory: gradients the backward has
+        // finished with, which nothing touches before `land` orders the compute stream after.
+        self.behind_compute(OP, |stream| unsafe {
+            self.sum_in_place(p, n, dtype, stream)
+        })
     }
 
     fn land(&mut self) -> Result<()> {
@@ -310,7 +329,7 @@ impl Communicator for Nccl {
         // SAFETY: in place on `n` elements of this GPU's memory, borrowed until the compute
         // stream has waited for the sum.
         self.ordered("all_reduce_sum", |stream| unsafe {
-            self.sum_in_place(p, n, stream)
+            self.sum_in_place(p, n, sys::ncclDataType_t::ncclFloat32, stream)
         })
     }
 

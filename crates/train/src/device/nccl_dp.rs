@@ -4,8 +4,8 @@
 //! buckets. Taken by every rank of the data-parallel group or by none (the choice is agreed
 //! over the group's host communicator first: NCCL's bootstrap is collective).
 //!
-//! `FERROTRON_NCCL` chooses: unset or `auto`, NCCL where it can serve (f32 gradients, no ZeRO,
-//! expert parallelism or offload, one rank per GPU, the library present); `1`, NCCL or a
+//! `FERROTRON_NCCL` chooses: unset or `auto`, NCCL where it can serve (f32 or bf16 gradients,
+//! no ZeRO, expert parallelism or offload, one rank per GPU, the library present); `1`, NCCL or a
 //! refusal naming what stands in the way (also where ranks share a GPU: the CUDA emulator's
 //! libnccl takes them, NCCL itself refuses); `0`, the host's buckets.
 
@@ -40,10 +40,9 @@ fn want() -> Result<Want> {
 fn obstacle(cfg: &TrainConfig, machine: &Machine, want: Want, nccl: bool) -> Option<String> {
     let p = &cfg.parallel;
     Some(match () {
-        _ if !matches!(cfg.precision.kind, Precision::Fp32 | Precision::Bf16Fp32grads) => format!(
-            "precision = {}: 16-bit gradients are summed in f32 through the host's buckets; use --precision fp32, or bf16 with --fp32-grad-acc",
-            serde_json::to_value(cfg.precision.kind).map_or(String::new(), |v| v.as_str().unwrap_or("").to_string())
-        ),
+        _ if cfg.precision.kind == Precision::Fp16 => {
+            "precision = fp16: fp16 gradients (and their loss scale's overflow check) are summed through the host's buckets; use bf16 or fp32".into()
+        }
         _ if p.zero > 0 => format!("zero = {}: ZeRO's sharded sums go through the host's buckets", p.zero),
         _ if p.ep > 1 => format!("ep = {}: expert parallelism's sums go through the host's buckets", p.ep),
         _ if p.offload != Offload::None => "offload: the gradients are summed on the host".into(),
@@ -166,7 +165,7 @@ mod tests {
         assert!(one(&cfg, 1, Want::Auto, true).starts_with("ep = 2"));
         cfg.parallel.zero = 1;
         assert!(one(&cfg, 1, Want::Auto, true).starts_with("zero = 1"));
-        cfg.precision.kind = Precision::Bf16;
-        assert!(one(&cfg, 1, Want::Auto, true).starts_with("precision = bf16: 16-bit gradients"));
+        cfg.precision.kind = Precision::Fp16;
+        assert!(one(&cfg, 1, Want::Auto, true).starts_with("precision = fp16: fp16 gradients"));
     }
 }
