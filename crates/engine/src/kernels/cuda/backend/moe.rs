@@ -260,16 +260,29 @@ impl CudaKernels {
         s: RouteShape,
         index: View<'_, u32>,
         weights: View<'_, f32>,
-        mut rows: ViewMut<'_, S>,
+        rows: ViewMut<'_, S>,
     ) {
         let op = "scale_rows";
         let w = s.width;
         assert!(rows.len() <= s.tokens * s.top_k * w, "routed rows len");
         let (by_row, _, n) = self.routes(s, index, op);
         assert!(rows.len() >= n * w, "scale_rows: {n} routed rows of {w}");
+        self.scale_rows_by(op, by_row, weights, rows, n, w);
+    }
+
+    /// `cu/moe.cu`'s row scaling: `rows[r] *= weights[table[r]]` (`table` 0: `weights[r]`).
+    fn scale_rows_by<S: Elem>(
+        &self,
+        op: &str,
+        table: u64,
+        weights: View<'_, f32>,
+        mut rows: ViewMut<'_, S>,
+        n: usize,
+        w: usize,
+    ) {
         let (wt, r) = (dev(&weights, op), dev_mut(&mut rows, op));
         let (n, w) = (n as u64, w as u64);
-        launch!(self, name::<S>("moe_scale_rows"), elementwise(n * w); by_row, wt, r, n, w);
+        launch!(self, name::<S>("moe_scale_rows"), elementwise(n * w); table, wt, r, n, w);
     }
 
     pub(super) fn moe_row_dot<S: Elem>(
@@ -278,16 +291,29 @@ impl CudaKernels {
         index: View<'_, u32>,
         a: View<'_, S>,
         b: View<'_, S>,
-        mut out: ViewMut<'_, f32>,
+        out: ViewMut<'_, f32>,
     ) {
         let op = "row_dot";
         let w = s.width;
         assert!(a.len() <= s.tokens * s.top_k * w && b.len() == a.len());
         let (by_row, _, n) = self.routes(s, index, op);
         assert!(a.len() >= n * w, "row_dot: {n} routed rows of {w}");
+        self.dot_rows_into(op, by_row, (a, b), out, n, w);
+    }
+
+    /// `cu/moe.cu`'s row dots: `out[table[r]] = ⟨a[r], b[r]⟩` (`table` 0: `out[r]`).
+    fn dot_rows_into<S: Elem>(
+        &self,
+        op: &str,
+        table: u64,
+        (a, b): (View<'_, S>, View<'_, S>),
+        mut out: ViewMut<'_, f32>,
+        n: usize,
+        w: usize,
+    ) {
         let (ap, bp, o) = (dev(&a, op), dev(&b, op), dev_mut(&mut out, op));
         let (n, w) = (n as u64, w as u64);
-        launch!(self, name::<S>("moe_row_dot"), elementwise(n); by_row, ap, bp, o, n, w);
+        launch!(self, name::<S>("moe_row_dot"), elementwise(n); table, ap, bp, o, n, w);
     }
 
     /// `gather_copies` and `scatter_copies`: `to[r] = from[by_row[r]]`, or the inverse.
@@ -318,14 +344,12 @@ impl CudaKernels {
         &self,
         width: usize,
         weights: View<'_, f32>,
-        mut rows: ViewMut<'_, S>,
+        rows: ViewMut<'_, S>,
     ) {
         let op = "scale_each_row";
         let n = rows.len() / width.max(1);
         assert!(rows.len() == n * width && weights.len() >= n, "{op}: rows");
-        let (wt, r) = (dev(&weights, op), dev_mut(&mut rows, op));
-        let (table, n, w) = (0u64, n as u64, width as u64);
-        launch!(self, name::<S>("moe_scale_rows"), elementwise(n * w); table, wt, r, n, w);
+        self.scale_rows_by(op, 0, weights, rows, n, width);
     }
 
     /// `out[r] = ⟨a[r], b[r]⟩` ([`Self::moe_row_dot`]'s kernel without a table).
@@ -334,14 +358,12 @@ impl CudaKernels {
         width: usize,
         a: View<'_, S>,
         b: View<'_, S>,
-        mut out: ViewMut<'_, f32>,
+        out: ViewMut<'_, f32>,
     ) {
         let op = "dot_each_row";
         let n = out.len();
         assert!(a.len() == b.len() && a.len() == n * width, "{op}: rows");
-        let (ap, bp, o) = (dev(&a, op), dev(&b, op), dev_mut(&mut out, op));
-        let (table, n, w) = (0u64, n as u64, width as u64);
-        launch!(self, name::<S>("moe_row_dot"), elementwise(n); table, ap, bp, o, n, w);
+        self.dot_rows_into(op, 0, (a, b), out, n, width);
     }
 }
 
