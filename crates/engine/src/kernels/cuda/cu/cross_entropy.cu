@@ -62,14 +62,13 @@ extern "C" __global__ void cross_entropy(float* logits, const u32* targets, floa
                                          int with_grad, float scale) {
     cross_entropy_row<F32>(logits, targets, losses, vocab, with_grad, scale, nullptr);
 }
-extern "C" __global__ void cross_entropy_staged_bf16(float* logits, const u32* targets, float* losses, u64 vocab,
-                                                     int with_grad, float scale, bf16_t* staged) {
-    cross_entropy_row<BF16>(logits, targets, losses, vocab, with_grad, scale, staged);
-}
-extern "C" __global__ void cross_entropy_staged_f16(float* logits, const u32* targets, float* losses, u64 vocab,
-                                                    int with_grad, float scale, f16_t* staged) {
-    cross_entropy_row<F16>(logits, targets, losses, vocab, with_grad, scale, staged);
-}
+#define CE_STAGED(E, sfx)                                                                                  \
+    extern "C" __global__ void cross_entropy_staged_##sfx(float* logits, const u32* targets, float* losses, \
+                                                          u64 vocab, int with_grad, float scale, E::T* staged) { \
+        cross_entropy_row<E>(logits, targets, losses, vocab, with_grad, scale, staged);                     \
+    }
+CE_STAGED(BF16, bf16)
+CE_STAGED(F16, f16)
 
 // The step's loss sum kept on the device (issue #32: no read-back per chunk), in `acc`, read
 // once with the gradient norm (`Kernels::take_loss`). A chunk's row losses are summed in row
