@@ -117,6 +117,14 @@ impl Mesh {
         Ok(())
     }
 
+    /// Data parallelism's gradients are summed by NCCL in place, in their own type of `width`
+    /// bytes an element, where the plan prices the host's f32 buckets: its bytes scaled so.
+    pub fn dp_sums_in(&mut self, width: u64) {
+        if let Some(p) = self.planned[dim_index(Dim::Dp)].as_mut() {
+            *p = *p * width / 4;
+        }
+    }
+
     /// The model's tensors live on a device: its groups' exchanges copy through `copy`.
     pub fn on_device(&self, copy: &ferrotron_engine::kernels::HostCopy) {
         for (_, g) in &self.groups {

@@ -55,6 +55,15 @@ fn obstacle(cfg: &TrainConfig, machine: &Machine, want: Want, nccl: bool) -> Opt
     })
 }
 
+/// Bytes per gradient element, as NCCL sums them: bf16 gradients (bf16 and fp8 runs) in bf16,
+/// the others in f32.
+pub fn grad_width(cfg: &TrainConfig) -> u64 {
+    match cfg.precision.kind {
+        Precision::Bf16 | Precision::Fp8 => 2,
+        _ => 4,
+    }
+}
+
 /// Hands `dp`'s gradient sum to NCCL on this rank's GPU when every rank of the group can (see
 /// the module docs); `true` when it did. A collective over `dp`'s group.
 pub fn reduce_on_gpus(

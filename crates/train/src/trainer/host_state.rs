@@ -141,6 +141,10 @@ impl Trainer {
                 "data parallel: gradients summed in place by NCCL on each rank's GPU, overlapping the backward"
             );
         }
+        if on {
+            let width = crate::device::nccl_dp::grad_width(&self.cfg);
+            self.mesh.dp_sums_in(width);
+        }
         Ok(())
     }
 
