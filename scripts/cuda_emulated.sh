@@ -207,6 +207,10 @@ grep -q "^data parallel: gradients summed in place by NCCL" "$work/run.log" || {
 }
 python3 scripts/cuda_ranks.py "$work/ranks-one/metrics.jsonl" "nccl-dp2=$work/ranks-nccl/metrics.jsonl"
 python3 scripts/cuda_ops.py "nccl dp2" "$work/ranks-nccl/metrics.jsonl" --max-syncs 6
+# Beside tensor parallelism (its group staged through the host, the data-parallel sum on NCCL).
+LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_NCCL=1 run "$bin" train --device cuda "${tiny[@]}" \
+    "${ranks[@]}" --tp 2 --dp 2 --grad-acc 1 --out-dir "$work/ranks-nccl-tp"
+python3 scripts/cuda_ranks.py "$work/ranks-one/metrics.jsonl" "nccl-tp2-dp2=$work/ranks-nccl-tp/metrics.jsonl"
 # bf16 gradients summed by NCCL in bf16 (each addition rounded once: at two ranks the host
 # buckets' bits) against the host-staged dp 2.
 for c in staged nccl; do
