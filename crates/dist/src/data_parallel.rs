@@ -350,11 +350,6 @@ impl DataParallel {
         Ok(())
     }
 
-    /// Whether the gradients are summed in place on the device ([`Self::reduce_in_place`]).
-    pub fn reduces_in_place(&self) -> bool {
-        self.in_place.is_some()
-    }
-
     /// The copies to and from the device the gradients live on (`None`: the host).
     pub fn device_copy(&self) -> Option<&HostCopy> {
         self.device.as_ref()
@@ -481,7 +476,7 @@ impl DataParallel {
             return;
         };
         let p = self.group.size() as u64;
-        let bytes = (grads.width() * range.len()) as f64;
+        let bytes = grads.bytes() as f64;
         self.group
             .sent(bytes_per_rank(Collective::AllReduce, bytes, p));
         match reduce.start(grads) {

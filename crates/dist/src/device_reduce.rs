@@ -3,9 +3,9 @@
 //! replicas in place, on NCCL's stream, as soon as it is final, while the compute stream goes
 //! on with the backward; the compute stream waits for the sums only before the optimizer
 //! reads them ([`DeviceReduce::land`]). This is DDP's overlap (Li et al. 2020, §3.2.3) without
-//! its buckets: the gradients are f32 and contiguous per range, so NCCL sums them where they
-//! lie (PyTorch's `gradient_as_bucket_view`), and nothing crosses to the host. f32 gradients
-//! are summed in f32, as the host-staged buckets sum them.
+//! its buckets: the gradients are contiguous per range, so NCCL sums them where they lie
+//! (PyTorch's `gradient_as_bucket_view`), and nothing crosses to the host. f32 gradients are
+//! summed in f32, as the host-staged buckets sum them.
 //!
 //! bf16 gradients are summed by NCCL in bf16: each addition in f32, rounded to bf16 (NCCL's
 //! reduction). At two ranks that is the host path's bits (one addition, rounded once); at p
@@ -14,35 +14,30 @@
 //! expert parallelism, offload, or with fp16 gradients, the host-staged buckets of
 //! `data_parallel.rs` stay.
 
-use crate::communicator::{Result, ViewMut};
+use crate::communicator::{Memory, Result, ViewMut};
 use ferrotron_engine::Elem;
 use ferrotron_plan::DType;
-use std::ptr::NonNull;
+use std::marker::PhantomData;
 
-/// Gradients on a device, of a type the in-place sum takes.
-pub enum Grads<'a> {
-    F32(ViewMut<'a, f32>),
-    Bf16(ViewMut<'a, half::bf16>),
+/// Gradients on a device, of a type the in-place sum takes (f32 or bf16), borrowed as the view
+/// they came from ([`grads_of`]).
+pub struct Grads<'a> {
+    ptr: *mut u8,
+    len: usize,
+    mem: Memory,
+    pub dtype: DType,
+    _borrow: PhantomData<&'a mut [u8]>,
 }
 
 impl Grads<'_> {
-    pub fn len(&self) -> usize {
-        match self {
-            Grads::F32(v) => v.len(),
-            Grads::Bf16(v) => v.len(),
-        }
+    /// Their address, elements and memory.
+    pub fn raw(&mut self) -> (*mut u8, usize, Memory) {
+        (self.ptr, self.len, self.mem)
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Bytes per element.
-    pub fn width(&self) -> usize {
-        match self {
-            Grads::F32(_) => 4,
-            Grads::Bf16(_) => 2,
-        }
+    /// Their bytes.
+    pub fn bytes(&self) -> usize {
+        self.len * self.dtype.bytes() as usize
     }
 }
 
@@ -57,18 +52,11 @@ pub trait DeviceReduce {
 
 /// `v` as gradients the in-place sum takes (f32 or bf16), else `None`.
 pub fn grads_of<G: Elem>(mut v: ViewMut<'_, G>) -> Option<Grads<'_>> {
-    let (len, mem) = (v.len(), v.memory());
-    let p = v.as_mut_ptr();
-    // SAFETY: `G` is the type named, so these are the same `len` elements, borrowed as `v` was.
-    unsafe {
-        match G::DTYPE {
-            DType::F32 => Some(Grads::F32(ViewMut::from_raw_parts(nn(p), len, mem))),
-            DType::Bf16 => Some(Grads::Bf16(ViewMut::from_raw_parts(nn(p), len, mem))),
-            _ => None,
-        }
-    }
-}
-
-fn nn<T, U>(p: *mut T) -> NonNull<U> {
-    NonNull::new(p.cast::<U>()).expect("a view's address is not null")
+    matches!(G::DTYPE, DType::F32 | DType::Bf16).then(|| Grads {
+        ptr: v.as_mut_ptr().cast(),
+        len: v.len(),
+        mem: v.memory(),
+        dtype: G::DTYPE,
+        _borrow: PhantomData,
+    })
 }

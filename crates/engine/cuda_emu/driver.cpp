@@ -30,9 +30,10 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
-#include <set>
 #include <string>
+#include <vector>
 
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
@@ -72,10 +73,11 @@ struct Stream {
     unsigned long long queued = 0, ran = 0;
     CUresult error = 0;
 };
-/// An event: when it was reached, and the stream and queue position it waits for (none: reached).
+/// An event: when it was reached, and the stream and queue position it waits for (none, or a
+/// stream destroyed since, whose work has all run: reached).
 struct Event {
     std::chrono::steady_clock::time_point at;
-    Stream* stream = nullptr;
+    std::weak_ptr<Stream> stream;
     unsigned long long ticket = 0;
 };
 
@@ -86,7 +88,16 @@ unsigned long long launches = 0;
 int context_tag = 0;
 thread_local void* current = nullptr;
 
-std::set<Stream*> streams;  // every live stream of cuStreamCreate (under `lock`)
+// Every live stream of cuStreamCreate (under `lock`), owned here: a thread draining every
+// stream (a free, a context synchronisation) holds them while another destroys one.
+std::map<Stream*, std::shared_ptr<Stream>> streams;
+
+/// The live stream `s`, or null.
+std::shared_ptr<Stream> owned(Stream* s) {
+    std::lock_guard<std::mutex> g(lock);
+    auto it = streams.find(s);
+    return it == streams.end() ? nullptr : it->second;
+}
 
 bool deferred() {
     static const bool late = [] {
@@ -128,17 +139,24 @@ CUresult drain(Stream* s, unsigned long long until = ~0ull) {
 
 /// Every stream's queued work (a context synchronisation, a free).
 CUresult drain_all() {
-    std::set<Stream*> all;
+    std::vector<std::shared_ptr<Stream>> all;
     {
         std::lock_guard<std::mutex> g(lock);
-        all = streams;
+        for (auto& kv : streams) all.push_back(kv.second);
     }
     CUresult first = 0;
-    for (Stream* s : all) {
-        CUresult e = drain(s);
+    for (auto& s : all) {
+        CUresult e = drain(s.get());
         if (e && !first) first = e;
     }
     return first;
+}
+
+/// Queues `work` behind `s`'s earlier work; its position in the queue (counting from 1).
+unsigned long long enqueue(Stream* s, std::function<CUresult()> work) {
+    std::lock_guard<std::mutex> g(s->m);
+    s->queue.push_back(std::move(work));
+    return ++s->queued;
 }
 
 /// `work` on stream `s`: at once on a stream that runs it at once, else queued behind its
@@ -146,16 +164,14 @@ CUresult drain_all() {
 CUresult submit(void* s, std::function<CUresult()> work) {
     Stream* late = late_stream(s);
     if (!late) return work();
-    std::lock_guard<std::mutex> g(late->m);
-    late->queue.push_back(std::move(work));
-    late->queued++;
+    enqueue(late, std::move(work));
     return 0;
 }
 
 /// Runs the work event `e` waits for.
 CUresult reach(Event* e) {
-    Stream* s = e->stream;
-    return s ? drain(s, e->ticket) : 0;
+    std::shared_ptr<Stream> s = e->stream.lock();
+    return s ? drain(s.get(), e->ticket) : 0;
 }
 
 size_t total_memory() {
@@ -407,25 +423,22 @@ CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned v, size_t n, void* s) {
 }
 
 CUresult cuStreamCreate(void** s, unsigned) {
-    auto* st = new Stream;
-    {
-        std::lock_guard<std::mutex> g(lock);
-        streams.insert(st);
-    }
-    *s = st;
+    auto st = std::make_shared<Stream>();
+    std::lock_guard<std::mutex> g(lock);
+    streams[st.get()] = st;
+    *s = st.get();
     return CUDA_SUCCESS;
 }
 CUresult cuStreamCreateWithPriority(void** s, unsigned flags, int) { return cuStreamCreate(s, flags); }
 CUresult cuStreamDestroy_v2(void* s) {
     if ((uintptr_t)s <= 2) return CUDA_ERROR_INVALID_HANDLE;
-    auto* st = static_cast<Stream*>(s);
-    // Work queued before the destruction still runs (CUDA completes it), then the stream goes.
-    drain(st);
-    {
-        std::lock_guard<std::mutex> g(lock);
-        streams.erase(st);
-    }
-    delete st;
+    std::shared_ptr<Stream> st = owned(static_cast<Stream*>(s));
+    if (!st) return CUDA_ERROR_INVALID_HANDLE;
+    // Work queued before the destruction still runs (CUDA completes it), then the stream goes
+    // (once no other thread is draining it).
+    drain(st.get());
+    std::lock_guard<std::mutex> g(lock);
+    streams.erase(st.get());
     return CUDA_SUCCESS;
 }
 CUresult cuStreamSynchronize(void* s) {
@@ -437,13 +450,16 @@ CUresult cuStreamWaitEvent(void* s, void* e, unsigned) {
     if (!e) return CUDA_ERROR_INVALID_HANDLE;
     auto* ev = static_cast<Event*>(e);
     // What the event waits for as of now (a later record of it does not count).
-    Stream* on = ev->stream;
+    std::weak_ptr<Stream> on = ev->stream;
     unsigned long long ticket = ev->ticket;
-    return submit(s, [=] { return on ? drain(on, ticket) : CUDA_SUCCESS; });
+    return submit(s, [=] {
+        std::shared_ptr<Stream> st = on.lock();
+        return st ? drain(st.get(), ticket) : CUDA_SUCCESS;
+    });
 }
 
 CUresult cuEventCreate(void** e, unsigned) {
-    *e = new Event{std::chrono::steady_clock::now()};
+    *e = new Event{std::chrono::steady_clock::now(), {}, 0};
     return CUDA_SUCCESS;
 }
 CUresult cuEventRecord(void* e, void* s) {
@@ -451,17 +467,15 @@ CUresult cuEventRecord(void* e, void* s) {
     auto* ev = static_cast<Event*>(e);
     Stream* late = late_stream(s);
     if (!late) {
-        ev->stream = nullptr;
+        ev->stream.reset();
         ev->at = std::chrono::steady_clock::now();
         return CUDA_SUCCESS;
     }
-    std::lock_guard<std::mutex> g(late->m);
-    late->queue.push_back([ev] {
+    ev->ticket = enqueue(late, [ev] {
         ev->at = std::chrono::steady_clock::now();
         return CUDA_SUCCESS;
     });
-    ev->stream = late;
-    ev->ticket = ++late->queued;
+    ev->stream = owned(late);
     return CUDA_SUCCESS;
 }
 CUresult cuEventRecordWithFlags(void* e, void* s, unsigned) { return cuEventRecord(e, s); }

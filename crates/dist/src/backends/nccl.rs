@@ -31,6 +31,7 @@ use ferrotron_engine::kernels::cuda::cudarc::driver::{
     sys::CUevent_flags, CudaContext, CudaEvent, CudaStream,
 };
 use ferrotron_engine::kernels::cuda::cudarc::nccl::{result, sys};
+use ferrotron_plan::DType;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -271,23 +272,13 @@ impl Nccl {
 /// Data parallelism's in-place gradient sums (`device_reduce.rs`): each started on the
 /// communication stream behind the backward's kernels so far, all landed before the optimizer.
 impl DeviceReduce for Nccl {
-    fn start(&mut self, grads: Grads<'_>) -> Result<()> {
+    fn start(&mut self, mut grads: Grads<'_>) -> Result<()> {
         const OP: &str = "data-parallel gradient sum";
-        use sys::ncclDataType_t::{ncclBfloat16, ncclFloat32};
-        let (p, n, mem, dtype) = match grads {
-            Grads::F32(mut v) => (
-                v.as_mut_ptr().cast::<u8>(),
-                v.len(),
-                v.memory(),
-                ncclFloat32,
-            ),
-            Grads::Bf16(mut v) => (
-                v.as_mut_ptr().cast::<u8>(),
-                v.len(),
-                v.memory(),
-                ncclBfloat16,
-            ),
+        let dtype = match grads.dtype {
+            DType::Bf16 => sys::ncclDataType_t::ncclBfloat16,
+            _ => sys::ncclDataType_t::ncclFloat32,
         };
+        let (p, n, mem) = grads.raw();
         self.check(mem, OP)?;
         // SAFETY: `n` elements of `dtype` in this GPU's memory: gradients the backward has
         // finished with, which nothing touches before `land` orders the compute stream after.

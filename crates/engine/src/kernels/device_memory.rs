@@ -43,6 +43,11 @@ pub trait DeviceAlloc: Send + Sync + std::fmt::Debug {
     unsafe fn upload_ahead(&self, dst: NonNull<u8>, src: &[u8]) {
         self.upload(dst, src)
     }
+    /// Whether [`upload_ahead`](Self::upload_ahead) returns before its copy has run (a copy
+    /// stream), rather than being the synchronous upload.
+    fn copies_ahead(&self) -> bool {
+        false
+    }
     /// The compute stream's next work runs after every [`upload_ahead`](Self::upload_ahead)
     /// so far; the host does not wait.
     fn await_uploads(&self) {}

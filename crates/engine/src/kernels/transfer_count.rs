@@ -81,11 +81,18 @@ impl DeviceAlloc for Counted {
     unsafe fn upload(&self, dst: NonNull<u8>, src: &[u8]) {
         self.timed(&self.up, src.len(), || self.inner.upload(dst, src))
     }
-    /// Counted by its bytes; its time is the copy stream's, which the host does not see.
+    /// On a copy stream, counted by its bytes (its time is the stream's, which the host does
+    /// not see); else the synchronous upload it is, timed.
     unsafe fn upload_ahead(&self, dst: NonNull<u8>, src: &[u8]) {
+        if !self.inner.copies_ahead() {
+            return self.upload(dst, src);
+        }
         self.up.fetch_add(src.len() as u64, Ordering::Relaxed);
         self.ahead.fetch_add(src.len() as u64, Ordering::Relaxed);
         self.inner.upload_ahead(dst, src)
+    }
+    fn copies_ahead(&self) -> bool {
+        self.inner.copies_ahead()
     }
     fn await_uploads(&self) {
         self.inner.await_uploads()

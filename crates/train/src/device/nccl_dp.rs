@@ -15,7 +15,7 @@ use anyhow::{bail, Result};
 use ferrotron_dist::data_parallel::DataParallel;
 use ferrotron_dist::AsViewMut;
 use ferrotron_engine::kernels::Backend;
-use ferrotron_plan::{Offload, Precision};
+use ferrotron_plan::{DType, Offload};
 
 /// `FERROTRON_NCCL`'s choice.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,7 +40,7 @@ fn want() -> Result<Want> {
 fn obstacle(cfg: &TrainConfig, machine: &Machine, want: Want, nccl: bool) -> Option<String> {
     let p = &cfg.parallel;
     Some(match () {
-        _ if cfg.precision.kind == Precision::Fp16 => {
+        _ if cfg.precision.kind.engine_grads() == DType::F16 => {
             "precision = fp16: fp16 gradients (and their loss scale's overflow check) are summed through the host's buckets; use bf16 or fp32".into()
         }
         _ if p.zero > 0 => format!("zero = {}: ZeRO's sharded sums go through the host's buckets", p.zero),
@@ -53,15 +53,6 @@ fn obstacle(cfg: &TrainConfig, machine: &Machine, want: Want, nccl: bool) -> Opt
         _ if !nccl => "NCCL is not found: cudarc loads libnccl.so by name; put a libnccl.so link to libnccl.so.2 (PyTorch: site-packages/nvidia/nccl/lib) in a directory on LD_LIBRARY_PATH".into(),
         _ => return None,
     })
-}
-
-/// Bytes per gradient element, as NCCL sums them: bf16 gradients (bf16 and fp8 runs) in bf16,
-/// the others in f32.
-pub fn grad_width(cfg: &TrainConfig) -> u64 {
-    match cfg.precision.kind {
-        Precision::Bf16 | Precision::Fp8 => 2,
-        _ => 4,
-    }
 }
 
 /// Hands `dp`'s gradient sum to NCCL on this rank's GPU when every rank of the group can (see
@@ -143,6 +134,7 @@ fn attach(dp: &mut DataParallel, ctx: Context) -> Result<()> {
 mod tests {
     use super::*;
     use crate::device::Device;
+    use ferrotron_plan::Precision;
 
     fn machine(share: usize) -> Machine {
         Machine {

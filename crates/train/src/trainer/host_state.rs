@@ -142,7 +142,7 @@ impl Trainer {
             );
         }
         if on {
-            let width = crate::device::nccl_dp::grad_width(&self.cfg);
+            let width = self.cfg.precision.kind.engine_grads().bytes();
             self.mesh.dp_sums_in(width);
         }
         Ok(())

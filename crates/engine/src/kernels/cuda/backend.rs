@@ -164,6 +164,19 @@ struct StagedHead {
     epoch: u64,
 }
 
+impl StagedHead {
+    /// `len` gradients at `dlogits` rounded into `staging`, as of the device writes so far.
+    fn now(dlogits: u64, len: usize, staging: u64) -> Self {
+        let epoch = moe::write_epoch(&OPS.read());
+        StagedHead {
+            dlogits,
+            len,
+            staging,
+            epoch,
+        }
+    }
+}
+
 /// The variable that picks the attention kernels: `flash` (the default) or `plain`.
 pub const ATTENTION_ENV: &str = "FERROTRON_CUDA_ATTENTION";
 
@@ -368,13 +381,7 @@ impl CudaKernels {
         let out = self.scratch(Scratch::HeadStaging, dlogits.len() * size_of::<S>());
         let src = dev(&dlogits, "head");
         // The cross-entropy that wrote these gradients wrote their copy too (`cross_entropy`).
-        let held = StagedHead {
-            dlogits: src,
-            len: dlogits.len(),
-            staging: out,
-            epoch: moe::write_epoch(&OPS.read()),
-        };
-        if *lock(&self.staged) == Some(held) {
+        if *lock(&self.staged) == Some(StagedHead::now(src, dlogits.len(), out)) {
             return out;
         }
         launch!(self, name::<S>("round_params"), elementwise(n); src, out, n);
@@ -936,7 +943,7 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         values: View<'_, f32>,
         rows: ViewMut<'_, f32>,
     ) {
-        self.moe_copies(s, index, values, rows, "gather_copies")
+        self.moe_copies(s, index, values, rows, true)
     }
     fn scatter_copies(
         &self,
@@ -945,7 +952,7 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         rows: View<'_, f32>,
         values: ViewMut<'_, f32>,
     ) {
-        self.moe_copies(s, index, rows, values, "scatter_copies")
+        self.moe_copies(s, index, rows, values, false)
     }
     fn scale_each_row(&self, width: usize, weights: View<'_, f32>, rows: ViewMut<'_, S>) {
         self.moe_scale_each_row(width, weights, rows)
@@ -1144,12 +1151,7 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
             self.loss_added();
         }
         // Noted last: the loss's scratch, made at the first call, moves the write epoch.
-        *lock(&self.staged) = staged.map(|staging| StagedHead {
-            dlogits: z,
-            len,
-            staging,
-            epoch: moe::write_epoch(&OPS.read()),
-        });
+        *lock(&self.staged) = staged.map(|staging| StagedHead::now(z, len, staging));
         0.0
     }
 

@@ -369,6 +369,9 @@ impl crate::kernels::DeviceAlloc for CudaAlloc {
         queued.unwrap_or_else(|e| panic!("copying {n} bytes to the GPU ahead: {e:?}"));
         c.unawaited = true;
     }
+    fn copies_ahead(&self) -> bool {
+        true
+    }
     fn await_uploads(&self) {
         let mut ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
         let Some(c) = ahead.as_mut().filter(|c| c.unawaited) else {

@@ -316,20 +316,26 @@ impl CudaKernels {
         launch!(self, name::<S>("moe_row_dot"), elementwise(n); table, ap, bp, o, n, w);
     }
 
-    /// `gather_copies` and `scatter_copies`: `to[r] = from[by_row[r]]`, or the inverse.
+    /// `gather_copies` (`gather`: `to[r] = from[by_row[r]]`) and `scatter_copies` (the
+    /// inverse).
     pub(super) fn moe_copies(
         &self,
         s: RouteShape,
         index: View<'_, u32>,
         from: View<'_, f32>,
         mut to: ViewMut<'_, f32>,
-        op: &'static str,
+        gather: bool,
     ) {
+        let op = if gather {
+            "gather_copies"
+        } else {
+            "scatter_copies"
+        };
         let copies = s.tokens * s.top_k;
         let (by_row, _, n) = self.routes(s, index, op);
-        let (rows, values) = match op {
-            "gather_copies" => (to.len(), from.len()),
-            _ => (from.len(), to.len()),
+        let (rows, values) = match gather {
+            true => (to.len(), from.len()),
+            false => (from.len(), to.len()),
         };
         assert!(
             values == copies && rows >= n,
