@@ -207,7 +207,7 @@ grep -q "^data parallel: gradients summed in place by NCCL" "$work/run.log" || {
 }
 python3 scripts/cuda_ranks.py "$work/ranks-one/metrics.jsonl" "nccl-dp2=$work/ranks-nccl/metrics.jsonl"
 python3 scripts/cuda_ops.py "nccl dp2" "$work/ranks-nccl/metrics.jsonl" --max-syncs 6
-# Beside tensor parallelism (its group staged through the host, the data-parallel sum on NCCL).
+# Beside tensor parallelism (both groups on NCCL: the data-parallel sum, the model's collectives).
 LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_NCCL=1 run "$bin" train --device cuda "${tiny[@]}" \
     "${ranks[@]}" --tp 2 --dp 2 --grad-acc 1 --out-dir "$work/ranks-nccl-tp"
 python3 scripts/cuda_ranks.py "$work/ranks-one/metrics.jsonl" "nccl-tp2-dp2=$work/ranks-nccl-tp/metrics.jsonl"
@@ -225,11 +225,32 @@ if LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_NCCL=1 "$bin" train --d
     echo "error: FERROTRON_NCCL=1 trained fp16 gradients"
     exit 1
 fi
-grep -q "^error: rank 0: FERROTRON_NCCL=1: precision = fp16: fp16 gradients" "$work/nccl.err" || {
+grep -q "^error: rank 0: FERROTRON_NCCL=1: data parallel: precision = fp16: fp16 gradients" "$work/nccl.err" || {
     cat "$work/nccl.err"
     echo "error: the NCCL refusal's message"
     exit 1
 }
+# Tensor parallelism's collectives through NCCL on the activations where they lie, in their own
+# type (device_collective.rs): the staged tp 2's bits in fp32 and bf16 (two ranks: one
+# rounding), sequence parallelism's gathers and scatters against one rank; none of the staged
+# path's 44 state downloads a step left.
+nccl_tp() {
+    LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_NCCL=$1 run "$bin" train --device cuda "${tiny[@]}" \
+        "${ranks[@]}" --grad-acc 2 "${@:3}" --out-dir "$work/$2"
+}
+nccl_tp 1 nccl-tp2 --tp 2
+grep -q "^tensor parallel: the activations' collectives run on each rank's GPU by NCCL" "$work/run.log" || {
+    cat "$work/run.log"
+    echo "error: tp 2 with FERROTRON_NCCL=1 did not run its collectives on NCCL"
+    exit 1
+}
+nccl_tp 1 nccl-sp2 --tp 2 --sp
+nccl_tp 0 staged-tp2-bf16 --tp 2 --precision bf16
+nccl_tp 1 nccl-tp2-bf16 --tp 2 --precision bf16
+python3 scripts/cuda_ranks.py "$work/ranks-tp2/metrics.jsonl" "nccl-tp2=$work/nccl-tp2/metrics.jsonl"
+python3 scripts/cuda_ranks.py "$work/ranks-one/metrics.jsonl" "nccl-sp2=$work/nccl-sp2/metrics.jsonl"
+python3 scripts/cuda_ranks.py "$work/staged-tp2-bf16/metrics.jsonl" "nccl-tp2-bf16=$work/nccl-tp2-bf16/metrics.jsonl"
+python3 scripts/cuda_ops.py "nccl tp2" "$work/nccl-tp2/metrics.jsonl" --max-syncs 111
 # Expert parallelism of the mixture of experts: ep 2 against one rank, and the backward's rows
 # moved in blocks and kernels (gather_copies, scale_each_row, dot_each_row, scatter_copies),
 # not row by row through the host: 9,389 host synchronisations a step before, 201 now (the

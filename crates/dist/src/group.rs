@@ -10,6 +10,7 @@
 //! and the tied embedding's group) hold one too; their planned buffers (the gradient buckets,
 //! the send rings) are their own, so this type's stays unallocated there.
 
+use crate::device_collective::DeviceCollective;
 use crate::small_sums::SmallSums;
 use crate::{Communicator, Pending, Region};
 use anyhow::{anyhow, Result};
@@ -33,6 +34,9 @@ pub struct Group {
     /// On a device, the context-parallel ring's receive staging (the planned buffer is the
     /// send's, in flight meanwhile; on the host a block is received in place).
     receive: RefCell<Region<f32>>,
+    /// On GPUs with NCCL: the model's collectives run on the device itself
+    /// (`device_collective.rs`), the buffer unused by them.
+    collectives: RefCell<Option<Box<dyn DeviceCollective>>>,
 }
 
 impl Group {
@@ -46,6 +50,7 @@ impl Group {
             sending: RefCell::new(None),
             device: RefCell::new(None),
             receive: RefCell::default(),
+            collectives: RefCell::new(None),
         }
     }
 
@@ -63,6 +68,19 @@ impl Group {
     /// The model's tensors live on a device: the group's exchanges copy through `copy`.
     pub fn on_device(&self, copy: HostCopy) {
         *self.device.borrow_mut() = Some(copy);
+    }
+
+    /// The model's collectives run on the device by `c` (NCCL over the same ranks) where it
+    /// takes their type.
+    pub fn collectives_on_device(&self, c: Box<dyn DeviceCollective>) {
+        *self.collectives.borrow_mut() = Some(c);
+    }
+
+    /// The device's own collectives, if the group has them.
+    pub(crate) fn device_collectives(
+        &self,
+    ) -> std::cell::Ref<'_, Option<Box<dyn DeviceCollective>>> {
+        self.collectives.borrow()
     }
 
     /// The device copies, when the model's tensors live on a device.

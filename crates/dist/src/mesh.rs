@@ -117,10 +117,11 @@ impl Mesh {
         Ok(())
     }
 
-    /// Data parallelism's gradients are summed by NCCL in place, in their own type of `width`
-    /// bytes an element, where the plan prices the host's f32 buckets: its bytes scaled so.
-    pub fn dp_sums_in(&mut self, width: u64) {
-        if let Some(p) = self.planned[dim_index(Dim::Dp)].as_mut() {
+    /// Dimension `d`'s collectives run on NCCL in their elements' own type of `width` bytes
+    /// (data parallelism's gradients, tensor parallelism's activations), where the plan prices
+    /// the host's f32 buffers: its bytes scaled so.
+    pub fn sums_in(&mut self, d: Dim, width: u64) {
+        if let Some(p) = self.planned[dim_index(d)].as_mut() {
             *p = *p * width / 4;
         }
     }

@@ -9,13 +9,26 @@ use crate::{Communicator, Region};
 use ferrotron_engine::kernels::HostCopy;
 use ferrotron_engine::model::tensor_parallel::replicated;
 use ferrotron_engine::model::tensor_parallel::TpOp;
-use ferrotron_engine::model::{Llama, TpComm};
+use ferrotron_engine::model::{DeviceOperands, Llama, TpComm};
 use ferrotron_plan::comm::{bytes_per_rank, Collective};
 use std::ops::Range;
 
-/// Counts a collective of `elems` f32 as the planner prices it.
-fn count(g: &Group, c: Collective, elems: usize) {
-    g.sent(bytes_per_rank(c, 4.0 * elems as f64, g.size() as u64));
+/// Counts a collective of `elems` elements of `width` bytes as the planner prices it.
+fn count(g: &Group, c: Collective, elems: usize, width: u64) {
+    g.sent(bytes_per_rank(
+        c,
+        (width * elems as u64) as f64,
+        g.size() as u64,
+    ));
+}
+
+/// The planner's collective and the trace's name of `op`.
+fn collective(op: TpOp) -> (Collective, &'static str) {
+    match op {
+        TpOp::AllReduce => (Collective::AllReduce, "all-reduce"),
+        TpOp::AllGather => (Collective::AllGather, "all-gather"),
+        TpOp::ReduceScatter => (Collective::ReduceScatter, "reduce-scatter"),
+    }
 }
 
 /// Runs a collective in place in the group's planned buffer (`comm.tp.staging`): `fill`
@@ -61,12 +74,8 @@ impl TpComm for Group {
         if self.failed() {
             return;
         }
-        let (c, name) = match op {
-            TpOp::AllReduce => (Collective::AllReduce, "all-reduce"),
-            TpOp::AllGather => (Collective::AllGather, "all-gather"),
-            TpOp::ReduceScatter => (Collective::ReduceScatter, "reduce-scatter"),
-        };
-        count(self, c, len);
+        let (c, name) = collective(op);
+        count(self, c, len, 4);
         let fill = |s: &mut [f32]| io(s, true);
         let start = |comm: &dyn Communicator, b| match op {
             TpOp::AllReduce => comm.all_reduce_start(b),
@@ -80,6 +89,26 @@ impl TpComm for Group {
     }
     fn device(&self) -> Option<HostCopy> {
         self.device_copy()
+    }
+    fn on_device(&self, op: TpOp, x: DeviceOperands) -> bool {
+        let on = self.device_collectives();
+        let Some(dc) = on.as_ref().filter(|d| d.takes(x.dtype)) else {
+            return false;
+        };
+        // After a failure, as `run`: the pass runs on without talking.
+        if self.failed() {
+            return true;
+        }
+        let (c, name) = collective(op);
+        let elems = match op {
+            TpOp::AllReduce => x.count,
+            TpOp::AllGather | TpOp::ReduceScatter => x.count * self.size(),
+        };
+        count(self, c, elems, x.dtype.bytes());
+        if let Err(e) = dc.run(op, x) {
+            self.fail(&format!("tensor-parallel {name}"), e);
+        }
+        true
     }
 }
 

@@ -8,11 +8,17 @@
 //! library test too.
 #![cfg(feature = "cuda")]
 
+use ferrotron_dist::device_collective::DeviceCollective;
 use ferrotron_dist::nccl::{self, Nccl};
 use ferrotron_dist::threads::{world, ThreadComm};
 use ferrotron_dist::{AsView, AsViewMut, Communicator};
 use ferrotron_engine::kernels::cuda::cudarc::driver::CudaContext;
 use ferrotron_engine::kernels::cuda::{device, download, skip, upload, DeviceBlock};
+use ferrotron_engine::model::tensor_parallel::TpOp;
+use ferrotron_engine::model::DeviceOperands;
+use ferrotron_engine::Elem;
+use ferrotron_plan::DType;
+use half::bf16;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -247,5 +253,119 @@ fn several_ranks_on_the_emulator_equal_the_threads_backend() {
                 assert_eq!(g, w, "{size} ranks: rank {r}, collective {k}");
             }
         }
+    }
+}
+
+/// Elements of a type the device collectives take, as their bits.
+trait Bits: Elem + Default {
+    fn bits(self) -> u32;
+}
+impl Bits for f32 {
+    fn bits(self) -> u32 {
+        self.to_bits()
+    }
+}
+impl Bits for bf16 {
+    fn bits(self) -> u32 {
+        self.to_bits() as u32
+    }
+}
+
+/// Rank `r`'s `n` inputs, of type `T`.
+fn typed<T: Elem>(n: usize, r: usize) -> Vec<T> {
+    data(n, r as u32 + 7)
+        .iter()
+        .map(|&x| T::from_f32(x / 64.0))
+        .collect()
+}
+
+/// The rank-order sum of every rank's `n` inputs, each addition in f32 rounded to `T` (f32:
+/// f32's sum; bf16: NCCL's ring rounding, at two ranks the staged path's one rounding).
+fn summed<T: Elem>(n: usize, size: usize) -> Vec<T> {
+    let all: Vec<Vec<T>> = (0..size).map(|r| typed(n, r)).collect();
+    (0..n)
+        .map(|i| {
+            all.iter().fold(T::from_f32(0.0), |s, x| {
+                T::from_f32(s.to_f32() + x[i].to_f32())
+            })
+        })
+        .collect()
+}
+
+/// Tensor parallelism's three collectives (`DeviceCollective`, what the model's all-reduces,
+/// sequence parallelism's gathers and scatters call) on device buffers of `T` by rank `me` of
+/// `size`, each result's bits against the host's rank-order sums and copies.
+fn tp_collectives<T: Bits>(
+    dc: &dyn DeviceCollective,
+    ctx: &Arc<CudaContext>,
+    me: usize,
+    size: usize,
+) {
+    let n = 37;
+    let bits = |v: &[T]| v.iter().map(|x| x.bits()).collect::<Vec<_>>();
+    let run = |op: TpOp, send: Vec<T>, recv_len: usize, count: usize| -> Vec<u32> {
+        let s = upload(ctx, &send).expect("upload");
+        // An all-reduce runs in place: its input is its output.
+        let mut r = match op {
+            TpOp::AllReduce => upload(ctx, &send).expect("upload"),
+            _ => DeviceBlock::new(ctx, recv_len * size_of::<T>()).expect("a block"),
+        };
+        let mut rv = r.view_mut::<T>(recv_len);
+        let recv = rv.as_mut_ptr();
+        let send = match op {
+            TpOp::AllReduce => recv.cast_const(),
+            _ => s.view::<T>(send.len()).as_ptr(),
+        };
+        let x = DeviceOperands {
+            send: send.cast(),
+            recv: recv.cast(),
+            count,
+            dtype: T::DTYPE,
+            memory: rv.memory(),
+        };
+        dc.run(op, x).unwrap_or_else(|e| panic!("{op:?}: {e}"));
+        bits(&download(r.view::<T>(recv_len)))
+    };
+    assert_eq!(
+        run(TpOp::AllReduce, typed(n, me), n, n),
+        bits(&summed::<T>(n, size)),
+        "all-reduce, rank {me}"
+    );
+    let all: Vec<T> = (0..size).flat_map(|r| typed::<T>(n, r)).collect();
+    assert_eq!(
+        run(TpOp::AllGather, typed(n, me), n * size, n),
+        bits(&all),
+        "all-gather, rank {me}"
+    );
+    // Every rank's `n · size` inputs; this rank gets the sums of block `me`.
+    let block = summed::<T>(n * size, size)[me * n..(me + 1) * n].to_vec();
+    assert_eq!(
+        run(TpOp::ReduceScatter, typed(n * size, me), n, n),
+        bits(&block),
+        "reduce-scatter, rank {me}"
+    );
+}
+
+/// The tensor-parallel collectives where the activations lie, f32 and bf16, in their own type:
+/// at world size 1 on a GPU (NCCL itself), and at 2 and 3 ranks (threads) on the emulator.
+#[test]
+fn tensor_parallel_collectives_run_where_the_activations_lie_in_their_type() {
+    let Some(ctx) = gpu() else { return };
+    let emulated = ctx.name().ok().as_deref() == Some("ferrotron CUDA emulator");
+    let sizes: &[usize] = if emulated { &[1, 2, 3] } else { &[1] };
+    for &size in sizes {
+        let comms = world(size, Duration::from_secs(20));
+        std::thread::scope(|s| {
+            for c in comms {
+                let ctx = ctx.clone();
+                s.spawn(move || {
+                    let me = c.rank();
+                    let n = Nccl::new(Box::new(c), ctx.clone()).unwrap_or_else(|e| panic!("{e}"));
+                    assert!(n.takes(DType::F32) && n.takes(DType::Bf16) && !n.takes(DType::F16));
+                    tp_collectives::<f32>(&n, &ctx, me, size);
+                    tp_collectives::<bf16>(&n, &ctx, me, size);
+                });
+            }
+        });
     }
 }

@@ -18,10 +18,10 @@
 // reads a result without waiting for the communication stream reads what was there before.
 //
 // Differences from NCCL, said here so no test relies on them: several ranks may share the one
-// emulated GPU (NCCL refuses that); only f32 sums are emulated, and bf16 all-reduces (each
-// addition in f32 rounded to bf16, in rank order, as a ring's hops round: at two ranks one
-// rounding), other types and operations fail with ncclInvalidArgument and a line on stderr;
-// collectives inside a group are refused.
+// emulated GPU (NCCL refuses that); only f32 and bf16 collectives are emulated (a bf16 sum adds
+// in f32 and rounds each partial sum to bf16, in rank order, as a ring's hops round: at two
+// ranks one rounding), other types and operations fail with ncclInvalidArgument and a line on
+// stderr; collectives inside a group are refused.
 
 #include <condition_variable>
 #include <cstdarg>
@@ -86,13 +86,12 @@ const char* name_of(Kind k) {
 // One rank's part of a collective, and (once computed) what lands in its `recv`.
 struct Part {
     Kind kind;
-    const float* send;
-    float* recv;
+    const void* send;
+    void* recv;
     size_t count;  // NCCL's count: per rank for ReduceScatter (recv) and AllGather (send)
     int root;
-    std::vector<float> result;
     int type = FLOAT32;
-    std::vector<uint16_t> result16;  // a bf16 all-reduce's
+    std::vector<char> result;
 };
 
 // Bytes that land in a device buffer when their stream runs.
@@ -161,6 +160,28 @@ struct Pending {
 thread_local int group_depth = 0;
 thread_local std::vector<Pending> pending;
 
+// Sums `n` elements of every rank's `send` (from `offset` elements), in rank order from 0, in
+// the collective's type: f32 adds in f32; bf16 adds in f32 and rounds each partial sum to bf16,
+// as a ring's hops round.
+std::vector<char> sum_of(const Clique& c, size_t offset, size_t n, int type) {
+    if (type == BFLOAT16) {
+        std::vector<uint16_t> sum(n, 0);
+        for (const Part& p : c.parts) {
+            const uint16_t* x = static_cast<const uint16_t*>(p.send) + offset;
+            for (size_t i = 0; i < n; i++) sum[i] = to_bf16(from_bf16(sum[i]) + from_bf16(x[i]));
+        }
+        const char* b = reinterpret_cast<const char*>(sum.data());
+        return std::vector<char>(b, b + n * 2);
+    }
+    std::vector<float> sum(n, 0.0f);
+    for (const Part& p : c.parts) {
+        const float* x = static_cast<const float*>(p.send) + offset;
+        for (size_t i = 0; i < n; i++) sum[i] += x[i];
+    }
+    const char* b = reinterpret_cast<const char*>(sum.data());
+    return std::vector<char>(b, b + n * 4);
+}
+
 // Every rank's results of the collective whose parts have all arrived.
 int compute(Clique& c) {
     const Part& p0 = c.parts[0];
@@ -168,42 +189,26 @@ int compute(Clique& c) {
     for (const Part& p : c.parts)
         if (p.kind != p0.kind || p.count != p0.count || p.root != p0.root)
             return fail(INVALID_USAGE, name_of(p0.kind), "the ranks called different collectives or counts");
-    size_t count = p0.count;
     for (const Part& p : c.parts)
         if (p.type != p0.type) return fail(INVALID_USAGE, name_of(p0.kind), "the ranks called different types");
-    if (p0.type == BFLOAT16) {
-        std::vector<uint16_t> sum(count, 0);
-        for (const Part& p : c.parts) {
-            const uint16_t* x = reinterpret_cast<const uint16_t*>(p.send);
-            for (size_t i = 0; i < count; i++) sum[i] = to_bf16(from_bf16(sum[i]) + from_bf16(x[i]));
-        }
-        for (Part& p : c.parts) p.result16 = sum;
-        return SUCCESS;
-    }
+    size_t count = p0.count, width = bytes_of(p0.type);
     switch (p0.kind) {
         case Kind::AllReduce: {
-            std::vector<float> sum(count, 0.0f);
-            for (const Part& p : c.parts)
-                for (size_t i = 0; i < count; i++) sum[i] += p.send[i];
+            std::vector<char> sum = sum_of(c, 0, count, p0.type);
             for (Part& p : c.parts) p.result = sum;
             return SUCCESS;
         }
         case Kind::Broadcast: {
-            std::vector<float> v(c.parts[p0.root].send, c.parts[p0.root].send + count);
-            for (Part& p : c.parts) p.result = v;
+            const char* root = static_cast<const char*>(c.parts[p0.root].send);
+            for (Part& p : c.parts) p.result.assign(root, root + count * width);
             return SUCCESS;
         }
-        case Kind::ReduceScatter: {
-            std::vector<float> sum(count * n, 0.0f);
-            for (const Part& p : c.parts)
-                for (size_t i = 0; i < count * n; i++) sum[i] += p.send[i];
-            for (int r = 0; r < n; r++)
-                c.parts[r].result.assign(sum.data() + r * count, sum.data() + (r + 1) * count);
+        case Kind::ReduceScatter:
+            for (int r = 0; r < n; r++) c.parts[r].result = sum_of(c, r * count, count, p0.type);
             return SUCCESS;
-        }
         case Kind::AllGather: {
-            std::vector<float> all(count * n);
-            for (int r = 0; r < n; r++) std::memcpy(all.data() + r * count, c.parts[r].send, count * 4);
+            std::vector<char> all(count * n * width);
+            for (int r = 0; r < n; r++) std::memcpy(all.data() + r * count * width, c.parts[r].send, count * width);
             for (Part& p : c.parts) p.result = all;
             return SUCCESS;
         }
@@ -215,10 +220,8 @@ int collective(Comm* comm, Part part, int type, int op, void* stream) {
     const char* fn = name_of(part.kind);
     if (!comm) return fail(INVALID_ARGUMENT, fn, "null communicator");
     if (group_depth > 0) return fail(INVALID_USAGE, fn, "a collective inside a group (not emulated)");
-    bool bf16_sum = type == BFLOAT16 && part.kind == Kind::AllReduce;
-    if ((type != FLOAT32 && !bf16_sum) || op != SUM)
-        return fail(INVALID_ARGUMENT, fn, "data type %d, operation %d: only f32 sums and bf16 all-reduces are emulated",
-                    type, op);
+    if ((type != FLOAT32 && type != BFLOAT16) || op != SUM)
+        return fail(INVALID_ARGUMENT, fn, "data type %d, operation %d: only f32 and bf16 sums are emulated", type, op);
     part.type = type;
     Clique& c = *comm->clique;
     std::unique_lock<std::mutex> lock(c.mu);
@@ -235,13 +238,11 @@ int collective(Comm* comm, Part part, int type, int op, void* stream) {
         if (c.completed == mine) return fail(SYSTEM_ERROR, fn, "the communicator was aborted");
     }
     // The next collective's parts arrive only once every rank has taken its result.
-    std::vector<float> out = std::move(c.parts[comm->rank].result);
-    std::vector<uint16_t> out16 = std::move(c.parts[comm->rank].result16);
+    std::vector<char> out = std::move(c.parts[comm->rank].result);
     int status = c.status;
     lock.unlock();
     if (status != SUCCESS) return status;
-    if (type == BFLOAT16) return deliver(stream, part.recv, out16.data(), out16.size() * 2);
-    return deliver(stream, part.recv, out.data(), out.size() * 4);
+    return deliver(stream, part.recv, out.data(), out.size());
 }
 
 // The sends and receives of one group, in the order they were called.
@@ -411,7 +412,7 @@ int ncclRecv(void* buf, size_t count, int type, int peer, void* comm, void* stre
 }
 
 int ncclAllReduce(const void* send, void* recv, size_t count, int type, int op, void* comm, void* stream) {
-    Part p{Kind::AllReduce, static_cast<const float*>(send), static_cast<float*>(recv), count, 0, {}, FLOAT32, {}};
+    Part p{Kind::AllReduce, send, recv, count, 0, FLOAT32, {}};
     return collective(static_cast<Comm*>(comm), p, type, op, stream);
 }
 
@@ -419,17 +420,17 @@ int ncclBroadcast(const void* send, void* recv, size_t count, int type, int root
     Comm* c = static_cast<Comm*>(comm);
     if (c && (root < 0 || root >= c->clique->nranks))
         return fail(INVALID_ARGUMENT, "ncclBroadcast", "root %d of %d ranks", root, c->clique->nranks);
-    Part p{Kind::Broadcast, static_cast<const float*>(send), static_cast<float*>(recv), count, root, {}, FLOAT32, {}};
+    Part p{Kind::Broadcast, send, recv, count, root, FLOAT32, {}};
     return collective(c, p, type, SUM, stream);
 }
 
 int ncclReduceScatter(const void* send, void* recv, size_t count, int type, int op, void* comm, void* stream) {
-    Part p{Kind::ReduceScatter, static_cast<const float*>(send), static_cast<float*>(recv), count, 0, {}, FLOAT32, {}};
+    Part p{Kind::ReduceScatter, send, recv, count, 0, FLOAT32, {}};
     return collective(static_cast<Comm*>(comm), p, type, op, stream);
 }
 
 int ncclAllGather(const void* send, void* recv, size_t count, int type, void* comm, void* stream) {
-    Part p{Kind::AllGather, static_cast<const float*>(send), static_cast<float*>(recv), count, 0, {}, FLOAT32, {}};
+    Part p{Kind::AllGather, send, recv, count, 0, FLOAT32, {}};
     return collective(static_cast<Comm*>(comm), p, type, SUM, stream);
 }
 

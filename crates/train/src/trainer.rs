@@ -350,7 +350,7 @@ impl Trainer {
             cfg,
         };
         t.place_on(device_alloc);
-        t.nccl_data_parallel(&machine)?;
+        t.nccl_groups(&machine)?;
         Ok(t)
     }
 

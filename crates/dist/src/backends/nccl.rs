@@ -25,15 +25,20 @@
 //! (`scripts/cuda_check.sh` makes one on the GPU machine).
 
 use crate::communicator::{Memory, Pending, Region, Result, View, ViewMut};
+use crate::device_collective::DeviceCollective;
 use crate::device_reduce::{DeviceReduce, Grads};
 use crate::{AsViewMut, CommError, Communicator};
 use ferrotron_engine::kernels::cuda::cudarc::driver::{
     sys::CUevent_flags, CudaContext, CudaEvent, CudaStream,
 };
 use ferrotron_engine::kernels::cuda::cudarc::nccl::{result, sys};
+use ferrotron_engine::model::tensor_parallel::TpOp;
+use ferrotron_engine::model::DeviceOperands;
 use ferrotron_plan::DType;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+
+const F32: sys::ncclDataType_t = sys::ncclDataType_t::ncclFloat32;
 
 /// Whether NCCL loads (cudarc's probe by name; nothing is created).
 pub fn present() -> bool {
@@ -200,27 +205,31 @@ impl Nccl {
             .map_err(|e| self.failed(op, e))
     }
 
-    /// The sum's NCCL call on `n` elements of `dtype` at `p`, in place, on `stream`.
+    /// `op`'s NCCL call on `stream`: `count` as NCCL counts (every element of an all-reduce,
+    /// one rank's block of an all-gather's output and of a reduce-scatter's input).
     ///
     /// # Safety
-    /// `p` addresses `n` elements of `dtype` in this GPU's memory, left alone until the sum
-    /// has run.
-    unsafe fn sum_in_place<T>(
+    /// `send` and `recv` address the elements `op` reads and writes, of `dtype`, in this GPU's
+    /// memory, left alone until the call has run (`send` may be `recv` for an all-reduce).
+    unsafe fn call(
         &self,
-        p: *mut T,
-        n: usize,
+        op: TpOp,
+        (send, recv): (*const u8, *mut u8),
+        count: usize,
         dtype: sys::ncclDataType_t,
         stream: sys::cudaStream_t,
     ) -> std::result::Result<(), result::NcclError> {
-        result::all_reduce(
-            p.cast_const().cast(),
-            p.cast(),
-            n,
-            dtype,
-            sys::ncclRedOp_t::ncclSum,
+        let (s, r, comm, sum) = (
+            send.cast(),
+            recv.cast(),
             self.comm,
-            stream,
-        )
+            sys::ncclRedOp_t::ncclSum,
+        );
+        match op {
+            TpOp::AllReduce => result::all_reduce(s, r, count, dtype, sum, comm, stream),
+            TpOp::AllGather => result::all_gather(s, r, count, dtype, comm, stream),
+            TpOp::ReduceScatter => result::reduce_scatter(s, r, count, dtype, sum, comm, stream),
+        }
         .map(drop)
     }
 
@@ -243,24 +252,10 @@ impl Nccl {
                 // stream waits for the group before reusing them.
                 unsafe {
                     if sn > 0 {
-                        result::send(
-                            s.add(so).cast(),
-                            sn,
-                            sys::ncclDataType_t::ncclFloat32,
-                            peer as i32,
-                            comm,
-                            stream,
-                        )?;
+                        result::send(s.add(so).cast(), sn, F32, peer as i32, comm, stream)?;
                     }
                     if rn > 0 {
-                        result::recv(
-                            r.add(ro).cast(),
-                            rn,
-                            sys::ncclDataType_t::ncclFloat32,
-                            peer as i32,
-                            comm,
-                            stream,
-                        )?;
+                        result::recv(r.add(ro).cast(), rn, F32, peer as i32, comm, stream)?;
                     }
                 }
             }
@@ -274,21 +269,50 @@ impl Nccl {
 impl DeviceReduce for Nccl {
     fn start(&mut self, mut grads: Grads<'_>) -> Result<()> {
         const OP: &str = "data-parallel gradient sum";
-        let dtype = match grads.dtype {
-            DType::Bf16 => sys::ncclDataType_t::ncclBfloat16,
-            _ => sys::ncclDataType_t::ncclFloat32,
+        let Some(dtype) = nccl_type(grads.dtype) else {
+            return Err(self.usage(OP, format!("{:?} gradients", grads.dtype)));
         };
         let (p, n, mem) = grads.raw();
         self.check(mem, OP)?;
         // SAFETY: `n` elements of `dtype` in this GPU's memory: gradients the backward has
         // finished with, which nothing touches before `land` orders the compute stream after.
         self.behind_compute(OP, |stream| unsafe {
-            self.sum_in_place(p, n, dtype, stream)
+            self.call(TpOp::AllReduce, (p.cast_const(), p), n, dtype, stream)
         })
     }
 
     fn land(&mut self) -> Result<()> {
         self.compute_waits("data-parallel gradient sum")
+    }
+}
+
+/// NCCL's type of `d`, where this communicator sums it (f32, bf16).
+fn nccl_type(d: DType) -> Option<sys::ncclDataType_t> {
+    match d {
+        DType::F32 => Some(F32),
+        DType::Bf16 => Some(sys::ncclDataType_t::ncclBfloat16),
+        _ => None,
+    }
+}
+
+/// The model groups' collectives on the activations where they lie
+/// (`device_collective.rs`), each in the compute stream's order.
+impl DeviceCollective for Nccl {
+    fn takes(&self, dtype: DType) -> bool {
+        nccl_type(dtype).is_some()
+    }
+
+    fn run(&self, op: TpOp, x: DeviceOperands) -> Result<()> {
+        const OP: &str = "tensor-parallel collective";
+        let Some(dtype) = nccl_type(x.dtype) else {
+            return Err(self.usage(OP, format!("{:?} elements", x.dtype)));
+        };
+        self.check(x.memory, OP)?;
+        // SAFETY: the model's views of this GPU's memory (`DeviceOperands::of`), borrowed by
+        // the caller for the call; the compute stream waits for it before its next work.
+        self.ordered(OP, |stream| unsafe {
+            self.call(op, (x.send, x.recv), x.count, dtype, stream)
+        })
     }
 }
 
@@ -316,11 +340,11 @@ impl Communicator for Nccl {
 
     fn all_reduce_sum(&self, mut buf: ViewMut<'_, f32>) -> Result<()> {
         self.check(buf.memory(), "all_reduce_sum")?;
-        let (p, n) = (buf.as_mut_ptr(), buf.len());
+        let (p, n) = (buf.as_mut_ptr().cast::<u8>(), buf.len());
         // SAFETY: in place on `n` elements of this GPU's memory, borrowed until the compute
         // stream has waited for the sum.
         self.ordered("all_reduce_sum", |stream| unsafe {
-            self.sum_in_place(p, n, sys::ncclDataType_t::ncclFloat32, stream)
+            self.call(TpOp::AllReduce, (p.cast_const(), p), n, F32, stream)
         })
     }
 
@@ -339,21 +363,10 @@ impl Communicator for Nccl {
                 ),
             ));
         }
-        let (s, r, comm) = (send.as_ptr(), recv.as_mut_ptr(), self.comm);
-        self.ordered(OP, |stream| {
-            // SAFETY: `send` holds size × m elements, `recv` m, both this GPU's memory.
-            unsafe {
-                result::reduce_scatter(
-                    s.cast(),
-                    r.cast(),
-                    m,
-                    sys::ncclDataType_t::ncclFloat32,
-                    sys::ncclRedOp_t::ncclSum,
-                    comm,
-                    stream,
-                )
-            }
-            .map(drop)
+        let io = (send.as_ptr().cast(), recv.as_mut_ptr().cast());
+        // SAFETY: `send` holds size × m elements, `recv` m, both this GPU's memory.
+        self.ordered(OP, |stream| unsafe {
+            self.call(TpOp::ReduceScatter, io, m, F32, stream)
         })
     }
 
@@ -368,20 +381,10 @@ impl Communicator for Nccl {
                 format!("recv has {} elements, expected size × {m}", recv.len()),
             ));
         }
-        let (s, r, comm) = (send.as_ptr(), recv.as_mut_ptr(), self.comm);
-        self.ordered(OP, |stream| {
-            // SAFETY: `send` holds m elements, `recv` size × m, both this GPU's memory.
-            unsafe {
-                result::all_gather(
-                    s.cast(),
-                    r.cast(),
-                    m,
-                    sys::ncclDataType_t::ncclFloat32,
-                    comm,
-                    stream,
-                )
-            }
-            .map(drop)
+        let io = (send.as_ptr().cast(), recv.as_mut_ptr().cast());
+        // SAFETY: `send` holds m elements, `recv` size × m, both this GPU's memory.
+        self.ordered(OP, |stream| unsafe {
+            self.call(TpOp::AllGather, io, m, F32, stream)
         })
     }
 
@@ -401,7 +404,7 @@ impl Communicator for Nccl {
                     p.cast_const().cast(),
                     p.cast(),
                     n,
-                    sys::ncclDataType_t::ncclFloat32,
+                    F32,
                     root as i32,
                     comm,
                     stream,
@@ -496,17 +499,7 @@ impl Communicator for Nccl {
         let (p, n, comm) = (buf.as_ptr(), buf.len(), self.comm);
         self.ordered("send", |stream| {
             // SAFETY: `n` elements of this GPU's memory.
-            unsafe {
-                result::send(
-                    p.cast(),
-                    n,
-                    sys::ncclDataType_t::ncclFloat32,
-                    dst as i32,
-                    comm,
-                    stream,
-                )
-            }
-            .map(drop)
+            unsafe { result::send(p.cast(), n, F32, dst as i32, comm, stream) }.map(drop)
         })
     }
 
@@ -528,17 +521,7 @@ impl Communicator for Nccl {
         let (p, n, comm) = (buf.as_mut_ptr(), buf.len(), self.comm);
         self.ordered("recv", |stream| {
             // SAFETY: `n` elements of this GPU's memory.
-            unsafe {
-                result::recv(
-                    p.cast(),
-                    n,
-                    sys::ncclDataType_t::ncclFloat32,
-                    src as i32,
-                    comm,
-                    stream,
-                )
-            }
-            .map(drop)
+            unsafe { result::recv(p.cast(), n, F32, src as i32, comm, stream) }.map(drop)
         })
     }
 

@@ -30,4 +30,4 @@ pub use params::{LayerIdx, ParamTable, Placement, TensorEntry};
 pub use pipeline::{Part, PartRef, Stage};
 pub use recompute::Recompute;
 pub use stages::{BackwardState, GradsDone, HeadActs};
-pub use tensor_parallel::{TensorParallel, TpComm};
+pub use tensor_parallel::{DeviceOperands, TensorParallel, TpComm};

@@ -22,6 +22,8 @@ use super::params::ParamTable;
 use crate::dtype::Elem;
 use crate::kernels::host_copy::{read_f32, write_f32, HostCopy};
 use crate::kernels::{View, ViewMut};
+use ferrotron_plan::DType;
+use ferrotron_view::Memory;
 use std::ops::Range;
 use std::rc::Rc;
 
@@ -34,6 +36,34 @@ pub enum TpOp {
     AllGather,
     /// Every rank fills the whole buffer; rank r gets the sum of block r.
     ReduceScatter,
+}
+
+/// A collective's operands where they lie, for a group that runs collectives on the device
+/// itself (NCCL): `count` is NCCL's (every element of an all-reduce; one rank's block of an
+/// all-gather's output and of a reduce-scatter's input), `send` may be `recv` (an all-reduce
+/// in place), both `memory`, in the elements' own type.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceOperands {
+    pub send: *const u8,
+    pub recv: *mut u8,
+    pub count: usize,
+    pub dtype: DType,
+    pub memory: Memory,
+}
+
+impl DeviceOperands {
+    /// `send` into `recv`, `count` as NCCL counts; `None` on the host, where the group's
+    /// buffer serves.
+    fn of<S: Elem>(send: *const S, recv: &mut ViewMut<'_, S>, count: usize) -> Option<Self> {
+        let memory = recv.memory();
+        matches!(memory, Memory::Device(_)).then(|| DeviceOperands {
+            send: send.cast(),
+            recv: recv.as_mut_ptr().cast(),
+            count,
+            dtype: S::DTYPE,
+            memory,
+        })
+    }
 }
 
 /// The collectives of a tensor-parallel group the model needs. A failed collective leaves its
@@ -51,6 +81,13 @@ pub trait TpComm {
     /// them); `None` on the host.
     fn device(&self) -> Option<HostCopy> {
         None
+    }
+    /// Runs `op` on device operands where they lie, in their own type, ordered after the
+    /// device work issued so far and before the work issued next (the host does not wait);
+    /// `false` when the group has no such collective for them, and `run` stages them instead.
+    /// A failure is recorded like `run`'s.
+    fn on_device(&self, _op: TpOp, _x: DeviceOperands) -> bool {
+        false
     }
 }
 
@@ -87,6 +124,11 @@ impl std::fmt::Debug for TensorParallel {
 /// Sums `buf` over `comm`'s group in place, in f32 whatever `S` ([`TensorParallel::sum`]; the
 /// trainer's sequence-parallel norm sums call it with the group alone).
 pub fn all_reduce<S: Elem>(comm: &dyn TpComm, mut buf: ViewMut<'_, S>) {
+    let n = buf.len();
+    let x = DeviceOperands::of(buf.as_mut_ptr().cast_const(), &mut buf, n);
+    if x.is_some_and(|x| comm.on_device(TpOp::AllReduce, x)) {
+        return;
+    }
     let dev = comm.device();
     comm.run(TpOp::AllReduce, buf.len(), &mut |f, fill| match fill {
         true => read_f32(dev.as_ref(), buf.as_view(), f),
@@ -122,8 +164,8 @@ impl TensorParallel {
     /// product's, or (the trainer's) a norm's gradient shares under sequence parallelism.
     ///
     /// The group's communicators (threads, MPI) stage through host memory: device views are
-    /// copied into the group's buffer and back ([`TpComm::device`]); a device communicator
-    /// (NCCL) would take the views themselves.
+    /// copied into the group's buffer and back ([`TpComm::device`]); where the group has NCCL,
+    /// it takes the views themselves ([`TpComm::on_device`]).
     pub fn sum<S: Elem>(&self, buf: ViewMut<'_, S>) {
         all_reduce(self.comm.as_ref(), buf)
     }
@@ -132,6 +174,10 @@ impl TensorParallel {
     pub(super) fn gather_rows<S: Elem>(&self, local: View<'_, S>, mut full: ViewMut<'_, S>) {
         let (n, r) = (local.len(), self.rank);
         debug_assert_eq!(full.len(), n * self.size);
+        let x = DeviceOperands::of(local.as_ptr(), &mut full, n);
+        if x.is_some_and(|x| self.comm.on_device(TpOp::AllGather, x)) {
+            return;
+        }
         let dev = self.comm.device();
         self.comm
             .run(TpOp::AllGather, full.len(), &mut |f, fill| match fill {
@@ -145,6 +191,10 @@ impl TensorParallel {
     pub(super) fn scatter_rows<S: Elem>(&self, full: View<'_, S>, mut local: ViewMut<'_, S>) {
         let (n, r) = (local.len(), self.rank);
         debug_assert_eq!(full.len(), n * self.size);
+        let x = DeviceOperands::of(full.as_ptr(), &mut local, n);
+        if x.is_some_and(|x| self.comm.on_device(TpOp::ReduceScatter, x)) {
+            return;
+        }
         let dev = self.comm.device();
         self.comm
             .run(TpOp::ReduceScatter, full.len(), &mut |f, fill| match fill {

@@ -20,7 +20,7 @@
 //! Several ranks on the GPU stage their messages through host memory ([`ranks`]), as on the
 //! emulated device, each on its GPU ([`gpu_of`]); NCCL in the trainer is issue #33's next step.
 
-pub mod nccl_dp;
+pub mod nccl;
 pub mod ranks;
 pub mod state;
 

@@ -128,22 +128,29 @@ impl Trainer {
         r
     }
 
-    /// Data parallelism's gradient sum through NCCL on each rank's GPU, where every rank's
-    /// can (`device::nccl_dp`), said once on stderr by the group's first rank.
-    pub(super) fn nccl_data_parallel(&mut self, machine: &crate::device::Machine) -> Result<()> {
-        let Some(dp) = self.mesh.dp.as_mut() else {
-            return Ok(());
-        };
-        let on =
-            crate::device::nccl_dp::reduce_on_gpus(&self.kernels.inner, &self.cfg, machine, dp)?;
-        if on && dp.rank() == 0 {
-            eprintln!(
-                "data parallel: gradients summed in place by NCCL on each rank's GPU, overlapping the backward"
-            );
+    /// Data parallelism's gradient sum and tensor parallelism's collectives through NCCL on
+    /// each rank's GPU, where every rank of the group can (`device::nccl`), each said once on
+    /// stderr by the group's first rank.
+    pub(super) fn nccl_groups(&mut self, machine: &crate::device::Machine) -> Result<()> {
+        use crate::device::nccl;
+        let backend = &self.kernels.inner;
+        if let Some(dp) = self.mesh.dp.as_mut() {
+            if nccl::reduce_on_gpus(backend, &self.cfg, machine, dp)? {
+                if dp.rank() == 0 {
+                    eprintln!("data parallel: gradients summed in place by NCCL on each rank's GPU, overlapping the backward");
+                }
+                let width = self.cfg.precision.kind.engine_grads().bytes();
+                self.mesh.sums_in(Dim::Dp, width);
+            }
         }
-        if on {
-            let width = self.cfg.precision.kind.engine_grads().bytes();
-            self.mesh.dp_sums_in(width);
+        if let Some(tp) = self.mesh.group(Dim::Tp).cloned() {
+            if nccl::collectives_on_gpus(backend, &self.cfg, machine, &tp)? {
+                if tp.rank() == 0 {
+                    eprintln!("tensor parallel: the activations' collectives run on each rank's GPU by NCCL");
+                }
+                let width = self.cfg.precision.kind.storage().bytes();
+                self.mesh.sums_in(Dim::Tp, width);
+            }
         }
         Ok(())
     }

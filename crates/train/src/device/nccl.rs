@@ -1,0 +1,249 @@
+//! NCCL where each rank has a GPU of its own (issue #33), for two groups:
+//! - **data parallelism**: the backward's final gradients are summed in place on the device,
+//!   on NCCL's stream, while the backward goes on (`ferrotron_dist::device_reduce`), instead of
+//!   through the host's buckets;
+//! - **tensor parallelism**: the model's all-reduces, all-gathers and reduce-scatters run on
+//!   the activations where they lie (`ferrotron_dist::device_collective`), instead of through
+//!   the group's host buffer.
+//!
+//! Each group takes NCCL on every rank or on none (the choice is agreed over the group's host
+//! communicator first: NCCL's bootstrap is collective).
+//!
+//! `FERROTRON_NCCL` chooses: unset or `auto`, NCCL where it can serve (data parallelism: f32 or
+//! bf16 gradients, no ZeRO, expert parallelism or offload; tensor parallelism: f32 or bf16
+//! activations; both: one rank per GPU, the library present); `1`, NCCL or a refusal naming
+//! what stands in the way (also where ranks share a GPU: the CUDA emulator's libnccl takes
+//! them, NCCL itself refuses); `0`, the host's buffers.
+
+use crate::config::TrainConfig;
+use crate::device::Machine;
+use anyhow::{bail, Result};
+use ferrotron_dist::data_parallel::DataParallel;
+use ferrotron_dist::group::Group;
+use ferrotron_dist::{AsViewMut, Communicator};
+use ferrotron_engine::kernels::Backend;
+use ferrotron_plan::{DType, Offload};
+
+/// The group NCCL would serve.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum For {
+    DataParallel,
+    TensorParallel,
+}
+
+impl For {
+    fn name(self) -> &'static str {
+        match self {
+            For::DataParallel => "data parallel",
+            For::TensorParallel => "tensor parallel",
+        }
+    }
+}
+
+/// `FERROTRON_NCCL`'s choice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Want {
+    Auto,
+    Required,
+    Never,
+}
+
+const ENV: &str = "FERROTRON_NCCL";
+
+fn want() -> Result<Want> {
+    match std::env::var(ENV).as_deref() {
+        Err(_) | Ok("auto") => Ok(Want::Auto),
+        Ok("1") => Ok(Want::Required),
+        Ok("0") => Ok(Want::Never),
+        Ok(other) => bail!("{ENV} = `{other}`: use auto (NCCL where it can serve), 1 (NCCL or a refusal) or 0 (the host's buckets)"),
+    }
+}
+
+/// What keeps this rank's `group` from NCCL, in words; `None` when nothing does.
+fn obstacle(
+    cfg: &TrainConfig,
+    machine: &Machine,
+    want: Want,
+    nccl: bool,
+    group: For,
+) -> Option<String> {
+    let p = &cfg.parallel;
+    let dp = group == For::DataParallel;
+    let kind = cfg.precision.kind;
+    Some(match () {
+        _ if dp && kind.engine_grads() == DType::F16 => {
+            "precision = fp16: fp16 gradients (and their loss scale's overflow check) are summed through the host's buckets; use bf16 or fp32".into()
+        }
+        _ if !dp && kind.storage() == DType::F16 => {
+            "precision = fp16: fp16 activations are summed through the group's host buffer; use bf16 or fp32".into()
+        }
+        _ if dp && p.zero > 0 => format!("zero = {}: ZeRO's sharded sums go through the host's buckets", p.zero),
+        _ if dp && p.ep > 1 => format!("ep = {}: expert parallelism's sums go through the host's buckets", p.ep),
+        _ if dp && p.offload != Offload::None => "offload: the gradients are summed on the host".into(),
+        _ if want == Want::Auto && machine.gpu_share > 1 => format!(
+            "{} ranks share GPU {} (NCCL takes one rank per GPU)",
+            machine.gpu_share, machine.gpu
+        ),
+        _ if !nccl => "NCCL is not found: cudarc loads libnccl.so by name; put a libnccl.so link to libnccl.so.2 (PyTorch: site-packages/nvidia/nccl/lib) in a directory on LD_LIBRARY_PATH".into(),
+        _ => return None,
+    })
+}
+
+/// Whether `group` (whose host communicator is `comm`) takes NCCL: every rank's answer,
+/// agreed over `comm` (a collective), or this rank's refusal under `FERROTRON_NCCL=1`.
+fn agree(
+    comm: &dyn Communicator,
+    cfg: &TrainConfig,
+    machine: &Machine,
+    group: For,
+) -> Result<bool> {
+    let want = want()?;
+    if want == Want::Never || comm.size() < 2 {
+        return Ok(false);
+    }
+    let why = obstacle(cfg, machine, want, nccl_present(), group);
+    // Every rank's answer: NCCL's bootstrap needs all of them.
+    let mut ready = [f32::from(why.is_none())];
+    let name = group.name();
+    comm.all_reduce_sum(ready.view_mut())
+        .map_err(|e| anyhow::anyhow!("{name}: agreeing on NCCL: {e}"))?;
+    let all = ready[0] as usize == comm.size();
+    match (want, &why, all) {
+        (Want::Required, Some(w), _) => bail!("{ENV}=1: {name}: {w}"),
+        (Want::Required, None, false) => {
+            bail!("{ENV}=1: another {name} rank cannot take NCCL (its own line says why)")
+        }
+        (Want::Auto, _, false) => Ok(false),
+        _ => Ok(true),
+    }
+}
+
+/// Hands `dp`'s gradient sum to NCCL on this rank's GPU when every rank of the group can (see
+/// the module docs); `true` when it did. A collective over `dp`'s group.
+pub fn reduce_on_gpus(
+    backend: &Backend,
+    cfg: &TrainConfig,
+    machine: &Machine,
+    dp: &mut DataParallel,
+) -> Result<bool> {
+    let Some(ctx) = gpu_context(backend) else {
+        return Ok(false);
+    };
+    if !agree(dp.group().comm.as_ref(), cfg, machine, For::DataParallel)? {
+        return Ok(false);
+    }
+    #[cfg(feature = "cuda")]
+    dp.reduce_in_place(Box::new(over(dp.group(), ctx, For::DataParallel)?))?;
+    #[cfg(not(feature = "cuda"))]
+    no_cuda(ctx)?;
+    Ok(true)
+}
+
+/// Hands the tensor-parallel group's collectives to NCCL on this rank's GPU when every rank
+/// of the group can; `true` when it did. A collective over the group.
+pub fn collectives_on_gpus(
+    backend: &Backend,
+    cfg: &TrainConfig,
+    machine: &Machine,
+    tp: &Group,
+) -> Result<bool> {
+    let Some(ctx) = gpu_context(backend) else {
+        return Ok(false);
+    };
+    if !agree(tp.comm.as_ref(), cfg, machine, For::TensorParallel)? {
+        return Ok(false);
+    }
+    #[cfg(feature = "cuda")]
+    tp.collectives_on_device(Box::new(over(tp, ctx, For::TensorParallel)?));
+    #[cfg(not(feature = "cuda"))]
+    no_cuda(ctx)?;
+    Ok(true)
+}
+
+#[cfg(feature = "cuda")]
+type Context = std::sync::Arc<ferrotron_engine::kernels::cuda::cudarc::driver::CudaContext>;
+#[cfg(not(feature = "cuda"))]
+type Context = ();
+
+/// The GPU's context behind `backend` (`None` off the GPU).
+fn gpu_context(backend: &Backend) -> Option<Context> {
+    #[cfg(feature = "cuda")]
+    if let Backend::Cuda(k) = backend {
+        return Some(k.gpu().ctx.clone());
+    }
+    let _ = backend;
+    None
+}
+
+fn nccl_present() -> bool {
+    #[cfg(feature = "cuda")]
+    return ferrotron_dist::nccl::present();
+    #[cfg(not(feature = "cuda"))]
+    false
+}
+
+/// NCCL over `group`'s ranks, bootstrapped over a copy of its host communicator.
+#[cfg(feature = "cuda")]
+fn over(group: &Group, ctx: Context, what: For) -> Result<ferrotron_dist::nccl::Nccl> {
+    let name = what.name();
+    let all: Vec<usize> = (0..group.size()).collect();
+    let host = (group.comm.split_group(&all))
+        .map_err(|e| anyhow::anyhow!("{name}: a group for NCCL's bootstrap: {e}"))?;
+    ferrotron_dist::nccl::Nccl::new(host, ctx).map_err(|e| anyhow::anyhow!("{name}: NCCL: {e}"))
+}
+
+/// Without the cuda feature there is no GPU context: never reached.
+#[cfg(not(feature = "cuda"))]
+fn no_cuda(_: Context) -> Result<()> {
+    bail!("internal: NCCL without the cuda feature")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::Device;
+    use ferrotron_plan::Precision;
+
+    fn machine(share: usize) -> Machine {
+        Machine {
+            device: Device::Cuda,
+            peak_gflops: 0.0,
+            gpu: 1,
+            gpu_share: share,
+        }
+    }
+
+    #[test]
+    fn each_obstacle_to_nccl_is_named() {
+        let mut cfg = crate::config::TrainArgs::default().resolve().unwrap();
+        cfg.precision.kind = Precision::Fp32;
+        let dp = For::DataParallel;
+        assert_eq!(obstacle(&cfg, &machine(1), Want::Auto, true, dp), None);
+        let one = |cfg: &TrainConfig, share, want, nccl| {
+            obstacle(cfg, &machine(share), want, nccl, dp).expect("an obstacle")
+        };
+        assert!(one(&cfg, 2, Want::Auto, true).starts_with("2 ranks share GPU 1"));
+        // Asked for, ranks sharing a GPU try (the emulator's libnccl takes them).
+        assert_eq!(obstacle(&cfg, &machine(2), Want::Required, true, dp), None);
+        assert!(one(&cfg, 1, Want::Auto, false).starts_with("NCCL is not found"));
+        cfg.parallel.offload = Offload::Optimizer;
+        assert_eq!(
+            one(&cfg, 1, Want::Auto, true),
+            "offload: the gradients are summed on the host"
+        );
+        cfg.parallel.ep = 2;
+        assert!(one(&cfg, 1, Want::Auto, true).starts_with("ep = 2"));
+        cfg.parallel.zero = 1;
+        assert!(one(&cfg, 1, Want::Auto, true).starts_with("zero = 1"));
+        // Tensor parallelism's collectives take any of these but fp16 activations.
+        let tp = For::TensorParallel;
+        assert_eq!(obstacle(&cfg, &machine(1), Want::Auto, true, tp), None);
+        cfg.precision.kind = Precision::Fp16;
+        assert!(one(&cfg, 1, Want::Auto, true).starts_with("precision = fp16: fp16 gradients"));
+        let e = obstacle(&cfg, &machine(1), Want::Auto, true, tp).expect("an obstacle");
+        assert_eq!(e, "precision = fp16: fp16 activations are summed through the group's host buffer; use bf16 or fp32");
+        cfg.precision.kind = Precision::Bf16;
+        let e = obstacle(&cfg, &machine(2), Want::Auto, true, tp).expect("an obstacle");
+        assert!(e.starts_with("2 ranks share GPU 1"), "{e}");
+    }
+}
