@@ -496,6 +496,98 @@ fn ops<S: Elem>(k: &CudaKernels, at: usize, tol: f64, tol_product: f64) {
             1e-5,
         );
     }
+
+    // The vocabulary-parallel cross-entropy of two ranks, each holding 502 of the 1004 logits
+    // of every row (the targets: on either rank, one ignored): each rank's statistics, then
+    // from both ranks' the losses and the gradient of its slice.
+    let z = rng_vec(9 * 1004)
+        .iter()
+        .map(|x| x * 8.0)
+        .collect::<Vec<f32>>();
+    let (ranks, part) = (2, 502);
+    let shard = |r: usize| CeShardShape {
+        rows: 9,
+        vocab: part,
+        first: r * part,
+        full_vocab: 1004,
+    };
+    let slice = |r: usize| -> Vec<f32> {
+        (0..9)
+            .flat_map(|i| z[i * 1004 + r * part..i * 1004 + (r + 1) * part].to_vec())
+            .collect()
+    };
+    for scale in [None, Some(0.125f32)] {
+        let keep = scale.is_some();
+        let (mut all, mut gall) = (vec![0f32; ranks * 27], Vec::new());
+        let (mut zs, mut gzs) = (Vec::new(), Vec::new());
+        for r in 0..ranks {
+            let (mut zr, mut st) = (slice(r), vec![0f32; 27]);
+            let (mut gzr, mut gst) = (on.up(&zr), on.up(&st));
+            c.ce_shard_stats(shard(r), zr.view_mut(), targets.view(), st.view_mut(), keep);
+            g.ce_shard_stats(
+                shard(r),
+                gzr.view_mut(zr.len()),
+                gtg.view(9),
+                gst.view_mut(27),
+                keep,
+            );
+            same(
+                &format!("{t} ce_shard_stats rank {r} {scale:?}"),
+                &gst,
+                &st,
+                1e-5,
+            );
+            same(
+                &format!("{t} ce_shard_stats logits rank {r} {scale:?}"),
+                &gzr,
+                &zr,
+                1e-5,
+            );
+            all[r * 27..(r + 1) * 27].copy_from_slice(&st);
+            gall.extend(st);
+            zs.push(zr);
+            gzs.push(gzr);
+        }
+        let gall = on.up(&gall);
+        for (r, (zr, gzr)) in zs.iter_mut().zip(&mut gzs).enumerate() {
+            let (mut l, mut gl) = (vec![0f32; 9], on.up(&[0f32; 9]));
+            let (s, n) = (shard(r), zr.len());
+            let want = c.ce_shard_finish(
+                s,
+                zr.view_mut(),
+                targets.view(),
+                all.view(),
+                r,
+                l.view_mut(),
+                scale,
+            );
+            let got = g.ce_shard_finish(
+                s,
+                gzr.view_mut(n),
+                gtg.view(9),
+                gall.view(54),
+                r,
+                gl.view_mut(9),
+                scale,
+            ) + g.take_loss();
+            assert!(
+                (got - want).abs() <= 1e-5 * want.abs(),
+                "{t} ce_shard_finish rank {r}: {got} vs {want}"
+            );
+            same(
+                &format!("{t} ce_shard_finish losses rank {r} {scale:?}"),
+                &gl,
+                &l,
+                1e-5,
+            );
+            same(
+                &format!("{t} ce_shard_finish dlogits rank {r} {scale:?}"),
+                gzr,
+                zr,
+                1e-5,
+            );
+        }
+    }
 }
 
 /// The LM head's 16-bit copy of the logit gradients, which a 16-bit backend's cross-entropy

@@ -1158,27 +1158,59 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
     fn ce_shard_stats(
         &self,
         s: CeShardShape,
-        logits: ViewMut<'_, f32>,
+        mut logits: ViewMut<'_, f32>,
         targets: View<'_, u32>,
-        stats: ViewMut<'_, f32>,
+        mut stats: ViewMut<'_, f32>,
         keep_exp: bool,
     ) {
+        let op = "ce_shard_stats";
+        assert_eq!(logits.len(), s.rows * s.vocab, "ce logits len");
+        assert_eq!(targets.len(), s.rows, "ce targets len");
+        assert_eq!(stats.len(), s.rows * 3, "ce stats len");
         self.unstage_head();
-        self.ce_shard_stats_on_host::<S, G>(s, logits, targets, stats, keep_exp)
+        if s.rows == 0 {
+            return;
+        }
+        let (z, t, st) = (
+            dev_mut(&mut logits, op),
+            dev(&targets, op),
+            dev_mut(&mut stats, op),
+        );
+        let (vocab, first, keep) = (s.vocab as u64, s.first as u64, keep_exp as i32);
+        launch!(self, op.to_string(), per_row(s.rows); z, t, st, vocab, first, keep);
     }
 
     fn ce_shard_finish(
         &self,
         s: CeShardShape,
-        logits: ViewMut<'_, f32>,
+        mut logits: ViewMut<'_, f32>,
         targets: View<'_, u32>,
         all: View<'_, f32>,
         rank: usize,
-        losses: ViewMut<'_, f32>,
+        mut losses: ViewMut<'_, f32>,
         dlogits_scale: Option<f32>,
     ) -> f64 {
+        let op = "ce_shard_finish";
+        let ranks = all.len() / (3 * s.rows).max(1);
+        assert_eq!(all.len(), ranks * s.rows * 3, "ce gathered stats len");
+        assert!(rank < ranks || s.rows == 0, "rank {rank} of {ranks}");
+        assert_eq!(losses.len(), s.rows, "ce losses len");
         self.unstage_head();
-        self.ce_shard_finish_on_host::<S, G>(s, logits, targets, all, rank, losses, dlogits_scale)
+        if s.rows == 0 {
+            return 0.0;
+        }
+        let (z, t, a) = (dev_mut(&mut logits, op), dev(&targets, op), dev(&all, op));
+        let l = dev_mut(&mut losses, op);
+        let (rows, ranks, rank) = (s.rows as u64, ranks as u64, rank as u64);
+        let (vocab, first, full) = (s.vocab as u64, s.first as u64, s.full_vocab as u64);
+        let (grad, scale) = (dlogits_scale.is_some() as i32, dlogits_scale.unwrap_or(0.0));
+        launch!(self, op.to_string(), per_row(s.rows);
+            z, t, a, rows, ranks, rank, l, vocab, first, full, grad, scale);
+        // The step's loss sum on the device, as `cross_entropy` keeps it.
+        let acc = self.partials() + (LOSS_SLOTS * 8) as u64;
+        launch!(self, "loss_accumulate".to_string(), one_thread(); l, rows, acc);
+        self.loss_added();
+        0.0
     }
 
     fn adamw_step(

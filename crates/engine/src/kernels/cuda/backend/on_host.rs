@@ -1,10 +1,9 @@
-//! The multi-rank ops the GPU has no kernels for yet — ring attention (context parallelism)
-//! and the vocabulary-parallel cross-entropy (tensor parallelism) — run on the host: their
-//! operands are downloaded, the CPU backend's kernel runs on them, and what it wrote goes back
-//! up. Correct to the CPU's bits and slow (a step's logits chunk crosses PCIe twice), but it
-//! lets `--device cuda --tp N` and `--cp N` run, on one GPU with host-staged ranks, and be
-//! checked against one rank, instead of panicking mid-step. Device kernels replace them
-//! (issue #33), each checked against these.
+//! The multi-rank op the GPU has no kernels for yet — ring attention (context parallelism) —
+//! runs on the host: its operands are downloaded, the CPU backend's kernel runs on them, and
+//! what it wrote goes back up. Correct to the CPU's bits and slow, but it lets `--device cuda
+//! --cp N` run, on one GPU with host-staged ranks, and be checked against one rank, instead of
+//! panicking mid-step. Device kernels replace it (issue #33), checked against it, as the
+//! vocabulary-parallel cross-entropy's did (`cu/vocab_parallel_ce.cu`).
 //!
 //! The host copies live in buffers the backend keeps ([`HostBuffers`]), grown to the largest
 //! call and reused: a ring step or a cross-entropy chunk allocates nothing on the host after
@@ -154,67 +153,6 @@ impl CudaKernels {
         upload_into(dv, gv);
         self.keep(op, ss);
         self.keep(op, fs);
-    }
-
-    pub(super) fn ce_shard_stats_on_host<S: Elem, G: Elem>(
-        &self,
-        s: CeShardShape,
-        logits: ViewMut<'_, f32>,
-        targets: View<'_, u32>,
-        stats: ViewMut<'_, f32>,
-        keep_exp: bool,
-    ) {
-        let op = "ce shard stats";
-        let mut fs = self.host_set::<f32, 2>(op);
-        let mut ts = self.host_set::<u32, 1>(op);
-        let ([z, st], [t]) = (&mut *fs, &mut *ts);
-        read(logits.as_view(), z);
-        read(targets, t);
-        read(stats.as_view(), st);
-        cpu::<S, G>().ce_shard_stats(s, z.view_mut(), t.view(), st.view_mut(), keep_exp);
-        if keep_exp {
-            upload_into(logits, z);
-        }
-        upload_into(stats, st);
-        self.keep(op, fs);
-        self.keep(op, ts);
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn ce_shard_finish_on_host<S: Elem, G: Elem>(
-        &self,
-        s: CeShardShape,
-        logits: ViewMut<'_, f32>,
-        targets: View<'_, u32>,
-        all: View<'_, f32>,
-        rank: usize,
-        losses: ViewMut<'_, f32>,
-        dlogits_scale: Option<f32>,
-    ) -> f64 {
-        let op = "ce shard finish";
-        let mut fs = self.host_set::<f32, 3>(op);
-        let mut ts = self.host_set::<u32, 1>(op);
-        let ([z, ah, l], [t]) = (&mut *fs, &mut *ts);
-        read(logits.as_view(), z);
-        read(targets, t);
-        read(all, ah);
-        read(losses.as_view(), l);
-        let sum = cpu::<S, G>().ce_shard_finish(
-            s,
-            z.view_mut(),
-            t.view(),
-            ah.view(),
-            rank,
-            l.view_mut(),
-            dlogits_scale,
-        );
-        if dlogits_scale.is_some() {
-            upload_into(logits, z);
-        }
-        upload_into(losses, l);
-        self.keep(op, fs);
-        self.keep(op, ts);
-        sum
     }
 }
 
