@@ -393,6 +393,29 @@ fn ops<S: Elem>(k: &CudaKernels, at: usize, tol: f64, tol_product: f64) {
         "{t} sum_squares of {}: {got} vs {want}",
         long.len()
     );
+    // Weighted, over several tensors read back once (the gradient norm under tensor
+    // parallelism: a replicated norm's share), an empty one among them: against f64 on the
+    // host, and the same partials for one tensor of weight 1 as `sum_squares`.
+    let gl = d(&on, &long);
+    let parts = [(&long[..], 0.5), (&long[..0], 3.0), (&long[..1001], 1.0)];
+    let want: f64 = parts
+        .iter()
+        .map(|(p, w)| w * f32s(p).iter().map(|&v| v as f64 * v as f64).sum::<f64>())
+        .sum();
+    let views = parts.map(|(p, w)| (gl.view::<S>(long.len()).slice(..p.len()), w));
+    let got = g.sum_squares_weighted(Weighted::new(&mut views.into_iter()));
+    assert!(
+        (got - want).abs() <= 1e-9 * want,
+        "{t} sum_squares_weighted: {got} vs {want}"
+    );
+    let one = g.sum_squares_weighted(Weighted::new(&mut [(gga.view(n), 1.0)].into_iter()));
+    assert_eq!(
+        one,
+        g.sum_squares(gga.view(n)),
+        "{t} sum_squares_weighted of one"
+    );
+    let none = g.sum_squares_weighted(Weighted::new(&mut std::iter::empty()));
+    assert_eq!(none, 0.0, "{t} sum_squares_weighted of nothing");
     let master = rng_vec(n);
     let gmaster = on.up(&master);
     c.round_params(master.view(), h.view_mut());

@@ -65,6 +65,12 @@ impl<T> HostArg for ViewMut<'_, T> {
     }
 }
 
+impl<G> HostArg for Weighted<'_, '_, G> {
+    fn host_arg(self, op: &'static str) -> Self {
+        self.retagged((HostArg::host_arg, op))
+    }
+}
+
 impl<X: HostArg> HostArg for Option<X> {
     fn host_arg(self, op: &'static str) -> Self {
         self.map(|x| x.host_arg(op))

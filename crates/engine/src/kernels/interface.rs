@@ -353,6 +353,12 @@ macro_rules! kernel_interface {
                 /// over all shards); inf or NaN if any element is (the loss scaler's overflow
                 /// check).
                 fn sum_squares(&self, x: View<'_, G>) -> f64;
+                /// `Σ w·Σ x²` over `parts` (gradients, each with its weight): a norm over many
+                /// tensors, some counted in part (a replicated norm's share of a
+                /// tensor-parallel group), read back once where a device keeps the sums (one
+                /// host synchronisation for the lot, not one a tensor). Inf or NaN if any
+                /// element is.
+                fn sum_squares_weighted(&self, parts: Weighted<'_, '_, G>) -> f64;
                 /// `dst = round(src)`: parameters from the fp32 master weights.
                 fn round_params(&self, src: View<'_, f32>, dst: ViewMut<'_, S>);
 

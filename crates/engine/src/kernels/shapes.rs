@@ -4,6 +4,48 @@
 //! [`SeqPart`]), the optimizer's hyper-parameters, the RoPE tables, and what a backend can run
 //! ([`Limits`]). The ops themselves are listed in `interface.rs`.
 
+/// Gradients, each with its weight, for [`Kernels::sum_squares_weighted`]: drawn one at a
+/// time, so a norm over many tensors allocates nothing.
+///
+/// [`Kernels::sum_squares_weighted`]: super::Kernels::sum_squares_weighted
+pub struct Weighted<'a, 'b, G> {
+    parts: &'a mut dyn Iterator<Item = (super::View<'b, G>, f64)>,
+    /// What each view is made into before it is handed out (an emulated device's views
+    /// re-tagged as the host memory they are, `device_check.rs`), and the op's name for it.
+    retag: Option<Retag<'b, G>>,
+}
+
+/// A view made into another for op `.1` (`Weighted`'s re-tagging).
+type Retag<'b, G> = (
+    fn(super::View<'b, G>, &'static str) -> super::View<'b, G>,
+    &'static str,
+);
+
+impl<'a, 'b, G> Weighted<'a, 'b, G> {
+    pub fn new(parts: &'a mut dyn Iterator<Item = (super::View<'b, G>, f64)>) -> Self {
+        Weighted { parts, retag: None }
+    }
+
+    /// Each view handed out through `f` (for op `op`).
+    pub fn retagged(self, f: Retag<'b, G>) -> Self {
+        Weighted {
+            retag: Some(f),
+            ..self
+        }
+    }
+}
+
+impl<'b, G> Iterator for Weighted<'_, 'b, G> {
+    type Item = (super::View<'b, G>, f64);
+    fn next(&mut self) -> Option<Self::Item> {
+        let (x, w) = self.parts.next()?;
+        Some(match self.retag {
+            Some((f, op)) => (f(x, op), w),
+            None => (x, w),
+        })
+    }
+}
+
 /// Whether an op overwrites its output or adds into it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Accum {

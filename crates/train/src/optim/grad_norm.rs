@@ -7,7 +7,7 @@ use super::step::OptRun;
 use anyhow::Result;
 use ferrotron_dist::data_parallel::{each_expert_range, DataParallel};
 use ferrotron_dist::mesh::Mesh;
-use ferrotron_engine::kernels::{Kernels, View};
+use ferrotron_engine::kernels::{Kernels, View, Weighted};
 use ferrotron_engine::model::{GradBuf, Llama};
 use ferrotron_engine::Elem;
 use std::cell::RefCell;
@@ -35,26 +35,21 @@ pub(crate) fn grad_sum_sq<'g, S: Elem, G: Elem>(
     let share = mesh.replicated_share();
     let copied = model.copied();
     let whole = !mesh.splits_weights() && sharded.is_none() && copied.is_none();
+    // Every tensor's part in one sum, read back once (a GPU keeps the partial sums).
     let local = match whole {
         true => k.sum_squares(grads.slice(0..model.params.total)),
-        false => runs
-            .iter()
-            .map(|r| {
-                let share = if r.replicated { share } else { 1.0 };
-                outside(grad_of(r), &r.params, copied.as_ref())
-                    .map(|g| k.sum_squares(g))
-                    .sum::<f64>()
-                    * share
-            })
-            .sum(),
+        false => k.sum_squares_weighted(Weighted::new(&mut runs.iter().flat_map(|r| {
+            let share = if r.replicated { share } else { 1.0 };
+            outside(grad_of(r), &r.params, copied.as_ref()).map(move |g| (g, share))
+        }))),
     };
     // A group that splits the routed experts holds each expert's gradient on one rank (the
     // dense ones on all). (Under ZeRO every block of every gradient is in exactly one
     // rank's shard: the data-parallel sum adds them.)
     let experts = (mesh.splits_experts() && sharded.is_none()).then(|| {
-        each_expert_range(&model.params)
-            .map(|r| k.sum_squares(grads.slice(r)))
-            .sum()
+        k.sum_squares_weighted(Weighted::new(
+            &mut each_expert_range(&model.params).map(|r| (grads.slice(r), 1.0)),
+        ))
     });
     mesh.global_sum_sq(local, experts, sharded)
 }

@@ -24,6 +24,7 @@ pub mod vocab_parallel_ce;
 use super::{
     Accum, AdamWParams, AttnShape, CachedAttnShape, CeShape, CeShardShape, Kernels, Limits,
     MatmulShape, NormShape, RingShape, RopeShape, RopeTable, Rounding, RouteShape, View, ViewMut,
+    Weighted,
 };
 use crate::dtype::Elem;
 pub use gemm_select::Gemm;
@@ -508,6 +509,11 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CpuKernels {
     }
     fn sum_squares(&self, x: View<'_, G>) -> f64 {
         elementwise::sum_squares(x.host())
+    }
+    fn sum_squares_weighted(&self, parts: Weighted<'_, '_, G>) -> f64 {
+        parts
+            .map(|(x, w)| w * elementwise::sum_squares(x.host()))
+            .sum()
     }
     fn round_params(&self, src: View<'_, f32>, dst: ViewMut<'_, S>) {
         elementwise::round_into(src.host(), dst.host_mut())

@@ -55,6 +55,15 @@ struct LossSlots {
 }
 
 /// One thread: a sum in a fixed order.
+/// The fixed grid of the sums of squares (`SUM_BLOCKS` partials).
+fn sum_grid() -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (SUM_BLOCKS, 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 fn one_thread() -> LaunchConfig {
     LaunchConfig {
         grid_dim: (1, 1, 1),
@@ -282,6 +291,21 @@ impl CudaKernels {
             st.ready = true;
         }
         p
+    }
+
+    /// The sums of squares' partials added in block order, read back with the loss slot after
+    /// them (which `take_loss` then needs not read): one host synchronisation.
+    fn read_partials(&self) -> f64 {
+        let mut sums = [0f64; SUM_BLOCKS as usize + 1];
+        OPS.sync(SyncSite::GradNorm);
+        // SAFETY: the partials scratch holds PARTIALS_BYTES; the copy waits for the kernels.
+        unsafe { result::memcpy_dtoh_sync(&mut sums, self.partials()) }
+            .expect("sum_squares read-back");
+        let mut st = lock(&self.loss);
+        if st.pending {
+            st.fetched = Some(sums[LOSS_SLOTS]);
+        }
+        sums[..LOSS_SLOTS].iter().sum()
     }
 
     /// The device's loss slots were added to: what the host read of them is stale.
@@ -1066,22 +1090,23 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         let n = x.len() as u64;
         let partial = self.partials();
         let x = dev(&x, "sum_squares");
-        let cfg = LaunchConfig {
-            grid_dim: (SUM_BLOCKS, 1, 1),
-            block_dim: (BLOCK, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        launch!(self, name::<G>("sum_squares"), cfg; x, n, partial);
-        // The partial sums and the loss slot after them, in one read.
-        let mut sums = [0f64; SUM_BLOCKS as usize + 1];
-        OPS.sync(SyncSite::GradNorm);
-        // SAFETY: the partials scratch holds PARTIALS_BYTES; the copy waits for the kernel.
-        unsafe { result::memcpy_dtoh_sync(&mut sums, partial) }.expect("sum_squares read-back");
-        let mut st = lock(&self.loss);
-        if st.pending {
-            st.fetched = Some(sums[LOSS_SLOTS]);
+        launch!(self, name::<G>("sum_squares"), sum_grid(); x, n, partial);
+        self.read_partials()
+    }
+
+    fn sum_squares_weighted(&self, parts: Weighted<'_, '_, G>) -> f64 {
+        let partial = self.partials();
+        let mut add = 0i32;
+        for (x, w) in parts {
+            let n = x.len() as u64;
+            let x = dev(&x, "sum_squares_weighted");
+            launch!(self, name::<G>("sum_squares_add"), sum_grid(); x, n, partial, w, add);
+            add = 1;
         }
-        sums[..LOSS_SLOTS].iter().sum()
+        match add {
+            0 => 0.0,
+            _ => self.read_partials(),
+        }
     }
 
     fn round_params(&self, src: View<'_, f32>, mut dst: ViewMut<'_, S>) {

@@ -46,6 +46,7 @@ pub fn entry_points() -> Vec<String> {
         "scale",
         "round_params",
         "sum_squares",
+        "sum_squares_add",
         "rmsnorm_forward",
         "rmsnorm_backward_input",
         "rmsnorm_weight_partial",

@@ -19,10 +19,12 @@ __device__ void round_params_impl(const float* src, typename E::T* dst, u64 n) {
     FOR_EACH(i, n) PUT(E, dst, i, src[i]);
 }
 
-// Σ x² of each block's part into `partial[blockIdx.x]` (f64); the host adds the blocks in
-// order, so the result does not depend on timing. inf/NaN propagate (the overflow check).
+// Σ x² of each block's part, times `w`, into `partial[blockIdx.x]` (f64), or with `add` added
+// to it (a weighted norm over many tensors, `sum_squares_weighted`, read back once); the host
+// adds the blocks in order, so the result does not depend on timing. inf/NaN propagate (the
+// overflow check).
 template <typename E>
-__device__ void sum_squares_impl(const typename E::T* x, u64 n, double* partial) {
+__device__ void sum_squares_impl(const typename E::T* x, u64 n, double* partial, double w, int add) {
     __shared__ double scratch[32];
     // Four independent sums a thread, so four loads are in flight rather than one chain of
     // dependent f64 adds (one sum ran at 360 GB/s over a 1B model's gradients on an H200).
@@ -47,7 +49,7 @@ __device__ void sum_squares_impl(const typename E::T* x, u64 n, double* partial)
     if (warp == 0) {
         s = lane < warps ? scratch[lane] : 0.0;
         s = warp_sum_f64(s);
-        if (lane == 0) partial[blockIdx.x] = s;
+        if (lane == 0) partial[blockIdx.x] = (add ? partial[blockIdx.x] : 0.0) + w * s;
     }
 }
 
@@ -63,7 +65,11 @@ __device__ void sum_squares_impl(const typename E::T* x, u64 n, double* partial)
         round_params_impl<E>(src, dst, n);                                                          \
     }                                                                                               \
     extern "C" __global__ void sum_squares_##sfx(const E::T* x, u64 n, double* partial) {           \
-        sum_squares_impl<E>(x, n, partial);                                                         \
+        sum_squares_impl<E>(x, n, partial, 1.0, 0);                                                 \
+    }                                                                                               \
+    extern "C" __global__ void sum_squares_add_##sfx(const E::T* x, u64 n, double* partial, double w, \
+                                                     int add) {                                     \
+        sum_squares_impl<E>(x, n, partial, w, add);                                                 \
     }
 FOR_STORAGE(ELEMENTWISE)
 
