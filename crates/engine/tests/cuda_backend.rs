@@ -910,6 +910,131 @@ fn every_dense_op_follows_the_cpu() {
     }
 }
 
+/// Ring attention's steps (context parallelism's `attention_forward_ring` and
+/// `attention_backward_ring`, `cu/ring_attention.cu`) against the CPU's, for each rank of a
+/// zigzag split over two ranks against each rank's key/value block (its own, the one before
+/// it in the sequence, the one after): the forward overwriting and merging into the running
+/// output, the backward adding into dq, dk and dv. Head dim 40 (two lanes' worth, a partial
+/// one) at an odd offset, and 64.
+#[test]
+fn ring_attention_steps_follow_the_cpu() {
+    let Some(k) = gpu() else { return };
+    for (at, d) in [(0, 64), (3, 40)] {
+        ring::<f32>(&k, at, d, 1e-5);
+        ring::<bf16>(&k, at, d, 1e-5);
+    }
+}
+
+fn ring<S: Elem>(k: &CudaKernels, at: usize, d: usize, tol: f64) {
+    let t = format!("{} at +{at}, head dim {d}", std::any::type_name::<S>());
+    let on = On { k, at };
+    let cpu = CpuKernels::PLAIN;
+    let c: &dyn Kernels<S> = &cpu;
+    let g: &dyn Kernels<S> = k;
+    let mut rng = Rng::new(29);
+    let a = AttnShape {
+        b: 2,
+        t: 12,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: d,
+    };
+    let (ql, kvl, ll) = (a.q_len(), a.kv_len(), a.lse_len());
+    let q = stored::<S>(&rng.vec(ql, 1.0));
+    let d_o = stored::<S>(&rng.vec(ql, 1.0));
+    let (gq, gdo) = (on.up(&q), on.up(&d_o));
+    for (qr, kr) in [(0, 0), (1, 0), (0, 1), (1, 1)] {
+        let part = |rank| SeqPart { rank, ranks: 2 };
+        let s = RingShape {
+            attn: a,
+            q: part(qr),
+            kv: part(kr),
+        };
+        let w = format!("{t}, queries of rank {qr}, block of rank {kr}");
+        let (kk, vv) = (rng.vec(kvl, 1.0), rng.vec(kvl, 1.0));
+        let (gk, gv) = (on.up(&kk), on.up(&vv));
+        // A first step, then this block merged into it (the rank's own block first, as the
+        // ring goes: every query sees a key of it).
+        let own = RingShape { kv: part(qr), ..s };
+        let (ko, vo) = (rng.vec(kvl, 1.0), rng.vec(kvl, 1.0));
+        let (gko, gvo) = (on.up(&ko), on.up(&vo));
+        let (mut o, mut lse) = (vec![0f32; ql], vec![0f32; ll]);
+        let (mut go, mut gl) = (on.up(&o), on.up(&lse));
+        c.attention_forward_ring(
+            own,
+            q.view(),
+            ko.view(),
+            vo.view(),
+            o.view_mut(),
+            lse.view_mut(),
+            true,
+        );
+        g.attention_forward_ring(
+            own,
+            gq.view(ql),
+            gko.view(kvl),
+            gvo.view(kvl),
+            go.view_mut(ql),
+            gl.view_mut(ll),
+            true,
+        );
+        same(&format!("{w}: first o"), &go, &o, tol);
+        same(&format!("{w}: first lse"), &gl, &lse, tol);
+        c.attention_forward_ring(
+            s,
+            q.view(),
+            kk.view(),
+            vv.view(),
+            o.view_mut(),
+            lse.view_mut(),
+            false,
+        );
+        g.attention_forward_ring(
+            s,
+            gq.view(ql),
+            gk.view(kvl),
+            gv.view(kvl),
+            go.view_mut(ql),
+            gl.view_mut(ll),
+            false,
+        );
+        same(&format!("{w}: merged o"), &go, &o, tol);
+        same(&format!("{w}: merged lse"), &gl, &lse, tol);
+        // The backward from the final output (stored), adding into running gradients.
+        let o_s = stored::<S>(&o);
+        let go_s = on.up(&o_s);
+        let (mut dq, mut dk, mut dv) = (rng.vec(ql, 0.1), rng.vec(kvl, 0.1), rng.vec(kvl, 0.1));
+        let (mut gdq, mut gdk, mut gdv) = (on.up(&dq), on.up(&dk), on.up(&dv));
+        c.attention_backward_ring(
+            s,
+            q.view(),
+            kk.view(),
+            vv.view(),
+            o_s.view(),
+            lse.view(),
+            d_o.view(),
+            dq.view_mut(),
+            dk.view_mut(),
+            dv.view_mut(),
+        );
+        g.attention_backward_ring(
+            s,
+            gq.view(ql),
+            gk.view(kvl),
+            gv.view(kvl),
+            go_s.view(ql),
+            gl.view(ll),
+            gdo.view(ql),
+            gdq.view_mut(ql),
+            gdk.view_mut(kvl),
+            gdv.view_mut(kvl),
+        );
+        same(&format!("{w}: dq"), &gdq, &dq, 1e-4);
+        same(&format!("{w}: dk"), &gdk, &dk, 1e-4);
+        same(&format!("{w}: dv"), &gdv, &dv, 1e-4);
+    }
+}
+
 /// Ops over zero rows (an expert no token was routed to, an empty micro-batch shard) write
 /// nothing: no block is launched to touch a row that is not there, and no product runs.
 fn zero_rows<S: Elem>(k: &CudaKernels) {

@@ -25,14 +25,12 @@ pub enum SyncSite {
     TargetCount,
     /// `embedding_backward`: the token ids read back to group positions by token on the host.
     EmbeddingGrouping,
-    /// `sum_squares`: the per-block partial sums of a squared gradient norm.
+    /// `sum_squares`, `sum_squares_weighted`: the per-block partial sums of a squared gradient
+    /// norm.
     GradNorm,
     /// A mixture of experts' row ops: the router's choices read back to build the routing
     /// tables.
     MoeRouting,
-    /// Ring attention and the vocabulary-parallel cross-entropy, run on the host
-    /// (`cuda/backend/on_host.rs`): their operands read back.
-    OnHost,
     /// The model and the trainer reading device memory through their allocator
     /// (`DeviceAlloc::download`, `HostCopy`): a mixture of experts' router choices for its
     /// expert blocks (`Llama::expert_rows`) and load statistics, the fp16 overflow flag,
@@ -49,13 +47,12 @@ pub enum SyncSite {
 }
 
 impl SyncSite {
-    pub const ALL: [SyncSite; 11] = [
+    pub const ALL: [SyncSite; 10] = [
         SyncSite::CeLoss,
         SyncSite::TargetCount,
         SyncSite::EmbeddingGrouping,
         SyncSite::GradNorm,
         SyncSite::MoeRouting,
-        SyncSite::OnHost,
         SyncSite::StateDownload,
         SyncSite::Staging,
         SyncSite::OtherDownload,
@@ -71,7 +68,6 @@ impl SyncSite {
             SyncSite::EmbeddingGrouping => "embedding_grouping",
             SyncSite::GradNorm => "grad_norm",
             SyncSite::MoeRouting => "moe_routing",
-            SyncSite::OnHost => "on_host",
             SyncSite::StateDownload => "state_download",
             SyncSite::Staging => "staging",
             SyncSite::OtherDownload => "other_download",

@@ -6,13 +6,13 @@
 //! The mixture-of-experts ops are in `moe` (their routing tables built on the host).
 //!
 //! Ring attention and the vocabulary-parallel cross-entropy, which only multi-rank layouts
-//! call, run on the host (`on_host`: the CPU's kernels on downloaded operands) until they have
-//! kernels of their own. Attention over a KV cache, which only `ferrotron sample` calls, runs
-//! on the CPU backend.
+//! call, have kernels of their own (`cu/ring_attention.cu`, `cu/vocab_parallel_ce.cu`; their
+//! host round trips are gone, issue #33). Attention over a KV cache, which only `ferrotron
+//! sample` calls, runs on the CPU backend.
 
 use super::device::{DeviceError, Gpu};
 use super::gemm::{self, Call, Inputs, Lt, Product};
-use super::memory::{download_into, DeviceBlock};
+use super::memory::DeviceBlock;
 use super::OPS;
 use crate::dtype::Elem;
 use crate::kernels::cpu::adamw::Consts;
@@ -27,7 +27,6 @@ use std::sync::Mutex;
 mod fp8;
 pub(super) mod host_ids;
 mod moe;
-mod on_host;
 mod op_events;
 pub use moe::{routes, Routes};
 
@@ -100,6 +99,32 @@ struct AttnDims {
 }
 // SAFETY: plain `repr(C)` data matching the CUDA struct.
 unsafe impl DeviceRepr for AttnDims {}
+
+/// The kernels' `RingParts` (`cu/ring_attention.cu`): which tokens a ring step's queries and
+/// key/value block are.
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct RingParts {
+    q_rank: u64,
+    kv_rank: u64,
+    ranks: u64,
+}
+// SAFETY: plain `repr(C)` data matching the CUDA struct.
+unsafe impl DeviceRepr for RingParts {}
+
+fn ring_parts(s: RingShape) -> RingParts {
+    assert_eq!(s.q.ranks, s.kv.ranks, "ring attention: one split");
+    assert!(
+        s.q.ranks == 1 || s.attn.t.is_multiple_of(2),
+        "ring attention: {} tokens do not split into two chunks",
+        s.attn.t
+    );
+    RingParts {
+        q_rank: s.q.rank as u64,
+        kv_rank: s.kv.rank as u64,
+        ranks: s.q.ranks as u64,
+    }
+}
 // SAFETY: as above (`AdamConsts` in `cu/adamw.cu`).
 unsafe impl DeviceRepr for Consts {}
 
@@ -144,8 +169,6 @@ pub struct CudaKernels {
     /// A mixture of experts' router choices read back and its routing tables, in host
     /// buffers reused by every row op (`moe::Routes`), and which choices they are of.
     routing: Mutex<moe::Routing>,
-    /// Host buffers of the ops run on the host (`on_host`), kept from call to call.
-    host: Mutex<on_host::HostBuffers>,
     /// The step's loss on the device (`take_loss`).
     loss: Mutex<LossSlots>,
     /// The 16-bit copy of the logit gradients the last `cross_entropy` wrote beside them, for
@@ -212,7 +235,6 @@ impl CudaKernels {
             scratch: Mutex::new(HashMap::new()),
             rope: Mutex::new(HashMap::new()),
             routing: Mutex::default(),
-            host: Mutex::default(),
             loss: Mutex::default(),
             staged: Mutex::default(),
             op_events: Mutex::default(),
@@ -533,6 +555,18 @@ fn per_tile(heads: usize, t: usize) -> LaunchConfig {
         grid_dim: (heads, t.div_ceil(64) as u32, 1),
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
+    }
+}
+
+/// Every `(given, expected)` length of op `op`'s views equal (a kernel reads and writes by the
+/// shape alone: a short view is a bug in the caller, named here rather than past its end).
+#[track_caller]
+fn check_lens(op: &str, lens: &[(usize, usize)]) {
+    for (i, &(got, want)) in lens.iter().enumerate() {
+        assert_eq!(
+            got, want,
+            "{op}: view {i} holds {got} elements, the shape {want}"
+        );
     }
 }
 
@@ -861,11 +895,26 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         q: View<'_, S>,
         k: View<'_, f32>,
         v: View<'_, f32>,
-        o: ViewMut<'_, f32>,
-        lse: ViewMut<'_, f32>,
+        mut o: ViewMut<'_, f32>,
+        mut lse: ViewMut<'_, f32>,
         first: bool,
     ) {
-        self.ring_forward_on_host::<S, G>(s, q, k, v, o, lse, first)
+        let op = "attention_forward_ring";
+        let a = s.attn;
+        check_lens(
+            op,
+            &[
+                (q.len(), a.q_len()),
+                (k.len(), a.kv_len()),
+                (v.len(), a.kv_len()),
+            ],
+        );
+        check_lens(op, &[(o.len(), a.q_len()), (lse.len(), a.lse_len())]);
+        let (q, k, v) = (dev(&q, op), dev(&k, op), dev(&v, op));
+        let (o, l) = (dev_mut(&mut o, op), dev_mut(&mut lse, op));
+        let (d, p, merge) = (attn_dims(a), ring_parts(s), i32::from(!first));
+        let rows = (a.b * a.heads * a.t) as u64;
+        launch!(self, name::<S>("ring_forward"), per_warp(rows); d, p, q, k, v, o, l, merge);
     }
 
     fn attention_backward_ring(
@@ -877,11 +926,45 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         o: View<'_, S>,
         lse: View<'_, f32>,
         d_o: View<'_, S>,
-        dq: ViewMut<'_, f32>,
-        dk: ViewMut<'_, f32>,
-        dv: ViewMut<'_, f32>,
+        mut dq: ViewMut<'_, f32>,
+        mut dk: ViewMut<'_, f32>,
+        mut dv: ViewMut<'_, f32>,
     ) {
-        self.ring_backward_on_host::<S, G>(s, q, k, v, o, lse, d_o, dq, dk, dv)
+        let op = "attention_backward_ring";
+        let a = s.attn;
+        let (ql, kvl) = (a.q_len(), a.kv_len());
+        check_lens(
+            op,
+            &[
+                (q.len(), ql),
+                (o.len(), ql),
+                (d_o.len(), ql),
+                (dq.len(), ql),
+            ],
+        );
+        check_lens(
+            op,
+            &[
+                (k.len(), kvl),
+                (v.len(), kvl),
+                (dk.len(), kvl),
+                (dv.len(), kvl),
+            ],
+        );
+        check_lens(op, &[(lse.len(), a.lse_len())]);
+        let (q, k, v, o) = (dev(&q, op), dev(&k, op), dev(&v, op), dev(&o, op));
+        let (l, d_o) = (dev(&lse, op), dev(&d_o, op));
+        let (dq, dk, dv) = (
+            dev_mut(&mut dq, op),
+            dev_mut(&mut dk, op),
+            dev_mut(&mut dv, op),
+        );
+        let delta = self.scratch(Scratch::AttnDelta, a.lse_len() * 4);
+        let (d, p) = (attn_dims(a), ring_parts(s));
+        let q_rows = (a.b * a.heads * a.t) as u64;
+        launch!(self, name::<S>("ring_backward_q"), per_warp(q_rows); d, p, q, k, v, o, l, d_o, dq, delta);
+        let kv_rows = (a.b * a.kv_heads * a.t) as u64;
+        launch!(self, name::<S>("ring_backward_kv"), per_warp(kv_rows); d, p, q, k, v, l, d_o, delta, dk, dv);
     }
 
     fn swiglu_forward(&self, gate: View<'_, S>, up: View<'_, S>, mut h: ViewMut<'_, S>) {
