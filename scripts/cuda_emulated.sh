@@ -14,7 +14,8 @@
 #   - a plan over --device-memory refused with its fixes, then trained with --offload
 #     optimizer and --offload params under that budget, against the CPU and the driver;
 #   - dp 2, tp 2, pp 2, ZeRO-3 and cp 2 on the one GPU against one rank (cuda_ranks.py), and
-#     ep 2 of the mixture of experts, and dp 2 through the emulator's libnccl;
+#     ep 2 of the mixture of experts; dp 2, tp 2 (with sp, bf16) and cp 2 (with tp 2) through
+#     the emulator's libnccl;
 #   - the NCCL communicator at 1 to 3 ranks on the emulator's libnccl.
 # What it cannot show (PTX and the hardware's rounding of expf, speed, the GPU's memory model,
 # real NCCL and its streams) stays the GPU kit's: bash scripts/cuda_check.sh bundle, then target/cuda-check/run.sh.
@@ -235,23 +236,33 @@ grep -q "^error: rank 0: FERROTRON_NCCL=1: data parallel: precision = fp16: fp16
 # rounding), sequence parallelism's gathers and scatters against one rank; with the
 # vocabulary-parallel cross-entropy's kernels and the gradient norm read back once, 4.5 host
 # synchronisations a step (the staged tp 2 takes 93: its collectives' downloads), held there.
-nccl_tp() {
+nccl_run() {
     LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_NCCL=$1 run "$bin" train --device cuda "${tiny[@]}" \
         "${ranks[@]}" --grad-acc 2 "${@:3}" --out-dir "$work/$2"
 }
-nccl_tp 1 nccl-tp2 --tp 2
+nccl_run 1 nccl-tp2 --tp 2
 grep -q "^tensor parallel: the activations' collectives run on each rank's GPU by NCCL" "$work/run.log" || {
     cat "$work/run.log"
     echo "error: tp 2 with FERROTRON_NCCL=1 did not run its collectives on NCCL"
     exit 1
 }
-nccl_tp 1 nccl-sp2 --tp 2 --sp
-nccl_tp 0 staged-tp2-bf16 --tp 2 --precision bf16
-nccl_tp 1 nccl-tp2-bf16 --tp 2 --precision bf16
+nccl_run 1 nccl-sp2 --tp 2 --sp
+nccl_run 0 staged-tp2-bf16 --tp 2 --precision bf16
+nccl_run 1 nccl-tp2-bf16 --tp 2 --precision bf16
 python3 scripts/cuda_ranks.py "$work/ranks-tp2/metrics.jsonl" "nccl-tp2=$work/nccl-tp2/metrics.jsonl"
 python3 scripts/cuda_ranks.py "$work/ranks-one/metrics.jsonl" "nccl-sp2=$work/nccl-sp2/metrics.jsonl"
 python3 scripts/cuda_ranks.py "$work/staged-tp2-bf16/metrics.jsonl" "nccl-tp2-bf16=$work/nccl-tp2-bf16/metrics.jsonl"
 python3 scripts/cuda_ops.py "nccl tp2" "$work/nccl-tp2/metrics.jsonl" --max-syncs 6
+# Context parallelism's ring through NCCL (each f32 block as it lies, one group of a send and a
+# receive beside the attention of the block in hand; a compute stream that did not wait for it
+# would read the last block, which the emulator's late streams show): the staged cp 2's bits,
+# and with tensor parallelism too (both groups on NCCL). With the ring attention's kernels,
+# 5 host synchronisations a step (628 when its blocks went through the host).
+nccl_run 1 nccl-cp2 --cp 2
+nccl_run 1 nccl-cp2-tp2 --cp 2 --tp 2
+python3 scripts/cuda_ranks.py "$work/ranks-cp2/metrics.jsonl" "nccl-cp2=$work/nccl-cp2/metrics.jsonl"
+python3 scripts/cuda_ranks.py "$work/ranks-one/metrics.jsonl" "nccl-cp2-tp2=$work/nccl-cp2-tp2/metrics.jsonl"
+python3 scripts/cuda_ops.py "nccl cp2" "$work/nccl-cp2/metrics.jsonl" --max-syncs 7
 # Expert parallelism of the mixture of experts: ep 2 against one rank, and the backward's rows
 # moved in blocks and kernels (gather_copies, scale_each_row, dot_each_row, scatter_copies),
 # not row by row through the host: 9,389 host synchronisations a step before, 201 now (the

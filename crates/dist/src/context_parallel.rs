@@ -3,7 +3,9 @@
 //! `comm.cp.message` and hands it to the next rank (`send_start`, so the engine computes on the
 //! block while it travels and no rank waits for its peer before receiving), then receives the
 //! previous rank's block; bytes are counted, and a failure is recorded and reported after the
-//! pass ([`Group::check`]), so a dead rank stops the step instead of hanging it.
+//! pass ([`Group::check`]), so a dead rank stops the step instead of hanging it. On GPUs with
+//! NCCL (`device_collective.rs`) the block goes as it lies: noted ready when sent, passed with
+//! the receive as one NCCL group beside the attention of the block in hand.
 //!
 //! The ranks of a group hold the same weights (their gradients are reduced with the
 //! data-parallel replicas', over dp × cp) and different tokens of the same sequences; the
@@ -32,6 +34,16 @@ impl CpComm for Group {
         if self.failed() {
             return;
         }
+        if let (Some(dc), Memory::Device(_)) = (&*self.device_collectives(), send.memory()) {
+            if let Err(e) = dc.ring_ready() {
+                self.fail("context-parallel ring", e);
+                return;
+            }
+            self.sent(4.0 * send.len() as f64);
+            let earlier = self.ready.replace(Some((send.as_ptr(), send.len())));
+            assert!(earlier.is_none(), "one ring message in flight at a time");
+            return;
+        }
         let (size, rank) = (self.comm.size(), self.comm.rank());
         let mut out = std::mem::take(&mut *self.buffer());
         // Within the planned capacity: no allocation.
@@ -51,7 +63,18 @@ impl CpComm for Group {
         self.device_copy()
     }
 
-    fn recv_prev(&self, recv: ViewMut<'_, f32>) {
+    fn recv_prev(&self, mut recv: ViewMut<'_, f32>) {
+        if let Some((send, n)) = self.ready.take() {
+            assert_eq!(n, recv.len(), "the ring receives as much as it sends");
+            let on = self.device_collectives();
+            let dc = on
+                .as_ref()
+                .expect("a block noted ready has the device's ring");
+            if let Err(e) = dc.ring_pass(send, recv.as_mut_ptr(), n) {
+                self.fail("context-parallel ring", e);
+            }
+            return;
+        }
         let Some(pending) = self.sending.borrow_mut().take() else {
             // A failed pass started no send.
             return;

@@ -1,10 +1,15 @@
 //! The model groups' collectives on the device itself (issue #33): where every rank of a
-//! tensor-parallel group has a GPU of its own and NCCL, the group's all-reduces, all-gathers
-//! and reduce-scatters (Megatron's `f` and `g`, sequence parallelism's gathers and scatters,
-//! the vocabulary-parallel cross-entropy's statistics) run on the activations where they lie,
-//! in their own type, on NCCL's stream ordered against the compute stream by events, instead
-//! of device → host buffer → host communicator → device. The host does not wait for them: a
-//! tensor-parallel layer's collectives cost the host no round trip.
+//! tensor- or context-parallel group has a GPU of its own and NCCL, the group's exchanges run
+//! on the tensors where they lie, on NCCL's stream ordered against the compute stream by
+//! events, instead of device → host buffer → host communicator → device. The host does not
+//! wait for them: a layer's exchanges cost the host no round trip.
+//! - Tensor parallelism: the all-reduces, all-gathers and reduce-scatters (Megatron's `f` and
+//!   `g`, sequence parallelism's gathers and scatters, the vocabulary-parallel cross-entropy's
+//!   statistics), in the activations' own type.
+//! - Context parallelism: the ring's pass of each f32 key/value block to the next rank and of
+//!   the previous rank's into the next buffer, as one NCCL group of a send and a receive, which
+//!   starts as soon as the block is ready and runs beside the attention of the block in hand
+//!   (Liu et al. 2023's overlap), the compute stream waiting for it only before the next step.
 //!
 //! f32 activations are summed in f32, as the host-staged buffer sums them: the same bits.
 //! bf16 activations are summed by NCCL in bf16: each addition in f32 rounded to bf16, which at
@@ -24,4 +29,12 @@ pub trait DeviceCollective {
     /// Runs `op` on `x` after the device work issued so far, the compute stream's next work
     /// after it; the host does not wait.
     fn run(&self, op: TpOp, x: DeviceOperands) -> Result<()>;
+    /// The ring's block is ready (the device work issued so far wrote it): the next
+    /// [`DeviceCollective::ring_pass`] sends it from this point.
+    fn ring_ready(&self) -> Result<()>;
+    /// `send` (`n` f32 of this GPU's memory, ready since [`DeviceCollective::ring_ready`]) to
+    /// rank + 1 and the previous rank's `n` into `recv`, beside the work issued since; the
+    /// compute stream's next work after both. Neither is touched by the device's work between
+    /// `ring_ready` and the next work issued.
+    fn ring_pass(&self, send: *const f32, recv: *mut f32, n: usize) -> Result<()>;
 }

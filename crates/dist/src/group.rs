@@ -28,6 +28,8 @@ pub struct Group {
     small: RefCell<Region<f32>>,
     /// A send in flight (the context-parallel ring's block), finished by the next receive.
     pub(crate) sending: RefCell<Option<Pending>>,
+    /// On GPUs with NCCL, the ring's block noted ready to go (sent with the next receive).
+    pub(crate) ready: Cell<Option<(*const f32, usize)>>,
     /// On a device: the copies that fill the buffer from the device's tensors and write the
     /// results back (`ferrotron_engine::kernels::host_copy`).
     device: RefCell<Option<HostCopy>>,
@@ -48,6 +50,7 @@ impl Group {
             bytes: Cell::new(0.0),
             small: RefCell::default(),
             sending: RefCell::new(None),
+            ready: Cell::new(None),
             device: RefCell::new(None),
             receive: RefCell::default(),
             collectives: RefCell::new(None),

@@ -145,9 +145,12 @@ impl Mesh {
             if let Some(r) = planned(planned_buffer(*d)) {
                 g.allocate(r);
             }
-            // A device rank's ring receive (`Runtime::FerrotronDevice` plans it).
-            if let (Dim::Cp, Some(r)) = (d, planned("comm.cp.receive")) {
-                g.allocate_receive(r);
+            // A device rank's ring receive (`Runtime::FerrotronDevice` plans it), asked for by
+            // the context-parallel group alone: a buffer is carved once.
+            if *d == Dim::Cp {
+                if let Some(r) = planned("comm.cp.receive") {
+                    g.allocate_receive(r);
+                }
             }
         }
     }

@@ -346,10 +346,37 @@ fn tp_collectives<T: Bits>(
     );
 }
 
-/// The tensor-parallel collectives where the activations lie, f32 and bf16, in their own type:
-/// at world size 1 on a GPU (NCCL itself), and at 2 and 3 ranks (threads) on the emulator.
+/// Context parallelism's ring pass (`DeviceCollective::ring_ready`, `ring_pass`): rank `me`'s
+/// block goes to the next rank and the previous rank's arrives, twice round (the second pass
+/// sends what the first received, as the ring does).
+fn ring_pass(dc: &dyn DeviceCollective, ctx: &Arc<CudaContext>, me: usize, size: usize) {
+    let n = 29;
+    let mut block = upload(ctx, &typed::<f32>(n, me)).expect("upload");
+    let mut next = DeviceBlock::new(ctx, n * 4).expect("a block");
+    for step in 1..=2 {
+        dc.ring_ready().expect("ring_ready");
+        let send = block.view::<f32>(n).as_ptr();
+        let recv = next.view_mut::<f32>(n).as_mut_ptr();
+        dc.ring_pass(send, recv, n).expect("ring_pass");
+        std::mem::swap(&mut block, &mut next);
+        let from = (me + size * 2 - step) % size;
+        let want: Vec<u32> = typed::<f32>(n, from).iter().map(|x| x.to_bits()).collect();
+        let got: Vec<u32> = download(block.view::<f32>(n))
+            .iter()
+            .map(|x| x.to_bits())
+            .collect();
+        assert_eq!(
+            got, want,
+            "rank {me} of {size}, pass {step}: rank {from}'s block"
+        );
+    }
+}
+
+/// The tensor-parallel collectives where the activations lie, f32 and bf16, in their own type,
+/// and context parallelism's ring: at world size 1 on a GPU (NCCL itself), and at 2 and 3
+/// ranks (threads) on the emulator.
 #[test]
-fn tensor_parallel_collectives_run_where_the_activations_lie_in_their_type() {
+fn model_group_exchanges_run_where_the_tensors_lie_in_their_type() {
     let Some(ctx) = gpu() else { return };
     let emulated = ctx.name().ok().as_deref() == Some("ferrotron CUDA emulator");
     let sizes: &[usize] = if emulated { &[1, 2, 3] } else { &[1] };
@@ -364,6 +391,7 @@ fn tensor_parallel_collectives_run_where_the_activations_lie_in_their_type() {
                     assert!(n.takes(DType::F32) && n.takes(DType::Bf16) && !n.takes(DType::F16));
                     tp_collectives::<f32>(&n, &ctx, me, size);
                     tp_collectives::<bf16>(&n, &ctx, me, size);
+                    ring_pass(&n, &ctx, me, size);
                 });
             }
         });

@@ -74,6 +74,8 @@ pub struct Nccl {
     /// Recorded on the compute stream before a call, on the communication stream after it.
     before: CudaEvent,
     after: CudaEvent,
+    /// Recorded on the compute stream when context parallelism's ring block is ready.
+    ring: CudaEvent,
     aborted: AtomicBool,
 }
 
@@ -118,6 +120,7 @@ impl Nccl {
             let flags = Some(CUevent_flags::CU_EVENT_DISABLE_TIMING);
             let before = ctx.new_event(flags).map_err(driver("an event"))?;
             let after = ctx.new_event(flags).map_err(driver("an event"))?;
+            let ring = ctx.new_event(flags).map_err(driver("an event"))?;
             let mut comm = std::mem::MaybeUninit::uninit();
             // SAFETY: the context is bound; `comm` is written by a successful init.
             let comm = unsafe {
@@ -125,9 +128,9 @@ impl Nccl {
                     .map_err(driver("joining the NCCL communicator"))?;
                 comm.assume_init()
             };
-            Ok((comm, comm_stream, before, after))
+            Ok((comm, comm_stream, [before, after, ring]))
         };
-        let (comm, comm_stream, before, after) = setup().map_err(|e| fail(&*host, e))?;
+        let (comm, comm_stream, [before, after, ring]) = setup().map_err(|e| fail(&*host, e))?;
         Ok(Nccl {
             comm,
             host,
@@ -136,6 +139,7 @@ impl Nccl {
             comm_stream,
             before,
             after,
+            ring,
             aborted: AtomicBool::new(false),
         })
     }
@@ -313,6 +317,42 @@ impl DeviceCollective for Nccl {
         self.ordered(OP, |stream| unsafe {
             self.call(op, (x.send, x.recv), x.count, dtype, stream)
         })
+    }
+
+    fn ring_ready(&self) -> Result<()> {
+        const OP: &str = "context-parallel ring";
+        self.ctx.bind_to_thread().map_err(|e| self.failed(OP, e))?;
+        self.ring
+            .record(&self.compute)
+            .map_err(|e| self.failed(OP, e))
+    }
+
+    fn ring_pass(&self, send: *const f32, recv: *mut f32, n: usize) -> Result<()> {
+        const OP: &str = "context-parallel ring";
+        if self.aborted.load(Ordering::Relaxed) {
+            return Err(self.failed(OP, "the communicator was aborted"));
+        }
+        let (me, size, comm) = (self.rank(), self.size(), self.comm);
+        let (next, prev) = ((me + 1) % size, (me + size - 1) % size);
+        self.ctx.bind_to_thread().map_err(|e| self.failed(OP, e))?;
+        // After the block was written, beside the compute issued since.
+        self.comm_stream
+            .wait(&self.ring)
+            .map_err(|e| self.failed(OP, e))?;
+        let stream = self.comm_stream.cu_stream() as sys::cudaStream_t;
+        // SAFETY: `n` f32 each of this GPU's memory, left alone by the device's work until the
+        // compute stream has waited for the group (the caller's contract).
+        let group = || unsafe {
+            result::group_start()?;
+            result::send(send.cast(), n, F32, next as i32, comm, stream)?;
+            result::recv(recv.cast(), n, F32, prev as i32, comm, stream)?;
+            result::group_end().map(drop)
+        };
+        group().map_err(|e| self.failed(OP, e))?;
+        self.after
+            .record(&self.comm_stream)
+            .map_err(|e| self.failed(OP, e))?;
+        self.compute_waits(OP)
     }
 }
 

@@ -361,6 +361,12 @@ macro_rules! kernel_interface {
                 fn sum_squares_weighted(&self, parts: Weighted<'_, '_, G>) -> f64;
                 /// `dst = round(src)`: parameters from the fp32 master weights.
                 fn round_params(&self, src: View<'_, f32>, dst: ViewMut<'_, S>);
+                /// `dst = src` widened to f32, exactly: activations into an f32 block
+                /// (context parallelism's ring).
+                fn widen(&self, src: View<'_, S>, dst: ViewMut<'_, f32>);
+                /// `dst = src` rounded to the storage type, to nearest even: an f32 block's
+                /// results into activations (the ring's output and gradients).
+                fn narrow(&self, src: View<'_, f32>, dst: ViewMut<'_, S>);
 
                 // ---- loss ----
                 /// How many of `targets` are counted by the loss (those below `vocab`; the

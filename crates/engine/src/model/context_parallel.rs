@@ -40,8 +40,9 @@ use std::rc::Rc;
 pub trait CpComm {
     fn size(&self) -> usize;
     fn rank(&self) -> usize;
-    /// Starts sending (a copy of) `send` to the next rank of the ring (`rank + 1`): `send`
-    /// may be read and written at once.
+    /// Starts sending `send` to the next rank of the ring (`rank + 1`): `send` may be read at
+    /// once, and written once [`CpComm::recv_prev`] has returned (a device ring sends it as it
+    /// lies, a host one a copy).
     fn send_next(&self, send: View<'_, f32>);
     /// Receives the previous rank's block (as long as the last one sent) into `recv`, and
     /// waits for this rank's send to be taken.
@@ -235,14 +236,12 @@ impl Llama {
         let Some(cp) = &self.cp else {
             return k.attention_forward(s, q, kk, v, o, lse);
         };
-        // The ring's blocks are the pool's (the device's on a device); the group stages each
-        // message through its host buffer (threads, MPI; a device ring would be NCCL's).
-        let dev = cp.comm.device();
-        let dev = dev.as_ref();
+        // The ring's blocks are the pool's (the device's on a device), in f32; the group sends
+        // them through its host buffer (threads, MPI) or, on GPUs with NCCL, as they lie.
         let kvl = s.kv_len();
         let mut b = self.ring_bufs(pool, s.b * s.t);
-        convert(dev, kk, b.block.view_mut().slice_mut(..kvl), S::load);
-        convert(dev, v, b.block.view_mut().slice_mut(kvl..2 * kvl), S::load);
+        k.widen(kk, b.block.view_mut().slice_mut(..kvl));
+        k.widen(v, b.block.view_mut().slice_mut(kvl..2 * kvl));
         for step in 0..cp.size {
             let more = step + 1 < cp.size;
             if more {
@@ -256,7 +255,7 @@ impl Llama {
                 std::mem::swap(&mut b.block, &mut b.next);
             }
         }
-        convert(dev, b.acc.view().slice(..s.q_len()), o, S::store);
+        k.narrow(b.acc.view().slice(..s.q_len()), o);
         self.free_ring_bufs(pool, b);
     }
 
@@ -273,14 +272,14 @@ impl Llama {
         let Some(cp) = &self.cp else {
             return k.attention_backward(s, q, kk, v, o, lse, d_o, dq, dk, dv);
         };
-        // Staged as the forward's ring.
+        // Sent as the forward's ring.
         let dev = cp.comm.device();
         let dev = dev.as_ref();
         let kvl = s.kv_len();
         let mut b = self.ring_bufs(pool, s.b * s.t);
         // A block travels as [K | V | dK | dV].
-        convert(dev, kk, b.block.view_mut().slice_mut(..kvl), S::load);
-        convert(dev, v, b.block.view_mut().slice_mut(kvl..2 * kvl), S::load);
+        k.widen(kk, b.block.view_mut().slice_mut(..kvl));
+        k.widen(v, b.block.view_mut().slice_mut(kvl..2 * kvl));
         zero(dev, b.block.view_mut().slice_mut(2 * kvl..4 * kvl));
         zero(dev, b.acc.view_mut().slice_mut(..s.q_len()));
         for step in 0..cp.size {
@@ -307,9 +306,9 @@ impl Llama {
             cp.comm.pass(b.block.view().slice(2 * kvl..4 * kvl), next);
             std::mem::swap(&mut b.block, &mut b.next);
         }
-        convert(dev, b.acc.view().slice(..s.q_len()), dq, S::store);
-        convert(dev, b.block.view().slice(2 * kvl..3 * kvl), dk, S::store);
-        convert(dev, b.block.view().slice(3 * kvl..4 * kvl), dv, S::store);
+        k.narrow(b.acc.view().slice(..s.q_len()), dq);
+        k.narrow(b.block.view().slice(2 * kvl..3 * kvl), dk);
+        k.narrow(b.block.view().slice(3 * kvl..4 * kvl), dv);
         self.free_ring_bufs(pool, b);
     }
 }

@@ -4,14 +4,16 @@
 //!   through the host's buckets;
 //! - **tensor parallelism**: the model's all-reduces, all-gathers and reduce-scatters run on
 //!   the activations where they lie (`ferrotron_dist::device_collective`), instead of through
-//!   the group's host buffer.
+//!   the group's host buffer;
+//! - **context parallelism**: the ring passes each key/value block as it lies, beside the
+//!   attention of the block in hand (the same module).
 //!
 //! Each group takes NCCL on every rank or on none (the choice is agreed over the group's host
 //! communicator first: NCCL's bootstrap is collective).
 //!
 //! `FERROTRON_NCCL` chooses: unset or `auto`, NCCL where it can serve (data parallelism: f32 or
 //! bf16 gradients, no ZeRO, expert parallelism or offload; tensor parallelism: f32 or bf16
-//! activations; both: one rank per GPU, the library present); `1`, NCCL or a refusal naming
+//! activations; all: one rank per GPU, the library present); `1`, NCCL or a refusal naming
 //! what stands in the way (also where ranks share a GPU: the CUDA emulator's libnccl takes
 //! them, NCCL itself refuses); `0`, the host's buffers.
 
@@ -20,25 +22,9 @@ use crate::device::Machine;
 use anyhow::{bail, Result};
 use ferrotron_dist::data_parallel::DataParallel;
 use ferrotron_dist::group::Group;
-use ferrotron_dist::{AsViewMut, Communicator};
+use ferrotron_dist::{AsViewMut, Communicator, Dim};
 use ferrotron_engine::kernels::Backend;
 use ferrotron_plan::{DType, Offload};
-
-/// The group NCCL would serve.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum For {
-    DataParallel,
-    TensorParallel,
-}
-
-impl For {
-    fn name(self) -> &'static str {
-        match self {
-            For::DataParallel => "data parallel",
-            For::TensorParallel => "tensor parallel",
-        }
-    }
-}
 
 /// `FERROTRON_NCCL`'s choice.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,7 +41,18 @@ fn want() -> Result<Want> {
         Err(_) | Ok("auto") => Ok(Want::Auto),
         Ok("1") => Ok(Want::Required),
         Ok("0") => Ok(Want::Never),
-        Ok(other) => bail!("{ENV} = `{other}`: use auto (NCCL where it can serve), 1 (NCCL or a refusal) or 0 (the host's buckets)"),
+        Ok(other) => bail!("{ENV} = `{other}`: use auto (NCCL where it can serve), 1 (NCCL or a refusal) or 0 (the host's buffers)"),
+    }
+}
+
+/// The name of dimension `d`'s group in a line.
+fn name(d: Dim) -> &'static str {
+    match d {
+        Dim::Dp => "data parallel",
+        Dim::Tp => "tensor parallel",
+        Dim::Cp => "context parallel",
+        Dim::Ep => "expert parallel",
+        Dim::Pp => "pipeline parallel",
     }
 }
 
@@ -65,16 +62,16 @@ fn obstacle(
     machine: &Machine,
     want: Want,
     nccl: bool,
-    group: For,
+    group: Dim,
 ) -> Option<String> {
     let p = &cfg.parallel;
-    let dp = group == For::DataParallel;
+    let dp = group == Dim::Dp;
     let kind = cfg.precision.kind;
     Some(match () {
         _ if dp && kind.engine_grads() == DType::F16 => {
             "precision = fp16: fp16 gradients (and their loss scale's overflow check) are summed through the host's buckets; use bf16 or fp32".into()
         }
-        _ if !dp && kind.storage() == DType::F16 => {
+        _ if group == Dim::Tp && kind.storage() == DType::F16 => {
             "precision = fp16: fp16 activations are summed through the group's host buffer; use bf16 or fp32".into()
         }
         _ if dp && p.zero > 0 => format!("zero = {}: ZeRO's sharded sums go through the host's buckets", p.zero),
@@ -95,7 +92,7 @@ fn agree(
     comm: &dyn Communicator,
     cfg: &TrainConfig,
     machine: &Machine,
-    group: For,
+    group: Dim,
 ) -> Result<bool> {
     let want = want()?;
     if want == Want::Never || comm.size() < 2 {
@@ -104,7 +101,7 @@ fn agree(
     let why = obstacle(cfg, machine, want, nccl_present(), group);
     // Every rank's answer: NCCL's bootstrap needs all of them.
     let mut ready = [f32::from(why.is_none())];
-    let name = group.name();
+    let name = name(group);
     comm.all_reduce_sum(ready.view_mut())
         .map_err(|e| anyhow::anyhow!("{name}: agreeing on NCCL: {e}"))?;
     let all = ready[0] as usize == comm.size();
@@ -129,32 +126,38 @@ pub fn reduce_on_gpus(
     let Some(ctx) = gpu_context(backend) else {
         return Ok(false);
     };
-    if !agree(dp.group().comm.as_ref(), cfg, machine, For::DataParallel)? {
+    if !agree(dp.group().comm.as_ref(), cfg, machine, Dim::Dp)? {
         return Ok(false);
     }
     #[cfg(feature = "cuda")]
-    dp.reduce_in_place(Box::new(over(dp.group(), ctx, For::DataParallel)?))?;
+    dp.reduce_in_place(Box::new(over(dp.group(), ctx, Dim::Dp)?))?;
     #[cfg(not(feature = "cuda"))]
     no_cuda(ctx)?;
     Ok(true)
 }
 
-/// Hands the tensor-parallel group's collectives to NCCL on this rank's GPU when every rank
-/// of the group can; `true` when it did. A collective over the group.
+/// Hands a model group's exchanges (`tp`: tensor parallelism's collectives, else context
+/// parallelism's ring) to NCCL on this rank's GPU when every rank of the group can; `true`
+/// when it did. A collective over the group.
 pub fn collectives_on_gpus(
     backend: &Backend,
     cfg: &TrainConfig,
     machine: &Machine,
-    tp: &Group,
+    group: &Group,
+    tp: bool,
 ) -> Result<bool> {
     let Some(ctx) = gpu_context(backend) else {
         return Ok(false);
     };
-    if !agree(tp.comm.as_ref(), cfg, machine, For::TensorParallel)? {
+    let what = match tp {
+        true => Dim::Tp,
+        false => Dim::Cp,
+    };
+    if !agree(group.comm.as_ref(), cfg, machine, what)? {
         return Ok(false);
     }
     #[cfg(feature = "cuda")]
-    tp.collectives_on_device(Box::new(over(tp, ctx, For::TensorParallel)?));
+    group.collectives_on_device(Box::new(over(group, ctx, what)?));
     #[cfg(not(feature = "cuda"))]
     no_cuda(ctx)?;
     Ok(true)
@@ -184,8 +187,8 @@ fn nccl_present() -> bool {
 
 /// NCCL over `group`'s ranks, bootstrapped over a copy of its host communicator.
 #[cfg(feature = "cuda")]
-fn over(group: &Group, ctx: Context, what: For) -> Result<ferrotron_dist::nccl::Nccl> {
-    let name = what.name();
+fn over(group: &Group, ctx: Context, what: Dim) -> Result<ferrotron_dist::nccl::Nccl> {
+    let name = name(what);
     let all: Vec<usize> = (0..group.size()).collect();
     let host = (group.comm.split_group(&all))
         .map_err(|e| anyhow::anyhow!("{name}: a group for NCCL's bootstrap: {e}"))?;
@@ -217,7 +220,7 @@ mod tests {
     fn each_obstacle_to_nccl_is_named() {
         let mut cfg = crate::config::TrainArgs::default().resolve().unwrap();
         cfg.precision.kind = Precision::Fp32;
-        let dp = For::DataParallel;
+        let dp = Dim::Dp;
         assert_eq!(obstacle(&cfg, &machine(1), Want::Auto, true, dp), None);
         let one = |cfg: &TrainConfig, share, want, nccl| {
             obstacle(cfg, &machine(share), want, nccl, dp).expect("an obstacle")
@@ -236,7 +239,7 @@ mod tests {
         cfg.parallel.zero = 1;
         assert!(one(&cfg, 1, Want::Auto, true).starts_with("zero = 1"));
         // Tensor parallelism's collectives take any of these but fp16 activations.
-        let tp = For::TensorParallel;
+        let tp = Dim::Tp;
         assert_eq!(obstacle(&cfg, &machine(1), Want::Auto, true, tp), None);
         cfg.precision.kind = Precision::Fp16;
         assert!(one(&cfg, 1, Want::Auto, true).starts_with("precision = fp16: fp16 gradients"));

@@ -128,8 +128,8 @@ impl Trainer {
         r
     }
 
-    /// Data parallelism's gradient sum and tensor parallelism's collectives through NCCL on
-    /// each rank's GPU, where every rank of the group can (`device::nccl`), each said once on
+    /// Data parallelism's gradient sum, tensor parallelism's collectives and context
+    /// parallelism's ring through NCCL on each rank's GPU, where every rank of the group can (`device::nccl`), each said once on
     /// stderr by the group's first rank.
     pub(super) fn nccl_groups(&mut self, machine: &crate::device::Machine) -> Result<()> {
         use crate::device::nccl;
@@ -144,12 +144,18 @@ impl Trainer {
             }
         }
         if let Some(tp) = self.mesh.group(Dim::Tp).cloned() {
-            if nccl::collectives_on_gpus(backend, &self.cfg, machine, &tp)? {
+            if nccl::collectives_on_gpus(backend, &self.cfg, machine, &tp, true)? {
                 if tp.rank() == 0 {
                     eprintln!("tensor parallel: the activations' collectives run on each rank's GPU by NCCL");
                 }
                 let width = self.cfg.precision.kind.storage().bytes();
                 self.mesh.sums_in(Dim::Tp, width);
+            }
+        }
+        if let Some(cp) = self.mesh.group(Dim::Cp).cloned() {
+            let on = nccl::collectives_on_gpus(backend, &self.cfg, machine, &cp, false)?;
+            if on && cp.rank() == 0 {
+                eprintln!("context parallel: the ring's blocks pass between the ranks' GPUs by NCCL, beside the attention");
             }
         }
         Ok(())

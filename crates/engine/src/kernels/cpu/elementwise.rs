@@ -77,6 +77,13 @@ pub fn sum_squares<G: Elem>(x: &[G]) -> f64 {
 }
 
 /// `dst = round(src)`.
+pub fn widen_into<S: Elem>(src: &[S], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len(), "cast lens");
+    dst.par_chunks_mut(CHUNK)
+        .zip(src.par_chunks(CHUNK))
+        .for_each(|(d, s)| S::load(s, d));
+}
+
 pub fn round_into<S: Elem>(src: &[f32], dst: &mut [S]) {
     assert_eq!(src.len(), dst.len(), "cast lens");
     dst.par_chunks_mut(CHUNK)

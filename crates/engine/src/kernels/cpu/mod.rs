@@ -518,6 +518,12 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CpuKernels {
     fn round_params(&self, src: View<'_, f32>, dst: ViewMut<'_, S>) {
         elementwise::round_into(src.host(), dst.host_mut())
     }
+    fn widen(&self, src: View<'_, S>, dst: ViewMut<'_, f32>) {
+        elementwise::widen_into(src.host(), dst.host_mut())
+    }
+    fn narrow(&self, src: View<'_, f32>, dst: ViewMut<'_, S>) {
+        elementwise::round_into(src.host(), dst.host_mut())
+    }
     fn count_targets(&self, targets: View<'_, u32>, vocab: usize) -> usize {
         targets
             .host()

@@ -1192,6 +1192,21 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         }
     }
 
+    fn widen(&self, src: View<'_, S>, mut dst: ViewMut<'_, f32>) {
+        assert_eq!(src.len(), dst.len(), "widen lens");
+        let n = dst.len() as u64;
+        let (s, d) = (dev(&src, "widen"), dev_mut(&mut dst, "widen"));
+        launch!(self, name::<S>("widen"), elementwise(n); s, d, n);
+    }
+
+    /// The rounding of `round_params`.
+    fn narrow(&self, src: View<'_, f32>, mut dst: ViewMut<'_, S>) {
+        assert_eq!(src.len(), dst.len(), "narrow lens");
+        let n = dst.len() as u64;
+        let (s, d) = (dev(&src, "narrow"), dev_mut(&mut dst, "narrow"));
+        launch!(self, name::<S>("round_params"), elementwise(n); s, d, n);
+    }
+
     fn round_params(&self, src: View<'_, f32>, mut dst: ViewMut<'_, S>) {
         let n = dst.len() as u64;
         let (s, d) = (dev(&src, "round_params"), dev_mut(&mut dst, "round_params"));

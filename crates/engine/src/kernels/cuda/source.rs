@@ -46,6 +46,7 @@ pub fn entry_points() -> Vec<String> {
         "add_inplace",
         "scale",
         "round_params",
+        "widen",
         "sum_squares",
         "sum_squares_add",
         "rmsnorm_forward",

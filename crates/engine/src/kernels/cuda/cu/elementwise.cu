@@ -18,6 +18,10 @@ template <typename E>
 __device__ void round_params_impl(const float* src, typename E::T* dst, u64 n) {
     FOR_EACH(i, n) PUT(E, dst, i, src[i]);
 }
+template <typename E>
+__device__ void widen_impl(const typename E::T* src, float* dst, u64 n) {
+    FOR_EACH(i, n) dst[i] = GET(E, src, i);
+}
 
 // Σ x² of each block's part, times `w`, into `partial[blockIdx.x]` (f64), or with `add` added
 // to it (a weighted norm over many tensors, `sum_squares_weighted`, read back once); the host
@@ -64,6 +68,7 @@ __device__ void sum_squares_impl(const typename E::T* x, u64 n, double* partial,
     extern "C" __global__ void round_params_##sfx(const float* src, E::T* dst, u64 n) {             \
         round_params_impl<E>(src, dst, n);                                                          \
     }                                                                                               \
+    extern "C" __global__ void widen_##sfx(const E::T* src, float* dst, u64 n) { widen_impl<E>(src, dst, n); } \
     extern "C" __global__ void sum_squares_##sfx(const E::T* x, u64 n, double* partial) {           \
         sum_squares_impl<E>(x, n, partial, 1.0, 0);                                                 \
     }                                                                                               \
