@@ -14,8 +14,8 @@
 #   - a plan over --device-memory refused with its fixes, then trained with --offload
 #     optimizer and --offload params under that budget, against the CPU and the driver;
 #   - dp 2, tp 2, pp 2, ZeRO-3 and cp 2 on the one GPU against one rank (cuda_ranks.py), and
-#     ep 2 of the mixture of experts; dp 2, tp 2 (with sp, bf16) and cp 2 (with tp 2) through
-#     the emulator's libnccl;
+#     ep 2 of the mixture of experts; dp 2 (with ZeRO-1), tp 2 (with sp, bf16) and cp 2 (with
+#     tp 2) through the emulator's libnccl;
 #   - the NCCL communicator at 1 to 3 ranks on the emulator's libnccl.
 # What it cannot show (PTX and the hardware's rounding of expf, speed, the GPU's memory model,
 # real NCCL and its streams) stays the GPU kit's: bash scripts/cuda_check.sh bundle, then target/cuda-check/run.sh.
@@ -208,6 +208,13 @@ grep -q "^data parallel: gradients summed in place by NCCL" "$work/run.log" || {
 }
 python3 scripts/cuda_ranks.py "$work/ranks-one/metrics.jsonl" "nccl-dp2=$work/ranks-nccl/metrics.jsonl"
 python3 scripts/cuda_ops.py "nccl dp2" "$work/ranks-nccl/metrics.jsonl" --max-syncs 6
+# ZeRO-1 through NCCL: each segment's gradients summed into its owner's copy, the updated
+# weights broadcast from the owners, in place on the device (4.5 host syncs a step where the
+# host's buckets take 66): against one rank.
+LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_NCCL=1 run "$bin" train --device cuda "${tiny[@]}" \
+    "${ranks[@]}" --dp 2 --zero 1 --grad-acc 1 --out-dir "$work/ranks-nccl-zero1"
+python3 scripts/cuda_ranks.py "$work/ranks-one/metrics.jsonl" "nccl-zero1=$work/ranks-nccl-zero1/metrics.jsonl"
+python3 scripts/cuda_ops.py "nccl zero1" "$work/ranks-nccl-zero1/metrics.jsonl" --max-syncs 7
 # Beside tensor parallelism (both groups on NCCL: the data-parallel sum, the model's collectives).
 LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_NCCL=1 run "$bin" train --device cuda "${tiny[@]}" \
     "${ranks[@]}" --tp 2 --dp 2 --grad-acc 1 --out-dir "$work/ranks-nccl-tp"

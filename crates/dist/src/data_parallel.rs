@@ -36,6 +36,7 @@ use ferrotron_engine::Elem;
 use ferrotron_plan::comm::{bytes_per_rank, Collective};
 use ferrotron_plan::dp_layout::BucketLayout;
 pub use ferrotron_plan::dp_layout::{Piece, Segment, Shard};
+use ferrotron_plan::DType;
 use std::cell::{RefCell, RefMut};
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -174,6 +175,8 @@ pub struct DataParallel {
     /// On GPUs with NCCL: the gradients summed in place on the device instead
     /// (`device_reduce.rs`), the buckets unused.
     in_place: Option<Box<dyn DeviceReduce>>,
+    /// ZeRO-1 on NCCL: every rank's segments (parameters, owner), by their start.
+    owners: Vec<(Range<usize>, usize)>,
 }
 
 impl DataParallel {
@@ -283,6 +286,7 @@ impl DataParallel {
             experts: None,
             device: None,
             in_place: None,
+            owners: Vec::new(),
         })
     }
 
@@ -340,14 +344,64 @@ impl DataParallel {
     }
 
     /// The gradients (f32 or bf16, on a GPU of this rank's own) are summed in place by `reduce`
-    /// (NCCL over the same ranks) instead of through the host's buckets; refused under ZeRO
-    /// and expert parallelism, whose reductions shard.
+    /// (NCCL over the same ranks) instead of through the host's buckets: all of them, or under
+    /// ZeRO-1 each segment into its owner's copy (and the updated weights gathered from the
+    /// owners, [`DataParallel::gather_in_place`]); refused under ZeRO-2 and 3 and expert
+    /// parallelism.
     pub fn reduce_in_place(&mut self, reduce: Box<dyn DeviceReduce>) -> Result<()> {
-        if self.shard.is_some() || self.per_unit || self.experts.is_some() {
-            bail!("internal: the in-place device sum is plain data parallelism's (no ZeRO, no expert parallelism)");
+        if self.per_unit || self.experts.is_some() {
+            bail!("internal: the in-place device sum is plain data parallelism's or ZeRO-1's (no ZeRO-3, no expert parallelism)");
+        }
+        if self.shard.is_some() {
+            let ranks = self.group.size();
+            self.owners = (0..ranks)
+                .flat_map(|r| {
+                    let s = Shard::new(&self.layout, r, ranks);
+                    s.segments.into_iter().map(move |g| (g.params, r))
+                })
+                .filter(|(p, _)| !p.is_empty())
+                .collect();
+            self.owners.sort_by_key(|(p, _)| p.start);
         }
         self.in_place = Some(reduce);
         Ok(())
+    }
+
+    /// ZeRO-1 on NCCL: every rank's weights `params` of each segment become its owner's, in
+    /// place on the device, before the next forward (the host does not wait); `false` where
+    /// the host's all-gather serves instead ([`DataParallel::gather_updated`]).
+    pub fn gather_in_place<S: Elem>(
+        &mut self,
+        mut params: ferrotron_engine::kernels::ViewMut<'_, S>,
+    ) -> Result<bool> {
+        if self.owners.is_empty() {
+            return Ok(false);
+        }
+        let Some(reduce) = self.in_place.as_mut() else {
+            return Ok(false);
+        };
+        let (p, width) = (self.group.size() as u64, S::DTYPE.bytes() as f64);
+        let bytes = width * params.len() as f64;
+        self.group
+            .sent(bytes_per_rank(Collective::AllGather, bytes, p));
+        let base = params.as_mut_ptr();
+        let memory = params.memory();
+        let mut parts = self.owners.iter().filter_map(|(r, owner)| {
+            // SAFETY: each segment lies inside `params`, borrowed for the call; segments do
+            // not overlap.
+            let v = unsafe {
+                ferrotron_engine::kernels::ViewMut::from_raw_parts(
+                    std::ptr::NonNull::new(base.add(r.start)).expect("never null"),
+                    r.len(),
+                    memory,
+                )
+            };
+            grads_of(v).map(|g| (g, *owner))
+        });
+        reduce
+            .broadcast_owned(&mut parts)
+            .map_err(|e| anyhow!("ZeRO-1 weights' gather: {e}"))?;
+        Ok(true)
     }
 
     /// The copies to and from the device the gradients live on (`None`: the host).
@@ -465,8 +519,11 @@ impl DataParallel {
     }
 
     /// Starts the in-place sum of gradients `range` on the device; the bytes are its
-    /// all-reduce's, in the gradients' type.
+    /// all-reduce's (ZeRO-1: its reduce-scatter's), in the gradients' type.
     fn add_in_place<G: Elem>(&mut self, sums: &mut Sums<G>, range: Range<usize>) {
+        if !self.owners.is_empty() {
+            return self.add_owned(sums, range);
+        }
         let Some(reduce) = self.in_place.as_mut() else {
             return;
         };
@@ -480,6 +537,45 @@ impl DataParallel {
         self.group
             .sent(bytes_per_rank(Collective::AllReduce, bytes, p));
         match reduce.start(grads) {
+            Ok(()) => self.reduced += range.len(),
+            Err(e) => self.group.fail(FAILED, e),
+        }
+    }
+
+    /// ZeRO-1 on NCCL: starts summing each segment of gradients `range` into its owner's copy.
+    fn add_owned<G: Elem>(&mut self, sums: &mut Sums<G>, range: Range<usize>) {
+        if sums.shard.is_some() || !matches!(G::DTYPE, DType::F32 | DType::Bf16) {
+            let e = "the in-place device sum takes ZeRO-1's f32 or bf16 gradients".to_string();
+            self.group.fail(FAILED, e);
+            return;
+        }
+        let (p, width) = (self.group.size() as u64, G::DTYPE.bytes() as f64);
+        let bytes = width * range.len() as f64;
+        self.group
+            .sent(bytes_per_rank(Collective::ReduceScatter, bytes, p));
+        let mut g = sums.grads.slice_mut(range.clone());
+        let (base, memory) = (g.as_mut_ptr(), g.memory());
+        // The owners' segments inside `range`.
+        let first = self.owners.partition_point(|(p, _)| p.start < range.start);
+        let owned = self.owners[first..]
+            .iter()
+            .take_while(|(p, _)| p.end <= range.end);
+        let mut parts = owned.filter_map(|(r, owner)| {
+            // SAFETY: each segment lies inside `range`, whose view is borrowed for the call;
+            // segments do not overlap.
+            let v = unsafe {
+                ferrotron_engine::kernels::ViewMut::from_raw_parts(
+                    std::ptr::NonNull::new(base.add(r.start - range.start)).expect("never null"),
+                    r.len(),
+                    memory,
+                )
+            };
+            grads_of::<G>(v).map(|g| (g, *owner))
+        });
+        let Some(reduce) = self.in_place.as_mut() else {
+            return;
+        };
+        match reduce.start_owned(&mut parts) {
             Ok(()) => self.reduced += range.len(),
             Err(e) => self.group.fail(FAILED, e),
         }

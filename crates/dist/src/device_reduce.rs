@@ -10,17 +10,23 @@
 //! bf16 gradients are summed by NCCL in bf16: each addition in f32, rounded to bf16 (NCCL's
 //! reduction). At two ranks that is the host path's bits (one addition, rounded once); at p
 //! ranks a ring rounds up to p − 1 times, as PyTorch DDP's bf16 all-reduce does, where the
-//! host-staged buckets add in f32 and round once. Under ZeRO (reduce-scatters into shards),
-//! expert parallelism, offload, or with fp16 gradients, the host-staged buckets of
-//! `data_parallel.rs` stay.
+//! host-staged buckets add in f32 and round once.
+//!
+//! **ZeRO-1** (Rajbhandari et al. 2020, §5.1): each part of a gradient range is summed into its
+//! owner's copy only (one NCCL reduce per owner's segment, the range's in one NCCL group: a
+//! reduce-scatter's volume, in place, in the gradients' type), and after the update every
+//! rank's weights of each segment become its owner's (one broadcast per segment, in place: an
+//! all-gather's volume), ordered before the next forward. Under ZeRO-2 and 3 (whose gradients
+//! live in windows reused layer by layer), expert parallelism, offload, or with fp16
+//! gradients, the host-staged buckets of `data_parallel.rs` stay.
 
 use crate::communicator::{Memory, Result, ViewMut};
 use ferrotron_engine::Elem;
 use ferrotron_plan::DType;
 use std::marker::PhantomData;
 
-/// Gradients on a device, of a type the in-place sum takes (f32 or bf16), borrowed as the view
-/// they came from ([`grads_of`]).
+/// Gradients (or ZeRO-1's weights) on a device, of a type the in-place sum takes (f32 or bf16),
+/// borrowed as the view they came from ([`grads_of`]).
 pub struct Grads<'a> {
     ptr: *mut u8,
     len: usize,
@@ -46,8 +52,19 @@ pub trait DeviceReduce {
     /// Starts summing `grads` (this rank's device memory) over the group, in place, after the
     /// device's work issued so far; the host does not wait.
     fn start(&mut self, grads: Grads<'_>) -> Result<()>;
+    /// Starts summing each of `parts` over the group into the copy of its owner (the rank
+    /// paired with it), in place, as one group, after the device's work issued so far; the
+    /// host does not wait. Every rank gives the same parts in the same order.
+    fn start_owned(&mut self, parts: &mut dyn Iterator<Item = (Grads<'_>, usize)>) -> Result<()>;
     /// The compute stream's next work runs after every sum started; the host does not wait.
     fn land(&mut self) -> Result<()>;
+    /// Every rank's copy of each of `parts` becomes its owner's, in place, as one group, after
+    /// the device's work issued so far and before the work issued next; the host does not
+    /// wait.
+    fn broadcast_owned(
+        &mut self,
+        parts: &mut dyn Iterator<Item = (Grads<'_>, usize)>,
+    ) -> Result<()>;
 }
 
 /// `v` as gradients the in-place sum takes (f32 or bf16), else `None`.

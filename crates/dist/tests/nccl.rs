@@ -9,6 +9,7 @@
 #![cfg(feature = "cuda")]
 
 use ferrotron_dist::device_collective::DeviceCollective;
+use ferrotron_dist::device_reduce::{grads_of, DeviceReduce};
 use ferrotron_dist::nccl::{self, Nccl};
 use ferrotron_dist::threads::{world, ThreadComm};
 use ferrotron_dist::{AsView, AsViewMut, Communicator};
@@ -372,6 +373,58 @@ fn ring_pass(dc: &dyn DeviceCollective, ctx: &Arc<CudaContext>, me: usize, size:
     }
 }
 
+/// ZeRO-1's sums into each segment's owner and broadcasts from it (`DeviceReduce::start_owned`,
+/// `broadcast_owned`), in place: after the sums the owner holds the rank-order sum of its
+/// segments and every other rank its own values; after the broadcasts every rank holds the
+/// owners' sums everywhere.
+fn zero1_owned<T: Bits>(dr: &mut dyn DeviceReduce, ctx: &Arc<CudaContext>, me: usize, size: usize) {
+    let n = 40;
+    let segments = [(0..10, 0), (10..13, size - 1), (13..40, 1 % size)];
+    let mine = typed::<T>(n, me);
+    let sum = summed::<T>(n, size);
+    let mut b = upload(ctx, &mine).expect("upload");
+    let parts = |b: &mut DeviceBlock| {
+        let mut whole = b.view_mut::<T>(n);
+        let (base, memory) = (whole.as_mut_ptr(), whole.memory());
+        segments.clone().map(|(r, owner)| {
+            // SAFETY: disjoint segments of the block, which outlives the call.
+            let v = unsafe {
+                ferrotron_dist::ViewMut::from_raw_parts(
+                    std::ptr::NonNull::new(base.add(r.start)).unwrap(),
+                    r.len(),
+                    memory,
+                )
+            };
+            (grads_of(v).expect("f32 or bf16"), owner)
+        })
+    };
+    dr.start_owned(&mut parts(&mut b).into_iter())
+        .expect("start_owned");
+    dr.land().expect("land");
+    let got: Vec<T> = download(b.view::<T>(n));
+    for (r, owner) in segments.clone() {
+        let want = if owner == me {
+            &sum[r.clone()]
+        } else {
+            &mine[r.clone()]
+        };
+        let bits = |v: &[T]| v.iter().map(|x| x.bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&got[r.clone()]),
+            bits(want),
+            "rank {me} of {size}: sums of {r:?} (owner {owner})"
+        );
+    }
+    dr.broadcast_owned(&mut parts(&mut b).into_iter())
+        .expect("broadcast_owned");
+    let got: Vec<u32> = download(b.view::<T>(n)).iter().map(|x| x.bits()).collect();
+    let want: Vec<u32> = sum.iter().map(|x| x.bits()).collect();
+    assert_eq!(
+        got, want,
+        "rank {me} of {size}: every segment its owner's after the broadcasts"
+    );
+}
+
 /// The tensor-parallel collectives where the activations lie, f32 and bf16, in their own type,
 /// and context parallelism's ring: at world size 1 on a GPU (NCCL itself), and at 2 and 3
 /// ranks (threads) on the emulator.
@@ -392,6 +445,9 @@ fn model_group_exchanges_run_where_the_tensors_lie_in_their_type() {
                     tp_collectives::<f32>(&n, &ctx, me, size);
                     tp_collectives::<bf16>(&n, &ctx, me, size);
                     ring_pass(&n, &ctx, me, size);
+                    let mut n = n;
+                    zero1_owned::<f32>(&mut n, &ctx, me, size);
+                    zero1_owned::<bf16>(&mut n, &ctx, me, size);
                 });
             }
         });

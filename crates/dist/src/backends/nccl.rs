@@ -285,8 +285,76 @@ impl DeviceReduce for Nccl {
         })
     }
 
+    fn start_owned(&mut self, parts: &mut dyn Iterator<Item = (Grads<'_>, usize)>) -> Result<()> {
+        self.owned(true, parts)
+    }
+
     fn land(&mut self) -> Result<()> {
         self.compute_waits("data-parallel gradient sum")
+    }
+
+    fn broadcast_owned(
+        &mut self,
+        parts: &mut dyn Iterator<Item = (Grads<'_>, usize)>,
+    ) -> Result<()> {
+        self.owned(false, parts)?;
+        self.compute_waits("ZeRO-1 weights' gather")
+    }
+}
+
+impl Nccl {
+    /// ZeRO-1's segments, each with its owner, as one NCCL group on the communication stream
+    /// behind the compute stream's work so far: with `sum`, each reduced into its owner's
+    /// copy, else each broadcast from its owner; in place.
+    fn owned(&self, sum: bool, parts: &mut dyn Iterator<Item = (Grads<'_>, usize)>) -> Result<()> {
+        let op = if sum {
+            "ZeRO-1 gradient sum"
+        } else {
+            "ZeRO-1 weights' gather"
+        };
+        let (size, comm) = (self.size(), self.comm);
+        let mut bad = None;
+        self.behind_compute(op, |stream| {
+            result::group_start()?;
+            for (mut g, root) in parts {
+                let (p, n, mem) = g.raw();
+                let checked = self.check(mem, op).and_then(|()| match nccl_type(g.dtype) {
+                    Some(t) if root < size => Ok(t),
+                    _ => Err(self.usage(
+                        op,
+                        format!("{:?} elements owned by rank {root} of {size}", g.dtype),
+                    )),
+                });
+                let dtype = match checked {
+                    Ok(t) => t,
+                    Err(e) => {
+                        bad.get_or_insert(e);
+                        continue;
+                    }
+                };
+                let (s, r) = (p.cast_const().cast(), p.cast());
+                // SAFETY: `n` elements of `dtype` of this GPU's memory, left alone by the
+                // device's work until the compute stream waits for the group (`land`, or the
+                // broadcast's own wait).
+                unsafe {
+                    match sum {
+                        true => result::reduce(
+                            s,
+                            r,
+                            n,
+                            dtype,
+                            sys::ncclRedOp_t::ncclSum,
+                            root as i32,
+                            comm,
+                            stream,
+                        )?,
+                        false => result::broadcast(s, r, n, dtype, root as i32, comm, stream)?,
+                    };
+                }
+            }
+            result::group_end().map(drop)
+        })?;
+        bad.map_or(Ok(()), Err)
     }
 }
 

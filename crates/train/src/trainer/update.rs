@@ -100,12 +100,14 @@ impl Trainer {
         // The ranks that updated only their blocks gather the others' (ZeRO-1 and 2).
         if let Some(dp) = dp {
             let mut dp = dp.borrow_mut();
-            let dev = dp.device_copy().cloned();
-            let params = params.rb();
-            dp.gather_updated(&mut ViewGather {
-                params,
-                dev: dev.as_ref(),
-            })?;
+            // On GPUs with NCCL, in place from each segment's owner; else through the host.
+            if !dp.gather_in_place(params.rb())? {
+                let dev = dp.device_copy().cloned();
+                dp.gather_updated(&mut ViewGather {
+                    params: params.rb(),
+                    dev: dev.as_ref(),
+                })?;
+            }
         }
         self.kernels.phase("optimizer", to, step, 0);
         self.pool.sample(step, Point::Optimizer);
