@@ -349,8 +349,12 @@ impl DataParallel {
     /// owners, [`DataParallel::gather_in_place`]); refused under ZeRO-2 and 3 and expert
     /// parallelism.
     pub fn reduce_in_place(&mut self, reduce: Box<dyn DeviceReduce>) -> Result<()> {
-        if self.per_unit || self.experts.is_some() {
-            bail!("internal: the in-place device sum is plain data parallelism's or ZeRO-1's (no ZeRO-3, no expert parallelism)");
+        // Under expert parallelism the dense gradients are summed in place; the routed
+        // experts' only where no other rank holds them (no replicas to sum over).
+        let replicated_experts = self.experts.as_ref().is_some_and(|x| x.inner.is_some());
+        let sharded_experts = self.experts.is_some() && self.shard.is_some();
+        if self.per_unit || replicated_experts || sharded_experts {
+            bail!("internal: the in-place device sum is plain data parallelism's or ZeRO-1's (no ZeRO-3, no experts' replicas, no ZeRO under expert parallelism)");
         }
         if self.shard.is_some() {
             let ranks = self.group.size();

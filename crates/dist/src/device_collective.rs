@@ -10,6 +10,9 @@
 //!   the previous rank's into the next buffer, as one NCCL group of a send and a receive, which
 //!   starts as soon as the block is ready and runs beside the attention of the block in hand
 //!   (Liu et al. 2023's overlap), the compute stream waiting for it only before the next step.
+//! - Expert parallelism: the routed rows' all-to-all (dispatch and combine, forward and
+//!   backward) between the f32 blocks where they lie, as one NCCL group of sends and receives;
+//!   the row counts, which the host knows from the routing, still go through the host.
 //!
 //! f32 activations are summed in f32, as the host-staged buffer sums them: the same bits.
 //! bf16 activations are summed by NCCL in bf16: each addition in f32 rounded to bf16, which at
@@ -17,7 +20,7 @@
 //! Megatron-LM's bf16 all-reduces round), where the staged path adds in f32 and rounds once.
 //! Other types (fp16's activations) are staged as before.
 
-use crate::communicator::Result;
+use crate::communicator::{Result, View, ViewMut};
 use ferrotron_engine::model::tensor_parallel::TpOp;
 use ferrotron_engine::model::DeviceOperands;
 use ferrotron_plan::DType;
@@ -37,4 +40,14 @@ pub trait DeviceCollective {
     /// compute stream's next work after both. Neither is touched by the device's work between
     /// `ring_ready` and the next work issued.
     fn ring_pass(&self, send: *const f32, recv: *mut f32, n: usize) -> Result<()>;
+    /// Expert parallelism's exchange: `send`'s blocks of `send_counts` elements to each rank,
+    /// each rank's block of `recv_counts` into `recv`, rank order, in the compute stream's
+    /// order (the host does not wait).
+    fn all_to_all_v(
+        &self,
+        send: View<'_, f32>,
+        send_counts: &[usize],
+        recv: ViewMut<'_, f32>,
+        recv_counts: &[usize],
+    ) -> Result<()>;
 }

@@ -3,7 +3,8 @@
 //! `all_to_all_v` through the plan's `comm.ep.message` (one block in flight at a time), its
 //! bytes counted, and a failure recorded and reported after the pass
 //! ([`Group::check`]). On a device the blocks are views of its memory (the engine's
-//! `comm.ep.send` / `comm.ep.recv`), staged through the same message buffer ([`staged`]).
+//! `comm.ep.send` / `comm.ep.recv`), staged through the same message buffer ([`staged`]), or on
+//! GPUs with NCCL exchanged where they lie (`device_collective.rs`).
 
 use crate::group::Group;
 use crate::{AsView, AsViewMut, CommError, Communicator};
@@ -25,16 +26,20 @@ impl EpComm for Group {
         if self.failed() {
             return;
         }
-        let mut message = self.buffer();
         let on_device = send.memory() != Memory::Host || recv.memory() != Memory::Host;
-        let done = match self.device_copy().filter(|_| on_device) {
-            Some(dev) => {
-                let cap = message.capacity();
-                message.set_len(cap);
-                let m = message.as_view_mut().host_mut();
-                staged(self.comm.as_ref(), &dev, m, (send, sc), (recv, rc))
-            }
-            None => self.comm.all_to_all_v(send, sc, recv, rc, &mut message),
+        let nccl = self.device_collectives();
+        let mut message = self.buffer();
+        let done = match (nccl.as_ref().filter(|_| on_device), self.device_copy()) {
+            (Some(dc), _) => dc.all_to_all_v(send, sc, recv, rc),
+            (None, dev) => match dev.filter(|_| on_device) {
+                Some(dev) => {
+                    let cap = message.capacity();
+                    message.set_len(cap);
+                    let m = message.as_view_mut().host_mut();
+                    staged(self.comm.as_ref(), &dev, m, (send, sc), (recv, rc))
+                }
+                None => self.comm.all_to_all_v(send, sc, recv, rc, &mut message),
+            },
         };
         match done {
             Ok(()) => {

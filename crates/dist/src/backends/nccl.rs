@@ -387,6 +387,18 @@ impl DeviceCollective for Nccl {
         })
     }
 
+    fn all_to_all_v(
+        &self,
+        send: View<'_, f32>,
+        send_counts: &[usize],
+        recv: ViewMut<'_, f32>,
+        recv_counts: &[usize],
+    ) -> Result<()> {
+        // The communicator's own (one group of sends and receives); no host message buffer.
+        let mut none = Region::default();
+        Communicator::all_to_all_v(self, send, send_counts, recv, recv_counts, &mut none)
+    }
+
     fn ring_ready(&self) -> Result<()> {
         const OP: &str = "context-parallel ring";
         self.ctx.bind_to_thread().map_err(|e| self.failed(OP, e))?;

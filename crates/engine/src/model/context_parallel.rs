@@ -28,7 +28,7 @@
 use super::buffers::{Buf, BufName, BufferPool};
 use super::llama::Llama;
 use crate::dtype::Elem;
-use crate::kernels::host_copy::{read_f32, write_f32, HostCopy, CHUNK};
+use crate::kernels::host_copy::HostCopy;
 use crate::kernels::{
     AsView, AsViewMut, AttnShape, Kernels, Memory, RingShape, RopeTable, SeqPart, View, ViewMut,
 };
@@ -60,33 +60,6 @@ pub trait CpComm {
     /// `None` on the host.
     fn device(&self) -> Option<HostCopy> {
         None
-    }
-}
-
-/// `dst = src` element by element: on the host by `host`, the CPU path's conversion
-/// (`Elem::load`, widening into a block; `Elem::store`, rounding out of one), else through the
-/// device copies (`to_f32`, `from_f32`: the same exact widening and the same rounding to
-/// nearest even, so the device ranks keep the host's bits): device to device through the
-/// copier's stage (`HostCopy::convert`), a stack chunk at a time where one side is the host's.
-pub(super) fn convert<A: Elem, B: Elem>(
-    dev: Option<&HostCopy>,
-    src: View<'_, A>,
-    mut dst: ViewMut<'_, B>,
-    host: fn(&[A], &mut [B]),
-) {
-    if let (Ok(s), Memory::Host) = (src.try_host(), dst.memory()) {
-        return host(s, dst.host_mut());
-    }
-    if let (Some(c), Err(_), false) = (dev, src.try_host(), dst.memory() == Memory::Host) {
-        // Device to device: through the copier's stage, a few driver copies in all.
-        return c.convert(src, dst);
-    }
-    let mut stage = [0.0f32; CHUNK];
-    for at in (0..src.len()).step_by(CHUNK) {
-        let r = at..(at + CHUNK).min(src.len());
-        let st = &mut stage[..r.len()];
-        read_f32(dev, src.slice(r.clone()), st);
-        write_f32(dev, st, dst.rb().slice_mut(r));
     }
 }
 

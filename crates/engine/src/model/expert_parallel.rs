@@ -22,9 +22,8 @@
 //! the `comm.ep.send` / `comm.ep.recv` buffers.
 
 use super::config::{LlamaConfig, ModelError};
-use super::context_parallel::convert;
 use crate::dtype::Elem;
-use crate::kernels::{AsView, AsViewMut, HostCopy, View, ViewMut};
+use crate::kernels::{AsView, AsViewMut, Kernels, View, ViewMut};
 use std::cell::RefCell;
 use std::ops::Range;
 use std::rc::Rc;
@@ -219,10 +218,9 @@ impl ExpertParallel {
 }
 
 /// Arrival-order f32 rows (`width` wide, the first `cols` of each taken) into expert-major
-/// `S` rows of `cols`, each rounded once (on a device through `dev`'s copies, the same
-/// rounding: `super::context_parallel::convert`).
-pub(super) fn to_expert_major<S: Elem>(
-    dev: Option<&HostCopy>,
+/// `S` rows of `cols`, each rounded once by `k` (`Kernels::narrow`: on a device, a kernel).
+pub(super) fn to_expert_major<S: Elem, G: Elem>(
+    k: &dyn Kernels<S, G>,
     a: &Arrivals,
     src: View<'_, f32>,
     width: usize,
@@ -234,7 +232,7 @@ pub(super) fn to_expert_major<S: Elem>(
             // A block of whole rows is one run of both buffers.
             let from = src.slice(arrival * width..(arrival + rows) * width);
             let to = dst.rb().slice_mut(expert * cols..(expert + rows) * cols);
-            convert(dev, from, to, S::store);
+            k.narrow(from, to);
             continue;
         }
         for r in 0..rows {
@@ -242,14 +240,15 @@ pub(super) fn to_expert_major<S: Elem>(
             let to = dst
                 .rb()
                 .slice_mut((expert + r) * cols..(expert + r + 1) * cols);
-            convert(dev, from, to, S::store);
+            k.narrow(from, to);
         }
     }
 }
 
-/// Expert-major `S` rows of `cols` into arrival-order f32 rows of `cols`, widened exactly.
-pub(super) fn to_arrival_order<S: Elem>(
-    dev: Option<&HostCopy>,
+/// Expert-major `S` rows of `cols` into arrival-order f32 rows of `cols`, widened exactly by
+/// `k` (`Kernels::widen`).
+pub(super) fn to_arrival_order<S: Elem, G: Elem>(
+    k: &dyn Kernels<S, G>,
     a: &Arrivals,
     src: View<'_, S>,
     cols: usize,
@@ -258,6 +257,6 @@ pub(super) fn to_arrival_order<S: Elem>(
     for &(arrival, expert, rows) in &a.blocks {
         let from = src.slice(expert * cols..(expert + rows) * cols);
         let to = dst.rb().slice_mut(arrival * cols..(arrival + rows) * cols);
-        convert(dev, from, to, S::load);
+        k.widen(from, to);
     }
 }

@@ -18,7 +18,7 @@
 
 use super::activations::{GradScratch, LayerActs, LossSum};
 use super::buffers::{Buf, BufName, BufferPool};
-use super::context_parallel::{convert, zero};
+use super::context_parallel::zero;
 use super::expert_parallel::{to_arrival_order, to_expert_major, Arrivals};
 use super::grad_buf::GradBuf;
 use super::llama::{shared_input_grad, Llama};
@@ -229,13 +229,11 @@ impl Llama {
         let nk = er.own;
         k.permute(self.route(n, c), index, x, rows.rb().slice_mut(..nk * c));
         if let (Some(ep), Some(a)) = (&self.ep, &er.arrivals) {
-            let dev = self.device_copy();
-            let dev = dev.as_ref();
             let (mut send, mut recv) = self.ep_staging(pool, n);
             let (mine, out) = (rows.as_view().slice(..nk * c), send.view_mut());
-            convert(dev, mine, out.slice_mut(..nk * c), S::load);
+            k.widen(mine, out.slice_mut(..nk * c));
             ep.dispatch(send.view(), &er.counts, a, recv.view_mut(), c);
-            to_expert_major(dev, a, recv.view(), c, c, rows);
+            to_expert_major(k, a, recv.view(), c, c, rows);
             self.free_ep_staging(pool, send, recv);
         }
     }
@@ -243,8 +241,9 @@ impl Llama {
     /// The inverse of [`Self::dispatch`] for results of `cols` per row: under expert
     /// parallelism each row goes back to its rank, so that `rows` ends up holding this rank's
     /// own copies grouped by expert (without it, they already are).
-    fn collect<S: Elem>(
+    fn collect<S: Elem, G: Elem>(
         &self,
+        k: &dyn Kernels<S, G>,
         pool: &mut dyn BufferPool,
         n: usize,
         er: &ExpertRows,
@@ -252,14 +251,12 @@ impl Llama {
     ) {
         let c = self.config.hidden;
         if let (Some(ep), Some(a)) = (&self.ep, &er.arrivals) {
-            let dev = self.device_copy();
-            let dev = dev.as_ref();
             let nk: usize = er.counts.iter().sum();
             let (mut send, mut recv) = self.ep_staging(pool, n);
-            to_arrival_order(dev, a, rows.as_view(), c, send.view_mut());
+            to_arrival_order(k, a, rows.as_view(), c, send.view_mut());
             ep.combine(send.view(), &er.counts, a, recv.view_mut(), c);
             let back = recv.view().slice(..nk * c);
-            convert(dev, back, rows.rb().slice_mut(..nk * c), S::store);
+            k.narrow(back, rows.rb().slice_mut(..nk * c));
             self.free_ep_staging(pool, send, recv);
         }
     }
@@ -358,7 +355,7 @@ impl Llama {
             let yx = y.view_mut().slice_mut(span(rows, c));
             k.matmul_forward(ragged(rows.len(), f, c), hx, w2, None, yx, Accum::Overwrite);
         }
-        self.collect(pool, n, &er, y.view_mut());
+        self.collect(k, pool, n, &er, y.view_mut());
         let mut out = self.buf(pool, self.output_name(i), n);
         let (weights, index) = (Some(a.router_weights.view()), a.router_index.view());
         let nk = er.own;
@@ -506,11 +503,9 @@ impl Llama {
         // both in the staging buffers' `c + 1` per row.
         let (mut send, mut recv) = self.ep_staging(pool, n);
         let (own, arrived) = (nk * c, arr.rows * c);
-        convert(
-            dev,
+        k.widen(
             sc.rows.view().slice(..own),
             send.view_mut().slice_mut(..own),
-            S::load,
         );
         let own_w = send.view_mut().slice_mut(own..own + nk);
         k.gather_copies(
@@ -524,7 +519,7 @@ impl Llama {
         let w_in = recv.view_mut().slice_mut(arrived..arrived + arr.rows);
         ep.dispatch(send.view().slice(own..own + nk), &er.counts, arr, w_in, 1);
         to_expert_major(
-            dev,
+            k,
             arr,
             recv.view().slice(..arrived),
             c,
@@ -640,7 +635,7 @@ impl Llama {
             grads.slice_mut(router.clone()),
         );
         k.head_backward_input(lin(n, c, e), dl, params.slice(router), sc.ln_out.view_mut());
-        self.collect(pool, n, &er, sc.rows.view_mut());
+        self.collect(k, pool, n, &er, sc.rows.view_mut());
         let nk = er.own;
         k.unpermute(
             route,

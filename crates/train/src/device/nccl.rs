@@ -7,7 +7,9 @@
 //!   the activations where they lie (`ferrotron_dist::device_collective`), instead of through
 //!   the group's host buffer;
 //! - **context parallelism**: the ring passes each key/value block as it lies, beside the
-//!   attention of the block in hand (the same module).
+//!   attention of the block in hand (the same module);
+//! - **expert parallelism**: the routed rows' all-to-alls between the blocks where they lie
+//!   (the same module).
 //!
 //! Each group takes NCCL on every rank or on none (the choice is agreed over the group's host
 //! communicator first: NCCL's bootstrap is collective).
@@ -76,7 +78,7 @@ fn obstacle(
             "precision = fp16: fp16 activations are summed through the group's host buffer; use bf16 or fp32".into()
         }
         _ if dp && p.zero > 1 => format!("zero = {}: ZeRO-2 and 3's sums (from windows reused layer by layer) go through the host's buckets; ZeRO-1 takes NCCL", p.zero),
-        _ if dp && p.ep > 1 => format!("ep = {}: expert parallelism's sums go through the host's buckets", p.ep),
+        _ if dp && p.ep > 1 && (p.dp > 1 || p.zero > 0) => format!("ep = {} with dp = {}, zero = {}: the experts' replicas' sums and ZeRO's expert shards go through the host's buckets", p.ep, p.dp, p.zero),
         _ if dp && p.offload != Offload::None => "offload: the gradients are summed on the host".into(),
         _ if want == Want::Auto && machine.gpu_share > 1 => format!(
             "{} ranks share GPU {} (NCCL takes one rank per GPU)",
@@ -137,22 +139,18 @@ pub fn reduce_on_gpus(
     Ok(true)
 }
 
-/// Hands a model group's exchanges (`tp`: tensor parallelism's collectives, else context
-/// parallelism's ring) to NCCL on this rank's GPU when every rank of the group can; `true`
-/// when it did. A collective over the group.
+/// Hands the exchanges of model group `what` (tensor parallelism's collectives, context
+/// parallelism's ring, expert parallelism's all-to-alls) to NCCL on this rank's GPU when every
+/// rank of the group can; `true` when it did. A collective over the group.
 pub fn collectives_on_gpus(
     backend: &Backend,
     cfg: &TrainConfig,
     machine: &Machine,
     group: &Group,
-    tp: bool,
+    what: Dim,
 ) -> Result<bool> {
     let Some(ctx) = gpu_context(backend) else {
         return Ok(false);
-    };
-    let what = match tp {
-        true => Dim::Tp,
-        false => Dim::Cp,
     };
     if !agree(group.comm.as_ref(), cfg, machine, what)? {
         return Ok(false);
@@ -235,10 +233,14 @@ mod tests {
             one(&cfg, 1, Want::Auto, true),
             "offload: the gradients are summed on the host"
         );
+        cfg.parallel.offload = Offload::None;
         cfg.parallel.ep = 2;
-        assert!(one(&cfg, 1, Want::Auto, true).starts_with("ep = 2"));
+        // Experts without replicas: held alone, the dense sums on NCCL.
+        assert_eq!(obstacle(&cfg, &machine(1), Want::Auto, true, dp), None);
+        cfg.parallel.dp = 2;
+        assert!(one(&cfg, 1, Want::Auto, true).starts_with("ep = 2 with dp = 2"));
         cfg.parallel.zero = 1;
-        assert!(one(&cfg, 1, Want::Auto, true).starts_with("ep = 2"));
+        assert!(one(&cfg, 1, Want::Auto, true).starts_with("ep = 2 with dp = 2, zero = 1"));
         cfg.parallel.zero = 2;
         assert!(one(&cfg, 1, Want::Auto, true).starts_with("zero = 2: ZeRO-2 and 3"));
         // Tensor parallelism's collectives take any of these but fp16 activations.

@@ -128,8 +128,9 @@ impl Trainer {
         r
     }
 
-    /// Data parallelism's gradient sum, tensor parallelism's collectives and context
-    /// parallelism's ring through NCCL on each rank's GPU, where every rank of the group can (`device::nccl`), each said once on
+    /// Data parallelism's gradient sum and the model groups' exchanges (tensor parallelism's
+    /// collectives, context parallelism's ring, expert parallelism's all-to-alls) through NCCL
+    /// on each rank's GPU, where every rank of the group can (`device::nccl`), each said once on
     /// stderr by the group's first rank.
     pub(super) fn nccl_groups(&mut self, machine: &crate::device::Machine) -> Result<()> {
         use crate::device::nccl;
@@ -144,7 +145,7 @@ impl Trainer {
             }
         }
         if let Some(tp) = self.mesh.group(Dim::Tp).cloned() {
-            if nccl::collectives_on_gpus(backend, &self.cfg, machine, &tp, true)? {
+            if nccl::collectives_on_gpus(backend, &self.cfg, machine, &tp, Dim::Tp)? {
                 if tp.rank() == 0 {
                     eprintln!("tensor parallel: the activations' collectives run on each rank's GPU by NCCL");
                 }
@@ -152,10 +153,16 @@ impl Trainer {
                 self.mesh.sums_in(Dim::Tp, width);
             }
         }
-        if let Some(cp) = self.mesh.group(Dim::Cp).cloned() {
-            let on = nccl::collectives_on_gpus(backend, &self.cfg, machine, &cp, false)?;
-            if on && cp.rank() == 0 {
-                eprintln!("context parallel: the ring's blocks pass between the ranks' GPUs by NCCL, beside the attention");
+        let said = [
+            (Dim::Cp, "context parallel: the ring's blocks pass between the ranks' GPUs by NCCL, beside the attention"),
+            (Dim::Ep, "expert parallel: the routed rows' all-to-alls run between the ranks' GPUs by NCCL"),
+        ];
+        for (d, line) in said {
+            if let Some(g) = self.mesh.group(d).cloned() {
+                let on = nccl::collectives_on_gpus(backend, &self.cfg, machine, &g, d)?;
+                if on && g.rank() == 0 {
+                    eprintln!("{line}");
+                }
             }
         }
         Ok(())
