@@ -25,7 +25,7 @@
 //! plan, laid out once over the order in which the backward reports gradients final,
 //! [`report_order`]); [`DataParallel::add`] checks every report against that layout.
 
-use crate::device_reduce::{grads_of, DeviceReduce};
+use crate::device_reduce::{grads_of, DeviceReduce, Owned};
 use crate::group::Group;
 use crate::small_sums::{gather_mem, gather_small, SmallSums};
 use crate::{Communicator, Pending, Region};
@@ -175,8 +175,9 @@ pub struct DataParallel {
     /// On GPUs with NCCL: the gradients summed in place on the device instead
     /// (`device_reduce.rs`), the buckets unused.
     in_place: Option<Box<dyn DeviceReduce>>,
-    /// ZeRO-1 on NCCL: every rank's segments (parameters, owner), by their start.
-    owners: Vec<(Range<usize>, usize)>,
+    /// ZeRO-1/2 on NCCL: every rank's segments (parameters, owner, offset in the owner's
+    /// shard), by their start.
+    owners: Vec<(Range<usize>, usize, usize)>,
 }
 
 impl DataParallel {
@@ -345,9 +346,9 @@ impl DataParallel {
 
     /// The gradients (f32 or bf16, on a GPU of this rank's own) are summed in place by `reduce`
     /// (NCCL over the same ranks) instead of through the host's buckets: all of them, or under
-    /// ZeRO-1 each segment into its owner's copy (and the updated weights gathered from the
-    /// owners, [`DataParallel::gather_in_place`]); refused under ZeRO-2 and 3 and expert
-    /// parallelism.
+    /// ZeRO-1 and 2 each segment into its owner's copy or shard (and the updated weights
+    /// gathered from the owners, [`DataParallel::gather_in_place`]); refused under ZeRO-3 and
+    /// with the experts' replicas.
     pub fn reduce_in_place(&mut self, reduce: Box<dyn DeviceReduce>) -> Result<()> {
         // Under expert parallelism the dense gradients are summed in place; the routed
         // experts' only where no other rank holds them (no replicas to sum over).
@@ -361,11 +362,11 @@ impl DataParallel {
             self.owners = (0..ranks)
                 .flat_map(|r| {
                     let s = Shard::new(&self.layout, r, ranks);
-                    s.segments.into_iter().map(move |g| (g.params, r))
+                    s.segments.into_iter().map(move |g| (g.params, r, g.at))
                 })
-                .filter(|(p, _)| !p.is_empty())
+                .filter(|(p, ..)| !p.is_empty())
                 .collect();
-            self.owners.sort_by_key(|(p, _)| p.start);
+            self.owners.sort_by_key(|(p, ..)| p.start);
         }
         self.in_place = Some(reduce);
         Ok(())
@@ -390,17 +391,15 @@ impl DataParallel {
             .sent(bytes_per_rank(Collective::AllGather, bytes, p));
         let base = params.as_mut_ptr();
         let memory = params.memory();
-        let mut parts = self.owners.iter().filter_map(|(r, owner)| {
+        let mut parts = self.owners.iter().filter_map(|(r, owner, _)| {
             // SAFETY: each segment lies inside `params`, borrowed for the call; segments do
             // not overlap.
-            let v = unsafe {
-                ferrotron_engine::kernels::ViewMut::from_raw_parts(
-                    std::ptr::NonNull::new(base.add(r.start)).expect("never null"),
-                    r.len(),
-                    memory,
-                )
-            };
-            grads_of(v).map(|g| (g, *owner))
+            let v = unsafe { view_at(base, r.start, r.len(), memory) };
+            grads_of(v).map(|part| Owned {
+                part,
+                owner: *owner,
+                into: None,
+            })
         });
         reduce
             .broadcast_owned(&mut parts)
@@ -546,10 +545,12 @@ impl DataParallel {
         }
     }
 
-    /// ZeRO-1 on NCCL: starts summing each segment of gradients `range` into its owner's copy.
+    /// ZeRO-1/2 on NCCL: starts summing each segment of gradients `range` into its owner's
+    /// copy (ZeRO-1, in place) or shard (ZeRO-2, whose window the compute stream then waits
+    /// for before it is cleared and reused).
     fn add_owned<G: Elem>(&mut self, sums: &mut Sums<G>, range: Range<usize>) {
-        if sums.shard.is_some() || !matches!(G::DTYPE, DType::F32 | DType::Bf16) {
-            let e = "the in-place device sum takes ZeRO-1's f32 or bf16 gradients".to_string();
+        if !matches!(G::DTYPE, DType::F32 | DType::Bf16) {
+            let e = "the in-place device sum takes f32 or bf16 gradients".to_string();
             self.group.fail(FAILED, e);
             return;
         }
@@ -559,27 +560,43 @@ impl DataParallel {
             .sent(bytes_per_rank(Collective::ReduceScatter, bytes, p));
         let mut g = sums.grads.slice_mut(range.clone());
         let (base, memory) = (g.as_mut_ptr(), g.memory());
+        let shard = sums
+            .shard
+            .as_mut()
+            .map(|s| (s.as_mut_ptr(), s.len(), s.memory()));
+        let me = self.group.rank();
         // The owners' segments inside `range`.
-        let first = self.owners.partition_point(|(p, _)| p.start < range.start);
+        let first = self.owners.partition_point(|(p, ..)| p.start < range.start);
         let owned = self.owners[first..]
             .iter()
-            .take_while(|(p, _)| p.end <= range.end);
-        let mut parts = owned.filter_map(|(r, owner)| {
+            .take_while(|(p, ..)| p.end <= range.end);
+        let mut parts = owned.filter_map(|(r, owner, at)| {
             // SAFETY: each segment lies inside `range`, whose view is borrowed for the call;
-            // segments do not overlap.
-            let v = unsafe {
-                ferrotron_engine::kernels::ViewMut::from_raw_parts(
-                    std::ptr::NonNull::new(base.add(r.start - range.start)).expect("never null"),
-                    r.len(),
-                    memory,
-                )
+            // segments do not overlap; an owner's offset lies inside its shard (the plan's).
+            let v = unsafe { view_at(base, r.start - range.start, r.len(), memory) };
+            let into = match shard {
+                Some((s, len, m)) if *owner == me => {
+                    assert!(at + r.len() <= len, "internal: a segment past the shard");
+                    grads_of(unsafe { view_at(s, *at, r.len(), m) })
+                }
+                _ => None,
             };
-            grads_of::<G>(v).map(|g| (g, *owner))
+            grads_of::<G>(v).map(|part| Owned {
+                part,
+                owner: *owner,
+                into,
+            })
         });
         let Some(reduce) = self.in_place.as_mut() else {
             return;
         };
-        match reduce.start_owned(&mut parts) {
+        let started = reduce.start_owned(&mut parts);
+        // ZeRO-2: the window is cleared and reused by the next unit: the sums first.
+        let landed = started.and_then(|()| match sums.shard.is_some() {
+            true => reduce.land(),
+            false => Ok(()),
+        });
+        match landed {
             Ok(()) => self.reduced += range.len(),
             Err(e) => self.group.fail(FAILED, e),
         }
@@ -867,6 +884,20 @@ impl DataParallel {
             out,
         )
     }
+}
+
+/// `len` elements of `memory` at element `at` of `base`, as a view.
+///
+/// # Safety
+/// The elements lie inside one live allocation, not aliased by another live view.
+unsafe fn view_at<'a, G>(
+    base: *mut G,
+    at: usize,
+    len: usize,
+    memory: crate::Memory,
+) -> ferrotron_engine::kernels::ViewMut<'a, G> {
+    let p = std::ptr::NonNull::new(base.add(at)).expect("never null");
+    ferrotron_engine::kernels::ViewMut::from_raw_parts(p, len, memory)
 }
 
 /// What the group's first failure of a step is reported as.

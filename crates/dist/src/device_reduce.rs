@@ -16,9 +16,12 @@
 //! owner's copy only (one NCCL reduce per owner's segment, the range's in one NCCL group: a
 //! reduce-scatter's volume, in place, in the gradients' type), and after the update every
 //! rank's weights of each segment become its owner's (one broadcast per segment, in place: an
-//! all-gather's volume), ordered before the next forward. Under ZeRO-2 and 3 (whose gradients
-//! live in windows reused layer by layer), expert parallelism, offload, or with fp16
-//! gradients, the host-staged buckets of `data_parallel.rs` stay.
+//! all-gather's volume), ordered before the next forward. **ZeRO-2** (§5.2) sums each segment
+//! of a window into its owner's shard of the reduced gradients, and the compute stream waits
+//! for the sums before the window is cleared for the next layer; NCCL overwrites the shard, so
+//! this holds for one micro-batch a step (with gradient accumulation the shard sums the
+//! micro-batches' sums: the host's buckets add them). Under ZeRO-3, expert replicas, offload,
+//! or with fp16 gradients, the host-staged buckets of `data_parallel.rs` stay.
 
 use crate::communicator::{Memory, Result, ViewMut};
 use ferrotron_engine::Elem;
@@ -52,19 +55,25 @@ pub trait DeviceReduce {
     /// Starts summing `grads` (this rank's device memory) over the group, in place, after the
     /// device's work issued so far; the host does not wait.
     fn start(&mut self, grads: Grads<'_>) -> Result<()>;
-    /// Starts summing each of `parts` over the group into the copy of its owner (the rank
-    /// paired with it), in place, as one group, after the device's work issued so far; the
-    /// host does not wait. Every rank gives the same parts in the same order.
-    fn start_owned(&mut self, parts: &mut dyn Iterator<Item = (Grads<'_>, usize)>) -> Result<()>;
+    /// Starts summing each of `parts` over the group into its owner's copy, as one group,
+    /// after the device's work issued so far; the host does not wait. Every rank gives the
+    /// same parts in the same order.
+    fn start_owned(&mut self, parts: &mut dyn Iterator<Item = Owned<'_>>) -> Result<()>;
     /// The compute stream's next work runs after every sum started; the host does not wait.
     fn land(&mut self) -> Result<()>;
     /// Every rank's copy of each of `parts` becomes its owner's, in place, as one group, after
     /// the device's work issued so far and before the work issued next; the host does not
     /// wait.
-    fn broadcast_owned(
-        &mut self,
-        parts: &mut dyn Iterator<Item = (Grads<'_>, usize)>,
-    ) -> Result<()>;
+    fn broadcast_owned(&mut self, parts: &mut dyn Iterator<Item = Owned<'_>>) -> Result<()>;
+}
+
+/// A segment of ZeRO's partition on every rank, and its owner: summed into the owner's copy
+/// (`into`: its shard of the reduced gradients, ZeRO-2; `None`: in place, ZeRO-1), or
+/// broadcast from it (in place).
+pub struct Owned<'a> {
+    pub part: Grads<'a>,
+    pub owner: usize,
+    pub into: Option<Grads<'a>>,
 }
 
 /// `v` as gradients the in-place sum takes (f32 or bf16), else `None`.

@@ -9,7 +9,7 @@
 #![cfg(feature = "cuda")]
 
 use ferrotron_dist::device_collective::DeviceCollective;
-use ferrotron_dist::device_reduce::{grads_of, DeviceReduce};
+use ferrotron_dist::device_reduce::{grads_of, DeviceReduce, Owned};
 use ferrotron_dist::nccl::{self, Nccl};
 use ferrotron_dist::threads::{world, ThreadComm};
 use ferrotron_dist::{AsView, AsViewMut, Communicator};
@@ -373,32 +373,55 @@ fn ring_pass(dc: &dyn DeviceCollective, ctx: &Arc<CudaContext>, me: usize, size:
     }
 }
 
-/// ZeRO-1's sums into each segment's owner and broadcasts from it (`DeviceReduce::start_owned`,
-/// `broadcast_owned`), in place: after the sums the owner holds the rank-order sum of its
-/// segments and every other rank its own values; after the broadcasts every rank holds the
-/// owners' sums everywhere.
+/// ZeRO's sums into each segment's owner and broadcasts from it (`DeviceReduce::start_owned`,
+/// `broadcast_owned`): ZeRO-2's into the owner's shard (the window left as it was), then
+/// ZeRO-1's in place: after the sums the owner holds the rank-order sum of its segments and
+/// every other rank its own values; after the broadcasts every rank holds the owners' sums
+/// everywhere.
 fn zero1_owned<T: Bits>(dr: &mut dyn DeviceReduce, ctx: &Arc<CudaContext>, me: usize, size: usize) {
     let n = 40;
     let segments = [(0..10, 0), (10..13, size - 1), (13..40, 1 % size)];
     let mine = typed::<T>(n, me);
     let sum = summed::<T>(n, size);
+    let bits = |v: &[T]| v.iter().map(|x| x.bits()).collect::<Vec<_>>();
     let mut b = upload(ctx, &mine).expect("upload");
-    let parts = |b: &mut DeviceBlock| {
+    // The segments of `b`, and with `shard` the owner's sums into it (a block as long as the
+    // window, each segment at the window's offset).
+    let parts = |b: &mut DeviceBlock, shard: Option<&mut DeviceBlock>| {
         let mut whole = b.view_mut::<T>(n);
         let (base, memory) = (whole.as_mut_ptr(), whole.memory());
+        let sbase = shard.map(|s| s.view_mut::<T>(n).as_mut_ptr());
         segments.clone().map(|(r, owner)| {
-            // SAFETY: disjoint segments of the block, which outlives the call.
-            let v = unsafe {
+            // SAFETY: disjoint segments of the blocks, which outlive the call.
+            let view = |p: *mut T| unsafe {
                 ferrotron_dist::ViewMut::from_raw_parts(
-                    std::ptr::NonNull::new(base.add(r.start)).unwrap(),
+                    std::ptr::NonNull::new(p.add(r.start)).unwrap(),
                     r.len(),
                     memory,
                 )
             };
-            (grads_of(v).expect("f32 or bf16"), owner)
+            Owned {
+                part: grads_of(view(base)).expect("f32 or bf16"),
+                owner,
+                into: sbase.map(|s| grads_of(view(s)).expect("f32 or bf16")),
+            }
         })
     };
-    dr.start_owned(&mut parts(&mut b).into_iter())
+    let mut shard = upload(ctx, &vec![T::from_f32(0.0); n]).expect("upload");
+    dr.start_owned(&mut parts(&mut b, Some(&mut shard)).into_iter())
+        .expect("start_owned");
+    dr.land().expect("land");
+    let (window, got) = (download(b.view::<T>(n)), download(shard.view::<T>(n)));
+    assert_eq!(
+        bits(&window),
+        bits(&mine),
+        "rank {me} of {size}: the window after ZeRO-2's sums"
+    );
+    for (r, owner) in segments.clone().into_iter().filter(|s| s.1 == me) {
+        let what = format!("rank {me} of {size}: shard sums of {r:?} (owner {owner})");
+        assert_eq!(bits(&got[r.clone()]), bits(&sum[r]), "{what}");
+    }
+    dr.start_owned(&mut parts(&mut b, None).into_iter())
         .expect("start_owned");
     dr.land().expect("land");
     let got: Vec<T> = download(b.view::<T>(n));
@@ -408,14 +431,10 @@ fn zero1_owned<T: Bits>(dr: &mut dyn DeviceReduce, ctx: &Arc<CudaContext>, me: u
         } else {
             &mine[r.clone()]
         };
-        let bits = |v: &[T]| v.iter().map(|x| x.bits()).collect::<Vec<_>>();
-        assert_eq!(
-            bits(&got[r.clone()]),
-            bits(want),
-            "rank {me} of {size}: sums of {r:?} (owner {owner})"
-        );
+        let what = format!("rank {me} of {size}: sums of {r:?} (owner {owner})");
+        assert_eq!(bits(&got[r.clone()]), bits(want), "{what}");
     }
-    dr.broadcast_owned(&mut parts(&mut b).into_iter())
+    dr.broadcast_owned(&mut parts(&mut b, None).into_iter())
         .expect("broadcast_owned");
     let got: Vec<u32> = download(b.view::<T>(n)).iter().map(|x| x.bits()).collect();
     let want: Vec<u32> = sum.iter().map(|x| x.bits()).collect();

@@ -26,7 +26,7 @@
 
 use crate::communicator::{Memory, Pending, Region, Result, View, ViewMut};
 use crate::device_collective::DeviceCollective;
-use crate::device_reduce::{DeviceReduce, Grads};
+use crate::device_reduce::{DeviceReduce, Grads, Owned};
 use crate::{AsViewMut, CommError, Communicator};
 use ferrotron_engine::kernels::cuda::cudarc::driver::{
     sys::CUevent_flags, CudaContext, CudaEvent, CudaStream,
@@ -285,7 +285,7 @@ impl DeviceReduce for Nccl {
         })
     }
 
-    fn start_owned(&mut self, parts: &mut dyn Iterator<Item = (Grads<'_>, usize)>) -> Result<()> {
+    fn start_owned(&mut self, parts: &mut dyn Iterator<Item = Owned<'_>>) -> Result<()> {
         self.owned(true, parts)
     }
 
@@ -293,31 +293,38 @@ impl DeviceReduce for Nccl {
         self.compute_waits("data-parallel gradient sum")
     }
 
-    fn broadcast_owned(
-        &mut self,
-        parts: &mut dyn Iterator<Item = (Grads<'_>, usize)>,
-    ) -> Result<()> {
+    fn broadcast_owned(&mut self, parts: &mut dyn Iterator<Item = Owned<'_>>) -> Result<()> {
         self.owned(false, parts)?;
-        self.compute_waits("ZeRO-1 weights' gather")
+        self.compute_waits("ZeRO weights' gather")
     }
 }
 
 impl Nccl {
-    /// ZeRO-1's segments, each with its owner, as one NCCL group on the communication stream
+    /// ZeRO's segments, each with its owner, as one NCCL group on the communication stream
     /// behind the compute stream's work so far: with `sum`, each reduced into its owner's
-    /// copy, else each broadcast from its owner; in place.
-    fn owned(&self, sum: bool, parts: &mut dyn Iterator<Item = (Grads<'_>, usize)>) -> Result<()> {
+    /// copy (in place, or into its shard), else each broadcast from its owner in place.
+    fn owned(&self, sum: bool, parts: &mut dyn Iterator<Item = Owned<'_>>) -> Result<()> {
         let op = if sum {
-            "ZeRO-1 gradient sum"
+            "ZeRO gradient sum"
         } else {
-            "ZeRO-1 weights' gather"
+            "ZeRO weights' gather"
         };
         let (size, comm) = (self.size(), self.comm);
         let mut bad = None;
         self.behind_compute(op, |stream| {
             result::group_start()?;
-            for (mut g, root) in parts {
+            for Owned {
+                part: mut g,
+                owner: root,
+                into,
+            } in parts
+            {
                 let (p, n, mem) = g.raw();
+                // The owner's sum lands in `into` where given (its shard), else in place.
+                let r = match into {
+                    Some(mut i) if root == self.rank() && i.bytes() == g.bytes() => i.raw().0,
+                    _ => p,
+                };
                 let checked = self.check(mem, op).and_then(|()| match nccl_type(g.dtype) {
                     Some(t) if root < size => Ok(t),
                     _ => Err(self.usage(
@@ -332,7 +339,7 @@ impl Nccl {
                         continue;
                     }
                 };
-                let (s, r) = (p.cast_const().cast(), p.cast());
+                let (s, r) = (p.cast_const().cast(), r.cast());
                 // SAFETY: `n` elements of `dtype` of this GPU's memory, left alone by the
                 // device's work until the compute stream waits for the group (`land`, or the
                 // broadcast's own wait).

@@ -1,8 +1,8 @@
 //! NCCL where each rank has a GPU of its own (issue #33), for two groups:
 //! - **data parallelism**: the backward's final gradients are summed in place on the device,
 //!   on NCCL's stream, while the backward goes on (`ferrotron_dist::device_reduce`), instead of
-//!   through the host's buckets; under ZeRO-1 each segment into its owner's copy, and the
-//!   updated weights broadcast from their owners;
+//!   through the host's buckets; under ZeRO-1 and 2 each segment into its owner's copy or
+//!   shard, and the updated weights broadcast from their owners;
 //! - **tensor parallelism**: the model's all-reduces, all-gathers and reduce-scatters run on
 //!   the activations where they lie (`ferrotron_dist::device_collective`), instead of through
 //!   the group's host buffer;
@@ -15,7 +15,8 @@
 //! communicator first: NCCL's bootstrap is collective).
 //!
 //! `FERROTRON_NCCL` chooses: unset or `auto`, NCCL where it can serve (data parallelism: f32 or
-//! bf16 gradients, no ZeRO-2 or 3, expert parallelism or offload; tensor parallelism: f32 or bf16
+//! bf16 gradients, ZeRO-1, or ZeRO-2 over one micro-batch a step, no ZeRO-3, expert replicas or
+//! offload; tensor parallelism: f32 or bf16
 //! activations; all: one rank per GPU, the library present); `1`, NCCL or a refusal naming
 //! what stands in the way (also where ranks share a GPU: the CUDA emulator's libnccl takes
 //! them, NCCL itself refuses); `0`, the host's buffers.
@@ -77,7 +78,8 @@ fn obstacle(
         _ if group == Dim::Tp && kind.storage() == DType::F16 => {
             "precision = fp16: fp16 activations are summed through the group's host buffer; use bf16 or fp32".into()
         }
-        _ if dp && p.zero > 1 => format!("zero = {}: ZeRO-2 and 3's sums (from windows reused layer by layer) go through the host's buckets; ZeRO-1 takes NCCL", p.zero),
+        _ if dp && p.zero > 2 => "zero = 3: ZeRO-3's gathers and sums go through the host's buckets; ZeRO-1 and 2 take NCCL".into(),
+        _ if dp && p.zero == 2 && cfg.data.grad_acc > 1 => format!("zero = 2 with grad_acc = {}: the shard sums the micro-batches' sums through the host's buckets (NCCL's sums overwrite it); use grad_acc = 1 or zero = 1", cfg.data.grad_acc),
         _ if dp && p.ep > 1 && (p.dp > 1 || p.zero > 0) => format!("ep = {} with dp = {}, zero = {}: the experts' replicas' sums and ZeRO's expert shards go through the host's buckets", p.ep, p.dp, p.zero),
         _ if dp && p.offload != Offload::None => "offload: the gradients are summed on the host".into(),
         _ if want == Want::Auto && machine.gpu_share > 1 => format!(
@@ -242,7 +244,10 @@ mod tests {
         cfg.parallel.zero = 1;
         assert!(one(&cfg, 1, Want::Auto, true).starts_with("ep = 2 with dp = 2, zero = 1"));
         cfg.parallel.zero = 2;
-        assert!(one(&cfg, 1, Want::Auto, true).starts_with("zero = 2: ZeRO-2 and 3"));
+        cfg.data.grad_acc = 2;
+        assert!(one(&cfg, 1, Want::Auto, true).starts_with("zero = 2 with grad_acc = 2"));
+        cfg.parallel.zero = 3;
+        assert!(one(&cfg, 1, Want::Auto, true).starts_with("zero = 3: ZeRO-3's"));
         // Tensor parallelism's collectives take any of these but fp16 activations.
         let tp = Dim::Tp;
         assert_eq!(obstacle(&cfg, &machine(1), Want::Auto, true, tp), None);

@@ -138,7 +138,11 @@ impl Trainer {
         if let Some(dp) = self.mesh.dp.as_mut() {
             if nccl::reduce_on_gpus(backend, &self.cfg, machine, dp)? {
                 if dp.rank() == 0 {
-                    eprintln!("data parallel: gradients summed in place by NCCL on each rank's GPU, overlapping the backward");
+                    let line = match self.cfg.parallel.zero {
+                        2 => "data parallel: ZeRO-2's gradients summed into each owner's shard by NCCL on each rank's GPU, each window's before it is reused",
+                        _ => "data parallel: gradients summed in place by NCCL on each rank's GPU, overlapping the backward",
+                    };
+                    eprintln!("{line}");
                 }
                 let width = self.cfg.precision.kind.engine_grads().bytes();
                 self.mesh.sums_in(Dim::Dp, width);
