@@ -605,16 +605,14 @@ impl Communicator for Nccl {
                 ),
             ));
         }
-        let offsets = |c: &[usize]| -> Vec<usize> {
-            c.iter()
-                .scan(0, |at, &n| {
-                    *at += n;
-                    Some(*at - n)
-                })
-                .collect()
-        };
-        let (so, ro) = (offsets(send_counts), offsets(recv_counts));
-        let pairs = (0..size).map(|j| (j, so[j], send_counts[j], ro[j], recv_counts[j]));
+        // Each peer's block offsets as running sums: nothing allocated (the experts' exchanges
+        // run this every layer).
+        let counts = send_counts.iter().zip(recv_counts).enumerate();
+        let pairs = counts.scan((0, 0), |(so, ro), (j, (&sn, &rn))| {
+            let pair = (j, *so, sn, *ro, rn);
+            (*so, *ro) = (*so + sn, *ro + rn);
+            Some(pair)
+        });
         self.exchange(OP, send, recv, pairs)
     }
 

@@ -153,43 +153,6 @@ impl HostCopy {
         });
     }
 
-    /// `dst = src` (both this device's memory, of the same length), widened to f32 and
-    /// rounded to nearest as [`read_f32`] then [`write_f32`] would: a stage-full down,
-    /// converted in place, and up again.
-    pub fn convert<A: Elem, B: Elem>(&self, src: View<'_, A>, mut dst: ViewMut<'_, B>) {
-        self.check(src.memory(), src.len(), dst.len());
-        self.check(dst.memory(), dst.len(), src.len());
-        self.by_stage::<f32>(src.len(), |at, part| {
-            let n = part.len();
-            let words = part.as_mut_ptr();
-            let from = src.slice(at.clone());
-            // SAFETY: `from` is `n` elements of this device's memory, and `n` of `A` (at most
-            // 4 bytes each) fit in the stage's `n` words.
-            unsafe {
-                let b = std::slice::from_raw_parts_mut(words.cast::<u8>(), n * size_of::<A>());
-                self.alloc.download(b, ptr(from.as_ptr()));
-            }
-            // Widened in place from the last element down (element i's bytes sit at or above
-            // its narrower self, which is read before anything lands on it), then rounded in
-            // place from the first up (the mirror image).
-            // SAFETY: every access is inside the stage's `n` words, through raw pointers.
-            unsafe {
-                let (a, b) = (words.cast::<A>(), words.cast::<B>());
-                for i in (0..n).rev() {
-                    let x = a.add(i).read().to_f32();
-                    words.add(i).write(x);
-                }
-                for i in 0..n {
-                    let x = words.add(i).read();
-                    b.add(i).write(B::from_f32(x));
-                }
-                let bytes = std::slice::from_raw_parts(words.cast::<u8>(), n * size_of::<B>());
-                let mut to = dst.rb().slice_mut(at);
-                self.alloc.upload(ptr(to.as_mut_ptr()), bytes);
-            }
-        });
-    }
-
     /// `dst += src` (this device's memory, of the same length), each sum taken in f32 and
     /// rounded once, as on the host: a stage-full down, summed, and up again.
     pub fn add<G: Elem>(&self, src: &[f32], mut dst: ViewMut<'_, G>) {
@@ -373,23 +336,6 @@ mod tests {
         assert_eq!(f.to_host()[4], 0.0);
         c.zero(f.view_mut().slice_mut(6..8));
         assert_eq!(&f.to_host()[5..9], &[x[0], 0.0, 0.0, x[3]]);
-        // Converted on the device through the stage: bf16 to f32 and back, f32 to bf16.
-        let mut wide = DeviceBuf::<f32>::zeros(&a, n).unwrap();
-        c.convert(buf.view(), wide.view_mut());
-        assert_eq!(
-            wide.to_host(),
-            host.iter().map(|v| v.to_f32()).collect::<Vec<_>>()
-        );
-        let mut again = DeviceBuf::<bf16>::zeros(&a, n).unwrap();
-        c.convert(wide.view(), again.view_mut());
-        assert_eq!(again.to_host(), host);
-        let exact = DeviceBuf::<f32>::from_host(&a, &x).unwrap();
-        c.convert(exact.view().slice(1..), again.view_mut().slice_mut(1..));
-        assert_eq!(
-            again.to_host()[1..],
-            host[1..],
-            "rounded to nearest, at an offset"
-        );
         // Sums into the device's 16-bit elements, each rounded once, across the stages.
         let more: Vec<f32> = (0..n - 3).map(|i| (i % 7) as f32 * 0.01).collect();
         add_f32(Some(&c), &more, buf.view_mut().slice_mut(3..));
