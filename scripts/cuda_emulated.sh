@@ -16,7 +16,8 @@
 #   - dp 2, tp 2, pp 2, ZeRO-3 and cp 2 on the one GPU against one rank (cuda_ranks.py), and
 #     ep 2 of the mixture of experts; dp 2 (fp32, bf16; ZeRO-1, 2), tp 2 (with sp) and cp 2 (with
 #     tp 2) through the emulator's libnccl;
-#   - the NCCL communicator at 1 to 3 ranks on the emulator's libnccl.
+#   - the NCCL communicator at 1 to 3 ranks on the emulator's libnccl, and the watchdog taking
+#     down a job whose NCCL peer stopped.
 # What it cannot show (PTX and the hardware's rounding of expf, speed, the GPU's memory model,
 # real NCCL and its streams) stays the GPU kit's: bash scripts/cuda_check.sh bundle, then target/cuda-check/run.sh.
 set -euo pipefail
@@ -239,6 +240,20 @@ fi
 grep -q "^error: rank 0: FERROTRON_NCCL=1: data parallel: precision = fp16: fp16 gradients" "$work/nccl.err" || {
     cat "$work/nccl.err"
     echo "error: the NCCL refusal's message"
+    exit 1
+}
+# A rank that stops alive (FERROTRON_TEST_STALL: rank 1 at step 3) holds its NCCL peer in the
+# device's queue, where no host collective waits: the watchdog arms NCCL's calls and the GPU's
+# host synchronisations, and takes the job down in one line after --comm-timeout.
+if LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_NCCL=1 FERROTRON_TEST_STALL=1:3 timeout 60 \
+    "$bin" train --device cuda "${tiny[@]}" --steps 6 --eval-interval 0 --dp 2 --grad-acc 1 \
+    --comm-timeout 3 --out-dir "$work/nccl-stall" 2>"$work/nccl.err"; then
+    echo "error: a stalled rank's NCCL peer finished its run"
+    exit 1
+fi
+grep -q "^error: rank 0: comm timeout: .* on group dp at step 3 got no answer within 3 s" "$work/nccl.err" || {
+    cat "$work/nccl.err"
+    echo "error: the NCCL peer of a stalled rank did not time out (--comm-timeout 3)"
     exit 1
 }
 # Tensor parallelism's collectives through NCCL on the activations where they lie, in their own

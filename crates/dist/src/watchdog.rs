@@ -27,6 +27,8 @@ pub type Expire = fn(line: &str) -> !;
 struct Wait {
     rank: usize,
     op: &'static str,
+    /// A host synchronisation waiting on the GPU's queue (`op` names its site), not a call.
+    on_gpu: bool,
     group: Arc<str>,
     since: Instant,
 }
@@ -104,10 +106,12 @@ impl Drop for Guard {
 
 /// Arms a wait of `rank` in `op` on `group` until the guard is dropped.
 pub fn watch(rank: usize, op: &'static str, group: &Arc<str>) -> Guard {
+    Guard(arm(rank, op, false, group))
+}
+
+fn arm(rank: usize, op: &'static str, on_gpu: bool, group: &Arc<str>) -> Option<u64> {
     let mut s = state();
-    let Some(s) = s.as_mut() else {
-        return Guard(None);
-    };
+    let s = s.as_mut()?;
     let id = s.next;
     s.next += 1;
     s.waits.insert(
@@ -115,11 +119,55 @@ pub fn watch(rank: usize, op: &'static str, group: &Arc<str>) -> Guard {
         Wait {
             rank,
             op,
+            on_gpu,
             group: group.clone(),
             since: Instant::now(),
         },
     );
-    Guard(Some(id))
+    Some(id)
+}
+
+thread_local! {
+    /// This thread's rank and the names of its groups that run on its GPU (NCCL), once
+    /// [`watch_gpu`] said so.
+    static ON_GPU: std::cell::RefCell<Option<(usize, Arc<str>)>> = const { std::cell::RefCell::new(None) };
+}
+
+/// This thread's rank (`world_rank`) runs groups `groups` (`"dp"`, `"dp, tp"`) through NCCL on
+/// its GPU, where a wait on a peer is not a call that blocks but work in the device's queue:
+/// NCCL's calls return at once, and a stopped peer holds this rank in its next host
+/// synchronisation (the loss or the gradient norm read back, the step's end), or in the next
+/// NCCL call that blocks (joining a communicator; every call on the CUDA emulator). From now
+/// on both are armed: each host synchronisation of the GPU's backend on this thread
+/// ([`ferrotron_engine::kernels::watch_syncs`]), and each NCCL call ([`watch_on_gpu`]). As
+/// PyTorch's NCCL watchdog, the deadline counts from when the wait began, so `comm_timeout`
+/// must exceed a step's device time.
+pub fn watch_gpu(world_rank: usize, groups: &str) {
+    ON_GPU.with(|g| *g.borrow_mut() = Some((world_rank, groups.into())));
+    ferrotron_engine::kernels::watch_syncs(Some(ferrotron_engine::kernels::SyncHook {
+        arm: |site| on_gpu(site.name(), true),
+        disarm: |id| drop(Guard(Some(id))),
+    }));
+}
+
+/// This thread's rank has no group on its GPU (any more): its waits there are not armed.
+pub fn unwatch_gpu() {
+    ON_GPU.with(|g| *g.borrow_mut() = None);
+    ferrotron_engine::kernels::watch_syncs(None);
+}
+
+/// Arms `op`, a call into NCCL, of the rank this thread runs (see [`watch_gpu`]); a guard that
+/// watches nothing where the thread's rank has no groups on its GPU.
+pub fn watch_on_gpu(op: &'static str) -> Guard {
+    Guard(on_gpu(op, false))
+}
+
+fn on_gpu(op: &'static str, sync: bool) -> Option<u64> {
+    ON_GPU.with(|g| {
+        let g = g.borrow();
+        let (rank, groups) = g.as_ref()?;
+        arm(*rank, op, sync, groups)
+    })
 }
 
 /// The line a rank prints when its wait expired.
@@ -128,6 +176,17 @@ pub fn timeout_line(rank: usize, op: &str, group: &str, step: u64, waited: Durat
         "rank {rank}: comm timeout: {op} on group {group} at step {step} got no answer within {:.0} s (comm_timeout): a rank of the group is stuck, stopped or dead; taking the job down — restart it from the last checkpoint",
         waited.as_secs_f64()
     )
+}
+
+impl Wait {
+    /// The line of this wait, expired at `step` after `waited`.
+    fn line(&self, step: u64, waited: Duration) -> String {
+        let op = match self.on_gpu {
+            true => format!("the GPU's queue (a {} wait behind NCCL's work)", self.op),
+            false => self.op.to_string(),
+        };
+        timeout_line(self.rank, &op, &self.group, step, waited)
+    }
 }
 
 fn watch_loop() {
@@ -145,8 +204,7 @@ fn watch_loop() {
                 .min_by_key(|w| w.since);
             let expired = late.map(|w| {
                 let step = s.steps.get(&w.rank).copied().unwrap_or(0);
-                let line = timeout_line(w.rank, w.op, &w.group, step, s.timeout);
-                (s.expire, line)
+                (s.expire, w.line(step, s.timeout))
             });
             (tick, expired)
         };
@@ -265,5 +323,69 @@ impl Communicator for Watched {
         let _w = self.watch("split_group");
         let inner = self.inner.split_group(members)?;
         Ok(Box::new(Watched::new(inner, name, self.world_rank)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferrotron_engine::kernels::SyncSite;
+
+    /// This process's armed waits of `rank`: (op, on the GPU, group).
+    fn waits_of(rank: usize) -> Vec<(&'static str, bool, String)> {
+        let s = state();
+        let waits = s.as_ref().map(|s| s.waits.values());
+        (waits.into_iter().flatten())
+            .filter(|w| w.rank == rank)
+            .map(|w| (w.op, w.on_gpu, w.group.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn a_ranks_gpu_waits_are_armed_once_its_groups_run_on_nccl() {
+        // A deadline no test reaches; rank 907 is this test's alone.
+        start(Duration::from_secs(24 * 3600), |line| panic!("{line}"));
+        let counter = ferrotron_engine::kernels::device_ops::OpCounter::new();
+        drop(counter.sync(SyncSite::GradNorm));
+        let _unarmed = counter.sync(SyncSite::GradNorm);
+        assert_eq!(waits_of(907), [], "no group on the GPU yet");
+        drop(watch_on_gpu("data-parallel gradient sum"));
+
+        watch_gpu(907, "dp, tp");
+        let read = counter.sync(SyncSite::GradNorm);
+        assert_eq!(waits_of(907), [("grad_norm", true, "dp, tp".into())]);
+        drop(read);
+        assert_eq!(waits_of(907), [], "disarmed with its guard");
+        let call = watch_on_gpu("data-parallel gradient sum");
+        assert_eq!(
+            waits_of(907),
+            [("data-parallel gradient sum", false, "dp, tp".into())]
+        );
+        drop(call);
+
+        // Another thread (another rank of the threads launcher) is not this rank.
+        let elsewhere = std::thread::spawn(move || {
+            let _w = counter.sync(SyncSite::StreamSync);
+            waits_of(907)
+        });
+        assert_eq!(elsewhere.join().unwrap(), []);
+        unwatch_gpu();
+        let _after = watch_on_gpu("data-parallel gradient sum");
+        assert_eq!(waits_of(907), []);
+    }
+
+    #[test]
+    fn a_gpu_wait_names_its_site_and_the_groups_behind_it() {
+        let wait = Wait {
+            rank: 3,
+            op: "stream_sync",
+            on_gpu: true,
+            group: "dp, tp".into(),
+            since: Instant::now(),
+        };
+        assert_eq!(
+            wait.line(5, Duration::from_secs(60)),
+            "rank 3: comm timeout: the GPU's queue (a stream_sync wait behind NCCL's work) on group dp, tp at step 5 got no answer within 60 s (comm_timeout): a rank of the group is stuck, stopped or dead; taking the job down — restart it from the last checkpoint"
+        );
     }
 }

@@ -27,7 +27,7 @@
 use crate::communicator::{Memory, Pending, Region, Result, View, ViewMut};
 use crate::device_collective::DeviceCollective;
 use crate::device_reduce::{DeviceReduce, Grads, Owned};
-use crate::{AsViewMut, CommError, Communicator};
+use crate::{watchdog, AsViewMut, CommError, Communicator};
 use ferrotron_engine::kernels::cuda::cudarc::driver::{
     sys::CUevent_flags, CudaContext, CudaEvent, CudaStream,
 };
@@ -122,6 +122,8 @@ impl Nccl {
             let after = ctx.new_event(flags).map_err(driver("an event"))?;
             let ring = ctx.new_event(flags).map_err(driver("an event"))?;
             let mut comm = std::mem::MaybeUninit::uninit();
+            // Joining waits for every rank of the group.
+            let _w = watchdog::watch_on_gpu("joining the NCCL communicator");
             // SAFETY: the context is bound; `comm` is written by a successful init.
             let comm = unsafe {
                 result::comm_init_rank(comm.as_mut_ptr(), size as i32, unique, me as i32)
@@ -190,6 +192,10 @@ impl Nccl {
             return Err(self.failed(op, "the communicator was aborted"));
         }
         self.ctx.bind_to_thread().map_err(|e| self.failed(op, e))?;
+        // NCCL's calls return once queued; a wait for a peer shows at the next host
+        // synchronisation, which the GPU's backend arms. Armed here too, for the calls that
+        // wait (the emulator's, a group's end under some NCCL versions).
+        let _w = watchdog::watch_on_gpu(op);
         self.before
             .record(&self.compute)
             .and_then(|()| self.comm_stream.wait(&self.before))
@@ -427,6 +433,7 @@ impl DeviceCollective for Nccl {
             .wait(&self.ring)
             .map_err(|e| self.failed(OP, e))?;
         let stream = self.comm_stream.cu_stream() as sys::cudaStream_t;
+        let _w = watchdog::watch_on_gpu(OP);
         // SAFETY: `n` f32 each of this GPU's memory, left alone by the device's work until the
         // compute stream has waited for the group (the caller's contract).
         let group = || unsafe {
@@ -652,6 +659,7 @@ impl Communicator for Nccl {
 
     /// Every rank's NCCL work so far finished, then the host group's barrier.
     fn barrier(&self) -> Result<()> {
+        let _w = watchdog::watch_on_gpu("barrier");
         self.ctx
             .bind_to_thread()
             .and_then(|()| self.comm_stream.synchronize())

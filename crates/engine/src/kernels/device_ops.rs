@@ -158,6 +158,40 @@ pub struct DeviceOpsReport {
     pub writes: u64,
 }
 
+/// What arms a host synchronisation's wait under a watchdog, and disarms it: `arm` returns the
+/// wait's id (`None`: not watched), `disarm` takes it back. Plain functions, so arming a wait
+/// allocates nothing on the step's path.
+#[derive(Clone, Copy, Debug)]
+pub struct SyncHook {
+    pub arm: fn(SyncSite) -> Option<u64>,
+    pub disarm: fn(u64),
+}
+
+thread_local! {
+    static HOOK: std::cell::Cell<Option<SyncHook>> = const { std::cell::Cell::new(None) };
+}
+
+/// Watches every host synchronisation this thread makes from now on with `hook` (`None`:
+/// none). A rank whose GPU runs collectives (NCCL) waits for its peers only here, in the
+/// device's queue: a peer that stopped would hold it in its next synchronisation forever, so
+/// the communication watchdog (`ferrotron_dist::watchdog`) arms these waits as it arms the
+/// host collectives. Per thread: the threads launcher runs each rank on a thread of its own.
+pub fn watch_syncs(hook: Option<SyncHook>) {
+    HOOK.set(hook);
+}
+
+/// A host synchronisation's wait, watched until dropped ([`OpCounter::sync`]).
+#[must_use = "hold the guard across the wait: the watchdog watches it until it is dropped"]
+pub struct SyncWatch(Option<(u64, fn(u64))>);
+
+impl Drop for SyncWatch {
+    fn drop(&mut self) {
+        if let Some((id, disarm)) = self.0 {
+            disarm(id);
+        }
+    }
+}
+
 /// The counter a backend adds to; relaxed atomics (a count, ordered by nothing).
 #[derive(Debug)]
 pub struct OpCounter {
@@ -185,8 +219,11 @@ impl OpCounter {
         }
     }
 
-    pub fn sync(&self, site: SyncSite) {
+    /// Counts a host synchronisation at `site`, about to wait: the wait is watched (see
+    /// [`watch_syncs`]) until the returned guard is dropped, so hold it across the wait.
+    pub fn sync(&self, site: SyncSite) -> SyncWatch {
         self.syncs[site as usize].fetch_add(1, Relaxed);
+        SyncWatch(HOOK.get().and_then(|h| Some(((h.arm)(site)?, h.disarm))))
     }
     pub fn kernel(&self) {
         self.kernels.fetch_add(1, Relaxed);
@@ -230,15 +267,15 @@ mod tests {
     #[test]
     fn a_step_reports_what_was_counted_during_it() {
         let c = OpCounter::new();
-        c.sync(SyncSite::GradNorm);
+        let _ = c.sync(SyncSite::GradNorm);
         c.kernel();
         let before = c.read();
         // The step: two loss reads, the norm, the end-of-step synchronize; 3 kernels, 2
         // products, a copy and an upload.
-        c.sync(SyncSite::CeLoss);
-        c.sync(SyncSite::CeLoss);
-        c.sync(SyncSite::GradNorm);
-        c.sync(SyncSite::StreamSync);
+        for site in [SyncSite::CeLoss, SyncSite::CeLoss, SyncSite::GradNorm] {
+            let _ = c.sync(site);
+        }
+        let _ = c.sync(SyncSite::StreamSync);
         (0..3).for_each(|_| c.kernel());
         c.blas();
         c.blas();

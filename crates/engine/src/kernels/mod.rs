@@ -39,7 +39,9 @@ pub use backend::Backend;
 pub use cpu::{CpuKernels, Gemm};
 pub use device_check::{emulated, emulated_mut, DevicePool, OnDevice};
 pub use device_memory::{DeviceAlloc, DeviceBuf, EmulatedDevice};
-pub use device_ops::{DeviceOps, DeviceOpsReport, DeviceSpan, SyncSite};
+pub use device_ops::{
+    watch_syncs, DeviceOps, DeviceOpsReport, DeviceSpan, SyncHook, SyncSite, SyncWatch,
+};
 pub use event_log::{Event, EventLog, Tracing, COMM_TRACK, DEVICE_TRACK};
 pub use host_copy::HostCopy;
 pub(crate) use interface::{kernel_interface, wrapper_kernels};

@@ -134,9 +134,17 @@ impl Trainer {
     /// stderr by the group's first rank.
     pub(super) fn nccl_groups(&mut self, machine: &crate::device::Machine) -> Result<()> {
         use crate::device::nccl;
+        use ferrotron_dist::watchdog;
+        // Each group's NCCL bootstrap waits under the watchdog as its group; the step's waits on
+        // the GPU (its host synchronisations, its NCCL calls) as every group on NCCL.
+        let mut on = Vec::new();
+        let rank = self.world_rank();
+        let joining = |d: Dim| watchdog::watch_gpu(rank, d.name());
         let backend = &self.kernels.inner;
         if let Some(dp) = self.mesh.dp.as_mut() {
+            joining(Dim::Dp);
             if nccl::reduce_on_gpus(backend, &self.cfg, machine, dp)? {
+                on.push(Dim::Dp.name());
                 if dp.rank() == 0 {
                     let line = match self.cfg.parallel.zero {
                         2 => "data parallel: ZeRO-2's gradients summed into each owner's shard by NCCL on each rank's GPU, each window's before it is reused",
@@ -149,7 +157,9 @@ impl Trainer {
             }
         }
         if let Some(tp) = self.mesh.group(Dim::Tp).cloned() {
+            joining(Dim::Tp);
             if nccl::collectives_on_gpus(backend, &self.cfg, machine, &tp, Dim::Tp)? {
+                on.push(Dim::Tp.name());
                 if tp.rank() == 0 {
                     eprintln!("tensor parallel: the activations' collectives run on each rank's GPU by NCCL");
                 }
@@ -163,11 +173,18 @@ impl Trainer {
         ];
         for (d, line) in said {
             if let Some(g) = self.mesh.group(d).cloned() {
-                let on = nccl::collectives_on_gpus(backend, &self.cfg, machine, &g, d)?;
-                if on && g.rank() == 0 {
-                    eprintln!("{line}");
+                joining(d);
+                if nccl::collectives_on_gpus(backend, &self.cfg, machine, &g, d)? {
+                    on.push(d.name());
+                    if g.rank() == 0 {
+                        eprintln!("{line}");
+                    }
                 }
             }
+        }
+        match on.is_empty() {
+            true => watchdog::unwatch_gpu(),
+            false => watchdog::watch_gpu(rank, &on.join(", ")),
         }
         Ok(())
     }

@@ -319,7 +319,7 @@ impl CudaKernels {
     /// them (which `take_loss` then needs not read): one host synchronisation.
     fn read_partials(&self) -> f64 {
         let mut sums = [0f64; SUM_BLOCKS as usize + 1];
-        OPS.sync(SyncSite::GradNorm);
+        let _w = OPS.sync(SyncSite::GradNorm);
         // SAFETY: the partials scratch holds PARTIALS_BYTES; the copy waits for the kernels.
         unsafe { result::memcpy_dtoh_sync(&mut sums, self.partials()) }
             .expect("sum_squares read-back");
@@ -584,7 +584,7 @@ fn attn_dims(s: AttnShape) -> AttnDims {
 impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
     fn synchronize(&self) {
         self.bind();
-        OPS.sync(SyncSite::StreamSync);
+        let _w = OPS.sync(SyncSite::StreamSync);
         (self.gpu.stream.synchronize()).unwrap_or_else(|e| panic!("CUDA stream: {e:?}"));
     }
 
@@ -617,7 +617,7 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
             Some(read) => read,
             None => {
                 let mut slot = [0f64];
-                OPS.sync(SyncSite::CeLoss);
+                let _w = OPS.sync(SyncSite::CeLoss);
                 // SAFETY: the partials scratch holds the slot; the copy waits for the kernels
                 // that add to it.
                 unsafe { result::memcpy_dtoh_sync(&mut slot, acc) }.expect("take_loss read-back");
@@ -1229,7 +1229,7 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         let (t, vocab) = (dev(&targets, "count_targets"), vocab as u32);
         launch!(self, "count_targets".to_string(), elementwise(n); t, n, vocab, count);
         let mut c = [0u64];
-        OPS.sync(SyncSite::TargetCount);
+        let _w = OPS.sync(SyncSite::TargetCount);
         // SAFETY: as above; the copy waits for the kernel.
         unsafe { result::memcpy_dtoh_sync(&mut c, count) }.expect("count_targets read-back");
         c[0] as usize

@@ -26,7 +26,7 @@ impl DeviceBlock {
     pub fn new(ctx: &Arc<CudaContext>, bytes: usize) -> Result<DeviceBlock, String> {
         let n = bytes.max(1);
         ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
-        OPS.sync(SyncSite::Alloc);
+        let _w = OPS.sync(SyncSite::Alloc);
         OPS.write();
         // SAFETY: the context is bound; the memory is set before it is handed out.
         let ptr = unsafe {
@@ -87,7 +87,7 @@ impl Drop for DeviceBlock {
         // SAFETY: allocated in `new`, freed once; errors at teardown have nowhere to go.
         unsafe {
             let _ = self.ctx.bind_to_thread();
-            OPS.sync(SyncSite::Alloc);
+            let _w = OPS.sync(SyncSite::Alloc);
             let _ = result::free_sync(self.ptr);
         }
     }
@@ -145,7 +145,7 @@ pub fn download_into<T: Copy + Default>(site: SyncSite, v: View<'_, T>, out: &mu
         return;
     }
     bind(ordinal).unwrap_or_else(|e| panic!("copying {} elements from the GPU: {e}", v.len()));
-    OPS.sync(site);
+    let _w = OPS.sync(site);
     // SAFETY: the view's bytes are device memory of its length.
     unsafe { result::memcpy_dtoh_sync(out, v.as_ptr() as u64) }
         .unwrap_or_else(|e| panic!("copying {} elements from the GPU: {e:?}", v.len()));
@@ -281,7 +281,7 @@ impl CudaAlloc {
         let spare = self.spare.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some((p, _)) = spare {
             let _ = self.ctx.bind_to_thread();
-            OPS.sync(SyncSite::Alloc);
+            let _w = OPS.sync(SyncSite::Alloc);
             // SAFETY: the spare was allocated by `alloc` and is owned by nobody else.
             let _ = unsafe { result::free_sync(p) };
         }
@@ -333,7 +333,7 @@ impl crate::kernels::DeviceAlloc for CudaAlloc {
         }
         drop(spare);
         let _ = self.ctx.bind_to_thread();
-        OPS.sync(SyncSite::Alloc);
+        let _w = OPS.sync(SyncSite::Alloc);
         let _ = result::free_sync(p.as_ptr() as u64);
     }
     fn peak(&self) -> Option<u64> {
@@ -388,7 +388,7 @@ impl crate::kernels::DeviceAlloc for CudaAlloc {
         let ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(c) = ahead.as_ref() {
             let _ = self.ctx.bind_to_thread();
-            OPS.sync(SyncSite::StreamSync);
+            let _w = OPS.sync(SyncSite::StreamSync);
             c.stream
                 .synchronize()
                 .unwrap_or_else(|e| panic!("waiting for the GPU's copies: {e:?}"));
@@ -397,7 +397,7 @@ impl crate::kernels::DeviceAlloc for CudaAlloc {
     unsafe fn download(&self, dst: &mut [u8], src: NonNull<u8>) {
         let _ = self.ctx.bind_to_thread();
         let n = dst.len();
-        OPS.sync(SyncSite::StateDownload);
+        let _w = OPS.sync(SyncSite::StateDownload);
         result::memcpy_dtoh_sync(dst, src.as_ptr() as u64)
             .unwrap_or_else(|e| panic!("copying {n} bytes from the GPU: {e:?}"));
     }

@@ -24,7 +24,7 @@ impl DeviceCopy for CudaCopy {
             return Err(p);
         }
         self.ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
-        super::OPS.sync(SyncSite::Staging);
+        let _w = super::OPS.sync(SyncSite::Staging);
         // SAFETY: `src` is this GPU's memory of `dst.len()` elements (checked above).
         unsafe { result::memcpy_dtoh_sync(dst, src.as_ptr() as u64) }.map_err(|e| format!("{e:?}"))
     }
