@@ -14,7 +14,7 @@
 #   - a plan over --device-memory refused with its fixes, then trained with --offload
 #     optimizer and --offload params under that budget, against the CPU and the driver;
 #   - dp 2, tp 2, pp 2, ZeRO-3 and cp 2 on the one GPU against one rank (cuda_ranks.py), and
-#     ep 2 of the mixture of experts; dp 2 (fp32, bf16; ZeRO-1, 2), tp 2 (with sp) and cp 2 (with
+#     ep 2 of the mixture of experts; dp 2 (fp32, bf16; ZeRO-1, 2, 3), tp 2 (with sp) and cp 2 (with
 #     tp 2) through the emulator's libnccl;
 #   - the NCCL communicator at 1 to 3 ranks on the emulator's libnccl, and the watchdog taking
 #     down a job whose NCCL peer stopped.
@@ -214,10 +214,11 @@ LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_NCCL=1 run "$bin" train --
 said "^data parallel: gradients summed in place by NCCL" "dp 2 with FERROTRON_NCCL=1 did not sum through NCCL"
 python3 scripts/cuda_ranks.py "$work/ranks-one/metrics.jsonl" "nccl-dp2=$work/ranks-nccl/metrics.jsonl"
 python3 scripts/cuda_ops.py "nccl dp2" "$work/ranks-nccl/metrics.jsonl" --max-syncs 6
-# ZeRO-1 and 2 through NCCL: each segment's gradients summed into its owner's copy (ZeRO-1, in
-# place) or shard (ZeRO-2, from its window), the updated weights broadcast from the owners, on
-# the device (5 host syncs a step where the host's buckets take 66 and 88): against one rank.
-for z in 1 2; do
+# ZeRO-1, 2 and 3 through NCCL: each segment's gradients summed into its owner's copy (ZeRO-1,
+# in place) or shard (ZeRO-2 and 3, from its window), the updated weights broadcast from the
+# owners (ZeRO-3: each unit's into its window from the owners' shards, a layer ahead), on the
+# device (4-5 host syncs a step where the host's buckets take 66, 88 and 92.5): against one rank.
+for z in 1 2 3; do
     LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_NCCL=1 run "$bin" train --device cuda "${tiny[@]}" \
         "${ranks[@]}" --dp 2 --zero $z --grad-acc 1 --out-dir "$work/ranks-nccl-zero$z"
     python3 scripts/cuda_ranks.py "$work/ranks-one/metrics.jsonl" "nccl-zero$z=$work/ranks-nccl-zero$z/metrics.jsonl"

@@ -346,16 +346,17 @@ impl DataParallel {
 
     /// The gradients (f32 or bf16, on a GPU of this rank's own) are summed in place by `reduce`
     /// (NCCL over the same ranks) instead of through the host's buckets: all of them, or under
-    /// ZeRO-1 and 2 each segment into its owner's copy or shard (and the updated weights
-    /// gathered from the owners, [`DataParallel::gather_in_place`]); refused under ZeRO-3 and
-    /// with the experts' replicas.
+    /// ZeRO each segment into its owner's copy or shard (and the updated weights gathered from
+    /// the owners: ZeRO-1 and 2 after the update, [`DataParallel::gather_in_place`]; ZeRO-3
+    /// unit by unit as the model asks, [`DataParallel::gather_unit_in_place`]); refused with
+    /// the experts' replicas.
     pub fn reduce_in_place(&mut self, reduce: Box<dyn DeviceReduce>) -> Result<()> {
         // Under expert parallelism the dense gradients are summed in place; the routed
         // experts' only where no other rank holds them (no replicas to sum over).
         let replicated_experts = self.experts.as_ref().is_some_and(|x| x.inner.is_some());
         let sharded_experts = self.experts.is_some() && self.shard.is_some();
-        if self.per_unit || replicated_experts || sharded_experts {
-            bail!("internal: the in-place device sum is plain data parallelism's or ZeRO-1's (no ZeRO-3, no experts' replicas, no ZeRO under expert parallelism)");
+        if replicated_experts || sharded_experts {
+            bail!("internal: the in-place device sum is plain data parallelism's or ZeRO's (no experts' replicas, no ZeRO under expert parallelism)");
         }
         if self.shard.is_some() {
             let ranks = self.group.size();
@@ -379,7 +380,8 @@ impl DataParallel {
         &mut self,
         mut params: ferrotron_engine::kernels::ViewMut<'_, S>,
     ) -> Result<bool> {
-        if self.owners.is_empty() {
+        // ZeRO-3 gathers nothing after the update (`gather_updated`).
+        if self.owners.is_empty() || self.per_unit {
             return Ok(false);
         }
         let Some(reduce) = self.in_place.as_mut() else {
@@ -401,10 +403,71 @@ impl DataParallel {
                 into: None,
             })
         });
-        reduce
-            .broadcast_owned(&mut parts)
+        (reduce.broadcast_owned(&mut parts))
+            .and_then(|()| reduce.land())
             .map_err(|e| anyhow!("ZeRO-1 weights' gather: {e}"))?;
         Ok(true)
+    }
+
+    /// Whether ZeRO-3's units are gathered on the device ([`Self::gather_unit_in_place`])
+    /// rather than through the host's gather buffer ([`Self::gather_start`]).
+    pub fn gathers_in_place(&self) -> bool {
+        self.per_unit && self.in_place.is_some() && !self.owners.is_empty()
+    }
+
+    /// ZeRO-3 on NCCL: starts gathering the weights of one unit (`unit`, every parameter of
+    /// it) into its window (`windows`, where `place` puts a parameter range) from each
+    /// segment's owner's `shard`, on the communication stream behind the compute stream's
+    /// work so far (which may still read the window's last unit);
+    /// [`Self::land_in_place`] orders the compute stream after it.
+    pub fn gather_unit_in_place<S: Elem>(
+        &mut self,
+        unit: Range<usize>,
+        shard: ferrotron_engine::kernels::View<'_, S>,
+        mut windows: ferrotron_engine::kernels::ViewMut<'_, S>,
+        place: &dyn Fn(&Range<usize>) -> Range<usize>,
+    ) -> Result<()> {
+        let Some(reduce) = self.in_place.as_mut() else {
+            bail!("internal: ZeRO-3's gathers on the device need its communicator");
+        };
+        let (p, width) = (self.group.size() as u64, S::DTYPE.bytes() as f64);
+        let bytes = width * unit.len() as f64;
+        self.group
+            .sent(bytes_per_rank(Collective::AllGather, bytes, p));
+        let (me, wlen, wmem) = (self.group.rank(), windows.len(), windows.memory());
+        let (base, sbase, slen) = (windows.as_mut_ptr(), shard.as_ptr().cast_mut(), shard.len());
+        let first = self.owners.partition_point(|(p, ..)| p.start < unit.start);
+        let owned = self.owners[first..]
+            .iter()
+            .take_while(|(p, ..)| p.end <= unit.end);
+        let mut parts = owned.filter_map(|(r, owner, at)| {
+            let w = place(r);
+            assert!(w.end <= wlen, "internal: a segment past the ZeRO-3 windows");
+            // SAFETY: each segment's place lies inside the windows (asserted), which the
+            // caller borrows for the call; segments do not overlap. The owner's shard is only
+            // read (a broadcast's source), inside the shard (the plan's offsets).
+            let part = grads_of(unsafe { view_at(base, w.start, r.len(), wmem) })?;
+            let into = (*owner == me).then(|| {
+                assert!(at + r.len() <= slen, "internal: a segment past the shard");
+                grads_of(unsafe { view_at(sbase, *at, r.len(), shard.memory()) })
+            });
+            Some(Owned {
+                part,
+                owner: *owner,
+                into: into.flatten(),
+            })
+        });
+        reduce
+            .broadcast_owned(&mut parts)
+            .map_err(|e| anyhow!("ZeRO-3 parameter gather: {e}"))
+    }
+
+    /// ZeRO-3 on NCCL: the compute stream's next work runs after the gathers started.
+    pub fn land_in_place(&mut self) -> Result<()> {
+        match self.in_place.as_mut() {
+            Some(reduce) => (reduce.land()).map_err(|e| anyhow!("ZeRO-3 parameter gather: {e}")),
+            None => Ok(()),
+        }
     }
 
     /// The copies to and from the device the gradients live on (`None`: the host).

@@ -20,8 +20,12 @@
 //! of a window into its owner's shard of the reduced gradients, and the compute stream waits
 //! for the sums before the window is cleared for the next layer; NCCL overwrites the shard, so
 //! this holds for one micro-batch a step (with gradient accumulation the shard sums the
-//! micro-batches' sums: the host's buckets add them). Under ZeRO-3, expert replicas, offload,
-//! or with fp16 gradients, the host-staged buckets of `data_parallel.rs` stay.
+//! micro-batches' sums: the host's buckets add them). **ZeRO-3** (§5.3) sums its gradient
+//! windows as ZeRO-2 does, and gathers each unit's weights into its window as one group of
+//! broadcasts, each segment from its owner's shard, started a layer ahead on the communication
+//! stream (the prefetch) and waited for by the compute stream only before the layer's kernels.
+//! With expert replicas, offload, or fp16 gradients, the host-staged buckets of
+//! `data_parallel.rs` stay.
 
 use crate::communicator::{Memory, Result, ViewMut};
 use ferrotron_engine::Elem;
@@ -61,15 +65,17 @@ pub trait DeviceReduce {
     fn start_owned(&mut self, parts: &mut dyn Iterator<Item = Owned<'_>>) -> Result<()>;
     /// The compute stream's next work runs after every sum started; the host does not wait.
     fn land(&mut self) -> Result<()>;
-    /// Every rank's copy of each of `parts` becomes its owner's, in place, as one group, after
-    /// the device's work issued so far and before the work issued next; the host does not
-    /// wait.
+    /// Starts making every rank's copy of each of `parts` its owner's, as one group, after the
+    /// device's work issued so far: from the owner's copy in place, or from its `into` where
+    /// given (ZeRO-3: its shard, into every rank's window). [`DeviceReduce::land`] orders the
+    /// compute stream after it; the host does not wait.
     fn broadcast_owned(&mut self, parts: &mut dyn Iterator<Item = Owned<'_>>) -> Result<()>;
 }
 
 /// A segment of ZeRO's partition on every rank, and its owner: summed into the owner's copy
-/// (`into`: its shard of the reduced gradients, ZeRO-2; `None`: in place, ZeRO-1), or
-/// broadcast from it (in place).
+/// (`into`: its shard of the reduced gradients, ZeRO-2 and 3; `None`: in place, ZeRO-1), or
+/// broadcast from it (from `into`, its shard of the weights, ZeRO-3; `None`: in place, ZeRO-1
+/// and 2).
 pub struct Owned<'a> {
     pub part: Grads<'a>,
     pub owner: usize,

@@ -374,8 +374,8 @@ fn ring_pass(dc: &dyn DeviceCollective, ctx: &Arc<CudaContext>, me: usize, size:
 }
 
 /// ZeRO's sums into each segment's owner and broadcasts from it (`DeviceReduce::start_owned`,
-/// `broadcast_owned`): ZeRO-2's into the owner's shard (the window left as it was), then
-/// ZeRO-1's in place: after the sums the owner holds the rank-order sum of its segments and
+/// `broadcast_owned`): ZeRO-2's into the owner's shard (the window left as it was), ZeRO-3's
+/// broadcasts from the owners' shards into every window, then ZeRO-1's in place: after the sums the owner holds the rank-order sum of its segments and
 /// every other rank its own values; after the broadcasts every rank holds the owners' sums
 /// everywhere.
 fn zero1_owned<T: Bits>(dr: &mut dyn DeviceReduce, ctx: &Arc<CudaContext>, me: usize, size: usize) {
@@ -421,6 +421,18 @@ fn zero1_owned<T: Bits>(dr: &mut dyn DeviceReduce, ctx: &Arc<CudaContext>, me: u
         let what = format!("rank {me} of {size}: shard sums of {r:?} (owner {owner})");
         assert_eq!(bits(&got[r.clone()]), bits(&sum[r]), "{what}");
     }
+    // ZeRO-3's gathers: each segment from its owner's shard (its sums now) into every rank's
+    // window.
+    dr.broadcast_owned(&mut parts(&mut b, Some(&mut shard)).into_iter())
+        .and_then(|()| dr.land())
+        .expect("broadcast_owned from the shards");
+    let window: Vec<T> = download(b.view::<T>(n));
+    assert_eq!(
+        bits(&window),
+        bits(&sum),
+        "rank {me} of {size}: every window segment its owner's shard after the broadcasts"
+    );
+    let mut b = upload(ctx, &mine).expect("upload");
     dr.start_owned(&mut parts(&mut b, None).into_iter())
         .expect("start_owned");
     dr.land().expect("land");
@@ -435,6 +447,7 @@ fn zero1_owned<T: Bits>(dr: &mut dyn DeviceReduce, ctx: &Arc<CudaContext>, me: u
         assert_eq!(bits(&got[r.clone()]), bits(want), "{what}");
     }
     dr.broadcast_owned(&mut parts(&mut b, None).into_iter())
+        .and_then(|()| dr.land())
         .expect("broadcast_owned");
     let got: Vec<u32> = download(b.view::<T>(n)).iter().map(|x| x.bits()).collect();
     let want: Vec<u32> = sum.iter().map(|x| x.bits()).collect();

@@ -300,15 +300,15 @@ impl DeviceReduce for Nccl {
     }
 
     fn broadcast_owned(&mut self, parts: &mut dyn Iterator<Item = Owned<'_>>) -> Result<()> {
-        self.owned(false, parts)?;
-        self.compute_waits("ZeRO weights' gather")
+        self.owned(false, parts)
     }
 }
 
 impl Nccl {
     /// ZeRO's segments, each with its owner, as one NCCL group on the communication stream
     /// behind the compute stream's work so far: with `sum`, each reduced into its owner's
-    /// copy (in place, or into its shard), else each broadcast from its owner in place.
+    /// copy (in place, or into its shard), else each broadcast from its owner's copy (in
+    /// place, or from its shard).
     fn owned(&self, sum: bool, parts: &mut dyn Iterator<Item = Owned<'_>>) -> Result<()> {
         let op = if sum {
             "ZeRO gradient sum"
@@ -326,11 +326,13 @@ impl Nccl {
             } in parts
             {
                 let (p, n, mem) = g.raw();
-                // The owner's sum lands in `into` where given (its shard), else in place.
-                let r = match into {
+                // The owner's sum lands in `into` where given (its shard), else in place; its
+                // broadcast comes from there.
+                let shard = match into {
                     Some(mut i) if root == self.rank() && i.bytes() == g.bytes() => i.raw().0,
                     _ => p,
                 };
+                let (s, r) = if sum { (p, shard) } else { (shard, p) };
                 let checked = self.check(mem, op).and_then(|()| match nccl_type(g.dtype) {
                     Some(t) if root < size => Ok(t),
                     _ => Err(self.usage(
@@ -345,7 +347,7 @@ impl Nccl {
                         continue;
                     }
                 };
-                let (s, r) = (p.cast_const().cast(), r.cast());
+                let (s, r) = (s.cast_const().cast(), r.cast());
                 // SAFETY: `n` elements of `dtype` of this GPU's memory, left alone by the
                 // device's work until the compute stream waits for the group (`land`, or the
                 // broadcast's own wait).

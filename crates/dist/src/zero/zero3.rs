@@ -213,6 +213,16 @@ impl<S: Elem> Gathered<'_, S> {
     fn start(&mut self, u: Unit, slot: usize) {
         self.land();
         match &self.fill {
+            Fill::Gather { dp, shard, .. } if dp.borrow().gathers_in_place() => {
+                let (z, windows) = (&*self.z, self.windows.rb());
+                let place = |r: &Range<usize>| z.place(u, slot, r);
+                let started =
+                    (dp.borrow_mut()).gather_unit_in_place(z.range(u), *shard, windows, &place);
+                if let Err(e) = started {
+                    self.z.error.get_or_insert(e.to_string());
+                }
+                self.z.pending = Some((u, slot));
+            }
             Fill::Gather { dp, shard, dev } => {
                 let (k, shard, dev) = (self.z.bucket(u), *shard, dev.as_ref());
                 let own = &mut |seg: &crate::data_parallel::Segment, out: &mut [f32]| {
@@ -245,6 +255,13 @@ impl<S: Elem> Gathered<'_, S> {
             unreachable!("only an all-gather is pending")
         };
         let mut dp = dp.borrow_mut();
+        // On the device (NCCL) the gathers wrote the window: the compute stream waits for them.
+        if dp.gathers_in_place() {
+            if let Err(e) = dp.land_in_place() {
+                self.z.error.get_or_insert(e.to_string());
+            }
+            return;
+        }
         match dp.gather_wait() {
             Ok((pieces, values)) => {
                 for (r, at) in pieces {

@@ -78,8 +78,7 @@ fn obstacle(
         _ if group == Dim::Tp && kind.storage() == DType::F16 => {
             "precision = fp16: fp16 activations are summed through the group's host buffer; use bf16 or fp32".into()
         }
-        _ if dp && p.zero > 2 => "zero = 3: ZeRO-3's gathers and sums go through the host's buckets; ZeRO-1 and 2 take NCCL".into(),
-        _ if dp && p.zero == 2 && cfg.data.grad_acc > 1 => format!("zero = 2 with grad_acc = {}: the shard sums the micro-batches' sums through the host's buckets (NCCL's sums overwrite it); use grad_acc = 1 or zero = 1", cfg.data.grad_acc),
+        _ if dp && p.zero >= 2 && cfg.data.grad_acc > 1 => format!("zero = {} with grad_acc = {}: the shard sums the micro-batches' sums through the host's buckets (NCCL's sums overwrite it); use grad_acc = 1 or zero = 1", p.zero, cfg.data.grad_acc),
         _ if dp && p.ep > 1 && (p.dp > 1 || p.zero > 0) => format!("ep = {} with dp = {}, zero = {}: the experts' replicas' sums and ZeRO's expert shards go through the host's buckets", p.ep, p.dp, p.zero),
         _ if dp && p.offload != Offload::None => "offload: the gradients are summed on the host".into(),
         _ if want == Want::Auto && machine.gpu_share > 1 => format!(
@@ -247,7 +246,12 @@ mod tests {
         cfg.data.grad_acc = 2;
         assert!(one(&cfg, 1, Want::Auto, true).starts_with("zero = 2 with grad_acc = 2"));
         cfg.parallel.zero = 3;
-        assert!(one(&cfg, 1, Want::Auto, true).starts_with("zero = 3: ZeRO-3's"));
+        assert!(one(&cfg, 1, Want::Auto, true).starts_with("zero = 3 with grad_acc = 2"));
+        cfg.data.grad_acc = 1;
+        assert!(one(&cfg, 1, Want::Auto, true).starts_with("ep = 2 with dp = 2, zero = 3"));
+        (cfg.parallel.ep, cfg.parallel.dp) = (1, 2);
+        // ZeRO-3 with one micro-batch a step: its gathers and sums on NCCL.
+        assert_eq!(obstacle(&cfg, &machine(1), Want::Auto, true, dp), None);
         // Tensor parallelism's collectives take any of these but fp16 activations.
         let tp = Dim::Tp;
         assert_eq!(obstacle(&cfg, &machine(1), Want::Auto, true, tp), None);

@@ -148,6 +148,7 @@ impl Trainer {
                 if dp.rank() == 0 {
                     let line = match self.cfg.parallel.zero {
                         2 => "data parallel: ZeRO-2's gradients summed into each owner's shard by NCCL on each rank's GPU, each window's before it is reused",
+                        3 => "data parallel: ZeRO-3's weights gathered into their windows from each owner's shard by NCCL on each rank's GPU, a layer ahead; its gradients summed into each owner's shard",
                         _ => "data parallel: gradients summed in place by NCCL on each rank's GPU, overlapping the backward",
                     };
                     eprintln!("{line}");
