@@ -224,6 +224,13 @@ for z in 1 2 3; do
     python3 scripts/cuda_ranks.py "$work/ranks-one/metrics.jsonl" "nccl-zero$z=$work/ranks-nccl-zero$z/metrics.jsonl"
     python3 scripts/cuda_ops.py "nccl zero$z" "$work/ranks-nccl-zero$z/metrics.jsonl" --max-syncs 7
 done
+# With gradient accumulation NCCL sums each segment in place into the owner's window, and the
+# owner adds it into its shard by the backend's kernel: ZeRO-3, 2 micro-batches a step, against
+# one rank of 4.
+run "$bin" train --device cuda "${tiny[@]}" "${ranks[@]}" --grad-acc 4 --out-dir "$work/ranks-one4"
+LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_NCCL=1 run "$bin" train --device cuda "${tiny[@]}" \
+    "${ranks[@]}" --dp 2 --zero 3 --grad-acc 2 --out-dir "$work/nccl-zero3-acc"
+python3 scripts/cuda_ranks.py "$work/ranks-one4/metrics.jsonl" "nccl-zero3-acc2=$work/nccl-zero3-acc/metrics.jsonl"
 # bf16 gradients summed by NCCL in bf16 (each addition rounded once: at two ranks the host
 # buckets' bits) against the host-staged dp 2.
 for c in staged nccl; do

@@ -25,7 +25,7 @@
 //! plan, laid out once over the order in which the backward reports gradients final,
 //! [`report_order`]); [`DataParallel::add`] checks every report against that layout.
 
-use crate::device_reduce::{grads_of, DeviceReduce, Owned};
+use crate::device_reduce::{grads_of, DeviceAdd, DeviceReduce, Owned};
 use crate::group::Group;
 use crate::small_sums::{gather_mem, gather_small, SmallSums};
 use crate::{Communicator, Pending, Region};
@@ -178,6 +178,9 @@ pub struct DataParallel {
     /// ZeRO-1/2 on NCCL: every rank's segments (parameters, owner, offset in the owner's
     /// shard), by their start.
     owners: Vec<(Range<usize>, usize, usize)>,
+    /// ZeRO-2/3 on NCCL with gradient accumulation: each segment is summed in place into its
+    /// owner's window, which this adds into the owner's shard.
+    accumulate: Option<DeviceAdd>,
 }
 
 impl DataParallel {
@@ -288,6 +291,7 @@ impl DataParallel {
             device: None,
             in_place: None,
             owners: Vec::new(),
+            accumulate: None,
         })
     }
 
@@ -371,6 +375,13 @@ impl DataParallel {
         }
         self.in_place = Some(reduce);
         Ok(())
+    }
+
+    /// ZeRO-2/3 on NCCL with gradient accumulation: each micro-batch's sums land in place in
+    /// the owner's window and `add` adds them into its shard (NCCL's reduce would overwrite
+    /// the shard's sum of the earlier micro-batches).
+    pub fn accumulate_with(&mut self, add: DeviceAdd) {
+        self.accumulate = Some(add);
     }
 
     /// ZeRO-1 on NCCL: every rank's weights `params` of each segment become its owner's, in
@@ -628,6 +639,11 @@ impl DataParallel {
             .as_mut()
             .map(|s| (s.as_mut_ptr(), s.len(), s.memory()));
         let me = self.group.rank();
+        // With gradient accumulation the sums land in the window, then are added to the shard.
+        let (shard, add_to) = match &self.accumulate {
+            Some(_) => (None, shard),
+            None => (shard, None),
+        };
         // The owners' segments inside `range`.
         let first = self.owners.partition_point(|(p, ..)| p.start < range.start);
         let owned = self.owners[first..]
@@ -659,10 +675,28 @@ impl DataParallel {
             true => reduce.land(),
             false => Ok(()),
         });
-        match landed {
-            Ok(()) => self.reduced += range.len(),
-            Err(e) => self.group.fail(FAILED, e),
+        if let Err(e) = landed {
+            return self.group.fail(FAILED, e);
         }
+        // This rank's segments' sums, in its window, into its shard.
+        if let (Some(add), Some((s, len, m))) = (&self.accumulate, add_to) {
+            let mine = self.owners[first..]
+                .iter()
+                .take_while(|(p, ..)| p.end <= range.end)
+                .filter(|(_, owner, _)| *owner == me);
+            for (r, _, at) in mine {
+                assert!(at + r.len() <= len, "internal: a segment past the shard");
+                // SAFETY: as above: the segment inside `range`'s view, its place in the shard.
+                let (acc, x) = unsafe {
+                    let x = view_at(base, r.start - range.start, r.len(), memory);
+                    (view_at(s, *at, r.len(), m), x)
+                };
+                if let (Some(acc), Some(x)) = (grads_of::<G>(acc), grads_of::<G>(x)) {
+                    add(acc, x);
+                }
+            }
+        }
+        self.reduced += range.len();
     }
 
     /// Starts the reduction of the full bucket; the spare one becomes the filling one.

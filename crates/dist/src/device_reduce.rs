@@ -18,9 +18,11 @@
 //! rank's weights of each segment become its owner's (one broadcast per segment, in place: an
 //! all-gather's volume), ordered before the next forward. **ZeRO-2** (§5.2) sums each segment
 //! of a window into its owner's shard of the reduced gradients, and the compute stream waits
-//! for the sums before the window is cleared for the next layer; NCCL overwrites the shard, so
-//! this holds for one micro-batch a step (with gradient accumulation the shard sums the
-//! micro-batches' sums: the host's buckets add them). **ZeRO-3** (§5.3) sums its gradient
+//! for the sums before the window is cleared for the next layer. NCCL's reduce overwrites the
+//! shard, which serves one micro-batch a step; with gradient accumulation (the shard sums the
+//! micro-batches' sums) each segment is summed in place into the owner's window instead, and
+//! the owner adds it into its shard by the backend's kernel ([`DeviceAdd`], on the compute
+//! stream, before the window is cleared). **ZeRO-3** (§5.3) sums its gradient
 //! windows as ZeRO-2 does, and gathers each unit's weights into its window as one group of
 //! broadcasts, each segment from its owner's shard, started a layer ahead on the communication
 //! stream (the prefetch) and waited for by the compute stream only before the layer's kernels.
@@ -71,6 +73,11 @@ pub trait DeviceReduce {
     /// compute stream after it; the host does not wait.
     fn broadcast_owned(&mut self, parts: &mut dyn Iterator<Item = Owned<'_>>) -> Result<()>;
 }
+
+/// `acc += x` on the device, both this rank's memory of one type and length, on the compute
+/// stream (the backend's `add_inplace`): ZeRO-2 and 3 add each micro-batch's sums into the
+/// owner's shard with it, as the host's buckets add theirs.
+pub type DeviceAdd = Box<dyn Fn(Grads<'_>, Grads<'_>)>;
 
 /// A segment of ZeRO's partition on every rank, and its owner: summed into the owner's copy
 /// (`into`: its shard of the reduced gradients, ZeRO-2 and 3; `None`: in place, ZeRO-1), or

@@ -12,7 +12,7 @@ pub enum Backend {
     /// path, checked without a device.
     Emulated(OnDevice<CpuKernels>),
     #[cfg(feature = "cuda")]
-    Cuda(Box<cuda::CudaKernels>),
+    Cuda(std::sync::Arc<cuda::CudaKernels>),
 }
 
 impl Backend {

@@ -220,7 +220,7 @@ fn cuda(gpu: usize, fp8: Option<Fp8Inputs>) -> Result<(Backend, Option<Arc<dyn D
     }
     k.set_fp8(fp8);
     let alloc = Arc::new(CudaAlloc::new(k.gpu().ctx.clone(), k.baseline()));
-    Ok((Backend::Cuda(Box::new(k)), Some(alloc)))
+    Ok((Backend::Cuda(Arc::new(k)), Some(alloc)))
 }
 
 /// A GPU backend's own workspace for `model`'s step (the plan's overhead term, which on the

@@ -1,8 +1,10 @@
 //! NCCL where each rank has a GPU of its own (issue #33), for two groups:
 //! - **data parallelism**: the backward's final gradients are summed in place on the device,
 //!   on NCCL's stream, while the backward goes on (`ferrotron_dist::device_reduce`), instead of
-//!   through the host's buckets; under ZeRO-1 and 2 each segment into its owner's copy or
-//!   shard, and the updated weights broadcast from their owners;
+//!   through the host's buckets; under ZeRO each segment into its owner's copy or shard (with
+//!   gradient accumulation into its window, added into the shard by the backend's kernel), and
+//!   the updated weights broadcast from their owners (ZeRO-3: each unit's into its window, a
+//!   layer ahead);
 //! - **tensor parallelism**: the model's all-reduces, all-gathers and reduce-scatters run on
 //!   the activations where they lie (`ferrotron_dist::device_collective`), instead of through
 //!   the group's host buffer;
@@ -15,8 +17,7 @@
 //! communicator first: NCCL's bootstrap is collective).
 //!
 //! `FERROTRON_NCCL` chooses: unset or `auto`, NCCL where it can serve (data parallelism: f32 or
-//! bf16 gradients, ZeRO-1, or ZeRO-2 over one micro-batch a step, no ZeRO-3, expert replicas or
-//! offload; tensor parallelism: f32 or bf16
+//! bf16 gradients, any ZeRO stage, no expert replicas or offload; tensor parallelism: f32 or bf16
 //! activations; all: one rank per GPU, the library present); `1`, NCCL or a refusal naming
 //! what stands in the way (also where ranks share a GPU: the CUDA emulator's libnccl takes
 //! them, NCCL itself refuses); `0`, the host's buffers.
@@ -78,7 +79,6 @@ fn obstacle(
         _ if group == Dim::Tp && kind.storage() == DType::F16 => {
             "precision = fp16: fp16 activations are summed through the group's host buffer; use bf16 or fp32".into()
         }
-        _ if dp && p.zero >= 2 && cfg.data.grad_acc > 1 => format!("zero = {} with grad_acc = {}: the shard sums the micro-batches' sums through the host's buckets (NCCL's sums overwrite it); use grad_acc = 1 or zero = 1", p.zero, cfg.data.grad_acc),
         _ if dp && p.ep > 1 && (p.dp > 1 || p.zero > 0) => format!("ep = {} with dp = {}, zero = {}: the experts' replicas' sums and ZeRO's expert shards go through the host's buckets", p.ep, p.dp, p.zero),
         _ if dp && p.offload != Offload::None => "offload: the gradients are summed on the host".into(),
         _ if want == Want::Auto && machine.gpu_share > 1 => format!(
@@ -134,10 +134,54 @@ pub fn reduce_on_gpus(
         return Ok(false);
     }
     #[cfg(feature = "cuda")]
-    dp.reduce_in_place(Box::new(over(dp.group(), ctx, Dim::Dp)?))?;
+    {
+        dp.reduce_in_place(Box::new(over(dp.group(), ctx, Dim::Dp)?))?;
+        if let (Backend::Cuda(k), true) = (backend, cfg.parallel.zero >= 2 && cfg.data.grad_acc > 1)
+        {
+            dp.accumulate_with(device_add(k.clone()));
+        }
+    }
     #[cfg(not(feature = "cuda"))]
     no_cuda(ctx)?;
     Ok(true)
+}
+
+/// ZeRO-2/3's shard accumulation on the GPU: the backend's `add_inplace`, in the gradients'
+/// type, on its compute stream.
+#[cfg(feature = "cuda")]
+fn device_add(
+    k: std::sync::Arc<ferrotron_engine::kernels::cuda::CudaKernels>,
+) -> ferrotron_dist::device_reduce::DeviceAdd {
+    use ferrotron_engine::kernels::Memory;
+    use ferrotron_engine::kernels::{Kernels, View, ViewMut};
+    use ferrotron_engine::Elem;
+    use half::bf16;
+    use std::ptr::NonNull;
+    fn add<T: Elem>(k: &dyn Kernels<T, T>, acc: (*mut u8, usize, Memory), x: *mut u8) {
+        let (p, n, m) = acc;
+        let at = |p: *mut u8| NonNull::new(p.cast::<T>()).expect("device memory is never null");
+        // SAFETY: `n` elements of `T` each (`Grads` of one type and length, checked by the
+        // caller), this rank's device memory, borrowed for the call.
+        let (acc, x) = unsafe {
+            (
+                ViewMut::from_raw_parts(at(p), n, m),
+                View::from_raw_parts(at(x), n, m),
+            )
+        };
+        k.add_inplace(acc, x);
+    }
+    Box::new(move |mut acc, mut x| {
+        assert!(
+            acc.dtype == x.dtype && acc.bytes() == x.bytes(),
+            "internal: a shard's sum of another type or length"
+        );
+        let (to, from) = (acc.raw(), x.raw().0);
+        match acc.dtype {
+            DType::F32 => add::<f32>(&*k, to, from),
+            DType::Bf16 => add::<bf16>(&*k, to, from),
+            d => panic!("internal: {d:?} gradients summed on NCCL"),
+        }
+    })
 }
 
 /// Hands the exchanges of model group `what` (tensor parallelism's collectives, context
@@ -242,16 +286,15 @@ mod tests {
         assert!(one(&cfg, 1, Want::Auto, true).starts_with("ep = 2 with dp = 2"));
         cfg.parallel.zero = 1;
         assert!(one(&cfg, 1, Want::Auto, true).starts_with("ep = 2 with dp = 2, zero = 1"));
-        cfg.parallel.zero = 2;
-        cfg.data.grad_acc = 2;
-        assert!(one(&cfg, 1, Want::Auto, true).starts_with("zero = 2 with grad_acc = 2"));
         cfg.parallel.zero = 3;
-        assert!(one(&cfg, 1, Want::Auto, true).starts_with("zero = 3 with grad_acc = 2"));
-        cfg.data.grad_acc = 1;
+        cfg.data.grad_acc = 2;
         assert!(one(&cfg, 1, Want::Auto, true).starts_with("ep = 2 with dp = 2, zero = 3"));
         (cfg.parallel.ep, cfg.parallel.dp) = (1, 2);
-        // ZeRO-3 with one micro-batch a step: its gathers and sums on NCCL.
-        assert_eq!(obstacle(&cfg, &machine(1), Want::Auto, true, dp), None);
+        // ZeRO-2 and 3, with gradient accumulation too: gathers and sums on NCCL.
+        for z in [2, 3] {
+            cfg.parallel.zero = z;
+            assert_eq!(obstacle(&cfg, &machine(1), Want::Auto, true, dp), None);
+        }
         // Tensor parallelism's collectives take any of these but fp16 activations.
         let tp = Dim::Tp;
         assert_eq!(obstacle(&cfg, &machine(1), Want::Auto, true, tp), None);
