@@ -264,6 +264,20 @@ grep -q "^error: rank 0: comm timeout: .* on group dp at step 3 got no answer wi
     echo "error: the NCCL peer of a stalled rank did not time out (--comm-timeout 3)"
     exit 1
 }
+# A rank that fails (FERROTRON_TEST_FAIL: rank 1 at step 3) leaves its NCCL peer waiting where
+# no host communicator wakes it: the watchdog ends the job a few seconds after the failure,
+# with its error, not at the 600 s default deadline.
+if LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_NCCL=1 FERROTRON_TEST_FAIL=1:3 timeout 60 \
+    "$bin" train --device cuda "${tiny[@]}" --steps 6 --eval-interval 0 --dp 2 --grad-acc 1 \
+    --out-dir "$work/nccl-fail" 2>"$work/nccl.err"; then
+    echo "error: a failed rank's NCCL peer finished its run"
+    exit 1
+fi
+grep -q "^error: rank 1 failed: rank 1: failed at step 3, as FERROTRON_TEST_FAIL asked; rank 0 still waits in .* on group dp" "$work/nccl.err" || {
+    cat "$work/nccl.err"
+    echo "error: the NCCL peer of a failed rank was not ended with its error"
+    exit 1
+}
 # Tensor parallelism's collectives through NCCL on the activations where they lie, in their own
 # type (device_collective.rs; bf16 at 2 and 3 ranks in tests/nccl.rs): the staged tp 2's bits,
 # sequence parallelism's gathers and scatters against one rank; with the vocabulary-parallel

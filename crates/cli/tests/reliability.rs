@@ -116,6 +116,29 @@ fn a_stuck_rank_takes_the_job_down_after_the_comm_timeout() {
 }
 
 #[test]
+fn a_rank_that_fails_ends_the_job_with_its_error_at_once() {
+    // Rank 1 of 2 fails at the start of step 3 (a rank that dies); rank 0, waiting for it in
+    // its gradient all-reduce, is woken with rank 1's error instead of waiting out the
+    // watchdog's 600 s. (On GPUs with NCCL, whose waits no host communicator ends, the
+    // watchdog ends them soon after the failure: scripts/cuda_emulated.sh.)
+    let r = Run::new();
+    let started = Instant::now();
+    let o = r
+        .train_cmd(&["--dp", "2", "--steps", "6"])
+        .env("FERROTRON_TEST_FAIL", "1:3")
+        .output()
+        .unwrap();
+    let took = started.elapsed();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("rank 1 failed: rank 1: failed at step 3, as FERROTRON_TEST_FAIL asked"),
+        "{err}"
+    );
+    assert!(took < Duration::from_secs(60), "took {took:?}");
+}
+
+#[test]
 fn a_checkpoint_that_cannot_be_written_leaves_the_previous_one() {
     a_failed_save_leaves_the_previous_checkpoint(&[]);
 }

@@ -40,6 +40,8 @@ struct Shared {
     waits: HashMap<u64, Wait>,
     /// Each rank's current training step (0 before the first).
     steps: HashMap<usize, u64>,
+    /// The first rank of this process that failed, its error, and when.
+    failed: Option<(usize, String, Instant)>,
 }
 
 /// Waits (and ranks) the tables hold before they grow: a rank's thread waits on one operation
@@ -60,14 +62,15 @@ fn state() -> std::sync::MutexGuard<'static, Option<Shared>> {
 pub fn start(timeout: Duration, expire: Expire) {
     let mut s = state();
     let first = s.is_none();
-    let (next, waits, steps) = match s.take() {
-        Some(old) => (old.next, old.waits, old.steps),
+    let (next, waits, steps, failed) = match s.take() {
+        Some(old) => (old.next, old.waits, old.steps, old.failed),
         // Room for every rank thread of a process waiting at once: a wait armed on the step's
         // hot path then never grows the table (freed entries are reused in place).
         None => (
             0,
             HashMap::with_capacity(WAITS),
             HashMap::with_capacity(WAITS),
+            None,
         ),
     };
     *s = Some(Shared {
@@ -76,6 +79,7 @@ pub fn start(timeout: Duration, expire: Expire) {
         next,
         waits,
         steps,
+        failed,
     });
     drop(s);
     if first {
@@ -85,6 +89,21 @@ pub fn start(timeout: Duration, expire: Expire) {
             .expect("spawn the communication watchdog");
     }
 }
+
+/// Records that `rank` of this process failed with `cause` (the first failure is kept). The
+/// host communicators wake the ranks waiting on it with an error; a wait they do not end (on
+/// the GPU's queue behind NCCL's work, in an NCCL call) ends the job [`AFTER_FAILURE`] later,
+/// naming this failure, rather than at the full `comm_timeout`.
+pub fn rank_failed(rank: usize, cause: &str) {
+    if let Some(s) = state().as_mut() {
+        s.failed
+            .get_or_insert_with(|| (rank, cause.to_string(), Instant::now()));
+    }
+}
+
+/// How long a wait may outlast another rank's failure before the job is taken down: the
+/// ranks the host communicators wake return their errors well within it.
+pub const AFTER_FAILURE: Duration = Duration::from_secs(3);
 
 /// Records that `rank` is now training step `step` (named in a timeout's line).
 pub fn set_step(rank: usize, step: u64) {
@@ -181,11 +200,24 @@ pub fn timeout_line(rank: usize, op: &str, group: &str, step: u64, waited: Durat
 impl Wait {
     /// The line of this wait, expired at `step` after `waited`.
     fn line(&self, step: u64, waited: Duration) -> String {
-        let op = match self.on_gpu {
+        timeout_line(self.rank, &self.what(), &self.group, step, waited)
+    }
+
+    /// The line of this wait at `step`, which rank `failed` (with `cause`) will not answer.
+    fn orphan_line(&self, step: u64, failed: usize, cause: &str) -> String {
+        format!(
+            "rank {failed} failed: {cause}; rank {} still waits in {} on group {} at step {step}, which no failed rank answers: taking the job down",
+            self.rank,
+            self.what(),
+            self.group
+        )
+    }
+
+    fn what(&self) -> String {
+        match self.on_gpu {
             true => format!("the GPU's queue (a {} wait behind NCCL's work)", self.op),
             false => self.op.to_string(),
-        };
-        timeout_line(self.rank, &op, &self.group, step, waited)
+        }
     }
 }
 
@@ -202,10 +234,22 @@ fn watch_loop() {
                 .values()
                 .filter(|w| w.since.elapsed() > s.timeout)
                 .min_by_key(|w| w.since);
-            let expired = late.map(|w| {
-                let step = s.steps.get(&w.rank).copied().unwrap_or(0);
-                (s.expire, w.line(step, s.timeout))
+            let step_of = |w: &Wait| s.steps.get(&w.rank).copied().unwrap_or(0);
+            let expired = late.map(|w| (s.expire, w.line(step_of(w), s.timeout)));
+            // A wait that outlasts another rank's failure: no answer will come.
+            let orphaned = s.failed.as_ref().and_then(|(rank, cause, at)| {
+                let grace = AFTER_FAILURE.min(s.timeout);
+                let w = (at.elapsed() > grace)
+                    .then(|| {
+                        s.waits
+                            .values()
+                            .filter(|w| w.rank != *rank)
+                            .min_by_key(|w| w.since)
+                    })
+                    .flatten()?;
+                Some((s.expire, w.orphan_line(step_of(w), *rank, cause)))
             });
+            let expired = expired.or(orphaned);
             (tick, expired)
         };
         if let Some((expire, line)) = expired {
@@ -386,6 +430,10 @@ mod tests {
         assert_eq!(
             wait.line(5, Duration::from_secs(60)),
             "rank 3: comm timeout: the GPU's queue (a stream_sync wait behind NCCL's work) on group dp, tp at step 5 got no answer within 60 s (comm_timeout): a rank of the group is stuck, stopped or dead; taking the job down — restart it from the last checkpoint"
+        );
+        assert_eq!(
+            wait.orphan_line(5, 1, "out of memory"),
+            "rank 1 failed: out of memory; rank 3 still waits in the GPU's queue (a stream_sync wait behind NCCL's work) on group dp, tp at step 5, which no failed rank answers: taking the job down"
         );
     }
 }

@@ -21,7 +21,7 @@ use crate::optim::step::{adamw, grad_scale, OptRun, States};
 use crate::setup::{checked_plan, planned_bytes, recompute_flops_per_token};
 use crate::weights::Flat;
 use crate::{with_dev_types, with_flat_types};
-use anyhow::Result;
+use anyhow::{bail, Result};
 use ferrotron_dist::data_parallel::{expert_ranges, Buckets, DataParallel, Gather, Segment};
 use ferrotron_dist::grad_sync::GradLayout;
 use ferrotron_dist::group::Group;
@@ -198,15 +198,29 @@ fn injected_nan(step: u64) -> bool {
 /// that step and never goes on, alive (what SIGSTOP does to one process of an mpirun job, for
 /// a rank that is a thread): the watchdog's tests.
 fn stall_if_asked(rank: usize, step: u64) {
-    let asked = std::env::var("FERROTRON_TEST_STALL").is_ok_and(|v| {
-        v.split_once(':')
-            .is_some_and(|(r, s)| r.parse() == Ok(rank) && s.parse() == Ok(step))
-    });
-    if asked {
+    if asked("FERROTRON_TEST_STALL", rank, step) {
         loop {
             std::thread::sleep(std::time::Duration::from_secs(1));
         }
     }
+}
+
+/// The test-only switch `FERROTRON_TEST_FAIL=RANK:STEP`: that rank fails at the start of that
+/// step with an error (a rank that dies while the others wait for it): the tests that the job
+/// ends with its error, not in a hang.
+fn fail_if_asked(rank: usize, step: u64) -> Result<()> {
+    match asked("FERROTRON_TEST_FAIL", rank, step) {
+        true => bail!("rank {rank}: failed at step {step}, as FERROTRON_TEST_FAIL asked"),
+        false => Ok(()),
+    }
+}
+
+/// Whether test switch `var` (`RANK:STEP`) names this rank and step.
+fn asked(var: &str, rank: usize, step: u64) -> bool {
+    std::env::var(var).is_ok_and(|v| {
+        v.split_once(':')
+            .is_some_and(|(r, s)| r.parse() == Ok(rank) && s.parse() == Ok(step))
+    })
 }
 
 /// What the typed step computed.

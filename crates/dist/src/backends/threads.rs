@@ -290,6 +290,7 @@ pub fn run_tagged<T: Send + 'static>(
                     if let Err(e) = &out {
                         let mut failed = world.failed.lock().unwrap_or_else(|e| e.into_inner());
                         failed.get_or_insert((r, e.clone()));
+                        crate::watchdog::rank_failed(r, e);
                     }
                     out
                 })
@@ -660,6 +661,7 @@ impl Communicator for ThreadComm {
         let mut failed = self.world.failed.lock().unwrap_or_else(|e| e.into_inner());
         failed.get_or_insert((self.world_rank, cause.to_string()));
         drop(failed);
+        crate::watchdog::rank_failed(self.world_rank, cause);
         self.world.mail_cv.notify_all();
         for ex in self
             .world

@@ -16,6 +16,7 @@ impl Trainer {
         let step = self.step + 1;
         ferrotron_dist::watchdog::set_step(self.world_rank(), step);
         stall_if_asked(self.world_rank(), step);
+        fail_if_asked(self.world_rank(), step)?;
         self.allocate_step_buffers(step)?;
         let ran_with = self.scaler.as_ref().map(|s| s.scale);
         let stepped = self.step_where_the_state_is(step)?;
