@@ -214,19 +214,19 @@ LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_NCCL=1 run "$bin" train --
 said "^data parallel: gradients summed in place by NCCL" "dp 2 with FERROTRON_NCCL=1 did not sum through NCCL"
 python3 scripts/cuda_ranks.py "$work/ranks-one/metrics.jsonl" "nccl-dp2=$work/ranks-nccl/metrics.jsonl"
 python3 scripts/cuda_ops.py "nccl dp2" "$work/ranks-nccl/metrics.jsonl" --max-syncs 6
-# ZeRO-1, 2 and 3 through NCCL: each segment's gradients summed into its owner's copy (ZeRO-1,
-# in place) or shard (ZeRO-2 and 3, from its window), the updated weights broadcast from the
-# owners (ZeRO-3: each unit's into its window from the owners' shards, a layer ahead), on the
-# device (4-5 host syncs a step where the host's buckets take 66, 88 and 92.5): against one rank.
-for z in 1 2 3; do
+# ZeRO-1 and 2 through NCCL: each segment's gradients summed into its owner's copy (ZeRO-1, in
+# place) or shard (ZeRO-2, from its window), the updated weights broadcast from the owners, on
+# the device (4-5 host syncs a step where the host's buckets take 66 and 88): against one rank.
+for z in 1 2; do
     LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_NCCL=1 run "$bin" train --device cuda "${tiny[@]}" \
         "${ranks[@]}" --dp 2 --zero $z --grad-acc 1 --out-dir "$work/ranks-nccl-zero$z"
     python3 scripts/cuda_ranks.py "$work/ranks-one/metrics.jsonl" "nccl-zero$z=$work/ranks-nccl-zero$z/metrics.jsonl"
     python3 scripts/cuda_ops.py "nccl zero$z" "$work/ranks-nccl-zero$z/metrics.jsonl" --max-syncs 7
 done
-# With gradient accumulation NCCL sums each segment in place into the owner's window, and the
-# owner adds it into its shard by the backend's kernel: ZeRO-3, 2 micro-batches a step, against
-# one rank of 4.
+# ZeRO-3 through NCCL: each unit's weights broadcast into its window from the owners' shards, a
+# layer ahead; with gradient accumulation each segment's sum lands in place in the owner's
+# window and the owner adds it into its shard by the backend's kernel (4 host syncs a step
+# where the host's buckets take 92.5): 2 micro-batches a step against one rank of 4.
 run "$bin" train --device cuda "${tiny[@]}" "${ranks[@]}" --grad-acc 4 --out-dir "$work/ranks-one4"
 LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_NCCL=1 run "$bin" train --device cuda "${tiny[@]}" \
     "${ranks[@]}" --dp 2 --zero 3 --grad-acc 2 --out-dir "$work/nccl-zero3-acc"
