@@ -294,6 +294,13 @@ nccl_run 1 nccl-sp2 --tp 2 --sp
 python3 scripts/cuda_ranks.py "$work/ranks-tp2/metrics.jsonl" "nccl-tp2=$work/nccl-tp2/metrics.jsonl"
 python3 scripts/cuda_ranks.py "$work/ranks-one/metrics.jsonl" "nccl-sp2=$work/nccl-sp2/metrics.jsonl"
 python3 scripts/cuda_ops.py "nccl tp2" "$work/nccl-tp2/metrics.jsonl" --max-syncs 6
+# The pipeline's tied embedding summed over its ends by NCCL in place (the staged pp 2 moves it
+# through the host's receive buffer, 128 of its 137.5 host syncs a step): the staged run's bits.
+nccl_run 1 nccl-pp2 --pp 2
+said "^pipeline parallel: the tied embedding's gradient summed over the first and last stages by NCCL" \
+    "pp 2 with FERROTRON_NCCL=1 did not sum its tied embedding on NCCL"
+python3 scripts/cuda_ranks.py "$work/ranks-pp2/metrics.jsonl" "nccl-pp2=$work/nccl-pp2/metrics.jsonl"
+python3 scripts/cuda_ops.py "nccl pp2" "$work/nccl-pp2/metrics.jsonl" --max-syncs 10
 # Context parallelism's ring through NCCL (each f32 block as it lies, one group of a send and a
 # receive beside the attention of the block in hand; a compute stream that did not wait for it
 # would read the last block, which the emulator's late streams show): the staged cp 2's bits,

@@ -16,7 +16,9 @@ use crate::small_sums::{gather_small, SmallSums};
 use crate::{AsViewMut, Communicator, Pending, Region};
 use anyhow::{anyhow, Result};
 use ferrotron_engine::kernels::host_copy::{read_f32, write_f32, HostCopy};
-use ferrotron_engine::kernels::{View, ViewMut};
+use ferrotron_engine::kernels::{Memory, View, ViewMut};
+use ferrotron_engine::model::tensor_parallel::TpOp;
+use ferrotron_engine::model::DeviceOperands;
 use ferrotron_engine::Elem;
 use ferrotron_plan::schedule::{messages, order, slots, Direction, Message, Work};
 use ferrotron_plan::Layout;
@@ -257,12 +259,34 @@ impl Pipeline {
         Ok(())
     }
 
-    /// Sums the tied embedding's gradient `g` with the other stage's copy, in place, through
-    /// the receive buffer (so nothing is allocated).
+    /// The first and last stages' group, when they share a tied embedding.
+    pub fn embedding_group(&self) -> Option<&Group> {
+        self.embedding.as_ref()
+    }
+
+    /// Sums the tied embedding's gradient `g` with the other stage's copy, in place: on GPUs
+    /// with NCCL where it lies, in its own type (bf16 at two ranks: one addition rounded once,
+    /// the host path's bits), else through the receive buffer (so nothing is allocated).
     pub fn sum_embedding<G: Elem>(&mut self, mut g: ViewMut<'_, G>) -> Result<()> {
         let Some(embedding) = &self.embedding else {
             return Ok(());
         };
+        let memory = g.memory();
+        if let (Some(dc), Memory::Device(_)) = (&*embedding.device_collectives(), memory) {
+            if dc.takes(G::DTYPE) {
+                let p = g.as_mut_ptr().cast::<u8>();
+                let (count, dtype) = (g.len(), G::DTYPE);
+                let x = DeviceOperands {
+                    send: p.cast_const(),
+                    recv: p,
+                    count,
+                    dtype,
+                    memory,
+                };
+                return (dc.run(TpOp::AllReduce, x))
+                    .map_err(|e| anyhow!("tied embedding gradient all-reduce: {e}"));
+            }
+        }
         let dev = self.device.as_ref();
         let mut buf = std::mem::take(&mut self.recv);
         let step = buf.len().max(1);

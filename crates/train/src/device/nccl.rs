@@ -11,7 +11,10 @@
 //! - **context parallelism**: the ring passes each key/value block as it lies, beside the
 //!   attention of the block in hand (the same module);
 //! - **expert parallelism**: the routed rows' all-to-alls between the blocks where they lie
-//!   (the same module).
+//!   (the same module);
+//! - **the pipeline's ends**: the first and last stages' sum of a tied embedding's gradient, in
+//!   place (`ferrotron_dist::pipeline`). The stages' messages stay on the host: see
+//!   ARCHITECTURE.md for what NCCL's sends need there.
 //!
 //! Each group takes NCCL on every rank or on none (the choice is agreed over the group's host
 //! communicator first: NCCL's bootstrap is collective).
@@ -71,16 +74,18 @@ fn obstacle(
 ) -> Option<String> {
     let p = &cfg.parallel;
     let dp = group == Dim::Dp;
+    // The groups that sum gradients: data parallelism's, and the pipeline's ends' tied embedding.
+    let grads = dp || group == Dim::Pp;
     let kind = cfg.precision.kind;
     Some(match () {
-        _ if dp && kind.engine_grads() == DType::F16 => {
+        _ if grads && kind.engine_grads() == DType::F16 => {
             "precision = fp16: fp16 gradients (and their loss scale's overflow check) are summed through the host's buckets; use bf16 or fp32".into()
         }
         _ if group == Dim::Tp && kind.storage() == DType::F16 => {
             "precision = fp16: fp16 activations are summed through the group's host buffer; use bf16 or fp32".into()
         }
         _ if dp && p.ep > 1 && (p.dp > 1 || p.zero > 0) => format!("ep = {} with dp = {}, zero = {}: the experts' replicas' sums and ZeRO's expert shards go through the host's buckets", p.ep, p.dp, p.zero),
-        _ if dp && p.offload != Offload::None => "offload: the gradients are summed on the host".into(),
+        _ if grads && p.offload != Offload::None => "offload: the gradients are summed on the host".into(),
         _ if want == Want::Auto && machine.gpu_share > 1 => format!(
             "{} ranks share GPU {} (NCCL takes one rank per GPU)",
             machine.gpu_share, machine.gpu
@@ -300,6 +305,9 @@ mod tests {
         assert_eq!(obstacle(&cfg, &machine(1), Want::Auto, true, tp), None);
         cfg.precision.kind = Precision::Fp16;
         assert!(one(&cfg, 1, Want::Auto, true).starts_with("precision = fp16: fp16 gradients"));
+        // The pipeline's ends sum gradients too (a tied embedding's).
+        let e = obstacle(&cfg, &machine(1), Want::Auto, true, Dim::Pp).expect("an obstacle");
+        assert!(e.starts_with("precision = fp16: fp16 gradients"), "{e}");
         let e = obstacle(&cfg, &machine(1), Want::Auto, true, tp).expect("an obstacle");
         assert_eq!(e, "precision = fp16: fp16 activations are summed through the group's host buffer; use bf16 or fp32");
         cfg.precision.kind = Precision::Bf16;

@@ -183,6 +183,16 @@ impl Trainer {
                 }
             }
         }
+        // The first and last pipeline stages' sum of a tied embedding's gradient.
+        if let Some(g) = self.mesh.pp.as_ref().and_then(|p| p.embedding_group()) {
+            joining(Dim::Pp);
+            if nccl::collectives_on_gpus(backend, &self.cfg, machine, g, Dim::Pp)? {
+                on.push("embedding");
+                if g.rank() == 0 {
+                    eprintln!("pipeline parallel: the tied embedding's gradient summed over the first and last stages by NCCL, in place on their GPUs");
+                }
+            }
+        }
         match on.is_empty() {
             true => watchdog::unwatch_gpu(),
             false => watchdog::watch_gpu(rank, &on.join(", ")),
