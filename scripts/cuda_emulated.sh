@@ -250,34 +250,32 @@ grep -q "^error: rank 0: FERROTRON_NCCL=1: data parallel: precision = fp16: fp16
     echo "error: the NCCL refusal's message"
     exit 1
 }
-# A rank that stops alive (FERROTRON_TEST_STALL: rank 1 at step 3) holds its NCCL peer in the
-# device's queue, where no host collective waits: the watchdog arms NCCL's calls and the GPU's
-# host synchronisations, and takes the job down in one line after --comm-timeout.
-if LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_NCCL=1 FERROTRON_TEST_STALL=1:3 timeout 60 \
-    "$bin" train --device cuda "${tiny[@]}" --steps 6 --eval-interval 0 --dp 2 --grad-acc 1 \
-    --comm-timeout 3 --out-dir "$work/nccl-stall" 2>"$work/nccl.err"; then
-    echo "error: a stalled rank's NCCL peer finished its run"
-    exit 1
-fi
-grep -q "^error: rank 0: comm timeout: .* on group dp at step 3 got no answer within 3 s" "$work/nccl.err" || {
-    cat "$work/nccl.err"
-    echo "error: the NCCL peer of a stalled rank did not time out (--comm-timeout 3)"
-    exit 1
+# dp 2 on NCCL with test switch $1 on rank 1 at step 3 (more flags after $3) must fail within
+# 60 s with a line matching $2, else $3 is the error.
+rank1_at_step3() {
+    if LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_NCCL=1 env "$1=1:3" timeout 60 \
+        "$bin" train --device cuda "${tiny[@]}" --steps 6 --eval-interval 0 --dp 2 --grad-acc 1 \
+        "${@:4}" --out-dir "$work/nccl-$1" 2>"$work/nccl.err"; then
+        echo "error: $3 (the run finished)"
+        exit 1
+    fi
+    grep -q "$2" "$work/nccl.err" || {
+        cat "$work/nccl.err"
+        echo "error: $3"
+        exit 1
+    }
 }
-# A rank that fails (FERROTRON_TEST_FAIL: rank 1 at step 3) leaves its NCCL peer waiting where
-# no host communicator wakes it: the watchdog ends the job a few seconds after the failure,
-# with its error, not at the 600 s default deadline.
-if LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_NCCL=1 FERROTRON_TEST_FAIL=1:3 timeout 60 \
-    "$bin" train --device cuda "${tiny[@]}" --steps 6 --eval-interval 0 --dp 2 --grad-acc 1 \
-    --out-dir "$work/nccl-fail" 2>"$work/nccl.err"; then
-    echo "error: a failed rank's NCCL peer finished its run"
-    exit 1
-fi
-grep -q "^error: rank 1 failed: rank 1: failed at step 3, as FERROTRON_TEST_FAIL asked; rank 0 still waits in .* on group dp" "$work/nccl.err" || {
-    cat "$work/nccl.err"
-    echo "error: the NCCL peer of a failed rank was not ended with its error"
-    exit 1
-}
+# A rank that stops alive (FERROTRON_TEST_STALL) holds its NCCL peer in the device's queue,
+# where no host collective waits: the watchdog arms NCCL's calls and the GPU's host
+# synchronisations, and takes the job down in one line after --comm-timeout.
+rank1_at_step3 FERROTRON_TEST_STALL "^error: rank 0: comm timeout: .* on group dp at step 3 got no answer within 3 s" \
+    "the NCCL peer of a stalled rank did not time out (--comm-timeout 3)" --comm-timeout 3
+# A rank that fails (FERROTRON_TEST_FAIL) leaves its NCCL peer waiting where no host
+# communicator wakes it: the watchdog ends the job a few seconds after the failure, with its
+# error, not at the 600 s default deadline.
+rank1_at_step3 FERROTRON_TEST_FAIL \
+    "^error: rank 1 failed: rank 1: failed at step 3, as FERROTRON_TEST_FAIL asked; rank 0 still waits in .* on group dp" \
+    "the NCCL peer of a failed rank was not ended with its error"
 # Tensor parallelism's collectives through NCCL on the activations where they lie, in their own
 # type (device_collective.rs; bf16 at 2 and 3 ranks in tests/nccl.rs): the staged tp 2's bits,
 # sequence parallelism's gathers and scatters against one rank; with the vocabulary-parallel

@@ -96,16 +96,7 @@ fn a_stuck_rank_takes_the_job_down_after_the_comm_timeout() {
     // Rank 1 of 2 stops at the start of step 3 and never goes on (a SIGSTOP for a rank that
     // is a thread); rank 0 waits in its gradient all-reduce. Without the watchdog the job
     // would hang forever.
-    let r = Run::new();
-    let started = Instant::now();
-    let o = r
-        .train_cmd(&["--dp", "2", "--steps", "6", "--comm-timeout", "3"])
-        .env("FERROTRON_TEST_STALL", "1:3")
-        .output()
-        .unwrap();
-    let took = started.elapsed();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(1), "{err}");
+    let (err, took) = rank_1_at_step_3("FERROTRON_TEST_STALL", &["--comm-timeout", "3"]);
     assert!(
         err.contains(
             "rank 0: comm timeout: all_reduce on group world at step 3 got no answer within 3 s (comm_timeout)"
@@ -115,22 +106,30 @@ fn a_stuck_rank_takes_the_job_down_after_the_comm_timeout() {
     assert!(took < Duration::from_secs(3 + 30), "took {took:?}");
 }
 
+/// dp 2 of 6 steps with test switch `switch` on rank 1 at step 3 (and `extra` flags): a run
+/// that must fail with status 1; its stderr and how long it took.
+fn rank_1_at_step_3(switch: &str, extra: &[&str]) -> (String, Duration) {
+    let r = Run::new();
+    let started = Instant::now();
+    let o = r
+        .train_cmd(&["--dp", "2", "--steps", "6"])
+        .args(extra)
+        .env(switch, "1:3")
+        .output()
+        .unwrap();
+    let took = started.elapsed();
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    (err, took)
+}
+
 #[test]
 fn a_rank_that_fails_ends_the_job_with_its_error_at_once() {
     // Rank 1 of 2 fails at the start of step 3 (a rank that dies); rank 0, waiting for it in
     // its gradient all-reduce, is woken with rank 1's error instead of waiting out the
     // watchdog's 600 s. (On GPUs with NCCL, whose waits no host communicator ends, the
     // watchdog ends them soon after the failure: scripts/cuda_emulated.sh.)
-    let r = Run::new();
-    let started = Instant::now();
-    let o = r
-        .train_cmd(&["--dp", "2", "--steps", "6"])
-        .env("FERROTRON_TEST_FAIL", "1:3")
-        .output()
-        .unwrap();
-    let took = started.elapsed();
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(1), "{err}");
+    let (err, took) = rank_1_at_step_3("FERROTRON_TEST_FAIL", &[]);
     assert!(
         err.contains("rank 1 failed: rank 1: failed at step 3, as FERROTRON_TEST_FAIL asked"),
         "{err}"
