@@ -229,33 +229,37 @@ fn watch_loop() {
             // Several looks per timeout: a wait is caught within a tenth of it (at most 1 s)
             // of its deadline.
             let tick = (s.timeout / 10).clamp(Duration::from_millis(10), Duration::from_secs(1));
-            let late = s
-                .waits
-                .values()
-                .filter(|w| w.since.elapsed() > s.timeout)
-                .min_by_key(|w| w.since);
-            let step_of = |w: &Wait| s.steps.get(&w.rank).copied().unwrap_or(0);
-            let expired = late.map(|w| (s.expire, w.line(step_of(w), s.timeout)));
-            // A wait that outlasts another rank's failure: no answer will come.
-            let orphaned = s.failed.as_ref().and_then(|(rank, cause, at)| {
-                let grace = AFTER_FAILURE.min(s.timeout);
-                let w = (at.elapsed() > grace)
-                    .then(|| {
-                        s.waits
-                            .values()
-                            .filter(|w| w.rank != *rank)
-                            .min_by_key(|w| w.since)
-                    })
-                    .flatten()?;
-                Some((s.expire, w.orphan_line(step_of(w), *rank, cause)))
-            });
-            let expired = expired.or(orphaned);
-            (tick, expired)
+            (tick, s.expired(Instant::now()).map(|line| (s.expire, line)))
         };
         if let Some((expire, line)) = expired {
             expire(&line);
         }
         std::thread::sleep(tick);
+    }
+}
+
+impl Shared {
+    /// The line of the wait that ends the job at `now`, if one does: the oldest past the
+    /// deadline, else the oldest that outlasted another rank's failure by [`AFTER_FAILURE`]
+    /// (no answer will come).
+    fn expired(&self, now: Instant) -> Option<String> {
+        let step_of = |w: &Wait| self.steps.get(&w.rank).copied().unwrap_or(0);
+        let oldest = |of: &dyn Fn(&Wait) -> bool| {
+            self.waits
+                .values()
+                .filter(|w| of(w))
+                .min_by_key(|w| w.since)
+        };
+        let late = oldest(&|w| now.saturating_duration_since(w.since) > self.timeout);
+        if let Some(w) = late {
+            return Some(w.line(step_of(w), self.timeout));
+        }
+        let (rank, cause, at) = self.failed.as_ref()?;
+        if now.saturating_duration_since(*at) <= AFTER_FAILURE.min(self.timeout) {
+            return None;
+        }
+        let w = oldest(&|w| w.rank != *rank)?;
+        Some(w.orphan_line(step_of(w), *rank, cause))
     }
 }
 
@@ -416,6 +420,48 @@ mod tests {
         unwatch_gpu();
         let _after = watch_on_gpu("data-parallel gradient sum");
         assert_eq!(waits_of(907), []);
+    }
+
+    #[test]
+    fn a_wait_ends_the_job_past_its_deadline_or_past_another_ranks_failure() {
+        let t0 = Instant::now();
+        let wait = |rank, op, since| Wait {
+            rank,
+            op,
+            on_gpu: false,
+            group: "dp".into(),
+            since,
+        };
+        let mut s = Shared {
+            timeout: Duration::from_secs(60),
+            expire: |line| panic!("{line}"),
+            next: 2,
+            waits: HashMap::from([(0, wait(0, "all_reduce", t0)), (1, wait(1, "send", t0))]),
+            steps: HashMap::from([(0, 4), (1, 4)]),
+            failed: None,
+        };
+        let at = |secs| t0 + Duration::from_secs(secs);
+        assert_eq!(s.expired(at(59)), None, "within the deadline");
+        let late = s.expired(at(61)).expect("past the deadline");
+        assert!(
+            late.starts_with("rank 0: comm timeout: all_reduce on group dp at step 4"),
+            "{late}"
+        );
+
+        // Rank 1 fails at 10 s: rank 0's wait ends the job once it outlasts that by 3 s.
+        s.failed = Some((1, "out of memory".into(), at(10)));
+        assert_eq!(
+            s.expired(at(13)),
+            None,
+            "the failed rank's peers get time to return"
+        );
+        assert_eq!(
+            s.expired(at(14)).as_deref(),
+            Some("rank 1 failed: out of memory; rank 0 still waits in all_reduce on group dp at step 4, which no failed rank answers: taking the job down")
+        );
+        // The failed rank's own wait (a thread of it still waiting) does not count.
+        s.waits.remove(&0);
+        assert_eq!(s.expired(at(14)), None);
     }
 
     #[test]

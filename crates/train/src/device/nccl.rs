@@ -79,7 +79,7 @@ fn obstacle(
     let kind = cfg.precision.kind;
     Some(match () {
         _ if grads && kind.engine_grads() == DType::F16 => {
-            "precision = fp16: fp16 gradients (and their loss scale's overflow check) are summed through the host's buckets; use bf16 or fp32".into()
+            "precision = fp16: fp16 gradients (and their loss scale's overflow check) are summed on the host; use bf16 or fp32".into()
         }
         _ if group == Dim::Tp && kind.storage() == DType::F16 => {
             "precision = fp16: fp16 activations are summed through the group's host buffer; use bf16 or fp32".into()
