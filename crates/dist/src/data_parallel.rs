@@ -353,11 +353,14 @@ impl DataParallel {
     /// ZeRO each segment into its owner's copy or shard (and the updated weights gathered from
     /// the owners: ZeRO-1 and 2 after the update, [`DataParallel::gather_in_place`]; ZeRO-3
     /// unit by unit as the model asks, [`DataParallel::gather_unit_in_place`]); refused with
-    /// the experts' replicas.
+    /// ZeRO under expert parallelism, and with the experts' replicas unless their own group
+    /// sums in place ([`DataParallel::experts_in_place`], first).
     pub fn reduce_in_place(&mut self, reduce: Box<dyn DeviceReduce>) -> Result<()> {
         // Under expert parallelism the dense gradients are summed in place; the routed
-        // experts' only where no other rank holds them (no replicas to sum over).
-        let replicated_experts = self.experts.as_ref().is_some_and(|x| x.inner.is_some());
+        // experts' where no other rank holds them (no replicas to sum over), or where their
+        // replicas' group sums in place too (`experts_in_place`, first).
+        let inner = self.experts.as_ref().and_then(|x| x.inner.as_ref());
+        let replicated_experts = inner.is_some_and(|i| i.in_place.is_none());
         let sharded_experts = self.experts.is_some() && self.shard.is_some();
         if replicated_experts || sharded_experts {
             bail!("internal: the in-place device sum is plain data parallelism's or ZeRO's (no experts' replicas, no ZeRO under expert parallelism)");
@@ -375,6 +378,22 @@ impl DataParallel {
         }
         self.in_place = Some(reduce);
         Ok(())
+    }
+
+    /// Expert parallelism over data-parallel replicas: the group of the ranks holding this
+    /// rank's experts (`None` where no other rank does).
+    pub fn experts_group(&self) -> Option<&Group> {
+        let inner = self.experts.as_ref()?.inner.as_ref()?;
+        Some(&inner.group)
+    }
+
+    /// The routed experts' gradients summed in place over their replicas by `reduce` (NCCL over
+    /// [`Self::experts_group`]), as the dense ones are by [`Self::reduce_in_place`] after it.
+    pub fn experts_in_place(&mut self, reduce: Box<dyn DeviceReduce>) -> Result<()> {
+        match self.experts.as_mut().and_then(|x| x.inner.as_mut()) {
+            Some(inner) => inner.reduce_in_place(reduce),
+            None => bail!("internal: no experts' replicas to sum in place"),
+        }
     }
 
     /// ZeRO-2/3 on NCCL with gradient accumulation: each micro-batch's sums land in place in

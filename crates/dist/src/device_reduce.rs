@@ -26,8 +26,9 @@
 //! windows as ZeRO-2 does, and gathers each unit's weights into its window as one group of
 //! broadcasts, each segment from its owner's shard, started a layer ahead on the communication
 //! stream (the prefetch) and waited for by the compute stream only before the layer's kernels.
-//! With expert replicas, offload, or fp16 gradients, the host-staged buckets of
-//! `data_parallel.rs` stay.
+//! Under expert parallelism the routed experts' replicas sum over their own group as plain data
+//! parallelism does. With ZeRO under expert parallelism, offload, or fp16 gradients, the
+//! host-staged buckets of `data_parallel.rs` stay.
 
 use crate::communicator::{Memory, Result, ViewMut};
 use ferrotron_engine::Elem;

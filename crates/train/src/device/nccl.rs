@@ -20,7 +20,8 @@
 //! communicator first: NCCL's bootstrap is collective).
 //!
 //! `FERROTRON_NCCL` chooses: unset or `auto`, NCCL where it can serve (data parallelism: f32 or
-//! bf16 gradients, any ZeRO stage, no expert replicas or offload; tensor parallelism: f32 or bf16
+//! bf16 gradients, any ZeRO stage, the experts' replicas over their own group, no ZeRO under
+//! expert parallelism, no offload; tensor parallelism: f32 or bf16
 //! activations; all: one rank per GPU, the library present); `1`, NCCL or a refusal naming
 //! what stands in the way (also where ranks share a GPU: the CUDA emulator's libnccl takes
 //! them, NCCL itself refuses); `0`, the host's buffers.
@@ -84,7 +85,7 @@ fn obstacle(
         _ if group == Dim::Tp && kind.storage() == DType::F16 => {
             "precision = fp16: fp16 activations are summed through the group's host buffer; use bf16 or fp32".into()
         }
-        _ if dp && p.ep > 1 && (p.dp > 1 || p.zero > 0) => format!("ep = {} with dp = {}, zero = {}: the experts' replicas' sums and ZeRO's expert shards go through the host's buckets", p.ep, p.dp, p.zero),
+        _ if dp && p.ep > 1 && p.zero > 0 => format!("ep = {} with zero = {}: ZeRO's expert shards go through the host's buckets", p.ep, p.zero),
         _ if grads && p.offload != Offload::None => "offload: the gradients are summed on the host".into(),
         _ if want == Want::Auto && machine.gpu_share > 1 => format!(
             "{} ranks share GPU {} (NCCL takes one rank per GPU)",
@@ -140,6 +141,11 @@ pub fn reduce_on_gpus(
     }
     #[cfg(feature = "cuda")]
     {
+        // The experts' replicas first (the dense group's sum checks they are in place).
+        if let Some(g) = dp.experts_group() {
+            let experts = over(g, ctx.clone(), Dim::Dp)?;
+            dp.experts_in_place(Box::new(experts))?;
+        }
         dp.reduce_in_place(Box::new(over(dp.group(), ctx, Dim::Dp)?))?;
         if let (Backend::Cuda(k), true) = (backend, cfg.parallel.zero >= 2 && cfg.data.grad_acc > 1)
         {
@@ -287,13 +293,14 @@ mod tests {
         cfg.parallel.ep = 2;
         // Experts without replicas: held alone, the dense sums on NCCL.
         assert_eq!(obstacle(&cfg, &machine(1), Want::Auto, true, dp), None);
+        // Experts with replicas: their sums on NCCL too, over the replicas' group.
         cfg.parallel.dp = 2;
-        assert!(one(&cfg, 1, Want::Auto, true).starts_with("ep = 2 with dp = 2"));
+        assert_eq!(obstacle(&cfg, &machine(1), Want::Auto, true, dp), None);
         cfg.parallel.zero = 1;
-        assert!(one(&cfg, 1, Want::Auto, true).starts_with("ep = 2 with dp = 2, zero = 1"));
+        assert!(one(&cfg, 1, Want::Auto, true).starts_with("ep = 2 with zero = 1"));
         cfg.parallel.zero = 3;
         cfg.data.grad_acc = 2;
-        assert!(one(&cfg, 1, Want::Auto, true).starts_with("ep = 2 with dp = 2, zero = 3"));
+        assert!(one(&cfg, 1, Want::Auto, true).starts_with("ep = 2 with zero = 3"));
         (cfg.parallel.ep, cfg.parallel.dp) = (1, 2);
         // ZeRO-2 and 3, with gradient accumulation too: gathers and sums on NCCL.
         for z in [2, 3] {
