@@ -131,7 +131,8 @@ impl Trainer {
     /// Data parallelism's gradient sum and the model groups' exchanges (tensor parallelism's
     /// collectives, context parallelism's ring, expert parallelism's all-to-alls) through NCCL
     /// on each rank's GPU, where every rank of the group can (`device::nccl`), each said once on
-    /// stderr by the group's first rank.
+    /// stderr, by world rank 0 (a member of one group of each kind: with several groups of a
+    /// kind, their ranks said it as many times).
     pub(super) fn nccl_groups(&mut self, machine: &crate::device::Machine) -> Result<()> {
         use crate::device::nccl;
         use ferrotron_dist::watchdog;
@@ -145,7 +146,7 @@ impl Trainer {
             joining(Dim::Dp);
             if nccl::reduce_on_gpus(backend, &self.cfg, machine, dp)? {
                 on.push(Dim::Dp.name());
-                if dp.rank() == 0 {
+                if rank == 0 {
                     let line = match self.cfg.parallel.zero {
                         2 => "data parallel: ZeRO-2's gradients summed into each owner's shard by NCCL on each rank's GPU, each window's before it is reused",
                         3 => "data parallel: ZeRO-3's weights gathered into their windows from each owner's shard by NCCL on each rank's GPU, a layer ahead; its gradients summed into each owner's shard",
@@ -161,7 +162,7 @@ impl Trainer {
             joining(Dim::Tp);
             if nccl::collectives_on_gpus(backend, &self.cfg, machine, &tp, Dim::Tp)? {
                 on.push(Dim::Tp.name());
-                if tp.rank() == 0 {
+                if rank == 0 {
                     eprintln!("tensor parallel: the activations' collectives run on each rank's GPU by NCCL");
                 }
                 let width = self.cfg.precision.kind.storage().bytes();
@@ -177,7 +178,7 @@ impl Trainer {
                 joining(d);
                 if nccl::collectives_on_gpus(backend, &self.cfg, machine, &g, d)? {
                     on.push(d.name());
-                    if g.rank() == 0 {
+                    if rank == 0 {
                         eprintln!("{line}");
                     }
                 }
@@ -188,7 +189,7 @@ impl Trainer {
             joining(Dim::Pp);
             if nccl::collectives_on_gpus(backend, &self.cfg, machine, g, Dim::Pp)? {
                 on.push("embedding");
-                if g.rank() == 0 {
+                if rank == 0 {
                     eprintln!("pipeline parallel: the tied embedding's gradient summed over the first and last stages by NCCL, in place on their GPUs");
                 }
             }
