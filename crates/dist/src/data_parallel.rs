@@ -466,11 +466,7 @@ impl DataParallel {
             .sent(bytes_per_rank(Collective::AllGather, bytes, p));
         let (me, wlen, wmem) = (self.group.rank(), windows.len(), windows.memory());
         let (base, sbase, slen) = (windows.as_mut_ptr(), shard.as_ptr().cast_mut(), shard.len());
-        let first = self.owners.partition_point(|(p, ..)| p.start < unit.start);
-        let owned = self.owners[first..]
-            .iter()
-            .take_while(|(p, ..)| p.end <= unit.end);
-        let mut parts = owned.filter_map(|(r, owner, at)| {
+        let mut parts = owners_in(&self.owners, unit).filter_map(|(r, owner, at)| {
             let w = place(r);
             assert!(w.end <= wlen, "internal: a segment past the ZeRO-3 windows");
             // SAFETY: each segment's place lies inside the windows (asserted), which the
@@ -663,12 +659,7 @@ impl DataParallel {
             Some(_) => (None, shard),
             None => (shard, None),
         };
-        // The owners' segments inside `range`.
-        let first = self.owners.partition_point(|(p, ..)| p.start < range.start);
-        let owned = self.owners[first..]
-            .iter()
-            .take_while(|(p, ..)| p.end <= range.end);
-        let mut parts = owned.filter_map(|(r, owner, at)| {
+        let mut parts = owners_in(&self.owners, range.clone()).filter_map(|(r, owner, at)| {
             // SAFETY: each segment lies inside `range`, whose view is borrowed for the call;
             // segments do not overlap; an owner's offset lies inside its shard (the plan's).
             let v = unsafe { view_at(base, r.start - range.start, r.len(), memory) };
@@ -699,10 +690,7 @@ impl DataParallel {
         }
         // This rank's segments' sums, in its window, into its shard.
         if let (Some(add), Some((s, len, m))) = (&self.accumulate, add_to) {
-            let mine = self.owners[first..]
-                .iter()
-                .take_while(|(p, ..)| p.end <= range.end)
-                .filter(|(_, owner, _)| *owner == me);
+            let mine = owners_in(&self.owners, range.clone()).filter(|(_, owner, _)| *owner == me);
             for (r, _, at) in mine {
                 assert!(at + r.len() <= len, "internal: a segment past the shard");
                 // SAFETY: as above: the segment inside `range`'s view, its place in the shard.
@@ -1000,6 +988,18 @@ impl DataParallel {
             out,
         )
     }
+}
+
+/// The segments of `owners` (every rank's, by their start: [`DataParallel::reduce_in_place`]'s
+/// table of parameters, owner and offset in the owner's shard) inside parameters `r`.
+fn owners_in(
+    owners: &[(Range<usize>, usize, usize)],
+    r: Range<usize>,
+) -> impl Iterator<Item = &(Range<usize>, usize, usize)> {
+    let first = owners.partition_point(|(p, ..)| p.start < r.start);
+    owners[first..]
+        .iter()
+        .take_while(move |(p, ..)| p.end <= r.end)
 }
 
 /// `len` elements of `memory` at element `at` of `base`, as a view.
