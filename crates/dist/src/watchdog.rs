@@ -248,7 +248,9 @@ impl Shared {
             self.waits
                 .values()
                 .filter(|w| of(w))
-                .min_by_key(|w| w.since)
+                // Ties (waits armed in the same instant) go to the lowest rank, so the line
+                // a job ends with does not depend on the table's hash order.
+                .min_by_key(|w| (w.since, w.rank))
         };
         let late = oldest(&|w| now.saturating_duration_since(w.since) > self.timeout);
         if let Some(w) = late {
@@ -442,6 +444,7 @@ mod tests {
         };
         let at = |secs| t0 + Duration::from_secs(secs);
         assert_eq!(s.expired(at(59)), None, "within the deadline");
+        // Both waits are late; the tie goes to the lowest rank, whatever the table's order.
         let late = s.expired(at(61)).expect("past the deadline");
         assert!(
             late.starts_with("rank 0: comm timeout: all_reduce on group dp at step 4"),
