@@ -314,10 +314,11 @@ python3 scripts/cuda_ops.py "nccl cp2" "$work/nccl-cp2/metrics.jsonl" --max-sync
 # moved in blocks and kernels (gather_copies, scale_each_row, dot_each_row, scatter_copies),
 # the rows widened and rounded by kernels (widen, narrow), not row by row through the host:
 # 9,389 host synchronisations a step at first, 98 now (the staged all-to-alls' pieces), held
-# there. Through NCCL, ep 2 x dp 2 (the all-to-alls between the blocks where they lie, the
-# dense sums in place over the four ranks, the experts' over their two replicas): against one
-# rank of 4 micro-batches (the staged run's bits, 37 host syncs a step of its four ranks where
-# the staged take 245.5: the router's choices read back for the blocks).
+# there. Through NCCL, ep 2 x dp 2 under ZeRO-1 (the all-to-alls between the blocks where they
+# lie, each dense segment summed into its owner among the four ranks, each expert's among its
+# two replicas, the updated weights broadcast back from the owners): against one rank of 4
+# micro-batches (the staged run's bits, 37 host syncs a step of its four ranks where the
+# staged take 245.5: the router's choices read back for the blocks).
 moe_ranks=(--model "$work/moe.json" "${common[@]}" --steps 3 --eval-interval 0)
 run "$bin" train --device cuda "${moe_ranks[@]}" --grad-acc 2 --out-dir "$work/ep-one"
 run "$bin" train --device cuda "${moe_ranks[@]}" --ep 2 --grad-acc 1 --out-dir "$work/ep-two"
@@ -325,7 +326,7 @@ python3 scripts/cuda_ranks.py "$work/ep-one/metrics.jsonl" "ep2=$work/ep-two/met
 python3 scripts/cuda_ops.py "moe ep2" "$work/ep-two/metrics.jsonl" --max-syncs 100
 run "$bin" train --device cuda "${moe_ranks[@]}" --grad-acc 4 --out-dir "$work/ep-one4"
 LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_NCCL=1 run "$bin" train --device cuda "${moe_ranks[@]}" \
-    --ep 2 --dp 2 --grad-acc 1 --out-dir "$work/ep-nccl"
+    --ep 2 --dp 2 --zero 1 --grad-acc 1 --out-dir "$work/ep-nccl"
 said "^expert parallel: the routed rows' all-to-alls run between the ranks' GPUs by NCCL" \
     "ep 2 with FERROTRON_NCCL=1 did not exchange through NCCL"
 said "^data parallel: gradients summed in place by NCCL" "ep 2 x dp 2 with FERROTRON_NCCL=1 did not sum through NCCL"

@@ -178,6 +178,9 @@ pub struct DataParallel {
     /// ZeRO-1/2 on NCCL: every rank's segments (parameters, owner, offset in the owner's
     /// shard), by their start.
     owners: Vec<(Range<usize>, usize, usize)>,
+    /// Where this group's blocks start in a rank's shard: past the dense blocks for the
+    /// experts' replicas under expert parallelism, else 0.
+    shard_base: usize,
     /// ZeRO-2/3 on NCCL with gradient accumulation: each segment is summed in place into its
     /// owner's window, which this adds into the owner's shard.
     accumulate: Option<DeviceAdd>,
@@ -229,6 +232,7 @@ impl DataParallel {
                 if let Some(s) = inner.shard.as_mut() {
                     s.segments.iter_mut().for_each(|g| g.at += base);
                 }
+                inner.shard_base = base;
                 Some(Box::new(inner))
             }
             None => None,
@@ -291,6 +295,7 @@ impl DataParallel {
             device: None,
             in_place: None,
             owners: Vec::new(),
+            shard_base: 0,
             accumulate: None,
         })
     }
@@ -352,25 +357,27 @@ impl DataParallel {
     /// (NCCL over the same ranks) instead of through the host's buckets: all of them, or under
     /// ZeRO each segment into its owner's copy or shard (and the updated weights gathered from
     /// the owners: ZeRO-1 and 2 after the update, [`DataParallel::gather_in_place`]; ZeRO-3
-    /// unit by unit as the model asks, [`DataParallel::gather_unit_in_place`]); refused with
-    /// ZeRO under expert parallelism, and with the experts' replicas unless their own group
-    /// sums in place ([`DataParallel::experts_in_place`], first).
+    /// unit by unit as the model asks, [`DataParallel::gather_unit_in_place`]); under expert
+    /// parallelism refused where the experts have replicas unless their own group sums in
+    /// place ([`DataParallel::experts_in_place`], first: with ZeRO-1 each group's segments
+    /// into their owners' copies, as Megatron-Core's distributed optimizer shards the experts'
+    /// states over the expert-data-parallel group).
     pub fn reduce_in_place(&mut self, reduce: Box<dyn DeviceReduce>) -> Result<()> {
         // Under expert parallelism the dense gradients are summed in place; the routed
         // experts' where no other rank holds them (no replicas to sum over), or where their
         // replicas' group sums in place too (`experts_in_place`, first).
         let inner = self.experts.as_ref().and_then(|x| x.inner.as_ref());
-        let replicated_experts = inner.is_some_and(|i| i.in_place.is_none());
-        let sharded_experts = self.experts.is_some() && self.shard.is_some();
-        if replicated_experts || sharded_experts {
-            bail!("internal: the in-place device sum is plain data parallelism's or ZeRO's (no experts' replicas, no ZeRO under expert parallelism)");
+        if inner.is_some_and(|i| i.in_place.is_none()) {
+            bail!("internal: the experts' replicas are summed in place first (experts_in_place)");
         }
         if self.shard.is_some() {
-            let ranks = self.group.size();
+            let (ranks, base) = (self.group.size(), self.shard_base);
             self.owners = (0..ranks)
                 .flat_map(|r| {
                     let s = Shard::new(&self.layout, r, ranks);
-                    s.segments.into_iter().map(move |g| (g.params, r, g.at))
+                    s.segments
+                        .into_iter()
+                        .map(move |g| (g.params, r, base + g.at))
                 })
                 .filter(|(p, ..)| !p.is_empty())
                 .collect();
@@ -410,6 +417,15 @@ impl DataParallel {
         &mut self,
         mut params: ferrotron_engine::kernels::ViewMut<'_, S>,
     ) -> Result<bool> {
+        // The experts' segments from their owners among the experts' replicas first.
+        if let Some(inner) = self.experts.as_mut().and_then(|x| x.inner.as_mut()) {
+            let experts = inner.gather_in_place(params.rb())?;
+            self.group.sent(inner.group.bytes.take());
+            let dense = self.in_place.is_some() && !self.owners.is_empty() && !self.per_unit;
+            if experts != dense {
+                bail!("internal: the experts' weights and the dense ones gathered apart");
+            }
+        }
         // ZeRO-3 gathers nothing after the update (`gather_updated`).
         if self.owners.is_empty() || self.per_unit {
             return Ok(false);

@@ -27,8 +27,8 @@
 //! broadcasts, each segment from its owner's shard, started a layer ahead on the communication
 //! stream (the prefetch) and waited for by the compute stream only before the layer's kernels.
 //! Under expert parallelism the routed experts' replicas sum over their own group as plain data
-//! parallelism does. With ZeRO under expert parallelism, offload, or fp16 gradients, the
-//! host-staged buckets of `data_parallel.rs` stay.
+//! parallelism does (ZeRO-1: each segment into its owner among them, and broadcast back from
+//! it). With offload or fp16 gradients, the host-staged buckets of `data_parallel.rs` stay.
 
 use crate::communicator::{Memory, Result, ViewMut};
 use ferrotron_engine::Elem;
