@@ -14,8 +14,8 @@
 #   - a plan over --device-memory refused with its fixes, then trained with --offload
 #     optimizer and --offload params under that budget, against the CPU and the driver;
 #   - dp 2, tp 2, pp 2, ZeRO-3 and cp 2 on the one GPU against one rank (cuda_ranks.py), and
-#     ep 2 of the mixture of experts; dp 2 (fp32, bf16; ZeRO-1, 2, 3), tp 2 (with sp) and cp 2 (with
-#     tp 2) through the emulator's libnccl;
+#     ep 2 of the mixture of experts; dp 2 (fp32, bf16; ZeRO-1, 2, 3), tp 2 (with sp), cp 2 (with
+#     tp 2), pp 2 and ep 2 x dp 2 (ZeRO-1) through the emulator's libnccl;
 #   - the NCCL communicator at 1 to 3 ranks on the emulator's libnccl, and the watchdog taking
 #     down a job whose NCCL peer stopped.
 # What it cannot show (PTX and the hardware's rounding of expf, speed, the GPU's memory model,
@@ -292,13 +292,17 @@ nccl_run 1 nccl-sp2 --tp 2 --sp
 python3 scripts/cuda_ranks.py "$work/ranks-tp2/metrics.jsonl" "nccl-tp2=$work/nccl-tp2/metrics.jsonl"
 python3 scripts/cuda_ranks.py "$work/ranks-one/metrics.jsonl" "nccl-sp2=$work/nccl-sp2/metrics.jsonl"
 python3 scripts/cuda_ops.py "nccl tp2" "$work/nccl-tp2/metrics.jsonl" --max-syncs 6
-# The pipeline's tied embedding summed over its ends by NCCL in place (the staged pp 2 moves it
-# through the host's receive buffer, 128 of its 137.5 host syncs a step): the staged run's bits.
+# The pipeline on NCCL: the tied embedding summed over its ends in place (the staged pp 2 moves
+# it through the host's receive buffer, 128 of its 137.5 host syncs a step), the stages'
+# messages GPU to GPU over a communicator per directed edge from device send buffers (8 more):
+# the staged run's bits, 4.5 host syncs a step.
 nccl_run 1 nccl-pp2 --pp 2
 said "^pipeline parallel: the tied embedding's gradient summed over the first and last stages by NCCL" \
     "pp 2 with FERROTRON_NCCL=1 did not sum its tied embedding on NCCL"
+said "^pipeline parallel: the stages' messages pass between their GPUs by NCCL" \
+    "pp 2 with FERROTRON_NCCL=1 did not send its messages by NCCL"
 python3 scripts/cuda_ranks.py "$work/ranks-pp2/metrics.jsonl" "nccl-pp2=$work/nccl-pp2/metrics.jsonl"
-python3 scripts/cuda_ops.py "nccl pp2" "$work/nccl-pp2/metrics.jsonl" --max-syncs 10
+python3 scripts/cuda_ops.py "nccl pp2" "$work/nccl-pp2/metrics.jsonl" --max-syncs 6
 # Context parallelism's ring through NCCL (each f32 block as it lies, one group of a send and a
 # receive beside the attention of the block in hand; a compute stream that did not wait for it
 # would read the last block, which the emulator's late streams show): the staged cp 2's bits,

@@ -21,6 +21,7 @@ pub mod communicator;
 pub mod context_parallel;
 pub mod data_parallel;
 pub mod device_collective;
+pub mod device_p2p;
 pub mod device_reduce;
 pub mod expert_parallel;
 pub mod grad_sync;

@@ -9,12 +9,16 @@
 //! (`schedule::send_buffers` proves one per direction never deadlocks); it receives into
 //! `comm.pp.recv` and narrows into the activation buffer the arena gives the micro-batch. The
 //! time a stage spends blocked in those transfers is its share of the bubble, reported next to
-//! the planner's (p − 1)/(v·m) (Narayanan et al. 2021, §2.2).
+//! the planner's (p − 1)/(v·m) (Narayanan et al. 2021, §2.2). On GPUs with NCCL the same program
+//! runs on the device ([`DeviceMessages`], `device_p2p.rs`): device send buffers, receives
+//! straight into the activation, no host in the way (and no host time blocked to report).
 
+use crate::device_p2p::DeviceP2p;
 use crate::group::Group;
 use crate::small_sums::{gather_small, SmallSums};
 use crate::{AsViewMut, Communicator, Pending, Region};
 use anyhow::{anyhow, Result};
+use ferrotron_engine::kernels::device_memory::DeviceBuf;
 use ferrotron_engine::kernels::host_copy::{read_f32, write_f32, HostCopy};
 use ferrotron_engine::kernels::{Memory, View, ViewMut};
 use ferrotron_engine::model::tensor_parallel::TpOp;
@@ -42,6 +46,26 @@ struct Ring {
     next: usize,
 }
 
+/// The stage's messages on GPUs (NCCL), per direction (forward, backward): the edge it sends
+/// on with its device send buffers (used in turn, as the host's), and the edge it receives on.
+#[derive(Default)]
+pub struct DeviceMessages {
+    pub sends: [Option<SendEdge>; 2],
+    pub recvs: [Option<Box<dyn DeviceP2p>>; 2],
+}
+
+/// The edge a stage sends on, and its device send buffers.
+pub type SendEdge = (Box<dyn DeviceP2p>, Vec<DeviceBuf<u8>>);
+
+/// A directed edge of the pipeline: messages of direction `dir` (0 forward, 1 backward) from
+/// stage `from` to stage `to`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Edge {
+    pub dir: usize,
+    pub from: usize,
+    pub to: usize,
+}
+
 /// A rank's pipeline group and its stage's program.
 pub struct Pipeline {
     /// The pipeline group (its communicator; its small buffer gathers the bubbles and sums).
@@ -65,6 +89,10 @@ pub struct Pipeline {
     pub waits: Vec<(Instant, Instant)>,
     /// On a device: the copies between the stage's tensors and the host buffers.
     device: Option<HostCopy>,
+    /// On GPUs with NCCL: the messages between the devices instead.
+    gpus: Option<DeviceMessages>,
+    /// Micro-batches a step.
+    m: u64,
     /// The trainer's table of the micro-batches in flight on this stage (its type is the
     /// trainer's; empty between steps), kept from step to step so a step allocates none.
     pub in_flight: Option<Box<dyn std::any::Any>>,
@@ -102,8 +130,44 @@ impl Pipeline {
             span: Duration::ZERO,
             waits: Vec::with_capacity(4 * m as usize * layout.pp_virtual as usize + 8),
             device: None,
+            gpus: None,
+            m,
             in_flight: None,
         }
+    }
+
+    /// Every directed edge some stage sends on, sorted: the same list on every stage, so each
+    /// pair makes its edges' communicators in one order.
+    pub fn edges(&self) -> Vec<Edge> {
+        let p = self.layout.pp;
+        let mut out: Vec<Edge> = (0..p)
+            .flat_map(|s| {
+                order(&self.layout, s, self.m)
+                    .into_iter()
+                    .map(move |w| (s, w))
+            })
+            .filter_map(|(s, w)| {
+                let m = messages(&self.layout, s, w).1?;
+                Some(Edge {
+                    dir: lane(m.dir),
+                    from: s as usize,
+                    to: m.to(p) as usize,
+                })
+            })
+            .collect();
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
+    /// Send buffers per direction the program uses in turn (`schedule::send_buffers`).
+    pub fn send_buffers(&self) -> u64 {
+        ferrotron_plan::schedule::send_buffers(&self.layout, self.m)
+    }
+
+    /// The messages run between the stages' GPUs by `gpus` from now on.
+    pub fn messages_on_gpus(&mut self, gpus: DeviceMessages) {
+        self.gpus = Some(gpus);
     }
 
     /// The stage's tensors live on a device: messages are copied from and into them through
@@ -201,6 +265,20 @@ impl Pipeline {
     pub fn send<S: Elem>(&mut self, m: Message, x: View<'_, S>) -> Result<()> {
         let l = lane(m.dir);
         let to = m.to(self.layout.pp) as usize;
+        if let Some((edge, bufs)) = self.gpus.as_mut().and_then(|g| g.sends[l].as_mut()) {
+            let ring = &mut self.rings[l];
+            let j = ring.next % bufs.len().max(1);
+            ring.next += 1;
+            let bytes = x.len() * std::mem::size_of::<S>();
+            let via = &mut bufs[j];
+            assert!(
+                bytes <= via.len(),
+                "internal: a pipeline message past its device buffer"
+            );
+            let via = via.view_mut().as_mut_ptr();
+            return (edge.send_via(x.as_ptr().cast(), via, j, bytes))
+                .map_err(|e| anyhow!("pipeline send to stage {to}: {e}"));
+        }
         let ring = &mut self.rings[l];
         let j = ring.next % ring.pending.len().max(1);
         ring.next += 1;
@@ -230,6 +308,15 @@ impl Pipeline {
             Direction::Forward => (m.chunk + p - 1) % p,
             Direction::Backward => (m.chunk + 1) % p,
         } as usize;
+        if let Some(edge) = self
+            .gpus
+            .as_mut()
+            .and_then(|g| g.recvs[lane(m.dir)].as_mut())
+        {
+            let (bytes, mut x) = (x.len() * std::mem::size_of::<S>(), x);
+            return (edge.recv_into(x.as_mut_ptr().cast(), bytes))
+                .map_err(|e| anyhow!("pipeline receive from stage {from}: {e}"));
+        }
         let mut buf = std::mem::take(&mut self.recv);
         let r = self.waited(|s| s.group.comm.recv(buf.view_mut(), from, TAG[lane(m.dir)]));
         r.map_err(|e| anyhow!("pipeline receive from stage {from}: {e}"))?;
@@ -243,8 +330,14 @@ impl Pipeline {
         Ok(())
     }
 
-    /// Waits for every send in flight (their buffers back), at the end of the stage's work.
+    /// Waits for every send in flight (their buffers back), at the end of the stage's work (on
+    /// GPUs, the compute stream waits: the step's end waits for it).
     pub fn flush(&mut self) -> Result<()> {
+        if let Some(g) = self.gpus.as_mut() {
+            for (edge, _) in g.sends.iter_mut().flatten() {
+                edge.settle().map_err(|e| anyhow!("pipeline send: {e}"))?;
+            }
+        }
         for l in 0..2 {
             for j in 0..self.rings[l].pending.len() {
                 if let Some(p) = self.rings[l].pending[j].take() {
@@ -257,6 +350,11 @@ impl Pipeline {
             self.rings[l].next = 0;
         }
         Ok(())
+    }
+
+    /// The pipeline group (its communicator, bytes sent, first failure).
+    pub fn group(&self) -> &Group {
+        &self.group
     }
 
     /// The first and last stages' group, when they share a tied embedding.
@@ -309,9 +407,13 @@ impl Pipeline {
     /// Every stage's bubble of the step just run (stage order): its time blocked in transfers
     /// over its time computing, the measure of the planner's (p − 1)/(v·m). Resets the
     /// counters.
+    /// None on GPUs with NCCL (every stage alike), whose waits are the devices', not the host's.
     pub fn take_bubbles(&mut self) -> Result<Vec<f64>> {
         let (idle, span) = (self.idle.as_secs_f64(), self.span.as_secs_f64());
         (self.idle, self.span) = (Duration::ZERO, Duration::ZERO);
+        if self.gpus.is_some() {
+            return Ok(Vec::new());
+        }
         let mine = (idle / (span - idle).max(1e-9)) as f32;
         let mut small = SmallSums::small(&self.group);
         let comm = self.group.comm.as_ref();

@@ -485,3 +485,66 @@ fn model_group_exchanges_run_where_the_tensors_lie_in_their_type() {
         });
     }
 }
+
+/// The pipeline's messages between GPUs (`DeviceP2p`): two stages, an NCCL communicator per
+/// directed edge, each stage sending three messages through two device send buffers before it
+/// receives any (1F1B's warm-up does so), each source overwritten at once: every message
+/// arrives whole and in order. With sends that waited for their receiver this deadlocked.
+/// Two ranks: on the emulator only (NCCL refuses two ranks on one GPU).
+#[test]
+fn pipeline_messages_go_before_their_receives_are_posted() {
+    use ferrotron_dist::device_p2p::DeviceP2p;
+    let Some(ctx) = gpu() else { return };
+    if ctx.name().ok().as_deref() != Some("ferrotron CUDA emulator") {
+        eprintln!("skipped: two pipeline stages need two GPUs (the emulator takes them on one)");
+        return;
+    }
+    let (n, k, messages) = (37, 2, 3);
+    let (fwd, bwd) = (
+        world(2, Duration::from_secs(20)),
+        world(2, Duration::from_secs(20)),
+    );
+    std::thread::scope(|s| {
+        for (me, (f, b)) in fwd.into_iter().zip(bwd).enumerate() {
+            let ctx = ctx.clone();
+            s.spawn(move || {
+                // Both stages make the edges in one order: forward (0 -> 1), then backward.
+                let mut edges = [f, b].map(|c| Nccl::new(Box::new(c), ctx.clone()).unwrap());
+                let [out, into] = match me {
+                    0 => [0, 1],
+                    _ => [1, 0],
+                };
+                let mut via: Vec<DeviceBlock> = (0..k)
+                    .map(|_| DeviceBlock::new(&ctx, n * 4).unwrap())
+                    .collect();
+                let src = DeviceBlock::new(&ctx, n * 4).unwrap();
+                for i in 0..messages {
+                    let msg = typed::<f32>(n, 10 * me + i);
+                    fill(&src, &msg);
+                    let v = via[i % k].view_mut::<f32>(n).as_mut_ptr().cast();
+                    let p = src.view::<f32>(n).as_ptr().cast();
+                    edges[out].send_via(p, v, i % k, n * 4).unwrap();
+                    // The source is the compute stream's again at once.
+                    fill(&src, &[f32::NAN; 37]);
+                }
+                let peer = 1 - me;
+                for i in 0..messages {
+                    let mut dst = DeviceBlock::new(&ctx, n * 4).unwrap();
+                    let d = dst.view_mut::<f32>(n).as_mut_ptr().cast();
+                    edges[into].recv_into(d, n * 4).unwrap();
+                    let got = bits(&download(dst.view::<f32>(n)));
+                    let want = bits(&typed::<f32>(n, 10 * peer + i));
+                    assert_eq!(got, want, "stage {me}: message {i} of stage {peer}");
+                }
+                edges[out].settle().unwrap();
+            });
+        }
+    });
+}
+
+/// Overwrites `b` with `v`, after the work issued before on the default stream.
+fn fill(b: &DeviceBlock, v: &[f32]) {
+    use ferrotron_engine::kernels::cuda::cudarc::driver::result;
+    // SAFETY: the block holds at least `v`'s bytes (the callers' blocks of 37 f32).
+    unsafe { result::memcpy_htod_sync(b.ptr(), v) }.expect("an upload");
+}

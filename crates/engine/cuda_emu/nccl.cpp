@@ -10,8 +10,10 @@
 // device pointers are host pointers) and releases them: sums in rank order from 0
 // (`0 + x₀ + x₁ + …`, as ferrotron's threads backend adds), so the results are that backend's
 // bit for bit. Sends and receives between `ncclGroupStart` and `ncclGroupEnd` are matched per
-// (source, destination) pair in order; `ncclGroupEnd` returns once its receives have copied
-// and its sends have been received. A call reads its sends when it is made (the work before it
+// (source, destination) pair in order; `ncclGroupEnd` returns once its receives have copied.
+// A send never waits for its receiver (NCCL's host does not: the wait is the stream's), so a
+// pipeline whose stages send before they receive runs here as on GPUs; its bytes are copied
+// into the pair's mailbox when it is called. A call reads its sends when it is made (the work before it
 // on the compute stream has run: the emulated driver runs the default stream at once), but its
 // results land in the receiving buffers when its stream runs: the emulated driver queues them
 // there (`ferrotron_emu_submit`) and runs them as late as CUDA allows, so a compute stream that
@@ -123,9 +125,7 @@ int deliver(void* stream, void* dst, const void* src, size_t n) {
 }
 
 struct Message {
-    const void* buf;
-    size_t bytes;
-    bool* received;
+    std::vector<char> bytes;
 };
 
 // The ranks of one unique id.
@@ -254,13 +254,12 @@ int collective(Comm* comm, Part part, int type, int op, void* stream) {
 // The sends and receives of one group, in the order they were called.
 int run_group(std::vector<Pending>& ops) {
     const char* fn = "ncclGroupEnd";
-    std::unique_ptr<bool[]> received(new bool[ops.size()]());
-    for (size_t i = 0; i < ops.size(); i++) {
-        Pending& o = ops[i];
+    for (Pending& o : ops) {
         if (!o.send) continue;
         Clique& c = *o.comm->clique;
+        const char* b = static_cast<const char*>(o.buf);
         std::lock_guard<std::mutex> lock(c.mu);
-        c.mail[{o.comm->rank, o.peer}].push_back(Message{o.buf, o.bytes, &received[i]});
+        c.mail[{o.comm->rank, o.peer}].push_back(Message{std::vector<char>(b, b + o.bytes)});
         c.cv.notify_all();
     }
     int status = SUCCESS;
@@ -272,29 +271,18 @@ int run_group(std::vector<Pending>& ops) {
         auto& box = c.mail[{o.peer, o.comm->rank}];
         c.cv.wait(lock, [&] { return !box.empty() || c.aborted; });
         if (box.empty()) return fail(SYSTEM_ERROR, fn, "the communicator was aborted");
-        Message m = box.front();
+        Message m = std::move(box.front());
         box.erase(box.begin());
-        if (m.bytes != o.bytes)
+        if (m.bytes.size() != o.bytes)
             status = fail(INVALID_USAGE, fn, "rank %d sent %zu bytes to rank %d, which receives %zu",
-                          o.peer, m.bytes, o.comm->rank, o.bytes);
+                          o.peer, m.bytes.size(), o.comm->rank, o.bytes);
         else
-            arrived.emplace_back(&o, std::vector<char>(static_cast<const char*>(m.buf),
-                                                      static_cast<const char*>(m.buf) + m.bytes));
-        *m.received = true;
-        c.cv.notify_all();
+            arrived.emplace_back(&o, std::move(m.bytes));
     }
     // What was received lands when the receiver's stream runs.
     for (auto& [o, bytes] : arrived) {
         int s = deliver(o->stream, o->buf, bytes.data(), bytes.size());
         if (s != SUCCESS) status = s;
-    }
-    // A send's buffer is the sender's again only once it was received.
-    for (size_t i = 0; i < ops.size(); i++) {
-        if (!ops[i].send) continue;
-        Clique& c = *ops[i].comm->clique;
-        std::unique_lock<std::mutex> lock(c.mu);
-        c.cv.wait(lock, [&] { return received[i] || c.aborted; });
-        if (!received[i]) return fail(SYSTEM_ERROR, fn, "the communicator was aborted");
     }
     return status;
 }

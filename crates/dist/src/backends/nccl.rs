@@ -26,6 +26,7 @@
 
 use crate::communicator::{Memory, Pending, Region, Result, View, ViewMut};
 use crate::device_collective::DeviceCollective;
+use crate::device_p2p::DeviceP2p;
 use crate::device_reduce::{DeviceReduce, Grads, Owned};
 use crate::{watchdog, AsViewMut, CommError, Communicator};
 use ferrotron_engine::kernels::cuda::cudarc::driver::{
@@ -39,6 +40,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 const F32: sys::ncclDataType_t = sys::ncclDataType_t::ncclFloat32;
+/// A pipeline message's bytes, whatever its elements.
+const U8: sys::ncclDataType_t = sys::ncclDataType_t::ncclUint8;
 
 /// Whether NCCL loads (cudarc's probe by name; nothing is created).
 pub fn present() -> bool {
@@ -76,6 +79,9 @@ pub struct Nccl {
     after: CudaEvent,
     /// Recorded on the compute stream when context parallelism's ring block is ready.
     ring: CudaEvent,
+    /// A pipeline edge's sends: recorded on the communication stream after each send from
+    /// send buffer `j` (made on its first use).
+    sent: Vec<Option<CudaEvent>>,
     aborted: AtomicBool,
 }
 
@@ -142,6 +148,7 @@ impl Nccl {
             before,
             after,
             ring,
+            sent: Vec::new(),
             aborted: AtomicBool::new(false),
         })
     }
@@ -449,6 +456,71 @@ impl DeviceCollective for Nccl {
             .record(&self.comm_stream)
             .map_err(|e| self.failed(OP, e))?;
         self.compute_waits(OP)
+    }
+}
+
+/// One direction of a pipeline edge: this two-rank communicator's stream carries its messages
+/// to (or from) the other rank, in bytes (NCCL's `ncclUint8`: no arithmetic, any element type).
+impl DeviceP2p for Nccl {
+    fn send_via(&mut self, src: *const u8, via: *mut u8, slot: usize, bytes: usize) -> Result<()> {
+        const OP: &str = "pipeline send";
+        if self.sent.len() <= slot {
+            self.sent.resize_with(slot + 1, || None);
+        }
+        let (peer, comm) = (1 - self.rank(), self.comm);
+        self.ctx.bind_to_thread().map_err(|e| self.failed(OP, e))?;
+        // The buffer's last message has gone before the copy overwrites it.
+        if let Some(e) = &self.sent[slot] {
+            self.compute.wait(e).map_err(|e| self.failed(OP, e))?;
+        }
+        // SAFETY: `bytes` of this GPU's memory each (the caller's views, the planned buffer).
+        unsafe {
+            ferrotron_engine::kernels::cuda::cudarc::driver::result::memcpy_dtod_async(
+                via as u64,
+                src as u64,
+                bytes,
+                self.compute.cu_stream(),
+            )
+        }
+        .map_err(|e| self.failed(OP, e))?;
+        // SAFETY: `via` holds `bytes` until this slot's next send waits for the event below.
+        self.behind_compute(OP, |stream| unsafe {
+            result::send(
+                via.cast_const().cast(),
+                bytes,
+                U8,
+                peer as i32,
+                comm,
+                stream,
+            )
+            .map(drop)
+        })?;
+        let flags = Some(CUevent_flags::CU_EVENT_DISABLE_TIMING);
+        let event = match self.sent[slot].take() {
+            Some(e) => e,
+            None => self.ctx.new_event(flags).map_err(|e| self.failed(OP, e))?,
+        };
+        let recorded = event.record(&self.comm_stream);
+        self.sent[slot] = Some(event);
+        recorded.map_err(|e| self.failed(OP, e))
+    }
+
+    fn recv_into(&mut self, dst: *mut u8, bytes: usize) -> Result<()> {
+        const OP: &str = "pipeline receive";
+        let (peer, comm) = (1 - self.rank(), self.comm);
+        // SAFETY: `bytes` of this GPU's memory, which the compute stream reads only after it.
+        self.ordered(OP, |stream| unsafe {
+            result::recv(dst.cast(), bytes, U8, peer as i32, comm, stream).map(drop)
+        })
+    }
+
+    fn settle(&mut self) -> Result<()> {
+        const OP: &str = "pipeline send";
+        self.ctx.bind_to_thread().map_err(|e| self.failed(OP, e))?;
+        for e in self.sent.iter().flatten() {
+            self.compute.wait(e).map_err(|e| self.failed(OP, e))?;
+        }
+        Ok(())
     }
 }
 

@@ -12,9 +12,9 @@
 //!   attention of the block in hand (the same module);
 //! - **expert parallelism**: the routed rows' all-to-alls between the blocks where they lie
 //!   (the same module);
-//! - **the pipeline's ends**: the first and last stages' sum of a tied embedding's gradient, in
-//!   place (`ferrotron_dist::pipeline`). The stages' messages stay on the host: see
-//!   ARCHITECTURE.md for what NCCL's sends need there.
+//! - **the pipeline**: the first and last stages' sum of a tied embedding's gradient, in place,
+//!   and the stages' messages between their GPUs, a communicator per directed edge, from device
+//!   send buffers the plan holds (`ferrotron_dist::pipeline`, `device_p2p`).
 //!
 //! Each group takes NCCL on every rank or on none (the choice is agreed over the group's host
 //! communicator first: NCCL's bootstrap is collective).
@@ -86,6 +86,14 @@ fn obstacle(
             "precision = fp16: fp16 activations are summed through the group's host buffer; use bf16 or fp32".into()
         }
         _ if grads && p.offload != Offload::None => "offload: the gradients are summed on the host".into(),
+        _ => return shared_obstacle(machine, want, nccl),
+    })
+}
+
+/// What keeps any group of this rank from NCCL (the pipeline's messages, which carry any type
+/// and sum nothing, meet only this), in words.
+fn shared_obstacle(machine: &Machine, want: Want, nccl: bool) -> Option<String> {
+    Some(match () {
         _ if want == Want::Auto && machine.gpu_share > 1 => format!(
             "{} ranks share GPU {} (NCCL takes one rank per GPU)",
             machine.gpu_share, machine.gpu
@@ -103,14 +111,23 @@ fn agree(
     machine: &Machine,
     group: Dim,
 ) -> Result<bool> {
+    let why = |want| obstacle(cfg, machine, want, nccl_present(), group);
+    agree_on(comm, name(group), why)
+}
+
+/// [`agree`], where `why(want)` says what keeps this rank from NCCL.
+fn agree_on(
+    comm: &dyn Communicator,
+    name: &str,
+    why: impl FnOnce(Want) -> Option<String>,
+) -> Result<bool> {
     let want = want()?;
     if want == Want::Never || comm.size() < 2 {
         return Ok(false);
     }
-    let why = obstacle(cfg, machine, want, nccl_present(), group);
+    let why = why(want);
     // Every rank's answer: NCCL's bootstrap needs all of them.
     let mut ready = [f32::from(why.is_none())];
-    let name = name(group);
     comm.all_reduce_sum(ready.view_mut())
         .map_err(|e| anyhow::anyhow!("{name}: agreeing on NCCL: {e}"))?;
     let all = ready[0] as usize == comm.size();
@@ -242,11 +259,82 @@ fn nccl_present() -> bool {
 /// NCCL over `group`'s ranks, bootstrapped over a copy of its host communicator.
 #[cfg(feature = "cuda")]
 fn over(group: &Group, ctx: Context, what: Dim) -> Result<ferrotron_dist::nccl::Nccl> {
-    let name = name(what);
     let all: Vec<usize> = (0..group.size()).collect();
-    let host = (group.comm.split_group(&all))
+    over_members(group, &all, ctx, what)
+}
+
+/// NCCL over `members` of `group` (its ranks, in their order there), bootstrapped over a host
+/// sub-group of them (every member calls it).
+#[cfg(feature = "cuda")]
+fn over_members(
+    group: &Group,
+    members: &[usize],
+    ctx: Context,
+    what: Dim,
+) -> Result<ferrotron_dist::nccl::Nccl> {
+    let name = name(what);
+    let host = (group.comm.split_group(members))
         .map_err(|e| anyhow::anyhow!("{name}: a group for NCCL's bootstrap: {e}"))?;
     ferrotron_dist::nccl::Nccl::new(host, ctx).map_err(|e| anyhow::anyhow!("{name}: NCCL: {e}"))
+}
+
+/// Hands the pipeline's messages to NCCL between the stages' GPUs when every stage can (a
+/// collective over the pipeline group): an NCCL communicator of two ranks per directed edge
+/// this stage sends or receives on, made in the edges' one order on every stage, and the
+/// program's send buffers on this GPU, `bytes` each (a boundary activation in the storage
+/// type), for each direction it sends in. Returns the buffers' names and sizes for the plan
+/// (`None`: the host's buffers stay).
+pub fn messages_on_gpus(
+    backend: &Backend,
+    machine: &Machine,
+    pp: &mut ferrotron_dist::pipeline::Pipeline,
+    alloc: &std::sync::Arc<dyn ferrotron_engine::kernels::device_memory::DeviceAlloc>,
+    bytes: usize,
+) -> Result<Option<Vec<(String, u64)>>> {
+    let Some(ctx) = gpu_context(backend) else {
+        return Ok(None);
+    };
+    let why = |want| shared_obstacle(machine, want, nccl_present());
+    if !agree_on(pp.group().comm.as_ref(), "pipeline parallel", why)? {
+        return Ok(None);
+    }
+    #[cfg(feature = "cuda")]
+    {
+        use ferrotron_dist::pipeline::DeviceMessages;
+        use ferrotron_engine::kernels::device_memory::DeviceBuf;
+        let (me, k) = (pp.stage, pp.send_buffers() as usize);
+        let mut gpus = DeviceMessages::default();
+        let mut planned = Vec::new();
+        for e in pp
+            .edges()
+            .into_iter()
+            .filter(|e| e.from == me || e.to == me)
+        {
+            let edge = Box::new(over_members(
+                pp.group(),
+                &[e.from, e.to],
+                ctx.clone(),
+                Dim::Pp,
+            )?);
+            if e.to == me {
+                gpus.recvs[e.dir] = Some(edge);
+                continue;
+            }
+            let dir = ["forward", "backward"][e.dir];
+            let bufs = (0..k).map(|j| {
+                planned.push((format!("comm.pp.device.send.{dir}.{j}"), bytes as u64));
+                DeviceBuf::<u8>::zeros(alloc, bytes).map_err(anyhow::Error::msg)
+            });
+            gpus.sends[e.dir] = Some((edge as Box<_>, bufs.collect::<Result<_>>()?));
+        }
+        pp.messages_on_gpus(gpus);
+        Ok(Some(planned))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (pp, alloc, bytes);
+        no_cuda(ctx).map(|()| None)
+    }
 }
 
 /// Without the cuda feature there is no GPU context: never reached.

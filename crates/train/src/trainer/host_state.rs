@@ -194,6 +194,24 @@ impl Trainer {
                 }
             }
         }
+        // The stages' messages, each directed edge between two GPUs by NCCL, from planned
+        // device send buffers (a boundary activation each, in the storage type).
+        let boundary = self.plan.plan.find("comm.pp.recv").map(|b| b.numel);
+        if let (Some(pp), Some(alloc), Some(n)) =
+            (self.mesh.pp.as_mut(), self.device_alloc.clone(), boundary)
+        {
+            joining(Dim::Pp);
+            let bytes = (n * self.cfg.precision.kind.storage().bytes()) as usize;
+            if let Some(planned) = nccl::messages_on_gpus(backend, machine, pp, &alloc, bytes)? {
+                on.push("pipeline messages");
+                if rank == 0 {
+                    eprintln!("pipeline parallel: the stages' messages pass between their GPUs by NCCL, one communicator per directed edge");
+                }
+                for (name, bytes) in planned {
+                    self.plan_persistent(&name, bytes);
+                }
+            }
+        }
         match on.is_empty() {
             true => watchdog::unwatch_gpu(),
             false => watchdog::watch_gpu(rank, &on.join(", ")),
