@@ -41,9 +41,9 @@ else
         fi
     fi
     if command -v mpicc >/dev/null 2>&1 && command -v mpirun >/dev/null 2>&1; then
-        echo "== MPI backend tests (crates/dist/tests/run_mpi.sh)"
+        echo "== MPI backend tests (crates/dist/tests/run_mpi.sh) ($(date +%T))"
         bash crates/dist/tests/run_mpi.sh
-        echo "== data parallelism under mpirun (crates/train/tests/run_mpi_train.sh)"
+        echo "== data parallelism under mpirun (crates/train/tests/run_mpi_train.sh) ($(date +%T))"
         bash crates/train/tests/run_mpi_train.sh
     else
         echo "== MPI backend: Open MPI not installed and no root or sudo to install it: skipped"
@@ -56,6 +56,7 @@ fi
 if [ "${FERROTRON_CUDA:-1}" = 0 ]; then
     echo "== CUDA backend: skipped (FERROTRON_CUDA=0)"
 else
+    echo "== CUDA backend (scripts/cuda_check.sh) ($(date +%T))"
     bash scripts/cuda_check.sh
 fi
 # `import ferrotron` (issue #36): the wheel built by `pip install ./python` into a fresh venv
@@ -65,6 +66,6 @@ fi
 if [ "${FERROTRON_PYTHON:-1}" = 0 ]; then
     echo "== Python package: skipped (FERROTRON_PYTHON=0)"
 else
-    echo "== Python package (scripts/test_python.sh)"
+    echo "== Python package (scripts/test_python.sh) ($(date +%T))"
     bash scripts/test_python.sh
 fi
