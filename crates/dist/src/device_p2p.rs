@@ -28,8 +28,16 @@ pub trait DeviceP2p: Send {
     /// next send through `slot`.
     fn send_via(&mut self, src: *const u8, via: *mut u8, slot: usize, bytes: usize) -> Result<()>;
     /// Receives `bytes` from the peer into `dst` (this GPU), behind the compute stream's work
-    /// so far (which may still read `dst`); the compute stream's next work runs after it.
+    /// so far (which may still read `dst`); the compute stream's next work runs after it. The
+    /// compute stream's wait is timed (events around it), for the bubble.
     fn recv_into(&mut self, dst: *mut u8, bytes: usize) -> Result<()>;
     /// The compute stream's next work runs after every send so far: their buffers are free.
     fn settle(&mut self) -> Result<()>;
+    /// Marks the start (`end` false: the waits before it are dropped) or the end of a stage's
+    /// work on the compute stream.
+    fn mark(&mut self, end: bool) -> Result<()>;
+    /// Seconds the compute stream waited for this edge's receives, and between the last start
+    /// and end marks (0 without both), since the last call; waits for the events (call it
+    /// once the step's work has run).
+    fn take_times(&mut self) -> Result<(f64, f64)>;
 }

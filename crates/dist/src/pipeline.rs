@@ -11,7 +11,8 @@
 //! time a stage spends blocked in those transfers is its share of the bubble, reported next to
 //! the planner's (p − 1)/(v·m) (Narayanan et al. 2021, §2.2). On GPUs with NCCL the same program
 //! runs on the device ([`DeviceMessages`], `device_p2p.rs`): device send buffers, receives
-//! straight into the activation, no host in the way (and no host time blocked to report).
+//! straight into the activation, no host in the way; the bubble is then the compute stream's
+//! time waiting for its receives, timed by CUDA events.
 
 use crate::device_p2p::DeviceP2p;
 use crate::group::Group;
@@ -168,6 +169,24 @@ impl Pipeline {
     /// The messages run between the stages' GPUs by `gpus` from now on.
     pub fn messages_on_gpus(&mut self, gpus: DeviceMessages) {
         self.gpus = Some(gpus);
+    }
+
+    /// A training step's work on this stage begins (on GPUs, its span and receive waits are
+    /// timed on the device from here, for the bubble).
+    pub fn begin(&mut self) -> Result<()> {
+        self.mark(false)
+    }
+
+    /// Marks the start or end of the stage's work on each receiving edge's compute stream.
+    fn mark(&mut self, end: bool) -> Result<()> {
+        let Some(g) = self.gpus.as_mut() else {
+            return Ok(());
+        };
+        for edge in g.recvs.iter_mut().flatten() {
+            edge.mark(end)
+                .map_err(|e| anyhow!("pipeline bubble: {e}"))?;
+        }
+        Ok(())
     }
 
     /// The stage's tensors live on a device: messages are copied from and into them through
@@ -338,6 +357,7 @@ impl Pipeline {
                 edge.settle().map_err(|e| anyhow!("pipeline send: {e}"))?;
             }
         }
+        self.mark(true)?;
         for l in 0..2 {
             for j in 0..self.rings[l].pending.len() {
                 if let Some(p) = self.rings[l].pending[j].take() {
@@ -407,12 +427,19 @@ impl Pipeline {
     /// Every stage's bubble of the step just run (stage order): its time blocked in transfers
     /// over its time computing, the measure of the planner's (p − 1)/(v·m). Resets the
     /// counters.
-    /// None on GPUs with NCCL (every stage alike), whose waits are the devices', not the host's.
+    /// On GPUs with NCCL both are the device's: the compute stream's waits for its receives
+    /// and its span from [`Pipeline::begin`] to the flush, timed by events.
     pub fn take_bubbles(&mut self) -> Result<Vec<f64>> {
-        let (idle, span) = (self.idle.as_secs_f64(), self.span.as_secs_f64());
+        let (mut idle, mut span) = (self.idle.as_secs_f64(), self.span.as_secs_f64());
         (self.idle, self.span) = (Duration::ZERO, Duration::ZERO);
-        if self.gpus.is_some() {
-            return Ok(Vec::new());
+        if let Some(g) = self.gpus.as_mut() {
+            (idle, span) = (0.0, 0.0);
+            for edge in g.recvs.iter_mut().flatten() {
+                let (waited, s) = edge
+                    .take_times()
+                    .map_err(|e| anyhow!("pipeline bubble: {e}"))?;
+                (idle, span) = (idle + waited, span.max(s));
+            }
         }
         let mine = (idle / (span - idle).max(1e-9)) as f32;
         let mut small = SmallSums::small(&self.group);

@@ -490,7 +490,8 @@ fn model_group_exchanges_run_where_the_tensors_lie_in_their_type() {
 /// directed edge, each stage sending three messages through two device send buffers before it
 /// receives any (1F1B's warm-up does so), each source overwritten at once: every message
 /// arrives whole and in order. With sends that waited for their receiver this deadlocked.
-/// Two ranks: on the emulator only (NCCL refuses two ranks on one GPU).
+/// The receiving edge times its waits and the stage's span. Two ranks: on the emulator only
+/// (NCCL refuses two ranks on one GPU).
 #[test]
 fn pipeline_messages_go_before_their_receives_are_posted() {
     use ferrotron_dist::device_p2p::DeviceP2p;
@@ -518,6 +519,7 @@ fn pipeline_messages_go_before_their_receives_are_posted() {
                     .map(|_| DeviceBlock::new(&ctx, n * 4).unwrap())
                     .collect();
                 let src = DeviceBlock::new(&ctx, n * 4).unwrap();
+                edges[into].mark(false).unwrap();
                 for i in 0..messages {
                     let msg = typed::<f32>(n, 10 * me + i);
                     fill(&src, &msg);
@@ -537,6 +539,12 @@ fn pipeline_messages_go_before_their_receives_are_posted() {
                     assert_eq!(got, want, "stage {me}: message {i} of stage {peer}");
                 }
                 edges[out].settle().unwrap();
+                // The receives' waits and the span, timed on the device for the bubble; each
+                // take starts afresh.
+                edges[into].mark(true).unwrap();
+                let (waited, span) = edges[into].take_times().unwrap();
+                assert!(0.0 <= waited && waited <= span, "{waited} s of {span} s");
+                assert_eq!(edges[into].take_times().unwrap(), (0.0, 0.0));
             });
         }
     });

@@ -82,6 +82,13 @@ pub struct Nccl {
     /// A pipeline edge's sends: recorded on the communication stream after each send from
     /// send buffer `j` (made on its first use).
     sent: Vec<Option<CudaEvent>>,
+    /// A pipeline edge's timing events on the compute stream: before and after each receive's
+    /// wait, then the stage's start and end marks (made as needed, kept; `waits` and `marked`
+    /// this step's).
+    timed: Vec<CudaEvent>,
+    waits: usize,
+    marks: [Option<CudaEvent>; 2],
+    marked: [bool; 2],
     aborted: AtomicBool,
 }
 
@@ -149,6 +156,10 @@ impl Nccl {
             after,
             ring,
             sent: Vec::new(),
+            timed: Vec::new(),
+            waits: 0,
+            marks: [None, None],
+            marked: [false; 2],
             aborted: AtomicBool::new(false),
         })
     }
@@ -508,10 +519,26 @@ impl DeviceP2p for Nccl {
     fn recv_into(&mut self, dst: *mut u8, bytes: usize) -> Result<()> {
         const OP: &str = "pipeline receive";
         let (peer, comm) = (1 - self.rank(), self.comm);
+        // The compute stream's wait, timed from before the receive is issued (nothing runs on
+        // the compute stream between the two events but the wait).
+        let at = 2 * self.waits;
+        self.ctx.bind_to_thread().map_err(|e| self.failed(OP, e))?;
+        while self.timed.len() < at + 2 {
+            let e = self.ctx.new_event(None).map_err(|e| self.failed(OP, e))?;
+            self.timed.push(e);
+        }
+        self.timed[at]
+            .record(&self.compute)
+            .map_err(|e| self.failed(OP, e))?;
         // SAFETY: `bytes` of this GPU's memory, which the compute stream reads only after it.
         self.ordered(OP, |stream| unsafe {
             result::recv(dst.cast(), bytes, U8, peer as i32, comm, stream).map(drop)
-        })
+        })?;
+        self.timed[at + 1]
+            .record(&self.compute)
+            .map_err(|e| self.failed(OP, e))?;
+        self.waits += 1;
+        Ok(())
     }
 
     fn settle(&mut self) -> Result<()> {
@@ -521,6 +548,39 @@ impl DeviceP2p for Nccl {
             self.compute.wait(e).map_err(|e| self.failed(OP, e))?;
         }
         Ok(())
+    }
+
+    fn mark(&mut self, end: bool) -> Result<()> {
+        const OP: &str = "pipeline bubble";
+        self.ctx.bind_to_thread().map_err(|e| self.failed(OP, e))?;
+        let i = end as usize;
+        if self.marks[i].is_none() {
+            self.marks[i] = Some(self.ctx.new_event(None).map_err(|e| self.failed(OP, e))?);
+        }
+        let e = self.marks[i].as_ref().expect("made above");
+        e.record(&self.compute).map_err(|e| self.failed(OP, e))?;
+        self.marked[end as usize] = true;
+        // A stage's work starts: the waits before it (an evaluation's) are not its.
+        if !end {
+            self.waits = 0;
+        }
+        Ok(())
+    }
+
+    fn take_times(&mut self) -> Result<(f64, f64)> {
+        const OP: &str = "pipeline bubble";
+        let secs = |a: &CudaEvent, b: &CudaEvent| a.elapsed_ms(b).map(|ms| ms as f64 / 1e3);
+        let mut waited = 0.0;
+        for pair in self.timed[..2 * self.waits].chunks(2) {
+            waited += secs(&pair[0], &pair[1]).map_err(|e| self.failed(OP, e))?;
+        }
+        self.waits = 0;
+        let span = match (&self.marks, self.marked) {
+            ([Some(a), Some(b)], [true, true]) => secs(a, b).map_err(|e| self.failed(OP, e))?,
+            _ => 0.0,
+        };
+        self.marked = [false; 2];
+        Ok((waited, span))
     }
 }
 

@@ -40,7 +40,8 @@ impl Trainer {
     ) -> Result<LossSum> {
         let mut pp = self.mesh.pp.take().expect("a pipeline stage");
         let t0 = Instant::now();
-        let r = self.run_stage(&mut pp, step, params, grads, num_targets, loss_scale);
+        let r = (pp.begin())
+            .and_then(|()| self.run_stage(&mut pp, step, params, grads, num_targets, loss_scale));
         let r = r.and_then(|loss| pp.flush().map(|_| loss));
         if let Some(a) = &mut self.pool.arena {
             a.set_slot(0);
