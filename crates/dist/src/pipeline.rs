@@ -462,3 +462,43 @@ impl SmallSums for Pipeline {
         SmallSums::small(&self.group)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferrotron_plan::PpSchedule;
+
+    /// Stage 0's pipeline of `pp` stages (`v` chunks each) over `m` micro-batches.
+    fn stage0(pp: u64, v: u64, schedule: PpSchedule, m: u64) -> Pipeline {
+        let comm = crate::threads::world(1, Duration::from_secs(5))
+            .pop()
+            .unwrap();
+        let l = Layout {
+            pp,
+            pp_virtual: v,
+            pp_schedule: schedule,
+            ..Layout::default()
+        };
+        Pipeline::new(Box::new(comm), &l, m, None)
+    }
+
+    fn edge(dir: usize, from: usize, to: usize) -> Edge {
+        Edge { dir, from, to }
+    }
+
+    #[test]
+    fn every_stage_lists_the_directed_edges_messages_take_in_one_order() {
+        // 1F1B on two stages: forward 0 -> 1, backward 1 -> 0.
+        let two = stage0(2, 1, PpSchedule::OneFOneB, 4).edges();
+        assert_eq!(two, [edge(0, 0, 1), edge(1, 1, 0)]);
+        // Three stages: each neighbour pair, each direction; no wrap-around.
+        let three = stage0(3, 1, PpSchedule::Afab, 4).edges();
+        let want = [edge(0, 0, 1), edge(0, 1, 2), edge(1, 1, 0), edge(1, 2, 1)];
+        assert_eq!(three, want);
+        // Interleaved: the last stage's chunk sends on to the first stage's next chunk, and
+        // back: the pair of two stages carries four edges, each a communicator of its own.
+        let inter = stage0(2, 2, PpSchedule::Interleaved, 4).edges();
+        let want = [edge(0, 0, 1), edge(0, 1, 0), edge(1, 0, 1), edge(1, 1, 0)];
+        assert_eq!(inter, want);
+    }
+}
