@@ -21,6 +21,9 @@ use crate::communicator::Result;
 
 /// One direction of one pipeline edge on the device (NCCL between this stage and the peer).
 pub trait DeviceP2p: Send {
+    /// Makes the events of `slots` send buffers and of a training step's `receives` (and the
+    /// stage's start and end marks), once before the first step, so that no step makes any.
+    fn reserve(&mut self, slots: usize, receives: usize) -> Result<()>;
     /// Copies `bytes` from `src` into send buffer `via` (number `slot` of the sender's ring)
     /// on the compute stream, once that buffer's last send has gone, then sends `via` to the
     /// peer on the edge's stream behind the copy; the compute stream goes on meanwhile.
@@ -33,8 +36,8 @@ pub trait DeviceP2p: Send {
     fn recv_into(&mut self, dst: *mut u8, bytes: usize) -> Result<()>;
     /// The compute stream's next work runs after every send so far: their buffers are free.
     fn settle(&mut self) -> Result<()>;
-    /// Marks the start (`end` false: the waits before it are dropped) or the end of a stage's
-    /// work on the compute stream.
+    /// Marks the start (`end` false: the receives from here to the take are timed) or the end
+    /// of a stage's training step on the compute stream.
     fn mark(&mut self, end: bool) -> Result<()>;
     /// Seconds the compute stream waited for this edge's receives, and between the last start
     /// and end marks (0 without both), since the last call; waits for the events (call it

@@ -166,6 +166,12 @@ impl Pipeline {
         ferrotron_plan::schedule::send_buffers(&self.layout, self.m)
     }
 
+    /// Messages of direction `dir` (0 forward, 1 backward) this stage receives in a step.
+    pub fn receives(&self, dir: usize) -> usize {
+        let of = |w: &Work| self.messages(*w).0.is_some_and(|m| lane(m.dir) == dir);
+        self.work.iter().filter(|w| of(w)).count()
+    }
+
     /// The messages run between the stages' GPUs by `gpus` from now on.
     pub fn messages_on_gpus(&mut self, gpus: DeviceMessages) {
         self.gpus = Some(gpus);
@@ -492,6 +498,9 @@ mod tests {
         let two = stage0(2, 1, PpSchedule::OneFOneB, 4).edges();
         assert_eq!(two, [edge(0, 0, 1), edge(1, 1, 0)]);
         // Three stages: each neighbour pair, each direction; no wrap-around.
+        // Stage 0 receives each micro-batch's gradient, no activation.
+        let s0 = stage0(2, 1, PpSchedule::OneFOneB, 4);
+        assert_eq!((s0.receives(0), s0.receives(1)), (0, 4));
         let three = stage0(3, 1, PpSchedule::Afab, 4).edges();
         let want = [edge(0, 0, 1), edge(0, 1, 2), edge(1, 1, 0), edge(1, 2, 1)];
         assert_eq!(three, want);

@@ -519,6 +519,16 @@ fn pipeline_messages_go_before_their_receives_are_posted() {
                     .map(|_| DeviceBlock::new(&ctx, n * 4).unwrap())
                     .collect();
                 let src = DeviceBlock::new(&ctx, n * 4).unwrap();
+                // Every event a step uses is made before it: a send through a buffer not
+                // reserved is refused.
+                let (p, v) = (
+                    src.view::<f32>(n).as_ptr().cast(),
+                    via[0].view_mut::<f32>(n).as_mut_ptr().cast(),
+                );
+                let e = edges[out].send_via(p, v, 0, n * 4).unwrap_err().to_string();
+                assert!(e.ends_with("send buffer 0 of 0 reserved"), "{e}");
+                edges[out].reserve(k, 0).unwrap();
+                edges[into].reserve(0, messages).unwrap();
                 edges[into].mark(false).unwrap();
                 for i in 0..messages {
                     let msg = typed::<f32>(n, 10 * me + i);

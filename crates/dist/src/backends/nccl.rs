@@ -80,13 +80,14 @@ pub struct Nccl {
     /// Recorded on the compute stream when context parallelism's ring block is ready.
     ring: CudaEvent,
     /// A pipeline edge's sends: recorded on the communication stream after each send from
-    /// send buffer `j` (made on its first use).
-    sent: Vec<Option<CudaEvent>>,
+    /// send buffer `j`, and whether one was.
+    sent: Vec<(CudaEvent, bool)>,
     /// A pipeline edge's timing events on the compute stream: before and after each receive's
-    /// wait, then the stage's start and end marks (made as needed, kept; `waits` and `marked`
-    /// this step's).
+    /// wait, while a training step's work is timed (`timing`, from its start mark to the
+    /// take); the stage's start and end marks. All made by `reserve`, before the first step.
     timed: Vec<CudaEvent>,
     waits: usize,
+    timing: bool,
     marks: [Option<CudaEvent>; 2],
     marked: [bool; 2],
     aborted: AtomicBool,
@@ -158,6 +159,7 @@ impl Nccl {
             sent: Vec::new(),
             timed: Vec::new(),
             waits: 0,
+            timing: false,
             marks: [None, None],
             marked: [false; 2],
             aborted: AtomicBool::new(false),
@@ -473,15 +475,33 @@ impl DeviceCollective for Nccl {
 /// One direction of a pipeline edge: this two-rank communicator's stream carries its messages
 /// to (or from) the other rank, in bytes (NCCL's `ncclUint8`: no arithmetic, any element type).
 impl DeviceP2p for Nccl {
+    fn reserve(&mut self, slots: usize, receives: usize) -> Result<()> {
+        const OP: &str = "pipeline events";
+        self.ctx.bind_to_thread().map_err(|e| self.failed(OP, e))?;
+        let made = |timed: bool| {
+            let flags = (!timed).then_some(CUevent_flags::CU_EVENT_DISABLE_TIMING);
+            self.ctx.new_event(flags).map_err(|e| self.failed(OP, e))
+        };
+        let sent = (0..slots).map(|_| made(false).map(|e| (e, false)));
+        let sent = sent.collect::<Result<Vec<_>>>()?;
+        let timed = (0..2 * receives)
+            .map(|_| made(true))
+            .collect::<Result<Vec<_>>>()?;
+        let marks = [Some(made(true)?), Some(made(true)?)];
+        (self.sent, self.timed, self.marks) = (sent, timed, marks);
+        Ok(())
+    }
+
     fn send_via(&mut self, src: *const u8, via: *mut u8, slot: usize, bytes: usize) -> Result<()> {
         const OP: &str = "pipeline send";
-        if self.sent.len() <= slot {
-            self.sent.resize_with(slot + 1, || None);
+        if slot >= self.sent.len() {
+            let problem = format!("send buffer {slot} of {} reserved", self.sent.len());
+            return Err(self.usage(OP, problem));
         }
         let (peer, comm) = (1 - self.rank(), self.comm);
         self.ctx.bind_to_thread().map_err(|e| self.failed(OP, e))?;
         // The buffer's last message has gone before the copy overwrites it.
-        if let Some(e) = &self.sent[slot] {
+        if let (e, true) = &self.sent[slot] {
             self.compute.wait(e).map_err(|e| self.failed(OP, e))?;
         }
         // SAFETY: `bytes` of this GPU's memory each (the caller's views, the planned buffer).
@@ -506,13 +526,8 @@ impl DeviceP2p for Nccl {
             )
             .map(drop)
         })?;
-        let flags = Some(CUevent_flags::CU_EVENT_DISABLE_TIMING);
-        let event = match self.sent[slot].take() {
-            Some(e) => e,
-            None => self.ctx.new_event(flags).map_err(|e| self.failed(OP, e))?,
-        };
-        let recorded = event.record(&self.comm_stream);
-        self.sent[slot] = Some(event);
+        self.sent[slot].1 = true;
+        let recorded = self.sent[slot].0.record(&self.comm_stream);
         recorded.map_err(|e| self.failed(OP, e))
     }
 
@@ -520,31 +535,29 @@ impl DeviceP2p for Nccl {
         const OP: &str = "pipeline receive";
         let (peer, comm) = (1 - self.rank(), self.comm);
         // The compute stream's wait, timed from before the receive is issued (nothing runs on
-        // the compute stream between the two events but the wait).
+        // the compute stream between the two events but the wait); a step's receives beyond
+        // the reserved ones (none in a training step's program) are not timed.
         let at = 2 * self.waits;
+        let timed = self.timing && at + 2 <= self.timed.len();
+        let record = |s: &Self, i: usize| match timed {
+            true => s.timed[i].record(&s.compute).map_err(|e| s.failed(OP, e)),
+            false => Ok(()),
+        };
         self.ctx.bind_to_thread().map_err(|e| self.failed(OP, e))?;
-        while self.timed.len() < at + 2 {
-            let e = self.ctx.new_event(None).map_err(|e| self.failed(OP, e))?;
-            self.timed.push(e);
-        }
-        self.timed[at]
-            .record(&self.compute)
-            .map_err(|e| self.failed(OP, e))?;
+        record(self, at)?;
         // SAFETY: `bytes` of this GPU's memory, which the compute stream reads only after it.
         self.ordered(OP, |stream| unsafe {
             result::recv(dst.cast(), bytes, U8, peer as i32, comm, stream).map(drop)
         })?;
-        self.timed[at + 1]
-            .record(&self.compute)
-            .map_err(|e| self.failed(OP, e))?;
-        self.waits += 1;
+        record(self, at + 1)?;
+        self.waits += timed as usize;
         Ok(())
     }
 
     fn settle(&mut self) -> Result<()> {
         const OP: &str = "pipeline send";
         self.ctx.bind_to_thread().map_err(|e| self.failed(OP, e))?;
-        for e in self.sent.iter().flatten() {
+        for (e, _) in self.sent.iter().filter(|s| s.1) {
             self.compute.wait(e).map_err(|e| self.failed(OP, e))?;
         }
         Ok(())
@@ -553,16 +566,14 @@ impl DeviceP2p for Nccl {
     fn mark(&mut self, end: bool) -> Result<()> {
         const OP: &str = "pipeline bubble";
         self.ctx.bind_to_thread().map_err(|e| self.failed(OP, e))?;
-        let i = end as usize;
-        if self.marks[i].is_none() {
-            self.marks[i] = Some(self.ctx.new_event(None).map_err(|e| self.failed(OP, e))?);
-        }
-        let e = self.marks[i].as_ref().expect("made above");
+        let Some(e) = &self.marks[end as usize] else {
+            return Err(self.usage(OP, "no events reserved".into()));
+        };
         e.record(&self.compute).map_err(|e| self.failed(OP, e))?;
         self.marked[end as usize] = true;
-        // A stage's work starts: the waits before it (an evaluation's) are not its.
+        // A training step's work starts: its receives are timed until the take.
         if !end {
-            self.waits = 0;
+            (self.waits, self.timing) = (0, true);
         }
         Ok(())
     }
@@ -574,7 +585,7 @@ impl DeviceP2p for Nccl {
         for pair in self.timed[..2 * self.waits].chunks(2) {
             waited += secs(&pair[0], &pair[1]).map_err(|e| self.failed(OP, e))?;
         }
-        self.waits = 0;
+        (self.waits, self.timing) = (0, false);
         let span = match (&self.marks, self.marked) {
             ([Some(a), Some(b)], [true, true]) => secs(a, b).map_err(|e| self.failed(OP, e))?,
             _ => 0.0,

@@ -310,12 +310,19 @@ pub fn messages_on_gpus(
             .into_iter()
             .filter(|e| e.from == me || e.to == me)
         {
-            let edge = Box::new(over_members(
+            let mut edge = Box::new(over_members(
                 pp.group(),
                 &[e.from, e.to],
                 ctx.clone(),
                 Dim::Pp,
             )?);
+            // Every event a step uses, made now.
+            let (slots, receives) = match e.to == me {
+                true => (0, pp.receives(e.dir)),
+                false => (k, 0),
+            };
+            ferrotron_dist::device_p2p::DeviceP2p::reserve(&mut *edge, slots, receives)
+                .map_err(|err| anyhow::anyhow!("pipeline parallel: NCCL: {err}"))?;
             if e.to == me {
                 gpus.recvs[e.dir] = Some(edge);
                 continue;
