@@ -5,13 +5,22 @@ step is left out of the figure (it allocates the gradients and grows scratch); t
 steps' median is printed, with their range when they differ. With --max-syncs N it fails
 when that median is above N: the CUDA emulator's CI stage holds the counts it measured, so a
 change that adds a round trip fails CI, and issue #32 lowers the bound as it removes them.
-Usage: python3 cuda_ops.py LABEL METRICS_JSONL [--max-syncs N]"""
+Also printed: the host->device writes and memsets, and the synchronous copies and memsets
+(either way), which CUDA runs on the legacy default stream and a captured step (CUDA graphs)
+cannot hold; --max-legacy N fails when their median is above N.
+Usage: python3 cuda_ops.py LABEL METRICS_JSONL [--max-syncs N] [--max-legacy N]"""
 import json
 import statistics
 import sys
 
 label, path = sys.argv[1:3]
-max_syncs = int(sys.argv[4]) if len(sys.argv) > 4 and sys.argv[3] == "--max-syncs" else None
+flags = dict(zip(sys.argv[3::2], sys.argv[4::2]))
+unknown = set(flags) - {"--max-syncs", "--max-legacy"}
+if unknown or len(sys.argv[3:]) % 2:
+    print(f"error: {label}: usage: cuda_ops.py LABEL METRICS_JSONL [--max-syncs N] [--max-legacy N]")
+    sys.exit(2)
+max_syncs = int(flags["--max-syncs"]) if "--max-syncs" in flags else None
+max_legacy = int(flags["--max-legacy"]) if "--max-legacy" in flags else None
 steps = [json.loads(l) for l in open(path)]
 ops = [s.get("device_ops") for s in steps]
 if not steps or any(o is None for o in ops):
@@ -33,11 +42,16 @@ print(
     f"{label}: host syncs/step {per_step(lambda o: o['host_syncs'])} ({by_site}); "
     f"launches/step {per_step(lambda o: o['launches'])} (kernels {per_step(lambda o: o['kernels'])}, "
     f"cuBLASLt {per_step(lambda o: o['blas'])}, device copies {per_step(lambda o: o['copies'])}); "
-    f"blocking writes/step {per_step(lambda o: o['writes'])}; "
+    f"host->device writes/step {per_step(lambda o: o['writes'])}; "
+    f"on the legacy stream (synchronous copies and memsets) {per_step(lambda o: o.get('legacy', 0))}; "
     f"over steps {steps[1]['step'] if len(steps) > 1 else steps[0]['step']}-{steps[-1]['step']}, "
     f"first step {ops[0]['host_syncs']} syncs, {ops[0]['launches']} launches"
 )
 syncs = statistics.median(o["host_syncs"] for o in later)
 if max_syncs is not None and syncs > max_syncs:
     print(f"error: {label}: {syncs:g} host synchronisations per step, more than the {max_syncs} held")
+    sys.exit(1)
+legacy = statistics.median(o.get("legacy", 0) for o in later)
+if max_legacy is not None and legacy > max_legacy:
+    print(f"error: {label}: {legacy:g} copies or memsets per step on the legacy stream, more than the {max_legacy} held")
     sys.exit(1)

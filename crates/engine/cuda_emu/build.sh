@@ -17,7 +17,7 @@ flags=(-std=c++17 -O2 -fPIC -shared -Wall -Wextra -Werror -ffp-contract=off)
 cp "$here/runtime.hpp" "$out/runtime.hpp"
 "$cxx" "${flags[@]}" -Wl,-soname,libcuda.so.1 "$here/driver.cpp" -o "$out/libcuda.so.1" -ldl
 "$cxx" "${flags[@]}" -Wl,-soname,libnvrtc.so.13 "$here/nvrtc.cpp" -o "$out/libnvrtc.so.13" -ldl
-"$cxx" "${flags[@]}" -Wl,-soname,libcublasLt.so.13 "$here/cublaslt.cpp" -o "$out/libcublasLt.so.13"
+"$cxx" "${flags[@]}" -Wl,-soname,libcublasLt.so.13 "$here/cublaslt.cpp" -o "$out/libcublasLt.so.13" -ldl
 # NCCL between ranks that are threads of one process; cudarc loads it as libnccl.so by name, so
 # its directory goes on LD_LIBRARY_PATH.
 "$cxx" "${flags[@]}" -Wl,-soname,libnccl.so.2 "$here/nccl.cpp" -o "$out/libnccl.so.2" -lpthread -ldl

@@ -27,7 +27,9 @@
 //
 // Not emulated: the algorithms themselves (one "algorithm", no workspace), tensor cores, TF32 and
 // other fast compute types, epilogues (bias, activations, aux outputs), C and D scale pointers,
-// device pointer modes, batching, row-major and tiled orders, and streams: every call is synchronous.
+// device pointer modes, batching, row-major and tiled orders. A product runs when it is called,
+// after the work queued before it on its stream (`ferrotron_emu_before` of the emulated driver,
+// as a kernel launch does).
 //
 // `ferrotron_emu_cublaslt_calls()` counts the products run, for tests that a path used cuBLASLt.
 
@@ -38,6 +40,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <dlfcn.h>
 #include <vector>
 
 // One multiply and one add per term, as specified: no contraction into fused multiply-adds.
@@ -50,7 +53,7 @@
 namespace {
 
 // cublasStatus_t, cudaDataType and cublasComputeType_t values (cublas_api.h, library_types.h).
-enum : int { OK = 0, NOT_INITIALIZED = 1, ALLOC_FAILED = 3, INVALID_VALUE = 7, NOT_SUPPORTED = 15 };
+enum : int { OK = 0, NOT_INITIALIZED = 1, ALLOC_FAILED = 3, INVALID_VALUE = 7, EXECUTION_FAILED = 13, NOT_SUPPORTED = 15 };
 enum : int { R_32F = 0, R_16F = 2, R_16BF = 14, R_8F_E4M3 = 28, R_8F_E5M2 = 29 };
 enum : int { COMPUTE_32F = 68, COMPUTE_32F_PEDANTIC = 69 };
 
@@ -428,7 +431,6 @@ int cublasLtMatmul(void* handle, void* desc, const void* alpha, const void* pa, 
     const char* fn = "cublasLtMatmul";
     (void)workspace;  // the one algorithm needs none
     (void)workspace_bytes;
-    (void)stream;  // every call is synchronous
     if (!live<Handle>(handle, HANDLE)) return fail(NOT_INITIALIZED, fn, "not a live handle");
     Desc* op = live<Desc>(desc, DESC);
     Layout *a = live<Layout>(la, LAYOUT), *b = live<Layout>(lb, LAYOUT);
@@ -458,6 +460,13 @@ int cublasLtMatmul(void* handle, void* desc, const void* alpha, const void* pa, 
                         "ABCD"[i], ptrs[i], name_of(all[i]->type), (unsigned long long)promised,
                         "ABCD"[i]);
     }
+    // The stream's earlier work first (the product runs at once, as a kernel launch does).
+    using Before = int (*)(void*);
+    static Before before = [] {
+        void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+        return h ? reinterpret_cast<Before>(dlsym(h, "ferrotron_emu_before")) : nullptr;
+    }();
+    if (before && before(stream)) return fail(EXECUTION_FAILED, fn, "the stream's earlier work failed");
     // op(A) by rows and op(B) by columns, each row/column contiguous over k, in f32 (exact).
     const size_t m = d->rows, n = d->cols, k = op->trans_a ? a->rows : a->cols;
     std::vector<float> ra(m * k), cb(n * k);

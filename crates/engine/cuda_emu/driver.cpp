@@ -7,16 +7,20 @@
 // (NaN as floats), so a kernel that reads memory nobody wrote shows it, as `cuMemAlloc`'s
 // uninitialised memory may on a GPU.
 //
-// Work on the default stream (the legacy one every kernel of the backend runs on) is
-// synchronous: a launch or copy has finished when the call returns. Work on a stream made by
-// `cuStreamCreate` (non-blocking, as cudarc makes them: a copy stream, NCCL's) runs late: its
-// asynchronous copies, memsets, event records and event waits are queued and run only when
-// something waits for them (a synchronisation of the stream, of the context or of one of its
-// events, a stream waiting on one of its events, a query, a free), as late as CUDA allows.
+// Work on the legacy default stream (and the synchronous copies and memsets, which are its
+// work) runs at once, after the work queued on every blocking stream: CUDA's implicit
+// synchronisation of the legacy stream. Work on a stream made by `cuStreamCreate` (non-blocking,
+// as cudarc makes them: a copy stream, NCCL's) and on a thread's per-thread default stream
+// (`CU_STREAM_PER_THREAD`, the backend's compute stream: a blocking stream of its own for each
+// host thread) runs late: its asynchronous copies, memsets, event records and event waits are
+// queued and run only when something waits for them (a synchronisation of the stream, of the
+// context or of one of its events, a stream waiting on one of its events, a query, a free, a
+// launch or a cuBLASLt call on it, work on the legacy stream), as late as CUDA allows.
 // So a kernel that reads what a copy stream writes without waiting for its event reads what
 // was there before, as it may on a GPU where the copy is still running, and the tests see it;
-// an asynchronous copy reads its host source when it runs, so a host buffer changed before
-// the copy was waited for shows too. `FERROTRON_CUDA_EMU_STREAMS=sync` runs every stream's
+// an asynchronous copy from page-locked memory reads its host source when it runs, so a host
+// buffer changed before the copy was waited for shows too (from pageable memory it is staged
+// when called, and into pageable memory it has landed when the call returns, as CUDA says). `FERROTRON_CUDA_EMU_STREAMS=sync` runs every stream's
 // work at once instead. An event records the host's clock when it is reached, so GPU times
 // read from events are the emulator's. The device's memory is `FERROTRON_CUDA_EMU_MEMORY`
 // bytes (80 GiB, an H100's, if unset); `cuMemGetInfo` says what the allocations left of it.
@@ -24,6 +28,7 @@
 #include "compile.hpp"
 #include "runtime.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -33,6 +38,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 typedef int CUresult;
@@ -72,6 +78,12 @@ struct Stream {
     std::deque<std::function<CUresult()>> queue;
     unsigned long long queued = 0, ran = 0;
     CUresult error = 0;
+    /// Whether the legacy stream's work waits for this stream's (a per-thread default stream,
+    /// or one created without CU_STREAM_NON_BLOCKING).
+    bool blocking = false;
+    /// The event waits queued here and not yet run: (queue position, stream waited for, its
+    /// ticket), so that the emulated NCCL can run what a collective's inputs wait for.
+    std::vector<std::tuple<unsigned long long, std::weak_ptr<Stream>, unsigned long long>> waits;
 };
 /// An event: when it was reached, and the stream and queue position it waits for (none, or a
 /// stream destroyed since, whose work has all run: reached).
@@ -79,10 +91,18 @@ struct Event {
     std::chrono::steady_clock::time_point at;
     std::weak_ptr<Stream> stream;
     unsigned long long ticket = 0;
+    /// Records queued and not yet run (under `lock`): a destroyed event is freed by the last
+    /// (CUDA frees a recorded event once reached), since one recorded on two streams is
+    /// reached, by `reach`, on the later's only.
+    int pending = 0;
+    bool destroyed = false;
 };
 
+// The tables are never destroyed: a thread still in the driver while the process exits (a
+// rank's, draining its stream) must not find them gone.
 std::mutex lock;
-std::map<uintptr_t, size_t> allocations;  // device address → bytes
+std::map<uintptr_t, size_t>& allocations = *new std::map<uintptr_t, size_t>;  // device address → bytes
+std::map<uintptr_t, size_t>& pinned = *new std::map<uintptr_t, size_t>;  // page-locked host address → bytes
 size_t allocated = 0;
 unsigned long long launches = 0;
 int context_tag = 0;
@@ -90,7 +110,7 @@ thread_local void* current = nullptr;
 
 // Every live stream of cuStreamCreate (under `lock`), owned here: a thread draining every
 // stream (a free, a context synchronisation) holds them while another destroys one.
-std::map<Stream*, std::shared_ptr<Stream>> streams;
+std::map<Stream*, std::shared_ptr<Stream>>& streams = *new std::map<Stream*, std::shared_ptr<Stream>>;
 
 /// The live stream `s`, or null.
 std::shared_ptr<Stream> owned(Stream* s) {
@@ -107,16 +127,44 @@ bool deferred() {
     return late;
 }
 
-/// The stream `s` names when its work runs late; null for the default, legacy and per-thread
-/// streams (0, 1, 2), whose work runs at once.
+/// The calling thread's per-thread default stream, made at its first use and registered
+/// with the created ones (a context synchronisation or a free drains it); at the thread's
+/// exit its queued work runs (CUDA completes it) and it goes.
+struct PerThread {
+    std::shared_ptr<Stream> stream;
+    PerThread() : stream(std::make_shared<Stream>()) {
+        stream->blocking = true;
+        std::lock_guard<std::mutex> g(lock);
+        streams[stream.get()] = stream;
+    }
+    ~PerThread();
+};
+Stream* per_thread() {
+    thread_local PerThread mine;
+    return mine.stream.get();
+}
+
+/// The stream `s` names when its work runs late; null for the default and legacy streams
+/// (0, 1), whose work runs at once (after the blocking streams': [`legacy`]).
 Stream* late_stream(void* s) {
-    if ((uintptr_t)s <= 2 || !deferred()) return nullptr;
+    if ((uintptr_t)s <= 1 || !deferred()) return nullptr;
+    if ((uintptr_t)s == 2) return per_thread();
     return static_cast<Stream*>(s);
 }
 
 /// Runs `s`'s queued work, in order, up to and including its `until`-th item (all of it by
 /// default); the first error is kept for the stream's next synchronisation.
 CUresult drain(Stream* s, unsigned long long until = ~0ull) {
+    {
+        // Reached already: return without waiting for the stream's drainer, which may itself
+        // wait for this thread's (two streams waiting on each other's earlier work).
+        std::lock_guard<std::mutex> g(s->m);
+        if (s->ran >= until) {
+            CUresult e = s->error;
+            s->error = 0;
+            return e;
+        }
+    }
     std::lock_guard<std::recursive_mutex> running(s->run);
     for (;;) {
         std::function<CUresult()> work;
@@ -152,6 +200,32 @@ CUresult drain_all() {
     return first;
 }
 
+/// What work on the legacy stream waits for: every blocking stream's queued work (every
+/// thread's per-thread default stream's).
+CUresult legacy() {
+    if (!deferred()) return 0;
+    std::vector<std::shared_ptr<Stream>> blocking;
+    {
+        std::lock_guard<std::mutex> g(lock);
+        for (auto& kv : streams)
+            if (kv.second->blocking) blocking.push_back(kv.second);
+    }
+    CUresult first = 0;
+    for (auto& s : blocking) {
+        CUresult e = drain(s.get());
+        if (e && !first) first = e;
+    }
+    return first;
+}
+
+/// What must run before work that runs at once is done on stream `s` (a kernel, whose
+/// arguments cannot be kept for later, or a cuBLASLt product): `s`'s earlier work, or on the
+/// legacy stream the blocking streams'.
+CUresult before(void* s) {
+    if (Stream* late = late_stream(s)) return drain(late);
+    return (uintptr_t)s <= 1 ? legacy() : 0;
+}
+
 /// Queues `work` behind `s`'s earlier work; its position in the queue (counting from 1).
 unsigned long long enqueue(Stream* s, std::function<CUresult()> work) {
     std::lock_guard<std::mutex> g(s->m);
@@ -163,7 +237,11 @@ unsigned long long enqueue(Stream* s, std::function<CUresult()> work) {
 /// earlier work.
 CUresult submit(void* s, std::function<CUresult()> work) {
     Stream* late = late_stream(s);
-    if (!late) return work();
+    if (!late) {
+        if ((uintptr_t)s <= 1)
+            if (CUresult e = legacy()) return e;
+        return work();
+    }
     enqueue(late, std::move(work));
     return 0;
 }
@@ -172,6 +250,17 @@ CUresult submit(void* s, std::function<CUresult()> work) {
 CUresult reach(Event* e) {
     std::shared_ptr<Stream> s = e->stream.lock();
     return s ? drain(s.get(), e->ticket) : 0;
+}
+
+/// Whether host memory [p, p + n) is page-locked (`cuMemHostAlloc`). An asynchronous copy
+/// from pageable memory is staged when it is called, and one into pageable memory has landed
+/// when the call returns; only page-locked memory is read or written when the stream runs.
+bool is_pinned(const void* p, size_t n) {
+    std::lock_guard<std::mutex> g(lock);
+    auto it = pinned.upper_bound((uintptr_t)p);
+    if (it == pinned.begin()) return false;
+    --it;
+    return (uintptr_t)p >= it->first && (uintptr_t)p + n <= it->first + it->second;
 }
 
 size_t total_memory() {
@@ -190,6 +279,41 @@ bool inside(CUdeviceptr p, size_t n, const char* what) {
     std::fprintf(stderr, "cuda emulator: %s of %zu bytes at device address 0x%llx is outside every live allocation\n",
                  what, n, p);
     return false;
+}
+
+PerThread::~PerThread() {
+    drain(stream.get());
+    std::lock_guard<std::mutex> g(lock);
+    streams.erase(stream.get());
+}
+
+// The copies and memsets themselves, wherever they run.
+CUresult copy(CUdeviceptr dst, const void* src, size_t n, const char* what) {
+    if (n && !inside(dst, n, what)) return CUDA_ERROR_INVALID_VALUE;
+    std::memcpy((void*)dst, src, n);
+    return CUDA_SUCCESS;
+}
+CUresult copy_dtoh(void* dst, CUdeviceptr src, size_t n) {
+    if (n && !inside(src, n, "a device-to-host copy")) return CUDA_ERROR_INVALID_VALUE;
+    std::memcpy(dst, (const void*)src, n);
+    return CUDA_SUCCESS;
+}
+CUresult copy_dtod(CUdeviceptr dst, CUdeviceptr src, size_t n) {
+    if (n && (!inside(dst, n, "a device-to-device copy's destination") ||
+              !inside(src, n, "a device-to-device copy's source")))
+        return CUDA_ERROR_INVALID_VALUE;
+    std::memmove((void*)dst, (const void*)src, n);
+    return CUDA_SUCCESS;
+}
+CUresult set8(CUdeviceptr dst, unsigned char v, size_t n) {
+    if (n && !inside(dst, n, "a memset")) return CUDA_ERROR_INVALID_VALUE;
+    std::memset((void*)dst, v, n);
+    return CUDA_SUCCESS;
+}
+CUresult set32(CUdeviceptr dst, unsigned v, size_t n) {
+    if (n && !inside(dst, n * 4, "a memset")) return CUDA_ERROR_INVALID_VALUE;
+    for (size_t i = 0; i < n; i++) std::memcpy((char*)dst + 4 * i, &v, 4);
+    return CUDA_SUCCESS;
 }
 
 }  // namespace
@@ -320,9 +444,7 @@ CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned
     if (extra || !params) return CUDA_ERROR_NOT_SUPPORTED;
     // A kernel's arguments cannot be kept for later: on a stream whose work runs late, the
     // stream's earlier work runs first and the kernel at once.
-    if (Stream* late = late_stream(stream)) {
-        if (CUresult e = drain(late)) return e;
-    }
+    if (CUresult e = before(stream)) return e;
     emu::Launch l{{gx, gy, gz}, {bx, by, bz}, shared};
     {
         std::lock_guard<std::mutex> g(lock);
@@ -369,61 +491,74 @@ CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
 }
 CUresult cuMemHostAlloc(void** p, size_t bytes, unsigned) {
     *p = std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096);
-    return *p ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+    if (!*p) return CUDA_ERROR_OUT_OF_MEMORY;
+    std::lock_guard<std::mutex> g(lock);
+    pinned[(uintptr_t)*p] = bytes;
+    return CUDA_SUCCESS;
 }
 CUresult cuMemAllocHost_v2(void** p, size_t bytes) { return cuMemHostAlloc(p, bytes, 0); }
 CUresult cuMemFreeHost(void* p) {
+    // As a free of device memory, it waits for the work that may still copy from or to it.
+    drain_all();
+    {
+        std::lock_guard<std::mutex> g(lock);
+        pinned.erase((uintptr_t)p);
+    }
     std::free(p);
     return CUDA_SUCCESS;
 }
 
 CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t n) {
-    if (n && !inside(dst, n, "a host-to-device copy")) return CUDA_ERROR_INVALID_VALUE;
-    std::memcpy((void*)dst, src, n);
-    return CUDA_SUCCESS;
+    if (CUresult e = legacy()) return e;
+    return copy(dst, src, n, "a host-to-device copy");
 }
 CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t n) {
-    if (n && !inside(src, n, "a device-to-host copy")) return CUDA_ERROR_INVALID_VALUE;
-    std::memcpy(dst, (const void*)src, n);
-    return CUDA_SUCCESS;
+    if (CUresult e = legacy()) return e;
+    return copy_dtoh(dst, src, n);
 }
 CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
-    if (n && (!inside(dst, n, "a device-to-device copy's destination") ||
-              !inside(src, n, "a device-to-device copy's source")))
-        return CUDA_ERROR_INVALID_VALUE;
-    std::memmove((void*)dst, (const void*)src, n);
-    return CUDA_SUCCESS;
+    if (CUresult e = legacy()) return e;
+    return copy_dtod(dst, src, n);
 }
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, void* s) {
     if (n && !inside(dst, n, "a host-to-device copy")) return CUDA_ERROR_INVALID_VALUE;
-    return submit(s, [=] { return cuMemcpyHtoD_v2(dst, src, n); });
+    if (!is_pinned(src, n)) {
+        // Pageable memory is staged now: the caller may change it once the call returns.
+        auto staged = std::make_shared<std::vector<char>>((const char*)src, (const char*)src + n);
+        return submit(s, [=] { return copy(dst, staged->data(), n, "a host-to-device copy"); });
+    }
+    return submit(s, [=] { return copy(dst, src, n, "a host-to-device copy"); });
 }
 CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, void* s) {
     if (n && !inside(src, n, "a device-to-host copy")) return CUDA_ERROR_INVALID_VALUE;
-    return submit(s, [=] { return cuMemcpyDtoH_v2(dst, src, n); });
+    if (!is_pinned(dst, n)) {
+        // Into pageable memory the copy has landed when the call returns.
+        if (CUresult e = before(s)) return e;
+        return copy_dtoh(dst, src, n);
+    }
+    return submit(s, [=] { return copy_dtoh(dst, src, n); });
 }
 CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, void* s) {
-    return submit(s, [=] { return cuMemcpyDtoD_v2(dst, src, n); });
+    return submit(s, [=] { return copy_dtod(dst, src, n); });
 }
 CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char v, size_t n) {
-    if (n && !inside(dst, n, "a memset")) return CUDA_ERROR_INVALID_VALUE;
-    std::memset((void*)dst, v, n);
-    return CUDA_SUCCESS;
+    if (CUresult e = legacy()) return e;
+    return set8(dst, v, n);
 }
 CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, void* s) {
-    return submit(s, [=] { return cuMemsetD8_v2(dst, v, n); });
+    return submit(s, [=] { return set8(dst, v, n); });
 }
 CUresult cuMemsetD32_v2(CUdeviceptr dst, unsigned v, size_t n) {
-    if (n && !inside(dst, n * 4, "a memset")) return CUDA_ERROR_INVALID_VALUE;
-    for (size_t i = 0; i < n; i++) std::memcpy((char*)dst + 4 * i, &v, 4);
-    return CUDA_SUCCESS;
+    if (CUresult e = legacy()) return e;
+    return set32(dst, v, n);
 }
 CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned v, size_t n, void* s) {
-    return submit(s, [=] { return cuMemsetD32_v2(dst, v, n); });
+    return submit(s, [=] { return set32(dst, v, n); });
 }
 
-CUresult cuStreamCreate(void** s, unsigned) {
+CUresult cuStreamCreate(void** s, unsigned flags) {
     auto st = std::make_shared<Stream>();
+    st->blocking = !(flags & 1);  // CU_STREAM_NON_BLOCKING
     std::lock_guard<std::mutex> g(lock);
     streams[st.get()] = st;
     *s = st.get();
@@ -441,10 +576,7 @@ CUresult cuStreamDestroy_v2(void* s) {
     streams.erase(st.get());
     return CUDA_SUCCESS;
 }
-CUresult cuStreamSynchronize(void* s) {
-    Stream* late = late_stream(s);
-    return late ? drain(late) : CUDA_SUCCESS;
-}
+CUresult cuStreamSynchronize(void* s) { return before(s); }
 CUresult cuStreamQuery(void* s) { return cuStreamSynchronize(s); }
 CUresult cuStreamWaitEvent(void* s, void* e, unsigned) {
     if (!e) return CUDA_ERROR_INVALID_HANDLE;
@@ -452,10 +584,16 @@ CUresult cuStreamWaitEvent(void* s, void* e, unsigned) {
     // What the event waits for as of now (a later record of it does not count).
     std::weak_ptr<Stream> on = ev->stream;
     unsigned long long ticket = ev->ticket;
-    return submit(s, [=] {
+    auto wait = [=] {
         std::shared_ptr<Stream> st = on.lock();
         return st ? drain(st.get(), ticket) : CUDA_SUCCESS;
-    });
+    };
+    Stream* late = late_stream(s);
+    if (!late) return submit(s, wait);
+    std::lock_guard<std::mutex> g(late->m);
+    late->queue.push_back(wait);
+    late->waits.emplace_back(++late->queued, on, ticket);
+    return CUDA_SUCCESS;
 }
 
 CUresult cuEventCreate(void** e, unsigned) {
@@ -467,12 +605,20 @@ CUresult cuEventRecord(void* e, void* s) {
     auto* ev = static_cast<Event*>(e);
     Stream* late = late_stream(s);
     if (!late) {
+        if ((uintptr_t)s <= 1)
+            if (CUresult e = legacy()) return e;
         ev->stream.reset();
         ev->at = std::chrono::steady_clock::now();
         return CUDA_SUCCESS;
     }
+    {
+        std::lock_guard<std::mutex> g(lock);
+        ev->pending++;
+    }
     ev->ticket = enqueue(late, [ev] {
         ev->at = std::chrono::steady_clock::now();
+        std::lock_guard<std::mutex> g(lock);
+        if (--ev->pending == 0 && ev->destroyed) delete ev;
         return CUDA_SUCCESS;
     });
     ev->stream = owned(late);
@@ -485,7 +631,14 @@ CUresult cuEventSynchronize(void* e) {
 }
 CUresult cuEventQuery(void* e) { return cuEventSynchronize(e); }
 CUresult cuEventDestroy_v2(void* e) {
-    delete static_cast<Event*>(e);
+    if (!e) return CUDA_ERROR_INVALID_HANDLE;
+    // A record still queued writes into the event when it runs: the last one frees it.
+    auto* ev = static_cast<Event*>(e);
+    std::lock_guard<std::mutex> g(lock);
+    if (ev->pending == 0)
+        delete ev;
+    else
+        ev->destroyed = true;
     return CUDA_SUCCESS;
 }
 CUresult cuEventElapsedTime_v2(float* ms, void* start, void* end) {
@@ -501,6 +654,33 @@ CUresult cuEventElapsedTime(float* ms, void* start, void* end) { return cuEventE
 /// lands when its stream runs, not when it was called.
 CUresult ferrotron_emu_submit(void* s, CUresult (*work)(void*), void* arg) {
     return submit(s, [=] { return work(arg); });
+}
+
+/// For the emulator's cuBLASLt: what must run before a product on stream `s` runs at once
+/// (as before a launch).
+CUresult ferrotron_emu_before(void* s) { return before(s); }
+
+/// For the emulator's libnccl, which reads a call's inputs when it is called: runs the work
+/// that the event waits queued on stream `s` wait for (the compute stream's work that
+/// produced the inputs), not `s`'s own queued work (earlier results still land late).
+CUresult ferrotron_emu_reach_waits(void* s) {
+    Stream* late = late_stream(s);
+    if (!late) return (uintptr_t)s <= 1 ? legacy() : 0;
+    std::vector<std::pair<std::weak_ptr<Stream>, unsigned long long>> targets;
+    {
+        std::lock_guard<std::mutex> g(late->m);
+        auto& w = late->waits;
+        w.erase(std::remove_if(w.begin(), w.end(), [&](auto& t) { return std::get<0>(t) <= late->ran; }),
+                w.end());
+        for (auto& t : w) targets.emplace_back(std::get<1>(t), std::get<2>(t));
+    }
+    CUresult first = 0;
+    for (auto& [on, ticket] : targets) {
+        std::shared_ptr<Stream> st = on.lock();
+        CUresult e = st ? drain(st.get(), ticket) : 0;
+        if (e && !first) first = e;
+    }
+    return first;
 }
 
 /// Kernels launched since the library was loaded (for the emulator's own tests).

@@ -13,8 +13,9 @@
 // (source, destination) pair in order; `ncclGroupEnd` returns once its receives have copied.
 // A send never waits for its receiver (NCCL's host does not: the wait is the stream's), so a
 // pipeline whose stages send before they receive runs here as on GPUs; its bytes are copied
-// into the pair's mailbox when it is called. A call reads its sends when it is made (the work before it
-// on the compute stream has run: the emulated driver runs the default stream at once), but its
+// into the pair's mailbox when it is called. A call reads its sends when it is made, after
+// running what its stream's queued event waits wait for (the compute stream's work that wrote
+// them: `ferrotron_emu_reach_waits` of the emulated driver), but its
 // results land in the receiving buffers when its stream runs: the emulated driver queues them
 // there (`ferrotron_emu_submit`) and runs them as late as CUDA allows, so a compute stream that
 // reads a result without waiting for the communication stream reads what was there before.
@@ -124,6 +125,18 @@ int deliver(void* stream, void* dst, const void* src, size_t n) {
     return submit(stream, land, l) ? fail(SYSTEM_ERROR, "ncclGroupEnd", "the driver refused the stream") : SUCCESS;
 }
 
+// Runs the work that `stream`'s queued event waits wait for, so that a call's inputs are
+// written before it reads them (NCCL's kernel reads them when its stream gets there).
+int reach(void* stream, const char* fn) {
+    using Reach = int (*)(void*);
+    static Reach reach_waits = [] {
+        void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+        return h ? reinterpret_cast<Reach>(dlsym(h, "ferrotron_emu_reach_waits")) : nullptr;
+    }();
+    if (reach_waits && reach_waits(stream)) return fail(SYSTEM_ERROR, fn, "the work its stream waits for failed");
+    return SUCCESS;
+}
+
 struct Message {
     std::vector<char> bytes;
 };
@@ -229,6 +242,7 @@ int collective(Comm* comm, Part part, int type, int op, void* stream) {
     if ((type != FLOAT32 && type != BFLOAT16) || op != SUM)
         return fail(INVALID_ARGUMENT, fn, "data type %d, operation %d: only f32 and bf16 sums are emulated", type, op);
     part.type = type;
+    if (int e = reach(stream, fn)) return e;
     Clique& c = *comm->clique;
     std::unique_lock<std::mutex> lock(c.mu);
     if (c.aborted) return fail(SYSTEM_ERROR, fn, "the communicator was aborted");
@@ -256,6 +270,7 @@ int run_group(std::vector<Pending>& ops) {
     const char* fn = "ncclGroupEnd";
     for (Pending& o : ops) {
         if (!o.send) continue;
+        if (int e = reach(o.stream, fn)) return e;
         Clique& c = *o.comm->clique;
         const char* b = static_cast<const char*>(o.buf);
         std::lock_guard<std::mutex> lock(c.mu);

@@ -21,6 +21,9 @@ mod fp8;
 // Weights uploaded ahead on the copy stream, seen once awaited.
 #[path = "cuda_backend/copy_stream.rs"]
 mod copy_stream;
+// The compute stream (each thread's per-thread default stream) against the synchronous copies.
+#[path = "cuda_backend/compute_stream.rs"]
+mod compute_stream;
 
 use common::{assert_close, to64, Rng};
 use ferrotron_engine::dtype::Elem;

@@ -8,8 +8,8 @@
 //!   (`ncclCommInitRank`), as llm.c shares its id through MPI. A sub-group is bootstrapped the
 //!   same way over the host communicator's sub-group.
 //! - **Streams**: NCCL runs on a communication stream of its own. Each call orders it after
-//!   the work already on the compute stream (the legacy default stream every kernel of the
-//!   CUDA backend runs on) by an event, and the compute stream's next work after the
+//!   the work already on the compute stream (the calling thread's stream every kernel of the
+//!   CUDA backend runs on: `compute_stream`) by an event, and the compute stream's next work after the
 //!   collective by another: the host does not wait, and device work sees the result.
 //! - **All-to-all** (even and uneven) is a group of sends and receives (`ncclGroupStart` …
 //!   `ncclGroupEnd`), which NCCL runs as one operation, so no pair order is needed.
@@ -150,7 +150,7 @@ impl Nccl {
         Ok(Nccl {
             comm,
             host,
-            compute: ctx.default_stream(),
+            compute: ferrotron_engine::kernels::cuda::compute_stream::compute_stream(&ctx),
             ctx,
             comm_stream,
             before,

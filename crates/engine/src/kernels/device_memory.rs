@@ -30,6 +30,28 @@ pub trait DeviceAlloc: Send + Sync + std::fmt::Debug {
     /// # Safety
     /// `p` is this device's memory of at least `bytes` bytes.
     unsafe fn zero(&self, p: NonNull<u8>, bytes: usize);
+    /// Copies `src` to `dst` behind the work already issued to the compute stream, without
+    /// waiting for it: on a GPU an asynchronous copy from pageable memory, which CUDA stages
+    /// before returning (a step's token ids: the host need not wait for the device's previous
+    /// micro-batch, and nothing of a step is left on the legacy stream, which CUDA graphs
+    /// cannot capture). Only the thread that issues the compute stream's work may call it.
+    /// Elsewhere the synchronous [`upload`](Self::upload).
+    ///
+    /// # Safety
+    /// As [`upload`](Self::upload); `src` is pageable memory (not from
+    /// [`alloc_pinned`](Self::alloc_pinned), which a queued copy would read when it runs).
+    unsafe fn upload_queued(&self, dst: NonNull<u8>, src: &[u8]) {
+        self.upload(dst, src)
+    }
+    /// [`zero`](Self::zero) behind the work already issued to the compute stream, without
+    /// waiting for it (a step's gradients, zeroed at its start), from the thread that issues
+    /// that work.
+    ///
+    /// # Safety
+    /// As [`zero`](Self::zero).
+    unsafe fn zero_queued(&self, p: NonNull<u8>, bytes: usize) {
+        self.zero(p, bytes)
+    }
     /// Starts copying `src` to `dst` on the device's copy stream and returns at once: the
     /// copy runs after the work already issued to the compute stream (which may still read
     /// `dst`'s old contents), and beside the work issued after it, until
@@ -178,22 +200,29 @@ impl<T: Copy + Default> DeviceBuf<T> {
         out
     }
 
-    /// Overwrites the buffer with `host` (the same length).
+    /// Overwrites the buffer with `host` (the same length, pageable memory), behind the work
+    /// queued on the compute stream ([`DeviceAlloc::upload_queued`]): call it from the thread
+    /// that issues that work.
     pub fn copy_from_host(&mut self, host: &[T]) {
         assert_eq!(host.len(), self.len, "device copy lens");
-        // SAFETY: as `from_host`.
+        // SAFETY: as `from_host`; `host` is a slice of the caller's (pageable) memory.
         unsafe {
             let bytes = std::slice::from_raw_parts(host.as_ptr().cast::<u8>(), size_of_val(host));
-            self.dev.upload(self.ptr.cast(), bytes);
+            self.dev.upload_queued(self.ptr.cast(), bytes);
         }
     }
 }
 
 impl<T> DeviceBuf<T> {
-    /// Every element set to zero bits (0.0 for the float types).
+    /// Every element set to zero bits (0.0 for the float types), behind the work queued on
+    /// the compute stream ([`DeviceAlloc::zero_queued`]): call it from the thread that issues
+    /// that work.
     pub fn zero(&mut self) {
         // SAFETY: the buffer's own bytes.
-        unsafe { self.dev.zero(self.ptr.cast(), self.len * size_of::<T>()) }
+        unsafe {
+            self.dev
+                .zero_queued(self.ptr.cast(), self.len * size_of::<T>())
+        }
     }
     pub fn len(&self) -> usize {
         self.len

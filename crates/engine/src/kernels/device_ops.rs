@@ -99,8 +99,11 @@ pub struct DeviceOps {
     pub blas: u64,
     /// Device-to-device copies queued on the stream.
     pub copies: u64,
-    /// Synchronous host→device copies and memsets.
+    /// Host→device copies and memsets (queued on the compute stream or synchronous).
     pub writes: u64,
+    /// Synchronous copies and memsets, which CUDA runs on the legacy default stream: work a
+    /// captured step (CUDA graphs) cannot hold (`cuda::compute_stream`).
+    pub legacy: u64,
 }
 
 impl DeviceOps {
@@ -113,6 +116,7 @@ impl DeviceOps {
             blas: d(self.blas, earlier.blas),
             copies: d(self.copies, earlier.copies),
             writes: d(self.writes, earlier.writes),
+            legacy: d(self.legacy, earlier.legacy),
         }
     }
 
@@ -139,6 +143,7 @@ impl DeviceOps {
             blas: self.blas,
             copies: self.copies,
             writes: self.writes,
+            legacy: self.legacy,
         }
     }
 }
@@ -156,6 +161,9 @@ pub struct DeviceOpsReport {
     pub blas: u64,
     pub copies: u64,
     pub writes: u64,
+    /// Of the step's copies and memsets, those on the legacy default stream.
+    #[serde(default)]
+    pub legacy: u64,
 }
 
 /// What arms a host synchronisation's wait under a watchdog, and disarms it: `arm` returns the
@@ -200,6 +208,7 @@ pub struct OpCounter {
     blas: AtomicU64,
     copies: AtomicU64,
     writes: AtomicU64,
+    legacy: AtomicU64,
 }
 
 impl Default for OpCounter {
@@ -216,6 +225,7 @@ impl OpCounter {
             blas: AtomicU64::new(0),
             copies: AtomicU64::new(0),
             writes: AtomicU64::new(0),
+            legacy: AtomicU64::new(0),
         }
     }
 
@@ -237,6 +247,10 @@ impl OpCounter {
     pub fn write(&self) {
         self.writes.fetch_add(1, Relaxed);
     }
+    /// A synchronous copy or memset: work on the legacy default stream.
+    pub fn legacy(&self) {
+        self.legacy.fetch_add(1, Relaxed);
+    }
 
     pub fn read(&self) -> DeviceOps {
         DeviceOps {
@@ -245,6 +259,7 @@ impl OpCounter {
             blas: self.blas.load(Relaxed),
             copies: self.copies.load(Relaxed),
             writes: self.writes.load(Relaxed),
+            legacy: self.legacy.load(Relaxed),
         }
     }
 }

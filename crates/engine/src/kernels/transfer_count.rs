@@ -81,6 +81,14 @@ impl DeviceAlloc for Counted {
     unsafe fn upload(&self, dst: NonNull<u8>, src: &[u8]) {
         self.timed(&self.up, src.len(), || self.inner.upload(dst, src))
     }
+    unsafe fn zero_queued(&self, p: NonNull<u8>, bytes: usize) {
+        self.inner.zero_queued(p, bytes)
+    }
+    /// Counted by its bytes; the host does not wait for it (on a GPU).
+    unsafe fn upload_queued(&self, dst: NonNull<u8>, src: &[u8]) {
+        self.up.fetch_add(src.len() as u64, Ordering::Relaxed);
+        self.inner.upload_queued(dst, src)
+    }
     /// On a copy stream, counted by its bytes (its time is the stream's, which the host does
     /// not see); else the synchronous upload it is, timed.
     unsafe fn upload_ahead(&self, dst: NonNull<u8>, src: &[u8]) {

@@ -1,7 +1,8 @@
 //! [`CudaKernels`]: the kernel interface on one GPU. Products go to cuBLASLt (`gemm`), every
 //! other op to the CUDA C++ kernels (`cu/`, compiled by NVRTC at start-up); all work runs in
-//! order on the device's legacy default stream, so an op that returns a value to the host
-//! (the loss sum, a squared norm, a count) waits for the work before it and nothing else.
+//! order on the compute stream (`compute_stream`: the calling thread's), so an op that returns
+//! a value to the host (the loss sum, a squared norm, a count) waits for the work before it
+//! and nothing else.
 //!
 //! The mixture-of-experts ops are in `moe` (their routing tables built on the host).
 //!
@@ -10,6 +11,7 @@
 //! host round trips are gone, issue #33). Attention over a KV cache, which only `ferrotron
 //! sample` calls, runs on the CPU backend.
 
+use super::compute_stream::{read_after, write_queued, zero_queued};
 use super::device::{DeviceError, Gpu};
 use super::gemm::{self, Call, Inputs, Lt, Product};
 use super::memory::DeviceBlock;
@@ -319,10 +321,10 @@ impl CudaKernels {
     /// them (which `take_loss` then needs not read): one host synchronisation.
     fn read_partials(&self) -> f64 {
         let mut sums = [0f64; SUM_BLOCKS as usize + 1];
+        let at = self.partials();
         let _w = OPS.sync(SyncSite::GradNorm);
         // SAFETY: the partials scratch holds PARTIALS_BYTES; the copy waits for the kernels.
-        unsafe { result::memcpy_dtoh_sync(&mut sums, self.partials()) }
-            .expect("sum_squares read-back");
+        unsafe { read_after(&self.gpu.stream, &mut sums, at, "sum_squares read-back") };
         let mut st = lock(&self.loss);
         if st.pending {
             st.fetched = Some(sums[LOSS_SLOTS]);
@@ -620,7 +622,7 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
                 let _w = OPS.sync(SyncSite::CeLoss);
                 // SAFETY: the partials scratch holds the slot; the copy waits for the kernels
                 // that add to it.
-                unsafe { result::memcpy_dtoh_sync(&mut slot, acc) }.expect("take_loss read-back");
+                unsafe { read_after(&self.gpu.stream, &mut slot, acc, "take_loss read-back") };
                 slot[0]
             }
         };
@@ -1123,9 +1125,17 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
             let grouping = ids.grouping(tokens);
             let base = self.scratch(Scratch::Tokens, 4 * grouping.len());
             OPS.write();
-            // SAFETY: the scratch holds the grouping; the copy finishes before the launch
-            // below on the same (legacy default) stream.
-            unsafe { result::memcpy_htod_sync(base, grouping) }.expect("embedding grouping upload");
+            // SAFETY: the scratch holds the grouping (pageable memory, staged by the call); the
+            // copy runs after the last launch that read the scratch and before the one below,
+            // on the same stream.
+            unsafe {
+                write_queued(
+                    &self.gpu.stream,
+                    base,
+                    grouping,
+                    "embedding grouping upload",
+                )
+            };
             (base, grouping.len() - n - 1)
         };
         let rows = (dwte.len() / c.max(1)) as u64;
@@ -1225,13 +1235,13 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         let count = self.scratch(Scratch::TargetCount, 8);
         OPS.write();
         // SAFETY: the scratch holds 8 bytes.
-        unsafe { result::memset_d8_sync(count, 0, 8) }.expect("count_targets reset");
+        unsafe { zero_queued(&self.gpu.stream, count, 8, "count_targets reset") };
         let (t, vocab) = (dev(&targets, "count_targets"), vocab as u32);
         launch!(self, "count_targets".to_string(), elementwise(n); t, n, vocab, count);
         let mut c = [0u64];
         let _w = OPS.sync(SyncSite::TargetCount);
         // SAFETY: as above; the copy waits for the kernel.
-        unsafe { result::memcpy_dtoh_sync(&mut c, count) }.expect("count_targets read-back");
+        unsafe { read_after(&self.gpu.stream, &mut c, count, "count_targets read-back") };
         c[0] as usize
     }
 

@@ -137,7 +137,7 @@ pub struct Gpu {
 }
 
 impl Gpu {
-    /// Device `ordinal`: a context, its default stream, and every kernel compiled and loaded.
+    /// Device `ordinal`: a context, the compute stream, and every kernel compiled and loaded.
     pub fn open(ordinal: usize) -> Result<Gpu, DeviceError> {
         let ctx = context(ordinal)?;
         let (major, minor) = ctx
@@ -154,7 +154,7 @@ impl Gpu {
                 .map_err(driver("finding a kernel in the compiled program"))?;
             functions.insert(f, func);
         }
-        let stream = ctx.default_stream();
+        let stream = super::compute_stream::compute_stream(&ctx);
         Ok(Gpu {
             ctx,
             stream,

@@ -255,15 +255,16 @@ impl Lt {
         } = c;
         // Empty products (an expert no token was routed to) are not cuBLASLt's to run: an
         // empty D has nothing to write, and a sum over k = 0 terms leaves D (β = 1) or zeroes
-        // it (β = 0, on the legacy default stream the backend's work is ordered on).
+        // it (β = 0, on `stream`, in order with the products).
         if p.m == 0 || p.n == 0 || (p.k == 0 && accumulate) {
             return Ok(());
         }
         if p.k == 0 {
             let bytes = p.m * p.n * out.bytes() as usize;
             super::OPS.write();
-            // SAFETY: D holds m·n elements of `out` (this function's contract).
-            return unsafe { cudarc::driver::result::memset_d8_sync(d, 0, bytes) }
+            // SAFETY: D holds m·n elements of `out` on `stream` (this function's contract).
+            let on = stream as cudarc::driver::sys::CUstream;
+            return unsafe { cudarc::driver::result::memset_d8_async(d, 0, bytes, on) }
                 .map_err(|e| format!("zeroing an empty product's output: {e:?}"));
         }
         let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });

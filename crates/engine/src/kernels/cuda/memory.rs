@@ -33,6 +33,7 @@ impl DeviceBlock {
             let p = result::malloc_sync(n).map_err(|e| {
                 format!("cannot allocate {n} bytes of GPU memory ({e:?}): the plan does not fit this GPU")
             })?;
+            OPS.legacy();
             result::memset_d8_sync(p, 0, n).map_err(|e| format!("{e:?}"))?;
             p
         };
@@ -97,6 +98,7 @@ impl Drop for DeviceBlock {
 pub fn upload<T: Copy>(ctx: &Arc<CudaContext>, host: &[T]) -> Result<DeviceBlock, String> {
     let b = DeviceBlock::new(ctx, std::mem::size_of_val(host))?;
     OPS.write();
+    OPS.legacy();
     // SAFETY: the block holds exactly `host`'s bytes.
     unsafe { result::memcpy_htod_sync(b.ptr, host) }.map_err(|e| format!("{e:?}"))?;
     Ok(b)
@@ -124,9 +126,9 @@ pub fn bind(ordinal: u32) -> Result<(), String> {
         .map_err(|e| format!("GPU {ordinal}: {e:?}"))
 }
 
-/// A device view's elements, on the host (waits for the work before it on the legacy default
-/// stream, which every kernel of the backend runs on). For tests and tools: the backend's
-/// own reads name their site ([`download_into`]).
+/// A device view's elements, on the host (a synchronous copy, on the legacy default stream:
+/// it waits for the work queued before it on every thread's compute stream). For tests and
+/// tools: the backend's own reads name their site ([`download_into`]).
 pub fn download<T: Copy + Default>(v: View<'_, T>) -> Vec<T> {
     let mut out = Vec::new();
     download_into(SyncSite::OtherDownload, v, &mut out);
@@ -146,6 +148,7 @@ pub fn download_into<T: Copy + Default>(site: SyncSite, v: View<'_, T>, out: &mu
     }
     bind(ordinal).unwrap_or_else(|e| panic!("copying {} elements from the GPU: {e}", v.len()));
     let _w = OPS.sync(site);
+    OPS.legacy();
     // SAFETY: the view's bytes are device memory of its length.
     unsafe { result::memcpy_dtoh_sync(out, v.as_ptr() as u64) }
         .unwrap_or_else(|e| panic!("copying {} elements from the GPU: {e:?}", v.len()));
@@ -211,7 +214,7 @@ pub struct CudaAlloc {
     ahead: Mutex<Option<CopyStream>>,
 }
 
-/// A stream for host-to-device copies beside the compute stream (the legacy default stream
+/// A stream for host-to-device copies beside the compute stream (`compute_stream`: the one
 /// every kernel runs on), non-blocking so that neither waits for the other but by events:
 /// `issued`, recorded on the compute stream before each copy (the copy waits for the work that
 /// may still read its destination), and `landed`, recorded on the copy stream after it (the
@@ -345,8 +348,23 @@ impl crate::kernels::DeviceAlloc for CudaAlloc {
     unsafe fn upload(&self, dst: NonNull<u8>, src: &[u8]) {
         let _ = self.ctx.bind_to_thread();
         OPS.write();
+        OPS.legacy();
         result::memcpy_htod_sync(dst.as_ptr() as u64, src)
             .unwrap_or_else(|e| panic!("copying {} bytes to the GPU: {e:?}", src.len()));
+    }
+    unsafe fn upload_queued(&self, dst: NonNull<u8>, src: &[u8]) {
+        let _ = self.ctx.bind_to_thread();
+        OPS.write();
+        let compute = super::compute_stream::compute_stream(&self.ctx);
+        // SAFETY: the caller's (`dst` holds `src`'s bytes; `src` is pageable, staged now).
+        unsafe { super::compute_stream::write_queued(&compute, dst.as_ptr() as u64, src, "upload") }
+    }
+    unsafe fn zero_queued(&self, p: NonNull<u8>, bytes: usize) {
+        let _ = self.ctx.bind_to_thread();
+        OPS.write();
+        let compute = super::compute_stream::compute_stream(&self.ctx);
+        // SAFETY: the caller's (`p` holds `bytes`).
+        unsafe { super::compute_stream::zero_queued(&compute, p.as_ptr() as u64, bytes, "zero") }
     }
     unsafe fn upload_ahead(&self, dst: NonNull<u8>, src: &[u8]) {
         let _ = self.ctx.bind_to_thread();
@@ -356,7 +374,7 @@ impl crate::kernels::DeviceAlloc for CudaAlloc {
         }
         let c = ahead.as_mut().expect("made above");
         OPS.copy();
-        let compute = self.ctx.default_stream();
+        let compute = super::compute_stream::compute_stream(&self.ctx);
         let n = src.len();
         let queued = c
             .issued
@@ -378,8 +396,7 @@ impl crate::kernels::DeviceAlloc for CudaAlloc {
             return;
         };
         let _ = self.ctx.bind_to_thread();
-        self.ctx
-            .default_stream()
+        super::compute_stream::compute_stream(&self.ctx)
             .wait(&c.landed)
             .unwrap_or_else(|e| panic!("ordering the GPU's work after its copies: {e:?}"));
         c.unawaited = false;
@@ -398,12 +415,14 @@ impl crate::kernels::DeviceAlloc for CudaAlloc {
         let _ = self.ctx.bind_to_thread();
         let n = dst.len();
         let _w = OPS.sync(SyncSite::StateDownload);
+        OPS.legacy();
         result::memcpy_dtoh_sync(dst, src.as_ptr() as u64)
             .unwrap_or_else(|e| panic!("copying {n} bytes from the GPU: {e:?}"));
     }
     unsafe fn zero(&self, p: NonNull<u8>, bytes: usize) {
         let _ = self.ctx.bind_to_thread();
         OPS.write();
+        OPS.legacy();
         result::memset_d8_sync(p.as_ptr() as u64, 0, bytes)
             .unwrap_or_else(|e| panic!("zeroing {bytes} bytes of GPU memory: {e:?}"));
     }

@@ -3,12 +3,15 @@
 //! - `source`: the CUDA C++ kernels (`cu/`), compiled at run time by NVRTC for the GPU found.
 //! - `device`: the driver, a context and stream, and the compiled program, with one clear
 //!   error for each thing that can be missing.
+//! - `compute_stream`: the stream the backend's work runs on (each thread's own: CUDA graphs
+//!   cannot capture the legacy default stream).
 //! - `ptx_version`: the compiled program's PTX ISA against the driver's CUDA version.
 //!
 //! cudarc loads the driver, NVRTC and cuBLASLt at run time (`dynamic-loading`), so this
 //! builds with no CUDA toolkit and a machine without a GPU runs the CPU backend as before.
 
 pub mod backend;
+pub mod compute_stream;
 pub mod device;
 pub mod gemm;
 pub mod libs;

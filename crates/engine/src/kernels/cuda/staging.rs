@@ -1,7 +1,8 @@
 //! [`DeviceCopy`] for a GPU, so a host communicator stages its buffers
 //! (`ferrotron_dist::Staged`): page-locked host staging (`cuMemHostAlloc`, which the copy engine
-//! reads and writes directly) and the driver's synchronous copies, which wait for the work
-//! before them on the legacy default stream every kernel of the backend runs on.
+//! reads and writes directly) and the driver's synchronous copies, which run on the legacy
+//! default stream and so wait for the work queued before them on the compute stream (a
+//! blocking stream: `compute_stream`).
 
 use crate::kernels::{Memory, SyncSite, View, ViewMut};
 use cudarc::driver::{result, CudaContext};
@@ -25,6 +26,7 @@ impl DeviceCopy for CudaCopy {
         }
         self.ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
         let _w = super::OPS.sync(SyncSite::Staging);
+        super::OPS.legacy();
         // SAFETY: `src` is this GPU's memory of `dst.len()` elements (checked above).
         unsafe { result::memcpy_dtoh_sync(dst, src.as_ptr() as u64) }.map_err(|e| format!("{e:?}"))
     }
@@ -36,6 +38,7 @@ impl DeviceCopy for CudaCopy {
         self.ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
         let mut dst = dst;
         super::OPS.write();
+        super::OPS.legacy();
         // SAFETY: `dst` is this GPU's memory of `src.len()` elements, borrowed uniquely.
         unsafe { result::memcpy_htod_sync(dst.as_mut_ptr() as u64, src) }
             .map_err(|e| format!("{e:?}"))

@@ -150,10 +150,10 @@ impl CudaKernels {
             if !table.is_empty() {
                 OPS.write();
                 mine += 1;
-                // SAFETY: the scratch holds `bytes`; a synchronous copy from pageable memory
-                // waits for the work before it on the legacy default stream (a kernel still
-                // reading the previous tables), and the launches that read these come after.
-                unsafe { result::memcpy_htod_sync(at, table) }.expect("routing table upload");
+                // SAFETY: the scratch holds `bytes`; the copy (from pageable memory, staged by
+                // the call) runs after the work before it on the compute stream (a kernel
+                // still reading the previous tables), and the launches that read these after.
+                unsafe { write_queued(&self.gpu.stream, at, table, "routing table upload") };
             }
         }
         // The uploads just made moved the epoch on by `mine`, and wrote only the scratch: the
