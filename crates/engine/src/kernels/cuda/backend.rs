@@ -1118,9 +1118,10 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
             return;
         }
         // The grouping is built on the host from the trainer's copy of the ids (read back
-        // where there is none) and uploaded in one write of a few KiB.
+        // where there is none) and uploaded in one write of a few KiB, of one length for `n`
+        // positions.
         let n = tokens.len();
-        let (base, groups) = {
+        let base = {
             let mut ids = host_ids::ids();
             let grouping = ids.grouping(tokens);
             let base = self.scratch(Scratch::Tokens, 4 * grouping.len());
@@ -1136,12 +1137,13 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
                     "embedding grouping upload",
                 )
             };
-            (base, grouping.len() - n - 1)
+            base
         };
         let rows = (dwte.len() / c.max(1)) as u64;
         let (t, d, dw) = (dev(&tokens, op), dev(&dout, op), dev_mut(&mut dwte, op));
         let (ord, st, c, first) = (base, base + 4 * n as u64, c as u64, first as u64);
-        launch!(self, name2::<S, G>(op), per_row(groups); t, ord, st, d, dw, c, first, rows);
+        // A block per position (`host_ids::group_into`): the same launch whatever the tokens.
+        launch!(self, name2::<S, G>(op), per_row(n); t, ord, st, d, dw, c, first, rows);
     }
 
     fn add(&self, a: View<'_, S>, b: View<'_, S>, mut out: ViewMut<'_, S>) {

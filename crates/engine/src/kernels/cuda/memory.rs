@@ -274,8 +274,13 @@ impl CudaAlloc {
         let mut spare = self.spare.lock().unwrap_or_else(|e| e.into_inner());
         let (p, _) = spare.take_if(|s| s.1 == bytes)?;
         drop(spare);
+        // Zeroed on the caller's compute stream, behind its work so far: the spare is the
+        // activation arena's region, given back at a step's end by the thread that runs the
+        // steps and asked for again by it at the next step's start, so the work that last used
+        // it and the work that uses it next are that stream's (nothing of a step is left on
+        // the legacy stream, which CUDA graphs cannot capture).
         // SAFETY: the spare is a live block of `bytes`, owned by this allocator.
-        unsafe { crate::kernels::DeviceAlloc::zero(self, nn(p), bytes) };
+        unsafe { crate::kernels::DeviceAlloc::zero_queued(self, nn(p), bytes) };
         Some(nn(p))
     }
 

@@ -170,7 +170,11 @@ impl HostIds {
 }
 
 /// Positions of `tokens` grouped by token id, in position order within a token, into `out`
-/// (reused): the order, then each token's first index into it, then the count.
+/// (reused): the order, then each token's first index into it, then the count, repeated to
+/// `n + 1` entries (group `k` past the last is empty). So the grouping has one length for a
+/// micro-batch's `n` positions whatever its tokens, and the embedding backward one launch
+/// geometry (a block per position, the empty groups' blocks returning at once): a step's
+/// launches do not depend on its data, which a captured step (CUDA graphs) replays.
 fn group_into(tokens: &[u32], out: &mut Vec<u32>) {
     out.clear();
     out.extend(0..tokens.len() as u32);
@@ -182,7 +186,7 @@ fn group_into(tokens: &[u32], out: &mut Vec<u32>) {
             out.push(k as u32);
         }
     }
-    out.push(n as u32);
+    out.resize(2 * n + 1, n as u32);
 }
 
 #[cfg(test)]
@@ -211,7 +215,11 @@ mod tests {
     fn positions_are_grouped_by_token_in_order() {
         let (order, starts) = group_by_token(&[5, 2, 5, 9, 2, 5]);
         assert_eq!(order, [1, 4, 0, 2, 5, 3]);
-        assert_eq!(starts, [0, 2, 5, 6]);
+        assert_eq!(
+            starts,
+            [0, 2, 5, 6, 6, 6, 6],
+            "3 groups, then empty ones to n + 1"
+        );
         assert_eq!(group_by_token(&[]), (vec![], vec![0]));
     }
 
@@ -238,7 +246,7 @@ mod tests {
             "the old mirror at 0x2000 is stale"
         );
         // The grouping of a mirrored view needs no read-back (a device view is never read).
-        assert_eq!(h.grouping(at(0x1000, 2)), &[0, 1, 0, 2][..]);
+        assert_eq!(h.grouping(at(0x1000, 2)), &[0, 1, 0, 2, 2][..]);
         // Freed memory takes its mirrors with it.
         h.drop_overlapping(0x1004, 0x1005, None);
         assert_eq!(h.mirrored(&at(0x1000, 1)), None);

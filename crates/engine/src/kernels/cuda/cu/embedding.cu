@@ -16,14 +16,17 @@ __device__ void embedding_forward_impl(const u32* tokens, const typename E::T* w
 // dwte[t − first] += Σ dout[n] over the positions n of token t, summed in f32 first and
 // rounded into G once (as the CPU does). The positions come grouped by token: `order` lists
 // them, distinct token k owning order[starts[k] .. starts[k + 1]] and being tokens[order[starts[k]]]
-// (built on the host from the token ids: kernels/cuda/embedding.rs). One block per distinct
-// token, threads over columns, positions in order: deterministic, no atomics.
+// (built on the host from the token ids: kernels/cuda/backend/host_ids.rs). One block per
+// position, the first blocks each a distinct token's, the rest (empty groups: starts[k] =
+// starts[k + 1] = n) returning at once, so the launch does not depend on the tokens; threads
+// over columns, positions in order: deterministic, no atomics.
 template <typename E, typename G>
 __device__ void embedding_backward_impl(const u32* tokens, const u32* order, const u32* starts,
                                         const typename E::T* dout, typename G::T* dwte, u64 c, u64 first,
                                         u64 rows) {
     u32 k = blockIdx.x;
     u32 s0 = starts[k], s1 = starts[k + 1];
+    if (s0 == s1) return;
     u64 t = tokens[order[s0]];
     if (t < first || t - first >= rows) return;
     for (u64 j = threadIdx.x; j < c; j += blockDim.x) {
