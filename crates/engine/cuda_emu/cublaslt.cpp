@@ -424,6 +424,48 @@ int cublasLtMatmulAlgoGetHeuristic(void* handle, void* desc, void* la, void* lb,
     return OK;
 }
 
+// One product's descriptors and operands, kept by value until it runs.
+struct Product {
+    Desc op;
+    Layout a, b, c, d;
+    float al, be;
+    const void *pa, *pb, *pc;
+    void* pd;
+};
+
+// D = α·op(A)·op(B) (+ β·C), in f32 by its definition.
+int product(void* arg) {
+    const Product& q = *static_cast<const Product*>(arg);
+    // op(A) by rows and op(B) by columns, each row/column contiguous over k, in f32 (exact).
+    const size_t m = q.d.rows, n = q.d.cols, k = q.op.trans_a ? q.a.rows : q.a.cols;
+    std::vector<float> ra(m * k), cb(n * k);
+    for (size_t i = 0; i < m; i++)
+        for (size_t l = 0; l < k; l++)
+            ra[i * k + l] = load(q.pa, q.a.type, q.op.trans_a ? l + i * q.a.ld : i + l * q.a.ld);
+    for (size_t j = 0; j < n; j++)
+        for (size_t l = 0; l < k; l++)
+            cb[j * k + l] = load(q.pb, q.b.type, q.op.trans_b ? j + l * q.b.ld : l + j * q.b.ld);
+    for (size_t j = 0; j < n; j++)
+        for (size_t i = 0; i < m; i++) {
+            const float *x = &ra[i * k], *y = &cb[j * k];
+            float acc = 0.0f;
+            for (size_t l = 0; l < k; l++) {
+                float term = x[l] * y[l];
+                acc += term;
+            }
+            if (q.op.scale_a) acc *= *q.op.scale_a;
+            if (q.op.scale_b) acc *= *q.op.scale_b;
+            float out = q.al * acc;
+            if (q.be != 0.0f) {
+                float scaled = q.be * load(q.pc, q.c.type, i + j * q.c.ld);
+                out += scaled;
+            }
+            store(q.pd, q.d.type, i + j * q.d.ld, out);
+        }
+    calls.fetch_add(1);
+    return OK;
+}
+
 int cublasLtMatmul(void* handle, void* desc, const void* alpha, const void* pa, void* la,
                    const void* pb, void* lb, const void* beta, const void* pc, void* lc, void* pd,
                    void* ld, const Algo* algo, void* workspace, size_t workspace_bytes,
@@ -460,41 +502,20 @@ int cublasLtMatmul(void* handle, void* desc, const void* alpha, const void* pa, 
                         "ABCD"[i], ptrs[i], name_of(all[i]->type), (unsigned long long)promised,
                         "ABCD"[i]);
     }
-    // The stream's earlier work first (the product runs at once, as a kernel launch does).
-    using Before = int (*)(void*);
-    static Before before = [] {
+    // Run at once after the stream's earlier work (as a kernel launch is), or recorded into
+    // the graph the stream is capturing: from copies of the descriptors and operands, which
+    // the caller may change or destroy once the call returns.
+    using AtOnce = int (*)(void*, int (*)(void*), void*, void (*)(void*));
+    static AtOnce at_once = [] {
         void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-        return h ? reinterpret_cast<Before>(dlsym(h, "ferrotron_emu_before")) : nullptr;
+        return h ? reinterpret_cast<AtOnce>(dlsym(h, "ferrotron_emu_at_once")) : nullptr;
     }();
-    if (before && before(stream)) return fail(EXECUTION_FAILED, fn, "the stream's earlier work failed");
-    // op(A) by rows and op(B) by columns, each row/column contiguous over k, in f32 (exact).
-    const size_t m = d->rows, n = d->cols, k = op->trans_a ? a->rows : a->cols;
-    std::vector<float> ra(m * k), cb(n * k);
-    for (size_t i = 0; i < m; i++)
-        for (size_t l = 0; l < k; l++)
-            ra[i * k + l] = load(pa, a->type, op->trans_a ? l + i * a->ld : i + l * a->ld);
-    for (size_t j = 0; j < n; j++)
-        for (size_t l = 0; l < k; l++)
-            cb[j * k + l] = load(pb, b->type, op->trans_b ? j + l * b->ld : l + j * b->ld);
-    for (size_t j = 0; j < n; j++)
-        for (size_t i = 0; i < m; i++) {
-            const float *x = &ra[i * k], *y = &cb[j * k];
-            float acc = 0.0f;
-            for (size_t l = 0; l < k; l++) {
-                float term = x[l] * y[l];
-                acc += term;
-            }
-            if (op->scale_a) acc *= *op->scale_a;
-            if (op->scale_b) acc *= *op->scale_b;
-            float out = al * acc;
-            if (be != 0.0f) {
-                float scaled = be * load(pc, c->type, i + j * c->ld);
-                out += scaled;
-            }
-            store(pd, d->type, i + j * d->ld, out);
-        }
-    calls.fetch_add(1);
+    auto* p = new Product{*op, *a, *b, *c, *d, al, be, pa, pb, pc, pd};
+    if (!at_once) return product(p), delete p, OK;
+    if (at_once(stream, product, p, [](void* q) { delete static_cast<Product*>(q); }))
+        return fail(EXECUTION_FAILED, fn, "the stream's work failed, or the product cannot be captured");
     return OK;
 }
+
 
 }  // extern "C"

@@ -20,7 +20,12 @@
 // was there before, as it may on a GPU where the copy is still running, and the tests see it;
 // an asynchronous copy from page-locked memory reads its host source when it runs, so a host
 // buffer changed before the copy was waited for shows too (from pageable memory it is staged
-// when called, and into pageable memory it has landed when the call returns, as CUDA says). `FERROTRON_CUDA_EMU_STREAMS=sync` runs every stream's
+// when called, and into pageable memory it has landed when the call returns, as CUDA says).
+// A stream can be captured into a graph (`cuStreamBeginCapture_v2` .. `cuGraphLaunch`): its
+// work is recorded, not run (a launch's arguments kept by value through the kernel library's
+// `ferrotron_emu_keep_<kernel>`, a cuBLASLt product through `ferrotron_emu_at_once`), and what
+// CUDA refuses from the capturing thread fails with CUDA's error and invalidates the capture.
+// `FERROTRON_CUDA_EMU_STREAMS=sync` runs every stream's
 // work at once instead. An event records the host's clock when it is reached, so GPU times
 // read from events are the emulator's. The device's memory is `FERROTRON_CUDA_EMU_MEMORY`
 // bytes (80 GiB, an H100's, if unset); `cuMemGetInfo` says what the allocations left of it.
@@ -30,6 +35,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <deque>
@@ -38,6 +44,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -53,7 +60,11 @@ enum {
     CUDA_ERROR_INVALID_HANDLE = 400,
     CUDA_ERROR_NOT_FOUND = 500,
     CUDA_ERROR_LAUNCH_FAILED = 719,
+    CUDA_ERROR_ILLEGAL_STATE = 401,
     CUDA_ERROR_NOT_SUPPORTED = 801,
+    CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,
+    CUDA_ERROR_STREAM_CAPTURE_INVALIDATED = 901,
+    CUDA_ERROR_STREAM_CAPTURE_IMPLICIT = 906,
 };
 
 namespace {
@@ -69,18 +80,34 @@ struct Module {
 };
 struct Function {
     int (*entry)(const emu::Launch*, void**);
+    emu::Kept* (*keep)(void**);
     std::string name;
+};
+/// A graph's work, in the order it was captured (one stream's capture: a chain).
+using Nodes = std::vector<std::function<CUresult()>>;
+struct Graph {
+    Nodes nodes;
+};
+struct GraphExec {
+    std::shared_ptr<const Nodes> nodes;
 };
 /// A stream of `cuStreamCreate`: its queued work, and how much of what was queued has run.
 struct Stream {
-    std::recursive_mutex run;  // held while draining: one drainer at a time keeps the order
     std::mutex m;
+    /// Whether a thread (`runner`) is running one of its items: one at a time keeps the order.
+    bool running = false;
+    std::thread::id runner;
+    std::condition_variable cv;
     std::deque<std::function<CUresult()>> queue;
     unsigned long long queued = 0, ran = 0;
     CUresult error = 0;
     /// Whether the legacy stream's work waits for this stream's (a per-thread default stream,
     /// or one created without CU_STREAM_NON_BLOCKING).
     bool blocking = false;
+    /// The graph this stream is capturing into (null: none), and whether something CUDA
+    /// refuses during a capture invalidated it.
+    Graph* capture = nullptr;
+    bool invalidated = false;
     /// The event waits queued here and not yet run: (queue position, stream waited for, its
     /// ticket), so that the emulated NCCL can run what a collective's inputs wait for.
     std::vector<std::tuple<unsigned long long, std::weak_ptr<Stream>, unsigned long long>> waits;
@@ -107,6 +134,10 @@ size_t allocated = 0;
 unsigned long long launches = 0;
 int context_tag = 0;
 thread_local void* current = nullptr;
+/// The stream this thread is capturing (`CU_STREAM_CAPTURE_MODE_THREAD_LOCAL`, as cudarc's
+/// callers begin it): while it does, what CUDA calls unsafe from this thread (work on the
+/// legacy stream, a synchronisation, an allocation or free) fails and invalidates the capture.
+thread_local Stream* capturing = nullptr;
 
 // Every live stream of cuStreamCreate (under `lock`), owned here: a thread draining every
 // stream (a free, a context synchronisation) holds them while another destroys one.
@@ -152,36 +183,57 @@ Stream* late_stream(void* s) {
     return static_cast<Stream*>(s);
 }
 
+/// The graph work on stream `s` goes into, if `s` is capturing.
+Graph* capture_of(void* s) {
+    if ((uintptr_t)s <= 1) return nullptr;
+    Stream* st = (uintptr_t)s == 2 ? per_thread() : static_cast<Stream*>(s);
+    return st->capture && !st->invalidated ? st->capture : nullptr;
+}
+
+/// `what`, refused during this thread's capture: says so, invalidates the capture, and gives
+/// CUDA's error; 0 where this thread captures nothing.
+CUresult refused_in_capture(const char* what, CUresult e = CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) {
+    if (!capturing) return 0;
+    std::fprintf(stderr, "cuda emulator: %s during a stream capture: refused, the capture is invalidated\n", what);
+    capturing->invalidated = true;
+    return e;
+}
+
 /// Runs `s`'s queued work, in order, up to and including its `until`-th item (all of it by
 /// default); the first error is kept for the stream's next synchronisation.
 CUresult drain(Stream* s, unsigned long long until = ~0ull) {
-    {
-        // Reached already: return without waiting for the stream's drainer, which may itself
-        // wait for this thread's (two streams waiting on each other's earlier work).
-        std::lock_guard<std::mutex> g(s->m);
-        if (s->ran >= until) {
+    const std::thread::id me = std::this_thread::get_id();
+    std::unique_lock<std::mutex> g(s->m);
+    for (;;) {
+        // Done once the work asked for has run: up to the ticket, or everything queued (the
+        // item another thread is running included; one this thread is running, in a wait
+        // nested in it, cannot be waited for).
+        bool idle = !s->running || s->runner == me;
+        if (s->ran >= until || (s->queue.empty() && idle)) {
             CUresult e = s->error;
             s->error = 0;
             return e;
         }
-    }
-    std::lock_guard<std::recursive_mutex> running(s->run);
-    for (;;) {
-        std::function<CUresult()> work;
-        {
-            std::lock_guard<std::mutex> g(s->m);
-            if (s->queue.empty() || s->ran >= until) {
-                CUresult e = s->error;
-                s->error = 0;
-                return e;
-            }
-            work = std::move(s->queue.front());
-            s->queue.pop_front();
+        // One item at a time, by one thread at a time (the order), which gives the stream up
+        // between items: a thread waiting here for a ticket that the running thread has
+        // passed returns without waiting for the rest of that thread's drain, which may wait
+        // for this thread's (two streams waiting on each other's earlier work).
+        if (!idle) {
+            s->cv.wait(g);
+            continue;
         }
+        std::function<CUresult()> work = std::move(s->queue.front());
+        s->queue.pop_front();
+        bool outer = s->running;  // a wait nested in this thread's own item of the stream
+        s->running = true;
+        s->runner = me;
+        g.unlock();
         CUresult e = work();
-        std::lock_guard<std::mutex> g(s->m);
+        g.lock();
         s->ran++;
         if (e && !s->error) s->error = e;
+        s->running = outer;
+        s->cv.notify_all();
     }
 }
 
@@ -203,6 +255,7 @@ CUresult drain_all() {
 /// What work on the legacy stream waits for: every blocking stream's queued work (every
 /// thread's per-thread default stream's).
 CUresult legacy() {
+    if (CUresult e = refused_in_capture("work on the legacy stream", CUDA_ERROR_STREAM_CAPTURE_IMPLICIT)) return e;
     if (!deferred()) return 0;
     std::vector<std::shared_ptr<Stream>> blocking;
     {
@@ -236,6 +289,10 @@ unsigned long long enqueue(Stream* s, std::function<CUresult()> work) {
 /// `work` on stream `s`: at once on a stream that runs it at once, else queued behind its
 /// earlier work.
 CUresult submit(void* s, std::function<CUresult()> work) {
+    if (Graph* g = capture_of(s)) {
+        g->nodes.push_back(std::move(work));
+        return 0;
+    }
     Stream* late = late_stream(s);
     if (!late) {
         if ((uintptr_t)s <= 1)
@@ -331,6 +388,10 @@ CUresult cuGetErrorString(CUresult e, const char** s) {
         case CUDA_ERROR_INVALID_HANDLE: *s = "invalid resource handle"; break;
         case CUDA_ERROR_NOT_FOUND: *s = "named symbol not found"; break;
         case CUDA_ERROR_LAUNCH_FAILED: *s = "unspecified launch failure"; break;
+        case CUDA_ERROR_ILLEGAL_STATE: *s = "the operation cannot be performed in the present state"; break;
+        case CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: *s = "operation not permitted when stream is capturing"; break;
+        case CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: *s = "operation failed due to a previous error during capture"; break;
+        case CUDA_ERROR_STREAM_CAPTURE_IMPLICIT: *s = "operation would make the legacy stream depend on a capturing blocking stream"; break;
         default: *s = "unknown error (cuda emulator)";
     }
     return CUDA_SUCCESS;
@@ -400,7 +461,10 @@ CUresult cuCtxPopCurrent_v2(void** ctx) {
     if (ctx) *ctx = current;
     return CUDA_SUCCESS;
 }
-CUresult cuCtxSynchronize() { return drain_all(); }
+CUresult cuCtxSynchronize() {
+    if (CUresult e = refused_in_capture("a context synchronisation")) return e;
+    return drain_all();
+}
 
 CUresult cuModuleLoadData(void** module, const void* image) {
     const char* text = static_cast<const char*>(image);
@@ -428,7 +492,9 @@ CUresult cuModuleGetFunction(void** f, void* module, const char* name) {
     if (!m || !name) return CUDA_ERROR_INVALID_HANDLE;
     void* entry = dlsym(m->lib, ("ferrotron_emu_launch_" + std::string(name)).c_str());
     if (!entry) return CUDA_ERROR_NOT_FOUND;
-    *f = new Function{reinterpret_cast<int (*)(const emu::Launch*, void**)>(entry), name};
+    void* keep = dlsym(m->lib, ("ferrotron_emu_keep_" + std::string(name)).c_str());
+    *f = new Function{reinterpret_cast<int (*)(const emu::Launch*, void**)>(entry),
+                      reinterpret_cast<emu::Kept* (*)(void**)>(keep), name};
     return CUDA_SUCCESS;
 }
 CUresult cuFuncGetAttribute(int* v, int, void*) {
@@ -442,10 +508,23 @@ CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned
     auto* fn = static_cast<Function*>(f);
     if (!fn) return CUDA_ERROR_INVALID_HANDLE;
     if (extra || !params) return CUDA_ERROR_NOT_SUPPORTED;
+    emu::Launch l{{gx, gy, gz}, {bx, by, bz}, shared};
+    if (Graph* g = capture_of(stream)) {
+        // Captured: its arguments kept by value, to run at each launch of the graph.
+        if (!fn->keep) return CUDA_ERROR_NOT_SUPPORTED;
+        std::shared_ptr<emu::Kept> kept(fn->keep(params));
+        g->nodes.push_back([fn, l, kept]() -> CUresult {
+            {
+                std::lock_guard<std::mutex> g(lock);
+                launches++;
+            }
+            return fn->entry(&l, kept->ptrs.data()) ? CUDA_ERROR_LAUNCH_FAILED : CUDA_SUCCESS;
+        });
+        return CUDA_SUCCESS;
+    }
     // A kernel's arguments cannot be kept for later: on a stream whose work runs late, the
     // stream's earlier work runs first and the kernel at once.
     if (CUresult e = before(stream)) return e;
-    emu::Launch l{{gx, gy, gz}, {bx, by, bz}, shared};
     {
         std::lock_guard<std::mutex> g(lock);
         launches++;
@@ -455,6 +534,7 @@ CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned
 
 CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t bytes) {
     if (!p || !bytes) return CUDA_ERROR_INVALID_VALUE;
+    if (CUresult e = refused_in_capture("cuMemAlloc")) return e;
     {
         std::lock_guard<std::mutex> g(lock);
         if (allocated + bytes > total_memory()) return CUDA_ERROR_OUT_OF_MEMORY;
@@ -470,6 +550,7 @@ CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t bytes) {
     return CUDA_SUCCESS;
 }
 CUresult cuMemFree_v2(CUdeviceptr p) {
+    if (CUresult e = refused_in_capture("cuMemFree")) return e;
     // As on a GPU, a free waits for the work that may still use the memory.
     drain_all();
     std::lock_guard<std::mutex> g(lock);
@@ -523,6 +604,7 @@ CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, void* s) {
     if (n && !inside(dst, n, "a host-to-device copy")) return CUDA_ERROR_INVALID_VALUE;
     if (!is_pinned(src, n)) {
+        if (capture_of(s)) return refused_in_capture("a copy from pageable host memory");
         // Pageable memory is staged now: the caller may change it once the call returns.
         auto staged = std::make_shared<std::vector<char>>((const char*)src, (const char*)src + n);
         return submit(s, [=] { return copy(dst, staged->data(), n, "a host-to-device copy"); });
@@ -532,6 +614,7 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t n, void* 
 CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t n, void* s) {
     if (n && !inside(src, n, "a device-to-host copy")) return CUDA_ERROR_INVALID_VALUE;
     if (!is_pinned(dst, n)) {
+        if (capture_of(s)) return refused_in_capture("a copy into pageable host memory");
         // Into pageable memory the copy has landed when the call returns.
         if (CUresult e = before(s)) return e;
         return copy_dtoh(dst, src, n);
@@ -576,10 +659,17 @@ CUresult cuStreamDestroy_v2(void* s) {
     streams.erase(st.get());
     return CUDA_SUCCESS;
 }
-CUresult cuStreamSynchronize(void* s) { return before(s); }
+CUresult cuStreamSynchronize(void* s) {
+    if (CUresult e = refused_in_capture("a stream synchronisation")) return e;
+    return before(s);
+}
 CUresult cuStreamQuery(void* s) { return cuStreamSynchronize(s); }
 CUresult cuStreamWaitEvent(void* s, void* e, unsigned) {
     if (!e) return CUDA_ERROR_INVALID_HANDLE;
+    if (capture_of(s)) {
+        std::fprintf(stderr, "cuda emulator: an event wait in a captured graph is not emulated\n");
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
     auto* ev = static_cast<Event*>(e);
     // What the event waits for as of now (a later record of it does not count).
     std::weak_ptr<Stream> on = ev->stream;
@@ -592,7 +682,11 @@ CUresult cuStreamWaitEvent(void* s, void* e, unsigned) {
     if (!late) return submit(s, wait);
     std::lock_guard<std::mutex> g(late->m);
     late->queue.push_back(wait);
-    late->waits.emplace_back(++late->queued, on, ticket);
+    // The waits already run go first (a compute stream's would pile up over a run).
+    auto& w = late->waits;
+    auto run = std::find_if(w.begin(), w.end(), [&](auto& t) { return std::get<0>(t) > late->ran; });
+    w.erase(w.begin(), run);
+    w.emplace_back(++late->queued, on, ticket);
     return CUDA_SUCCESS;
 }
 
@@ -602,6 +696,10 @@ CUresult cuEventCreate(void** e, unsigned) {
 }
 CUresult cuEventRecord(void* e, void* s) {
     if (!e) return CUDA_ERROR_INVALID_HANDLE;
+    if (capture_of(s)) {
+        std::fprintf(stderr, "cuda emulator: an event record in a captured graph is not emulated\n");
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
     auto* ev = static_cast<Event*>(e);
     Stream* late = late_stream(s);
     if (!late) {
@@ -627,6 +725,7 @@ CUresult cuEventRecord(void* e, void* s) {
 CUresult cuEventRecordWithFlags(void* e, void* s, unsigned) { return cuEventRecord(e, s); }
 CUresult cuEventSynchronize(void* e) {
     if (!e) return CUDA_ERROR_INVALID_HANDLE;
+    if (CUresult r = refused_in_capture("an event synchronisation")) return r;
     return reach(static_cast<Event*>(e));
 }
 CUresult cuEventQuery(void* e) { return cuEventSynchronize(e); }
@@ -656,9 +755,82 @@ CUresult ferrotron_emu_submit(void* s, CUresult (*work)(void*), void* arg) {
     return submit(s, [=] { return work(arg); });
 }
 
+// Stream capture (CUDA graphs): the work a thread issues to a stream between the capture's
+// begin and end is recorded, not run, and runs, in order, at each launch of the graph on a
+// stream. One stream's capture is one chain (events, which would join others, are refused).
+CUresult cuStreamBeginCapture_v2(void* s, int /* mode: thread-local as cudarc's callers ask */) {
+    if ((uintptr_t)s <= 1) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;  // the legacy stream
+    Stream* st = (uintptr_t)s == 2 ? per_thread() : static_cast<Stream*>(s);
+    if (st->capture || capturing) return CUDA_ERROR_ILLEGAL_STATE;
+    st->capture = new Graph;
+    st->invalidated = false;
+    capturing = st;
+    return CUDA_SUCCESS;
+}
+CUresult cuStreamBeginCapture(void* s, int mode) { return cuStreamBeginCapture_v2(s, mode); }
+CUresult cuStreamEndCapture(void* s, void** graph) {
+    if (!graph) return CUDA_ERROR_INVALID_VALUE;
+    *graph = nullptr;
+    if ((uintptr_t)s <= 1) return CUDA_ERROR_ILLEGAL_STATE;
+    Stream* st = (uintptr_t)s == 2 ? per_thread() : static_cast<Stream*>(s);
+    if (!st->capture) return CUDA_ERROR_ILLEGAL_STATE;
+    Graph* g = st->capture;
+    st->capture = nullptr;
+    if (capturing == st) capturing = nullptr;
+    if (st->invalidated) {
+        delete g;
+        return CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
+    }
+    *graph = g;
+    return CUDA_SUCCESS;
+}
+CUresult cuStreamIsCapturing(void* s, int* status) {
+    if (!status) return CUDA_ERROR_INVALID_VALUE;
+    Stream* st = (uintptr_t)s <= 1 ? nullptr : (uintptr_t)s == 2 ? per_thread() : static_cast<Stream*>(s);
+    *status = !st || !st->capture ? 0 : st->invalidated ? 2 : 1;  // NONE, ACTIVE, INVALIDATED
+    return CUDA_SUCCESS;
+}
+CUresult cuGraphInstantiateWithFlags(void** exec, void* graph, unsigned long long) {
+    if (!exec || !graph) return CUDA_ERROR_INVALID_VALUE;
+    *exec = new GraphExec{std::make_shared<const Nodes>(static_cast<Graph*>(graph)->nodes)};
+    return CUDA_SUCCESS;
+}
+CUresult cuGraphLaunch(void* exec, void* s) {
+    if (!exec) return CUDA_ERROR_INVALID_VALUE;
+    if (capture_of(s)) return CUDA_ERROR_NOT_SUPPORTED;
+    std::shared_ptr<const Nodes> nodes = static_cast<GraphExec*>(exec)->nodes;
+    return submit(s, [nodes]() -> CUresult {
+        for (auto& n : *nodes)
+            if (CUresult e = n()) return e;
+        return CUDA_SUCCESS;
+    });
+}
+CUresult cuGraphUpload(void* exec, void*) { return exec ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE; }
+CUresult cuGraphExecDestroy(void* exec) {
+    delete static_cast<GraphExec*>(exec);  // a launch still queued keeps its nodes
+    return CUDA_SUCCESS;
+}
+CUresult cuGraphDestroy(void* graph) {
+    delete static_cast<Graph*>(graph);
+    return CUDA_SUCCESS;
+}
+
 /// For the emulator's cuBLASLt: what must run before a product on stream `s` runs at once
 /// (as before a launch).
 CUresult ferrotron_emu_before(void* s) { return before(s); }
+
+/// For the emulator's cuBLASLt: `work(arg)` at once after `s`'s earlier work (as a launch),
+/// or, on a capturing stream, recorded to run at each launch of the graph; `drop(arg)` once
+/// it is no longer needed.
+CUresult ferrotron_emu_at_once(void* s, CUresult (*work)(void*), void* arg, void (*drop)(void*)) {
+    std::shared_ptr<void> kept(arg, drop);
+    if (Graph* g = capture_of(s)) {
+        g->nodes.push_back([work, kept] { return work(kept.get()); });
+        return CUDA_SUCCESS;
+    }
+    if (CUresult e = before(s)) return e;
+    return work(kept.get());
+}
 
 /// For the emulator's libnccl, which reads a call's inputs when it is called: runs the work
 /// that the event waits queued on stream `s` wait for (the compute stream's work that

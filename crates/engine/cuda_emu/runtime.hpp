@@ -32,6 +32,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <tuple>
 #include <type_traits>
 #include <ucontext.h>
 #include <utility>
@@ -499,10 +500,35 @@ inline void call(void (*f)(A...), void** p) {
     call(f, p, std::index_sequence_for<A...>{});
 }
 
+/// A launch's arguments kept by value, for a launch captured into a graph and run later
+/// (`cuLaunchKernel`'s array points at the caller's variables, gone by then): `ptrs` is the
+/// array the kernel's entry reads them through.
+struct Kept {
+    virtual ~Kept() = default;
+    std::vector<void*> ptrs;
+};
+template <class... A>
+struct KeptArgs : Kept {
+    std::tuple<std::remove_cv_t<std::remove_reference_t<A>>...> values;
+};
+template <class... A, size_t... I>
+inline Kept* keep(void (*)(A...), void** p, std::index_sequence<I...>) {
+    auto* k = new KeptArgs<A...>;
+    k->values = std::make_tuple(*static_cast<std::remove_cv_t<std::remove_reference_t<A>>*>(p[I])...);
+    k->ptrs = {static_cast<void*>(&std::get<I>(k->values))...};
+    return k;
+}
+template <class... A>
+inline Kept* keep(void (*f)(A...), void** p) {
+    return keep(f, p, std::index_sequence_for<A...>{});
+}
+
 }  // namespace emu
 
-// The kernel library's entry point for each kernel, appended by `compile.hpp`.
+// The kernel library's entry points for each kernel, appended by `compile.hpp`: its launch,
+// and its arguments kept by value (`emu::Kept`, owned by the caller).
 #define FERROTRON_EMU_ENTRY(name)                                                              \
     extern "C" int ferrotron_emu_launch_##name(const emu::Launch* l, void** p) {                \
         return emu::launch(l, #name, [](void** q) { emu::call(name, q); }, p);                   \
-    }
+    }                                                                                          \
+    extern "C" emu::Kept* ferrotron_emu_keep_##name(void** p) { return emu::keep(name, p); }
