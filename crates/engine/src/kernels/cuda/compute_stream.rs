@@ -15,8 +15,9 @@
 //! synchronization" of the legacy stream). The `DeviceAlloc` copies that other threads make
 //! (the offload tier's copy thread, checkpoints) rely on it and stay synchronous; the
 //! backend's own reads and writes during a step go on the compute stream ([`write_queued`],
-//! [`read_after`], [`zero_queued`]), so a step can become a graph once its remaining legacy
-//! work (the batch's ids) moves too.
+//! [`read_after`], [`zero_queued`]; the batch's ids and the gradients' zeroing through
+//! `DeviceAlloc::upload_queued` and `zero_queued`), so a dense step leaves nothing on the
+//! legacy stream (`device_ops.legacy`).
 
 use cudarc::driver::{result, CudaContext, CudaStream};
 use std::sync::Arc;

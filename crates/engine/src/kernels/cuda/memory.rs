@@ -212,6 +212,9 @@ pub struct CudaAlloc {
     spare: Mutex<Option<(u64, usize)>>,
     /// The copy stream of [`DeviceAlloc::upload_ahead`], made at its first use.
     ahead: Mutex<Option<CopyStream>>,
+    /// The compute stream's handle (`compute_stream`: the calling thread's, resolved by the
+    /// driver at each use), made once: a handle per call would be a heap allocation in the step.
+    compute: Arc<cudarc::driver::CudaStream>,
 }
 
 /// A stream for host-to-device copies beside the compute stream (`compute_stream`: the one
@@ -258,7 +261,6 @@ impl CudaAlloc {
     /// allocated anything (`CudaKernels::baseline`).
     pub fn new(ctx: Arc<CudaContext>, baseline: u64) -> CudaAlloc {
         CudaAlloc {
-            ctx,
             live: AtomicU64::new(0),
             peak: AtomicU64::new(0),
             high: AtomicU64::new(0),
@@ -266,6 +268,8 @@ impl CudaAlloc {
             baseline,
             spare: Mutex::new(None),
             ahead: Mutex::new(None),
+            compute: super::compute_stream::compute_stream(&ctx),
+            ctx,
         }
     }
 
@@ -360,16 +364,18 @@ impl crate::kernels::DeviceAlloc for CudaAlloc {
     unsafe fn upload_queued(&self, dst: NonNull<u8>, src: &[u8]) {
         let _ = self.ctx.bind_to_thread();
         OPS.write();
-        let compute = super::compute_stream::compute_stream(&self.ctx);
         // SAFETY: the caller's (`dst` holds `src`'s bytes; `src` is pageable, staged now).
-        unsafe { super::compute_stream::write_queued(&compute, dst.as_ptr() as u64, src, "upload") }
+        unsafe {
+            super::compute_stream::write_queued(&self.compute, dst.as_ptr() as u64, src, "upload")
+        }
     }
     unsafe fn zero_queued(&self, p: NonNull<u8>, bytes: usize) {
         let _ = self.ctx.bind_to_thread();
         OPS.write();
-        let compute = super::compute_stream::compute_stream(&self.ctx);
         // SAFETY: the caller's (`p` holds `bytes`).
-        unsafe { super::compute_stream::zero_queued(&compute, p.as_ptr() as u64, bytes, "zero") }
+        unsafe {
+            super::compute_stream::zero_queued(&self.compute, p.as_ptr() as u64, bytes, "zero")
+        }
     }
     unsafe fn upload_ahead(&self, dst: NonNull<u8>, src: &[u8]) {
         let _ = self.ctx.bind_to_thread();
@@ -379,11 +385,11 @@ impl crate::kernels::DeviceAlloc for CudaAlloc {
         }
         let c = ahead.as_mut().expect("made above");
         OPS.copy();
-        let compute = super::compute_stream::compute_stream(&self.ctx);
+        let compute = &self.compute;
         let n = src.len();
         let queued = c
             .issued
-            .record(&compute)
+            .record(compute)
             .and_then(|()| c.stream.wait(&c.issued))
             .and_then(|()| {
                 result::memcpy_htod_async(dst.as_ptr() as u64, src, c.stream.cu_stream())
@@ -401,7 +407,7 @@ impl crate::kernels::DeviceAlloc for CudaAlloc {
             return;
         };
         let _ = self.ctx.bind_to_thread();
-        super::compute_stream::compute_stream(&self.ctx)
+        self.compute
             .wait(&c.landed)
             .unwrap_or_else(|e| panic!("ordering the GPU's work after its copies: {e:?}"));
         c.unawaited = false;
