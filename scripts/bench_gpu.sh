@@ -3,8 +3,9 @@
 # bf16, seq 2048, SmolLM-135M and Llama-3.2-1B shapes from random init; rounds interleaved
 # (ferrotron, then PyTorch, per shape); per shape the median tokens/s of each side, their
 # ratio, MFU (model FLOPs, causal-aware, against the GPU's dense bf16 peak) and peak memory.
-#   bash bench_gpu.sh [rounds] [attention|train|all|trace|fp8]   # in target/cuda-check on the GPU machine
-# `fp8`: ferrotron's fp8 products against its bf16, per shape (speed-up, last loss, memory).
+#   bash bench_gpu.sh [rounds] [attention|train|all|trace|fp8|graph]   # in target/cuda-check on the GPU machine
+# `fp8`: ferrotron's fp8 products against its bf16, per shape (speed-up, last loss, memory);
+# `graph`: its bf16 with --cuda-graph against eager, the same way.
 # `trace`: one traced run per shape (3 steps, --trace), each op's GPU time from the CUDA events
 # around it summed by trace_ops.py (the traces stay in $OUT).
 # First, attention alone (issue #32: forward + backward within 1.5x of PyTorch's SDPA, flash):
@@ -20,41 +21,52 @@ OUT=${OUT:-$(mktemp -d)}
 RESULTS="$OUT/bench_gpu.jsonl"
 : >"$RESULTS"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-if [ "$parts" = fp8 ]; then
-    # fp8 against bf16, both ferrotron's (issue #32 item 4): the layer products through
-    # cuBLASLt's fp8 tensor cores, everything else as bf16; the speed-up per shape and both
-    # runs' last loss, rounds interleaved.
-    FP8="$OUT/bench_fp8.jsonl"
-    : >"$FP8"
+# ferrotron against itself, one change apart, per shape, rounds interleaved: the change's
+# speed-up and both runs' last loss and memory.
+#   fp8 (issue #32 item 4): the layer products through cuBLASLt's fp8 tensor cores, everything
+#       else as bf16, against bf16;
+#   graph (issue #32 item 5): bf16 with --cuda-graph (each micro-batch one launch of a graph
+#       captured at step 3) against bf16 eager; the steps from 4 on are timed.
+case "$parts" in
+fp8) sides=("bf16:--precision bf16" "fp8:--precision fp8") ;;
+graph) sides=("eager:--precision bf16" "graph:--precision bf16 --cuda-graph") ;;
+*) sides=() ;;
+esac
+if [ ${#sides[@]} -gt 0 ]; then
+    VS="$OUT/bench_$parts.jsonl"
+    : >"$VS"
     for round in $(seq "$rounds"); do
         for shape in "smollm-135m 8" "llama-3.2-1b 4"; do
             read -r preset mbs <<<"$shape"
-            for p in bf16 fp8; do
-                dir="$OUT/$preset-$p-$round"
-                ./ferrotron train --device cuda --model "$preset" --seq 2048 --mbs "$mbs" --precision "$p" \
+            for side in "${sides[@]}"; do
+                name=${side%%:*}
+                read -ra flags <<<"${side#*:}"
+                dir="$OUT/$preset-$name-$round"
+                ./ferrotron train --device cuda --model "$preset" --seq 2048 --mbs "$mbs" "${flags[@]}" \
                     --steps 8 --warmup 2 --eval-interval 0 --sample-tokens 0 --quiet --out-dir "$dir" \
                     2>"$dir.log" || { tail -5 "$dir.log"; exit 1; }
-                python3 - "$preset" "$p" "$dir/metrics.jsonl" >>"$FP8" <<'PY'
+                python3 - "$preset" "$name" "$dir/metrics.jsonl" >>"$VS" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[3])]
-print(json.dumps({"shape": sys.argv[1], "precision": sys.argv[2],
-    "tok_s": statistics.median(r["tokens_per_s"] for r in rows[1:]), "last_loss": rows[-1]["loss"],
+print(json.dumps({"shape": sys.argv[1], "side": sys.argv[2],
+    "tok_s": statistics.median(r["tokens_per_s"] for r in rows[3:]), "last_loss": rows[-1]["loss"],
     "mem_mib": rows[-1]["mem_peak_measured"] / 2**20, "planned_mib": rows[-1]["mem_peak_planned"] / 2**20}))
 PY
-                tail -1 "$FP8"
+                tail -1 "$VS"
             done
         done
     done
-    python3 - "$FP8" <<'PY'
+    python3 - "$VS" "${sides[0]%%:*}" "${sides[1]%%:*}" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
+base, other = sys.argv[2], sys.argv[3]
 for shape in dict.fromkeys(r["shape"] for r in rows):
-    side = lambda p: [r for r in rows if r["shape"] == shape and r["precision"] == p]
-    bf, f8 = side("bf16"), side("fp8")
+    side = lambda s: [r for r in rows if r["shape"] == shape and r["side"] == s]
+    b, o = side(base), side(other)
     med = lambda rs, k: statistics.median(r[k] for r in rs)
-    print(f"{shape} seq 2048: fp8 {med(f8, 'tok_s'):.0f} tok/s vs bf16 {med(bf, 'tok_s'):.0f}: "
-          f"{med(f8, 'tok_s') / med(bf, 'tok_s'):.2f}x; last loss {f8[-1]['last_loss']:.4f} vs {bf[-1]['last_loss']:.4f}; "
-          f"memory {f8[-1]['mem_mib']:.0f} MiB (planned {f8[-1]['planned_mib']:.0f}) vs {bf[-1]['mem_mib']:.0f}, over {len(f8)} rounds")
+    print(f"{shape} seq 2048: {other} {med(o, 'tok_s'):.0f} tok/s vs {base} {med(b, 'tok_s'):.0f}: "
+          f"{med(o, 'tok_s') / med(b, 'tok_s'):.2f}x; last loss {o[-1]['last_loss']:.4f} vs {b[-1]['last_loss']:.4f}; "
+          f"memory {o[-1]['mem_mib']:.0f} MiB (planned {o[-1]['planned_mib']:.0f}) vs {b[-1]['mem_mib']:.0f}, over {len(o)} rounds")
 PY
     exit 0
 fi

@@ -156,6 +156,7 @@ for l in sys.stdin:
     cp target/release/examples/cuda_attention_bench "$out/"
     strip "$out"/*
     cp scripts/cuda_compare.py scripts/cuda_memory.py scripts/cuda_ranks.py scripts/cuda_ops.py scripts/bench_gpu.sh \
+        scripts/cuda_graph_compare.py \
         scripts/trace_ops.py tests/reference/bench_pytorch.py tests/reference/bench_sdpa.py "$out/"
     # Several ranks on the one GPU against one rank: fp32, short sequences, 5 steps.
     echo "--steps 5 --seq 128 --mbs 4 --eval-interval 0 --sample-tokens 0 --quiet" >"$out/ranks_flags"
@@ -256,6 +257,13 @@ for p in fp32 bf16 fp8; do
         "$work/$p-cuda/metrics.jsonl"
     grep -h "^$p: host syncs/step" "$log" >>"$summary"
 done
+# --cuda-graph (issue #32 item 5): the bf16 run again with each micro-batch, from step 3, one
+# launch of the graph captured from it: the eager run's bits, its launches and step time.
+stage "train bf16 --cuda-graph on the GPU" 120 ./ferrotron train --device cuda \
+    --precision bf16 "${common[@]}" --cuda-graph --out-dir "$work/bf16-graph"
+stage "bf16 --cuda-graph: the eager run's bits" 30 python3 cuda_graph_compare.py bf16 \
+    "$work/bf16-cuda/metrics.jsonl" "$work/bf16-graph/metrics.jsonl" 1
+grep -h "^bf16: --cuda-graph" "$log" >>"$summary" || true
 # A mixture of experts (issue #33): ferrotron-moe-16m, fp32, against its carried CPU run.
 read -ra moe <moe_flags
 cpu=cpu-moe-fp32.jsonl

@@ -10,6 +10,8 @@
 #   - every op test and training step of the backend against the CPU, nothing skipped;
 #   - the trainer on the GPU against the CPU, fp32 and bf16, and a mixture of experts
 #     (cuda_compare.py), with each step's host synchronisations and launches (cuda_ops.py);
+#   - --cuda-graph (a micro-batch captured into a CUDA graph, replayed) against the eager run's
+#     bits (cuda_graph_compare.py), and refused for a mixture of experts;
 #   - device memory by the driver's count against the plan, fp32/bf16 x none/full (cuda_memory.py);
 #   - a plan over --device-memory refused with its fixes, then trained with --offload
 #     optimizer and --offload params under that budget, against the CPU and the driver;
@@ -86,6 +88,24 @@ for p in fp32 bf16 fp8; do
     python3 scripts/cuda_compare.py "$p" "$work/$p-cpu/metrics.jsonl" "$work/$p-cuda/metrics.jsonl"
 done
 
+echo "== emulated GPU: a micro-batch captured into a CUDA graph and replayed (--cuda-graph, #32 item 5)"
+# Against the same run eager, bit for bit: two micro-batches a step (fp32, an evaluation between
+# steps) and three (bf16, full recomputation); from step 3 each micro-batch is one graph launch,
+# its embedding grouping uploaded before it from the new batch's ids. The emulator runs the
+# graph's launches with the arguments captured, its kernels late on the compute stream.
+for g in "fp32 2 none" "bf16 3 full"; do
+    read -r p acc rc <<<"$g"
+    for m in eager graph; do
+        flag=()
+        [ "$m" = graph ] && flag=(--cuda-graph)
+        run "$bin" train --device cuda --precision "$p" --grad-acc "$acc" --recompute "$rc" \
+            "${tiny[@]}" --steps 5 --eval-interval 2 "${flag[@]}" --out-dir "$work/graph-$p-$m"
+    done
+    python3 scripts/cuda_graph_compare.py "$p" "$work/graph-$p-eager/metrics.jsonl" \
+        "$work/graph-$p-graph/metrics.jsonl" "$acc"
+done
+python3 scripts/cuda_ops.py "fp32 --cuda-graph" "$work/graph-fp32-graph/metrics.jsonl" --max-syncs 2 --max-legacy 0
+
 echo "== emulated GPU: a trace's GPU track, each op timed by CUDA events around it (#32)"
 run "$bin" train --device cuda --peak-gflops 100 --precision bf16 "${tiny[@]}" --steps 2 \
     --eval-interval 0 --trace "$work/trace.json" --trace-steps 2 --out-dir "$work/traced"
@@ -133,6 +153,17 @@ for d in cpu cuda; do
         --steps 4 --eval-interval 2 --out-dir "$work/moe-$d"
 done
 python3 scripts/cuda_compare.py fp32 "$work/moe-cpu/metrics.jsonl" "$work/moe-cuda/metrics.jsonl"
+# A graph cannot hold its routing (built on the host between kernels): refused in one line.
+if "$bin" train --device cuda --model "$work/moe.json" "${common[@]}" --steps 1 --cuda-graph \
+    --out-dir "$work/moe-graph" 2>"$work/moe-graph.err"; then
+    echo "error: --cuda-graph did not refuse a mixture of experts"
+    exit 1
+fi
+grep -q "^error: cuda_graph: a mixture of experts" "$work/moe-graph.err" || {
+    cat "$work/moe-graph.err"
+    echo "error: --cuda-graph's refusal of a mixture of experts changed"
+    exit 1
+}
 # Issue #32's counts, as run.sh prints them on the GPU, held where they stand: dense 2 (the
 # norm, which brings the step's loss kept on the device along, and the step's end: the
 # tokens' grouping and the target count are taken from the trainer's host copy, and the

@@ -1,6 +1,7 @@
 """What a GPU training run asked of the driver per step (issue #32's before and after, from
 the trainer's `device_ops` metrics: crates/engine/src/kernels/device_ops.rs): blocking host
-synchronisations by site and launches (kernels, cuBLASLt calls, device copies). The first
+synchronisations by site and launches (kernels, cuBLASLt calls, device copies, captured
+graphs: `--cuda-graph` replays a micro-batch as one). The first
 step is left out of the figure (it allocates the gradients and grows scratch); the later
 steps' median is printed, with their range when they differ. With --max-syncs N it fails
 when that median is above N: the CUDA emulator's CI stage holds the counts it measured, so a
@@ -41,7 +42,8 @@ by_site = ", ".join(f"{k} {per_step(lambda o: o['sync_sites'].get(k, 0))}" for k
 print(
     f"{label}: host syncs/step {per_step(lambda o: o['host_syncs'])} ({by_site}); "
     f"launches/step {per_step(lambda o: o['launches'])} (kernels {per_step(lambda o: o['kernels'])}, "
-    f"cuBLASLt {per_step(lambda o: o['blas'])}, device copies {per_step(lambda o: o['copies'])}); "
+    f"cuBLASLt {per_step(lambda o: o['blas'])}, device copies {per_step(lambda o: o['copies'])}, "
+    f"captured graphs {per_step(lambda o: o.get('graphs', 0))}); "
     f"host->device writes/step {per_step(lambda o: o['writes'])}; "
     f"on the legacy stream (synchronous copies and memsets) {per_step(lambda o: o.get('legacy', 0))}; "
     f"over steps {steps[1]['step'] if len(steps) > 1 else steps[0]['step']}-{steps[-1]['step']}, "

@@ -24,6 +24,9 @@ mod copy_stream;
 // The compute stream (each thread's per-thread default stream) against the synchronous copies.
 #[path = "cuda_backend/compute_stream.rs"]
 mod compute_stream;
+// Work captured into a CUDA graph and replayed on new ids (the trainer's --cuda-graph).
+#[path = "cuda_backend/captured.rs"]
+mod captured;
 
 use common::{assert_close, to64, Rng};
 use ferrotron_engine::dtype::Elem;

@@ -132,6 +132,11 @@ pub struct TrainArgs {
     /// [default: 16777216].
     #[arg(long, allow_negative_numbers = true)]
     pub offload_bucket: Option<u64>,
+    /// With --device cuda: capture a micro-batch's forward and backward into a CUDA graph at
+    /// step 3 and replay it for every later micro-batch, one launch instead of hundreds (a
+    /// single-rank fp32 or bf16 dense model; the update stays eager) [default: false].
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub cuda_graph: Option<bool>,
     /// Continue from a checkpoint directory up to --steps [default: none, a new run].
     #[arg(long)]
     #[serde(skip)]
@@ -343,6 +348,9 @@ pub struct RuntimeConfig {
     /// Elements of each state per offload bucket (`--offload-bucket`).
     #[serde(default = "default_offload_bucket")]
     pub offload_bucket: u64,
+    /// Micro-batches replayed from a captured CUDA graph (`--cuda-graph`; `trainer::cuda_graph`).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub cuda_graph: bool,
 }
 
 /// 2^24 elements: 64 MiB of each fp32 state, 192 MiB of master weights and moments per bucket,
@@ -617,6 +625,7 @@ pub const SECTIONS: &[(&str, &[&str])] = &[
             "device_memory",
             "offload_dir",
             "offload_bucket",
+            "cuda_graph",
         ],
     ),
     (
@@ -732,7 +741,7 @@ impl TrainArgs {
         merge!(self, file; model, data, tokenizer, init_from, capacity_factor, seq, mbs, grad_acc, steps, stop_after, lr, min_lr_ratio,
             warmup, decay_steps, weight_decay, beta1, beta2, eps, clip, seed, threads, eval_interval,
             eval_batches, out_dir, checkpoint_dir, checkpoint_interval, keep_checkpoints,
-            async_checkpoint, comm_timeout, max_skipped_steps, device_memory, offload_dir, offload_bucket, metrics, ce_chunk, recompute, bucket_mb,
+            async_checkpoint, comm_timeout, max_skipped_steps, device_memory, offload_dir, offload_bucket, cuda_graph, metrics, ce_chunk, recompute, bucket_mb,
             precision, fp32_grad_acc, stochastic_rounding, loss_scale_init,
             loss_scale_growth_interval,
             peak_gflops, sample_tokens, memory_timeline, memory_timeline_steps, trace,
@@ -781,6 +790,11 @@ impl TrainArgs {
                 "only applies to 16-bit weights: add --precision bf16 (or fp16, fp8)",
             ));
         }
+        let cuda_graph = self.cuda_graph.unwrap_or(false);
+        if cuda_graph {
+            crate::trainer::cuda_graph::check_run(self.device, &parallel, precision)
+                .map_err(|problem| bad("cuda_graph", true, problem))?;
+        }
         let c = TrainConfig {
             model: self.model_config(),
             data: DataConfig {
@@ -818,6 +832,7 @@ impl TrainArgs {
                 device_memory: self.device_memory,
                 offload_dir: self.offload_dir.clone(),
                 offload_bucket: self.offload_bucket.unwrap_or(default_offload_bucket()),
+                cuda_graph,
             },
             parallel,
             checkpoint: CheckpointConfig {

@@ -52,6 +52,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 mod assemble;
+pub(crate) mod cuda_graph;
 mod evaluate;
 mod host_state;
 mod host_transfer;
@@ -171,6 +172,8 @@ pub struct Trainer {
     pub mesh: Mesh,
     /// The order of the step's forward and backward work, chosen from the layout once.
     step_schedule: StepSchedule,
+    /// `--cuda-graph`: the micro-batch captured into a CUDA graph and replayed.
+    graph: Option<cuda_graph::MicroBatchGraph>,
 }
 
 /// What one optimizer step did.
@@ -343,6 +346,10 @@ impl Trainer {
             moments,
             grad_region,
             trace_left,
+            graph: cfg
+                .runtime
+                .cuda_graph
+                .then(cuda_graph::MicroBatchGraph::default),
             step_schedule: StepSchedule::of(&mesh),
             mesh,
             runs: st.runs,

@@ -575,6 +575,33 @@ fn bad_input_is_one_clear_error() {
     a.precision = Some("fp16".into());
     a.loss_scale_init = Some(0.0);
     assert!(error(a).starts_with("loss_scale.init_scale = 0: must be a finite number > 0"));
+    // --cuda-graph where a graph cannot replay the step: refused with the configuration,
+    // before the config is printed or a device opened (so in a build without CUDA too).
+    let graph = |device, f: &dyn Fn(&mut TrainArgs)| {
+        let mut a = tiny_args(&out, 1);
+        (a.cuda_graph, a.device) = (Some(true), device);
+        f(&mut a);
+        a.resolve().expect_err("should be refused").to_string()
+    };
+    use ferrotron_train::device::Device::{Cpu, Cuda, Emulated};
+    let gpu = "cuda_graph = true: CUDA graphs replay a GPU's work: add --device cuda";
+    assert!(graph(Cpu, &|_| {}).starts_with(gpu));
+    assert!(error({
+        let mut a = tiny_args(&out, 1);
+        a.cuda_graph = Some(true);
+        a
+    })
+    .starts_with(gpu));
+    assert!(graph(Emulated, &|_| {}).starts_with(gpu));
+    let one_rank = "cuda_graph = true: only a single-rank step is captured";
+    assert!(graph(Cuda, &|a| a.layout.dp = Some(2)).starts_with(one_rank));
+    assert!(graph(Cuda, &|a| a.layout.tp = Some(2)).starts_with(one_rank));
+    assert!(graph(Cuda, &|a| a.layout.offload = Some("optimizer".into()))
+        .starts_with("cuda_graph = true: the offload tiers copy the step's buffers"));
+    for p in ["fp16", "fp8"] {
+        assert!(graph(Cuda, &|a| a.precision = Some(p.into()))
+            .starts_with("cuda_graph = true: fp16's loss scale and fp8's scales"));
+    }
     // Not a model this engine trains.
     let mut a = tiny_args(&out, 1);
     a.model = Some("gpt2".into());

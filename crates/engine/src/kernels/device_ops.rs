@@ -104,6 +104,9 @@ pub struct DeviceOps {
     /// Synchronous copies and memsets, which CUDA runs on the legacy default stream: work a
     /// captured step (CUDA graphs) cannot hold (`cuda::compute_stream`).
     pub legacy: u64,
+    /// Captured graphs launched (`cuda::CudaKernels::replay`): one launch for the work of a
+    /// whole micro-batch, whose kernels and products the host does not launch again.
+    pub graphs: u64,
 }
 
 impl DeviceOps {
@@ -117,6 +120,7 @@ impl DeviceOps {
             copies: d(self.copies, earlier.copies),
             writes: d(self.writes, earlier.writes),
             legacy: d(self.legacy, earlier.legacy),
+            graphs: d(self.graphs, earlier.graphs),
         }
     }
 
@@ -124,9 +128,9 @@ impl DeviceOps {
         self.syncs.iter().sum()
     }
 
-    /// Work queued on the device: kernels, library calls and copies.
+    /// Work queued on the device: kernels, library calls, copies and graphs.
     pub fn launches(&self) -> u64 {
-        self.kernels + self.blas + self.copies
+        self.kernels + self.blas + self.copies + self.graphs
     }
 
     /// The report of these counts in a step's metrics.
@@ -144,6 +148,7 @@ impl DeviceOps {
             copies: self.copies,
             writes: self.writes,
             legacy: self.legacy,
+            graphs: self.graphs,
         }
     }
 }
@@ -164,6 +169,9 @@ pub struct DeviceOpsReport {
     /// Of the step's copies and memsets, those on the legacy default stream.
     #[serde(default)]
     pub legacy: u64,
+    /// Captured graphs launched (`--cuda-graph`), each counted once in `launches`.
+    #[serde(default)]
+    pub graphs: u64,
 }
 
 /// What arms a host synchronisation's wait under a watchdog, and disarms it: `arm` returns the
@@ -209,6 +217,7 @@ pub struct OpCounter {
     copies: AtomicU64,
     writes: AtomicU64,
     legacy: AtomicU64,
+    graphs: AtomicU64,
 }
 
 impl Default for OpCounter {
@@ -226,6 +235,7 @@ impl OpCounter {
             copies: AtomicU64::new(0),
             writes: AtomicU64::new(0),
             legacy: AtomicU64::new(0),
+            graphs: AtomicU64::new(0),
         }
     }
 
@@ -251,6 +261,10 @@ impl OpCounter {
     pub fn legacy(&self) {
         self.legacy.fetch_add(1, Relaxed);
     }
+    /// A captured graph launched.
+    pub fn graph(&self) {
+        self.graphs.fetch_add(1, Relaxed);
+    }
 
     pub fn read(&self) -> DeviceOps {
         DeviceOps {
@@ -260,6 +274,7 @@ impl OpCounter {
             copies: self.copies.load(Relaxed),
             writes: self.writes.load(Relaxed),
             legacy: self.legacy.load(Relaxed),
+            graphs: self.graphs.load(Relaxed),
         }
     }
 }

@@ -47,6 +47,15 @@ impl DevFlat {
         }
     }
 
+    /// The buffer's device address (where a captured graph found it).
+    pub fn addr(&self) -> usize {
+        match self {
+            DevFlat::F32(b) => b.view().as_ptr() as usize,
+            DevFlat::Bf16(b) => b.view().as_ptr() as usize,
+            DevFlat::F16(b) => b.view().as_ptr() as usize,
+        }
+    }
+
     pub fn zero(&mut self) {
         match self {
             DevFlat::F32(b) => b.zero(),

@@ -180,6 +180,17 @@ impl Arena {
         }
     }
 
+    /// The region, placed now if it is not held: its address. A captured micro-batch
+    /// (`--cuda-graph`) holds it before the capture and before each replay, so the region's
+    /// placement (an allocation, which a capture cannot hold) is outside the graph and the
+    /// graph's addresses can be checked against it.
+    pub fn hold(&mut self) -> usize {
+        if self.region.is_none() {
+            self.region = Some(self.alloc_region());
+        }
+        self.region.expect("placed above").as_ptr() as usize
+    }
+
     /// Bytes of the region while it is held, else 0.
     pub fn held(&self) -> u64 {
         if self.region.is_some() {

@@ -119,6 +119,12 @@ impl PlanPool {
         }
     }
 
+    /// The arena's region, placed now if it was not (`Arena::hold`): its address, or `None`
+    /// without an arena.
+    pub fn hold_arena(&mut self) -> Option<usize> {
+        self.arena.as_mut().map(Arena::hold)
+    }
+
     /// The process's live bytes with the arena counted by its live buffers.
     fn measured(&self) -> u64 {
         let (held, in_use) = self

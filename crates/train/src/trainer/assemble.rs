@@ -75,6 +75,9 @@ pub(super) fn open_backend(
     if limits.backend == "CUDA" && cfg.precision.kind == Precision::Fp8 {
         fp8_widths(&local)?;
     }
+    if cfg.runtime.cuda_graph {
+        super::cuda_graph::check_model(llama)?;
+    }
     if limits.backend == "CUDA" && cfg.observability.memory_timeline.is_some() {
         anyhow::bail!("memory_timeline: the timeline samples the host's heap, not the GPU's memory; drop --memory-timeline with --device cuda");
     }

@@ -5,6 +5,7 @@
 //! (`step_schedule.rs`) runs the pipeline's program or this loop, and the parameters come
 //! from a source that may gather them (ZeRO-3).
 
+use super::cuda_graph::{Graphed, Placement, FIRST_CAPTURED_STEP};
 use super::*;
 use ferrotron_dist::grad_sync::GradSync;
 use ferrotron_engine::model::ParamSource;
@@ -76,6 +77,32 @@ impl Trainer {
             let (tokens, targets) =
                 batch_views(&self.kernels, &mut self.dev, &self.tokens, &self.targets);
             let tf = Instant::now();
+            // `--cuda-graph`: from step 3 on (untraced: a trace times each op eagerly) the
+            // micro-batch is a graph's launch, captured from this eager run the first time.
+            let graphed = match &mut self.graph {
+                Some(g) if step >= FIRST_CAPTURED_STEP && !self.kernels.is_on() => {
+                    let at = Placement {
+                        arena: self.pool.hold_arena().unwrap_or(0),
+                        tokens: tokens.as_ptr() as usize,
+                        targets: targets.as_ptr() as usize,
+                        state: g.state,
+                    };
+                    Some((g.before(&self.kernels.inner, at)?, at))
+                }
+                _ => None,
+            };
+            if let Some((Graphed::Replayed, _)) = graphed {
+                // The loss is the device's sum (`take_loss`); its count the host's, as the
+                // eager forward's (`count_targets` from the host's copy).
+                let vocab = self.model.full_config().vocab;
+                loss.count += self
+                    .targets
+                    .iter()
+                    .filter(|&&t| (t as usize) < vocab)
+                    .count();
+                self.kernels.phase("micro_batch_graph", tf, step, mb);
+                continue;
+            }
             self.pool.enter(step, mb, Running::Forward);
             sync.begin(grads);
             src.begin(false);
@@ -109,6 +136,9 @@ impl Trainer {
             self.mesh.check()?;
             self.pool.enter(step, mb, Running::Idle);
             self.kernels.phase("backward", tb, step, mb);
+            if let (Some((Graphed::Capture, at)), Some(g)) = (graphed, &mut self.graph) {
+                g.captured(&self.kernels.inner, at)?;
+            }
             loss.sum += l.sum;
             loss.count += l.count;
         }

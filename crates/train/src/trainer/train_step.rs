@@ -104,6 +104,9 @@ impl Trainer {
                 let mut params = d.params.take().expect("the weights are on the device");
                 let mut grads = d.grads.take().expect("gradients exist");
                 grads.zero();
+                if let Some(g) = &mut self.graph {
+                    g.state = [params.addr(), grads.addr()];
+                }
                 let r = with_dev_types!(&mut params, &mut grads, |p, g| {
                     self.step_typed(step, p.view_mut(), g.view_mut())
                 });

@@ -26,10 +26,12 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
+mod captured;
 mod fp8;
 pub(super) mod host_ids;
 mod moe;
 mod op_events;
+pub use captured::CapturedWork;
 pub use moe::{routes, Routes};
 
 /// Threads per block of the elementwise and per-row kernels.
@@ -178,6 +180,8 @@ pub struct CudaKernels {
     staged: Mutex<Option<StagedHead>>,
     /// Traced ops' events (`op_begin`, `take_device_spans`).
     op_events: Mutex<op_events::OpEvents>,
+    /// What the open capture needs replayed on the host, while one is open (`captured`).
+    capturing: Mutex<Option<captured::Capturing>>,
     /// Attention on the plain kernels even where the tensor-core ones apply
     /// (`FERROTRON_CUDA_ATTENTION=plain`, or [`CudaKernels::use_plain_attention`]): the
     /// reference the tests hold the tensor-core kernels to, and a switch for bisecting.
@@ -240,6 +244,7 @@ impl CudaKernels {
             loss: Mutex::default(),
             staged: Mutex::default(),
             op_events: Mutex::default(),
+            capturing: Mutex::default(),
             plain_attention: AtomicBool::new(plain_attention_from_env()?),
             fp8: None,
         })
@@ -336,6 +341,9 @@ impl CudaKernels {
     fn loss_added(&self) {
         let mut st = lock(&self.loss);
         (st.pending, st.fetched) = (true, None);
+        if let Some(c) = lock(&self.capturing).as_mut() {
+            c.adds_loss();
+        }
     }
 
     /// Scratch `which` of at least `bytes`, as a device address.
@@ -1119,24 +1127,30 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         }
         // The grouping is built on the host from the trainer's copy of the ids (read back
         // where there is none) and uploaded in one write of a few KiB, of one length for `n`
-        // positions.
+        // positions; inside a capture, before each launch of the graph (`captured`).
         let n = tokens.len();
         let base = {
             let mut ids = host_ids::ids();
             let grouping = ids.grouping(tokens);
             let base = self.scratch(Scratch::Tokens, 4 * grouping.len());
-            OPS.write();
-            // SAFETY: the scratch holds the grouping (pageable memory, staged by the call); the
-            // copy runs after the last launch that read the scratch and before the one below,
-            // on the same stream.
-            unsafe {
-                write_queued(
-                    &self.gpu.stream,
-                    base,
-                    grouping,
-                    "embedding grouping upload",
-                )
-            };
+            if let Some(c) = lock(&self.capturing).as_mut() {
+                let at = dev(&tokens, op);
+                c.grouping(at, n, base)
+                    .unwrap_or_else(|e| panic!("CUDA graph: {e}"));
+            } else {
+                OPS.write();
+                // SAFETY: the scratch holds the grouping (pageable memory, staged by the call); the
+                // copy runs after the last launch that read the scratch and before the one below,
+                // on the same stream.
+                unsafe {
+                    write_queued(
+                        &self.gpu.stream,
+                        base,
+                        grouping,
+                        "embedding grouping upload",
+                    )
+                };
+            }
             base
         };
         let rows = (dwte.len() / c.max(1)) as u64;

@@ -24,7 +24,7 @@ pub mod staging;
 /// cudarc itself, for the crates above the engine that reach the GPU (the NCCL communicator).
 pub use cudarc;
 
-pub use backend::CudaKernels;
+pub use backend::{CapturedWork, CudaKernels};
 pub use device::{DeviceError, Gpu};
 pub use memory::{download, upload, CudaAlloc, CudaPool, DeviceBlock};
 pub use staging::CudaCopy;
