@@ -104,6 +104,14 @@ for g in "fp32 2 none" "bf16 3 full"; do
     python3 scripts/cuda_graph_compare.py "$p" "$work/graph-$p-eager/metrics.jsonl" \
         "$work/graph-$p-graph/metrics.jsonl" "$acc"
 done
+# Resumed at step 2 with --cuda-graph: captured at the process's third step (its first two place
+# the arena and grow the backend's scratch anew), the uninterrupted eager run's bits.
+run "$bin" train --device cuda --precision fp32 --grad-acc 2 "${tiny[@]}" --steps 2 --eval-interval 2 \
+    --checkpoint-dir "$work/graph-ck" --out-dir "$work/graph-ck-run"
+run "$bin" train --device cuda --grad-acc 2 "${tiny[@]}" --steps 5 --eval-interval 2 --cuda-graph \
+    --resume "$work/graph-ck" --out-dir "$work/graph-resumed"
+python3 scripts/cuda_graph_compare.py "fp32 resumed" "$work/graph-fp32-eager/metrics.jsonl" \
+    "$work/graph-resumed/metrics.jsonl" 2
 python3 scripts/cuda_ops.py "fp32 --cuda-graph" "$work/graph-fp32-graph/metrics.jsonl" --max-syncs 2 --max-legacy 0
 
 echo "== emulated GPU: a trace's GPU track, each op timed by CUDA events around it (#32)"

@@ -11,6 +11,9 @@
 #![cfg(feature = "cuda")]
 
 mod common;
+// This binary's allocator counts the host's heap allocations where a test asks (`hot_path`).
+#[path = "common/counting.rs"]
+mod counting;
 // The mixture-of-experts ops and a MoE model's step, in this binary so the GPU kit's op stage
 // runs them with the rest.
 #[path = "cuda_backend/moe.rs"]
@@ -27,6 +30,9 @@ mod compute_stream;
 // Work captured into a CUDA graph and replayed on new ids (the trainer's --cuda-graph).
 #[path = "cuda_backend/captured.rs"]
 mod captured;
+// A micro-batch on the GPU, eager or replayed, allocates nothing on the host.
+#[path = "cuda_backend/hot_path.rs"]
+mod hot_path;
 
 use common::{assert_close, to64, Rng};
 use ferrotron_engine::dtype::Elem;

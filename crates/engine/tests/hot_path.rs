@@ -6,81 +6,18 @@
 //! pool that places every buffer in one preallocated region.
 
 mod common;
+#[path = "common/counting.rs"]
+mod counting;
 
-use ferrotron_engine::kernels::cpu::scratch::in_kernel_scratch;
+use counting::allocations;
 use ferrotron_engine::kernels::{CpuKernels, Kernels, View, ViewMut, IGNORE_INDEX};
 use ferrotron_engine::model::{
     BatchShape, BufName, BufferPool, EpComm, ExpertParallel, Llama, LlamaConfig, MoeConfig,
     Recompute,
 };
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
 use std::ptr::NonNull;
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
-
-struct Counting;
-
-/// `HOT_PATH_TRACE=1`: print where each counted allocation was made (needs line tables).
-static TRACE: AtomicBool = AtomicBool::new(false);
-
-thread_local! {
-    /// Heap allocations made by this thread while `COUNTING` is set.
-    static COUNT: Cell<usize> = const { Cell::new(0) };
-    static COUNTING: Cell<bool> = const { Cell::new(false) };
-}
-
-/// Counts an allocation of this thread's outside a kernel's scratch (the gemm crate's packing,
-/// attention's tiles: see `kernels::cpu::scratch`).
-fn count(bytes: usize) {
-    if !COUNTING.with(|c| c.get()) || in_kernel_scratch() {
-        return;
-    }
-    COUNT.with(|n| n.set(n.get() + 1));
-    if TRACE.load(Ordering::Relaxed) {
-        COUNTING.with(|c| c.set(false));
-        let trace = std::backtrace::Backtrace::force_capture().to_string();
-        let ours = trace.lines().filter(|l| l.contains("ferrotron"));
-        eprintln!(
-            "{bytes} B at {}",
-            ours.take(6).collect::<Vec<_>>().join(" <")
-        );
-        COUNTING.with(|c| c.set(true));
-    }
-}
-
-// SAFETY: forwards to the system allocator; the thread-local cells are const-initialised, so
-// touching them never allocates.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        count(l.size());
-        System.alloc(l)
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        System.dealloc(p, l)
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, size: usize) -> *mut u8 {
-        count(size);
-        System.realloc(p, l, size)
-    }
-}
-
-#[global_allocator]
-static GLOBAL: Counting = Counting;
-
-/// Heap allocations `f` makes on this thread.
-fn allocations(f: impl FnOnce()) -> usize {
-    TRACE.store(
-        std::env::var_os("HOT_PATH_TRACE").is_some(),
-        Ordering::Relaxed,
-    );
-    COUNT.with(|n| n.set(0));
-    COUNTING.with(|c| c.set(true));
-    f();
-    COUNTING.with(|c| c.set(false));
-    COUNT.with(|n| n.get())
-}
 
 /// Places every buffer one after the other in a region allocated up front (freed buffers are
 /// not reused: the region is as large as a micro-batch's every buffer together), rewound

@@ -596,8 +596,10 @@ fn bad_input_is_one_clear_error() {
     let one_rank = "cuda_graph = true: only a single-rank step is captured";
     assert!(graph(Cuda, &|a| a.layout.dp = Some(2)).starts_with(one_rank));
     assert!(graph(Cuda, &|a| a.layout.tp = Some(2)).starts_with(one_rank));
-    assert!(graph(Cuda, &|a| a.layout.offload = Some("optimizer".into()))
-        .starts_with("cuda_graph = true: the offload tiers copy the step's buffers"));
+    assert!(
+        graph(Cuda, &|a| a.layout.offload = Some("optimizer".into()))
+            .starts_with("cuda_graph = true: the offload tiers copy the step's buffers")
+    );
     for p in ["fp16", "fp8"] {
         assert!(graph(Cuda, &|a| a.precision = Some(p.into()))
             .starts_with("cuda_graph = true: fp16's loss scale and fp8's scales"));

@@ -22,7 +22,8 @@
 
 use super::*;
 
-/// The first step captured (1-based).
+/// The first of this process's steps captured (1-based; a resumed run counts from its first
+/// step too: its arena and the backend's scratch are placed anew).
 pub(super) const FIRST_CAPTURED_STEP: u64 = 3;
 
 /// The device addresses a captured graph reads and writes.
@@ -42,6 +43,10 @@ pub(super) struct Placement {
 pub(super) struct MicroBatchGraph {
     /// The weights' and gradients' addresses this step.
     pub state: [usize; 2],
+    /// Steps this process has begun ([`begin_step`](Self::begin_step)).
+    steps: u64,
+    /// This step's micro-batches are graphs'.
+    pub on: bool,
     #[cfg(feature = "cuda")]
     captured: Option<(Placement, ferrotron_engine::kernels::cuda::CapturedWork)>,
 }
@@ -87,6 +92,14 @@ pub(super) fn check_model(llama: &LlamaConfig) -> Result<()> {
 }
 
 impl MicroBatchGraph {
+    /// A step begins with the weights and gradients at `state`: whether its micro-batches
+    /// are graphs' (untraced: a trace times each op eagerly).
+    pub(super) fn begin_step(&mut self, state: [usize; 2], traced: bool) {
+        self.steps += 1;
+        self.state = state;
+        self.on = self.steps >= FIRST_CAPTURED_STEP && !traced;
+    }
+
     /// Before micro-batch work placed at `at`: replays the graph if it was captured there,
     /// else opens a capture on `k` (a GPU backend) and says the work must run.
     pub(super) fn before(&mut self, k: &Backend, at: Placement) -> Result<Graphed> {
@@ -94,13 +107,15 @@ impl MicroBatchGraph {
         if let Backend::Cuda(k) = k {
             if let Some((placed, work)) = &self.captured {
                 if *placed == at {
-                    k.replay(work).map_err(|e| anyhow::anyhow!("cuda_graph: {e}"))?;
+                    k.replay(work)
+                        .map_err(|e| anyhow::anyhow!("cuda_graph: {e}"))?;
                     return Ok(Graphed::Replayed);
                 }
                 // Elsewhere now: captured again (the old graph's addresses are stale).
                 self.captured = None;
             }
-            k.begin_capture().map_err(|e| anyhow::anyhow!("cuda_graph: {e}"))?;
+            k.begin_capture()
+                .map_err(|e| anyhow::anyhow!("cuda_graph: {e}"))?;
             return Ok(Graphed::Capture);
         }
         let _ = (k, at);
@@ -111,8 +126,11 @@ impl MicroBatchGraph {
     pub(super) fn captured(&mut self, k: &Backend, at: Placement) -> Result<()> {
         #[cfg(feature = "cuda")]
         if let Backend::Cuda(k) = k {
-            let work = k.end_capture().map_err(|e| anyhow::anyhow!("cuda_graph: {e}"))?;
-            k.replay(&work).map_err(|e| anyhow::anyhow!("cuda_graph: {e}"))?;
+            let work = k
+                .end_capture()
+                .map_err(|e| anyhow::anyhow!("cuda_graph: {e}"))?;
+            k.replay(&work)
+                .map_err(|e| anyhow::anyhow!("cuda_graph: {e}"))?;
             self.captured = Some((at, work));
             return Ok(());
         }

@@ -5,7 +5,7 @@
 //! (`step_schedule.rs`) runs the pipeline's program or this loop, and the parameters come
 //! from a source that may gather them (ZeRO-3).
 
-use super::cuda_graph::{Graphed, Placement, FIRST_CAPTURED_STEP};
+use super::cuda_graph::{Graphed, Placement};
 use super::*;
 use ferrotron_dist::grad_sync::GradSync;
 use ferrotron_engine::model::ParamSource;
@@ -77,10 +77,10 @@ impl Trainer {
             let (tokens, targets) =
                 batch_views(&self.kernels, &mut self.dev, &self.tokens, &self.targets);
             let tf = Instant::now();
-            // `--cuda-graph`: from step 3 on (untraced: a trace times each op eagerly) the
-            // micro-batch is a graph's launch, captured from this eager run the first time.
+            // `--cuda-graph`: from this process's third step on (untraced) the micro-batch is a
+            // graph's launch, captured from this eager run the first time.
             let graphed = match &mut self.graph {
-                Some(g) if step >= FIRST_CAPTURED_STEP && !self.kernels.is_on() => {
+                Some(g) if g.on => {
                     let at = Placement {
                         arena: self.pool.hold_arena().unwrap_or(0),
                         tokens: tokens.as_ptr() as usize,

@@ -105,7 +105,7 @@ impl Trainer {
                 let mut grads = d.grads.take().expect("gradients exist");
                 grads.zero();
                 if let Some(g) = &mut self.graph {
-                    g.state = [params.addr(), grads.addr()];
+                    g.begin_step([params.addr(), grads.addr()], self.kernels.is_on());
                 }
                 let r = with_dev_types!(&mut params, &mut grads, |p, g| {
                     self.step_typed(step, p.view_mut(), g.view_mut())

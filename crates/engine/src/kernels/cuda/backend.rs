@@ -20,7 +20,7 @@ use crate::dtype::Elem;
 use crate::kernels::cpu::adamw::Consts;
 use crate::kernels::cpu::Fp8Inputs;
 use crate::kernels::*;
-use cudarc::driver::{result, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{result, DeviceRepr, LaunchConfig};
 use ferrotron_plan::DType;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -257,11 +257,11 @@ impl CudaKernels {
 
     /// The tensor-core attention's entry point suffix (`64_bf16`) for this shape in storage
     /// `S`, where it applies: 16-bit storage, head dim 64 or 128, not switched off.
-    fn flash<S: Elem>(&self, s: AttnShape) -> Option<String> {
+    fn flash<S: Elem>(&self, s: AttnShape) -> Option<KernelName> {
         let sixteen = matches!(S::DTYPE, DType::Bf16 | DType::F16);
         let dims = super::source::FLASH_HEAD_DIMS.contains(&s.head_dim);
         (sixteen && dims && !self.plain_attention.load(Ordering::Relaxed))
-            .then(|| format!("{}_{}", s.head_dim, sfx(S::DTYPE)))
+            .then(|| kname!("{}_{}", s.head_dim, sfx(S::DTYPE)))
     }
 
     pub fn gpu(&self) -> &Gpu {
@@ -316,7 +316,7 @@ impl CudaKernels {
         let mut st = lock(&self.loss);
         if !st.ready {
             let acc = p + (LOSS_SLOTS * 8) as u64;
-            launch!(self, "loss_reset".to_string(), one_thread(); acc);
+            launch!(self, "loss_reset", one_thread(); acc);
             st.ready = true;
         }
         p
@@ -467,35 +467,103 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// A kernel launch: `launch!(self, name, config; arg, ..)`, each argument a local passed by
-/// reference (cudarc keeps pointers to them until the launch).
+/// A kernel launch: `launch!(self, name, config; arg, ..)` on the compute stream, the name a
+/// `&str` or a [`KernelName`], each argument a value of the kernel's parameter's type.
 macro_rules! launch {
     ($s:expr, $name:expr, $cfg:expr; $($arg:expr),* $(,)?) => {{
-        let name: String = $name;
-        let f = $s.gpu.function(&name);
-        let mut b = $s.gpu.stream.launch_builder(f);
-        $(let a = $arg; b.arg(&a);)*
+        let kernel = $name;
+        let name: &str = ::core::convert::AsRef::<str>::as_ref(&kernel);
+        let f = $s.gpu.function(name);
         let cfg: LaunchConfig = $cfg;
         // No work, no launch: a grid over zero rows or elements is empty (`per_row` & co.),
         // where a block started anyway would touch row 0 of a buffer that has none.
         if cfg.grid_dim.0 > 0 {
             $crate::kernels::cuda::OPS.kernel();
+            $s.bind();
+            // The arguments are this statement's temporaries, on the stack until the call
+            // returns (cuLaunchKernel copies them): no heap allocation per launch, where
+            // cudarc's launch builder keeps a Vec of them.
             // SAFETY: the arguments match the kernel's signature (`cu/`), device pointers
             // come from views of device memory with the lengths the kernel reads.
-            unsafe { b.launch(cfg) }.unwrap_or_else(|e| panic!("CUDA kernel {name}: {e:?}"));
+            unsafe {
+                result::launch_kernel(
+                    f.cu_function(),
+                    cfg.grid_dim,
+                    cfg.block_dim,
+                    cfg.shared_mem_bytes,
+                    $s.gpu.stream.cu_stream(),
+                    &mut [$($crate::kernels::cuda::backend::param(&$arg)),*],
+                )
+            }
+            .unwrap_or_else(|e| panic!("CUDA kernel {name}: {e:?}"));
         }
     }};
 }
 use launch;
 
+/// A kernel argument as `cuLaunchKernel` takes it: the address of its value.
+pub(in crate::kernels::cuda) fn param<T: DeviceRepr>(v: &T) -> *mut std::ffi::c_void {
+    v as *const T as *mut std::ffi::c_void
+}
+
+/// A kernel's entry-point name, built on the stack: naming a launch allocates nothing on the
+/// step's path (every op names its kernel from its types: `name`, `name2`, `kname!`).
+#[derive(Clone, Copy)]
+pub(in crate::kernels::cuda) struct KernelName {
+    bytes: [u8; 48],
+    len: u8,
+}
+
+impl KernelName {
+    pub(in crate::kernels::cuda) fn of(parts: std::fmt::Arguments<'_>) -> KernelName {
+        let mut n = KernelName {
+            bytes: [0; 48],
+            len: 0,
+        };
+        std::fmt::Write::write_fmt(&mut n, parts)
+            .unwrap_or_else(|_| panic!("internal: a CUDA kernel name over 48 bytes: {parts}"));
+        n
+    }
+}
+
+impl std::fmt::Write for KernelName {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        let (at, end) = (self.len as usize, self.len as usize + s.len());
+        let to = self.bytes.get_mut(at..end).ok_or(std::fmt::Error)?;
+        to.copy_from_slice(s.as_bytes());
+        self.len = end as u8;
+        Ok(())
+    }
+}
+
+impl AsRef<str> for KernelName {
+    fn as_ref(&self) -> &str {
+        std::str::from_utf8(&self.bytes[..self.len as usize]).expect("written from strs")
+    }
+}
+
+impl std::fmt::Display for KernelName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_ref())
+    }
+}
+
+/// A [`KernelName`] from `format!`-style arguments.
+macro_rules! kname {
+    ($($t:tt)*) => {
+        $crate::kernels::cuda::backend::KernelName::of(format_args!($($t)*))
+    };
+}
+use kname;
+
 /// An entry point's name for storage type `S` (`cu/common.cuh`'s suffixes).
-fn name<S: Elem>(base: &str) -> String {
-    format!("{base}_{}", sfx(S::DTYPE))
+fn name<S: Elem>(base: &str) -> KernelName {
+    kname!("{base}_{}", sfx(S::DTYPE))
 }
 
 /// For a (storage, gradient) pair.
-fn name2<S: Elem, G: Elem>(base: &str) -> String {
-    format!("{base}_{}_{}", sfx(S::DTYPE), sfx(G::DTYPE))
+fn name2<S: Elem, G: Elem>(base: &str) -> KernelName {
+    kname!("{base}_{}_{}", sfx(S::DTYPE), sfx(G::DTYPE))
 }
 
 fn sfx(t: DType) -> &'static str {
@@ -634,7 +702,7 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
                 slot[0]
             }
         };
-        launch!(self, "loss_reset".to_string(), one_thread(); acc);
+        launch!(self, "loss_reset", one_thread(); acc);
         st.pending = false;
         sum
     }
@@ -845,7 +913,7 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         let (o, l, d) = (dev_mut(&mut o, op), dev_mut(&mut lse, op), attn_dims(s));
         if let Some(f) = self.flash::<S>(s) {
             let cfg = per_tile(s.b * s.heads, s.t);
-            launch!(self, format!("flash_forward_{f}"), cfg; d, q, k, v, o, l);
+            launch!(self, kname!("flash_forward_{f}"), cfg; d, q, k, v, o, l);
             return;
         }
         let rows = (s.b * s.heads * s.t) as u64;
@@ -877,9 +945,9 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         let d = attn_dims(s);
         if let Some(f) = self.flash::<S>(s) {
             let cfg = per_tile(s.b * s.heads, s.t);
-            launch!(self, format!("flash_backward_q_{f}"), cfg; d, q, k, v, o, l, d_o, dq, delta);
+            launch!(self, kname!("flash_backward_q_{f}"), cfg; d, q, k, v, o, l, d_o, dq, delta);
             let cfg = per_tile(s.b * s.kv_heads, s.t);
-            launch!(self, format!("flash_backward_kv_{f}"), cfg; d, q, k, v, l, d_o, delta, dk, dv);
+            launch!(self, kname!("flash_backward_kv_{f}"), cfg; d, q, k, v, l, d_o, delta, dk, dv);
             return;
         }
         let q_rows = (s.b * s.heads * s.t) as u64;
@@ -1253,7 +1321,7 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         // SAFETY: the scratch holds 8 bytes.
         unsafe { zero_queued(&self.gpu.stream, count, 8, "count_targets reset") };
         let (t, vocab) = (dev(&targets, "count_targets"), vocab as u32);
-        launch!(self, "count_targets".to_string(), elementwise(n); t, n, vocab, count);
+        launch!(self, "count_targets", elementwise(n); t, n, vocab, count);
         let mut c = [0u64];
         let _w = OPS.sync(SyncSite::TargetCount);
         // SAFETY: as above; the copy waits for the kernel.
@@ -1288,7 +1356,7 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
                 Some(out)
             }
             _ => {
-                launch!(self, op.to_string(), per_row(s.rows); z, t, l, vocab, grad, scale);
+                launch!(self, op, per_row(s.rows); z, t, l, vocab, grad, scale);
                 None
             }
         };
@@ -1296,7 +1364,7 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         // `take_loss`: no host round trip per chunk.
         if s.rows > 0 {
             let (acc, rows) = (self.partials() + (LOSS_SLOTS * 8) as u64, s.rows as u64);
-            launch!(self, "loss_accumulate".to_string(), one_thread(); l, rows, acc);
+            launch!(self, "loss_accumulate", one_thread(); l, rows, acc);
             self.loss_added();
         }
         // Noted last: the loss's scratch, made at the first call, moves the write epoch.
@@ -1326,7 +1394,7 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
             dev_mut(&mut stats, op),
         );
         let (vocab, first, keep) = (s.vocab as u64, s.first as u64, keep_exp as i32);
-        launch!(self, op.to_string(), per_row(s.rows); z, t, st, vocab, first, keep);
+        launch!(self, op, per_row(s.rows); z, t, st, vocab, first, keep);
     }
 
     fn ce_shard_finish(
@@ -1353,11 +1421,11 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         let (rows, ranks, rank) = (s.rows as u64, ranks as u64, rank as u64);
         let (vocab, first, full) = (s.vocab as u64, s.first as u64, s.full_vocab as u64);
         let (grad, scale) = (dlogits_scale.is_some() as i32, dlogits_scale.unwrap_or(0.0));
-        launch!(self, op.to_string(), per_row(s.rows);
+        launch!(self, op, per_row(s.rows);
             z, t, a, rows, ranks, rank, l, vocab, first, full, grad, scale);
         // The step's loss sum on the device, as `cross_entropy` keeps it.
         let acc = self.partials() + (LOSS_SLOTS * 8) as u64;
-        launch!(self, "loss_accumulate".to_string(), one_thread(); l, rows, acc);
+        launch!(self, "loss_accumulate", one_thread(); l, rows, acc);
         self.loss_added();
         0.0
     }

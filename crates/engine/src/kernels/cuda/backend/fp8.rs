@@ -149,7 +149,7 @@ impl CudaKernels {
             b_at: HEADER + ab.next_multiple_of(256),
         };
         let amax = l.amax(0);
-        launch!(self, "fp8_amax_reset".to_string(), one_thread(); amax);
+        launch!(self, "fp8_amax_reset", one_thread(); amax);
         for (i, src) in [a, b].into_iter().enumerate().skip(a_ready as usize) {
             self.quantize::<S>(&l, i, src);
         }

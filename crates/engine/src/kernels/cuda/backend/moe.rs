@@ -192,8 +192,8 @@ impl CudaKernels {
         let (ix, ld) = (dev_mut(&mut index, op), dev_mut(&mut load, op));
         let (tokens, e, k, norm) = (n as u64, e as u64, k as u64, s.norm_topk as i32);
         let (has_cap, cap) = (s.capacity.is_some() as i32, s.capacity.unwrap_or(0) as u64);
-        launch!(self, "router_topk".into(), elementwise(tokens); l, w, ix, stats, tokens, e, k, norm);
-        launch!(self, "router_load".into(), elementwise(e); l, ix, stats, ld, tokens, e, k, has_cap, cap);
+        launch!(self, "router_topk", elementwise(tokens); l, w, ix, stats, tokens, e, k, norm);
+        launch!(self, "router_load", elementwise(e); l, ix, stats, ld, tokens, e, k, has_cap, cap);
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -214,7 +214,7 @@ impl CudaKernels {
         let (l, ix, dw) = (dev(&logits, op), dev(&index, op), dev(&dweights, op));
         let (aux, dl) = (dev(&aux_dp, op), dev_mut(&mut dlogits, op));
         let (tokens, e, k, norm) = (n as u64, e as u64, k as u64, s.norm_topk as i32);
-        launch!(self, op.into(), elementwise(tokens); l, ix, dw, aux, dl, tokens, e, k, norm);
+        launch!(self, op, elementwise(tokens); l, ix, dw, aux, dl, tokens, e, k, norm);
     }
 
     pub(super) fn moe_permute<S: Elem>(
@@ -342,7 +342,7 @@ impl CudaKernels {
             "{op}: {n} routed rows, {copies} copies"
         );
         let (f, t, n) = (dev(&from, op), dev_mut(&mut to, op), n as u64);
-        launch!(self, format!("moe_{op}"), elementwise(n); by_row, f, t, n);
+        launch!(self, kname!("moe_{op}"), elementwise(n); by_row, f, t, n);
     }
 
     /// `rows[r] *= weights[r]` ([`Self::moe_scale_rows`]'s kernel without a table).
