@@ -9,8 +9,9 @@
 //! weights, gradients and the batch's ids fixed buffers, so a graph's addresses stay right
 //! from step to step. [`Placement`] is what the graph saw; a micro-batch whose buffers are
 //! elsewhere (the arena placed anew after an evaluation, say) is captured again. Capture
-//! starts at step [`FIRST_CAPTURED_STEP`]: before it, the arena's region is placed anew and
-//! the backend's scratch grows (allocations, which a capture cannot hold).
+//! starts at the process's step [`FIRST_CAPTURED_STEP`] (a resumed run's too): before it, the
+//! arena's region is placed anew and the backend's scratch grows (allocations, which a capture
+//! cannot hold); a traced step runs eagerly (its ops timed one by one).
 //!
 //! Each replay first writes what the host would have written inside the work (the batch's
 //! ids, as eagerly; the embedding backward's grouping, `CudaKernels::replay`), and the host's
@@ -18,7 +19,7 @@
 //! loss is the device's sum read at the step's end as eagerly, and the target count is the
 //! host's. The update stays eager (the learning rate, clip factor and step count are kernel
 //! arguments that change every step). Only a single-rank dense step is captured: the
-//! conditions are checked once, with the configuration ([`check`]).
+//! conditions are checked with the configuration ([`check_run`], [`check_model`]).
 
 use super::*;
 

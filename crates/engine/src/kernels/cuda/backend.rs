@@ -1462,3 +1462,17 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         launch!(self, name2::<S, G>("adamw"), elementwise8(n); c, p, g, m, v, out, n, rounding, seed, h.step);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// Every kernel of the program can be named on the stack (`KernelName`'s 48 bytes).
+    #[test]
+    fn every_entry_point_fits_a_kernel_name() {
+        for n in super::super::source::entry_points() {
+            assert_eq!(kname!("{n}").as_ref(), n);
+        }
+        let long = "k".repeat(49);
+        let refused = std::panic::catch_unwind(|| kname!("{long}"));
+        assert!(refused.is_err(), "a name over 48 bytes is refused");
+    }
+}
