@@ -89,20 +89,21 @@ for p in fp32 bf16 fp8; do
 done
 
 echo "== emulated GPU: a micro-batch captured into a CUDA graph and replayed (--cuda-graph, #32 item 5)"
-# Against the same run eager, bit for bit: two micro-batches a step (fp32, an evaluation between
-# steps) and three (bf16, full recomputation); from step 3 each micro-batch is one graph launch,
-# its embedding grouping uploaded before it from the new batch's ids. The emulator runs the
-# graph's launches with the arguments captured, its kernels late on the compute stream.
-for g in "fp32 2 none" "bf16 3 full"; do
-    read -r p acc rc <<<"$g"
+# Against the same run eager, bit for bit: fp32 over 5 steps (a graph captured at step 3, an
+# evaluation after step 4 between two of its launches) and bf16 over 4 (full recomputation),
+# two micro-batches a step; from step 3 each micro-batch is one graph launch, its embedding
+# grouping uploaded before it from the new batch's ids. The emulator runs the graph's launches
+# with the arguments captured, its kernels late on the compute stream.
+for g in "fp32 none 5" "bf16 full 4"; do
+    read -r p rc steps <<<"$g"
     for m in eager graph; do
         flag=()
         [ "$m" = graph ] && flag=(--cuda-graph)
-        run "$bin" train --device cuda --precision "$p" --grad-acc "$acc" --recompute "$rc" \
-            "${tiny[@]}" --steps 5 --eval-interval 2 "${flag[@]}" --out-dir "$work/graph-$p-$m"
+        run "$bin" train --device cuda --precision "$p" --grad-acc 2 --recompute "$rc" \
+            "${tiny[@]}" --steps "$steps" --eval-interval 2 "${flag[@]}" --out-dir "$work/graph-$p-$m"
     done
     python3 scripts/cuda_graph_compare.py "$p" "$work/graph-$p-eager/metrics.jsonl" \
-        "$work/graph-$p-graph/metrics.jsonl" "$acc"
+        "$work/graph-$p-graph/metrics.jsonl" 2
 done
 # Resumed at step 2 with --cuda-graph: captured at the process's third step (its first two place
 # the arena and grow the backend's scratch anew), the uninterrupted eager run's bits.

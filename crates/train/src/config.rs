@@ -133,8 +133,9 @@ pub struct TrainArgs {
     #[arg(long, allow_negative_numbers = true)]
     pub offload_bucket: Option<u64>,
     /// With --device cuda: capture a micro-batch's forward and backward into a CUDA graph at
-    /// step 3 and replay it for every later micro-batch, one launch instead of hundreds (a
-    /// single-rank fp32 or bf16 dense model; the update stays eager) [default: false].
+    /// this run's third step and replay it for every later micro-batch, one launch instead of
+    /// hundreds (a single-rank fp32 or bf16 dense model; the update stays eager; not taken
+    /// from a checkpoint on --resume) [default: false].
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub cuda_graph: Option<bool>,
     /// Continue from a checkpoint directory up to --steps [default: none, a new run].
