@@ -93,23 +93,25 @@ echo "== emulated GPU: a micro-batch captured into a CUDA graph and replayed (--
 # evaluation after step 4 between two of its launches) and bf16 over 4 (full recomputation),
 # two micro-batches a step; from step 3 each micro-batch is one graph launch, its embedding
 # grouping uploaded before it from the new batch's ids. The emulator runs the graph's launches
-# with the arguments captured, its kernels late on the compute stream.
+# with the arguments captured, its kernels late on the compute stream. Sequences of 32 tokens:
+# the stage is about bits and launches, the emulator's time is its kernels'.
+short=(--model "$work/config.json" --data "$work/data-run/data" --seq 32 --mbs 2 --sample-tokens 0 --quiet)
 for g in "fp32 none 5" "bf16 full 4"; do
     read -r p rc steps <<<"$g"
     for m in eager graph; do
         flag=()
         [ "$m" = graph ] && flag=(--cuda-graph)
         run "$bin" train --device cuda --precision "$p" --grad-acc 2 --recompute "$rc" \
-            "${tiny[@]}" --steps "$steps" --eval-interval 2 "${flag[@]}" --out-dir "$work/graph-$p-$m"
+            "${short[@]}" --steps "$steps" --eval-interval 2 "${flag[@]}" --out-dir "$work/graph-$p-$m"
     done
     python3 scripts/cuda_graph_compare.py "$p" "$work/graph-$p-eager/metrics.jsonl" \
         "$work/graph-$p-graph/metrics.jsonl" 2
 done
 # Resumed at step 2 with --cuda-graph: captured at the process's third step (its first two place
 # the arena and grow the backend's scratch anew), the uninterrupted eager run's bits.
-run "$bin" train --device cuda --precision fp32 --grad-acc 2 "${tiny[@]}" --steps 2 --eval-interval 2 \
+run "$bin" train --device cuda --precision fp32 --grad-acc 2 "${short[@]}" --steps 2 --eval-interval 2 \
     --checkpoint-dir "$work/graph-ck" --out-dir "$work/graph-ck-run"
-run "$bin" train --device cuda --grad-acc 2 "${tiny[@]}" --steps 5 --eval-interval 2 --cuda-graph \
+run "$bin" train --device cuda --grad-acc 2 "${short[@]}" --steps 5 --eval-interval 2 --cuda-graph \
     --resume "$work/graph-ck" --out-dir "$work/graph-resumed"
 python3 scripts/cuda_graph_compare.py "fp32 resumed" "$work/graph-fp32-eager/metrics.jsonl" \
     "$work/graph-resumed/metrics.jsonl" 2

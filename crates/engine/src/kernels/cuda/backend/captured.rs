@@ -98,7 +98,7 @@ impl CudaKernels {
     pub fn end_capture(&self) -> Result<CapturedWork, String> {
         let noted = lock(&self.capturing).take().ok_or("no capture is open")?;
         let graph = (self.gpu.stream.end_capture(sys::CUgraphInstantiate_flags(0)))
-            .map_err(|e| format!("CUDA could not capture the work (an op the graph cannot hold: see the line above): {e:?}"))?
+            .map_err(|e| format!("CUDA could not capture the work (an op a graph cannot hold invalidated the capture): {e:?}"))?
             .ok_or("the capture recorded no work")?;
         Ok(CapturedWork {
             graph,
@@ -115,8 +115,9 @@ impl CudaKernels {
         let ordinal = self.gpu.ctx.ordinal() as u32;
         for g in &work.groupings {
             // SAFETY: the address and length were a view of device ids when the graph was
-            // captured, and the caller keeps every buffer of the graph where it was; the view
-            // is only read through the host's mirror of those ids.
+            // captured, and the caller keeps every buffer of the graph where it was; the ids
+            // are taken from the host's mirror of them (read back where there is none, as the
+            // eager backward does).
             let ids: View<'_, u32> = unsafe {
                 View::from_raw_parts(
                     NonNull::new(g.tokens as *mut u32).ok_or("a null ids address")?,
