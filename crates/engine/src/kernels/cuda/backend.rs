@@ -346,6 +346,21 @@ impl CudaKernels {
         }
     }
 
+    /// The embedding backward's `grouping` (`host_ids::group_into`) written to the `Tokens`
+    /// scratch at `at`, queued on the compute stream: after the last launch that read the
+    /// scratch, before the backward's kernel (eagerly, or a captured graph's, `captured`).
+    fn upload_grouping(&self, at: u64, grouping: &[u32]) {
+        let scratch = self.scratch(Scratch::Tokens, size_of_val(grouping));
+        assert_eq!(
+            at, scratch,
+            "internal: the grouping goes to the Tokens scratch"
+        );
+        OPS.write();
+        // SAFETY: the scratch holds the grouping (pageable memory, staged by the call); the
+        // compute stream orders the copy between the launches around it.
+        unsafe { write_queued(&self.gpu.stream, at, grouping, "embedding grouping upload") };
+    }
+
     /// Scratch `which` of at least `bytes`, as a device address.
     fn scratch(&self, which: Scratch, bytes: usize) -> u64 {
         // Every raw copy of the backend goes through a scratch: bound here, it never runs on a
@@ -1206,18 +1221,7 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
                 c.grouping(at, n, base)
                     .unwrap_or_else(|e| panic!("CUDA graph: {e}"));
             } else {
-                OPS.write();
-                // SAFETY: the scratch holds the grouping (pageable memory, staged by the call); the
-                // copy runs after the last launch that read the scratch and before the one below,
-                // on the same stream.
-                unsafe {
-                    write_queued(
-                        &self.gpu.stream,
-                        base,
-                        grouping,
-                        "embedding grouping upload",
-                    )
-                };
+                self.upload_grouping(base, grouping);
             }
             base
         };

@@ -16,7 +16,6 @@
 //! to (`take_loss` must read them), and the ops are counted ([`DeviceOps::graphs`] for the
 //! launch; the kernels inside are not launched by the host again).
 
-use super::super::compute_stream::write_queued;
 use super::{host_ids, lock, CudaKernels, OPS};
 use crate::kernels::{Memory, View};
 use cudarc::driver::{sys, CudaGraph};
@@ -125,20 +124,8 @@ impl CudaKernels {
                     Memory::Device(ordinal),
                 )
             };
-            let mut mirrors = host_ids::ids();
-            let grouping = mirrors.grouping(ids);
-            OPS.write();
-            // SAFETY: `at` is the grouping scratch the captured kernel reads, of the length
-            // the capture's own upload had (one length for `n` ids); queued on the compute
-            // stream before the graph.
-            unsafe {
-                write_queued(
-                    &self.gpu.stream,
-                    g.at,
-                    grouping,
-                    "embedding grouping upload",
-                )
-            };
+            // The scratch the captured kernel reads, the grouping's one length for `n` ids.
+            self.upload_grouping(g.at, host_ids::ids().grouping(ids));
         }
         OPS.graph();
         (work.graph.launch())
