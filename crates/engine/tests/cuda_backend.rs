@@ -138,6 +138,24 @@ fn same<S: Elem>(what: &str, got: &Dev, want: &[S], tol: f64) {
     got.guards_intact(what);
 }
 
+/// Two device tensors of `len` elements hold the same bits (a fused kernel against the ops
+/// it fuses).
+#[track_caller]
+fn same_bits<S: Elem>(what: &str, got: &Dev, want: &Dev, len: usize) {
+    let bits = |d: &Dev| -> Vec<u32> {
+        let v: Vec<S> = download(d.view(len));
+        v.iter().map(|x| x.to_f32().to_bits()).collect()
+    };
+    let (g, w) = (bits(got), bits(want));
+    if let Some(i) = (0..len).find(|&i| g[i] != w[i]) {
+        panic!(
+            "{what}: element {i} is {} where the unfused ops give {}",
+            f32::from_bits(g[i]),
+            f32::from_bits(w[i])
+        );
+    }
+}
+
 /// Every dense op once, on the CPU and on the GPU, from the same inputs.
 fn ops<S: Elem>(k: &CudaKernels, at: usize, tol: f64, tol_product: f64) {
     let t = format!("{} at +{at}", std::any::type_name::<S>());
@@ -194,28 +212,33 @@ fn ops<S: Elem>(k: &CudaKernels, at: usize, tol: f64, tol_product: f64) {
             tol_product,
         );
     }
-    let (mut gw, mut gb) = (r(w.len(), 0.1), r(80, 0.1));
-    let (mut ggw, mut ggb) = (on.up(&gw), on.up(&gb));
-    c.matmul_backward_weight(s, dy.view(), x.view(), gw.view_mut(), Some(gb.view_mut()));
-    g.matmul_backward_weight(
-        s,
-        ddy.view(dy.len()),
-        dx.view(x.len()),
-        ggw.view_mut(gw.len()),
-        Some(ggb.view_mut(80)),
-    );
-    same(
-        &format!("{t} matmul_backward_weight"),
-        &ggw,
-        &gw,
-        tol_product,
-    );
-    same(
-        &format!("{t} matmul_backward_weight bias"),
-        &ggb,
-        &gb,
-        tol_product,
-    );
+    // The weight gradient and the bias's, over fewer rows than the bias sum's slices and over
+    // more (several rows a slice).
+    let (xb, dyb) = (r(300 * 96, 1.0), r(300 * 80, 1.0));
+    let (dxb, ddyb) = (d(&on, &xb), d(&on, &dyb));
+    for rows in [37, 300] {
+        let sw = MatmulShape { n: rows, ..s };
+        let (xr, dyr) = (&xb[..rows * 96], &dyb[..rows * 80]);
+        let (mut gw, mut gb) = (r(w.len(), 0.1), r(80, 0.1));
+        let (mut ggw, mut ggb) = (on.up(&gw), on.up(&gb));
+        c.matmul_backward_weight(
+            sw,
+            dyr.view(),
+            xr.view(),
+            gw.view_mut(),
+            Some(gb.view_mut()),
+        );
+        g.matmul_backward_weight(
+            sw,
+            ddyb.view(dyr.len()),
+            dxb.view(xr.len()),
+            ggw.view_mut(gw.len()),
+            Some(ggb.view_mut(80)),
+        );
+        let what = format!("{t} {rows} rows: matmul_backward_weight");
+        same(&what, &ggw, &gw, tol_product);
+        same(&format!("{what} bias"), &ggb, &gb, tol_product);
+    }
 
     let mut logits = vec![0f32; 37 * 80];
     let mut gl = on.up(&logits);
@@ -280,6 +303,45 @@ fn ops<S: Elem>(k: &CudaKernels, at: usize, tol: f64, tol_product: f64) {
             &rstd,
             1e-5,
         );
+        // The residual add fused with the norm: against the CPU's add and norm, and the bits
+        // of the GPU's own add_inplace then rmsnorm_forward.
+        let (len, res) = (nx.len(), r(nx.len(), 1.0));
+        let dres = d(&on, &res);
+        let (mut sum, mut fout, mut frstd) = (nx.clone(), r(len, 0.0), vec![0f32; rows]);
+        c.add_rmsnorm_forward(
+            ns,
+            sum.view_mut(),
+            res.view(),
+            nw.view(),
+            fout.view_mut(),
+            frstd.view_mut(),
+        );
+        let fused = [on.up(&nx), on.up(&fout), on.up(&frstd)];
+        let [mut gsum, mut gout2, mut grstd2] = fused;
+        g.add_rmsnorm_forward(
+            ns,
+            gsum.view_mut(len),
+            dres.view(len),
+            dnw.view(300),
+            gout2.view_mut(len),
+            grstd2.view_mut(rows),
+        );
+        let what = format!("{t} {rows} rows: add_rmsnorm_forward");
+        same(&format!("{what} sum"), &gsum, &sum, tol);
+        same(&format!("{what} out"), &gout2, &fout, tol);
+        same(&format!("{what} rstd"), &grstd2, &frstd, 1e-5);
+        let [mut usum, mut uout, mut urstd] = [on.up(&nx), on.up(&fout), on.up(&frstd)];
+        g.add_inplace(usum.view_mut(len), dres.view(len));
+        g.rmsnorm_forward(
+            ns,
+            usum.view(len),
+            dnw.view(300),
+            uout.view_mut(len),
+            urstd.view_mut(rows),
+        );
+        same_bits::<S>(&format!("{what} sum"), &gsum, &usum, len);
+        same_bits::<S>(&format!("{what} out"), &gout2, &uout, len);
+        same_bits::<f32>(&format!("{what} rstd"), &grstd2, &urstd, rows);
         for acc in [Accum::Overwrite, Accum::Add] {
             let (mut ndx, mut ndw) = (r(nx.len(), 1.0), r(300, 0.1));
             let (mut gndx, mut gndw) = (on.up(&ndx), on.up(&ndw));

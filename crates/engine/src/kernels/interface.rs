@@ -154,6 +154,19 @@ macro_rules! kernel_interface {
                     out: ViewMut<'_, S>,
                     rstd: ViewMut<'_, f32>,
                 );
+                /// `resid += x`, then [`Kernels::rmsnorm_forward`] of the sum: a residual add
+                /// and the norm that reads it in one op (issue #32), `resid`'s bits those of
+                /// `add_inplace`, `out` and `rstd` those of the norm after it (a GPU reads and
+                /// writes each row once instead of twice).
+                fn add_rmsnorm_forward(
+                    &self,
+                    s: NormShape,
+                    resid: ViewMut<'_, S>,
+                    x: View<'_, S>,
+                    w: View<'_, S>,
+                    out: ViewMut<'_, S>,
+                    rstd: ViewMut<'_, f32>,
+                );
                 /// `dx (=|+=) rstd·(dy⊙w − x̂·mean(dy⊙w⊙x̂))`, `dw += Σ_rows dy⊙x̂`, `x̂ = x·rstd`.
                 #[allow(clippy::too_many_arguments)]
                 fn rmsnorm_backward(

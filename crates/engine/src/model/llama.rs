@@ -6,8 +6,9 @@
 //! x ─ rmsnorm(ln1) ─ q,k,v proj (+bias) ─ RoPE(q,k) ─ causal GQA attention ─ o_proj ─(+x)─ resid_mid
 //! resid_mid ─ rmsnorm(ln2) ─ gate,up proj ─ silu(gate)·up ─ down_proj ─(+resid_mid)─ next x
 //! ```
-//! Each residual add is a separate step after its projection (where tensor parallelism
-//! all-reduces the row-parallel partial sums). Then `model.norm` and the LM head. Activations are the named buffers of the memory plan
+//! Each residual add comes after its projection is complete (where tensor parallelism
+//! all-reduces the row-parallel partial sums); the attention block's is fused with the norm
+//! that reads it (`add_rmsnorm_forward`). Then `model.norm` and the LM head. Activations are the named buffers of the memory plan
 //! (`act.layers.{i}.<name>`, `act.final_norm.*`, `act.logits_chunk`, `act.losses`, and the
 //! backward scratch `grad.act.*`), requested from a [`BufferPool`] when first written and
 //! returned as soon as the backward has consumed them. Under a recompute policy
@@ -295,7 +296,7 @@ impl Llama {
         }
     }
 
-    /// `out = x·Wᵀ + resid`: a row-parallel projection (o_proj, down_proj) into this rank's rows
+    /// `out = x·Wᵀ + resid`: a row-parallel projection (down_proj) into this rank's rows
     /// of the residual stream, then the residual added as its own step, once the projection's
     /// partial sums are complete (added before them, it would count tp times).
     #[allow(clippy::too_many_arguments)]
@@ -567,29 +568,23 @@ impl Llama {
             ),
             Some(c) => c.attend(k, i, ashape, qkv.0, qkv.1, qkv.2, attn_out.view_mut()),
         }
-        // resid_mid = attn_out·Woᵀ, then + input: the residual add is its own step, after the
-        // projection is complete, because a row-parallel o_proj (tensor parallelism) must
-        // all-reduce its partial sums between the two; fused, the residual would be added tp
-        // times.
+        // resid_mid = attn_out·Woᵀ, then + input: the residual add comes after the projection
+        // is complete, because a row-parallel o_proj (tensor parallelism) must all-reduce its
+        // partial sums between the two (added in the product, the residual would count tp
+        // times). The add is fused instead with the MLP block's norm, which reads its sum.
         let mut resid_mid = self.buf(pool, name(T::ResidMid), n);
         let (o, wo) = (attn_out.view(), p(&li.wo));
-        let resid = input.view();
-        self.projection_residual(
-            k,
-            full.as_mut(),
-            lin(qd, c),
-            o,
-            wo,
-            resid,
-            resid_mid.view_mut(),
-        );
+        self.row_parallel(full.as_mut(), resid_mid.view_mut(), |y| {
+            k.matmul_forward(lin(qd, c), o, wo, None, y, Accum::Overwrite)
+        });
 
         // ---- MLP block ----
         let mut ln2_rstd = self.buf(pool, name(T::Ln2Rstd), n);
         let mut ln2_out = self.buf(pool, name(T::Ln2Out), n);
-        k.rmsnorm_forward(
+        k.add_rmsnorm_forward(
             self.norm(nl),
-            resid_mid.view(),
+            resid_mid.view_mut(),
+            input.view(),
             p(&li.ln2),
             ln2_out.view_mut(),
             ln2_rstd.view_mut(),

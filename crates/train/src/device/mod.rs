@@ -248,7 +248,12 @@ pub fn gpu_workspace(
             _ => rows.min(tokens) * c.vocab * 2,
         };
         let lse = tokens * c.heads;
-        k.reserve(staging, lse, tokens, c.hidden, &model.rope);
+        // The widest sum over rows per column: RMSNorm's weight gradient, or q's bias's.
+        let width = match c.qkv_bias {
+            true => c.hidden.max(c.heads * c.head_dim),
+            false => c.hidden,
+        };
+        k.reserve(staging, lse, tokens, width, &model.rope);
         if let Some(m) = c.moe {
             k.reserve_routing(tokens, m.top_k);
         }

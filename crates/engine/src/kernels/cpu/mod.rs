@@ -212,6 +212,20 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CpuKernels {
     ) {
         rmsnorm::forward(s, x.host(), w.host(), out.host_mut(), rstd.host_mut())
     }
+    fn add_rmsnorm_forward(
+        &self,
+        s: NormShape,
+        resid: ViewMut<'_, S>,
+        x: View<'_, S>,
+        w: View<'_, S>,
+        out: ViewMut<'_, S>,
+        rstd: ViewMut<'_, f32>,
+    ) {
+        // Two passes on the CPU, where the rows stay in cache between them.
+        let resid = resid.host_mut();
+        elementwise::add_inplace(resid, x.host());
+        rmsnorm::forward(s, resid, w.host(), out.host_mut(), rstd.host_mut())
+    }
     fn rmsnorm_backward(
         &self,
         s: NormShape,

@@ -75,19 +75,19 @@ fn one_thread() -> LaunchConfig {
     }
 }
 
-/// Row slices of RMSNorm's weight gradient (`cu/rmsnorm.cu`): enough blocks to fill a GPU's
-/// SMs at any width, fixed by the row count alone so that the sum's order never depends on
-/// the GPU.
-const NORM_SLICES: usize = 128;
+/// Row slices of a sum over rows per column (RMSNorm's weight gradient, `cu/rmsnorm.cu`; a
+/// bias's, `cu/bias.cu`): enough blocks to fill a GPU's SMs at any width, fixed by the row
+/// count alone so that the sum's order never depends on the GPU.
+const COLUMN_SLICES: usize = 128;
 
-fn norm_slices(rows: usize) -> usize {
-    rows.clamp(1, NORM_SLICES)
+fn column_slices(rows: usize) -> usize {
+    rows.clamp(1, COLUMN_SLICES)
 }
 
-/// The scratch of RMSNorm's weight gradient over `rows` rows of width `c`: a partial sum per
-/// slice and column.
-fn norm_partials_bytes(rows: usize, c: usize) -> usize {
-    norm_slices(rows) * c * 4
+/// The scratch of a sum over `rows` rows of width `c` per column: a partial sum per slice and
+/// column.
+fn column_partials_bytes(rows: usize, c: usize) -> usize {
+    column_slices(rows) * c * 4
 }
 
 /// The kernels' `AttnDims` (`cu/attention.cu`).
@@ -140,8 +140,9 @@ enum Scratch {
     HeadStaging,
     /// The attention backward's Δ = dO·O per query row.
     AttnDelta,
-    /// RMSNorm's weight gradient: partial sums per row slice and column.
-    NormPartials,
+    /// Sums over rows per column (RMSNorm's and the biases' weight gradients): partial sums
+    /// per row slice and column.
+    ColumnPartials,
     /// The embedding backward's positions grouped by token.
     Tokens,
     /// Partial sums and counts read back by the host.
@@ -287,9 +288,9 @@ impl CudaKernels {
     /// Allocates now the scratch a model's step needs at most, so that none is allocated
     /// during a step (the plan charges it with cuBLASLt's workspace: [`workspace_bytes`]):
     /// `rows`·`vocab` 16-bit logit gradients of an LM-head chunk (`staging`: 2 bytes, or 0 for
-    /// f32), the attention backward's `lse_len` Δs, `tokens` token ids grouped, RMSNorm's
-    /// weight-gradient partials over `tokens` rows of width `hidden`, and the model's RoPE
-    /// table.
+    /// f32), the attention backward's `lse_len` Δs, `tokens` token ids grouped, the partial
+    /// sums of a weight gradient summed over `tokens` rows per column (RMSNorm's, a bias's) at
+    /// the widest `width`, and the model's RoPE table.
     ///
     /// [`workspace_bytes`]: Self::workspace_bytes
     pub fn reserve(
@@ -297,11 +298,14 @@ impl CudaKernels {
         staging: usize,
         lse_len: usize,
         tokens: usize,
-        hidden: usize,
+        width: usize,
         rope: &RopeTable,
     ) {
         self.rope_table(rope);
-        self.scratch(Scratch::NormPartials, norm_partials_bytes(tokens, hidden));
+        self.scratch(
+            Scratch::ColumnPartials,
+            column_partials_bytes(tokens, width),
+        );
         self.scratch(Scratch::HeadStaging, staging.max(1));
         self.scratch(Scratch::AttnDelta, lse_len * 4);
         self.scratch(Scratch::Tokens, (2 * tokens + 1) * 4);
@@ -375,6 +379,20 @@ impl CudaKernels {
             s.insert(which, b);
         }
         s[&which].ptr()
+    }
+
+    /// A sum over `rows` rows per column of `cols`, in two passes (`cu/rmsnorm.cu`): the first
+    /// pass's grid (a block per 256 columns and row slice), its slice count and the scratch of
+    /// its partial sums.
+    fn column_sums(&self, rows: usize, cols: usize) -> (LaunchConfig, u64, u64) {
+        let slices = column_slices(rows);
+        let cfg = LaunchConfig {
+            grid_dim: (cols.div_ceil(BLOCK as usize) as u32, slices as u32, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let partial = self.scratch(Scratch::ColumnPartials, column_partials_bytes(rows, cols));
+        (cfg, slices as u64, partial)
     }
 
     /// The product `p` on cuBLASLt: operands A and B of type `types.0`, D of `types.1`, at
@@ -772,10 +790,11 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
                 true,
             ),
         }
-        if let Some(mut db) = dbias {
+        if let (Some(mut db), true) = (dbias, s.n > 0) {
             let (db, rows, cols) = (dev_mut(&mut db, op), s.n as u64, s.out_features as u64);
-            let cfg = elementwise(cols);
-            launch!(self, name2::<S, G>("bias_grad"), cfg; dyp, db, rows, cols);
+            let (cfg, slices, partial) = self.column_sums(s.n, s.out_features);
+            launch!(self, name::<S>("bias_grad_partial"), cfg; dyp, partial, rows, cols, slices);
+            launch!(self, name::<G>("column_partials_add"), elementwise(cols); partial, db, slices, cols);
         }
     }
 
@@ -876,6 +895,21 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         launch!(self, name::<S>(op), per_row(s.n); x, w, o, r, c, s.eps);
     }
 
+    fn add_rmsnorm_forward(
+        &self,
+        s: NormShape,
+        mut resid: ViewMut<'_, S>,
+        x: View<'_, S>,
+        w: View<'_, S>,
+        mut out: ViewMut<'_, S>,
+        mut rstd: ViewMut<'_, f32>,
+    ) {
+        let op = "add_rmsnorm_forward";
+        let (x, w, a) = (dev(&x, op), dev(&w, op), dev_mut(&mut resid, op));
+        let (o, r, c) = (dev_mut(&mut out, op), dev_mut(&mut rstd, op), s.c as u64);
+        launch!(self, name::<S>(op), per_row(s.n); a, x, w, o, r, c, s.eps);
+    }
+
     fn rmsnorm_backward(
         &self,
         s: NormShape,
@@ -895,13 +929,7 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         if n == 0 {
             return;
         }
-        let slices = norm_slices(s.n) as u64;
-        let partial = self.scratch(Scratch::NormPartials, norm_partials_bytes(s.n, s.c));
-        let cfg = LaunchConfig {
-            grid_dim: (c.div_ceil(BLOCK as u64) as u32, slices as u32, 1),
-            block_dim: (BLOCK, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let (cfg, slices, partial) = self.column_sums(s.n, s.c);
         launch!(self, name::<S>("rmsnorm_weight_partial"), cfg; dy, x, r, partial, n, c, slices);
         launch!(self, name::<G>("column_partials_add"), elementwise(c); partial, dw, slices, c);
     }

@@ -50,6 +50,7 @@ pub fn entry_points() -> Vec<String> {
         "sum_squares",
         "sum_squares_add",
         "rmsnorm_forward",
+        "add_rmsnorm_forward",
         "rmsnorm_backward_input",
         "rmsnorm_weight_partial",
         "column_partials_add",
@@ -64,6 +65,7 @@ pub fn entry_points() -> Vec<String> {
         "ring_backward_q",
         "ring_backward_kv",
         "bias_add",
+        "bias_grad_partial",
         "moe_permute",
         "moe_unpermute",
         "moe_scale_rows",
@@ -72,7 +74,7 @@ pub fn entry_points() -> Vec<String> {
         "fp8_quantize",
         "fp8_quantize_t",
     ];
-    let per_grads = ["embedding_backward", "adamw", "bias_grad"];
+    let per_grads = ["embedding_backward", "adamw"];
     let mut names: Vec<String> = [
         "count_targets",
         "cross_entropy",

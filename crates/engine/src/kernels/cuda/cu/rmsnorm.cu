@@ -5,20 +5,15 @@
 // by element). A thread's share of a sum is then different elements than the element-wise
 // loop's, so its rounding differs within f32's: the CPU comparison's band, not its bits.
 
-// out = x·rstd·w, rstd = 1/sqrt(mean(x²) + eps), saved per row.
+// The rest of a row's norm once its Σ x² is known (each thread holding its share): rstd saved,
+// out = x·rstd·w.
 template <typename E>
-__device__ void rmsnorm_forward_impl(const typename E::T* x, const typename E::T* w, typename E::T* out,
-                                     float* rstd, u64 c, float eps) {
+__device__ void rmsnorm_row_finish(const typename E::T* xr, const typename E::T* w, typename E::T* o, float* rstd,
+                                   u64 c, float eps, bool vec, float ss) {
     __shared__ float scratch[32];
-    u64 row = blockIdx.x;
-    const typename E::T* xr = x + row * c;
-    typename E::T* o = out + row * c;
-    bool vec = aligned16(xr, w, o);
-    float ss = 0.0f;
-    each_in_row<E>(xr, c, vec, [&](float v, u64) { ss += v * v; });
     ss = block_sum(ss, scratch);
     float r = rsqrtf(ss / (float)c + eps);
-    if (threadIdx.x == 0) rstd[row] = r;
+    if (threadIdx.x == 0) rstd[blockIdx.x] = r;
     for_each8_in_block(
         c, vec,
         [&](u64 j) {
@@ -30,6 +25,53 @@ __device__ void rmsnorm_forward_impl(const typename E::T* x, const typename E::T
             Vec8<E>::st(o + j, v);
         },
         [&](u64 j) { PUT(E, o, j, GET(E, xr, j) * r * GET(E, w, j)); });
+}
+
+// out = x·rstd·w, rstd = 1/sqrt(mean(x²) + eps), saved per row.
+template <typename E>
+__device__ void rmsnorm_forward_impl(const typename E::T* x, const typename E::T* w, typename E::T* out,
+                                     float* rstd, u64 c, float eps) {
+    u64 row = blockIdx.x;
+    const typename E::T* xr = x + row * c;
+    typename E::T* o = out + row * c;
+    bool vec = aligned16(xr, w, o);
+    float ss = 0.0f;
+    each_in_row<E>(xr, c, vec, [&](float v, u64) { ss += v * v; });
+    rmsnorm_row_finish<E>(xr, w, o, rstd, c, eps, vec, ss);
+}
+
+// resid += x, then the norm of the sum (issue #32: the residual add fused with the norm that
+// reads it). The sum is rounded to E as add_inplace rounds it, and squared as stored; each
+// thread adds and squares the elements rmsnorm_forward's thread would, in its order, so an
+// aligned row gives the two kernels' bits. The finish reads back only what this thread wrote.
+template <typename E>
+__device__ void add_rmsnorm_forward_impl(typename E::T* resid, const typename E::T* x, const typename E::T* w,
+                                         typename E::T* out, float* rstd, u64 c, float eps) {
+    u64 row = blockIdx.x;
+    typename E::T* rr = resid + row * c;
+    const typename E::T* xr = x + row * c;
+    typename E::T* o = out + row * c;
+    bool vec = aligned16(rr, xr, w, o);
+    float ss = 0.0f;
+    for_each8_in_block(
+        c, vec,
+        [&](u64 j) {
+            float a[8], b[8];
+            Vec8<E>::ld(rr + j, a);
+            Vec8<E>::ld(xr + j, b);
+#pragma unroll
+            for (int e = 0; e < 8; e++) a[e] += b[e];
+            Vec8<E>::st(rr + j, a);
+            Vec8<E>::ld(rr + j, a);  // as rounded
+#pragma unroll
+            for (int e = 0; e < 8; e++) ss += a[e] * a[e];
+        },
+        [&](u64 j) {
+            PUT(E, rr, j, GET(E, rr, j) + GET(E, xr, j));
+            float v = GET(E, rr, j);
+            ss += v * v;
+        });
+    rmsnorm_row_finish<E>(rr, w, o, rstd, c, eps, vec, ss);
 }
 
 // dx (=|+=) rstd·(dy⊙w − x̂·mean(dy⊙w⊙x̂)), x̂ = x·rstd; one block per row.
@@ -108,6 +150,10 @@ __device__ void column_partials_add_impl(const float* partial, typename G::T* dw
     extern "C" __global__ void rmsnorm_forward_##sfx(const E::T* x, const E::T* w, E::T* out,        \
                                                      float* rstd, u64 c, float eps) {                \
         rmsnorm_forward_impl<E>(x, w, out, rstd, c, eps);                                            \
+    }                                                                                                \
+    extern "C" __global__ void add_rmsnorm_forward_##sfx(E::T* resid, const E::T* x, const E::T* w,  \
+                                                         E::T* out, float* rstd, u64 c, float eps) { \
+        add_rmsnorm_forward_impl<E>(resid, x, w, out, rstd, c, eps);                                 \
     }                                                                                                \
     extern "C" __global__ void rmsnorm_backward_input_##sfx(const E::T* dy, const E::T* x,           \
                                                             const E::T* w, const float* rstd,        \
