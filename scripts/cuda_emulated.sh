@@ -90,17 +90,21 @@ done
 
 echo "== emulated GPU: a micro-batch captured into a CUDA graph and replayed (--cuda-graph, #32 item 5)"
 # Against the same run eager, bit for bit: fp32 over 5 steps (a graph captured at step 3, an
-# evaluation after step 4 between two of its launches) and bf16 over 4 (full recomputation),
-# two micro-batches a step; from step 3 each micro-batch is one graph launch, its embedding
-# grouping uploaded before it from the new batch's ids. The emulator runs the graph's launches
-# with the arguments captured, its kernels late on the compute stream. Sequences of 32 tokens:
-# the stage is about bits and launches, the emulator's time is its kernels'.
+# evaluation after step 4 between two of its launches), bf16 over 4 (full recomputation), fp8
+# over 4 (its scales computed on the device from each operand's amax) and fp16 over 5 with the
+# loss scale doubling every step (a graph replays the scale it captured, so each step's first
+# micro-batch is captured anew and its second replays it), two micro-batches a step; from step
+# 3 each micro-batch is one graph launch, its embedding grouping uploaded before it from the
+# new batch's ids. The emulator runs the graph's launches with the arguments captured, its
+# kernels late on the compute stream. Sequences of 32 tokens: the stage is about bits and
+# launches, the emulator's time is its kernels'.
 short=(--model "$work/config.json" --data "$work/data-run/data" --seq 32 --mbs 2 --sample-tokens 0 --quiet)
-for g in "fp32 none 5" "bf16 full 4"; do
-    read -r p rc steps <<<"$g"
+for g in "fp32 none 5" "bf16 full 4" "fp8 none 4" "fp16 none 5 --loss-scale-growth-interval 1"; do
+    read -r p rc steps more <<<"$g"
+    read -ra more <<<"${more:-}"
     for m in eager graph; do
-        flag=()
-        [ "$m" = graph ] && flag=(--cuda-graph)
+        flag=("${more[@]}")
+        [ "$m" = graph ] && flag+=(--cuda-graph)
         run "$bin" train --device cuda --precision "$p" --grad-acc 2 --recompute "$rc" \
             "${short[@]}" --steps "$steps" --eval-interval 2 "${flag[@]}" --out-dir "$work/graph-$p-$m"
     done

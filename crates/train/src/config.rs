@@ -134,8 +134,9 @@ pub struct TrainArgs {
     pub offload_bucket: Option<u64>,
     /// With --device cuda: capture a micro-batch's forward and backward into a CUDA graph at
     /// this run's third step and replay it for every later micro-batch, one launch instead of
-    /// hundreds (a single-rank fp32 or bf16 dense model; the update stays eager; not taken
-    /// from a checkpoint on --resume) [default: false].
+    /// hundreds (a single-rank dense model, any precision: fp16's is captured again when its
+    /// loss scale changes; the update stays eager; not taken from a checkpoint on --resume)
+    /// [default: false].
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub cuda_graph: Option<bool>,
     /// Continue from a checkpoint directory up to --steps [default: none, a new run].
@@ -793,7 +794,7 @@ impl TrainArgs {
         }
         let cuda_graph = self.cuda_graph.unwrap_or(false);
         if cuda_graph {
-            crate::trainer::cuda_graph::check_run(self.device, &parallel, precision)
+            crate::trainer::cuda_graph::check_run(self.device, &parallel)
                 .map_err(|problem| bad("cuda_graph", true, problem))?;
         }
         let c = TrainConfig {

@@ -156,7 +156,7 @@ fn resume_config(args: &TrainArgs, saved: &TrainConfig) -> Result<TrainConfig> {
     // CUDA graphs are this process's choice, as its device is: not the checkpoint's.
     c.runtime.cuda_graph = args.cuda_graph.unwrap_or(false);
     if c.runtime.cuda_graph {
-        crate::trainer::cuda_graph::check_run(args.device, &c.parallel, c.precision.kind)
+        crate::trainer::cuda_graph::check_run(args.device, &c.parallel)
             .map_err(|e| anyhow::anyhow!("cuda_graph = true: {e}"))?;
     }
     Ok(c)

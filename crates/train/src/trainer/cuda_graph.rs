@@ -37,6 +37,12 @@ pub(super) struct Placement {
     pub targets: usize,
     /// The weights and gradients (`state`).
     pub state: [usize; 2],
+    /// The bits of fp16's loss scale (1 at other precisions), which the cross-entropy's
+    /// gradient kernel takes as an argument: a graph replays the scale it was captured with,
+    /// so a scale the loss scaler has changed is captured again. (fp8's per-tensor scales
+    /// need nothing: they are computed on the device from each operand's amax, and read by
+    /// cuBLASLt through pointers.)
+    pub loss_scale: u32,
 }
 
 /// The captured micro-batch.
@@ -63,12 +69,11 @@ pub(super) enum Graphed {
     Replayed,
 }
 
-/// Why `--cuda-graph` cannot apply to a run on `device` in `layout` at `precision`, checked
-/// with the configuration (the model's part, [`check_model`], once it is read).
+/// Why `--cuda-graph` cannot apply to a run on `device` in `layout`, checked with the
+/// configuration (the model's part, [`check_model`], once it is read).
 pub(crate) fn check_run(
     device: crate::device::Device,
     layout: &ferrotron_plan::Layout,
-    precision: Precision,
 ) -> Result<(), &'static str> {
     let l = layout;
     if device != crate::device::Device::Cuda {
@@ -77,8 +82,6 @@ pub(crate) fn check_run(
         Err("only a single-rank step is captured (each rank's collectives and exchanges would run outside the graph): drop the parallel layout or --cuda-graph")
     } else if l.offload != ferrotron_plan::Offload::None {
         Err("the offload tiers copy the step's buffers on their own streams, outside the graph: drop --offload or --cuda-graph")
-    } else if matches!(precision, Precision::Fp16 | Precision::Fp8) {
-        Err("fp16's loss scale and fp8's scales change from step to step as kernel arguments, which a graph replays as captured: use --precision fp32 or bf16, or drop --cuda-graph")
     } else {
         Ok(())
     }

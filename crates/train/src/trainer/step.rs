@@ -86,6 +86,7 @@ impl Trainer {
                         tokens: tokens.as_ptr() as usize,
                         targets: targets.as_ptr() as usize,
                         state: g.state,
+                        loss_scale: loss_scale.to_bits(),
                     };
                     Some((g.before(&self.kernels.inner, at)?, at))
                 }
