@@ -15,6 +15,8 @@
 #                                         # then dp 2, tp 2, pp 2, ZeRO-3, cp 2 on the one GPU
 #                                         # vs one rank, then Llama-3.2-1B offloaded in 16 GiB
 #   bash target/cuda-check/bench_gpu.sh   # there too: ferrotron vs PyTorch on the same GPU
+#   bash target/cuda-check/session.sh     # there too, a lent GPU's session in one call: the op
+#                                         # tests, #32's figures, then run.sh (gpu_session.sh)
 #
 # NVRTC comes from the CUDA toolkit when there is one, else from the `nvidia-cuda-nvrtc` wheel,
 # installed here into target/nvrtc-13.0 (about 60 MB, once). Pinned to CUDA 13.0, the GPU
@@ -129,6 +131,22 @@ check)
         exit 1
     fi
     echo "run.sh: all $stages stages failed, each in the summary, exit 1"
+    echo "== the GPU kit's one-call session: without a driver it stops at once; with the stand-ins every part runs, fails and is in its summary"
+    set +e
+    dry=$(OUT=$(mktemp -d) bash target/cuda-check/session.sh 2>&1)
+    code=$?
+    PATH="$fake/bin:$PATH" OUT="$fake/out" bash "$fake/session.sh" 300 >"$fake/log" 2>&1
+    scode=$?
+    set -e
+    parts=$(grep -c ": FAILED (exit" "$fake/out/session.txt" || true)
+    if [ "$code" != 2 ] || [ "$scode" != 1 ] || [ "$parts" != 6 ] ||
+        ! tail -1 "$fake/out/session.txt" | grep -q "^result: FAILED"; then
+        echo "$dry"
+        tail -20 "$fake/log"
+        echo "error: session.sh exited $code without a driver (not 2), $scode with failing stand-ins (not 1), $parts of 6 parts failed"
+        exit 1
+    fi
+    echo "session.sh: exit 2 without a driver; all $parts parts failed with the stand-ins, exit 1"
     rm -rf "$fake"
     ;;
 bundle)
@@ -155,6 +173,7 @@ for l in sys.stdin:
     cargo build --release -p ferrotron-engine --features cuda --example cuda_attention_bench
     cp target/release/examples/cuda_attention_bench "$out/"
     strip "$out"/*
+    cp scripts/gpu_session.sh "$out/session.sh"
     cp scripts/cuda_compare.py scripts/cuda_memory.py scripts/cuda_ranks.py scripts/cuda_ops.py scripts/bench_gpu.sh \
         scripts/cuda_graph_compare.py \
         scripts/trace_ops.py tests/reference/bench_pytorch.py tests/reference/bench_sdpa.py "$out/"
@@ -257,13 +276,16 @@ for p in fp32 bf16 fp8; do
         "$work/$p-cuda/metrics.jsonl"
     grep -h "^$p: host syncs/step" "$log" >>"$summary"
 done
-# --cuda-graph (issue #32 item 5): the bf16 run again with each micro-batch, from step 3, one
-# launch of the graph captured from it: the eager run's bits, its launches and step time.
-stage "train bf16 --cuda-graph on the GPU" 120 ./ferrotron train --device cuda \
-    --precision bf16 "${common[@]}" --cuda-graph --out-dir "$work/bf16-graph"
-stage "bf16 --cuda-graph: the eager run's bits" 30 python3 cuda_graph_compare.py bf16 \
-    "$work/bf16-cuda/metrics.jsonl" "$work/bf16-graph/metrics.jsonl" 1
-grep -h "^bf16: --cuda-graph" "$log" >>"$summary" || true
+# --cuda-graph (issue #32 item 5): the bf16 and fp8 runs again with each micro-batch, from
+# step 3, one launch of the graph captured from it: the eager run's bits, its launches and
+# step time (fp8's five small launches a product are where a graph saves the most).
+for p in bf16 fp8; do
+    stage "train $p --cuda-graph on the GPU" 120 ./ferrotron train --device cuda \
+        --precision "$p" "${common[@]}" --cuda-graph --out-dir "$work/$p-graph"
+    stage "$p --cuda-graph: the eager run's bits" 30 python3 cuda_graph_compare.py "$p" \
+        "$work/$p-cuda/metrics.jsonl" "$work/$p-graph/metrics.jsonl" 1
+    grep -h "^$p: --cuda-graph" "$log" >>"$summary" || true
+done
 # A mixture of experts (issue #33): ferrotron-moe-16m, fp32, against its carried CPU run.
 read -ra moe <moe_flags
 cpu=cpu-moe-fp32.jsonl
