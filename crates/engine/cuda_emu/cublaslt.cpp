@@ -66,6 +66,8 @@ struct Desc {
     uint32_t tag = DESC;
     int compute, scale, trans_a = 0, trans_b = 0;
     const float *scale_a = nullptr, *scale_b = nullptr;  // device (= host) pointers, or unset
+    uint32_t epilogue = 1;                                 // CUBLASLT_EPILOGUE_DEFAULT, or BIAS (4)
+    const void* bias = nullptr;                            // m elements of D's type, for BIAS
 };
 struct Layout { uint32_t tag = LAYOUT; int type; uint64_t rows, cols; int64_t ld; };
 // Minimum alignments of A, B, C, D in bytes: cuBLASLt assumes 256 unless told otherwise.
@@ -236,6 +238,8 @@ int check(const char* fn, const Desc* op, const Layout* a, const Layout* b, cons
         if (a->ld % 16 || b->ld % 16)
             return fail(NOT_SUPPORTED, fn, "fp8 operands with lda %lld, ldb %lld: multiples of 16 only",
                         (long long)a->ld, (long long)b->ld);
+        if (op->epilogue != 1)
+            return fail(NOT_SUPPORTED, fn, "fp8 operands with epilogue %u: not emulated", op->epilogue);
         return OK;
     }
     if (a->type != b->type || c->type != d->type ||
@@ -244,6 +248,14 @@ int check(const char* fn, const Desc* op, const Layout* a, const Layout* b, cons
                     name_of(a->type), name_of(b->type), name_of(c->type), name_of(d->type));
     if (op->scale_a || op->scale_b)
         return fail(NOT_SUPPORTED, fn, "A/B scale pointers with %s operands (fp8 only)", name_of(a->type));
+    if (op->epilogue == 4) {
+        uintptr_t at = reinterpret_cast<uintptr_t>(op->bias);
+        if (!op->bias)
+            return fail(INVALID_VALUE, fn, "CUBLASLT_EPILOGUE_BIAS without CUBLASLT_MATMUL_DESC_BIAS_POINTER");
+        if (at % bytes_of(d->type))
+            return fail(INVALID_VALUE, fn, "the bias at %p is not aligned to its %s elements",
+                        op->bias, name_of(d->type));
+    }
     return OK;
 }
 
@@ -357,7 +369,15 @@ int cublasLtMatmulDescSetAttribute(void* desc, int attr, const void* buf, size_t
         }
         case 7: {  // EPILOGUE
             VALUE(uint32_t, e, "CUBLASLT_MATMUL_DESC_EPILOGUE");
-            return e == 1 ? OK : fail(NOT_SUPPORTED, fn, "epilogue %u (only the default)", e);
+            if (e != 1 && e != 4)
+                return fail(NOT_SUPPORTED, fn, "epilogue %u (only the default and BIAS)", e);
+            d->epilogue = e;
+            return OK;
+        }
+        case 8: {  // BIAS_POINTER: a device pointer to m elements (of D's type: BIAS_DATA_TYPE unset)
+            VALUE(const void*, ptr, "CUBLASLT_MATMUL_DESC_BIAS_POINTER");
+            d->bias = ptr;
+            return OK;
         }
         case 15: IGNORED(int32_t, "CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET")
         case 17:
@@ -433,7 +453,7 @@ struct Product {
     void* pd;
 };
 
-// D = α·op(A)·op(B) (+ β·C), in f32 by its definition.
+// D = α·op(A)·op(B) (+ β·C) (+ bias over D's rows), in f32 by its definition, rounded once.
 int product(void* arg) {
     const Product& q = *static_cast<const Product*>(arg);
     // op(A) by rows and op(B) by columns, each row/column contiguous over k, in f32 (exact).
@@ -460,6 +480,7 @@ int product(void* arg) {
                 float scaled = q.be * load(q.pc, q.c.type, i + j * q.c.ld);
                 out += scaled;
             }
+            if (q.op.epilogue == 4) out += load(q.op.bias, q.d.type, i);
             store(q.pd, q.d.type, i + j * q.d.ld, out);
         }
     calls.fetch_add(1);

@@ -984,6 +984,71 @@ fn every_dense_op_follows_the_cpu() {
     }
 }
 
+/// A bias is added in the product's epilogue (`CUBLASLT_EPILOGUE_BIAS`) where it is 16-byte
+/// aligned: the product and its bias rounded to bf16 once, as the CPU rounds them. An unaligned
+/// bias takes its own pass after the product, which rounds twice. Both follow the CPU, and
+/// they differ where the double rounding shows (on the emulator, whose products sum in one
+/// order, in nothing else): a forward that never used the epilogue would give the same bits
+/// both ways.
+#[test]
+fn an_aligned_bias_is_added_in_the_products_epilogue() {
+    let Some(k) = gpu() else { return };
+    let (n, i, o) = (37, 96, 80);
+    let s = MatmulShape {
+        n,
+        in_features: i,
+        out_features: o,
+        ragged: false,
+    };
+    let mut rng = Rng::new(11);
+    let mut r = |len: usize, scale: f32| stored::<bf16>(&rng.vec(len, scale));
+    let (x, w, b) = (r(n * i, 1.0), r(o * i, 0.2), r(o, 0.5));
+    let mut want = vec![bf16::ZERO; n * o];
+    let cpu: &dyn Kernels<bf16> = &CpuKernels::PLAIN;
+    cpu.matmul_forward(
+        s,
+        x.view(),
+        w.view(),
+        Some(b.view()),
+        want.view_mut(),
+        Accum::Overwrite,
+    );
+    let g: &dyn Kernels<bf16> = &k;
+    let aligned = On { k: &k, at: 0 };
+    let (dx, dw) = (aligned.up(&x), aligned.up(&w));
+    // One element in: 2-byte aligned, not 16.
+    let forward = |at: usize| {
+        let db = On { k: &k, at }.up(&b);
+        let mut y = aligned.up(&vec![bf16::ZERO; n * o]);
+        g.matmul_forward(
+            s,
+            dx.view(x.len()),
+            dw.view(w.len()),
+            Some(db.view(o)),
+            y.view_mut(n * o),
+            Accum::Overwrite,
+        );
+        same(
+            &format!("bf16 matmul_forward, bias at +{at}"),
+            &y,
+            &want,
+            2e-2,
+        );
+        download::<bf16>(y.view(n * o))
+    };
+    let (epilogue, own_pass) = (forward(0), forward(1));
+    let differ = epilogue
+        .iter()
+        .zip(&own_pass)
+        .filter(|(a, b)| a != b)
+        .count();
+    assert!(
+        differ > 0,
+        "the aligned bias gave the unaligned one's bits in all {} outputs: not added in the epilogue",
+        n * o
+    );
+}
+
 /// Ring attention's steps (context parallelism's `attention_forward_ring` and
 /// `attention_backward_ring`, `cu/ring_attention.cu`) against the CPU's, for each rank of a
 /// zigzag split over two ranks against each rank's key/value block (its own, the one before

@@ -398,10 +398,12 @@ impl CudaKernels {
     /// The product `p` on cuBLASLt: operands A and B of type `types.0`, D of `types.1`, at
     /// device addresses `[a, b, d]`; D accumulates with `acc`.
     fn product(&self, op: &str, p: Product, types: (DType, DType), ptrs: [u64; 3], acc: bool) {
-        self.product_of(op, p, Inputs::Stored(types.0), types.1, ptrs, acc);
+        self.product_of(op, p, Inputs::Stored(types.0), types.1, ptrs, acc, None);
     }
 
-    /// The product `p` with A and B holding `ab` (a storage type, or fp8 codes and scales).
+    /// The product `p` with A and B holding `ab` (a storage type, or fp8 codes and scales),
+    /// and `bias` added in its epilogue where cuBLASLt can: returns whether it was.
+    #[allow(clippy::too_many_arguments)]
     fn product_of(
         &self,
         op: &str,
@@ -410,7 +412,8 @@ impl CudaKernels {
         out: DType,
         [a, b, d]: [u64; 3],
         acc: bool,
-    ) {
+        bias: Option<u64>,
+    ) -> bool {
         self.bind();
         let stream = self.gpu.stream.cu_stream() as cudarc::cublaslt::sys::cudaStream_t;
         let c = Call {
@@ -421,10 +424,11 @@ impl CudaKernels {
             b,
             d,
             accumulate: acc,
+            bias,
         };
         // SAFETY: the pointers are device views the op was handed, of the sizes its shape
         // gives; the stream is the backend's, of the handle's context.
-        unsafe { self.lt.run(c, stream) }.unwrap_or_else(|e| panic!("CUDA op {op}: {e}"));
+        unsafe { self.lt.run(c, stream) }.unwrap_or_else(|e| panic!("CUDA op {op}: {e}"))
     }
 
     fn bind(&self) {
@@ -760,12 +764,21 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
         let op = "matmul_forward";
         let (x, w, y) = (dev(&x, op), dev(&w, op), dev_mut(&mut y, op));
         let acc = y_accum == Accum::Add;
-        match self.fp8 {
-            Some(f) => self.fp8_forward::<S>(s, f, [x, w, y], acc),
-            None => self.product(op, gemm::forward(s), (S::DTYPE, S::DTYPE), [w, x, y], acc),
-        }
-        if let Some(bias) = bias {
-            let (bias, rows, cols) = (dev(&bias, op), s.n as u64, s.out_features as u64);
+        let bias = bias.map(|b| dev(&b, op));
+        let added = match self.fp8 {
+            Some(f) => {
+                self.fp8_forward::<S>(s, f, [x, w, y], acc);
+                false
+            }
+            None => {
+                let (p, ab) = (gemm::forward(s), Inputs::Stored(S::DTYPE));
+                self.product_of(op, p, ab, S::DTYPE, [w, x, y], acc, bias)
+            }
+        };
+        // Where the epilogue could not take it (fp8's products, an unaligned bias): its own
+        // pass.
+        if let (Some(bias), false, true) = (bias, added, s.n > 0) {
+            let (rows, cols) = (s.n as u64, s.out_features as u64);
             launch!(self, name::<S>("bias_add"), elementwise(rows * cols); y, bias, rows, cols);
         }
     }

@@ -7,6 +7,11 @@
 //! [`backward_weight`]; [`reference`] computes it on the host by cuBLAS's definition, which is
 //! how the mapping is tested against the CPU backend without a GPU.
 //!
+//! A bias (`nn.Linear`'s, the attention's q/k/v in Qwen2) is added in the product's epilogue
+//! (`CUBLASLT_EPILOGUE_BIAS`): one launch instead of two, and D rounded once, after the bias,
+//! as the CPU rounds it. cuBLASLt adds a bias of D's type over D's rows (the engine's output
+//! features), after α·A·B + β·C (the cuBLASLt documentation, "cublasLtEpilogue_t").
+//!
 //! Arithmetic: f32 accumulation always (`CUBLAS_COMPUTE_32F`; TF32 is not enabled, so fp32
 //! products are IEEE fp32 as on the CPU); bf16/f16 operands multiply as stored. `+=` outputs
 //! use β = 1, so a gradient of a 16-bit type is rounded once per call, as on the CPU.
@@ -171,7 +176,8 @@ fn cuda_type(t: DType) -> sys::cudaDataType {
 }
 
 /// One product to run: its description, the device addresses of A, B and D, what A and B hold
-/// (`ab`) and the type of D (`out`), and whether D accumulates (β = 1) or is overwritten.
+/// (`ab`) and the type of D (`out`), whether D accumulates (β = 1) or is overwritten, and the
+/// device address of a bias to add in the epilogue (`m` elements of D's type).
 #[derive(Clone, Copy, Debug)]
 pub struct Call {
     pub p: Product,
@@ -181,11 +187,18 @@ pub struct Call {
     pub b: u64,
     pub d: u64,
     pub accumulate: bool,
+    pub bias: Option<u64>,
 }
 
-/// Key of a product's chosen algorithm: its shape and types, whether it accumulates, and the
-/// alignment of A, B and D ([`alignment`]).
-type AlgoKey = (Product, Inputs, DType, bool, [u32; 3]);
+/// Key of a product's chosen algorithm: its shape and types, whether it accumulates, the
+/// alignment of A, B and D ([`alignment`]), and its bias's address (a descriptor attribute, so
+/// each bias has its descriptor: a model has a few, at fixed offsets in its parameters).
+type AlgoKey = (Product, Inputs, DType, bool, [u32; 3], Option<u64>);
+
+/// The alignment the backend asks of a bias before it gives it to the epilogue (cuBLASLt
+/// states none for the bias vector; its vectorised epilogues read 16 bytes at a time), else
+/// the bias is added by its own kernel after the product.
+pub const BIAS_ALIGNMENT: u64 = 16;
 
 /// The largest power of two, up to 256 bytes, that divides a device address: what cuBLASLt's
 /// heuristic may assume of an operand (`CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*_BYTES`). Its
@@ -203,7 +216,8 @@ pub struct Lt {
     handle: sys::cublasLtHandle_t,
     workspace: *mut c_void,
     workspace_bytes: usize,
-    prepared: Mutex<HashMap<AlgoKey, Prepared>>,
+    /// `None`: a product with a bias that cuBLASLt offered no algorithm for, run without it.
+    prepared: Mutex<HashMap<AlgoKey, Option<Prepared>>>,
 }
 
 // SAFETY: the handle is used from one stream at a time (the backend's), and cuBLASLt handles
@@ -238,12 +252,14 @@ impl Lt {
         })
     }
 
-    /// `d = op(a)·op(b) (+ d)` on `stream`.
+    /// `d = op(a)·op(b) (+ d) (+ bias)` on `stream`. Returns whether the bias was added: not
+    /// when it is not [`BIAS_ALIGNMENT`]-aligned or cuBLASLt has no algorithm with it (the
+    /// caller adds it then), nor for an empty product.
     ///
     /// # Safety
-    /// The call's `a`, `b` and `d` are device addresses of at least the operands' sizes, and
-    /// `stream` is a live stream of the context this handle was made in.
-    pub unsafe fn run(&self, c: Call, stream: sys::cudaStream_t) -> Result<(), String> {
+    /// The call's `a`, `b`, `d` (and `bias`) are device addresses of at least the operands'
+    /// sizes, and `stream` is a live stream of the context this handle was made in.
+    pub unsafe fn run(&self, c: Call, stream: sys::cudaStream_t) -> Result<bool, String> {
         let Call {
             p,
             ab,
@@ -252,12 +268,13 @@ impl Lt {
             b,
             d,
             accumulate,
+            bias,
         } = c;
         // Empty products (an expert no token was routed to) are not cuBLASLt's to run: an
         // empty D has nothing to write, and a sum over k = 0 terms leaves D (β = 1) or zeroes
         // it (β = 0, on `stream`, in order with the products).
         if p.m == 0 || p.n == 0 || (p.k == 0 && accumulate) {
-            return Ok(());
+            return Ok(false);
         }
         if p.k == 0 {
             let bytes = p.m * p.n * out.bytes() as usize;
@@ -265,17 +282,23 @@ impl Lt {
             // SAFETY: D holds m·n elements of `out` on `stream` (this function's contract).
             let on = stream as cudarc::driver::sys::CUstream;
             return unsafe { cudarc::driver::result::memset_d8_async(d, 0, bytes, on) }
+                .map(|_| false)
                 .map_err(|e| format!("zeroing an empty product's output: {e:?}"));
         }
         let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
-        let key = (
-            p,
-            ab,
-            out,
-            accumulate,
-            [alignment(a), alignment(b), alignment(d)],
-        );
-        let m = self.prepared(key)?;
+        let key = |bias| {
+            let aligned = [alignment(a), alignment(b), alignment(d)];
+            (p, ab, out, accumulate, aligned, bias)
+        };
+        let bias = bias.filter(|at| at % BIAS_ALIGNMENT == 0);
+        let (m, biased) = match bias.map(|_| self.prepared(key(bias))).transpose()? {
+            Some(Some(m)) => (m, true),
+            _ => (
+                self.prepared(key(None))?
+                    .expect("a product without a bias is never refused"),
+                false,
+            ),
+        };
         // SAFETY: the descriptors are the cache's, alive until the handle is dropped; pointers
         // and stream are the caller's (this function's contract).
         super::OPS.blas();
@@ -299,19 +322,26 @@ impl Lt {
                 stream,
             )
         }
+        .map(|_| biased)
         .map_err(|e| format!("cuBLASLt matmul: {e:?}"))
     }
 
     /// The descriptors and algorithm of a product, made on its first call and kept: a step
     /// runs the same few shapes hundreds of times, and each descriptor is a host allocation
-    /// and a few library calls (PyTorch caches them per shape too).
-    fn prepared(&self, key: AlgoKey) -> Result<Prepared, String> {
+    /// and a few library calls (PyTorch caches them per shape too). `None` for a product with
+    /// a bias that cuBLASLt has no algorithm for (kept too: asked once); an error for one
+    /// without.
+    fn prepared(&self, key: AlgoKey) -> Result<Option<Prepared>, String> {
         let mut cache = self.prepared.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(m) = cache.get(&key) {
             return Ok(*m);
         }
         // SAFETY: descriptors made here, destroyed on failure or when the handle is dropped.
-        let m = unsafe { self.describe(key) }?;
+        let m = match unsafe { self.describe(key) } {
+            Ok(m) => Some(m),
+            Err(_) if key.5.is_some() => None,
+            Err(e) => return Err(e),
+        };
         cache.insert(key, m);
         Ok(m)
     }
@@ -319,7 +349,7 @@ impl Lt {
     /// A product's descriptors, and the fastest algorithm cuBLASLt's heuristic offers for it
     /// within the workspace and the operands' alignment.
     unsafe fn describe(&self, key: AlgoKey) -> Result<Prepared, String> {
-        let (p, ab, out, _, [align_a, align_b, align_d]) = key;
+        let (p, ab, out, _, [align_a, align_b, align_d], bias) = key;
         let err = |what: &'static str| move |e: lt::CublasError| format!("cuBLASLt {what}: {e:?}");
         let layout = |t: sys::cudaDataType, rows: usize, cols: usize, ld: usize| {
             lt::create_matrix_layout(t, rows as u64, cols as u64, ld as i64)
@@ -370,6 +400,26 @@ impl Lt {
                     )
                     .map_err(err("fp8 scale"))?;
                 }
+            }
+            if let Some(at) = bias {
+                // cublasLtEpilogue_t is a 32-bit enum; the bias pointer a `void*` attribute
+                // (its type, unset, is D's).
+                let e = sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS as u32;
+                lt::set_matmul_desc_attribute(
+                    desc,
+                    D::CUBLASLT_MATMUL_DESC_EPILOGUE,
+                    (&e as *const u32).cast(),
+                    size_of_val(&e),
+                )
+                .and_then(|_| {
+                    lt::set_matmul_desc_attribute(
+                        desc,
+                        D::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                        (&at as *const u64).cast(),
+                        size_of_val(&at),
+                    )
+                })
+                .map_err(err("bias epilogue"))?;
             }
             let pref = lt::create_matmul_pref().map_err(err("preference"))?;
             let ws = self.workspace_bytes;
@@ -448,6 +498,7 @@ impl Drop for Lt {
                 .get_mut()
                 .unwrap_or_else(|e| e.into_inner())
                 .values()
+                .flatten()
             {
                 m.destroy();
             }

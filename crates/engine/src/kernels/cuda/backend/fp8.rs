@@ -158,7 +158,7 @@ impl CudaKernels {
             b: b.fmt,
             scales: [l.scale_inv(0), l.scale_inv(1)],
         };
-        self.product_of(op, p, ab, out, [l.codes(0), l.codes(1), d], acc);
+        self.product_of(op, p, ab, out, [l.codes(0), l.codes(1), d], acc, None);
     }
 
     /// Operand `i`'s amax (its slot zeroed by the caller), scale and codes into `l`.
