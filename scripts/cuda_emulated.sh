@@ -243,20 +243,22 @@ cut -c1-200 "$work/host.err"
 [ ! -e "$work/host-refused/metrics.jsonl" ] || { echo "error: the refused run wrote metrics"; exit 1; }
 
 echo "== emulated GPU: several ranks on the one GPU against one rank (fp32, the same global batch)"
+# At sequences of 32 (`short`, as the graphs above): the layouts' equivalence does not depend on
+# the length, and these 20 multi-rank runs were the largest share of the emulated stage.
 ranks=(--steps 3 --eval-interval 0)
-run "$bin" train --device cuda "${tiny[@]}" "${ranks[@]}" --grad-acc 2 --out-dir "$work/ranks-one"
+run "$bin" train --device cuda "${short[@]}" "${ranks[@]}" --grad-acc 2 --out-dir "$work/ranks-one"
 got=()
 for l in "dp2:--dp 2 --grad-acc 1" "tp2:--tp 2 --grad-acc 2" "pp2:--pp 2 --grad-acc 2" \
     "zero3:--dp 2 --zero 3 --grad-acc 1" "cp2:--cp 2 --grad-acc 2"; do
     read -ra lf <<<"${l#*:}"
-    run "$bin" train --device cuda "${tiny[@]}" "${ranks[@]}" "${lf[@]}" --out-dir "$work/ranks-${l%%:*}"
+    run "$bin" train --device cuda "${short[@]}" "${ranks[@]}" "${lf[@]}" --out-dir "$work/ranks-${l%%:*}"
     got+=("${l%%:*}=$work/ranks-${l%%:*}/metrics.jsonl")
 done
 python3 scripts/cuda_ranks.py "$work/ranks-one/metrics.jsonl" "${got[@]}"
 # Data parallelism's gradient sum through NCCL (FERROTRON_NCCL=1: the emulator's libnccl takes
 # two ranks on its one GPU), in place on the device and overlapping the backward: the staged
 # dp 2's bits, 5 host syncs a step where the host's buckets take 44.
-LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_NCCL=1 run "$bin" train --device cuda "${tiny[@]}" \
+LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_NCCL=1 run "$bin" train --device cuda "${short[@]}" \
     "${ranks[@]}" --dp 2 --grad-acc 1 --out-dir "$work/ranks-nccl"
 said "^data parallel: gradients summed in place by NCCL" "dp 2 with FERROTRON_NCCL=1 did not sum through NCCL"
 python3 scripts/cuda_ranks.py "$work/ranks-one/metrics.jsonl" "nccl-dp2=$work/ranks-nccl/metrics.jsonl"
@@ -265,7 +267,7 @@ python3 scripts/cuda_ops.py "nccl dp2" "$work/ranks-nccl/metrics.jsonl" --max-sy
 # place) or shard (ZeRO-2, from its window), the updated weights broadcast from the owners, on
 # the device (4-5 host syncs a step where the host's buckets take 66 and 88): against one rank.
 for z in 1 2; do
-    LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_NCCL=1 run "$bin" train --device cuda "${tiny[@]}" \
+    LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_NCCL=1 run "$bin" train --device cuda "${short[@]}" \
         "${ranks[@]}" --dp 2 --zero $z --grad-acc 1 --out-dir "$work/ranks-nccl-zero$z"
     python3 scripts/cuda_ranks.py "$work/ranks-one/metrics.jsonl" "nccl-zero$z=$work/ranks-nccl-zero$z/metrics.jsonl"
     python3 scripts/cuda_ops.py "nccl zero$z" "$work/ranks-nccl-zero$z/metrics.jsonl" --max-syncs 7
@@ -274,8 +276,8 @@ done
 # layer ahead; with gradient accumulation each segment's sum lands in place in the owner's
 # window and the owner adds it into its shard by the backend's kernel (4 host syncs a step
 # where the host's buckets take 92.5): 2 micro-batches a step against one rank of 4.
-run "$bin" train --device cuda "${tiny[@]}" "${ranks[@]}" --grad-acc 4 --out-dir "$work/ranks-one4"
-LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_NCCL=1 run "$bin" train --device cuda "${tiny[@]}" \
+run "$bin" train --device cuda "${short[@]}" "${ranks[@]}" --grad-acc 4 --out-dir "$work/ranks-one4"
+LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_NCCL=1 run "$bin" train --device cuda "${short[@]}" \
     "${ranks[@]}" --dp 2 --zero 3 --grad-acc 2 --out-dir "$work/nccl-zero3-acc"
 python3 scripts/cuda_ranks.py "$work/ranks-one4/metrics.jsonl" "nccl-zero3-acc2=$work/nccl-zero3-acc/metrics.jsonl"
 # (bf16 sums in bf16, each addition rounded once, at two ranks the host buckets' bits: the
@@ -283,7 +285,7 @@ python3 scripts/cuda_ranks.py "$work/ranks-one4/metrics.jsonl" "nccl-zero3-acc2=
 # cost CI 20 s for the same check.)
 # Asked for where it cannot serve (fp16 gradients, whose loss scale checks them on the host's
 # buckets): refused in one line, nothing trained.
-if LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_NCCL=1 "$bin" train --device cuda "${tiny[@]}" \
+if LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_NCCL=1 "$bin" train --device cuda "${short[@]}" \
     "${ranks[@]}" --dp 2 --precision fp16 --out-dir "$work/nccl-refused" 2>"$work/nccl.err"; then
     echo "error: FERROTRON_NCCL=1 trained fp16 gradients"
     exit 1
@@ -297,7 +299,7 @@ grep -q "^error: rank 0: FERROTRON_NCCL=1: data parallel: precision = fp16: fp16
 # 60 s with a line matching $2, else $3 is the error.
 rank1_at_step3() {
     if LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_NCCL=1 env "$1=1:3" timeout 60 \
-        "$bin" train --device cuda "${tiny[@]}" --steps 6 --eval-interval 0 --dp 2 --grad-acc 1 \
+        "$bin" train --device cuda "${short[@]}" --steps 6 --eval-interval 0 --dp 2 --grad-acc 1 \
         "${@:4}" --out-dir "$work/nccl-$1" 2>"$work/nccl.err"; then
         echo "error: $3 (the run finished)"
         exit 1
@@ -325,7 +327,7 @@ rank1_at_step3 FERROTRON_TEST_FAIL \
 # cross-entropy's kernels and the gradient norm read back once, 4 host synchronisations a step
 # (the staged tp 2 takes 48.5: its collectives' downloads), held there.
 nccl_run() {
-    LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_NCCL=$1 run "$bin" train --device cuda "${tiny[@]}" \
+    LD_LIBRARY_PATH="$dir:${LD_LIBRARY_PATH:-}" FERROTRON_NCCL=$1 run "$bin" train --device cuda "${short[@]}" \
         "${ranks[@]}" --grad-acc 2 "${@:3}" --out-dir "$work/$2"
 }
 nccl_run 1 nccl-tp2 --tp 2

@@ -216,8 +216,16 @@ pub struct Lt {
     handle: sys::cublasLtHandle_t,
     workspace: *mut c_void,
     workspace_bytes: usize,
-    /// `None`: a product with a bias that cuBLASLt offered no algorithm for, run without it.
-    prepared: Mutex<HashMap<AlgoKey, Option<Prepared>>>,
+    prepared: Mutex<HashMap<AlgoKey, Cached>>,
+}
+
+/// A product's cache entry: its descriptors (none where cuBLASLt offered no algorithm), and
+/// whether it may run: a product with a bias that cuBLASLt declined runs without it (its
+/// descriptors kept until the handle goes, as another thread may hold a copy).
+#[derive(Clone, Copy)]
+struct Cached {
+    m: Option<Prepared>,
+    usable: bool,
 }
 
 // SAFETY: the handle is used from one stream at a time (the backend's), and cuBLASLt handles
@@ -301,8 +309,7 @@ impl Lt {
         };
         // SAFETY: the descriptors are the cache's, alive until the handle is dropped; pointers
         // and stream are the caller's (this function's contract).
-        super::OPS.blas();
-        unsafe {
+        let r = unsafe {
             lt::matmul(
                 self.handle,
                 m.desc,
@@ -321,9 +328,29 @@ impl Lt {
                 self.workspace_bytes,
                 stream,
             )
+        };
+        match r {
+            Ok(()) => {
+                super::OPS.blas();
+                Ok(biased)
+            }
+            // A bias cuBLASLt declines only when the product is enqueued (NOT_SUPPORTED, nothing
+            // queued): remembered, and this product and the next run without it.
+            Err(lt::CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)) if biased => {
+                self.decline(key(bias));
+                // SAFETY: the same call without its bias (this function's contract).
+                unsafe { self.run(Call { bias: None, ..c }, stream) }
+            }
+            Err(e) => Err(format!("cuBLASLt matmul: {e:?}")),
         }
-        .map(|_| biased)
-        .map_err(|e| format!("cuBLASLt matmul: {e:?}"))
+    }
+
+    /// A product with a bias that cuBLASLt declined: not run again.
+    fn decline(&self, key: AlgoKey) {
+        let mut cache = self.prepared.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = cache.get_mut(&key) {
+            c.usable = false;
+        }
     }
 
     /// The descriptors and algorithm of a product, made on its first call and kept: a step
@@ -333,8 +360,8 @@ impl Lt {
     /// without.
     fn prepared(&self, key: AlgoKey) -> Result<Option<Prepared>, String> {
         let mut cache = self.prepared.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(m) = cache.get(&key) {
-            return Ok(*m);
+        if let Some(c) = cache.get(&key) {
+            return Ok(c.m.filter(|_| c.usable));
         }
         // SAFETY: descriptors made here, destroyed on failure or when the handle is dropped.
         let m = match unsafe { self.describe(key) } {
@@ -342,7 +369,7 @@ impl Lt {
             Err(_) if key.5.is_some() => None,
             Err(e) => return Err(e),
         };
-        cache.insert(key, m);
+        cache.insert(key, Cached { m, usable: true });
         Ok(m)
     }
 
@@ -498,7 +525,7 @@ impl Drop for Lt {
                 .get_mut()
                 .unwrap_or_else(|e| e.into_inner())
                 .values()
-                .flatten()
+                .filter_map(|c| c.m.as_ref())
             {
                 m.destroy();
             }
