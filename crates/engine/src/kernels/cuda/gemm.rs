@@ -261,8 +261,8 @@ impl Lt {
     }
 
     /// `d = op(a)·op(b) (+ d) (+ bias)` on `stream`. Returns whether the bias was added: not
-    /// when it is not [`BIAS_ALIGNMENT`]-aligned or cuBLASLt has no algorithm with it (the
-    /// caller adds it then), nor for an empty product.
+    /// when it is not [`BIAS_ALIGNMENT`]-aligned, or cuBLASLt has no algorithm with it or
+    /// declines it when enqueued (the caller adds it then), nor for an empty product.
     ///
     /// # Safety
     /// The call's `a`, `b`, `d` (and `bias`) are device addresses of at least the operands'
