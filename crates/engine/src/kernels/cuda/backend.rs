@@ -775,8 +775,8 @@ impl<S: Elem, G: Elem> Kernels<S, G> for CudaKernels {
                 self.product_of(op, p, ab, S::DTYPE, [w, x, y], acc, bias)
             }
         };
-        // Where the epilogue could not take it (fp8's products, an unaligned bias): its own
-        // pass.
+        // Where the epilogue did not take it (fp8's products, an unaligned bias, one cuBLASLt
+        // declined: `gemm::Lt::run`): its own pass.
         if let (Some(bias), false, true) = (bias, added, s.n > 0) {
             let (rows, cols) = (s.n as u64, s.out_features as u64);
             launch!(self, name::<S>("bias_add"), elementwise(rows * cols); y, bias, rows, cols);
